@@ -1,0 +1,1 @@
+"""Sans-IO mesh protocol: frames, streams, handshake, schemas and limits. Bytes in, events out."""
