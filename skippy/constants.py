@@ -1,0 +1,82 @@
+"""Vocabulary of the layer-package format (spec: "Repository Layout", "Manifest Schema").
+
+File names, manifest keys, limits and the runtime ABI live here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Final
+
+# --- manifest identity (spec "Manifest Schema") ---------------------------------------------
+MANIFEST_NAME: Final = "model-package.json"
+SCHEMA_VERSION: Final = 1
+FORMAT: Final = "layer-package"
+README_NAME: Final = "README.md"
+
+# The llama/skippy ABI this runtime writes and accepts (spec "Compatibility": reject
+# incompatible ABI versions rather than best-effort loading). Rule: same major, package
+# minor <= runtime minor; see skippy.manifest.abi_compatible.
+RUNTIME_ABI_VERSION: Final = "1.0.0"
+
+# Peer transfer caps the manifest at 16 MiB (spec "Peer Cache Transfer"); we apply the same
+# cap to every manifest we parse so a hostile file cannot make us allocate without bound.
+MANIFEST_MAX_BYTES: Final = 16 * 1024 * 1024
+
+# --- layout (spec "Repository Layout") --------------------------------------------------------
+SHARED_DIR: Final = "shared"
+LAYERS_DIR: Final = "layers"
+PROJECTORS_DIR: Final = "projectors"
+METADATA_PATH: Final = "shared/metadata.gguf"
+EMBEDDINGS_PATH: Final = "shared/embeddings.gguf"
+OUTPUT_PATH: Final = "shared/output.gguf"
+LAYER_INDEX_DIGITS: Final = 5
+
+
+def layer_path(index: int) -> str:
+    return f"{LAYERS_DIR}/layer-{index:0{LAYER_INDEX_DIGITS}d}.gguf"
+
+
+# --- artifact roles -----------------------------------------------------------------------------
+ROLE_METADATA: Final = "metadata"
+ROLE_EMBEDDINGS: Final = "embeddings"
+ROLE_OUTPUT: Final = "output"
+ROLE_LAYER: Final = "layer"
+ROLE_PROJECTOR: Final = "projector"
+SHARED_ROLES: Final = (ROLE_METADATA, ROLE_EMBEDDINGS, ROLE_OUTPUT)
+
+PROJECTOR_KINDS: Final = frozenset({"mmproj"})
+DEFAULT_PROJECTOR_KIND: Final = "mmproj"
+
+# --- tensor ownership (issue #2 section 4) ------------------------------------------------------
+BLOCK_TENSOR_RE: Final = re.compile(r"^blk\.(\d+)\.")
+EMBEDDING_TENSOR_PREFIXES: Final = ("token_embd.", "per_layer_token_embd.", "token_embd_norm.")
+OUTPUT_TENSOR_PREFIXES: Final = ("output.", "output_norm.")
+OUTPUT_WEIGHT_TENSOR: Final = "output.weight"
+
+# --- llama.cpp split-set keys (every fragment is one split of one loadable set) ----------------
+KEY_SPLIT_NO: Final = "split.no"
+KEY_SPLIT_COUNT: Final = "split.count"
+KEY_SPLIT_TENSORS_COUNT: Final = "split.tensors.count"
+SPLIT_KEYS: Final = frozenset({KEY_SPLIT_NO, KEY_SPLIT_COUNT, KEY_SPLIT_TENSORS_COUNT})
+SPLIT_SHARD_RE: Final = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+
+# --- keys our fragments carry so each one is self-describing ------------------------------------
+KEY_ARCHITECTURE: Final = "general.architecture"
+KEY_ALIGNMENT: Final = "general.alignment"
+KEY_FRAGMENT_ROLE: Final = "skippy.fragment.role"
+KEY_FRAGMENT_LAYER_START: Final = "skippy.fragment.layer_start"
+KEY_FRAGMENT_LAYER_STOP: Final = "skippy.fragment.layer_stop"
+KEY_FRAGMENT_MODEL_ID: Final = "skippy.fragment.model_id"
+FRAGMENT_KEEP_KEYS: Final = (KEY_ARCHITECTURE, KEY_ALIGNMENT)
+
+
+def arch_key(arch: str, name: str) -> str:
+    """``<arch>.block_count`` and friends."""
+    return f"{arch}.{name}"
+
+
+# --- environment (read only through skippy.config) ----------------------------------------------
+ENV_VERIFY_PACKAGE_SHA: Final = "SKIPPY_VERIFY_PACKAGE_SHA"
+
+SHA256_HEX_RE: Final = re.compile(r"^[0-9a-fA-F]{64}$")
