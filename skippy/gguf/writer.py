@@ -1,0 +1,115 @@
+"""GGUF fragment writer: raw KV records and raw tensor bytes in, one hashed file out.
+
+Nothing is decoded or re-encoded: KV records are copied byte-for-byte from the source header
+(``GGUFFile.raw_field``), new keys are encoded here, and tensor payloads are streamed from
+the source file descriptor. The file is hashed in the same pass that writes it and installed
+through ``skippy.atomic`` so a reader never sees a partial fragment. Layout matches gguf-py's
+``GGUFWriter``: header, KV, tensor infos, padding to the alignment, then each tensor's bytes
+followed by padding to the alignment.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from skippy.atomic import atomic_install
+from skippy.gguf.constants import GGUF_MAGIC, SCALAR_FORMATS, WRITE_VERSION, ValueType
+from skippy.gguf.reader import TensorInfo
+from skippy.hashing import HashingSink, copy_range
+
+
+def _encode_string(s: str) -> bytes:
+    raw = s.encode("utf-8")
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _encode_value(value_type: int, value: Any, item_type: int | None) -> bytes:
+    fmt = SCALAR_FORMATS.get(value_type)
+    if fmt is not None:
+        return struct.pack(fmt, value)
+    if value_type == ValueType.STRING:
+        return _encode_string(value)
+    if value_type == ValueType.ARRAY and item_type is not None:
+        head = struct.pack("<IQ", item_type, len(value))
+        return head + b"".join(_encode_value(item_type, v, None) for v in value)
+    raise ValueError(f"cannot encode GGUF value type {value_type}")
+
+
+def encode_kv(key: str, value_type: int, value: Any, item_type: int | None = None) -> bytes:
+    """One complete KV record (key, type, value) as it appears in a GGUF header."""
+    return (
+        _encode_string(key)
+        + struct.pack("<I", value_type)
+        + _encode_value(value_type, value, item_type)
+    )
+
+
+@dataclass(frozen=True)
+class TensorSource:
+    """A tensor to copy: its header facts and the open source file holding its bytes."""
+
+    info: TensorInfo
+    fd: int
+
+
+@dataclass(frozen=True)
+class WrittenFragment:
+    artifact_bytes: int
+    sha256: str
+    tensor_count: int
+    tensor_bytes: int
+
+
+def _pad(n: int, alignment: int) -> int:
+    return -n % alignment
+
+
+def build_header(
+    kv_records: Sequence[bytes], tensors: Sequence[TensorInfo], alignment: int
+) -> tuple[bytes, list[int]]:
+    """Header bytes (padded to the alignment) and each tensor's offset in the data section."""
+    parts = [GGUF_MAGIC, struct.pack("<IQQ", WRITE_VERSION, len(tensors), len(kv_records))]
+    parts.extend(kv_records)
+    offsets: list[int] = []
+    offset = 0
+    for t in tensors:
+        offsets.append(offset)
+        parts.append(_encode_string(t.name))
+        parts.append(struct.pack("<I", len(t.shape)))
+        parts.append(struct.pack(f"<{len(t.shape)}Q", *t.shape))
+        parts.append(struct.pack("<IQ", t.ggml_type, offset))
+        offset += t.nbytes + _pad(t.nbytes, alignment)
+    header = b"".join(parts)
+    return header + b"\0" * _pad(len(header), alignment), offsets
+
+
+def write_fragment(
+    dest: Path,
+    kv_records: Sequence[bytes],
+    tensors: Sequence[TensorSource],
+    alignment: int,
+    *,
+    on_bytes: Callable[[int], None] | None = None,
+) -> WrittenFragment:
+    """Write one fragment atomically, hashing in the same pass; return its facts."""
+    header, _ = build_header(kv_records, [t.info for t in tensors], alignment)
+    with atomic_install(dest) as f:
+        sink = HashingSink(f)
+        sink.write(header)
+        for t in tensors:
+            copy_range(t.fd, t.info.data_start, t.info.nbytes, sink.write)
+            pad = _pad(t.info.nbytes, alignment)
+            if pad:
+                sink.write(b"\0" * pad)
+            if on_bytes is not None:
+                on_bytes(t.info.nbytes)
+    return WrittenFragment(
+        artifact_bytes=sink.nbytes,
+        sha256=sink.hexdigest(),
+        tensor_count=len(tensors),
+        tensor_bytes=sum(t.info.nbytes for t in tensors),
+    )

@@ -1,0 +1,81 @@
+"""SHA-256 helpers: one streaming sink, whole-file digests, and parallel digests.
+
+hashlib releases the GIL for large buffers, so threads give real parallelism on both cores
+(measured here: ~1.0-1.27 GB/s per core with SHA-NI). Never shell out to sha256sum (~0.2 GB/s).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import BinaryIO
+
+from skippy.errors import InputUnreadable
+
+CHUNK_BYTES = 4 * 1024 * 1024
+DEFAULT_WORKERS = max(1, min(4, os.cpu_count() or 1))
+
+
+class HashingSink:
+    """Writes to a file while hashing and counting, so a fragment is hashed in the same pass."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self._f = f
+        self._h = hashlib.sha256()
+        self.nbytes = 0
+
+    def write(self, data: bytes | memoryview) -> None:
+        self._h.update(data)
+        self._f.write(data)
+        self.nbytes += len(data)
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
+
+
+def copy_range(fd: int, offset: int, length: int, write: Callable[[memoryview], None]) -> None:
+    """Stream ``length`` bytes from ``fd`` at ``offset`` into ``write`` through one reused
+    buffer: bounded memory (no mmap pages counted in RSS), one copy in, one copy out."""
+    buf = bytearray(min(CHUNK_BYTES, max(length, 1)))
+    view = memoryview(buf)
+    done = 0
+    while done < length:
+        want = min(len(buf), length - done)
+        got = os.preadv(fd, [view[:want]], offset + done)
+        if got <= 0:
+            raise InputUnreadable(
+                f"unexpected end of file after {offset + done} bytes", code="unexpected_eof"
+            )
+        write(view[:got])
+        done += got
+
+
+def sha256_file(path: Path) -> str:
+    try:
+        with open(path, "rb") as f:
+            return hashlib.file_digest(f, "sha256").hexdigest()
+    except OSError as exc:
+        raise InputUnreadable(f"cannot read {path}: {exc.strerror or exc}", path=str(path)) from exc
+
+
+def sha256_files(paths: Sequence[Path], *, workers: int = DEFAULT_WORKERS) -> list[str]:
+    """Digests in input order, computed on ``workers`` threads, largest files first."""
+    if len(paths) <= 1 or workers <= 1:
+        return [sha256_file(p) for p in paths]
+    order = sorted(range(len(paths)), key=lambda i: -_size(paths[i]))
+    out: list[str] = [""] * len(paths)
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = {i: pool.submit(sha256_file, paths[i]) for i in order}
+        for i, fut in futures.items():
+            out[i] = fut.result()
+    return out
+
+
+def _size(p: Path) -> int:
+    try:
+        return p.stat().st_size
+    except OSError:
+        return 0

@@ -1,0 +1,71 @@
+"""The one path-safety gate (spec "Repository Layout": paths MUST be relative and MUST NOT
+escape the package root; consumers MUST reject unsafe paths).
+
+Every artifact name that comes from a manifest or a peer passes ``check_relative_path`` before
+it is joined to a root, and ``resolve_under`` before the resulting file is opened.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path, PurePosixPath
+
+from skippy.errors import UnsafePath
+
+
+def check_relative_path(rel: str) -> str:
+    """Return ``rel`` unchanged if it is a safe repository-relative POSIX path, else raise.
+
+    Rejected: empty, absolute, backslashes, drive letters, NUL, and empty, ``.`` or ``..``
+    components (so ``a//b`` and ``./a`` are rejected too: one spelling per file).
+    """
+    reason = _unsafe_reason(rel)
+    if reason:
+        raise UnsafePath(
+            f"unsafe artifact path {rel!r}: {reason}",
+            path=rel,
+            remediation="artifact paths must be relative POSIX paths inside the package root",
+        )
+    return rel
+
+
+def _unsafe_reason(rel: object) -> str | None:
+    if not isinstance(rel, str) or not rel:
+        return "empty or not a string"
+    if "\x00" in rel:
+        return "contains NUL"
+    if "\\" in rel:
+        return "contains a backslash"
+    if rel.startswith("/"):
+        return "is absolute"
+    if len(rel) >= 2 and rel[1] == ":":
+        return "starts with a drive letter"
+    for part in rel.split("/"):
+        if part == "":
+            return "has an empty component"
+        if part in (".", ".."):
+            return f"has a {part!r} component"
+    return None
+
+
+def is_safe_relative_path(rel: object) -> bool:
+    return _unsafe_reason(rel) is None
+
+
+def resolve_under(root: Path, rel: str, *, containment_root: Path | None = None) -> Path:
+    """Join a checked relative path to ``root`` and prove the real file stays inside.
+
+    ``containment_root`` defaults to ``root``. For the hub cache, pass the repo's cache folder
+    (``models--ns--name``): snapshot files are symlinks into its ``blobs/`` (GOTCHAS).
+    """
+    check_relative_path(rel)
+    joined = root / PurePosixPath(rel)
+    boundary = os.path.realpath(containment_root or root)
+    real = os.path.realpath(joined)
+    if real != boundary and not real.startswith(boundary + os.sep):
+        raise UnsafePath(
+            f"artifact path {rel!r} resolves outside the package root (to {real})",
+            path=rel,
+            remediation="remove the symlink or replace it with the real file",
+        )
+    return joined
