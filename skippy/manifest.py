@@ -518,7 +518,7 @@ def check_manifest(m: Manifest, *, runtime_abi: str = RUNTIME_ABI_VERSION) -> li
 
 def _where(ref: ArtifactRef, m: Manifest) -> str:
     if ref.role == ROLE_LAYER:
-        return f"layers[{m.layers.index(ref.artifact)}]"  # type: ignore[arg-type]
+        return f"layers[{m.layers.index(ref.artifact)}]"
     if ref.role == ROLE_PROJECTOR:
-        return f"projectors[{m.projectors.index(ref.artifact)}]"  # type: ignore[arg-type]
+        return f"projectors[{m.projectors.index(ref.artifact)}]"
     return f"shared.{ref.role}"
