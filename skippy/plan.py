@@ -1,0 +1,125 @@
+"""Split planning: contiguous layer ranges per stage, and each stage's bytes (pure).
+
+Default split: the first ``L % N`` stages get one extra layer. ``balance="bytes"`` minimises
+the largest stage's bytes instead (exact dynamic programme over contiguous partitions),
+counting the boundary artifacts each stage must also hold (spec "Layer Selection").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from skippy.errors import UsageError
+from skippy.ranges import LayerRange
+
+Balance = Literal["layers", "bytes"]
+
+
+@dataclass(frozen=True)
+class ModelSizes:
+    """Exact bytes per part, from a manifest (artifact bytes) or a GGUF (tensor bytes)."""
+
+    layer_bytes: tuple[int, ...]
+    metadata_bytes: int
+    embeddings_bytes: int
+    output_bytes: int
+    tied_embeddings: bool = False
+
+    @property
+    def layer_count(self) -> int:
+        return len(self.layer_bytes)
+
+    def stage_bytes(self, r: LayerRange) -> int:
+        total = self.metadata_bytes + sum(self.layer_bytes[r.start : r.stop])
+        if r.owns_input or (r.owns_output and self.tied_embeddings):
+            total += self.embeddings_bytes
+        if r.owns_output:
+            total += self.output_bytes
+        return total
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    index: int
+    layers: LayerRange
+    bytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "stage": self.index,
+            "layer_start": self.layers.start,
+            "layer_end": self.layers.stop,
+            "layer_count": len(self.layers),
+            "owns_embeddings": self.layers.owns_input,
+            "owns_output": self.layers.owns_output,
+            "bytes": self.bytes,
+        }
+
+
+def check_stage_count(stages: int, layer_count: int) -> None:
+    if stages < 1:
+        raise UsageError(
+            f"stage count must be at least 1, got {stages}", code="invalid_stage_count"
+        )
+    if stages > layer_count:
+        raise UsageError(
+            f"{stages} stages cannot split {layer_count} layers (each stage needs a layer)",
+            code="stage_count_exceeds_layer_count",
+        )
+
+
+def even_ranges(layer_count: int, stages: int) -> list[LayerRange]:
+    check_stage_count(stages, layer_count)
+    base, extra = divmod(layer_count, stages)
+    out, start = [], 0
+    for i in range(stages):
+        stop = start + base + (1 if i < extra else 0)
+        out.append(LayerRange(start, stop, layer_count))
+        start = stop
+    return out
+
+
+def byte_balanced_ranges(sizes: ModelSizes, stages: int) -> list[LayerRange]:
+    """Contiguous ranges minimising the largest stage's bytes (ties: earlier cuts)."""
+    n = sizes.layer_count
+    check_stage_count(stages, n)
+    inf = float("inf")
+    # best[k][j]: minimal max-bytes splitting layers [0, j) into k stages; cut[k][j] the start
+    # of the k-th stage. O(stages * n^2), fine for real layer counts (a few hundred).
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0
+    prefix = [0]
+    for b in sizes.layer_bytes:
+        prefix.append(prefix[-1] + b)
+
+    def stage_cost(i: int, j: int) -> int:  # == sizes.stage_bytes(LayerRange(i, j, n))
+        total = sizes.metadata_bytes + prefix[j] - prefix[i]
+        if i == 0 or (j == n and sizes.tied_embeddings):
+            total += sizes.embeddings_bytes
+        return total + (sizes.output_bytes if j == n else 0)
+
+    for k in range(1, stages + 1):
+        for j in range(k, n + 1):
+            for i in range(k - 1, j):
+                if best[k - 1][i] == inf:
+                    continue
+                cost = max(best[k - 1][i], stage_cost(i, j))
+                if cost < best[k][j]:
+                    best[k][j], cut[k][j] = cost, i
+    ranges, j = [], n
+    for k in range(stages, 0, -1):
+        i = cut[k][j]
+        ranges.append(LayerRange(i, j, n))
+        j = i
+    return ranges[::-1]
+
+
+def plan_stages(sizes: ModelSizes, stages: int, balance: Balance = "layers") -> list[StagePlan]:
+    ranges = (
+        byte_balanced_ranges(sizes, stages)
+        if balance == "bytes"
+        else even_ranges(sizes.layer_count, stages)
+    )
+    return [StagePlan(i, r, sizes.stage_bytes(r)) for i, r in enumerate(ranges)]
