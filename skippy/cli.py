@@ -1,0 +1,117 @@
+"""``skippy-model-package``: a thin CLI over the library (STYLE 11).
+
+Each command module registers its subcommands and returns a ``CommandResult``; this module
+parses arguments, calls the handler, renders text or ``--json`` (one JSON document on stdout)
+and maps errors to exit codes through one table: 0 ok, 1 invalid package/model, 2 bad usage
+or unreadable input. A user error never prints a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from skippy.errors import EXIT_INVALID, EXIT_OK, EXIT_USAGE, InputUnreadable, SkippyError
+
+PROG = "skippy-model-package"
+
+
+@dataclass
+class CommandResult:
+    data: dict[str, Any]
+    text: str
+    exit_code: int = EXIT_OK
+    warnings: list[str] = field(default_factory=list)
+
+
+Handler = Callable[[argparse.Namespace], CommandResult]
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports usage errors as our code/exit 2 (and as JSON with --json)."""
+
+    def error(self, message: str) -> Any:
+        if "--json" in sys.argv[1:]:
+            err = {"code": "bad_usage", "message": message}
+            print(json.dumps({"ok": False, "error": err}))
+        else:
+            self.print_usage(sys.stderr)
+            sys.stderr.write(f"{self.prog}: error: {message}\n")
+        raise SystemExit(EXIT_USAGE)
+
+
+def add_json_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print one JSON document on stdout")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from skippy.commands import COMMAND_MODULES
+
+    parser = _Parser(prog=PROG, description="Write, check, select and run layer packages.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+    for module in COMMAND_MODULES:
+        module.register(sub)
+    return parser
+
+
+def _render_error(err: SkippyError, as_json: bool) -> None:
+    if as_json:
+        out: dict[str, Any] = {"ok": False, "error": err.to_dict()}
+        findings = getattr(err, "findings", None)
+        if findings:
+            out["findings"] = [f.to_dict() for f in findings]
+        print(json.dumps(out, indent=2, default=str))
+        return
+    sys.stderr.write(f"error [{err.code}]: {err.message}\n")
+    for f in getattr(err, "findings", None) or []:
+        if f.message != err.message.split(": ", 1)[-1]:
+            sys.stderr.write(f"  - [{f.code}] {f.message}\n")
+    if err.remediation:
+        sys.stderr.write(f"hint: {err.remediation}\n")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    as_json = bool(getattr(args, "json", False))
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    handler: Handler = args.handler
+    try:
+        result = handler(args)
+    except SkippyError as err:
+        _render_error(err, as_json)
+        return err.exit_code
+    except KeyboardInterrupt:
+        sys.stderr.write("interrupted\n")
+        return 130
+    except OSError as exc:  # an unreadable input we did not anticipate: still no traceback
+        wrapped = InputUnreadable(f"{exc.strerror or exc}: {exc.filename or ''}".rstrip(": "))
+        _render_error(wrapped, as_json)
+        return wrapped.exit_code
+    if as_json:
+        print(json.dumps(result.data, indent=2, default=str))
+    else:
+        if result.text:
+            print(result.text)
+        for w in result.warnings:
+            sys.stderr.write(f"warning: {w}\n")
+    return result.exit_code
+
+
+def exit_for(valid: bool) -> int:
+    return EXIT_OK if valid else EXIT_INVALID
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,9 @@
+"""CLI command modules. Each exposes ``register(subparsers)``; handlers return CommandResult."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from skippy.commands import producer
+
+COMMAND_MODULES: tuple[ModuleType, ...] = (producer,)

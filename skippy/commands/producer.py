@@ -1,0 +1,197 @@
+"""Producer commands: write-package, inspect, plan, validate-package."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from skippy.cli import CommandResult, add_json_flag, exit_for
+from skippy.constants import MANIFEST_NAME
+from skippy.errors import InputUnreadable
+from skippy.findings import Finding
+from skippy.inspect import (
+    inspect_gguf,
+    inspect_package,
+    read_manifest,
+    sizes_from_gguf,
+    sizes_from_manifest,
+)
+from skippy.plan import plan_stages
+from skippy.progress import human_bytes
+from skippy.validate import validate_package
+from skippy.write_package import WriteOptions, local_provenance, rewrite_readme, write_package
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("write-package", help="split a GGUF into a layer package")
+    p.add_argument("source", type=Path, help="a GGUF file, or the first shard of a split set")
+    p.add_argument("--out-dir", type=Path, required=True)
+    p.add_argument("--model-id", help="model coordinate ORG/REPO:DISTRIBUTION")
+    p.add_argument("--source-repo", help="source repository (default: from --model-id)")
+    p.add_argument("--source-revision", help="source commit or tag")
+    p.add_argument("--source-file", help="source file name inside the source repository")
+    p.add_argument("--projector", type=Path, action="append", default=[], metavar="FILE")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing package")
+    p.add_argument(
+        "--validate",
+        action="store_true",
+        help="run validate-package afterwards and record the result in README.md",
+    )
+    add_json_flag(p)
+    p.set_defaults(handler=cmd_write_package)
+
+    p = sub.add_parser("inspect", help="describe a GGUF file or a package directory")
+    p.add_argument("path", type=Path)
+    add_json_flag(p)
+    p.set_defaults(handler=cmd_inspect)
+
+    p = sub.add_parser("plan", help="split layers into stages and size each stage")
+    p.add_argument("path", type=Path, help="a GGUF file or a package directory")
+    p.add_argument("--stages", type=int, required=True)
+    p.add_argument("--balance", choices=("layers", "bytes"), default="layers")
+    add_json_flag(p)
+    p.set_defaults(handler=cmd_plan)
+
+    p = sub.add_parser("validate-package", help="check a package against its source model")
+    p.add_argument("source", type=Path)
+    p.add_argument("package", type=Path)
+    add_json_flag(p)
+    p.set_defaults(handler=cmd_validate)
+
+
+def _finding_lines(findings: list[Finding]) -> list[str]:
+    return [
+        f"  {f.severity}: [{f.code}] {f.message}" + (f" ({f.path})" if f.path else "")
+        for f in findings
+    ]
+
+
+def cmd_write_package(args: argparse.Namespace) -> CommandResult:
+    if not args.source.exists():
+        raise InputUnreadable(f"source {args.source} does not exist", path=str(args.source))
+    prov = local_provenance(
+        model_id=args.model_id,
+        source_repo=args.source_repo,
+        source_revision=args.source_revision,
+        source_file=args.source_file,
+    )
+    opts = WriteOptions(
+        out_dir=args.out_dir,
+        provenance=prov,
+        projectors=tuple(args.projector),
+        overwrite=args.overwrite,
+        quiet=args.json,
+    )
+    result = write_package(args.source, opts)
+    data = result.to_dict()
+    lines = [
+        f"wrote {data['artifacts']} artifacts ({human_bytes(result.bytes_written)}) to "
+        f"{args.out_dir} in {result.seconds:.2f}s",
+        f"model {result.manifest.model_id}: {result.manifest.layer_count} layers, width "
+        f"{result.manifest.activation_width}, tied embeddings: {result.manifest.tied_embeddings}",
+        f"{MANIFEST_NAME} sha256 {result.manifest_sha256}",
+    ]
+    exit_code = 0
+    if args.validate:
+        report = validate_package(args.source, args.out_dir)
+        verdict = "valid" if report.valid else "INVALID"
+        note = (
+            f"Result at write time: {verdict} ({report.artifacts_checked} artifacts, "
+            f"{report.tensors_checked} tensors checked byte-for-byte against the source, "
+            f"{len(report.findings)} findings)."
+        )
+        rewrite_readme(args.out_dir, result.manifest, result.manifest_sha256, note)
+        data["validation"] = report.to_dict()
+        lines.append(f"validate-package: {verdict}")
+        lines += _finding_lines(report.findings)
+        exit_code = exit_for(report.valid)
+    return CommandResult(data=data, text="\n".join(lines), exit_code=exit_code)
+
+
+def cmd_inspect(args: argparse.Namespace) -> CommandResult:
+    path: Path = args.path
+    if path.is_dir():
+        data = inspect_package(path)
+        lines = [
+            f"package {data['model_id']}",
+            f"  source: {data['source']['repo']}@{data['source']['revision']} "
+            f"{data['source']['primary_file']}",
+            f"  layers: {data['layer_count']}  width: {data['activation_width']}  "
+            f"tied embeddings: {data['tied_embeddings']}  ABI: {data['skippy_abi_version']}",
+            f"  total: {human_bytes(data['total_bytes'])}",
+        ]
+        for role, a in data["shared"].items():
+            lines.append(f"  {role:<11} {a['path']:<28} {human_bytes(a['artifact_bytes']):>10}")
+        for layer in data["layers"]:
+            lines.append(
+                f"  layer {layer['layer_index']:<5} {layer['tensors']:>3} tensors "
+                f"{human_bytes(layer['bytes']):>10}"
+            )
+        for proj in data["projectors"]:
+            lines.append(f"  projector   {proj['path']:<28} {human_bytes(proj['artifact_bytes'])}")
+        return CommandResult(data=data, text="\n".join(lines))
+    if not path.is_file():
+        raise InputUnreadable(f"{path} does not exist", path=str(path))
+    data = inspect_gguf(path)
+    lines = [
+        f"{path.name}: GGUF v{data['gguf_version']}, {data['architecture']}, "
+        f"{data['layer_count']} layers, width {data['activation_width']}, "
+        f"tied embeddings: {data['tied_embeddings']}",
+        f"  {data['tensor_count']} tensors, {human_bytes(data['tensor_bytes'])}, "
+        f"{data['kv_count']} KV pairs",
+        f"  {'name':<40} {'role':<10} {'layer':>5} {'type':<8} {'bytes':>12}",
+    ]
+    for t in data["tensors"]:
+        layer = "" if t["layer_index"] is None else str(t["layer_index"])
+        lines.append(
+            f"  {t['name']:<40} {t['role']:<10} {layer:>5} {t['ggml_type']:<8} {t['bytes']:>12}"
+        )
+    return CommandResult(data=data, text="\n".join(lines))
+
+
+def cmd_plan(args: argparse.Namespace) -> CommandResult:
+    path: Path = args.path
+    if path.is_dir():
+        sizes = sizes_from_manifest(read_manifest(path))
+    elif path.is_file():
+        sizes = sizes_from_gguf(path)
+    else:
+        raise InputUnreadable(f"{path} does not exist", path=str(path))
+    stages = plan_stages(sizes, args.stages, args.balance)
+    data = {
+        "path": str(path),
+        "layer_count": sizes.layer_count,
+        "stages": [s.to_dict() for s in stages],
+        "balance": args.balance,
+        "tied_embeddings": sizes.tied_embeddings,
+    }
+    lines = [f"{len(stages)} stages over {sizes.layer_count} layers (balance: {args.balance})"]
+    for s in stages:
+        d = s.to_dict()
+        extra = [
+            name
+            for name, owned in (("embeddings", d["owns_embeddings"]), ("output", d["owns_output"]))
+            if owned
+        ]
+        lines.append(
+            f"  stage {s.index}: layers {s.layers} ({len(s.layers)})  {human_bytes(s.bytes):>10}"
+            + (f"  + {', '.join(extra)}" if extra else "")
+        )
+    return CommandResult(data=data, text="\n".join(lines))
+
+
+def cmd_validate(args: argparse.Namespace) -> CommandResult:
+    if not args.source.exists():
+        raise InputUnreadable(f"source {args.source} does not exist", path=str(args.source))
+    report = validate_package(args.source, args.package)
+    verdict = "valid" if report.valid else "INVALID"
+    lines = [
+        f"{args.package}: {verdict} ({report.artifacts_checked} artifacts, "
+        f"{report.tensors_checked} tensors, {human_bytes(report.bytes_hashed)} hashed in "
+        f"{report.seconds:.2f}s)"
+    ]
+    lines += _finding_lines(report.findings)
+    return CommandResult(
+        data=report.to_dict(), text="\n".join(lines), exit_code=exit_for(report.valid)
+    )
