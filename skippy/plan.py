@@ -44,6 +44,7 @@ class StagePlan:
     index: int
     layers: LayerRange
     bytes: int
+    tied_embeddings: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -53,6 +54,9 @@ class StagePlan:
             "layer_count": len(self.layers),
             "owns_embeddings": self.layers.owns_input,
             "owns_output": self.layers.owns_output,
+            # A tied final stage projects logits through the embedding matrix, so holds it too.
+            "holds_embeddings": self.layers.owns_input
+            or (self.layers.owns_output and self.tied_embeddings),
             "bytes": self.bytes,
         }
 
@@ -122,4 +126,6 @@ def plan_stages(sizes: ModelSizes, stages: int, balance: Balance = "layers") -> 
         if balance == "bytes"
         else even_ranges(sizes.layer_count, stages)
     )
-    return [StagePlan(i, r, sizes.stage_bytes(r)) for i, r in enumerate(ranges)]
+    return [
+        StagePlan(i, r, sizes.stage_bytes(r), sizes.tied_embeddings) for i, r in enumerate(ranges)
+    ]

@@ -171,8 +171,8 @@ def cmd_plan(args: argparse.Namespace) -> CommandResult:
         d = s.to_dict()
         extra = [
             name
-            for name, owned in (("embeddings", d["owns_embeddings"]), ("output", d["owns_output"]))
-            if owned
+            for name, held in (("embeddings", d["holds_embeddings"]), ("output", d["owns_output"]))
+            if held
         ]
         lines.append(
             f"  stage {s.index}: layers {s.layers} ({len(s.layers)})  {human_bytes(s.bytes):>10}"
