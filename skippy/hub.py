@@ -32,6 +32,7 @@ from huggingface_hub.errors import (
 from huggingface_hub.file_download import repo_folder_name
 
 from skippy.errors import EXIT_USAGE, ArtifactMissing, SkippyError, UnsafePath, UsageError
+from skippy.paths import check_relative_path
 from skippy.refs import COMMIT_SHA_RE, HfPackageRef
 
 logger = logging.getLogger("skippy.hub")
@@ -150,7 +151,7 @@ def download_file(
     """Fetch ``relpath`` at ``commit`` into the hub cache (or find it there); return the
     snapshot path (a symlink into ``blobs/``)."""
     _check_commit(commit)
-    _check_relpath(relpath)
+    check_relative_path(relpath)  # the one gate, before the name reaches the client
     try:
         local = hf_hub_download(
             ref.repo_id,
@@ -218,16 +219,6 @@ def _check_commit(commit: str) -> None:
             code="invalid_commit",
             actual=commit,
         )
-
-
-def _check_relpath(relpath: str) -> None:
-    """Refuse names that could leave the repo before they reach the client or the cache."""
-    if (
-        "\\" in relpath
-        or "\x00" in relpath
-        or any(part in ("", ".", "..") for part in relpath.split("/"))
-    ):
-        raise UnsafePath(f"artifact path {relpath!r} is not a safe relative path.", path=relpath)
 
 
 def _is_offline_miss(exc: BaseException, offline: bool) -> bool:
