@@ -171,7 +171,7 @@ def test_overwrite_with_fewer_layers_removes_stale_artifacts(synth_dir, tmp_path
 
 def test_manifest_is_canonical_apart_from_timestamp(synth_dir, tmp_path):
     a = make_package(synth_dir.llama, tmp_path / "a", created_at_unix_secs=1)
-    b = make_package(synth_dir.llama, tmp_path / "b", created_at_unix_secs=1)
+    make_package(synth_dir.llama, tmp_path / "b", created_at_unix_secs=1)
     raw_a = (tmp_path / "a" / MANIFEST_NAME).read_bytes()
     assert raw_a == (tmp_path / "b" / MANIFEST_NAME).read_bytes()
     assert a.manifest_sha256 == hashlib.sha256(raw_a).hexdigest()
