@@ -1,0 +1,147 @@
+"""The path gate, the layer range type and the split planner."""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import pytest
+
+from skippy.errors import UnsafePath, UsageError
+from skippy.paths import check_relative_path, resolve_under
+from skippy.plan import ModelSizes, byte_balanced_ranges, even_ranges, plan_stages
+from skippy.ranges import LayerRange, parse_layer_range
+
+
+@pytest.mark.parametrize("ok", ["a", "layers/layer-00001.gguf", "shared/metadata.gguf", "a.b/c"])
+def test_safe_paths(ok):
+    assert check_relative_path(ok) == ok
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "",
+        "/abs",
+        "../x",
+        "a/../b",
+        "a/./b",
+        "./a",
+        "a//b",
+        "a/",
+        "a\\b",
+        "C:/x",
+        "c:x",
+        "a\x00b",
+        "..",
+        ".",
+    ],
+)
+def test_unsafe_paths(bad):
+    with pytest.raises(UnsafePath) as exc:
+        check_relative_path(bad)
+    assert exc.value.code == "unsafe_artifact_path"
+
+
+def test_resolve_under_rejects_symlink_escape(tmp_path):
+    root = tmp_path / "root"
+    root.mkdir()
+    (tmp_path / "secret").write_text("x")
+    os.symlink(tmp_path / "secret", root / "link")
+    with pytest.raises(UnsafePath):
+        resolve_under(root, "link")
+    (root / "inner").write_text("y")
+    os.symlink(root / "inner", root / "ok")
+    assert resolve_under(root, "ok") == root / "ok"
+
+
+def test_resolve_under_with_containment_root(tmp_path):
+    repo = tmp_path / "models--a--b"
+    (repo / "blobs").mkdir(parents=True)
+    (repo / "snapshots" / "c").mkdir(parents=True)
+    (repo / "blobs" / "e").write_text("z")
+    os.symlink("../../blobs/e", repo / "snapshots" / "c" / "f")
+    snap = repo / "snapshots" / "c"
+    with pytest.raises(UnsafePath):
+        resolve_under(snap, "f")
+    assert resolve_under(snap, "f", containment_root=repo).read_text() == "z"
+
+
+@pytest.mark.parametrize(
+    ("text", "n", "expected"),
+    [("0..6", 18, (0, 6)), (" 3 .. 4 ", 4, (3, 4)), ("0..1", 1, (0, 1))],
+)
+def test_parse_layer_range(text, n, expected):
+    r = parse_layer_range(text, n)
+    assert (r.start, r.stop) == expected
+    assert str(parse_layer_range(str(r), n)) == str(r)
+
+
+@pytest.mark.parametrize(
+    ("text", "n"), [("3..3", 4), ("0..5", 4), ("2..1", 4), ("0-3", 4), ("", 4)]
+)
+def test_bad_layer_ranges(text, n):
+    with pytest.raises(UsageError) as exc:
+        parse_layer_range(text, n)
+    assert exc.value.code == "invalid_layer_range"
+
+
+def test_layer_range_flags():
+    r = LayerRange(0, 4, 4)
+    assert r.owns_input and r.owns_output and r.is_full and list(r) == [0, 1, 2, 3]
+    mid = LayerRange(1, 3, 4)
+    assert not mid.owns_input and not mid.owns_output and 2 in mid and 3 not in mid
+
+
+@pytest.mark.parametrize(
+    ("layers", "stages", "expected"),
+    [(18, 3, [6, 6, 6]), (10, 3, [4, 3, 3]), (5, 5, [1] * 5), (7, 2, [4, 3]), (4, 1, [4])],
+)
+def test_even_ranges_give_first_stages_the_extra_layers(layers, stages, expected):
+    ranges = even_ranges(layers, stages)
+    assert [len(r) for r in ranges] == expected
+    assert ranges[0].start == 0 and ranges[-1].stop == layers
+    assert all(a.stop == b.start for a, b in itertools.pairwise(ranges))
+
+
+def test_too_many_stages():
+    with pytest.raises(UsageError) as exc:
+        even_ranges(4, 5)
+    assert exc.value.code == "stage_count_exceeds_layer_count"
+
+
+def _brute_force_best(sizes: ModelSizes, stages: int) -> int:
+    import itertools
+
+    n = sizes.layer_count
+    best = None
+    for cuts in itertools.combinations(range(1, n), stages - 1):
+        bounds = [0, *cuts, n]
+        worst = max(sizes.stage_bytes(LayerRange(a, b, n)) for a, b in itertools.pairwise(bounds))
+        best = worst if best is None else min(best, worst)
+    assert best is not None
+    return best
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("stages", [1, 2, 3, 4])
+def test_byte_balance_is_optimal(tied, stages):
+    sizes = ModelSizes(
+        layer_bytes=(5, 9, 2, 7, 7, 1, 8, 3),
+        metadata_bytes=2,
+        embeddings_bytes=11,
+        output_bytes=6,
+        tied_embeddings=tied,
+    )
+    ranges = byte_balanced_ranges(sizes, stages)
+    assert max(sizes.stage_bytes(r) for r in ranges) == _brute_force_best(sizes, stages)
+    plan = plan_stages(sizes, stages, "bytes")
+    assert sum(len(s.layers) for s in plan) == 8
+
+
+def test_stage_bytes_counts_boundaries():
+    sizes = ModelSizes((10, 20, 30), 1, 100, 1000, tied_embeddings=True)
+    first, last = LayerRange(0, 1, 3), LayerRange(2, 3, 3)
+    assert sizes.stage_bytes(first) == 1 + 10 + 100
+    assert sizes.stage_bytes(last) == 1 + 30 + 100 + 1000  # tied: embeddings on the last stage
+    assert sizes.stage_bytes(LayerRange(1, 2, 3)) == 1 + 20
