@@ -167,10 +167,14 @@ class _Cursor:
                     break
         except struct.error:
             pos = size + 1
-        if pos > size or n > limit:
+        if n > limit:
             raise GGUFFormatError(
-                f"{what}: string array runs past the end of the file or has an over-long item",
-                code="gguf_truncated",
+                f"{what}: a string item claims {n} bytes, over the {limit}-byte limit",
+                code="gguf_string_too_long",
+            )
+        if pos > size:
+            raise GGUFFormatError(
+                f"{what}: string array runs past the end of the file", code="gguf_truncated"
             )
         self.pos = pos
 
@@ -378,9 +382,20 @@ class GGUFFile:
 
     # --- access -----------------------------------------------------------------------------
     def value(self, key: str) -> Any:
-        """Decoded value of one KV (lists for arrays). KeyError if absent."""
+        """Decoded value of one KV (lists for arrays). KeyError if absent.
+
+        Strings are decoded here, not on open (a 262k vocabulary stays cheap to open), so a
+        non-UTF-8 string surfaces now, as a GGUFFormatError like every other format violation.
+        """
         f = self.fields[key]
-        return _decode(self._map, f.value_start, f.value_type)[0]
+        try:
+            return _decode(self._map, f.value_start, f.value_type)[0]
+        except UnicodeDecodeError as exc:
+            raise GGUFFormatError(
+                f"{self.path}: value of {key!r} holds a string that is not UTF-8",
+                code="gguf_bad_string",
+                path=str(self.path),
+            ) from exc
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.value(key) if key in self.fields else default

