@@ -1,0 +1,297 @@
+"""The llama.cpp stage runtime (through llama-cpp-python) for a stage that owns every layer.
+
+How the parts are loaded: every package fragment is one split of a llama.cpp split set
+(``split.no`` in each, ``split.count``/``split.tensors.count`` in the metadata split), so a
+full-range selection (metadata, embeddings, every layer, output) *is* a complete split set.
+llama.cpp opens a split set through its file-naming scheme: open
+``PREFIX-00001-of-0000N.gguf`` and it derives the names of the other N-1 parts. We create a
+private temporary folder of symbolic links with exactly those names, each pointing at one
+selected part in ``split.no`` order, open the first through the high-level
+``llama_cpp.Llama(model_path=...)``, then delete the links. llama.cpp mmaps the files the
+links resolve to, so the model bytes are the package's own files: nothing is copied and no
+derived GGUF is written (spec "Layer Selection": runtimes SHOULD load selected parts
+directly). Deleting the links right after the load is safe: the mappings keep the files
+open, and no folder is left behind even if the process dies later.
+
+Why links rather than ``llama_cpp.llama_model_load_from_splits(paths, n)``: that low-level
+call takes explicit paths, but returns a bare ``llama_model*``; the high-level ``Llama``
+object (tokenizer, batch, context, sampler, KV-cache bookkeeping) can only be built from a
+``model_path``. Wrapping a raw model pointer would mean re-implementing or monkeypatching
+those internals, which breaks with every llama-cpp-python release. The naming scheme is a
+documented, stable llama.cpp contract (``llama_model_load_from_file``: "If the file is split
+into multiple parts, the file name must follow this pattern: <name>-%05d-of-%05d.gguf"),
+so the links give a complete, supported ``Llama`` object with no private API.
+
+Only full ranges are accepted: the metadata split of a package declares the *whole*
+package's ``split.count``, so a partial selection is not a split set llama.cpp accepts, and
+a partial stage needs to exchange activations rather than tokens. A later runtime handles
+partial stages; this one refuses them with ``partial_range_unsupported``.
+
+``llama_cpp`` is imported lazily (inside ``LlamaStageRuntime``), so ``import skippy`` never
+needs it; without it the runtime raises ``RuntimeUnavailable`` (``runtime_unavailable``,
+exit 2). llama.cpp's own log lines are forwarded to the ``skippy.llama_cpp`` logger
+(its warnings at INFO, shown with ``-v``; its errors at ERROR) instead of being printed on stderr.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType, TracebackType
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from skippy.errors import ArtifactMissing, UsageError
+from skippy.ranges import LayerRange
+from skippy.runtime import (
+    Generation,
+    RuntimeLoadError,
+    RuntimeUnavailable,
+    StageLoad,
+    StageNotLoaded,
+    StageUnsupported,
+    StopReason,
+)
+
+log = logging.getLogger(__name__)
+_llama_log = logging.getLogger("skippy.llama_cpp")
+
+SPLIT_LINK_PREFIX = "stage"
+
+
+@dataclass(frozen=True, kw_only=True)
+class LlamaRuntimeConfig:
+    """Context and threading for one loaded stage."""
+
+    n_ctx: int = 512
+    n_threads: int = 2
+    n_batch: int = 512
+    link_parent: Path | None = None  # where the short-lived link folder goes (default: $TMPDIR)
+
+    def __post_init__(self) -> None:
+        for name in ("n_ctx", "n_threads", "n_batch"):
+            if getattr(self, name) < 1:
+                raise UsageError(f"{name} must be at least 1", code="invalid_runtime_config")
+
+
+def split_part_name(index: int, count: int, prefix: str = SPLIT_LINK_PREFIX) -> str:
+    """llama.cpp's split file name for 0-based ``index`` of ``count`` (``llama_split_path``)."""
+    return f"{prefix}-{index + 1:05d}-of-{count:05d}.gguf"
+
+
+def link_split_set(part_paths: Sequence[Path], directory: Path) -> Path:
+    """Create one symbolic link per part in ``directory``, named in split order; return the
+    first link (the one to open). Only links are created: no model byte is copied."""
+    n = len(part_paths)
+    first: Path | None = None
+    for i, part in enumerate(part_paths):
+        link = directory / split_part_name(i, n)
+        os.symlink(os.path.realpath(part), link)
+        first = first or link
+    if first is None:
+        raise UsageError("a split set needs at least one part", code="invalid_stage_load")
+    return first
+
+
+def require_full_range(layers: LayerRange) -> None:
+    if not layers.is_full:
+        raise StageUnsupported(
+            f"layers {layers} of {layers.layer_count} is a partial stage; the llama.cpp "
+            "full-model runtime only runs a stage that owns every layer "
+            f"(0..{layers.layer_count}). "
+            "A later runtime handles partial stages by exchanging activations.",
+            code="partial_range_unsupported",
+            expected=f"0..{layers.layer_count}",
+            actual=str(layers),
+            remediation=f"run the whole model with --layers 0..{layers.layer_count}",
+        )
+
+
+# --- llama.cpp import and log forwarding ----------------------------------------------------------
+# ggml_log_level: 1 DEBUG, 2 INFO, 3 WARN, 4 ERROR, 5 CONT (continues the previous line).
+# llama.cpp warnings are about its own choices (e.g. "using full-size SWA cache"): shown with -v.
+_GGML_LOG_LEVELS = {1: logging.DEBUG, 2: logging.DEBUG, 3: logging.INFO, 4: logging.ERROR}
+_log_state = {"last": logging.DEBUG}
+_log_callback: Any = None  # the ctypes callback must stay referenced while installed
+
+
+def _forward_log(level: int, text: bytes, _user_data: Any) -> None:
+    py_level = _log_state["last"] if level == 5 else _GGML_LOG_LEVELS.get(level, logging.DEBUG)
+    _log_state["last"] = py_level
+    message = text.decode("utf-8", "replace").rstrip()
+    if message:
+        _llama_log.log(py_level, "%s", message)
+
+
+def _import_llama() -> ModuleType:
+    global _log_callback
+    try:
+        import llama_cpp
+        import llama_cpp.llama  # installs llama-cpp-python's own log callback; ours replaces it
+    except ImportError as exc:
+        raise RuntimeUnavailable(
+            f"the llama.cpp runtime needs llama-cpp-python, which cannot be imported: {exc}",
+            remediation="install it with `pip install 'skippy-mesh[llama]'` "
+            "(it builds llama.cpp from source; ~8 minutes on 2 cores)",
+        ) from exc
+    if _log_callback is None:
+        _log_callback = llama_cpp.llama_log_callback(_forward_log)
+        llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
+    return llama_cpp
+
+
+# --- the runtime ----------------------------------------------------------------------------------
+class LlamaStageRuntime:
+    """``StageRuntime`` over llama-cpp-python for full-range stages (see the module doc)."""
+
+    def __init__(self, config: LlamaRuntimeConfig | None = None) -> None:
+        self.config = config or LlamaRuntimeConfig()
+        self._lib = _import_llama()
+        self._llm: Any = None
+        self.stage: StageLoad | None = None
+        self.load_s: float | None = None
+
+    def __enter__(self) -> LlamaStageRuntime:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def require_supported(self, layers: LayerRange) -> None:
+        require_full_range(layers)
+
+    def load(self, stage: StageLoad) -> None:
+        self.require_supported(stage.layers)
+        for path in stage.part_paths:
+            if not path.is_file():
+                raise ArtifactMissing(f"stage part {path} is not a file", path=str(path))
+        if stage.projector_path is not None:
+            log.warning(
+                "projector %s is not loaded: this runtime is text-only", stage.projector_path
+            )
+        self.close()
+        link_dir = Path(tempfile.mkdtemp(prefix=".skippy-split-", dir=self.config.link_parent))
+        t0 = time.perf_counter()
+        try:
+            first = link_split_set(stage.part_paths, link_dir)
+            try:
+                self._llm = self._lib.llama.Llama(
+                    model_path=str(first),
+                    n_ctx=self.config.n_ctx,
+                    n_batch=self.config.n_batch,
+                    n_threads=self.config.n_threads,
+                    n_threads_batch=self.config.n_threads,
+                    use_mmap=True,
+                    verbose=False,
+                )
+            except ValueError as exc:
+                raise RuntimeLoadError(
+                    f"llama.cpp could not load the {len(stage.part_paths)}-part split set of "
+                    f"{stage.model_id} layers {stage.layers}: {exc}",
+                    remediation="run validate-package on the package; rerun with -v for "
+                    "llama.cpp's own log",
+                ) from exc
+        finally:
+            for link in link_dir.iterdir():
+                link.unlink()
+            link_dir.rmdir()
+        self.load_s = time.perf_counter() - t0
+        self.stage = stage
+        log.info(
+            "loaded %s layers %s from %d parts in %.2fs",
+            stage.model_id,
+            stage.layers,
+            len(stage.part_paths),
+            self.load_s,
+        )
+
+    def _loaded(self) -> Any:
+        if self._llm is None:
+            raise StageNotLoaded("no stage is loaded: call load() first")
+        return self._llm
+
+    @property
+    def n_vocab(self) -> int:
+        return int(self._loaded().n_vocab())
+
+    def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
+        llm = self._loaded()
+        return [int(t) for t in llm.tokenize(text.encode("utf-8"), add_bos=add_special)]
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        llm = self._loaded()
+        raw: bytes = llm.detokenize([int(t) for t in tokens])
+        return raw.decode("utf-8", "replace")
+
+    def _check_prompt(self, tokens: Sequence[int]) -> list[int]:
+        ids = [int(t) for t in tokens]
+        if not ids:
+            raise UsageError("the prompt has no tokens", code="empty_prompt")
+        if len(ids) >= self.config.n_ctx:
+            raise UsageError(
+                f"the prompt has {len(ids)} tokens; the context holds {self.config.n_ctx}",
+                code="prompt_too_long",
+                remediation="shorten the prompt or raise n_ctx",
+            )
+        return ids
+
+    def logits_for_prompt(self, tokens: Sequence[int]) -> npt.NDArray[np.float32]:
+        llm = self._loaded()
+        ids = self._check_prompt(tokens)
+        llm.reset()
+        llm.eval(ids)
+        row = self._lib.llama_get_logits_ith(llm.ctx, -1)
+        out: npt.NDArray[np.float32] = np.ctypeslib.as_array(row, shape=(llm.n_vocab(),)).copy()
+        return out
+
+    def generate(self, tokens: Sequence[int], *, max_tokens: int) -> Generation:
+        llm = self._loaded()
+        ids = self._check_prompt(tokens)
+        if max_tokens < 1:
+            raise UsageError("max_tokens must be at least 1", code="invalid_max_tokens")
+        vocab = self._lib.llama_model_get_vocab(llm.model)
+        out: list[int] = []
+        stop: StopReason = "length"
+        llm.reset()  # a fresh state: no prefix reuse, so the result depends on the prompt only
+        t0 = time.perf_counter()
+        t_first: float | None = None
+        for tok in llm.generate(ids, temp=0.0, repeat_penalty=1.0, reset=True):
+            if t_first is None:
+                t_first = time.perf_counter()
+            if self._lib.llama_vocab_is_eog(vocab, tok):
+                stop = "eos"
+                break
+            out.append(int(tok))
+            if len(out) >= max_tokens:
+                break
+            if len(ids) + len(out) >= self.config.n_ctx:
+                stop = "context"
+                break
+        t_end = time.perf_counter()
+        t_first = t_end if t_first is None else t_first
+        return Generation(
+            prompt_tokens=tuple(ids),
+            tokens=tuple(out),
+            text=self.detokenize(out),
+            stop_reason=stop,
+            prefill_s=t_first - t0,
+            decode_s=t_end - t_first,
+        )
+
+    def close(self) -> None:
+        llm, self._llm, self.stage = self._llm, None, None
+        if llm is not None:
+            llm.close()
