@@ -19,9 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from skippy.constants import MANIFEST_NAME, ROLE_PROJECTOR
+from skippy.constants import MANIFEST_NAME, ROLE_LAYER, ROLE_PROJECTOR
 from skippy.errors import GGUFFormatError, InputUnreadable, ManifestError, SkippyError, UnsafePath
 from skippy.findings import Finding, errors_only
+from skippy.generation import check_generation
 from skippy.gguf.reader import TensorInfo, open_gguf
 from skippy.hashing import CHUNK_BYTES, DEFAULT_WORKERS, sha256_file
 from skippy.manifest import ArtifactRef, Manifest, check_manifest, parse_manifest
@@ -235,6 +236,7 @@ def validate_package(
         _source_findings(report, m, src, digests)
         if m is not None:
             _tensor_findings(report, results, lookup)
+            report.findings.extend(_generation_findings(m, results, src))
     report.bytes_hashed = sum(s.size for _, s in results) + sum(p.stat().st_size for p in src.paths)
     report.artifacts_checked = len(results)
     report.seconds = time.perf_counter() - t0
@@ -273,6 +275,26 @@ def _source_findings(
                 f"manifest layer_count {m.layer_count} but the source declares {block_count}",
             )
         )
+
+
+def _generation_findings(
+    m: Manifest, results: list[tuple[ArtifactRef, ArtifactScan]], src: SourceModelFiles
+) -> list[Finding]:
+    """Spec "Generation Defaults": a declared block must match what the artifacts hold (e.g.
+    MTP layer indices really hold NextN tensors)."""
+    if m.generation is None:
+        return []
+    names: dict[int, set[str]] = {}
+    for ref, scan in results:
+        if ref.role == ROLE_LAYER and ref.layer_index is not None:
+            names[ref.layer_index] = {t.name for t in scan.tensors}
+    return check_generation(
+        m.generation,
+        layer_count=m.layer_count,
+        layer_tensor_names=lambda i: names.get(i, set()),
+        metadata=src.metadata(),
+        arch=src.architecture,
+    )
 
 
 def _tensor_findings(

@@ -14,7 +14,7 @@ import hashlib
 import os
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +38,7 @@ from skippy.constants import (
 )
 from skippy.errors import ManifestError, ModelError, OutputExists, UsageError
 from skippy.fragments import FragmentPlan, plan_fragments
+from skippy.generation import infer_generation
 from skippy.gguf.reader import open_gguf
 from skippy.gguf.writer import WrittenFragment, write_fragment
 from skippy.hashing import DEFAULT_WORKERS, HashingSink, copy_range, sha256_file
@@ -125,7 +126,6 @@ class WriteOptions:
     quiet: bool = True
     validation_note: str | None = None
     created_at_unix_secs: int | None = None
-    infer_generation: Callable[..., dict[str, Any] | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -274,14 +274,13 @@ def write_package(source: Path, opts: WriteOptions) -> WriteResult:
             tensors=src.tensors,
             layer_count=layer_count,
         )
-        generation = None
-        if opts.infer_generation is not None:
-            generation = opts.infer_generation(
-                arch=src.architecture,
-                metadata=src.metadata(),
-                tensor_names=[t.info.name for t in src.tensors],
-                layer_count=layer_count,
-            )
+        # Spec "Generation Defaults": advertise only what the artifact really contains.
+        generation = infer_generation(
+            arch=src.architecture,
+            metadata=src.metadata(),
+            tensor_names=[t.info.name for t in src.tensors],
+            layer_count=layer_count,
+        )
         width = src.arch_value("embedding_length")
         old = _prepare_out_dir(opts.out_dir, opts.overwrite)
 

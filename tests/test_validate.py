@@ -217,3 +217,16 @@ def test_write_package_cli_with_validate(synth_dir, tmp_path, capsys):
     assert "Result at write time: valid" in readme
     manifest_sha = hashlib.sha256((out / "model-package.json").read_bytes()).hexdigest()
     assert manifest_sha in readme
+
+
+def test_generation_block_is_checked_against_artifacts(synth_dir, tmp_path):
+    pkg = tmp_path / "nextn"
+    m = make_package(synth_dir.nextn, pkg).manifest
+    assert m.generation is not None
+    assert validate_package(synth_dir.nextn, pkg).valid
+
+    def point_mtp_at_layer_0(d):
+        d["generation"]["speculative_decoding"]["proposers"]["mtp"]["layer_indices"] = [0]
+
+    edit_manifest(pkg, point_mtp_at_layer_0)
+    assert "mtp_layer_missing_nextn_tensors" in codes(synth_dir.nextn, pkg)

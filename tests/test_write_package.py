@@ -255,3 +255,22 @@ def test_gemma3_round_trip(gemma_gguf, tmp_path):
     report = validate_package(gemma_gguf, pkg)
     assert report.valid, report.findings
     assert report.tensors_checked == 236
+
+
+def test_nextn_evidence_yields_an_mtp_strategy(synth_dir, tmp_path):
+    m = make_package(synth_dir.nextn, tmp_path / "pkg").manifest
+    assert m.generation is not None
+    spec = m.generation["speculative_decoding"]
+    assert spec["default"] == "mtp"
+    assert spec["proposers"]["mtp"] == {
+        "type": "native-mtp",
+        "prediction_depth": 1,
+        "layer_indices": [m.layer_count - 1],
+    }
+    readme = (tmp_path / "pkg" / "README.md").read_text()
+    assert '"native-mtp"' in readme  # generation defaults are listed in the package README
+
+
+def test_no_evidence_no_generation_block(synth_dir, tmp_path):
+    make_package(synth_dir.llama, tmp_path / "pkg")
+    assert "generation" not in json.loads((tmp_path / "pkg" / MANIFEST_NAME).read_text())

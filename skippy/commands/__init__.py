@@ -4,6 +4,6 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from skippy.commands import producer
+from skippy.commands import producer, runtime
 
-COMMAND_MODULES: tuple[ModuleType, ...] = (producer,)
+COMMAND_MODULES: tuple[ModuleType, ...] = (producer, runtime)
