@@ -1,0 +1,92 @@
+"""The one configuration reader: environment variables and the node TOML, into frozen objects.
+
+Nothing else in the project reads ``os.environ`` or parses the TOML file; everything else
+receives these objects. Units are in the names (``..._s``, ``..._bytes``).
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from skippy.constants import ENV_VERIFY_PACKAGE_SHA
+from skippy.errors import InputUnreadable, UsageError
+from skippy.generation import SpeculativeOverrides, load_speculative_overrides
+
+ENV_ARTIFACT_TRANSFER = "MESH_LLM_ARTIFACT_TRANSFER"
+ENV_HF_ENDPOINT = "HF_ENDPOINT"
+ENV_HF_OFFLINE = "HF_HUB_OFFLINE"
+ENV_HF_CACHE = "HF_HUB_CACHE"
+ENV_HF_HOME = "HF_HOME"
+ENV_XDG_CACHE = "XDG_CACHE_HOME"
+
+ArtifactTransfer = Literal["off", "trusted", "open"]
+_TRANSFER_MODES: dict[str, ArtifactTransfer] = {"off": "off", "trusted": "trusted", "open": "open"}
+_FALSE_WORDS = frozenset({"0", "false", "no", "off"})
+_TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
+
+
+@dataclass(frozen=True)
+class Environment:
+    """Every environment variable the project honours, read once."""
+
+    # Spec "Consumer Validation": local package directories MAY keep SHA-256 verification behind
+    # SKIPPY_VERIFY_PACKAGE_SHA. We keep the safe default: on unless set to 0/false/no/off.
+    verify_local_sha256: bool = True
+    # Spec "Peer Cache Transfer": not advertised or served by default; trusted or open opt in.
+    artifact_transfer: ArtifactTransfer = "off"
+    hf_endpoint: str | None = None
+    hf_offline: bool = False
+    hf_cache_dir: Path | None = None
+    skippy_cache_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "skippy")
+
+
+def read_environment(environ: Mapping[str, str] | None = None) -> Environment:
+    env = os.environ if environ is None else environ
+    raw_transfer = env.get(ENV_ARTIFACT_TRANSFER, "").strip().lower() or "off"
+    transfer = _TRANSFER_MODES.get(raw_transfer)
+    if transfer is None:
+        raise UsageError(
+            f"{ENV_ARTIFACT_TRANSFER}={raw_transfer!r} is not one of off, trusted, open",
+            code="invalid_config",
+        )
+    hf_cache = env.get(ENV_HF_CACHE) or (
+        str(Path(env[ENV_HF_HOME]) / "hub") if env.get(ENV_HF_HOME) else None
+    )
+    xdg = env.get(ENV_XDG_CACHE) or str(Path(env.get("HOME", str(Path.home()))) / ".cache")
+    return Environment(
+        verify_local_sha256=env.get(ENV_VERIFY_PACKAGE_SHA, "").strip().lower() not in _FALSE_WORDS,
+        artifact_transfer=transfer,
+        hf_endpoint=env.get(ENV_HF_ENDPOINT) or None,
+        hf_offline=env.get(ENV_HF_OFFLINE, "").strip().lower() in _TRUE_WORDS,
+        hf_cache_dir=Path(hf_cache) if hf_cache else None,
+        skippy_cache_dir=Path(xdg) / "skippy",
+    )
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """The node's TOML file. Sections other modules own are parsed by them from ``raw``."""
+
+    path: Path | None
+    speculative: SpeculativeOverrides
+    raw: Mapping[str, Any] = field(default_factory=dict)
+
+
+def load_node_config(path: Path | None) -> NodeConfig:
+    """Read the node TOML (``None``: an empty config). Bad TOML is a usage error (exit 2)."""
+    if path is None:
+        return NodeConfig(path=None, speculative=load_speculative_overrides({}))
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as exc:
+        raise InputUnreadable(f"config file {path} does not exist", path=str(path)) from exc
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputUnreadable(f"cannot read config file {path}: {exc}", path=str(path)) from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise UsageError(f"{path} is not valid TOML: {exc}", code="invalid_config") from exc
+    return NodeConfig(path=path, speculative=load_speculative_overrides(raw), raw=raw)

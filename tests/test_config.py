@@ -1,0 +1,67 @@
+"""The one config reader: environment and node TOML."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from skippy.config import load_node_config, read_environment
+from skippy.errors import InputUnreadable, UsageError
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (None, True),
+        ("", True),
+        ("1", True),
+        ("yes", True),
+        ("0", False),
+        ("false", False),
+        ("FALSE", False),
+        ("off", False),
+    ],
+)
+def test_local_sha_verification_is_on_unless_disabled(value, expected):
+    env = {} if value is None else {"SKIPPY_VERIFY_PACKAGE_SHA": value}
+    assert read_environment(env).verify_local_sha256 is expected
+
+
+@pytest.mark.parametrize(
+    ("value", "mode"), [(None, "off"), ("trusted", "trusted"), ("OPEN", "open")]
+)
+def test_artifact_transfer_modes(value, mode):
+    env = {} if value is None else {"MESH_LLM_ARTIFACT_TRANSFER": value}
+    assert read_environment(env).artifact_transfer == mode
+
+
+def test_unknown_artifact_transfer_mode_is_refused():
+    with pytest.raises(UsageError) as exc:
+        read_environment({"MESH_LLM_ARTIFACT_TRANSFER": "everyone"})
+    assert exc.value.code == "invalid_config"
+
+
+def test_hf_cache_and_offline():
+    env = read_environment({"HF_HOME": "/h", "HF_HUB_OFFLINE": "1", "HOME": "/home/u"})
+    assert env.hf_cache_dir == Path("/h/hub") and env.hf_offline
+    assert env.skippy_cache_dir == Path("/home/u/.cache/skippy")
+    assert read_environment({"HF_HUB_CACHE": "/c", "HF_HOME": "/h"}).hf_cache_dir == Path("/c")
+
+
+def test_node_toml(tmp_path):
+    cfg = tmp_path / "node.toml"
+    cfg.write_text('[speculative]\nstrategy = "disabled"\n')
+    node = load_node_config(cfg)
+    assert node.speculative.global_settings.strategy == "disabled"
+    assert load_node_config(None).speculative.global_settings.strategy is None
+
+
+def test_bad_toml_and_missing_file(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[speculative\n")
+    with pytest.raises(UsageError) as exc:
+        load_node_config(bad)
+    assert exc.value.code == "invalid_config"
+    with pytest.raises(InputUnreadable):
+        load_node_config(tmp_path / "none.toml")
