@@ -1,0 +1,161 @@
+"""Consumer commands: preflight, select, materialize (spec "Consumer Validation", "Layer
+Selection").
+
+Each handler parses its arguments at the edge (the package reference through
+``resolve_ref_for_cli``, the layer range through ``parse_layer_range``), calls one library
+function and renders text or ``--json``. Exit codes come from ``skippy.cli``'s one table:
+1 when the package is invalid (any error finding), 2 for bad usage or unreadable input.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from skippy.cli import CommandResult, add_json_flag, exit_for
+from skippy.errors import InputUnreadable, UsageError
+from skippy.findings import Finding
+from skippy.materialize import materialize_stage
+from skippy.preflight import PreparedStage, load_package, preflight_package, prepare_stage
+from skippy.progress import human_bytes
+from skippy.ranges import parse_layer_range
+from skippy.refs import HfPackageRef, parse_package_ref
+from skippy.verify import VerifyCache, verify_enabled_for_local
+
+
+def resolve_ref_for_cli(text: str) -> Path:
+    """The one place a command turns REF into a local package directory.
+
+    TODO(hub): resolve ``hf://`` references (download the selected artifacts into the hub
+    cache, always verifying SHA-256 per spec "Consumer Validation"); until then they are
+    refused with ``not_yet_supported``.
+    """
+    ref = parse_package_ref(text)
+    if isinstance(ref, HfPackageRef):
+        raise UsageError(
+            f"{ref}: hf:// package references are not supported by this command yet",
+            code="not_yet_supported",
+            remediation="download the package and pass its local directory",
+        )
+    if not ref.path.is_dir():
+        raise InputUnreadable(f"package directory {ref.path} does not exist", path=str(ref.path))
+    return ref.path
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("preflight", help="check a package without its source model")
+    p.add_argument("package", metavar="PKG", help="a package directory")
+    p.add_argument("--stages", type=int, help="also list each stage's parts for N even stages")
+    p.add_argument("--verify-sha256", action="store_true", help="hash every checked artifact")
+    p.add_argument(
+        "--metadata-only",
+        action="store_true",
+        help="check only the manifest and shared/metadata.gguf (no layer range needed)",
+    )
+    add_json_flag(p)
+    p.set_defaults(handler=cmd_preflight)
+
+    p = sub.add_parser("select", help="list the validated parts a stage loads")
+    p.add_argument("ref", metavar="REF", help="a package directory")
+    p.add_argument("--layers", required=True, metavar="A..B", help="half-open layer range")
+    p.add_argument("--projector", metavar="P", help="a projector path declared in the manifest")
+    add_json_flag(p)
+    p.set_defaults(handler=cmd_select)
+
+    p = sub.add_parser("materialize", help="compose a stage's parts into one GGUF (a cache)")
+    p.add_argument("ref", metavar="REF", help="a package directory")
+    p.add_argument("--layers", required=True, metavar="A..B", help="half-open layer range")
+    p.add_argument("--out", required=True, type=Path, metavar="FILE", help="outside the package")
+    add_json_flag(p)
+    p.set_defaults(handler=cmd_materialize)
+
+
+def _finding_lines(findings: list[Finding]) -> list[str]:
+    lines = []
+    for f in findings:
+        lines.append(f"  {f.severity}: [{f.code}] {f.message}" + (f" ({f.path})" if f.path else ""))
+        if f.remediation and f.severity == "error":
+            lines.append(f"      hint: {f.remediation}")
+    return lines
+
+
+def cmd_preflight(args: argparse.Namespace) -> CommandResult:
+    root = resolve_ref_for_cli(args.package)
+    report = preflight_package(
+        root,
+        stages=args.stages,
+        verify_sha256=args.verify_sha256,
+        metadata_only=args.metadata_only,
+    )
+    verdict = "ok" if report.valid else "INVALID"
+    scope = "metadata only" if args.metadata_only else f"{report.artifacts_checked} artifacts"
+    sha = ""
+    if report.verification is not None:
+        v = report.verification
+        sha = f", {v.hashed} hashed ({human_bytes(v.bytes_hashed)})"
+    lines = [f"{root}: {verdict} ({scope}{sha}, {report.seconds:.2f}s)"]
+    for s in report.stages:
+        if s.selection is None:
+            lines.append(f"  stage {s.index}: layers {s.layers}: {s.error}")
+            continue
+        sel = s.selection
+        lines.append(
+            f"  stage {s.index}: layers {s.layers}  {len(sel.parts)} parts  "
+            f"{human_bytes(sel.total_bytes)}"
+        )
+        for r in sel.all_refs:
+            lines.append(f"    {r.role:<10} {r.path:<32} {human_bytes(r.artifact.artifact_bytes)}")
+    lines += _finding_lines(report.findings)
+    return CommandResult(
+        data=report.to_dict(), text="\n".join(lines), exit_code=exit_for(report.valid)
+    )
+
+
+def _prepare(args: argparse.Namespace, projector: str | None) -> PreparedStage:
+    pkg = load_package(resolve_ref_for_cli(args.ref))
+    layers = parse_layer_range(args.layers, pkg.manifest.layer_count)
+    verify = verify_enabled_for_local()
+    return prepare_stage(
+        pkg,
+        layers,
+        projector_path=projector,
+        verify=verify,
+        cache=VerifyCache.default() if verify else None,
+    )
+
+
+def cmd_select(args: argparse.Namespace) -> CommandResult:
+    stage = _prepare(args, args.projector)
+    sel = stage.selection
+    lines = [
+        f"{sel.manifest.model_id} layers {sel.layers}: {len(sel.parts)} parts, "
+        f"{human_bytes(sel.total_bytes)}"
+        + (" (SHA-256 verified)" if stage.verification is not None else "")
+    ]
+    for r in sel.all_refs:
+        index = "" if r.layer_index is None else str(r.layer_index)
+        lines.append(
+            f"  {r.role:<10} {index:>5} {r.path:<32} {human_bytes(r.artifact.artifact_bytes):>10}"
+            f"  {r.artifact.sha256[:16]}"
+        )
+    return CommandResult(data=stage.to_dict(), text="\n".join(lines))
+
+
+def cmd_materialize(args: argparse.Namespace) -> CommandResult:
+    # Projectors are never merged into a materialization (spec "Repository Layout").
+    stage = _prepare(args, None)
+    result = materialize_stage(
+        stage.package.root,
+        stage.selection,
+        args.out,
+        manifest_sha256=stage.package.manifest_sha256,
+    )
+    verb = "wrote" if result.built else "kept existing"
+    text = (
+        f"{verb} {result.path} (layers {stage.selection.layers}, {result.tensor_count} tensors, "
+        f"{human_bytes(result.artifact_bytes)}, {result.seconds:.2f}s)\n"
+        f"  cache key {result.cache_key}"
+    )
+    data = {**result.to_dict(), "stage": stage.to_dict()}
+    return CommandResult(data=data, text=text)

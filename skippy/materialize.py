@@ -1,0 +1,258 @@
+"""materialize: compose a stage's selected parts into ONE GGUF, as derived cache.
+
+Spec "Layer Selection": a runtime that composes the selected parts into a per-stage GGUF makes
+"derived cache" that "MUST NOT become the published repository format"; spec "Repository
+Layout": projectors "MUST NOT be merged into per-stage GGUF materializations". So the output
+must live outside the package (``materialize_inside_package``), holds only the stage's parts,
+and says what it is in its own KV section.
+
+The output is: the KV records of ``shared/metadata.gguf`` copied raw (minus the ``split.*``
+keys, which would make llama.cpp look for sibling shards, and minus the ``skippy.fragment.*``
+keys, which describe one fragment), plus ``skippy.materialized.*`` keys recording the cache key,
+the manifest digest and the layer range; then every part's tensors in load order, streamed
+raw through ``skippy.gguf.writer`` (nothing decoded) and installed with ``skippy.atomic``.
+
+Idempotent: the cache key is the SHA-256 of the manifest digest and the selection identity
+(layer range and each part's role, layer, path and SHA-256). An existing output carrying the
+same key is kept; an ``fcntl.flock`` on a hidden lock file next to the output makes concurrent
+callers build it once (the lock only saves work: the atomic rename is what makes it correct).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+from skippy.constants import (
+    KEY_FRAGMENT_ROLE,
+    MANIFEST_NAME,
+    ROLE_METADATA,
+    SPLIT_KEYS,
+)
+from skippy.errors import (
+    GGUFFormatError,
+    IntegrityError,
+    ManifestError,
+    OutputExists,
+    SkippyError,
+    UsageError,
+)
+from skippy.gguf.constants import ValueType
+from skippy.gguf.reader import GGUFFile, open_gguf
+from skippy.gguf.writer import TensorSource, encode_kv, write_fragment
+from skippy.paths import resolve_under
+from skippy.select import StageSelection
+
+# Keys of a materialized stage GGUF. TODO(lead): move to skippy.constants with the other keys.
+MATERIALIZED_KEY_PREFIX: Final = "skippy.materialized."
+KEY_MATERIALIZED_CACHE_KEY: Final = MATERIALIZED_KEY_PREFIX + "cache_key"
+KEY_MATERIALIZED_MANIFEST_SHA256: Final = MATERIALIZED_KEY_PREFIX + "manifest_sha256"
+KEY_MATERIALIZED_LAYER_START: Final = MATERIALIZED_KEY_PREFIX + "layer_start"
+KEY_MATERIALIZED_LAYER_STOP: Final = MATERIALIZED_KEY_PREFIX + "layer_stop"
+KEY_MATERIALIZED_LAYER_COUNT: Final = MATERIALIZED_KEY_PREFIX + "layer_count"
+# Every skippy.fragment.* key describes one fragment, not the composed file.
+FRAGMENT_KEY_PREFIX: Final = KEY_FRAGMENT_ROLE.rpartition(".")[0] + "."
+CACHE_KEY_VERSION: Final = 1
+
+
+@dataclass(frozen=True)
+class MaterializeResult:
+    path: Path
+    cache_key: str
+    built: bool  # False: an existing output with the same cache key was kept
+    artifact_bytes: int
+    tensor_count: int
+    seconds: float
+    sha256: str | None = None  # of the file just written (None when kept)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "path": str(self.path),
+            "cache_key": self.cache_key,
+            "built": self.built,
+            "artifact_bytes": self.artifact_bytes,
+            "tensor_count": self.tensor_count,
+            "sha256": self.sha256,
+            "seconds": round(self.seconds, 3),
+        }
+
+
+def materialization_key(manifest_sha256: str, selection: StageSelection) -> str:
+    """Deterministic identity of one materialization (projectors are never part of it)."""
+    identity = {
+        "v": CACHE_KEY_VERSION,
+        "manifest_sha256": manifest_sha256.lower(),
+        "layer_start": selection.layers.start,
+        "layer_stop": selection.layers.stop,
+        "layer_count": selection.layers.layer_count,
+        "parts": [
+            [r.role, r.layer_index, r.path, r.artifact.sha256.lower()] for r in selection.parts
+        ],
+    }
+    canonical = json.dumps(identity, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+def lock_path_for(out: Path) -> Path:
+    return out.parent / f".{out.name}.lock"
+
+
+def _refuse_inside_package(root: Path, out: Path) -> None:
+    """Spec "Layer Selection": a materialization is derived cache and must never sit in (and
+    risk being published with) the package. Symlinked folders are resolved first."""
+    boundary = os.path.realpath(root)
+    real = os.path.realpath(out)
+    if real == boundary or real.startswith(boundary + os.sep):
+        raise UsageError(
+            f"--out {out} is inside the package {root}: a per-stage GGUF is derived cache and "
+            "must not become part of the published package",
+            code="materialize_inside_package",
+            path=str(out),
+            remediation="write it to a cache folder outside the package directory",
+        )
+
+
+def _existing_key(out: Path) -> str | None:
+    """The cache key of an existing materialization at ``out``; None if there is no file.
+    Anything else at ``out`` is not ours to replace."""
+    if not out.exists():
+        return None
+    if not out.is_file():
+        raise OutputExists(f"--out {out} exists and is not a file", path=str(out))
+    try:
+        with open_gguf(out) as g:
+            key = g.get(KEY_MATERIALIZED_CACHE_KEY)
+    except GGUFFormatError:
+        key = None
+    if not isinstance(key, str):
+        raise OutputExists(
+            f"--out {out} exists and is not a skippy materialization; refusing to replace it",
+            path=str(out),
+            remediation="remove it or choose another --out",
+        )
+    return key
+
+
+@contextlib.contextmanager
+def _exclusive(lock: Path) -> Iterator[None]:
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
+
+
+def _kv_records(meta: GGUFFile, key: str, manifest_sha256: str, sel: StageSelection) -> list[bytes]:
+    records = [
+        meta.raw_field(k)
+        for k in meta.fields
+        if k not in SPLIT_KEYS
+        and not k.startswith(FRAGMENT_KEY_PREFIX)
+        and not k.startswith(MATERIALIZED_KEY_PREFIX)
+    ]
+    records += [
+        encode_kv(KEY_MATERIALIZED_CACHE_KEY, ValueType.STRING, key),
+        encode_kv(KEY_MATERIALIZED_MANIFEST_SHA256, ValueType.STRING, manifest_sha256.lower()),
+        encode_kv(KEY_MATERIALIZED_LAYER_START, ValueType.UINT32, sel.layers.start),
+        encode_kv(KEY_MATERIALIZED_LAYER_STOP, ValueType.UINT32, sel.layers.stop),
+        encode_kv(KEY_MATERIALIZED_LAYER_COUNT, ValueType.UINT32, sel.layers.layer_count),
+    ]
+    return records
+
+
+def _build(
+    root: Path,
+    sel: StageSelection,
+    out: Path,
+    key: str,
+    manifest_sha256: str,
+    containment_root: Path | None,
+) -> tuple[str, int]:
+    if not sel.parts or sel.parts[0].role != ROLE_METADATA:
+        raise ManifestError(
+            "a stage selection must start with shared metadata", code="bad_selection"
+        )
+    with contextlib.ExitStack() as stack:
+        files: list[GGUFFile] = []
+        for ref in sel.parts:
+            p = resolve_under(root, ref.path, containment_root=containment_root)
+            g = stack.enter_context(open_gguf(p))
+            if g.file_size != ref.artifact.artifact_bytes:
+                raise IntegrityError(
+                    f"{ref.path} is {g.file_size} bytes, the manifest declares "
+                    f"{ref.artifact.artifact_bytes}",
+                    code="artifact_size_mismatch",
+                    path=ref.path,
+                    expected=ref.artifact.artifact_bytes,
+                    actual=g.file_size,
+                )
+            files.append(g)
+        meta = files[0]
+        tensors: list[TensorSource] = []
+        seen: dict[str, str] = {}
+        for ref, g in zip(sel.parts, files, strict=True):
+            for t in g.tensors:
+                if t.name in seen:
+                    raise GGUFFormatError(
+                        f"tensor {t.name!r} is in both {seen[t.name]} and {ref.path}",
+                        code="gguf_duplicate_tensor",
+                        path=ref.path,
+                    )
+                seen[t.name] = ref.path
+                tensors.append(TensorSource(t, g.fileno()))
+        records = _kv_records(meta, key, manifest_sha256, sel)
+        written = write_fragment(out, records, tensors, meta.alignment)
+    return written.sha256, written.tensor_count
+
+
+def materialize_stage(
+    root: Path,
+    selection: StageSelection,
+    out: Path,
+    *,
+    manifest_sha256: str,
+    containment_root: Path | None = None,
+) -> MaterializeResult:
+    """Compose ``selection``'s parts (read from package ``root``) into the GGUF ``out``, or
+    keep ``out`` if it already holds this exact materialization. Checksums are the caller's
+    job (``skippy.preflight.prepare_stage`` with ``verify=True``) before calling this."""
+    t0 = time.perf_counter()
+    _refuse_inside_package(root, out)
+    if out.name == MANIFEST_NAME:
+        raise UsageError(f"--out must be a .gguf file, not {MANIFEST_NAME}", path=str(out))
+    key = materialization_key(manifest_sha256, selection)
+
+    def kept() -> MaterializeResult:
+        with open_gguf(out) as g:
+            n = len(g.tensors)
+        return MaterializeResult(out, key, False, out.stat().st_size, n, time.perf_counter() - t0)
+
+    if _existing_key(out) == key:
+        return kept()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with _exclusive(lock_path_for(out)):
+        if _existing_key(out) == key:  # another process built it while we waited
+            return kept()
+        sha, n = _build(root, selection, out, key, manifest_sha256, containment_root)
+        try:
+            with open_gguf(out) as g:  # the writer's own output must read back cleanly
+                ok = len(g.tensors) == n and g.get(KEY_MATERIALIZED_CACHE_KEY) == key
+        except SkippyError:
+            ok = False
+        if not ok:
+            out.unlink(missing_ok=True)
+            raise GGUFFormatError(
+                f"materialized {out} does not read back as written", code="materialize_failed"
+            )
+    return MaterializeResult(
+        out, key, True, out.stat().st_size, n, time.perf_counter() - t0, sha256=sha
+    )

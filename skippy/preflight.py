@@ -1,0 +1,404 @@
+"""preflight: the source-less consumer check of a package, and opening one stage of it.
+
+Spec "Consumer Validation". ``preflight_package`` reports every problem as findings (severity,
+code, message, path, remediation) without needing the source model: the manifest rules
+(``skippy.manifest.check_manifest``), every artifact's presence, type and size
+(``skippy.validate.check_artifact_file``), each artifact's GGUF header against its declared
+tensor count and bytes, the package generation defaults (``skippy.generation``), optionally
+SHA-256 (``skippy.verify``) and a per-stage part list. ``metadata_only`` is the spec's
+"Metadata-only inspection": the manifest and ``shared/metadata.gguf`` only, no layer range.
+
+``load_package`` / ``prepare_stage`` are what a stage runs before it starts: they raise one
+typed error (with every finding attached) instead of returning findings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import time
+from collections.abc import Collection, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+from skippy.constants import (
+    KEY_ARCHITECTURE,
+    MANIFEST_MAX_BYTES,
+    MANIFEST_NAME,
+    ROLE_LAYER,
+    ROLE_METADATA,
+    ROLE_PROJECTOR,
+)
+from skippy.errors import InputUnreadable, ManifestError, SkippyError, UsageError
+from skippy.findings import Finding, errors_only, raise_for_findings
+from skippy.generation import check_generation
+from skippy.gguf.reader import GGUFFile, open_gguf
+from skippy.manifest import ArtifactRef, Manifest, check_manifest, parse_manifest
+from skippy.paths import is_safe_relative_path
+from skippy.plan import even_ranges
+from skippy.ranges import LayerRange
+from skippy.select import StageSelection, select_stage
+from skippy.validate import check_artifact_file
+from skippy.verify import VerifyCache, VerifyReport, check_refs, verify_selection
+
+# Remediation for every code preflight can report that does not already carry one.
+REMEDIATIONS: Final[Mapping[str, str]] = {
+    "missing_manifest": "point at the package root (the folder holding model-package.json), "
+    "or create the package with write-package",
+    "invalid_manifest_json": "model-package.json must be UTF-8 JSON: fetch or write it again",
+    "manifest_too_large": "a manifest over 16 MiB is rejected; republish the package",
+    "invalid_manifest": "fix the named field, or rewrite the package with write-package",
+    "unsupported_schema_version": "upgrade the runtime, or republish with schema_version 1",
+    "invalid_format": 'a layer package declares format "layer-package"; this is not one',
+    "empty_model_id": "set model_id to the source model coordinate ORG/REPO:DISTRIBUTION",
+    "empty_source_identity": "record source_model.repo, revision and primary_file",
+    "invalid_source_model_sha256": "record the source file's 64-hex SHA-256 in source_model.sha256",
+    "missing_skippy_abi_version": "republish with a writer that records skippy_abi_version",
+    "incompatible_skippy_abi_version": "use a runtime built for this ABI or republish",
+    "invalid_layer_count": "layer_count must be the source model's transformer layer count",
+    "unsupported_projector_kind": "remove the projector entry or use a runtime that supports "
+    "its kind (this one supports mmproj)",
+    "layer_index_out_of_range": "every layer_index must be in 0..layer_count-1: rewrite the "
+    "package",
+    "missing_layer": "layers[] needs exactly one entry per layer 0..layer_count-1: rewrite the "
+    "package",
+    "duplicate_layer": "layers[] needs exactly one entry per layer: rewrite the package",
+    "duplicate_artifact_path": "each artifact needs its own file: rewrite the package",
+    "unsafe_artifact_path": "artifact paths must be relative POSIX paths that stay inside the "
+    "package root (no '..', no absolute paths, no symlinks leading out)",
+    "artifact_not_file": "replace it with the artifact file itself",
+    "missing_artifact": "fetch the missing file again, or rewrite the package",
+    "unreadable_artifact": "check the file's permissions",
+    "artifact_size_mismatch": "the file is truncated or replaced: fetch it again",
+    "empty_artifact": "artifact_bytes must be the file's exact, positive size",
+    "invalid_tensor_bytes": "tensor_bytes is 0 exactly when tensor_count is 0, and never more "
+    "than artifact_bytes",
+    "invalid_artifact_sha256": "sha256 must be the file's 64-hex SHA-256 digest",
+    "artifact_sha256_mismatch": "the file is corrupt or was replaced: delete it and fetch it "
+    "again; never load it as is",
+    "invalid_artifact_gguf": "the file is not a readable GGUF fragment: fetch it again",
+    "tensor_count_mismatch": "the fragment and the manifest disagree: rewrite the package",
+    "tensor_bytes_mismatch": "the fragment and the manifest disagree: rewrite the package",
+    "invalid_stage_count": "use --stages N with N >= 1",
+    "stage_count_exceeds_layer_count": "use at most layer_count stages (each stage needs a layer)",
+}
+
+
+def with_remediation(f: Finding) -> Finding:
+    if f.remediation is not None or f.code not in REMEDIATIONS:
+        return f
+    return dataclasses.replace(f, remediation=REMEDIATIONS[f.code])
+
+
+# --- the package and its manifest -----------------------------------------------------------------
+@dataclass(frozen=True)
+class LoadedPackage:
+    """A local package root with its parsed manifest and the SHA-256 of the manifest bytes
+    (the identity verification records and materializations are keyed by)."""
+
+    root: Path
+    manifest: Manifest
+    manifest_sha256: str
+
+
+def read_package(root: Path) -> tuple[LoadedPackage | None, list[Finding]]:
+    """Read and check ``model-package.json`` once (the bytes hashed are the bytes parsed).
+    Raise ``InputUnreadable`` if ``root`` is not a readable directory."""
+    if not root.is_dir():
+        raise InputUnreadable(f"package directory {root} does not exist", path=str(root))
+    path = root / MANIFEST_NAME
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MANIFEST_MAX_BYTES + 1)  # parse_manifest rejects anything longer
+    except FileNotFoundError:
+        missing = Finding("missing_manifest", f"{root} has no {MANIFEST_NAME}", path=MANIFEST_NAME)
+        return None, [with_remediation(missing)]
+    except OSError as exc:
+        raise InputUnreadable(f"cannot read {path}: {exc.strerror}", path=str(path)) from exc
+    try:
+        m = parse_manifest(raw)
+    except ManifestError as exc:
+        return None, [with_remediation(Finding.from_error(exc))]
+    pkg = LoadedPackage(root, m, hashlib.sha256(raw).hexdigest())
+    return pkg, [with_remediation(f) for f in check_manifest(m)]
+
+
+def load_package(root: Path) -> LoadedPackage:
+    """``read_package`` for code that must stop: raise ``PackageInvalid`` on any error."""
+    pkg, findings = read_package(root)
+    raise_for_findings(findings, f"package {root}")
+    if pkg is None:  # unreachable: no manifest always comes with an error finding
+        raise ManifestError(f"{root}: no usable manifest", path=str(root))
+    return pkg
+
+
+# --- one stage ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PreparedStage:
+    """A stage's selection after consumer validation (and verification, when asked)."""
+
+    package: LoadedPackage
+    selection: StageSelection
+    part_paths: tuple[Path, ...]
+    projector_path: Path | None
+    verification: VerifyReport | None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {
+            "package": str(self.package.root),
+            "manifest_sha256": self.package.manifest_sha256,
+            **self.selection.to_dict(),
+            "sha256_verified": self.verification is not None,
+        }
+        if self.verification is not None:
+            out["verification"] = self.verification.to_dict()
+        return out
+
+
+def prepare_stage(
+    pkg: LoadedPackage,
+    layers: LayerRange,
+    *,
+    projector_path: str | None = None,
+    verify: bool,
+    cache: VerifyCache | None,
+) -> PreparedStage:
+    """Spec "Consumer Validation" for one stage: select its parts (spec "Layer Selection"),
+    check that they and every declared projector are safe, present, regular files of the
+    declared size, and verify SHA-256 when ``verify`` (always for ``hf://``; behind
+    ``SKIPPY_VERIFY_PACKAGE_SHA`` for local directories). Raise on any problem."""
+    sel = select_stage(pkg.manifest, layers, projector_path=projector_path)
+    declared_projectors = [r for r in pkg.manifest.artifacts() if r.role == ROLE_PROJECTOR]
+    findings: list[Finding] = []
+    paths: dict[str, Path] = {}
+    for ref in [*sel.parts, *declared_projectors]:
+        p, problem = check_artifact_file(pkg.root, ref)
+        if problem is not None:
+            findings.append(with_remediation(problem))
+        elif p is not None:
+            paths[ref.path] = p
+    # Other stages' layers are not this stage's business; every declared projector is.
+    raise_for_findings(findings, f"stage {layers} of {pkg.root}")
+    report = None
+    if verify:
+        report = verify_selection(pkg.root, sel, manifest_sha256=pkg.manifest_sha256, cache=cache)
+    return PreparedStage(
+        package=pkg,
+        selection=sel,
+        part_paths=tuple(paths[r.path] for r in sel.parts),
+        projector_path=paths[sel.projector.path] if sel.projector else None,
+        verification=report,
+    )
+
+
+# --- the whole-package check ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class StagePreflight:
+    index: int
+    layers: LayerRange
+    selection: StageSelection | None
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"stage": self.index}
+        if self.selection is not None:
+            out.update(self.selection.to_dict())
+            out.pop("package_bytes", None)
+            out.pop("model_id", None)
+        else:
+            out.update({"layer_start": self.layers.start, "layer_end": self.layers.stop})
+            out["error"] = self.error
+        return out
+
+
+@dataclass
+class PreflightReport:
+    package: str
+    metadata_only: bool = False
+    findings: list[Finding] = field(default_factory=list)
+    manifest_sha256: str | None = None
+    manifest: Manifest | None = None
+    artifacts_checked: int = 0
+    stages: list[StagePreflight] = field(default_factory=list)
+    verification: VerifyReport | None = None
+    seconds: float = 0.0
+
+    @property
+    def valid(self) -> bool:
+        return not errors_only(self.findings)
+
+    def codes(self) -> set[str]:
+        return {f.code for f in self.findings}
+
+    def to_dict(self) -> dict[str, Any]:
+        m = self.manifest
+        return {
+            "valid": self.valid,
+            "package": self.package,
+            "metadata_only": self.metadata_only,
+            "model_id": m.model_id if m else None,
+            "layer_count": m.layer_count if m else None,
+            "manifest_sha256": self.manifest_sha256,
+            "artifacts_checked": self.artifacts_checked,
+            "sha256_verified": self.verification is not None,
+            "verification": self.verification.to_dict() if self.verification else None,
+            "stages": [s.to_dict() for s in self.stages],
+            "findings": [f.to_dict() for f in self.findings],
+            "seconds": round(self.seconds, 3),
+        }
+
+
+class _GGUFMetadata(Mapping[str, Any]):
+    """Read-only, lazily decoded view of a GGUF's KV section (no vocabulary decoding unless a
+    caller asks for that key)."""
+
+    def __init__(self, g: GGUFFile) -> None:
+        self._g = g
+
+    def __getitem__(self, key: str) -> Any:
+        return self._g.value(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._g.fields)
+
+    def __len__(self) -> int:
+        return len(self._g.fields)
+
+
+def _header_findings(ref: ArtifactRef, g: GGUFFile) -> list[Finding]:
+    a, out = ref.artifact, []
+    if len(g.tensors) != a.tensor_count:
+        out.append(
+            Finding(
+                "tensor_count_mismatch",
+                f"{a.path} holds {len(g.tensors)} tensors, the manifest says {a.tensor_count}",
+                path=a.path,
+            )
+        )
+    tensor_bytes = sum(t.nbytes for t in g.tensors)
+    if tensor_bytes != a.tensor_bytes:
+        out.append(
+            Finding(
+                "tensor_bytes_mismatch",
+                f"{a.path} holds {tensor_bytes} tensor bytes, the manifest says {a.tensor_bytes}",
+                path=a.path,
+            )
+        )
+    return out
+
+
+def _stage_findings(report: PreflightReport, m: Manifest, stages: int) -> Iterator[Finding]:
+    try:
+        ranges = even_ranges(m.layer_count, stages)
+    except UsageError as exc:  # invalid_stage_count, stage_count_exceeds_layer_count
+        yield Finding.from_error(exc)
+        return
+    seen = report.codes()
+    for i, r in enumerate(ranges):
+        try:
+            report.stages.append(StagePreflight(i, r, select_stage(m, r)))
+        except SkippyError as exc:  # duplicate/missing layer: already a manifest finding
+            report.stages.append(StagePreflight(i, r, None, exc.code))
+            if exc.code not in seen:
+                yield Finding.from_error(exc)
+
+
+def preflight_package(
+    root: Path,
+    *,
+    stages: int | None = None,
+    verify_sha256: bool = False,
+    metadata_only: bool = False,
+    cache: VerifyCache | None = None,
+) -> PreflightReport:
+    """Check a package without its source; see the module docstring. Never raises for a bad
+    package (only ``InputUnreadable`` when ``root`` itself cannot be read)."""
+    if metadata_only and stages is not None:
+        raise UsageError(
+            "--metadata-only checks no layer range; it cannot be combined with --stages",
+            code="bad_usage",
+        )
+    t0 = time.perf_counter()
+    report = PreflightReport(package=str(root), metadata_only=metadata_only)
+    pkg, findings = read_package(root)
+    report.findings.extend(findings)
+    if pkg is None:
+        report.seconds = time.perf_counter() - t0
+        return report
+    m = report.manifest = pkg.manifest
+    report.manifest_sha256 = pkg.manifest_sha256
+
+    # Metadata-only inspection validates the manifest and the shared metadata artifact only.
+    refs = [next(m.artifacts())] if metadata_only else list(m.artifacts())
+    good: list[ArtifactRef] = []
+    layer_names: dict[int, tuple[str, ...]] = {}
+    problems: list[Finding] = []
+    metadata_file: GGUFFile | None = None
+    checked: set[str] = set()
+    try:
+        for ref in refs:
+            # Lexically unsafe paths are already findings from check_manifest; symlinks that
+            # lead out of the package are caught by check_artifact_file's resolve_under.
+            if ref.path in checked or not is_safe_relative_path(ref.path):
+                continue
+            checked.add(ref.path)
+            p, problem = check_artifact_file(root, ref)
+            if problem is not None or p is None:
+                problems.extend([problem] if problem else [])
+                continue
+            report.artifacts_checked += 1
+            good.append(ref)
+            try:
+                g = open_gguf(p)
+            except SkippyError as exc:
+                problems.append(Finding("invalid_artifact_gguf", exc.message, path=ref.path))
+                continue
+            problems.extend(_header_findings(ref, g))
+            if ref.role == ROLE_LAYER and ref.layer_index is not None:
+                layer_names[ref.layer_index] = tuple(t.name for t in g.tensors)
+            if ref.role == ROLE_METADATA and metadata_file is None:
+                metadata_file = g
+            else:
+                g.close()
+
+        def names_of(index: int) -> Collection[str]:
+            return layer_names.get(index, ())
+
+        arch = metadata_file.get(KEY_ARCHITECTURE) if metadata_file else None
+        problems.extend(
+            check_generation(
+                m.generation,
+                layer_count=m.layer_count,
+                layer_tensor_names=None if metadata_only else names_of,
+                metadata=_GGUFMetadata(metadata_file) if metadata_file else None,
+                arch=arch if isinstance(arch, str) else None,
+            )
+        )
+    finally:
+        if metadata_file is not None:
+            metadata_file.close()
+
+    if verify_sha256 and good:
+        try:
+            report.verification = check_refs(
+                root, good, manifest_sha256=pkg.manifest_sha256, cache=cache
+            )
+        except SkippyError as exc:  # a file vanished or changed size since it was checked
+            problems.append(Finding.from_error(exc))
+        else:
+            for bad in report.verification.mismatches:
+                problems.append(
+                    Finding(
+                        "artifact_sha256_mismatch",
+                        f"{bad.path} has SHA-256 {bad.actual_sha256}, the manifest declares "
+                        f"{bad.expected_sha256}",
+                        path=bad.path,
+                    )
+                )
+    report.findings.extend(problems)
+    if stages is not None:
+        report.findings.extend(_stage_findings(report, m, stages))
+    report.findings = [with_remediation(f) for f in report.findings]
+    report.seconds = time.perf_counter() - t0
+    return report
