@@ -67,8 +67,18 @@ KEY_ALIGNMENT: Final = "general.alignment"
 KEY_FRAGMENT_ROLE: Final = "skippy.fragment.role"
 KEY_FRAGMENT_LAYER_START: Final = "skippy.fragment.layer_start"
 KEY_FRAGMENT_LAYER_STOP: Final = "skippy.fragment.layer_stop"
-KEY_FRAGMENT_MODEL_ID: Final = "skippy.fragment.model_id"
 FRAGMENT_KEEP_KEYS: Final = (KEY_ARCHITECTURE, KEY_ALIGNMENT)
+
+
+# --- keys of a materialized (derived, per-stage) GGUF ---------------------------------------------
+MATERIALIZED_KEY_PREFIX: Final = "skippy.materialized."
+KEY_MATERIALIZED_CACHE_KEY: Final = MATERIALIZED_KEY_PREFIX + "cache_key"
+KEY_MATERIALIZED_MANIFEST_SHA256: Final = MATERIALIZED_KEY_PREFIX + "manifest_sha256"
+KEY_MATERIALIZED_LAYER_START: Final = MATERIALIZED_KEY_PREFIX + "layer_start"
+KEY_MATERIALIZED_LAYER_STOP: Final = MATERIALIZED_KEY_PREFIX + "layer_stop"
+KEY_MATERIALIZED_LAYER_COUNT: Final = MATERIALIZED_KEY_PREFIX + "layer_count"
+# Every skippy.fragment.* key describes one fragment, not the composed file.
+FRAGMENT_KEY_PREFIX: Final = KEY_FRAGMENT_ROLE.rpartition(".")[0] + "."
 
 
 def arch_key(arch: str, name: str) -> str:

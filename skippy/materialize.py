@@ -32,8 +32,14 @@ from pathlib import Path
 from typing import Any, Final
 
 from skippy.constants import (
-    KEY_FRAGMENT_ROLE,
+    FRAGMENT_KEY_PREFIX,
+    KEY_MATERIALIZED_CACHE_KEY,
+    KEY_MATERIALIZED_LAYER_COUNT,
+    KEY_MATERIALIZED_LAYER_START,
+    KEY_MATERIALIZED_LAYER_STOP,
+    KEY_MATERIALIZED_MANIFEST_SHA256,
     MANIFEST_NAME,
+    MATERIALIZED_KEY_PREFIX,
     ROLE_METADATA,
     SPLIT_KEYS,
 )
@@ -50,17 +56,6 @@ from skippy.gguf.reader import GGUFFile, open_gguf
 from skippy.gguf.writer import TensorSource, encode_kv, write_fragment
 from skippy.paths import resolve_under
 from skippy.select import StageSelection
-
-# Keys of a materialized stage GGUF. TODO(lead): move to skippy.constants with the other keys.
-MATERIALIZED_KEY_PREFIX: Final = "skippy.materialized."
-KEY_MATERIALIZED_CACHE_KEY: Final = MATERIALIZED_KEY_PREFIX + "cache_key"
-KEY_MATERIALIZED_MANIFEST_SHA256: Final = MATERIALIZED_KEY_PREFIX + "manifest_sha256"
-KEY_MATERIALIZED_LAYER_START: Final = MATERIALIZED_KEY_PREFIX + "layer_start"
-KEY_MATERIALIZED_LAYER_STOP: Final = MATERIALIZED_KEY_PREFIX + "layer_stop"
-KEY_MATERIALIZED_LAYER_COUNT: Final = MATERIALIZED_KEY_PREFIX + "layer_count"
-# Every skippy.fragment.* key describes one fragment, not the composed file.
-FRAGMENT_KEY_PREFIX: Final = KEY_FRAGMENT_ROLE.rpartition(".")[0] + "."
-CACHE_KEY_VERSION: Final = 1
 
 
 @dataclass(frozen=True)
@@ -83,6 +78,10 @@ class MaterializeResult:
             "sha256": self.sha256,
             "seconds": round(self.seconds, 3),
         }
+
+
+# Bump when the identity below changes shape, so old materializations miss the cache.
+CACHE_KEY_VERSION: Final = 1
 
 
 def materialization_key(manifest_sha256: str, selection: StageSelection) -> str:
@@ -226,7 +225,7 @@ def materialize_stage(
     keep ``out`` if it already holds this exact materialization. Checksums are the caller's
     job (``skippy.preflight.prepare_stage`` with ``verify=True``) before calling this."""
     t0 = time.perf_counter()
-    _refuse_inside_package(root, out)
+    _refuse_inside_package(containment_root or root, out)  # a hub repo cache counts as inside
     if out.name == MANIFEST_NAME:
         raise UsageError(f"--out must be a .gguf file, not {MANIFEST_NAME}", path=str(out))
     key = materialization_key(manifest_sha256, selection)

@@ -100,9 +100,20 @@ class LoadedPackage:
     root: Path
     manifest: Manifest
     manifest_sha256: str
+    # For hub snapshots: the repo cache folder every file must resolve inside (its files are
+    # symlinks into blobs/, GOTCHAS); None for a plain local directory.
+    containment_root: Path | None = None
+    origin: str = ""  # what the user named: a directory or an hf:// reference
+    from_hub: bool = False
+
+    @property
+    def display(self) -> str:
+        return self.origin or str(self.root)
 
 
-def read_package(root: Path) -> tuple[LoadedPackage | None, list[Finding]]:
+def read_package(
+    root: Path, *, containment_root: Path | None = None, origin: str = "", from_hub: bool = False
+) -> tuple[LoadedPackage | None, list[Finding]]:
     """Read and check ``model-package.json`` once (the bytes hashed are the bytes parsed).
     Raise ``InputUnreadable`` if ``root`` is not a readable directory."""
     if not root.is_dir():
@@ -120,14 +131,25 @@ def read_package(root: Path) -> tuple[LoadedPackage | None, list[Finding]]:
         m = parse_manifest(raw)
     except ManifestError as exc:
         return None, [with_remediation(Finding.from_error(exc))]
-    pkg = LoadedPackage(root, m, hashlib.sha256(raw).hexdigest())
+    pkg = LoadedPackage(
+        root,
+        m,
+        hashlib.sha256(raw).hexdigest(),
+        containment_root=containment_root,
+        origin=origin,
+        from_hub=from_hub,
+    )
     return pkg, [with_remediation(f) for f in check_manifest(m)]
 
 
-def load_package(root: Path) -> LoadedPackage:
+def load_package(
+    root: Path, *, containment_root: Path | None = None, origin: str = "", from_hub: bool = False
+) -> LoadedPackage:
     """``read_package`` for code that must stop: raise ``PackageInvalid`` on any error."""
-    pkg, findings = read_package(root)
-    raise_for_findings(findings, f"package {root}")
+    pkg, findings = read_package(
+        root, containment_root=containment_root, origin=origin, from_hub=from_hub
+    )
+    raise_for_findings(findings, f"package {origin or root}")
     if pkg is None:  # unreachable: no manifest always comes with an error finding
         raise ManifestError(f"{root}: no usable manifest", path=str(root))
     return pkg
@@ -146,7 +168,8 @@ class PreparedStage:
 
     def to_dict(self) -> dict[str, Any]:
         out = {
-            "package": str(self.package.root),
+            "package": self.package.display,
+            "local_root": str(self.package.root),
             "manifest_sha256": self.package.manifest_sha256,
             **self.selection.to_dict(),
             "sha256_verified": self.verification is not None,
@@ -169,20 +192,33 @@ def prepare_stage(
     declared size, and verify SHA-256 when ``verify`` (always for ``hf://``; behind
     ``SKIPPY_VERIFY_PACKAGE_SHA`` for local directories). Raise on any problem."""
     sel = select_stage(pkg.manifest, layers, projector_path=projector_path)
-    declared_projectors = [r for r in pkg.manifest.artifacts() if r.role == ROLE_PROJECTOR]
+    # A local directory also checks every declared projector (spec "Consumer Validation"); a
+    # hub stage holds only its selection and must not fetch more (issue #3: a stage never
+    # reads or downloads an artifact outside its selection).
+    declared_projectors = (
+        [] if pkg.from_hub else [r for r in pkg.manifest.artifacts() if r.role == ROLE_PROJECTOR]
+    )
+    # Spec "Consumer Validation": hf:// packages are always verified, cache hits included.
+    verify = verify or pkg.from_hub
     findings: list[Finding] = []
     paths: dict[str, Path] = {}
     for ref in [*sel.parts, *declared_projectors]:
-        p, problem = check_artifact_file(pkg.root, ref)
+        p, problem = check_artifact_file(pkg.root, ref, containment_root=pkg.containment_root)
         if problem is not None:
             findings.append(with_remediation(problem))
         elif p is not None:
             paths[ref.path] = p
     # Other stages' layers are not this stage's business; every declared projector is.
-    raise_for_findings(findings, f"stage {layers} of {pkg.root}")
+    raise_for_findings(findings, f"stage {layers} of {pkg.display}")
     report = None
     if verify:
-        report = verify_selection(pkg.root, sel, manifest_sha256=pkg.manifest_sha256, cache=cache)
+        report = verify_selection(
+            pkg.root,
+            sel,
+            manifest_sha256=pkg.manifest_sha256,
+            cache=cache,
+            containment_root=pkg.containment_root,
+        )
     return PreparedStage(
         package=pkg,
         selection=sel,

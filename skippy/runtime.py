@@ -6,9 +6,8 @@ its boundary flags, and the selected part files in split (load) order, already c
 against the manifest. ``StageRuntime`` is the protocol every runtime implements (the
 llama.cpp one lives in ``skippy.llama_runtime``; nothing here imports a runtime library).
 
-``verify_local_stage`` is the consumer-validation step for a local package directory:
-manifest rules, stage selection, path gate, presence, sizes and (unless disabled for
-development) SHA-256 of every selected file. Integrity problems never fall back.
+Consumer validation happens before a ``StageLoad`` exists (``skippy.resolve.resolve_stage``):
+manifest rules, selection, path gate, presence, sizes, SHA-256. Integrity never falls back.
 """
 
 from __future__ import annotations
@@ -23,13 +22,9 @@ import numpy.typing as npt
 
 from skippy.constants import ROLE_METADATA
 from skippy.errors import EXIT_USAGE, ArtifactMissing, SkippyError, UsageError
-from skippy.findings import Finding, raise_for_findings
-from skippy.hashing import sha256_files
-from skippy.manifest import Manifest, check_manifest
 from skippy.paths import resolve_under
 from skippy.ranges import LayerRange
-from skippy.select import StageSelection, select_stage
-from skippy.validate import check_artifact_file
+from skippy.select import StageSelection
 
 StopReason = Literal["length", "eos", "context"]
 
@@ -238,50 +233,3 @@ class StageRuntime(Protocol):
     def close(self) -> None:
         """Release the model; idempotent."""
         ...
-
-
-# --- consumer validation for a local package directory --------------------------------------------
-def verify_local_stage(
-    package_dir: Path,
-    manifest: Manifest,
-    layers: LayerRange,
-    *,
-    verify_sha256: bool,
-    manifest_sha256: str | None = None,
-    projector_path: str | None = None,
-) -> StageLoad:
-    """Spec "Consumer Validation" for one stage of a local package, then the ``StageLoad``.
-
-    Raises ``PackageInvalid`` (carrying every finding) for manifest rule violations, unsafe
-    paths, missing files, size mismatches and, when ``verify_sha256``, checksum mismatches.
-    """
-    raise_for_findings(check_manifest(manifest), f"{package_dir}: invalid manifest")
-    selection = select_stage(manifest, layers, projector_path=projector_path)
-    findings: list[Finding] = []
-    checked: list[tuple[str, str, Path]] = []
-    for ref in selection.all_refs:
-        path, finding = check_artifact_file(package_dir, ref)
-        if finding is not None:
-            findings.append(finding)
-        elif path is not None:
-            checked.append((ref.path, ref.artifact.sha256, path))
-    raise_for_findings(findings, f"{package_dir}: stage {layers} cannot load")
-    if verify_sha256:
-        digests = sha256_files([p for _, _, p in checked])
-        for (rel, want, _), got in zip(checked, digests, strict=True):
-            if got.lower() != want.lower():
-                findings.append(
-                    Finding(
-                        "artifact_sha256_mismatch",
-                        f"{rel} has SHA-256 {got}, manifest says {want}",
-                        path=rel,
-                        remediation="re-download or rewrite the package; never load it as is",
-                    )
-                )
-        raise_for_findings(findings, f"{package_dir}: stage {layers} failed verification")
-    return StageLoad.from_selection(
-        selection,
-        package_dir,
-        manifest_sha256=manifest_sha256,
-        sha256_verified=verify_sha256,
-    )

@@ -20,7 +20,15 @@ from pathlib import Path
 from typing import Any
 
 from skippy.constants import MANIFEST_NAME, ROLE_LAYER, ROLE_PROJECTOR
-from skippy.errors import GGUFFormatError, InputUnreadable, ManifestError, SkippyError, UnsafePath
+from skippy.errors import (
+    ArtifactMissing,
+    GGUFFormatError,
+    InputUnreadable,
+    IntegrityError,
+    ManifestError,
+    SkippyError,
+    UnsafePath,
+)
 from skippy.findings import Finding, errors_only
 from skippy.generation import check_generation
 from skippy.gguf.reader import TensorInfo, open_gguf
@@ -124,28 +132,44 @@ def scan_artifact(
         return ArtifactScan(h.hexdigest(), size, g.tensors, differing)
 
 
-def check_artifact_file(pkg: Path, ref: ArtifactRef) -> tuple[Path | None, Finding | None]:
-    """Path gate, presence, type and size (spec "Consumer Validation")."""
+def stat_artifact(
+    root: Path, ref: ArtifactRef, *, containment_root: Path | None = None
+) -> tuple[Path, os.stat_result]:
+    """Spec "Consumer Validation" for one file: path gate, presence, regular file, size.
+    Raises a typed error; ``check_artifact_file`` is the same check as a finding.
+    ``containment_root`` is the repo cache folder for hub snapshots (see ``skippy.paths``)."""
     a = ref.artifact
+    p = resolve_under(root, a.path, containment_root=containment_root)
     try:
-        p = resolve_under(pkg, a.path)
-    except UnsafePath as exc:
-        return None, Finding.from_error(exc)
-    try:
-        st = p.stat()  # resolve_under proved any symlink stays inside the package
-    except FileNotFoundError:
-        return None, Finding("missing_artifact", f"{a.path} is declared but missing", path=a.path)
+        st = p.stat()  # resolve_under proved any symlink stays inside the root
+    except FileNotFoundError as exc:
+        raise ArtifactMissing(f"{a.path} is declared but missing", path=a.path) from exc
     except OSError as exc:
-        return None, Finding("unreadable_artifact", f"{a.path}: {exc.strerror}", path=a.path)
+        raise InputUnreadable(f"cannot stat {a.path}: {exc.strerror}", path=a.path) from exc
     if not stat.S_ISREG(st.st_mode):
-        return None, Finding("artifact_not_file", f"{a.path} is not a regular file", path=a.path)
-    if st.st_size != a.artifact_bytes:
-        return None, Finding(
-            "artifact_size_mismatch",
-            f"{a.path} is {st.st_size} bytes, manifest says {a.artifact_bytes}",
-            path=a.path,
+        raise ArtifactMissing(
+            f"{a.path} is not a regular file", path=a.path, code="artifact_not_file"
         )
-    return p, None
+    if st.st_size != a.artifact_bytes:
+        raise IntegrityError(
+            f"{a.path} is {st.st_size} bytes, the manifest declares {a.artifact_bytes}",
+            code="artifact_size_mismatch",
+            path=a.path,
+            expected=a.artifact_bytes,
+            actual=st.st_size,
+            remediation="the file is truncated or replaced: fetch or write the package again",
+        )
+    return p, st
+
+
+def check_artifact_file(
+    root: Path, ref: ArtifactRef, *, containment_root: Path | None = None
+) -> tuple[Path | None, Finding | None]:
+    """``stat_artifact`` as (path, None) or (None, finding)."""
+    try:
+        return stat_artifact(root, ref, containment_root=containment_root)[0], None
+    except (UnsafePath, ArtifactMissing, IntegrityError, InputUnreadable) as exc:
+        return None, Finding.from_error(exc)
 
 
 def _artifact_findings(ref: ArtifactRef, scan: ArtifactScan) -> list[Finding]:

@@ -26,7 +26,6 @@ import hashlib
 import json
 import logging
 import os
-import stat
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -34,41 +33,21 @@ from pathlib import Path
 from typing import Any, Final, Literal
 
 from skippy.atomic import atomic_write_bytes
-from skippy.constants import ENV_VERIFY_PACKAGE_SHA
-from skippy.errors import ArtifactMissing, InputUnreadable, IntegrityError
+from skippy.errors import IntegrityError
 from skippy.hashing import DEFAULT_WORKERS, sha256_files
 from skippy.manifest import ArtifactRef
-from skippy.paths import resolve_under
 from skippy.select import StageSelection
+from skippy.validate import stat_artifact
 
 log = logging.getLogger(__name__)
 
 CACHE_RECORD_FORMAT: Final = "skippy-verify-cache"
 CACHE_RECORD_VERSION: Final = 1
-CACHE_SUBDIR: Final = ("skippy", "verify")
 _RECORD_SUFFIX: Final = ".json"
-_FALSE_VALUES: Final = frozenset({"0", "false"})
 
 Status = Literal["hashed", "cached", "mismatch"]
 
 
-# --- environment ------------------------------------------------------------
-def verify_enabled_for_local() -> bool:
-    """``SKIPPY_VERIFY_PACKAGE_SHA`` (spec "Consumer Validation"): local package directories
-    verify checksums unless the variable says ``0`` or ``false`` (any case), a development
-    opt-out; unset means on (integrity by default; the cache makes a re-check ~1 ms).
-    ``hf://`` packages always verify, whatever this says."""
-    value = os.environ.get(ENV_VERIFY_PACKAGE_SHA, "")
-    return value.strip().lower() not in _FALSE_VALUES
-
-
-def default_cache_dir() -> Path:
-    """``$XDG_CACHE_HOME/skippy/verify``, else ``~/.cache/skippy/verify``."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base).joinpath(*CACHE_SUBDIR)
-
-
-# --- file identity ------------------------------------------------------------
 @dataclass(frozen=True)
 class FileStamp:
     """The file metadata a cache record is tied to."""
@@ -108,8 +87,9 @@ class VerifyCache:
         self.root = root
 
     @classmethod
-    def default(cls) -> VerifyCache:
-        return cls(default_cache_dir())
+    def under(cls, skippy_cache_dir: Path) -> VerifyCache:
+        """The cache inside the project's cache folder (``skippy.config``)."""
+        return cls(skippy_cache_dir / "verify")
 
     def _record_path(self, key: str) -> Path:
         return self.root / f"{key}{_RECORD_SUFFIX}"
@@ -236,30 +216,7 @@ class VerifyReport:
 def _stat_artifact(
     root: Path, ref: ArtifactRef, containment_root: Path | None
 ) -> tuple[Path, FileStamp]:
-    """Path gate, presence, regular file, size (spec "Consumer Validation"), then the stamp."""
-    a = ref.artifact
-    p = resolve_under(root, a.path, containment_root=containment_root)
-    try:
-        st = p.stat()
-    except FileNotFoundError as exc:
-        raise ArtifactMissing(
-            f"{a.path} is declared but missing", path=a.path, code="missing_artifact"
-        ) from exc
-    except OSError as exc:
-        raise InputUnreadable(f"cannot stat {a.path}: {exc.strerror}", path=a.path) from exc
-    if not stat.S_ISREG(st.st_mode):
-        raise ArtifactMissing(
-            f"{a.path} is not a regular file", path=a.path, code="artifact_not_file"
-        )
-    if st.st_size != a.artifact_bytes:
-        raise IntegrityError(
-            f"{a.path} is {st.st_size} bytes, the manifest declares {a.artifact_bytes}",
-            code="artifact_size_mismatch",
-            path=a.path,
-            expected=a.artifact_bytes,
-            actual=st.st_size,
-            remediation="the file is truncated or replaced: fetch the package again",
-        )
+    p, st = stat_artifact(root, ref, containment_root=containment_root)
     return p, FileStamp.of(st)
 
 

@@ -24,11 +24,10 @@ llama_cpp = pytest.importorskip(
 
 from pkgtools import make_package  # noqa: E402
 
-import skippy.commands  # noqa: E402
 from skippy.cli import main  # noqa: E402
-from skippy.commands import runtime as runtime_cmd  # noqa: E402
+from skippy.config import read_environment  # noqa: E402
 from skippy.constants import ENV_VERIFY_PACKAGE_SHA, MANIFEST_NAME, ROLE_METADATA  # noqa: E402
-from skippy.errors import ArtifactMissing, PackageInvalid, UsageError  # noqa: E402
+from skippy.errors import ArtifactMissing, SkippyError, UsageError  # noqa: E402
 from skippy.hashing import sha256_file  # noqa: E402
 from skippy.inspect import read_manifest  # noqa: E402
 from skippy.llama_runtime import (  # noqa: E402
@@ -39,13 +38,13 @@ from skippy.llama_runtime import (  # noqa: E402
 )
 from skippy.manifest import Manifest  # noqa: E402
 from skippy.ranges import LayerRange  # noqa: E402
+from skippy.resolve import resolve_stage  # noqa: E402
 from skippy.runtime import (  # noqa: E402
     RuntimeUnavailable,
     StageLoad,
     StageNotLoaded,
     StageRuntime,
     StageUnsupported,
-    verify_local_stage,
 )
 from skippy.select import select_stage  # noqa: E402
 
@@ -76,15 +75,21 @@ def full(m: Manifest) -> LayerRange:
     return LayerRange(0, m.layer_count, m.layer_count)
 
 
-@pytest.fixture(scope="module")
-def full_stage(gemma_pkg: Path, manifest: Manifest) -> StageLoad:
-    return verify_local_stage(
-        gemma_pkg,
-        manifest,
-        full(manifest),
-        verify_sha256=True,
-        manifest_sha256=sha256_file(gemma_pkg / MANIFEST_NAME),
+def stage_for(pkg: Path, layers: str | None = None, *, verify: bool = True) -> StageLoad:
+    """The consumer path a node takes: resolve, select, check, verify, then the hand-off."""
+    env = read_environment({} if verify else {ENV_VERIFY_PACKAGE_SHA: "0"})
+    resolved = resolve_stage(str(pkg), env, layers_text=layers)
+    return StageLoad.from_selection(
+        resolved.stage.selection,
+        resolved.files(),
+        manifest_sha256=resolved.stage.package.manifest_sha256,
+        sha256_verified=resolved.stage.verification is not None,
     )
+
+
+@pytest.fixture(scope="module")
+def full_stage(gemma_pkg: Path) -> StageLoad:
+    return stage_for(gemma_pkg)
 
 
 @pytest.fixture(scope="module")
@@ -184,7 +189,7 @@ def test_partial_range_is_refused(
     gemma_pkg: Path, manifest: Manifest, start: int, stop: int
 ) -> None:
     layers = LayerRange(start, stop, manifest.layer_count)
-    stage = verify_local_stage(gemma_pkg, manifest, layers, verify_sha256=False)
+    stage = stage_for(gemma_pkg, str(layers), verify=False)
     rt = LlamaStageRuntime(CONFIG)
     with pytest.raises(StageUnsupported) as e:
         rt.require_supported(layers)
@@ -292,24 +297,9 @@ def test_stage_load_from_mapping_and_validation(manifest: Manifest, gemma_pkg: P
     assert e.value.code == "invalid_stage_load"
 
 
-@pytest.mark.parametrize(
-    "value,enabled",
-    [(None, True), ("1", True), ("true", True), ("0", False), ("false", False), (" FALSE ", False)],
-)
-def test_verify_sha_env(value: str | None, enabled: bool) -> None:
-    env = {} if value is None else {ENV_VERIFY_PACKAGE_SHA: value}
-    assert runtime_cmd.verify_package_sha_enabled(env) is enabled
-
-
 # --- the run command ------------------------------------------------------------------------------
 @pytest.fixture
-def cli(monkeypatch: pytest.MonkeyPatch) -> Any:
-    """``skippy.cli.main`` with the run command registered (a no-op once it is)."""
-    if runtime_cmd not in skippy.commands.COMMAND_MODULES:
-        monkeypatch.setattr(
-            skippy.commands, "COMMAND_MODULES", (*skippy.commands.COMMAND_MODULES, runtime_cmd)
-        )
-
+def cli() -> Any:
     def run(*args: Any) -> int:
         return main([str(a) for a in args])
 
@@ -362,13 +352,6 @@ def test_run_usage_errors(
     assert rc == 2 and out["error"]["code"] == code
 
 
-def test_run_hf_ref_not_yet(cli: Any, capsys: pytest.CaptureFixture[str]) -> None:
-    rc = cli("run", "hf://google/gemma-3-270m", "--prompt", PROMPT, "--json")
-    out = json.loads(capsys.readouterr().out)
-    assert rc == 2 and out["error"]["code"] == "not_yet_supported"
-    assert "fetch" in out["error"].get("remediation", "") + out["error"]["message"]
-
-
 def test_run_missing_dir(cli: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rc = cli("run", tmp_path / "nope", "--prompt", PROMPT, "--json")
     assert rc == 2
@@ -416,5 +399,6 @@ def test_run_refuses_a_damaged_package(
     rc = cli("run", pkg_copy, "--prompt", PROMPT, "--json")
     out = json.loads(capsys.readouterr().out)
     assert rc == 1 and out["error"]["code"] == code
-    with pytest.raises(PackageInvalid):
-        verify_local_stage(pkg_copy, manifest, full(manifest), verify_sha256=True)
+    with pytest.raises(SkippyError) as e:
+        stage_for(pkg_copy)
+    assert e.value.code == code

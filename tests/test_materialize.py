@@ -11,9 +11,7 @@ import numpy as np
 import pytest
 from pkgtools import make_package
 
-import skippy.commands
 from skippy.cli import main
-from skippy.commands import consumer
 from skippy.constants import KEY_FRAGMENT_ROLE, SPLIT_KEYS
 from skippy.errors import OutputExists, UsageError
 from skippy.gguf.reader import open_gguf
@@ -181,9 +179,7 @@ def test_refuses_to_replace_a_file_it_did_not_make(
 
 
 @pytest.fixture
-def cli(monkeypatch):
-    modules = tuple(dict.fromkeys((*skippy.commands.COMMAND_MODULES, consumer)))
-    monkeypatch.setattr(skippy.commands, "COMMAND_MODULES", modules)
+def cli():
     return main
 
 

@@ -11,9 +11,7 @@ from typing import Any
 import pytest
 from pkgtools import edit_manifest, make_package
 
-import skippy.commands
 from skippy.cli import main
-from skippy.commands import consumer
 from skippy.errors import UsageError
 from skippy.preflight import REMEDIATIONS, preflight_package
 
@@ -258,9 +256,7 @@ def test_unreadable_root_raises(tmp_path: Path) -> None:
 
 # --- CLI ---------------------------------------------------------------------------------------
 @pytest.fixture
-def cli(monkeypatch):
-    modules = tuple(dict.fromkeys((*skippy.commands.COMMAND_MODULES, consumer)))
-    monkeypatch.setattr(skippy.commands, "COMMAND_MODULES", modules)
+def cli():
     return main
 
 

@@ -12,9 +12,7 @@ import pytest
 import synth_gguf
 from pkgtools import edit_manifest, make_package
 
-import skippy.commands
 from skippy.cli import main
-from skippy.commands import consumer
 from skippy.errors import PackageInvalid, UsageError
 from skippy.manifest import Manifest
 from skippy.preflight import load_package, prepare_stage
@@ -183,9 +181,7 @@ def test_prepare_stage_refuses_an_invalid_manifest(pkg: Path) -> None:
 
 # --- CLI ----------------------------------------------------------------------------------------
 @pytest.fixture
-def cli(monkeypatch):
-    modules = tuple(dict.fromkeys((*skippy.commands.COMMAND_MODULES, consumer)))
-    monkeypatch.setattr(skippy.commands, "COMMAND_MODULES", modules)
+def cli():
     return main
 
 
@@ -239,7 +235,7 @@ def test_cli_select_usage_errors(cli, pkg: Path, capsys, argv_tail, code, exit_c
 
 
 def test_cli_refs(cli, tmp_path: Path, capsys) -> None:
-    assert cli(["select", "hf://ns/repo@main", "--layers", "0..1", "--json"]) == 2
-    assert json.loads(capsys.readouterr().out)["error"]["code"] == "not_yet_supported"
+    assert cli(["select", "hf://ns", "--layers", "0..1", "--json"]) == 2
+    assert json.loads(capsys.readouterr().out)["error"]["code"] == "invalid_package_ref"
     assert cli(["select", str(tmp_path / "nope"), "--layers", "0..1", "--json"]) == 2
     assert json.loads(capsys.readouterr().out)["error"]["code"] == "unreadable_input"

@@ -9,15 +9,12 @@ from pathlib import Path
 import pytest
 from pkgtools import make_package
 
-from skippy.constants import ENV_VERIFY_PACKAGE_SHA
 from skippy.errors import ArtifactMissing, IntegrityError, UnsafePath
 from skippy.preflight import LoadedPackage, load_package
 from skippy.ranges import LayerRange
 from skippy.select import StageSelection, select_stage
 from skippy.verify import (
     VerifyCache,
-    default_cache_dir,
-    verify_enabled_for_local,
     verify_selection,
 )
 
@@ -44,32 +41,6 @@ def flip_byte_keep_mtime(path: Path, offset: int = -1) -> None:
     data[offset] ^= 0xFF
     path.write_bytes(bytes(data))
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
-
-
-@pytest.mark.parametrize(
-    ("value", "enabled"),
-    [
-        (None, True),
-        ("1", True),
-        ("yes", True),
-        ("", True),
-        ("0", False),
-        ("false", False),
-        ("FALSE", False),
-        (" False ", False),
-        ("true", True),
-    ],
-)
-def test_env_switch_for_local_packages(monkeypatch, value, enabled) -> None:
-    if value is None:
-        monkeypatch.delenv(ENV_VERIFY_PACKAGE_SHA, raising=False)
-    else:
-        monkeypatch.setenv(ENV_VERIFY_PACKAGE_SHA, value)
-    assert verify_enabled_for_local() is enabled
-
-
-def test_default_cache_dir_follows_xdg(isolated_home: Path) -> None:
-    assert default_cache_dir() == isolated_home / "xdg_cache" / "skippy" / "verify"
 
 
 def test_second_verification_is_served_from_the_cache(pkg: LoadedPackage, tmp_path: Path) -> None:

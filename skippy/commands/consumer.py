@@ -2,7 +2,7 @@
 Selection").
 
 Each handler parses its arguments at the edge (the package reference through
-``resolve_ref_for_cli``, the layer range through ``parse_layer_range``), calls one library
+``skippy.resolve``, which also parses the layer range), calls one library
 function and renders text or ``--json``. Exit codes come from ``skippy.cli``'s one table:
 1 when the package is invalid (any error finding), 2 for bad usage or unreadable input.
 """
@@ -14,29 +14,27 @@ from pathlib import Path
 from typing import Any
 
 from skippy.cli import CommandResult, add_json_flag, exit_for
+from skippy.config import read_environment
 from skippy.errors import InputUnreadable, UsageError
 from skippy.findings import Finding
 from skippy.materialize import materialize_stage
-from skippy.preflight import PreparedStage, load_package, preflight_package, prepare_stage
+from skippy.preflight import PreparedStage, preflight_package
 from skippy.progress import human_bytes
-from skippy.ranges import parse_layer_range
 from skippy.refs import HfPackageRef, parse_package_ref
-from skippy.verify import VerifyCache, verify_enabled_for_local
+from skippy.resolve import ResolvedStage, resolve_stage
+
+REF_HELP = "a package directory, or hf://namespace/repo[@revision]"
 
 
-def resolve_ref_for_cli(text: str) -> Path:
-    """The one place a command turns REF into a local package directory.
-
-    TODO(hub): resolve ``hf://`` references (download the selected artifacts into the hub
-    cache, always verifying SHA-256 per spec "Consumer Validation"); until then they are
-    refused with ``not_yet_supported``.
-    """
+def package_dir_for_cli(text: str) -> Path:
+    """``preflight`` checks a package directory as published (every artifact): a hub package
+    is checked stage by stage through ``select``/``fetch`` instead, never downloaded whole."""
     ref = parse_package_ref(text)
     if isinstance(ref, HfPackageRef):
         raise UsageError(
-            f"{ref}: hf:// package references are not supported by this command yet",
-            code="not_yet_supported",
-            remediation="download the package and pass its local directory",
+            f"{ref}: preflight checks a local package directory",
+            code="preflight_needs_directory",
+            remediation="use `select`/`fetch REF --layers A..B` to check a hub package's stage",
         )
     if not ref.path.is_dir():
         raise InputUnreadable(f"package directory {ref.path} does not exist", path=str(ref.path))
@@ -57,14 +55,21 @@ def register(sub: Any) -> None:
     p.set_defaults(handler=cmd_preflight)
 
     p = sub.add_parser("select", help="list the validated parts a stage loads")
-    p.add_argument("ref", metavar="REF", help="a package directory")
+    p.add_argument("ref", metavar="REF", help=REF_HELP)
     p.add_argument("--layers", required=True, metavar="A..B", help="half-open layer range")
     p.add_argument("--projector", metavar="P", help="a projector path declared in the manifest")
     add_json_flag(p)
     p.set_defaults(handler=cmd_select)
 
+    p = sub.add_parser("fetch", help="download and verify only the parts a stage needs")
+    p.add_argument("ref", metavar="REF", help=REF_HELP)
+    p.add_argument("--layers", required=True, metavar="A..B", help="half-open layer range")
+    p.add_argument("--projector", metavar="P", help="a projector path declared in the manifest")
+    add_json_flag(p)
+    p.set_defaults(handler=cmd_fetch)
+
     p = sub.add_parser("materialize", help="compose a stage's parts into one GGUF (a cache)")
-    p.add_argument("ref", metavar="REF", help="a package directory")
+    p.add_argument("ref", metavar="REF", help=REF_HELP)
     p.add_argument("--layers", required=True, metavar="A..B", help="half-open layer range")
     p.add_argument("--out", required=True, type=Path, metavar="FILE", help="outside the package")
     add_json_flag(p)
@@ -81,7 +86,7 @@ def _finding_lines(findings: list[Finding]) -> list[str]:
 
 
 def cmd_preflight(args: argparse.Namespace) -> CommandResult:
-    root = resolve_ref_for_cli(args.package)
+    root = package_dir_for_cli(args.package)
     report = preflight_package(
         root,
         stages=args.stages,
@@ -112,21 +117,13 @@ def cmd_preflight(args: argparse.Namespace) -> CommandResult:
     )
 
 
-def _prepare(args: argparse.Namespace, projector: str | None) -> PreparedStage:
-    pkg = load_package(resolve_ref_for_cli(args.ref))
-    layers = parse_layer_range(args.layers, pkg.manifest.layer_count)
-    verify = verify_enabled_for_local()
-    return prepare_stage(
-        pkg,
-        layers,
-        projector_path=projector,
-        verify=verify,
-        cache=VerifyCache.default() if verify else None,
+def _resolve(args: argparse.Namespace, projector: str | None) -> ResolvedStage:
+    return resolve_stage(
+        args.ref, read_environment(), layers_text=args.layers, projector_path=projector
     )
 
 
-def cmd_select(args: argparse.Namespace) -> CommandResult:
-    stage = _prepare(args, args.projector)
+def _parts_lines(stage: PreparedStage) -> list[str]:
     sel = stage.selection
     lines = [
         f"{sel.manifest.model_id} layers {sel.layers}: {len(sel.parts)} parts, "
@@ -139,17 +136,40 @@ def cmd_select(args: argparse.Namespace) -> CommandResult:
             f"  {r.role:<10} {index:>5} {r.path:<32} {human_bytes(r.artifact.artifact_bytes):>10}"
             f"  {r.artifact.sha256[:16]}"
         )
-    return CommandResult(data=stage.to_dict(), text="\n".join(lines))
+    return lines
+
+
+def cmd_select(args: argparse.Namespace) -> CommandResult:
+    resolved = _resolve(args, args.projector)
+    return CommandResult(
+        data=resolved.stage.to_dict(), text="\n".join(_parts_lines(resolved.stage))
+    )
+
+
+def cmd_fetch(args: argparse.Namespace) -> CommandResult:
+    resolved = _resolve(args, args.projector)
+    f = resolved.fetch
+    share = f.bytes_selected / f.package_bytes if f.package_bytes else 0.0
+    lines = _parts_lines(resolved.stage)
+    lines.append(
+        f"fetched {human_bytes(f.bytes_downloaded)} ({len([x for x in f.files if x.downloaded])}"
+        f" files) in {f.seconds:.2f}s; stage holds {human_bytes(f.bytes_selected)} of the "
+        f"package's {human_bytes(f.package_bytes)} ({share:.0%})"
+    )
+    lines.append(f"files under {resolved.stage.package.root}")
+    data = {**resolved.stage.to_dict(), "fetch": f.to_dict()}
+    return CommandResult(data=data, text="\n".join(lines))
 
 
 def cmd_materialize(args: argparse.Namespace) -> CommandResult:
     # Projectors are never merged into a materialization (spec "Repository Layout").
-    stage = _prepare(args, None)
+    stage = _resolve(args, None).stage
     result = materialize_stage(
         stage.package.root,
         stage.selection,
         args.out,
         manifest_sha256=stage.package.manifest_sha256,
+        containment_root=stage.package.containment_root,
     )
     verb = "wrote" if result.built else "kept existing"
     text = (

@@ -1,35 +1,31 @@
 """Runtime commands: ``run REF --prompt TEXT`` loads a verified stage and generates greedily.
 
-The order is: resolve REF to a local package, parse the manifest, refuse a stage shape the
-runtime cannot run (before spending time on checksums), run consumer validation (manifest
-rules, selection, path gate, presence, sizes, SHA-256 unless SKIPPY_VERIFY_PACKAGE_SHA is
-off), then load the selected parts in place and generate.
+The order is: refuse a stage shape the runtime cannot run (before fetching or hashing), then
+``skippy.resolve.resolve_stage`` (a local directory or hf://: manifest, selection, fetch of just
+those parts, consumer validation, SHA-256 with the verification cache: always for hf://, for
+local directories unless SKIPPY_VERIFY_PACKAGE_SHA turns it off), then load the selected parts
+in place and generate.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from skippy.cli import CommandResult, add_json_flag
-from skippy.constants import ENV_VERIFY_PACKAGE_SHA, MANIFEST_NAME
-from skippy.errors import InputUnreadable, UsageError
-from skippy.hashing import sha256_file
-from skippy.inspect import read_manifest
-from skippy.ranges import LayerRange, parse_layer_range
-from skippy.runtime import verify_local_stage
+from skippy.config import read_environment
+from skippy.constants import ENV_VERIFY_PACKAGE_SHA
+from skippy.errors import UsageError
+from skippy.ranges import parse_layer_range
+from skippy.resolve import open_ref, resolve_stage
+from skippy.runtime import StageLoad
 
-HF_SCHEME = "hf://"
 DEFAULT_MAX_TOKENS = 32
-_FALSE_WORDS = frozenset({"0", "false", "no", "off"})
 
 
 def register(sub: Any) -> None:
     p = sub.add_parser("run", help="load a package stage with llama.cpp and generate greedily")
-    p.add_argument("ref", help="a local package directory (hf:// references: not yet)")
+    p.add_argument("ref", help="a package directory, or hf://namespace/repo[@revision]")
     p.add_argument("--prompt", required=True, help="the prompt text")
     p.add_argument(
         "--max-tokens",
@@ -47,56 +43,34 @@ def register(sub: Any) -> None:
     p.set_defaults(handler=cmd_run)
 
 
-def resolve_package_ref(ref: str) -> Path:
-    """REF -> local package directory. The one place to swap in the hub resolver later."""
-    if ref.startswith(HF_SCHEME):
-        raise UsageError(
-            f"{ref}: hf:// references are not wired into `run` yet",
-            code="not_yet_supported",
-            remediation="download the package with `fetch` and pass its local directory",
-        )
-    path = Path(ref)
-    if not path.is_dir():
-        raise InputUnreadable(
-            f"{ref} is not a package directory (expected a folder holding {MANIFEST_NAME})",
-            path=ref,
-        )
-    return path
-
-
-def verify_package_sha_enabled(environ: Mapping[str, str] = os.environ) -> bool:
-    """Spec "Consumer Validation": local packages MAY skip checksums behind
-    SKIPPY_VERIFY_PACKAGE_SHA; verification is on unless it says 0/false/no/off."""
-    return environ.get(ENV_VERIFY_PACKAGE_SHA, "").strip().lower() not in _FALSE_WORDS
-
-
 def cmd_run(args: argparse.Namespace) -> CommandResult:
     from skippy.llama_runtime import LlamaStageRuntime
 
     if args.max_tokens < 1:
         raise UsageError("--max-tokens must be at least 1", code="invalid_max_tokens")
-    pkg = resolve_package_ref(args.ref)
-    manifest = read_manifest(pkg)
-    if args.layers is None:
-        layers = LayerRange(0, manifest.layer_count, manifest.layer_count)
-    else:
-        layers = parse_layer_range(args.layers, manifest.layer_count)
-    verify = verify_package_sha_enabled()
+    env = read_environment()
     with LlamaStageRuntime() as runtime:
-        runtime.require_supported(layers)  # refuse before hashing hundreds of MB
-        stage = verify_local_stage(
-            pkg,
-            manifest,
-            layers,
-            verify_sha256=verify,
-            manifest_sha256=sha256_file(pkg / MANIFEST_NAME),
+        # Refuse a stage shape this runtime cannot run before fetching or hashing anything.
+        if args.layers is not None:
+            head = open_ref(args.ref, env).manifest
+            runtime.require_supported(parse_layer_range(args.layers, head.layer_count))
+        resolved = resolve_stage(args.ref, env, layers_text=args.layers)
+        prepared = resolved.stage
+        layers = prepared.selection.layers
+        runtime.require_supported(layers)
+        verify = prepared.verification is not None
+        stage = StageLoad.from_selection(
+            prepared.selection,
+            resolved.files(),
+            manifest_sha256=prepared.package.manifest_sha256,
+            sha256_verified=verify,
         )
         runtime.load(stage)
         prompt_ids = runtime.tokenize(args.prompt)
         gen = runtime.generate(prompt_ids, max_tokens=args.max_tokens)
         load_s = runtime.load_s
     data: dict[str, Any] = {
-        "package": str(pkg),
+        "package": prepared.package.display,
         "model_id": stage.model_id,
         "manifest_sha256": stage.manifest_sha256,
         "layers": str(layers),

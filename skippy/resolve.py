@@ -1,0 +1,159 @@
+"""From a package reference to a validated, verified stage on local disk.
+
+The one place a reference (a local directory or ``hf://ns/repo[@rev]``) becomes a package:
+
+    parse_package_ref -> open_package (hf: resolve the revision, download model-package.json
+    only) -> select_stage -> fetch_selection (hf: download exactly the selected artifacts into
+    the standard hub cache) -> prepare_stage (consumer validation, SHA-256 with the
+    verification cache; always for hf://, spec "Consumer Validation").
+
+Downloads go through huggingface_hub (``skippy.hub``), so ``hf`` tooling sees the cache and
+``HF_HUB_OFFLINE=1`` serves a stage from it or lists what is missing.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from skippy import hub
+from skippy.config import Environment
+from skippy.constants import MANIFEST_NAME
+from skippy.errors import InputUnreadable
+from skippy.preflight import LoadedPackage, PreparedStage, load_package, prepare_stage
+from skippy.ranges import LayerRange, parse_layer_range
+from skippy.refs import HfPackageRef, LocalPackageRef, PackageRef, parse_package_ref
+from skippy.select import StageSelection, select_stage
+from skippy.verify import VerifyCache
+
+
+@dataclass(frozen=True)
+class FetchedFile:
+    path: str
+    artifact_bytes: int
+    downloaded: bool  # False: already in the cache (or a local package)
+
+
+@dataclass
+class FetchReport:
+    files: list[FetchedFile] = field(default_factory=list)
+    package_bytes: int = 0
+    seconds: float = 0.0
+
+    @property
+    def bytes_selected(self) -> int:
+        return sum(f.artifact_bytes for f in self.files)
+
+    @property
+    def bytes_downloaded(self) -> int:
+        return sum(f.artifact_bytes for f in self.files if f.downloaded)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "files": [f.__dict__ for f in self.files],
+            "bytes_selected": self.bytes_selected,
+            "bytes_downloaded": self.bytes_downloaded,
+            "package_bytes": self.package_bytes,
+            "seconds": round(self.seconds, 3),
+        }
+
+
+def _hub_kwargs(env: Environment) -> dict[str, Any]:
+    return {"endpoint": env.hf_endpoint, "cache_dir": env.hf_cache_dir, "offline": env.hf_offline}
+
+
+def open_package(ref: PackageRef, env: Environment) -> LoadedPackage:
+    """Read and check the manifest; for hf:// that is the only file downloaded here."""
+    if isinstance(ref, LocalPackageRef):
+        if not ref.path.is_dir():
+            raise InputUnreadable(
+                f"package directory {ref.path} does not exist", path=str(ref.path)
+            )
+        return load_package(ref.path, origin=str(ref.path))
+    commit = hub.resolve_revision(ref, **_hub_kwargs(env))
+    manifest_file = hub.download_file(ref, commit, MANIFEST_NAME, **_hub_kwargs(env))
+    return load_package(
+        manifest_file.parent,
+        containment_root=hub.repo_cache_root(env.hf_cache_dir, ref.repo_id),
+        origin=str(ref.at(commit)),
+        from_hub=True,
+    )
+
+
+def fetch_selection(
+    pkg: LoadedPackage, ref: PackageRef, selection: StageSelection, env: Environment
+) -> FetchReport:
+    """Bring exactly the selected artifacts to local disk (nothing to do for a directory)."""
+    t0 = time.perf_counter()
+    report = FetchReport(package_bytes=pkg.manifest.total_artifact_bytes())
+    refs = selection.all_refs
+    if isinstance(ref, HfPackageRef):
+        commit = pkg.root.name  # the hub cache layout: snapshots/<commit>/model-package.json
+        present = {r.path for r in refs if (pkg.root / r.path).exists()}
+        hub.download_many(ref, commit, [r.path for r in refs], **_hub_kwargs(env))
+    else:
+        present = {r.path for r in refs}
+    report.files = [
+        FetchedFile(r.path, r.artifact.artifact_bytes, r.path not in present) for r in refs
+    ]
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+@dataclass(frozen=True)
+class ResolvedStage:
+    ref: PackageRef
+    stage: PreparedStage
+    fetch: FetchReport
+
+    def files(self) -> dict[str, Path]:
+        """Manifest path -> local file for every selected artifact."""
+        sel = self.stage.selection
+        out = {r.path: p for r, p in zip(sel.parts, self.stage.part_paths, strict=True)}
+        if sel.projector is not None and self.stage.projector_path is not None:
+            out[sel.projector.path] = self.stage.projector_path
+        return out
+
+
+def resolve_stage(
+    ref_text: str,
+    env: Environment,
+    *,
+    layers_text: str | None = None,
+    projector_path: str | None = None,
+) -> ResolvedStage:
+    """REF + layer range -> a validated stage whose selected files are local and verified
+    (hf:// always; local directories unless SKIPPY_VERIFY_PACKAGE_SHA turns it off)."""
+    ref = parse_package_ref(ref_text)
+    pkg = open_package(ref, env)
+    n = pkg.manifest.layer_count
+    layers = parse_layer_range(layers_text, n) if layers_text else LayerRange(0, n, n)
+    selection = select_stage(pkg.manifest, layers, projector_path=projector_path)
+    fetched = fetch_selection(pkg, ref, selection, env)
+    verify = pkg.from_hub or env.verify_local_sha256
+    stage = prepare_stage(
+        pkg,
+        layers,
+        projector_path=projector_path,
+        verify=verify,
+        cache=VerifyCache.under(env.skippy_cache_dir) if verify else None,
+    )
+    return ResolvedStage(ref, stage, fetched)
+
+
+def open_ref(ref_text: str, env: Environment) -> LoadedPackage:
+    """Metadata-only: resolve and read the manifest (spec: no layer range needed)."""
+    return open_package(parse_package_ref(ref_text), env)
+
+
+__all__ = [
+    "FetchReport",
+    "FetchedFile",
+    "ResolvedStage",
+    "fetch_selection",
+    "open_package",
+    "open_ref",
+    "resolve_stage",
+]
