@@ -13,6 +13,7 @@ Downloads go through huggingface_hub (``skippy.hub``), so ``hf`` tooling sees th
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +22,8 @@ from typing import Any
 from skippy import hub
 from skippy.config import Environment
 from skippy.constants import MANIFEST_NAME
-from skippy.errors import InputUnreadable
+from skippy.errors import InputUnreadable, IntegrityError, UnsafePath
+from skippy.paths import resolve_under
 from skippy.preflight import LoadedPackage, PreparedStage, load_package, prepare_stage
 from skippy.ranges import LayerRange, parse_layer_range
 from skippy.refs import HfPackageRef, LocalPackageRef, PackageRef, parse_package_ref
@@ -133,14 +135,31 @@ def resolve_stage(
     selection = select_stage(pkg.manifest, layers, projector_path=projector_path)
     fetched = fetch_selection(pkg, ref, selection, env)
     verify = pkg.from_hub or env.verify_local_sha256
-    stage = prepare_stage(
-        pkg,
-        layers,
-        projector_path=projector_path,
-        verify=verify,
-        cache=VerifyCache.under(env.skippy_cache_dir) if verify else None,
-    )
+    try:
+        stage = prepare_stage(
+            pkg,
+            layers,
+            projector_path=projector_path,
+            verify=verify,
+            cache=VerifyCache.under(env.skippy_cache_dir) if verify else None,
+        )
+    except IntegrityError as exc:
+        if pkg.from_hub and exc.path:
+            _evict_from_hub_cache(pkg, exc.path)
+            exc.remediation = "the corrupt copy was removed from the hub cache; fetch again"
+        raise
     return ResolvedStage(ref, stage, fetched)
+
+
+def _evict_from_hub_cache(pkg: LoadedPackage, rel: str) -> None:
+    """huggingface_hub checks sizes only (GOTCHAS) and would serve a corrupt blob forever:
+    drop the snapshot link and its blob so the next fetch downloads it again."""
+    link = pkg.root / rel
+    with contextlib.suppress(OSError, UnsafePath):
+        blob = resolve_under(pkg.root, rel, containment_root=pkg.containment_root).resolve()
+        link.unlink(missing_ok=True)
+        if pkg.containment_root and blob.is_relative_to(pkg.containment_root.resolve()):
+            blob.unlink(missing_ok=True)
 
 
 def open_ref(ref_text: str, env: Environment) -> LoadedPackage:

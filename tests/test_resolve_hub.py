@@ -1,0 +1,168 @@
+"""Consumers against a hub: the real huggingface_hub client, our fake hub on 127.0.0.1.
+
+Shows that a stage downloads exactly its parts (bytes counted on the server), that a corrupt
+artifact is rejected on download and on a later cache hit, that offline mode serves from the
+cache or lists what is missing, and that a revision pin is honoured.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+from hub_server import FakeHub, Fault, running_hub
+from pkgtools import make_package
+
+from skippy.cli import main
+from skippy.config import read_environment
+from skippy.constants import MANIFEST_NAME, layer_path
+from skippy.errors import ArtifactMissing, IntegrityError
+from skippy.resolve import resolve_stage
+
+REPO = "acme/tiny-layers"
+
+
+@pytest.fixture(scope="module")
+def packages(synth_dir, tmp_path_factory) -> tuple[Path, Path]:
+    """Two revisions of one package: v1 from llama_like, v2 from a re-seeded model."""
+    import synth_gguf
+
+    root = tmp_path_factory.mktemp("hubpkgs")
+    v1 = root / "v1"
+    make_package(synth_dir.llama, v1)
+    other = synth_gguf.llama_like(root / "other.gguf", seed=7)
+    v2 = root / "v2"
+    make_package(other, v2)
+    return v1, v2
+
+
+@pytest.fixture
+def hub(packages, monkeypatch) -> FakeHub:
+    v1, v2 = packages
+    with running_hub({REPO: [v1, v2]}) as h:
+        monkeypatch.setenv("HF_ENDPOINT", h.url)
+        yield h
+
+
+def _manifest(pkg: Path) -> dict:
+    return json.loads((pkg / MANIFEST_NAME).read_text())
+
+
+def test_stage_downloads_exactly_its_parts(hub, packages):
+    v2 = packages[1]
+    m = _manifest(v2)
+    resolved = resolve_stage(f"hf://{REPO}", read_environment(), layers_text="1..3")
+    wanted = {MANIFEST_NAME, "shared/metadata.gguf", layer_path(1), layer_path(2)}
+    assert hub.downloaded_paths(REPO) == wanted
+    for path in wanted - {MANIFEST_NAME}:
+        assert hub.stats(REPO, path).bytes_served == (v2 / path).stat().st_size
+    assert resolved.stage.verification is not None  # hf:// always verifies
+    assert resolved.fetch.bytes_downloaded == resolved.fetch.bytes_selected
+    assert resolved.fetch.package_bytes == sum(
+        a["artifact_bytes"] for a in [*m["shared"].values(), *m["layers"]]
+    )
+    for rel, local in resolved.files().items():
+        assert local.read_bytes() == (v2 / rel).read_bytes()
+
+
+def test_second_fetch_downloads_nothing(hub):
+    env = read_environment()
+    resolve_stage(f"hf://{REPO}", env, layers_text="0..2")
+    before = {p: hub.get_count(REPO, p) for p in hub.downloaded_paths(REPO)}
+    again = resolve_stage(f"hf://{REPO}", env, layers_text="0..2")
+    assert again.fetch.bytes_downloaded == 0
+    assert {p: hub.get_count(REPO, p) for p in before} == before
+
+
+def test_revision_pin_is_honoured(packages, monkeypatch):
+    v1, v2 = packages
+    with FakeHub() as h:
+        old = h.add_revision(REPO, v1)
+        new = h.add_revision(REPO, v2)  # main moves to v2
+        monkeypatch.setenv("HF_ENDPOINT", h.url)
+        env = read_environment()
+        pinned = resolve_stage(f"hf://{REPO}@{old}", env, layers_text="0..1")
+        latest = resolve_stage(f"hf://{REPO}", env, layers_text="0..1")
+    assert old != new
+    assert pinned.stage.package.origin == f"hf://{REPO}@{old}"
+    assert latest.stage.package.origin == f"hf://{REPO}@{new}"
+    for resolved, pkg in ((pinned, v1), (latest, v2)):
+        m = resolved.stage.package.manifest
+        assert m.source_model.sha256 == _manifest(pkg)["source_model"]["sha256"]
+        meta = resolved.files()["shared/metadata.gguf"]
+        assert meta.read_bytes() == (pkg / "shared/metadata.gguf").read_bytes()
+
+
+def test_moving_ref_warns(hub, caplog):
+    with caplog.at_level(logging.WARNING, logger="skippy.hub"):
+        resolve_stage(f"hf://{REPO}@main", read_environment(), layers_text="0..1")
+    assert any("pin" in r.getMessage() for r in caplog.records)
+
+
+def test_corrupt_download_is_rejected_and_evicted(hub):
+    hub.inject(REPO, layer_path(2), Fault.FLIP_BYTE)
+    env = read_environment()
+    with pytest.raises(IntegrityError) as exc:
+        resolve_stage(f"hf://{REPO}", env, layers_text="2..3")
+    assert exc.value.code == "artifact_sha256_mismatch"
+    assert exc.value.path == layer_path(2)
+    hub.clear_faults()
+    resolved = resolve_stage(f"hf://{REPO}", env, layers_text="2..3")  # downloads it again
+    assert resolved.fetch.bytes_downloaded > 0
+
+
+def test_corruption_in_the_cache_is_caught_on_a_later_hit(hub):
+    env = read_environment()
+    first = resolve_stage(f"hf://{REPO}", env, layers_text="0..1")
+    blob = first.files()["shared/metadata.gguf"].resolve()
+    data = bytearray(blob.read_bytes())
+    data[-1] ^= 0x01
+    blob.write_bytes(bytes(data))  # same size: only SHA-256 can tell
+    with pytest.raises(IntegrityError) as exc:
+        resolve_stage(f"hf://{REPO}", env, layers_text="0..1")
+    assert exc.value.path == "shared/metadata.gguf"
+
+
+def test_offline_serves_from_cache_and_lists_what_is_missing(hub, monkeypatch):
+    commit = hub.commit_of(REPO, "main")
+    resolve_stage(f"hf://{REPO}@{commit}", read_environment(), layers_text="0..2")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    hub.reset()
+    offline = read_environment()
+    again = resolve_stage(f"hf://{REPO}@{commit}", offline, layers_text="0..2")
+    assert again.stage.verification is not None
+    assert hub.request_log() == []  # nothing reached the server
+    with pytest.raises(ArtifactMissing) as exc:
+        resolve_stage(f"hf://{REPO}@{commit}", offline, layers_text="1..4")
+    assert exc.value.code == "not_in_offline_cache"
+    for rel in (layer_path(2), layer_path(3), "shared/output.gguf"):
+        assert rel in exc.value.message
+
+
+def test_missing_file_on_the_hub(hub):
+    hub.inject(REPO, layer_path(3), Fault.NOT_FOUND)
+    with pytest.raises(ArtifactMissing) as exc:
+        resolve_stage(f"hf://{REPO}", read_environment(), layers_text="3..4")
+    assert exc.value.code == "missing_artifact"
+
+
+def test_fetch_cli_reports_bytes(hub, capsys):
+    assert main(["fetch", f"hf://{REPO}", "--layers", "1..2", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    fetch = doc["fetch"]
+    assert fetch["bytes_downloaded"] == fetch["bytes_selected"] < fetch["package_bytes"]
+    assert [p["path"] for p in doc["parts"]] == ["shared/metadata.gguf", layer_path(1)]
+    assert doc["sha256_verified"] is True
+
+
+def test_hub_package_is_never_materialized_into_the_cache(hub, tmp_path, capsys):
+    resolved = resolve_stage(f"hf://{REPO}", read_environment(), layers_text="0..4")
+    inside = resolved.stage.package.root / "stage.gguf"
+    rc = main(["materialize", f"hf://{REPO}", "--layers", "0..4", "--out", str(inside), "--json"])
+    assert rc == 2
+    assert json.loads(capsys.readouterr().out)["error"]["code"] == "materialize_inside_package"
+    out = tmp_path / "stage.gguf"
+    assert main(["materialize", f"hf://{REPO}", "--layers", "0..4", "--out", str(out)]) == 0
+    assert out.is_file()
