@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -99,13 +100,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         wrapped = InputUnreadable(f"{exc.strerror or exc}: {exc.filename or ''}".rstrip(": "))
         _render_error(wrapped, as_json)
         return wrapped.exit_code
-    if as_json:
-        print(json.dumps(result.data, indent=2, default=str))
-    else:
-        if result.text:
-            print(result.text)
-        for w in result.warnings:
-            sys.stderr.write(f"warning: {w}\n")
+    try:
+        if as_json:
+            print(json.dumps(result.data, indent=2, default=str))
+        else:
+            if result.text:
+                print(result.text)
+            for w in result.warnings:
+                sys.stderr.write(f"warning: {w}\n")
+        sys.stdout.flush()
+    except BrokenPipeError:  # `... | head`: the reader left; not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return result.exit_code
 
 
