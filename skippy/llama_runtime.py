@@ -36,6 +36,7 @@ exit 2). llama.cpp's own log lines are forwarded to the ``skippy.llama_cpp`` log
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import os
 import tempfile
@@ -181,6 +182,22 @@ class LlamaStageRuntime:
         if stage.projector_path is not None:
             log.warning(
                 "projector %s is not loaded: this runtime is text-only", stage.projector_path
+            )
+        if stage.speculative is not None and stage.speculative.enabled:
+            # Spec "Generation Defaults": a path we cannot execute gets a correctness-preserving
+            # fallback and a stated reason, in one structured line.
+            log.warning(
+                "speculative decoding fallback %s",
+                json.dumps(
+                    {
+                        "requested": stage.speculative.requested,
+                        "mode": stage.speculative.mode,
+                        "selected": "disabled",
+                        "fallback_reason": "the llama-cpp-python runtime has no speculative "
+                        "decoding; plain greedy decoding gives the same tokens",
+                    },
+                    sort_keys=True,
+                ),
             )
         self.close()
         link_dir = Path(tempfile.mkdtemp(prefix=".skippy-split-", dir=self.config.link_parent))

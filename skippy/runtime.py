@@ -22,6 +22,7 @@ import numpy.typing as npt
 
 from skippy.constants import ROLE_METADATA
 from skippy.errors import EXIT_USAGE, ArtifactMissing, SkippyError, UsageError
+from skippy.generation import SpeculativePlan
 from skippy.paths import resolve_under
 from skippy.ranges import LayerRange
 from skippy.select import StageSelection
@@ -73,6 +74,9 @@ class StageLoad:
     manifest_sha256: str | None = None
     projector_path: Path | None = None
     sha256_verified: bool = False
+    # The one resolved speculation plan (spec "Speculative Decoding"); runtimes execute it or
+    # log a correctness-preserving fallback, and never re-resolve it.
+    speculative: SpeculativePlan | None = None
 
     def __post_init__(self) -> None:
         if not self.model_id.strip():
@@ -113,6 +117,7 @@ class StageLoad:
         *,
         manifest_sha256: str | None = None,
         sha256_verified: bool = False,
+        speculative: SpeculativePlan | None = None,
     ) -> StageLoad:
         """Build the load from a selection and where its files are.
 
@@ -137,6 +142,7 @@ class StageLoad:
             model_id=m.model_id,
             source_sha256=m.source_model.sha256,
             manifest_sha256=manifest_sha256,
+            speculative=speculative,
             layers=selection.layers,
             part_paths=tuple(where(r.path) for r in selection.parts),
             part_roles=tuple(r.role for r in selection.parts),
@@ -160,6 +166,7 @@ class StageLoad:
             ],
             "projector_path": str(self.projector_path) if self.projector_path else None,
             "sha256_verified": self.sha256_verified,
+            "speculative": self.speculative.to_dict() if self.speculative else None,
         }
 
 

@@ -402,3 +402,71 @@ def test_run_refuses_a_damaged_package(
     with pytest.raises(SkippyError) as e:
         stage_for(pkg_copy)
     assert e.value.code == code
+
+
+# --- operator speculation settings on the serving command (issue #4 section 4) -------------------
+def test_run_resolves_and_reports_the_speculative_plan(
+    cli: Any, gemma_pkg: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli("run", gemma_pkg, "--prompt", PROMPT, "--max-tokens", 2, "--json") == 0
+    assert json.loads(capsys.readouterr().out)["speculative"]["mode"] == "disabled"
+    rc = cli("run", gemma_pkg, "--prompt", PROMPT, "--speculative-strategy", "mtp", "--json")
+    assert rc == 2  # forcing native MTP on a package without an MTP source is refused
+    assert json.loads(capsys.readouterr().out)["error"]["code"] == "native_mtp_unavailable"
+    cfg = tmp_path / "node.toml"
+    cfg.write_text('[speculative]\nstrategy = "mtp-cache"\n')
+    rc = cli("run", gemma_pkg, "--prompt", PROMPT, "--config", cfg, "--json")
+    assert rc == 2  # a named strategy the package does not declare
+    assert json.loads(capsys.readouterr().out)["error"]["code"] == "undeclared_speculative_strategy"
+    # The CLI wins over the config file.
+    rc = cli(
+        "run",
+        gemma_pkg,
+        "--prompt",
+        PROMPT,
+        "--max-tokens",
+        2,
+        "--config",
+        cfg,
+        "--speculative-strategy",
+        "disabled",
+        "--json",
+    )
+    assert rc == 0
+    assert json.loads(capsys.readouterr().out)["speculative"]["requested_source"] == "cli"
+
+
+def test_unexecutable_package_strategy_falls_back_with_a_reason(
+    cli: Any,
+    pkg_copy: Path,
+    manifest: Manifest,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A package declaring native MTP: this runtime cannot execute it, so it decodes without
+    speculation (same greedy tokens) and says why in one structured log line."""
+    path = pkg_copy / MANIFEST_NAME
+    data = json.loads(path.read_text())
+    last = manifest.layer_count - 1
+    data["generation"] = {
+        "speculative_decoding": {
+            "default": "mtp",
+            "strategies": {
+                "mtp": {"type": "native-mtp", "prediction_depth": 1, "layer_indices": [last]}
+            },
+        }
+    }
+    path.unlink()  # hard-linked copy: replace, never write through
+    path.write_text(json.dumps(data))
+    with caplog.at_level("WARNING", logger="skippy.llama_runtime"):
+        rc = cli("run", pkg_copy, "--prompt", PROMPT, "--max-tokens", 16, "--json")
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["speculative"]["mode"] == "native-mtp"
+    assert out["completion"] == GREEDY_16
+    lines = [
+        r.getMessage() for r in caplog.records if "speculative decoding fallback" in r.getMessage()
+    ]
+    assert len(lines) == 1
+    record = json.loads(lines[0].split("fallback ", 1)[1])
+    assert record["selected"] == "disabled" and record["fallback_reason"]

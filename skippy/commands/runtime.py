@@ -10,12 +10,20 @@ in place and generate.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 from skippy.cli import CommandResult, add_json_flag
-from skippy.config import read_environment
+from skippy.config import load_node_config, read_environment
 from skippy.constants import ENV_VERIFY_PACKAGE_SHA
 from skippy.errors import UsageError
+from skippy.generation import (
+    SpeculativePlan,
+    SpeculativeSettings,
+    parse_generation,
+    resolve_speculative_plan,
+)
+from skippy.manifest import Manifest
 from skippy.ranges import parse_layer_range
 from skippy.resolve import open_ref, resolve_stage
 from skippy.runtime import StageLoad
@@ -39,8 +47,29 @@ def register(sub: Any) -> None:
         metavar="A..B",
         help="half-open layer range to load (default: every layer)",
     )
+    p.add_argument("--config", type=Path, metavar="TOML", help="node config ([speculative] ...)")
+    p.add_argument(
+        "--speculative-strategy",
+        metavar="S",
+        help="auto, mtp, disabled, or a strategy id the package declares (overrides --config)",
+    )
     add_json_flag(p)
     p.set_defaults(handler=cmd_run)
+
+
+def speculative_plan(manifest: Manifest, args: argparse.Namespace) -> SpeculativePlan:
+    """Spec "Speculative Decoding": CLI, then the model entry (named by the package's
+    model_id), then global config, resolved once against the package's declared defaults."""
+    node = load_node_config(args.config)
+    package = parse_generation(manifest.generation, layer_count=manifest.layer_count)
+    cli = (
+        SpeculativeSettings(strategy=args.speculative_strategy)
+        if args.speculative_strategy
+        else None
+    )
+    return resolve_speculative_plan(
+        package=package, overrides=node.speculative, model=manifest.model_id, cli=cli
+    )
 
 
 def cmd_run(args: argparse.Namespace) -> CommandResult:
@@ -51,19 +80,22 @@ def cmd_run(args: argparse.Namespace) -> CommandResult:
     env = read_environment()
     with LlamaStageRuntime() as runtime:
         # Refuse a stage shape this runtime cannot run before fetching or hashing anything.
+        head = open_ref(args.ref, env).manifest
+        speculative_plan(head, args)  # a bad config or strategy is refused before any fetch
         if args.layers is not None:
-            head = open_ref(args.ref, env).manifest
             runtime.require_supported(parse_layer_range(args.layers, head.layer_count))
         resolved = resolve_stage(args.ref, env, layers_text=args.layers)
         prepared = resolved.stage
         layers = prepared.selection.layers
         runtime.require_supported(layers)
         verify = prepared.verification is not None
+        plan = speculative_plan(prepared.package.manifest, args)
         stage = StageLoad.from_selection(
             prepared.selection,
             resolved.files(),
             manifest_sha256=prepared.package.manifest_sha256,
             sha256_verified=verify,
+            speculative=plan,
         )
         runtime.load(stage)
         prompt_ids = runtime.tokenize(args.prompt)
@@ -78,6 +110,7 @@ def cmd_run(args: argparse.Namespace) -> CommandResult:
         "parts": len(stage.part_paths),
         "load_s": load_s,
         "prompt": args.prompt,
+        "speculative": plan.to_dict(),
         **gen.to_dict(),
     }
     rate = gen.decode_tokens_per_s or gen.tokens_per_s
@@ -88,9 +121,9 @@ def cmd_run(args: argparse.Namespace) -> CommandResult:
         if rate
         else f"[{len(gen.tokens)} tokens, stop: {gen.stop_reason}]"
     )
-    warnings = (
-        []
-        if verify
-        else [f"SHA-256 of the selected parts was not verified ({ENV_VERIFY_PACKAGE_SHA} is off)"]
-    )
+    warnings = list(plan.notes)
+    if not verify:
+        warnings.append(
+            f"SHA-256 of the selected parts was not verified ({ENV_VERIFY_PACKAGE_SHA} is off)"
+        )
     return CommandResult(data=data, text=f"{args.prompt}{gen.text}\n{stats}", warnings=warnings)
