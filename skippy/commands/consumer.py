@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from skippy.cli import CommandResult, add_json_flag, exit_for
 from skippy.config import read_environment
@@ -21,7 +21,9 @@ from skippy.materialize import materialize_stage
 from skippy.preflight import PreparedStage, preflight_package
 from skippy.progress import human_bytes
 from skippy.refs import HfPackageRef, parse_package_ref
-from skippy.resolve import ResolvedStage, resolve_stage
+
+if TYPE_CHECKING:  # skippy.resolve pulls in huggingface_hub (~0.2 s): import it when used
+    from skippy.resolve import ResolvedStage
 
 REF_HELP = "a package directory, or hf://namespace/repo[@revision]"
 
@@ -118,6 +120,8 @@ def cmd_preflight(args: argparse.Namespace) -> CommandResult:
 
 
 def _resolve(args: argparse.Namespace, projector: str | None) -> ResolvedStage:
+    from skippy.resolve import resolve_stage
+
     return resolve_stage(
         args.ref, read_environment(), layers_text=args.layers, projector_path=projector
     )

@@ -11,22 +11,17 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from skippy.cli import CommandResult, add_json_flag
 from skippy.config import load_node_config, read_environment
 from skippy.constants import ENV_VERIFY_PACKAGE_SHA
 from skippy.errors import UsageError
-from skippy.generation import (
-    SpeculativePlan,
-    SpeculativeSettings,
-    parse_generation,
-    resolve_speculative_plan,
-)
-from skippy.manifest import Manifest
 from skippy.ranges import parse_layer_range
-from skippy.resolve import open_ref, resolve_stage
-from skippy.runtime import StageLoad
+
+if TYPE_CHECKING:  # the hub client, numpy and llama.cpp load only when `run` runs
+    from skippy.generation import SpeculativePlan
+    from skippy.manifest import Manifest
 
 DEFAULT_MAX_TOKENS = 32
 
@@ -60,6 +55,12 @@ def register(sub: Any) -> None:
 def speculative_plan(manifest: Manifest, args: argparse.Namespace) -> SpeculativePlan:
     """Spec "Speculative Decoding": CLI, then the model entry (named by the package's
     model_id), then global config, resolved once against the package's declared defaults."""
+    from skippy.generation import (
+        SpeculativeSettings,
+        parse_generation,
+        resolve_speculative_plan,
+    )
+
     node = load_node_config(args.config)
     package = parse_generation(manifest.generation, layer_count=manifest.layer_count)
     cli = (
@@ -74,6 +75,8 @@ def speculative_plan(manifest: Manifest, args: argparse.Namespace) -> Speculativ
 
 def cmd_run(args: argparse.Namespace) -> CommandResult:
     from skippy.llama_runtime import LlamaStageRuntime
+    from skippy.resolve import open_ref, resolve_stage
+    from skippy.runtime import StageLoad
 
     if args.max_tokens < 1:
         raise UsageError("--max-tokens must be at least 1", code="invalid_max_tokens")
