@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import CancelledError, ThreadPoolExecutor
 from pathlib import Path
 from typing import BinaryIO
 
@@ -53,10 +54,21 @@ def copy_range(fd: int, offset: int, length: int, write: Callable[[memoryview], 
         done += got
 
 
-def sha256_file(path: Path) -> str:
+def sha256_file(path: Path, *, cancel: threading.Event | None = None) -> str:
+    """Digest of one file. With ``cancel``, the loop stops (``CancelledError``) soon after the
+    event is set, so a long hash started speculatively never delays an error."""
     try:
         with open(path, "rb") as f:
-            return hashlib.file_digest(f, "sha256").hexdigest()
+            if cancel is None:
+                return hashlib.file_digest(f, "sha256").hexdigest()
+            h = hashlib.sha256()
+            buf = bytearray(CHUNK_BYTES)
+            view = memoryview(buf)
+            while n := f.readinto(buf):
+                if cancel.is_set():
+                    raise CancelledError(f"hashing {path} was cancelled")
+                h.update(view[:n])
+            return h.hexdigest()
     except OSError as exc:
         raise InputUnreadable(f"cannot read {path}: {exc.strerror or exc}", path=str(path)) from exc
 

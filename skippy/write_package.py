@@ -13,9 +13,10 @@ import contextlib
 import hashlib
 import os
 import re
+import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,7 @@ from skippy.constants import (
     SHARED_DIR,
     SPLIT_SHARD_RE,
 )
-from skippy.errors import ManifestError, ModelError, OutputExists, UsageError
+from skippy.errors import InputUnreadable, ManifestError, ModelError, OutputExists, UsageError
 from skippy.fragments import FragmentPlan, plan_fragments
 from skippy.generation import infer_generation
 from skippy.gguf.reader import open_gguf
@@ -56,7 +57,7 @@ from skippy.manifest import (
 from skippy.package_readme import render_readme
 from skippy.paths import check_relative_path
 from skippy.progress import Progress
-from skippy.source import SourceModelFiles
+from skippy.source import SourceModelFiles, shard_paths
 
 _MODEL_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+:[\w.+-]+$")
 
@@ -251,76 +252,112 @@ def _layer_artifact(plan: FragmentPlan, w: WrittenFragment) -> LayerArtifact:
     )
 
 
+@dataclass(frozen=True)
+class _SourceFacts:
+    layer_count: int
+    plans: list[FragmentPlan]
+    generation: dict[str, Any] | None
+    width: int | None
+    tied: bool
+
+
+def _study_source(src: SourceModelFiles) -> _SourceFacts:
+    """Everything decided from the source header alone (pure apart from reading it)."""
+    layer_count = _layer_count(src)
+    highest = max(
+        (t.info.name.split(".")[1] for t in src.tensors if t.info.name.startswith("blk.")),
+        key=int,
+        default=None,
+    )
+    if highest is None or int(highest) + 1 != layer_count:
+        raise ModelError(
+            f"{src.architecture}.block_count is {layer_count} but the highest block tensor "
+            f"is blk.{highest}",
+            code="layer_count_mismatch",
+        )
+    plans = plan_fragments(
+        kv_records=[(f.key, src.head.raw_field(f.key)) for f in src.kv_fields()],
+        tensors=src.tensors,
+        layer_count=layer_count,
+    )
+    # Spec "Generation Defaults": advertise only what the artifact really contains.
+    generation = infer_generation(
+        arch=src.architecture,
+        metadata=src.metadata(),
+        tensor_names=[t.info.name for t in src.tensors],
+        layer_count=layer_count,
+    )
+    width = src.arch_value("embedding_length")
+    return _SourceFacts(
+        layer_count=layer_count,
+        plans=plans,
+        generation=generation,
+        width=width if isinstance(width, int) and not isinstance(width, bool) else None,
+        tied=not any(t.info.name == OUTPUT_WEIGHT_TENSOR for t in src.tensors),
+    )
+
+
+def _write_fragments(
+    pool: ThreadPoolExecutor,
+    src: SourceModelFiles,
+    plans: list[FragmentPlan],
+    out_dir: Path,
+    progress: Progress,
+) -> list[WrittenFragment]:
+    def write_one(plan: FragmentPlan) -> WrittenFragment:
+        t = time.perf_counter()
+        w = write_fragment(
+            out_dir / plan.path,
+            plan.kv_records,
+            [src.tensor_source(x) for x in plan.tensors],
+            src.alignment,
+        )
+        progress.item(plan.path, w.artifact_bytes, time.perf_counter() - t)
+        return w
+
+    # Largest first so both cores finish together (gemma3: token_embd is 70% of the bytes).
+    order = sorted(range(len(plans)), key=lambda i: -plans[i].tensor_bytes)
+    futures = {i: pool.submit(write_one, plans[i]) for i in order}
+    return [futures[i].result() for i in range(len(plans))]
+
+
 def write_package(source: Path, opts: WriteOptions) -> WriteResult:
     t0 = time.perf_counter()
     names = {p.name for p in opts.projectors}
     if len(names) != len(opts.projectors):
         raise UsageError("two --projector files share a file name", code="duplicate_projector")
-    with SourceModelFiles(source) as src:
-        layer_count = _layer_count(src)
-        highest = max(
-            (t.info.name.split(".")[1] for t in src.tensors if t.info.name.startswith("blk.")),
-            key=int,
-            default=None,
+    if not source.is_file():
+        raise InputUnreadable(
+            f"source model {source} does not exist or is not a file", path=str(source)
         )
-        if highest is None or int(highest) + 1 != layer_count:
-            raise ModelError(
-                f"{src.architecture}.block_count is {layer_count} but the highest block tensor "
-                f"is blk.{highest}",
-                code="layer_count_mismatch",
-            )
-        plans = plan_fragments(
-            kv_records=[(f.key, src.head.raw_field(f.key)) for f in src.kv_fields()],
-            tensors=src.tensors,
-            layer_count=layer_count,
-        )
-        # Spec "Generation Defaults": advertise only what the artifact really contains.
-        generation = infer_generation(
-            arch=src.architecture,
-            metadata=src.metadata(),
-            tensor_names=[t.info.name for t in src.tensors],
-            layer_count=layer_count,
-        )
-        width = src.arch_value("embedding_length")
-        old = _prepare_out_dir(opts.out_dir, opts.overwrite)
+    paths = shard_paths(source)
+    sizes = [p.stat().st_size for p in paths]
+    progress = Progress.for_terminal(len(paths), quiet=opts.quiet)
+    cancel = threading.Event()
 
-        progress = Progress.for_terminal(len(plans) + len(src.paths), quiet=opts.quiet)
+    def hash_one(path: Path) -> str:
+        t = time.perf_counter()
+        digest = sha256_file(path, cancel=cancel)
+        progress.item(f"sha256 {path.name}", path.stat().st_size, time.perf_counter() - t)
+        return digest
 
-        def write_one(plan: FragmentPlan) -> WrittenFragment:
-            t = time.perf_counter()
-            w = write_fragment(
-                opts.out_dir / plan.path,
-                plan.kv_records,
-                [src.tensor_source(x) for x in plan.tensors],
-                src.alignment,
-            )
-            progress.item(plan.path, w.artifact_bytes, time.perf_counter() - t)
-            return w
-
-        def hash_one(path: Path) -> str:
-            t = time.perf_counter()
-            digest = sha256_file(path)
-            progress.item(f"sha256 {path.name}", path.stat().st_size, time.perf_counter() - t)
-            return digest
-
-        # Largest first so the two cores finish together (gemma3: token_embd is 70% of it).
-        tasks = sorted(
-            [(p.stat().st_size, 0, i) for i, p in enumerate(src.paths)]
-            + [(plan.tensor_bytes, 1, i) for i, plan in enumerate(plans)],
-            reverse=True,
-        )
-        hash_futs: dict[int, Future[str]] = {}
-        write_futs: dict[int, Future[WrittenFragment]] = {}
-        with ThreadPoolExecutor(max_workers=max(1, opts.workers)) as pool:
-            for _, kind, i in tasks:
-                if kind == 0:
-                    hash_futs[i] = pool.submit(hash_one, src.paths[i])
-                else:
-                    write_futs[i] = pool.submit(write_one, plans[i])
-            digests = [hash_futs[i].result() for i in range(len(src.paths))]
-            written = [write_futs[i].result() for i in range(len(plans))]
-        sizes = [p.stat().st_size for p in src.paths]
-        tied = not any(t.info.name == OUTPUT_WEIGHT_TENSOR for t in src.tensors)
+    pool = ThreadPoolExecutor(max_workers=max(1, opts.workers))
+    try:
+        # The source digest is the longest single job and needs no parsing: start it first,
+        # then parse and plan while it runs (one pass per file, both cores busy).
+        hash_futs = [pool.submit(hash_one, p) for p in paths]
+        with SourceModelFiles(source) as src:
+            facts = _study_source(src)
+            old = _prepare_out_dir(opts.out_dir, opts.overwrite)
+            progress.total += len(facts.plans)
+            written = _write_fragments(pool, src, facts.plans, opts.out_dir, progress)
+        digests = [f.result() for f in hash_futs]
+    except BaseException:
+        cancel.set()
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    pool.shutdown()
+    plans = facts.plans
 
     projectors = tuple(_copy_projector(p, opts.out_dir) for p in opts.projectors)
     by_role = {
@@ -349,8 +386,8 @@ def write_package(source: Path, opts: WriteOptions) -> WriteResult:
                 SourceFile(n, s, d) for n, s, d in zip(shard_names, sizes, digests, strict=True)
             ),
         ),
-        layer_count=layer_count,
-        activation_width=width if isinstance(width, int) and not isinstance(width, bool) else None,
+        layer_count=facts.layer_count,
+        activation_width=facts.width,
         shared=SharedArtifacts(
             metadata=by_role[ROLE_METADATA],
             embeddings=by_role[ROLE_EMBEDDINGS],
@@ -358,12 +395,12 @@ def write_package(source: Path, opts: WriteOptions) -> WriteResult:
         ),
         layers=layers,
         projectors=projectors,
-        generation=generation,
+        generation=facts.generation,
         skippy_abi_version=RUNTIME_ABI_VERSION,
         created_at_unix_secs=(
             opts.created_at_unix_secs if opts.created_at_unix_secs is not None else int(time.time())
         ),
-        tied_embeddings=tied,
+        tied_embeddings=facts.tied,
     )
     manifest_bytes = dump_manifest(manifest)
     manifest_sha = hashlib.sha256(manifest_bytes).hexdigest()
