@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import os
 import stat
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -36,7 +37,7 @@ from skippy.hashing import CHUNK_BYTES, DEFAULT_WORKERS, sha256_file
 from skippy.manifest import ArtifactRef, Manifest, check_manifest, parse_manifest
 from skippy.ownership import owner_of
 from skippy.paths import resolve_under
-from skippy.source import SourceModelFiles
+from skippy.source import SourceModelFiles, shard_paths
 
 
 @dataclass
@@ -226,15 +227,22 @@ def validate_package(
     report = ValidationReport(package=str(pkg), source=str(source))
     if not pkg.is_dir():
         raise InputUnreadable(f"package directory {pkg} does not exist", path=str(pkg))
-    m, findings = read_manifest_findings(pkg)
-    report.findings.extend(findings)
-    report.manifest = m
-    with SourceModelFiles(source) as src:
-        lookup = {
-            t.info.name: _SourceTensorRef(t.info, src.shards[t.shard].fileno()) for t in src.tensors
-        }
-        with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-            shard_futs = [pool.submit(sha256_file, p) for p in src.paths]
+    if not source.is_file():
+        raise InputUnreadable(f"source model {source} does not exist", path=str(source))
+    shards = shard_paths(source)
+    cancel = threading.Event()
+    pool = ThreadPoolExecutor(max_workers=max(1, workers))
+    try:
+        # The source digests need no parsing: start them before anything else.
+        shard_futs = [pool.submit(sha256_file, p, cancel=cancel) for p in shards]
+        m, findings = read_manifest_findings(pkg)
+        report.findings.extend(findings)
+        report.manifest = m
+        with SourceModelFiles(source) as src:
+            lookup = {
+                t.info.name: _SourceTensorRef(t.info, src.shards[t.shard].fileno())
+                for t in src.tensors
+            }
             scans: list[tuple[ArtifactRef, Future[ArtifactScan]]] = []
             if m is not None:
                 jobs = []
@@ -257,11 +265,16 @@ def validate_package(
                     report.findings.append(
                         Finding("invalid_artifact_gguf", exc.message, path=ref.path)
                     )
-        _source_findings(report, m, src, digests)
-        if m is not None:
-            _tensor_findings(report, results, lookup)
-            report.findings.extend(_generation_findings(m, results, src))
-    report.bytes_hashed = sum(s.size for _, s in results) + sum(p.stat().st_size for p in src.paths)
+            _source_findings(report, m, src, digests)
+            if m is not None:
+                _tensor_findings(report, results, lookup)
+                report.findings.extend(_generation_findings(m, results, src))
+    except BaseException:
+        cancel.set()
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    pool.shutdown()
+    report.bytes_hashed = sum(s.size for _, s in results) + sum(p.stat().st_size for p in shards)
     report.artifacts_checked = len(results)
     report.seconds = time.perf_counter() - t0
     return report
