@@ -59,6 +59,8 @@ KEY_SPLIT_NO: Final = "split.no"
 KEY_SPLIT_COUNT: Final = "split.count"
 KEY_SPLIT_TENSORS_COUNT: Final = "split.tensors.count"
 SPLIT_KEYS: Final = frozenset({KEY_SPLIT_NO, KEY_SPLIT_COUNT, KEY_SPLIT_TENSORS_COUNT})
+# A model coordinate ORG/REPO:DISTRIBUTION (spec "Manifest Schema": model_id).
+MODEL_COORDINATE_RE: Final = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+:[\w.+-]+$")
 SPLIT_SHARD_RE: Final = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
 # --- keys our fragments carry so each one is self-describing ------------------------------------

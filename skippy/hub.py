@@ -139,6 +139,27 @@ def resolve_revision(
     return commit
 
 
+def list_files(
+    ref: HfPackageRef,
+    commit: str,
+    *,
+    endpoint: str | None = None,
+    offline: bool = False,
+) -> list[str]:
+    """Every file path of the repo at ``commit`` (the hub's listing; needs the network)."""
+    if offline:
+        raise HubError(
+            f"{ref.repo_id}: listing the repo's files needs the hub, and offline mode is on",
+            code="hub_listing_offline",
+            remediation="unset HF_HUB_OFFLINE, or pass the downloaded GGUF as a local SOURCE",
+        )
+    try:
+        info = HfApi(endpoint=endpoint).model_info(ref.repo_id, revision=commit)
+    except _HUB_FAILURES as exc:
+        _raise_hub_error(ref.at(commit), exc, None)
+    return sorted(s.rfilename for s in info.siblings or [])
+
+
 def download_file(
     ref: HfPackageRef,
     commit: str,

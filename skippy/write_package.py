@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import re
 import threading
 import time
 from collections.abc import Sequence
@@ -26,6 +25,7 @@ from skippy.constants import (
     DEFAULT_PROJECTOR_KIND,
     LAYERS_DIR,
     MANIFEST_NAME,
+    MODEL_COORDINATE_RE,
     OUTPUT_WEIGHT_TENSOR,
     PROJECTORS_DIR,
     README_NAME,
@@ -59,8 +59,6 @@ from skippy.paths import check_relative_path
 from skippy.progress import Progress
 from skippy.source import SourceModelFiles, shard_paths
 
-_MODEL_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+:[\w.+-]+$")
-
 
 @dataclass(frozen=True)
 class Provenance:
@@ -72,7 +70,7 @@ class Provenance:
     source_file: str
 
     def __post_init__(self) -> None:
-        if not _MODEL_ID_RE.match(self.model_id):
+        if not MODEL_COORDINATE_RE.match(self.model_id):
             raise UsageError(
                 f"--model-id {self.model_id!r} is not a model coordinate ORG/REPO:DISTRIBUTION",
                 code="invalid_model_id",

@@ -7,8 +7,9 @@ from pathlib import Path
 from typing import Any
 
 from skippy.cli import CommandResult, add_json_flag, exit_for
+from skippy.config import read_environment
 from skippy.constants import MANIFEST_NAME
-from skippy.errors import InputUnreadable
+from skippy.errors import InputUnreadable, UsageError
 from skippy.findings import Finding
 from skippy.inspect import (
     inspect_gguf,
@@ -20,16 +21,28 @@ from skippy.inspect import (
 from skippy.plan import plan_stages
 from skippy.progress import human_bytes
 from skippy.validate import validate_package
-from skippy.write_package import WriteOptions, local_provenance, rewrite_readme, write_package
+from skippy.write_package import (
+    Provenance,
+    WriteOptions,
+    local_provenance,
+    rewrite_readme,
+    write_package,
+)
 
 
 def register(sub: Any) -> None:
     p = sub.add_parser("write-package", help="split a GGUF into a layer package")
-    p.add_argument("source", type=Path, help="a GGUF file, or the first shard of a split set")
+    p.add_argument(
+        "source",
+        type=Path,
+        help="a GGUF file, the first shard of a split set, or a hub coordinate ORG/REPO:DIST",
+    )
     p.add_argument("--out-dir", type=Path, required=True)
     p.add_argument("--model-id", help="model coordinate ORG/REPO:DISTRIBUTION")
     p.add_argument("--source-repo", help="source repository (default: from --model-id)")
-    p.add_argument("--source-revision", help="source commit or tag")
+    p.add_argument(
+        "--source-revision", help="source commit or tag (for a hub coordinate: what to resolve)"
+    )
     p.add_argument("--source-file", help="source file name inside the source repository")
     p.add_argument("--projector", type=Path, action="append", default=[], metavar="FILE")
     p.add_argument("--overwrite", action="store_true", help="replace an existing package")
@@ -67,15 +80,44 @@ def _finding_lines(findings: list[Finding]) -> list[str]:
     ]
 
 
+def _source_and_provenance(args: argparse.Namespace) -> tuple[Path, Provenance]:
+    """A local GGUF needs explicit provenance; a hub coordinate ``org/repo:DIST`` gets it from
+    the hub (spec "Publishing Rules"), with ``--source-revision`` choosing the revision."""
+    if args.source.exists():
+        return args.source, local_provenance(
+            model_id=args.model_id,
+            source_repo=args.source_repo,
+            source_revision=args.source_revision,
+            source_file=args.source_file,
+        )
+    from skippy.hub_source import fetch_model_source, parse_model_coordinate
+
+    if parse_model_coordinate(str(args.source)) is None:
+        raise InputUnreadable(
+            f"source {args.source} is neither a file nor a model coordinate ORG/REPO:DIST",
+            path=str(args.source),
+        )
+    given = [
+        f
+        for f, v in (
+            ("--model-id", args.model_id),
+            ("--source-repo", args.source_repo),
+            ("--source-file", args.source_file),
+        )
+        if v
+    ]
+    if given:
+        raise UsageError(
+            f"{', '.join(given)} cannot be combined with a hub coordinate: the hub provides "
+            "the provenance",
+            code="bad_usage",
+        )
+    hub_source = fetch_model_source(str(args.source), args.source_revision, read_environment())
+    return hub_source.first_shard, hub_source.provenance
+
+
 def cmd_write_package(args: argparse.Namespace) -> CommandResult:
-    if not args.source.exists():
-        raise InputUnreadable(f"source {args.source} does not exist", path=str(args.source))
-    prov = local_provenance(
-        model_id=args.model_id,
-        source_repo=args.source_repo,
-        source_revision=args.source_revision,
-        source_file=args.source_file,
-    )
+    source, prov = _source_and_provenance(args)
     opts = WriteOptions(
         out_dir=args.out_dir,
         provenance=prov,
@@ -83,7 +125,7 @@ def cmd_write_package(args: argparse.Namespace) -> CommandResult:
         overwrite=args.overwrite,
         quiet=args.json,
     )
-    result = write_package(args.source, opts)
+    result = write_package(source, opts)
     data = result.to_dict()
     lines = [
         f"wrote {data['artifacts']} artifacts ({human_bytes(result.bytes_written)}) to "
@@ -94,7 +136,7 @@ def cmd_write_package(args: argparse.Namespace) -> CommandResult:
     ]
     exit_code = 0
     if args.validate:
-        report = validate_package(args.source, args.out_dir)
+        report = validate_package(source, args.out_dir)
         verdict = "valid" if report.valid else "INVALID"
         note = (
             f"Result at write time: {verdict} ({report.artifacts_checked} artifacts, "

@@ -1,0 +1,131 @@
+"""A source model named by a hub coordinate ``org/repo:DISTRIBUTION`` (spec "Publishing
+Rules": ``write-package org/repo:distribution``).
+
+The repository's GGUF files are listed through huggingface_hub, the one file (or the one
+llama.cpp split set) whose name carries the distribution is chosen by a pure rule, every
+shard is downloaded into the standard hub cache, and the provenance fields come from the hub:
+the repo, the resolved commit and the file path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+from skippy import hub
+from skippy.config import Environment
+from skippy.constants import MODEL_COORDINATE_RE, SPLIT_SHARD_RE
+from skippy.errors import UsageError
+from skippy.refs import HfPackageRef
+from skippy.write_package import Provenance
+
+PROJECTOR_PREFIX = "mmproj"
+
+
+def parse_model_coordinate(text: str) -> tuple[str, str] | None:
+    """``org/repo:DIST`` -> (repo_id, distribution); None if ``text`` is not one."""
+    m = MODEL_COORDINATE_RE.match(text)
+    if not m:
+        return None
+    repo, _, dist = text.rpartition(":")
+    return repo, dist
+
+
+def _stem_and_shard(path: str) -> tuple[str, int | None, int | None]:
+    name = PurePosixPath(path).name
+    m = SPLIT_SHARD_RE.match(name)
+    if m:
+        return m.group("prefix"), int(m.group("no")), int(m.group("count"))
+    return name[: -len(".gguf")], None, None
+
+
+def _names_distribution(path: str, dist: str) -> bool:
+    """The stem ends with the distribution after a ``-``/``.``/``_`` separator, or the file
+    sits in a folder named after it (``UD-Q4_K_XL/model-00001-of-00003.gguf``)."""
+    stem, _, _ = _stem_and_shard(path)
+    d, s = dist.lower(), stem.lower()
+    if s == d or any(s.endswith(sep + d) for sep in "-._"):
+        return True
+    return any(part.lower() == d for part in PurePosixPath(path).parts[:-1])
+
+
+def choose_distribution_files(files: list[str], dist: str) -> list[str]:
+    """The repo paths of the distribution's GGUF: one file, or every shard in order.
+
+    Pure. Projector GGUFs (``mmproj*``) never count. No match, several candidate models, or
+    an incomplete split set are errors that list what the repository holds.
+    """
+    ggufs = [
+        f
+        for f in files
+        if f.endswith(".gguf") and not PurePosixPath(f).name.lower().startswith(PROJECTOR_PREFIX)
+    ]
+    matches = [f for f in ggufs if _names_distribution(f, dist)]
+    groups: dict[tuple[str, str], list[str]] = {}
+    for f in matches:
+        stem, _, _ = _stem_and_shard(f)
+        groups.setdefault((str(PurePosixPath(f).parent), stem), []).append(f)
+    available = ", ".join(ggufs) or "no GGUF files"
+    if not groups:
+        raise UsageError(
+            f"no GGUF in the repository names distribution {dist!r} (it holds: {available})",
+            code="distribution_not_found",
+        )
+    if len(groups) > 1:
+        raise UsageError(
+            f"distribution {dist!r} is ambiguous: "
+            + "; ".join(", ".join(g) for g in groups.values()),
+            code="ambiguous_distribution",
+            remediation="name the file with --source-file and pass a downloaded local SOURCE",
+        )
+    (chosen,) = groups.values()
+    numbers = {f: _stem_and_shard(f)[1:] for f in chosen}  # (shard number, shard count)
+    if len(chosen) == 1 and numbers[chosen[0]] == (None, None):
+        return list(chosen)  # one plain GGUF
+    shards = sorted(chosen, key=lambda f: numbers[f][0] or 0)
+    counts = {count for _, count in numbers.values()}
+    complete = (
+        len(counts) == 1
+        and None not in counts
+        and [numbers[f][0] for f in shards] == list(range(1, len(shards) + 1))
+        and counts == {len(shards)}
+    )
+    if not complete:
+        raise UsageError(
+            f"split set for {dist!r} is incomplete or inconsistent: {', '.join(shards)}",
+            code="missing_split_shard",
+        )
+    return shards
+
+
+@dataclass(frozen=True)
+class HubModelSource:
+    first_shard: Path  # local path in the hub cache; siblings sit next to it
+    provenance: Provenance
+    files: tuple[str, ...]
+
+
+def fetch_model_source(coordinate: str, revision: str | None, env: Environment) -> HubModelSource:
+    parsed = parse_model_coordinate(coordinate)
+    if parsed is None:
+        raise UsageError(
+            f"{coordinate!r} is neither a local file nor a model coordinate ORG/REPO:DIST",
+            code="invalid_model_id",
+        )
+    repo_id, dist = parsed
+    ref = HfPackageRef(repo_id, revision)
+    endpoint, cache_dir, offline = env.hf_endpoint, env.hf_cache_dir, env.hf_offline
+    commit = hub.resolve_revision(ref, endpoint=endpoint, cache_dir=cache_dir, offline=offline)
+    files = choose_distribution_files(
+        hub.list_files(ref, commit, endpoint=endpoint, offline=offline), dist
+    )
+    local = hub.download_many(
+        ref, commit, files, endpoint=endpoint, cache_dir=cache_dir, offline=offline
+    )
+    return HubModelSource(
+        first_shard=local[files[0]],
+        provenance=Provenance(
+            model_id=coordinate, repo=repo_id, revision=commit, source_file=files[0]
+        ),
+        files=tuple(files),
+    )
