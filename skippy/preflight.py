@@ -39,7 +39,7 @@ from skippy.paths import is_safe_relative_path
 from skippy.plan import even_ranges
 from skippy.ranges import LayerRange
 from skippy.select import StageSelection, select_stage
-from skippy.validate import check_artifact_file
+from skippy.validate import check_artifact_file, header_findings
 from skippy.verify import VerifyCache, VerifyReport, check_refs, verify_selection
 
 # Remediation for every code preflight can report that does not already carry one.
@@ -302,28 +302,6 @@ class _GGUFMetadata(Mapping[str, Any]):
         return len(self._g.fields)
 
 
-def _header_findings(ref: ArtifactRef, g: GGUFFile) -> list[Finding]:
-    a, out = ref.artifact, []
-    if len(g.tensors) != a.tensor_count:
-        out.append(
-            Finding(
-                "tensor_count_mismatch",
-                f"{a.path} holds {len(g.tensors)} tensors, the manifest says {a.tensor_count}",
-                path=a.path,
-            )
-        )
-    tensor_bytes = sum(t.nbytes for t in g.tensors)
-    if tensor_bytes != a.tensor_bytes:
-        out.append(
-            Finding(
-                "tensor_bytes_mismatch",
-                f"{a.path} holds {tensor_bytes} tensor bytes, the manifest says {a.tensor_bytes}",
-                path=a.path,
-            )
-        )
-    return out
-
-
 def _stage_findings(report: PreflightReport, m: Manifest, stages: int) -> Iterator[Finding]:
     try:
         ranges = even_ranges(m.layer_count, stages)
@@ -390,7 +368,7 @@ def preflight_package(
             except SkippyError as exc:
                 problems.append(Finding("invalid_artifact_gguf", exc.message, path=ref.path))
                 continue
-            problems.extend(_header_findings(ref, g))
+            problems.extend(header_findings(ref, g.tensors))
             if ref.role == ROLE_LAYER and ref.layer_index is not None:
                 layer_names[ref.layer_index] = tuple(t.name for t in g.tensors)
             if ref.role == ROLE_METADATA and metadata_file is None:

@@ -14,7 +14,7 @@ import stat
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -173,6 +173,29 @@ def check_artifact_file(
         return None, Finding.from_error(exc)
 
 
+def header_findings(ref: ArtifactRef, tensors: Sequence[TensorInfo]) -> list[Finding]:
+    """An artifact's GGUF header against its manifest entry: tensor count and tensor bytes."""
+    a, out = ref.artifact, []
+    if len(tensors) != a.tensor_count:
+        out.append(
+            Finding(
+                "tensor_count_mismatch",
+                f"{a.path} holds {len(tensors)} tensors, the manifest says {a.tensor_count}",
+                path=a.path,
+            )
+        )
+    tensor_bytes = sum(t.nbytes for t in tensors)
+    if tensor_bytes != a.tensor_bytes:
+        out.append(
+            Finding(
+                "tensor_bytes_mismatch",
+                f"{a.path} holds {tensor_bytes} tensor bytes, the manifest says {a.tensor_bytes}",
+                path=a.path,
+            )
+        )
+    return out
+
+
 def _artifact_findings(ref: ArtifactRef, scan: ArtifactScan) -> list[Finding]:
     a, out = ref.artifact, []
     if scan.sha256.lower() != a.sha256.lower():
@@ -183,24 +206,7 @@ def _artifact_findings(ref: ArtifactRef, scan: ArtifactScan) -> list[Finding]:
                 path=a.path,
             )
         )
-    if len(scan.tensors) != a.tensor_count:
-        out.append(
-            Finding(
-                "tensor_count_mismatch",
-                f"{a.path} holds {len(scan.tensors)} tensors, manifest says {a.tensor_count}",
-                path=a.path,
-            )
-        )
-    tensor_bytes = sum(t.nbytes for t in scan.tensors)
-    if tensor_bytes != a.tensor_bytes:
-        out.append(
-            Finding(
-                "tensor_bytes_mismatch",
-                f"{a.path} holds {tensor_bytes} tensor bytes, manifest says {a.tensor_bytes}",
-                path=a.path,
-            )
-        )
-    return out
+    return out + header_findings(ref, scan.tensors)
 
 
 def read_manifest_findings(pkg: Path) -> tuple[Manifest | None, list[Finding]]:

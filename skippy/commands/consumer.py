@@ -56,19 +56,16 @@ def register(sub: Any) -> None:
     add_json_flag(p)
     p.set_defaults(handler=cmd_preflight)
 
-    p = sub.add_parser("select", help="list the validated parts a stage loads")
-    p.add_argument("ref", metavar="REF", help=REF_HELP)
-    p.add_argument("--layers", required=True, metavar="A..B", help="half-open layer range")
-    p.add_argument("--projector", metavar="P", help="a projector path declared in the manifest")
-    add_json_flag(p)
-    p.set_defaults(handler=cmd_select)
-
-    p = sub.add_parser("fetch", help="download and verify only the parts a stage needs")
-    p.add_argument("ref", metavar="REF", help=REF_HELP)
-    p.add_argument("--layers", required=True, metavar="A..B", help="half-open layer range")
-    p.add_argument("--projector", metavar="P", help="a projector path declared in the manifest")
-    add_json_flag(p)
-    p.set_defaults(handler=cmd_fetch)
+    for name, handler, text in (
+        ("select", cmd_select, "list the validated parts a stage loads"),
+        ("fetch", cmd_fetch, "download and verify only the parts a stage needs"),
+    ):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("ref", metavar="REF", help=REF_HELP)
+        p.add_argument("--layers", required=True, metavar="A..B", help="half-open layer range")
+        p.add_argument("--projector", metavar="P", help="a projector path declared in the manifest")
+        add_json_flag(p)
+        p.set_defaults(handler=handler)
 
     p = sub.add_parser("materialize", help="compose a stage's parts into one GGUF (a cache)")
     p.add_argument("ref", metavar="REF", help=REF_HELP)
