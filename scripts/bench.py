@@ -217,7 +217,7 @@ def main() -> int:
     rows += bench_extra(args.gemma, args.work, args.runs)
     table = render(rows)
     header = (
-        f"## {datetime.date.today().isoformat()} — {machine()}\n\n"
+        f"### {datetime.date.today().isoformat()} — {machine()}\n\n"
         f"Median of {args.runs} runs, warm page cache.\n"
     )
     print("\n" + header + "\n" + table)
