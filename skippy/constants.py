@@ -53,6 +53,7 @@ BLOCK_TENSOR_RE: Final = re.compile(r"^blk\.(\d+)\.")
 EMBEDDING_TENSOR_PREFIXES: Final = ("token_embd.", "per_layer_token_embd.", "token_embd_norm.")
 OUTPUT_TENSOR_PREFIXES: Final = ("output.", "output_norm.")
 OUTPUT_WEIGHT_TENSOR: Final = "output.weight"
+TOKEN_EMBEDDING_TENSOR: Final = "token_embd.weight"
 
 # --- llama.cpp split-set keys (every fragment is one split of one loadable set) ----------------
 KEY_SPLIT_NO: Final = "split.no"

@@ -4,16 +4,19 @@ exactly one artifact). A pure function of the tensor name; the writer and valida
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from skippy.constants import (
     BLOCK_TENSOR_RE,
     EMBEDDING_TENSOR_PREFIXES,
     OUTPUT_TENSOR_PREFIXES,
+    OUTPUT_WEIGHT_TENSOR,
     ROLE_EMBEDDINGS,
     ROLE_LAYER,
     ROLE_METADATA,
     ROLE_OUTPUT,
+    TOKEN_EMBEDDING_TENSOR,
 )
 
 
@@ -34,3 +37,16 @@ def owner_of(tensor_name: str) -> Owner:
     if tensor_name.startswith(OUTPUT_TENSOR_PREFIXES):
         return Owner(ROLE_OUTPUT)
     return Owner(ROLE_METADATA)
+
+
+def has_tied_embeddings(tensor_names: Iterable[str]) -> bool:
+    """The one rule: the model projects logits through ``token_embd.weight`` because it has
+    no ``output.weight`` (issue #2: recorded as the additive manifest field ``tied_embeddings``)."""
+    names = set(tensor_names)
+    return TOKEN_EMBEDDING_TENSOR in names and OUTPUT_WEIGHT_TENSOR not in names
+
+
+def highest_layer_index(tensor_names: Iterable[str]) -> int | None:
+    """The largest ``blk.N`` index among the names (by the same rule as ``owner_of``)."""
+    indices = [owner_of(n).layer_index for n in tensor_names]
+    return max((i for i in indices if i is not None), default=None)

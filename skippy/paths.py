@@ -34,6 +34,10 @@ def _unsafe_reason(rel: object) -> str | None:
         return "empty or not a string"
     if "\x00" in rel:
         return "contains NUL"
+    try:
+        rel.encode("utf-8")
+    except UnicodeEncodeError:  # lone surrogates from undecodable bytes (argv, file names)
+        return "is not valid UTF-8"
     if "\\" in rel:
         return "contains a backslash"
     if rel.startswith("/"):
