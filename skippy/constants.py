@@ -22,6 +22,9 @@ RUNTIME_ABI_VERSION: Final = "1.0.0"
 # Peer transfer caps the manifest at 16 MiB (spec "Peer Cache Transfer"); we apply the same
 # cap to every manifest we parse so a hostile file cannot make us allocate without bound.
 MANIFEST_MAX_BYTES: Final = 16 * 1024 * 1024
+# llama.cpp counts a split set's files in 16 bits, and a package is metadata + embeddings +
+# one fragment per layer + output: more layers than this cannot load as one set.
+MAX_LAYER_COUNT: Final = 0xFFFF - 3
 
 # --- layout (spec "Repository Layout") --------------------------------------------------------
 SHARED_DIR: Final = "shared"
@@ -49,7 +52,7 @@ PROJECTOR_KINDS: Final = frozenset({"mmproj"})
 DEFAULT_PROJECTOR_KIND: Final = "mmproj"
 
 # --- tensor ownership (issue #2 section 4) ------------------------------------------------------
-BLOCK_TENSOR_RE: Final = re.compile(r"^blk\.(\d+)\.")
+BLOCK_TENSOR_RE: Final = re.compile(r"\Ablk\.(\d+)\.", re.ASCII)
 EMBEDDING_TENSOR_PREFIXES: Final = ("token_embd.", "per_layer_token_embd.", "token_embd_norm.")
 OUTPUT_TENSOR_PREFIXES: Final = ("output.", "output_norm.")
 OUTPUT_WEIGHT_TENSOR: Final = "output.weight"
@@ -61,8 +64,10 @@ KEY_SPLIT_COUNT: Final = "split.count"
 KEY_SPLIT_TENSORS_COUNT: Final = "split.tensors.count"
 SPLIT_KEYS: Final = frozenset({KEY_SPLIT_NO, KEY_SPLIT_COUNT, KEY_SPLIT_TENSORS_COUNT})
 # A model coordinate ORG/REPO:DISTRIBUTION (spec "Manifest Schema": model_id).
-MODEL_COORDINATE_RE: Final = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+:[\w.+-]+$")
-SPLIT_SHARD_RE: Final = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+MODEL_COORDINATE_RE: Final = re.compile(r"\A[A-Za-z0-9][\w.-]*/[\w.-]+:[\w.+-]+\Z", re.ASCII)
+SPLIT_SHARD_RE: Final = re.compile(
+    r"\A(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf\Z", re.ASCII
+)
 
 # --- keys our fragments carry so each one is self-describing ------------------------------------
 KEY_ARCHITECTURE: Final = "general.architecture"
@@ -92,4 +97,5 @@ def arch_key(arch: str, name: str) -> str:
 # --- environment (read only through skippy.config) ----------------------------------------------
 ENV_VERIFY_PACKAGE_SHA: Final = "SKIPPY_VERIFY_PACKAGE_SHA"
 
-SHA256_HEX_RE: Final = re.compile(r"^[0-9a-fA-F]{64}$")
+# \A...\Z, not ^...$: "$" also matches before a trailing newline.
+SHA256_HEX_RE: Final = re.compile(r"\A[0-9a-fA-F]{64}\Z", re.ASCII)

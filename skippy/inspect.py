@@ -9,28 +9,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from skippy.constants import MANIFEST_NAME, OUTPUT_WEIGHT_TENSOR, ROLE_LAYER, arch_key
-from skippy.errors import InputUnreadable, ManifestError
+from skippy.constants import OUTPUT_WEIGHT_TENSOR, ROLE_LAYER, arch_key
+from skippy.errors import InputUnreadable
 from skippy.gguf.constants import ggml_type_name
 from skippy.gguf.reader import GGUFFile, open_gguf
-from skippy.manifest import Manifest, parse_manifest
+from skippy.manifest import Manifest, parse_manifest, read_manifest_bytes
 from skippy.ownership import owner_of
 from skippy.plan import ModelSizes
 
 
 def read_manifest(package_dir: Path) -> Manifest:
-    path = package_dir / MANIFEST_NAME
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError as exc:
-        raise ManifestError(
-            f"{package_dir} has no {MANIFEST_NAME}: not a layer package",
-            code="missing_manifest",
-            path=str(path),
-        ) from exc
-    except OSError as exc:
-        raise InputUnreadable(f"cannot read {path}: {exc.strerror or exc}", path=str(path)) from exc
-    return parse_manifest(raw)
+    return parse_manifest(read_manifest_bytes(package_dir))
 
 
 def _gguf_facts(g: GGUFFile) -> dict[str, Any]:

@@ -10,13 +10,17 @@ Unknown top-level fields are kept (the schema is additive) and written back unch
 from __future__ import annotations
 
 import json
+import stat
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from skippy.constants import (
     FORMAT,
     MANIFEST_MAX_BYTES,
+    MANIFEST_NAME,
+    MAX_LAYER_COUNT,
     PROJECTOR_KINDS,
     ROLE_EMBEDDINGS,
     ROLE_LAYER,
@@ -26,10 +30,13 @@ from skippy.constants import (
     RUNTIME_ABI_VERSION,
     SCHEMA_VERSION,
     SHA256_HEX_RE,
+    SHARED_ROLES,
 )
-from skippy.errors import ManifestError
+from skippy.errors import InputUnreadable, ManifestError, UnsafePath
 from skippy.findings import Finding
-from skippy.paths import is_safe_relative_path
+from skippy.paths import is_safe_relative_path, resolve_under
+
+MAX_MISSING_LAYER_FINDINGS = 20  # beyond this, one summary finding (a hostile count stays cheap)
 
 
 # --- value objects ------------------------------------------------------------------------------
@@ -310,6 +317,55 @@ def _parse_source(o: _Obj) -> SourceModel:
     )
 
 
+def read_manifest_bytes(package_dir: Path, *, containment_root: Path | None = None) -> bytes:
+    """The one reader of ``model-package.json``: through the path gate, a regular file only
+    (a FIFO would block forever), and never more than the cap plus one byte."""
+    path = resolve_under(package_dir, MANIFEST_NAME, containment_root=containment_root)
+    try:
+        st = path.stat()
+        if not stat.S_ISREG(st.st_mode):
+            raise InputUnreadable(
+                f"{path} is not a regular file", code="manifest_not_file", path=str(path)
+            )
+        with open(path, "rb") as f:
+            return f.read(MANIFEST_MAX_BYTES + 1)  # parse_manifest rejects anything longer
+    except FileNotFoundError as exc:
+        raise ManifestError(
+            f"{package_dir} has no {MANIFEST_NAME}: not a layer package",
+            code="missing_manifest",
+            path=MANIFEST_NAME,
+            remediation="point at the package root (the folder holding model-package.json)",
+        ) from exc
+    except OSError as exc:
+        raise InputUnreadable(f"cannot read {path}: {exc.strerror or exc}", path=str(path)) from exc
+
+
+def load_manifest_findings(
+    package_dir: Path, *, containment_root: Path | None = None
+) -> tuple[Manifest | None, bytes | None, list[Finding]]:
+    """Read, parse and check once: (manifest, the exact bytes parsed, findings). A manifest
+    that cannot be read as schema 1 comes back as None with its finding."""
+    try:
+        raw = read_manifest_bytes(package_dir, containment_root=containment_root)
+        m = parse_manifest(raw)
+    except (ManifestError, UnsafePath) as exc:
+        return None, None, [Finding.from_error(exc)]
+    return m, raw, check_manifest(m)
+
+
+def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ManifestError(
+                f"key {key!r} appears twice in one object: the manifest is ambiguous",
+                code="duplicate_manifest_key",
+                path=key,
+            )
+        out[key] = value
+    return out
+
+
 def parse_manifest(raw: bytes) -> Manifest:
     """Parse manifest bytes strictly into a ``Manifest``; raise ``ManifestError`` with a code."""
     if len(raw) > MANIFEST_MAX_BYTES:
@@ -318,8 +374,11 @@ def parse_manifest(raw: bytes) -> Manifest:
             code="manifest_too_large",
         )
     try:
-        data = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        data = json.loads(raw.decode("utf-8"), object_pairs_hook=_reject_duplicate_keys)
+    except ManifestError:
+        raise
+    # ValueError also covers integers longer than Python's 4300-digit conversion limit.
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise ManifestError(
             f"model-package.json is not valid UTF-8 JSON: {exc}", code="invalid_manifest_json"
         ) from exc
@@ -343,6 +402,14 @@ def parse_manifest(raw: bytes) -> Manifest:
             expected=FORMAT,
             actual=fmt,
         )
+    layer_count = top.nonneg("layer_count")
+    if layer_count > MAX_LAYER_COUNT:
+        raise ManifestError(
+            f"layer_count {layer_count} is over the {MAX_LAYER_COUNT} this runtime supports "
+            "(llama.cpp split sets count fragments in 16 bits)",
+            code="layer_count_too_large",
+            path="layer_count",
+        )
     shared = top.obj("shared")
     layers = []
     for i, raw_layer in enumerate(top.list_("layers")):
@@ -363,7 +430,7 @@ def parse_manifest(raw: bytes) -> Manifest:
         format=FORMAT,
         model_id=top.str_("model_id"),
         source_model=_parse_source(top.obj("source_model")),
-        layer_count=top.nonneg("layer_count"),
+        layer_count=layer_count,
         activation_width=top.int_("activation_width", required=False),
         shared=SharedArtifacts(
             metadata=Artifact(**_artifact_fields(shared.obj(ROLE_METADATA))),
@@ -486,13 +553,20 @@ def check_manifest(m: Manifest, *, runtime_abi: str = RUNTIME_ABI_VERSION) -> li
             )
         else:
             seen[entry.layer_index] = i
-    for index in range(max(m.layer_count, 0)):
-        if index not in seen:
-            out.append(Finding("missing_layer", f"layer {index} has no entry in layers[]"))
+    missing = [index for index in range(m.layer_count) if index not in seen]
+    for index in missing[:MAX_MISSING_LAYER_FINDINGS]:
+        out.append(Finding("missing_layer", f"layer {index} has no entry in layers[]"))
+    if len(missing) > MAX_MISSING_LAYER_FINDINGS:
+        out.append(
+            Finding(
+                "missing_layer",
+                f"{len(missing) - MAX_MISSING_LAYER_FINDINGS} more layers have no entry in "
+                f"layers[] ({len(missing)} in all)",
+            )
+        )
 
     paths: dict[str, str] = {}
-    for ref in m.artifacts():
-        where = _where(ref, m)
+    for where, ref in _located_artifacts(m):
         out.extend(_artifact_findings(ref, where))
         if ref.path in paths:
             out.append(
@@ -516,9 +590,11 @@ def check_manifest(m: Manifest, *, runtime_abi: str = RUNTIME_ABI_VERSION) -> li
     return out
 
 
-def _where(ref: ArtifactRef, m: Manifest) -> str:
-    if ref.role == ROLE_LAYER:
-        return f"layers[{m.layers.index(ref.artifact)}]"
-    if ref.role == ROLE_PROJECTOR:
-        return f"projectors[{m.projectors.index(ref.artifact)}]"
-    return f"shared.{ref.role}"
+def _located_artifacts(m: Manifest) -> Iterator[tuple[str, ArtifactRef]]:
+    """Every artifact with its JSON location (``layers[3]``), in manifest order."""
+    for role in SHARED_ROLES:
+        yield f"shared.{role}", ArtifactRef(role, getattr(m.shared, role))
+    for i, entry in enumerate(m.layers):
+        yield f"layers[{i}]", ArtifactRef(ROLE_LAYER, entry, entry.layer_index)
+    for i, proj in enumerate(m.projectors):
+        yield f"projectors[{i}]", ArtifactRef(ROLE_PROJECTOR, proj)

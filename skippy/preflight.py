@@ -24,8 +24,6 @@ from typing import Any, Final
 
 from skippy.constants import (
     KEY_ARCHITECTURE,
-    MANIFEST_MAX_BYTES,
-    MANIFEST_NAME,
     ROLE_LAYER,
     ROLE_METADATA,
     ROLE_PROJECTOR,
@@ -34,7 +32,7 @@ from skippy.errors import InputUnreadable, ManifestError, SkippyError, UsageErro
 from skippy.findings import Finding, errors_only, raise_for_findings
 from skippy.generation import check_generation
 from skippy.gguf.reader import GGUFFile, open_gguf
-from skippy.manifest import ArtifactRef, Manifest, check_manifest, parse_manifest
+from skippy.manifest import ArtifactRef, Manifest, load_manifest_findings
 from skippy.paths import is_safe_relative_path
 from skippy.plan import even_ranges
 from skippy.ranges import LayerRange
@@ -118,19 +116,9 @@ def read_package(
     Raise ``InputUnreadable`` if ``root`` is not a readable directory."""
     if not root.is_dir():
         raise InputUnreadable(f"package directory {root} does not exist", path=str(root))
-    path = root / MANIFEST_NAME
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(MANIFEST_MAX_BYTES + 1)  # parse_manifest rejects anything longer
-    except FileNotFoundError:
-        missing = Finding("missing_manifest", f"{root} has no {MANIFEST_NAME}", path=MANIFEST_NAME)
-        return None, [with_remediation(missing)]
-    except OSError as exc:
-        raise InputUnreadable(f"cannot read {path}: {exc.strerror}", path=str(path)) from exc
-    try:
-        m = parse_manifest(raw)
-    except ManifestError as exc:
-        return None, [with_remediation(Finding.from_error(exc))]
+    m, raw, findings = load_manifest_findings(root, containment_root=containment_root)
+    if m is None or raw is None:
+        return None, [with_remediation(f) for f in findings]
     pkg = LoadedPackage(
         root,
         m,
@@ -139,7 +127,7 @@ def read_package(
         origin=origin,
         from_hub=from_hub,
     )
-    return pkg, [with_remediation(f) for f in check_manifest(m)]
+    return pkg, [with_remediation(f) for f in findings]
 
 
 def load_package(

@@ -20,13 +20,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from skippy.constants import MANIFEST_NAME, ROLE_LAYER, ROLE_PROJECTOR
+from skippy.constants import ROLE_LAYER, ROLE_PROJECTOR
 from skippy.errors import (
     ArtifactMissing,
     GGUFFormatError,
     InputUnreadable,
     IntegrityError,
-    ManifestError,
     SkippyError,
     UnsafePath,
 )
@@ -34,7 +33,7 @@ from skippy.findings import Finding, errors_only
 from skippy.generation import check_generation
 from skippy.gguf.reader import TensorInfo, open_gguf
 from skippy.hashing import CHUNK_BYTES, DEFAULT_WORKERS, sha256_file
-from skippy.manifest import ArtifactRef, Manifest, check_manifest, parse_manifest
+from skippy.manifest import ArtifactRef, Manifest, load_manifest_findings
 from skippy.ownership import owner_of
 from skippy.paths import resolve_under
 from skippy.source import SourceModelFiles, shard_paths
@@ -209,23 +208,6 @@ def _artifact_findings(ref: ArtifactRef, scan: ArtifactScan) -> list[Finding]:
     return out + header_findings(ref, scan.tensors)
 
 
-def read_manifest_findings(pkg: Path) -> tuple[Manifest | None, list[Finding]]:
-    path = pkg / MANIFEST_NAME
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        return None, [
-            Finding("missing_manifest", f"{pkg} has no {MANIFEST_NAME}", path=MANIFEST_NAME)
-        ]
-    except OSError as exc:
-        raise InputUnreadable(f"cannot read {path}: {exc.strerror}", path=str(path)) from exc
-    try:
-        m = parse_manifest(raw)
-    except ManifestError as exc:
-        return None, [Finding.from_error(exc)]
-    return m, check_manifest(m)
-
-
 def validate_package(
     source: Path, pkg: Path, *, workers: int = DEFAULT_WORKERS
 ) -> ValidationReport:
@@ -241,7 +223,7 @@ def validate_package(
     try:
         # The source digests need no parsing: start them before anything else.
         shard_futs = [pool.submit(sha256_file, p, cancel=cancel) for p in shards]
-        m, findings = read_manifest_findings(pkg)
+        m, _, findings = load_manifest_findings(pkg)
         report.findings.extend(findings)
         report.manifest = m
         with SourceModelFiles(source) as src:

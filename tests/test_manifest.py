@@ -133,3 +133,53 @@ def test_uppercase_digest_is_accepted(base):
 )
 def test_abi_rule(package, runtime, ok):
     assert abi_compatible(package, runtime) is ok
+
+
+# --- hostile manifests stay cheap and typed (review findings) ------------------------------------
+def test_huge_layer_count_is_refused_at_parse(base):
+    data = dict(base, layer_count=10**15)
+    with pytest.raises(ManifestError) as exc:
+        parsed(data)
+    assert exc.value.code == "layer_count_too_large"
+
+
+def test_many_missing_layers_are_summarised(base):
+    data = dict(base, layer_count=60_000)
+    found = [f for f in check_manifest(parsed(data)) if f.code == "missing_layer"]
+    assert len(found) == 21  # 20 named, then one summary with the total
+    assert "59996 in all" in found[-1].message
+
+
+def test_integer_beyond_the_conversion_limit_is_a_json_error():
+    raw = b'{"schema_version": 1, "format": "layer-package", "layer_count": ' + b"9" * 5000 + b"}"
+    with pytest.raises(ManifestError) as exc:
+        parse_manifest(raw)
+    assert exc.value.code == "invalid_manifest_json"
+
+
+def test_duplicate_keys_are_refused(base):
+    text = json.dumps(base)
+    raw = text.replace('"format":', '"model_id": "x/y:z", "format":', 1).encode()
+    with pytest.raises(ManifestError) as exc:
+        parse_manifest(raw)
+    assert exc.value.code == "duplicate_manifest_key"
+
+
+def test_digest_with_a_trailing_newline_is_not_a_digest(base):
+    data = json.loads(json.dumps(base))
+    data["layers"][0]["sha256"] += "\n"
+    data["source_model"]["sha256"] += "\n"
+    found = {f.code for f in check_manifest(parsed(data))}
+    assert {"invalid_artifact_sha256", "invalid_source_model_sha256"} <= found
+
+
+def test_manifest_that_is_a_fifo_does_not_block(tmp_path):
+    import os
+
+    from skippy.errors import InputUnreadable
+    from skippy.manifest import read_manifest_bytes
+
+    os.mkfifo(tmp_path / "model-package.json")
+    with pytest.raises(InputUnreadable) as exc:
+        read_manifest_bytes(tmp_path)
+    assert exc.value.code == "manifest_not_file"
