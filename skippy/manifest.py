@@ -323,12 +323,6 @@ def read_manifest_bytes(package_dir: Path, *, containment_root: Path | None = No
     path = resolve_under(package_dir, MANIFEST_NAME, containment_root=containment_root)
     try:
         st = path.stat()
-        if not stat.S_ISREG(st.st_mode):
-            raise InputUnreadable(
-                f"{path} is not a regular file", code="manifest_not_file", path=str(path)
-            )
-        with open(path, "rb") as f:
-            return f.read(MANIFEST_MAX_BYTES + 1)  # parse_manifest rejects anything longer
     except FileNotFoundError as exc:
         raise ManifestError(
             f"{package_dir} has no {MANIFEST_NAME}: not a layer package",
@@ -336,6 +330,15 @@ def read_manifest_bytes(package_dir: Path, *, containment_root: Path | None = No
             path=MANIFEST_NAME,
             remediation="point at the package root (the folder holding model-package.json)",
         ) from exc
+    except OSError as exc:
+        raise InputUnreadable(f"cannot read {path}: {exc.strerror or exc}", path=str(path)) from exc
+    if not stat.S_ISREG(st.st_mode):
+        raise InputUnreadable(
+            f"{path} is not a regular file", code="manifest_not_file", path=str(path)
+        )
+    try:
+        with open(path, "rb") as f:
+            return f.read(MANIFEST_MAX_BYTES + 1)  # parse_manifest rejects anything longer
     except OSError as exc:
         raise InputUnreadable(f"cannot read {path}: {exc.strerror or exc}", path=str(path)) from exc
 
