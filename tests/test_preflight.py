@@ -287,7 +287,7 @@ def test_cli_unreadable_manifest_is_exit_2(cli, pkg: Path, capsys) -> None:
     (pkg / MANIFEST).unlink()
     (pkg / MANIFEST).mkdir()  # exists but cannot be read as a file (works as root too)
     assert cli(["preflight", str(pkg), "--json"]) == 2
-    assert json.loads(capsys.readouterr().out)["error"]["code"] == "unreadable_input"
+    assert json.loads(capsys.readouterr().out)["error"]["code"] == "manifest_not_file"
 
 
 def test_cli_hostile_json_manifest(cli, pkg: Path, capsys) -> None:
