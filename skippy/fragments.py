@@ -21,6 +21,7 @@ from skippy.constants import (
     KEY_SPLIT_COUNT,
     KEY_SPLIT_NO,
     KEY_SPLIT_TENSORS_COUNT,
+    MAX_LAYER_COUNT,
     METADATA_PATH,
     OUTPUT_PATH,
     ROLE_EMBEDDINGS,
@@ -67,6 +68,12 @@ def plan_fragments(
     """Assign every tensor to exactly one fragment, in split order: metadata (split 0),
     embeddings, layers 0..L-1, output. ``kv_records`` are (key, raw record) from the source
     without its own ``split.*`` keys."""
+    if not 1 <= layer_count <= MAX_LAYER_COUNT:
+        raise ModelError(
+            f"block count {layer_count} is outside 1..{MAX_LAYER_COUNT}: llama.cpp counts a "
+            "split set's files in 16 bits",
+            code="invalid_block_count",
+        )
     groups: dict[tuple[str, int | None], list[SourceTensor]] = {}
     for t in tensors:
         owner = owner_of(t.info.name)
@@ -107,9 +114,5 @@ def plan_fragments(
                 kv_records=tuple(records + split + _role_keys(role, start, stop)),
                 tensors=tuple(groups.get((role, index), ())),
             )
-        )
-    if n_splits > 0xFFFF:
-        raise ModelError(
-            f"{n_splits} fragments exceed llama.cpp's u16 split count", code="too_many_layers"
         )
     return plans

@@ -9,12 +9,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from skippy.constants import OUTPUT_WEIGHT_TENSOR, ROLE_LAYER, arch_key
-from skippy.errors import InputUnreadable
+from skippy.constants import MAX_LAYER_COUNT, ROLE_LAYER, arch_key
+from skippy.errors import ModelError
 from skippy.gguf.constants import ggml_type_name
 from skippy.gguf.reader import GGUFFile, open_gguf
 from skippy.manifest import Manifest, parse_manifest, read_manifest_bytes
-from skippy.ownership import owner_of
+from skippy.ownership import has_tied_embeddings, owner_of
 from skippy.plan import ModelSizes
 
 
@@ -33,8 +33,7 @@ def _gguf_facts(g: GGUFFile) -> dict[str, Any]:
         "name": g.get("general.name"),
         "layer_count": arch_val("block_count"),
         "activation_width": arch_val("embedding_length"),
-        "tied_embeddings": not any(t.name == OUTPUT_WEIGHT_TENSOR for t in g.tensors)
-        and any(t.name.startswith("token_embd.") for t in g.tensors),
+        "tied_embeddings": has_tied_embeddings(t.name for t in g.tensors),
     }
 
 
@@ -111,8 +110,12 @@ def sizes_from_gguf(path: Path) -> ModelSizes:
     with open_gguf(path) as g:
         facts = _gguf_facts(g)
         n = facts["layer_count"]
-        if not isinstance(n, int) or n < 1:
-            raise InputUnreadable(f"{path} does not declare a block count", path=str(path))
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_LAYER_COUNT:
+            raise ModelError(
+                f"{path} declares block count {n!r}; expected 1..{MAX_LAYER_COUNT}",
+                code="invalid_block_count",
+                path=str(path),
+            )
         per_layer = [0] * n
         shared = {"metadata": 0, "embeddings": 0, "output": 0}
         for t in g.tensors:

@@ -145,3 +145,23 @@ def test_stage_bytes_counts_boundaries():
     assert sizes.stage_bytes(first) == 1 + 10 + 100
     assert sizes.stage_bytes(last) == 1 + 30 + 100 + 1000  # tied: embeddings on the last stage
     assert sizes.stage_bytes(LayerRange(1, 2, 3)) == 1 + 20
+
+
+def test_plan_refuses_an_absurd_block_count(tmp_path):
+    """One flipped byte in block_count must not make `plan` allocate billions of slots."""
+    import gguf
+    import numpy as np
+
+    from skippy.errors import ModelError
+    from skippy.inspect import sizes_from_gguf
+
+    w = gguf.GGUFWriter(tmp_path / "m.gguf", "llama")
+    w.add_block_count(3_000_000_000)
+    w.add_tensor("blk.0.attn_norm.weight", np.ones(32, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelError) as exc:
+        sizes_from_gguf(tmp_path / "m.gguf")
+    assert exc.value.code == "invalid_block_count"
