@@ -9,6 +9,7 @@ or unreadable input. A user error never prints a traceback.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import os
@@ -18,8 +19,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from skippy.errors import EXIT_INVALID, EXIT_OK, EXIT_USAGE, InputUnreadable, SkippyError
+from skippy.findings import Finding
 
 PROG = "skippy-model-package"
+# errno names that mean "this input cannot be read" (others, e.g. ENOSPC, are I/O failures).
+_READ_ERRNOS = frozenset({"ENOENT", "EACCES", "EISDIR", "ENOTDIR", "ELOOP", "EPERM"})
 
 
 @dataclass
@@ -33,17 +37,30 @@ class CommandResult:
 Handler = Callable[[argparse.Namespace], CommandResult]
 
 
+_json_usage_errors = False  # set by main() from the argv it parses
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse that reports usage errors as our code/exit 2 (and as JSON with --json)."""
 
     def error(self, message: str) -> Any:
-        if "--json" in sys.argv[1:]:
+        if _json_usage_errors:
             err = {"code": "bad_usage", "message": message}
             print(json.dumps({"ok": False, "error": err}))
         else:
             self.print_usage(sys.stderr)
             sys.stderr.write(f"{self.prog}: error: {message}\n")
         raise SystemExit(EXIT_USAGE)
+
+
+def finding_lines(findings: Sequence[Finding]) -> list[str]:
+    """Findings as indented text lines, with the hint under each error that has one."""
+    lines = []
+    for f in findings:
+        lines.append(f"  {f.severity}: [{f.code}] {f.message}" + (f" ({f.path})" if f.path else ""))
+        if f.remediation and f.severity == "error":
+            lines.append(f"      hint: {f.remediation}")
+    return lines
 
 
 def add_json_flag(p: argparse.ArgumentParser) -> None:
@@ -79,8 +96,11 @@ def _render_error(err: SkippyError, as_json: bool) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    global _json_usage_errors
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    _json_usage_errors = "--json" in args_list
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(args_list)
     as_json = bool(getattr(args, "json", False))
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
@@ -96,8 +116,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         sys.stderr.write("interrupted\n")
         return 130
-    except OSError as exc:  # an unreadable input we did not anticipate: still no traceback
-        wrapped = InputUnreadable(f"{exc.strerror or exc}: {exc.filename or ''}".rstrip(": "))
+    except OSError as exc:  # an I/O failure we did not anticipate: still no traceback
+        where = f": {exc.filename}" if exc.filename else ""
+        name = errno.errorcode.get(exc.errno or 0, "")
+        wrapped = InputUnreadable(
+            f"{exc.strerror or exc}{where}",
+            code="io_error" if name not in _READ_ERRNOS else "unreadable_input",
+            actual=name or None,
+        )
         _render_error(wrapped, as_json)
         return wrapped.exit_code
     try:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Final, NoReturn
 
 import httpx2
-from huggingface_hub import HfApi, constants, hf_hub_download
+from huggingface_hub import HfApi, constants, get_hf_file_metadata, hf_hub_download, hf_hub_url
 from huggingface_hub.errors import (
     FileMetadataError,
     HfHubHTTPError,
@@ -158,6 +158,20 @@ def list_files(
     except _HUB_FAILURES as exc:
         _raise_hub_error(ref.at(commit), exc, None)
     return sorted(s.rfilename for s in info.siblings or [])
+
+
+def remote_size(
+    ref: HfPackageRef, commit: str, relpath: str, *, endpoint: str | None = None
+) -> int | None:
+    """Size of one file on the hub at ``commit`` without downloading it (one HEAD request);
+    None when the hub does not say."""
+    check_relative_path(relpath)
+    url = hf_hub_url(ref.repo_id, relpath, revision=commit, endpoint=endpoint)
+    try:
+        meta = get_hf_file_metadata(url, endpoint=endpoint)
+    except _HUB_FAILURES as exc:
+        _raise_hub_error(ref.at(commit), exc, relpath)
+    return meta.size
 
 
 def download_file(

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
+from skippy.atomic import atomic_write_bytes
 from skippy.constants import (
     FRAGMENT_KEY_PREFIX,
     KEY_MATERIALIZED_CACHE_KEY,
@@ -54,6 +55,7 @@ from skippy.errors import (
 from skippy.gguf.constants import ValueType
 from skippy.gguf.reader import GGUFFile, open_gguf
 from skippy.gguf.writer import TensorSource, encode_kv, write_fragment
+from skippy.hashing import sha256_file
 from skippy.paths import resolve_under
 from skippy.select import StageSelection
 
@@ -138,6 +140,39 @@ def _existing_key(out: Path) -> str | None:
             remediation="remove it or choose another --out",
         )
     return key
+
+
+def _sidecar(out: Path) -> Path:
+    return out.parent / f".{out.name}.skippy.json"
+
+
+def _stamp(st: os.stat_result) -> list[int]:
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
+def _record_build(out: Path, key: str, sha256: str) -> None:
+    """What we built, next to it: the key alone (it sits in the GGUF header) proves nothing
+    about the bytes, so a later hit checks the file's stamp, or failing that, its digest."""
+    record = {"cache_key": key, "sha256": sha256, "stamp": _stamp(out.stat())}
+    atomic_write_bytes(_sidecar(out), json.dumps(record).encode(), durable=False)
+
+
+def _trusted_existing(out: Path, key: str) -> bool:
+    """True if ``out`` is our build for ``key`` and its bytes are the ones we wrote."""
+    if _existing_key(out) != key:
+        return False
+    try:
+        rec = json.loads(_sidecar(out).read_text())
+    except (OSError, ValueError):
+        return False  # no record: rebuild rather than trust
+    if not isinstance(rec, dict) or rec.get("cache_key") != key:
+        return False
+    if rec.get("stamp") == _stamp(out.stat()):
+        return True
+    if sha256_file(out) != rec.get("sha256"):
+        return False  # changed since we built it: rebuild
+    _record_build(out, key, rec["sha256"])
+    return True
 
 
 @contextlib.contextmanager
@@ -235,11 +270,11 @@ def materialize_stage(
             n = len(g.tensors)
         return MaterializeResult(out, key, False, out.stat().st_size, n, time.perf_counter() - t0)
 
-    if _existing_key(out) == key:
+    if _trusted_existing(out, key):
         return kept()
     out.parent.mkdir(parents=True, exist_ok=True)
     with _exclusive(lock_path_for(out)):
-        if _existing_key(out) == key:  # another process built it while we waited
+        if _trusted_existing(out, key):  # another process built it while we waited
             return kept()
         sha, n = _build(root, selection, out, key, manifest_sha256, containment_root)
         try:
@@ -252,6 +287,7 @@ def materialize_stage(
             raise GGUFFormatError(
                 f"materialized {out} does not read back as written", code="materialize_failed"
             )
+        _record_build(out, key, sha)
     return MaterializeResult(
         out, key, True, out.stat().st_size, n, time.perf_counter() - t0, sha256=sha
     )

@@ -190,7 +190,7 @@ def prepare_stage(
     verify = verify or pkg.from_hub
     findings: list[Finding] = []
     paths: dict[str, Path] = {}
-    for ref in [*sel.parts, *declared_projectors]:
+    for ref in {r.path: r for r in [*sel.all_refs, *declared_projectors]}.values():
         p, problem = check_artifact_file(pkg.root, ref, containment_root=pkg.containment_root)
         if problem is not None:
             findings.append(with_remediation(problem))

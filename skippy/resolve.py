@@ -14,6 +14,7 @@ Downloads go through huggingface_hub (``skippy.hub``), so ``hf`` tooling sees th
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,13 +23,16 @@ from typing import Any
 from skippy import hub
 from skippy.config import Environment
 from skippy.constants import MANIFEST_NAME
-from skippy.errors import InputUnreadable, IntegrityError, UnsafePath
+from skippy.errors import InputUnreadable, IntegrityError, PackageInvalid, UnsafePath
+from skippy.findings import Finding, raise_for_findings
 from skippy.paths import resolve_under
 from skippy.preflight import LoadedPackage, PreparedStage, load_package, prepare_stage
 from skippy.ranges import LayerRange, parse_layer_range
 from skippy.refs import HfPackageRef, LocalPackageRef, PackageRef, parse_package_ref
 from skippy.select import StageSelection, select_stage
 from skippy.verify import VerifyCache
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -134,6 +138,8 @@ def resolve_stage(
     layers = parse_layer_range(layers_text, n) if layers_text else LayerRange(0, n, n)
     selection = select_stage(pkg.manifest, layers, projector_path=projector_path)
     fetched = fetch_selection(pkg, ref, selection, env)
+    if isinstance(ref, HfPackageRef):
+        _check_remote_projectors(pkg, ref, selection, env)
     verify = pkg.from_hub or env.verify_local_sha256
     try:
         stage = prepare_stage(
@@ -143,12 +149,56 @@ def resolve_stage(
             verify=verify,
             cache=VerifyCache.under(env.skippy_cache_dir) if verify else None,
         )
-    except IntegrityError as exc:
-        if pkg.from_hub and exc.path:
-            _evict_from_hub_cache(pkg, exc.path)
+    except (IntegrityError, PackageInvalid) as exc:
+        bad = _corrupt_paths(exc)
+        if pkg.from_hub and bad:
+            for rel in bad:
+                _evict_from_hub_cache(pkg, rel)
             exc.remediation = "the corrupt copy was removed from the hub cache; fetch again"
         raise
     return ResolvedStage(ref, stage, fetched)
+
+
+_CORRUPT_CODES = frozenset({"artifact_sha256_mismatch", "artifact_size_mismatch"})
+
+
+def _corrupt_paths(exc: IntegrityError | PackageInvalid) -> list[str]:
+    """Artifacts whose bytes are wrong (not missing, not unsafe): those may be evicted."""
+    if isinstance(exc, IntegrityError):
+        return [exc.path] if exc.path and exc.code in _CORRUPT_CODES else []
+    return [f.path for f in exc.findings if f.code in _CORRUPT_CODES and f.path]
+
+
+def _check_remote_projectors(
+    pkg: LoadedPackage, ref: HfPackageRef, selection: StageSelection, env: Environment
+) -> None:
+    """Spec "Consumer Validation": declared projector paths are files of the declared size.
+    A hub stage must not download projectors it does not use, so it asks the hub for their
+    size instead (one HEAD each); offline, that check is impossible and is logged as skipped."""
+    selected = {r.path for r in selection.all_refs}
+    others = [p for p in pkg.manifest.projectors if p.path not in selected]
+    if not others:
+        return
+    if env.hf_offline:
+        log.warning(
+            "offline: declared projectors not checked on the hub: %s",
+            ", ".join(p.path for p in others),
+        )
+        return
+    commit = pkg.root.name
+    findings = []
+    for proj in others:
+        size = hub.remote_size(ref, commit, proj.path, endpoint=env.hf_endpoint)
+        if size is not None and size != proj.artifact_bytes:
+            findings.append(
+                Finding(
+                    "artifact_size_mismatch",
+                    f"{proj.path} is {size} bytes on the hub, the manifest declares "
+                    f"{proj.artifact_bytes}",
+                    path=proj.path,
+                )
+            )
+    raise_for_findings(findings, f"declared projectors of {pkg.display}")
 
 
 def _evict_from_hub_cache(pkg: LoadedPackage, rel: str) -> None:

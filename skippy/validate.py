@@ -145,7 +145,9 @@ def stat_artifact(
     except FileNotFoundError as exc:
         raise ArtifactMissing(f"{a.path} is declared but missing", path=a.path) from exc
     except OSError as exc:
-        raise InputUnreadable(f"cannot stat {a.path}: {exc.strerror}", path=a.path) from exc
+        raise InputUnreadable(
+            f"cannot stat {a.path}: {exc.strerror}", code="unreadable_artifact", path=a.path
+        ) from exc
     if not stat.S_ISREG(st.st_mode):
         raise ArtifactMissing(
             f"{a.path} is not a regular file", path=a.path, code="artifact_not_file"

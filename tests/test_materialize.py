@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
 from pathlib import Path
@@ -176,6 +177,24 @@ def test_refuses_to_replace_a_file_it_did_not_make(
     with pytest.raises(OutputExists):
         materialize_stage(pkg.root, stage(pkg, 0, 2), precious, manifest_sha256="a" * 64)
     assert precious.read_bytes() == synth_dir.llama.read_bytes()
+
+
+def test_a_damaged_materialization_is_rebuilt_not_kept(pkg: LoadedPackage, tmp_path: Path) -> None:
+    """The cache key in the header proves nothing about the bytes: a corrupted output with
+    the right key must be rebuilt, and so must one without our build record."""
+    out = tmp_path / "cache" / "s.gguf"
+    sel = stage(pkg, 0, 4)
+    first = materialize_stage(pkg.root, sel, out, manifest_sha256=pkg.manifest_sha256)
+    data = bytearray(out.read_bytes())
+    data[-100] ^= 0xFF  # inside the last tensor; header (and its cache key) untouched
+    out.write_bytes(bytes(data))
+    again = materialize_stage(pkg.root, sel, out, manifest_sha256=pkg.manifest_sha256)
+    assert again.built is True
+    assert hashlib.sha256(out.read_bytes()).hexdigest() == first.sha256
+    kept = materialize_stage(pkg.root, sel, out, manifest_sha256=pkg.manifest_sha256)
+    assert kept.built is False
+    (out.parent / f".{out.name}.skippy.json").unlink()
+    assert materialize_stage(pkg.root, sel, out, manifest_sha256=pkg.manifest_sha256).built
 
 
 @pytest.fixture

@@ -9,16 +9,17 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from pathlib import Path
 
 import pytest
 from hub_server import FakeHub, Fault, running_hub
-from pkgtools import make_package
+from pkgtools import edit_manifest, make_package
 
 from skippy.cli import main
 from skippy.config import read_environment
 from skippy.constants import MANIFEST_NAME, layer_path
-from skippy.errors import ArtifactMissing, IntegrityError
+from skippy.errors import ArtifactMissing, IntegrityError, PackageInvalid
 from skippy.resolve import resolve_stage
 
 REPO = "acme/tiny-layers"
@@ -166,3 +167,45 @@ def test_hub_package_is_never_materialized_into_the_cache(hub, tmp_path, capsys)
     out = tmp_path / "stage.gguf"
     assert main(["materialize", f"hf://{REPO}", "--layers", "0..4", "--out", str(out)]) == 0
     assert out.is_file()
+
+
+def test_truncated_cache_blob_is_evicted_and_refetched(hub):
+    env = read_environment()
+    first = resolve_stage(f"hf://{REPO}", env, layers_text="1..2")
+    blob = first.files()[layer_path(1)].resolve()
+    blob.write_bytes(blob.read_bytes()[:-7])  # huggingface_hub never re-checks a cache hit
+    with pytest.raises(PackageInvalid) as exc:
+        resolve_stage(f"hf://{REPO}", env, layers_text="1..2")
+    assert exc.value.code == "artifact_size_mismatch"
+    again = resolve_stage(f"hf://{REPO}", env, layers_text="1..2")
+    assert again.fetch.bytes_downloaded == (again.files()[layer_path(1)]).stat().st_size
+
+
+def test_downstream_stage_checks_declared_projectors_without_downloading(
+    synth_dir, tmp_path, monkeypatch
+):
+    pkg = tmp_path / "mm"
+    make_package(synth_dir.llama, pkg, projectors=(synth_dir.projector,))
+    proj = f"projectors/{synth_dir.projector.name}"
+    with running_hub({"acme/mm-layers": pkg}) as h:
+        monkeypatch.setenv("HF_ENDPOINT", h.url)
+        env = read_environment()
+        resolve_stage("hf://acme/mm-layers", env, layers_text="2..4")  # no projector selected
+        assert h.stats("acme/mm-layers", proj).get_requests == 0
+        assert h.stats("acme/mm-layers", proj).head_requests >= 1
+        stage0 = resolve_stage("hf://acme/mm-layers", env, layers_text="0..1")
+        assert stage0.stage.projector_path is not None  # stage 0 gets the first mmproj
+    bad = tmp_path / "mm-bad"
+    shutil.copytree(pkg, bad)
+    edit_manifest(
+        bad,
+        lambda d: d["projectors"][0].update(
+            artifact_bytes=d["projectors"][0]["artifact_bytes"] + 64
+        ),
+    )
+    with running_hub({"acme/mm-bad": bad}) as h:
+        monkeypatch.setenv("HF_ENDPOINT", h.url)
+        with pytest.raises(PackageInvalid) as exc:
+            resolve_stage("hf://acme/mm-bad", read_environment(), layers_text="2..4")
+        assert exc.value.code == "artifact_size_mismatch"
+        assert h.stats("acme/mm-bad", proj).get_requests == 0

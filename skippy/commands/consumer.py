@@ -13,10 +13,9 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from skippy.cli import CommandResult, add_json_flag, exit_for
+from skippy.cli import CommandResult, add_json_flag, exit_for, finding_lines
 from skippy.config import read_environment
 from skippy.errors import InputUnreadable, UsageError
-from skippy.findings import Finding
 from skippy.materialize import materialize_stage
 from skippy.preflight import PreparedStage, preflight_package
 from skippy.progress import human_bytes
@@ -75,15 +74,6 @@ def register(sub: Any) -> None:
     p.set_defaults(handler=cmd_materialize)
 
 
-def _finding_lines(findings: list[Finding]) -> list[str]:
-    lines = []
-    for f in findings:
-        lines.append(f"  {f.severity}: [{f.code}] {f.message}" + (f" ({f.path})" if f.path else ""))
-        if f.remediation and f.severity == "error":
-            lines.append(f"      hint: {f.remediation}")
-    return lines
-
-
 def cmd_preflight(args: argparse.Namespace) -> CommandResult:
     root = package_dir_for_cli(args.package)
     report = preflight_package(
@@ -110,7 +100,7 @@ def cmd_preflight(args: argparse.Namespace) -> CommandResult:
         )
         for r in sel.all_refs:
             lines.append(f"    {r.role:<10} {r.path:<32} {human_bytes(r.artifact.artifact_bytes)}")
-    lines += _finding_lines(report.findings)
+    lines += finding_lines(report.findings)
     return CommandResult(
         data=report.to_dict(), text="\n".join(lines), exit_code=exit_for(report.valid)
     )

@@ -6,11 +6,10 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from skippy.cli import CommandResult, add_json_flag, exit_for
+from skippy.cli import CommandResult, add_json_flag, exit_for, finding_lines
 from skippy.config import read_environment
 from skippy.constants import MANIFEST_NAME
 from skippy.errors import InputUnreadable, UsageError
-from skippy.findings import Finding
 from skippy.inspect import (
     inspect_gguf,
     inspect_package,
@@ -71,13 +70,6 @@ def register(sub: Any) -> None:
     p.add_argument("package", type=Path)
     add_json_flag(p)
     p.set_defaults(handler=cmd_validate)
-
-
-def _finding_lines(findings: list[Finding]) -> list[str]:
-    return [
-        f"  {f.severity}: [{f.code}] {f.message}" + (f" ({f.path})" if f.path else "")
-        for f in findings
-    ]
 
 
 def _source_and_provenance(args: argparse.Namespace) -> tuple[Path, Provenance]:
@@ -146,7 +138,7 @@ def cmd_write_package(args: argparse.Namespace) -> CommandResult:
         rewrite_readme(args.out_dir, result.manifest, result.manifest_sha256, note)
         data["validation"] = report.to_dict()
         lines.append(f"validate-package: {verdict}")
-        lines += _finding_lines(report.findings)
+        lines += finding_lines(report.findings)
         exit_code = exit_for(report.valid)
     return CommandResult(data=data, text="\n".join(lines), exit_code=exit_code)
 
@@ -233,7 +225,7 @@ def cmd_validate(args: argparse.Namespace) -> CommandResult:
         f"{report.tensors_checked} tensors, {human_bytes(report.bytes_hashed)} hashed in "
         f"{report.seconds:.2f}s)"
     ]
-    lines += _finding_lines(report.findings)
+    lines += finding_lines(report.findings)
     return CommandResult(
         data=report.to_dict(), text="\n".join(lines), exit_code=exit_for(report.valid)
     )
