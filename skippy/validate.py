@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from skippy.constants import ROLE_LAYER, ROLE_PROJECTOR
+from skippy.constants import ROLE_LAYER, ROLE_METADATA, ROLE_PROJECTOR
 from skippy.errors import (
     ArtifactMissing,
     GGUFFormatError,
@@ -34,7 +34,7 @@ from skippy.generation import check_generation
 from skippy.gguf.reader import TensorInfo, open_gguf
 from skippy.hashing import CHUNK_BYTES, DEFAULT_WORKERS, sha256_file
 from skippy.manifest import ArtifactRef, Manifest, load_manifest_findings
-from skippy.ownership import owner_of
+from skippy.ownership import has_tied_embeddings, owner_of
 from skippy.paths import resolve_under
 from skippy.source import SourceModelFiles, shard_paths
 
@@ -81,6 +81,7 @@ class ArtifactScan:
     size: int
     tensors: tuple[TensorInfo, ...]
     differing: list[str] = field(default_factory=list)
+    kv_records: dict[str, bytes] = field(default_factory=dict)  # raw KV records, by key
 
 
 def scan_artifact(
@@ -129,7 +130,8 @@ def scan_artifact(
             hash_span(t.data_start, t.data_end, src, t.name)
             pos = t.data_end
         hash_span(pos, size, None, "")
-        return ArtifactScan(h.hexdigest(), size, g.tensors, differing)
+        records = {k: g.raw_field(k) for k in g.fields}
+        return ArtifactScan(h.hexdigest(), size, g.tensors, differing, records)
 
 
 def stat_artifact(
@@ -258,6 +260,7 @@ def validate_package(
             _source_findings(report, m, src, digests)
             if m is not None:
                 _tensor_findings(report, results, lookup)
+                report.findings.extend(_metadata_findings(m, results, src))
                 report.findings.extend(_generation_findings(m, results, src))
     except BaseException:
         cancel.set()
@@ -302,6 +305,47 @@ def _source_findings(
                 f"manifest layer_count {m.layer_count} but the source declares {block_count}",
             )
         )
+
+
+def _metadata_findings(
+    m: Manifest, results: list[tuple[ArtifactRef, ArtifactScan]], src: SourceModelFiles
+) -> list[Finding]:
+    """Spec "Repository Layout": shared/metadata.gguf carries the source's metadata and
+    tokenizer state; every source KV record must be there byte for byte. And the additive
+    ``tied_embeddings`` flag, which drives selection, must tell the truth about the source."""
+    out: list[Finding] = []
+    tied = has_tied_embeddings(t.info.name for t in src.tensors)
+    if m.tied_embeddings != tied:
+        out.append(
+            Finding(
+                "tied_embeddings_mismatch",
+                f"manifest says tied_embeddings={str(m.tied_embeddings).lower()}, but the source "
+                f"{'has no' if tied else 'has an'} output.weight",
+                remediation="rewrite the package: a final stage would miss its output weights",
+            )
+        )
+    meta = next((scan for ref, scan in results if ref.role == ROLE_METADATA), None)
+    if meta is None:
+        return out  # missing or unreadable: already reported
+    for f in src.kv_fields():
+        have = meta.kv_records.get(f.key)
+        if have is None:
+            out.append(
+                Finding(
+                    "metadata_kv_missing",
+                    f"{m.shared.metadata.path} lacks the source's {f.key}",
+                    path=m.shared.metadata.path,
+                )
+            )
+        elif have != src.head.raw_field(f.key):
+            out.append(
+                Finding(
+                    "metadata_kv_differs",
+                    f"{m.shared.metadata.path} has a different {f.key} from the source",
+                    path=m.shared.metadata.path,
+                )
+            )
+    return out
 
 
 def _generation_findings(

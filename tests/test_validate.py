@@ -230,3 +230,38 @@ def test_generation_block_is_checked_against_artifacts(synth_dir, tmp_path):
 
     edit_manifest(pkg, point_mtp_at_layer_0)
     assert "mtp_layer_missing_nextn_tensors" in codes(synth_dir.nextn, pkg)
+
+
+def test_metadata_kv_must_match_the_source(synth_dir, pkg):
+    """A metadata fragment with one KV value changed and a manifest updated to match: only
+    the comparison with the source can notice, and it does."""
+    from skippy.gguf.constants import ValueType
+    from skippy.gguf.writer import encode_kv
+
+    with SourceModelFiles(synth_dir.llama) as src:
+        plans = plan_fragments(
+            kv_records=[(f.key, src.head.raw_field(f.key)) for f in src.kv_fields()],
+            tensors=src.tensors,
+            layer_count=4,
+        )
+        meta = plans[0]
+        key = "llama.rope.freq_base"
+        original = src.head.raw_field(key)
+        records = [
+            encode_kv(key, ValueType.FLOAT32, 1234.0) if r == original else r
+            for r in meta.kv_records
+        ]
+        w = write_fragment(
+            pkg / meta.path, records, [src.tensor_source(t) for t in meta.tensors], src.alignment
+        )
+    edit_manifest(
+        pkg,
+        lambda d: d["shared"]["metadata"].update(artifact_bytes=w.artifact_bytes, sha256=w.sha256),
+    )
+    report = validate_package(synth_dir.llama, pkg)
+    assert [(f.code, key in f.message) for f in report.findings] == [("metadata_kv_differs", True)]
+
+
+def test_tied_embeddings_flag_must_match_the_source(synth_dir, pkg):
+    edit_manifest(pkg, lambda d: d.update(tied_embeddings=True))  # llama has output.weight
+    assert codes(synth_dir.llama, pkg) == {"tied_embeddings_mismatch"}
