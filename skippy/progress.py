@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import sys
 import threading
-import time
 from typing import TextIO
 
 
@@ -27,7 +26,6 @@ class Progress:
         self.stream = stream or sys.stderr
         self.done = 0
         self._lock = threading.Lock()
-        self._t0 = time.perf_counter()
 
     @classmethod
     def for_terminal(cls, total_items: int, *, quiet: bool) -> Progress:
@@ -44,6 +42,3 @@ class Progress:
                 f"{human_bytes(nbytes)}  {human_bytes(rate)}/s\n"
             )
             self.stream.flush()
-
-    def elapsed(self) -> float:
-        return time.perf_counter() - self._t0

@@ -64,10 +64,6 @@ def _part_dict(r: ArtifactRef) -> dict[str, Any]:
     }
 
 
-def stage_range(m: Manifest, start: int, stop: int) -> LayerRange:
-    return LayerRange(start, stop, m.layer_count)
-
-
 def select_stage(
     m: Manifest, layers: LayerRange, *, projector_path: str | None = None
 ) -> StageSelection:

@@ -21,7 +21,6 @@ of the filesystem clock after the verified write is not seen; ext4 here has ns t
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
@@ -126,16 +125,6 @@ class VerifyCache:
             atomic_write_bytes(self._record_path(key), data, durable=False)
         except OSError as exc:
             log.warning("verification cache %s is not writable: %s", self.root, exc)
-
-    def clear(self) -> int:
-        """Remove every record; return how many were removed."""
-        removed = 0
-        if self.root.is_dir():
-            for p in self.root.glob(f"*{_RECORD_SUFFIX}"):
-                with contextlib.suppress(FileNotFoundError):
-                    p.unlink()
-                    removed += 1
-        return removed
 
 
 # --- report ------------------------------------------------------------

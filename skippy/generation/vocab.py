@@ -190,7 +190,9 @@ LEGACY_STRATEGY_ALIASES: Final = {"native-mtp-n1": STRATEGY_MTP}
 # --- GGUF evidence the writer reads (llama.cpp gguf-py naming) ------------------------------------
 NEXTN_PREDICT_LAYERS_KEY: Final = "nextn_predict_layers"  # "<arch>.nextn_predict_layers"
 INDEXER_TOP_K_KEY: Final = "attention.indexer.top_k"  # "<arch>.attention.indexer.top_k"
-LAYER_TENSOR_RE: Final = re.compile(r"^blk\.(\d+)\.([A-Za-z0-9_.]+?)(?:\.(?:weight|bias))?$")
+LAYER_TENSOR_RE: Final = re.compile(
+    r"\Ablk\.(\d+)\.([A-Za-z0-9_.]+?)(?:\.(?:weight|bias))?\Z", re.ASCII
+)
 # llama.cpp creates these three NextN tensors unconditionally (embed_tokens, shared_head_head
 # and shared_head_norm are TENSOR_NOT_REQUIRED), so they are what "holds NextN tensors" means.
 NEXTN_REQUIRED_PARTS: Final = frozenset({"eh_proj", "enorm", "hnorm"})
