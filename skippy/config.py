@@ -41,7 +41,9 @@ class Environment:
     artifact_transfer: ArtifactTransfer = "off"
     hf_endpoint: str | None = None
     hf_offline: bool = False
-    hf_cache_dir: Path | None = None
+    # The hub cache, resolved here the way huggingface_hub does (HF_HUB_CACHE, then
+    # HF_HOME/hub, then $XDG_CACHE_HOME/huggingface/hub) and passed to every hub call.
+    hf_cache_dir: Path = field(default_factory=lambda: Path.home() / ".cache/huggingface/hub")
     skippy_cache_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "skippy")
 
 
@@ -54,16 +56,15 @@ def read_environment(environ: Mapping[str, str] | None = None) -> Environment:
             f"{ENV_ARTIFACT_TRANSFER}={raw_transfer!r} is not one of off, trusted, open",
             code="invalid_config",
         )
-    hf_cache = env.get(ENV_HF_CACHE) or (
-        str(Path(env[ENV_HF_HOME]) / "hub") if env.get(ENV_HF_HOME) else None
-    )
     xdg = env.get(ENV_XDG_CACHE) or str(Path(env.get("HOME", str(Path.home()))) / ".cache")
+    hf_home = env.get(ENV_HF_HOME) or str(Path(xdg) / "huggingface")
+    hf_cache = env.get(ENV_HF_CACHE) or str(Path(hf_home) / "hub")
     return Environment(
         verify_local_sha256=env.get(ENV_VERIFY_PACKAGE_SHA, "").strip().lower() not in _FALSE_WORDS,
         artifact_transfer=transfer,
         hf_endpoint=env.get(ENV_HF_ENDPOINT) or None,
         hf_offline=env.get(ENV_HF_OFFLINE, "").strip().lower() in _TRUE_WORDS,
-        hf_cache_dir=Path(hf_cache) if hf_cache else None,
+        hf_cache_dir=Path(hf_cache).expanduser(),
         skippy_cache_dir=Path(xdg) / "skippy",
     )
 

@@ -32,7 +32,7 @@ from huggingface_hub.errors import (
 from huggingface_hub.file_download import repo_folder_name
 
 from skippy.errors import EXIT_USAGE, ArtifactMissing, SkippyError, UnsafePath, UsageError
-from skippy.paths import check_relative_path
+from skippy.paths import check_relative_path, is_within
 from skippy.refs import COMMIT_SHA_RE, HfPackageRef
 
 logger = logging.getLogger("skippy.hub")
@@ -77,7 +77,9 @@ def repo_cache_root(cache_dir: Path | str | None, repo_id: str) -> Path:
     """The repo's ``models--ns--name`` folder.
 
     Snapshot files are symlinks into ``blobs/``, so containment checks for cached files must
-    resolve against this folder, not against ``snapshots/<commit>``.
+    resolve against this folder, not against ``snapshots/<commit>``. ``None`` keeps
+    huggingface_hub's own default for library callers; our commands always pass the cache
+    ``skippy.config`` resolved, so the environment is read in one place.
     """
     base = Path(cache_dir) if cache_dir is not None else Path(constants.HF_HUB_CACHE)
     return base.expanduser().resolve() / repo_folder_name(repo_id=repo_id, repo_type=_REPO_TYPE)
@@ -208,7 +210,7 @@ def download_file(
         _raise_hub_error(ref.at(commit), exc, relpath)
     path = Path(local)
     root = repo_cache_root(cache_dir, ref.repo_id)
-    if not path.resolve().is_relative_to(root):
+    if not is_within(path, root):
         raise UnsafePath(
             f"{relpath} resolved to {path.resolve()}, outside the repo cache {root}.",
             path=relpath,

@@ -56,7 +56,7 @@ from skippy.gguf.constants import ValueType
 from skippy.gguf.reader import GGUFFile, open_gguf
 from skippy.gguf.writer import TensorSource, encode_kv, write_fragment
 from skippy.hashing import sha256_file
-from skippy.paths import resolve_under
+from skippy.paths import is_within, resolve_under
 from skippy.select import StageSelection
 
 
@@ -109,9 +109,7 @@ def lock_path_for(out: Path) -> Path:
 def _refuse_inside_package(root: Path, out: Path) -> None:
     """Spec "Layer Selection": a materialization is derived cache and must never sit in (and
     risk being published with) the package. Symlinked folders are resolved first."""
-    boundary = os.path.realpath(root)
-    real = os.path.realpath(out)
-    if real == boundary or real.startswith(boundary + os.sep):
+    if is_within(out, root):
         raise UsageError(
             f"--out {out} is inside the package {root}: a per-stage GGUF is derived cache and "
             "must not become part of the published package",

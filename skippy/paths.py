@@ -56,6 +56,13 @@ def is_safe_relative_path(rel: object) -> bool:
     return _unsafe_reason(rel) is None
 
 
+def is_within(path: Path, root: Path) -> bool:
+    """True if ``path``, with every symlink resolved, is ``root`` or lies inside it."""
+    boundary = os.path.realpath(root)
+    real = os.path.realpath(path)
+    return real == boundary or real.startswith(boundary + os.sep)
+
+
 def resolve_under(root: Path, rel: str, *, containment_root: Path | None = None) -> Path:
     """Join a checked relative path to ``root`` and prove the real file stays inside.
 
@@ -64,9 +71,8 @@ def resolve_under(root: Path, rel: str, *, containment_root: Path | None = None)
     """
     check_relative_path(rel)
     joined = root / PurePosixPath(rel)
-    boundary = os.path.realpath(containment_root or root)
-    real = os.path.realpath(joined)
-    if real != boundary and not real.startswith(boundary + os.sep):
+    if not is_within(joined, containment_root or root):
+        real = os.path.realpath(joined)
         raise UnsafePath(
             f"artifact path {rel!r} resolves outside the package root (to {real})",
             path=rel,

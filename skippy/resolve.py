@@ -25,7 +25,7 @@ from skippy.config import Environment
 from skippy.constants import MANIFEST_NAME
 from skippy.errors import InputUnreadable, IntegrityError, PackageInvalid, UnsafePath
 from skippy.findings import Finding, raise_for_findings
-from skippy.paths import resolve_under
+from skippy.paths import is_within, resolve_under
 from skippy.preflight import LoadedPackage, PreparedStage, load_package, prepare_stage
 from skippy.ranges import LayerRange, parse_layer_range
 from skippy.refs import HfPackageRef, LocalPackageRef, PackageRef, parse_package_ref
@@ -208,7 +208,7 @@ def _evict_from_hub_cache(pkg: LoadedPackage, rel: str) -> None:
     with contextlib.suppress(OSError, UnsafePath):
         blob = resolve_under(pkg.root, rel, containment_root=pkg.containment_root).resolve()
         link.unlink(missing_ok=True)
-        if pkg.containment_root and blob.is_relative_to(pkg.containment_root.resolve()):
+        if pkg.containment_root and is_within(blob, pkg.containment_root):
             blob.unlink(missing_ok=True)
 
 

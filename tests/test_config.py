@@ -65,3 +65,11 @@ def test_bad_toml_and_missing_file(tmp_path):
     assert exc.value.code == "invalid_config"
     with pytest.raises(InputUnreadable):
         load_node_config(tmp_path / "none.toml")
+
+
+def test_hub_cache_follows_huggingface_precedence():
+    assert read_environment({"HOME": "/u"}).hf_cache_dir == Path("/u/.cache/huggingface/hub")
+    assert read_environment({"XDG_CACHE_HOME": "/x"}).hf_cache_dir == Path("/x/huggingface/hub")
+    assert read_environment({"HF_HOME": "/h", "XDG_CACHE_HOME": "/x"}).hf_cache_dir == Path(
+        "/h/hub"
+    )
