@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -260,27 +262,33 @@ def cli():
     return main
 
 
+def _run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """The real console entry point in a child: only there can a traceback be seen."""
+    return subprocess.run(
+        [sys.executable, "-m", "skippy.cli", *args], capture_output=True, text=True
+    )
+
+
 @pytest.mark.parametrize("as_json", [True, False])
-def test_cli_exit_codes_without_tracebacks(cli, pkg: Path, tmp_path: Path, capsys, as_json):
+def test_cli_exit_codes_without_tracebacks(pkg: Path, tmp_path: Path, as_json):
     flag = ["--json"] if as_json else []
-    assert cli(["preflight", str(pkg), *flag]) == 0
-    capsys.readouterr()
+    assert _run_cli("preflight", str(pkg), *flag).returncode == 0
 
     setitem("layers[1].layer_index", 0)(pkg)
-    assert cli(["preflight", str(pkg), "--stages", "2", *flag]) == 1
-    out, err = capsys.readouterr()
-    assert "Traceback" not in out + err
+    proc = _run_cli("preflight", str(pkg), "--stages", "2", *flag)
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stdout + proc.stderr
     if as_json:
-        data = json.loads(out)
+        data = json.loads(proc.stdout)
         assert data["valid"] is False
         assert "duplicate_layer" in {f["code"] for f in data["findings"]}
     else:
-        assert "duplicate_layer" in out and "hint:" in out
+        assert "duplicate_layer" in proc.stdout and "hint:" in proc.stdout
 
-    assert cli(["preflight", str(tmp_path / "missing"), *flag]) == 2
-    out, err = capsys.readouterr()
-    assert "Traceback" not in out + err
-    assert "unreadable_input" in (out if as_json else err)
+    proc = _run_cli("preflight", str(tmp_path / "missing"), *flag)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert "unreadable_input" in (proc.stdout if as_json else proc.stderr)
 
 
 def test_cli_unreadable_manifest_is_exit_2(cli, pkg: Path, capsys) -> None:
