@@ -23,7 +23,8 @@ def temp_name_for(dest: Path) -> Path:
     return dest.parent / f".{dest.name}.{uuid.uuid4().hex[:12]}{PARTIAL_SUFFIX}"
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """Flush a file's data, or a folder's entries (the renames into it), to stable storage."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -35,8 +36,12 @@ def _fsync_dir(path: Path) -> None:
 def atomic_install(dest: Path, *, durable: bool = False) -> Iterator[BinaryIO]:
     """Yield a binary file that becomes ``dest`` only if the block exits without error.
 
-    ``durable`` fsyncs the file and its folder (manifests, peer-received artifacts); bulk
-    derived fragments skip it because the manifest written last is what makes them count.
+    Without ``durable`` the rename is atomic against a crash of the *process* (a reader sees
+    the old file or the whole new one) but not against a power loss: the kernel may persist
+    the rename before the data, leaving ``dest`` empty or short after a reboot. ``durable``
+    fsyncs the file before the rename and the folder after it, so ``dest`` survives a power
+    loss whole. A caller that installs many files and fsyncs them later (``fsync_path``) may
+    skip it per file.
     """
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_name_for(dest)
@@ -49,7 +54,7 @@ def atomic_install(dest: Path, *, durable: bool = False) -> Iterator[BinaryIO]:
         f.close()
         os.replace(tmp, dest)
         if durable:
-            _fsync_dir(dest.parent)
+            fsync_path(dest.parent)
     finally:
         f.close()
         with contextlib.suppress(FileNotFoundError):

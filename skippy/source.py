@@ -70,21 +70,26 @@ class SourceModelFiles:
             )
         self.paths = shard_paths(path)
         self.shards: list[GGUFFile] = []
-        try:
+        try:  # every failure below must close the shards opened so far (fds and mmaps)
             for p in self.paths:
                 self.shards.append(open_gguf(p))
             self._check_split_keys()
+            self.tensors: list[SourceTensor] = [
+                SourceTensor(t, i) for i, g in enumerate(self.shards) for t in g.tensors
+            ]
+            seen: set[str] = set()
+            for t in self.tensors:
+                if t.info.name in seen:
+                    raise ModelError(
+                        f"the split set's shards repeat the tensor {t.info.name!r} (again in "
+                        f"{self.paths[t.shard].name}); a tensor must live in exactly one shard",
+                        code="duplicate_source_tensor",
+                        path=str(self.paths[t.shard]),
+                    )
+                seen.add(t.info.name)
         except BaseException:
             self.close()
             raise
-        self.tensors: list[SourceTensor] = [
-            SourceTensor(t, i) for i, g in enumerate(self.shards) for t in g.tensors
-        ]
-        names = [t.info.name for t in self.tensors]
-        if len(set(names)) != len(names):
-            raise ModelError(
-                "the split set's shards repeat a tensor name", code="duplicate_source_tensor"
-            )
 
     def _check_split_keys(self) -> None:
         if len(self.shards) == 1:

@@ -117,11 +117,13 @@ def test_write_package_from_a_hub_coordinate(synth_dir, tmp_path, monkeypatch, c
     src = json.loads((out / "model-package.json").read_text())["source_model"]
     assert src["repo"] == "acme/tiny-GGUF" and src["revision"] == commit
     assert src["primary_file"] == "tiny-Q8_0.gguf"
-    assert src["canonical_ref"] == f"acme/tiny-GGUF@{commit}/tiny-Q8_0.gguf"
+    assert src["canonical_ref"] == "acme/tiny-GGUF:Q8_0"  # spec: the model coordinate
+    assert src["distribution_id"] == "Q8_0"
     assert validate_package(synth_dir.llama, out).valid
     split_src = json.loads((out2 / "model-package.json").read_text())["source_model"]
     assert [f["path"] for f in split_src["files"]] == [
         "tiny-SPLIT-00001-of-00002.gguf",
         "tiny-SPLIT-00002-of-00002.gguf",
     ]
-    assert split_src["distribution_id"] == "tiny-SPLIT"
+    assert split_src["distribution_id"] == "SPLIT"
+    assert split_src["canonical_ref"] == "acme/tiny-GGUF:SPLIT"

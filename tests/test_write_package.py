@@ -10,8 +10,9 @@ import gguf
 import pytest
 from pkgtools import make_package
 
+from skippy.cli import main
 from skippy.constants import MANIFEST_NAME, layer_path
-from skippy.errors import InputUnreadable, ModelError, OutputExists, UsageError
+from skippy.errors import GGUFFormatError, InputUnreadable, ModelError, OutputExists, UsageError
 from skippy.gguf.reader import open_gguf
 from skippy.manifest import parse_manifest
 from skippy.validate import validate_package
@@ -98,7 +99,7 @@ def test_split_set_source_reads_every_shard(synth_dir, tmp_path):
     for f, p in zip(m.source_model.files, synth_dir.split, strict=True):
         assert f.size_bytes == p.stat().st_size
         assert f.sha256 == hashlib.sha256(p.read_bytes()).hexdigest()
-    assert m.source_model.distribution_id == "llama"
+    assert m.source_model.distribution_id == "Q8_0"  # the model coordinate's, not a file's
     assert validate_package(first, pkg).valid
 
 
@@ -119,10 +120,16 @@ def test_provenance_fields(synth_dir, tmp_path):
     assert m.model_id == "acme/tiny-GGUF:Q8_0"
     assert src.repo == "acme/tiny-GGUF"
     assert src.revision == "0123abc"
-    assert src.canonical_ref == f"acme/tiny-GGUF@0123abc/{synth_dir.llama.name}"
-    assert src.distribution_id == synth_dir.llama.stem
+    # Spec "Manifest Schema": canonical_ref is the model coordinate, distribution_id its part
+    # after ':'; repository, revision and file have fields of their own.
+    assert src.canonical_ref == "acme/tiny-GGUF:Q8_0"
+    assert src.distribution_id == "Q8_0"
+    assert src.primary_file == synth_dir.llama.name
     assert m.activation_width == 64
     assert m.skippy_abi_version == "1.0.0"
+    readme = (tmp_path / "pkg" / "README.md").read_text()
+    assert "`acme/tiny-GGUF` at revision `0123abc`" in readme
+    assert f"Source file: `{synth_dir.llama.name}`" in readme
 
 
 @pytest.mark.parametrize(
@@ -179,26 +186,38 @@ def test_manifest_is_canonical_apart_from_timestamp(synth_dir, tmp_path):
     assert parse_manifest(raw_a) == a.manifest
 
 
-def test_killed_write_leaves_no_manifest_and_no_visible_partials(synth_dir, tmp_path, monkeypatch):
-    """A failure mid-way (simulated in the fragment writer) leaves no manifest pointing at
-    missing files and no partial file under a name a reader would trust."""
-    import skippy.write_package as wp
-
-    calls = {"n": 0}
-    real = wp.write_fragment
-
-    def failing(dest, *a, **kw):
-        calls["n"] += 1
-        if calls["n"] == 5:
-            raise OSError(28, "No space left on device")
-        return real(dest, *a, **kw)
-
-    monkeypatch.setattr(wp, "write_fragment", failing)
+def test_killed_write_leaves_no_manifest_and_no_visible_partials(synth_dir, tmp_path):
+    """A real failure mid-way (a folder squats on one fragment's name, so its atomic rename
+    fails) leaves no manifest pointing at missing files and no partial file behind."""
     pkg = tmp_path / "pkg"
-    with pytest.raises(OSError):
+    (pkg / layer_path(2)).mkdir(parents=True)
+    with pytest.raises(IsADirectoryError):
         make_package(synth_dir.llama, pkg, workers=1)
     assert not (pkg / MANIFEST_NAME).exists()
     assert not [p for p in pkg.rglob("*") if p.name.endswith(".partial")]
+
+
+def test_killed_write_is_a_clean_cli_error(synth_dir, tmp_path, capsys):
+    pkg = tmp_path / "pkg"
+    (pkg / layer_path(2)).mkdir(parents=True)
+    rc = main(
+        [
+            "write-package",
+            str(synth_dir.llama),
+            "--out-dir",
+            str(pkg),
+            "--model-id",
+            "acme/tiny-GGUF:Q8_0",
+            "--source-revision",
+            "r",
+            "--source-file",
+            synth_dir.llama.name,
+        ]
+    )
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error [") and "Traceback" not in err
+    assert not (pkg / MANIFEST_NAME).exists()
 
 
 def test_projector_is_copied_and_never_counted_as_layer_tensors(synth_dir, tmp_path):
@@ -214,11 +233,17 @@ def test_projector_is_copied_and_never_counted_as_layer_tensors(synth_dir, tmp_p
 
 
 def test_projector_must_be_a_gguf(synth_dir, tmp_path):
+    pkg = tmp_path / "pkg"
+    make_package(synth_dir.llama, pkg)
+    before = (pkg / MANIFEST_NAME).read_bytes()
     bogus = tmp_path / "mmproj.gguf"
     bogus.write_bytes(b"not a gguf at all, just text" * 4)
-    with pytest.raises(Exception) as exc:
-        make_package(synth_dir.llama, tmp_path / "pkg", projectors=(bogus,))
-    assert getattr(exc.value, "code", None) == "gguf_bad_magic"
+    with pytest.raises(GGUFFormatError) as exc:
+        make_package(synth_dir.llama, pkg, projectors=(bogus,), overwrite=True)
+    assert exc.value.code == "gguf_bad_magic"
+    # Refused before anything in the folder changed: the previous package is still whole.
+    assert (pkg / MANIFEST_NAME).read_bytes() == before
+    assert validate_package(synth_dir.llama, pkg).valid
 
 
 def test_block_count_disagreeing_with_tensors_is_refused(tmp_path):
