@@ -23,7 +23,7 @@ from skippy.findings import Finding
 
 PROG = "skippy-model-package"
 # errno names that mean "this input cannot be read" (others, e.g. ENOSPC, are I/O failures).
-_READ_ERRNOS = frozenset({"ENOENT", "EACCES", "EISDIR", "ENOTDIR", "ELOOP", "EPERM"})
+_READ_ERRNOS = frozenset({"ENOENT", "EACCES", "ENOTDIR", "ELOOP", "EPERM"})
 
 
 @dataclass

@@ -34,6 +34,8 @@ METADATA_PATH: Final = "shared/metadata.gguf"
 EMBEDDINGS_PATH: Final = "shared/embeddings.gguf"
 OUTPUT_PATH: Final = "shared/output.gguf"
 LAYER_INDEX_DIGITS: Final = 5
+# The only folders whose files a rewrite may delete (never the manifest or README at the root).
+ARTIFACT_DIRS: Final = (SHARED_DIR, LAYERS_DIR, PROJECTORS_DIR)
 
 
 def layer_path(index: int) -> str:

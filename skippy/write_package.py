@@ -36,12 +36,12 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final
+from typing import Any
 
 from skippy.atomic import PARTIAL_SUFFIX, atomic_install, atomic_write_bytes, fsync_path
 from skippy.constants import (
+    ARTIFACT_DIRS,
     DEFAULT_PROJECTOR_KIND,
-    LAYERS_DIR,
     MANIFEST_NAME,
     MODEL_COORDINATE_RE,
     PROJECTORS_DIR,
@@ -51,7 +51,6 @@ from skippy.constants import (
     ROLE_METADATA,
     ROLE_OUTPUT,
     RUNTIME_ABI_VERSION,
-    SHARED_DIR,
     SPLIT_SHARD_RE,
 )
 from skippy.errors import (
@@ -83,12 +82,6 @@ from skippy.package_readme import render_readme
 from skippy.paths import check_relative_path, is_safe_relative_path, resolve_under
 from skippy.progress import Progress
 from skippy.source import SourceModelFiles, shard_paths
-
-# A hidden file in --out-dir that one write at a time holds an exclusive flock on. It only
-# saves work (two runs would delete each other's partials); the renames make writes correct.
-WRITE_LOCK_NAME: Final = ".skippy-write.lock"
-# The only folders whose files a rewrite may delete (never the manifest or README at the root).
-ARTIFACT_DIRS: Final = (SHARED_DIR, LAYERS_DIR, PROJECTORS_DIR)
 
 
 @dataclass(frozen=True)
@@ -236,13 +229,14 @@ def _layer_count(src: SourceModelFiles) -> int:
 
 @contextlib.contextmanager
 def _write_lock(out_dir: Path) -> Iterator[None]:
-    """Hold an exclusive, non-blocking flock on ``out_dir/WRITE_LOCK_NAME`` for the block.
+    """Hold an exclusive, non-blocking flock on the ``out_dir`` folder itself for the block.
 
-    The file is left in place (unlinking a lock file races with the next writer); closing
-    the descriptor releases the lock, also when the process dies.
+    Locking the directory leaves no lock file behind in a folder that will be published;
+    closing the descriptor releases the lock, also when the process dies. The lock only saves
+    work (two runs would delete each other's partials); the renames make writes correct.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(out_dir / WRITE_LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    fd = os.open(out_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -4,9 +4,11 @@ package, and lets one run at a time write into a folder."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import gguf
@@ -22,7 +24,6 @@ from skippy.manifest import parse_manifest
 from skippy.source import SourceModelFiles
 from skippy.validate import validate_package
 from skippy.write_package import (
-    WRITE_LOCK_NAME,
     Provenance,
     WriteOptions,
     local_provenance,
@@ -225,13 +226,23 @@ def test_durable_write_is_a_valid_package(synth_dir, tmp_path):
 
 
 # --- finding 6: one writer per folder ----------------------------------------------------------
+@contextlib.contextmanager
+def _another_run_holds(folder: Path) -> Iterator[None]:
+    """What a concurrent write-package holds: an exclusive flock on the folder itself."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        yield
+    finally:
+        os.close(fd)
+
+
 def test_a_second_write_into_a_busy_folder_is_refused_and_touches_nothing(synth_dir, tmp_path):
     pkg = tmp_path / "pkg"
     before = _previous_package(synth_dir, pkg)
     theirs = pkg / "layers" / f".{Path(layer_path(0)).name}.0123456789ab.partial"
     theirs.write_bytes(b"the other run's half-written fragment")
-    with open(pkg / WRITE_LOCK_NAME, "a+b") as other_run:
-        fcntl.flock(other_run.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    with _another_run_holds(pkg):
         with pytest.raises(OutputExists) as exc:
             make_package(synth_dir.llama, pkg, overwrite=True)
         assert exc.value.code == "package_busy" and exc.value.exit_code == 2
@@ -256,8 +267,7 @@ def test_cli_busy_folder_exit_code(synth_dir, tmp_path, capsys):
         "--source-file",
         synth_dir.llama.name,
     ]
-    with open(pkg / WRITE_LOCK_NAME, "a+b") as other_run:
-        fcntl.flock(other_run.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    with _another_run_holds(pkg):
         assert main(argv) == 2
         assert "package_busy" in capsys.readouterr().err
     assert main(argv) == 0

@@ -46,6 +46,11 @@ def register(sub: Any) -> None:
     p.add_argument("--projector", type=Path, action="append", default=[], metavar="FILE")
     p.add_argument("--overwrite", action="store_true", help="replace an existing package")
     p.add_argument(
+        "--durable",
+        action="store_true",
+        help="fsync every fragment before the manifest (survives power loss; ~30%% slower)",
+    )
+    p.add_argument(
         "--validate",
         action="store_true",
         help="run validate-package afterwards and record the result in README.md",
@@ -115,6 +120,7 @@ def cmd_write_package(args: argparse.Namespace) -> CommandResult:
         provenance=prov,
         projectors=tuple(args.projector),
         overwrite=args.overwrite,
+        durable=args.durable,
         quiet=args.json,
     )
     result = write_package(source, opts)
