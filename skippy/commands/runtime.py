@@ -124,7 +124,9 @@ def cmd_run(args: argparse.Namespace) -> CommandResult:
         if rate
         else f"[{len(gen.tokens)} tokens, stop: {gen.stop_reason}]"
     )
-    warnings = list(plan.notes)
+    # Notes matter when an operator asked for something (e.g. a deprecated name); the plain
+    # "no speculation default" of an ordinary package stays in the JSON plan only.
+    warnings = list(plan.notes) if plan.requested_source != "default" else []
     if not verify:
         warnings.append(
             f"SHA-256 of the selected parts was not verified ({ENV_VERIFY_PACKAGE_SHA} is off)"
