@@ -76,6 +76,7 @@ from skippy.manifest import (
     SourceModel,
     dump_manifest,
     parse_manifest,
+    read_manifest_bytes,
 )
 from skippy.ownership import has_tied_embeddings, highest_layer_index
 from skippy.package_readme import render_readme
@@ -268,8 +269,8 @@ def _prepare_out_dir(out_dir: Path, overwrite: bool, *, durable: bool) -> Manife
     dirs = [resolve_under(out_dir, sub) for sub in ARTIFACT_DIRS]
     old: Manifest | None = None
     if manifest_path.exists():
-        with contextlib.suppress(OSError, ManifestError):
-            old = parse_manifest(manifest_path.read_bytes())
+        with contextlib.suppress(OSError, ManifestError, UnsafePath):
+            old = parse_manifest(read_manifest_bytes(out_dir))
         manifest_path.unlink()
         if durable:  # after a power loss the old manifest must not return over new files
             fsync_path(out_dir)
