@@ -33,9 +33,9 @@ from skippy.write_package import WriteOptions, local_provenance, write_package  
 Row = tuple[str, str, str, str]
 
 
-def median_time(
+def times_of(
     fn: Callable[[], object], runs: int, setup: Callable[[], object] | None = None
-) -> float:
+) -> list[float]:
     times = []
     for _ in range(runs):
         if setup is not None:
@@ -43,7 +43,13 @@ def median_time(
         t = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return times
+
+
+def median_time(
+    fn: Callable[[], object], runs: int, setup: Callable[[], object] | None = None
+) -> float:
+    return statistics.median(times_of(fn, runs, setup))
 
 
 def hash_file(path: Path) -> None:
@@ -80,7 +86,10 @@ def bench_write_validate(label: str, source: Path, work: Path, runs: int) -> lis
 
     hash_file(source)  # warm the page cache
     t_hash = median_time(lambda: hash_file(source), runs)
-    t_write = median_time(lambda: write_package(source, opts), runs, setup=clean)
+    # Fresh page-cache writes of GiBs sometimes meet the kernel's dirty-page writeback: runs
+    # are then bimodal, so the fastest run is shown beside the median.
+    write_times = times_of(lambda: write_package(source, opts), runs, setup=clean)
+    t_write, t_write_min = statistics.median(write_times), min(write_times)
     package_files = [p for p in pkg.rglob("*.gguf")]
 
     def serial_hash() -> None:
@@ -124,9 +133,9 @@ def bench_write_validate(label: str, source: Path, work: Path, runs: int) -> lis
         ),
         (
             label,
-            "write-package",
-            f"{t_write:.3f} s",
-            f"ratio {t_write / t_hash:.2f} (target <= 1.0)",
+            "write-package (median; fastest run)",
+            f"{t_write:.3f} s; {t_write_min:.3f} s",
+            f"ratio {t_write / t_hash:.2f}; {t_write_min / t_hash:.2f} (target <= 1.0)",
         ),
         (label, "write-package peak RSS", f"{rss:.0f} MiB", "target <= 200 MiB"),
         (label, "serial sha256 of source + package", f"{t_serial:.3f} s", ""),
