@@ -4,6 +4,6 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from skippy.commands import consumer, producer, runtime
+from skippy.commands import consumer, policy, producer, runtime
 
-COMMAND_MODULES: tuple[ModuleType, ...] = (producer, consumer, runtime)
+COMMAND_MODULES: tuple[ModuleType, ...] = (producer, consumer, runtime, policy)

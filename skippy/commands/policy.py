@@ -1,0 +1,98 @@
+"""``policy``: which execution path the phase resolver picks for one request, and why.
+
+Spec "Policy Resolution": the decision record (profile, phase, backend, request shape,
+estimated dense-mask bytes, the threshold that applied, the selected path, the package path
+that was overridden or rejected, the fallback reason) is printed, or emitted as ``--json``.
+Metadata-only: it reads the manifest, never an artifact.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from skippy.cli import CommandResult, add_json_flag
+from skippy.config import read_environment
+from skippy.errors import UsageError
+
+PHASE_CHOICES = ("decode", "short_prefill", "long_prefill", "verify", "prefill")
+# What this project's own runtime executes: llama.cpp on the CPU runs dense attention only.
+DEFAULT_BACKEND = "cpu"
+DEFAULT_PATHS = "dense"
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("policy", help="explain the execution path chosen for a request phase")
+    p.add_argument("ref", metavar="REF", help="a package directory, or hf://namespace/repo[@rev]")
+    p.add_argument("--phase", required=True, choices=PHASE_CHOICES)
+    p.add_argument("--n-tokens", type=int, required=True, help="tokens in this step")
+    p.add_argument("--n-kv", type=int, required=True, help="visible KV rows")
+    p.add_argument("--top-k", type=int, help="IndexShare top-k, when the model has one")
+    p.add_argument("--backend", default=DEFAULT_BACKEND, help="backend name for the record")
+    p.add_argument(
+        "--paths",
+        default=DEFAULT_PATHS,
+        help="comma-separated paths the backend executes (e.g. dense,compact-flash)",
+    )
+    p.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        metavar="PHASE=PATH",
+        help="an explicit experiment override (repeatable)",
+    )
+    add_json_flag(p)
+    p.set_defaults(handler=cmd_policy)
+
+
+def _override(items: list[str]) -> Any:
+    from skippy.generation import PhaseOverride
+
+    if not items:
+        return None
+    paths: dict[str, str] = {}
+    for item in items:
+        phase, sep, path = item.partition("=")
+        if not sep or phase not in PHASE_CHOICES[:4]:
+            raise UsageError(
+                f"--override {item!r} is not PHASE=PATH with PHASE one of "
+                f"{', '.join(PHASE_CHOICES[:4])}",
+                code="bad_usage",
+            )
+        paths[phase] = path
+    return PhaseOverride(source="cli", **paths)
+
+
+def cmd_policy(args: argparse.Namespace) -> CommandResult:
+    from skippy.generation import (
+        BackendCapabilities,
+        RequestShape,
+        RuntimeDefaults,
+        parse_generation,
+        resolve_phase,
+    )
+    from skippy.resolve import open_ref
+
+    pkg = open_ref(args.ref, read_environment())
+    spec = parse_generation(pkg.manifest.generation, layer_count=pkg.manifest.layer_count)
+    paths = frozenset(p.strip() for p in args.paths.split(",") if p.strip())
+    decision = resolve_phase(
+        args.phase,
+        RequestShape(args.n_tokens, args.n_kv, args.top_k),
+        capabilities=BackendCapabilities(args.backend, paths),
+        runtime_default=RuntimeDefaults(arch=pkg.manifest.model_id),
+        policy=spec.policy,
+        thresholds=spec.thresholds,
+        override=_override(args.override),
+    )
+    d = decision.to_dict()
+    lines = [
+        f"{pkg.manifest.model_id}: {d['phase']} on {d['backend']} -> {d['selected_path']} "
+        f"(from {d['selected_source']})",
+        f"  profile: {d['profile'] or 'none declared'}; package path: {d['package_path']} "
+        f"({d['package_path_status']})",
+        f"  n_tokens {d['n_tokens']}, n_kv {d['n_kv']}, dense mask {d['dense_mask_bytes']} bytes",
+    ]
+    if d.get("fallback_reason"):
+        lines.append(f"  fallback: {d['fallback_reason']}")
+    return CommandResult(data=d, text="\n".join(lines))

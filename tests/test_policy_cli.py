@@ -1,0 +1,139 @@
+"""`policy`: the phase resolver's decision record through the CLI (issue #4 section 3)."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+from pkgtools import edit_manifest, make_package
+
+from skippy.cli import main
+
+GLM_DSA_V1 = {  # the spec's "Execution Policy" example, verbatim
+    "policy": {
+        "profile": "glm-dsa-v1",
+        "decode": "compact-flash",
+        "short_prefill": "dense",
+        "long_prefill": "sparse-chunked",
+        "verify": "auto",
+        "indexshare": "required",
+    },
+    "thresholds": {
+        "short_prefill_max_tokens": 2048,
+        "compact_flash_min_kv": 1,
+        "dense_mask_max_bytes": 268435456,
+    },
+}
+ALL = "dense,direct-sparse,compact-flash,sparse-chunked"
+
+
+@pytest.fixture
+def pkg(synth_dir, tmp_path):
+    out = tmp_path / "pkg"
+    make_package(synth_dir.llama, out)
+    edit_manifest(out, lambda d: d.update(generation=GLM_DSA_V1))
+    return out
+
+
+def decide(capsys, *args: str) -> dict:
+    assert main(["policy", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_package_path_is_used_when_the_backend_runs_it(pkg, capsys, caplog):
+    with caplog.at_level(logging.INFO, logger="skippy.generation"):
+        d = decide(
+            capsys,
+            str(pkg),
+            "--phase",
+            "decode",
+            "--n-tokens",
+            "1",
+            "--n-kv",
+            "4096",
+            "--paths",
+            ALL,
+        )
+    assert (d["selected_path"], d["selected_source"]) == ("compact-flash", "package")
+    assert d["package_recommendation_used"] is True
+    assert not caplog.records  # the line is logged only when the package path is not used
+
+
+def test_prefill_is_classified_by_the_package_threshold(pkg, capsys):
+    short = decide(
+        capsys,
+        str(pkg),
+        "--phase",
+        "prefill",
+        "--n-tokens",
+        "2048",
+        "--n-kv",
+        "2048",
+        "--paths",
+        ALL,
+    )
+    long = decide(
+        capsys,
+        str(pkg),
+        "--phase",
+        "prefill",
+        "--n-tokens",
+        "2049",
+        "--n-kv",
+        "131072",
+        "--paths",
+        ALL,
+    )
+    assert (short["phase"], short["selected_path"]) == ("short_prefill", "dense")
+    assert (long["phase"], long["selected_path"]) == ("long_prefill", "sparse-chunked")
+    assert long["dense_mask_bytes"] == 2049 * 131072 * 4
+
+
+def test_unsupported_package_path_falls_back_and_logs_why(pkg, capsys, caplog):
+    with caplog.at_level(logging.INFO, logger="skippy.generation"):
+        d = decide(capsys, str(pkg), "--phase", "decode", "--n-tokens", "1", "--n-kv", "4096")
+    assert d["selected_path"] == "dense"  # the default backend runs dense only
+    assert d["package_path"] == "compact-flash" and d["package_path_status"] == "rejected"
+    assert d["fallback_reason"]
+    assert len(caplog.records) == 1
+    assert "compact-flash" in caplog.records[0].getMessage()
+
+
+def test_override_wins_and_is_recorded(pkg, capsys):
+    d = decide(
+        capsys,
+        str(pkg),
+        "--phase",
+        "decode",
+        "--n-tokens",
+        "1",
+        "--n-kv",
+        "4096",
+        "--paths",
+        ALL,
+        "--override",
+        "decode=direct-sparse",
+    )
+    assert (d["selected_path"], d["selected_source"]) == ("direct-sparse", "override")
+    assert d["package_path_status"] == "overridden"
+
+
+def test_bad_override_is_a_usage_error(pkg, capsys):
+    rc = main(
+        [
+            "policy",
+            str(pkg),
+            "--phase",
+            "decode",
+            "--n-tokens",
+            "1",
+            "--n-kv",
+            "1",
+            "--override",
+            "nonsense",
+            "--json",
+        ]
+    )
+    assert rc == 2
+    assert json.loads(capsys.readouterr().out)["error"]["code"] == "bad_usage"
