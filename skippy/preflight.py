@@ -174,12 +174,13 @@ def prepare_stage(
     projector_path: str | None = None,
     verify: bool,
     cache: VerifyCache | None,
+    text_only: bool = False,
 ) -> PreparedStage:
     """Spec "Consumer Validation" for one stage: select its parts (spec "Layer Selection"),
     check that they and every declared projector are safe, present, regular files of the
     declared size, and verify SHA-256 when ``verify`` (always for ``hf://``; behind
     ``SKIPPY_VERIFY_PACKAGE_SHA`` for local directories). Raise on any problem."""
-    sel = select_stage(pkg.manifest, layers, projector_path=projector_path)
+    sel = select_stage(pkg.manifest, layers, projector_path=projector_path, text_only=text_only)
     # A local directory also checks every declared projector (spec "Consumer Validation"); a
     # hub stage holds only its selection and must not fetch more (issue #3: a stage never
     # reads or downloads an artifact outside its selection).

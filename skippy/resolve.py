@@ -129,14 +129,17 @@ def resolve_stage(
     *,
     layers_text: str | None = None,
     projector_path: str | None = None,
+    text_only: bool = False,
 ) -> ResolvedStage:
     """REF + layer range -> a validated stage whose selected files are local and verified
     (hf:// always; local directories unless SKIPPY_VERIFY_PACKAGE_SHA turns it off)."""
     ref = parse_package_ref(ref_text)
     pkg = open_package(ref, env)
     n = pkg.manifest.layer_count
-    layers = parse_layer_range(layers_text, n) if layers_text else LayerRange(0, n, n)
-    selection = select_stage(pkg.manifest, layers, projector_path=projector_path)
+    layers = parse_layer_range(layers_text, n) if layers_text is not None else LayerRange(0, n, n)
+    selection = select_stage(
+        pkg.manifest, layers, projector_path=projector_path, text_only=text_only
+    )
     fetched = fetch_selection(pkg, ref, selection, env)
     if isinstance(ref, HfPackageRef):
         _check_remote_projectors(pkg, ref, selection, env)
@@ -148,6 +151,7 @@ def resolve_stage(
             projector_path=projector_path,
             verify=verify,
             cache=VerifyCache.under(env.skippy_cache_dir) if verify else None,
+            text_only=text_only,
         )
     except (IntegrityError, PackageInvalid) as exc:
         bad = _corrupt_paths(exc)

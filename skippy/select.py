@@ -65,8 +65,14 @@ def _part_dict(r: ArtifactRef) -> dict[str, Any]:
 
 
 def select_stage(
-    m: Manifest, layers: LayerRange, *, projector_path: str | None = None
+    m: Manifest,
+    layers: LayerRange,
+    *,
+    projector_path: str | None = None,
+    text_only: bool = False,
 ) -> StageSelection:
+    """``text_only``: a runtime that cannot load projectors selects none (spec
+    "Compatibility": such runtimes may still serve text stages)."""
     if layers.layer_count != m.layer_count:
         raise UsageError(
             f"layer range {layers} was built for {layers.layer_count} layers, the package has "
@@ -91,7 +97,8 @@ def select_stage(
         parts.append(by_index[i])
     if layers.owns_output:
         parts.append(ArtifactRef(ROLE_OUTPUT, m.shared.output))
-    return StageSelection(m, layers, tuple(parts), _select_projector(m, layers, projector_path))
+    projector = None if text_only else _select_projector(m, layers, projector_path)
+    return StageSelection(m, layers, tuple(parts), projector)
 
 
 def _select_projector(
