@@ -20,6 +20,8 @@ from skippy.generation import SpeculativeOverrides, load_speculative_overrides
 ENV_ARTIFACT_TRANSFER = "MESH_LLM_ARTIFACT_TRANSFER"
 ENV_HF_ENDPOINT = "HF_ENDPOINT"
 ENV_HF_OFFLINE = "HF_HUB_OFFLINE"
+ENV_TRANSFORMERS_OFFLINE = "TRANSFORMERS_OFFLINE"  # huggingface_hub honours it too
+ENV_HF_CACHE_LEGACY = "HUGGINGFACE_HUB_CACHE"
 ENV_HF_CACHE = "HF_HUB_CACHE"
 ENV_HF_HOME = "HF_HOME"
 ENV_XDG_CACHE = "XDG_CACHE_HOME"
@@ -58,12 +60,15 @@ def read_environment(environ: Mapping[str, str] | None = None) -> Environment:
         )
     xdg = env.get(ENV_XDG_CACHE) or str(Path(env.get("HOME", str(Path.home()))) / ".cache")
     hf_home = env.get(ENV_HF_HOME) or str(Path(xdg) / "huggingface")
-    hf_cache = env.get(ENV_HF_CACHE) or str(Path(hf_home) / "hub")
+    hf_cache = env.get(ENV_HF_CACHE) or env.get(ENV_HF_CACHE_LEGACY) or str(Path(hf_home) / "hub")
     return Environment(
         verify_local_sha256=env.get(ENV_VERIFY_PACKAGE_SHA, "").strip().lower() not in _FALSE_WORDS,
         artifact_transfer=transfer,
         hf_endpoint=env.get(ENV_HF_ENDPOINT) or None,
-        hf_offline=env.get(ENV_HF_OFFLINE, "").strip().lower() in _TRUE_WORDS,
+        hf_offline=any(
+            env.get(name, "").strip().lower() in _TRUE_WORDS
+            for name in (ENV_HF_OFFLINE, ENV_TRANSFORMERS_OFFLINE)
+        ),
         hf_cache_dir=Path(hf_cache).expanduser(),
         skippy_cache_dir=Path(xdg) / "skippy",
     )

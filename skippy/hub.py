@@ -60,10 +60,20 @@ class HubError(SkippyError):
     exit_code = EXIT_USAGE
 
 
+class HubRefNotFound(ArtifactMissing):
+    """The reference names a repository or revision the hub does not have: a bad reference
+    (exit 2), unlike a file the manifest names but the repo lacks (an invalid package, 1)."""
+
+    code = "hub_repo_not_found"
+    exit_code = EXIT_USAGE
+
+
 class OfflineCacheMiss(ArtifactMissing):
-    """Offline mode and the cache lacks what was asked for; ``missing`` lists every path."""
+    """Offline mode and the cache lacks what was asked for; ``missing`` lists every path.
+    Unreadable input (exit 2): nothing says the package is wrong."""
 
     code = "not_in_offline_cache"
+    exit_code = EXIT_USAGE
 
     def __init__(self, message: str, missing: Iterable[str], **kwargs: Any) -> None:
         self.missing = tuple(missing)
@@ -275,14 +285,14 @@ def _raise_hub_error(ref: HfPackageRef, exc: BaseException, relpath: str | None)
             path=relpath,
         ) from None
     if isinstance(exc, RevisionNotFoundError):
-        raise ArtifactMissing(
+        raise HubRefNotFound(
             f"{ref}: the revision does not exist in {ref.repo_id}.",
             code="hub_revision_not_found",
             actual=ref.revision,
             remediation="Check the branch, tag or commit in the package ref.",
         ) from None
     if isinstance(exc, RepositoryNotFoundError):
-        raise ArtifactMissing(
+        raise HubRefNotFound(
             f"{ref}: repository {ref.repo_id} not found (or private/gated without access).",
             code="hub_repo_not_found",
             actual=ref.repo_id,

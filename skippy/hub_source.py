@@ -40,11 +40,12 @@ def _stem_and_shard(path: str) -> tuple[str, int | None, int | None]:
 
 
 def _names_distribution(path: str, dist: str) -> bool:
-    """The stem ends with the distribution after a ``-``/``.``/``_`` separator, or the file
-    sits in a folder named after it (``UD-Q4_K_XL/model-00001-of-00003.gguf``)."""
+    """The stem ends with the distribution after a ``-`` or ``.`` (never ``_``: quant names
+    contain it, so ``K_M`` must not match ``Q4_K_M``), or the file sits in a folder named
+    after it (``UD-Q4_K_XL/model-00001-of-00003.gguf``)."""
     stem, _, _ = _stem_and_shard(path)
     d, s = dist.lower(), stem.lower()
-    if s == d or any(s.endswith(sep + d) for sep in "-._"):
+    if s == d or any(s.endswith(sep + d) for sep in "-."):
         return True
     return any(part.lower() == d for part in PurePosixPath(path).parts[:-1])
 

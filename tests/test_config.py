@@ -73,3 +73,14 @@ def test_hub_cache_follows_huggingface_precedence():
     assert read_environment({"HF_HOME": "/h", "XDG_CACHE_HOME": "/x"}).hf_cache_dir == Path(
         "/h/hub"
     )
+
+
+@pytest.mark.parametrize("name", ["HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"])
+def test_offline_follows_huggingface_hub(name):
+    assert read_environment({name: "1"}).hf_offline
+    assert not read_environment({name: "0"}).hf_offline
+
+
+def test_legacy_hub_cache_variable():
+    env = read_environment({"HUGGINGFACE_HUB_CACHE": "/legacy", "HF_HOME": "/h"})
+    assert env.hf_cache_dir == Path("/legacy")

@@ -61,6 +61,8 @@ def test_choose_distribution_files(files, dist, chosen):
         ),
         (["m-Q8_0.gguf", "m-Q8_0-00001-of-00001.gguf"], "Q8_0", "missing_split_shard"),
         (["xQ8_0.gguf"], "Q8_0", "distribution_not_found"),  # needs a separator
+        (["m-Q4_K_M.gguf", "m-Q8_0.gguf"], "K_M", "distribution_not_found"),  # "_" is no separator
+        (["m-Q4_K_M.gguf", "m-Q8_0.gguf"], "0", "distribution_not_found"),
     ],
 )
 def test_choose_distribution_files_errors(files, dist, code):

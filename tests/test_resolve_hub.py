@@ -209,3 +209,23 @@ def test_downstream_stage_checks_declared_projectors_without_downloading(
             resolve_stage("hf://acme/mm-bad", read_environment(), layers_text="2..4")
         assert exc.value.code == "artifact_size_mismatch"
         assert h.stats("acme/mm-bad", proj).get_requests == 0
+
+
+@pytest.mark.parametrize(
+    ("ref", "code"),
+    [
+        ("hf://acme/absent-layers", "hub_repo_not_found"),
+        (f"hf://{REPO}@nope", "hub_revision_not_found"),
+    ],
+)
+def test_bad_references_are_usage_errors(hub, capsys, ref, code):
+    """A reference the hub does not know is bad input (exit 2), not an invalid package."""
+    assert main(["select", ref, "--layers", "0..1", "--json"]) == 2
+    assert json.loads(capsys.readouterr().out)["error"]["code"] == code
+
+
+def test_offline_cache_miss_is_exit_2(hub, monkeypatch, capsys):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    commit = hub.commit_of(REPO, "main")
+    assert main(["select", f"hf://{REPO}@{commit}", "--layers", "0..1", "--json"]) == 2
+    assert json.loads(capsys.readouterr().out)["error"]["code"] == "not_in_offline_cache"
