@@ -101,9 +101,14 @@ class ArtifactMissing(SkippyError, FileNotFoundError):
 
 
 class IntegrityError(SkippyError):
-    """Bytes on disk or on the wire differ from what the manifest declares."""
+    """Bytes on disk or on the wire differ from what the manifest declares. ``paths`` names
+    every corrupt file found (``path`` is the first), so a caller can evict them all."""
 
     code = "artifact_sha256_mismatch"
+
+    def __init__(self, message: str, *, paths: tuple[str, ...] = (), **kwargs: Any) -> None:
+        super().__init__(message, **kwargs)
+        self.paths = paths or ((self.path,) if self.path else ())
 
 
 class PackageInvalid(SkippyError):

@@ -169,7 +169,7 @@ _CORRUPT_CODES = frozenset({"artifact_sha256_mismatch", "artifact_size_mismatch"
 def _corrupt_paths(exc: IntegrityError | PackageInvalid) -> list[str]:
     """Artifacts whose bytes are wrong (not missing, not unsafe): those may be evicted."""
     if isinstance(exc, IntegrityError):
-        return [exc.path] if exc.path and exc.code in _CORRUPT_CODES else []
+        return list(exc.paths) if exc.code in _CORRUPT_CODES else []
     return [f.path for f in exc.findings if f.code in _CORRUPT_CODES and f.path]
 
 

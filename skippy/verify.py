@@ -185,6 +185,7 @@ class VerifyReport:
             f"{first.expected_sha256}{more}: the file is corrupt or was replaced",
             code="artifact_sha256_mismatch",
             path=first.path,
+            paths=tuple(c.path for c in bad),
             expected=first.expected_sha256,
             actual=first.actual_sha256,
             remediation="delete the file and fetch the package again; never load it as is",

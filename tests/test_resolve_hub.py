@@ -229,3 +229,19 @@ def test_offline_cache_miss_is_exit_2(hub, monkeypatch, capsys):
     commit = hub.commit_of(REPO, "main")
     assert main(["select", f"hf://{REPO}@{commit}", "--layers", "0..1", "--json"]) == 2
     assert json.loads(capsys.readouterr().out)["error"]["code"] == "not_in_offline_cache"
+
+
+def test_every_corrupt_blob_is_evicted_at_once(hub):
+    env = read_environment()
+    first = resolve_stage(f"hf://{REPO}", env, layers_text="0..3")
+    victims = [layer_path(0), layer_path(2)]
+    for rel in victims:
+        blob = first.files()[rel].resolve()
+        data = bytearray(blob.read_bytes())
+        data[-1] ^= 0x01
+        blob.write_bytes(bytes(data))
+    with pytest.raises(IntegrityError) as exc:
+        resolve_stage(f"hf://{REPO}", env, layers_text="0..3")
+    assert sorted(exc.value.paths) == victims
+    again = resolve_stage(f"hf://{REPO}", env, layers_text="0..3")  # one retry repairs both
+    assert {f.path for f in again.fetch.files if f.downloaded} == set(victims)
