@@ -199,6 +199,12 @@ def download_file(
     snapshot path (a symlink into ``blobs/``)."""
     _check_commit(commit)
     check_relative_path(relpath)  # the one gate, before the name reaches the client
+    cached = repo_cache_root(cache_dir, ref.repo_id) / "snapshots" / commit / relpath
+    if not offline and not cached.exists():
+        # hf_hub_download retries a failing metadata HEAD for ~23 s (1+2+4+8+8 s, GOTCHAS);
+        # one HEAD of our own, without retries, makes an unreachable or failing hub an
+        # error in well under a second.
+        remote_size(ref, commit, relpath, endpoint=endpoint)
     try:
         local = hf_hub_download(
             ref.repo_id,

@@ -20,6 +20,7 @@ from skippy.cli import main
 from skippy.config import read_environment
 from skippy.constants import MANIFEST_NAME, layer_path
 from skippy.errors import ArtifactMissing, IntegrityError, PackageInvalid
+from skippy.hub import HubError
 from skippy.resolve import resolve_stage
 
 REPO = "acme/tiny-layers"
@@ -245,3 +246,29 @@ def test_every_corrupt_blob_is_evicted_at_once(hub):
     assert sorted(exc.value.paths) == victims
     again = resolve_stage(f"hf://{REPO}", env, layers_text="0..3")  # one retry repairs both
     assert {f.path for f in again.fetch.files if f.downloaded} == set(victims)
+
+
+def test_failing_head_is_one_request_not_a_retry_loop(hub):
+    """huggingface_hub retries a failing metadata HEAD for ~23 s; our probe asks once. The
+    server's request count shows which path ran (no wall-clock assertion)."""
+    hub.inject(REPO, layer_path(1), Fault.SERVER_ERROR, methods=["HEAD"])
+    with pytest.raises(HubError) as exc:
+        resolve_stage(f"hf://{REPO}", read_environment(), layers_text="1..2")
+    assert exc.value.code == "hub_http_error"
+    assert hub.stats(REPO, layer_path(1)).head_requests == 1
+
+
+def test_unused_projector_check_tolerates_a_failing_hub(synth_dir, tmp_path, monkeypatch, caplog):
+    pkg = tmp_path / "mm"
+    make_package(synth_dir.llama, pkg, projectors=(synth_dir.projector,))
+    proj = f"projectors/{synth_dir.projector.name}"
+    with running_hub({"acme/mm-layers": pkg}) as h:
+        monkeypatch.setenv("HF_ENDPOINT", h.url)
+        commit = h.commit_of("acme/mm-layers")
+        env = read_environment()
+        resolve_stage(f"hf://acme/mm-layers@{commit}", env, layers_text="2..4")
+        h.inject("acme/mm-layers", proj, Fault.SERVER_ERROR, methods=["HEAD"])
+        with caplog.at_level(logging.WARNING, logger="skippy.resolve"):
+            again = resolve_stage(f"hf://acme/mm-layers@{commit}", env, layers_text="2..4")
+    assert again.stage.verification is not None
+    assert any("not checked" in r.getMessage() for r in caplog.records)
