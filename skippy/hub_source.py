@@ -14,8 +14,10 @@ from pathlib import Path, PurePosixPath
 
 from skippy import hub
 from skippy.config import Environment
-from skippy.constants import MODEL_COORDINATE_RE, SPLIT_SHARD_RE
-from skippy.errors import UsageError
+from skippy.constants import MODEL_COORDINATE_RE, SHA256_HEX_RE, SPLIT_SHARD_RE
+from skippy.errors import IntegrityError, UsageError
+from skippy.hashing import sha256_files
+from skippy.paths import is_within
 from skippy.refs import HfPackageRef
 from skippy.write_package import Provenance
 
@@ -99,6 +101,31 @@ def choose_distribution_files(files: list[str], dist: str) -> list[str]:
     return shards
 
 
+def _verify_lfs_digests(local: dict[str, Path], repo_root: Path) -> None:
+    """huggingface_hub checks sizes only (GOTCHAS); an LFS blob is named by its SHA-256, so
+    each downloaded shard can be proven before it becomes a package's provenance. A corrupt
+    shard is evicted from the cache (the next attempt downloads it again) and refused."""
+    names = list(local)
+    blobs = [local[n].resolve() for n in names]
+    expected = [b.name.lower() if SHA256_HEX_RE.match(b.name) else None for b in blobs]
+    checked = [i for i, e in enumerate(expected) if e is not None]
+    digests = sha256_files([blobs[i] for i in checked])
+    bad = [names[i] for i, d in zip(checked, digests, strict=True) if d != expected[i]]
+    for name in bad:
+        blob = local[name].resolve()
+        local[name].unlink(missing_ok=True)
+        if is_within(blob, repo_root):
+            blob.unlink(missing_ok=True)
+    if bad:
+        raise IntegrityError(
+            f"downloaded {', '.join(bad)} does not match the hub's SHA-256 for it: the download "
+            "is corrupt",
+            path=bad[0],
+            paths=tuple(bad),
+            remediation="the corrupt copy was removed from the hub cache; run the command again",
+        )
+
+
 @dataclass(frozen=True)
 class HubModelSource:
     first_shard: Path  # local path in the hub cache; siblings sit next to it
@@ -123,6 +150,7 @@ def fetch_model_source(coordinate: str, revision: str | None, env: Environment) 
     local = hub.download_many(
         ref, commit, files, endpoint=endpoint, cache_dir=cache_dir, offline=offline
     )
+    _verify_lfs_digests(local, hub.repo_cache_root(cache_dir, repo_id))
     return HubModelSource(
         first_shard=local[files[0]],
         provenance=Provenance(

@@ -129,3 +129,29 @@ def test_write_package_from_a_hub_coordinate(synth_dir, tmp_path, monkeypatch, c
     ]
     assert split_src["distribution_id"] == "SPLIT"
     assert split_src["canonical_ref"] == "acme/tiny-GGUF:SPLIT"
+
+
+def test_a_corrupt_source_download_never_becomes_provenance(
+    synth_dir, tmp_path, monkeypatch, capsys
+):
+    import hashlib
+
+    from hub_server import Fault
+
+    repo_dir = tmp_path / "repo"
+    repo_dir.mkdir()
+    shutil.copy(synth_dir.llama, repo_dir / "tiny-Q8_0.gguf")
+    true_sha = hashlib.sha256(synth_dir.llama.read_bytes()).hexdigest()
+    out = tmp_path / "pkg"
+    argv = ["write-package", "acme/tiny-GGUF:Q8_0", "--out-dir", str(out), "--json"]
+    with running_hub({"acme/tiny-GGUF": repo_dir}) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        hub.inject("acme/tiny-GGUF", "tiny-Q8_0.gguf", Fault.FLIP_BYTE)
+        assert main(argv) == 1
+        assert json.loads(capsys.readouterr().out)["error"]["code"] == "artifact_sha256_mismatch"
+        assert not (out / "model-package.json").exists()
+        hub.clear_faults()
+        assert main(argv) == 0  # the corrupt blob was evicted: this run downloads it again
+    assert (
+        json.loads((out / "model-package.json").read_text())["source_model"]["sha256"] == true_sha
+    )
