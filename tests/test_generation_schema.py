@@ -592,15 +592,6 @@ SPECULATIVE_ERRORS: list[tuple[str, Callable[[dict[str, Any]], None], str, str]]
         "invalid_draft_model",
         f"{SD}.strategies.draft.draft_model",
     ),
-    # an unknown strategy type is ignored unless it is the default
-    (
-        "unknown-default",
-        lambda sd: sd.update(
-            default="eagle", strategies={**sd["strategies"], "eagle": {"type": "eagle3"}}
-        ),
-        "unsupported_default_strategy_type",
-        f"{SD}.strategies.eagle.type",
-    ),
 ]
 
 
@@ -633,6 +624,16 @@ NOTES = [
         lambda sd: sd["strategies"].update(eagle={"type": "eagle3"}),
         "ignored_unknown_strategy_type",
         "info",
+        f"{SD}.strategies.eagle.type",
+    ),
+    # ... and when it is the default, the package is still usable (disabled, other strategies,
+    # policy): only a request served with that default fails, at plan time.
+    (
+        lambda sd: sd.update(
+            default="eagle", strategies={**sd["strategies"], "eagle": {"type": "eagle3"}}
+        ),
+        "unsupported_default_strategy_type",
+        "warning",
         f"{SD}.strategies.eagle.type",
     ),
     # "window_policy SHOULD be fixed to 1 until runtimes support wider native MTP heads"

@@ -198,6 +198,24 @@ def test_selecting_an_unrecognised_strategy_type_is_an_error() -> None:
     assert info.value.code == "unsupported_speculative_strategy_type"
 
 
+def test_an_unrecognised_default_is_refused_only_when_it_is_served() -> None:
+    """ "Consumers that do not recognize a strategy type MUST ignore it unless it is the
+    declared default for a request they are trying to serve": the package parses; auto (which
+    serves the default) is refused; disabled and the other declared strategies still work."""
+    body = json.loads(json.dumps(SPEC_PROPOSERS_EXAMPLE))
+    body["default"] = "eagle"
+    body["strategies"]["eagle"] = {"type": "eagle3"}
+    pkg = parse_generation({"speculative_decoding": body}, layer_count=LAYERS)
+    with pytest.raises(UsageError) as info:
+        plan(pkg)
+    assert info.value.code == "unsupported_speculative_strategy_type"
+    assert "eagle" in info.value.message
+    p = plan(pkg, cli=settings(strategy="disabled"))
+    assert (p.mode, p.package_default) == ("disabled", "eagle")
+    assert plan(pkg, cli=settings(strategy="mtp-cache")).mode == "composite"
+    assert plan(pkg, cli=settings(strategy="mtp")).mode == "native-mtp"
+
+
 def test_legacy_native_mtp_n1_is_normalized_to_mtp_with_a_deprecation_note() -> None:
     p = plan(config={"speculative": {"strategy": "native-mtp-n1"}})
     assert (p.mode, p.requested, p.requested_source) == ("native-mtp", "mtp", "global")
@@ -217,21 +235,36 @@ CONFIG = {
 
 
 @pytest.mark.parametrize(
-    ("cli", "model", "mode", "source"),
+    ("cli", "model", "mode", "source", "matched"),
     [
-        (settings(strategy="mtp"), "glm", "native-mtp", "cli"),
-        (None, "glm", "composite", "model:glm"),
-        (None, "other", "disabled", "global"),  # entry without speculative options
-        (None, "unknown", "disabled", "global"),
-        (None, None, "disabled", "global"),
-        (settings(max_window=1), "glm", "composite", "model:glm"),  # CLI without a strategy
+        (settings(strategy="mtp"), "glm", "native-mtp", "cli", True),
+        (None, "glm", "composite", "model:glm", True),
+        (None, "other", "disabled", "global", False),  # entry without speculative options
+        (None, "unknown", "disabled", "global", False),
+        (None, None, "disabled", "global", False),
+        (settings(max_window=1), "glm", "composite", "model:glm", True),  # CLI, no strategy
     ],
 )
 def test_precedence(
-    cli: SpeculativeSettings | None, model: str | None, mode: str, source: str
+    cli: SpeculativeSettings | None, model: str | None, mode: str, source: str, matched: bool
 ) -> None:
     p = plan(cli=cli, config=CONFIG, model=model)
     assert (p.mode, p.requested_source) == (mode, source)
+    # An entry that does not match falls through to the global layer, but never silently.
+    unmatched = [n for n in p.notes if "no model entry" in n]
+    assert bool(unmatched) is not matched
+
+
+def test_model_entries_that_match_nothing_are_noted() -> None:
+    """Entries are selected by the package's model_id; a name that is not it (a family name,
+    a typo, an old id) leaves the settings unused, and the plan says so."""
+    config = {"models": [{"name": "glm-5.2", "speculative": {"strategy": "disabled"}}]}
+    p = plan(config=config, model="acme/glm-5.2-GGUF:Q4_K_M")
+    assert (p.mode, p.requested_source) == ("composite", "default")  # the entry did not apply
+    (note,) = p.notes
+    assert "'glm-5.2'" in note and "'acme/glm-5.2-GGUF:Q4_K_M'" in note and "model_id" in note
+    assert plan(config=config, model="glm-5.2").notes == ()  # the same entry, matched
+    assert plan(config={"speculative": {"strategy": "auto"}}, model="x").notes == ()  # no entries
 
 
 def test_named_model_tables_are_accepted_too() -> None:

@@ -218,6 +218,7 @@ class PolicyDecision:
     thresholds_applied: tuple[AppliedThreshold, ...] = field(default=())
     rejections: tuple[Rejection, ...] = field(default=())
     fallback_reason: str | None = None
+    arch: str | None = None  # the architecture whose runtime default took part (step 3)
 
     @property
     def package_recommendation_used(self) -> bool:
@@ -241,6 +242,7 @@ class PolicyDecision:
     def to_dict(self) -> dict[str, Any]:
         return {
             "profile": self.profile,
+            "arch": self.arch,
             "requested_phase": self.requested_phase,
             "phase": self.phase,
             "backend": self.backend,
@@ -498,6 +500,7 @@ def resolve_phase(
         thresholds_applied=tuple(dict.fromkeys(applied)),  # same comparison once, in order
         rejections=tuple(rejections),
         fallback_reason=fallback_reason,
+        arch=runtime_default.arch,
     )
     if emit_log:
         log_decision(decision, logger)

@@ -678,12 +678,17 @@ class _Checker:
             self.add(v.C_MISSING_STRATEGY_TYPE, f"{path}.type must be a strategy type", path)
             return
         if stype not in v.STRATEGY_TYPES:
+            # "Consumers that do not recognize a strategy type MUST ignore it unless it is the
+            # declared default for a request they are trying to serve": the package stays
+            # usable (speculation disabled, other strategies, policy); only a plan that selects
+            # this strategy fails (resolve_speculative_plan: unsupported_speculative_strategy_type).
             if is_default:
                 self.add(
                     v.C_UNSUPPORTED_DEFAULT_STRATEGY_TYPE,
                     f"default strategy {sid!r} has type {stype!r}, which this runtime does not "
-                    "support",
+                    "support; serving it (auto) is refused, other strategies still apply",
                     f"{path}.{v.TYPE}",
+                    severity="warning",
                 )
             else:
                 self.add(

@@ -16,10 +16,12 @@ TOML shape read by ``load_speculative_overrides`` (the file itself is parsed els
     ngram_max = 3                 # optional bounds, see SpeculativeSettings
 
     [[models]]                    # per model entry, selected by name
-    name = "glm-5.2"
+    name = "acme/glm-5.2-GGUF:Q4_K_M"   # the package's model_id, exactly
     speculative = { strategy = "mtp-cache", extension_max_tokens = 4 }
 
-``[models.<name>.speculative]`` (models as a table keyed by name) is accepted too.
+``[models."<model_id>".speculative]`` (models as a table keyed by model_id) is accepted too.
+An entry is selected when its name equals the served package's ``model_id``; when the config
+has entries with speculative settings and none matches, the plan carries a note saying so.
 """
 
 from __future__ import annotations
@@ -125,7 +127,8 @@ def load_speculative_overrides(table: Mapping[str, Any]) -> SpeculativeOverrides
     """Read ``[speculative]`` and the models' ``speculative`` tables from a parsed config.
 
     ``table`` is the whole parsed TOML document; other keys are left to their owners. Models
-    are ``[[models]]`` entries identified by ``name`` or a ``[models.<name>]`` table; a model
+    are ``[[models]]`` entries identified by ``name`` or a ``[models.<name>]`` table, the name
+    being the package's ``model_id`` (e.g. ``google/gemma-3-270m-GGUF:Q4_K_M``); a model
     entry without a ``speculative`` table contributes nothing.
     """
     raw_global = table.get(v.CFG_SPECULATIVE)
@@ -378,10 +381,14 @@ def _plan_from_strategy(
     notes: list[str],
 ) -> SpeculativePlan:
     if not strategy.recognised:
+        what = "the package's default strategy" if strategy.id == package_default else "strategy"
         raise _error(
             v.C_UNSUPPORTED_STRATEGY_TYPE,
-            f"strategy {strategy.id!r} has type {strategy.type!r}, which this runtime cannot serve",
+            f"{what} {strategy.id!r} ({merged.strategy_source}: {requested}) has type "
+            f"{strategy.type!r}, which this runtime cannot serve",
             path=v.CFG_STRATEGY,
+            remediation="select disabled, mtp or another declared strategy with "
+            "--speculative-strategy or speculative.strategy",
         )
     b = _Bounds(merged)
     common: dict[str, Any] = {
@@ -501,6 +508,20 @@ def _disabled(
     )
 
 
+def _unmatched_model_entries(overrides: SpeculativeOverrides, model: str | None) -> list[str]:
+    """A note when the config has model entries with speculative settings and none is the
+    served model: a misspelt or outdated name must not be ignored silently."""
+    if not overrides.models or (model is not None and model in overrides.models):
+        return []
+    names = ", ".join(repr(n) for n in sorted(overrides.models))
+    served = f"the served model {model!r}" if model is not None else "an unnamed model"
+    return [
+        f"no model entry with speculative settings matches {served} (entries: {names}); an "
+        f"entry's {v.CFG_MODEL_NAME} must be the package's model_id, so those settings were "
+        "not applied"
+    ]
+
+
 def resolve_speculative_plan(
     *,
     package: GenerationSpec | None,
@@ -513,13 +534,16 @@ def resolve_speculative_plan(
     ``package`` is the selected layer package's parsed generation defaults
     (``parse_generation(manifest.generation, ...)``, an empty GenerationSpec when it has none),
     or None for a plain GGUF. ``overrides`` come from ``load_speculative_overrides``; ``model``
-    selects the model entry; ``cli`` carries ``--speculative-strategy`` (and any CLI bounds).
+    (the package's ``model_id``) selects the model entry, and a note says when the config has
+    entries with speculative settings but none is ``model``; ``cli`` carries
+    ``--speculative-strategy`` (and any CLI bounds).
     Raises ``SpeculativeConfigError`` (a UsageError) for an undeclared strategy, a forced
     ``mtp`` without a native MTP source, widened bounds, or invalid plain-GGUF N-gram bounds.
     """
-    merged = _merge(overrides or SpeculativeOverrides(), model, cli)
+    overrides = overrides or SpeculativeOverrides()
+    merged = _merge(overrides, model, cli)
     requested = merged.strategy
-    notes: list[str] = []
+    notes: list[str] = _unmatched_model_entries(overrides, model)
     if requested in v.LEGACY_STRATEGY_ALIASES:
         new = v.LEGACY_STRATEGY_ALIASES[requested]
         notes.append(
