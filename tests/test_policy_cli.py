@@ -6,9 +6,11 @@ import json
 import logging
 
 import pytest
+from hub_server import running_hub
 from pkgtools import edit_manifest, make_package
 
 from skippy.cli import main
+from skippy.constants import MANIFEST_NAME
 
 GLM_DSA_V1 = {  # the spec's "Execution Policy" example, verbatim
     "policy": {
@@ -137,3 +139,40 @@ def test_bad_override_is_a_usage_error(pkg, capsys):
     )
     assert rc == 2
     assert json.loads(capsys.readouterr().out)["error"]["code"] == "bad_usage"
+
+
+def test_runtime_default_is_for_the_package_architecture(pkg, capsys):
+    """The architecture is general.architecture from shared/metadata.gguf, not the model id."""
+    d = decide(capsys, str(pkg), "--phase", "decode", "--n-tokens", "1", "--n-kv", "8")
+    assert d["arch"] == "llama"
+    assert main(["policy", str(pkg), "--phase", "decode", "--n-tokens", "1", "--n-kv", "8"]) == 0
+    assert "runtime default for llama" in capsys.readouterr().out
+
+
+def test_hub_package_architecture_is_unknown_without_downloading(pkg, capsys, monkeypatch):
+    repo = "acme/policy-layers"
+    with running_hub({repo: pkg}) as h:
+        monkeypatch.setenv("HF_ENDPOINT", h.url)
+        d = decide(capsys, f"hf://{repo}", "--phase", "decode", "--n-tokens", "1", "--n-kv", "8")
+        assert h.stats(repo, "shared/metadata.gguf").get_requests == 0
+        assert h.downloaded_paths(repo) == {MANIFEST_NAME}
+        assert d["arch"] == "unknown"
+        # once the metadata is in the hub cache (a fetched stage), it is read from there
+        assert main(["fetch", f"hf://{repo}", "--layers", "0..1", "--json"]) == 0
+        capsys.readouterr()
+        pinned = f"hf://{repo}@{h.commit_of(repo)}"
+        d = decide(capsys, pinned, "--phase", "decode", "--n-tokens", "1", "--n-kv", "8")
+        assert d["arch"] == "llama"
+
+
+def test_an_unrecognised_default_strategy_does_not_stop_policy(pkg, capsys):
+    """Speculation is not this request: an unknown default strategy type is ignored here
+    (spec "Speculative Decoding": ignore it unless serving a request with that default)."""
+    edit_manifest(
+        pkg,
+        lambda d: d["generation"].update(
+            speculative_decoding={"default": "eagle", "strategies": {"eagle": {"type": "eagle3"}}}
+        ),
+    )
+    d = decide(capsys, str(pkg), "--phase", "decode", "--n-tokens", "1", "--n-kv", "4096")
+    assert d["profile"] == "glm-dsa-v1" and d["selected_path"] == "dense"

@@ -3,22 +3,29 @@
 Spec "Policy Resolution": the decision record (profile, phase, backend, request shape,
 estimated dense-mask bytes, the threshold that applied, the selected path, the package path
 that was overridden or rejected, the fallback reason) is printed, or emitted as ``--json``.
-Metadata-only: it reads the manifest, never an artifact.
+Metadata-only: it reads the manifest, and the architecture (``general.architecture``, which
+picks the runtime's built-in default) from ``shared/metadata.gguf`` when that file is already on
+local disk; it never downloads an artifact, so an unfetched hub package's architecture is
+``unknown``.
 """
 
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from skippy.cli import CommandResult, add_json_flag
 from skippy.config import read_environment
 from skippy.errors import UsageError
 
+if TYPE_CHECKING:
+    from skippy.preflight import LoadedPackage
+
 PHASE_CHOICES = ("decode", "short_prefill", "long_prefill", "verify", "prefill")
 # What this project's own runtime executes: llama.cpp on the CPU runs dense attention only.
 DEFAULT_BACKEND = "cpu"
 DEFAULT_PATHS = "dense"
+UNKNOWN_ARCH = "unknown"  # the shared metadata is not on local disk (an unfetched hub package)
 
 
 def register(sub: Any) -> None:
@@ -63,6 +70,24 @@ def _override(items: list[str]) -> Any:
     return PhaseOverride(source="cli", **paths)
 
 
+def package_architecture(pkg: LoadedPackage) -> str:
+    """``general.architecture`` of the package's shared metadata when it is on local disk (a
+    package directory, or a hub snapshot that already holds it), else ``unknown``. Nothing is
+    downloaded. A metadata file that is present but unreadable is an error, not "unknown"."""
+    from skippy.constants import KEY_ARCHITECTURE
+    from skippy.gguf.reader import open_gguf
+    from skippy.paths import resolve_under
+
+    path = resolve_under(
+        pkg.root, pkg.manifest.shared.metadata.path, containment_root=pkg.containment_root
+    )
+    if not path.is_file():
+        return UNKNOWN_ARCH
+    with open_gguf(path) as g:
+        arch = g.get(KEY_ARCHITECTURE)
+    return arch if isinstance(arch, str) and arch else UNKNOWN_ARCH
+
+
 def cmd_policy(args: argparse.Namespace) -> CommandResult:
     from skippy.generation import (
         BackendCapabilities,
@@ -80,7 +105,7 @@ def cmd_policy(args: argparse.Namespace) -> CommandResult:
         args.phase,
         RequestShape(args.n_tokens, args.n_kv, args.top_k),
         capabilities=BackendCapabilities(args.backend, paths),
-        runtime_default=RuntimeDefaults(arch=pkg.manifest.model_id),
+        runtime_default=RuntimeDefaults(arch=package_architecture(pkg)),
         policy=spec.policy,
         thresholds=spec.thresholds,
         override=_override(args.override),
@@ -90,7 +115,8 @@ def cmd_policy(args: argparse.Namespace) -> CommandResult:
         f"{pkg.manifest.model_id}: {d['phase']} on {d['backend']} -> {d['selected_path']} "
         f"(from {d['selected_source']})",
         f"  profile: {d['profile'] or 'none declared'}; package path: {d['package_path']} "
-        f"({d['package_path_status']})",
+        f"({d['package_path_status']}); runtime default for {d['arch']}: "
+        f"{d['runtime_default_path']}",
         f"  n_tokens {d['n_tokens']}, n_kv {d['n_kv']}, dense mask {d['dense_mask_bytes']} bytes",
     ]
     if d.get("fallback_reason"):
