@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from skippy.cli import main  # noqa: E402
 from skippy.config import read_environment  # noqa: E402
 from skippy.constants import ENV_VERIFY_PACKAGE_SHA, MANIFEST_NAME, ROLE_METADATA  # noqa: E402
 from skippy.errors import ArtifactMissing, SkippyError, UsageError  # noqa: E402
+from skippy.generation import parse_generation, resolve_speculative_plan  # noqa: E402
 from skippy.hashing import sha256_file  # noqa: E402
 from skippy.inspect import read_manifest  # noqa: E402
 from skippy.llama_runtime import (  # noqa: E402
@@ -436,37 +438,109 @@ def test_run_resolves_and_reports_the_speculative_plan(
     assert json.loads(capsys.readouterr().out)["speculative"]["requested_source"] == "cli"
 
 
-def test_unexecutable_package_strategy_falls_back_with_a_reason(
-    cli: Any,
-    pkg_copy: Path,
-    manifest: Manifest,
-    capsys: pytest.CaptureFixture[str],
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    """A package declaring native MTP: this runtime cannot execute it, so it decodes without
-    speculation (same greedy tokens) and says why in one structured log line."""
-    path = pkg_copy / MANIFEST_NAME
+def _with_generation(pkg: Path, generation: dict[str, Any]) -> None:
+    path = pkg / MANIFEST_NAME
     data = json.loads(path.read_text())
-    last = manifest.layer_count - 1
-    data["generation"] = {
-        "speculative_decoding": {
-            "default": "mtp",
-            "strategies": {
-                "mtp": {"type": "native-mtp", "prediction_depth": 1, "layer_indices": [last]}
-            },
-        }
-    }
+    data["generation"] = generation
     path.unlink()  # hard-linked copy: replace, never write through
     path.write_text(json.dumps(data))
-    with caplog.at_level("WARNING", logger="skippy.llama_runtime"):
-        rc = cli("run", pkg_copy, "--prompt", PROMPT, "--max-tokens", 16, "--json")
-    assert rc == 0
+
+
+def test_mtp_layers_without_nextn_tensors_are_refused(
+    cli: Any, pkg_copy: Path, manifest: Manifest, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Spec "Speculative Decoding": layer_indices MUST list layers holding NextN tensors.
+    gemma's last layer holds none, so no native-MTP plan is built for it: run refuses the
+    package with the code preflight reports, instead of planning speculation on nothing."""
+    last = manifest.layer_count - 1
+    _with_generation(
+        pkg_copy,
+        {
+            "speculative_decoding": {
+                "default": "mtp",
+                "strategies": {
+                    "mtp": {"type": "native-mtp", "prediction_depth": 1, "layer_indices": [last]}
+                },
+            }
+        },
+    )
+    rc = cli("run", pkg_copy, "--prompt", PROMPT, "--max-tokens", 2, "--json")
     out = json.loads(capsys.readouterr().out)
-    assert out["speculative"]["mode"] == "native-mtp"
-    assert out["completion"] == GREEDY_16
+    assert rc == 1 and out["error"]["code"] == "mtp_layer_missing_nextn_tensors"
+    assert cli("preflight", pkg_copy, "--json") != 0
+    assert "mtp_layer_missing_nextn_tensors" in capsys.readouterr().out
+
+
+def test_unexecutable_speculation_plan_falls_back_with_a_reason(
+    full_stage: StageLoad, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A native-MTP plan this runtime cannot execute: it decodes without speculation (same
+    greedy tokens) and says why in one structured log line."""
+    generation = parse_generation(
+        {
+            "speculative_decoding": {
+                "default": "mtp",
+                "strategies": {
+                    "mtp": {"type": "native-mtp", "prediction_depth": 1, "layer_indices": [17]}
+                },
+            }
+        },
+        layer_count=full_stage.layers.layer_count,
+    )
+    plan = resolve_speculative_plan(package=generation)
+    assert plan.mode == "native-mtp"
+    with LlamaStageRuntime(CONFIG) as rt, caplog.at_level("WARNING", "skippy.llama_runtime"):
+        rt.load(replace(full_stage, speculative=plan))
+        gen = rt.generate(PROMPT_IDS, max_tokens=16)
+    assert gen.text == GREEDY_16
     lines = [
         r.getMessage() for r in caplog.records if "speculative decoding fallback" in r.getMessage()
     ]
     assert len(lines) == 1
     record = json.loads(lines[0].split("fallback ", 1)[1])
+    assert (record["requested"], record["mode"]) == ("auto", "native-mtp")
     assert record["selected"] == "disabled" and record["fallback_reason"]
+
+
+def test_an_unrecognised_default_strategy_blocks_only_auto(
+    cli: Any, pkg_copy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Spec "Speculative Decoding": an unknown strategy type is ignored unless it is the
+    declared default of the request being served."""
+    _with_generation(
+        pkg_copy,
+        {"speculative_decoding": {"default": "eagle", "strategies": {"eagle": {"type": "eagle3"}}}},
+    )
+    rc = cli("run", pkg_copy, "--prompt", PROMPT, "--max-tokens", 2, "--json")
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 2 and out["error"]["code"] == "unsupported_speculative_strategy_type"
+    rc = cli(
+        "run",
+        pkg_copy,
+        "--prompt",
+        PROMPT,
+        "--max-tokens",
+        2,
+        "--speculative-strategy",
+        "disabled",
+        "--json",
+    )
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["speculative"]["mode"] == "disabled"
+    assert out["speculative"]["package_default"] == "eagle"
+
+
+def test_a_model_entry_that_matches_nothing_is_a_warning(
+    cli: Any, gemma_pkg: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """[[models]] entries are selected by the package's model_id; "gemma-3" is not it."""
+    cfg = tmp_path / "node.toml"
+    cfg.write_text('[[models]]\nname = "gemma-3"\nspeculative = { strategy = "mtp" }\n')
+    rc = cli("run", gemma_pkg, "--prompt", PROMPT, "--max-tokens", 2, "--config", cfg)
+    err = capsys.readouterr().err
+    assert rc == 0
+    assert "'gemma-3'" in err and MODEL_ID in err and "model_id" in err
+    cfg.write_text(f'[[models]]\nname = "{MODEL_ID}"\nspeculative = {{ strategy = "mtp" }}\n')
+    rc = cli("run", gemma_pkg, "--prompt", PROMPT, "--max-tokens", 2, "--config", cfg, "--json")
+    assert rc == 2  # the matching entry applies: forced mtp, which gemma cannot serve
+    assert json.loads(capsys.readouterr().out)["error"]["code"] == "native_mtp_unavailable"
