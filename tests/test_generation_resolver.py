@@ -11,6 +11,7 @@ import json
 import logging
 
 import pytest
+from spec_examples import GLM_DSA_V1_GENERATION
 
 from skippy.errors import UsageError
 from skippy.generation import (
@@ -33,24 +34,7 @@ KiB, MiB, GiB = 1024, 1024**2, 1024**3
 K128 = 128 * 1024  # "128k visible KV" / "a full 128k-token window"
 
 # The glm-dsa-v1 package defaults exactly as the spec's manifest example declares them.
-SPEC = parse_generation(
-    {
-        "policy": {
-            "profile": "glm-dsa-v1",
-            "decode": "compact-flash",
-            "short_prefill": "dense",
-            "long_prefill": "sparse-chunked",
-            "verify": "auto",
-            "indexshare": "required",
-        },
-        "thresholds": {
-            "short_prefill_max_tokens": 2048,
-            "compact_flash_min_kv": 1,
-            "dense_mask_max_bytes": 268435456,
-        },
-    },
-    layer_count=1,
-)
+SPEC = parse_generation(GLM_DSA_V1_GENERATION, layer_count=1)
 POLICY, THRESHOLDS = SPEC.policy, SPEC.thresholds
 ALL_PATHS = frozenset({"dense", "direct-sparse", "compact-flash", "sparse-chunked"})
 FULL = BackendCapabilities("cuda", ALL_PATHS)

@@ -8,25 +8,11 @@ import logging
 import pytest
 from hub_server import running_hub
 from pkgtools import edit_manifest, make_package
+from spec_examples import GLM_DSA_V1_GENERATION
 
 from skippy.cli import main
 from skippy.constants import MANIFEST_NAME
 
-GLM_DSA_V1 = {  # the spec's "Execution Policy" example, verbatim
-    "policy": {
-        "profile": "glm-dsa-v1",
-        "decode": "compact-flash",
-        "short_prefill": "dense",
-        "long_prefill": "sparse-chunked",
-        "verify": "auto",
-        "indexshare": "required",
-    },
-    "thresholds": {
-        "short_prefill_max_tokens": 2048,
-        "compact_flash_min_kv": 1,
-        "dense_mask_max_bytes": 268435456,
-    },
-}
 ALL = "dense,direct-sparse,compact-flash,sparse-chunked"
 
 
@@ -34,7 +20,7 @@ ALL = "dense,direct-sparse,compact-flash,sparse-chunked"
 def pkg(synth_dir, tmp_path):
     out = tmp_path / "pkg"
     make_package(synth_dir.llama, out)
-    edit_manifest(out, lambda d: d.update(generation=GLM_DSA_V1))
+    edit_manifest(out, lambda d: d.update(generation=GLM_DSA_V1_GENERATION))
     return out
 
 
@@ -43,20 +29,16 @@ def decide(capsys, *args: str) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
+def decode(capsys, pkg, *extra: str) -> dict:
+    """One decode step (1 token) over 4096 visible KV rows."""
+    return decide(
+        capsys, str(pkg), "--phase", "decode", "--n-tokens", "1", "--n-kv", "4096", *extra
+    )
+
+
 def test_package_path_is_used_when_the_backend_runs_it(pkg, capsys, caplog):
     with caplog.at_level(logging.INFO, logger="skippy.generation"):
-        d = decide(
-            capsys,
-            str(pkg),
-            "--phase",
-            "decode",
-            "--n-tokens",
-            "1",
-            "--n-kv",
-            "4096",
-            "--paths",
-            ALL,
-        )
+        d = decode(capsys, pkg, "--paths", ALL)
     assert (d["selected_path"], d["selected_source"]) == ("compact-flash", "package")
     assert d["package_recommendation_used"] is True
     assert not caplog.records  # the line is logged only when the package path is not used
@@ -94,7 +76,7 @@ def test_prefill_is_classified_by_the_package_threshold(pkg, capsys):
 
 def test_unsupported_package_path_falls_back_and_logs_why(pkg, capsys, caplog):
     with caplog.at_level(logging.INFO, logger="skippy.generation"):
-        d = decide(capsys, str(pkg), "--phase", "decode", "--n-tokens", "1", "--n-kv", "4096")
+        d = decode(capsys, pkg)
     assert d["selected_path"] == "dense"  # the default backend runs dense only
     assert d["package_path"] == "compact-flash" and d["package_path_status"] == "rejected"
     assert d["fallback_reason"]
@@ -103,20 +85,7 @@ def test_unsupported_package_path_falls_back_and_logs_why(pkg, capsys, caplog):
 
 
 def test_override_wins_and_is_recorded(pkg, capsys):
-    d = decide(
-        capsys,
-        str(pkg),
-        "--phase",
-        "decode",
-        "--n-tokens",
-        "1",
-        "--n-kv",
-        "4096",
-        "--paths",
-        ALL,
-        "--override",
-        "decode=direct-sparse",
-    )
+    d = decode(capsys, pkg, "--paths", ALL, "--override", "decode=direct-sparse")
     assert (d["selected_path"], d["selected_source"]) == ("direct-sparse", "override")
     assert d["package_path_status"] == "overridden"
 
