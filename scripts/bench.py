@@ -27,8 +27,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from skippy.validate import validate_package  # noqa: E402
-from skippy.write_package import WriteOptions, local_provenance, write_package  # noqa: E402
+from skippy.produce.validate import validate_package  # noqa: E402
+from skippy.produce.write_package import WriteOptions, local_provenance, write_package  # noqa: E402
 
 Row = tuple[str, str, str, str]
 
@@ -151,7 +151,7 @@ def bench_write_validate(label: str, source: Path, work: Path, runs: int) -> lis
 def bench_inspect(source: Path, runs: int) -> list[Row]:
     argv = [sys.executable, "-m", "skippy.cli", "inspect", str(source), "--json"]
     t_cli = median_time(lambda: subprocess.run(argv, capture_output=True, check=True), runs)
-    from skippy.inspect import inspect_gguf
+    from skippy.produce.inspect import inspect_gguf
 
     t_lib = median_time(lambda: inspect_gguf(source), runs)
     t0 = time.perf_counter()

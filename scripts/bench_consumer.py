@@ -22,11 +22,11 @@ sys.path.insert(0, str(ROOT / "tests"))
 from hub_server import running_hub  # type: ignore[import-not-found]  # noqa: E402
 
 from skippy.config import read_environment  # noqa: E402
-from skippy.preflight import load_package  # noqa: E402
-from skippy.ranges import LayerRange  # noqa: E402
-from skippy.resolve import resolve_stage  # noqa: E402
-from skippy.select import select_stage  # noqa: E402
-from skippy.verify import VerifyCache, verify_selection  # noqa: E402
+from skippy.consume.preflight import load_package  # noqa: E402
+from skippy.consume.resolve import resolve_stage  # noqa: E402
+from skippy.consume.verify import VerifyCache, verify_selection  # noqa: E402
+from skippy.package.ranges import LayerRange  # noqa: E402
+from skippy.package.select import select_stage  # noqa: E402
 
 
 def consumer_rows(source: Path, work: Path, runs: int) -> list[Row]:

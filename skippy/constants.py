@@ -16,7 +16,7 @@ README_NAME: Final = "README.md"
 
 # The llama/skippy ABI this runtime writes and accepts (spec "Compatibility": reject
 # incompatible ABI versions rather than best-effort loading). Rule: same major, package
-# minor <= runtime minor; see skippy.manifest.abi_compatible.
+# minor <= runtime minor; see skippy.package.manifest.abi_compatible.
 RUNTIME_ABI_VERSION: Final = "1.0.0"
 
 # Peer transfer caps the manifest at 16 MiB (spec "Peer Cache Transfer"); we apply the same

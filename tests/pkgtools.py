@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from skippy.write_package import WriteOptions, WriteResult, local_provenance, write_package
+from skippy.produce.write_package import WriteOptions, WriteResult, local_provenance, write_package
 
 
 def make_package(

@@ -1,4 +1,4 @@
-"""skippy.hub through the real huggingface_hub client against the fake hub."""
+"""skippy.consume.hub through the real huggingface_hub client against the fake hub."""
 
 from __future__ import annotations
 
@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 from hub_server import FakeHub, Fault, running_hub, write_tree
 
-from skippy.errors import EXIT_USAGE, ArtifactMissing, SkippyError, UnsafePath, UsageError
-from skippy.hub import (
+from skippy.consume.hub import (
     HubError,
     OfflineCacheMiss,
     download_file,
@@ -21,7 +20,8 @@ from skippy.hub import (
     repo_cache_root,
     resolve_revision,
 )
-from skippy.refs import HfPackageRef
+from skippy.errors import EXIT_USAGE, ArtifactMissing, SkippyError, UnsafePath, UsageError
+from skippy.package.refs import HfPackageRef
 
 REPO = "ns/pkg"
 REF = HfPackageRef(REPO)
@@ -64,10 +64,10 @@ def _assert_no_hf_traceback(err: BaseException) -> None:
 def test_resolve_branch_warns_and_returns_commit(
     hub: FakeHub, cache: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger="skippy.hub"):
+    with caplog.at_level(logging.WARNING, logger="skippy.consume.hub"):
         commit = resolve_revision(REF, endpoint=hub.url, cache_dir=cache)
     assert commit == hub.commit_of(REPO) and type(commit) is str
-    warnings = [r for r in caplog.records if r.name == "skippy.hub"]
+    warnings = [r for r in caplog.records if r.name == "skippy.consume.hub"]
     assert len(warnings) == 1
     assert "pin a commit" in warnings[0].getMessage()
     assert f"hf://{REPO}@{commit}" in warnings[0].getMessage()
@@ -77,9 +77,9 @@ def test_resolve_pinned_commit_needs_no_request_and_no_warning(
     hub: FakeHub, cache: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     commit = hub.commit_of(REPO)
-    with caplog.at_level(logging.WARNING, logger="skippy.hub"):
+    with caplog.at_level(logging.WARNING, logger="skippy.consume.hub"):
         assert resolve_revision(REF.at(commit), endpoint=hub.url, cache_dir=cache) == commit
-    assert not [r for r in caplog.records if r.name == "skippy.hub"]
+    assert not [r for r in caplog.records if r.name == "skippy.consume.hub"]
     assert hub.request_log() == []
 
 

@@ -10,8 +10,8 @@ from hub_server import running_hub
 
 from skippy.cli import main
 from skippy.errors import UsageError
-from skippy.hub_source import choose_distribution_files, parse_model_coordinate
-from skippy.validate import validate_package
+from skippy.produce.hub_source import choose_distribution_files, parse_model_coordinate
+from skippy.produce.validate import validate_package
 
 
 @pytest.mark.parametrize(

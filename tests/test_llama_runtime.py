@@ -28,27 +28,27 @@ from pkgtools import make_package  # noqa: E402
 from skippy.cli import main  # noqa: E402
 from skippy.config import read_environment  # noqa: E402
 from skippy.constants import ENV_VERIFY_PACKAGE_SHA, MANIFEST_NAME, ROLE_METADATA  # noqa: E402
+from skippy.consume.resolve import resolve_stage  # noqa: E402
 from skippy.errors import ArtifactMissing, SkippyError, UsageError  # noqa: E402
 from skippy.generation import parse_generation, resolve_speculative_plan  # noqa: E402
 from skippy.hashing import sha256_file  # noqa: E402
-from skippy.inspect import read_manifest  # noqa: E402
-from skippy.llama_runtime import (  # noqa: E402
-    LlamaRuntimeConfig,
-    LlamaStageRuntime,
-    link_split_set,
-    split_part_name,
-)
-from skippy.manifest import Manifest  # noqa: E402
-from skippy.ranges import LayerRange  # noqa: E402
-from skippy.resolve import resolve_stage  # noqa: E402
-from skippy.runtime import (  # noqa: E402
+from skippy.package.manifest import Manifest  # noqa: E402
+from skippy.package.ranges import LayerRange  # noqa: E402
+from skippy.package.select import select_stage  # noqa: E402
+from skippy.produce.inspect import read_manifest  # noqa: E402
+from skippy.runtime.boundary import (  # noqa: E402
     RuntimeUnavailable,
     StageLoad,
     StageNotLoaded,
     StageRuntime,
     StageUnsupported,
 )
-from skippy.select import select_stage  # noqa: E402
+from skippy.runtime.llama_cpp import (  # noqa: E402
+    LlamaRuntimeConfig,
+    LlamaStageRuntime,
+    link_split_set,
+    split_part_name,
+)
 
 pytestmark = [pytest.mark.llama, pytest.mark.slow]
 
@@ -215,7 +215,8 @@ def test_missing_llama_cpp_is_runtime_unavailable(monkeypatch: pytest.MonkeyPatc
 
 def test_importing_skippy_never_imports_llama_cpp() -> None:
     code = (
-        "import sys, skippy, skippy.runtime, skippy.llama_runtime, skippy.commands.runtime\n"
+        "import sys, skippy, skippy.runtime.boundary, skippy.runtime.llama_cpp\n"
+        "import skippy.commands.runtime\n"
         "assert 'llama_cpp' not in sys.modules, 'llama_cpp imported eagerly'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
@@ -489,7 +490,7 @@ def test_unexecutable_speculation_plan_falls_back_with_a_reason(
     )
     plan = resolve_speculative_plan(package=generation)
     assert plan.mode == "native-mtp"
-    with LlamaStageRuntime(CONFIG) as rt, caplog.at_level("WARNING", "skippy.llama_runtime"):
+    with LlamaStageRuntime(CONFIG) as rt, caplog.at_level("WARNING", "skippy.runtime.llama_cpp"):
         rt.load(replace(full_stage, speculative=plan))
         gen = rt.generate(PROMPT_IDS, max_tokens=16)
     assert gen.text == GREEDY_16

@@ -8,7 +8,7 @@ import pytest
 from pkgtools import make_package
 
 from skippy.errors import ManifestError
-from skippy.manifest import abi_compatible, check_manifest, dump_manifest, parse_manifest
+from skippy.package.manifest import abi_compatible, check_manifest, dump_manifest, parse_manifest
 
 
 @pytest.fixture(scope="module")
@@ -177,7 +177,7 @@ def test_manifest_that_is_a_fifo_does_not_block(tmp_path):
     import os
 
     from skippy.errors import InputUnreadable
-    from skippy.manifest import read_manifest_bytes
+    from skippy.package.manifest import read_manifest_bytes
 
     os.mkfifo(tmp_path / "model-package.json")
     with pytest.raises(InputUnreadable) as exc:

@@ -14,9 +14,7 @@ from pkgtools import make_package
 
 from skippy.cli import main
 from skippy.constants import KEY_FRAGMENT_ROLE, SPLIT_KEYS
-from skippy.errors import OutputExists, UsageError
-from skippy.gguf.reader import open_gguf
-from skippy.materialize import (
+from skippy.consume.materialize import (
     KEY_MATERIALIZED_CACHE_KEY,
     KEY_MATERIALIZED_LAYER_START,
     KEY_MATERIALIZED_LAYER_STOP,
@@ -25,9 +23,11 @@ from skippy.materialize import (
     materialization_key,
     materialize_stage,
 )
-from skippy.preflight import LoadedPackage, load_package
-from skippy.ranges import LayerRange
-from skippy.select import StageSelection, select_stage
+from skippy.consume.preflight import LoadedPackage, load_package
+from skippy.errors import OutputExists, UsageError
+from skippy.gguf.reader import open_gguf
+from skippy.package.ranges import LayerRange
+from skippy.package.select import StageSelection, select_stage
 
 
 def stage(p: LoadedPackage, start: int, stop: int) -> StageSelection:

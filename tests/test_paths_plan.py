@@ -8,9 +8,9 @@ import os
 import pytest
 
 from skippy.errors import UnsafePath, UsageError
+from skippy.package.plan import ModelSizes, byte_balanced_ranges, even_ranges, plan_stages
+from skippy.package.ranges import LayerRange, parse_layer_range
 from skippy.paths import check_relative_path, resolve_under
-from skippy.plan import ModelSizes, byte_balanced_ranges, even_ranges, plan_stages
-from skippy.ranges import LayerRange, parse_layer_range
 
 
 @pytest.mark.parametrize("ok", ["a", "layers/layer-00001.gguf", "shared/metadata.gguf", "a.b/c"])
@@ -153,7 +153,7 @@ def test_plan_refuses_an_absurd_block_count(tmp_path):
     import numpy as np
 
     from skippy.errors import ModelError
-    from skippy.inspect import sizes_from_gguf
+    from skippy.produce.inspect import sizes_from_gguf
 
     w = gguf.GGUFWriter(tmp_path / "m.gguf", "llama")
     w.add_block_count(3_000_000_000)

@@ -14,8 +14,8 @@ import pytest
 from pkgtools import edit_manifest, make_package
 
 from skippy.cli import main
+from skippy.consume.preflight import REMEDIATIONS, preflight_package
 from skippy.errors import UsageError
-from skippy.preflight import REMEDIATIONS, preflight_package
 
 MANIFEST = "model-package.json"
 LAYER0, LAYER1 = "layers/layer-00000.gguf", "layers/layer-00001.gguf"

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from skippy.errors import EXIT_USAGE, UsageError
-from skippy.refs import (
+from skippy.package.refs import (
     ACCEPTED_FORMS,
     HfPackageRef,
     InvalidPackageRef,

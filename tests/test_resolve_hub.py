@@ -19,9 +19,9 @@ from pkgtools import edit_manifest, make_package
 from skippy.cli import main
 from skippy.config import read_environment
 from skippy.constants import MANIFEST_NAME, layer_path
+from skippy.consume.hub import HubError
+from skippy.consume.resolve import resolve_stage
 from skippy.errors import ArtifactMissing, IntegrityError, PackageInvalid
-from skippy.hub import HubError
-from skippy.resolve import resolve_stage
 
 REPO = "acme/tiny-layers"
 
@@ -98,7 +98,7 @@ def test_revision_pin_is_honoured(packages, monkeypatch):
 
 
 def test_moving_ref_warns(hub, caplog):
-    with caplog.at_level(logging.WARNING, logger="skippy.hub"):
+    with caplog.at_level(logging.WARNING, logger="skippy.consume.hub"):
         resolve_stage(f"hf://{REPO}@main", read_environment(), layers_text="0..1")
     assert any("pin" in r.getMessage() for r in caplog.records)
 
@@ -268,7 +268,7 @@ def test_unused_projector_check_tolerates_a_failing_hub(synth_dir, tmp_path, mon
         env = read_environment()
         resolve_stage(f"hf://acme/mm-layers@{commit}", env, layers_text="2..4")
         h.inject("acme/mm-layers", proj, Fault.SERVER_ERROR, methods=["HEAD"])
-        with caplog.at_level(logging.WARNING, logger="skippy.resolve"):
+        with caplog.at_level(logging.WARNING, logger="skippy.consume.resolve"):
             again = resolve_stage(f"hf://acme/mm-layers@{commit}", env, layers_text="2..4")
     assert again.stage.verification is not None
     assert any("not checked" in r.getMessage() for r in caplog.records)

@@ -48,7 +48,7 @@ def test_a_moving_ref_is_resolved_once(mm_pkg, capsys, caplog, monkeypatch):
     with running_hub({REPO: mm_pkg}) as h:
         monkeypatch.setenv("HF_ENDPOINT", h.url)
         commit = h.commit_of(REPO)
-        with caplog.at_level(logging.WARNING, logger="skippy.hub"):
+        with caplog.at_level(logging.WARNING, logger="skippy.consume.hub"):
             rc, out = run_json(capsys, f"hf://{REPO}")
         manifest_gets = h.stats(REPO, MANIFEST_NAME).get_requests
     assert rc == 0, out

@@ -13,11 +13,11 @@ import synth_gguf
 from pkgtools import edit_manifest, make_package
 
 from skippy.cli import main
+from skippy.consume.preflight import load_package, prepare_stage
 from skippy.errors import PackageInvalid, UsageError
-from skippy.manifest import Manifest
-from skippy.preflight import load_package, prepare_stage
-from skippy.ranges import LayerRange
-from skippy.select import select_stage
+from skippy.package.manifest import Manifest
+from skippy.package.ranges import LayerRange
+from skippy.package.select import select_stage
 
 L = 4  # synth models have 4 layers
 META, EMB, OUT = "shared/metadata.gguf", "shared/embeddings.gguf", "shared/output.gguf"

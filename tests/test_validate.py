@@ -15,10 +15,10 @@ from pkgtools import edit_manifest, make_package
 
 from skippy.cli import main
 from skippy.constants import layer_path
-from skippy.fragments import plan_fragments
 from skippy.gguf.writer import write_fragment
-from skippy.source import SourceModelFiles
-from skippy.validate import validate_package
+from skippy.produce.fragments import plan_fragments
+from skippy.produce.source import SourceModelFiles
+from skippy.produce.validate import validate_package
 
 
 @pytest.fixture

@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 from pkgtools import make_package
 
-from skippy.errors import ArtifactMissing, IntegrityError, UnsafePath
-from skippy.preflight import LoadedPackage, load_package
-from skippy.ranges import LayerRange
-from skippy.select import StageSelection, select_stage
-from skippy.verify import (
+from skippy.consume.preflight import LoadedPackage, load_package
+from skippy.consume.verify import (
     VerifyCache,
     verify_selection,
 )
+from skippy.errors import ArtifactMissing, IntegrityError, UnsafePath
+from skippy.package.ranges import LayerRange
+from skippy.package.select import StageSelection, select_stage
 
 
 @pytest.fixture

@@ -14,9 +14,9 @@ from skippy.cli import main
 from skippy.constants import MANIFEST_NAME, layer_path
 from skippy.errors import GGUFFormatError, InputUnreadable, ModelError, OutputExists, UsageError
 from skippy.gguf.reader import open_gguf
-from skippy.manifest import parse_manifest
-from skippy.validate import validate_package
-from skippy.write_package import local_provenance
+from skippy.package.manifest import parse_manifest
+from skippy.produce.validate import validate_package
+from skippy.produce.write_package import local_provenance
 
 
 def _tensors(path: Path) -> dict[str, tuple[int, tuple[int, ...], bytes]]:

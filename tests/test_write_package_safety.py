@@ -20,10 +20,10 @@ from skippy.cli import main
 from skippy.constants import MANIFEST_NAME, README_NAME, layer_path
 from skippy.errors import InputUnreadable, ModelError, OutputExists, UnsafePath, UsageError
 from skippy.gguf.reader import open_gguf
-from skippy.manifest import parse_manifest
-from skippy.source import SourceModelFiles
-from skippy.validate import validate_package
-from skippy.write_package import (
+from skippy.package.manifest import parse_manifest
+from skippy.produce.source import SourceModelFiles
+from skippy.produce.validate import validate_package
+from skippy.produce.write_package import (
     Provenance,
     WriteOptions,
     local_provenance,

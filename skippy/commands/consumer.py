@@ -2,7 +2,7 @@
 Selection").
 
 Each handler parses its arguments at the edge (the package reference through
-``skippy.resolve``, which also parses the layer range), calls one library
+``skippy.consume.resolve``, which also parses the layer range), calls one library
 function and renders text or ``--json``. Exit codes come from ``skippy.cli``'s one table:
 1 when the package is invalid (any error finding), 2 for bad usage or unreadable input.
 """
@@ -15,14 +15,14 @@ from typing import TYPE_CHECKING, Any
 
 from skippy.cli import CommandResult, add_json_flag, exit_for, finding_lines
 from skippy.config import read_environment
+from skippy.consume.materialize import materialize_stage
+from skippy.consume.preflight import PreparedStage, preflight_package
 from skippy.errors import InputUnreadable, UsageError
-from skippy.materialize import materialize_stage
-from skippy.preflight import PreparedStage, preflight_package
+from skippy.package.refs import HfPackageRef, parse_package_ref
 from skippy.progress import human_bytes
-from skippy.refs import HfPackageRef, parse_package_ref
 
-if TYPE_CHECKING:  # skippy.resolve pulls in huggingface_hub (~0.2 s): import it when used
-    from skippy.resolve import ResolvedStage
+if TYPE_CHECKING:  # skippy.consume.resolve pulls in huggingface_hub (~0.2 s): import it when used
+    from skippy.consume.resolve import ResolvedStage
 
 REF_HELP = "a package directory, or hf://namespace/repo[@revision]"
 
@@ -107,7 +107,7 @@ def cmd_preflight(args: argparse.Namespace) -> CommandResult:
 
 
 def _resolve(args: argparse.Namespace, projector: str | None) -> ResolvedStage:
-    from skippy.resolve import resolve_stage
+    from skippy.consume.resolve import resolve_stage
 
     return resolve_stage(
         args.ref, read_environment(), layers_text=args.layers, projector_path=projector

@@ -19,7 +19,7 @@ from skippy.config import read_environment
 from skippy.errors import UsageError
 
 if TYPE_CHECKING:
-    from skippy.preflight import LoadedPackage
+    from skippy.consume.preflight import LoadedPackage
 
 PHASE_CHOICES = ("decode", "short_prefill", "long_prefill", "verify", "prefill")
 # What this project's own runtime executes: llama.cpp on the CPU runs dense attention only.
@@ -89,6 +89,7 @@ def package_architecture(pkg: LoadedPackage) -> str:
 
 
 def cmd_policy(args: argparse.Namespace) -> CommandResult:
+    from skippy.consume.resolve import open_ref
     from skippy.generation import (
         BackendCapabilities,
         RequestShape,
@@ -96,7 +97,6 @@ def cmd_policy(args: argparse.Namespace) -> CommandResult:
         parse_generation,
         resolve_phase,
     )
-    from skippy.resolve import open_ref
 
     pkg = open_ref(args.ref, read_environment())
     spec = parse_generation(pkg.manifest.generation, layer_count=pkg.manifest.layer_count)

@@ -10,23 +10,23 @@ from skippy.cli import CommandResult, add_json_flag, exit_for, finding_lines
 from skippy.config import read_environment
 from skippy.constants import MANIFEST_NAME
 from skippy.errors import InputUnreadable, UsageError
-from skippy.inspect import (
+from skippy.package.plan import plan_stages
+from skippy.produce.inspect import (
     inspect_gguf,
     inspect_package,
     read_manifest,
     sizes_from_gguf,
     sizes_from_manifest,
 )
-from skippy.plan import plan_stages
-from skippy.progress import human_bytes
-from skippy.validate import validate_package
-from skippy.write_package import (
+from skippy.produce.validate import validate_package
+from skippy.produce.write_package import (
     Provenance,
     WriteOptions,
     local_provenance,
     rewrite_readme,
     write_package,
 )
+from skippy.progress import human_bytes
 
 
 def register(sub: Any) -> None:
@@ -87,7 +87,7 @@ def _source_and_provenance(args: argparse.Namespace) -> tuple[Path, Provenance]:
             source_revision=args.source_revision,
             source_file=args.source_file,
         )
-    from skippy.hub_source import fetch_model_source, parse_model_coordinate
+    from skippy.produce.hub_source import fetch_model_source, parse_model_coordinate
 
     if parse_model_coordinate(str(args.source)) is None:
         raise InputUnreadable(

@@ -3,8 +3,8 @@
 The order is: read the manifest once (``open_ref``; for a moving hf:// ref this is the one
 revision lookup) and refuse what the runtime cannot run before fetching or hashing anything (a
 bad speculation config or strategy, checked against the manifest alone; a partial range); then
-``skippy.resolve.resolve_stage`` on the commit just read (``head.origin``), text-only because
-this runtime loads no projector (selection, fetch of just those parts, consumer validation,
+``skippy.consume.resolve.resolve_stage`` on the commit just read (``head.origin``), text-only
+because this runtime loads no projector (selection, fetch of just those parts, consumer validation,
 SHA-256 with the verification cache: always for hf://, for local directories unless
 SKIPPY_VERIFY_PACKAGE_SHA turns it off); then the final speculation plan, whose native-MTP layer
 indices are checked against the NextN tensors of the verified layer files; then load the
@@ -22,13 +22,13 @@ from skippy.cli import CommandResult, add_json_flag
 from skippy.config import load_node_config, read_environment
 from skippy.constants import ENV_VERIFY_PACKAGE_SHA
 from skippy.errors import UsageError
-from skippy.ranges import parse_layer_range
+from skippy.package.ranges import parse_layer_range
 
 if TYPE_CHECKING:  # the hub client, numpy and llama.cpp load only when `run` runs
     from skippy.config import NodeConfig
+    from skippy.consume.resolve import ResolvedStage
     from skippy.generation import SpeculativePlan
-    from skippy.manifest import Manifest
-    from skippy.resolve import ResolvedStage
+    from skippy.package.manifest import Manifest
 
 DEFAULT_MAX_TOKENS = 32
 
@@ -123,9 +123,9 @@ def _operator_configured(node: NodeConfig, args: argparse.Namespace) -> bool:
 
 
 def cmd_run(args: argparse.Namespace) -> CommandResult:
-    from skippy.llama_runtime import LlamaStageRuntime
-    from skippy.resolve import open_ref, resolve_stage
-    from skippy.runtime import StageLoad
+    from skippy.consume.resolve import open_ref, resolve_stage
+    from skippy.runtime.boundary import StageLoad
+    from skippy.runtime.llama_cpp import LlamaStageRuntime
 
     if args.max_tokens < 1:
         raise UsageError("--max-tokens must be at least 1", code="invalid_max_tokens")

@@ -32,10 +32,10 @@ from huggingface_hub.errors import (
 from huggingface_hub.file_download import repo_folder_name
 
 from skippy.errors import EXIT_USAGE, ArtifactMissing, SkippyError, UnsafePath, UsageError
+from skippy.package.refs import COMMIT_SHA_RE, HfPackageRef
 from skippy.paths import check_relative_path, is_within
-from skippy.refs import COMMIT_SHA_RE, HfPackageRef
 
-logger = logging.getLogger("skippy.hub")
+logger = logging.getLogger(__name__)
 
 _REPO_TYPE: Final = "model"
 

@@ -56,8 +56,8 @@ from skippy.gguf.constants import ValueType
 from skippy.gguf.reader import GGUFFile, open_gguf
 from skippy.gguf.writer import TensorSource, encode_kv, write_fragment
 from skippy.hashing import sha256_file
+from skippy.package.select import StageSelection
 from skippy.paths import is_within, resolve_under
-from skippy.select import StageSelection
 
 
 @dataclass(frozen=True)
@@ -256,7 +256,7 @@ def materialize_stage(
 ) -> MaterializeResult:
     """Compose ``selection``'s parts (read from package ``root``) into the GGUF ``out``, or
     keep ``out`` if it already holds this exact materialization. Checksums are the caller's
-    job (``skippy.preflight.prepare_stage`` with ``verify=True``) before calling this."""
+    job (``skippy.consume.preflight.prepare_stage`` with ``verify=True``) before calling this."""
     t0 = time.perf_counter()
     _refuse_inside_package(containment_root or root, out)  # a hub repo cache counts as inside
     if out.name == MANIFEST_NAME:

@@ -7,7 +7,7 @@ The one place a reference (a local directory or ``hf://ns/repo[@rev]``) becomes 
     the standard hub cache) -> prepare_stage (consumer validation, SHA-256 with the
     verification cache; always for hf://, spec "Consumer Validation").
 
-Downloads go through huggingface_hub (``skippy.hub``), so ``hf`` tooling sees the cache and
+Downloads go through huggingface_hub (``skippy.consume.hub``), so ``hf`` tooling sees the cache and
 ``HF_HUB_OFFLINE=1`` serves a stage from it or lists what is missing.
 """
 
@@ -20,17 +20,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from skippy import hub
 from skippy.config import Environment
 from skippy.constants import MANIFEST_NAME
+from skippy.consume import hub
+from skippy.consume.preflight import LoadedPackage, PreparedStage, load_package, prepare_stage
+from skippy.consume.verify import VerifyCache
 from skippy.errors import InputUnreadable, IntegrityError, PackageInvalid, UnsafePath
 from skippy.findings import Finding, raise_for_findings
+from skippy.package.ranges import LayerRange, parse_layer_range
+from skippy.package.refs import HfPackageRef, LocalPackageRef, PackageRef, parse_package_ref
+from skippy.package.select import StageSelection, select_stage
 from skippy.paths import is_within, resolve_under
-from skippy.preflight import LoadedPackage, PreparedStage, load_package, prepare_stage
-from skippy.ranges import LayerRange, parse_layer_range
-from skippy.refs import HfPackageRef, LocalPackageRef, PackageRef, parse_package_ref
-from skippy.select import StageSelection, select_stage
-from skippy.verify import VerifyCache
 
 log = logging.getLogger(__name__)
 

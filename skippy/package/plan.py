@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from skippy.errors import UsageError
-from skippy.ranges import LayerRange
+from skippy.package.ranges import LayerRange
 
 Balance = Literal["layers", "bytes"]
 

@@ -21,8 +21,8 @@ from skippy.constants import (
     ROLE_PROJECTOR,
 )
 from skippy.errors import ManifestError, UsageError
-from skippy.manifest import ArtifactRef, Manifest
-from skippy.ranges import LayerRange
+from skippy.package.manifest import ArtifactRef, Manifest
+from skippy.package.ranges import LayerRange
 
 
 @dataclass(frozen=True)

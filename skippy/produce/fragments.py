@@ -1,7 +1,7 @@
 """Fragment planning: which tensors and KV records go into which package artifact (pure).
 
 Spec "Repository Layout" fixes the names; issue #2 fixes the ownership rule (see
-``skippy.ownership``). Every fragment is also one split of a llama.cpp split set so stock
+``skippy.package.ownership``). Every fragment is also one split of a llama.cpp split set so stock
 llama.cpp can load any contiguous selection straight from the parts: ``split.no`` in every
 fragment, ``split.count`` / ``split.tensors.count`` in ``shared/metadata.gguf`` (split 0),
 which alone carries the full KV section and the tokenizer.
@@ -33,8 +33,8 @@ from skippy.constants import (
 from skippy.errors import ModelError
 from skippy.gguf.constants import ValueType
 from skippy.gguf.writer import encode_kv
-from skippy.ownership import owner_of
-from skippy.source import SourceTensor
+from skippy.package.ownership import owner_of
+from skippy.produce.source import SourceTensor
 
 
 @dataclass(frozen=True)

@@ -12,14 +12,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from skippy import hub
 from skippy.config import Environment
 from skippy.constants import MODEL_COORDINATE_RE, SHA256_HEX_RE, SPLIT_SHARD_RE
+from skippy.consume import hub
 from skippy.errors import IntegrityError, UsageError
 from skippy.hashing import sha256_files
+from skippy.package.refs import HfPackageRef
 from skippy.paths import is_within
-from skippy.refs import HfPackageRef
-from skippy.write_package import Provenance
+from skippy.produce.write_package import Provenance
 
 PROJECTOR_PREFIX = "mmproj"
 

@@ -13,9 +13,9 @@ from skippy.constants import MAX_LAYER_COUNT, ROLE_LAYER, arch_key
 from skippy.errors import ModelError
 from skippy.gguf.constants import ggml_type_name
 from skippy.gguf.reader import GGUFFile, open_gguf
-from skippy.manifest import Manifest, parse_manifest, read_manifest_bytes
-from skippy.ownership import has_tied_embeddings, owner_of
-from skippy.plan import ModelSizes
+from skippy.package.manifest import Manifest, parse_manifest, read_manifest_bytes
+from skippy.package.ownership import has_tied_embeddings, owner_of
+from skippy.package.plan import ModelSizes
 
 
 def read_manifest(package_dir: Path) -> Manifest:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from skippy.constants import MANIFEST_NAME
-from skippy.manifest import Manifest
+from skippy.package.manifest import Manifest
 
 
 def render_readme(manifest: Manifest, manifest_sha256: str, *, validation_note: str | None) -> str:

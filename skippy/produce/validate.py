@@ -33,10 +33,10 @@ from skippy.findings import Finding, errors_only
 from skippy.generation import check_generation
 from skippy.gguf.reader import TensorInfo, open_gguf
 from skippy.hashing import CHUNK_BYTES, DEFAULT_WORKERS, sha256_file
-from skippy.manifest import ArtifactRef, Manifest, load_manifest_findings
-from skippy.ownership import has_tied_embeddings, owner_of
+from skippy.package.manifest import ArtifactRef, Manifest, load_manifest_findings
+from skippy.package.ownership import has_tied_embeddings, owner_of
 from skippy.paths import resolve_under
-from skippy.source import SourceModelFiles, shard_paths
+from skippy.produce.source import SourceModelFiles, shard_paths
 
 
 @dataclass

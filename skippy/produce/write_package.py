@@ -61,12 +61,11 @@ from skippy.errors import (
     UnsafePath,
     UsageError,
 )
-from skippy.fragments import FragmentPlan, plan_fragments
 from skippy.generation import infer_generation
 from skippy.gguf.reader import GGUFFile, open_gguf
 from skippy.gguf.writer import WrittenFragment, write_fragment
 from skippy.hashing import DEFAULT_WORKERS, HashingSink, copy_range, sha256_file
-from skippy.manifest import (
+from skippy.package.manifest import (
     Artifact,
     LayerArtifact,
     Manifest,
@@ -78,11 +77,12 @@ from skippy.manifest import (
     parse_manifest,
     read_manifest_bytes,
 )
-from skippy.ownership import has_tied_embeddings, highest_layer_index
-from skippy.package_readme import render_readme
+from skippy.package.ownership import has_tied_embeddings, highest_layer_index
 from skippy.paths import check_relative_path, is_safe_relative_path, resolve_under
+from skippy.produce.fragments import FragmentPlan, plan_fragments
+from skippy.produce.package_readme import render_readme
+from skippy.produce.source import SourceModelFiles, shard_paths
 from skippy.progress import Progress
-from skippy.source import SourceModelFiles, shard_paths
 
 
 @dataclass(frozen=True)

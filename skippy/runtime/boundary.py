@@ -4,9 +4,10 @@ Spec "Layer Selection" and "Consumer Validation". A ``StageLoad`` is everything 
 needs and nothing it must re-derive: the package identity, the half-open layer range with
 its boundary flags, and the selected part files in split (load) order, already checked
 against the manifest. ``StageRuntime`` is the protocol every runtime implements (the
-llama.cpp one lives in ``skippy.llama_runtime``; nothing here imports a runtime library).
+llama.cpp one lives in ``skippy.runtime.llama_cpp``; nothing here imports a runtime library).
 
-Consumer validation happens before a ``StageLoad`` exists (``skippy.resolve.resolve_stage``):
+Consumer validation happens before a ``StageLoad`` exists
+(``skippy.consume.resolve.resolve_stage``):
 manifest rules, selection, path gate, presence, sizes, SHA-256. Integrity never falls back.
 """
 
@@ -23,9 +24,9 @@ import numpy.typing as npt
 from skippy.constants import ROLE_METADATA
 from skippy.errors import EXIT_USAGE, ArtifactMissing, SkippyError, UsageError
 from skippy.generation import SpeculativePlan
+from skippy.package.ranges import LayerRange
+from skippy.package.select import StageSelection
 from skippy.paths import resolve_under
-from skippy.ranges import LayerRange
-from skippy.select import StageSelection
 
 StopReason = Literal["length", "eos", "context"]
 

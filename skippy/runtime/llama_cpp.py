@@ -51,8 +51,8 @@ import numpy as np
 import numpy.typing as npt
 
 from skippy.errors import ArtifactMissing, UsageError
-from skippy.ranges import LayerRange
-from skippy.runtime import (
+from skippy.package.ranges import LayerRange
+from skippy.runtime.boundary import (
     Generation,
     RuntimeLoadError,
     RuntimeUnavailable,

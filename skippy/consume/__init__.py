@@ -1,0 +1,1 @@
+"""Consuming packages: hub access, resolution, preflight, verification, materialization."""

@@ -1,0 +1,1 @@
+"""The layer-package format: manifest, references, layer ranges, ownership, selection, planning."""

@@ -1,0 +1,1 @@
+"""Producing packages: source models, fragment planning and writing, validation, inspection."""

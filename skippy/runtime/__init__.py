@@ -1,0 +1,1 @@
+"""Runtimes: the stage boundary (StageLoad, StageRuntime) and the engines behind it."""
