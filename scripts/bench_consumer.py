@@ -11,22 +11,17 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-import sys
 from pathlib import Path
 
-from bench import Row, median_time  # type: ignore[import-not-found]
+from benchlib import BenchContext, Row, median_time  # type: ignore[import-not-found]
+from hub_server import running_hub  # type: ignore[import-not-found]
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-
-from hub_server import running_hub  # type: ignore[import-not-found]  # noqa: E402
-
-from skippy.config import read_environment  # noqa: E402
-from skippy.consume.preflight import load_package  # noqa: E402
-from skippy.consume.resolve import resolve_stage  # noqa: E402
-from skippy.consume.verify import VerifyCache, verify_selection  # noqa: E402
-from skippy.package.ranges import LayerRange  # noqa: E402
-from skippy.package.select import select_stage  # noqa: E402
+from skippy.config import read_environment
+from skippy.consume.preflight import load_package
+from skippy.consume.resolve import resolve_stage
+from skippy.consume.verify import VerifyCache, verify_selection
+from skippy.package.ranges import LayerRange
+from skippy.package.select import select_stage
 
 
 def consumer_rows(source: Path, work: Path, runs: int) -> list[Row]:
@@ -109,3 +104,7 @@ def consumer_rows(source: Path, work: Path, runs: int) -> list[Row]:
             f"{stage_bytes / t_fetch / 1e6:.0f} MB/s ({t_fetch / t_disk:.1f}x disk read)",
         ),
     ]
+
+
+def rows(ctx: BenchContext) -> list[Row]:
+    return consumer_rows(ctx.gemma, ctx.work, ctx.runs)

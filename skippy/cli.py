@@ -14,27 +14,15 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any
 
-from skippy.errors import EXIT_INVALID, EXIT_OK, EXIT_USAGE, InputUnreadable, SkippyError
-from skippy.findings import Finding
+from skippy.commands.output import Handler
+from skippy.errors import EXIT_USAGE, InputUnreadable, SkippyError
 
 PROG = "skippy-model-package"
 # errno names that mean "this input cannot be read" (others, e.g. ENOSPC, are I/O failures).
 _READ_ERRNOS = frozenset({"ENOENT", "EACCES", "ENOTDIR", "ELOOP", "EPERM"})
-
-
-@dataclass
-class CommandResult:
-    data: dict[str, Any]
-    text: str
-    exit_code: int = EXIT_OK
-    warnings: list[str] = field(default_factory=list)
-
-
-Handler = Callable[[argparse.Namespace], CommandResult]
 
 
 _json_usage_errors = False  # set by main() from the argv it parses
@@ -51,20 +39,6 @@ class _Parser(argparse.ArgumentParser):
             self.print_usage(sys.stderr)
             sys.stderr.write(f"{self.prog}: error: {message}\n")
         raise SystemExit(EXIT_USAGE)
-
-
-def finding_lines(findings: Sequence[Finding]) -> list[str]:
-    """Findings as indented text lines, with the hint under each error that has one."""
-    lines = []
-    for f in findings:
-        lines.append(f"  {f.severity}: [{f.code}] {f.message}" + (f" ({f.path})" if f.path else ""))
-        if f.remediation and f.severity == "error":
-            lines.append(f"      hint: {f.remediation}")
-    return lines
-
-
-def add_json_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--json", action="store_true", help="print one JSON document on stdout")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -138,10 +112,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # `... | head`: the reader left; not an error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return result.exit_code
-
-
-def exit_for(valid: bool) -> int:
-    return EXIT_OK if valid else EXIT_INVALID
 
 
 if __name__ == "__main__":

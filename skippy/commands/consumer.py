@@ -13,7 +13,7 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from skippy.cli import CommandResult, add_json_flag, exit_for, finding_lines
+from skippy.commands.output import CommandResult, add_json_flag, exit_for, finding_lines
 from skippy.config import read_environment
 from skippy.consume.materialize import materialize_stage
 from skippy.consume.preflight import PreparedStage, preflight_package

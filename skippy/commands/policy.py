@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING, Any
 
-from skippy.cli import CommandResult, add_json_flag
+from skippy.commands.output import CommandResult, add_json_flag
 from skippy.config import read_environment
 from skippy.errors import UsageError
 

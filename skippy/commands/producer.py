@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from skippy.cli import CommandResult, add_json_flag, exit_for, finding_lines
+from skippy.commands.output import CommandResult, add_json_flag, exit_for, finding_lines
 from skippy.config import read_environment
 from skippy.constants import MANIFEST_NAME
 from skippy.errors import InputUnreadable, UsageError

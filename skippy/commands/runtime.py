@@ -18,7 +18,7 @@ from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from skippy.cli import CommandResult, add_json_flag
+from skippy.commands.output import CommandResult, add_json_flag
 from skippy.config import load_node_config, read_environment
 from skippy.constants import ENV_VERIFY_PACKAGE_SHA
 from skippy.errors import UsageError

@@ -1,0 +1,94 @@
+"""Shared pieces of the benchmark sections: timing, peak RSS of a child, table rendering and the
+machine line. Every figure is a ratio measured side by side in one run (these machines are
+noisy); a figure is the median of N runs with the spread (min..max) beside it."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+for _p in (ROOT, ROOT / "scripts", ROOT / "tests"):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+Row = tuple[str, str, str, str]
+
+
+@dataclass(frozen=True)
+class BenchContext:
+    """What every section receives: the real model, a scratch folder, the run count."""
+
+    gemma: Path
+    work: Path
+    runs: int
+    big_bytes: int
+    skip_big: bool
+
+
+def times_of(
+    fn: Callable[[], object], runs: int, setup: Callable[[], object] | None = None
+) -> list[float]:
+    times = []
+    for _ in range(runs):
+        if setup is not None:
+            setup()
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def median_time(
+    fn: Callable[[], object], runs: int, setup: Callable[[], object] | None = None
+) -> float:
+    return statistics.median(times_of(fn, runs, setup))
+
+
+def hash_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        hashlib.file_digest(f, "sha256")
+
+
+def spread(times: list[float], unit: float = 1.0, fmt: str = "{:.3f}") -> str:
+    """``median (min..max)`` of ``times`` scaled by ``unit``: never the fastest run alone."""
+    med = statistics.median(times) * unit
+    return f"{fmt.format(med)} ({fmt.format(min(times) * unit)}..{fmt.format(max(times) * unit)})"
+
+
+def child_peak_rss_mib(argv: list[str]) -> float:
+    """Run a CLI command in a child and return its peak RSS (ru_maxrss of the child)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    proc = subprocess.run(argv, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{argv} failed: {proc.stderr}")
+    after = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return max(after, before) / 1024
+
+
+def render(rows: list[Row]) -> str:
+    lines = ["| model | measurement | value | ratio / note |", "|---|---|---|---|"]
+    lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
+    return "\n".join(lines)
+
+
+def machine() -> str:
+    cpu = "?"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return f"{os.cpu_count()} cores ({cpu}), {mem:.0f} GiB, Python {platform.python_version()}"
