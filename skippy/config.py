@@ -26,8 +26,14 @@ ENV_HF_CACHE = "HF_HUB_CACHE"
 ENV_HF_HOME = "HF_HOME"
 ENV_XDG_CACHE = "XDG_CACHE_HOME"
 
-ArtifactTransfer = Literal["off", "trusted", "open"]
-_TRANSFER_MODES: dict[str, ArtifactTransfer] = {"off": "off", "trusted": "trusted", "open": "open"}
+ArtifactTransfer = Literal["disabled", "trusted", "open"]
+# Spec "Peer Cache Transfer" (mesh-llm's values, exactly): trimmed and lower-cased; anything else,
+# or unset, is disabled. An unrecognised non-empty value is not an error (the default is the safe
+# side) but gets one warning naming it.
+_TRANSFER_WORDS: dict[str, ArtifactTransfer] = {
+    **dict.fromkeys(("open", "1", "true", "on", "yes", "any", "public"), "open"),
+    **dict.fromkeys(("trusted", "trust", "owner", "owners", "same-owner", "allowlist"), "trusted"),
+}
 _FALSE_WORDS = frozenset({"0", "false", "no", "off"})
 _TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
 
@@ -40,7 +46,9 @@ class Environment:
     # SKIPPY_VERIFY_PACKAGE_SHA. We keep the safe default: on unless set to 0/false/no/off.
     verify_local_sha256: bool = True
     # Spec "Peer Cache Transfer": not advertised or served by default; trusted or open opt in.
-    artifact_transfer: ArtifactTransfer = "off"
+    # ``None``: the variable is unset (a node TOML's ``artifact_transfer`` then decides).
+    artifact_transfer: ArtifactTransfer | None = None
+    warnings: tuple[str, ...] = ()
     hf_endpoint: str | None = None
     hf_offline: bool = False
     # The hub cache, resolved here the way huggingface_hub does (HF_HUB_CACHE, then
@@ -49,21 +57,38 @@ class Environment:
     skippy_cache_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "skippy")
 
 
+def parse_artifact_transfer(raw: str, source: str) -> tuple[ArtifactTransfer, str | None]:
+    """The spec's word table: (mode, a warning line when ``raw`` is set but not recognised).
+
+    ``source`` names where the value came from (the variable or the TOML key) for the warning.
+    """
+    word = raw.strip().lower()
+    mode = _TRANSFER_WORDS.get(word)
+    if mode is not None:
+        return mode, None
+    if not word or word in ("disabled", "off", "0", "false", "no", "none"):
+        return "disabled", None
+    return "disabled", (
+        f"{source}={raw.strip()!r} is not a recognised artifact transfer mode; peer artifact "
+        "transfer stays disabled (use trusted or open)"
+    )
+
+
 def read_environment(environ: Mapping[str, str] | None = None) -> Environment:
     env = os.environ if environ is None else environ
-    raw_transfer = env.get(ENV_ARTIFACT_TRANSFER, "").strip().lower() or "off"
-    transfer = _TRANSFER_MODES.get(raw_transfer)
-    if transfer is None:
-        raise UsageError(
-            f"{ENV_ARTIFACT_TRANSFER}={raw_transfer!r} is not one of off, trusted, open",
-            code="invalid_config",
-        )
+    transfer: ArtifactTransfer | None = None
+    warnings: list[str] = []
+    if ENV_ARTIFACT_TRANSFER in env:
+        raw = env[ENV_ARTIFACT_TRANSFER]
+        transfer, warning = parse_artifact_transfer(raw, ENV_ARTIFACT_TRANSFER)
+        warnings += [warning] if warning else []
     xdg = env.get(ENV_XDG_CACHE) or str(Path(env.get("HOME", str(Path.home()))) / ".cache")
     hf_home = env.get(ENV_HF_HOME) or str(Path(xdg) / "huggingface")
     hf_cache = env.get(ENV_HF_CACHE) or env.get(ENV_HF_CACHE_LEGACY) or str(Path(hf_home) / "hub")
     return Environment(
         verify_local_sha256=env.get(ENV_VERIFY_PACKAGE_SHA, "").strip().lower() not in _FALSE_WORDS,
         artifact_transfer=transfer,
+        warnings=tuple(warnings),
         hf_endpoint=env.get(ENV_HF_ENDPOINT) or None,
         hf_offline=any(
             env.get(name, "").strip().lower() in _TRUE_WORDS

@@ -94,6 +94,12 @@ class UnsafePath(ManifestError):
     code = "unsafe_artifact_path"
 
 
+class TopologyError(SkippyError, ValueError):
+    """A split topology is malformed or does not cover its layers exactly once."""
+
+    code = "invalid_topology"
+
+
 class ArtifactMissing(SkippyError, FileNotFoundError):
     """A declared artifact is not on disk (or not in the local cache when offline)."""
 

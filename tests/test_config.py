@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from skippy.config import load_node_config, read_environment
+from skippy.config import load_node_config, parse_artifact_transfer, read_environment
 from skippy.errors import InputUnreadable, UsageError
 
 
@@ -28,18 +28,38 @@ def test_local_sha_verification_is_on_unless_disabled(value, expected):
     assert read_environment(env).verify_local_sha256 is expected
 
 
+OPEN_WORDS = ("open", "1", "true", "on", "yes", "any", "public")
+TRUSTED_WORDS = ("trusted", "trust", "owner", "owners", "same-owner", "allowlist")
+
+
 @pytest.mark.parametrize(
-    ("value", "mode"), [(None, "off"), ("trusted", "trusted"), ("OPEN", "open")]
+    ("value", "mode"),
+    [(w, "open") for w in OPEN_WORDS]
+    + [(w, "trusted") for w in TRUSTED_WORDS]
+    + [(" OPEN ", "open"), ("Same-Owner", "trusted"), ("\ttrusted\n", "trusted")]
+    + [(w, "disabled") for w in ("", "  ", "disabled", "off", "0", "false", "no")],
 )
-def test_artifact_transfer_modes(value, mode):
-    env = {} if value is None else {"MESH_LLM_ARTIFACT_TRANSFER": value}
-    assert read_environment(env).artifact_transfer == mode
+def test_artifact_transfer_words_follow_the_spec_table(value, mode):
+    env = read_environment({"MESH_LLM_ARTIFACT_TRANSFER": value})
+    assert env.artifact_transfer == mode
+    assert env.warnings == ()
 
 
-def test_unknown_artifact_transfer_mode_is_refused():
-    with pytest.raises(UsageError) as exc:
-        read_environment({"MESH_LLM_ARTIFACT_TRANSFER": "everyone"})
-    assert exc.value.code == "invalid_config"
+def test_unset_artifact_transfer_is_left_to_the_config_file():
+    assert read_environment({}).artifact_transfer is None
+
+
+@pytest.mark.parametrize("value", ["everyone", "trusted-ish", "opened", "2"])
+def test_unknown_artifact_transfer_word_is_disabled_with_one_warning(value):
+    env = read_environment({"MESH_LLM_ARTIFACT_TRANSFER": value})
+    assert env.artifact_transfer == "disabled"
+    assert len(env.warnings) == 1
+    assert value in env.warnings[0] and "MESH_LLM_ARTIFACT_TRANSFER" in env.warnings[0]
+
+
+def test_parse_artifact_transfer_names_its_source():
+    mode, warning = parse_artifact_transfer("bogus", "artifact_transfer")
+    assert mode == "disabled" and warning is not None and warning.startswith("artifact_transfer=")
 
 
 def test_hf_cache_and_offline():

@@ -1,0 +1,222 @@
+"""A split topology: which node runs which contiguous layer range of one package (pure).
+
+The coordinator builds one, signs its canonical bytes and sends it to its workers (the signing
+and the sending are ``mesh_node``'s); a worker checks it here before it stores it as its active
+topology; artifact authorization (spec "Peer Cache Transfer": "the serving node checks the
+active split topology and only serves artifacts needed by the requesting node's assigned stage
+range") and split serving read it. Every check is done at construction, so a ``SplitTopology``
+in hand always covers ``0..layer_count`` exactly once with one stage per node.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from skippy.errors import TopologyError
+from skippy.package.ranges import LayerRange
+
+NODE_ID_HEX_CHARS = 64  # an Ed25519 public key, lowercase hex
+MAX_ID_CHARS = 128  # topology_id, run_id, stage_id
+MAX_STAGES = 1024
+MAX_PACKAGE_REF_CHARS = 512
+_NODE_ID_RE = re.compile(r"^[0-9a-f]{64}$")
+_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+
+
+def check_node_id(value: object, what: str = "node_id") -> str:
+    if not isinstance(value, str) or not _NODE_ID_RE.match(value):
+        raise TopologyError(
+            f"{what} must be {NODE_ID_HEX_CHARS} lowercase hex characters (an Ed25519 public key)",
+            actual=_short(value),
+        )
+    return value
+
+
+def _check_id(value: object, what: str) -> str:
+    if not isinstance(value, str) or not _ID_RE.match(value):
+        raise TopologyError(
+            f"{what} must be 1-{MAX_ID_CHARS} characters of [A-Za-z0-9._:-], starting with a "
+            "letter or digit",
+            actual=_short(value),
+        )
+    return value
+
+
+def _check_int(value: object, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TopologyError(f"{what} must be an integer", actual=_short(value))
+    return value
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+@dataclass(frozen=True)
+class StageAssignment:
+    """One stage of a split: ``node_id`` runs ``layers`` as stage ``stage_index``."""
+
+    node_id: str
+    stage_id: str
+    stage_index: int
+    layers: LayerRange
+
+    def __post_init__(self) -> None:
+        check_node_id(self.node_id)
+        _check_id(self.stage_id, "stage_id")
+        if _check_int(self.stage_index, "stage_index") < 0:
+            raise TopologyError("stage_index must be >= 0", actual=self.stage_index)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "node_id": self.node_id,
+            "stage_id": self.stage_id,
+            "stage_index": self.stage_index,
+            "layer_start": self.layers.start,
+            "layer_end": self.layers.stop,
+        }
+
+
+@dataclass(frozen=True)
+class SplitTopology:
+    """A complete split of one package over nodes: stage ``i`` is ``stages[i]``, the ranges are
+    contiguous and cover ``0..layer_count`` exactly once, and each node holds one stage."""
+
+    topology_id: str
+    run_id: str
+    package_ref: str
+    manifest_sha256: str
+    layer_count: int
+    stages: tuple[StageAssignment, ...]
+
+    def __post_init__(self) -> None:
+        _check_id(self.topology_id, "topology_id")
+        _check_id(self.run_id, "run_id")
+        if not isinstance(self.package_ref, str) or not 0 < len(self.package_ref) <= (
+            MAX_PACKAGE_REF_CHARS
+        ):
+            raise TopologyError(
+                f"package_ref must be a non-empty string of at most {MAX_PACKAGE_REF_CHARS} "
+                "characters",
+                actual=_short(self.package_ref),
+            )
+        if not isinstance(self.manifest_sha256, str) or not _SHA256_RE.match(self.manifest_sha256):
+            raise TopologyError(
+                "manifest_sha256 must be 64 lowercase hex characters",
+                actual=_short(self.manifest_sha256),
+            )
+        _check_int(self.layer_count, "layer_count")
+        if not 0 < len(self.stages) <= MAX_STAGES:
+            raise TopologyError(
+                f"a topology needs 1-{MAX_STAGES} stages", actual=len(self.stages)
+            )
+        self._check_coverage()
+
+    def _check_coverage(self) -> None:
+        expected_start = 0
+        for i, stage in enumerate(self.stages):
+            if stage.stage_index != i:
+                raise TopologyError(
+                    f"stage {i} has stage_index {stage.stage_index}; stages must be listed in "
+                    "order 0..N-1",
+                    code="topology_coverage",
+                )
+            if stage.layers.layer_count != self.layer_count:
+                raise TopologyError(
+                    f"stage {i} is planned for {stage.layers.layer_count} layers, the topology "
+                    f"for {self.layer_count}",
+                    code="topology_coverage",
+                )
+            if stage.layers.start != expected_start:
+                raise TopologyError(
+                    f"stage {i} starts at layer {stage.layers.start}, expected {expected_start}: "
+                    "the ranges must cover 0..layer_count exactly once, in order",
+                    code="topology_coverage",
+                )
+            expected_start = stage.layers.stop
+        if expected_start != self.layer_count:
+            raise TopologyError(
+                f"the stages end at layer {expected_start}, not at layer_count "
+                f"{self.layer_count}",
+                code="topology_coverage",
+            )
+        for attr in ("node_id", "stage_id"):
+            values = [getattr(s, attr) for s in self.stages]
+            if len(set(values)) != len(values):
+                raise TopologyError(
+                    f"a {attr} appears in more than one stage", code="topology_coverage"
+                )
+
+    @property
+    def final_stage(self) -> StageAssignment:
+        return self.stages[-1]
+
+    def stage_of(self, node_id: str) -> StageAssignment | None:
+        """The stage assigned to ``node_id``, or ``None`` when it has none."""
+        for stage in self.stages:
+            if stage.node_id == node_id:
+                return stage
+        return None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "topology_id": self.topology_id,
+            "run_id": self.run_id,
+            "package_ref": self.package_ref,
+            "manifest_sha256": self.manifest_sha256,
+            "layer_count": self.layer_count,
+            "stages": [s.to_dict() for s in self.stages],
+        }
+
+    def canonical_bytes(self) -> bytes:
+        """The bytes a coordinator signs: sorted-key compact UTF-8 JSON of ``to_dict()``."""
+        return json.dumps(
+            self.to_dict(), sort_keys=True, separators=(",", ":"), ensure_ascii=True
+        ).encode("ascii")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> SplitTopology:
+        """Strict parse of untrusted data (a peer's message): exact keys, exact types."""
+        fields = {"topology_id", "run_id", "package_ref", "manifest_sha256", "layer_count",
+                  "stages"}
+        if not isinstance(data, Mapping) or set(data) != fields:
+            got = sorted(map(str, data)) if isinstance(data, Mapping) else type(data).__name__
+            raise TopologyError(f"a topology has exactly the fields {sorted(fields)}", actual=got)
+        raw_stages = data["stages"]
+        if not isinstance(raw_stages, list | tuple) or len(raw_stages) > MAX_STAGES:
+            raise TopologyError(f"stages must be a list of at most {MAX_STAGES} entries")
+        layer_count = _check_int(data["layer_count"], "layer_count")
+        stages = tuple(_stage_from_dict(s, layer_count) for s in raw_stages)
+        return cls(
+            topology_id=data["topology_id"],
+            run_id=data["run_id"],
+            package_ref=data["package_ref"],
+            manifest_sha256=data["manifest_sha256"],
+            layer_count=layer_count,
+            stages=stages,
+        )
+
+
+def _stage_from_dict(data: object, layer_count: int) -> StageAssignment:
+    fields = {"node_id", "stage_id", "stage_index", "layer_start", "layer_end"}
+    if not isinstance(data, Mapping) or set(data) != fields:
+        raise TopologyError(f"a stage has exactly the fields {sorted(fields)}")
+    start = _check_int(data["layer_start"], "layer_start")
+    stop = _check_int(data["layer_end"], "layer_end")
+    if not 0 <= start < stop <= layer_count:
+        raise TopologyError(
+            f"stage range {start}..{stop} is empty or outside 0..{layer_count}",
+            code="topology_coverage",
+        )
+    return StageAssignment(
+        node_id=data["node_id"],
+        stage_id=data["stage_id"],
+        stage_index=data["stage_index"],
+        layers=LayerRange(start, stop, layer_count),
+    )
