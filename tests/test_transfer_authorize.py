@@ -139,9 +139,9 @@ def test_authorize_rules(served_package: ServedPackage, held: HeldManifest) -> N
     assert decide(sp, held, req(sp, manifest_sha256="0" * 64)) == "manifest_mismatch"
     assert decide(sp, held, req(sp, stage_id="stage-1")) == "stage_mismatch"
     stranger = bytes(range(5, 37))
-    assert (
-        decide(sp, held, req(sp, requester_id=stranger), peer=PeerFacts(stranger, OWNER, "verified"))
-        == "requester_not_in_topology"
+    peer = PeerFacts(stranger, OWNER, "verified")
+    assert decide(sp, held, req(sp, requester_id=stranger), peer=peer) == (
+        "requester_not_in_topology"
     )
     assert decide(sp, None, req(sp)) == "manifest_not_held"
     assert decide(sp, ManifestProblem("manifest_too_large", "big"), req(sp)) == (

@@ -16,23 +16,27 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from hub_server import FakeHub, running_hub
 from huggingface_hub import hf_hub_download
-from hub_server import running_hub
 from pkgtools import make_package
 
 from skippy.constants import MANIFEST_NAME
+from skippy.consume.verify import VerifyCache
 from skippy.package.ranges import LayerRange
 from skippy.package.topology import SplitTopology, StageAssignment
 from skippy.transfer.errors import ArtifactWireError
+from skippy.transfer.fetch_plan import FetchItem, request_for
+from skippy.transfer.hubcache import RepoCache, load_held_manifest
 from skippy.transfer.policy import NodePolicy, PeerFacts
 from skippy.transfer.serve import ArtifactServer, ServeOutcome, refuse_malformed
-from skippy.transfer.sink import ArtifactSink
+from skippy.transfer.sink import ArtifactSink, open_sink
 from skippy.transfer.wire import (
     BodyData,
     BodyEnd,
     RequestReader,
     ResponseHeader,
     ResponseReader,
+    encode_request,
 )
 
 REPO = "lab/tiny-layers"
@@ -58,7 +62,7 @@ class ServedPackage:
     ref: str  # hf://lab/tiny-layers@<commit>
     commit: str
     manifest_sha256: str
-    hub_url: str
+    hub: FakeHub  # still running: the hub workers fall back to
 
     def topology(self, **changes: object) -> SplitTopology:
         n = 4
@@ -89,7 +93,8 @@ def publish_package(gemma: Path, projector: Path, root: Path) -> Iterator[Served
         for rel in files:
             hf_hub_download(REPO, rel, revision=commit, cache_dir=cache, endpoint=hub.url)
         sha = hashlib.sha256((pkg / MANIFEST_NAME).read_bytes()).hexdigest()
-        yield ServedPackage(pkg, cache, f"hf://{REPO}@{commit}", commit, sha, hub.url)
+        hub.reset()  # count only what the tests ask of it
+        yield ServedPackage(pkg, cache, f"hf://{REPO}@{commit}", commit, sha, hub)
 
 
 @pytest.fixture(scope="session")
@@ -171,11 +176,12 @@ def pump(
     offset: int = 0,
     sink: ArtifactSink | None = None,
     mutate: Mutate | None = None,
+    chunk: int = 64 * 1024,
 ) -> Exchange:
     """One request end to end. With a ``sink`` the body goes into it (``finish`` at the end;
     any exception propagates after ``abort``, as the shell would do)."""
     outcome = serve_bytes(server, node_policy, peer, topology, request_frame)
-    pieces = stream_of(outcome)
+    pieces = stream_of(outcome, chunk)
     if mutate is not None:
         pieces = mutate(pieces)
     ex = Exchange(outcome)
@@ -200,3 +206,47 @@ def pump(
         raise
     ex.body = bytes(body)
     return ex
+
+
+def fetch_item(
+    sp: ServedPackage,
+    server: ArtifactServer,
+    worker_hub: Path,
+    item: FetchItem,
+    *,
+    verify_cache: VerifyCache | None = None,
+    requester: bytes = WORKER_B,
+    mode: str = "open",
+    mutate: Mutate | None = None,
+    chunk: int = 16 * 1024,
+    lock_timeout_s: float = 0.0,
+) -> tuple[ArtifactSink, Exchange | None]:
+    """The worker's whole fetch of one item: open the sink, ask from its offset, pump."""
+    topology = sp.topology()
+    stage = topology.stage_of(requester.hex())
+    assert stage is not None
+    sink = open_sink(
+        RepoCache.for_ref(worker_hub, sp.ref),
+        item,
+        manifest_sha256=sp.manifest_sha256,
+        verify_cache=verify_cache,
+        lock_timeout_s=lock_timeout_s,
+    )
+    if sink.present:
+        return sink, None
+    frame = encode_request(request_for(item, topology, stage, requester, offset=sink.offset))
+    peer = PeerFacts(requester, OWNER, "verified")
+    ex = pump(
+        server, policy(mode), peer, topology, frame,
+        offset=sink.offset, sink=sink, mutate=mutate, chunk=chunk,
+    )
+    return sink, ex
+
+
+def item_for(sp: ServedPackage, path: str) -> FetchItem:
+    """The fetch item for ``path`` as the package's manifest declares it."""
+    if path == MANIFEST_NAME:
+        return FetchItem(MANIFEST_NAME, sp.manifest_sha256, None)
+    held = load_held_manifest(RepoCache.for_ref(sp.hub_cache, sp.ref), sp.manifest_sha256)
+    ref = {r.path: r for r in held.held.manifest.artifacts()}[path]
+    return FetchItem.of(ref)
