@@ -15,11 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from hub_server import Fault
 from transfer_tools import (
     REPO,
     WORKER_B,
     ServedPackage,
     fetch_item,
+    item_for,
     served_package,  # noqa: F401 - a fixture
 )
 
@@ -29,7 +31,8 @@ from skippy.constants import MANIFEST_NAME
 from skippy.consume.hub import OfflineCacheMiss
 from skippy.consume.resolve import resolve_stage
 from skippy.consume.verify import VerifyCache
-from skippy.errors import TopologyError
+from skippy.errors import IntegrityError, TopologyError
+from skippy.transfer.fallback import fetch_from_hub
 from skippy.transfer.fetch_plan import FetchPlan, manifest_item, plan_fetch
 from skippy.transfer.hubcache import (
     RepoCache,
@@ -221,3 +224,25 @@ def test_online_the_hub_is_asked_only_for_what_the_peer_did_not_bring(
     for path in STAGE_PATHS:
         assert hub.get_count(REPO, path) == before[path]
     assert hub.get_count(REPO, "layers/layer-00002.gguf") == before["layers/layer-00002.gguf"] + 1
+
+
+def test_hub_fallback_installs_a_verified_copy_or_evicts_a_corrupt_one(
+    served_package: ServedPackage, tmp_path: Path  # noqa: F811
+) -> None:
+    sp = served_package
+    cache = RepoCache.for_ref(tmp_path / "hub", sp.ref)
+    verify = VerifyCache(tmp_path / "verify")
+    item = item_for(sp, "layers/layer-00002.gguf")
+    sp.hub.inject(REPO, item.path, Fault.FLIP_BYTE, times=1)
+    with pytest.raises(IntegrityError) as exc:
+        fetch_from_hub(cache, item, manifest_sha256=sp.manifest_sha256, verify_cache=verify,
+                       endpoint=sp.hub.url)
+    assert exc.value.code == "artifact_sha256_mismatch"
+    assert not os.path.lexists(cache.snapshot_path(item.path))
+    assert not cache.blob_path(item.sha256).exists()
+    path = fetch_from_hub(cache, item, manifest_sha256=sp.manifest_sha256, verify_cache=verify,
+                          endpoint=sp.hub.url)
+    assert path == cache.snapshot_path(item.path)
+    assert path.read_bytes() == (sp.package_dir / item.path).read_bytes()
+    assert verified_present(cache, [item.ref], manifest_sha256=sp.manifest_sha256,
+                            verify_cache=verify) == {item.path: "cached"}
