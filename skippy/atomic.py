@@ -25,6 +25,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
+from skippy.errors import EXIT_USAGE, SkippyError
+
 PARTIAL_SUFFIX = ".partial"
 RESUMABLE_SUFFIX = ".part"
 _LOCK_POLL_S = 0.02
@@ -123,8 +125,11 @@ def find_partials(dest: Path) -> list[Path]:
 
 
 # --- locks ------------------------------------------------------------------------------------
-class LockBusy(BlockingIOError):
+class LockBusy(SkippyError, BlockingIOError):
     """Another holder kept the lock past the timeout."""
+
+    code = "lock_busy"
+    exit_code = EXIT_USAGE
 
 
 @contextlib.contextmanager
