@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from transfer_tools import (
+    WORKER_A,
     WORKER_B,
     ServedPackage,
     fetch_item,
@@ -319,12 +320,15 @@ def test_two_concurrent_fetches_install_once(
     with pytest.raises(InstallBusy):  # the lock is held: a second fetch cannot start
         open_sink(cache, item, manifest_sha256=sp.manifest_sha256, verify_cache=None)
     results: dict[str, object] = {}
+    entering = threading.Event()
 
     def second_fetch() -> None:
+        entering.set()
         results["second"] = fetch_item(sp, server, hub, item, lock_timeout_s=30)
 
     waiter = threading.Thread(target=second_fetch)
     waiter.start()
+    assert entering.wait(10)
     time.sleep(0.2)  # sequencing only: let the second fetch reach the lock and wait on it
     frame = encode_request(
         request_for(item, sp.topology(), sp.topology().stages[2], WORKER_B)
@@ -352,3 +356,37 @@ def test_restart_after_completion_fetches_nothing(
     for item in items:  # a restarted worker: every sink finds its file, nothing is asked
         sink, ex = fetch_item(sp, server, hub, item, verify_cache=verify)
         assert sink.present and ex is None and sink.received_bytes == 0
+
+
+def test_two_workers_fetch_their_stages_from_one_server_at_once(
+    served_package: ServedPackage, server: ArtifactServer, tmp_path: Path  # noqa: F811
+) -> None:
+    sp = served_package
+    wanted = {
+        WORKER_A: {"shared/metadata.gguf", "layers/layer-00001.gguf", "layers/layer-00002.gguf"},
+        WORKER_B: {"shared/metadata.gguf", "shared/embeddings.gguf", LAYER, "shared/output.gguf"},
+    }
+    errors: list[BaseException] = []
+
+    def worker(node: bytes) -> None:
+        try:
+            for path in sorted(wanted[node]):
+                sink, _ = fetch_item(sp, server, tmp_path / node.hex()[:8], item_for(sp, path),
+                                     requester=node, chunk=4096)
+                assert sink.state == "installed"
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(node,)) for node in wanted]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == []
+    for node, paths in wanted.items():
+        hub = tmp_path / node.hex()[:8]
+        snapshot = RepoCache.for_ref(hub, sp.ref).snapshot_dir
+        got = {p.relative_to(snapshot).as_posix() for p in snapshot.rglob("*") if p.is_file()}
+        assert got == paths
+        for path in paths:
+            _installed_ok(sp, hub, item_for(sp, path))
