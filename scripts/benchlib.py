@@ -7,10 +7,10 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -66,13 +66,17 @@ def spread(times: list[float], unit: float = 1.0, fmt: str = "{:.3f}") -> str:
 
 
 def child_peak_rss_mib(argv: list[str]) -> float:
-    """Run a CLI command in a child and return its peak RSS (ru_maxrss of the child)."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    proc = subprocess.run(argv, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"{argv} failed: {proc.stderr}")
-    after = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    return max(after, before) / 1024
+    """Run a command in a child and return that child's own peak RSS (``wait4``'s rusage:
+    RUSAGE_CHILDREN would report the largest of every child so far, e.g. a pip install run
+    by scripts/_setup.sh before this process was exec'ed)."""
+    with tempfile.TemporaryFile(mode="w+") as err:
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=err, text=True)
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here, not by Popen
+        if proc.returncode != 0:
+            err.seek(0)
+            raise SystemExit(f"{argv} failed: {err.read()}")
+    return usage.ru_maxrss / 1024
 
 
 def render(rows: list[Row]) -> str:
