@@ -272,7 +272,7 @@ class Link:
                 task_status.started()
         finally:
             self._nursery = None
-            reason = self.close_reason or ("closed", "the link closed")
+            reason = self.close_reason or ("shutdown", "the node is shutting down")
             self.close_reason = reason
             error = LinkClosed(f"link to {self.node_id[:12]} closed: {reason[0]}: {reason[1]}")
             for stream in list(self._streams.values()):

@@ -115,3 +115,34 @@ def status_document(
         "peers": [p.to_dict() for p in sorted(peers, key=lambda p: p.node_id)],
         "topology": None if topology is None else dict(topology),
     }
+
+
+def render_status(doc: Mapping[str, Any]) -> str:
+    """The status document as text for a terminal."""
+    features = "; ".join(f"{k}: {', '.join(v)}" for k, v in doc["features"].items())
+    lines = [
+        f"node     {doc['node_id']}",
+        f"listen   {doc['listen']}",
+        f"owner    {doc['owner_id'] or '-'} ({doc['owner_status']})",
+        f"features {features or '-'}",
+        f"memory   {doc['memory_budget']} bytes; artifact transfer {doc['artifact_transfer']}",
+        f"peers    {len(doc['peers'])}",
+    ]
+    for p in doc["peers"]:
+        state = "up" if p["connected"] else "down"
+        trust = "trusted" if p["trusted"] else "untrusted"
+        lines.append(
+            f"  {p['node_id'][:16]} {state:4} {p['owner_status']:10} {trust:9} "
+            f"{p['address'] or '-'} seen {p['last_seen_s']:.1f}s ago"
+        )
+    topo = doc.get("topology")
+    if topo:
+        lines.append(f"topology {topo['topology_id']} ({topo['role']}, {topo['state']})")
+        for s in topo["stages"]:
+            lines.append(
+                f"  stage {s['stage_index']}: layers {s['layer_start']}..{s['layer_end']} on "
+                f"{s['node_id'][:16]}"
+            )
+    else:
+        lines.append("topology none")
+    return "\n".join(lines)
