@@ -109,6 +109,9 @@ class MeshNode:
             idle_s=settings.idle_timeout_s,
             heartbeat_interval_s=settings.heartbeat_interval_s,
             peer_loss_s=settings.peer_loss_timeout_s,
+            # How long a closing WebSocket waits for the peer's close frame; short, since a
+            # shutting-down or vanished peer never answers.
+            disconnect_s=min(1.0, settings.handshake_timeout_s / 4),
         )
         self.wall_clock = wall_clock
         self.listen_url: str | None = None
