@@ -80,12 +80,12 @@ def advertised_features(
     """skippy-stage/2 with the stage bundle, plus ``artifact-transfer`` exactly when this node
     would serve artifacts: open mode, or trusted mode with its own owner verified (spec "Peer
     Cache Transfer"; the serving policy itself is issue #8's)."""
-    bits = sorted(pc.STAGE_BUNDLE)
+    bits = set(pc.STAGE_BUNDLE)
     _owner, own_status = identity.owner(now_s)
     mode = settings.artifact_transfer
     if mode == "open" or (mode == "trusted" and own_status == "verified"):
-        bits.append(pc.BIT_ARTIFACT_TRANSFER)
-    return {pc.FEATURE_SKIPPY_STAGE: tuple(bits)}
+        bits.add(pc.BIT_ARTIFACT_TRANSFER)
+    return {pc.FEATURE_SKIPPY_STAGE: tuple(sorted(bits))}
 
 
 class MeshNode:
