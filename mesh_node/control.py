@@ -79,6 +79,7 @@ async def serve_control(
     try:
         async with trio.open_nursery() as nursery:
             task_status.started()
+
             async def serve(stream: trio.SocketStream) -> None:
                 await _serve_one(stream, handler)
 

@@ -47,6 +47,7 @@ from mesh_node.peers import (
     SubprotocolHandler,
     status_document,
 )
+from mesh_node.topology import TopologyService
 from protocol import constants as pc
 from protocol.errors import ProtocolError
 from protocol.frames import SubprotocolOpen
@@ -122,8 +123,6 @@ class MeshNode:
         self._handshake_slots = trio.CapacityLimiter(MAX_PENDING_HANDSHAKES)
         self._nursery: trio.Nursery | None = None
         self.started = trio.Event()
-        from mesh_node.topology import TopologyService  # the service needs the node's API
-
         self.topology = TopologyService(self)
 
     # --- the registration API -----------------------------------------------------------------

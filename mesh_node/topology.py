@@ -11,23 +11,25 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
 import trio
 
 from mesh_node.errors import MeshError, TopologyRefused
-from mesh_node.peers import InboundStream, PeerDown, TopologyChanged
+from mesh_node.identity import LocalIdentity
+from mesh_node.link import LinkTimeouts, MeshStream
+from mesh_node.peers import InboundStream, NodeEvent, PeerDown, PeerInfo, TopologyChanged
 from protocol import constants as pc
 from protocol.certificates import sign_domain, verify_domain
 from protocol.errors import ProtocolError
 from protocol.messages import TopologyAck, TopologyOffer, decode_control_message
+from skippy.config import NodeSettings
 from skippy.errors import TopologyError
 from skippy.package.plan import ModelSizes
 from skippy.package.topology import NodeCapacity, SplitTopology, plan_topology
-
-if TYPE_CHECKING:
-    from mesh_node.node import MeshNode
 
 log = logging.getLogger("mesh_node.topology")
 Role = Literal["coordinator", "worker"]
@@ -71,8 +73,24 @@ def topology_signature_valid(topology: SplitTopology, signer_id: str, signature:
     )
 
 
+class NodeView(Protocol):
+    """The part of ``MeshNode`` the service uses (keeps the arrow one way: node -> topology)."""
+
+    node_id: str
+    identity: LocalIdentity
+    settings: NodeSettings
+    limits: pc.Limits
+    timeouts: LinkTimeouts
+
+    def peers(self, *, connected_only: bool = False) -> list[PeerInfo]: ...
+    async def open_stream(self, node_id: str, kind: int) -> MeshStream: ...
+    def emit(self, event: NodeEvent) -> None: ...
+    def subscribe(self) -> AbstractAsyncContextManager[trio.MemoryReceiveChannel[NodeEvent]]: ...
+    def register_subprotocol(self, kind: int, handler: Callable[[InboundStream], Any]) -> None: ...
+
+
 class TopologyService:
-    def __init__(self, node: MeshNode) -> None:
+    def __init__(self, node: NodeView) -> None:
         self.node = node
         self.active: ActiveTopology | None = None
         self._last_request: _PlanRequest | None = None
