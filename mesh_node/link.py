@@ -133,7 +133,9 @@ class MeshStream(trio.abc.HalfCloseableStream):
                         )
                     continue
                 chunk, view = view[:room], view[room:]
-                mux.send_data(self.stream_id, bytes(chunk))
+                # Queued until the writer sends it: copy unless the caller's buffer is
+                # immutable (after send_all returns, the caller may reuse a bytearray).
+                mux.send_data(self.stream_id, chunk if isinstance(data, bytes) else bytes(chunk))
                 self._link.wake_writer()
             await trio.lowlevel.checkpoint()
         finally:
@@ -259,6 +261,7 @@ class Link:
         self.rtt_s: float | None = None
         self._ping_sent: dict[int, float] = {}
         self._ping_seq = 0
+        self._write_in_flight = False
 
     # --- lifecycle ---------------------------------------------------------------------------
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -285,7 +288,9 @@ class Link:
 
     async def _say_goodbye(self, reason: tuple[str, str]) -> None:
         """Tell the peer why we leave (best effort: the socket may be gone or stalled)."""
-        if reason[0] in ("connection_closed", "peer_going_away", "peer_not_reading"):
+        if self._write_in_flight or reason[0] in (
+            "connection_closed", "peer_going_away", "peer_not_reading"
+        ):
             return
         try:
             self.mux.go_away(*reason)
@@ -435,8 +440,12 @@ class Link:
                     await trio.lowlevel.checkpoint()
                     continue
                 message = self.channel.seal(records)
+                # Between seal (nonces used) and a complete send, a cancelled write would leave
+                # a gap the peer rightly rejects: no goodbye may follow an interrupted write.
+                self._write_in_flight = True
                 with trio.move_on_after(self.timeouts.idle_s) as scope:
                     await self.ws.send_message(message)
+                self._write_in_flight = False
                 if scope.cancelled_caught:
                     self.close("peer_not_reading", "a write stalled past the idle timeout")
                     return

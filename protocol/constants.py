@@ -92,8 +92,8 @@ class Limits:
     max_feature_chars: int = 64
     max_address_chars: int = 256
     # streams and flow control
-    max_streams_per_link: int = 64  # live streams opened by one side of a link
-    stream_window_bytes: int = 1024 * 1024  # yamux-like per-stream receive window
+    max_streams_per_link: int = 32  # live streams opened by one side of a link
+    stream_window_bytes: int = 4 * 1024 * 1024  # yamux-like per-stream receive window
     max_control_backlog_bytes: int = 1024 * 1024  # queued outbound control frames
     # time (seconds; the sans-IO state machines take "now" as a number)
     handshake_timeout_s: float = 10.0

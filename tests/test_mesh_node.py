@@ -120,7 +120,7 @@ async def test_registered_handler_gets_the_authenticated_peer_and_a_flow_control
         a.register_subprotocol(pc.KIND_ARTIFACT_TRANSFER, echo_sum)
         await wait_for(lambda: len(b.peers()) == 1)
         stream = await b.open_stream(a.node_id, pc.KIND_ARTIFACT_TRANSFER)
-        payload = b"z" * (5 * 1024 * 1024 + 17)  # five windows' worth: credit must flow back
+        payload = b"z" * (3 * pc.DEFAULT_LIMITS.stream_window_bytes + 17)  # credit must flow back
         await stream.send_all(payload)
         await stream.send_eof()
         reply = b""
