@@ -285,3 +285,15 @@ async def test_a_silent_peer_is_detected_as_lost_by_heartbeats(tmp_path):
         assert link is not None and link.close_reason is not None
         assert link.close_reason[0] == "peer_lost"
         await assert_good_link_alive(victim, good)
+
+
+async def test_a_peer_without_the_stage_bundle_is_never_placed(tmp_path):
+    key = Ed25519PrivateKey.generate()
+    async with pair(tmp_path) as (victim, good, _), raw_peer(victim, key) as (ws, channel, mux):
+        partial = {pc.FEATURE_SKIPPY_STAGE: (pc.BIT_CONTROL, pc.BIT_STATUS)}
+        mux.send_link_message(Hello(None, partial, 1 << 40).encode())
+        await ws.send_message(channel.seal([mux.next_record() or b""]))
+        raw_id = key.public_key().public_bytes_raw().hex()
+        await wait_for(lambda: victim.peer(raw_id) is not None)
+        capable = {n.node_id for n in victim.topology.capable_nodes(include_self=True)}
+        assert capable == {victim.node_id, good.node_id}

@@ -102,6 +102,9 @@ def test_two_real_processes_trust_each_other_and_a_signed_topology_is_acknowledg
     procs = [a]
     try:
         assert a_url.endswith("#" + ids["a"])
+        sock = tmp_path / "d-a" / "mesh-node.sock"
+        assert sock.stat().st_mode & 0o777 == 0o600  # the local control socket
+        assert (tmp_path / "d-a").stat().st_mode & 0o777 == 0o700
         write_config(tmp_path / "b.toml", "b", [a_url])
         b, _ = start(tmp_path, "b.toml")
         procs.append(b)

@@ -219,3 +219,19 @@ def test_stream_message_size_limit():
         reader.feed((101).to_bytes(4, "big"))
     with pytest.raises(ProtocolError, match="message_too_large"):
         m.frame_message(b"a" * 101, limits)
+
+
+@pytest.mark.parametrize(
+    "hello",
+    [
+        {"features": {f"f{i}": [] for i in range(c.DEFAULT_LIMITS.max_features + 1)}},
+        {"features": {"skippy-stage/2": ["x" * (c.DEFAULT_LIMITS.max_feature_chars + 1)]}},
+        {"listen": "ws://" + "h" * c.DEFAULT_LIMITS.max_address_chars},
+        {"memory_budget_bytes": -1},
+    ],
+)
+def test_advertisement_limits(hello):
+    raw = {"t": "hello", "gen": 1, "listen": None, "features": {}, "memory_budget_bytes": 0}
+    raw.update(hello)
+    with pytest.raises(ProtocolError, match="malformed_message"):
+        m.decode_link_message(msgpack.packb(raw))
