@@ -13,15 +13,24 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from skippy.commands.output import CommandResult
-from skippy.errors import EXIT_USAGE, SkippyError
+from skippy.errors import EXIT_OK, EXIT_USAGE, SkippyError
 
 PROG = "mesh-node"
 STATUS_TIMEOUT_S = 5.0
 TOPOLOGY_TIMEOUT_S = 120.0
+
+
+@dataclass
+class CommandResult:
+    # Not skippy.commands.output's: importing skippy.commands loads every package command
+    # (~0.27 s), which `mesh-node status` must not pay.
+    data: dict[str, Any]
+    text: str
+    exit_code: int = EXIT_OK
 
 
 class _Parser(argparse.ArgumentParser):
