@@ -289,7 +289,9 @@ class Link:
     async def _say_goodbye(self, reason: tuple[str, str]) -> None:
         """Tell the peer why we leave (best effort: the socket may be gone or stalled)."""
         if self._write_in_flight or reason[0] in (
-            "connection_closed", "peer_going_away", "peer_not_reading"
+            "connection_closed",
+            "peer_going_away",
+            "peer_not_reading",
         ):
             return
         try:

@@ -19,6 +19,7 @@ from typing import Any
 
 import trio
 from trio_websocket import (
+    ConnectionClosed,
     ConnectionRejected,
     HandshakeError,
     WebSocketConnection,
@@ -259,8 +260,10 @@ class MeshNode:
                     OSError,
                     HandshakeError,
                     ConnectionRejected,
+                    ConnectionClosed,
                     ProtocolError,
                     trio.TooSlowError,
+                    trio.BrokenResourceError,
                 ) as exc:
                     failures += 1
                     log.info("dial %s failed: %s", address, exc)
@@ -291,6 +294,12 @@ class MeshNode:
             await self._serve_link(ws, peer, channel, initiator=True)
 
     async def _on_request(self, request: WebSocketRequest) -> None:
+        try:
+            await self._accept(request)
+        except (ConnectionClosed, trio.BrokenResourceError, OSError) as exc:
+            log.info("inbound connection aborted: %s", type(exc).__name__)
+
+    async def _accept(self, request: WebSocketRequest) -> None:
         if self._handshake_slots.available_tokens == 0:
             await request.reject(503, body=b"too many pending handshakes")
             return
@@ -304,13 +313,10 @@ class MeshNode:
         async with self._handshake_slots:
             try:
                 peer, channel = await secure_handshake(ws, hs, self.timeouts.handshake_s)
-            except (ProtocolError, trio.TooSlowError, trio.BrokenResourceError) as exc:
+            except (ProtocolError, trio.TooSlowError) as exc:
                 log.info("inbound handshake failed: %s", exc)
                 with trio.move_on_after(self.timeouts.disconnect_s):
                     await ws.aclose(code=1008, reason="handshake failed")
-                return
-            except Exception as exc:  # trio-websocket's ConnectionClosed and friends
-                log.info("inbound handshake aborted: %s", type(exc).__name__)
                 return
         await self._serve_link(ws, peer, channel, initiator=False)
 

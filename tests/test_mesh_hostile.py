@@ -297,3 +297,36 @@ async def test_a_peer_without_the_stage_bundle_is_never_placed(tmp_path):
         await wait_for(lambda: victim.peer(raw_id) is not None)
         capable = {n.node_id for n in victim.topology.capable_nodes(include_self=True)}
         assert capable == {victim.node_id, good.node_id}
+
+
+async def test_a_dialer_survives_peers_that_hang_up_or_speak_garbage(tmp_path):
+    from trio_websocket import serve_websocket
+
+    async def hang_up(request) -> None:
+        ws = await request.accept()
+        await ws.aclose()
+
+    async def garbage(request) -> None:
+        ws = await request.accept()
+        await ws.get_message()
+        await ws.send_message(b"\x00" * 100)  # not a Noise message 2
+        await trio.sleep(1)
+
+    async with pair(tmp_path) as (victim, good, n):
+        bad = []
+        for handler in (hang_up, garbage):
+            server = await n.start(
+                lambda task_status, h=handler: serve_websocket(
+                    h, "127.0.0.1", 0, None, task_status=task_status
+                )
+            )
+            bad.append(type(address_of(victim))("127.0.0.1", server.port, "cd" * 32))
+        dialer = MeshNode(
+            settings(tmp_path, "dialer", peers=(*bad, address_of(victim))), identity()
+        )
+        await n.start(dialer.run)
+        await wait_for(lambda: len(dialer.peers(connected_only=True)) >= 1)
+        await trio.sleep(FAST["heartbeat_interval_s"] * 5)  # several failed redials
+        assert {p.node_id for p in dialer.peers(connected_only=True)} >= {victim.node_id}
+        assert "cd" * 32 not in {p.node_id for p in dialer.peers()}
+        await assert_good_link_alive(victim, good)
