@@ -17,11 +17,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from skippy.errors import EXIT_OK, EXIT_USAGE, SkippyError
+from skippy.errors import EXIT_OK, EXIT_USAGE, SkippyError, UsageError
 
 PROG = "mesh-node"
 STATUS_TIMEOUT_S = 5.0
 TOPOLOGY_TIMEOUT_S = 120.0
+
+
+class _LineFormatter(logging.Formatter):
+    """One structured line per record: ``ts=... level=... logger=... msg="..."``."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        ts = self.formatTime(record, "%Y-%m-%dT%H:%M:%S")
+        line = (
+            f"ts={ts}.{int(record.msecs):03d} level={record.levelname} logger={record.name} "
+            f"msg={json.dumps(record.getMessage())}"
+        )
+        if record.exc_info:  # only for our own bugs (a handler crash), never user errors
+            line += " exc=" + json.dumps(self.formatException(record.exc_info))
+        return line
 
 
 @dataclass
@@ -117,12 +131,17 @@ def cmd_topology(args: argparse.Namespace) -> CommandResult:
     from skippy.config import load_node_settings
 
     settings = load_node_settings(Path(args.config))
-    payload = {
-        "op": "topology",
-        "package": args.package,
-        "stages": args.stages,
-        "include_self": not args.workers_only,
-    }
+    if args.replan:
+        payload: dict[str, Any] = {"op": "replan"}
+    elif args.package is None:
+        raise UsageError("topology needs --package REF (or --replan)", code="bad_usage")
+    else:
+        payload = {
+            "op": "topology",
+            "package": args.package,
+            "stages": args.stages,
+            "include_self": not args.workers_only,
+        }
     response = trio.run(control.request, settings.control_socket, payload, TOPOLOGY_TIMEOUT_S)
     topo = response["topology"]
     lines = [
@@ -180,7 +199,12 @@ def build_parser() -> argparse.ArgumentParser:
         "plan a split of PACKAGE over the capable peers, sign it and send it to them",
     )
     p.add_argument("--config", required=True)
-    p.add_argument("--package", required=True, help="hf://ns/repo@rev or a package directory")
+    p.add_argument("--package", help="hf://ns/repo@rev or a package directory")
+    p.add_argument(
+        "--replan",
+        action="store_true",
+        help="plan the last package again over the peers connected now (same run)",
+    )
     p.add_argument("--stages", type=int, default=None, help="number of stages (default: all)")
     p.add_argument(
         "--workers-only",
@@ -195,10 +219,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     _Parser.json_errors = "--json" in args_list
     args = build_parser().parse_args(args_list)
     as_json = bool(getattr(args, "json", False))
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_LineFormatter())
     logging.basicConfig(
         level=logging.INFO if args.verbose or args.command == "run" else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
+        handlers=[handler],
     )
     try:
         result: CommandResult = args.handler(args)

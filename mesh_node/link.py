@@ -273,6 +273,9 @@ class Link:
                 nursery.start_soon(self._writer)
                 nursery.start_soon(self._heartbeat)
                 task_status.started()
+        except Exception:  # a bug in this link's code must not take the node down
+            log.exception("link %s failed", self.node_id[:12])
+            self.close_reason = self.close_reason or ("internal_error", "see the node's log")
         finally:
             self._nursery = None
             reason = self.close_reason or ("shutdown", "the node is shutting down")
@@ -355,6 +358,8 @@ class Link:
                         self._dispatch(event)
                 if self.mux.has_output():
                     self.wake_writer()
+        except trio.BrokenResourceError:
+            self.close("connection_closed", "the connection broke")
         except ConnectionClosed as exc:
             why = exc.reason
             text = f"{why.code} {why.reason or ''}".strip() if why is not None else ""
@@ -451,7 +456,7 @@ class Link:
                 if scope.cancelled_caught:
                     self.close("peer_not_reading", "a write stalled past the idle timeout")
                     return
-        except ConnectionClosed:
+        except (ConnectionClosed, trio.BrokenResourceError):
             self.close("connection_closed", "the peer closed the connection")
         except ProtocolError as exc:
             self.close(exc.code, exc.message)

@@ -38,6 +38,8 @@ def control_handler(node: MeshNode) -> Any:
                 stages=stages,
             )
             return {"ok": True, "topology": active.to_dict()}
+        if op == "replan":
+            return {"ok": True, "topology": (await node.topology.replan()).to_dict()}
         raise UsageError(f"unknown control operation {op!r}", code="bad_request")
 
     return handle

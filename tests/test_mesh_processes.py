@@ -44,8 +44,11 @@ def write_config(path: Path, name: str, peers: list[str]) -> None:
 
 def start(cwd: Path, config: str) -> tuple[subprocess.Popen[str], str]:
     proc = subprocess.Popen(
-        [*MESH, "run", "--config", config], cwd=cwd, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True,
+        [*MESH, "run", "--config", config],
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     assert proc.stdout is not None
     line = proc.stdout.readline()  # the node prints exactly one line when ready
@@ -72,8 +75,8 @@ def wait_status(cwd: Path, config: str, predicate: Any, timeout_s: float = 20) -
         time.sleep(0.1)
 
 
-def stop(proc: subprocess.Popen[str]) -> int:
-    proc.send_signal(signal.SIGTERM)
+def stop(proc: subprocess.Popen[str], sig: int = signal.SIGTERM) -> int:
+    proc.send_signal(sig)
     try:
         return proc.wait(timeout=20)
     except subprocess.TimeoutExpired:
@@ -94,8 +97,16 @@ def test_two_real_processes_trust_each_other_and_a_signed_topology_is_acknowledg
         assert os.stat(tmp_path / "keys" / f"{name}.key").st_mode & 0o777 == 0o600
     owner = mesh(tmp_path, "owner", "init", "keys/owner.key").stdout.strip()
     for name in ("a", "b"):
-        out = mesh(tmp_path, "owner", "sign", "--owner", "keys/owner.key", ids[name],
-                   "--out", f"keys/{name}.cert")
+        out = mesh(
+            tmp_path,
+            "owner",
+            "sign",
+            "--owner",
+            "keys/owner.key",
+            ids[name],
+            "--out",
+            f"keys/{name}.cert",
+        )
         assert out.returncode == 0, out.stderr
     write_config(tmp_path / "a.toml", "a", [])
     a, a_url = start(tmp_path, "a.toml")
@@ -111,8 +122,7 @@ def test_two_real_processes_trust_each_other_and_a_signed_topology_is_acknowledg
 
         def trusts(other: str):
             return lambda doc: any(
-                p["node_id"] == ids[other] and p["connected"] and p["trusted"]
-                for p in doc["peers"]
+                p["node_id"] == ids[other] and p["connected"] and p["trusted"] for p in doc["peers"]
             )
 
         doc_a = wait_status(tmp_path, "a.toml", trusts("b"))
@@ -136,9 +146,14 @@ def test_two_real_processes_trust_each_other_and_a_signed_topology_is_acknowledg
 
         assert stop(b) == 0
         procs.remove(b)
+        assert b"Traceback" not in (b.stderr.read().encode() if b.stderr else b"")
         degraded = wait_status(tmp_path, "a.toml", lambda d: d["topology"]["state"] == "degraded")
         assert degraded["topology"]["lost_nodes"] == [ids["b"]]
-        assert stop(a) == 0  # SIGTERM: clean shutdown, exit 0
+        out = mesh(tmp_path, "topology", "--config", "a.toml", "--replan", "--json")
+        replanned = json.loads(out.stdout)
+        assert out.returncode == 0 and replanned["run_id"] == topo["run_id"]
+        assert [s["node_id"] for s in replanned["stages"]] == [ids["a"]]  # the remaining peer
+        assert stop(a, signal.SIGINT) == 0  # clean shutdown on SIGINT (b: SIGTERM), exit 0
         procs.remove(a)
         assert not (tmp_path / "d-a" / "mesh-node.sock").exists()
     finally:
