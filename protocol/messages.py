@@ -35,12 +35,14 @@ def _check_keys(data: object, keys: set[str], what: str) -> dict[str, Any]:
     return data
 
 
-def _str(value: object, what: str, max_chars: int, *, optional: bool = False) -> str | None:
-    if value is None and optional:
-        return None
+def _str(value: object, what: str, max_chars: int) -> str:
     if not isinstance(value, str) or not 0 < len(value) <= max_chars:
         raise _fail(f"{what} must be a string of 1-{max_chars} characters")
     return value
+
+
+def _opt_str(value: object, what: str, max_chars: int) -> str | None:
+    return None if value is None else _str(value, what, max_chars)
 
 
 def _int(value: object, what: str, hi: int = _MAX_BUDGET) -> int:
@@ -109,7 +111,7 @@ def decode_link_message(payload: bytes, limits: c.Limits = c.DEFAULT_LIMITS) -> 
     if kind == "hello":
         d = _check_keys(data, {"t", "gen", "listen", "features", "memory_budget_bytes"}, "hello")
         return Hello(
-            listen=_str(d["listen"], "listen", limits.max_address_chars, optional=True),
+            listen=_opt_str(d["listen"], "listen", limits.max_address_chars),
             features=_features(d["features"], limits),
             memory_budget_bytes=_int(d["memory_budget_bytes"], "memory_budget_bytes"),
         )
@@ -123,7 +125,6 @@ def decode_link_message(payload: bytes, limits: c.Limits = c.DEFAULT_LIMITS) -> 
             if not isinstance(entry, dict) or set(entry) != {"node_id", "address"}:
                 raise _fail("a peer entry has exactly node_id and address")
             address = _str(entry["address"], "address", limits.max_address_chars)
-            assert address is not None  # not optional: _str returned a str (typing only)
             records.append(PeerRecord(_key(entry["node_id"], "node_id"), address))
         return Peers(tuple(records))
     raise _fail(f"unknown link message type {kind!r}")
@@ -200,13 +201,11 @@ def decode_control_message(payload: bytes, limits: c.Limits = c.DEFAULT_LIMITS) 
         d = _check_keys(data, keys, "topology_ack")
         if not isinstance(d["accepted"], bool):
             raise _fail("accepted must be a boolean")
-        topology_id = _str(d["topology_id"], "topology_id", limits.max_reason_chars)
-        assert topology_id is not None  # typing only: not optional
         return TopologyAck(
-            topology_id=topology_id,
+            topology_id=_str(d["topology_id"], "topology_id", limits.max_reason_chars),
             accepted=d["accepted"],
-            code=_str(d["code"], "code", limits.max_reason_chars, optional=True),
-            message=_str(d["message"], "message", 4 * limits.max_reason_chars, optional=True),
+            code=_opt_str(d["code"], "code", limits.max_reason_chars),
+            message=_opt_str(d["message"], "message", 4 * limits.max_reason_chars),
         )
     raise _fail(f"unknown control message type {kind!r}")
 
