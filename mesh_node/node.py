@@ -60,6 +60,8 @@ from skippy.errors import UsageError
 log = logging.getLogger("mesh_node.node")
 MAX_PENDING_HANDSHAKES = 32  # inbound connections that have not authenticated yet
 MAX_LEARNED_DIALS = 3  # attempts at a gossip-learned address before it is forgotten
+MAX_DIAL_LOOPS = 64  # concurrent dial loops (configured peers always get one)
+MAX_MEMBERS = 1024  # membership entries; the longest-silent disconnected one goes first
 EVENT_QUEUE = 256  # per subscriber; an overflowing subscriber is closed (it can resubscribe)
 
 
@@ -241,6 +243,8 @@ class MeshNode:
         key = str(address)
         if key in self._dialing or self._nursery is None:
             return
+        if not persistent and len(self._dialing) >= MAX_DIAL_LOOPS:
+            return  # gossip cannot make us run unboundedly many dialers
         self._dialing.add(key)
         self._nursery.start_soon(self._dial_loop, address, persistent)
 
@@ -365,9 +369,13 @@ class MeshNode:
             old = member.link
             member.link = None  # so the old link's end is not reported as a peer loss
             old.close("duplicate", "a preferred link replaced this one")
+            member.disconnected.set()  # wake dial loops waiting on the old link's event
         if member is None:
+            if not self._make_room():
+                log.warning("membership full (%d): refusing %s", MAX_MEMBERS, short_id(node_id))
+                return
             member = self._members[node_id] = _Member(peer=peer)
-        member.peer, member.link, member.hello = peer, link, member.hello
+        member.peer, member.link = peer, link
         member.disconnected = trio.Event()
         member.last_seen = trio.current_time()
         log.info(
@@ -396,6 +404,16 @@ class MeshNode:
                 log.info("link down: %s (%s: %s)", short_id(node_id), *reason)
                 if member.hello:
                     self.emit(PeerDown(node_id, f"{reason[0]}: {reason[1]}"))
+
+    def _make_room(self) -> bool:
+        """Keep membership bounded: forget the longest-silent disconnected peer if full."""
+        if len(self._members) < MAX_MEMBERS:
+            return True
+        gone = [(m.last_seen, nid) for nid, m in self._members.items() if m.link is None]
+        if not gone:
+            return False
+        del self._members[min(gone)[1]]
+        return True
 
     def _prefer_new(self, old: Link, new: Link) -> bool:
         """Both ends keep the same one of two simultaneous links: the one dialed by the smaller

@@ -332,3 +332,21 @@ async def test_a_duplicate_pair_of_links_converges_to_one(tmp_path):
         assert link_a is not None and link_b is not None
         assert link_a.initiator != link_b.initiator  # the two ends of one and the same link
         n.cancel_scope.cancel()
+
+
+async def test_a_configured_peer_is_redialed_after_its_link_drops(tmp_path):
+    async with trio.open_nursery() as n:
+        a = await start(n, MeshNode(settings(tmp_path, "a"), identity()))
+        b = await start(n, MeshNode(with_peers(settings(tmp_path, "b"), a), identity()))
+        await wait_for(lambda: len(a.peers(connected_only=True)) == 1)
+        first = a._members[b.node_id].link
+        assert first is not None
+        async with b.subscribe() as events:
+            first.close("test", "dropped by the test")
+            down = await events.receive()
+            assert isinstance(down, PeerDown) and down.node_id == a.node_id
+            up = await events.receive()
+            assert isinstance(up, PeerUp) and up.peer.node_id == a.node_id
+        second = a._members[b.node_id].link
+        assert second is not None and second is not first
+        n.cancel_scope.cancel()
