@@ -182,3 +182,12 @@ def test_memory_budget_units(value, size):
     from skippy.config import parse_size
 
     assert parse_size(value, "memory_budget") == size
+
+
+def test_node_timeout_defaults_are_the_protocol_limits():
+    # skippy cannot import protocol (layering): the two spellings of each default must agree.
+    from protocol.constants import DEFAULT_LIMITS
+    from skippy import config
+
+    assert config.DEFAULT_HANDSHAKE_TIMEOUT_S == DEFAULT_LIMITS.handshake_timeout_s
+    assert config.DEFAULT_IDLE_TIMEOUT_S == DEFAULT_LIMITS.idle_timeout_s
