@@ -189,5 +189,5 @@ def test_node_timeout_defaults_are_the_protocol_limits():
     from protocol.constants import DEFAULT_LIMITS
     from skippy import config
 
-    assert config.DEFAULT_HANDSHAKE_TIMEOUT_S == DEFAULT_LIMITS.handshake_timeout_s
-    assert config.DEFAULT_IDLE_TIMEOUT_S == DEFAULT_LIMITS.idle_timeout_s
+    assert DEFAULT_LIMITS.handshake_timeout_s == config.DEFAULT_HANDSHAKE_TIMEOUT_S
+    assert DEFAULT_LIMITS.idle_timeout_s == config.DEFAULT_IDLE_TIMEOUT_S
