@@ -24,6 +24,7 @@ SECTIONS: dict[str, str] = {
     "package": "bench_package",
     "consumer": "bench_consumer",
     "transfer": "bench_transfer",
+    "mesh": "bench_mesh",
 }
 
 
