@@ -11,7 +11,7 @@ from typing import Any
 
 import msgpack
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from skippy.transfer.errors import ArtifactWireError
@@ -350,8 +350,7 @@ def test_fuzz_hostile_maps_raise_only_the_wire_error(
 def test_fuzz_valid_requests_round_trip(
     offset: int, expected: int | None, path: str, ids: tuple[str, str, str]
 ) -> None:
-    if path.split("/")[-1] in (".", ".."):
-        return
+    assume(not any(part in (".", "..") for part in path.split("/")))  # the gate refuses them
     req = request(
         offset=offset,
         expected_size=expected,
