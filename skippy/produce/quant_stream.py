@@ -1,0 +1,222 @@
+"""Tensor conversion through ggml, streamed: source rows in, quantized rows out, bounded memory.
+
+One tensor at a time, in slabs of rows (``SLAB_ELEMENTS`` values): each slab is split into
+one piece per worker thread; a piece reads its rows (``pread``), turns them into float32
+(numpy for F16/BF16, ggml's own ``to_float`` for a quantized source), quantizes them with
+``ggml_quantize_chunk`` and checks them with ``ggml_validate_row_data``, exactly as
+llama.cpp's ``llama_tensor_quantize_impl`` does. Every foreign call releases the GIL, so
+the pieces run on all cores; while the caller writes (and hashes) slab k, slab k+1 is
+already being computed. Rows are independent for every ggml type (an imatrix is per
+column), so any split into pieces gives llama.cpp's bytes.
+
+Memory: two slabs in flight per tensor being written, each at most source + float32 +
+quantized bytes of ``SLAB_ELEMENTS`` values (~10 MiB for an F32 source), never a whole tensor.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Final
+
+import numpy as np
+
+from skippy.errors import InputUnreadable, ModelError
+from skippy.gguf import ggml
+from skippy.gguf.constants import GGML_TYPES
+from skippy.gguf.reader import TensorInfo
+from skippy.gguf.writer import TensorProducer
+
+SLAB_ELEMENTS: Final = 1 << 20  # values per slab: 4 MiB of float32
+F32, F16, BF16 = 0, 1, 30
+
+
+class QuantizedDataInvalid(ModelError):
+    """ggml_validate_row_data refused the quantized rows (NaN or inf in the source)."""
+
+    code = "quantized_data_invalid"
+
+
+def row_bytes(type_id: int, n_per_row: int) -> int:
+    """ggml_row_size from our one type table (the same numbers; no library call needed)."""
+    _, block, type_size = GGML_TYPES[type_id]
+    return n_per_row // block * type_size
+
+
+def output_info(src: TensorInfo, target_type: int) -> TensorInfo:
+    """The converted tensor's header facts (offsets are the fragment writer's business)."""
+    rows = src.n_elements // src.shape[0]
+    return TensorInfo(
+        name=src.name,
+        shape=src.shape,
+        ggml_type=target_type,
+        offset=0,
+        data_start=0,
+        nbytes=rows * row_bytes(target_type, src.shape[0]),
+    )
+
+
+@dataclass(frozen=True)
+class Conversion:
+    """One tensor to convert: where its source bytes are and what it becomes."""
+
+    src: TensorInfo
+    fd: int
+    target_type: int
+    imatrix: np.ndarray | None = None  # float32, ne0 * ne2 values (one row per expert)
+
+    @property
+    def n_per_row(self) -> int:
+        return self.src.shape[0]
+
+    @property
+    def rows_per_expert(self) -> int:
+        return self.src.shape[1] if len(self.src.shape) > 1 else 1
+
+    @property
+    def n_experts(self) -> int:
+        return self.src.n_elements // (self.n_per_row * self.rows_per_expert)
+
+
+@dataclass
+class _Slab:
+    """Buffers for one slab, reused: source bytes, float32 values, quantized bytes."""
+
+    raw: np.ndarray
+    f32: np.ndarray
+    out: np.ndarray
+
+
+class Converter:
+    """Converts tensors on a shared pool of ``workers`` threads (the caller owns the pool)."""
+
+    def __init__(self, g: ggml.Ggml, pool: ThreadPoolExecutor, workers: int) -> None:
+        self.g = g
+        self.pool = pool
+        self.workers = max(1, workers)
+        self._to_float: dict[int, Callable[[int, int, int], None]] = {}
+
+    def prepare_type(self, source_type: int, target_type: int) -> None:
+        """ggml_quantize_init once per target type (it allocates tables; not on the hot
+        path), and the dequantizer of a quantized source type."""
+        self.g.ggml_quantize_init(target_type)
+        if source_type not in (F32, F16, BF16) and source_type not in self._to_float:
+            traits = ggml.type_traits(self.g, source_type)
+            if not traits.to_float:
+                raise ModelError(
+                    f"ggml cannot dequantize {GGML_TYPES[source_type][0]} tensors",
+                    code="unsupported_source_type",
+                )
+            self._to_float[source_type] = ggml.GGML_TO_FLOAT(traits.to_float)
+
+    def producer(self, conv: Conversion) -> TensorProducer:
+        def produce(write: Callable[[memoryview], None]) -> None:
+            self.stream(conv, lambda view: write(view))
+
+        return produce
+
+    def stream(self, conv: Conversion, write: Callable[[memoryview], None]) -> None:
+        """Write the converted tensor into ``write`` slab by slab, in row order."""
+        slab_rows = max(1, SLAB_ELEMENTS // conv.n_per_row)
+        spans = [
+            (e, r, min(slab_rows, conv.rows_per_expert - r))
+            for e in range(conv.n_experts)
+            for r in range(0, conv.rows_per_expert, slab_rows)  # never across an expert
+        ]
+        slabs = [self._new_slab(conv, min(slab_rows, conv.rows_per_expert)) for _ in range(2)]
+        pending: list[tuple[int, list[Future[None]]]] = []
+        try:
+            for k, span in enumerate(spans):
+                pending.append((k, self._submit(conv, slabs[k % 2], *span)))
+                if len(pending) == 2:
+                    self._drain(conv, slabs, spans, pending.pop(0), write)
+            while pending:
+                self._drain(conv, slabs, spans, pending.pop(0), write)
+        finally:
+            for _, futs in pending:  # an error: let in-flight pieces finish before the
+                for f in futs:  # buffers they write into go away
+                    f.cancel()
+                for f in futs:
+                    if not f.cancelled():
+                        f.exception()
+
+    def _new_slab(self, conv: Conversion, rows: int) -> _Slab:
+        n = rows * conv.n_per_row
+        src_type = conv.src.ggml_type
+        return _Slab(
+            raw=np.empty(rows * row_bytes(src_type, conv.n_per_row), dtype=np.uint8),
+            f32=np.empty(0 if src_type == F32 else n, dtype=np.float32),
+            out=np.empty(rows * row_bytes(conv.target_type, conv.n_per_row), dtype=np.uint8),
+        )
+
+    def _drain(
+        self,
+        conv: Conversion,
+        slabs: list[_Slab],
+        spans: list[tuple[int, int, int]],
+        item: tuple[int, list[Future[None]]],
+        write: Callable[[memoryview], None],
+    ) -> None:
+        k, futs = item
+        for f in futs:
+            f.result()
+        rows = spans[k][2]
+        write(slabs[k % 2].out.data[: rows * row_bytes(conv.target_type, conv.n_per_row)])
+
+    def _submit(
+        self, conv: Conversion, slab: _Slab, expert: int, first: int, rows: int
+    ) -> list[Future[None]]:
+        pieces = min(self.workers, rows)
+        bounds = [rows * i // pieces for i in range(pieces + 1)]
+        return [
+            self.pool.submit(
+                self._piece, conv, slab, expert, first, bounds[i], bounds[i + 1] - bounds[i]
+            )
+            for i in range(pieces)
+        ]
+
+    def _piece(
+        self, conv: Conversion, slab: _Slab, expert: int, first: int, at: int, rows: int
+    ) -> None:
+        """Rows ``[at, at + rows)`` of the slab starting at row ``first`` of ``expert``."""
+        n = conv.n_per_row
+        src_type, dst_type = conv.src.ggml_type, conv.target_type
+        src_row, dst_row = row_bytes(src_type, n), row_bytes(dst_type, n)
+        row0 = expert * conv.rows_per_expert + first + at  # global row index
+        raw = slab.raw[at * src_row : (at + rows) * src_row]
+        got = os.preadv(conv.fd, [raw.data], conv.src.data_start + row0 * src_row)
+        if got != raw.nbytes:
+            raise InputUnreadable(
+                f"the source ended inside tensor {conv.src.name} (read {got} of {raw.nbytes} "
+                "bytes): the file is truncated or was changed while being read",
+                code="unexpected_eof",
+            )
+        if src_type == F32:
+            f32 = raw.view(np.float32)
+        else:
+            f32 = slab.f32[at * n : (at + rows) * n]
+            if src_type == F16:
+                np.copyto(f32, raw.view(np.float16))
+            elif src_type == BF16:  # bf16 is the top half of an f32: exact, as ggml's row op
+                u32 = f32.view(np.uint32)
+                np.copyto(u32, raw.view(np.uint16))
+                u32 <<= 16
+            else:
+                self._to_float[src_type](raw.ctypes.data, f32.ctypes.data, rows * n)
+        out = slab.out[at * dst_row : (at + rows) * dst_row]
+        imatrix = None
+        if conv.imatrix is not None:
+            imatrix = conv.imatrix.ctypes.data + expert * n * 4
+        size = self.g.ggml_quantize_chunk(
+            dst_type, f32.ctypes.data, out.ctypes.data, 0, rows, n, imatrix
+        )
+        if size != out.nbytes or not self.g.ggml_validate_row_data(
+            dst_type, out.ctypes.data, size
+        ):
+            raise QuantizedDataInvalid(
+                f"quantizing {conv.src.name} to {GGML_TYPES[dst_type][0]} gave invalid rows "
+                f"(near row {row0}): the source holds NaN or infinite values there",
+                remediation="check the source model; llama.cpp refuses it the same way",
+            )
