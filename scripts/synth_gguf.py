@@ -16,6 +16,7 @@ Kinds (importable functions, and a CLI: ``python scripts/synth_gguf.py KIND OUT 
     big(path, target_bytes, *, seed=0)
     high_precision(path, *, dtype="F32", n_layers=8, width=256, ff=640, vocab=512, n_head_kv=2,
                    tied=False, seed=0)
+    imatrix(model, path, *, seed=0, chunks=4)
 
 Tensor types are mixed on purpose: F32 norms; F16, BF16; Q8_0, Q4_0, Q4_1, Q5_0 made with
 ``gguf.quants.quantize``; K-quants (Q4_K, Q6_K) written as random blocks of the right byte
@@ -50,6 +51,7 @@ __all__ = [
     "big",
     "gemma_like",
     "high_precision",
+    "imatrix",
     "llama_like",
     "main",
     "nextn_like",
@@ -686,6 +688,36 @@ def high_precision(
         if key != "general.quantization_version"  # converters write none before quantizing
     ]
     return _write_model(Path(path), "llama", kvs, tensors, seed, None)
+
+
+def imatrix(model: str | Path, path: str | Path, *, seed: int = 0, chunks: int = 4) -> Path:
+    """An importance matrix for ``model`` in llama-imatrix's GGUF layout: per matrix weight
+    ``NAME.in_sum2`` (F32, ne0 x experts) and ``NAME.counts`` (F32, 1 x experts), plus the
+    ``imatrix.datasets`` / ``chunk_count`` / ``chunk_size`` keys llama-quantize requires.
+    Values are seeded positive sums (the token embeddings get none, as in llama-imatrix)."""
+    from skippy.gguf.reader import open_gguf
+
+    with open_gguf(model) as g:
+        shapes = [
+            (t.name, t.shape)
+            for t in g.tensors
+            if len(t.shape) >= 2 and t.name.endswith(".weight") and "token_embd" not in t.name
+        ]
+    rng = np.random.default_rng(seed)
+    chunk_size = 512
+    writer = GGUFWriter(Path(path), "imatrix")
+    writer.add_type("imatrix")
+    writer.add_array("imatrix.datasets", ["synthetic"])
+    writer.add_uint32("imatrix.chunk_count", chunks)
+    writer.add_uint32("imatrix.chunk_size", chunk_size)
+    for name, shape in shapes:
+        experts = shape[2] if len(shape) > 2 else 1
+        tokens = float(chunks * chunk_size)
+        sums = rng.uniform(0.01, 2.0, size=(experts, shape[0])).astype(np.float32) * tokens
+        writer.add_tensor(f"{name}.in_sum2", sums)
+        writer.add_tensor(f"{name}.counts", np.full((experts, 1), tokens, dtype=np.float32))
+    _finish(writer)
+    return Path(path)
 
 
 # --- CLI -----------------------------------------------------------------------------------------

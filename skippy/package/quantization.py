@@ -22,13 +22,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from skippy.constants import SHA256_HEX_RE
+from skippy.constants import FRAGMENT_KEY_PREFIX, SHA256_HEX_RE
 from skippy.errors import ManifestError
 from skippy.findings import Finding
+from skippy.gguf.constants import ValueType
+from skippy.gguf.writer import encode_kv
 
 QUANTIZATION_KEY: Final = "quantization"
 KEY_FILE_TYPE: Final = "general.file_type"
@@ -58,6 +60,28 @@ class QuantizationBlock:
         if self.imatrix_sha256 is not None:
             out["imatrix_sha256"] = self.imatrix_sha256
         return out
+
+
+def quantized_kv_records(
+    records: Sequence[tuple[str, bytes]], ftype: int
+) -> list[tuple[str, bytes]]:
+    """llama_model_quantize_impl: copy the KV set, then set quantization_version and
+    file_type (gguf_set_val_u32 removes the key and appends it). A package source's own
+    per-fragment keys (skippy.fragment.*) are dropped: write-package writes new ones."""
+    set_keys = (KEY_QUANTIZATION_VERSION, KEY_FILE_TYPE)
+    out = [
+        (k, r)
+        for k, r in records
+        if k not in set_keys and not k.startswith(FRAGMENT_KEY_PREFIX)
+    ]
+    out.append(
+        (
+            KEY_QUANTIZATION_VERSION,
+            encode_kv(KEY_QUANTIZATION_VERSION, ValueType.UINT32, GGML_QNT_VERSION),
+        )
+    )
+    out.append((KEY_FILE_TYPE, encode_kv(KEY_FILE_TYPE, ValueType.UINT32, ftype)))
+    return out
 
 
 def recipe_digest(text: str) -> str:

@@ -22,9 +22,11 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Final
 
-from skippy.errors import UsageError
+from skippy.errors import SkippyError, UsageError
+from skippy.findings import Finding
 from skippy.gguf.constants import GGML_TYPES
-from skippy.produce.recipe import Recipe
+from skippy.package.quantization import QuantizationBlock
+from skippy.produce.recipe import Recipe, parse_recipe
 
 # ggml type ids by name (GGML_TYPES is the one table of ids, block sizes and type sizes).
 T: Final[dict[str, int]] = {name: tid for tid, (name, _, _) in GGML_TYPES.items()}
@@ -640,8 +642,12 @@ def plan_types(
 ) -> QuantPlan:
     """llama_model_quantize_impl's preliminary loop: every tensor's target type.
 
-    Differences from llama.cpp (docs/quantize.md): a recipe type whose block does not divide
-    a tensor's rows raises ``recipe_type_shape`` instead of falling back silently.
+    Two deliberate differences from llama.cpp's ``--tensor-type`` (docs/quantize.md), both
+    only with a recipe: a recipe type whose block does not divide a tensor's rows raises
+    ``recipe_type_shape`` instead of falling back silently; and a tensor a recipe decides
+    still advances the rules' position counters (llama.cpp skips the rules for it, so the
+    position-based choices of later attn_v / ffn_down tensors shift). A recipe thus changes
+    exactly the tensors it names; without a recipe the plan is llama.cpp's.
     """
     names = [t.name for t in tensors]
     cats = [category_of(n) for n in names]
@@ -662,6 +668,8 @@ def plan_types(
             rule = next((k for k, r in enumerate(rules) if r.regex.search(t.name)), None)
             if rule is not None:
                 hits[rule] += 1
+                if not pure:  # advance the rules' counters as if there were no recipe
+                    _get_type_impl(qs, new_type, t, file_type.ftype, cats[i])
                 new_type, reason = rules[rule].type_id, f"recipe:{rules[rule].line_no}"
                 if t.ne(0) % block_size(new_type):
                     raise UsageError(
@@ -693,3 +701,60 @@ def plan_types(
         choices=tuple(c for c in out if c is not None),
         recipe_hits=tuple(hits),
     )
+
+
+# --- consumers: do the tensors match the recorded quantization? ----------------------------
+_MAX_TYPE_FINDINGS: Final = 10
+
+
+def recorded_type_findings(
+    block: QuantizationBlock, metadata: Mapping[str, Any], tensors: Sequence[TensorFacts]
+) -> list[Finding]:
+    """A quantized package's tensors against its ``quantization`` block, without the source:
+    the rules only read names, shapes and metadata, so every tensor they quantize must have
+    the type they give it. (Tensors they keep keep the source's type, unknown here.)"""
+    file_type = FILE_TYPES.get(block.type)
+    if file_type is None or file_type.ftype != block.ftype:
+        return [
+            Finding(
+                "quantization_unknown_type",
+                f"quantization.type {block.type!r} (ftype {block.ftype}) is not a preset this "
+                "runtime knows; tensor types were not checked",
+                severity="warning",
+            )
+        ]
+    try:
+        recipe = None
+        if block.recipe is not None:
+            recipe = parse_recipe(block.recipe.encode("utf-8"), allowed_types=QUANTIZE_TARGETS)
+        plan = plan_types(
+            tensors,
+            model_facts(metadata),
+            file_type,
+            pure=block.pure,
+            recipe=recipe,
+            has_imatrix=block.imatrix_sha256 is not None,
+        )
+    except SkippyError as exc:
+        return [
+            Finding("quantization_not_reproducible", f"quantization block: {exc.message}")
+        ]
+    actual = {t.name: t.ggml_type for t in tensors}
+    wrong = [c for c in plan.choices if c.reason != "kept" and actual[c.name] != c.target_type]
+    out = [
+        Finding(
+            "quantization_type_mismatch",
+            f"{c.name} is {type_name(actual[c.name])}, but quantization {block.type}"
+            f"{' with its recipe' if recipe else ''} makes it {type_name(c.target_type)}",
+        )
+        for c in wrong[:_MAX_TYPE_FINDINGS]
+    ]
+    if len(wrong) > _MAX_TYPE_FINDINGS:
+        out.append(
+            Finding(
+                "quantization_type_mismatch",
+                f"{len(wrong) - _MAX_TYPE_FINDINGS} more tensors differ from the recorded "
+                f"quantization ({len(wrong)} in all)",
+            )
+        )
+    return out

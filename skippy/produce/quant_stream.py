@@ -16,7 +16,7 @@ quantized bytes of ``SLAB_ELEMENTS`` values (~10 MiB for an F32 source), never a
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Final
@@ -34,9 +34,19 @@ F32, F16, BF16 = 0, 1, 30
 
 
 class QuantizedDataInvalid(ModelError):
-    """ggml_validate_row_data refused the quantized rows (NaN or inf in the source)."""
+    """ggml_validate_row_data refused the quantized rows."""
 
     code = "quantized_data_invalid"
+
+
+class SourceDataInvalid(ModelError):
+    """ggml_validate_row_data refused the source rows (NaN or inf): llama.cpp's loader
+    (``check_tensors``) refuses such a source the same way, copied tensors included."""
+
+    code = "invalid_source_data"
+
+
+COPY_BYTES: Final = 4 * 1024 * 1024
 
 
 def row_bytes(type_id: int, n_per_row: int) -> int:
@@ -111,32 +121,71 @@ class Converter:
                 )
             self._to_float[source_type] = ggml.GGML_TO_FLOAT(traits.to_float)
 
-    def producer(self, conv: Conversion) -> TensorProducer:
+    def copier(self, src: TensorInfo, fd: int) -> TensorProducer:
+        """A tensor kept as it is: copied in whole rows, each slab validated on the way."""
+
         def produce(write: Callable[[memoryview], None]) -> None:
-            self.stream(conv, lambda view: write(view))
+            row = row_bytes(src.ggml_type, src.shape[0])
+            buf = np.empty(max(1, COPY_BYTES // row) * row, dtype=np.uint8)
+            done = 0
+            while done < src.nbytes:
+                n = min(buf.nbytes, src.nbytes - done)
+                view = buf[:n]
+                self._read(fd, view, src.data_start + done, src.name)
+                self._check_source(src, view)
+                write(view.data)
+                done += n
 
         return produce
 
-    def stream(self, conv: Conversion, write: Callable[[memoryview], None]) -> None:
-        """Write the converted tensor into ``write`` slab by slab, in row order."""
+    def _read(self, fd: int, into: np.ndarray, offset: int, name: str) -> None:
+        got = os.preadv(fd, [into.data], offset)
+        if got != into.nbytes:
+            raise InputUnreadable(
+                f"the source ended inside tensor {name} (read {got} of {into.nbytes} bytes): "
+                "the file is truncated or was changed while being read",
+                code="unexpected_eof",
+            )
+
+    def _check_source(self, src: TensorInfo, data: np.ndarray) -> None:
+        if not self.g.ggml_validate_row_data(src.ggml_type, data.ctypes.data, data.nbytes):
+            raise SourceDataInvalid(
+                f"tensor {src.name} of the source holds invalid values (NaN or infinite)",
+                remediation="fix the source model; llama.cpp refuses it the same way",
+            )
+
+    def producer(self, conv: Conversion) -> TensorProducer:
+        def produce(write: Callable[[memoryview], None]) -> None:
+            for view in self.slabs(conv):
+                write(view)
+
+        return produce
+
+    def slabs(self, conv: Conversion) -> Iterator[memoryview]:
+        """The converted tensor, slab by slab in row order. A view is valid until the next
+        one is asked for; closing the iterator early waits for the pieces in flight."""
         slab_rows = max(1, SLAB_ELEMENTS // conv.n_per_row)
         spans = [
             (e, r, min(slab_rows, conv.rows_per_expert - r))
             for e in range(conv.n_experts)
             for r in range(0, conv.rows_per_expert, slab_rows)  # never across an expert
         ]
-        slabs = [self._new_slab(conv, min(slab_rows, conv.rows_per_expert)) for _ in range(2)]
+        buffers = [self._new_slab(conv, min(slab_rows, conv.rows_per_expert)) for _ in range(2)]
+        dst_row = row_bytes(conv.target_type, conv.n_per_row)
         pending: list[tuple[int, list[Future[None]]]] = []
         try:
-            for k, span in enumerate(spans):
-                pending.append((k, self._submit(conv, slabs[k % 2], *span)))
-                if len(pending) == 2:
-                    self._drain(conv, slabs, spans, pending.pop(0), write)
-            while pending:
-                self._drain(conv, slabs, spans, pending.pop(0), write)
+            for k in range(len(spans) + 1):
+                if k < len(spans):  # slab k computes while the caller consumes slab k-1
+                    pending.append((k, self._submit(conv, buffers[k % 2], *spans[k])))
+                if k == 0:
+                    continue
+                done, futs = pending.pop(0)
+                for f in futs:
+                    f.result()
+                yield buffers[done % 2].out.data[: spans[done][2] * dst_row]
         finally:
-            for _, futs in pending:  # an error: let in-flight pieces finish before the
-                for f in futs:  # buffers they write into go away
+            for _, futs in pending:  # an error or an early close: let in-flight pieces
+                for f in futs:  # finish before the buffers they write into go away
                     f.cancel()
                 for f in futs:
                     if not f.cancelled():
@@ -150,20 +199,6 @@ class Converter:
             f32=np.empty(0 if src_type == F32 else n, dtype=np.float32),
             out=np.empty(rows * row_bytes(conv.target_type, conv.n_per_row), dtype=np.uint8),
         )
-
-    def _drain(
-        self,
-        conv: Conversion,
-        slabs: list[_Slab],
-        spans: list[tuple[int, int, int]],
-        item: tuple[int, list[Future[None]]],
-        write: Callable[[memoryview], None],
-    ) -> None:
-        k, futs = item
-        for f in futs:
-            f.result()
-        rows = spans[k][2]
-        write(slabs[k % 2].out.data[: rows * row_bytes(conv.target_type, conv.n_per_row)])
 
     def _submit(
         self, conv: Conversion, slab: _Slab, expert: int, first: int, rows: int
@@ -186,13 +221,8 @@ class Converter:
         src_row, dst_row = row_bytes(src_type, n), row_bytes(dst_type, n)
         row0 = expert * conv.rows_per_expert + first + at  # global row index
         raw = slab.raw[at * src_row : (at + rows) * src_row]
-        got = os.preadv(conv.fd, [raw.data], conv.src.data_start + row0 * src_row)
-        if got != raw.nbytes:
-            raise InputUnreadable(
-                f"the source ended inside tensor {conv.src.name} (read {got} of {raw.nbytes} "
-                "bytes): the file is truncated or was changed while being read",
-                code="unexpected_eof",
-            )
+        self._read(conv.fd, raw, conv.src.data_start + row0 * src_row, conv.src.name)
+        self._check_source(conv.src, raw)
         if src_type == F32:
             f32 = raw.view(np.float32)
         else:
@@ -217,6 +247,6 @@ class Converter:
         ):
             raise QuantizedDataInvalid(
                 f"quantizing {conv.src.name} to {GGML_TYPES[dst_type][0]} gave invalid rows "
-                f"(near row {row0}): the source holds NaN or infinite values there",
-                remediation="check the source model; llama.cpp refuses it the same way",
+                f"(near row {row0})",
+                remediation="llama.cpp refuses such rows the same way; try another type",
             )

@@ -24,21 +24,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from skippy.constants import FRAGMENT_KEY_PREFIX, ROLE_PROJECTOR
+from skippy.constants import ROLE_PROJECTOR
 from skippy.consume.preflight import load_package
 from skippy.consume.verify import check_refs
 from skippy.errors import ModelError, UsageError
 from skippy.gguf import ggml
-from skippy.gguf.constants import ValueType
-from skippy.gguf.writer import TensorSource, encode_kv
+from skippy.gguf.writer import TensorSource
 from skippy.hashing import DEFAULT_WORKERS
 from skippy.package.manifest import Manifest, SourceModel
 from skippy.package.quantization import (
-    GGML_QNT_VERSION,
-    KEY_FILE_TYPE,
-    KEY_QUANTIZATION_VERSION,
     QUANTIZATION_KEY,
     QuantizationBlock,
+    quantized_kv_records,
 )
 from skippy.produce.imatrix import Imatrix
 from skippy.produce.quant_rules import (
@@ -230,12 +227,9 @@ def plan_quantization(src: SourceModelFiles, opts: QuantizeOptions) -> QuantPlan
 class QuantizeTransform:
     """write-package's ``TensorTransform`` for quantizing (see module docstring)."""
 
-    def __init__(
-        self, opts: QuantizeOptions, converter: Converter, *, from_package: bool
-    ) -> None:
+    def __init__(self, opts: QuantizeOptions, converter: Converter) -> None:
         self.opts = opts
         self.converter = converter
-        self.from_package = from_package
         self.plan: QuantPlan | None = None
         self._choices: dict[str, TensorChoice] = {}
 
@@ -248,30 +242,13 @@ class QuantizeTransform:
         self._choices = plan.by_name()
 
     def kv_records(self, records: list[tuple[str, bytes]]) -> list[tuple[str, bytes]]:
-        """llama_model_quantize_impl: copy the KV set, then set quantization_version and
-        file_type (gguf_set_val_u32 removes the key and appends it)."""
-        set_keys = (KEY_QUANTIZATION_VERSION, KEY_FILE_TYPE)
-        out = [
-            (k, r)
-            for k, r in records
-            if k not in set_keys
-            and not (self.from_package and k.startswith(FRAGMENT_KEY_PREFIX))  # ours, per part
-        ]
-        out.append(
-            (
-                KEY_QUANTIZATION_VERSION,
-                encode_kv(KEY_QUANTIZATION_VERSION, ValueType.UINT32, GGML_QNT_VERSION),
-            )
-        )
-        ftype = self.opts.file_type.ftype
-        out.append((KEY_FILE_TYPE, encode_kv(KEY_FILE_TYPE, ValueType.UINT32, ftype)))
-        return out
+        return quantized_kv_records(records, self.opts.file_type.ftype)
 
     def tensor_source(self, src: SourceModelFiles, t: SourceTensor) -> TensorSource:
         choice = self._choices[t.info.name]  # KeyError: prepare() was not called
         raw = src.tensor_source(t)
-        if not choice.converts:
-            return raw
+        if not choice.converts:  # copied, but validated like llama.cpp's loader does
+            return TensorSource(t.info, raw.fd, produce=self.converter.copier(t.info, raw.fd))
         imatrix = self.opts.imatrix.for_tensor(t.info.name) if self.opts.imatrix else None
         if imatrix is not None and len(imatrix) != t.info.shape[0] * (
             t.info.shape[2] if len(t.info.shape) > 2 else 1
@@ -313,9 +290,7 @@ def quantize_layer_package(source: Path, opts: QuantizeOptions) -> QuantizeResul
     g = ggml.load()
     workers = max(1, opts.workers)
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="quantize") as pool:
-        transform = QuantizeTransform(
-            opts, Converter(g, pool, workers), from_package=opts.source_shards is not None
-        )
+        transform = QuantizeTransform(opts, Converter(g, pool, workers))
         result = write_package(
             source,
             WriteOptions(
