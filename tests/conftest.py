@@ -114,6 +114,31 @@ def synth_dir(tmp_path_factory: pytest.TempPathFactory) -> SynthModels:
     )
 
 
+@dataclass(frozen=True)
+class HighPrecisionModels:
+    """Sources to quantize (scripts/synth_gguf.py ``high_precision``, defaults: 8 llama layers,
+    width 256, ff 640): one per dtype, a tied-embeddings F32 one, and an imatrix for them."""
+
+    f32: Path
+    f16: Path
+    bf16: Path
+    tied: Path
+    imatrix: Path
+
+
+@pytest.fixture(scope="session")
+def hp_models(tmp_path_factory: pytest.TempPathFactory) -> HighPrecisionModels:
+    root = tmp_path_factory.mktemp("high_precision")
+    f32 = synth_gguf.high_precision(root / "model-f32.gguf", dtype="F32")
+    return HighPrecisionModels(
+        f32=f32,
+        f16=synth_gguf.high_precision(root / "model-f16.gguf", dtype="F16"),
+        bf16=synth_gguf.high_precision(root / "model-bf16.gguf", dtype="BF16"),
+        tied=synth_gguf.high_precision(root / "model-tied.gguf", tied=True),
+        imatrix=synth_gguf.imatrix(f32, root / "imatrix.gguf"),
+    )
+
+
 # --- the real model ------------------------------------------------------------------------------
 def _cached_gemma(target: Path) -> Path:
     if target.is_file() and target.stat().st_size == GEMMA_BYTES:
