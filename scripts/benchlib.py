@@ -7,10 +7,10 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -66,13 +66,22 @@ def spread(times: list[float], unit: float = 1.0, fmt: str = "{:.3f}") -> str:
 
 
 def child_peak_rss_mib(argv: list[str]) -> float:
-    """Run a CLI command in a child and return its peak RSS (ru_maxrss of the child)."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    proc = subprocess.run(argv, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"{argv} failed: {proc.stderr}")
-    after = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    return max(after, before) / 1024
+    """Run a CLI command in a child and return its peak RSS (ru_maxrss of that child alone).
+
+    ``wait4`` gives the child's own rusage; RUSAGE_CHILDREN would be the largest of every
+    child this process ever had (scripts/bench execs python from a shell whose setup may
+    have run pip).
+    """
+    with tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err
+        )
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here, not by Popen
+        if proc.returncode != 0:
+            err.seek(0)
+            raise SystemExit(f"{argv} failed: {err.read().decode(errors='replace')}")
+    return usage.ru_maxrss / 1024
 
 
 def render(rows: list[Row]) -> str:
