@@ -16,6 +16,7 @@ quantized bytes of ``SLAB_ELEMENTS`` values (~10 MiB for an F32 source), never a
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from skippy.gguf.reader import TensorInfo
 from skippy.gguf.writer import TensorProducer
 
 SLAB_ELEMENTS: Final = 1 << 20  # values per slab: 4 MiB of float32
+ARENA_BYTES: Final = 4 * SLAB_ELEMENTS  # a slab of source, float32 or output (<= 4 B a value)
 F32, F16, BF16 = 0, 1, 30
 
 
@@ -46,7 +48,6 @@ class SourceDataInvalid(ModelError):
     code = "invalid_source_data"
 
 
-COPY_BYTES: Final = 4 * 1024 * 1024
 
 
 def row_bytes(type_id: int, n_per_row: int) -> int:
@@ -97,6 +98,29 @@ class _Slab:
     raw: np.ndarray
     f32: np.ndarray
     out: np.ndarray
+    arenas: tuple[np.ndarray, ...]
+
+
+class _Arenas:
+    """Reused ``ARENA_BYTES`` buffers. A fresh numpy array of megabytes is a fresh mmap whose
+    pages fault in on first touch, for every tensor; reusing them saves that (~0.5 s of CPU
+    on gemma3-270m's layers). Thread-safe: several fragments are written at once."""
+
+    def __init__(self) -> None:
+        self._free: list[np.ndarray] = []
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> np.ndarray:
+        if nbytes > ARENA_BYTES:  # a row longer than a slab: a one-off buffer
+            return np.empty(nbytes, dtype=np.uint8)
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+        return np.empty(ARENA_BYTES, dtype=np.uint8)
+
+    def give(self, *arrays: np.ndarray) -> None:
+        with self._lock:
+            self._free.extend(a for a in arrays if a.nbytes == ARENA_BYTES)
 
 
 class Converter:
@@ -107,6 +131,7 @@ class Converter:
         self.pool = pool
         self.workers = max(1, workers)
         self._to_float: dict[int, Callable[[int, int, int], None]] = {}
+        self._arenas = _Arenas()
 
     def prepare_type(self, source_type: int, target_type: int) -> None:
         """ggml_quantize_init once per target type (it allocates tables; not on the hot
@@ -126,15 +151,18 @@ class Converter:
 
         def produce(write: Callable[[memoryview], None]) -> None:
             row = row_bytes(src.ggml_type, src.shape[0])
-            buf = np.empty(max(1, COPY_BYTES // row) * row, dtype=np.uint8)
-            done = 0
-            while done < src.nbytes:
-                n = min(buf.nbytes, src.nbytes - done)
-                view = buf[:n]
-                self._read(fd, view, src.data_start + done, src.name)
-                self._check_source(src, view)
-                write(view.data)
-                done += n
+            step = max(1, ARENA_BYTES // row) * row
+            buf = self._arenas.take(step)
+            try:
+                done = 0
+                while done < src.nbytes:
+                    view = buf[: min(step, src.nbytes - done)]
+                    self._read(fd, view, src.data_start + done, src.name)
+                    self._check_source(src, view)
+                    write(view.data)
+                    done += view.nbytes
+            finally:
+                self._arenas.give(buf)
 
         return produce
 
@@ -190,14 +218,23 @@ class Converter:
                 for f in futs:
                     if not f.cancelled():
                         f.exception()
+            for slab in buffers:
+                self._arenas.give(*slab.arenas)
 
     def _new_slab(self, conv: Conversion, rows: int) -> _Slab:
         n = rows * conv.n_per_row
         src_type = conv.src.ggml_type
+        sizes = (
+            rows * row_bytes(src_type, conv.n_per_row),
+            0 if src_type == F32 else 4 * n,
+            rows * row_bytes(conv.target_type, conv.n_per_row),
+        )
+        raw, f32, out = (self._arenas.take(size) for size in sizes)
         return _Slab(
-            raw=np.empty(rows * row_bytes(src_type, conv.n_per_row), dtype=np.uint8),
-            f32=np.empty(0 if src_type == F32 else n, dtype=np.float32),
-            out=np.empty(rows * row_bytes(conv.target_type, conv.n_per_row), dtype=np.uint8),
+            raw=raw[: sizes[0]],
+            f32=f32[: sizes[1]].view(np.float32),
+            out=out[: sizes[2]],
+            arenas=(raw, f32, out),
         )
 
     def _submit(
