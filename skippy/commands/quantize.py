@@ -50,6 +50,7 @@ def register(sub: Any) -> None:
     p.add_argument("--source-repo", help="source repository (default: from --model-id)")
     p.add_argument("--source-revision", help="source commit or tag")
     p.add_argument("--source-file", help="source file name inside the source repository")
+    p.add_argument("--projector", type=Path, action="append", default=[], metavar="FILE")
     p.add_argument("--overwrite", action="store_true", help="replace an existing package")
     p.add_argument(
         "--allow-requantize",
@@ -107,7 +108,9 @@ def _options(args: argparse.Namespace) -> tuple[Path, Any]:
         from skippy.commands.producer import _source_and_provenance  # write-package's rule
 
         source, prov = _source_and_provenance(args)
-        return source, QuantizeOptions(provenance=prov, **common)
+        return source, QuantizeOptions(
+            provenance=prov, projectors=tuple(args.projector), **common
+        )
 
     # A layer package: re-quantize its fragments; provenance stays the original source's.
     given = [
@@ -116,13 +119,14 @@ def _options(args: argparse.Namespace) -> tuple[Path, Any]:
             ("--source-repo", args.source_repo),
             ("--source-revision", args.source_revision),
             ("--source-file", args.source_file),
+            ("--projector", args.projector),
         )
         if v
     ]
     if given:
         raise UsageError(
             f"{', '.join(given)} cannot be combined with a package SOURCE: its manifest "
-            "names the original source",
+            "names the original source and its projectors are copied",
             code="bad_usage",
         )
     if os.path.realpath(args.source) == os.path.realpath(args.out_dir):
