@@ -15,7 +15,7 @@ Kinds (importable functions, and a CLI: ``python scripts/synth_gguf.py KIND OUT 
     projector(path, *, seed=0)
     big(path, target_bytes, *, seed=0)
     high_precision(path, *, dtype="F32", n_layers=8, width=256, ff=640, vocab=512, n_head_kv=2,
-                   tied=False, seed=0)
+                   tied=False, n_experts=0, seed=0)
     imatrix(model, path, *, seed=0, chunks=4)
 
 Tensor types are mixed on purpose: F32 norms; F16, BF16; Q8_0, Q4_0, Q4_1, Q5_0 made with
@@ -640,6 +640,7 @@ def high_precision(
     vocab: int = 512,
     n_head_kv: int = 2,
     tied: bool = False,
+    n_experts: int = 0,
     seed: int = 0,
 ) -> Path:
     """A llama-architecture model as a converter writes it before quantization: every matrix
@@ -649,7 +650,9 @@ def high_precision(
     ffn_down of layers 0, 3, 6, 7 more bits), width 256 (K-quant rows fit), ff 640 (ffn_down
     rows do not fit 256-blocks: K-quants fall back to 32-block types), 4 query heads over
     ``n_head_kv`` KV heads (n_gqa 2), and ``tied`` drops ``output.weight`` (the embeddings
-    then take the output's type).
+    then take the output's type). ``n_experts`` > 0 makes the FFN a mixture of experts
+    (``ffn_{gate,up,down}_exps`` of shape (…, …, n_experts), a router ``ffn_gate_inp``,
+    ``expert_count`` / ``expert_used_count`` = 2): 3-D tensors, and llama.cpp's 8-expert rules.
     """
     if dtype not in _HP_DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_HP_DTYPES)} (got {dtype!r})")
@@ -674,10 +677,21 @@ def high_precision(
             _Tensor(p + "attn_v.weight", (w, kv), q),
             _Tensor(p + "attn_output.weight", (w, w), q),
             _Tensor(p + "ffn_norm.weight", (w,), Q.F32, norm=True),
-            _Tensor(p + "ffn_gate.weight", (w, ff), q),
-            _Tensor(p + "ffn_up.weight", (w, ff), q),
-            _Tensor(p + "ffn_down.weight", (ff, w), q),
         ]
+        if n_experts:
+            e = n_experts
+            tensors += [
+                _Tensor(p + "ffn_gate_inp.weight", (w, e), Q.F32),
+                _Tensor(p + "ffn_gate_exps.weight", (w, ff, e), q),
+                _Tensor(p + "ffn_up_exps.weight", (w, ff, e), q),
+                _Tensor(p + "ffn_down_exps.weight", (ff, w, e), q),
+            ]
+        else:
+            tensors += [
+                _Tensor(p + "ffn_gate.weight", (w, ff), q),
+                _Tensor(p + "ffn_up.weight", (w, ff), q),
+                _Tensor(p + "ffn_down.weight", (ff, w), q),
+            ]
     kvs = [
         (key, n_head_kv, vtype, sub)
         if key == "llama.attention.head_count_kv"
@@ -687,6 +701,11 @@ def high_precision(
         for key, value, vtype, sub in _llama_kvs("llama", f"synth {dtype} llama", d)
         if key != "general.quantization_version"  # converters write none before quantizing
     ]
+    if n_experts:
+        kvs += [
+            ("llama.expert_count", n_experts, V.UINT32, None),
+            ("llama.expert_used_count", 2, V.UINT32, None),
+        ]
     return _write_model(Path(path), "llama", kvs, tensors, seed, None)
 
 

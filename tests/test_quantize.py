@@ -62,6 +62,7 @@ def quantize(source: Path, out: Path, type_name: str, **kw: Any) -> Path:
         ("tied", "Q4_K_M", False),  # tied embeddings take the output's type
         ("f16", "Q3_K_M", False),
         ("bf16", "IQ4_XS", False),
+        ("moe", "Q3_K_M", False),  # 3-D expert tensors, the 8-expert rules
     ],
 )
 def test_tensors_are_byte_identical_to_llama_cpp(hp_models, tmp_path, dtype, type_name, pure):
@@ -105,6 +106,19 @@ def test_imatrix_values_reach_the_quantizer_as_llama_cpp_uses_them(hp_models, tm
     assert all(ours[n][2] != plain[n][2] for n in same_type)
     block = json.loads((pkg / MANIFEST_NAME).read_text())["quantization"]
     assert block["imatrix_sha256"] == imatrix.sha256
+
+
+def test_moe_imatrix_is_applied_per_expert(hp_models, tmp_path):
+    imatrix = load_imatrix(hp_models.moe_imatrix)
+    """Each expert's rows are quantized with that expert's slice of the imatrix entry."""
+    pkg = quantize(hp_models.moe, tmp_path / "pkg", "Q4_0", imatrix=imatrix)
+    ref = llama_quantize(hp_models.moe, tmp_path / "ref.gguf", "Q4_0", imatrix=imatrix.entries)
+    ours = package_tensors(pkg)
+    assert differences(ours, gguf_tensors(ref)) == []
+    assert ours["blk.1.ffn_up_exps.weight"][0] == T["Q4_0"]
+    plain = package_tensors(quantize(hp_models.moe, tmp_path / "plain", "Q4_0"))
+    assert ours["blk.1.ffn_up_exps.weight"][2] != plain["blk.1.ffn_up_exps.weight"][2]
+    assert ours["blk.1.ffn_gate_inp.weight"][0] == T["F32"]  # the router stays
 
 
 def test_recipe_matches_llama_cpps_tensor_type_overrides(hp_models, tmp_path):
