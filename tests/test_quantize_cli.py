@@ -229,3 +229,21 @@ def test_bf16_and_f16_sources_convert_exactly(hp_models, tmp_path, capsys):
             else raw.view(np.float16).astype(np.float32)
         )
         assert ours["blk.1.ffn_up.weight"][2] == want.tobytes()
+
+
+def test_requantizing_a_quantized_package_records_where_it_came_from(hp_models, tmp_path, capsys):
+    q4 = tmp_path / "q4"
+    assert run(capsys, hp_models.f16, "--out-dir", q4, "--type", "Q4_K_M", *PROV)[0] == 0
+    rc, data = run(capsys, q4, "--out-dir", tmp_path / "q8", "--type", "Q8_0")
+    assert (rc, data["error"]["code"]) == (1, "source_already_quantized")
+    rc, data = run(
+        capsys, q4, "--out-dir", tmp_path / "q8", "--type", "Q8_0", "--allow-requantize"
+    )
+    assert rc == 0
+    earlier = json.loads((q4 / MANIFEST_NAME).read_text())["quantization"]
+    assert data["quantization"]["requantized_from"] == earlier
+    # the bytes cannot be redone from the original source: checked for types only, and said
+    argv = ["validate-package", str(hp_models.f16), str(tmp_path / "q8"), "--json"]
+    assert package_main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [f["code"] for f in report["findings"]] == ["quantized_bytes_not_checked"]

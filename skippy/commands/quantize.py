@@ -83,6 +83,7 @@ def _read_recipe(path: Path) -> Any:
 
 def _options(args: argparse.Namespace) -> tuple[Path, Any]:
     """The source to open and the QuantizeOptions, every flag checked."""
+    from skippy.package.quantization import QUANTIZATION_KEY
     from skippy.produce.imatrix import load_imatrix
     from skippy.produce.quant_rules import parse_file_type
     from skippy.produce.quantize import QuantizeOptions, open_package_source
@@ -143,11 +144,13 @@ def _options(args: argparse.Namespace) -> tuple[Path, Any]:
         revision=m.source_model.revision,
         source_file=m.source_model.primary_file,
     )
+    earlier = m.extra.get(QUANTIZATION_KEY)
     opts = QuantizeOptions(
         provenance=prov,
         source_shards=pkg.shards,
         source_model=m.source_model,
         projectors=pkg.projectors,
+        requantized_from=earlier if isinstance(earlier, dict) else None,
         **common,
     )
     return pkg.shards[0], opts

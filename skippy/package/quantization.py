@@ -11,7 +11,9 @@ recipe travels with the package::
       "recipe": "...",           the --tensor-types file's text, or null
       "recipe_sha256": "...",    SHA-256 of the recipe's UTF-8 bytes, or null
       "imatrix_sha256": "...",   only when --imatrix was given
-      "tool_version": "..."      skippy and ggml versions that quantized
+      "tool_version": "...",     skippy and ggml versions that quantized
+      "requantized_from": {...}  only when the source was a package quantized before: its
+                                 block (the bytes then cannot be redone from source_model)
     }
 
 Parsing and the consistency checks are pure; consumers call ``quantization_findings`` (via
@@ -47,6 +49,7 @@ class QuantizationBlock:
     recipe_sha256: str | None
     tool_version: str
     imatrix_sha256: str | None = None
+    requantized_from: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -59,6 +62,8 @@ class QuantizationBlock:
         }
         if self.imatrix_sha256 is not None:
             out["imatrix_sha256"] = self.imatrix_sha256
+        if self.requantized_from is not None:
+            out["requantized_from"] = self.requantized_from
         return out
 
 
@@ -118,6 +123,9 @@ def parse_quantization(raw: Any) -> QuantizationBlock:
     recipe = raw.get("recipe")
     if recipe is not None and not isinstance(recipe, str):
         raise _bad("recipe", "a string or null", recipe)
+    earlier = raw.get("requantized_from")
+    if earlier is not None and not isinstance(earlier, dict):
+        raise _bad("requantized_from", "a JSON object", earlier)
     return QuantizationBlock(
         type=str(text("type")),
         ftype=ftype,
@@ -126,6 +134,7 @@ def parse_quantization(raw: Any) -> QuantizationBlock:
         recipe_sha256=text("recipe_sha256", nullable=True),
         tool_version=str(text("tool_version")),
         imatrix_sha256=text("imatrix_sha256", nullable=True),
+        requantized_from=earlier,
     )
 
 

@@ -150,13 +150,20 @@ def quantized_expectation(
     except SkippyError as exc:
         out.findings.append(_not_reproducible(exc.message))
         return out
-    with_imatrix = block.imatrix_sha256 is not None
-    if with_imatrix:
+    why = (
+        "with an importance matrix, which is not available here"
+        if block.imatrix_sha256 is not None
+        else "from a package that was itself quantized from this source"
+        if block.requantized_from is not None
+        else None
+    )
+    with_imatrix = why is not None  # quantized bytes cannot be redone from this source
+    if why is not None:
         out.findings.append(
             Finding(
                 "quantized_bytes_not_checked",
-                "the package was quantized with an importance matrix, which is not "
-                "available here: tensor types and shapes are checked, quantized bytes are not",
+                f"the package was quantized {why}: tensor types and shapes are checked, "
+                "quantized bytes are not",
                 severity="warning",
             )
         )

@@ -88,6 +88,9 @@ class QuantizeOptions:
     source_model: SourceModel | None = None
     projectors: tuple[Path, ...] = ()
     created_at_unix_secs: int | None = None
+    # The source package's own quantization block, when it had one (recorded: the bytes can
+    # then no longer be redone from source_model).
+    requantized_from: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -269,6 +272,7 @@ class QuantizeTransform:
             recipe_sha256=r.sha256 if r is not None else None,
             tool_version=tool_version(),
             imatrix_sha256=self.opts.imatrix.sha256 if self.opts.imatrix else None,
+            requantized_from=self.opts.requantized_from,
         )
 
     def manifest_extra(self) -> dict[str, Any]:
