@@ -6,8 +6,8 @@ Ported from llama.cpp as vendored by llama-cpp-python 0.3.36 (ggml 0.25.3, commi
 ``tensor_requires_imatrix``, ``llama_ftype_get_default_type`` and the iteration order of
 ``llama_model_loader::weights_map`` (``weight_name_comparer``). The preset names are
 ``tools/quantize/quantize.cpp``'s ``QUANT_OPTIONS``. Each function names the C++ function it
-mirrors; docs/quantize.md lists what we follow and where we deliberately differ (a recipe
-type that cannot hold a tensor is an error here, where llama.cpp silently falls back).
+mirrors; docs/quantize.md lists what we follow and where we deliberately differ (only with
+a recipe: see ``plan_types``).
 
 The rules are order-dependent (llama.cpp counts attn_v / ffn_down tensors as it meets them),
 so ``plan_types`` walks the tensors in llama.cpp's order and returns the choices in the
@@ -19,10 +19,10 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from enum import Enum
+from enum import Enum, IntEnum
 from typing import Any, Final
 
-from skippy.errors import SkippyError, UsageError
+from skippy.errors import ModelError, SkippyError, UsageError
 from skippy.findings import Finding
 from skippy.gguf.constants import GGML_TYPES
 from skippy.package.quantization import QuantizationBlock
@@ -131,7 +131,7 @@ FILE_TYPES: Final[dict[str, FileType]] = {
 }
 
 
-class F(int, Enum):
+class F(IntEnum):
     """The llama_ftype numbers the rules test (llama.h)."""
 
     Q4_0 = 2
@@ -384,7 +384,7 @@ class _State:
     i_ffn_up: int = 0
 
 
-class RuleError(UsageError):
+class RuleError(ModelError):
     """A tensor the rules cannot place (llama.cpp throws the same runtime_error)."""
 
     code = "quant_rule_failed"
