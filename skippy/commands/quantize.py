@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -157,48 +156,37 @@ def _options(args: argparse.Namespace) -> tuple[Path, Any]:
 
 
 def cmd_quantize(args: argparse.Namespace) -> CommandResult:
-    from skippy.produce.quant_rules import type_name
     from skippy.produce.quantize import dry_run, quantize_layer_package
 
     source, opts = _options(args)
     if args.dry_run:
         plan = dry_run(source, opts)
-        tensors = [
-            {
-                "name": c.name,
-                "source_type": type_name(c.source_type),
-                "type": type_name(c.target_type),
-                "reason": c.reason,
-            }
-            for c in plan.choices
-        ]
-        counts = Counter(t["type"] for t in tensors)
+        name = opts.file_type.canonical
         data: dict[str, Any] = {
             "ok": True,
             "dry_run": True,
-            "type": opts.file_type.canonical,
-            "tensor_types": dict(sorted(counts.items())),
-            "tensors": tensors,
+            "type": name,
+            "tensor_types": plan.type_counts(),
+            "tensors": plan.tensor_rows(),
         }
-        lines = [f"{opts.file_type.canonical}: {_summary(counts)} (dry run: nothing written)"]
+        lines = [f"{name}: {_summary(plan.type_counts())} (dry run: nothing written)"]
         lines += [
             f"  {t['name']:<40} {t['source_type']:>6} -> {t['type']:<8} {t['reason']}"
-            for t in tensors
+            for t in data["tensors"]
         ]
         return CommandResult(data=data, text="\n".join(lines))
 
     result = quantize_layer_package(source, opts)
     data = {"ok": True, **result.to_dict()}
     w = result.write
-    counts = Counter(type_name(c.target_type) for c in result.plan.choices)
     lines = [
         f"quantized to {result.block.type} and wrote {data['artifacts']} artifacts "
         f"({human_bytes(w.bytes_written)}) to {w.out_dir} in {result.seconds:.2f}s",
-        f"tensors: {_summary(counts)}",
+        f"tensors: {_summary(result.plan.type_counts())}",
         f"{MANIFEST_NAME} sha256 {w.manifest_sha256}",
     ]
     return CommandResult(data=data, text="\n".join(lines))
 
 
-def _summary(counts: Counter[str]) -> str:
+def _summary(counts: dict[str, int]) -> str:
     return ", ".join(f"{n} {t}" for t, n in sorted(counts.items(), key=lambda kv: -kv[1]))

@@ -17,6 +17,7 @@ caller's order.
 from __future__ import annotations
 
 import re
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum, IntEnum
@@ -629,6 +630,22 @@ class QuantPlan:
 
     def by_name(self) -> dict[str, TensorChoice]:
         return {c.name: c for c in self.choices}
+
+    def type_counts(self) -> dict[str, int]:
+        """Tensors per resulting type, by type name (sorted)."""
+        return dict(sorted(Counter(type_name(c.target_type) for c in self.choices).items()))
+
+    def tensor_rows(self) -> list[dict[str, str]]:
+        """Every tensor's name, source type, type and why (for --json and --dry-run)."""
+        return [
+            {
+                "name": c.name,
+                "source_type": type_name(c.source_type),
+                "type": type_name(c.target_type),
+                "reason": c.reason,
+            }
+            for c in self.choices
+        ]
 
 
 def plan_types(

@@ -17,7 +17,6 @@ truncated source) runs in ``QuantizeTransform.prepare``, which write-package cal
 from __future__ import annotations
 
 import time
-from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -101,21 +100,12 @@ class QuantizeResult:
     seconds: float
 
     def to_dict(self) -> dict[str, Any]:
-        counts = Counter(type_name(c.target_type) for c in self.plan.choices)
         return {
             **self.write.to_dict(),
             "seconds": round(self.seconds, 3),
             QUANTIZATION_KEY: self.block.to_dict(),
-            "tensor_types": dict(sorted(counts.items())),
-            "tensors": [
-                {
-                    "name": c.name,
-                    "source_type": type_name(c.source_type),
-                    "type": type_name(c.target_type),
-                    "reason": c.reason,
-                }
-                for c in self.plan.choices
-            ],
+            "tensor_types": self.plan.type_counts(),
+            "tensors": self.plan.tensor_rows(),
         }
 
 
