@@ -183,8 +183,8 @@ def _swa_layers(kv: Mapping[str, Any], arch: str, n_layer: int) -> frozenset[int
         if len(pattern) != n_layer or not all(isinstance(p, bool) for p in pattern):
             raise _bad(f"{key} must hold one bool per layer ({n_layer})", key)
         return frozenset(i for i, p in enumerate(pattern) if p)
-    if isinstance(pattern, bool) or not isinstance(pattern, int) or not 1 <= pattern <= n_layer:
-        raise _bad(f"{key} = {pattern!r} is not a period in 1..{n_layer}", key)
+    if isinstance(pattern, bool) or not isinstance(pattern, int) or not 1 <= pattern <= MAX_LAYERS:
+        raise _bad(f"{key} = {pattern!r} is not a period in 1..{MAX_LAYERS}", key)
     return frozenset(i for i in range(n_layer) if i % pattern < pattern - 1)
 
 
