@@ -79,7 +79,7 @@ class StageChain:
         return self.tokenizer
 
     def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
-        return self._tok().tokenize(text, add_special=add_special)
+        return self._tok().tokenize(text, add_special=add_special, max_tokens=self.n_ctx)
 
     def detokenize(self, tokens: Sequence[int]) -> str:
         return self._tok().detokenize(tokens)

@@ -239,7 +239,9 @@ class LlamaStageRuntime:
         llm = self._loaded()
         if self.stage is None or self._vocabulary is None:
             raise StageNotLoaded("no stage is loaded: call load() first")
-        data = guarded_bytes(self._vocabulary, self.stage.part_paths[0], text)
+        data = guarded_bytes(
+            self._vocabulary, self.stage.part_paths[0], text, max_tokens=self.config.n_ctx
+        )
         return [int(t) for t in llm.tokenize(data, add_bos=add_special)]
 
     def detokenize(self, tokens: Sequence[int]) -> str:

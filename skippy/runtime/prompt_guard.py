@@ -65,6 +65,7 @@ class Vocabulary:
 
     model: str
     add_space_prefix: bool
+    max_token_chars: int = 0  # the longest token (0: unknown); bounds how much text fits
     scores: Mapping[str, float] = field(default_factory=dict)
     byte_fallback: frozenset[int] = frozenset()
     merge_chars: frozenset[str] = frozenset()
@@ -82,19 +83,30 @@ class Vocabulary:
                 )
             # llama.cpp's default: SentencePiece vocabularies prefix a space unless told not to
             prefix = bool(g.get("tokenizer.ggml.add_space_prefix", model == SPM_MODEL))
+            tokens = g.get("tokenizer.ggml.tokens") if model in (SPM_MODEL, BPE_MODEL) else None
             if model != SPM_MODEL:
-                return cls(model=model, add_space_prefix=prefix)
-            tokens = g.get("tokenizer.ggml.tokens")
+                # byte-level BPE spells each byte as one character: the longest token in
+                # characters is the most bytes one token covers
+                longest = (
+                    max((len(t) for t in tokens), default=0) if isinstance(tokens, list) else 0
+                )
+                return cls(model=model, add_space_prefix=prefix, max_token_chars=longest)
             if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
                 raise RuntimeLoadError(f"{metadata_path} has no token list", code="no_tokenizer")
             present = set(tokens)
+            longest = max((len(t) for t in present), default=0)
             fallback = frozenset(
                 b
                 for b in range(256)
                 if f"<0x{b:02X}>" in present or (b < 0x80 and chr(b) in present)
             )
             if len(fallback) == 256:  # every character can fall back to bytes: nothing to check
-                return cls(model=model, add_space_prefix=prefix, byte_fallback=fallback)
+                return cls(
+                    model=model,
+                    add_space_prefix=prefix,
+                    max_token_chars=longest,
+                    byte_fallback=fallback,
+                )
             raw_scores = g.get("tokenizer.ggml.scores") or []
             types = g.get("tokenizer.ggml.token_type") or []
         scores = {
@@ -107,6 +119,7 @@ class Vocabulary:
         return cls(
             model=model,
             add_space_prefix=prefix,
+            max_token_chars=longest,
             scores=scores,
             byte_fallback=fallback,
             merge_chars=merge_chars,
@@ -253,10 +266,28 @@ def probe_in_child(metadata_path: Path, text: str) -> None:
         )
 
 
-def guarded_bytes(vocab: Vocabulary, metadata_path: Path, text: str) -> bytes:
+def guarded_bytes(
+    vocab: Vocabulary, metadata_path: Path, text: str, *, max_tokens: int | None = None
+) -> bytes:
     """The prompt's UTF-8 bytes once it is known not to abort llama.cpp's tokenizer: the
-    predicate of its tokenizer model, else one tokenization in a child process."""
+    predicate of its tokenizer model, else one tokenization in a child process.
+
+    With ``max_tokens`` (the context), a text that cannot fit (more characters than that many
+    of the vocabulary's longest tokens hold) is refused first, so a huge prompt costs no
+    tokenizing: ``prompt_too_long``."""
     data = prompt_bytes(text)
+    if max_tokens is not None and vocab.max_token_chars:
+        # SentencePiece tokens are counted in characters, byte-level BPE ones in bytes
+        size = len(data) if vocab.model == BPE_MODEL else len(text)
+        least = -(-size // vocab.max_token_chars)
+        if least > max_tokens:
+            raise UsageError(
+                f"the prompt needs at least {least} tokens; the context holds {max_tokens}",
+                code="prompt_too_long",
+                expected=max_tokens,
+                actual=least,
+                remediation="shorten the prompt or raise the context with --n-ctx",
+            )
     if vocab.model == BPE_MODEL:
         return data
     if vocab.model == SPM_MODEL:

@@ -60,10 +60,13 @@ class LlamaTokenizer:
             raise RuntimeLoadError("the tokenizer is closed", code="stage_not_loaded")
         return self._vocab
 
-    def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
-        """llama.cpp's ids for ``text`` (BOS added when the model adds one), guarded."""
+    def tokenize(
+        self, text: str, *, add_special: bool = True, max_tokens: int | None = None
+    ) -> list[int]:
+        """llama.cpp's ids for ``text`` (BOS added when the model adds one), guarded;
+        ``max_tokens`` refuses a text that cannot fit before tokenizing it."""
         vocab = self._loaded()
-        data = guarded_bytes(self.vocabulary, self.path, text)
+        data = guarded_bytes(self.vocabulary, self.path, text, max_tokens=max_tokens)
         return self._tokenize_bytes(vocab, data, add_special)
 
     def _tokenize_bytes(self, vocab: Any, data: bytes, add_special: bool) -> list[int]:
