@@ -1,5 +1,9 @@
 """Helpers shared by the stage-runtime tests (plain functions, not fixtures).
 
+Tests run ggml on one thread: other suites share this 2-core machine, and two spinning ggml
+threads on an oversubscribed CPU run ~30x slower (measured: 0.65 s per gemma token at load
+7). Results do not depend on the thread count (each output row is one thread's dot products).
+
 ``llama_logits`` is the independent reference: llama.cpp through llama-cpp-python's low-level
 API, every position's logits from one batch. ``repack=False`` loads the model without ggml's
 CPU weight repacking (``use_extra_bufts = false``): llama.cpp then runs the same kernels on the
@@ -43,7 +47,7 @@ def chain(
     engine: str, pkg: Path, ranges: Sequence[str], config: StageConfig | None = None
 ) -> StageChain:
     loads = stage_loads(pkg, ranges)
-    cfg = config or StageConfig(n_ctx=128)
+    cfg = config or StageConfig(n_ctx=128, n_threads=1)
     stages = [
         open_stage(engine, load, cfg, stage_index=i, stage_count=len(loads))
         for i, load in enumerate(loads)
@@ -69,7 +73,7 @@ def split_ranges(layer_count: int) -> list[list[str]]:
 
 
 def llama_logits(
-    model: Path, ids: Sequence[int], *, repack: bool = True, n_ctx: int = 512, threads: int = 2
+    model: Path, ids: Sequence[int], *, repack: bool = True, n_ctx: int = 512, threads: int = 1
 ) -> np.ndarray:
     """llama.cpp's logits at every position of ``ids`` (one batch), shape (n, vocab)."""
     from skippy.runtime.llama_cpp import import_llama

@@ -93,7 +93,7 @@ def test_hostile_prompts_are_coded_errors(
     pkg: Path, capsys: pytest.CaptureFixture[str], engine: str, case: str
 ) -> None:
     prompt, code = HOSTILE[case]
-    rc = main(["run", str(pkg), "--engine", engine, "--prompt", prompt, "--json"])
+    rc = main(["run", str(pkg), "--engine", engine, "--prompt", prompt, "--json", "--threads", "1"])
     out = json.loads(capsys.readouterr().out)
     assert rc in (1, 2)
     assert out["error"]["code"] == code
@@ -104,7 +104,19 @@ def test_an_encodable_prompt_still_runs(
     pkg: Path, capsys: pytest.CaptureFixture[str], engine: str
 ) -> None:
     rc = main(
-        ["run", str(pkg), "--engine", engine, "--prompt", "Ω Ω", "--max-tokens", "3", "--json"]
+        [
+            "run",
+            str(pkg),
+            "--engine",
+            engine,
+            "--prompt",
+            "Ω Ω",
+            "--max-tokens",
+            "3",
+            "--json",
+            "--threads",
+            "1",
+        ]
     )
     out = json.loads(capsys.readouterr().out)
     assert rc == 0, out

@@ -251,7 +251,7 @@ def test_hostile_fragment_is_a_coded_error(
 ) -> None:
     hostile = _hostile(load, tmp_path, part, edit)
     with pytest.raises(SkippyError) as e:
-        open_stage(engine, hostile, StageConfig(n_ctx=16))
+        open_stage(engine, hostile, StageConfig(n_ctx=16, n_threads=1))
     assert e.value.code == code, e.value.message
     assert e.value.exit_code in (1, 2)
 
@@ -266,7 +266,9 @@ def test_truncated_and_garbage_parts(load: StageLoad, tmp_path: Path) -> None:
         paths = list(load.part_paths)
         paths[3] = bad
         with pytest.raises(SkippyError) as e:
-            open_stage("ggml", replace(load, part_paths=tuple(paths)), StageConfig(n_ctx=16))
+            open_stage(
+                "ggml", replace(load, part_paths=tuple(paths)), StageConfig(n_ctx=16, n_threads=1)
+            )
         assert e.value.code in (code, "gguf_truncated")
 
 
@@ -274,7 +276,7 @@ def test_unsupported_architecture_package(synth_dir, tmp_path: Path) -> None:
     out = tmp_path / "nextn"
     make_package(synth_dir.nextn, out, model_id="acme/glm-GGUF:Q8_0")
     with pytest.raises(SkippyError) as e:
-        open_stage("ggml", stage_loads(out, ["0..4"])[0], StageConfig(n_ctx=16))
+        open_stage("ggml", stage_loads(out, ["0..4"])[0], StageConfig(n_ctx=16, n_threads=1))
     assert e.value.code == "unsupported_architecture" and e.value.exit_code == 2
 
 

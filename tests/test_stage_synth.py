@@ -157,7 +157,9 @@ def test_decode_continues_prefill(engine: str, synth, whole) -> None:
 
 
 def test_chunked_prefill_matches_one_batch(synth, whole) -> None:
-    with chain("ggml", synth["qwen3"].pkg, ["0..4"], StageConfig(n_ctx=64, n_batch=5)) as ch:
+    with chain(
+        "ggml", synth["qwen3"].pkg, ["0..4"], StageConfig(n_ctx=64, n_batch=5, n_threads=1)
+    ) as ch:
         got = ch.logits(IDS, all_positions=True)
     np.testing.assert_allclose(got, whole[("qwen3", "ggml")], atol=2e-3)
 
@@ -191,7 +193,7 @@ def test_sessions_are_independent(synth) -> None:
 @pytest.fixture(scope="module")
 def stages(synth) -> list[Stage]:
     loads = stage_loads(synth["llama"].pkg, ["0..2", "2..4"])
-    cfg = StageConfig(n_ctx=16, max_sessions=2)
+    cfg = StageConfig(n_ctx=16, max_sessions=2, n_threads=1)
     made: list[Stage] = [GgmlStage(loads[0], cfg), NumpyStage(loads[1], cfg)]
     yield made
     for s in made:
@@ -249,7 +251,7 @@ def test_descriptors_must_fit_together(stages, synth) -> None:
         s1.descriptor.check_follows(s0.descriptor)
     assert e.value.code == "stage_mismatch" and "runtimes" in e.value.message
     other = stage_loads(synth["qwen3"].pkg, ["2..4"])[0]
-    with GgmlStage(other, StageConfig(n_ctx=16)) as q:
+    with GgmlStage(other, StageConfig(n_ctx=16, n_threads=1)) as q:
         with pytest.raises(UsageError) as e:
             q.descriptor.check_follows(s0.descriptor)
         assert e.value.code == "stage_mismatch"
