@@ -23,6 +23,7 @@ from benchlib import ROOT, BenchContext, Row, machine, render  # type: ignore[im
 SECTIONS: dict[str, str] = {
     "package": "bench_package",
     "consumer": "bench_consumer",
+    "stage": "bench_stage",
 }
 
 

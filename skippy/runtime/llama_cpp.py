@@ -215,7 +215,6 @@ class LlamaStageRuntime:
             link_dir.rmdir()
         self.load_s = time.perf_counter() - t0
         self.stage = stage
-        self._vocabulary = Vocabulary.read(stage.part_paths[0])
         log.info(
             "loaded %s layers %s from %d parts in %.2fs",
             stage.model_id,
@@ -237,8 +236,10 @@ class LlamaStageRuntime:
         """llama.cpp's ids, after the prompt guard (``skippy.runtime.prompt_guard``): a text
         the vocabulary cannot encode is a coded error, never a native abort."""
         llm = self._loaded()
-        if self.stage is None or self._vocabulary is None:
+        if self.stage is None:
             raise StageNotLoaded("no stage is loaded: call load() first")
+        if self._vocabulary is None:  # read on first use: load_s stays llama.cpp's own load
+            self._vocabulary = Vocabulary.read(self.stage.part_paths[0])
         data = guarded_bytes(
             self._vocabulary, self.stage.part_paths[0], text, max_tokens=self.config.n_ctx
         )
