@@ -423,6 +423,26 @@ def gemma_like(
     return _write_model(Path(path), "gemma3", _gemma_kvs(d), _gemma_tensors(d), seed, alignment)
 
 
+def _qwen_like(
+    path: str | Path,
+    arch: str,
+    *,
+    bias: bool,
+    qk_norm: bool,
+    n_layers: int,
+    width: int,
+    ff: int,
+    vocab: int,
+    seed: int,
+    alignment: int | None,
+) -> Path:
+    _check_dims(width, ff, n_layers, vocab)
+    d = _Dims(n_layers, width, ff, vocab)
+    kvs = _llama_kvs(arch, f"synth {arch}-like", d)
+    tensors = _qwen_tensors(d, bias=bias, qk_norm=qk_norm)
+    return _write_model(Path(path), arch, kvs, tensors, seed, alignment)
+
+
 def qwen3_like(
     path: str | Path,
     *,
@@ -434,11 +454,10 @@ def qwen3_like(
     alignment: int | None = None,
 ) -> Path:
     """A qwen3-architecture model: per-head q/k RMS norms, NEOX RoPE, untied output head."""
-    _check_dims(width, ff, n_layers, vocab)
-    d = _Dims(n_layers, width, ff, vocab)
-    kvs = _llama_kvs("qwen3", "synth qwen3-like", d)
-    tensors = _qwen_tensors(d, bias=False, qk_norm=True)
-    return _write_model(Path(path), "qwen3", kvs, tensors, seed, alignment)
+    dims = {"n_layers": n_layers, "width": width, "ff": ff, "vocab": vocab}
+    return _qwen_like(
+        path, "qwen3", bias=False, qk_norm=True, seed=seed, alignment=alignment, **dims
+    )
 
 
 def qwen2_like(
@@ -452,11 +471,10 @@ def qwen2_like(
     alignment: int | None = None,
 ) -> Path:
     """A qwen2-architecture model: q/k/v biases, NEOX RoPE, untied output head."""
-    _check_dims(width, ff, n_layers, vocab)
-    d = _Dims(n_layers, width, ff, vocab)
-    kvs = _llama_kvs("qwen2", "synth qwen2-like", d)
-    tensors = _qwen_tensors(d, bias=True, qk_norm=False)
-    return _write_model(Path(path), "qwen2", kvs, tensors, seed, alignment)
+    dims = {"n_layers": n_layers, "width": width, "ff": ff, "vocab": vocab}
+    return _qwen_like(
+        path, "qwen2", bias=True, qk_norm=False, seed=seed, alignment=alignment, **dims
+    )
 
 
 def nextn_like(

@@ -28,9 +28,9 @@ import numpy.typing as npt
 
 from skippy.gguf import ggml
 from skippy.gguf.ggml import GGML_ROPE_TYPE_NEOX, GGML_ROPE_TYPE_NORMAL, GgmlInitParams, GgmlType
-from skippy.runtime.boundary import RuntimeLoadError, StageLoad
+from skippy.runtime.boundary import RuntimeLoadError
 from skippy.runtime.model import OUTPUT_NORM_TENSOR, ROPE_FREQS_TENSOR, attention_mask
-from skippy.runtime.stage import STAGE_API_VERSION, StageBase, StageConfig
+from skippy.runtime.stage import STAGE_API_VERSION, StageBase
 
 RUNTIME_VERSION: Final = f"skippy-stage/{STAGE_API_VERSION} ggml/{ggml.GGML_VERSION}"
 # Tensors (ops and views) a layer adds to a graph, with room to spare; ggml aborts when a
@@ -88,42 +88,24 @@ class GgmlStage(StageBase[_KvCache]):
     engine = "ggml"
     runtime_version = RUNTIME_VERSION
 
-    def __init__(
-        self,
-        stage: StageLoad,
-        config: StageConfig | None = None,
-        *,
-        package_ref: str = "",
-        stage_index: int = 0,
-        stage_count: int = 1,
-    ) -> None:
+    def _prepare(self) -> None:
         self.g = ggml.load()  # first: a missing or mismatched ggml is refused before any I/O
         self._wctx: int | None = None
         self._buffers: list[int] = []
         self._backend = 0  # 0: none (a NULL pointer)
         self._galloc = 0
-        super().__init__(
-            stage,
-            config or StageConfig(),
-            package_ref=package_ref,
-            stage_index=stage_index,
-            stage_count=stage_count,
-        )
-        try:
-            self._tensors = self._place_weights()
-            self._layer_weights = {il: self._layer(il) for il in self.layers}
-            self._backend = _ok(self.g.ggml_backend_cpu_init(), "ggml_backend_cpu_init")
-            self.g.ggml_backend_cpu_set_n_threads(self._backend, self.config.n_threads)
-            self._galloc = _ok(
-                self.g.ggml_gallocr_new(self.g.ggml_backend_cpu_buffer_type()), "ggml_gallocr_new"
-            )
-        except BaseException:
-            self.close()
-            raise
+
+    def _setup(self) -> None:
+        g = self.g
+        self._tensors = self._place_weights()
+        self._layer_weights = {il: self._layer(il) for il in self.layers}
+        self._backend = _ok(g.ggml_backend_cpu_init(), "ggml_backend_cpu_init")
+        g.ggml_backend_cpu_set_n_threads(self._backend, self.config.n_threads)
+        self._galloc = _ok(g.ggml_gallocr_new(g.ggml_backend_cpu_buffer_type()), "gallocr")
         n_graph = _TENSORS_PER_LAYER * len(self.layers) + _TENSORS_FIXED
         self._graph_size = max(ggml.GGML_DEFAULT_GRAPH_SIZE, n_graph)
-        self._graph_mem = self.g.ggml_tensor_overhead() * 2 * self._graph_size + (
-            self.g.ggml_graph_overhead_custom(self._graph_size, False)
+        self._graph_mem = g.ggml_tensor_overhead() * 2 * self._graph_size + (
+            g.ggml_graph_overhead_custom(self._graph_size, False)
         )
         self._rope_mode = (
             GGML_ROPE_TYPE_NORMAL if self.spec.rope_style == "normal" else GGML_ROPE_TYPE_NEOX

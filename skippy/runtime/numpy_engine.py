@@ -17,9 +17,8 @@ from typing import Any, Final
 import numpy as np
 import numpy.typing as npt
 
-from skippy.runtime.boundary import StageLoad
 from skippy.runtime.model import OUTPUT_NORM_TENSOR, ROPE_FREQS_TENSOR, attention_mask
-from skippy.runtime.stage import STAGE_API_VERSION, StageBase, StageConfig
+from skippy.runtime.stage import STAGE_API_VERSION, StageBase
 from skippy.runtime.weights import StageWeights, WeightRef
 
 RUNTIME_VERSION: Final = f"skippy-stage/{STAGE_API_VERSION} numpy-reference"
@@ -120,28 +119,9 @@ class NumpyStage(StageBase[_NpKv]):
     engine = "numpy"
     runtime_version = RUNTIME_VERSION
 
-    def __init__(
-        self,
-        stage: StageLoad,
-        config: StageConfig | None = None,
-        *,
-        package_ref: str = "",
-        stage_index: int = 0,
-        stage_count: int = 1,
-    ) -> None:
-        super().__init__(
-            stage,
-            config or StageConfig(),
-            package_ref=package_ref,
-            stage_index=stage_index,
-            stage_count=stage_count,
-        )
+    def _setup(self) -> None:
         w = self._loaded()
-        try:
-            self._w = {r.name: dequantize(w, r) for r in w}
-        except BaseException:
-            self.close()
-            raise
+        self._w = {r.name: dequantize(w, r) for r in w}
 
     def _new_session(self) -> _NpKv:
         shape = (self.config.n_ctx, self.spec.n_head_kv, self.spec.head_dim)

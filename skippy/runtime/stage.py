@@ -201,13 +201,17 @@ class StageBase(ABC, Generic[S]):
     def __init__(
         self,
         stage: StageLoad,
-        config: StageConfig,
+        config: StageConfig | None = None,
         *,
         package_ref: str = "",
         stage_index: int = 0,
         stage_count: int = 1,
     ) -> None:
+        """Open and check the stage's parts, then let the engine set up (``_setup``); a
+        failure anywhere releases what was taken."""
+        config = config or StageConfig()
         self.config = config
+        self._prepare()
         self.weights: StageWeights | None = StageWeights.open(stage)
         spec = self.weights.spec
         if config.n_ctx > spec.context_length:
@@ -237,8 +241,20 @@ class StageBase(ABC, Generic[S]):
             runtime_version=self.runtime_version,
             n_ctx=config.n_ctx,
         )
+        try:
+            self._setup()
+        except BaseException:
+            self.close()
+            raise
 
     # --- engine hooks ------------------------------------------------------------------------
+    def _prepare(self) -> None:
+        """Before any file is opened (e.g. load and check the engine's library)."""
+
+    @abstractmethod
+    def _setup(self) -> None:
+        """After the weights are checked and mapped: the engine's own state."""
+
     @abstractmethod
     def _new_session(self) -> S: ...
 
