@@ -113,7 +113,9 @@ class SplitTopology:
             )
         _check_int(self.layer_count, "layer_count")
         if not 0 < len(self.stages) <= MAX_STAGES:
-            raise TopologyError(f"a topology needs 1-{MAX_STAGES} stages", actual=len(self.stages))
+            raise TopologyError(
+                f"a topology needs 1-{MAX_STAGES} stages", actual=len(self.stages)
+            )
         self._check_coverage()
 
     def _check_coverage(self) -> None:
@@ -140,7 +142,8 @@ class SplitTopology:
             expected_start = stage.layers.stop
         if expected_start != self.layer_count:
             raise TopologyError(
-                f"the stages end at layer {expected_start}, not at layer_count {self.layer_count}",
+                f"the stages end at layer {expected_start}, not at layer_count "
+                f"{self.layer_count}",
                 code="topology_coverage",
             )
         for attr in ("node_id", "stage_id"):
@@ -180,14 +183,8 @@ class SplitTopology:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> SplitTopology:
         """Strict parse of untrusted data (a peer's message): exact keys, exact types."""
-        fields = {
-            "topology_id",
-            "run_id",
-            "package_ref",
-            "manifest_sha256",
-            "layer_count",
-            "stages",
-        }
+        fields = {"topology_id", "run_id", "package_ref", "manifest_sha256", "layer_count",
+                  "stages"}
         if not isinstance(data, Mapping) or set(data) != fields:
             got = sorted(map(str, data)) if isinstance(data, Mapping) else type(data).__name__
             raise TopologyError(f"a topology has exactly the fields {sorted(fields)}", actual=got)
