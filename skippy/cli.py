@@ -15,6 +15,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from types import ModuleType
 from typing import Any
 
 from skippy.commands.output import Handler
@@ -41,14 +42,25 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(EXIT_USAGE)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from skippy.commands import COMMAND_MODULES
+DESCRIPTION = "Write, check, select and run layer packages."
 
-    parser = _Parser(prog=PROG, description="Write, check, select and run layer packages.")
+
+def build_parser(
+    prog: str = PROG,
+    description: str = DESCRIPTION,
+    modules: Sequence[ModuleType] | None = None,
+) -> argparse.ArgumentParser:
+    """The argument tree of ``prog`` over ``modules`` (default: skippy-model-package's); a
+    second console script (skippy-quantize) shares this parser, rendering and exit codes."""
+    if modules is None:
+        from skippy.commands import COMMAND_MODULES
+
+        modules = COMMAND_MODULES
+    parser = _Parser(prog=prog, description=description)
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
-    for module in COMMAND_MODULES:
+    for module in modules:
         module.register(sub)
     return parser
 
@@ -69,11 +81,17 @@ def _render_error(err: SkippyError, as_json: bool) -> None:
         sys.stderr.write(f"hint: {err.remediation}\n")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(
+    argv: Sequence[str] | None = None,
+    *,
+    prog: str = PROG,
+    description: str = DESCRIPTION,
+    modules: Sequence[ModuleType] | None = None,
+) -> int:
     global _json_usage_errors
     args_list = list(sys.argv[1:] if argv is None else argv)
     _json_usage_errors = "--json" in args_list
-    parser = build_parser()
+    parser = build_parser(prog, description, modules)
     args = parser.parse_args(args_list)
     as_json = bool(getattr(args, "json", False))
     logging.basicConfig(

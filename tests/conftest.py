@@ -114,6 +114,38 @@ def synth_dir(tmp_path_factory: pytest.TempPathFactory) -> SynthModels:
     )
 
 
+@dataclass(frozen=True)
+class HighPrecisionModels:
+    """Sources to quantize (scripts/synth_gguf.py ``high_precision``, defaults: 8 llama layers,
+    width 256, ff 640): one per dtype, a tied-embeddings F32 one, an imatrix for them, and a
+    4-layer, 8-expert F16 MoE with its own imatrix."""
+
+    f32: Path
+    f16: Path
+    bf16: Path
+    tied: Path
+    imatrix: Path
+    moe: Path
+    moe_imatrix: Path
+
+
+@pytest.fixture(scope="session")
+def hp_models(tmp_path_factory: pytest.TempPathFactory) -> HighPrecisionModels:
+    root = tmp_path_factory.mktemp("high_precision")
+    f32 = synth_gguf.high_precision(root / "model-f32.gguf", dtype="F32")
+    return HighPrecisionModels(
+        f32=f32,
+        f16=synth_gguf.high_precision(root / "model-f16.gguf", dtype="F16"),
+        bf16=synth_gguf.high_precision(root / "model-bf16.gguf", dtype="BF16"),
+        tied=synth_gguf.high_precision(root / "model-tied.gguf", tied=True),
+        imatrix=synth_gguf.imatrix(f32, root / "imatrix.gguf"),
+        moe=(moe := synth_gguf.high_precision(
+            root / "moe-f16.gguf", dtype="F16", n_layers=4, ff=512, n_experts=8
+        )),
+        moe_imatrix=synth_gguf.imatrix(moe, root / "moe-imatrix.gguf"),
+    )
+
+
 # --- the real model ------------------------------------------------------------------------------
 def _cached_gemma(target: Path) -> Path:
     if target.is_file() and target.stat().st_size == GEMMA_BYTES:

@@ -32,12 +32,18 @@ from skippy.consume.verify import VerifyCache, VerifyReport, check_refs, verify_
 from skippy.errors import InputUnreadable, ManifestError, SkippyError, UsageError
 from skippy.findings import Finding, errors_only, raise_for_findings
 from skippy.generation import check_generation
-from skippy.gguf.reader import GGUFFile, open_gguf
+from skippy.gguf.reader import GGUFFile, TensorInfo, open_gguf
 from skippy.package.manifest import ArtifactRef, Manifest, load_manifest_findings
 from skippy.package.plan import even_ranges
+from skippy.package.quantization import (
+    QUANTIZATION_KEY,
+    file_type_findings,
+    parse_quantization,
+)
 from skippy.package.ranges import LayerRange
 from skippy.package.select import StageSelection, select_stage
 from skippy.paths import is_safe_relative_path
+from skippy.produce.quant_rules import TensorFacts, recorded_type_findings
 from skippy.produce.validate import check_artifact_file, header_findings
 
 # Remediation for every code preflight can report that does not already carry one.
@@ -307,6 +313,23 @@ def _stage_findings(report: PreflightReport, m: Manifest, stages: int) -> Iterat
                 yield Finding.from_error(exc)
 
 
+def _quantization_findings(
+    m: Manifest, metadata_file: GGUFFile, tensors: list[TensorInfo], metadata_only: bool
+) -> list[Finding]:
+    """The additive ``quantization`` block (skippy-quantize) against what the package holds:
+    the metadata's general.file_type and, with every fragment read, each tensor's type."""
+    meta = _GGUFMetadata(metadata_file)
+    out = file_type_findings(m.extra, meta)
+    if metadata_only or out:
+        return out
+    try:
+        block = parse_quantization(m.extra[QUANTIZATION_KEY])
+    except ManifestError:
+        return out  # a finding of check_manifest already
+    facts = [TensorFacts(t.name, t.shape, t.ggml_type) for t in tensors]
+    return recorded_type_findings(block, meta, facts)
+
+
 def preflight_package(
     root: Path,
     *,
@@ -339,6 +362,7 @@ def preflight_package(
     problems: list[Finding] = []
     metadata_file: GGUFFile | None = None
     checked: set[str] = set()
+    tensors: list[TensorInfo] = []  # every checked fragment's, for the quantization block
     try:
         for ref in refs:
             # Lexically unsafe paths are already findings from check_manifest; symlinks that
@@ -358,6 +382,8 @@ def preflight_package(
                 problems.append(Finding("invalid_artifact_gguf", exc.message, path=ref.path))
                 continue
             problems.extend(header_findings(ref, g.tensors))
+            if ref.role != ROLE_PROJECTOR:
+                tensors.extend(g.tensors)
             if ref.role == ROLE_LAYER and ref.layer_index is not None:
                 layer_names[ref.layer_index] = tuple(t.name for t in g.tensors)
             if ref.role == ROLE_METADATA and metadata_file is None:
@@ -378,6 +404,9 @@ def preflight_package(
                 arch=arch if isinstance(arch, str) else None,
             )
         )
+        # Only over a complete, readable package: the rules count tensors as they meet them.
+        if QUANTIZATION_KEY in m.extra and metadata_file is not None and not problems:
+            problems.extend(_quantization_findings(m, metadata_file, tensors, metadata_only))
     finally:
         if metadata_file is not None:
             metadata_file.close()

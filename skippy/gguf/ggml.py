@@ -145,6 +145,35 @@ def tensor_struct(tensor: int) -> GgmlTensorStruct:
 
 GGML_LOG_CALLBACK = ctypes.CFUNCTYPE(None, c_int, c_char_p, c_void_p)
 
+
+# --- quantization structs (issue #13, skippy-quantize) --------------------------------------
+# ggml_to_float_t: void (*)(const void * x, float * y, int64_t k). A CFUNCTYPE call releases
+# the GIL like any other foreign call, so dequantizing runs on several threads.
+GGML_TO_FLOAT = ctypes.CFUNCTYPE(None, c_void_p, c_void_p, c_int64)
+
+
+class GgmlTypeTraits(ctypes.Structure):
+    """``struct ggml_type_traits`` (ggml.h), read-only: block geometry and ``to_float``, the
+    dequantizer requantizing needs (``from_float_ref`` is declared for the layout only)."""
+
+    _fields_ = [
+        ("type_name", c_char_p),
+        ("blck_size", c_int64),
+        ("blck_size_interleave", c_int64),
+        ("type_size", c_size_t),
+        ("is_quantized", c_bool),
+        ("to_float", c_void_p),
+        ("from_float_ref", c_void_p),
+    ]
+
+
+def type_traits(g: Ggml, type: int) -> GgmlTypeTraits:
+    """The traits of one ggml type (a static table in libggml-base: valid for the process)."""
+    ptr = g.ggml_get_type_traits(type)
+    if not ptr:
+        raise GgmlCallFailed(f"ggml_get_type_traits({type}) returned NULL")
+    return GgmlTypeTraits.from_address(ptr)
+
 # --- the declaration decorator ----------------------------------------------------------------
 _F = TypeVar("_F", bound=Callable[..., Any])
 _SIGNATURE = "__ggml_signature__"
@@ -350,8 +379,32 @@ class Ggml:
     @_c(c_int, _ptr, _ptr)
     def ggml_backend_graph_compute(self, backend: int, graph: int) -> int: ...
 
-    # ==== quantization (ggml.h; issue #13 adds ggml_quantize_init / ggml_quantize_chunk and
-    # the type traits here, in this one module) ===================================================
+    # ==== quantization (ggml.h; issue #13, skippy-quantize) =====================================
+    # ggml_quantize_chunk aborts (GGML_ASSERT) on an imatrix-only type without an imatrix and on
+    # a start that is not a whole row; skippy.produce.quant_stream checks both first.
+    @_c(None, c_int)
+    def ggml_quantize_init(self, type: int) -> None: ...
+    @_c(None)
+    def ggml_quantize_free(self) -> None: ...
+    @_c(c_bool, c_int)
+    def ggml_quantize_requires_imatrix(self, type: int) -> bool: ...
+    @_c(c_size_t, c_int, _ptr, _ptr, _i64, _i64, _i64, _ptr)
+    def ggml_quantize_chunk(
+        self,
+        type: int,
+        src: int,
+        dst: int,
+        start: int,
+        nrows: int,
+        n_per_row: int,
+        imatrix: int | None,
+    ) -> int: ...
+    @_c(c_bool, c_int, _ptr, c_size_t)
+    def ggml_validate_row_data(self, type: int, data: int, nbytes: int) -> bool: ...
+    @_c(c_bool, c_int)
+    def ggml_is_quantized(self, type: int) -> bool: ...
+    @_c(_ptr, c_int)
+    def ggml_get_type_traits(self, type: int) -> int | None: ...
 
 
 def _declared_names() -> list[str]:
@@ -524,6 +577,7 @@ __all__ = [
     "GGML_LOG_CALLBACK",
     "GGML_ROPE_TYPE_NEOX",
     "GGML_ROPE_TYPE_NORMAL",
+    "GGML_TO_FLOAT",
     "GGML_VERSION",
     "LLAMA_CPP_PYTHON_VERSION",
     "TENSOR_ALIGNMENT",
@@ -533,6 +587,7 @@ __all__ = [
     "GgmlSelfTestFailed",
     "GgmlTensorStruct",
     "GgmlType",
+    "GgmlTypeTraits",
     "GgmlUnavailable",
     "GgmlVersionMismatch",
     "check_version",
@@ -540,4 +595,5 @@ __all__ = [
     "load",
     "self_test",
     "tensor_struct",
+    "type_traits",
 ]

@@ -8,6 +8,7 @@ on the other core. Findings carry stable codes; nothing here raises for a bad pa
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import stat
@@ -35,6 +36,7 @@ from skippy.gguf.reader import TensorInfo, open_gguf
 from skippy.hashing import CHUNK_BYTES, DEFAULT_WORKERS, sha256_file
 from skippy.package.manifest import ArtifactRef, Manifest, load_manifest_findings
 from skippy.package.ownership import has_tied_embeddings, owner_of
+from skippy.package.quantization import QUANTIZATION_KEY
 from skippy.paths import resolve_under
 from skippy.produce.source import SourceModelFiles, shard_paths
 
@@ -69,8 +71,14 @@ class ValidationReport:
 
 @dataclass(frozen=True)
 class _SourceTensorRef:
+    """What a package tensor must be: the source bytes at ``fd``, or, for a quantized package
+    (``skippy.produce.quant_validate``), the bytes a reader from ``open_reader`` streams;
+    with ``compare_bytes`` False only the type and shape are checked."""
+
     info: TensorInfo
     fd: int
+    open_reader: Callable[[], Any] | None = None
+    compare_bytes: bool = True
 
 
 @dataclass
@@ -98,22 +106,32 @@ def scan_artifact(
 
         def hash_span(start: int, stop: int, src: _SourceTensorRef | None, name: str) -> None:
             pos, src_pos, same = start, src.info.data_start if src else 0, True
-            while pos < stop:
-                want = min(len(buf), stop - pos)
-                got = os.preadv(fd, [view[:want]], pos)
-                if got <= 0:
-                    raise InputUnreadable(f"{path} shrank while being read", path=str(path))
-                chunk = view[:got]
-                h.update(chunk)
-                if src is not None and same:
-                    n = os.preadv(src.fd, [oview[:got]], src_pos)
-                    # bytearray == bytearray is a memcmp; memoryview == is per element (40x).
-                    if got == len(buf):
-                        same = n == got and buf == other
-                    else:
-                        same = n == got and buf[:got] == other[:got]
-                    src_pos += got
-                pos += got
+            if src is not None and not src.compare_bytes:
+                src = None
+            reader = src.open_reader() if src is not None and src.open_reader else None
+            try:
+                while pos < stop:
+                    want = min(len(buf), stop - pos)
+                    got = os.preadv(fd, [view[:want]], pos)
+                    if got <= 0:
+                        raise InputUnreadable(f"{path} shrank while being read", path=str(path))
+                    chunk = view[:got]
+                    h.update(chunk)
+                    if src is not None and same:
+                        if reader is not None:
+                            n = reader.read(oview[:got])
+                        else:
+                            n = os.preadv(src.fd, [oview[:got]], src_pos)
+                        # bytearray == bytearray is a memcmp; memoryview == is per element (40x)
+                        if got == len(buf):
+                            same = n == got and buf == other
+                        else:
+                            same = n == got and buf[:got] == other[:got]
+                        src_pos += got
+                    pos += got
+            finally:
+                if reader is not None:
+                    reader.close()
             if src is not None and not same:
                 differing.append(name)
 
@@ -230,11 +248,21 @@ def validate_package(
         m, _, findings = load_manifest_findings(pkg)
         report.findings.extend(findings)
         report.manifest = m
-        with SourceModelFiles(source) as src:
+        with SourceModelFiles(source) as src, contextlib.ExitStack() as stack:
             lookup = {
                 t.info.name: _SourceTensorRef(t.info, src.shards[t.shard].fileno())
                 for t in src.tensors
             }
+            expected_kv: dict[str, bytes] | None = None
+            if m is not None and QUANTIZATION_KEY in m.extra:
+                # A quantized package (skippy-quantize): the recorded quantization, redone.
+                from skippy.produce.quant_validate import quantized_expectation
+
+                exp = stack.enter_context(quantized_expectation(m, src, workers=workers))
+                report.findings.extend(exp.findings)
+                expected_kv = exp.kv
+                for name, e in exp.tensors.items():
+                    lookup[name] = _SourceTensorRef(e.info, e.fd, e.open_reader, e.compare_bytes)
             scans: list[tuple[ArtifactRef, Future[ArtifactScan]]] = []
             if m is not None:
                 jobs = []
@@ -260,7 +288,7 @@ def validate_package(
             _source_findings(report, m, src, digests)
             if m is not None:
                 _tensor_findings(report, results, lookup)
-                report.findings.extend(_metadata_findings(m, results, src))
+                report.findings.extend(_metadata_findings(m, results, src, expected_kv))
                 report.findings.extend(_generation_findings(m, results, src))
     except BaseException:
         cancel.set()
@@ -308,11 +336,15 @@ def _source_findings(
 
 
 def _metadata_findings(
-    m: Manifest, results: list[tuple[ArtifactRef, ArtifactScan]], src: SourceModelFiles
+    m: Manifest,
+    results: list[tuple[ArtifactRef, ArtifactScan]],
+    src: SourceModelFiles,
+    expected_kv: dict[str, bytes] | None = None,
 ) -> list[Finding]:
     """Spec "Repository Layout": shared/metadata.gguf carries the source's metadata and
-    tokenizer state; every source KV record must be there byte for byte. And the additive
-    ``tied_embeddings`` flag, which drives selection, must tell the truth about the source."""
+    tokenizer state; every source KV record must be there byte for byte (``expected_kv``: the
+    records a quantized package must hold instead). And the additive ``tied_embeddings``
+    flag, which drives selection, must tell the truth about the source."""
     out: list[Finding] = []
     tied = has_tied_embeddings(t.info.name for t in src.tensors)
     if m.tied_embeddings != tied:
@@ -327,21 +359,23 @@ def _metadata_findings(
     meta = next((scan for ref, scan in results if ref.role == ROLE_METADATA), None)
     if meta is None:
         return out  # missing or unreadable: already reported
-    for f in src.kv_fields():
-        have = meta.kv_records.get(f.key)
+    if expected_kv is None:
+        expected_kv = {f.key: src.head.raw_field(f.key) for f in src.kv_fields()}
+    for key, record in expected_kv.items():
+        have = meta.kv_records.get(key)
         if have is None:
             out.append(
                 Finding(
                     "metadata_kv_missing",
-                    f"{m.shared.metadata.path} lacks the source's {f.key}",
+                    f"{m.shared.metadata.path} lacks the source's {key}",
                     path=m.shared.metadata.path,
                 )
             )
-        elif have != src.head.raw_field(f.key):
+        elif have != record:
             out.append(
                 Finding(
                     "metadata_kv_differs",
-                    f"{m.shared.metadata.path} has a different {f.key} from the source",
+                    f"{m.shared.metadata.path} has a different {key} from the source",
                     path=m.shared.metadata.path,
                 )
             )
