@@ -127,6 +127,8 @@ class MeshNode:
         self._nursery: trio.Nursery | None = None
         self.started = trio.Event()
         self.topology = TopologyService(self)
+        # Extra sections of the status document, filled by components (issue #10: "serving").
+        self.status_sections: dict[str, Callable[[], Any]] = {}
 
     # --- the registration API -----------------------------------------------------------------
     def register_subprotocol(
@@ -201,7 +203,7 @@ class MeshNode:
 
     def status(self) -> dict[str, Any]:
         owner_id, owner_status = self.identity.owner(self.wall_clock())
-        return status_document(
+        doc = status_document(
             node_id=self.node_id,
             listen=self.listen_url,
             owner_id=owner_id,
@@ -212,6 +214,9 @@ class MeshNode:
             peers=self.peers(),
             topology=self.topology.status(),
         )
+        for key, section in self.status_sections.items():
+            doc[key] = section()
+        return doc
 
     # --- running -------------------------------------------------------------------------------
     async def run(self, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
