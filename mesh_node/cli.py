@@ -109,6 +109,29 @@ def cmd_run(args: argparse.Namespace) -> CommandResult:
     return CommandResult({"ok": True}, "")
 
 
+def cmd_serve(args: argparse.Namespace) -> CommandResult:
+    import trio
+
+    from mesh_node.identity import load_local_identity
+    from mesh_node.service import ServeOptions, run_node
+    from skippy.config import load_node_settings, parse_host_port
+
+    settings = load_node_settings(Path(args.config))
+    identity = load_local_identity(settings.identity_path, settings.certificate_path)
+    if args.stages is not None and args.stages < 1:
+        raise UsageError("--stages must be at least 1", code="bad_usage")
+    options = ServeOptions(
+        package=args.package,
+        stages=args.stages,
+        http=parse_host_port(args.http, "--http"),
+        model_name=args.model_name,
+    )
+    for warning in settings.warnings:
+        sys.stderr.write(f"warning: {warning}\n")
+    trio.run(run_node, settings, identity, options)
+    return CommandResult({"ok": True}, "")
+
+
 def cmd_status(args: argparse.Namespace) -> CommandResult:
     import trio
 
@@ -191,6 +214,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--days", type=int, default=365, help="validity in days (default 365)")
     p = add("run", cmd_run, "run a node until SIGINT/SIGTERM")
     p.add_argument("--config", required=True)
+    p = add(
+        "serve",
+        cmd_serve,
+        "run a node that coordinates a split of PACKAGE (stage 0 here) and serves an "
+        "OpenAI-compatible API",
+    )
+    p.add_argument("--config", required=True)
+    p.add_argument("--package", required=True, help="hf://ns/repo@rev or a package directory")
+    p.add_argument(
+        "--stages",
+        type=int,
+        default=None,
+        help="number of stages; waits for that many - 1 capable peers (default: all connected)",
+    )
+    p.add_argument(
+        "--http", default="127.0.0.1:8080", help="HOST:PORT of the API (default 127.0.0.1:8080)"
+    )
+    p.add_argument("--model-name", default=None, help="the model id the API answers to")
     p = add("status", cmd_status, "ask the running node for its status")
     p.add_argument("--config", required=True)
     p = add(
@@ -222,7 +263,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(_LineFormatter())
     logging.basicConfig(
-        level=logging.INFO if args.verbose or args.command == "run" else logging.WARNING,
+        level=logging.INFO if args.verbose or args.command in ("run", "serve") else logging.WARNING,
         handlers=[handler],
     )
     try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import signal
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import trio
@@ -13,7 +13,8 @@ import trio
 from mesh_node.control import serve_control
 from mesh_node.identity import LocalIdentity
 from mesh_node.node import MeshNode
-from skippy.config import NodeSettings, read_environment
+from mesh_node.serving.host import StageHost
+from skippy.config import HostPort, NodeSettings, read_environment
 from skippy.errors import UsageError
 
 log = logging.getLogger("mesh_node.service")
@@ -47,6 +48,12 @@ def control_handler(node: MeshNode) -> Any:
 
 def _package_facts(settings: NodeSettings, text: str) -> tuple[str, str, Any]:
     """(pinned package ref, manifest SHA-256, per-artifact sizes) of a package reference."""
+    ref, sha, sizes, _model = package_identity(settings, text)
+    return ref, sha, sizes
+
+
+def package_identity(settings: NodeSettings, text: str) -> tuple[str, str, Any, str]:
+    """(pinned package ref, manifest SHA-256, per-artifact sizes, model id)."""
     from skippy.consume.resolve import open_package
     from skippy.package.refs import HfPackageRef, parse_package_ref
     from skippy.produce.inspect import sizes_from_manifest
@@ -61,20 +68,74 @@ def _package_facts(settings: NodeSettings, text: str) -> tuple[str, str, Any]:
         if isinstance(ref, HfPackageRef)
         else str(pkg.root.resolve())
     )
-    return pinned, pkg.manifest_sha256, sizes_from_manifest(pkg.manifest)
+    return pinned, pkg.manifest_sha256, sizes_from_manifest(pkg.manifest), pkg.manifest.model_id
 
 
-async def run_node(settings: NodeSettings, identity: LocalIdentity) -> None:
+@dataclass(frozen=True)
+class ServeOptions:
+    """``mesh-node serve``: the package to serve, its stage count, the API's address."""
+
+    package: str
+    stages: int | None
+    http: HostPort
+    model_name: str | None = None
+
+
+async def start_serving(
+    node: MeshNode,
+    host: StageHost,
+    options: ServeOptions,
+    *,
+    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Coordinate a split of the package (stage 0 here) and serve the API until cancelled."""
+    from mesh_node.serving.api import OpenAIApi
+    from mesh_node.serving.http import build_app, serve_http
+    from mesh_node.serving.pipeline import SplitServer
+
+    ref, sha, sizes, model_id = await trio.to_thread.run_sync(
+        package_identity, node.settings, options.package
+    )
+    server = SplitServer(
+        node,
+        host,
+        node.settings.serving,
+        package_ref=ref,
+        manifest_sha256=sha,
+        sizes=sizes,
+        model_name=options.model_name or model_id,
+        stages=options.stages,
+    )
+    node.status_sections["serving"] = server.status
+    async with trio.open_nursery() as nursery:
+        url = await nursery.start(serve_http, build_app(OpenAIApi(server).routes()), options.http)
+        await nursery.start(server.run)
+        task_status.started(url)
+
+
+async def run_node(
+    settings: NodeSettings, identity: LocalIdentity, serve: ServeOptions | None = None
+) -> None:
+    from mesh_node.serving.bringup import LocalBringup
+
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     node = MeshNode(settings, identity)
+    host = StageHost(node, settings.serving)
+    bringup = LocalBringup(node, host, read_environment())
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
             await nursery.start(serve_control, settings.control_socket, control_handler(node))
             address = await nursery.start(node.run)
             sys.stdout.write(f"listening {address}\n")
             sys.stdout.flush()
+            await nursery.start(bringup.run)
+            if serve is not None:
+                url = await nursery.start(start_serving, node, host, serve)
+                sys.stdout.write(f"api {url}/v1\n")
+                sys.stdout.flush()
             async for signum in signals:
                 log.info("%s: shutting down", signal.Signals(signum).name)
                 nursery.cancel_scope.cancel()
                 break
+    await host.close()
     log.info("stopped")

@@ -1,0 +1,45 @@
+"""A minimal HTTP shell for the API: one starlette app on hypercorn's trio worker, in the
+node's own trio run (the handlers call the split directly; no second loop, no thread).
+
+Stand-in until the node's one app (issue #12, ``mesh_node.http``) lands: then the API's
+routes join that app and this module goes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import trio
+from hypercorn.config import Config
+from hypercorn.trio import serve
+from starlette.applications import Starlette
+from starlette.routing import BaseRoute
+
+from skippy.config import HostPort
+
+log = logging.getLogger("mesh_node.serving.http")
+
+
+def build_app(routes: Sequence[BaseRoute]) -> Starlette:
+    return Starlette(routes=list(routes))
+
+
+async def serve_http(
+    app: Starlette, bind: HostPort, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """Serve ``app`` on ``bind`` until cancelled; ``task_status`` gets ``http://host:port``."""
+    config = Config()
+    host = f"[{bind.host}]" if ":" in bind.host else bind.host
+    config.bind = [f"{host}:{bind.port}"]
+    config.accesslog = None
+    config.errorlog = log
+    config.graceful_timeout = 1.0
+    config.keep_alive_timeout = 5.0
+
+    async def started(task_status: trio.TaskStatus[list[str]]) -> None:
+        await serve(app, config, task_status=task_status)  # type: ignore[arg-type]
+
+    async with trio.open_nursery() as nursery:
+        binds: list[str] = await nursery.start(started)
+        task_status.started(binds[0])
