@@ -43,6 +43,7 @@ class Proc:
     name: str
     popen: subprocess.Popen[str]
     lines: queue.Queue[str] = field(default_factory=queue.Queue)
+    address: str = ""  # ws://host:port#<node id>, once listening
     log: list[str] = field(default_factory=list)
 
     def wait_line(self, prefix: str, timeout_s: float = 60.0) -> str:
@@ -105,6 +106,20 @@ class Cluster:
     def proc(self, name: str) -> Proc:
         return next(p for p in self.procs if p.name == name)
 
+    def proc_of(self, node_id: str) -> Proc:
+        return next(p for p in self.procs if p.address.endswith("#" + node_id))
+
+    def status(self) -> dict[str, Any]:
+        """The coordinator's status document (`mesh-node status --json`)."""
+        out = subprocess.run(
+            [sys.executable, "-m", "mesh_node", "status", "--json", "--config",
+             str(self.root / "coord.toml")],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        return dict(json.loads(out.stdout))
+
     def stop(self) -> None:
         for p in self.procs:
             if p.popen.poll() is None:
@@ -117,14 +132,13 @@ class Cluster:
                 p.popen.wait()
 
 
-def node_toml(root: Path, name: str, *, peers: list[str] = (), **kw: object) -> str:  # type: ignore[assignment]
-    node_id = _keygen(root / f"{name}.key")
+def node_toml(root: Path, name: str, *, peers: tuple[str, ...] = (), **kw: object) -> str:
+    _keygen(root / f"{name}.key")
     opts = {"budget": "1GiB", "n_ctx": 256, "chunk": 16, "sessions": 4, "queue": 8, **kw}
     text = (
         f'listen = "127.0.0.1:0"\nidentity = "{name}.key"\ndata_dir = "{name}-data"\n'
         f"peers = {list(peers)!r}\n".replace("'", '"')
     )
-    del node_id
     return text + FAST_TOML.format(**opts)
 
 
@@ -148,15 +162,15 @@ def split_cluster(
              "127.0.0.1:0", "--model-name", "tiny"],
             node_toml(root, "coord", **kw),
         )
-        cluster.coordinator_address = coord.wait_line("listening ")
+        cluster.coordinator_address = coord.address = coord.wait_line("listening ")
         cluster.api = coord.wait_line("api ")
         for i in range(workers + spares):
             if i == workers:
                 # spares join after the plan, so the plan uses the first workers
                 wait_ready(cluster.api)
-            cluster.start(
-                f"w{i}", ["run"], node_toml(root, f"w{i}", peers=[cluster.coordinator_address], **kw)
-            ).wait_line("listening ")
+            toml = node_toml(root, f"w{i}", peers=(cluster.coordinator_address,), **kw)
+            worker = cluster.start(f"w{i}", ["run"], toml)
+            worker.address = worker.wait_line("listening ")
         yield cluster
     finally:
         cluster.stop()
@@ -169,9 +183,13 @@ def http(method: str, url: str, body: object = None, timeout_s: float = 30.0) ->
     req.add_header("content-type", "application/json")
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as r:
-            return r.status, json.loads(r.read())
+            status, raw = r.status, r.read()
     except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+        status, raw = e.code, e.read()
+    try:
+        return status, json.loads(raw)
+    except ValueError:
+        return status, raw.decode("utf-8", "replace")
 
 
 def wait_ready(api: str, timeout_s: float = 90.0) -> dict[str, Any]:

@@ -263,6 +263,8 @@ class SplitServer:
         topo = active.topology
         if self.route is not None and self.route.topology_id == topo.topology_id:
             return
+        if active.state != "active":  # incomplete (a worker did not accept) or degraded (lost)
+            return
         loaded = self.host.loaded
         if loaded is None or loaded.topology.topology_id != topo.topology_id:
             self.reason = "stage 0 is loading"
