@@ -334,7 +334,7 @@ class SplitServer:
             self.stats.requests_rejected += 1
             raise
         st = self.stats
-        if st.in_flight >= self.settings.max_sessions and st.queued >= self.settings.max_queue:
+        if st.in_flight + st.queued >= self.settings.max_sessions + self.settings.max_queue:
             st.requests_rejected += 1
             raise ServerBusy(
                 f"{st.in_flight} requests running and {st.queued} queued (the limit)",
