@@ -121,6 +121,7 @@ async def run_node(
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     node = MeshNode(settings, identity)
     host = StageHost(node, settings.serving)
+    node.status_sections["stage"] = host.status
     bringup = LocalBringup(node, host, read_environment())
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:

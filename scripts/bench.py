@@ -27,6 +27,7 @@ SECTIONS: dict[str, str] = {
     "mesh": "bench_mesh",
     "quantize": "bench_quantize",
     "stage": "bench_stage",
+    "serve": "bench_serve",  # reuses the stage section's gemma3 package
 }
 
 

@@ -27,7 +27,7 @@ idle_timeout_s = 5.0
 handshake_timeout_s = 5.0
 memory_budget = "{budget}"
 [serving]
-threads = 1
+threads = {threads}
 n_ctx = {n_ctx}
 prefill_chunk = {chunk}
 token_timeout_s = 20
@@ -134,7 +134,15 @@ class Cluster:
 
 def node_toml(root: Path, name: str, *, peers: tuple[str, ...] = (), **kw: object) -> str:
     _keygen(root / f"{name}.key")
-    opts = {"budget": "1GiB", "n_ctx": 256, "chunk": 16, "sessions": 4, "queue": 8, **kw}
+    opts = {
+        "budget": "1GiB",
+        "n_ctx": 256,
+        "chunk": 16,
+        "sessions": 4,
+        "queue": 8,
+        "threads": 1,
+        **kw,
+    }
     text = (
         f'listen = "127.0.0.1:0"\nidentity = "{name}.key"\ndata_dir = "{name}-data"\n'
         f"peers = {list(peers)!r}\n".replace("'", '"')

@@ -249,6 +249,13 @@ class OpenAIApi:
             "model": self.server.model_name,
             "choices": [choice],
             "usage": self._usage(result.prompt_tokens, len(result.tokens)),
+            # not OpenAI's (clients ignore it; llama.cpp's server adds the same kind of field)
+            "timings": {
+                "ttft_s": round(result.ttft_s, 6),
+                "prefill_s": round(result.prefill_s, 6),
+                "decode_s": round(result.decode_s, 6),
+                "failovers": result.failovers,
+            },
         }
 
     def _chunk(

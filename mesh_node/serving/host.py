@@ -19,6 +19,7 @@ only its own stream: other sessions never notice.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -113,6 +114,8 @@ class StageHost:
         self.hops: dict[str, HopStats] = {}  # per downstream node id
         self._lock = trio.Lock()  # a stage is not thread-safe: one call at a time
         self.sessions = 0  # chain sessions open on this node
+        self.busy_s = 0.0  # time spent in stage calls (compute), for the overlap figure
+        self.calls = 0
         node.register_subprotocol(pc.KIND_TRANSPORT, self._handle)
 
     # --- loading ------------------------------------------------------------------------------
@@ -172,7 +175,33 @@ class StageHost:
     async def compute(self, fn: Callable[[], T]) -> T:
         """Run one stage call in a worker thread, one at a time."""
         async with self._lock:
-            return await trio.to_thread.run_sync(fn)
+            start = time.perf_counter()
+            try:
+                return await trio.to_thread.run_sync(fn)
+            finally:
+                self.busy_s += time.perf_counter() - start
+                self.calls += 1
+
+    def status(self) -> dict[str, Any] | None:
+        """This node's stage for the status document (``stage`` section), or None."""
+        loaded = self.loaded
+        if loaded is None:
+            return None
+        kv = getattr(loaded.stage, "kv_bytes_per_session", None)
+        return {
+            "topology_id": loaded.topology.topology_id,
+            "stage_index": loaded.assignment.stage_index,
+            "layer_start": loaded.load.layers.start,
+            "layer_end": loaded.load.layers.stop,
+            "artifact_bytes": loaded.artifact_bytes,
+            "kv_bytes_per_session": kv() if callable(kv) else None,
+            "engine": loaded.facts.engine,
+            "runtime_version": loaded.facts.runtime_version,
+            "sessions": self.sessions,
+            "compute_calls": self.calls,
+            "compute_busy_s": round(self.busy_s, 4),
+            "hops": hop_summary(self.hops),
+        }
 
     async def free(self, stage: Stage, name: str) -> None:
         with trio.CancelScope(shield=True):
