@@ -285,3 +285,16 @@ async def test_bad_frames_are_refused_without_disturbing_other_sessions(
             while await stream.receive_some():
                 pass
         assert err.value.actual == "not_upstream"
+
+
+async def test_a_one_stage_route_samples_on_the_coordinator(
+    packages: dict[str, Path], tmp_path: Path
+) -> None:
+    """The whole model on the coordinator (no transport): chunked prefill, then decode."""
+    pkg = packages["llama"]
+    with chain("ggml", pkg, ["0..6"], SERVING_CONFIG) as whole:
+        whole.tokenizer = LlamaTokenizer(pkg / "shared" / "metadata.gguf")
+        want = list(whole.generate(IDS, max_tokens=10).tokens)
+    async with split(tmp_path, pkg, stages=1) as sp:
+        assert sp.server.route is not None and sp.server.route.single
+        assert await generate(sp.server, IDS, 10) == want

@@ -474,8 +474,9 @@ class SplitServer:
                         return stage.prefill(name, start, x, sampler=sampler)
 
                     output = await self.host.compute(run)
-                    if sender is None:  # one stage: sampled here
-                        await send_tokens.send(int(output.token))
+                    if sender is None:  # one stage: sampled here, after the last chunk
+                        if last and output.token is not None:
+                            await send_tokens.send(int(output.token))
                         return
                     frame = t.encode_activations(
                         request_id,
