@@ -20,6 +20,7 @@ turns, so each may use both).
 
 from __future__ import annotations
 
+import shutil
 import statistics
 import threading
 import time
@@ -72,8 +73,9 @@ def rows(ctx: BenchContext) -> list[Row]:
     pkg = _package(ctx)
     root = ctx.work / "serve"
     kw = {"budget": "4GiB", "n_ctx": N_CTX, "chunk": CHUNK, "threads": THREADS, "sessions": 4}
+    shutil.rmtree(root, ignore_errors=True)  # fresh keys and node state every run
     for sub in ("single", "split"):
-        (root / sub).mkdir(parents=True, exist_ok=True)
+        (root / sub).mkdir(parents=True)
     with (
         split_cluster(root / "single", pkg, workers=0, stages=1, **kw) as single,
         split_cluster(root / "split", pkg, workers=2, stages=3, **kw) as split,
