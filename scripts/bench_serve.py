@@ -130,10 +130,12 @@ def rows(ctx: BenchContext) -> list[Row]:
         (MODEL, f"serve: {CONCURRENT} concurrent requests, aggregate decode tok/s",
          f"{agg:.1f}", f"{agg / one_rate:.2f}x one request ({one_rate:.1f})"),
     ]
-    for name, (peak, budget) in rss.items():
+    for name, (peak, rise, budget) in rss.items():
         out.append(
-            (MODEL, f"serve: peak RSS, {name}", f"{peak:.0f} MiB",
-             f"{peak / budget:.2f}x artifact + KV ({budget:.0f} MiB; target <= 1.5x)")
+            (MODEL, f"serve: peak RSS, {name}: process / rise over the node before loading",
+             f"{peak:.0f} / {rise:.0f} MiB",
+             f"rise {rise / budget:.2f}x artifact + KV of {CONCURRENT} sessions "
+             f"({budget:.0f} MiB; target <= 1.5x)")
         )
     return out
 
@@ -171,13 +173,18 @@ def _hops(cluster: Any) -> dict[str, Any]:
     return dict(sorted(out.items()))
 
 
-def _rss(cluster: Any) -> dict[str, tuple[float, float]]:
+def _rss(cluster: Any) -> dict[str, tuple[float, float, float]]:
+    """Per stage: (peak RSS of the process, its rise over the process just before the stage
+    loaded, artifact bytes + KV of CONCURRENT sessions), MiB."""
     out = {}
     for proc in cluster.procs:
         stage = _status_of(cluster, proc.name).get("stage") or {}
         held = stage["artifact_bytes"] + CONCURRENT * (stage["kv_bytes_per_session"] or 0)
+        peak = _vmhwm_mib(proc.popen.pid)
+        before = (stage.get("rss_before_load_kib") or 0) / 1024
         out[f"stage {stage['stage_index']} ({stage['layer_start']}..{stage['layer_end']})"] = (
-            _vmhwm_mib(proc.popen.pid),
+            peak,
+            peak - before,
             held / 2**20,
         )
     return dict(sorted(out.items()))

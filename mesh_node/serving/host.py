@@ -115,6 +115,7 @@ class StageHost:
         self._lock = trio.Lock()  # a stage is not thread-safe: one call at a time
         self.sessions = 0  # chain sessions open on this node
         self.busy_s = 0.0  # time spent in stage calls (compute), for the overlap figure
+        self.rss_before_load: int | None = None  # KiB, the process just before its stage loaded
         self.calls = 0
         node.register_subprotocol(pc.KIND_TRANSPORT, self._handle)
 
@@ -160,6 +161,7 @@ class StageHost:
             if self.loaded is not None:
                 old, self.loaded = self.loaded, None
                 await trio.to_thread.run_sync(old.stage.close)
+            self.rss_before_load = _vm_kib("VmRSS")
             stage = await trio.to_thread.run_sync(open_)
             self.loaded = LoadedStage(
                 topology, assignment, load, stage, runtime_facts(stage), artifact_bytes
@@ -198,6 +200,8 @@ class StageHost:
             "engine": loaded.facts.engine,
             "runtime_version": loaded.facts.runtime_version,
             "sessions": self.sessions,
+            "rss_before_load_kib": self.rss_before_load,
+            "peak_rss_kib": _vm_kib("VmHWM"),
             "compute_calls": self.calls,
             "compute_busy_s": round(self.busy_s, 4),
             "hops": hop_summary(self.hops),
@@ -374,6 +378,18 @@ class StageHost:
         if sender is not None:
             await sender.send(t.encode_free(begin.request_id, begin.session_id))
         await out.send_eof()
+
+
+def _vm_kib(field: str) -> int | None:
+    """This process's ``VmRSS``/``VmHWM`` in KiB (Linux), for the memory figures."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
 
 
 def skippy_error_in(exc: BaseException) -> SkippyError | None:

@@ -186,7 +186,7 @@ class SplitServer:
         self._changed = trio.Event()
         self._sessions: dict[int, _Session] = {}
         self._slots = trio.Semaphore(settings.max_sessions)
-        self.hops: dict[str, HopStats] = {}
+        self.hops = host.hops  # per downstream node: stage 0's hop is this node's
         host.return_handler = self._on_return
 
     # --- state ---------------------------------------------------------------------------------
