@@ -3,7 +3,7 @@
 Spec "Consumer Validation". ``preflight_package`` reports every problem as findings (severity,
 code, message, path, remediation) without needing the source model: the manifest rules
 (``skippy.package.manifest.check_manifest``), every artifact's presence, type and size
-(``skippy.produce.validate.check_artifact_file``), each artifact's GGUF header against its declared
+(``skippy.package.artifacts.check_artifact_file``), each artifact's GGUF header against its declared
 tensor count and bytes, the package generation defaults (``skippy.generation``), optionally
 SHA-256 (``skippy.consume.verify``) and a per-stage part list. ``metadata_only`` is the spec's
 "Metadata-only inspection": the manifest and ``shared/metadata.gguf`` only, no layer range.
@@ -33,12 +33,12 @@ from skippy.errors import InputUnreadable, ManifestError, SkippyError, UsageErro
 from skippy.findings import Finding, errors_only, raise_for_findings
 from skippy.generation import check_generation
 from skippy.gguf.reader import GGUFFile, open_gguf
+from skippy.package.artifacts import check_artifact_file, header_findings
 from skippy.package.manifest import ArtifactRef, Manifest, load_manifest_findings
 from skippy.package.plan import even_ranges
 from skippy.package.ranges import LayerRange
 from skippy.package.select import StageSelection, select_stage
 from skippy.paths import is_safe_relative_path
-from skippy.produce.validate import check_artifact_file, header_findings
 
 # Remediation for every code preflight can report that does not already carry one.
 REMEDIATIONS: Final[Mapping[str, str]] = {

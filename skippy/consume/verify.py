@@ -34,9 +34,9 @@ from typing import Any, Final, Literal
 from skippy.atomic import atomic_write_bytes
 from skippy.errors import IntegrityError
 from skippy.hashing import DEFAULT_WORKERS, sha256_files
+from skippy.package.artifacts import stat_artifact
 from skippy.package.manifest import ArtifactRef
 from skippy.package.select import StageSelection
-from skippy.produce.validate import stat_artifact
 
 log = logging.getLogger(__name__)
 

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import os
-import stat
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,20 +21,17 @@ from typing import Any
 
 from skippy.constants import ROLE_LAYER, ROLE_METADATA, ROLE_PROJECTOR
 from skippy.errors import (
-    ArtifactMissing,
     GGUFFormatError,
     InputUnreadable,
-    IntegrityError,
     SkippyError,
-    UnsafePath,
 )
 from skippy.findings import Finding, errors_only
 from skippy.generation import check_generation
 from skippy.gguf.reader import TensorInfo, open_gguf
 from skippy.hashing import CHUNK_BYTES, DEFAULT_WORKERS, sha256_file
+from skippy.package.artifacts import check_artifact_file, header_findings
 from skippy.package.manifest import ArtifactRef, Manifest, load_manifest_findings
 from skippy.package.ownership import has_tied_embeddings, owner_of
-from skippy.paths import resolve_under
 from skippy.produce.source import SourceModelFiles, shard_paths
 
 
