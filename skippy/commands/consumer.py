@@ -13,15 +13,13 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from skippy.commands.output import CommandResult, add_json_flag, exit_for, finding_lines
-from skippy.config import read_environment
-from skippy.consume.materialize import materialize_stage
-from skippy.consume.preflight import PreparedStage, preflight_package
+from skippy.commands.output import CommandResult, exit_for, finding_lines
 from skippy.errors import InputUnreadable, UsageError
 from skippy.package.refs import HfPackageRef, parse_package_ref
 from skippy.progress import human_bytes
 
-if TYPE_CHECKING:  # skippy.consume.resolve pulls in huggingface_hub (~0.2 s): import it when used
+if TYPE_CHECKING:  # each handler imports what it needs (skippy.consume.resolve: the hub client)
+    from skippy.consume.preflight import PreparedStage
     from skippy.consume.resolve import ResolvedStage
 
 REF_HELP = "a package directory, or hf://namespace/repo[@revision]"
@@ -43,38 +41,42 @@ def package_dir_for_cli(text: str) -> Path:
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("preflight", help="check a package without its source model")
+    p = sub.add_parser("preflight")
     p.add_argument("package", metavar="PKG", help="a package directory")
-    p.add_argument("--stages", type=int, help="also list each stage's parts for N even stages")
+    p.add_argument(
+        "--stages", type=int, metavar="N", help="also list each stage's parts for N even stages"
+    )
     p.add_argument("--verify-sha256", action="store_true", help="hash every checked artifact")
     p.add_argument(
         "--metadata-only",
         action="store_true",
         help="check only the manifest and shared/metadata.gguf (no layer range needed)",
     )
-    add_json_flag(p)
     p.set_defaults(handler=cmd_preflight)
 
-    for name, handler, text in (
-        ("select", cmd_select, "list the validated parts a stage loads"),
-        ("fetch", cmd_fetch, "download and verify only the parts a stage needs"),
-    ):
-        p = sub.add_parser(name, help=text)
+    for name, handler in (("select", cmd_select), ("fetch", cmd_fetch)):
+        p = sub.add_parser(name)
         p.add_argument("ref", metavar="REF", help=REF_HELP)
         p.add_argument("--layers", required=True, metavar="A..B", help="half-open layer range")
         p.add_argument("--projector", metavar="P", help="a projector path declared in the manifest")
-        add_json_flag(p)
         p.set_defaults(handler=handler)
 
-    p = sub.add_parser("materialize", help="compose a stage's parts into one GGUF (a cache)")
+    p = sub.add_parser("materialize")
     p.add_argument("ref", metavar="REF", help=REF_HELP)
     p.add_argument("--layers", required=True, metavar="A..B", help="half-open layer range")
-    p.add_argument("--out", required=True, type=Path, metavar="FILE", help="outside the package")
-    add_json_flag(p)
+    p.add_argument(
+        "--out",
+        required=True,
+        type=Path,
+        metavar="FILE",
+        help="the GGUF to write, outside the package",
+    )
     p.set_defaults(handler=cmd_materialize)
 
 
 def cmd_preflight(args: argparse.Namespace) -> CommandResult:
+    from skippy.consume.preflight import preflight_package
+
     root = package_dir_for_cli(args.package)
     report = preflight_package(
         root,
@@ -107,6 +109,7 @@ def cmd_preflight(args: argparse.Namespace) -> CommandResult:
 
 
 def _resolve(args: argparse.Namespace, projector: str | None) -> ResolvedStage:
+    from skippy.config import read_environment
     from skippy.consume.resolve import resolve_stage
 
     return resolve_stage(
@@ -153,6 +156,8 @@ def cmd_fetch(args: argparse.Namespace) -> CommandResult:
 
 
 def cmd_materialize(args: argparse.Namespace) -> CommandResult:
+    from skippy.consume.materialize import materialize_stage
+
     # Projectors are never merged into a materialization (spec "Repository Layout").
     stage = _resolve(args, None).stage
     result = materialize_stage(

@@ -1,10 +1,13 @@
-"""What every command shares: the result type, the ``--json`` flag, findings as text lines and
-the exit code for a verdict. ``skippy.cli`` renders results; command modules build them. Living
-here (not in ``skippy.cli``) keeps the arrows one way: cli -> commands -> skippy."""
+"""What every command shares: the result type, the global flags, findings as text lines, the
+exit code for a verdict and the escaping of text bound for a terminal. ``skippy.cli`` renders
+results; command modules build them. Living here (not in ``skippy.cli``) keeps the arrows one
+way: cli -> commands -> skippy.
+"""
 
 from __future__ import annotations
 
 import argparse
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +27,32 @@ class CommandResult:
 Handler = Callable[[argparse.Namespace], CommandResult]
 
 
+def add_common_flags(p: argparse.ArgumentParser) -> None:
+    """``--json`` and ``-v`` on a subcommand, so they work before or after it. SUPPRESS keeps a
+    flag given before the command from being reset by the subcommand's default."""
+    add_json_flag(p)
+    p.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="show library logs (hub requests, llama.cpp, policy decisions) on stderr",
+    )
+
+
+def add_json_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--json",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="print one JSON document on stdout (errors too)",
+    )
+
+
+def exit_for(valid: bool) -> int:
+    return EXIT_OK if valid else EXIT_INVALID
+
+
 def finding_lines(findings: Sequence[Finding]) -> list[str]:
     """Findings as indented text lines, with the hint under each error that has one."""
     lines = []
@@ -34,9 +63,27 @@ def finding_lines(findings: Sequence[Finding]) -> list[str]:
     return lines
 
 
-def add_json_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--json", action="store_true", help="print one JSON document on stdout")
+# C0 controls but newline and tab, DEL, C1 controls, and the Unicode bidirectional controls
+# (a right-to-left override makes "gguf.exe" display as "exe.fugg"): none may reach a terminal
+# from a manifest or a file name (issue #11 section 3).
+_UNSAFE_TERMINAL_RE = re.compile(
+    "[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]"
+)
 
 
-def exit_for(valid: bool) -> int:
-    return EXIT_OK if valid else EXIT_INVALID
+def _escape(m: re.Match[str]) -> str:
+    cp = ord(m.group(0))
+    return f"\\x{cp:02x}" if cp < 0x100 else f"\\u{cp:04x}"
+
+
+def terminal_text(text: str) -> str:
+    """``text`` with every control and bidi character shown as an escape (``\\x1b``,
+    ``\\u202e``); newlines and tabs are kept. Applied by ``skippy.cli`` to everything it
+    prints for a human."""
+    return _UNSAFE_TERMINAL_RE.sub(_escape, text)
+
+
+def field_text(value: object) -> str:
+    """One value from a manifest or a file on one line: ``terminal_text`` that also escapes
+    newlines and tabs, so a field cannot forge extra output lines."""
+    return terminal_text(str(value)).replace("\n", "\\n").replace("\t", "\\t")

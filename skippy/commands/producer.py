@@ -4,46 +4,38 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from skippy.commands.output import CommandResult, add_json_flag, exit_for, finding_lines
-from skippy.config import read_environment
-from skippy.constants import MANIFEST_NAME
+from skippy.commands.output import CommandResult, exit_for, finding_lines
 from skippy.errors import InputUnreadable, UsageError
-from skippy.package.plan import plan_stages
-from skippy.produce.inspect import (
-    inspect_gguf,
-    inspect_package,
-    read_manifest,
-    sizes_from_gguf,
-    sizes_from_manifest,
-)
-from skippy.produce.validate import validate_package
-from skippy.produce.write_package import (
-    Provenance,
-    WriteOptions,
-    local_provenance,
-    rewrite_readme,
-    write_package,
-)
 from skippy.progress import human_bytes
+
+if TYPE_CHECKING:
+    from skippy.produce.write_package import Provenance
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("write-package", help="split a GGUF into a layer package")
+    p = sub.add_parser("write-package")
     p.add_argument(
         "source",
         type=Path,
         help="a GGUF file, the first shard of a split set, or a hub coordinate ORG/REPO:DIST",
     )
-    p.add_argument("--out-dir", type=Path, required=True)
-    p.add_argument("--model-id", help="model coordinate ORG/REPO:DISTRIBUTION")
+    p.add_argument("--out-dir", type=Path, required=True, help="the package folder to write")
+    p.add_argument("--model-id", help="model coordinate ORG/REPO:DISTRIBUTION (local SOURCE)")
     p.add_argument("--source-repo", help="source repository (default: from --model-id)")
     p.add_argument(
         "--source-revision", help="source commit or tag (for a hub coordinate: what to resolve)"
     )
     p.add_argument("--source-file", help="source file name inside the source repository")
-    p.add_argument("--projector", type=Path, action="append", default=[], metavar="FILE")
+    p.add_argument(
+        "--projector",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="a projector (mmproj) GGUF to copy into projectors/ (repeatable)",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace an existing package")
     p.add_argument(
         "--durable",
@@ -55,31 +47,34 @@ def register(sub: Any) -> None:
         action="store_true",
         help="run validate-package afterwards and record the result in README.md",
     )
-    add_json_flag(p)
     p.set_defaults(handler=cmd_write_package)
 
-    p = sub.add_parser("inspect", help="describe a GGUF file or a package directory")
-    p.add_argument("path", type=Path)
-    add_json_flag(p)
+    p = sub.add_parser("inspect")
+    p.add_argument("path", type=Path, help="a GGUF file, a split set's first shard or a package")
     p.set_defaults(handler=cmd_inspect)
 
-    p = sub.add_parser("plan", help="split layers into stages and size each stage")
+    p = sub.add_parser("plan")
     p.add_argument("path", type=Path, help="a GGUF file or a package directory")
-    p.add_argument("--stages", type=int, required=True)
-    p.add_argument("--balance", choices=("layers", "bytes"), default="layers")
-    add_json_flag(p)
+    p.add_argument("--stages", type=int, required=True, help="number of pipeline stages")
+    p.add_argument(
+        "--balance",
+        choices=("layers", "bytes"),
+        default="layers",
+        help="even layer counts (default) or the smallest largest stage in bytes",
+    )
     p.set_defaults(handler=cmd_plan)
 
-    p = sub.add_parser("validate-package", help="check a package against its source model")
-    p.add_argument("source", type=Path)
-    p.add_argument("package", type=Path)
-    add_json_flag(p)
+    p = sub.add_parser("validate-package")
+    p.add_argument("source", type=Path, help="the source GGUF (first shard of a split set)")
+    p.add_argument("package", type=Path, help="the package directory to check")
     p.set_defaults(handler=cmd_validate)
 
 
 def _source_and_provenance(args: argparse.Namespace) -> tuple[Path, Provenance]:
     """A local GGUF needs explicit provenance; a hub coordinate ``org/repo:DIST`` gets it from
     the hub (spec "Publishing Rules"), with ``--source-revision`` choosing the revision."""
+    from skippy.produce.write_package import local_provenance
+
     if args.source.exists():
         return args.source, local_provenance(
             model_id=args.model_id,
@@ -87,6 +82,7 @@ def _source_and_provenance(args: argparse.Namespace) -> tuple[Path, Provenance]:
             source_revision=args.source_revision,
             source_file=args.source_file,
         )
+    from skippy.config import read_environment
     from skippy.produce.hub_source import fetch_model_source, parse_model_coordinate
 
     if parse_model_coordinate(str(args.source)) is None:
@@ -107,13 +103,17 @@ def _source_and_provenance(args: argparse.Namespace) -> tuple[Path, Provenance]:
         raise UsageError(
             f"{', '.join(given)} cannot be combined with a hub coordinate: the hub provides "
             "the provenance",
-            code="bad_usage",
+            code="usage",
         )
     hub_source = fetch_model_source(str(args.source), args.source_revision, read_environment())
     return hub_source.first_shard, hub_source.provenance
 
 
 def cmd_write_package(args: argparse.Namespace) -> CommandResult:
+    from skippy.constants import MANIFEST_NAME
+    from skippy.produce.validate import validate_package
+    from skippy.produce.write_package import WriteOptions, rewrite_readme, write_package
+
     source, prov = _source_and_provenance(args)
     opts = WriteOptions(
         out_dir=args.out_dir,
@@ -121,7 +121,7 @@ def cmd_write_package(args: argparse.Namespace) -> CommandResult:
         projectors=tuple(args.projector),
         overwrite=args.overwrite,
         durable=args.durable,
-        quiet=args.json,
+        quiet=bool(args.json),
     )
     result = write_package(source, opts)
     data = result.to_dict()
@@ -150,6 +150,8 @@ def cmd_write_package(args: argparse.Namespace) -> CommandResult:
 
 
 def cmd_inspect(args: argparse.Namespace) -> CommandResult:
+    from skippy.produce.inspect import inspect_gguf, inspect_package
+
     path: Path = args.path
     if path.is_dir():
         data = inspect_package(path)
@@ -191,6 +193,9 @@ def cmd_inspect(args: argparse.Namespace) -> CommandResult:
 
 
 def cmd_plan(args: argparse.Namespace) -> CommandResult:
+    from skippy.package.plan import plan_stages
+    from skippy.produce.inspect import read_manifest, sizes_from_gguf, sizes_from_manifest
+
     path: Path = args.path
     if path.is_dir():
         sizes = sizes_from_manifest(read_manifest(path))
@@ -222,6 +227,8 @@ def cmd_plan(args: argparse.Namespace) -> CommandResult:
 
 
 def cmd_validate(args: argparse.Namespace) -> CommandResult:
+    from skippy.produce.validate import validate_package
+
     if not args.source.exists():
         raise InputUnreadable(f"source {args.source} does not exist", path=str(args.source))
     report = validate_package(args.source, args.package)

@@ -31,7 +31,6 @@ from skippy.constants import (
 from skippy.consume.verify import VerifyCache, VerifyReport, check_refs, verify_selection
 from skippy.errors import InputUnreadable, ManifestError, SkippyError, UsageError
 from skippy.findings import Finding, errors_only, raise_for_findings
-from skippy.generation import check_generation
 from skippy.gguf.reader import GGUFFile, open_gguf
 from skippy.package.artifacts import check_artifact_file, header_findings
 from skippy.package.manifest import ArtifactRef, Manifest, load_manifest_findings
@@ -320,7 +319,7 @@ def preflight_package(
     if metadata_only and stages is not None:
         raise UsageError(
             "--metadata-only checks no layer range; it cannot be combined with --stages",
-            code="bad_usage",
+            code="usage",
         )
     t0 = time.perf_counter()
     report = PreflightReport(package=str(root), metadata_only=metadata_only)
@@ -368,16 +367,19 @@ def preflight_package(
         def names_of(index: int) -> Collection[str]:
             return layer_names.get(index, ())
 
-        arch = metadata_file.get(KEY_ARCHITECTURE) if metadata_file else None
-        problems.extend(
-            check_generation(
-                m.generation,
-                layer_count=m.layer_count,
-                layer_tensor_names=None if metadata_only else names_of,
-                metadata=_GGUFMetadata(metadata_file) if metadata_file else None,
-                arch=arch if isinstance(arch, str) else None,
+        if m.generation is not None:  # the schema module loads only when there is a block
+            from skippy.generation import check_generation
+
+            arch = metadata_file.get(KEY_ARCHITECTURE) if metadata_file else None
+            problems.extend(
+                check_generation(
+                    m.generation,
+                    layer_count=m.layer_count,
+                    layer_tensor_names=None if metadata_only else names_of,
+                    metadata=_GGUFMetadata(metadata_file) if metadata_file else None,
+                    arch=arch if isinstance(arch, str) else None,
+                )
             )
-        )
     finally:
         if metadata_file is not None:
             metadata_file.close()
