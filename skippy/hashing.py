@@ -37,13 +37,23 @@ class HashingSink:
         return self._h.hexdigest()
 
 
-def copy_range(fd: int, offset: int, length: int, write: Callable[[memoryview], None]) -> None:
+def copy_range(
+    fd: int,
+    offset: int,
+    length: int,
+    write: Callable[[memoryview], None],
+    *,
+    cancel: threading.Event | None = None,
+) -> None:
     """Stream ``length`` bytes from ``fd`` at ``offset`` into ``write`` through one reused
-    buffer: bounded memory (no mmap pages counted in RSS), one copy in, one copy out."""
+    buffer: bounded memory (no mmap pages counted in RSS), one copy in, one copy out.
+    ``cancel`` set: ``CancelledError`` at the next chunk."""
     buf = bytearray(min(CHUNK_BYTES, max(length, 1)))
     view = memoryview(buf)
     done = 0
     while done < length:
+        if cancel is not None and cancel.is_set():
+            raise CancelledError("copy cancelled")
         want = min(len(buf), length - done)
         got = os.preadv(fd, [view[:want]], offset + done)
         if got <= 0:

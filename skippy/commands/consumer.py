@@ -13,7 +13,7 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from skippy.commands.output import CommandResult, exit_for, finding_lines
+from skippy.commands.output import CommandResult, exit_for, finding_lines, path_arg
 from skippy.errors import InputUnreadable, UsageError
 from skippy.package.refs import HfPackageRef, parse_package_ref
 from skippy.progress import human_bytes
@@ -67,7 +67,7 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--out",
         required=True,
-        type=Path,
+        type=path_arg,
         metavar="FILE",
         help="the GGUF to write, outside the package",
     )

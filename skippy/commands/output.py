@@ -10,6 +10,7 @@ import argparse
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from skippy.errors import EXIT_INVALID, EXIT_OK
@@ -47,6 +48,14 @@ def add_json_flag(p: argparse.ArgumentParser) -> None:
         default=argparse.SUPPRESS,
         help="print one JSON document on stdout (errors too)",
     )
+
+
+def path_arg(text: str) -> Path:
+    """argparse ``type`` for a path: an empty string is a usage error, not the current folder
+    (``Path("")`` is ``.``, so ``--out-dir ""`` once wrote into the working directory)."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty path names no file or folder")
+    return Path(text)
 
 
 def exit_for(valid: bool) -> int:

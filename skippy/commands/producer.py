@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from skippy.commands.output import CommandResult, exit_for, finding_lines
+from skippy.commands.output import CommandResult, exit_for, finding_lines, path_arg
 from skippy.errors import InputUnreadable, UsageError
 from skippy.progress import human_bytes
 
@@ -18,10 +18,10 @@ def register(sub: Any) -> None:
     p = sub.add_parser("write-package")
     p.add_argument(
         "source",
-        type=Path,
+        type=path_arg,
         help="a GGUF file, the first shard of a split set, or a hub coordinate ORG/REPO:DIST",
     )
-    p.add_argument("--out-dir", type=Path, required=True, help="the package folder to write")
+    p.add_argument("--out-dir", type=path_arg, required=True, help="the package folder to write")
     p.add_argument("--model-id", help="model coordinate ORG/REPO:DISTRIBUTION (local SOURCE)")
     p.add_argument("--source-repo", help="source repository (default: from --model-id)")
     p.add_argument(
@@ -30,7 +30,7 @@ def register(sub: Any) -> None:
     p.add_argument("--source-file", help="source file name inside the source repository")
     p.add_argument(
         "--projector",
-        type=Path,
+        type=path_arg,
         action="append",
         default=[],
         metavar="FILE",
@@ -50,11 +50,13 @@ def register(sub: Any) -> None:
     p.set_defaults(handler=cmd_write_package)
 
     p = sub.add_parser("inspect")
-    p.add_argument("path", type=Path, help="a GGUF file, a split set's first shard or a package")
+    p.add_argument(
+        "path", type=path_arg, help="a GGUF file, a split set's first shard or a package"
+    )
     p.set_defaults(handler=cmd_inspect)
 
     p = sub.add_parser("plan")
-    p.add_argument("path", type=Path, help="a GGUF file or a package directory")
+    p.add_argument("path", type=path_arg, help="a GGUF file or a package directory")
     p.add_argument("--stages", type=int, required=True, help="number of pipeline stages")
     p.add_argument(
         "--balance",
@@ -65,8 +67,8 @@ def register(sub: Any) -> None:
     p.set_defaults(handler=cmd_plan)
 
     p = sub.add_parser("validate-package")
-    p.add_argument("source", type=Path, help="the source GGUF (first shard of a split set)")
-    p.add_argument("package", type=Path, help="the package directory to check")
+    p.add_argument("source", type=path_arg, help="the source GGUF (first shard of a split set)")
+    p.add_argument("package", type=path_arg, help="the package directory to check")
     p.set_defaults(handler=cmd_validate)
 
 

@@ -268,9 +268,15 @@ def materialize_stage(
             n = len(g.tensors)
         return MaterializeResult(out, key, False, out.stat().st_size, n, time.perf_counter() - t0)
 
+    if not out.parent.is_dir():  # issue #11: never create folders the user did not ask for
+        raise UsageError(
+            f"--out {out}: the folder {out.parent} does not exist",
+            code="output_parent_missing",
+            path=str(out),
+            remediation="create the folder first, or choose an --out in an existing folder",
+        )
     if _trusted_existing(out, key):
         return kept()
-    out.parent.mkdir(parents=True, exist_ok=True)
     with _exclusive(lock_path_for(out)):
         if _trusted_existing(out, key):  # another process built it while we waited
             return kept()

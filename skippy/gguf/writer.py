@@ -11,6 +11,7 @@ followed by padding to the alignment.
 from __future__ import annotations
 
 import struct
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,14 +95,16 @@ def write_fragment(
     alignment: int,
     *,
     on_bytes: Callable[[int], None] | None = None,
+    cancel: threading.Event | None = None,
 ) -> WrittenFragment:
-    """Write one fragment atomically, hashing in the same pass; return its facts."""
+    """Write one fragment atomically, hashing in the same pass; return its facts. ``cancel``
+    stops the copy at its next chunk (the partial file is removed)."""
     header, _ = build_header(kv_records, [t.info for t in tensors], alignment)
     with atomic_install(dest) as f:
         sink = HashingSink(f)
         sink.write(header)
         for t in tensors:
-            copy_range(t.fd, t.info.data_start, t.info.nbytes, sink.write)
+            copy_range(t.fd, t.info.data_start, t.info.nbytes, sink.write, cancel=cancel)
             pad = _pad(t.info.nbytes, alignment)
             if pad:
                 sink.write(b"\0" * pad)

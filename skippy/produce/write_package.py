@@ -30,10 +30,12 @@ import contextlib
 import fcntl
 import hashlib
 import os
+import signal
+import stat
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import CancelledError, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -254,16 +256,114 @@ def _write_lock(out_dir: Path) -> Iterator[None]:
         os.close(fd)
 
 
-def _prepare_out_dir(out_dir: Path, overwrite: bool, *, durable: bool) -> Manifest | None:
-    """Refuse to clobber a package unless asked; with --overwrite, withdraw the old manifest
-    first so nothing trusts it while its artifacts are being replaced. Returns the old
-    manifest (``None`` if there was none or it was unreadable) for ``_remove_stale``."""
-    manifest_path = out_dir / MANIFEST_NAME
-    if manifest_path.exists() and not overwrite:
+def _check_out_dir(out_dir: Path, overwrite: bool) -> bool:
+    """Issue #11: without --overwrite, write only into a new or empty folder (a folder holding
+    anything, a package or the user's own files, is ``output_exists``). True when the folder
+    is new or empty: a failed run may then remove everything it wrote (``_FreshFolder``)."""
+    try:
+        st = out_dir.stat()
+    except FileNotFoundError:
+        return True
+    except OSError as exc:  # e.g. a parent is a file
         raise OutputExists(
-            f"{out_dir} already holds a package ({MANIFEST_NAME}); pass --overwrite to replace it",
-            path=str(manifest_path),
-        )
+            f"--out-dir {out_dir} cannot be a folder: {exc.strerror}", path=str(out_dir)
+        ) from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise OutputExists(f"--out-dir {out_dir} exists and is not a folder", path=str(out_dir))
+    entries = sorted(os.listdir(out_dir))
+    if not entries:
+        return True
+    if overwrite:
+        return False
+    shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
+    what = (
+        f"already holds a package ({MANIFEST_NAME})"
+        if MANIFEST_NAME in entries
+        else f"is not empty (it holds {shown})"
+    )
+    raise OutputExists(
+        f"--out-dir {out_dir} {what}; write-package writes into a new or empty folder",
+        path=str(out_dir),
+        remediation="choose a new or empty --out-dir, or pass --overwrite to write there: it "
+        "replaces only the files a package holds and those the old manifest lists, never an "
+        "input",
+    )
+
+
+@dataclass(frozen=True)
+class _FreshFolder:
+    """A new or empty ``--out-dir``. We hold its lock and it held nothing, so every file at a
+    path we write is ours: a failed run removes them and the folders it created."""
+
+    out_dir: Path
+    created: tuple[Path, ...]  # folders the lock's mkdir creates, outermost first
+
+    @classmethod
+    def before_lock(cls, out_dir: Path) -> _FreshFolder:
+        created: list[Path] = []
+        p = out_dir
+        while not p.exists() and p != p.parent:
+            created.append(p)
+            p = p.parent
+        return cls(out_dir, tuple(reversed(created)))
+
+    def undo(self, destinations: Sequence[str]) -> None:
+        for rel in destinations:
+            with contextlib.suppress(OSError):
+                (self.out_dir / rel).unlink()
+        for sub in ARTIFACT_DIRS:
+            with contextlib.suppress(OSError):  # only when empty
+                (self.out_dir / sub).rmdir()
+        for folder in reversed(self.created):
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+
+
+Identities = dict[tuple[int, int], Path]
+
+
+def _identities(paths: Sequence[Path]) -> Identities:
+    """(device, inode) of every input file, symlinks followed: a hard link or a symlink to an
+    input is the input."""
+    out: Identities = {}
+    for p in paths:
+        try:
+            st = p.stat()
+        except OSError:
+            continue  # a missing projector is reported when it is opened
+        out[(st.st_dev, st.st_ino)] = p
+    return out
+
+
+def _input_at(path: Path, inputs: Identities) -> Path | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return inputs.get((st.st_dev, st.st_ino))
+
+
+def _refuse_inputs_as_outputs(
+    out_dir: Path, destinations: Sequence[str], inputs: Identities
+) -> None:
+    """Never replace an input: the source, a split sibling or a projector, by any name."""
+    for rel in destinations:
+        hit = _input_at(out_dir / rel, inputs)
+        if hit is not None:
+            raise OutputExists(
+                f"{out_dir / rel} is the input {hit} (the same file): writing the package there "
+                "would replace the file it is made from",
+                code="output_is_input",
+                path=rel,
+                remediation="write the package to another --out-dir, or move the input out of it",
+            )
+
+
+def _prepare_out_dir(out_dir: Path, overwrite: bool, *, durable: bool) -> Manifest | None:
+    """With --overwrite, withdraw the old manifest first so nothing trusts it while its
+    artifacts are being replaced. Returns the old manifest (``None`` if there was none or it
+    was unreadable) for ``_remove_stale``."""
+    manifest_path = out_dir / MANIFEST_NAME
     # An artifact folder that is a symlink out of the package would make us write (and clean
     # up) elsewhere, and no consumer would accept the result: refuse before touching anything.
     dirs = [resolve_under(out_dir, sub) for sub in ARTIFACT_DIRS]
@@ -382,12 +482,19 @@ def _write_fragments(
     progress: Progress,
     *,
     durable: bool,
+    cancel: threading.Event,
 ) -> list[WrittenFragment]:
     def write_one(plan: FragmentPlan) -> WrittenFragment:
+        if cancel.is_set():  # taken off the queue after the run failed: create nothing
+            raise CancelledError(plan.path)
         t = time.perf_counter()
         dest = out_dir / plan.path
         w = write_fragment(
-            dest, plan.kv_records, [src.tensor_source(x) for x in plan.tensors], src.alignment
+            dest,
+            plan.kv_records,
+            [src.tensor_source(x) for x in plan.tensors],
+            src.alignment,
+            cancel=cancel,
         )
         if durable:  # here, on the pool, so one fragment's flush overlaps the next one's copy
             fsync_path(dest)
@@ -396,8 +503,17 @@ def _write_fragments(
 
     # Largest first so both cores finish together (gemma3: token_embd is 70% of the bytes).
     order = sorted(range(len(plans)), key=lambda i: -plans[i].tensor_bytes)
-    futures = {i: pool.submit(write_one, plans[i]) for i in order}
-    return [futures[i].result() for i in range(len(plans))]
+    with _signals_held():
+        futures = {i: pool.submit(write_one, plans[i]) for i in order}
+    try:
+        return [futures[i].result() for i in range(len(plans))]
+    except BaseException:
+        # Stop every copy before the caller closes the source files they read from.
+        cancel.set()
+        for f in futures.values():
+            f.cancel()
+        wait(futures.values())
+        raise
 
 
 def _build_manifest(
@@ -460,9 +576,12 @@ def write_package(source: Path, opts: WriteOptions) -> WriteResult:
         )
     paths = shard_paths(source)
     # Everything that can fail on user input is checked before --out-dir changes, so a failed
-    # --overwrite leaves the previous package whole: shard names here, projector headers and
-    # names below, the source header in _study_source (provenance in Provenance itself).
+    # --overwrite leaves the previous package whole: shard names here, the folder and the
+    # inputs' identities next, projector headers and names below, the source header in
+    # _study_source (provenance in Provenance itself).
     shard_names = _shard_names(opts.provenance.source_file, len(paths))
+    _check_out_dir(opts.out_dir, opts.overwrite)
+    inputs = _identities([*paths, *opts.projectors])
     sizes = [p.stat().st_size for p in paths]
     progress = Progress.for_terminal(len(paths), quiet=opts.quiet)
     cancel = threading.Event()
@@ -476,41 +595,68 @@ def write_package(source: Path, opts: WriteOptions) -> WriteResult:
     with contextlib.ExitStack() as stack:
         opened = [_open_projector(stack, p) for p in opts.projectors]
         pool = ThreadPoolExecutor(max_workers=max(1, opts.workers))
+        fresh: _FreshFolder | None = None
+        destinations: list[str] = []
         try:
             # The source digest is the longest single job and needs no parsing: start it
             # first, then parse and plan while it runs (one pass per file, both cores busy).
-            hash_futs = [pool.submit(hash_one, p) for p in paths]
+            with _signals_held():
+                hash_futs = [pool.submit(hash_one, p) for p in paths]
             with SourceModelFiles(source) as src:
                 facts = _study_source(src)
+                fresh = _FreshFolder.before_lock(opts.out_dir)
                 stack.enter_context(_write_lock(opts.out_dir))  # held until the manifest is in
+                if not _check_out_dir(opts.out_dir, opts.overwrite):  # again, under the lock
+                    fresh = None
+                destinations += [
+                    *(plan.path for plan in facts.plans),
+                    *(proj.path for proj in opened),
+                    README_NAME,
+                    MANIFEST_NAME,
+                ]
+                _refuse_inputs_as_outputs(opts.out_dir, destinations, inputs)
                 old = _prepare_out_dir(opts.out_dir, opts.overwrite, durable=opts.durable)
                 progress.total += len(facts.plans)
                 written = _write_fragments(
-                    pool, src, facts.plans, opts.out_dir, progress, durable=opts.durable
+                    pool,
+                    src,
+                    facts.plans,
+                    opts.out_dir,
+                    progress,
+                    durable=opts.durable,
+                    cancel=cancel,
                 )
             digests = [f.result() for f in hash_futs]
+            pool.shutdown()
+
+            projectors = tuple(
+                _copy_projector(p, opts.out_dir, durable=opts.durable) for p in opened
+            )
+            source_files = tuple(
+                SourceFile(n, s, d) for n, s, d in zip(shard_names, sizes, digests, strict=True)
+            )
+            manifest = _build_manifest(opts, facts, written, projectors, source_files)
+            manifest_bytes = dump_manifest(manifest)
+            manifest_sha = hashlib.sha256(manifest_bytes).hexdigest()
+            # Before the new manifest exists: it must never list a file this deletes.
+            keep = {a.path for a in manifest.artifacts()}
+            removed = _remove_stale(opts.out_dir, old, keep, inputs)
+            if opts.durable:  # the renames into each folder, before the manifest that trusts them
+                for sub in ARTIFACT_DIRS:
+                    if (opts.out_dir / sub).is_dir():
+                        fsync_path(opts.out_dir / sub)
+            readme = render_readme(manifest, manifest_sha, validation_note=opts.validation_note)
+            atomic_write_bytes(opts.out_dir / README_NAME, readme.encode("utf-8"))
+            atomic_write_bytes(opts.out_dir / MANIFEST_NAME, manifest_bytes)
         except BaseException:
+            # Failed or interrupted (SIGINT/SIGTERM arrive as Interrupted): the workers stop at
+            # their next chunk and unlink their hidden partials (skippy.atomic); a folder that
+            # was new or empty gets back to that state, so the next run needs no --overwrite.
             cancel.set()
             pool.shutdown(wait=True, cancel_futures=True)
+            if fresh is not None:
+                fresh.undo(destinations)
             raise
-        pool.shutdown()
-
-        projectors = tuple(_copy_projector(p, opts.out_dir, durable=opts.durable) for p in opened)
-        source_files = tuple(
-            SourceFile(n, s, d) for n, s, d in zip(shard_names, sizes, digests, strict=True)
-        )
-        manifest = _build_manifest(opts, facts, written, projectors, source_files)
-        manifest_bytes = dump_manifest(manifest)
-        manifest_sha = hashlib.sha256(manifest_bytes).hexdigest()
-        # Before the new manifest exists: it must never list a file this deletes.
-        removed = _remove_stale(opts.out_dir, old, {a.path for a in manifest.artifacts()})
-        if opts.durable:  # the renames into each folder, before the manifest that trusts them
-            for sub in ARTIFACT_DIRS:
-                if (opts.out_dir / sub).is_dir():
-                    fsync_path(opts.out_dir / sub)
-        readme = render_readme(manifest, manifest_sha, validation_note=opts.validation_note)
-        atomic_write_bytes(opts.out_dir / README_NAME, readme.encode("utf-8"))
-        atomic_write_bytes(opts.out_dir / MANIFEST_NAME, manifest_bytes)
     return WriteResult(
         out_dir=opts.out_dir,
         manifest=manifest,
@@ -522,16 +668,36 @@ def write_package(source: Path, opts: WriteOptions) -> WriteResult:
     )
 
 
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """Hold SIGINT/SIGTERM off while the pool may start a worker thread (``submit``).
+
+    A signal handler that raises inside ``Thread.start()`` leaves a running worker the pool
+    does not know, so ``shutdown(wait=True)`` would not wait for it and it could write after
+    the cleanup (measured: 6 of 20 SIGINTs left a folder behind). Threads inherit the mask, so
+    every worker keeps these signals blocked and a pending one is handled in the main thread
+    right after this block."""
+    held = {signal.SIGINT, signal.SIGTERM}
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 def _is_artifact_path(rel: str) -> bool:
     """A safe path inside one of the artifact folders (so never the root manifest or README)."""
     parts = rel.split("/")
     return is_safe_relative_path(rel) and len(parts) >= 2 and parts[0] in ARTIFACT_DIRS
 
 
-def _remove_stale(out_dir: Path, old: Manifest | None, keep: set[str]) -> tuple[str, ...]:
+def _remove_stale(
+    out_dir: Path, old: Manifest | None, keep: set[str], inputs: Identities
+) -> tuple[str, ...]:
     """After --overwrite, delete the regular files the old manifest listed and ``keep`` does
     not: only under shared/, layers/ and projectors/, only where the real path stays inside
-    ``out_dir`` (a symlinked folder is never followed out), never arbitrary files."""
+    ``out_dir`` (a symlinked folder is never followed out), never arbitrary files and never
+    one of this run's inputs."""
     if old is None:
         return ()
     removed = []
@@ -541,7 +707,7 @@ def _remove_stale(out_dir: Path, old: Manifest | None, keep: set[str]) -> tuple[
             continue
         try:
             p = resolve_under(out_dir, rel)
-            if p.is_file() and not p.is_symlink():
+            if p.is_file() and not p.is_symlink() and _input_at(p, inputs) is None:
                 p.unlink()
                 removed.append(rel)
         except (OSError, UnsafePath):
