@@ -18,6 +18,7 @@ import importlib
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -45,6 +46,13 @@ class _BadUsage(Exception):
 class _Parser(argparse.ArgumentParser):
     """argparse that reports usage errors as ``error [usage]: ...`` (or a JSON document with
     ``--json``) and exit 2, like every other error of ours."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # argparse takes "-1..2" for an option (only "-1" and "-1.5" look like numbers to it),
+        # so `--layers -1..2` failed inside argparse; a value starting "-<digit>" is a value,
+        # and parse_layer_range says why it is wrong. (No option of ours starts "-<digit>".)
+        self._negative_number_matcher = re.compile(r"^-\d")
 
     def error(self, message: str) -> Any:
         err = SkippyError(message, code="usage", remediation=f"see `{self.prog} --help`")

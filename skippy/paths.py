@@ -11,13 +11,15 @@ import os
 from pathlib import Path, PurePosixPath
 
 from skippy.errors import UnsafePath
+from skippy.text import unsafe_char
 
 
 def check_relative_path(rel: str) -> str:
     """Return ``rel`` unchanged if it is a safe repository-relative POSIX path, else raise.
 
-    Rejected: empty, absolute, backslashes, drive letters, NUL, and empty, ``.`` or ``..``
-    components (so ``a//b`` and ``./a`` are rejected too: one spelling per file).
+    Rejected: empty, absolute, backslashes, drive letters, NUL and every other control or
+    bidi character (``skippy.text``), and empty, ``.`` or ``..`` components (so ``a//b`` and
+    ``./a`` are rejected too: one spelling per file).
     """
     reason = _unsafe_reason(rel)
     if reason:
@@ -34,6 +36,9 @@ def _unsafe_reason(rel: object) -> str | None:
         return "empty or not a string"
     if "\x00" in rel:
         return "contains NUL"
+    bad = unsafe_char(rel)
+    if bad is not None:  # a name that would drive a terminal or read backwards
+        return f"contains the control or bidi character {bad}"
     try:
         rel.encode("utf-8")
     except UnicodeEncodeError:  # lone surrogates from undecodable bytes (argv, file names)

@@ -13,7 +13,7 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from skippy.commands.output import CommandResult, exit_for, finding_lines, path_arg
+from skippy.commands.output import CommandResult, exit_for, field_text, finding_lines, path_arg
 from skippy.errors import InputUnreadable, UsageError
 from skippy.package.refs import HfPackageRef, parse_package_ref
 from skippy.progress import human_bytes
@@ -101,7 +101,8 @@ def cmd_preflight(args: argparse.Namespace) -> CommandResult:
             f"{human_bytes(sel.total_bytes)}"
         )
         for r in sel.all_refs:
-            lines.append(f"    {r.role:<10} {r.path:<32} {human_bytes(r.artifact.artifact_bytes)}")
+            size = human_bytes(r.artifact.artifact_bytes)
+            lines.append(f"    {r.role:<10} {field_text(r.path):<32} {size}")
     lines += finding_lines(report.findings)
     return CommandResult(
         data=report.to_dict(), text="\n".join(lines), exit_code=exit_for(report.valid)
@@ -120,15 +121,16 @@ def _resolve(args: argparse.Namespace, projector: str | None) -> ResolvedStage:
 def _parts_lines(stage: PreparedStage) -> list[str]:
     sel = stage.selection
     lines = [
-        f"{sel.manifest.model_id} layers {sel.layers}: {len(sel.parts)} parts, "
+        f"{field_text(sel.manifest.model_id)} layers {sel.layers}: {len(sel.parts)} parts, "
         f"{human_bytes(sel.total_bytes)}"
         + (" (SHA-256 verified)" if stage.verification is not None else "")
     ]
     for r in sel.all_refs:
         index = "" if r.layer_index is None else str(r.layer_index)
+        size = human_bytes(r.artifact.artifact_bytes)
         lines.append(
-            f"  {r.role:<10} {index:>5} {r.path:<32} {human_bytes(r.artifact.artifact_bytes):>10}"
-            f"  {r.artifact.sha256[:16]}"
+            f"  {r.role:<10} {index:>5} {field_text(r.path):<32} {size:>10}"
+            f"  {field_text(r.artifact.sha256[:16])}"
         )
     return lines
 

@@ -7,7 +7,6 @@ way: cli -> commands -> skippy.
 from __future__ import annotations
 
 import argparse
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +14,7 @@ from typing import Any
 
 from skippy.errors import EXIT_INVALID, EXIT_OK
 from skippy.findings import Finding
+from skippy.text import escape
 
 
 @dataclass
@@ -72,27 +72,14 @@ def finding_lines(findings: Sequence[Finding]) -> list[str]:
     return lines
 
 
-# C0 controls but newline and tab, DEL, C1 controls, and the Unicode bidirectional controls
-# (a right-to-left override makes "gguf.exe" display as "exe.fugg"): none may reach a terminal
-# from a manifest or a file name (issue #11 section 3).
-_UNSAFE_TERMINAL_RE = re.compile(
-    "[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]"
-)
-
-
-def _escape(m: re.Match[str]) -> str:
-    cp = ord(m.group(0))
-    return f"\\x{cp:02x}" if cp < 0x100 else f"\\u{cp:04x}"
-
-
 def terminal_text(text: str) -> str:
     """``text`` with every control and bidi character shown as an escape (``\\x1b``,
     ``\\u202e``); newlines and tabs are kept. Applied by ``skippy.cli`` to everything it
     prints for a human."""
-    return _UNSAFE_TERMINAL_RE.sub(_escape, text)
+    return escape(text, keep_newlines=True)
 
 
 def field_text(value: object) -> str:
-    """One value from a manifest or a file on one line: ``terminal_text`` that also escapes
-    newlines and tabs, so a field cannot forge extra output lines."""
-    return terminal_text(str(value)).replace("\n", "\\n").replace("\t", "\\t")
+    """One value from a manifest or a file, on one line: every control character escaped,
+    newlines too, so a field cannot forge extra output lines."""
+    return escape(str(value))

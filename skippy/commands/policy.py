@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING, Any
 
-from skippy.commands.output import CommandResult
+from skippy.commands.output import CommandResult, field_text
 from skippy.errors import UsageError
 
 if TYPE_CHECKING:
@@ -113,8 +113,8 @@ def cmd_policy(args: argparse.Namespace) -> CommandResult:
     )
     d = decision.to_dict()
     lines = [
-        f"{pkg.manifest.model_id}: {d['phase']} on {d['backend']} -> {d['selected_path']} "
-        f"(from {d['selected_source']})",
+        f"{field_text(pkg.manifest.model_id)}: {d['phase']} on {d['backend']} -> "
+        f"{d['selected_path']} (from {d['selected_source']})",
         f"  profile: {d['profile'] or 'none declared'}; package path: {d['package_path']} "
         f"({d['package_path_status']}); runtime default for {d['arch']}: "
         f"{d['runtime_default_path']}",

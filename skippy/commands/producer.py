@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from skippy.commands.output import CommandResult, exit_for, finding_lines, path_arg
+from skippy.commands.output import CommandResult, exit_for, field_text, finding_lines, path_arg
 from skippy.errors import InputUnreadable, UsageError
 from skippy.progress import human_bytes
 
@@ -18,8 +18,9 @@ def register(sub: Any) -> None:
     p = sub.add_parser("write-package")
     p.add_argument(
         "source",
-        type=path_arg,
-        help="a GGUF file, the first shard of a split set, or a hub coordinate ORG/REPO:DIST",
+        type=_nonempty,
+        help="a GGUF file, the first shard of a split set, or a hub coordinate ORG/REPO:DIST "
+        "(a path starting with ./ or / is always local)",
     )
     p.add_argument("--out-dir", type=path_arg, required=True, help="the package folder to write")
     p.add_argument("--model-id", help="model coordinate ORG/REPO:DISTRIBUTION (local SOURCE)")
@@ -27,7 +28,11 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--source-revision", help="source commit or tag (for a hub coordinate: what to resolve)"
     )
-    p.add_argument("--source-file", help="source file name inside the source repository")
+    p.add_argument(
+        "--source-file",
+        help="source file name inside the source repository (for a hub coordinate: the file "
+        "to package, when the distribution alone does not pick it)",
+    )
     p.add_argument(
         "--projector",
         type=path_arg,
@@ -72,13 +77,21 @@ def register(sub: Any) -> None:
     p.set_defaults(handler=cmd_validate)
 
 
+def _nonempty(text: str) -> str:
+    path_arg(text)  # the same refusal of ""
+    return text
+
+
 def _source_and_provenance(args: argparse.Namespace) -> tuple[Path, Provenance]:
     """A local GGUF needs explicit provenance; a hub coordinate ``org/repo:DIST`` gets it from
-    the hub (spec "Publishing Rules"), with ``--source-revision`` choosing the revision."""
+    the hub (spec "Publishing Rules"), with ``--source-revision`` choosing the revision and
+    ``--source-file`` naming the file when the distribution alone does not."""
     from skippy.produce.write_package import local_provenance
 
-    if args.source.exists():
-        return args.source, local_provenance(
+    text: str = args.source  # a str, not a Path: Path("./a/b:Q") would drop the "./"
+    local = Path(text)
+    if local.exists() or text.startswith((".", "/", "~")):
+        return local, local_provenance(
             model_id=args.model_id,
             source_repo=args.source_repo,
             source_revision=args.source_revision,
@@ -87,19 +100,13 @@ def _source_and_provenance(args: argparse.Namespace) -> tuple[Path, Provenance]:
     from skippy.config import read_environment
     from skippy.produce.hub_source import fetch_model_source, parse_model_coordinate
 
-    if parse_model_coordinate(str(args.source)) is None:
+    if parse_model_coordinate(text) is None:
         raise InputUnreadable(
-            f"source {args.source} is neither a file nor a model coordinate ORG/REPO:DIST",
-            path=str(args.source),
+            f"source {text} is neither a file nor a model coordinate ORG/REPO:DIST",
+            path=text,
         )
     given = [
-        f
-        for f, v in (
-            ("--model-id", args.model_id),
-            ("--source-repo", args.source_repo),
-            ("--source-file", args.source_file),
-        )
-        if v
+        f for f, v in (("--model-id", args.model_id), ("--source-repo", args.source_repo)) if v
     ]
     if given:
         raise UsageError(
@@ -107,7 +114,9 @@ def _source_and_provenance(args: argparse.Namespace) -> tuple[Path, Provenance]:
             "the provenance",
             code="usage",
         )
-    hub_source = fetch_model_source(str(args.source), args.source_revision, read_environment())
+    hub_source = fetch_model_source(
+        text, args.source_revision, read_environment(), source_file=args.source_file
+    )
     return hub_source.first_shard, hub_source.provenance
 
 
@@ -130,8 +139,9 @@ def cmd_write_package(args: argparse.Namespace) -> CommandResult:
     lines = [
         f"wrote {data['artifacts']} artifacts ({human_bytes(result.bytes_written)}) to "
         f"{args.out_dir} in {result.seconds:.2f}s",
-        f"model {result.manifest.model_id}: {result.manifest.layer_count} layers, width "
-        f"{result.manifest.activation_width}, tied embeddings: {result.manifest.tied_embeddings}",
+        f"model {field_text(result.manifest.model_id)}: {result.manifest.layer_count} layers, "
+        f"width {result.manifest.activation_width}, tied embeddings: "
+        f"{result.manifest.tied_embeddings}",
         f"{MANIFEST_NAME} sha256 {result.manifest_sha256}",
     ]
     exit_code = 0
@@ -158,22 +168,26 @@ def cmd_inspect(args: argparse.Namespace) -> CommandResult:
     if path.is_dir():
         data = inspect_package(path)
         lines = [
-            f"package {data['model_id']}",
-            f"  source: {data['source']['repo']}@{data['source']['revision']} "
-            f"{data['source']['primary_file']}",
+            f"package {field_text(data['model_id'])}",
+            f"  source: {field_text(data['source']['repo'])}@"
+            f"{field_text(data['source']['revision'])} "
+            f"{field_text(data['source']['primary_file'])}",
             f"  layers: {data['layer_count']}  width: {data['activation_width']}  "
             f"tied embeddings: {data['tied_embeddings']}  ABI: {data['skippy_abi_version']}",
             f"  total: {human_bytes(data['total_bytes'])}",
         ]
         for role, a in data["shared"].items():
-            lines.append(f"  {role:<11} {a['path']:<28} {human_bytes(a['artifact_bytes']):>10}")
+            lines.append(
+                f"  {role:<11} {field_text(a['path']):<28} {human_bytes(a['artifact_bytes']):>10}"
+            )
         for layer in data["layers"]:
             lines.append(
                 f"  layer {layer['layer_index']:<5} {layer['tensors']:>3} tensors "
                 f"{human_bytes(layer['bytes']):>10}"
             )
         for proj in data["projectors"]:
-            lines.append(f"  projector   {proj['path']:<28} {human_bytes(proj['artifact_bytes'])}")
+            size = human_bytes(proj["artifact_bytes"])
+            lines.append(f"  projector   {field_text(proj['path']):<28} {size}")
         return CommandResult(data=data, text="\n".join(lines))
     if not path.is_file():
         raise InputUnreadable(f"{path} does not exist", path=str(path))

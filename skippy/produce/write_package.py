@@ -44,8 +44,11 @@ from skippy.atomic import PARTIAL_SUFFIX, atomic_install, atomic_write_bytes, fs
 from skippy.constants import (
     ARTIFACT_DIRS,
     DEFAULT_PROJECTOR_KIND,
+    KEY_ARCHITECTURE,
+    KEY_GENERAL_TYPE,
     MANIFEST_NAME,
     MODEL_COORDINATE_RE,
+    PROJECTOR_ARCHITECTURE,
     PROJECTORS_DIR,
     README_NAME,
     ROLE_EMBEDDINGS,
@@ -85,6 +88,7 @@ from skippy.produce.fragments import FragmentPlan, plan_fragments
 from skippy.produce.package_readme import render_readme
 from skippy.produce.source import SourceModelFiles, shard_paths
 from skippy.progress import Progress
+from skippy.text import unsafe_char
 
 
 @dataclass(frozen=True)
@@ -97,17 +101,26 @@ class Provenance:
     source_file: str
 
     def __post_init__(self) -> None:
-        for flag, value in (
+        fields = (
             ("--model-id", self.model_id),
             ("--source-repo", self.repo),
             ("--source-revision", self.revision),
             ("--source-file", self.source_file),
-        ):
+        )
+        for flag, value in fields:
             if not _is_utf8(value):  # undecodable argv bytes arrive as lone surrogates
                 raise UsageError(
                     f"{flag} {value!r} is not valid UTF-8; the manifest is UTF-8 JSON",
                     code="invalid_provenance",
                     remediation=f"pass {flag} as UTF-8 text",
+                )
+            bad = unsafe_char(value)
+            if bad is not None:  # README.md injection, terminal escapes, reversed text
+                raise UsageError(
+                    f"{flag} contains the control or bidi character {bad}; provenance is "
+                    "written into model-package.json and README.md as plain text",
+                    code="invalid_provenance",
+                    remediation=f"pass {flag} without control or bidirectional characters",
                 )
         if not MODEL_COORDINATE_RE.match(self.model_id):
             raise UsageError(
@@ -121,6 +134,13 @@ class Provenance:
         ):
             if not value.strip():
                 raise UsageError(f"{flag} must not be empty", code="missing_provenance")
+        if not is_safe_relative_path(self.source_file):
+            raise UsageError(
+                f"--source-file {self.source_file!r} is not a path inside the source repository "
+                "(it must be relative, without '..', '//' or backslashes)",
+                code="unsafe_source_path",
+                remediation="name the file as the repository lists it, e.g. model-Q8_0.gguf",
+            )
 
 
 def _is_utf8(value: str) -> bool:
@@ -389,8 +409,23 @@ class _Projector:
     path: str  # destination inside the package
 
 
+def is_projector(g: GGUFFile) -> bool:
+    """A llama.cpp multimodal projector: ``general.architecture`` is ``clip`` (clip.cpp's
+    mmproj files), or ``general.type`` says ``mmproj`` (newer converters write both)."""
+    arch, kind = g.get(KEY_ARCHITECTURE), g.get(KEY_GENERAL_TYPE)
+    return bool(arch == PROJECTOR_ARCHITECTURE or kind == "mmproj")
+
+
 def _open_projector(stack: contextlib.ExitStack, src: Path) -> _Projector:
     g = stack.enter_context(open_gguf(src))
+    if not is_projector(g):
+        raise UsageError(
+            f"--projector {src} is not a multimodal projector: its general.architecture is "
+            f"{g.get(KEY_ARCHITECTURE)!r}, an mmproj file says {PROJECTOR_ARCHITECTURE!r}",
+            code="not_a_projector",
+            path=str(src),
+            remediation="pass the mmproj GGUF that belongs to this model (e.g. mmproj-*.gguf)",
+        )
     return _Projector(gguf=g, path=check_relative_path(f"{PROJECTORS_DIR}/{src.name}"))
 
 
@@ -441,6 +476,14 @@ class _SourceFacts:
 
 def _study_source(src: SourceModelFiles) -> _SourceFacts:
     """Everything decided from the source header alone (pure apart from reading it)."""
+    if is_projector(src.head):
+        raise UsageError(
+            f"{src.head.path.name} is a multimodal projector (mmproj), not a language model: "
+            "use --projector to add it to the package of its model",
+            code="source_is_projector",
+            path=str(src.head.path),
+            remediation="package the language model as SOURCE and pass this file with --projector",
+        )
     layer_count = _layer_count(src)
     names = [t.info.name for t in src.tensors]
     highest = highest_layer_index(names)
