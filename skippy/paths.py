@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path, PurePosixPath
 
-from skippy.errors import UnsafePath
+from skippy.errors import InputUnreadable, UnsafePath
 from skippy.text import unsafe_char
 
 
@@ -84,3 +84,26 @@ def resolve_under(root: Path, rel: str, *, containment_root: Path | None = None)
             remediation="remove the symlink or replace it with the real file",
         )
     return joined
+
+
+# --- paths the user names on the command line ---------------------------------------------------
+def require_dir(path: Path, what: str) -> Path:
+    """``path`` if it is a directory; else ``does not exist`` or ``is not a directory`` (a
+    file where a folder was expected is not "missing")."""
+    if path.is_dir():
+        return path
+    if path.exists() or path.is_symlink():
+        raise InputUnreadable(
+            f"{what} {path} is not a directory", code="not_a_directory", path=str(path)
+        )
+    raise InputUnreadable(f"{what} {path} does not exist", path=str(path))
+
+
+def require_file(path: Path, what: str) -> Path:
+    """``path`` if it is a regular file (symlinks followed); else ``does not exist`` or
+    ``is not a file`` (a folder, a FIFO or a device)."""
+    if path.is_file():
+        return path
+    if path.exists() or path.is_symlink():
+        raise InputUnreadable(f"{what} {path} is not a file", code="not_a_file", path=str(path))
+    raise InputUnreadable(f"{what} {path} does not exist", path=str(path))

@@ -10,13 +10,17 @@ import sys
 import threading
 from typing import TextIO
 
+_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+
 
 def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
+    """``512 B``, ``1.5 MiB``, ``3.0 TiB``: binary units up to PiB (manifest sizes are bounded
+    below 2^53 bytes, 8 PiB, so no figure grows past four digits)."""
+    for unit in _UNITS:
+        if abs(n) < 1024 or unit == _UNITS[-1]:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
-    return f"{n:.1f} GiB"
+    raise AssertionError("unreachable")
 
 
 class Progress:

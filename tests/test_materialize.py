@@ -212,7 +212,7 @@ def test_cli_materialize(cli, pkg: LoadedPackage, tmp_path: Path, capsys) -> Non
     argv = ["materialize", str(pkg.root), "--layers", "2..4", "--out", str(out), "--json"]
     assert cli(argv) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["built"] is True and data["path"] == str(out)
+    assert data["built"] is True and data["out"] == str(out)
     assert [p["path"] for p in data["stage"]["parts"]][-1] == "shared/output.gguf"
     assert cli(argv) == 0
     assert json.loads(capsys.readouterr().out)["built"] is False

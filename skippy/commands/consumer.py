@@ -13,9 +13,17 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from skippy.commands.output import CommandResult, exit_for, field_text, finding_lines, path_arg
-from skippy.errors import InputUnreadable, UsageError
+from skippy.commands.output import (
+    CommandResult,
+    add_all_flag,
+    exit_for,
+    field_text,
+    finding_lines,
+    path_arg,
+)
+from skippy.errors import UsageError
 from skippy.package.refs import HfPackageRef, parse_package_ref
+from skippy.paths import require_dir
 from skippy.progress import human_bytes
 
 if TYPE_CHECKING:  # each handler imports what it needs (skippy.consume.resolve: the hub client)
@@ -35,9 +43,7 @@ def package_dir_for_cli(text: str) -> Path:
             code="preflight_needs_directory",
             remediation="use `select`/`fetch REF --layers A..B` to check a hub package's stage",
         )
-    if not ref.path.is_dir():
-        raise InputUnreadable(f"package directory {ref.path} does not exist", path=str(ref.path))
-    return ref.path
+    return require_dir(ref.path, "package directory")
 
 
 def register(sub: Any) -> None:
@@ -52,6 +58,7 @@ def register(sub: Any) -> None:
         action="store_true",
         help="check only the manifest and shared/metadata.gguf (no layer range needed)",
     )
+    add_all_flag(p)
     p.set_defaults(handler=cmd_preflight)
 
     for name, handler in (("select", cmd_select), ("fetch", cmd_fetch)):
@@ -103,7 +110,7 @@ def cmd_preflight(args: argparse.Namespace) -> CommandResult:
         for r in sel.all_refs:
             size = human_bytes(r.artifact.artifact_bytes)
             lines.append(f"    {r.role:<10} {field_text(r.path):<32} {size}")
-    lines += finding_lines(report.findings)
+    lines += finding_lines(report.findings, show_all=args.show_all)
     return CommandResult(
         data=report.to_dict(), text="\n".join(lines), exit_code=exit_for(report.valid)
     )
@@ -170,10 +177,13 @@ def cmd_materialize(args: argparse.Namespace) -> CommandResult:
         containment_root=stage.package.containment_root,
     )
     verb = "wrote" if result.built else "kept existing"
+    sel = stage.selection
     text = (
-        f"{verb} {result.path} (layers {stage.selection.layers}, {result.tensor_count} tensors, "
+        f"{verb} {field_text(result.path)} (layers {sel.layers}: {len(sel.layers)} of "
+        f"{sel.layers.layer_count} layers, {result.tensor_count} tensors, "
         f"{human_bytes(result.artifact_bytes)}, {result.seconds:.2f}s)\n"
+        f"  sha256 {result.sha256}\n"
         f"  cache key {result.cache_key}"
     )
-    data = {**result.to_dict(), "stage": stage.to_dict()}
+    data = {"package": stage.package.display, **result.to_dict(), "stage": stage.to_dict()}
     return CommandResult(data=data, text=text)

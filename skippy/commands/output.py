@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from skippy.errors import EXIT_INVALID, EXIT_OK
-from skippy.findings import Finding
+from skippy.findings import Finding, summarize
 from skippy.text import escape
 
 
@@ -62,14 +62,49 @@ def exit_for(valid: bool) -> int:
     return EXIT_OK if valid else EXIT_INVALID
 
 
-def finding_lines(findings: Sequence[Finding]) -> list[str]:
-    """Findings as indented text lines, with the hint under each error that has one."""
-    lines = []
+FINDINGS_PER_CODE = 5  # text output shows this many findings of one code unless --all
+
+
+def finding_lines(findings: Sequence[Finding], *, show_all: bool = True) -> list[str]:
+    """Findings as indented text lines: a summary by code first, then each finding with the
+    hint under each error that has one; without ``show_all`` at most ``FINDINGS_PER_CODE``
+    per code (validating against the wrong source yields thousands of one kind)."""
+    if not findings:
+        return []
+    summary = summarize(findings)
+    counts = ", ".join(f"{n} {code}" for code, n in summary["by_code"].items())
+    head = [_plural(summary["errors"], "error"), _plural(summary["warnings"], "warning")]
+    others = len(findings) - summary["errors"] - summary["warnings"]
+    if others:
+        head.append(f"{others} info")
+    lines = [f"  {', '.join(head)}: {counts}"]
+    shown: dict[str, int] = {}
     for f in findings:
-        lines.append(f"  {f.severity}: [{f.code}] {f.message}" + (f" ({f.path})" if f.path else ""))
+        shown[f.code] = shown.get(f.code, 0) + 1
+        if not show_all and shown[f.code] > FINDINGS_PER_CODE:
+            continue
+        where = f" ({f.path})" if f.path else ""
+        lines.append(f"  {f.severity}: [{f.code}] {f.message}{where}")
         if f.remediation and f.severity == "error":
             lines.append(f"      hint: {f.remediation}")
+    hidden = {code: n - FINDINGS_PER_CODE for code, n in shown.items() if n > FINDINGS_PER_CODE}
+    if hidden and not show_all:
+        more = ", ".join(f"{n} {code}" for code, n in hidden.items())
+        lines.append(f"  ... and {more} more (--all lists every finding)")
     return lines
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+def add_all_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--all",
+        action="store_true",
+        dest="show_all",
+        help=f"list every finding (text output shows {FINDINGS_PER_CODE} per code)",
+    )
 
 
 def terminal_text(text: str) -> str:

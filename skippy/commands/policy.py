@@ -111,7 +111,7 @@ def cmd_policy(args: argparse.Namespace) -> CommandResult:
         thresholds=spec.thresholds,
         override=_override(args.override),
     )
-    d = decision.to_dict()
+    d = {"package": pkg.display, **decision.to_dict()}
     lines = [
         f"{field_text(pkg.manifest.model_id)}: {d['phase']} on {d['backend']} -> "
         f"{d['selected_path']} (from {d['selected_source']})",

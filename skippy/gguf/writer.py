@@ -88,6 +88,15 @@ def build_header(
     return header + b"\0" * _pad(len(header), alignment), offsets
 
 
+def fragment_bytes(
+    kv_records: Sequence[bytes], tensors: Sequence[TensorInfo], alignment: int
+) -> int:
+    """The exact size ``write_fragment`` gives these records and tensors (``plan`` of a GGUF
+    counts each part's header and padding as the package will hold them)."""
+    header, _ = build_header(kv_records, tensors, alignment)
+    return len(header) + sum(t.nbytes + _pad(t.nbytes, alignment) for t in tensors)
+
+
 def write_fragment(
     dest: Path,
     kv_records: Sequence[bytes],

@@ -25,13 +25,14 @@ from skippy.errors import (
     InputUnreadable,
     SkippyError,
 )
-from skippy.findings import Finding, errors_only
+from skippy.findings import Finding, errors_only, summarize
 from skippy.generation import check_generation
 from skippy.gguf.reader import TensorInfo, open_gguf
 from skippy.hashing import CHUNK_BYTES, DEFAULT_WORKERS, sha256_file
 from skippy.package.artifacts import check_artifact_file, header_findings
 from skippy.package.manifest import ArtifactRef, Manifest, load_manifest_findings
 from skippy.package.ownership import has_tied_embeddings, owner_of
+from skippy.paths import require_dir, require_file
 from skippy.produce.source import SourceModelFiles, shard_paths
 
 
@@ -59,6 +60,7 @@ class ValidationReport:
             "tensors_checked": self.tensors_checked,
             "bytes_hashed": self.bytes_hashed,
             "seconds": round(self.seconds, 3),
+            "summary": summarize(self.findings),
             "findings": [f.to_dict() for f in self.findings],
         }
 
@@ -148,10 +150,8 @@ def validate_package(
 ) -> ValidationReport:
     t0 = time.perf_counter()
     report = ValidationReport(package=str(pkg), source=str(source))
-    if not pkg.is_dir():
-        raise InputUnreadable(f"package directory {pkg} does not exist", path=str(pkg))
-    if not source.is_file():
-        raise InputUnreadable(f"source model {source} does not exist", path=str(source))
+    require_dir(pkg, "package directory")
+    require_file(source, "source model")
     shards = shard_paths(source)
     cancel = threading.Event()
     pool = ThreadPoolExecutor(max_workers=max(1, workers))

@@ -211,7 +211,7 @@ class WriteResult:
     def to_dict(self) -> dict[str, Any]:
         m = self.manifest
         return {
-            "out_dir": str(self.out_dir),
+            "package": str(self.out_dir),
             "model_id": m.model_id,
             "manifest_sha256": self.manifest_sha256,
             "layer_count": m.layer_count,
