@@ -25,6 +25,7 @@ import threading
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
+from skippy import progress
 from skippy.commands import COMMANDS
 from skippy.commands.output import CommandResult, Handler, add_common_flags, terminal_text
 from skippy.errors import EXIT_USAGE, InputUnreadable, Interrupted, SkippyError
@@ -223,6 +224,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _BadUsage:
         return EXIT_USAGE
     as_json = bool(args.json)
+    # Bars for people watching: a terminal, and no JSON to keep clean.
+    progress.configure(enabled=not as_json and sys.stderr.isatty())
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",

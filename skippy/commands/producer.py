@@ -151,7 +151,6 @@ def cmd_write_package(args: argparse.Namespace) -> CommandResult:
         projectors=tuple(args.projector),
         overwrite=args.overwrite,
         durable=args.durable,
-        quiet=bool(args.json),
     )
     result = write_package(source, opts)
     m = result.manifest

@@ -30,7 +30,9 @@ from huggingface_hub.errors import (
     RevisionResolutionError,
 )
 from huggingface_hub.file_download import repo_folder_name
+from huggingface_hub.utils.tqdm import disable_progress_bars, enable_progress_bars
 
+from skippy import progress
 from skippy.errors import EXIT_USAGE, ArtifactMissing, SkippyError, UnsafePath, UsageError
 from skippy.package.refs import COMMIT_SHA_RE, HfPackageRef
 from skippy.paths import check_relative_path, is_within
@@ -205,6 +207,11 @@ def download_file(
         # one HEAD of our own, without retries, makes an unreachable or failing hub an
         # error in well under a second.
         remote_size(ref, commit, relpath, endpoint=endpoint)
+    # huggingface_hub draws its own download bars: only where ours are shown (skippy.progress).
+    if progress.enabled():
+        enable_progress_bars()
+    else:
+        disable_progress_bars()
     try:
         local = hf_hub_download(
             ref.repo_id,

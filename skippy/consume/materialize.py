@@ -58,6 +58,7 @@ from skippy.gguf.writer import TensorSource, encode_kv, write_fragment
 from skippy.hashing import sha256_file
 from skippy.package.select import StageSelection
 from skippy.paths import is_within, resolve_under
+from skippy.progress import byte_bar
 
 
 @dataclass(frozen=True)
@@ -246,7 +247,9 @@ def _build(
                 seen[t.name] = ref.path
                 tensors.append(TensorSource(t, g.fileno()))
         records = _kv_records(meta, key, manifest_sha256, sel)
-        written = write_fragment(out, records, tensors, meta.alignment)
+        total = sum(ref.artifact.artifact_bytes for ref in sel.parts)
+        with byte_bar(total, "materialize") as on_bytes:
+            written = write_fragment(out, records, tensors, meta.alignment, on_bytes=on_bytes)
     return written.sha256, written.tensor_count
 
 

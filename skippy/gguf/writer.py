@@ -106,19 +106,26 @@ def write_fragment(
     on_bytes: Callable[[int], None] | None = None,
     cancel: threading.Event | None = None,
 ) -> WrittenFragment:
-    """Write one fragment atomically, hashing in the same pass; return its facts. ``cancel``
-    stops the copy at its next chunk (the partial file is removed)."""
+    """Write one fragment atomically, hashing in the same pass; return its facts. ``on_bytes``
+    hears the size of every chunk written (a progress bar); ``cancel`` stops the copy at its
+    next chunk (the partial file is removed)."""
     header, _ = build_header(kv_records, [t.info for t in tensors], alignment)
     with atomic_install(dest) as f:
         sink = HashingSink(f)
-        sink.write(header)
+        write: Callable[[bytes | memoryview], None] = sink.write
+        if on_bytes is not None:
+            counted = on_bytes
+
+            def write(data: bytes | memoryview) -> None:
+                sink.write(data)
+                counted(len(data))
+
+        write(header)
         for t in tensors:
-            copy_range(t.fd, t.info.data_start, t.info.nbytes, sink.write, cancel=cancel)
+            copy_range(t.fd, t.info.data_start, t.info.nbytes, write, cancel=cancel)
             pad = _pad(t.info.nbytes, alignment)
             if pad:
-                sink.write(b"\0" * pad)
-            if on_bytes is not None:
-                on_bytes(t.info.nbytes)
+                write(b"\0" * pad)
     return WrittenFragment(
         artifact_bytes=sink.nbytes,
         sha256=sink.hexdigest(),

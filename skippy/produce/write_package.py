@@ -87,7 +87,7 @@ from skippy.paths import check_relative_path, is_safe_relative_path, resolve_und
 from skippy.produce.fragments import FragmentPlan, plan_fragments
 from skippy.produce.package_readme import render_readme
 from skippy.produce.source import SourceModelFiles, shard_paths
-from skippy.progress import Progress
+from skippy.progress import OnBytes, byte_bar
 from skippy.text import unsafe_char
 
 
@@ -189,7 +189,6 @@ class WriteOptions:
     projectors: tuple[Path, ...] = ()
     overwrite: bool = False
     workers: int = DEFAULT_WORKERS
-    quiet: bool = True
     validation_note: str | None = None
     created_at_unix_secs: int | None = None
     # fsync every artifact (and its folder) before the manifest, so a manifest that survives
@@ -522,7 +521,7 @@ def _write_fragments(
     src: SourceModelFiles,
     plans: list[FragmentPlan],
     out_dir: Path,
-    progress: Progress,
+    on_bytes: OnBytes,
     *,
     durable: bool,
     cancel: threading.Event,
@@ -530,18 +529,17 @@ def _write_fragments(
     def write_one(plan: FragmentPlan) -> WrittenFragment:
         if cancel.is_set():  # taken off the queue after the run failed: create nothing
             raise CancelledError(plan.path)
-        t = time.perf_counter()
         dest = out_dir / plan.path
         w = write_fragment(
             dest,
             plan.kv_records,
             [src.tensor_source(x) for x in plan.tensors],
             src.alignment,
+            on_bytes=on_bytes,
             cancel=cancel,
         )
         if durable:  # here, on the pool, so one fragment's flush overlaps the next one's copy
             fsync_path(dest)
-        progress.item(plan.path, w.artifact_bytes, time.perf_counter() - t)
         return w
 
     # Largest first so both cores finish together (gemma3: token_embd is 70% of the bytes).
@@ -626,17 +624,16 @@ def write_package(source: Path, opts: WriteOptions) -> WriteResult:
     _check_out_dir(opts.out_dir, opts.overwrite)
     inputs = _identities([*paths, *opts.projectors])
     sizes = [p.stat().st_size for p in paths]
-    progress = Progress.for_terminal(len(paths), quiet=opts.quiet)
     cancel = threading.Event()
-
-    def hash_one(path: Path) -> str:
-        t = time.perf_counter()
-        digest = sha256_file(path, cancel=cancel)
-        progress.item(f"sha256 {path.name}", path.stat().st_size, time.perf_counter() - t)
-        return digest
 
     with contextlib.ExitStack() as stack:
         opened = [_open_projector(stack, p) for p in opts.projectors]
+        # One bar for the source digest and the fragments (about the source's size each).
+        on_bytes = stack.enter_context(byte_bar(2 * sum(sizes), "write-package"))
+
+        def hash_one(path: Path) -> str:
+            return sha256_file(path, cancel=cancel, on_bytes=on_bytes)
+
         pool = ThreadPoolExecutor(max_workers=max(1, opts.workers))
         fresh: _FreshFolder | None = None
         destinations: list[str] = []
@@ -659,13 +656,12 @@ def write_package(source: Path, opts: WriteOptions) -> WriteResult:
                 ]
                 _refuse_inputs_as_outputs(opts.out_dir, destinations, inputs)
                 old = _prepare_out_dir(opts.out_dir, opts.overwrite, durable=opts.durable)
-                progress.total += len(facts.plans)
                 written = _write_fragments(
                     pool,
                     src,
                     facts.plans,
                     opts.out_dir,
-                    progress,
+                    on_bytes,
                     durable=opts.durable,
                     cancel=cancel,
                 )
