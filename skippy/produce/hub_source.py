@@ -208,15 +208,18 @@ def fetch_model_source(
     repo_id, dist = parsed
     ref = HfPackageRef(repo_id, revision)
     endpoint, cache_dir, offline = env.hf_endpoint, env.hf_cache_dir, env.hf_offline
-    commit = hub.resolve_revision(ref, endpoint=endpoint, cache_dir=cache_dir, offline=offline)
-    listing = hub.list_files(ref, commit, endpoint=endpoint, offline=offline)
+    policy = env.hub_policy
+    commit = hub.resolve_revision(
+        ref, endpoint=endpoint, cache_dir=cache_dir, offline=offline, policy=policy
+    )
+    listing = hub.list_files(ref, commit, endpoint=endpoint, offline=offline, policy=policy)
     files = (
         choose_source_file(listing, source_file)
         if source_file is not None
         else choose_distribution_files(listing, dist)
     )
     local = hub.download_many(
-        ref, commit, files, endpoint=endpoint, cache_dir=cache_dir, offline=offline
+        ref, commit, files, endpoint=endpoint, cache_dir=cache_dir, offline=offline, policy=policy
     )
     _verify_lfs_digests(local, hub.repo_cache_root(cache_dir, repo_id))
     return HubModelSource(
