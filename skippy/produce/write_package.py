@@ -206,6 +206,9 @@ class WriteResult:
     bytes_written: int
     source_bytes: int
     removed_stale: tuple[str, ...] = field(default=())
+    # When each phase ended, in seconds since the start (issue #14: where the time goes):
+    # plan (source header parsed, fragments planned), source_hash, fragments, finish.
+    phases: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         m = self.manifest
@@ -220,6 +223,7 @@ class WriteResult:
             "bytes_written": self.bytes_written,
             "source_bytes": self.source_bytes,
             "seconds": round(self.seconds, 3),
+            "phases": {k: round(v, 4) for k, v in self.phases.items()},
             "generation": m.generation,
         }
 
@@ -625,6 +629,7 @@ def write_package(source: Path, opts: WriteOptions) -> WriteResult:
     inputs = _identities([*paths, *opts.projectors])
     sizes = [p.stat().st_size for p in paths]
     cancel = threading.Event()
+    phases: dict[str, float] = {}
 
     with contextlib.ExitStack() as stack:
         opened = [_open_projector(stack, p) for p in opts.projectors]
@@ -632,7 +637,9 @@ def write_package(source: Path, opts: WriteOptions) -> WriteResult:
         on_bytes = stack.enter_context(byte_bar(2 * sum(sizes), "write-package"))
 
         def hash_one(path: Path) -> str:
-            return sha256_file(path, cancel=cancel, on_bytes=on_bytes)
+            digest = sha256_file(path, cancel=cancel, on_bytes=on_bytes)
+            phases["source_hash"] = max(phases.get("source_hash", 0.0), time.perf_counter() - t0)
+            return digest
 
         pool = ThreadPoolExecutor(max_workers=max(1, opts.workers))
         fresh: _FreshFolder | None = None
@@ -644,6 +651,7 @@ def write_package(source: Path, opts: WriteOptions) -> WriteResult:
                 hash_futs = [pool.submit(hash_one, p) for p in paths]
             with SourceModelFiles(source) as src:
                 facts = _study_source(src)
+                phases["plan"] = time.perf_counter() - t0
                 fresh = _FreshFolder.before_lock(opts.out_dir)
                 stack.enter_context(_write_lock(opts.out_dir))  # held until the manifest is in
                 if not _check_out_dir(opts.out_dir, opts.overwrite):  # again, under the lock
@@ -665,6 +673,7 @@ def write_package(source: Path, opts: WriteOptions) -> WriteResult:
                     durable=opts.durable,
                     cancel=cancel,
                 )
+                phases["fragments"] = time.perf_counter() - t0
             digests = [f.result() for f in hash_futs]
             pool.shutdown()
 
@@ -685,8 +694,10 @@ def write_package(source: Path, opts: WriteOptions) -> WriteResult:
                     if (opts.out_dir / sub).is_dir():
                         fsync_path(opts.out_dir / sub)
             readme = render_readme(manifest, manifest_sha, validation_note=opts.validation_note)
-            atomic_write_bytes(opts.out_dir / README_NAME, readme.encode("utf-8"))
+            # README.md is informational: atomic, but not worth an fsync; the manifest is both.
+            atomic_write_bytes(opts.out_dir / README_NAME, readme.encode("utf-8"), durable=False)
             atomic_write_bytes(opts.out_dir / MANIFEST_NAME, manifest_bytes)
+            phases["finish"] = time.perf_counter() - t0
         except BaseException:
             # Failed or interrupted (SIGINT/SIGTERM arrive as Interrupted): the workers stop at
             # their next chunk and unlink their hidden partials (skippy.atomic); a folder that
@@ -704,6 +715,7 @@ def write_package(source: Path, opts: WriteOptions) -> WriteResult:
         bytes_written=manifest.total_artifact_bytes(),
         source_bytes=sum(sizes),
         removed_stale=removed,
+        phases=phases,
     )
 
 
