@@ -23,6 +23,10 @@ from benchlib import ROOT, BenchContext, Row, machine, render  # type: ignore[im
 SECTIONS: dict[str, str] = {
     "package": "bench_package",
     "consumer": "bench_consumer",
+    "transfer": "bench_transfer",
+    "mesh": "bench_mesh",
+    "quantize": "bench_quantize",
+    "stage": "bench_stage",
 }
 
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -66,13 +66,35 @@ def spread(times: list[float], unit: float = 1.0, fmt: str = "{:.3f}") -> str:
 
 
 def child_peak_rss_mib(argv: list[str]) -> float:
-    """Run a CLI command in a child and return its peak RSS (ru_maxrss of the child)."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    proc = subprocess.run(argv, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"{argv} failed: {proc.stderr}")
-    after = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    return max(after, before) / 1024
+    """Run a CLI command in a child and return its own peak RSS (VmHWM), in MiB.
+
+    Neither ``RUSAGE_CHILDREN`` (the largest child this process ever had: scripts/bench
+    execs python from a shell whose setup may have run pip) nor the child's ``wait4`` rusage
+    will do: a child forked from a large parent starts with the parent's resident pages, and
+    Linux carries that high-water mark across ``exec``. The exec'd program's own mm reports
+    its peak as ``VmHWM`` in /proc: it is polled once the child has exec'd, until it exits.
+    """
+    want = "\0".join(argv).encode()
+    with tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err
+        )
+        peak_kib = 0
+        status = Path(f"/proc/{proc.pid}/status")
+        cmdline = Path(f"/proc/{proc.pid}/cmdline")
+        while proc.poll() is None:
+            try:
+                if cmdline.read_bytes().rstrip(b"\0") == want:  # exec'd: its own mm
+                    for line in status.read_text().splitlines():
+                        if line.startswith("VmHWM:"):
+                            peak_kib = max(peak_kib, int(line.split()[1]))
+            except (OSError, ValueError):
+                pass  # exiting between the poll and the read
+            time.sleep(0.005)
+        if proc.returncode != 0:
+            err.seek(0)
+            raise SystemExit(f"{argv} failed: {err.read().decode(errors='replace')}")
+    return peak_kib / 1024
 
 
 def render(rows: list[Row]) -> str:

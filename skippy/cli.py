@@ -22,16 +22,18 @@ import re
 import signal
 import sys
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from types import ModuleType
 from typing import Any
 
 from skippy import progress
-from skippy.commands import COMMANDS
+from skippy.commands import COMMANDS, CommandInfo
 from skippy.commands.output import CommandResult, Handler, add_common_flags, terminal_text
 from skippy.errors import EXIT_USAGE, InputUnreadable, Interrupted, SkippyError
 from skippy.findings import Finding
 
 PROG = "skippy-model-package"
+DESCRIPTION = "Write, check, select and run layer packages."
 DISTRIBUTION = "skippy-mesh"  # the name pyproject.toml installs under
 # errno names that mean "this input cannot be read" (others, e.g. ENOSPC, are I/O failures).
 _READ_ERRNOS = frozenset({"ENOENT", "EACCES", "ENOTDIR", "ELOOP", "EPERM"})
@@ -75,24 +77,27 @@ class _VersionAction(argparse.Action):
             v = version(DISTRIBUTION)
         except PackageNotFoundError:  # running from a source tree that was never installed
             v = "unknown"
-        print(f"{PROG} {v}")
+        print(f"{parser.prog} {v}")
         parser.exit()
 
 
 class _Registrar:
-    """What a command module's ``register`` receives: ``add_parser`` for the commands the table
-    assigns to it, each with the table's summary and the global flags."""
+    """What a command module's ``register`` receives: ``add_parser`` with the global flags on
+    every command and, for a program with a command table, the table's summary (a command
+    missing from the table is a programming error)."""
 
-    def __init__(self, sub: Any) -> None:
+    def __init__(self, sub: Any, table: Mapping[str, CommandInfo] | None) -> None:
         self._sub = sub
+        self._table = table
         self.added: set[str] = set()
 
     def add_parser(self, name: str, **kwargs: Any) -> argparse.ArgumentParser:
-        info = COMMANDS.get(name)
-        if info is None:
-            raise RuntimeError(f"command {name!r} is missing from skippy.commands.COMMANDS")
-        kwargs["help"] = info.summary
-        kwargs.setdefault("description", info.summary)
+        if self._table is not None:
+            info = self._table.get(name)
+            if info is None:
+                raise RuntimeError(f"command {name!r} is missing from skippy.commands.COMMANDS")
+            kwargs["help"] = info.summary
+            kwargs.setdefault("description", info.summary)
         # "resolve": a module may still add --json itself (add_json_flag) after add_common_flags.
         p: argparse.ArgumentParser = self._sub.add_parser(
             name, conflict_handler="resolve", **kwargs
@@ -102,10 +107,18 @@ class _Registrar:
         return p
 
 
-def build_parser(load: Iterable[str] = ()) -> argparse.ArgumentParser:
-    """The argparse tree; the commands named in ``load`` get their full argument declarations
-    (their modules are imported), every other command only its name and summary."""
-    parser = _Parser(prog=PROG, description="Write, check, select and run layer packages.")
+def build_parser(
+    load: Iterable[str] = (),
+    *,
+    prog: str = PROG,
+    description: str = DESCRIPTION,
+    modules: Sequence[ModuleType] | None = None,
+) -> argparse.ArgumentParser:
+    """The argparse tree. Without ``modules`` it is skippy-model-package's, from the command
+    table: the commands named in ``load`` get their full argument declarations (their modules
+    are imported), every other command only its name and summary. With ``modules`` (a second
+    console script, e.g. skippy-quantize) every command of those modules is declared."""
+    parser = _Parser(prog=prog, description=description)
     parser.add_argument(
         "-v", "--verbose", action="store_true", help="show library logs on stderr (any position)"
     )
@@ -115,9 +128,14 @@ def build_parser(load: Iterable[str] = ()) -> argparse.ArgumentParser:
     parser.add_argument("--version", action=_VersionAction)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
-    registrar = _Registrar(sub)
-    modules = dict.fromkeys(COMMANDS[name].module for name in load if name in COMMANDS)
-    for module_path in modules:
+    if modules is not None:
+        registrar = _Registrar(sub, None)
+        for module in modules:
+            module.register(registrar)
+        return parser
+    registrar = _Registrar(sub, COMMANDS)
+    to_import = dict.fromkeys(COMMANDS[name].module for name in load if name in COMMANDS)
+    for module_path in to_import:
         importlib.import_module(module_path).register(registrar)
     for name, info in COMMANDS.items():
         if name not in registrar.added:  # declared when it runs; named here for --help
@@ -213,12 +231,25 @@ def _render_result(result: CommandResult, as_json: bool) -> None:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(
+    argv: Sequence[str] | None = None,
+    *,
+    prog: str = PROG,
+    description: str = DESCRIPTION,
+    modules: Sequence[ModuleType] | None = None,
+) -> int:
+    """Run one command. ``prog``/``description``/``modules``: a second console script
+    (skippy-quantize) shares this parser, rendering and exit codes."""
     global _json_usage_errors
     args_list = list(sys.argv[1:] if argv is None else argv)
     _json_usage_errors = "--json" in args_list
     command = _command_in(args_list)
-    parser = build_parser([command] if command is not None else [])
+    parser = build_parser(
+        [command] if command is not None else [],
+        prog=prog,
+        description=description,
+        modules=modules,
+    )
     try:
         args = parser.parse_args(args_list)
     except _BadUsage:

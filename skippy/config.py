@@ -7,6 +7,7 @@ receives these objects. Units are in the names (``..._s``, ``..._bytes``).
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -157,6 +158,27 @@ class NodeConfig:
     raw: Mapping[str, Any] = field(default_factory=dict)
 
 
+# Every top-level key a node TOML may hold; anything else is an error naming the key.
+NODE_KEYS = frozenset(
+    {
+        "listen",
+        "identity",
+        "certificate",
+        "data_dir",
+        "peers",
+        "trusted_owners",
+        "artifact_transfer",
+        "memory_budget",
+        "heartbeat_interval_s",
+        "peer_loss_timeout_s",
+        "idle_timeout_s",
+        "handshake_timeout_s",
+        "speculative",  # skippy.generation reads these two sections
+        "models",
+    }
+)
+
+
 def load_node_config(path: Path | None) -> NodeConfig:
     """Read the node TOML (``None``: an empty config). Bad TOML is a usage error (exit 2)."""
     if path is None:
@@ -169,4 +191,201 @@ def load_node_config(path: Path | None) -> NodeConfig:
         raise InputUnreadable(f"cannot read config file {path}: {exc}", path=str(path)) from exc
     except tomllib.TOMLDecodeError as exc:
         raise UsageError(f"{path} is not valid TOML: {exc}", code="invalid_config") from exc
+    unknown = sorted(set(raw) - NODE_KEYS)
+    if unknown:
+        raise UsageError(
+            f"{path}: unknown key {unknown[0]!r}"
+            + (f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""),
+            code="unknown_config_key",
+            path=str(path),
+            actual=unknown,
+            remediation="known keys: " + ", ".join(sorted(NODE_KEYS)),
+        )
     return NodeConfig(path=path, speculative=load_speculative_overrides(raw), raw=raw)
+
+
+# --- the mesh node's settings --------------------------------------------------------------------
+_NODE_ID_RE = re.compile(r"^[0-9a-f]{64}$")
+_HOSTPORT_RE = re.compile(
+    r"^(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<host>[A-Za-z0-9.-]+)):(?P<port>\d{1,5})$"
+)
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+DEFAULT_HEARTBEAT_INTERVAL_S = 2.0
+DEFAULT_PEER_LOSS_TIMEOUT_S = 10.0
+DEFAULT_IDLE_TIMEOUT_S = 30.0
+DEFAULT_HANDSHAKE_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class HostPort:
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class PeerAddress:
+    """``ws://host:port#<node-id>``: where to dial, and (optionally) who must answer."""
+
+    host: str
+    port: int
+    node_id: str | None = None
+
+    @property
+    def url(self) -> str:
+        return f"ws://{HostPort(self.host, self.port)}"
+
+    def __str__(self) -> str:
+        return self.url + (f"#{self.node_id}" if self.node_id else "")
+
+
+@dataclass(frozen=True)
+class NodeSettings:
+    """Everything ``mesh-node run`` needs, validated; paths resolved against the config file."""
+
+    config_path: Path
+    listen: HostPort
+    identity_path: Path
+    certificate_path: Path | None
+    data_dir: Path
+    peers: tuple[PeerAddress, ...]
+    trusted_owners: tuple[str, ...]
+    artifact_transfer: ArtifactTransfer
+    memory_budget_bytes: int
+    heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S
+    peer_loss_timeout_s: float = DEFAULT_PEER_LOSS_TIMEOUT_S
+    idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S
+    handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def hub_cache_dir(self) -> Path:
+        return self.data_dir / "hub"
+
+    @property
+    def control_socket(self) -> Path:
+        return self.data_dir / "mesh-node.sock"
+
+
+def _bad(key: str, message: str, value: object = None) -> UsageError:
+    return UsageError(f"{key}: {message}", code="invalid_config", path=key, actual=value)
+
+
+def parse_host_port(text: object, key: str) -> HostPort:
+    m = _HOSTPORT_RE.match(text) if isinstance(text, str) else None
+    if m is None or not 0 <= int(m.group("port")) <= 65535:
+        raise _bad(key, "expected HOST:PORT (e.g. 127.0.0.1:7000; port 0 = any)", text)
+    return HostPort(m.group("v6") or m.group("host"), int(m.group("port")))
+
+
+def parse_peer_address(text: object, key: str = "peers") -> PeerAddress:
+    """``ws://host:port`` with an optional ``#<64 hex node id>`` the peer must prove."""
+    if not isinstance(text, str) or not text.startswith("ws://"):
+        raise _bad(key, "a peer is ws://HOST:PORT#<node-id>", text)
+    rest, _, node_id = text[len("ws://") :].partition("#")
+    hp = parse_host_port(rest, key)
+    if hp.port == 0:
+        raise _bad(key, "a peer's port cannot be 0", text)
+    if node_id and not _NODE_ID_RE.match(node_id):
+        raise _bad(key, "the #<node-id> must be 64 lowercase hex characters", text)
+    return PeerAddress(hp.host, hp.port, node_id or None)
+
+
+def parse_size(value: object, key: str) -> int:
+    """Bytes from an integer or a string with a unit (``8GiB``, ``512 MiB``, ``2GB``)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    m = _SIZE_RE.match(value) if isinstance(value, str) else None
+    if m is None:
+        raise _bad(key, "expected a size such as 8GiB, 512MiB or a number of bytes", value)
+    return int(float(m.group(1)) * _SIZE_UNITS[(m.group(2) or "b").lower()])
+
+
+def _seconds(raw: Mapping[str, Any], key: str, default: float) -> float:
+    value = raw.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise _bad(key, "expected a positive number of seconds", value)
+    return float(value)
+
+
+def _default_memory_budget() -> int:
+    # Half the machine's memory: a node that states nothing still gets placed sensibly.
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+
+
+def node_settings(config: NodeConfig, env: Environment | None = None) -> NodeSettings:
+    """The node keys of a loaded config file (``identity`` is required)."""
+    if config.path is None:
+        raise UsageError("mesh-node needs a config file (--config node.toml)", code="bad_usage")
+    env = read_environment() if env is None else env
+    raw, base = config.raw, config.path.parent
+
+    def path_of(key: str, default: str | None = None) -> Path | None:
+        value = raw.get(key, default)
+        if value is None:
+            return None
+        if not isinstance(value, str) or not value.strip():
+            raise _bad(key, "expected a path", value)
+        return (base / Path(value).expanduser()).resolve()
+
+    identity = path_of("identity")
+    if identity is None:
+        raise _bad("identity", "required: the node's key file (mesh-node keygen PATH)")
+    peers_raw = raw.get("peers", [])
+    if not isinstance(peers_raw, list):
+        raise _bad("peers", "expected a list of ws://HOST:PORT#<node-id>", peers_raw)
+    owners = raw.get("trusted_owners", [])
+    if not isinstance(owners, list) or not all(
+        isinstance(o, str) and _NODE_ID_RE.match(o) for o in owners
+    ):
+        raise _bad("trusted_owners", "expected a list of owner ids (64 lowercase hex)", owners)
+    warnings = list(env.warnings)
+    transfer = env.artifact_transfer  # the environment wins (spec "Peer Cache Transfer")
+    if transfer is None:
+        word = raw.get("artifact_transfer", "disabled")
+        if not isinstance(word, str):
+            raise _bad("artifact_transfer", "expected open, trusted or disabled", word)
+        transfer, warning = parse_artifact_transfer(word, "artifact_transfer")
+        warnings += [warning] if warning else []
+    heartbeat = _seconds(raw, "heartbeat_interval_s", DEFAULT_HEARTBEAT_INTERVAL_S)
+    peer_loss = _seconds(raw, "peer_loss_timeout_s", DEFAULT_PEER_LOSS_TIMEOUT_S)
+    if peer_loss <= heartbeat:
+        raise _bad("peer_loss_timeout_s", "must be longer than heartbeat_interval_s", peer_loss)
+    budget = raw.get("memory_budget")
+    data_dir = path_of("data_dir", "data")
+    assert data_dir is not None  # it has a default (typing only)
+    return NodeSettings(
+        config_path=config.path,
+        listen=parse_host_port(raw.get("listen", "127.0.0.1:0"), "listen"),
+        identity_path=identity,
+        certificate_path=path_of("certificate"),
+        data_dir=data_dir,
+        peers=tuple(parse_peer_address(p) for p in peers_raw),
+        trusted_owners=tuple(dict.fromkeys(owners)),
+        artifact_transfer=transfer,
+        memory_budget_bytes=(
+            _default_memory_budget() if budget is None else parse_size(budget, "memory_budget")
+        ),
+        heartbeat_interval_s=heartbeat,
+        peer_loss_timeout_s=peer_loss,
+        idle_timeout_s=_seconds(raw, "idle_timeout_s", DEFAULT_IDLE_TIMEOUT_S),
+        handshake_timeout_s=_seconds(raw, "handshake_timeout_s", DEFAULT_HANDSHAKE_TIMEOUT_S),
+        warnings=tuple(warnings),
+    )
+
+
+def load_node_settings(path: Path, env: Environment | None = None) -> NodeSettings:
+    return node_settings(load_node_config(path), env)

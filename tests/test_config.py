@@ -104,3 +104,90 @@ def test_offline_follows_huggingface_hub(name):
 def test_legacy_hub_cache_variable():
     env = read_environment({"HUGGINGFACE_HUB_CACHE": "/legacy", "HF_HOME": "/h"})
     assert env.hf_cache_dir == Path("/legacy")
+
+
+# --- the mesh node's keys ------------------------------------------------------------------------
+def _node_toml(tmp_path, text):
+    cfg = tmp_path / "conf" / "node.toml"
+    cfg.parent.mkdir(exist_ok=True)
+    cfg.write_text(text)
+    return cfg
+
+
+def test_node_settings_resolve_paths_against_the_config_file(tmp_path):
+    from skippy.config import PeerAddress, load_node_settings
+
+    nid = "ab" * 32
+    cfg = _node_toml(
+        tmp_path,
+        f'listen = "0.0.0.0:7000"\nidentity = "keys/node.key"\ncertificate = "keys/node.cert"\n'
+        f'data_dir = "data"\npeers = ["ws://127.0.0.1:7001#{nid}", "ws://[::1]:7002"]\n'
+        f'trusted_owners = ["{nid}"]\nartifact_transfer = "trusted"\nmemory_budget = "8GiB"\n'
+        "heartbeat_interval_s = 1\npeer_loss_timeout_s = 5\n[speculative]\n"
+        'strategy = "disabled"\n',
+    )
+    s = load_node_settings(cfg, read_environment({}))
+    assert s.identity_path == tmp_path / "conf" / "keys" / "node.key"
+    assert s.certificate_path == tmp_path / "conf" / "keys" / "node.cert"
+    assert s.data_dir == tmp_path / "conf" / "data" and s.hub_cache_dir == s.data_dir / "hub"
+    assert (s.listen.host, s.listen.port) == ("0.0.0.0", 7000)
+    assert s.peers == (PeerAddress("127.0.0.1", 7001, nid), PeerAddress("::1", 7002, None))
+    assert s.peers[1].url == "ws://[::1]:7002"
+    assert s.trusted_owners == (nid,) and s.artifact_transfer == "trusted"
+    assert s.memory_budget_bytes == 8 * 2**30
+    assert (s.heartbeat_interval_s, s.peer_loss_timeout_s) == (1.0, 5.0)
+
+
+def test_environment_wins_over_the_config_artifact_transfer(tmp_path):
+    from skippy.config import load_node_settings
+
+    cfg = _node_toml(tmp_path, 'identity = "k"\nartifact_transfer = "open"\n')
+    env = read_environment({"MESH_LLM_ARTIFACT_TRANSFER": "off"})
+    assert load_node_settings(cfg, env).artifact_transfer == "disabled"
+    assert load_node_settings(cfg, read_environment({})).artifact_transfer == "open"
+    cfg = _node_toml(tmp_path, 'identity = "k"\nartifact_transfer = "sometimes"\n')
+    s = load_node_settings(cfg, read_environment({}))
+    assert s.artifact_transfer == "disabled" and "sometimes" in s.warnings[0]
+
+
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        ('identity = "k"\nlisten_address = "x"\n', "listen_address"),
+        ('identity = "k"\nlisten = "nohost"\n', "listen"),
+        ('identity = "k"\npeers = ["http://a:1"]\n', "peers"),
+        ('identity = "k"\npeers = ["ws://a:1#ABC"]\n', "peers"),
+        ('identity = "k"\ntrusted_owners = ["me"]\n', "trusted_owners"),
+        ('identity = "k"\nmemory_budget = "lots"\n', "memory_budget"),
+        ('identity = "k"\nheartbeat_interval_s = 0\n', "heartbeat_interval_s"),
+        ('identity = "k"\npeer_loss_timeout_s = 1\nheartbeat_interval_s = 2\n',
+         "peer_loss_timeout_s"),
+        ('listen = "127.0.0.1:0"\n', "identity"),
+    ],
+)
+def test_bad_node_keys_are_usage_errors_naming_the_key(tmp_path, text, key):
+    from skippy.config import load_node_settings
+
+    with pytest.raises(UsageError) as exc:
+        load_node_settings(_node_toml(tmp_path, text), read_environment({}))
+    assert key in exc.value.message and exc.value.exit_code == 2
+
+
+@pytest.mark.parametrize(
+    ("value", "size"),
+    [(1024, 1024), ("512MiB", 512 * 2**20), ("2GB", 2 * 10**9), ("1.5 GiB", 3 * 2**29),
+     ("100", 100), ("8gib", 8 * 2**30)],
+)
+def test_memory_budget_units(value, size):
+    from skippy.config import parse_size
+
+    assert parse_size(value, "memory_budget") == size
+
+
+def test_node_timeout_defaults_are_the_protocol_limits():
+    # skippy cannot import protocol (layering): the two spellings of each default must agree.
+    from protocol.constants import DEFAULT_LIMITS
+    from skippy import config
+
+    assert DEFAULT_LIMITS.handshake_timeout_s == config.DEFAULT_HANDSHAKE_TIMEOUT_S
+    assert DEFAULT_LIMITS.idle_timeout_s == config.DEFAULT_IDLE_TIMEOUT_S

@@ -113,3 +113,50 @@ def test_extra_or_missing_keys_are_refused():
     del data["stages"][0]["stage_id"]
     with pytest.raises(TopologyError):
         SplitTopology.from_dict(data)
+
+
+# --- planning ----------------------------------------------------------------------------------
+def _sizes():
+    from skippy.package.plan import ModelSizes
+
+    return ModelSizes(layer_bytes=(100,) * 6, metadata_bytes=10, embeddings_bytes=50,
+                      output_bytes=50)
+
+
+def _plan(nodes, **kw):
+    from skippy.package.topology import NodeCapacity, plan_topology
+
+    args = {"topology_id": "t", "run_id": "r", "package_ref": "hf://a/b@" + "0" * 40,
+            "manifest_sha256": SHA}
+    args.update(kw)
+    return plan_topology(_sizes(), [NodeCapacity(n, b) for n, b in nodes], **args)
+
+
+def test_plan_puts_the_largest_stage_on_the_largest_budget():
+    t = _plan([(NODES[0], 500), (NODES[1], 10**6), (NODES[2], 300)])
+    assert len(t.stages) == 3 and t.layer_count == 6
+    big = max(t.stages, key=lambda s: len(s.layers) * 100 + (50 if s.layers.owns_input else 0)
+              + (50 if s.layers.owns_output else 0))
+    assert big.node_id == NODES[1]
+    assert SplitTopology.from_dict(t.to_dict()) == t
+
+
+def test_plan_drops_nodes_that_cannot_hold_a_stage():
+    t = _plan([(NODES[0], 10**6), (NODES[1], 10**6), (NODES[2], 5)])
+    assert {s.node_id for s in t.stages} == {NODES[0], NODES[1]}
+
+
+def test_plan_that_cannot_fit_names_the_node_and_the_missing_bytes():
+    with pytest.raises(TopologyError) as exc:
+        _plan([(NODES[0], 300), (NODES[1], 200)])
+    assert exc.value.code == "topology_does_not_fit"
+    # Two stages of 3 layers: 10 + 300 + 50 = 360 bytes each; the 200-byte node lacks 160.
+    assert NODES[1][:12] in exc.value.message and "lacks 160 bytes" in exc.value.message
+
+
+def test_plan_stage_count_and_empty_input():
+    assert len(_plan([(NODES[0], 10**6), (NODES[1], 10**6)], stages=1).stages) == 1
+    with pytest.raises(TopologyError):
+        _plan([(NODES[0], 10**6)], stages=2)
+    with pytest.raises(TopologyError):
+        _plan([])

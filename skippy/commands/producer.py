@@ -98,7 +98,9 @@ def _source_and_provenance(args: argparse.Namespace) -> tuple[Path, Provenance]:
     ``--source-file`` naming the file when the distribution alone does not."""
     from skippy.produce.write_package import local_provenance
 
-    text: str = args.source  # a str, not a Path: Path("./a/b:Q") would drop the "./"
+    # write-package passes a str, not a Path: Path("./a/b:Q") would drop the "./" that says
+    # "local" (skippy-quantize, which shares this function, still passes a Path).
+    text = str(args.source)
     local = Path(text)
     if local.exists() or text.startswith((".", "/", "~")):
         return local, local_provenance(

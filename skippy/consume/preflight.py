@@ -32,13 +32,19 @@ from skippy.constants import (
 from skippy.consume.verify import VerifyCache, VerifyReport, check_refs, verify_selection
 from skippy.errors import ManifestError, SkippyError, UsageError
 from skippy.findings import Finding, errors_only, raise_for_findings, summarize
-from skippy.gguf.reader import GGUFFile, open_gguf
+from skippy.gguf.reader import GGUFFile, TensorInfo, open_gguf
 from skippy.package.artifacts import check_artifact_file, header_findings
 from skippy.package.manifest import ArtifactRef, Manifest, load_manifest_findings
 from skippy.package.plan import check_stage_count, even_ranges
+from skippy.package.quantization import (
+    QUANTIZATION_KEY,
+    file_type_findings,
+    parse_quantization,
+)
 from skippy.package.ranges import LayerRange
 from skippy.package.select import StageSelection, select_stage
 from skippy.paths import is_safe_relative_path, require_dir
+from skippy.produce.quant_rules import TensorFacts, recorded_type_findings
 
 # Remediation for every code preflight can report that does not already carry one.
 REMEDIATIONS: Final[Mapping[str, str]] = {
@@ -302,6 +308,23 @@ def _stage_findings(report: PreflightReport, m: Manifest, stages: int) -> Iterat
                 yield Finding.from_error(exc)
 
 
+def _quantization_findings(
+    m: Manifest, metadata_file: GGUFFile, tensors: list[TensorInfo], metadata_only: bool
+) -> list[Finding]:
+    """The additive ``quantization`` block (skippy-quantize) against what the package holds:
+    the metadata's general.file_type and, with every fragment read, each tensor's type."""
+    meta = _GGUFMetadata(metadata_file)
+    out = file_type_findings(m.extra, meta)
+    if metadata_only or out:
+        return out
+    try:
+        block = parse_quantization(m.extra[QUANTIZATION_KEY])
+    except ManifestError:
+        return out  # a finding of check_manifest already
+    facts = [TensorFacts(t.name, t.shape, t.ggml_type) for t in tensors]
+    return recorded_type_findings(block, meta, facts)
+
+
 def preflight_package(
     root: Path,
     *,
@@ -338,6 +361,7 @@ def preflight_package(
     problems: list[Finding] = []
     metadata_file: GGUFFile | None = None
     checked: set[str] = set()
+    tensors: list[TensorInfo] = []  # every checked fragment's, for the quantization block
     try:
         for ref in refs:
             # Lexically unsafe paths are already findings from check_manifest; symlinks that
@@ -357,6 +381,8 @@ def preflight_package(
                 problems.append(Finding("invalid_artifact_gguf", exc.message, path=ref.path))
                 continue
             problems.extend(header_findings(ref, g.tensors))
+            if ref.role != ROLE_PROJECTOR:
+                tensors.extend(g.tensors)
             if ref.role == ROLE_LAYER and ref.layer_index is not None:
                 layer_names[ref.layer_index] = tuple(t.name for t in g.tensors)
             if ref.role == ROLE_METADATA and metadata_file is None:
@@ -380,6 +406,9 @@ def preflight_package(
                     arch=arch if isinstance(arch, str) else None,
                 )
             )
+        # Only over a complete, readable package: the rules count tensors as they meet them.
+        if QUANTIZATION_KEY in m.extra and metadata_file is not None and not problems:
+            problems.extend(_quantization_findings(m, metadata_file, tensors, metadata_only))
     finally:
         if metadata_file is not None:
             metadata_file.close()

@@ -237,6 +237,13 @@ def _decode(buf: Any, pos: int, vtype: int) -> tuple[Any, int]:
         size = SCALAR_SIZES[item_type]
         values = list(struct.unpack_from(f"<{count}{item_fmt[1]}", buf, pos))
         return values, pos + size * count
+    if item_type == ValueType.STRING:  # hot: a 262k-entry vocabulary, one loop, no recursion
+        strings, unpack = [], _U64.unpack_from
+        for _ in range(count):
+            (n,) = unpack(buf, pos)
+            strings.append(bytes(buf[pos + 8 : pos + 8 + n]).decode("utf-8"))
+            pos += 8 + n
+        return strings, pos
     out = []
     for _ in range(count):
         v, pos = _decode(buf, pos, item_type)

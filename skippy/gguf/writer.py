@@ -49,12 +49,21 @@ def encode_kv(key: str, value_type: int, value: Any, item_type: int | None = Non
     )
 
 
+# Streams one tensor's payload into ``write`` (the fragment's hashing sink).
+TensorProducer = Callable[[Callable[[memoryview], None]], None]
+
+
 @dataclass(frozen=True)
 class TensorSource:
-    """A tensor to copy: its header facts and the open source file holding its bytes."""
+    """A tensor to write: its header facts and the open source file holding its bytes.
+
+    ``produce``, when set, replaces the raw copy: a producer that transforms the bytes on the
+    way (skippy-quantize) writes exactly ``info.nbytes`` bytes of the tensor ``info`` describes.
+    """
 
     info: TensorInfo
     fd: int
+    produce: TensorProducer | None = None
 
 
 @dataclass(frozen=True)
@@ -122,7 +131,16 @@ def write_fragment(
 
         write(header)
         for t in tensors:
-            copy_range(t.fd, t.info.data_start, t.info.nbytes, write, cancel=cancel)
+            if t.produce is None:
+                copy_range(t.fd, t.info.data_start, t.info.nbytes, write, cancel=cancel)
+            else:
+                start = sink.nbytes
+                t.produce(write)
+                if sink.nbytes - start != t.info.nbytes:  # the header already promised nbytes
+                    raise ValueError(
+                        f"tensor {t.info.name}: the producer wrote {sink.nbytes - start} bytes, "
+                        f"the header declares {t.info.nbytes}"
+                    )
             pad = _pad(t.info.nbytes, alignment)
             if pad:
                 write(b"\0" * pad)

@@ -39,6 +39,7 @@ from skippy.constants import (
 )
 from skippy.errors import InputUnreadable, ManifestError, UnsafePath
 from skippy.findings import Finding
+from skippy.package.quantization import quantization_findings
 from skippy.paths import is_safe_relative_path, resolve_under
 from skippy.progress import human_bytes
 from skippy.text import unsafe_char
@@ -624,6 +625,7 @@ def check_manifest(m: Manifest, *, runtime_abi: str = RUNTIME_ABI_VERSION) -> li
                     path=proj.path,
                 )
             )
+    out.extend(quantization_findings(m.extra))  # the additive skippy-quantize block
     return out
 
 

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from skippy.errors import TopologyError
+from skippy.package.plan import ModelSizes, plan_stages
 from skippy.package.ranges import LayerRange
 
 NODE_ID_HEX_CHARS = 64  # an Ed25519 public key, lowercase hex
@@ -220,3 +221,84 @@ def _stage_from_dict(data: object, layer_count: int) -> StageAssignment:
         stage_index=data["stage_index"],
         layers=LayerRange(start, stop, layer_count),
     )
+
+
+# --- planning (pure) ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class NodeCapacity:
+    """A node that may hold a stage, and the bytes it announced it can hold."""
+
+    node_id: str
+    memory_budget_bytes: int
+
+
+def plan_topology(
+    sizes: ModelSizes,
+    nodes: Sequence[NodeCapacity],
+    *,
+    topology_id: str,
+    run_id: str,
+    package_ref: str,
+    manifest_sha256: str,
+    stages: int | None = None,
+) -> SplitTopology:
+    """Split the package over ``nodes`` (issue #7 §6), using the manifest's per-artifact bytes.
+
+    Ranges are byte-balanced (``skippy.package.plan``); the largest stage goes to the node with
+    the largest budget (sorted matching is optimal for "every stage fits its node"). With
+    ``stages=None`` one stage per node (at most one per layer); nodes are dropped smallest
+    budget first while the plan does not fit. A plan that cannot fit at all raises
+    ``TopologyError(code="topology_does_not_fit")`` naming which node lacks how many bytes.
+    """
+    if not nodes:
+        raise TopologyError("no capable node to place stages on", code="topology_no_nodes")
+    ids = [n.node_id for n in nodes]
+    if len(set(ids)) != len(ids):
+        raise TopologyError("a node is listed twice", code="topology_coverage")
+    ranked = sorted(nodes, key=lambda n: (-n.memory_budget_bytes, n.node_id))
+    if stages is not None:
+        if not 1 <= stages <= min(len(ranked), sizes.layer_count):
+            raise TopologyError(
+                f"{stages} stages need 1..{min(len(ranked), sizes.layer_count)} (capable nodes "
+                f"{len(ranked)}, layers {sizes.layer_count})",
+                code="topology_stage_count",
+            )
+        counts = [stages]
+    else:
+        top = min(len(ranked), sizes.layer_count)
+        counts = list(range(top, 0, -1))
+    first_failure: TopologyError | None = None
+    for count in counts:
+        chosen = ranked[:count]
+        plans = plan_stages(sizes, count, balance="bytes")
+        by_size = sorted(plans, key=lambda p: (-p.bytes, p.index))
+        owner = {p.index: chosen[i] for i, p in enumerate(by_size)}
+        short = [
+            (p, owner[p.index]) for p in plans if p.bytes > owner[p.index].memory_budget_bytes
+        ]
+        if not short:
+            return SplitTopology(
+                topology_id=topology_id,
+                run_id=run_id,
+                package_ref=package_ref,
+                manifest_sha256=manifest_sha256,
+                layer_count=sizes.layer_count,
+                stages=tuple(
+                    StageAssignment(owner[p.index].node_id, f"stage-{p.index}", p.index, p.layers)
+                    for p in plans
+                ),
+            )
+        if first_failure is None:
+            p, node = max(short, key=lambda pn: pn[0].bytes - pn[1].memory_budget_bytes)
+            lack = p.bytes - node.memory_budget_bytes
+            first_failure = TopologyError(
+                f"the plan does not fit: node {node.node_id[:12]} lacks {lack} bytes for stage "
+                f"{p.index} (layers {p.layers}, needs {p.bytes} bytes, budget "
+                f"{node.memory_budget_bytes})",
+                code="topology_does_not_fit",
+                expected=p.bytes,
+                actual=node.memory_budget_bytes,
+                path=node.node_id,
+            )
+    assert first_failure is not None  # every count failed (typing only)
+    raise first_failure

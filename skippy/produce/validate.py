@@ -10,9 +10,12 @@ Findings carry stable codes; nothing here raises for a bad package.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import os
 import threading
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from concurrent.futures import CancelledError, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,10 +26,12 @@ from skippy.errors import GGUFFormatError, InputUnreadable, SkippyError
 from skippy.findings import Finding, errors_only, summarize
 from skippy.generation import check_generation
 from skippy.gguf.reader import TensorInfo, open_gguf
-from skippy.hashing import DEFAULT_WORKERS
+from skippy.hashing import CHUNK_BYTES, DEFAULT_WORKERS, sha256_file
 from skippy.package.artifacts import check_artifact_file, header_findings
+from skippy.package.artifacts import stat_artifact as stat_artifact  # moved; old importers
 from skippy.package.manifest import ArtifactRef, Manifest, load_manifest_findings
 from skippy.package.ownership import has_tied_embeddings, owner_of
+from skippy.package.quantization import QUANTIZATION_KEY
 from skippy.paths import require_dir, require_file
 from skippy.produce.byte_compare import (
     PARK_BUDGET_BYTES,
@@ -79,6 +84,80 @@ class ArtifactScan:
     tensors: tuple[TensorInfo, ...]
     differing: list[str] = field(default_factory=list)
     kv_records: dict[str, bytes] = field(default_factory=dict)  # raw KV records, by key
+
+
+# --- quantized packages (skippy-quantize): the expected bytes are the quantization redone ----
+@dataclass(frozen=True)
+class _SourceTensorRef:
+    """What a package tensor must be: the source bytes at ``fd``, or, for a quantized package
+    (``skippy.produce.quant_validate``), the bytes a reader from ``open_reader`` streams;
+    with ``compare_bytes`` False only the type and shape are checked."""
+
+    info: TensorInfo
+    fd: int
+    open_reader: Callable[[], Any] | None = None
+    compare_bytes: bool = True
+
+
+def _scan_against(
+    path: Path, source_lookup: Callable[[str], _SourceTensorRef | None] | None = None
+) -> ArtifactScan:
+    """Hash ``path`` in one sequential pass; where a tensor matches an expected tensor's name,
+    type and shape, compare its bytes with the expected ones in the same pass (the quantized
+    path: the expected bytes are produced, not read from the source)."""
+    with open_gguf(path) as g:
+        fd, size = g.fileno(), g.file_size
+        h = hashlib.sha256()
+        buf, other = bytearray(CHUNK_BYTES), bytearray(CHUNK_BYTES)
+        view, oview = memoryview(buf), memoryview(other)
+        differing: list[str] = []
+
+        def hash_span(start: int, stop: int, src: _SourceTensorRef | None, name: str) -> None:
+            pos, src_pos, same = start, src.info.data_start if src else 0, True
+            if src is not None and not src.compare_bytes:
+                src = None
+            reader = src.open_reader() if src is not None and src.open_reader else None
+            try:
+                while pos < stop:
+                    want = min(len(buf), stop - pos)
+                    got = os.preadv(fd, [view[:want]], pos)
+                    if got <= 0:
+                        raise InputUnreadable(f"{path} shrank while being read", path=str(path))
+                    chunk = view[:got]
+                    h.update(chunk)
+                    if src is not None and same:
+                        if reader is not None:
+                            n = reader.read(oview[:got])
+                        else:
+                            n = os.preadv(src.fd, [oview[:got]], src_pos)
+                        # bytearray == bytearray is a memcmp; memoryview == is per element (40x)
+                        if got == len(buf):
+                            same = n == got and buf == other
+                        else:
+                            same = n == got and buf[:got] == other[:got]
+                        src_pos += got
+                    pos += got
+            finally:
+                if reader is not None:
+                    reader.close()
+            if src is not None and not same:
+                differing.append(name)
+
+        pos = 0
+        for t in sorted(g.tensors, key=lambda t: t.data_start):
+            hash_span(pos, t.data_start, None, "")
+            src = source_lookup(t.name) if source_lookup else None
+            if src is not None and (src.info.shape, src.info.ggml_type, src.info.nbytes) != (
+                t.shape,
+                t.ggml_type,
+                t.nbytes,
+            ):
+                src = None  # reported as tensor_metadata_differs by the caller
+            hash_span(t.data_start, t.data_end, src, t.name)
+            pos = t.data_end
+        hash_span(pos, size, None, "")
+        records = {k: g.raw_field(k) for k in g.fields}
+        return ArtifactScan(h.hexdigest(), size, g.tensors, differing, records)
 
 
 def _artifact_findings(ref: ArtifactRef, scan: ArtifactScan) -> list[Finding]:
@@ -277,6 +356,10 @@ def validate_package(
                 report.findings.append(problem)
             elif p is not None:
                 found.append((ref, p))
+    if m is not None and QUANTIZATION_KEY in m.extra:
+        _validate_quantized(report, m, source, shards, found, workers)
+        report.seconds = time.perf_counter() - t0
+        return report
     total = sum(p.stat().st_size for p in shards) + sum(r.artifact.artifact_bytes for r, _ in found)
     rdv = Rendezvous(budget_bytes=park_budget_bytes)
     jobs = _Jobs(found)
@@ -319,6 +402,68 @@ def validate_package(
     report.bytes_reread = rdv.reread_bytes
     report.artifacts_checked = len(results)
     report.seconds = time.perf_counter() - t0
+    return report
+
+
+def _validate_quantized(
+    report: ValidationReport,
+    m: Manifest,
+    source: Path,
+    shards: list[Path],
+    found: list[Job],
+    workers: int,
+) -> ValidationReport:
+    """A quantized package (``quantization`` in the manifest): its tensors are the recorded
+    quantization of the source, redone (``skippy.produce.quant_validate``), so each artifact
+    is compared with produced bytes, not source bytes; the source is hashed alongside."""
+    from skippy.produce.quant_validate import quantized_expectation
+
+    cancel = threading.Event()
+    pool = ThreadPoolExecutor(max_workers=max(1, workers))
+    results: list[tuple[ArtifactRef, ArtifactScan]] = []
+    try:
+        shard_futs = [pool.submit(sha256_file, p, cancel=cancel) for p in shards]
+        with SourceModelFiles(source) as src, contextlib.ExitStack() as stack:
+            lookup = {
+                t.info.name: _SourceTensorRef(t.info, src.shards[t.shard].fileno())
+                for t in src.tensors
+            }
+            exp = stack.enter_context(quantized_expectation(m, src, workers=workers))
+            report.findings.extend(exp.findings)
+            for name, e in exp.tensors.items():
+                lookup[name] = _SourceTensorRef(e.info, e.fd, e.open_reader, e.compare_bytes)
+            jobs = sorted(found, key=lambda j: -j[0].artifact.artifact_bytes)
+            scans = [
+                (
+                    ref,
+                    pool.submit(
+                        _scan_against, p, None if ref.role == ROLE_PROJECTOR else lookup.get
+                    ),
+                )
+                for ref, p in jobs
+            ]
+            digests = [f.result() for f in shard_futs]
+            for ref, fut in scans:
+                try:
+                    results.append((ref, fut.result()))
+                except (GGUFFormatError, InputUnreadable) as exc:
+                    report.findings.append(
+                        Finding("invalid_artifact_gguf", exc.message, path=ref.path)
+                    )
+            order = {ref.path: i for i, (ref, _) in enumerate(found)}
+            results.sort(key=lambda r: order[r[0].path])
+            _source_findings(report, m, src, digests)
+            expected = {name: ref.info for name, ref in lookup.items()}
+            _tensor_findings(report, results, expected)
+            report.findings.extend(_metadata_findings(m, results, src, exp.kv))
+            report.findings.extend(_generation_findings(m, results, src))
+    except BaseException:
+        cancel.set()
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    pool.shutdown()
+    report.bytes_hashed = sum(s.size for _, s in results) + sum(p.stat().st_size for p in shards)
+    report.artifacts_checked = len(results)
     return report
 
 
@@ -367,11 +512,15 @@ def _source_findings(
 
 
 def _metadata_findings(
-    m: Manifest, results: list[tuple[ArtifactRef, ArtifactScan]], src: SourceModelFiles
+    m: Manifest,
+    results: list[tuple[ArtifactRef, ArtifactScan]],
+    src: SourceModelFiles,
+    expected_kv: dict[str, bytes] | None = None,
 ) -> list[Finding]:
     """Spec "Repository Layout": shared/metadata.gguf carries the source's metadata and
-    tokenizer state; every source KV record must be there byte for byte. And the additive
-    ``tied_embeddings`` flag, which drives selection, must tell the truth about the source."""
+    tokenizer state; every source KV record must be there byte for byte (``expected_kv``: the
+    records a quantized package must hold instead). And the additive ``tied_embeddings``
+    flag, which drives selection, must tell the truth about the source."""
     out: list[Finding] = []
     tied = has_tied_embeddings(t.info.name for t in src.tensors)
     if m.tied_embeddings != tied:
@@ -386,21 +535,23 @@ def _metadata_findings(
     meta = next((scan for ref, scan in results if ref.role == ROLE_METADATA), None)
     if meta is None:
         return out  # missing or unreadable: already reported
-    for f in src.kv_fields():
-        have = meta.kv_records.get(f.key)
+    if expected_kv is None:
+        expected_kv = {f.key: src.head.raw_field(f.key) for f in src.kv_fields()}
+    for key, record in expected_kv.items():
+        have = meta.kv_records.get(key)
         if have is None:
             out.append(
                 Finding(
                     "metadata_kv_missing",
-                    f"{m.shared.metadata.path} lacks the source's {f.key}",
+                    f"{m.shared.metadata.path} lacks the source's {key}",
                     path=m.shared.metadata.path,
                 )
             )
-        elif have != src.head.raw_field(f.key):
+        elif have != record:
             out.append(
                 Finding(
                     "metadata_kv_differs",
-                    f"{m.shared.metadata.path} has a different {f.key} from the source",
+                    f"{m.shared.metadata.path} has a different {key} from the source",
                     path=m.shared.metadata.path,
                 )
             )

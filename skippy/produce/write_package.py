@@ -38,7 +38,7 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import CancelledError, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from skippy.atomic import PARTIAL_SUFFIX, atomic_install, atomic_write_bytes, fsync_path
 from skippy.constants import (
@@ -68,7 +68,7 @@ from skippy.errors import (
 )
 from skippy.generation import infer_generation
 from skippy.gguf.reader import GGUFFile, open_gguf
-from skippy.gguf.writer import WrittenFragment, write_fragment
+from skippy.gguf.writer import TensorSource, WrittenFragment, write_fragment
 from skippy.hashing import DEFAULT_WORKERS, HashingSink, copy_range, sha256_file
 from skippy.package.manifest import (
     Artifact,
@@ -86,7 +86,7 @@ from skippy.package.ownership import has_tied_embeddings, highest_layer_index
 from skippy.paths import check_relative_path, is_safe_relative_path, resolve_under
 from skippy.produce.fragments import FragmentPlan, plan_fragments
 from skippy.produce.package_readme import render_readme
-from skippy.produce.source import SourceModelFiles, shard_paths
+from skippy.produce.source import SourceModelFiles, SourceTensor, shard_paths
 from skippy.progress import OnBytes, byte_bar
 from skippy.text import unsafe_char
 
@@ -182,6 +182,24 @@ def local_provenance(
     )
 
 
+class TensorTransform(Protocol):
+    """A producer that rewrites tensors on their way into the fragments (skippy-quantize).
+
+    write-package calls ``prepare`` once the source header is parsed and before ``--out-dir``
+    changes (raise a ``SkippyError`` there to refuse: nothing is written), ``kv_records`` on
+    the source's (key, raw record) list, ``tensor_source`` for every tensor as its fragment is
+    written (on the writer threads), and ``manifest_extra`` for additive manifest fields.
+    """
+
+    def prepare(self, src: SourceModelFiles) -> None: ...
+
+    def kv_records(self, records: list[tuple[str, bytes]]) -> list[tuple[str, bytes]]: ...
+
+    def tensor_source(self, src: SourceModelFiles, t: SourceTensor) -> TensorSource: ...
+
+    def manifest_extra(self) -> dict[str, Any]: ...
+
+
 @dataclass(frozen=True)
 class WriteOptions:
     out_dir: Path
@@ -189,12 +207,20 @@ class WriteOptions:
     projectors: tuple[Path, ...] = ()
     overwrite: bool = False
     workers: int = DEFAULT_WORKERS
+    quiet: bool = True  # kept for callers; bars follow skippy.progress (the CLI's switch)
     validation_note: str | None = None
     created_at_unix_secs: int | None = None
     # fsync every artifact (and its folder) before the manifest, so a manifest that survives
     # a power loss points only at whole files. Off by default: +~30% write time on gemma3
     # (module docstring: what holds without it).
     durable: bool = False
+    # Rewrites tensors on the way (skippy-quantize); None copies them byte for byte.
+    transform: TensorTransform | None = None
+    # The source's parts in split order when their names do not say it (a package's
+    # fragments); with ``source_model`` (the original source, already verified) nothing is
+    # hashed and the provenance is copied verbatim.
+    source_shards: tuple[Path, ...] | None = None
+    source_model: SourceModel | None = None
 
 
 @dataclass(frozen=True)
@@ -477,7 +503,7 @@ class _SourceFacts:
     tied: bool
 
 
-def _study_source(src: SourceModelFiles) -> _SourceFacts:
+def _study_source(src: SourceModelFiles, transform: TensorTransform | None) -> _SourceFacts:
     """Everything decided from the source header alone (pure apart from reading it)."""
     if is_projector(src.head):
         raise UsageError(
@@ -498,11 +524,11 @@ def _study_source(src: SourceModelFiles) -> _SourceFacts:
             expected=layer_count,
             actual=None if highest is None else highest + 1,
         )
-    plans = plan_fragments(
-        kv_records=[(f.key, src.head.raw_field(f.key)) for f in src.kv_fields()],
-        tensors=src.tensors,
-        layer_count=layer_count,
-    )
+    kv_records = [(f.key, src.head.raw_field(f.key)) for f in src.kv_fields()]
+    if transform is not None:
+        transform.prepare(src)
+        kv_records = transform.kv_records(kv_records)
+    plans = plan_fragments(kv_records=kv_records, tensors=src.tensors, layer_count=layer_count)
     # Spec "Generation Defaults": advertise only what the artifact really contains.
     generation = infer_generation(
         arch=src.architecture,
@@ -529,15 +555,20 @@ def _write_fragments(
     *,
     durable: bool,
     cancel: threading.Event,
+    transform: TensorTransform | None,
 ) -> list[WrittenFragment]:
     def write_one(plan: FragmentPlan) -> WrittenFragment:
         if cancel.is_set():  # taken off the queue after the run failed: create nothing
             raise CancelledError(plan.path)
         dest = out_dir / plan.path
+        sources = [
+            transform.tensor_source(src, x) if transform else src.tensor_source(x)
+            for x in plan.tensors
+        ]
         w = write_fragment(
             dest,
             plan.kv_records,
-            [src.tensor_source(x) for x in plan.tensors],
+            sources,
             src.alignment,
             on_bytes=on_bytes,
             cancel=cancel,
@@ -579,19 +610,20 @@ def _build_manifest(
         if plan.role == ROLE_LAYER
     )
     prov = opts.provenance
+    source_model = opts.source_model or SourceModel(
+        sha256=source_files[0].sha256,
+        path=prov.source_file,
+        repo=prov.repo,
+        revision=prov.revision,
+        primary_file=prov.source_file,
+        # Spec "Manifest Schema": the model coordinate and its distribution part.
+        canonical_ref=prov.model_id,
+        distribution_id=prov.model_id.rsplit(":", 1)[1],
+        files=source_files,
+    )
     return Manifest(
         model_id=prov.model_id,
-        source_model=SourceModel(
-            sha256=source_files[0].sha256,
-            path=prov.source_file,
-            repo=prov.repo,
-            revision=prov.revision,
-            primary_file=prov.source_file,
-            # Spec "Manifest Schema": the model coordinate and its distribution part.
-            canonical_ref=prov.model_id,
-            distribution_id=prov.model_id.rsplit(":", 1)[1],
-            files=source_files,
-        ),
+        source_model=source_model,
         layer_count=facts.layer_count,
         activation_width=facts.width,
         shared=SharedArtifacts(
@@ -607,6 +639,7 @@ def _build_manifest(
             opts.created_at_unix_secs if opts.created_at_unix_secs is not None else int(time.time())
         ),
         tied_embeddings=facts.tied,
+        extra=opts.transform.manifest_extra() if opts.transform else {},
     )
 
 
@@ -619,12 +652,13 @@ def write_package(source: Path, opts: WriteOptions) -> WriteResult:
         raise InputUnreadable(
             f"source model {source} does not exist or is not a file", path=str(source)
         )
-    paths = shard_paths(source)
+    paths = list(opts.source_shards) if opts.source_shards else shard_paths(source)
     # Everything that can fail on user input is checked before --out-dir changes, so a failed
     # --overwrite leaves the previous package whole: shard names here, the folder and the
     # inputs' identities next, projector headers and names below, the source header in
     # _study_source (provenance in Provenance itself).
-    shard_names = _shard_names(opts.provenance.source_file, len(paths))
+    given = opts.source_model is not None  # provenance copied, nothing to hash or name
+    shard_names = [] if given else _shard_names(opts.provenance.source_file, len(paths))
     _check_out_dir(opts.out_dir, opts.overwrite)
     inputs = _identities([*paths, *opts.projectors])
     sizes = [p.stat().st_size for p in paths]
@@ -634,7 +668,8 @@ def write_package(source: Path, opts: WriteOptions) -> WriteResult:
     with contextlib.ExitStack() as stack:
         opened = [_open_projector(stack, p) for p in opts.projectors]
         # One bar for the source digest and the fragments (about the source's size each).
-        on_bytes = stack.enter_context(byte_bar(2 * sum(sizes), "write-package"))
+        bar_total = (1 if given else 2) * sum(sizes)
+        on_bytes = stack.enter_context(byte_bar(bar_total, "write-package"))
 
         def hash_one(path: Path) -> str:
             digest = sha256_file(path, cancel=cancel, on_bytes=on_bytes)
@@ -648,9 +683,9 @@ def write_package(source: Path, opts: WriteOptions) -> WriteResult:
             # The source digest is the longest single job and needs no parsing: start it
             # first, then parse and plan while it runs (one pass per file, both cores busy).
             with _signals_held():
-                hash_futs = [pool.submit(hash_one, p) for p in paths]
-            with SourceModelFiles(source) as src:
-                facts = _study_source(src)
+                hash_futs = [] if given else [pool.submit(hash_one, p) for p in paths]
+            with SourceModelFiles(source, shards=opts.source_shards) as src:
+                facts = _study_source(src, opts.transform)
                 phases["plan"] = time.perf_counter() - t0
                 fresh = _FreshFolder.before_lock(opts.out_dir)
                 stack.enter_context(_write_lock(opts.out_dir))  # held until the manifest is in
@@ -672,6 +707,7 @@ def write_package(source: Path, opts: WriteOptions) -> WriteResult:
                     on_bytes,
                     durable=opts.durable,
                     cancel=cancel,
+                    transform=opts.transform,
                 )
                 phases["fragments"] = time.perf_counter() - t0
             digests = [f.result() for f in hash_futs]
@@ -680,8 +716,12 @@ def write_package(source: Path, opts: WriteOptions) -> WriteResult:
             projectors = tuple(
                 _copy_projector(p, opts.out_dir, durable=opts.durable) for p in opened
             )
-            source_files = tuple(
-                SourceFile(n, s, d) for n, s, d in zip(shard_names, sizes, digests, strict=True)
+            source_files = (
+                ()
+                if given
+                else tuple(
+                    SourceFile(n, s, d) for n, s, d in zip(shard_names, sizes, digests, strict=True)
+                )
             )
             manifest = _build_manifest(opts, facts, written, projectors, source_files)
             manifest_bytes = dump_manifest(manifest)
@@ -776,6 +816,7 @@ def rewrite_readme(out_dir: Path, manifest: Manifest, manifest_sha: str, note: s
 
 __all__: Sequence[str] = (
     "Provenance",
+    "TensorTransform",
     "WriteOptions",
     "WriteResult",
     "local_provenance",

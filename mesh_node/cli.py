@@ -1,0 +1,257 @@
+"""``mesh-node``: keys, owner certificates, running a node, asking it for status or a topology.
+
+Same conventions as ``skippy-model-package``: exit codes 0 ok / 1 invalid / 2 bad usage or
+unreadable input, stable error codes, ``--json`` (one document on stdout), no tracebacks for
+user errors. Heavy imports (trio, the node) happen only in the commands that need them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from skippy.errors import EXIT_OK, EXIT_USAGE, SkippyError, UsageError
+
+PROG = "mesh-node"
+STATUS_TIMEOUT_S = 5.0
+TOPOLOGY_TIMEOUT_S = 120.0
+
+
+class _LineFormatter(logging.Formatter):
+    """One structured line per record: ``ts=... level=... logger=... msg="..."``."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        ts = self.formatTime(record, "%Y-%m-%dT%H:%M:%S")
+        line = (
+            f"ts={ts}.{int(record.msecs):03d} level={record.levelname} logger={record.name} "
+            f"msg={json.dumps(record.getMessage())}"
+        )
+        if record.exc_info:  # only for our own bugs (a handler crash), never user errors
+            line += " exc=" + json.dumps(self.formatException(record.exc_info))
+        return line
+
+
+@dataclass
+class CommandResult:
+    # Not skippy.commands.output's: importing skippy.commands loads every package command
+    # (~0.27 s), which `mesh-node status` must not pay.
+    data: dict[str, Any]
+    text: str
+    exit_code: int = EXIT_OK
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose usage errors exit 2 with our code (as JSON under --json)."""
+
+    json_errors = False
+
+    def error(self, message: str) -> Any:
+        if _Parser.json_errors:
+            print(json.dumps({"ok": False, "error": {"code": "bad_usage", "message": message}}))
+        else:
+            self.print_usage(sys.stderr)
+            sys.stderr.write(f"{self.prog}: error: {message}\n")
+        raise SystemExit(EXIT_USAGE)
+
+
+# --- commands ------------------------------------------------------------------------------
+def cmd_keygen(args: argparse.Namespace) -> CommandResult:
+    from mesh_node.identity import node_id_of, write_private_key
+
+    node_id = node_id_of(write_private_key(Path(args.path)))
+    return CommandResult({"ok": True, "node_id": node_id, "path": args.path}, node_id)
+
+
+def cmd_id(args: argparse.Namespace) -> CommandResult:
+    from mesh_node.identity import load_private_key, node_id_of
+
+    node_id = node_id_of(load_private_key(Path(args.path)))
+    return CommandResult({"ok": True, "node_id": node_id, "path": args.path}, node_id)
+
+
+def cmd_owner_init(args: argparse.Namespace) -> CommandResult:
+    from mesh_node.identity import node_id_of, write_private_key
+
+    owner_id = node_id_of(write_private_key(Path(args.path)))
+    return CommandResult({"ok": True, "owner_id": owner_id, "path": args.path}, owner_id)
+
+
+def cmd_owner_sign(args: argparse.Namespace) -> CommandResult:
+    from mesh_node.identity import issue_certificate, load_private_key, write_certificate
+
+    owner = load_private_key(Path(args.owner))
+    cert = issue_certificate(owner, args.node_id, days=args.days)
+    write_certificate(Path(args.out), cert)
+    data = {"ok": True, "certificate": cert.to_dict(), "path": args.out}
+    text = f"certified node {args.node_id} for owner {cert.owner_id.hex()} -> {args.out}"
+    return CommandResult(data, text)
+
+
+def cmd_run(args: argparse.Namespace) -> CommandResult:
+    import trio
+
+    from mesh_node.identity import load_local_identity
+    from mesh_node.service import run_node
+    from skippy.config import load_node_settings
+
+    settings = load_node_settings(Path(args.config))
+    identity = load_local_identity(settings.identity_path, settings.certificate_path)
+    for warning in settings.warnings:
+        sys.stderr.write(f"warning: {warning}\n")
+    trio.run(run_node, settings, identity)
+    return CommandResult({"ok": True}, "")
+
+
+def cmd_status(args: argparse.Namespace) -> CommandResult:
+    import trio
+
+    from mesh_node import control
+    from mesh_node.peers import render_status
+    from skippy.config import load_node_settings
+
+    settings = load_node_settings(Path(args.config))
+    response = trio.run(
+        control.request, settings.control_socket, {"op": "status"}, STATUS_TIMEOUT_S
+    )
+    status = response["status"]
+    return CommandResult(status, render_status(status))
+
+
+def cmd_topology(args: argparse.Namespace) -> CommandResult:
+    import trio
+
+    from mesh_node import control
+    from skippy.config import load_node_settings
+
+    settings = load_node_settings(Path(args.config))
+    if args.replan:
+        payload: dict[str, Any] = {"op": "replan"}
+    elif args.package is None:
+        raise UsageError("topology needs --package REF (or --replan)", code="bad_usage")
+    else:
+        payload = {
+            "op": "topology",
+            "package": args.package,
+            "stages": args.stages,
+            "include_self": not args.workers_only,
+        }
+    response = trio.run(control.request, settings.control_socket, payload, TOPOLOGY_TIMEOUT_S)
+    topo = response["topology"]
+    lines = [
+        f"topology {topo['topology_id']} ({topo['state']}) run {topo['run_id']}",
+        f"package {topo['package_ref']} manifest {topo['manifest_sha256'][:16]}...",
+    ]
+    for s in topo["stages"]:
+        ack = topo["acks"].get(s["node_id"], "coordinator")
+        lines.append(
+            f"  stage {s['stage_index']}: layers {s['layer_start']}..{s['layer_end']} on "
+            f"{s['node_id'][:12]} ({ack})"
+        )
+    code = 0 if topo["state"] == "active" else 1
+    return CommandResult(topo, "\n".join(lines), exit_code=code)
+
+
+# --- parser ---------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog=PROG, description="Run and inspect a skippy mesh node.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log details to stderr")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+
+    def add(
+        name: str,
+        handler: Callable[[argparse.Namespace], CommandResult],
+        help_: str,
+        owner: Any = sub,
+    ) -> argparse.ArgumentParser:
+        p: argparse.ArgumentParser = owner.add_parser(name, help=help_, description=help_)
+        p.add_argument("--json", action="store_true", help="print one JSON document on stdout")
+        p.set_defaults(handler=handler)
+        return p
+
+    add("keygen", cmd_keygen, "create a node key (0600) and print its node id").add_argument("path")
+    add("id", cmd_id, "print the node id of a key file").add_argument("path")
+    owner = sub.add_parser("owner", help="owner keys and node certificates")
+    owner_sub = owner.add_subparsers(dest="owner_command", metavar="COMMAND", parser_class=_Parser)
+    owner_sub.required = True
+    add(
+        "init", cmd_owner_init, "create an owner key and print the owner id", owner_sub
+    ).add_argument("path")
+    p = add("sign", cmd_owner_sign, "certify that NODE_ID belongs to this owner", owner_sub)
+    p.add_argument("--owner", required=True, help="the owner key file")
+    p.add_argument("node_id")
+    p.add_argument("--out", required=True, help="where to write the certificate")
+    p.add_argument("--days", type=int, default=365, help="validity in days (default 365)")
+    p = add("run", cmd_run, "run a node until SIGINT/SIGTERM")
+    p.add_argument("--config", required=True)
+    p = add("status", cmd_status, "ask the running node for its status")
+    p.add_argument("--config", required=True)
+    p = add(
+        "topology",
+        cmd_topology,
+        "plan a split of PACKAGE over the capable peers, sign it and send it to them",
+    )
+    p.add_argument("--config", required=True)
+    p.add_argument("--package", help="hf://ns/repo@rev or a package directory")
+    p.add_argument(
+        "--replan",
+        action="store_true",
+        help="plan the last package again over the peers connected now (same run)",
+    )
+    p.add_argument("--stages", type=int, default=None, help="number of stages (default: all)")
+    p.add_argument(
+        "--workers-only",
+        action="store_true",
+        help="do not place a stage on this (coordinator) node",
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    _Parser.json_errors = "--json" in args_list
+    args = build_parser().parse_args(args_list)
+    as_json = bool(getattr(args, "json", False))
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_LineFormatter())
+    logging.basicConfig(
+        level=logging.INFO if args.verbose or args.command == "run" else logging.WARNING,
+        handlers=[handler],
+    )
+    try:
+        result: CommandResult = args.handler(args)
+    except SkippyError as err:
+        if as_json:
+            print(json.dumps({"ok": False, "error": err.to_dict()}, indent=2, default=str))
+        else:
+            sys.stderr.write(f"error [{err.code}]: {err.message}\n")
+            if err.remediation:
+                sys.stderr.write(f"hint: {err.remediation}\n")
+        return err.exit_code
+    except KeyboardInterrupt:
+        sys.stderr.write("interrupted\n")
+        return 130
+    except OSError as exc:  # an I/O failure we did not anticipate: still no traceback
+        where = f": {exc.filename}" if exc.filename else ""
+        err_doc = {"code": "io_error", "message": f"{exc.strerror or exc}{where}"}
+        if as_json:
+            print(json.dumps({"ok": False, "error": err_doc}))
+        else:
+            sys.stderr.write(f"error [io_error]: {err_doc['message']}\n")
+        return EXIT_USAGE
+    try:
+        if as_json:
+            print(json.dumps(result.data, indent=2, default=str))
+        elif result.text:
+            print(result.text)
+        sys.stdout.flush()
+    except BrokenPipeError:  # `... | head`: the reader left; not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return result.exit_code

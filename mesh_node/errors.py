@@ -1,0 +1,67 @@
+"""The mesh node's errors: ``SkippyError`` subclasses with stable codes (the one hierarchy)."""
+
+from __future__ import annotations
+
+from skippy.errors import EXIT_USAGE, SkippyError
+
+
+class MeshError(SkippyError):
+    """Something on the mesh failed (a peer, a link, a stream)."""
+
+    code = "mesh_error"
+
+
+class IdentityError(MeshError, ValueError):
+    """A key or certificate file is unusable."""
+
+    code = "invalid_identity"
+    exit_code = EXIT_USAGE
+
+
+class KeyFilePermissions(IdentityError, PermissionError):
+    """A private key file is readable by group or others."""
+
+    code = "key_file_permissions"
+
+
+class PeerUnavailable(MeshError):
+    """No authenticated link to that peer."""
+
+    code = "peer_unavailable"
+
+
+class LinkClosed(MeshError):
+    """The link a stream ran on is gone (peer lost, protocol violation, shutdown)."""
+
+    code = "link_closed"
+
+
+class StreamRefused(MeshError):
+    """The peer reset a stream (at open: no handler, bad envelope, too many streams)."""
+
+    code = "stream_refused"
+
+
+class StreamReset(MeshError):
+    """The stream was reset (by the peer: ``actual`` holds its code) after it was open."""
+
+    code = "stream_reset"
+
+
+class StreamStalled(MeshError):
+    """A send could not make progress within the idle timeout (the peer stopped reading)."""
+
+    code = "stream_stalled"
+
+
+class NodeNotRunning(MeshError):
+    """``mesh-node status`` found no running node behind the config's control socket."""
+
+    code = "node_not_running"
+    exit_code = EXIT_USAGE
+
+
+class TopologyRefused(MeshError):
+    """A topology could not be planned, or a worker refused it."""
+
+    code = "topology_refused"

@@ -1,0 +1,478 @@
+"""One authenticated link: trio-websocket + Noise channel + stream multiplexer (the I/O shell).
+
+The protocol decisions are all in ``protocol/`` (sans-IO); this module moves bytes and wakes
+tasks. Each link runs in its own nursery (reader, writer, heartbeat, and the handler tasks of
+the streams its peer opened), so a link's failure or a handler's crash never touches another
+link. Memory per link is bounded: the WebSocket keeps at most one received message, each stream
+buffers at most its receive window (the peer cannot exceed it without killing the link), sends
+queue at most the peer's credit, and control frames at most ``max_control_backlog_bytes``.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import trio
+from trio_websocket import ConnectionClosed, WebSocketConnection
+
+from mesh_node.errors import LinkClosed, StreamRefused, StreamReset, StreamStalled
+from protocol import constants as pc
+from protocol import streams as ev
+from protocol.errors import ProtocolError
+from protocol.frames import SubprotocolOpen
+from protocol.handshake import Handshake, PeerIdentity, SecureChannel
+from protocol.messages import MessageReader, frame_message
+from protocol.streams import Multiplexer
+
+log = logging.getLogger("mesh_node.link")
+_PING = struct.Struct(">Q")
+
+
+@dataclass(frozen=True)
+class LinkTimeouts:
+    handshake_s: float
+    idle_s: float  # a send (stream credit or socket write) stalled this long fails
+    heartbeat_interval_s: float
+    peer_loss_s: float
+    disconnect_s: float = 1.0  # how long a closing WebSocket waits for the peer's close
+
+
+def websocket_options(limits: pc.Limits, timeouts: LinkTimeouts) -> dict[str, object]:
+    """trio-websocket settings for both ends: a 1 MiB receive buffer (its 4 KiB default caps
+    loopback at ~107 MB/s, GOTCHAS), messages bounded by the protocol's record batch, one
+    queued message, short connect/close waits."""
+    return {
+        "message_queue_size": 1,
+        "max_message_size": limits.max_ws_message_bytes,
+        "receive_buffer_size": 1024 * 1024,
+        "connect_timeout": timeouts.handshake_s,
+        "disconnect_timeout": timeouts.disconnect_s,
+    }
+
+
+async def secure_handshake(
+    ws: WebSocketConnection, hs: Handshake, timeout_s: float
+) -> tuple[PeerIdentity, SecureChannel]:
+    """Run the Noise XX exchange over ``ws``; raise ``ProtocolError`` or ``trio.TooSlowError``."""
+    with trio.fail_after(timeout_s):
+        if hs.initiator:
+            await ws.send_message(hs.start())
+        while not hs.complete:
+            message = await ws.get_message()
+            if not isinstance(message, bytes):
+                raise ProtocolError("handshake_failed", "a text message during the handshake")
+            reply = hs.receive(message)
+            if reply is not None:
+                await ws.send_message(reply)
+    assert hs.peer is not None and hs.channel is not None  # complete implies both (typing)
+    return hs.peer, hs.channel
+
+
+class MeshStream(trio.abc.HalfCloseableStream):
+    """A multiplexed stream under flow control: ``send_all`` waits for the peer's credit,
+    ``receive_some`` returns ``b""`` at the peer's end of stream. ``reset(code, reason)``
+    aborts both directions and tells the peer why. Also ``send_message``/``receive_message``
+    for length-prefixed messages (bounded by ``Limits.max_stream_message_bytes``)."""
+
+    def __init__(self, link: Link, stream_id: int, open_: SubprotocolOpen) -> None:
+        self._link = link
+        self.stream_id = stream_id
+        self.open = open_
+        self._chunks: deque[bytes] = deque()
+        self._eof = False
+        self._closed = False
+        self._error: Exception | None = None
+        self._readable = trio.lowlevel.ParkingLot()
+        self._writable = trio.lowlevel.ParkingLot()
+        self._accepted = trio.Event()
+        self._reader = MessageReader(link.limits)
+        self._pending: deque[bytes] = deque()
+        self._sending = False
+
+    # --- called by the link ------------------------------------------------------------------
+    def _on_data(self, data: bytes) -> None:
+        self._chunks.append(data)
+        self._readable.unpark_all()
+
+    def _on_end(self) -> None:
+        self._eof = True
+        self._readable.unpark_all()
+
+    def _fail(self, error: Exception) -> None:
+        if self._error is None:
+            self._error = error
+        self._accepted.set()
+        self._readable.unpark_all()
+        self._writable.unpark_all()
+
+    def _on_credit(self) -> None:
+        self._writable.unpark_all()
+
+    # --- trio.abc.HalfCloseableStream -------------------------------------------------------
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        if self._sending:
+            raise trio.BusyResourceError("another task is sending on this stream")
+        self._sending = True
+        try:
+            view = memoryview(data)
+            while view:
+                self._check_open()
+                mux = self._link.mux
+                room = mux.send_capacity(self.stream_id)
+                if room == 0:
+                    with trio.move_on_after(self._link.timeouts.idle_s) as scope:
+                        await self._writable.park()
+                    if scope.cancelled_caught:
+                        self.reset("stalled", "no flow-control credit within the idle timeout")
+                        raise StreamStalled(
+                            f"the peer granted no credit for {self._link.timeouts.idle_s:g} s"
+                        )
+                    continue
+                chunk, view = view[:room], view[room:]
+                # Queued until the writer sends it: copy unless the caller's buffer is
+                # immutable (after send_all returns, the caller may reuse a bytearray).
+                mux.send_data(self.stream_id, chunk if isinstance(data, bytes) else bytes(chunk))
+                self._link.wake_writer()
+            await trio.lowlevel.checkpoint()
+        finally:
+            self._sending = False
+
+    async def wait_send_all_might_not_block(self) -> None:
+        while self._error is None and self._link.mux.send_capacity(self.stream_id) == 0:
+            await self._writable.park()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        while not self._chunks:
+            if self._error is not None:
+                raise self._error
+            if self._eof:
+                await trio.lowlevel.checkpoint()
+                return b""
+            if self._closed:
+                raise trio.ClosedResourceError("stream closed")
+            await self._readable.park()
+        data = self._chunks.popleft()
+        if max_bytes is not None and len(data) > max_bytes:
+            self._chunks.appendleft(data[max_bytes:])
+            data = data[:max_bytes]
+        self._link.mux.consumed(self.stream_id, len(data))
+        self._link.wake_writer()
+        await trio.lowlevel.checkpoint()
+        return data
+
+    async def send_eof(self) -> None:
+        self._check_open()
+        self._link.mux.send_eof(self.stream_id)
+        self._link.wake_writer()
+        await trio.lowlevel.checkpoint()
+
+    async def aclose(self) -> None:
+        if not self._closed:
+            self._closed = True
+            mux = self._link.mux
+            if self._error is None and mux.has_stream(self.stream_id):
+                if not self._eof:
+                    mux.reset_stream(self.stream_id, "closed", "the stream was closed early")
+                else:
+                    mux.send_eof(self.stream_id)
+                self._link.wake_writer()
+            self._link.forget_stream(self.stream_id)
+        await trio.lowlevel.checkpoint()
+
+    def reset(self, code: str, reason: str) -> None:
+        """Abort the stream in both directions; the peer sees ``code`` and ``reason``."""
+        if self._error is None:
+            self._link.mux.reset_stream(self.stream_id, code, reason)
+            self._link.wake_writer()
+            self._fail(StreamReset(f"stream reset locally: {code}: {reason}", actual=code))
+        self._link.forget_stream(self.stream_id)
+
+    # --- messages ----------------------------------------------------------------------------
+    async def send_message(self, payload: bytes) -> None:
+        try:
+            framed = frame_message(payload, self._link.limits)
+        except ProtocolError as exc:
+            raise StreamReset(exc.message, code="message_too_large") from None
+        await self.send_all(framed)
+
+    async def receive_message(self) -> bytes | None:
+        """The next length-prefixed message, or ``None`` at a clean end of stream."""
+        while True:
+            if self._pending:
+                return self._pending.popleft()
+            data = await self.receive_some()
+            if not data:
+                if self._reader.buffered:
+                    raise StreamReset("the stream ended inside a message", code="truncated_message")
+                return None
+            try:
+                self._pending.extend(self._reader.feed(data))
+            except ProtocolError as exc:
+                self.reset(exc.code, exc.message)
+                raise StreamReset(exc.message, code=exc.code) from None
+
+    def _check_open(self) -> None:
+        if self._error is not None:
+            raise self._error
+        if self._closed:
+            raise trio.ClosedResourceError("stream closed")
+
+
+StreamHandler = Callable[[MeshStream], Awaitable[None]]
+# What the node answers to a peer's OPEN: a handler to run, or (code, reason) to refuse it.
+StreamDecision = tuple[str, str] | StreamHandler
+
+
+class Link:
+    """An authenticated, encrypted, multiplexed connection to one peer."""
+
+    def __init__(
+        self,
+        ws: WebSocketConnection,
+        channel: SecureChannel,
+        peer: PeerIdentity,
+        *,
+        initiator: bool,
+        limits: pc.Limits,
+        timeouts: LinkTimeouts,
+        on_stream: Callable[[Link, SubprotocolOpen], StreamDecision],
+        on_message: Callable[[Link, bytes], None],
+    ) -> None:
+        self.ws = ws
+        self.channel = channel
+        self.peer = peer
+        self.node_id = peer.node_id.hex()
+        self.initiator = initiator
+        self.limits = limits
+        self.timeouts = timeouts
+        self.mux = Multiplexer(initiator=initiator, limits=limits)
+        self._on_stream = on_stream
+        self._on_message = on_message
+        self._streams: dict[int, MeshStream] = {}
+        self._output = trio.lowlevel.ParkingLot()
+        self._nursery: trio.Nursery | None = None
+        self.closed = trio.Event()
+        self.close_reason: tuple[str, str] | None = None
+        self.last_received = trio.current_time()
+        self.rtt_s: float | None = None
+        self._ping_sent: dict[int, float] = {}
+        self._ping_seq = 0
+        self._write_in_flight = False
+
+    # --- lifecycle ---------------------------------------------------------------------------
+    async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Serve the link until it closes; never raises for a peer's misbehaviour."""
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                nursery.start_soon(self._reader)
+                nursery.start_soon(self._writer)
+                nursery.start_soon(self._heartbeat)
+                task_status.started()
+        except Exception:  # a bug in this link's code must not take the node down
+            log.exception("link %s failed", self.node_id[:12])
+            self.close_reason = self.close_reason or ("internal_error", "see the node's log")
+        finally:
+            self._nursery = None
+            reason = self.close_reason or ("shutdown", "the node is shutting down")
+            self.close_reason = reason
+            error = LinkClosed(f"link to {self.node_id[:12]} closed: {reason[0]}: {reason[1]}")
+            for stream in list(self._streams.values()):
+                stream._fail(error)
+            self._streams.clear()
+            self.closed.set()
+            with trio.CancelScope(shield=True), trio.move_on_after(self.timeouts.disconnect_s):
+                await self._say_goodbye(reason)
+                await self.ws.aclose()
+
+    async def _say_goodbye(self, reason: tuple[str, str]) -> None:
+        """Tell the peer why we leave (best effort: the socket may be gone or stalled)."""
+        if self._write_in_flight or reason[0] in (
+            "connection_closed",
+            "peer_going_away",
+            "peer_not_reading",
+        ):
+            return
+        try:
+            self.mux.go_away(*reason)
+            records: list[bytes] = []
+            while (record := self.mux.next_record()) is not None and len(records) < 4:
+                records.append(record)
+            if records:
+                await self.ws.send_message(self.channel.seal(records))
+        except (ConnectionClosed, ProtocolError, trio.BrokenResourceError):
+            pass
+
+    def close(self, code: str, reason: str) -> None:
+        """Tear the link down (GOAWAY is sent best-effort by the writer's last pass)."""
+        if self.close_reason is None:
+            self.close_reason = (code, reason)
+            log.info("link %s closing: %s: %s", self.node_id[:12], code, reason)
+        if self._nursery is not None:
+            self._nursery.cancel_scope.cancel()
+
+    def wake_writer(self) -> None:
+        self._output.unpark_all()
+
+    def forget_stream(self, stream_id: int) -> None:
+        self._streams.pop(stream_id, None)
+
+    # --- streams -----------------------------------------------------------------------------
+    async def open_stream(self, open_: SubprotocolOpen) -> MeshStream:
+        """Open a stream and wait for the peer to accept it (``StreamRefused`` otherwise)."""
+        if self.close_reason is not None:
+            raise LinkClosed(f"link to {self.node_id[:12]} is closed")
+        try:
+            sid = self.mux.open_stream(open_)
+        except ProtocolError as exc:
+            raise StreamRefused(
+                exc.message, code="stream_limit" if exc.code == "stream_limit" else "stream_refused"
+            ) from None
+        stream = MeshStream(self, sid, open_)
+        self._streams[sid] = stream
+        self.wake_writer()
+        with trio.move_on_after(self.timeouts.handshake_s) as scope:
+            await stream._accepted.wait()
+        if scope.cancelled_caught:
+            stream.reset("timeout", "no accept within the handshake timeout")
+            raise StreamRefused("the peer did not accept the stream in time", actual="timeout")
+        if stream._error is not None:
+            self._streams.pop(sid, None)
+            raise stream._error
+        return stream
+
+    # --- tasks -------------------------------------------------------------------------------
+    async def _reader(self) -> None:
+        try:
+            while True:
+                message = await self.ws.get_message()
+                if not isinstance(message, bytes):
+                    raise ProtocolError("malformed_record", "a text WebSocket message")
+                self.last_received = trio.current_time()
+                for plaintext in self.channel.open(message):
+                    for event in self.mux.receive(plaintext):
+                        self._dispatch(event)
+                if self.mux.has_output():
+                    self.wake_writer()
+        except trio.BrokenResourceError:
+            self.close("connection_closed", "the connection broke")
+        except ConnectionClosed as exc:
+            why = exc.reason
+            text = f"{why.code} {why.reason or ''}".strip() if why is not None else ""
+            self.close("connection_closed", text or "the peer closed the connection")
+        except ProtocolError as exc:
+            log.warning("link %s: protocol violation: %s", self.node_id[:12], exc)
+            self.close(exc.code, exc.message)
+
+    def _dispatch(self, event: ev.Event) -> None:
+        if isinstance(event, ev.DataReceived):
+            stream = self._streams.get(event.stream_id)
+            if stream is not None:
+                stream._on_data(event.data)
+            else:  # closed locally: nobody will read it, give the credit back
+                self.mux.consumed(event.stream_id, len(event.data))
+        elif isinstance(event, ev.StreamOpenRequested):
+            self._on_open(event.stream_id, event.open)
+        elif isinstance(event, ev.StreamAccepted):
+            stream = self._streams.get(event.stream_id)
+            if stream is not None:
+                stream._accepted.set()
+        elif isinstance(event, ev.CreditAvailable):
+            stream = self._streams.get(event.stream_id)
+            if stream is not None:
+                stream._on_credit()
+        elif isinstance(event, ev.StreamEnded):
+            stream = self._streams.get(event.stream_id)
+            if stream is not None:
+                stream._on_end()
+        elif isinstance(event, ev.StreamReset):
+            stream = self._streams.pop(event.stream_id, None)
+            if stream is not None:
+                accepted = stream._accepted.is_set()
+                cls = StreamReset if accepted else StreamRefused
+                stream._fail(cls(f"{event.code}: {event.reason}", actual=event.code))
+        elif isinstance(event, ev.StreamOpenRefused):
+            log.info("link %s: refused a stream: %s", self.node_id[:12], event.code)
+        elif isinstance(event, ev.PongReceived):
+            (seq,) = _PING.unpack(event.opaque)
+            sent = self._ping_sent.pop(seq, None)
+            if sent is not None:
+                self.rtt_s = trio.current_time() - sent
+        elif isinstance(event, ev.LinkMessageReceived):
+            self._on_message(self, event.payload)
+        elif isinstance(event, ev.GoAwayReceived):
+            self.close("peer_going_away", f"{event.code}: {event.reason}")
+
+    def _on_open(self, stream_id: int, open_: SubprotocolOpen) -> None:
+        decision = self._on_stream(self, open_)
+        if isinstance(decision, tuple):
+            code, reason = decision
+            self.mux.reset_stream(stream_id, code, reason)
+            return
+        self.mux.accept_stream(stream_id)
+        stream = MeshStream(self, stream_id, open_)
+        stream._accepted.set()
+        self._streams[stream_id] = stream
+        assert self._nursery is not None  # dispatch runs inside run()'s nursery
+        self._nursery.start_soon(self._run_handler, decision, stream)
+
+    async def _run_handler(self, handler: StreamHandler, stream: MeshStream) -> None:
+        try:
+            async with stream:
+                await handler(stream)
+        except (LinkClosed, StreamReset, StreamRefused, StreamStalled) as exc:
+            log.info("link %s stream %d ended: %s", self.node_id[:12], stream.stream_id, exc)
+        except Exception as exc:  # a handler bug must not take the link (or node) down
+            log.exception(
+                "link %s: handler for stream %d failed", self.node_id[:12], stream.stream_id
+            )
+            stream.reset("handler_error", type(exc).__name__)
+
+    async def _writer(self) -> None:
+        try:
+            while True:
+                while not self.mux.has_output():
+                    await self._output.park()
+                records: list[bytes] = []
+                while len(records) < self.limits.max_records_per_message:
+                    record = self.mux.next_record()
+                    if record is None:
+                        break
+                    records.append(record)
+                if not records:
+                    await trio.lowlevel.checkpoint()
+                    continue
+                message = self.channel.seal(records)
+                # Between seal (nonces used) and a complete send, a cancelled write would leave
+                # a gap the peer rightly rejects: no goodbye may follow an interrupted write.
+                self._write_in_flight = True
+                with trio.move_on_after(self.timeouts.idle_s) as scope:
+                    await self.ws.send_message(message)
+                self._write_in_flight = False
+                if scope.cancelled_caught:
+                    self.close("peer_not_reading", "a write stalled past the idle timeout")
+                    return
+        except (ConnectionClosed, trio.BrokenResourceError):
+            self.close("connection_closed", "the peer closed the connection")
+        except ProtocolError as exc:
+            self.close(exc.code, exc.message)
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await trio.sleep(self.timeouts.heartbeat_interval_s)
+            silent = trio.current_time() - self.last_received
+            if silent > self.timeouts.peer_loss_s:
+                self.close("peer_lost", f"nothing received for {silent:.1f} s")
+                return
+            self._ping_seq += 1
+            self._ping_sent = {self._ping_seq: trio.current_time()}  # only the latest matters
+            try:
+                self.mux.ping(_PING.pack(self._ping_seq))
+            except ProtocolError as exc:
+                self.close(exc.code, exc.message)
+                return
+            self.wake_writer()

@@ -1,0 +1,514 @@
+"""The mesh node: listener and dialers, membership, gossip, heartbeats (in each link), the
+subprotocol registry, events, and the topology service. Configuration arrives as a
+``skippy.config.NodeSettings``; every protocol decision is made in ``protocol/``.
+
+Registration API (see docs/architecture.md, "Plugging in a subprotocol handler"):
+``register_subprotocol(kind, handler)``, ``open_stream(node_id, kind)``, ``peers()``,
+``peer(node_id)``, ``subscribe()``, ``topology.active``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+from trio_websocket import (
+    ConnectionClosed,
+    ConnectionRejected,
+    HandshakeError,
+    WebSocketConnection,
+    WebSocketRequest,
+    open_websocket_url,
+    serve_websocket,
+)
+
+from mesh_node.errors import PeerUnavailable
+from mesh_node.identity import LocalIdentity, is_trusted, owner_of, short_id
+from mesh_node.link import (
+    Link,
+    LinkTimeouts,
+    MeshStream,
+    StreamDecision,
+    secure_handshake,
+    websocket_options,
+)
+from mesh_node.peers import (
+    AuthenticatedPeer,
+    InboundStream,
+    NodeEvent,
+    PeerDown,
+    PeerInfo,
+    PeerUp,
+    SubprotocolHandler,
+    status_document,
+)
+from mesh_node.topology import TopologyService
+from protocol import constants as pc
+from protocol.errors import ProtocolError
+from protocol.frames import SubprotocolOpen
+from protocol.handshake import Handshake, PeerIdentity, SecureChannel
+from protocol.messages import Hello, PeerRecord, Peers, decode_link_message
+from skippy.config import NodeSettings, PeerAddress, parse_peer_address
+from skippy.errors import UsageError
+
+log = logging.getLogger("mesh_node.node")
+MAX_PENDING_HANDSHAKES = 32  # inbound connections that have not authenticated yet
+MAX_LEARNED_DIALS = 3  # attempts at a gossip-learned address before it is forgotten
+MAX_DIAL_LOOPS = 64  # concurrent dial loops (configured peers always get one)
+MAX_MEMBERS = 1024  # membership entries; the longest-silent disconnected one goes first
+EVENT_QUEUE = 256  # per subscriber; an overflowing subscriber is closed (it can resubscribe)
+
+
+@dataclass
+class _Member:
+    peer: AuthenticatedPeer
+    link: Link | None = None
+    address: str | None = None
+    features: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    memory_budget_bytes: int = 0
+    hello: bool = False  # ever advertised (a member is listed only after its hello)
+    hello_link: Link | None = None  # the link its latest hello came on
+    last_seen: float = 0.0  # trio clock
+    disconnected: trio.Event = field(default_factory=trio.Event)
+
+
+def advertised_features(
+    settings: NodeSettings, identity: LocalIdentity, now_s: float
+) -> dict[str, tuple[str, ...]]:
+    """skippy-stage/2 with the stage bundle, plus ``artifact-transfer`` exactly when this node
+    would serve artifacts: open mode, or trusted mode with its own owner verified (spec "Peer
+    Cache Transfer"; the serving policy itself is issue #8's)."""
+    bits = set(pc.STAGE_BUNDLE)
+    _owner, own_status = identity.owner(now_s)
+    mode = settings.artifact_transfer
+    if mode == "open" or (mode == "trusted" and own_status == "verified"):
+        bits.add(pc.BIT_ARTIFACT_TRANSFER)
+    return {pc.FEATURE_SKIPPY_STAGE: tuple(sorted(bits))}
+
+
+class MeshNode:
+    def __init__(
+        self,
+        settings: NodeSettings,
+        identity: LocalIdentity,
+        *,
+        limits: pc.Limits | None = None,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.settings = settings
+        self.identity = identity
+        self.node_id = identity.node_id
+        self.limits = limits or pc.Limits(
+            handshake_timeout_s=settings.handshake_timeout_s,
+            idle_timeout_s=settings.idle_timeout_s,
+        )
+        self.timeouts = LinkTimeouts(
+            handshake_s=settings.handshake_timeout_s,
+            idle_s=settings.idle_timeout_s,
+            heartbeat_interval_s=settings.heartbeat_interval_s,
+            peer_loss_s=settings.peer_loss_timeout_s,
+            # How long a closing WebSocket waits for the peer's close frame; short, since a
+            # shutting-down or vanished peer never answers.
+            disconnect_s=min(1.0, settings.handshake_timeout_s / 4),
+        )
+        self.wall_clock = wall_clock
+        self.listen_url: str | None = None
+        self._members: dict[str, _Member] = {}
+        self._handlers: dict[tuple[str, int, int], SubprotocolHandler] = {}
+        self._subscribers: list[trio.MemorySendChannel[NodeEvent]] = []
+        self._dialing: set[str] = set()  # addresses with a dial loop
+        self._handshake_slots = trio.CapacityLimiter(MAX_PENDING_HANDSHAKES)
+        self._nursery: trio.Nursery | None = None
+        self.started = trio.Event()
+        self.topology = TopologyService(self)
+
+    # --- the registration API -----------------------------------------------------------------
+    def register_subprotocol(
+        self,
+        kind: int,
+        handler: SubprotocolHandler,
+        *,
+        name: str = pc.SKIPPY_STAGE,
+        major: int = pc.SKIPPY_STAGE_MAJOR,
+    ) -> None:
+        """Serve streams a peer opens with envelope ``{name, major}`` and stream ``kind``.
+        Each stream runs ``handler`` in its link's nursery; the stream is closed (or reset, if
+        the handler raised) when it returns. One handler per (name, major, kind)."""
+        key = (name, major, kind)
+        if key in self._handlers:
+            raise UsageError(f"a handler for {name}/{major} kind {kind:#x} is already registered")
+        self._handlers[key] = handler
+
+    async def open_stream(
+        self,
+        node_id: str,
+        kind: int,
+        *,
+        name: str = pc.SKIPPY_STAGE,
+        major: int = pc.SKIPPY_STAGE_MAJOR,
+    ) -> MeshStream:
+        """Open a ``{name, major}`` stream of ``kind`` to a connected peer; waits for the
+        peer's accept. ``PeerUnavailable`` without a link, ``StreamRefused`` (with the peer's
+        reason) when it has no such handler or too many streams."""
+        member = self._members.get(node_id)
+        if member is None or member.link is None:
+            raise PeerUnavailable(f"no link to peer {short_id(node_id)}", path=node_id)
+        return await member.link.open_stream(SubprotocolOpen(name=name, major=major, kind=kind))
+
+    def peers(self, *, connected_only: bool = False) -> list[PeerInfo]:
+        now = trio.current_time()
+        return [
+            self._info(m, now)
+            for m in self._members.values()
+            if m.hello and (m.link is not None or not connected_only)
+        ]
+
+    def peer(self, node_id: str) -> PeerInfo | None:
+        m = self._members.get(node_id)
+        return self._info(m, trio.current_time()) if m is not None and m.hello else None
+
+    @asynccontextmanager
+    async def subscribe(self) -> AsyncIterator[trio.MemoryReceiveChannel[NodeEvent]]:
+        """Node events (``PeerUp``, ``PeerDown``, ``TopologyChanged``) from now on. A
+        subscriber that falls ``EVENT_QUEUE`` events behind has its channel closed."""
+        send, receive = trio.open_memory_channel[NodeEvent](EVENT_QUEUE)
+        self._subscribers.append(send)
+        try:
+            async with receive:
+                yield receive
+        finally:
+            if send in self._subscribers:
+                self._subscribers.remove(send)
+            send.close()
+
+    def emit(self, event: NodeEvent) -> None:
+        for send in list(self._subscribers):
+            try:
+                send.send_nowait(event)
+            except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+                self._subscribers.remove(send)
+                send.close()
+
+    @property
+    def features(self) -> dict[str, tuple[str, ...]]:
+        return advertised_features(self.settings, self.identity, self.wall_clock())
+
+    def status(self) -> dict[str, Any]:
+        owner_id, owner_status = self.identity.owner(self.wall_clock())
+        return status_document(
+            node_id=self.node_id,
+            listen=self.listen_url,
+            owner_id=owner_id,
+            owner_status=owner_status,
+            features=self.features,
+            memory_budget_bytes=self.settings.memory_budget_bytes,
+            artifact_transfer=self.settings.artifact_transfer,
+            peers=self.peers(),
+            topology=self.topology.status(),
+        )
+
+    # --- running -------------------------------------------------------------------------------
+    async def run(self, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
+        """Listen, dial the configured peers, and serve until cancelled."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            opts = websocket_options(self.limits, self.timeouts)
+            listen = self.settings.listen
+            server = await nursery.start(
+                lambda task_status: serve_websocket(
+                    self._on_request,
+                    listen.host,
+                    listen.port,
+                    None,
+                    handler_nursery=nursery,
+                    task_status=task_status,
+                    **opts,  # type: ignore[arg-type]
+                )
+            )
+            host = listen.host if ":" not in listen.host else f"[{listen.host}]"
+            self.listen_url = f"ws://{host}:{server.port}"
+            for address in self.settings.peers:
+                self._start_dialing(address, persistent=True)
+            nursery.start_soon(self.topology.watch)
+            self.started.set()
+            task_status.started(f"{self.listen_url}#{self.node_id}")
+
+    def _start_dialing(self, address: PeerAddress, *, persistent: bool) -> None:
+        key = str(address)
+        if key in self._dialing or self._nursery is None:
+            return
+        if not persistent and len(self._dialing) >= MAX_DIAL_LOOPS:
+            return  # gossip cannot make us run unboundedly many dialers
+        self._dialing.add(key)
+        self._nursery.start_soon(self._dial_loop, address, persistent)
+
+    async def _dial_loop(self, address: PeerAddress, persistent: bool) -> None:
+        delay, failures = 0.05, 0
+        try:
+            while True:
+                member = self._members.get(address.node_id or "")
+                if member is not None and member.link is not None:
+                    await member.disconnected.wait()  # linked (maybe by its dial): wait for loss
+                    delay, failures = 0.05, 0
+                    continue
+                try:
+                    await self._dial(address)
+                    delay, failures = 0.05, 0
+                except (
+                    OSError,
+                    HandshakeError,
+                    ConnectionRejected,
+                    ConnectionClosed,
+                    ProtocolError,
+                    trio.TooSlowError,
+                    trio.BrokenResourceError,
+                ) as exc:
+                    failures += 1
+                    log.info("dial %s failed: %s", address, exc)
+                    if not persistent and failures >= MAX_LEARNED_DIALS:
+                        return
+                await trio.sleep(delay)
+                delay = min(delay * 2, max(1.0, self.settings.heartbeat_interval_s))
+        finally:
+            self._dialing.discard(str(address))
+
+    async def _dial(self, address: PeerAddress) -> None:
+        expected = bytes.fromhex(address.node_id) if address.node_id else None
+        hs = Handshake(
+            initiator=True,
+            identity=self.identity.key,
+            certificate=self.identity.certificate,
+            expected_peer=expected,
+            limits=self.limits,
+        )
+        opts = websocket_options(self.limits, self.timeouts)
+        async with open_websocket_url(address.url, None, **opts) as ws:  # type: ignore[arg-type]
+            try:
+                peer, channel = await secure_handshake(ws, hs, self.timeouts.handshake_s)
+            except ProtocolError as exc:
+                if exc.code == "identity_mismatch":
+                    log.warning("dial %s: %s (fails closed)", address, exc.message)
+                raise
+            await self._serve_link(ws, peer, channel, initiator=True)
+
+    async def _on_request(self, request: WebSocketRequest) -> None:
+        try:
+            await self._accept(request)
+        except (ConnectionClosed, trio.BrokenResourceError, OSError) as exc:
+            log.info("inbound connection aborted: %s", type(exc).__name__)
+
+    async def _accept(self, request: WebSocketRequest) -> None:
+        if self._handshake_slots.available_tokens == 0:
+            await request.reject(503, body=b"too many pending handshakes")
+            return
+        ws = await request.accept()
+        hs = Handshake(
+            initiator=False,
+            identity=self.identity.key,
+            certificate=self.identity.certificate,
+            limits=self.limits,
+        )
+        async with self._handshake_slots:
+            try:
+                peer, channel = await secure_handshake(ws, hs, self.timeouts.handshake_s)
+            except (ProtocolError, trio.TooSlowError) as exc:
+                log.info("inbound handshake failed: %s", exc)
+                with trio.move_on_after(self.timeouts.disconnect_s):
+                    await ws.aclose(code=1008, reason="handshake failed")
+                return
+        await self._serve_link(ws, peer, channel, initiator=False)
+
+    # --- links and membership -------------------------------------------------------------------
+    async def _serve_link(
+        self,
+        ws: WebSocketConnection,
+        identity: PeerIdentity,
+        channel: SecureChannel,
+        *,
+        initiator: bool,
+    ) -> None:
+        node_id = identity.node_id.hex()
+        if node_id == self.node_id:
+            log.info("refusing a link to myself")
+            return
+        own_owner, own_status = self.identity.owner(self.wall_clock())
+        owner_id, owner_status = owner_of(identity.certificate, identity.node_id, self.wall_clock())
+        peer = AuthenticatedPeer(
+            node_id=node_id,
+            owner_id=owner_id,
+            owner_status=owner_status,
+            trusted=is_trusted(
+                owner_id,
+                owner_status,
+                own_owner_id=own_owner,
+                own_owner_status=own_status,
+                trusted_owners=self.settings.trusted_owners,
+            ),
+        )
+        link = Link(
+            ws,
+            channel,
+            identity,
+            initiator=initiator,
+            limits=self.limits,
+            timeouts=self.timeouts,
+            on_stream=self._decide_stream,
+            on_message=self._on_message,
+        )
+        member = self._members.get(node_id)
+        if member is not None and member.link is not None:
+            if not self._prefer_new(member.link, link):
+                log.info("duplicate link to %s: keeping the existing one", short_id(node_id))
+                return
+            old = member.link
+            member.link = None  # so the old link's end is not reported as a peer loss
+            old.close("duplicate", "a preferred link replaced this one")
+            member.disconnected.set()  # wake dial loops waiting on the old link's event
+        if member is None:
+            if not self._make_room():
+                log.warning("membership full (%d): refusing %s", MAX_MEMBERS, short_id(node_id))
+                return
+            member = self._members[node_id] = _Member(peer=peer)
+        member.peer, member.link = peer, link
+        member.disconnected = trio.Event()
+        member.last_seen = trio.current_time()
+        log.info(
+            "link up: %s (%s, owner %s, trusted %s)",
+            short_id(node_id),
+            "dialed" if initiator else "accepted",
+            owner_status,
+            peer.trusted,
+        )
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(link.run)
+                hello = Hello(
+                    listen=self.listen_url,
+                    features=self.features,
+                    memory_budget_bytes=self.settings.memory_budget_bytes,
+                )
+                link.mux.send_link_message(hello.encode())
+                link.wake_writer()
+        finally:
+            if member.link is link:
+                member.link = None
+                member.last_seen = link.last_received
+                member.disconnected.set()
+                reason = link.close_reason or ("closed", "")
+                log.info("link down: %s (%s: %s)", short_id(node_id), *reason)
+                if member.hello:
+                    self.emit(PeerDown(node_id, f"{reason[0]}: {reason[1]}"))
+
+    def _make_room(self) -> bool:
+        """Keep membership bounded: forget the longest-silent disconnected peer if full."""
+        if len(self._members) < MAX_MEMBERS:
+            return True
+        gone = [(m.last_seen, nid) for nid, m in self._members.items() if m.link is None]
+        if not gone:
+            return False
+        del self._members[min(gone)[1]]
+        return True
+
+    def _prefer_new(self, old: Link, new: Link) -> bool:
+        """Both ends keep the same one of two simultaneous links: the one dialed by the smaller
+        node id; a redial by the same side replaces its older link."""
+        if old.closed.is_set() or old.close_reason is not None:
+            return True
+
+        def dialer(link: Link) -> str:
+            return self.node_id if link.initiator else link.node_id
+
+        preferred = min(self.node_id, new.node_id)
+        return dialer(new) == preferred or dialer(new) == dialer(old)
+
+    def _decide_stream(self, link: Link, open_: SubprotocolOpen) -> StreamDecision:
+        handler = self._handlers.get((open_.name, open_.major, open_.kind))
+        if handler is None:
+            names = {k[0] for k in self._handlers}
+            majors = {k[1] for k in self._handlers if k[0] == open_.name}
+            if open_.name not in names:
+                return ("unknown_subprotocol", f"no subprotocol named {open_.name!r}")
+            if open_.major not in majors:
+                return ("unsupported_major", f"{open_.name} major {open_.major} is not served")
+            return (
+                "unknown_kind",
+                f"{open_.name}/{open_.major} has no stream kind {open_.kind:#x}",
+            )
+        member = self._members.get(link.node_id)
+        if member is None or member.link is not link:
+            return ("link_replaced", "this link is being replaced")
+        peer = member.peer
+
+        async def run(stream: MeshStream) -> None:
+            await handler(InboundStream(peer, open_.name, open_.major, open_.kind, stream))
+
+        return run
+
+    def _on_message(self, link: Link, payload: bytes) -> None:
+        message = decode_link_message(payload, self.limits)  # ProtocolError kills the link
+        member = self._members.get(link.node_id)
+        if member is None or member.link is not link:
+            return
+        member.last_seen = trio.current_time()
+        if isinstance(message, Hello):
+            member.address = message.listen
+            member.features = dict(message.features)
+            member.memory_budget_bytes = message.memory_budget_bytes
+            first_on_link = member.hello_link is not link
+            member.hello, member.hello_link = True, link
+            if first_on_link:
+                self._gossip_about(link.node_id, member)
+                self.emit(PeerUp(self._info(member, trio.current_time())))
+        elif isinstance(message, Peers):
+            for record in message.peers:
+                node_id = record.node_id.hex()
+                known = self._members.get(node_id)
+                if node_id == self.node_id or (known is not None and known.link is not None):
+                    continue
+                try:
+                    address = parse_peer_address(f"{record.address}#{node_id}")
+                except UsageError:
+                    continue  # an address we cannot dial is simply not used
+                # Learned, not trusted: it counts only once dialed and authenticated.
+                self._start_dialing(address, persistent=False)
+
+    def _gossip_about(self, node_id: str, member: _Member) -> None:
+        """Tell the new peer whom we know, and everyone else about the new peer."""
+        others = [
+            PeerRecord(bytes.fromhex(nid), m.address)
+            for nid, m in self._members.items()
+            if nid != node_id and m.link is not None and m.address
+        ][: self.limits.max_gossip_peers]
+        self._send_message(member, Peers(tuple(others)).encode())
+        if member.address:
+            news = Peers((PeerRecord(bytes.fromhex(node_id), member.address),)).encode()
+            for nid, m in self._members.items():
+                if nid != node_id and m.link is not None:
+                    self._send_message(m, news)
+
+    def _send_message(self, member: _Member, payload: bytes) -> None:
+        if member.link is None:
+            return
+        try:
+            member.link.mux.send_link_message(payload)
+            member.link.wake_writer()
+        except ProtocolError as exc:
+            member.link.close(exc.code, exc.message)
+
+    def _info(self, m: _Member, now: float) -> PeerInfo:
+        seen = m.link.last_received if m.link is not None else m.last_seen
+        return PeerInfo(
+            peer=m.peer,
+            address=m.address,
+            features=dict(m.features),
+            memory_budget_bytes=m.memory_budget_bytes,
+            connected=m.link is not None,
+            last_seen_s=max(0.0, now - seen) if math.isfinite(seen) else 0.0,
+            rtt_s=m.link.rtt_s if m.link is not None else None,
+        )

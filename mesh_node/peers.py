@@ -1,0 +1,148 @@
+"""What the node knows about peers, as plain frozen values (the registration API's types), and
+the one function that builds the status document (``mesh-node status``, later the web page)."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from mesh_node.link import MeshStream
+from protocol.certificates import OwnerStatus
+
+
+@dataclass(frozen=True)
+class AuthenticatedPeer:
+    """The peer at the other end of a link, as its handshake proved it. Plain data for policy
+    code (artifact-transfer authorization reads ``trusted`` and ``owner_status``)."""
+
+    node_id: str  # 64 lowercase hex: the Ed25519 key that authenticated the link
+    owner_id: str | None  # from its certificate, when it sent one
+    owner_status: OwnerStatus  # verified | unverified | invalid (issue #7 §2)
+    trusted: bool  # verified owner, and this node's own owner or in trusted_owners
+
+
+@dataclass(frozen=True)
+class InboundStream:
+    """What a subprotocol handler receives for each stream a peer opens."""
+
+    peer: AuthenticatedPeer
+    name: str  # "skippy-stage"
+    major: int  # 2
+    kind: int  # protocol.constants.KIND_CONTROL / KIND_TRANSPORT / KIND_ARTIFACT_TRANSFER
+    stream: MeshStream
+
+
+SubprotocolHandler = Callable[[InboundStream], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class PeerInfo:
+    """A membership entry: an authenticated peer, connected now or seen before."""
+
+    peer: AuthenticatedPeer
+    address: str | None  # its advertised listen address (ws://host:port), if any
+    features: Mapping[str, tuple[str, ...]]
+    memory_budget_bytes: int
+    connected: bool
+    last_seen_s: float  # seconds since anything was received from it
+    rtt_s: float | None = None
+
+    @property
+    def node_id(self) -> str:
+        return self.peer.node_id
+
+    def has_features(self, feature: str, bits: frozenset[str]) -> bool:
+        return bits <= set(self.features.get(feature, ()))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "node_id": self.peer.node_id,
+            "address": self.address,
+            "connected": self.connected,
+            "features": {k: list(v) for k, v in self.features.items()},
+            "owner_id": self.peer.owner_id,
+            "owner_status": self.peer.owner_status,
+            "trusted": self.peer.trusted,
+            "memory_budget": self.memory_budget_bytes,
+            "last_seen_s": round(self.last_seen_s, 3),
+            "rtt_ms": None if self.rtt_s is None else round(self.rtt_s * 1000, 3),
+        }
+
+
+# --- node events (``MeshNode.subscribe``) -----------------------------------------------------
+@dataclass(frozen=True)
+class PeerUp:
+    peer: PeerInfo
+
+
+@dataclass(frozen=True)
+class PeerDown:
+    node_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class TopologyChanged:
+    state: str  # active | degraded | none
+    topology_id: str | None
+
+
+NodeEvent = PeerUp | PeerDown | TopologyChanged
+
+
+def status_document(
+    *,
+    node_id: str,
+    listen: str | None,
+    owner_id: str | None,
+    owner_status: OwnerStatus,
+    features: Mapping[str, Sequence[str]],
+    memory_budget_bytes: int,
+    artifact_transfer: str,
+    peers: Sequence[PeerInfo],
+    topology: Mapping[str, Any] | None,
+) -> dict[str, Any]:
+    """The status document (issue #7 §7): one function so every renderer agrees."""
+    return {
+        "node_id": node_id,
+        "listen": listen,
+        "owner_id": owner_id,
+        "owner_status": owner_status,
+        "features": {k: list(v) for k, v in features.items()},
+        "memory_budget": memory_budget_bytes,
+        "artifact_transfer": artifact_transfer,
+        "peers": [p.to_dict() for p in sorted(peers, key=lambda p: p.node_id)],
+        "topology": None if topology is None else dict(topology),
+    }
+
+
+def render_status(doc: Mapping[str, Any]) -> str:
+    """The status document as text for a terminal."""
+    features = "; ".join(f"{k}: {', '.join(v)}" for k, v in doc["features"].items())
+    lines = [
+        f"node     {doc['node_id']}",
+        f"listen   {doc['listen']}",
+        f"owner    {doc['owner_id'] or '-'} ({doc['owner_status']})",
+        f"features {features or '-'}",
+        f"memory   {doc['memory_budget']} bytes; artifact transfer {doc['artifact_transfer']}",
+        f"peers    {len(doc['peers'])}",
+    ]
+    for p in doc["peers"]:
+        state = "up" if p["connected"] else "down"
+        trust = "trusted" if p["trusted"] else "untrusted"
+        lines.append(
+            f"  {p['node_id'][:16]} {state:4} {p['owner_status']:10} {trust:9} "
+            f"{p['address'] or '-'} seen {p['last_seen_s']:.1f}s ago"
+        )
+    topo = doc.get("topology")
+    if topo:
+        lines.append(f"topology {topo['topology_id']} ({topo['role']}, {topo['state']})")
+        for s in topo["stages"]:
+            lines.append(
+                f"  stage {s['stage_index']}: layers {s['layer_start']}..{s['layer_end']} on "
+                f"{s['node_id'][:16]}"
+            )
+    else:
+        lines.append("topology none")
+    return "\n".join(lines)

@@ -1,0 +1,80 @@
+"""``mesh-node run``: the node, its control socket and clean shutdown on SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+from dataclasses import replace
+from typing import Any
+
+import trio
+
+from mesh_node.control import serve_control
+from mesh_node.identity import LocalIdentity
+from mesh_node.node import MeshNode
+from skippy.config import NodeSettings, read_environment
+from skippy.errors import UsageError
+
+log = logging.getLogger("mesh_node.service")
+
+
+def control_handler(node: MeshNode) -> Any:
+    async def handle(request: dict[str, Any]) -> dict[str, Any]:
+        op = request.get("op")
+        if op == "status":
+            return {"ok": True, "status": node.status()}
+        if op == "topology":
+            package = request.get("package")
+            stages = request.get("stages")
+            if not isinstance(package, str) or not (stages is None or isinstance(stages, int)):
+                raise UsageError("topology needs package (string) and stages (int or null)")
+            ref, sha, sizes = await trio.to_thread.run_sync(_package_facts, node.settings, package)
+            active = await node.topology.propose(
+                package_ref=ref,
+                manifest_sha256=sha,
+                sizes=sizes,
+                include_self=bool(request.get("include_self", True)),
+                stages=stages,
+            )
+            return {"ok": True, "topology": active.to_dict()}
+        if op == "replan":
+            return {"ok": True, "topology": (await node.topology.replan()).to_dict()}
+        raise UsageError(f"unknown control operation {op!r}", code="bad_request")
+
+    return handle
+
+
+def _package_facts(settings: NodeSettings, text: str) -> tuple[str, str, Any]:
+    """(pinned package ref, manifest SHA-256, per-artifact sizes) of a package reference."""
+    from skippy.consume.resolve import open_package
+    from skippy.package.refs import HfPackageRef, parse_package_ref
+    from skippy.produce.inspect import sizes_from_manifest
+
+    ref = parse_package_ref(text)
+    env = replace(read_environment(), hf_cache_dir=settings.hub_cache_dir)
+    pkg = open_package(ref, env)
+    # A hub package is pinned to the commit resolved now (snapshots/<commit>/): every worker
+    # then names exactly the same bytes; a local directory is named by its absolute path.
+    pinned = (
+        f"hf://{ref.repo_id}@{pkg.root.name}"
+        if isinstance(ref, HfPackageRef)
+        else str(pkg.root.resolve())
+    )
+    return pinned, pkg.manifest_sha256, sizes_from_manifest(pkg.manifest)
+
+
+async def run_node(settings: NodeSettings, identity: LocalIdentity) -> None:
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    node = MeshNode(settings, identity)
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(serve_control, settings.control_socket, control_handler(node))
+            address = await nursery.start(node.run)
+            sys.stdout.write(f"listening {address}\n")
+            sys.stdout.flush()
+            async for signum in signals:
+                log.info("%s: shutting down", signal.Signals(signum).name)
+                nursery.cancel_scope.cancel()
+                break
+    log.info("stopped")

@@ -1,0 +1,268 @@
+"""The topology service (issue #7 §6): the coordinator plans, signs and sends a split topology
+over skippy-stage/2 control streams (kind 0x01); a worker verifies the signature against the
+coordinator's *authenticated* node id and the exact-once coverage, stores it as its active
+topology and acknowledges. Peer loss marks the topology degraded; ``replan`` places the split
+again over the remaining capable peers.
+
+Planning is pure (``skippy.package.topology.plan_topology``); this module does the I/O.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+import trio
+
+from mesh_node.errors import MeshError, TopologyRefused
+from mesh_node.identity import LocalIdentity
+from mesh_node.link import LinkTimeouts, MeshStream
+from mesh_node.peers import InboundStream, NodeEvent, PeerDown, PeerInfo, TopologyChanged
+from protocol import constants as pc
+from protocol.certificates import sign_domain, verify_domain
+from protocol.errors import ProtocolError
+from protocol.messages import TopologyAck, TopologyOffer, decode_control_message
+from skippy.config import NodeSettings
+from skippy.errors import TopologyError
+from skippy.package.plan import ModelSizes
+from skippy.package.topology import NodeCapacity, SplitTopology, plan_topology
+
+log = logging.getLogger("mesh_node.topology")
+Role = Literal["coordinator", "worker"]
+State = Literal["active", "degraded", "incomplete"]
+
+
+@dataclass
+class ActiveTopology:
+    topology: SplitTopology
+    signature: bytes
+    coordinator_id: str
+    role: Role
+    state: State
+    acks: dict[str, str] = field(default_factory=dict)  # worker -> accepted | refused: ... | ...
+    lost: set[str] = field(default_factory=set)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            **self.topology.to_dict(),
+            "coordinator_id": self.coordinator_id,
+            "role": self.role,
+            "state": self.state,
+            "acks": dict(sorted(self.acks.items())),
+            "lost_nodes": sorted(self.lost),
+        }
+
+
+@dataclass(frozen=True)
+class _PlanRequest:
+    package_ref: str
+    manifest_sha256: str
+    sizes: ModelSizes
+    include_self: bool
+    stages: int | None
+    run_id: str
+
+
+def topology_signature_valid(topology: SplitTopology, signer_id: str, signature: bytes) -> bool:
+    return verify_domain(
+        bytes.fromhex(signer_id), signature, pc.SIG_DOMAIN_TOPOLOGY, topology.canonical_bytes()
+    )
+
+
+class NodeView(Protocol):
+    """The part of ``MeshNode`` the service uses (keeps the arrow one way: node -> topology)."""
+
+    node_id: str
+    identity: LocalIdentity
+    settings: NodeSettings
+    limits: pc.Limits
+    timeouts: LinkTimeouts
+
+    def peers(self, *, connected_only: bool = False) -> list[PeerInfo]: ...
+    async def open_stream(self, node_id: str, kind: int) -> MeshStream: ...
+    def emit(self, event: NodeEvent) -> None: ...
+    def subscribe(self) -> AbstractAsyncContextManager[trio.MemoryReceiveChannel[NodeEvent]]: ...
+    def register_subprotocol(self, kind: int, handler: Callable[[InboundStream], Any]) -> None: ...
+
+
+class TopologyService:
+    def __init__(self, node: NodeView) -> None:
+        self.node = node
+        self.active: ActiveTopology | None = None
+        self._last_request: _PlanRequest | None = None
+        node.register_subprotocol(pc.KIND_CONTROL, self._handle_control)
+
+    def status(self) -> dict[str, Any] | None:
+        return None if self.active is None else self.active.to_dict()
+
+    def capable_nodes(self, include_self: bool) -> list[NodeCapacity]:
+        """Connected peers advertising the complete stage bundle (and this node, if asked)."""
+        nodes = [
+            NodeCapacity(p.node_id, p.memory_budget_bytes)
+            for p in self.node.peers(connected_only=True)
+            if p.has_features(pc.FEATURE_SKIPPY_STAGE, pc.STAGE_BUNDLE)
+        ]
+        if include_self:
+            nodes.append(NodeCapacity(self.node.node_id, self.node.settings.memory_budget_bytes))
+        return nodes
+
+    # --- coordinator -----------------------------------------------------------------------------
+    async def propose(
+        self,
+        *,
+        package_ref: str,
+        manifest_sha256: str,
+        sizes: ModelSizes,
+        include_self: bool = True,
+        stages: int | None = None,
+        run_id: str | None = None,
+    ) -> ActiveTopology:
+        """Plan over the capable peers, sign, send to every worker and collect their acks."""
+        request = _PlanRequest(
+            package_ref,
+            manifest_sha256,
+            sizes,
+            include_self,
+            stages,
+            run_id or f"run-{uuid.uuid4().hex[:16]}",
+        )
+        self._last_request = request
+        try:
+            topology = plan_topology(
+                sizes,
+                self.capable_nodes(include_self),
+                topology_id=f"topo-{uuid.uuid4().hex[:16]}",
+                run_id=request.run_id,
+                package_ref=package_ref,
+                manifest_sha256=manifest_sha256,
+                stages=stages,
+            )
+        except TopologyError as exc:
+            raise TopologyRefused(
+                exc.message, code=exc.code, expected=exc.expected, actual=exc.actual, path=exc.path
+            ) from None
+        signature = sign_domain(
+            self.node.identity.key, pc.SIG_DOMAIN_TOPOLOGY, topology.canonical_bytes()
+        )
+        active = ActiveTopology(topology, signature, self.node.node_id, "coordinator", "incomplete")
+        workers = [s.node_id for s in topology.stages if s.node_id != self.node.node_id]
+        offer = TopologyOffer(topology.to_dict(), signature).encode()
+        async with trio.open_nursery() as nursery:
+            for worker in workers:
+                nursery.start_soon(self._send_offer, worker, offer, topology, active)
+        active.state = (
+            "active" if all(active.acks.get(w) == "accepted" for w in workers) else ("incomplete")
+        )
+        self.active = active
+        self.node.emit(TopologyChanged(active.state, topology.topology_id))
+        log.info("topology %s: %s (%s)", topology.topology_id, active.state, active.acks)
+        return active
+
+    async def replan(self) -> ActiveTopology:
+        if self._last_request is None:
+            raise TopologyRefused(
+                "nothing to re-plan: no topology was proposed", code="no_topology"
+            )
+        r = self._last_request
+        return await self.propose(
+            package_ref=r.package_ref,
+            manifest_sha256=r.manifest_sha256,
+            sizes=r.sizes,
+            include_self=r.include_self,
+            stages=r.stages,
+            run_id=r.run_id,
+        )
+
+    async def _send_offer(
+        self, worker: str, offer: bytes, topology: SplitTopology, active: ActiveTopology
+    ) -> None:
+        try:
+            with trio.fail_after(self.node.timeouts.handshake_s):
+                stream = await self.node.open_stream(worker, pc.KIND_CONTROL)
+                async with stream:
+                    await stream.send_message(offer)
+                    await stream.send_eof()
+                    reply = await stream.receive_message()
+            if reply is None:
+                active.acks[worker] = "no answer"
+                return
+            ack = decode_control_message(reply, self.node.limits)
+            if not isinstance(ack, TopologyAck) or ack.topology_id != topology.topology_id:
+                active.acks[worker] = "refused: unexpected reply"
+            elif ack.accepted:
+                active.acks[worker] = "accepted"
+            else:
+                active.acks[worker] = f"refused: {ack.code}: {ack.message}"
+        except trio.TooSlowError:
+            active.acks[worker] = "no answer: timeout"
+        except (MeshError, ProtocolError) as exc:
+            active.acks[worker] = f"unreachable: {exc}"
+
+    # --- worker ------------------------------------------------------------------------------
+    async def _handle_control(self, inbound: InboundStream) -> None:
+        stream = inbound.stream
+        with trio.fail_after(self.node.timeouts.handshake_s):
+            payload = await stream.receive_message()
+        if payload is None:
+            return
+        try:
+            message = decode_control_message(payload, self.node.limits)
+        except ProtocolError as exc:
+            stream.reset(exc.code, exc.message)
+            return
+        if not isinstance(message, TopologyOffer):
+            stream.reset("unexpected_message", "a control stream starts with a topology offer")
+            return
+        ack = self.accept_offer(message, inbound.peer.node_id)
+        await stream.send_message(ack.encode())
+        await stream.send_eof()
+        await stream.receive_some()  # the coordinator's end of stream (or its reset)
+
+    def accept_offer(self, offer: TopologyOffer, coordinator_id: str) -> TopologyAck:
+        """Verify an offer received from the authenticated ``coordinator_id``; store it."""
+        raw_id = offer.topology.get("topology_id")
+        topology_id = raw_id if isinstance(raw_id, str) and raw_id else "?"
+        try:
+            topology = SplitTopology.from_dict(offer.topology)
+        except TopologyError as exc:
+            return TopologyAck(topology_id[:128], False, exc.code, exc.message)
+        if not topology_signature_valid(topology, coordinator_id, offer.signature):
+            return TopologyAck(
+                topology.topology_id,
+                False,
+                "topology_signature",
+                "the signature does not verify against the sending coordinator's id",
+            )
+        if topology.stage_of(self.node.node_id) is None:
+            return TopologyAck(
+                topology.topology_id, False, "not_in_topology", "this node holds no stage"
+            )
+        self.active = ActiveTopology(topology, offer.signature, coordinator_id, "worker", "active")
+        self.node.emit(TopologyChanged("active", topology.topology_id))
+        log.info("accepted topology %s from %s", topology.topology_id, coordinator_id[:12])
+        return TopologyAck(topology.topology_id, True)
+
+    # --- peer loss --------------------------------------------------------------------------------
+    async def watch(self) -> None:
+        async with self.node.subscribe() as events:
+            async for event in events:
+                if isinstance(event, PeerDown):
+                    self.on_peer_down(event.node_id)
+
+    def on_peer_down(self, node_id: str) -> None:
+        active = self.active
+        if active is None:
+            return
+        involved = active.topology.stage_of(node_id) is not None or node_id == (
+            active.coordinator_id
+        )
+        if not involved or node_id == self.node.node_id:
+            return
+        active.lost.add(node_id)
+        active.state = "degraded"
+        log.warning("topology %s degraded: lost %s", active.topology.topology_id, node_id[:12])
+        self.node.emit(TopologyChanged("degraded", active.topology.topology_id))

@@ -1,0 +1,107 @@
+"""The protocol's vocabulary: frame and stream types, subprotocol names, feature names, limits.
+
+Nothing else in ``protocol/`` or ``mesh_node/`` spells these as literals (STYLE 1). Every limit
+is enforced on receive (see ``Limits``) and has a test that exceeds it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final
+
+# --- secure channel ---------------------------------------------------------------------------
+NOISE_PROTOCOL_NAME: Final = b"Noise_XX_25519_ChaChaPoly_SHA256"
+# The prologue binds the protocol version into the handshake hash: a peer speaking another
+# version fails the handshake instead of misreading frames.
+NOISE_PROLOGUE: Final = b"skippy-mesh/1"
+# Domain separation for every Ed25519 signature we make (libp2p's "noise-libp2p-static-key:").
+SIG_DOMAIN_STATIC_KEY: Final = b"skippy-mesh-noise-static-key:"
+SIG_DOMAIN_OWNER_CERT: Final = b"skippy-mesh-owner-certificate/1\x00"
+SIG_DOMAIN_TOPOLOGY: Final = b"skippy-mesh-topology/1\x00"
+NOISE_MAX_MESSAGE: Final = 65535  # Noise spec: a transport message is at most 65535 bytes
+NOISE_TAG_BYTES: Final = 16
+KEY_BYTES: Final = 32  # Ed25519 and X25519 public keys
+SIGNATURE_BYTES: Final = 64
+HANDSHAKE_PAYLOAD_VERSION: Final = 1
+
+# --- records and frames -----------------------------------------------------------------------
+# A WebSocket binary message carries 1..MAX_RECORDS_PER_MESSAGE records, each
+# ``u16 length | Noise ciphertext``; a record's plaintext is a whole number of frames.
+RECORD_LENGTH_BYTES: Final = 2
+MAX_RECORD_PLAINTEXT: Final = NOISE_MAX_MESSAGE - NOISE_TAG_BYTES
+FRAME_HEADER_BYTES: Final = 10  # type u8 | flags u8 | stream id u32 | length u32 (big endian)
+MAX_FRAME_PAYLOAD: Final = MAX_RECORD_PLAINTEXT - FRAME_HEADER_BYTES
+
+FRAME_DATA: Final = 0x00
+FRAME_OPEN: Final = 0x01
+FRAME_ACCEPT: Final = 0x02
+FRAME_WINDOW: Final = 0x03
+FRAME_CLOSE: Final = 0x04  # half close: the sender sends no more data on the stream
+FRAME_RESET: Final = 0x05
+FRAME_PING: Final = 0x06
+FRAME_PONG: Final = 0x07
+FRAME_MESSAGE: Final = 0x08  # a link-level control message (hello, gossip), stream id 0
+FRAME_GOAWAY: Final = 0x09
+FRAME_TYPES: Final = frozenset(range(FRAME_DATA, FRAME_GOAWAY + 1))
+LINK_STREAM_ID: Final = 0  # frames that belong to the link, not to a stream
+PING_PAYLOAD_BYTES: Final = 8
+WINDOW_PAYLOAD_BYTES: Final = 4
+
+# --- stream types (the first byte of an OPEN frame's payload) ----------------------------------
+STREAM_SUBPROTOCOL: Final = 0x0D  # as in mesh-llm: a named, versioned subprotocol
+STREAM_TYPES: Final = frozenset({STREAM_SUBPROTOCOL})
+
+# --- the skippy-stage subprotocol (spec: "Mesh owns only the subprotocol open envelope") ---------
+ENVELOPE_GEN: Final = 1
+ENVELOPE_LENGTH_BYTES: Final = 2
+SKIPPY_STAGE: Final = "skippy-stage"
+SKIPPY_STAGE_MAJOR: Final = 2
+KIND_CONTROL: Final = 0x01
+KIND_TRANSPORT: Final = 0x02
+KIND_ARTIFACT_TRANSFER: Final = 0x03
+SKIPPY_STAGE_KINDS: Final = frozenset({KIND_CONTROL, KIND_TRANSPORT, KIND_ARTIFACT_TRANSFER})
+
+# --- features --------------------------------------------------------------------------------
+FEATURE_SKIPPY_STAGE: Final = f"{SKIPPY_STAGE}/{SKIPPY_STAGE_MAJOR}"
+BIT_CONTROL: Final = "control"
+BIT_STATUS: Final = "status"
+BIT_CONTENT_IDENTITY: Final = "content-identity"
+BIT_ARTIFACT_TRANSFER: Final = "artifact-transfer"
+STAGE_BUNDLE: Final = frozenset({BIT_CONTROL, BIT_STATUS, BIT_CONTENT_IDENTITY})
+
+# --- message generations -----------------------------------------------------------------------
+MESSAGE_GEN: Final = 1
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Every bound a link enforces on what it receives. The defaults are the protocol's; tests
+    and operators may lower the timeouts (never raise the sizes past what peers expect)."""
+
+    # sizes
+    max_ws_message_bytes: int = 16 * (RECORD_LENGTH_BYTES + NOISE_MAX_MESSAGE)
+    max_records_per_message: int = 16
+    max_frame_payload: int = MAX_FRAME_PAYLOAD
+    max_control_payload: int = 32 * 1024  # OPEN, RESET, GOAWAY, MESSAGE payloads
+    max_handshake_message_bytes: int = 2048
+    max_stream_message_bytes: int = 1024 * 1024  # one length-prefixed message on a stream
+    max_reason_chars: int = 256
+    max_envelope_bytes: int = 256
+    max_gossip_peers: int = 128
+    max_features: int = 32
+    max_feature_chars: int = 64
+    max_address_chars: int = 256
+    # streams and flow control
+    max_streams_per_link: int = 32  # live streams opened by one side of a link
+    stream_window_bytes: int = 4 * 1024 * 1024  # yamux-like per-stream receive window
+    max_control_backlog_bytes: int = 1024 * 1024  # queued outbound control frames
+    # time (seconds; the sans-IO state machines take "now" as a number)
+    handshake_timeout_s: float = 10.0
+    idle_timeout_s: float = 30.0  # a stream send that cannot progress this long fails
+
+    def __post_init__(self) -> None:
+        if self.max_frame_payload > MAX_FRAME_PAYLOAD:
+            raise ValueError(f"max_frame_payload cannot exceed {MAX_FRAME_PAYLOAD}")
+
+
+DEFAULT_LIMITS: Final = Limits()

@@ -1,0 +1,218 @@
+"""The Noise XX handshake as a sans-IO state machine, with identities bound the libp2p way.
+
+``Noise_XX_25519_ChaChaPoly_SHA256`` (the ``noiseprotocol`` package: no home-made crypto). Each
+side's X25519 static key is fresh per link; its long-term Ed25519 identity signs that static key
+inside the encrypted handshake payload (STYLE 17), so the peer id is derived from a key that
+proved itself, never claimed. The payload may carry the node's owner certificate.
+
+Messages: (1) initiator -> e (empty payload); (2) responder -> e, ee, s, es + its identity;
+(3) initiator -> s, se + its identity. The initiator checks the responder's id (the ``#<id>``
+of the address it dialed) before it reveals its own identity in message 3: an impostor learns
+nothing but an ephemeral key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+from cryptography.hazmat.primitives.serialization import (
+    Encoding,
+    NoEncryption,
+    PrivateFormat,
+    PublicFormat,
+)
+from noise.connection import Keypair, NoiseConnection
+from noise.exceptions import (
+    NoiseHandshakeError,
+    NoiseInvalidMessage,
+    NoiseMaxNonceError,
+    NoiseValidationError,
+    NoiseValueError,
+)
+
+from protocol import constants as c
+from protocol import frames as f
+from protocol.certificates import OwnerCertificate, public_bytes, sign_domain, verify_domain
+from protocol.errors import ProtocolError
+
+_NOISE_ERRORS = (
+    NoiseHandshakeError,
+    NoiseInvalidMessage,
+    NoiseMaxNonceError,
+    NoiseValidationError,
+    NoiseValueError,
+    InvalidTag,
+    ValueError,
+    TypeError,
+    IndexError,
+)
+
+
+@dataclass(frozen=True)
+class PeerIdentity:
+    """What the handshake proved about the peer."""
+
+    node_id: bytes  # its Ed25519 identity key
+    certificate: OwnerCertificate | None
+
+
+class SecureChannel:
+    """Noise transport ciphers for one link: plaintext records <-> one WebSocket message.
+
+    The nonces are Noise's own counters, so a tampered, replayed, dropped or reordered record
+    fails authentication and the link is dead (``decrypt_failed`` is fatal)."""
+
+    def __init__(self, encrypt: Any, decrypt: Any, limits: c.Limits) -> None:
+        self._enc = encrypt
+        self._dec = decrypt
+        self.limits = limits
+
+    def seal(self, plaintexts: list[bytes]) -> bytes:
+        parts: list[bytes] = []
+        for pt in plaintexts:
+            if len(pt) > c.MAX_RECORD_PLAINTEXT:
+                raise ProtocolError(
+                    "frame_too_large", "a record exceeds the Noise maximum", fatal=False
+                )
+            ct = self._enc.encrypt_with_ad(None, pt)
+            parts.append(f.record_prefix(len(ct)))
+            parts.append(ct)
+        return b"".join(parts)
+
+    def open(self, message: bytes) -> list[bytes]:
+        out = []
+        for record in f.split_records(message, self.limits):
+            try:
+                out.append(self._dec.decrypt_with_ad(None, record))
+            except _NOISE_ERRORS:
+                raise ProtocolError(
+                    "decrypt_failed",
+                    "a record failed authentication (tampered, replayed or reordered)",
+                ) from None
+        return out
+
+
+class Handshake:
+    def __init__(
+        self,
+        *,
+        initiator: bool,
+        identity: Ed25519PrivateKey,
+        certificate: OwnerCertificate | None = None,
+        expected_peer: bytes | None = None,
+        limits: c.Limits = c.DEFAULT_LIMITS,
+    ) -> None:
+        self.initiator = initiator
+        self.limits = limits
+        self._identity = identity
+        self._certificate = certificate
+        self._expected = expected_peer
+        static = X25519PrivateKey.generate()
+        static_priv = static.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption())
+        static_pub = static.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+        self._payload = msgpack.packb(
+            {
+                "v": c.HANDSHAKE_PAYLOAD_VERSION,
+                "key": public_bytes(identity.public_key()),
+                "sig": sign_domain(identity, c.SIG_DOMAIN_STATIC_KEY, static_pub),
+                "cert": certificate.to_wire() if certificate is not None else None,
+            }
+        )
+        self._noise = NoiseConnection.from_name(c.NOISE_PROTOCOL_NAME)
+        self._noise.set_keypair_from_private_bytes(Keypair.STATIC, static_priv)
+        self._noise.set_prologue(c.NOISE_PROLOGUE)
+        if initiator:
+            self._noise.set_as_initiator()
+        else:
+            self._noise.set_as_responder()
+        self._noise.start_handshake()
+        self._hs = self._noise.noise_protocol.handshake_state  # keeps rs after the split
+        self._step = 0
+        self.peer: PeerIdentity | None = None
+        self.channel: SecureChannel | None = None
+
+    @property
+    def complete(self) -> bool:
+        return self.channel is not None
+
+    def start(self) -> bytes:
+        """The initiator's first message."""
+        if not self.initiator or self._step != 0:
+            raise ProtocolError("handshake_state", "only the initiator starts, once", fatal=False)
+        self._step = 1
+        return bytes(self._noise.write_message(b""))
+
+    def receive(self, message: bytes) -> bytes | None:
+        """Consume the peer's next handshake message; return ours to send, if any."""
+        if self.complete:
+            raise ProtocolError("handshake_state", "the handshake is already complete")
+        if len(message) > self.limits.max_handshake_message_bytes:
+            raise ProtocolError(
+                "handshake_too_large", f"a handshake message of {len(message)} bytes"
+            )
+        if self.initiator and self._step == 1:  # message 2
+            payload = self._read(message)
+            self.peer = self._verify_payload(payload)
+            if self._expected is not None and self.peer.node_id != self._expected:
+                raise ProtocolError(
+                    "identity_mismatch",
+                    f"dialed {self._expected.hex()} but the peer proved {self.peer.node_id.hex()}",
+                )
+            out = bytes(self._noise.write_message(self._payload))
+            self._finish()
+            return out
+        if not self.initiator and self._step == 0:  # message 1
+            if self._read(message):
+                raise ProtocolError("handshake_failed", "message 1 carries no payload")
+            self._step = 1
+            return bytes(self._noise.write_message(self._payload))
+        if not self.initiator and self._step == 1:  # message 3
+            payload = self._read(message)
+            self.peer = self._verify_payload(payload)
+            self._finish()
+            return None
+        raise ProtocolError("handshake_state", "unexpected handshake message")
+
+    def _read(self, message: bytes) -> bytes:
+        try:
+            return bytes(self._noise.read_message(bytes(message)))
+        except _NOISE_ERRORS as exc:
+            raise ProtocolError(
+                "handshake_failed", f"bad handshake message ({type(exc).__name__})"
+            ) from None
+
+    def _verify_payload(self, payload: bytes) -> PeerIdentity:
+        data = f.unpack_bounded(payload, self.limits)
+        if not isinstance(data, dict) or set(data) != {"v", "key", "sig", "cert"}:
+            raise ProtocolError("handshake_failed", "the identity payload has unexpected fields")
+        if data["v"] != c.HANDSHAKE_PAYLOAD_VERSION:
+            raise ProtocolError("handshake_failed", f"identity payload version {data['v']!r}")
+        key, sig = data["key"], data["sig"]
+        if not isinstance(key, bytes) or not isinstance(sig, bytes):
+            raise ProtocolError("handshake_failed", "identity key and signature are bytes")
+        remote_static = getattr(self._hs.rs, "public_bytes", None)
+        if not isinstance(remote_static, bytes) or not verify_domain(
+            key, sig, c.SIG_DOMAIN_STATIC_KEY, remote_static
+        ):
+            raise ProtocolError(
+                "identity_signature", "the peer's identity key did not sign its Noise static key"
+            )
+        cert = None
+        if data["cert"] is not None:
+            try:
+                cert = OwnerCertificate.from_wire(data["cert"])
+            except ProtocolError as exc:
+                raise ProtocolError("handshake_failed", exc.message) from None
+        return PeerIdentity(node_id=key, certificate=cert)
+
+    def _finish(self) -> None:
+        proto = self._noise.noise_protocol
+        self.channel = SecureChannel(
+            proto.cipher_state_encrypt, proto.cipher_state_decrypt, self.limits
+        )
+        self._step = 2

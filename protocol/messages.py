@@ -1,0 +1,253 @@
+"""msgpack message schemas: link messages (hello, peer gossip) and control-stream messages
+(topology envelopes and their acknowledgements), plus the length-prefixed stream framing.
+
+Every decoder is strict (exact keys, exact types, bounded sizes) and raises only
+``ProtocolError``. What is gossiped is exactly what these schemas allow, and nothing else: a
+node's listen address, its feature bits and its memory budget (hello) and other nodes' ids and
+listen addresses (peers). No inventory, paths, cache roots or tokens can be expressed.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from protocol import constants as c
+from protocol.errors import ProtocolError
+from protocol.frames import unpack_bounded
+
+_U32 = struct.Struct(">I")
+_MAX_BUDGET = 2**62
+
+
+def _fail(message: str) -> ProtocolError:
+    return ProtocolError("malformed_message", message)
+
+
+def _check_keys(data: object, keys: set[str], what: str) -> dict[str, Any]:
+    if not isinstance(data, dict) or set(data) != keys:
+        raise _fail(f"a {what} message has exactly the fields {sorted(keys)}")
+    if data.get("gen") != c.MESSAGE_GEN:
+        raise _fail(f"a {what} message of generation {data.get('gen')!r}")
+    return data
+
+
+def _str(value: object, what: str, max_chars: int) -> str:
+    if not isinstance(value, str) or not 0 < len(value) <= max_chars:
+        raise _fail(f"{what} must be a string of 1-{max_chars} characters")
+    return value
+
+
+def _opt_str(value: object, what: str, max_chars: int) -> str | None:
+    return None if value is None else _str(value, what, max_chars)
+
+
+def _int(value: object, what: str, hi: int = _MAX_BUDGET) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= hi:
+        raise _fail(f"{what} must be an integer in 0..{hi}")
+    return value
+
+
+def _key(value: object, what: str) -> bytes:
+    if not isinstance(value, bytes) or len(value) != c.KEY_BYTES:
+        raise _fail(f"{what} must be {c.KEY_BYTES} bytes")
+    return value
+
+
+# --- link messages --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Hello:
+    """A node's advertisement, sent once per link right after the handshake."""
+
+    listen: str | None  # ws://host:port where it accepts links, if any
+    features: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    memory_budget_bytes: int = 0
+
+    def encode(self) -> bytes:
+        return _pack(
+            {
+                "t": "hello",
+                "gen": c.MESSAGE_GEN,
+                "listen": self.listen,
+                "features": {k: list(v) for k, v in self.features.items()},
+                "memory_budget_bytes": self.memory_budget_bytes,
+            }
+        )
+
+
+@dataclass(frozen=True)
+class PeerRecord:
+    node_id: bytes
+    address: str
+
+
+@dataclass(frozen=True)
+class Peers:
+    """Gossip: other authenticated nodes this node is linked to (id and listen address only)."""
+
+    peers: tuple[PeerRecord, ...]
+
+    def encode(self) -> bytes:
+        return _pack(
+            {
+                "t": "peers",
+                "gen": c.MESSAGE_GEN,
+                "peers": [{"node_id": p.node_id, "address": p.address} for p in self.peers],
+            }
+        )
+
+
+LinkMessage = Hello | Peers
+
+
+def decode_link_message(payload: bytes, limits: c.Limits = c.DEFAULT_LIMITS) -> LinkMessage:
+    if len(payload) > limits.max_control_payload:
+        raise ProtocolError("message_too_large", f"a link message of {len(payload)} bytes")
+    data = unpack_bounded(payload, limits)
+    kind = data.get("t") if isinstance(data, dict) else None
+    if kind == "hello":
+        d = _check_keys(data, {"t", "gen", "listen", "features", "memory_budget_bytes"}, "hello")
+        return Hello(
+            listen=_opt_str(d["listen"], "listen", limits.max_address_chars),
+            features=_features(d["features"], limits),
+            memory_budget_bytes=_int(d["memory_budget_bytes"], "memory_budget_bytes"),
+        )
+    if kind == "peers":
+        d = _check_keys(data, {"t", "gen", "peers"}, "peers")
+        raw = d["peers"]
+        if not isinstance(raw, list) or len(raw) > limits.max_gossip_peers:
+            raise _fail(f"peers is a list of at most {limits.max_gossip_peers} entries")
+        records = []
+        for entry in raw:
+            if not isinstance(entry, dict) or set(entry) != {"node_id", "address"}:
+                raise _fail("a peer entry has exactly node_id and address")
+            address = _str(entry["address"], "address", limits.max_address_chars)
+            records.append(PeerRecord(_key(entry["node_id"], "node_id"), address))
+        return Peers(tuple(records))
+    raise _fail(f"unknown link message type {kind!r}")
+
+
+def _features(value: object, limits: c.Limits) -> dict[str, tuple[str, ...]]:
+    if not isinstance(value, dict) or len(value) > limits.max_features:
+        raise _fail(f"features is a map of at most {limits.max_features} entries")
+    out: dict[str, tuple[str, ...]] = {}
+    for name, bits in value.items():
+        _str(name, "a feature name", limits.max_feature_chars)
+        if not isinstance(bits, list) or len(bits) > limits.max_features:
+            raise _fail(f"feature {name!r} has a list of at most {limits.max_features} bits")
+        out[name] = tuple(str(_str(b, "a feature bit", limits.max_feature_chars)) for b in bits)
+    return out
+
+
+# --- control-stream messages (skippy-stage/2 kind 0x01) ----------------------------------------
+@dataclass(frozen=True)
+class TopologyOffer:
+    """A coordinator's signed topology. ``topology`` is the plain dict form; its meaning (and
+    exact-once coverage) is checked by ``skippy.package.topology.SplitTopology.from_dict``."""
+
+    topology: dict[str, Any]
+    signature: bytes
+
+    def encode(self) -> bytes:
+        return _pack(
+            {
+                "t": "topology",
+                "gen": c.MESSAGE_GEN,
+                "topology": self.topology,
+                "sig": self.signature,
+            }
+        )
+
+
+@dataclass(frozen=True)
+class TopologyAck:
+    topology_id: str
+    accepted: bool
+    code: str | None = None
+    message: str | None = None
+
+    def encode(self) -> bytes:
+        return _pack(
+            {
+                "t": "topology_ack",
+                "gen": c.MESSAGE_GEN,
+                "topology_id": self.topology_id,
+                "accepted": self.accepted,
+                "code": self.code,
+                "message": self.message,
+            }
+        )
+
+
+ControlMessage = TopologyOffer | TopologyAck
+
+
+def decode_control_message(payload: bytes, limits: c.Limits = c.DEFAULT_LIMITS) -> ControlMessage:
+    data = unpack_bounded(payload, limits)
+    kind = data.get("t") if isinstance(data, dict) else None
+    if kind == "topology":
+        d = _check_keys(data, {"t", "gen", "topology", "sig"}, "topology")
+        if not isinstance(d["topology"], dict):
+            raise _fail("topology must be a map")
+        sig = d["sig"]
+        if not isinstance(sig, bytes) or len(sig) != c.SIGNATURE_BYTES:
+            raise _fail("sig must be 64 bytes")
+        return TopologyOffer(d["topology"], sig)
+    if kind == "topology_ack":
+        keys = {"t", "gen", "topology_id", "accepted", "code", "message"}
+        d = _check_keys(data, keys, "topology_ack")
+        if not isinstance(d["accepted"], bool):
+            raise _fail("accepted must be a boolean")
+        return TopologyAck(
+            topology_id=_str(d["topology_id"], "topology_id", limits.max_reason_chars),
+            accepted=d["accepted"],
+            code=_opt_str(d["code"], "code", limits.max_reason_chars),
+            message=_opt_str(d["message"], "message", 4 * limits.max_reason_chars),
+        )
+    raise _fail(f"unknown control message type {kind!r}")
+
+
+def _pack(obj: dict[str, Any]) -> bytes:
+    out: bytes = msgpack.packb(obj, use_bin_type=True)
+    return out
+
+
+# --- length-prefixed messages on a byte stream -------------------------------------------------
+def frame_message(payload: bytes, limits: c.Limits = c.DEFAULT_LIMITS) -> bytes:
+    if len(payload) > limits.max_stream_message_bytes:
+        raise ProtocolError(
+            "message_too_large", f"a stream message of {len(payload)} bytes", fatal=False
+        )
+    return _U32.pack(len(payload)) + payload
+
+
+class MessageReader:
+    """Reassembles ``u32 length | payload`` messages from stream bytes, bounded in size."""
+
+    def __init__(self, limits: c.Limits = c.DEFAULT_LIMITS) -> None:
+        self.limits = limits
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> list[bytes]:
+        self._buf += data
+        out = []
+        while len(self._buf) >= _U32.size:
+            (length,) = _U32.unpack_from(self._buf)
+            if length > self.limits.max_stream_message_bytes:
+                raise ProtocolError(
+                    "message_too_large",
+                    f"a stream message declares {length} bytes (max "
+                    f"{self.limits.max_stream_message_bytes})",
+                )
+            if len(self._buf) < _U32.size + length:
+                break
+            out.append(bytes(self._buf[_U32.size : _U32.size + length]))
+            del self._buf[: _U32.size + length]
+        return out
+
+    @property
+    def buffered(self) -> int:
+        return len(self._buf)

@@ -1,0 +1,352 @@
+"""The trio node in one process over loopback: membership, trust, streams, registration,
+gossip over five nodes, topology distribution and peer loss."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import trio
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from meshtools import address_of, identity, settings, wait_for, with_peers
+
+from mesh_node.errors import PeerUnavailable, StreamRefused
+from mesh_node.node import MeshNode
+from mesh_node.peers import InboundStream, PeerDown, PeerUp, TopologyChanged
+from mesh_node.topology import topology_signature_valid
+from protocol import constants as pc
+from protocol.messages import TopologyOffer
+from skippy.package.plan import ModelSizes
+from skippy.package.topology import SplitTopology
+
+SIZES = ModelSizes(layer_bytes=(100,) * 6, metadata_bytes=10, embeddings_bytes=50, output_bytes=50)
+SHA = "ab" * 32
+REF = "hf://lab/pkg@" + "0" * 40
+
+
+async def start(nursery: trio.Nursery, node: MeshNode) -> MeshNode:
+    await nursery.start(node.run)
+    return node
+
+
+async def test_two_nodes_of_one_owner_authenticate_and_trust_each_other(tmp_path):
+    owner = Ed25519PrivateKey.generate()
+    async with trio.open_nursery() as n:
+        a = await start(n, MeshNode(settings(tmp_path, "a"), identity(owner)))
+        b = await start(n, MeshNode(with_peers(settings(tmp_path, "b"), a), identity(owner)))
+        await wait_for(lambda: len(a.peers()) == 1 and len(b.peers()) == 1)
+        (pa,) = a.peers()
+        assert pa.node_id == b.node_id and pa.peer.owner_status == "verified"
+        assert pa.peer.trusted and pa.connected and pa.address == b.listen_url
+        doc = b.status()
+        assert doc["owner_status"] == "verified" and doc["peers"][0]["trusted"] is True
+        assert doc["peers"][0]["node_id"] == a.node_id
+        assert set(doc) == {
+            "node_id",
+            "listen",
+            "owner_id",
+            "owner_status",
+            "features",
+            "memory_budget",
+            "artifact_transfer",
+            "peers",
+            "topology",
+        }
+        n.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("case", ["no_certificate", "other_owner", "expired", "listed_owner"])
+async def test_trust_needs_a_verified_owner_that_is_ours_or_listed(tmp_path, case):
+    mine, theirs = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
+    peer_identity = {
+        "no_certificate": identity(None),
+        "other_owner": identity(theirs),
+        "expired": identity(mine, days=1),
+        "listed_owner": identity(theirs),
+    }[case]
+    wall = (lambda: 1e12) if case == "expired" else __import__("time").time
+    listed = (theirs.public_key().public_bytes_raw().hex(),) if case == "listed_owner" else ()
+    async with trio.open_nursery() as n:
+        a = await start(
+            n,
+            MeshNode(
+                settings(tmp_path, "a", trusted_owners=listed), identity(mine), wall_clock=wall
+            ),
+        )
+        b = await start(n, MeshNode(with_peers(settings(tmp_path, "b"), a), peer_identity))
+        await wait_for(lambda: len(a.peers()) == 1)
+        (p,) = a.peers()
+        expected_status = {"no_certificate": "unverified", "expired": "invalid"}.get(
+            case, "verified"
+        )
+        assert p.peer.owner_status == expected_status
+        assert p.peer.trusted is (case == "listed_owner")
+        del b
+        n.cancel_scope.cancel()
+
+
+async def test_artifact_transfer_bit_is_advertised_only_when_this_node_would_serve(tmp_path):
+    owner = Ed25519PrivateKey.generate()
+    cases = [
+        ("disabled", owner, False),
+        ("open", None, True),
+        ("trusted", None, False),
+        ("trusted", owner, True),
+    ]
+    for mode, node_owner, advertised in cases:
+        node = MeshNode(settings(tmp_path, "x", artifact_transfer=mode), identity(node_owner))
+        bits = node.features[pc.FEATURE_SKIPPY_STAGE]
+        assert (pc.BIT_ARTIFACT_TRANSFER in bits) is advertised, mode
+        assert set(bits) >= pc.STAGE_BUNDLE
+
+
+async def test_registered_handler_gets_the_authenticated_peer_and_a_flow_controlled_stream(
+    tmp_path,
+):
+    owner = Ed25519PrivateKey.generate()
+    seen: list[InboundStream] = []
+
+    async def echo_sum(inbound: InboundStream) -> None:
+        seen.append(inbound)
+        total = 0
+        while data := await inbound.stream.receive_some():
+            total += len(data)
+        await inbound.stream.send_all(str(total).encode())
+        await inbound.stream.send_eof()
+
+    async with trio.open_nursery() as n:
+        a = await start(n, MeshNode(settings(tmp_path, "a"), identity(owner)))
+        b = await start(n, MeshNode(with_peers(settings(tmp_path, "b"), a), identity(owner)))
+        a.register_subprotocol(pc.KIND_ARTIFACT_TRANSFER, echo_sum)
+        await wait_for(lambda: len(b.peers()) == 1)
+        stream = await b.open_stream(a.node_id, pc.KIND_ARTIFACT_TRANSFER)
+        payload = b"z" * (3 * pc.DEFAULT_LIMITS.stream_window_bytes + 17)  # credit must flow back
+        await stream.send_all(payload)
+        await stream.send_eof()
+        reply = b""
+        while data := await stream.receive_some():
+            reply += data
+        await stream.aclose()
+        assert int(reply) == len(payload)
+        (inbound,) = seen
+        assert inbound.peer.node_id == b.node_id and inbound.peer.trusted
+        assert (inbound.name, inbound.major, inbound.kind) == ("skippy-stage", 2, 0x03)
+        n.cancel_scope.cancel()
+
+
+async def test_unknown_subprotocol_major_or_kind_is_refused_with_a_reason_and_link_stays(tmp_path):
+    async with trio.open_nursery() as n:
+        a = await start(n, MeshNode(settings(tmp_path, "a"), identity()))
+        b = await start(n, MeshNode(with_peers(settings(tmp_path, "b"), a), identity()))
+        await wait_for(lambda: len(b.peers()) == 1)
+        for kwargs, code in [
+            ({"name": "nope"}, "unknown_subprotocol"),
+            ({"major": 3}, "unsupported_major"),
+            ({}, "unknown_kind"),
+        ]:
+            with pytest.raises(StreamRefused) as exc:
+                await b.open_stream(a.node_id, 0x7E, **kwargs)
+            assert exc.value.actual == code
+        # The link survived: the control kind is served.
+        stream = await b.open_stream(a.node_id, pc.KIND_CONTROL)
+        await stream.aclose()
+        assert b.peers()[0].connected
+        with pytest.raises(PeerUnavailable):
+            await b.open_stream("f" * 64, pc.KIND_CONTROL)
+        n.cancel_scope.cancel()
+
+
+async def test_five_nodes_learn_each_other_through_gossip_and_dial_before_counting(tmp_path):
+    async with trio.open_nursery() as n:
+        hub = await start(n, MeshNode(settings(tmp_path, "n0"), identity()))
+        nodes = [hub]
+        ups: list[str] = []
+        async with hub.subscribe() as events:
+            for i in range(1, 5):
+                nodes.append(
+                    await start(
+                        n, MeshNode(with_peers(settings(tmp_path, f"n{i}"), hub), identity())
+                    )
+                )
+            await wait_for(lambda: all(len(x.peers(connected_only=True)) == 4 for x in nodes))
+            while True:
+                try:
+                    event = events.receive_nowait()
+                except trio.WouldBlock:
+                    break
+                if isinstance(event, PeerUp):
+                    ups.append(event.peer.node_id)
+        assert sorted(set(ups)) == sorted(x.node_id for x in nodes[1:])
+        # Every membership entry is a peer this node authenticated itself, on its own link.
+        for x in nodes:
+            for p in x.peers():
+                assert x._members[p.node_id].link is not None
+                assert x._members[p.node_id].link.node_id == p.node_id
+        n.cancel_scope.cancel()
+
+
+async def test_coordinator_signs_and_workers_verify_store_and_acknowledge(tmp_path):
+    owner = Ed25519PrivateKey.generate()
+    async with trio.open_nursery() as n:
+        coord = await start(n, MeshNode(settings(tmp_path, "c"), identity(owner)))
+        workers = [
+            await start(
+                n, MeshNode(with_peers(settings(tmp_path, f"w{i}"), coord), identity(owner))
+            )
+            for i in range(2)
+        ]
+        await wait_for(lambda: len(coord.peers(connected_only=True)) == 2)
+        async with workers[0].subscribe() as events:
+            active = await coord.topology.propose(package_ref=REF, manifest_sha256=SHA, sizes=SIZES)
+            assert active.state == "active"
+            assert active.acks == {w.node_id: "accepted" for w in workers}
+            assert {s.node_id for s in active.topology.stages} == {
+                coord.node_id,
+                *(w.node_id for w in workers),
+            }
+            event = await events.receive()
+            while not isinstance(event, TopologyChanged):  # gossip PeerUps may come first
+                event = await events.receive()
+            assert event.state == "active"
+        for w in workers:
+            got = w.topology.active
+            assert got is not None and got.role == "worker" and got.coordinator_id == coord.node_id
+            assert got.topology == active.topology
+            assert topology_signature_valid(got.topology, coord.node_id, got.signature)
+        assert workers[0].status()["topology"]["topology_id"] == active.topology.topology_id
+        n.cancel_scope.cancel()
+
+
+async def test_topology_that_does_not_fit_names_the_node_and_the_missing_bytes(tmp_path):
+    from mesh_node.errors import TopologyRefused
+
+    async with trio.open_nursery() as n:
+        coord = await start(
+            n, MeshNode(settings(tmp_path, "c", memory_budget_bytes=200), identity())
+        )
+        with pytest.raises(TopologyRefused) as exc:
+            await coord.topology.propose(package_ref=REF, manifest_sha256=SHA, sizes=SIZES)
+        assert exc.value.code == "topology_does_not_fit"
+        assert coord.node_id[:12] in exc.value.message and "lacks 510 bytes" in exc.value.message
+        n.cancel_scope.cancel()
+
+
+def _offer(signer: Ed25519PrivateKey, topology: SplitTopology) -> TopologyOffer:
+    from protocol.certificates import sign_domain
+
+    return TopologyOffer(
+        topology.to_dict(), sign_domain(signer, pc.SIG_DOMAIN_TOPOLOGY, topology.canonical_bytes())
+    )
+
+
+def test_worker_checks_signature_against_the_sender_and_the_coverage(tmp_path):
+    from skippy.package.topology import NodeCapacity, plan_topology
+
+    coord_key, other = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
+    coord_id = coord_key.public_key().public_bytes_raw().hex()
+    worker = MeshNode(settings(tmp_path, "w"), identity())
+    topo = plan_topology(
+        SIZES,
+        [NodeCapacity(coord_id, 10**6), NodeCapacity(worker.node_id, 10**6)],
+        topology_id="t1",
+        run_id="r1",
+        package_ref=REF,
+        manifest_sha256=SHA,
+    )
+    ok = worker.topology.accept_offer(_offer(coord_key, topo), coord_id)
+    assert ok.accepted and worker.topology.active is not None
+    worker.topology.active = None
+    # Signed by someone else than the authenticated sender.
+    bad = worker.topology.accept_offer(_offer(other, topo), coord_id)
+    assert (bad.accepted, bad.code) == (False, "topology_signature")
+    # A byte of the topology changed after signing.
+    offer = _offer(coord_key, topo)
+    tampered = dict(offer.topology, run_id="r2")
+    bad = worker.topology.accept_offer(TopologyOffer(tampered, offer.signature), coord_id)
+    assert (bad.accepted, bad.code) == (False, "topology_signature")
+    # Coverage: a gap between the stages is refused before any signature check.
+    gap = dict(offer.topology)
+    gap["stages"] = [dict(s) for s in offer.topology["stages"]]
+    gap["stages"][1]["layer_start"] += 1
+    bad = worker.topology.accept_offer(TopologyOffer(gap, offer.signature), coord_id)
+    assert (bad.accepted, bad.code) == (False, "topology_coverage")
+    # A topology that gives this node no stage.
+    third = Ed25519PrivateKey.generate().public_key().public_bytes_raw().hex()
+    elsewhere = plan_topology(
+        SIZES,
+        [NodeCapacity(coord_id, 10**6), NodeCapacity(third, 10**6)],
+        topology_id="t2",
+        run_id="r1",
+        package_ref=REF,
+        manifest_sha256=SHA,
+    )
+    bad = worker.topology.accept_offer(_offer(coord_key, elsewhere), coord_id)
+    assert (bad.accepted, bad.code) == (False, "not_in_topology")
+    assert worker.topology.active is None
+
+
+async def test_peer_loss_degrades_the_topology_and_replan_uses_the_remaining_peers(tmp_path):
+    async with trio.open_nursery() as n:
+        coord = await start(n, MeshNode(settings(tmp_path, "c"), identity()))
+        w1 = await start(n, MeshNode(with_peers(settings(tmp_path, "w1"), coord), identity()))
+        w2_scope = trio.CancelScope()
+        w2 = MeshNode(with_peers(settings(tmp_path, "w2"), coord), identity())
+
+        async def run_w2(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+            with w2_scope:
+                await w2.run(task_status=task_status)
+
+        await n.start(run_w2)
+        await wait_for(lambda: len(coord.peers(connected_only=True)) == 2)
+        first = await coord.topology.propose(package_ref=REF, manifest_sha256=SHA, sizes=SIZES)
+        assert first.state == "active" and len(first.topology.stages) == 3
+        async with coord.subscribe() as events:
+            w2_scope.cancel()  # the worker process "dies"
+            seen = [await events.receive(), await events.receive()]
+        assert any(isinstance(e, PeerDown) and e.node_id == w2.node_id for e in seen)
+        assert TopologyChanged("degraded", first.topology.topology_id) in seen
+        assert coord.topology.active is not None and coord.topology.active.lost == {w2.node_id}
+        second = await coord.topology.replan()
+        assert second.state == "active" and second.topology.run_id == first.topology.run_id
+        assert {s.node_id for s in second.topology.stages} == {coord.node_id, w1.node_id}
+        n.cancel_scope.cancel()
+
+
+async def test_a_duplicate_pair_of_links_converges_to_one(tmp_path):
+    a = MeshNode(settings(tmp_path, "a"), identity())
+    b = MeshNode(settings(tmp_path, "b"), identity())
+    async with trio.open_nursery() as n:
+        await n.start(a.run)
+        await n.start(b.run)
+        a.settings = replace(a.settings, peers=(address_of(b),))
+        a._start_dialing(address_of(b), persistent=True)
+        b._start_dialing(address_of(a), persistent=True)  # both dial at once
+        await wait_for(
+            lambda: (
+                len(a.peers(connected_only=True)) == 1 and len(b.peers(connected_only=True)) == 1
+            )
+        )
+        await trio.sleep(0.3)
+        link_a = a._members[b.node_id].link
+        link_b = b._members[a.node_id].link
+        assert link_a is not None and link_b is not None
+        assert link_a.initiator != link_b.initiator  # the two ends of one and the same link
+        n.cancel_scope.cancel()
+
+
+async def test_a_configured_peer_is_redialed_after_its_link_drops(tmp_path):
+    async with trio.open_nursery() as n:
+        a = await start(n, MeshNode(settings(tmp_path, "a"), identity()))
+        b = await start(n, MeshNode(with_peers(settings(tmp_path, "b"), a), identity()))
+        await wait_for(lambda: len(a.peers(connected_only=True)) == 1)
+        first = a._members[b.node_id].link
+        assert first is not None
+        async with b.subscribe() as events:
+            first.close("test", "dropped by the test")
+            down = await events.receive()
+            assert isinstance(down, PeerDown) and down.node_id == a.node_id
+            up = await events.receive()
+            assert isinstance(up, PeerUp) and up.peer.node_id == a.node_id
+        second = a._members[b.node_id].link
+        assert second is not None and second is not first
+        n.cancel_scope.cancel()

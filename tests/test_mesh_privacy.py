@@ -1,0 +1,71 @@
+"""Issue #7 §5: nodes gossip only listen addresses, feature bits and memory budgets. Every
+advertisement and gossip message that three real nodes exchange is captured and inspected."""
+
+from __future__ import annotations
+
+import trio
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from meshtools import identity, settings, wait_for, with_peers
+
+from mesh_node.link import Link
+from mesh_node.node import MeshNode
+from protocol import constants as pc
+from protocol.frames import unpack_bounded
+from protocol.messages import Hello, Peers, decode_link_message
+
+SECRET_TOKEN = "hf_secrettoken0123456789"
+
+
+class RecordingNode(MeshNode):
+    """A real node that keeps a copy of every link message it receives (test-only subclass)."""
+
+    captured: list[bytes]
+
+    def _on_message(self, link: Link, payload: bytes) -> None:
+        self.captured.append(payload)
+        super()._on_message(link, payload)
+
+
+async def test_every_advertisement_and_gossip_message_carries_only_allowed_fields(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setenv("HF_TOKEN", SECRET_TOKEN)
+    owner = Ed25519PrivateKey.generate()
+    async with trio.open_nursery() as n:
+        nodes: list[RecordingNode] = []
+        for i in range(3):
+            s = settings(tmp_path, f"secret-cache-{i}", artifact_transfer="open")
+            if nodes:
+                s = with_peers(s, nodes[0])
+            node = RecordingNode(s, identity(owner))
+            node.captured = []
+            await n.start(node.run)
+            nodes.append(node)
+        await wait_for(lambda: all(len(x.peers(connected_only=True)) == 2 for x in nodes))
+        await trio.sleep(0.2)
+        n.cancel_scope.cancel()
+    messages = [p for node in nodes for p in node.captured]
+    kinds = {type(decode_link_message(p)) for p in messages}
+    assert kinds == {Hello, Peers}
+    addresses = {x.listen_url for x in nodes}
+    for payload in messages:
+        raw = unpack_bounded(payload)
+        assert isinstance(raw, dict)
+        if raw["t"] == "hello":
+            assert set(raw) == {"t", "gen", "listen", "features", "memory_budget_bytes"}
+            assert raw["listen"] in addresses
+            assert raw["features"] == {
+                pc.FEATURE_SKIPPY_STAGE: sorted([*pc.STAGE_BUNDLE, pc.BIT_ARTIFACT_TRANSFER])
+            }
+        else:
+            assert set(raw) == {"t", "gen", "peers"}
+            for entry in raw["peers"]:
+                assert set(entry) == {"node_id", "address"} and entry["address"] in addresses
+        for secret in (
+            SECRET_TOKEN.encode(),
+            b"secret-cache",
+            str(tmp_path).encode(),
+            b".gguf",
+            b"model-package.json",
+        ):
+            assert secret not in payload
