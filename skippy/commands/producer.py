@@ -143,7 +143,6 @@ def _known(value: object, unit: str = "") -> str:
 
 def cmd_write_package(args: argparse.Namespace) -> CommandResult:
     from skippy.constants import MANIFEST_NAME
-    from skippy.produce.validate import validate_package
     from skippy.produce.write_package import WriteOptions, rewrite_readme, write_package
 
     source, prov = _source_and_provenance(args)
@@ -166,6 +165,8 @@ def cmd_write_package(args: argparse.Namespace) -> CommandResult:
     ]
     exit_code = 0
     if args.validate:
+        from skippy.produce.validate import validate_package
+
         report = validate_package(source, args.out_dir)
         verdict = "valid" if report.valid else "INVALID"
         note = (
