@@ -30,6 +30,11 @@ def _point_env_at(root: Path) -> dict[str, str]:
         "HF_HOME": str(root / "hf_home"),
         "HF_HUB_CACHE": str(root / "hf_home" / "hub"),
         "XDG_CACHE_HOME": str(root / "xdg_cache"),
+        # The hub policy's retries, with waits of milliseconds: a failing hub costs a test
+        # three quick attempts (tests/test_hub_policy.py checks the policy itself).
+        "SKIPPY_HUB_ATTEMPTS": "3",
+        "SKIPPY_HUB_BACKOFF_S": "0.01",
+        "SKIPPY_HUB_BACKOFF_MAX_S": "0.02",
     }
 
 
