@@ -20,11 +20,13 @@ from skippy.errors import UsageError
 log = logging.getLogger("mesh_node.service")
 
 
-def control_handler(node: MeshNode) -> Any:
+def control_handler(node: MeshNode, serving: Serving | None = None) -> Any:
     async def handle(request: dict[str, Any]) -> dict[str, Any]:
         op = request.get("op")
         if op == "status":
             return {"ok": True, "status": node.status()}
+        if op == "serve" and serving is not None:
+            return {"ok": True, "api": await serving.start(serve_options(request))}
         if op == "topology":
             package = request.get("package")
             stages = request.get("stages")
@@ -81,6 +83,50 @@ class ServeOptions:
     model_name: str | None = None
 
 
+def serve_options(request: dict[str, Any]) -> ServeOptions:
+    """The control operation ``serve``: ``{"op": "serve", "package": REF, "stages": N|null,
+    "http": "HOST:PORT", "model_name": NAME|null}``."""
+    from skippy.config import parse_host_port
+
+    package, stages = request.get("package"), request.get("stages")
+    name = request.get("model_name")
+    if not isinstance(package, str) or not (stages is None or isinstance(stages, int)):
+        raise UsageError("serve needs package (string) and stages (int or null)")
+    if stages is not None and stages < 1:
+        raise UsageError("stages must be at least 1", code="bad_usage")
+    if name is not None and not isinstance(name, str):
+        raise UsageError("model_name must be a string")
+    http = parse_host_port(request.get("http", "127.0.0.1:0"), "http")
+    return ServeOptions(package=package, stages=stages, http=http, model_name=name)
+
+
+class Serving:
+    """Turns this running node into a serving coordinator on request (``mesh-node serve``,
+    or the control operation ``serve``, which the lab uses); at most once per node."""
+
+    def __init__(self, node: MeshNode, host: StageHost) -> None:
+        self.node = node
+        self.host = host
+        self.api: str | None = None
+        self._nursery: trio.Nursery | None = None
+
+    async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            await trio.sleep_forever()
+
+    async def start(self, options: ServeOptions) -> str:
+        """Start serving; return the API's base URL (``http://HOST:PORT/v1``)."""
+        if self.api is not None:
+            raise UsageError(f"this node already serves {self.api}", code="already_serving")
+        if self._nursery is None:
+            raise UsageError("the node is not running", code="node_not_running")
+        url: str = await self._nursery.start(start_serving, self.node, self.host, options)
+        self.api = f"{url}/v1"
+        return self.api
+
+
 async def start_serving(
     node: MeshNode,
     host: StageHost,
@@ -123,16 +169,18 @@ async def run_node(
     host = StageHost(node, settings.serving)
     node.status_sections["stage"] = host.status
     bringup = LocalBringup(node, host, read_environment())
+    serving = Serving(node, host)
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
-            await nursery.start(serve_control, settings.control_socket, control_handler(node))
+            handler = control_handler(node, serving)
+            await nursery.start(serve_control, settings.control_socket, handler)
             address = await nursery.start(node.run)
             sys.stdout.write(f"listening {address}\n")
             sys.stdout.flush()
             await nursery.start(bringup.run)
+            await nursery.start(serving.run)
             if serve is not None:
-                url = await nursery.start(start_serving, node, host, serve)
-                sys.stdout.write(f"api {url}/v1\n")
+                sys.stdout.write(f"api {await serving.start(serve)}\n")
                 sys.stdout.flush()
             async for signum in signals:
                 log.info("%s: shutting down", signal.Signals(signum).name)

@@ -109,11 +109,11 @@ class Cluster:
     def proc_of(self, node_id: str) -> Proc:
         return next(p for p in self.procs if p.address.endswith("#" + node_id))
 
-    def status(self) -> dict[str, Any]:
-        """The coordinator's status document (`mesh-node status --json`)."""
+    def status(self, name: str = "coord") -> dict[str, Any]:
+        """A node's status document (`mesh-node status --json`), the coordinator's default."""
         out = subprocess.run(
             [sys.executable, "-m", "mesh_node", "status", "--json", "--config",
-             str(self.root / "coord.toml")],
+             str(self.root / f"{name}.toml")],
             capture_output=True,
             text=True,
             check=True,

@@ -23,6 +23,8 @@ from pkgtools import make_package
 from servetools import http, split_cluster, wait_ready
 from stagetools import chain
 
+from mesh_node.serving.report import prompt_report, render_prompt_report
+
 pytestmark = pytest.mark.llama
 
 IDS = [1, 5, 9, 17, 33, 65, 3, 100, 7, 12, 90, 44]
@@ -101,6 +103,19 @@ def test_openai_client_against_a_three_stage_split(tiny_pkg: Path, tmp_path: Pat
         # the coordinator's status document has the serving section
         serving = cluster.status()["serving"]
         assert serving["state"] == "ready" and serving["requests_total"] >= 5
+        # the lab's prompt report: text, speeds, and per node its range, bytes and peak RSS
+        statuses = [cluster.status(p.name) for p in cluster.procs]
+        report = prompt_report(
+            client.completions.create(model="tiny", prompt=IDS, max_tokens=12, temperature=0)
+            .model_dump(),
+            statuses,
+        )
+        assert report["text"] == done.choices[0].text
+        assert [(n["layer_start"], n["layer_end"]) for n in report["nodes"]] == [
+            (s["layer_start"], s["layer_end"]) for s in cluster.status()["topology"]["stages"]
+        ]
+        assert all(n["artifact_bytes"] > 0 and n["peak_rss_bytes"] > 0 for n in report["nodes"])
+        assert report["decode_tokens_per_s"] and "stage 2: layers" in render_prompt_report(report)
 
 
 def test_a_killed_stage_is_replaced_and_the_generation_continues(
