@@ -103,6 +103,13 @@ class Cluster:
         self.procs.append(proc)
         return proc
 
+    def add_worker(self, name: str, **kw: object) -> Proc:
+        """Start one more `mesh-node run` node that dials the coordinator."""
+        toml = node_toml(self.root, name, peers=(self.coordinator_address,), **kw)
+        worker = self.start(name, ["run"], toml)
+        worker.address = worker.wait_line("listening ")
+        return worker
+
     def proc(self, name: str) -> Proc:
         return next(p for p in self.procs if p.name == name)
 

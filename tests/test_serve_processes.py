@@ -163,6 +163,11 @@ def test_a_killed_stage_is_replaced_and_the_generation_continues(
         assert "no_capable_peer" in str(err.value.body) or "no capable peer" in str(err.value)
         status_code, doc = http("POST", f"{cluster.api}/completions", {"prompt": IDS})
         assert status_code == 503 and doc["error"]["code"] == "no_capable_peer"
+        # a capable peer that joins later takes the stage: the split serves again
+        cluster.add_worker("late")
+        wait_ready(cluster.api)
+        again = client.completions.create(model="tiny", prompt=IDS, max_tokens=n, temperature=0)
+        assert again.choices[0].text == undisturbed
 
 
 # --- helpers -------------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ import trio
 from mesh_node.errors import MeshError, StreamReset, TopologyRefused
 from mesh_node.link import MeshStream
 from mesh_node.node import MeshNode
-from mesh_node.peers import InboundStream, PeerDown
+from mesh_node.peers import InboundStream, PeerDown, PeerUp
 from mesh_node.serving.host import (
     LoadedStage,
     StageHost,
@@ -45,6 +45,7 @@ from mesh_node.serving.host import (
     skippy_error_in,
 )
 from mesh_node.serving.links import ChainSender, FrameReader, HopStats
+from mesh_node.topology import StageReport
 from protocol import constants as pc
 from skippy.config import ServingSettings
 from skippy.errors import EXIT_USAGE, SkippyError
@@ -220,6 +221,8 @@ class SplitServer:
             async for event in events:
                 if isinstance(event, PeerDown):
                     await self._on_peer_down(event.node_id)
+                elif isinstance(event, PeerUp) and self.failed is not None:
+                    await self._retry_lost()
                 await self._refresh()
 
     def _capable_peers(self) -> int:
@@ -267,7 +270,11 @@ class SplitServer:
             return
         loaded = self.host.loaded
         if loaded is None or loaded.topology.topology_id != topo.topology_id:
-            self.reason = "stage 0 is loading"
+            own = active.stages.get(self.node.node_id)
+            failed = own is not None and own.state != "ready"
+            self.reason = f"stage 0 failed to load ({own.code})" if failed and own else (
+                "stage 0 is loading"
+            )
             return
         if self.tokenizer is None:
             self.tokenizer = await trio.to_thread.run_sync(
@@ -284,8 +291,6 @@ class SplitServer:
             desc = report.descriptor
             problem = runtime_problem(desc.runtime if desc else None, loaded.facts)
             if problem is not None:
-                from mesh_node.topology import StageReport
-
                 active.stages[stage.node_id] = StageReport("rejected", problem[0], desc)
                 waiting.append(f"stage {stage.stage_index}: rejected ({problem[1]})")
         if waiting:
@@ -311,10 +316,24 @@ class SplitServer:
             self.failed = exc
             self._changed.set()
             return
-        self.reason = (
-            f"stage {stage.stage_index} moves to node {new.topology.stages[stage.stage_index]}"
-            " (fetching and loading)"
-        )
+        moved = new.topology.stages[stage.stage_index].node_id
+        self.reason = f"stage {stage.stage_index} moves to node {moved[:12]} (loading)"
+
+    async def _retry_lost(self) -> None:
+        """A peer joined while a lost stage had no taker: try to place it again."""
+        active = self.node.topology.active
+        if active is None or active.role != "coordinator" or active.state != "degraded":
+            return
+        for node_id in sorted(active.lost):
+            if active.topology.stage_of(node_id) is not None:
+                try:
+                    await self.node.topology.replace_lost(node_id)
+                except TopologyRefused as exc:
+                    self.failed = exc
+                    return
+                self.failed = None
+                self.reason = f"a lost stage moves to a new peer (was {node_id[:12]})"
+                return
 
     # --- admission -----------------------------------------------------------------------------
     def _check_ready(self) -> Route:
