@@ -298,3 +298,25 @@ async def test_a_one_stage_route_samples_on_the_coordinator(
     async with split(tmp_path, pkg, stages=1) as sp:
         assert sp.server.route is not None and sp.server.route.single
         assert await generate(sp.server, IDS, 10) == want
+
+
+async def test_a_cancelled_request_frees_its_session_along_the_chain(
+    packages: dict[str, Path], tmp_path: Path
+) -> None:
+    """A client that goes away cancels its request: every stage frees the session's KV."""
+    async with split(tmp_path, packages["llama"]) as sp:
+        seen: list[int] = []
+        with trio.move_on_after(30) as scope:
+
+            async def emit(token: int) -> bool:
+                seen.append(token)
+                if len(seen) == 3:
+                    scope.cancel()  # as the HTTP layer does when the client disconnects
+                return False
+
+            await sp.server.generate(IDS, GenerationParams(max_tokens=100), emit)
+        assert scope.cancelled_caught and len(seen) == 3
+        await wait_for(
+            lambda: all(h.loaded is not None and not h.loaded.stage.sessions for h in sp.hosts)
+        )
+        assert sp.server.stats.in_flight == 0
