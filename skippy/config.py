@@ -266,6 +266,7 @@ SERVING_KEYS = frozenset(
         "token_timeout_s",
         "failover_timeout_s",
         "ready_timeout_s",
+        "queue_timeout_s",
     }
 )
 
@@ -286,6 +287,7 @@ class ServingSettings:
     token_timeout_s: float = 60.0  # a sampled token must come back within this
     failover_timeout_s: float = 120.0  # a lost stage must be replaced (and ready) within this
     ready_timeout_s: float = 600.0  # `mesh-node serve`: peers, fetch and load within this
+    queue_timeout_s: float = 300.0  # a queued request gets a slot within this, else 429
 
 
 def serving_settings(raw: object) -> ServingSettings:

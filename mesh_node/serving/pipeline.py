@@ -361,7 +361,13 @@ class SplitServer:
             )
         st.queued += 1
         try:
-            await self._slots.acquire()
+            with trio.fail_after(self.settings.queue_timeout_s):
+                await self._slots.acquire()
+        except trio.TooSlowError:
+            st.requests_rejected += 1
+            raise ServerBusy(
+                f"no slot within {self.settings.queue_timeout_s:g} s", remediation="retry later"
+            ) from None
         finally:
             st.queued -= 1
         st.in_flight += 1
