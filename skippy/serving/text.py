@@ -26,13 +26,12 @@ class TextStream:
         if self.stopped:
             return ""
         self._held += self._decoder.decode(piece)
-        for s in self.stop:
-            at = self._held.find(s)
-            if at >= 0:
-                out = self._held[:at]
-                self._held, self.stopped = "", True
-                self.text += out
-                return out
+        hits = [at for s in self.stop if (at := self._held.find(s)) >= 0]
+        if hits:  # the earliest stop sequence ends the text
+            out = self._held[: min(hits)]
+            self._held, self.stopped = "", True
+            self.text += out
+            return out
         keep = self._longest_stop_prefix_suffix()
         out = self._held[: len(self._held) - keep]
         self._held = self._held[len(self._held) - keep :]
