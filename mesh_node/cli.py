@@ -110,8 +110,6 @@ def cmd_run(args: argparse.Namespace) -> CommandResult:
 
 
 def cmd_serve(args: argparse.Namespace) -> CommandResult:
-    import trio
-
     from mesh_node.identity import load_local_identity
     from mesh_node.service import ServeOptions, run_node
     from skippy.config import load_node_settings, parse_host_port
@@ -128,8 +126,33 @@ def cmd_serve(args: argparse.Namespace) -> CommandResult:
     )
     for warning in settings.warnings:
         sys.stderr.write(f"warning: {warning}\n")
-    trio.run(run_node, settings, identity, options)
+    _run_trio(run_node, settings, identity, options)
     return CommandResult({"ok": True}, "")
+
+
+def _run_trio(fn: Callable[..., Any], *args: Any) -> None:
+    """``trio.run``, with our error surfacing from inside a nursery raised as itself (the
+    CLI prints its code and message, never an exception group's traceback)."""
+    import trio
+
+    try:
+        trio.run(fn, *args)
+    except BaseExceptionGroup as group:
+        found = _skippy_error(group)
+        if found is None:
+            raise
+        raise found from None
+
+
+def _skippy_error(exc: BaseException) -> SkippyError | None:
+    if isinstance(exc, SkippyError):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            found = _skippy_error(inner)
+            if found is not None:
+                return found
+    return None
 
 
 def cmd_status(args: argparse.Namespace) -> CommandResult:

@@ -176,3 +176,26 @@ def _detok(pkg: Path, ids: list[int]) -> str:
 
     with LlamaTokenizer(pkg / "shared" / "metadata.gguf") as tok:
         return tok.detokenize(ids)
+
+
+def test_serve_usage_errors_are_codes_not_tracebacks(tiny_pkg: Path, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from servetools import node_toml
+
+    cfg = tmp_path / "coord.toml"
+    cfg.write_text(node_toml(tmp_path, "coord"))
+    for args, code in (
+        (["--package", str(tmp_path / "missing")], "unreadable_input"),
+        (["--package", str(tiny_pkg), "--http", "10.255.255.1:80"], "http_bind_failed"),
+        (["--package", str(tiny_pkg), "--http", "nope"], "invalid_config"),
+    ):
+        out = subprocess.run(
+            [sys.executable, "-m", "mesh_node", "serve", "--config", str(cfg), "--json", *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 2, out.stderr
+        assert f'"code": "{code}"' in out.stdout and "Traceback" not in out.stderr

@@ -8,6 +8,7 @@ routes join that app and this module goes.
 from __future__ import annotations
 
 import logging
+import socket
 from collections.abc import Sequence
 
 import trio
@@ -17,8 +18,24 @@ from starlette.applications import Starlette
 from starlette.routing import BaseRoute
 
 from skippy.config import HostPort
+from skippy.errors import UsageError
 
 log = logging.getLogger("mesh_node.serving.http")
+
+
+def _check_bind(bind: HostPort) -> None:
+    """A clear ``http_bind_failed`` (exit 2) for an address we cannot listen on."""
+    try:
+        family = socket.AF_INET6 if ":" in bind.host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((bind.host, bind.port))
+    except OSError as exc:
+        raise UsageError(
+            f"cannot listen for HTTP on {bind}: {exc.strerror or exc}",
+            code="http_bind_failed",
+            remediation="choose another address or port (port 0: any free one)",
+        ) from None
 
 
 def build_app(routes: Sequence[BaseRoute]) -> Starlette:
@@ -29,6 +46,7 @@ async def serve_http(
     app: Starlette, bind: HostPort, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED
 ) -> None:
     """Serve ``app`` on ``bind`` until cancelled; ``task_status`` gets ``http://host:port``."""
+    _check_bind(bind)
     config = Config()
     host = f"[{bind.host}]" if ":" in bind.host else bind.host
     config.bind = [f"{host}:{bind.port}"]
