@@ -95,8 +95,6 @@ def cmd_owner_sign(args: argparse.Namespace) -> CommandResult:
 
 
 def cmd_run(args: argparse.Namespace) -> CommandResult:
-    import trio
-
     from mesh_node.identity import load_local_identity
     from mesh_node.service import run_node
     from skippy.config import load_node_settings
@@ -105,7 +103,7 @@ def cmd_run(args: argparse.Namespace) -> CommandResult:
     identity = load_local_identity(settings.identity_path, settings.certificate_path)
     for warning in settings.warnings:
         sys.stderr.write(f"warning: {warning}\n")
-    trio.run(run_node, settings, identity)
+    _run_trio(run_node, settings, identity)
     return CommandResult({"ok": True}, "")
 
 
