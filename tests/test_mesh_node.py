@@ -51,6 +51,7 @@ async def test_two_nodes_of_one_owner_authenticate_and_trust_each_other(tmp_path
             "artifact_transfer",
             "peers",
             "topology",
+            "transfers",
         }
         n.cancel_scope.cancel()
 
