@@ -9,11 +9,16 @@ import shutil
 import sys
 import tempfile
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import synth_gguf
+from pkgtools import make_package
+
+from mesh_node.lab.hub import FakeHub, running_hub
+from mesh_node.lab.package import publish_directory
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MODEL_CACHE_DIR = REPO_ROOT / ".work" / "models"  # gitignored
@@ -141,3 +146,26 @@ def _cached_gemma(target: Path) -> Path:
 def gemma_gguf() -> Path:
     """The real gemma3-270m Q4_K_M GGUF (253,113,024 bytes), cached in .work/models/."""
     return _cached_gemma(MODEL_CACHE_DIR / GEMMA_NAME)
+
+
+# --- a synthetic package on a lab hub (mesh transfer tests) -------------------------------------
+@dataclass(frozen=True)
+class HubPackage:
+    """A synthetic gemma-like package (tied embeddings, 4 layers, a projector) on a lab hub."""
+
+    directory: Path
+    hub: FakeHub
+    ref: str
+
+
+@pytest.fixture(scope="session")
+def hub_package(
+    synth_dir: SynthModels, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[HubPackage]:
+    root = tmp_path_factory.mktemp("meshxfer")
+    pkg = root / "tiny-layers"
+    make_package(synth_dir.gemma, pkg, projectors=(synth_dir.projector,))
+    with running_hub() as hub:
+        yield HubPackage(pkg, hub, publish_directory(hub, pkg))
+
+

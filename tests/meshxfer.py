@@ -5,19 +5,17 @@ but the hub (``mesh_node.lab.hub``), and servers a test subclasses to misbehave.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pytest
 import trio
+from conftest import HubPackage
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from meshtools import identity, settings, wait_for, with_peers
-from pkgtools import make_package
 
-from mesh_node.lab.hub import FakeHub, running_hub
-from mesh_node.lab.package import LabPackage, import_package, publish_directory
+from mesh_node.lab.hub import FakeHub
+from mesh_node.lab.package import LabPackage, import_package
 from mesh_node.node import MeshNode
 from mesh_node.topology import ActiveTopology
 from mesh_node.transfer.service import ArtifactService
@@ -25,24 +23,6 @@ from skippy.config import Environment
 from skippy.consume.verify import VerifyCache
 from skippy.produce.inspect import sizes_from_manifest
 from skippy.transfer.serve import ArtifactServer
-
-
-@dataclass(frozen=True)
-class HubPackage:
-    """A synthetic gemma-like package (tied embeddings, 4 layers, a projector) on a lab hub."""
-
-    directory: Path
-    hub: FakeHub
-    ref: str
-
-
-@pytest.fixture(scope="session")
-def hub_package(synth_dir, tmp_path_factory) -> Iterator[HubPackage]:  # type: ignore[no-untyped-def]
-    root = tmp_path_factory.mktemp("meshxfer")
-    pkg = root / "tiny-layers"
-    make_package(synth_dir.gemma, pkg, projectors=(synth_dir.projector,))
-    with running_hub() as hub:
-        yield HubPackage(pkg, hub, publish_directory(hub, pkg))
 
 
 def environment(root: Path, hub: FakeHub | None, *, offline: bool = False) -> Environment:
@@ -75,11 +55,12 @@ async def start_member(
     peers: tuple[MeshNode, ...] = (),
     offline: bool = False,
     server_class: type[ArtifactServer] = ArtifactServer,
+    node_class: type[MeshNode] = MeshNode,
     run_service: bool = True,
     **settings_kw: Any,
 ) -> Member:
     s = with_peers(settings(tmp, name, **settings_kw), *peers)
-    node = MeshNode(s, identity(owner))
+    node = node_class(s, identity(owner))
     env = environment(tmp / name, hub, offline=offline)
     vc = VerifyCache.under(env.skippy_cache_dir)
     service = ArtifactService(

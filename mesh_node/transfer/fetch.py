@@ -402,10 +402,32 @@ class StageFetcher:
                 return await self._receive(stream, sink, rec)
         finally:
             sink.abort()  # keeps the partial unless it was installed or proven wrong
+            if item.is_manifest and sink.state != "installed":
+                _drop_partials(job.cache, item)  # a manifest is never resumed (the sink's rule)
 
     async def _receive(self, stream: MeshStream, sink: ArtifactSink, rec: TransferRecord) -> Path:
         reader = ResponseReader(sink.offset)
         batch = bytearray()
+        try:
+            return await self._receive_into(stream, reader, sink, batch, rec)
+        except (SkippyError, MeshError, OSError):
+            # Bytes received before a failure are kept for the resume (if they are wrong the
+            # final digest says so and the sink deletes the partial).
+            if batch and sink.state == "receiving":
+                with contextlib.suppress(SkippyError, OSError):
+                    sink.write(bytes(batch))
+                    rec.bytes_done = sink.offset
+                    self.records.counters.fetched_bytes["peer"] += len(batch)
+            raise
+
+    async def _receive_into(
+        self,
+        stream: MeshStream,
+        reader: ResponseReader,
+        sink: ArtifactSink,
+        batch: bytearray,
+        rec: TransferRecord,
+    ) -> Path:
         idle = self.node.timeouts.idle_s
         while True:
             with trio.move_on_after(idle) as scope:
