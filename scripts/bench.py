@@ -25,6 +25,7 @@ SECTIONS: dict[str, str] = {
     "consumer": "bench_consumer",
     "transfer": "bench_transfer",
     "mesh": "bench_mesh",
+    "transfer-mesh": "bench_transfer_mesh",
 }
 
 

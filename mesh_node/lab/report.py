@@ -189,6 +189,10 @@ def _table(rows: Sequence[Sequence[str]]) -> list[str]:
     return ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
 
 
+def _by_stage(nodes: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    return sorted(nodes, key=lambda n: (n["stage_index"] is None, n["stage_index"] or 0))
+
+
 _LAYER = re.compile(r"\Alayers/layer-\d{5}\.gguf\Z")
 
 
@@ -217,7 +221,7 @@ def render_report(doc: Mapping[str, Any]) -> str:
         "",
     ]
     nodes = [("node", "role", "owner", "stage", "layers", "state", "report")]
-    for n in doc["nodes"]:
+    for n in _by_stage(doc["nodes"]):
         layers = "-" if n["layer_start"] is None else f"{n['layer_start']}..{n['layer_end']}"
         nodes.append(
             (
@@ -232,7 +236,7 @@ def render_report(doc: Mapping[str, Any]) -> str:
         )
     lines += [*_table(nodes), ""]
     arts = [("node", "artifact", "bytes", "source", "verified", "why not from the peer")]
-    for n in doc["nodes"]:
+    for n in _by_stage(doc["nodes"]):
         for group in _runs(n["artifacts"]):
             a = group[0]
             path = a["path"]

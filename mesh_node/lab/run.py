@@ -63,6 +63,7 @@ class LabOptions:
     keep: bool = False  # keep ``root`` (logs, caches) afterwards
     timeout_s: float = 600.0  # for the whole split to become ready
     node_config: Mapping[str, Any] = field(default_factory=lambda: dict(LAB_NODE_CONFIG))
+    node_overrides: Mapping[int, Mapping[str, Any]] = field(default_factory=dict)  # TOML, by index
     node_env: Mapping[int, Mapping[str, str]] = field(default_factory=dict)  # per node index
     run_args: Callable[[int], tuple[str, ...]] | None = None  # per node: after `mesh-node run`
 
@@ -206,7 +207,11 @@ def node_specs(options: LabOptions, hub_url: str | None) -> list[NodeSpec]:
             NodeSpec(
                 name=f"n{i}",
                 owner="foreign" if i >= first_foreign else "primary",
-                config={**options.node_config, "artifact_transfer": options.transfer},
+                config={
+                    **options.node_config,
+                    "artifact_transfer": options.transfer,
+                    **options.node_overrides.get(i, {}),
+                },
                 env=env,
                 run_args=options.run_args(i) if options.run_args else (),
             )

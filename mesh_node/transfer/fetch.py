@@ -74,6 +74,7 @@ log = logging.getLogger("mesh_node.transfer.fetch")
 CONCURRENCY: Final = 4  # artifacts of one stage in flight at once (the server allows 4 per link)
 PEER_ATTEMPTS: Final = 3  # asks of the coordinator per artifact before the hub
 WRITE_BATCH_BYTES: Final = 1024 * 1024  # received bytes handed to the sink per thread call
+WRITE_QUEUE: Final = 4  # batches between the stream reader and the disk writer
 LOCK_POLL_S: Final = 0.05
 # Failures after which asking the same peer again may work (the sink keeps the partial).
 _RETRY: Final = (
@@ -406,59 +407,97 @@ class StageFetcher:
                 _drop_partials(job.cache, item)  # a manifest is never resumed (the sink's rule)
 
     async def _receive(self, stream: MeshStream, sink: ArtifactSink, rec: TransferRecord) -> Path:
+        """Read the response; a second task writes (hashes) the body on a thread meanwhile,
+        so the stream keeps granting credit while the disk works. At most ``WRITE_QUEUE``
+        batches wait between them (memory stays bounded)."""
         reader = ResponseReader(sink.offset)
+        send, recv = trio.open_memory_channel[bytes](WRITE_QUEUE)
         batch = bytearray()
-        try:
-            return await self._receive_into(stream, reader, sink, batch, rec)
-        except (SkippyError, MeshError, OSError):
-            # Bytes received before a failure are kept for the resume (if they are wrong the
-            # final digest says so and the sink deletes the partial).
+        failure: SkippyError | OSError | None = None
+        writer_failure: list[SkippyError | OSError] = []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._write_batches, recv, sink, rec, writer_failure)
+            async with send:
+                try:
+                    await self._receive_into(stream, reader, sink, send, batch, rec)
+                except trio.BrokenResourceError:  # the writer stopped: its error says why
+                    pass
+                except (SkippyError, OSError) as exc:
+                    failure = exc
+        # Every queued batch is on disk, in order.
+        if writer_failure:
+            raise writer_failure[0]
+        if failure is not None:
+            # The bytes received before the failure are kept for the resume (if they are
+            # wrong, the final digest says so and the sink deletes the partial).
             if batch and sink.state == "receiving":
                 with contextlib.suppress(SkippyError, OSError):
-                    sink.write(bytes(batch))
-                    rec.bytes_done = sink.offset
-                    self.records.counters.fetched_bytes["peer"] += len(batch)
-            raise
+                    await trio.to_thread.run_sync(sink.write, bytes(batch))
+                    self._wrote(sink, rec, len(batch))
+            raise failure
+        path: Path = await trio.to_thread.run_sync(sink.finish)
+        return path
+
+    async def _write_batches(
+        self,
+        batches: trio.MemoryReceiveChannel[bytes],
+        sink: ArtifactSink,
+        rec: TransferRecord,
+        failure: list[SkippyError | OSError],
+    ) -> None:
+        async with batches:
+            try:
+                async for data in batches:
+                    await trio.to_thread.run_sync(sink.write, data)
+                    self._wrote(sink, rec, len(data))
+            except (SkippyError, OSError) as exc:
+                failure.append(exc)  # closing ``batches`` tells the reader to stop
+
+    def _wrote(self, sink: ArtifactSink, rec: TransferRecord, n: int) -> None:
+        rec.bytes_done = sink.offset
+        self.records.counters.fetched_bytes["peer"] += n
 
     async def _receive_into(
         self,
         stream: MeshStream,
         reader: ResponseReader,
         sink: ArtifactSink,
+        batches: trio.MemorySendChannel[bytes],
         batch: bytearray,
         rec: TransferRecord,
-    ) -> Path:
+    ) -> None:
+        """Until the body ended (everything handed to the writer) or a failure raises;
+        ``batch`` holds what was received but not yet handed on."""
         idle = self.node.timeouts.idle_s
-        while True:
-            with trio.move_on_after(idle) as scope:
+        # One cancel scope per response, its deadline pushed on as bytes arrive (a scope per
+        # receive costs more than the bytes it guards: ~20k receives per GiB).
+        with trio.CancelScope(deadline=trio.current_time() + idle) as scope:
+            while True:
                 data = await stream.receive_some()
-            if scope.cancelled_caught:
-                stream.reset("stalled", "no bytes within the idle timeout")
-                raise StreamStalled(f"the peer sent nothing for {idle:g} s")
-            if not data:
-                reader.eof()  # raises artifact_wire_truncated: the response did not end
-                raise ArtifactWireError("the stream ended early", code="artifact_wire_truncated")
-            for event in reader.feed(data):
-                if isinstance(event, ResponseHeader):
-                    sink.accept(event.response)  # refusal, wrong size or digest: raises
-                    rec.total = event.response.total_size
-                elif isinstance(event, BodyData):
-                    batch += event.data
-                    if len(batch) >= WRITE_BATCH_BYTES:
-                        await self._flush(sink, batch, rec)
-                elif isinstance(event, BodyEnd):
-                    await self._flush(sink, batch, rec)
-                    path: Path = await trio.to_thread.run_sync(sink.finish)
-                    return path
-
-    async def _flush(self, sink: ArtifactSink, batch: bytearray, rec: TransferRecord) -> None:
-        if not batch:
-            return
-        data = bytes(batch)
-        batch.clear()
-        await trio.to_thread.run_sync(sink.write, data)
-        rec.bytes_done = sink.offset
-        self.records.counters.fetched_bytes["peer"] += len(data)
+                now = trio.current_time()
+                if now + 0.75 * idle > scope.deadline:
+                    scope.deadline = now + idle
+                if not data:
+                    reader.eof()  # raises artifact_wire_truncated: the response did not end
+                    raise ArtifactWireError(
+                        "the stream ended early", code="artifact_wire_truncated"
+                    )
+                for event in reader.feed(data):
+                    if isinstance(event, ResponseHeader):
+                        sink.accept(event.response)  # refusal, wrong size or digest: raises
+                        rec.total = event.response.total_size
+                    elif isinstance(event, BodyData):
+                        batch += event.data
+                        if len(batch) >= WRITE_BATCH_BYTES:
+                            await batches.send(bytes(batch))
+                            batch.clear()
+                    elif isinstance(event, BodyEnd):
+                        if batch:
+                            await batches.send(bytes(batch))
+                            batch.clear()
+                        return
+        stream.reset("stalled", "no bytes within the idle timeout")
+        raise StreamStalled(f"the peer sent nothing for {idle:g} s")
 
     async def _from_hub(self, job: _Job, item: FetchItem, rec: TransferRecord, reason: str) -> Path:
         rec.restart("hub")
