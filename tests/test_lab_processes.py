@@ -54,9 +54,9 @@ def tiny_package(synth_dir, tmp_path_factory) -> Path:  # type: ignore[no-untype
 
 @pytest.fixture(scope="module")
 def big_package(tmp_path_factory) -> Path:  # type: ignore[no-untyped-def]
-    """~8 MiB: layers of ~0.8 MiB, several 256 KiB chunks each (a transfer can be cut)."""
+    """~32 MiB: layers of ~3 MiB, several 1 MiB serving chunks each (a transfer can be cut)."""
     root = tmp_path_factory.mktemp("lab-big")
-    source = synth_gguf.big(root / "big.gguf", 8 << 20)
+    source = synth_gguf.big(root / "big.gguf", 32 << 20)
     make_package(source, root / "big-layers", model_id="acme/big-GGUF:Q8_0")
     return root / "big-layers"
 
@@ -144,16 +144,16 @@ async def test_a_coordinator_killed_mid_transfer_is_resumed_after_its_restart(
     opts = options(
         big_package,
         tmp_path,
-        node_config={"artifact_serve_bytes_per_s": 2_000_000},
+        node_config={"artifact_serve_bytes_per_s": 8_000_000},
         node_env={1: {"HF_HUB_OFFLINE": "1"}},  # no hub: only the coordinator can finish it
     )
     async with open_lab(opts) as lab:
-        coordinator = lab.cluster.coordinator
+        coordinator, worker = lab.cluster.nodes
         first = await propose(lab)
-        with trio.fail_after(60):  # until an artifact is partly sent
+        with trio.fail_after(60):  # until the worker holds part of an artifact
             while not any(
-                r["direction"] == "serve" and 256 * 1024 <= r["bytes_done"] < r["total"]
-                for r in (await coordinator.status())["transfers"]["active"]
+                r["direction"] == "fetch" and 0 < r["bytes_done"] < (r["total"] or 0)
+                for r in (await worker.status())["transfers"]["active"]
             ):
                 await trio.sleep(0.02)
         assert await lab.cluster.stop(0, signal.SIGKILL) == -signal.SIGKILL
@@ -178,13 +178,13 @@ async def test_a_coordinator_killed_mid_transfer_is_resumed_after_its_restart(
 
 
 async def test_a_stalled_coordinator_is_left_for_the_hub(big_package, tmp_path):
-    opts = options(big_package, tmp_path, node_config={"artifact_serve_bytes_per_s": 2_000_000})
+    opts = options(big_package, tmp_path, node_config={"artifact_serve_bytes_per_s": 8_000_000})
     async with open_lab(opts) as lab:
         coordinator = lab.cluster.coordinator
         topology = await propose(lab)
         with trio.fail_after(60):
             while not any(
-                r["direction"] == "serve" and r["bytes_done"] > 0
+                r["direction"] == "serve" and 0 < r["bytes_done"] < r["total"]
                 for r in (await coordinator.status())["transfers"]["active"]
             ):
                 await trio.sleep(0.02)

@@ -49,6 +49,7 @@ from skippy.consume.verify import VerifyCache
 from skippy.errors import IntegrityError, ManifestError, SkippyError
 from skippy.package.topology import SplitTopology, StageAssignment
 from skippy.stage.descriptor import StageDescriptor
+from skippy.transfer.authorize import PEER_DISABLED, PEER_UNAVAILABLE
 from skippy.transfer.errors import ArtifactWireError, InstallBusy, PartialChanged, TransferRefused
 from skippy.transfer.fallback import fetch_from_hub
 from skippy.transfer.fetch_plan import FetchItem, manifest_item, plan_fetch, request_for
@@ -87,6 +88,7 @@ _RETRY: Final = (
     PartialChanged,
     InstallBusy,
 )
+_KNOWN_ANSWERS: Final = frozenset({PEER_UNAVAILABLE, PEER_DISABLED, PEER_BUSY})
 # Integrity failures of received bytes (issue #12's verification failures counter).
 _VERIFICATION_CODES: Final = frozenset(
     {"artifact_sha256_mismatch", "artifact_size_mismatch", "peer_artifact_mismatch"}
@@ -318,7 +320,7 @@ class StageFetcher:
             try:
                 return await self._from_peer(job, item, rec)
             except TransferRefused as exc:
-                answer = str(exc.actual or "refused")
+                answer = _answer(exc.actual)
                 counters.refusals_received[answer] += 1
                 reason = f"refused: {answer}"
                 log.info("%s refused %s: %s", short_id(peer), item.path, answer)
@@ -524,6 +526,12 @@ class StageFetcher:
         self.records.counters.fetched_bytes["hub"] += size
         await trio.to_thread.run_sync(_drop_partials, job.cache, item)
         return path
+
+
+def _answer(text: object) -> str:
+    """A peer's refusal as this node records it: one of the sentences a server says, else
+    ``other`` (the text is the peer's: it must not grow the counters or reach the page)."""
+    return text if text in _KNOWN_ANSWERS and isinstance(text, str) else "other"
 
 
 def _drop_partials(cache: RepoCache, item: FetchItem) -> None:
