@@ -413,8 +413,8 @@ class StageFetcher:
         so the stream keeps granting credit while the disk works. At most ``WRITE_QUEUE``
         batches wait between them (memory stays bounded)."""
         reader = ResponseReader(sink.offset)
-        send, recv = trio.open_memory_channel[bytes](WRITE_QUEUE)
-        batch = bytearray()
+        send, recv = trio.open_memory_channel[list[memoryview]](WRITE_QUEUE)
+        batch = _Batch()
         failure: SkippyError | OSError | None = None
         writer_failure: list[SkippyError | OSError] = []
         async with trio.open_nursery() as nursery:
@@ -432,26 +432,26 @@ class StageFetcher:
         if failure is not None:
             # The bytes received before the failure are kept for the resume (if they are
             # wrong, the final digest says so and the sink deletes the partial).
-            if batch and sink.state == "receiving":
+            if batch.size and sink.state == "receiving":
                 with contextlib.suppress(SkippyError, OSError):
-                    await trio.to_thread.run_sync(sink.write, bytes(batch))
-                    self._wrote(sink, rec, len(batch))
+                    await trio.to_thread.run_sync(_write_parts, sink, batch.parts)
+                    self._wrote(sink, rec, batch.size)
             raise failure
         path: Path = await trio.to_thread.run_sync(sink.finish)
         return path
 
     async def _write_batches(
         self,
-        batches: trio.MemoryReceiveChannel[bytes],
+        batches: trio.MemoryReceiveChannel[list[memoryview]],
         sink: ArtifactSink,
         rec: TransferRecord,
         failure: list[SkippyError | OSError],
     ) -> None:
         async with batches:
             try:
-                async for data in batches:
-                    await trio.to_thread.run_sync(sink.write, data)
-                    self._wrote(sink, rec, len(data))
+                async for parts in batches:
+                    await trio.to_thread.run_sync(_write_parts, sink, parts)
+                    self._wrote(sink, rec, sum(len(p) for p in parts))
             except (SkippyError, OSError) as exc:
                 failure.append(exc)  # closing ``batches`` tells the reader to stop
 
@@ -464,8 +464,8 @@ class StageFetcher:
         stream: MeshStream,
         reader: ResponseReader,
         sink: ArtifactSink,
-        batches: trio.MemorySendChannel[bytes],
-        batch: bytearray,
+        batches: trio.MemorySendChannel[list[memoryview]],
+        batch: _Batch,
         rec: TransferRecord,
     ) -> None:
         """Until the body ended (everything handed to the writer) or a failure raises;
@@ -489,14 +489,12 @@ class StageFetcher:
                         sink.accept(event.response)  # refusal, wrong size or digest: raises
                         rec.total = event.response.total_size
                     elif isinstance(event, BodyData):
-                        batch += event.data
-                        if len(batch) >= WRITE_BATCH_BYTES:
-                            await batches.send(bytes(batch))
-                            batch.clear()
+                        batch.add(event.data)  # a view of ``data`` (immutable): no copy
+                        if batch.size >= WRITE_BATCH_BYTES:
+                            await batches.send(batch.take())
                     elif isinstance(event, BodyEnd):
-                        if batch:
-                            await batches.send(bytes(batch))
-                            batch.clear()
+                        if batch.size:
+                            await batches.send(batch.take())
                         return
         stream.reset("stalled", "no bytes within the idle timeout")
         raise StreamStalled(f"the peer sent nothing for {idle:g} s")
@@ -526,6 +524,27 @@ class StageFetcher:
         self.records.counters.fetched_bytes["hub"] += size
         await trio.to_thread.run_sync(_drop_partials, job.cache, item)
         return path
+
+
+class _Batch:
+    """Received body pieces (views of the stream's bytes) waiting to be written."""
+
+    def __init__(self) -> None:
+        self.parts: list[memoryview] = []
+        self.size = 0
+
+    def add(self, view: memoryview) -> None:
+        self.parts.append(view)
+        self.size += len(view)
+
+    def take(self) -> list[memoryview]:
+        parts, self.parts, self.size = self.parts, [], 0
+        return parts
+
+
+def _write_parts(sink: ArtifactSink, parts: list[memoryview]) -> None:
+    for part in parts:
+        sink.write(part)
 
 
 def _answer(text: object) -> str:
