@@ -25,7 +25,15 @@ from typing import Any
 
 import trio
 from bench_mesh import download_rates  # type: ignore[import-not-found]
-from benchlib import BenchContext, Row, hash_file, spread, times_of  # type: ignore[import-not-found]
+from benchlib import (  # type: ignore[import-not-found]
+    BenchContext,
+    Row,
+    gemma_package,
+    hash_file,
+    random_file,
+    spread,
+    times_of,
+)
 
 from mesh_node.lab.cluster import peak_rss_bytes
 from mesh_node.lab.run import LabOptions, open_lab
@@ -157,18 +165,9 @@ def _rows(label: str, big: Path, sha256: str, ctx: BenchContext, rss: bool) -> l
 
 
 def rows(ctx: BenchContext) -> list[Row]:
-    import hashlib
-
     from skippy.consume.preflight import load_package
-    from skippy.produce.write_package import WriteOptions, local_provenance, write_package
 
-    pkg_dir = ctx.work / "pkg-gemma3"  # written by the package section, or here
-    if not (pkg_dir / MANIFEST_NAME).exists():
-        prov = local_provenance(
-            model_id="bench/model-GGUF:Q", source_repo=None, source_revision="r",
-            source_file=ctx.gemma.name,
-        )
-        write_package(ctx.gemma, WriteOptions(out_dir=pkg_dir, provenance=prov, overwrite=True))
+    pkg_dir = gemma_package(ctx)
     manifest = load_package(pkg_dir).manifest
     largest = max(manifest.artifacts(), key=lambda r: r.artifact.artifact_bytes)
     out = _rows(
@@ -177,11 +176,5 @@ def rows(ctx: BenchContext) -> list[Row]:
     )
     if ctx.skip_big:
         return out
-    big = ctx.work / "transfer-synthetic.bin"  # shared with the transfer section
-    if not big.exists() or big.stat().st_size != SYNTH_BYTES:
-        with open(big, "wb") as f:
-            for _ in range(SYNTH_BYTES // (64 * MIB)):
-                f.write(os.urandom(64 * MIB))
-    with open(big, "rb") as f:
-        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    big, digest = random_file(ctx, SYNTH_BYTES)  # shared with the transfer section
     return out + _rows("synthetic 1 GiB", big, digest, ctx, rss=True)

@@ -218,6 +218,15 @@ async def test_a_worker_restarted_after_completion_fetches_nothing(tiny_package,
         assert {r["source"] for r in fetches(done)} == {"cache"}
         after = (await coordinator.status())["transfers"]["counters"]["served_bytes"]
         assert after == served
+        worker = lab.cluster.nodes[1]
+        text = await trio.to_thread.run_sync(
+            lambda: subprocess.run(
+                [*MESH, "status", "--config", str(worker.config_path)],
+                capture_output=True, text=True, timeout=60,
+            )
+        )
+        assert text.returncode == 0 and "ready, report accepted" in text.stdout
+        assert "fetched peer 0 hub 0" in text.stdout
 
 
 def _processes_under(root: Path) -> list[int]:
