@@ -271,7 +271,7 @@ async def test_a_manifest_over_16_MiB_from_a_peer_is_refused_before_a_byte_is_wr
         cache = RepoCache.for_ref(worker.cache, pkg.ref)
         assert find_partials(cache.blob_path(pkg.manifest_sha256)) == []
         await wait_for(lambda: worker.node.transfers.stage.report == "accepted")
-        assert coord.node.topology.active.stages[worker.node.node_id].state == "failed"
+        assert coord.node.topology.active.reports[worker.node.node_id].state == "failed"
         n.cancel_scope.cancel()
 
 
