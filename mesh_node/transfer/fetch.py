@@ -307,13 +307,9 @@ class StageFetcher:
         counters = self.records.counters
         installed = job.cache.snapshot_path(item.path)
         if item.is_manifest and await trio.to_thread.run_sync(self._present, job, item):
-            size = installed.stat().st_size
-            rec.total = size
-            rec.restart("cache", offset=size)
-            counters.fetched_bytes["cache"] += size
-            return installed
+            return self._from_cache(installed, rec)
         peer = job.coordinator_id
-        reason = "not_advertised" if peer != self.node.node_id else "coordinator"
+        reason = "not_advertised" if peer != self.node.node_id else "this_node_coordinates"
         attempts = 0
         while self._peer_serves(peer) and attempts < self.peer_attempts:
             attempts += 1
@@ -341,6 +337,14 @@ class StageFetcher:
                     reason = f"{exc.code}: no link"
                     break
         return await self._from_hub(job, item, rec, reason)
+
+    def _from_cache(self, installed: Path, rec: TransferRecord) -> Path:
+        """Already installed and verified (by another fetch, or before): nothing moves."""
+        size = installed.stat().st_size
+        rec.total = size
+        rec.restart("cache", offset=size)
+        self.records.counters.fetched_bytes["cache"] += size
+        return installed
 
     def _present(self, job: _Job, item: FetchItem) -> bool:
         return verified_file(
@@ -389,11 +393,7 @@ class StageFetcher:
         sink = await self._open_sink(job, item)
         try:
             if sink.present and sink.installed is not None:
-                size = sink.installed.stat().st_size
-                rec.total = size
-                rec.restart("cache", offset=size)
-                self.records.counters.fetched_bytes["cache"] += size
-                return sink.installed
+                return self._from_cache(sink.installed, rec)
             rec.restart("peer", peer_id=job.coordinator_id, offset=sink.offset)
             request = request_for(
                 item, job.topology, job.stage, bytes.fromhex(self.node.node_id), offset=sink.offset

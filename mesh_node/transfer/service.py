@@ -108,11 +108,14 @@ class ArtifactService:
                     descriptor = await self.ready_hook(result)
             except SkippyError as exc:
                 log.warning("topology %s: stage not ready: %s", topology.topology_id, exc)
-                stage_id = _stage_id(active, self.node.node_id)
-                failed = StageReady(
-                    topology.topology_id, stage_id, False, None, exc.code, "the stage failed"
-                )
-                await self._report(active, failed)
+                await self._report_failure(active, exc.code)
+                return
+            except Exception:  # a bug here must not take the node down (as a link's handler)
+                log.exception("topology %s: fetching the stage failed", topology.topology_id)
+                state = self.records.stage
+                if state is not None and state.topology_id == topology.topology_id:
+                    state.state, state.error = "failed", "internal_error"
+                await self._report_failure(active, "internal_error")
                 return
             self.result = result
             log.info(
@@ -128,6 +131,11 @@ class ArtifactService:
                     topology.topology_id, result.stage.stage_id, True, descriptor.to_dict()
                 ),
             )
+
+    async def _report_failure(self, active: ActiveTopology, code: str) -> None:
+        stage_id = _stage_id(active, self.node.node_id)
+        tid = active.topology.topology_id
+        await self._report(active, StageReady(tid, stage_id, False, None, code, "stage failed"))
 
     async def _report(self, active: ActiveTopology, report: StageReady) -> None:
         answer = await self._send_report(active, report)
