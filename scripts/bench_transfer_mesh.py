@@ -58,16 +58,18 @@ def _template(work: Path) -> Path:
     return out
 
 
-def _package(work: Path, label: str, big: Path, sha256: str) -> Path:
-    """The template with ``big`` (hard-linked, not copied) as layer 1."""
+def _package(work: Path, label: str, big: Path, sha256: str, *, link: bool) -> Path:
+    """The template with ``big`` as layer 1: hard-linked when this section owns the file (a
+    link changes the file's ctime, which would void other sections' verification records),
+    else copied."""
     template = _template(work)
     out = work / f"meshxfer-{label}"
     shutil.rmtree(out, ignore_errors=True)
     shutil.copytree(template, out)
     (out / BIG_LAYER).unlink()
-    try:
+    if link:
         os.link(big, out / BIG_LAYER)
-    except OSError:
+    else:
         shutil.copyfile(big, out / BIG_LAYER)
     m = parse_manifest(read_manifest_bytes(template))
     size = big.stat().st_size
@@ -132,9 +134,9 @@ async def _wait_record(worker: Any, topology_id: str) -> dict[str, Any]:
             await trio.sleep(0.05)
 
 
-def _rows(label: str, big: Path, sha256: str, ctx: BenchContext, rss: bool) -> list[Row]:
+def _rows(label: str, big: Path, sha256: str, ctx: BenchContext, *, own: bool) -> list[Row]:
     size = big.stat().st_size
-    package = _package(ctx.work, label.split()[0], big, sha256)
+    package = _package(ctx.work, label.split()[0], big, sha256, link=own)
     t_hash = times_of(lambda: hash_file(big), ctx.runs)
     whole = size // MIB * MIB
     raw = download_rates("ws", whole, ctx.runs)
@@ -155,7 +157,7 @@ def _rows(label: str, big: Path, sha256: str, ctx: BenchContext, rss: bool) -> l
          f"{spread(ratios, fmt='{:.2f}')}x raw websocket (target >= 0.6); "
          f"{statistics.median(mesh) / statistics.median(stream):.2f}x the mesh stream"),
     ]
-    if rss:
+    if own:  # the 1 GiB rows: peak RSS of each process
         out.append(
             (label, "peak RSS during the transfer: coordinator / worker",
              f"{(got['coordinator_rss'] or 0) / MIB:.0f} / {got['worker_rss'] / MIB:.0f} MiB",
@@ -172,9 +174,9 @@ def rows(ctx: BenchContext) -> list[Row]:
     largest = max(manifest.artifacts(), key=lambda r: r.artifact.artifact_bytes)
     out = _rows(
         f"gemma3 {largest.path}", pkg_dir / largest.path, largest.artifact.sha256.lower(), ctx,
-        rss=False,
+        own=False,
     )
     if ctx.skip_big:
         return out
-    big, digest = random_file(ctx, SYNTH_BYTES)  # shared with the transfer section
-    return out + _rows("synthetic 1 GiB", big, digest, ctx, rss=True)
+    big, digest = random_file(ctx, SYNTH_BYTES, name="transfer-mesh-synthetic.bin")
+    return out + _rows("synthetic 1 GiB", big, digest, ctx, own=True)
