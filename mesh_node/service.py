@@ -13,6 +13,7 @@ import trio
 from mesh_node.control import serve_control
 from mesh_node.identity import LocalIdentity
 from mesh_node.node import MeshNode
+from mesh_node.transfer.service import ArtifactService
 from skippy.config import NodeSettings, read_environment
 from skippy.errors import UsageError
 
@@ -67,9 +68,11 @@ def _package_facts(settings: NodeSettings, text: str) -> tuple[str, str, Any]:
 async def run_node(settings: NodeSettings, identity: LocalIdentity) -> None:
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     node = MeshNode(settings, identity)
+    artifacts = ArtifactService(node, read_environment())
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
             await nursery.start(serve_control, settings.control_socket, control_handler(node))
+            await nursery.start(artifacts.run)
             address = await nursery.start(node.run)
             sys.stdout.write(f"listening {address}\n")
             sys.stdout.flush()
