@@ -159,4 +159,19 @@ def render_status(doc: Mapping[str, Any]) -> str:
             )
     else:
         lines.append("topology none")
+    transfers = doc.get("transfers")
+    if transfers:
+        stage, c = transfers["stage"], transfers["counters"]
+        if stage:
+            lines.append(
+                f"stage    {stage['stage_index']} (layers {stage['layer_start']}.."
+                f"{stage['layer_end']}) {stage['state']}"
+                + (f" ({stage['error']})" if stage["error"] else "")
+                + (f", report {stage['report']}" if stage["report"] else "")
+            )
+        got = c["fetched_bytes"]
+        lines.append(
+            f"bytes    fetched peer {got['peer']} hub {got['hub']} cached {got['cache']}; "
+            f"served {c['served_bytes']}; {len(transfers['active'])} transfers active"
+        )
     return "\n".join(lines)

@@ -14,7 +14,8 @@ from mesh_node.control import serve_control
 from mesh_node.identity import LocalIdentity
 from mesh_node.node import MeshNode
 from mesh_node.serving.host import StageHost
-from skippy.config import HostPort, NodeSettings, read_environment
+from mesh_node.transfer.service import ArtifactService
+from skippy.config import Environment, HostPort, NodeSettings, read_environment
 from skippy.errors import UsageError
 
 log = logging.getLogger("mesh_node.service")
@@ -159,25 +160,42 @@ async def start_serving(
         task_status.started(url)
 
 
+def stage_services(node: MeshNode, env: Environment) -> tuple[StageHost, ArtifactService]:
+    """What every node runs for splits: artifact transfer (issue #8: serve, fetch this node's
+    stage, report it) and the stage host (issue #10: load the fetched stage in the runtime,
+    extend the report into the admission descriptor, serve the transport streams)."""
+    from mesh_node.serving.bringup import stage_ready
+    from mesh_node.transfer.fetch import StageResult
+    from skippy.stage.descriptor import StageDescriptor
+
+    host = StageHost(node, node.settings.serving)
+    node.status_sections["stage"] = host.status
+    artifacts = ArtifactService(node, env)
+
+    async def ready(result: StageResult) -> StageDescriptor:
+        return await stage_ready(
+            host, result.topology, result.stage, result.load, result.descriptor
+        )
+
+    artifacts.ready_hook = ready
+    return host, artifacts
+
+
 async def run_node(
     settings: NodeSettings, identity: LocalIdentity, serve: ServeOptions | None = None
 ) -> None:
-    from mesh_node.serving.bringup import LocalBringup
-
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     node = MeshNode(settings, identity)
-    host = StageHost(node, settings.serving)
-    node.status_sections["stage"] = host.status
-    bringup = LocalBringup(node, host, read_environment())
+    host, artifacts = stage_services(node, read_environment())
     serving = Serving(node, host)
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
             handler = control_handler(node, serving)
             await nursery.start(serve_control, settings.control_socket, handler)
+            await nursery.start(artifacts.run)
             address = await nursery.start(node.run)
             sys.stdout.write(f"listening {address}\n")
             sys.stdout.flush()
-            await nursery.start(bringup.run)
             await nursery.start(serving.run)
             if serve is not None:
                 sys.stdout.write(f"api {await serving.start(serve)}\n")

@@ -56,13 +56,13 @@ class ActiveTopology:
     acks: dict[str, str] = field(default_factory=dict)  # worker -> accepted | refused: ... | ...
     lost: set[str] = field(default_factory=set)
     # Coordinator: each stage node's last report (its own stage included).
-    stages: dict[str, StageReport] = field(default_factory=dict)
+    reports: dict[str, StageReport] = field(default_factory=dict)
 
     @property
     def all_ready(self) -> bool:
         """Every stage's node reported ready (with a descriptor matching the topology)."""
         return all(
-            (r := self.stages.get(s.node_id)) is not None and r.state == "ready"
+            (r := self.reports.get(s.node_id)) is not None and r.state == "ready"
             for s in self.topology.stages
         )
 
@@ -74,7 +74,7 @@ class ActiveTopology:
             "state": self.state,
             "acks": dict(sorted(self.acks.items())),
             "lost_nodes": sorted(self.lost),
-            "ready": {k: v.to_dict() for k, v in sorted(self.stages.items())},
+            "ready": {k: v.to_dict() for k, v in sorted(self.reports.items())},
             "all_ready": self.all_ready,
         }
 
@@ -353,7 +353,7 @@ class TopologyService:
                 if problem is None
                 else StageReport("rejected", problem[0], descriptor)
             )
-        active.stages[node_id] = result
+        active.reports[node_id] = result
         log.info(
             "topology %s: stage %d on %s %s%s",
             tid,

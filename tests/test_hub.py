@@ -9,8 +9,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from hub_server import FakeHub, Fault, running_hub, write_tree
 
+from mesh_node.lab.hub import FakeHub, Fault, running_hub, write_tree
 from skippy.config import HubPolicy
 from skippy.consume.hub import (
     HubError,

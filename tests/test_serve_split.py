@@ -32,8 +32,7 @@ from stagetools import chain
 
 from mesh_node.errors import StreamReset
 from mesh_node.node import MeshNode
-from mesh_node.service import _package_facts
-from mesh_node.serving.bringup import LocalBringup
+from mesh_node.service import _package_facts, stage_services
 from mesh_node.serving.host import StageHost
 from mesh_node.serving.pipeline import GenerationParams, ServerBusy, SplitServer
 from protocol import constants as pc
@@ -99,9 +98,9 @@ async def split(tmp: Path, pkg: Path, stages: int = 3) -> AsyncIterator[Split]:
         for i in range(stages):
             s = settings(tmp, f"n{i}", serving=SERVING)
             node = MeshNode(with_peers(s, nodes[0]) if nodes else s, identity())
-            host = StageHost(node, SERVING)
+            host, artifacts = stage_services(node, read_environment())
             await nursery.start(node.run)
-            await nursery.start(LocalBringup(node, host, read_environment()).run)
+            await nursery.start(artifacts.run)
             nodes.append(node)
             hosts.append(host)
         await wait_for(lambda: len(nodes[0].peers(connected_only=True)) == stages - 1)

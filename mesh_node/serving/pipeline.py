@@ -270,7 +270,7 @@ class SplitServer:
             return
         loaded = self.host.loaded
         if loaded is None or loaded.topology.topology_id != topo.topology_id:
-            own = active.stages.get(self.node.node_id)
+            own = active.reports.get(self.node.node_id)
             failed = own is not None and own.state != "ready"
             self.reason = f"stage 0 failed to load ({own.code})" if failed and own else (
                 "stage 0 is loading"
@@ -283,7 +283,7 @@ class SplitServer:
         self.node.topology.admission_expect = loaded.facts
         waiting = []
         for stage in topo.stages:
-            report = active.stages.get(stage.node_id)
+            report = active.reports.get(stage.node_id)
             if report is None or report.state != "ready":
                 state = "not reported" if report is None else f"{report.state} ({report.code})"
                 waiting.append(f"stage {stage.stage_index}: {state}")
@@ -291,7 +291,7 @@ class SplitServer:
             desc = report.descriptor
             problem = runtime_problem(desc.runtime if desc else None, loaded.facts)
             if problem is not None:
-                active.stages[stage.node_id] = StageReport("rejected", problem[0], desc)
+                active.reports[stage.node_id] = StageReport("rejected", problem[0], desc)
                 waiting.append(f"stage {stage.stage_index}: rejected ({problem[1]})")
         if waiting:
             self.reason = "waiting for " + "; ".join(waiting)
