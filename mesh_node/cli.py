@@ -129,12 +129,16 @@ def cmd_serve(args: argparse.Namespace) -> CommandResult:
 
 
 def _run_trio(fn: Callable[..., Any], *args: Any) -> None:
+    _run_trio_result(fn, *args)
+
+
+def _run_trio_result(fn: Callable[..., Any], *args: Any) -> Any:
     """``trio.run``, with our error surfacing from inside a nursery raised as itself (the
     CLI prints its code and message, never an exception group's traceback)."""
     import trio
 
     try:
-        trio.run(fn, *args)
+        return trio.run(fn, *args)
     except BaseExceptionGroup as group:
         found = _skippy_error(group)
         if found is None:
@@ -203,10 +207,10 @@ def cmd_topology(args: argparse.Namespace) -> CommandResult:
 
 
 def cmd_lab(args: argparse.Namespace) -> CommandResult:
-    import trio
 
     from mesh_node.lab.report import render_report
     from mesh_node.lab.run import LabOptions, run_lab
+    from mesh_node.serving.report import render_prompt_report
 
     options = LabOptions(
         nodes=args.nodes,
@@ -216,9 +220,30 @@ def cmd_lab(args: argparse.Namespace) -> CommandResult:
         root=Path(args.dir) if args.dir else None,
         keep=args.keep,
         timeout_s=args.timeout,
+        prompt=args.prompt,
+        max_tokens=args.max_tokens,
+        serve=args.serve,
+        http=args.http,
     )
-    report = trio.run(run_lab, options)
-    return CommandResult(report, render_report(report), exit_code=0 if report["ok"] else 1)
+
+    def render(report: dict[str, Any]) -> str:
+        text = render_report(report)
+        if report.get("prompt"):
+            text += "\n" + render_prompt_report(report["prompt"])
+        if report.get("api"):
+            text += f"\napi {report['api']}"
+        return text
+
+    def announce(report: dict[str, Any]) -> None:
+        """--serve: the lab is up; say where, then keep serving until Ctrl-C."""
+        if args.json:
+            print(json.dumps(report, default=str))
+        else:
+            print(render(report) + "\nserving until Ctrl-C")
+        sys.stdout.flush()
+
+    report = _run_trio_result(run_lab, options, announce)
+    return CommandResult(report, render(report), exit_code=0 if report["ok"] else 1)
 
 
 # --- parser ---------------------------------------------------------------------------------
@@ -316,6 +341,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep", action="store_true", help="keep the nodes' folders and logs")
     p.add_argument(
         "--timeout", type=float, default=600.0, help="seconds for the split to be ready"
+    )
+    p.add_argument(
+        "--prompt",
+        help="serve the split (stage 0 on the coordinator) and run one greedy completion",
+    )
+    p.add_argument(
+        "--max-tokens", type=int, default=16, help="tokens to generate with --prompt (16)"
+    )
+    p.add_argument(
+        "--serve",
+        action="store_true",
+        help="serve the split and keep the lab up (prints the API's address) until Ctrl-C",
+    )
+    p.add_argument(
+        "--http", default="127.0.0.1:0", help="the API's HOST:PORT (default: any free port)"
     )
     return parser
 
