@@ -1,15 +1,21 @@
 """Split serving of the real models with real processes (the issue's "done when" checks).
 
-- gemma3-270m as a 3-node split (`mesh-node serve` + two `mesh-node run` workers)
-  greedy-continues "The capital of France is" exactly as the same runtime as one stage does,
-  token for token (the reference runs in this process: skippy.runtime, ggml, one stage).
-- SmolLM2-135M-Instruct (it has a chat template): the official openai client streams a chat
-  completion from the split; the streamed text equals the non-streamed one and the single
-  stage's greedy continuation of the same templated prompt.
+- `mesh-node lab --nodes 3 --package <gemma3-270m> --prompt "The capital of France is"
+  --max-tokens 16 --json` prints exactly the text of the same runtime as one stage, token for
+  token (the reference runs in this process: skippy.runtime, ggml, one stage).
+- SmolLM2-135M-Instruct (it has a chat template) under `mesh-node lab --serve`: the official
+  openai client streams a chat completion from the split; the streamed text equals the
+  non-streamed one and the single stage's greedy continuation of the same templated prompt.
+The lab publishes the package on its hub; workers fetch their stages from the coordinator.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,9 +23,10 @@ import pytest
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
 pytest.importorskip("openai", reason="the openai client is a dev dependency")
 
+import itertools
+
 import openai
 from pkgtools import make_package
-from servetools import split_cluster, wait_ready
 from stagetools import chain
 
 from skippy.runtime.tokenizer import LlamaTokenizer
@@ -36,35 +43,41 @@ def _single_stage(pkg: Path, layers: int, ids: list[int], n: int) -> str:
         return ch.generate(ids, max_tokens=n).text
 
 
-def test_gemma_three_node_split_equals_the_single_stage_run(
+def test_lab_prompt_on_a_gemma_split_equals_the_single_stage_run(
     gemma_gguf: Path, tmp_path: Path
 ) -> None:
+    """`mesh-node lab --nodes 3 --package <gemma3> --prompt ... --max-tokens 16 --json`."""
     pkg = tmp_path / "gemma"
     make_package(gemma_gguf, pkg, model_id="google/gemma-3-270m-GGUF:Q4_K_M")
     with LlamaTokenizer(pkg / "shared" / "metadata.gguf") as tok:
         ids = tok.tokenize(PROMPT)
     want = _single_stage(pkg, 18, ids, 16)
-    with split_cluster(tmp_path, pkg, workers=2, stages=3, budget="4GiB") as cluster:
-        wait_ready(cluster.api)
-        client = openai.OpenAI(base_url=cluster.api, api_key="unused", max_retries=0)
-        got = client.completions.create(
-            model="tiny", prompt=PROMPT, max_tokens=16, temperature=0
-        )
-        assert got.choices[0].text == want
-        assert got.usage is not None and got.usage.prompt_tokens == len(ids)
-        stages = cluster.status()["topology"]["stages"]
-        assert len(stages) == 3 and stages[0]["layer_start"] == 0
-        # a base model has no chat template: a clear 400, not a guess
-        with pytest.raises(openai.BadRequestError) as err:
-            client.chat.completions.create(
-                model="tiny", messages=[{"role": "user", "content": "hi"}]
-            )
-        assert err.value.body["code"] == "chat_template_missing"
+    out = subprocess.run(
+        [sys.executable, "-m", "mesh_node", "lab", "--nodes", "3", "--package", str(pkg),
+         "--prompt", PROMPT, "--max-tokens", "16", "--json", "--timeout", "300"],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        env=_env(),
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout)
+    assert report["ok"] and report["prompt"]["text"] == want
+    nodes = report["prompt"]["nodes"]
+    bounds = [(n["layer_start"], n["layer_end"]) for n in nodes]
+    assert len(bounds) == 3 and bounds[0][0] == 0 and bounds[-1][1] == 18
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(bounds))
+    assert all(n["artifact_bytes"] > 0 and n["peak_rss_bytes"] > 0 for n in nodes)
+    assert report["prompt"]["decode_tokens_per_s"] and report["prompt"]["prefill_tokens_per_s"]
 
 
-def test_openai_client_streams_a_chat_completion_from_the_split(
+def test_openai_client_streams_a_chat_completion_from_lab_serve(
     smollm_gguf: Path, tmp_path: Path
 ) -> None:
+    """`mesh-node lab --nodes 3 --package <SmolLM2> --serve`: the official openai client
+    streams a chat completion from the split; the streamed text equals the non-streamed one
+    and the single stage's greedy continuation of the same templated prompt; Ctrl-C ends the
+    lab and its nodes."""
     pkg = tmp_path / "smol"
     make_package(smollm_gguf, pkg, model_id="HuggingFaceTB/SmolLM2-135M-Instruct-GGUF:Q4_1")
     messages = [{"role": "user", "content": "What is the capital of France?"}]
@@ -73,11 +86,21 @@ def test_openai_client_streams_a_chat_completion_from_the_split(
     with LlamaTokenizer(pkg / "shared" / "metadata.gguf") as tok:
         ids = tok.tokenize(template.render(messages), add_special=False, parse_special=True)
     want = _single_stage(pkg, 30, ids, 24)
-    with split_cluster(tmp_path, pkg, workers=2, stages=3, budget="4GiB") as cluster:
-        wait_ready(cluster.api)
-        client = openai.OpenAI(base_url=cluster.api, api_key="unused", max_retries=0)
+    lab = subprocess.Popen(
+        [sys.executable, "-m", "mesh_node", "lab", "--nodes", "3", "--package", str(pkg),
+         "--serve", "--json", "--timeout", "300", "--dir", str(tmp_path / "lab")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=_env(),
+    )
+    try:
+        assert lab.stdout is not None
+        announced = json.loads(lab.stdout.readline())
+        model = "HuggingFaceTB/SmolLM2-135M-Instruct-GGUF:Q4_1"
+        client = openai.OpenAI(base_url=announced["api"], api_key="unused", max_retries=0)
         stream = client.chat.completions.create(
-            model="tiny", messages=messages, max_tokens=24, temperature=0, stream=True
+            model=model, messages=messages, max_tokens=24, temperature=0, stream=True
         )
         chunks = list(stream)
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -85,8 +108,17 @@ def test_openai_client_streams_a_chat_completion_from_the_split(
         assert chunks[-1].choices[0].finish_reason in ("stop", "length")
         assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) > 1
         whole = client.chat.completions.create(
-            model="tiny", messages=messages, max_tokens=24, temperature=0
+            model=model, messages=messages, max_tokens=24, temperature=0
         )
         # (this 135M model answers "L'Étoile, la Marseillaise, ..."; llama.cpp's own chat
         # completion of the same messages starts the same way)
         assert whole.choices[0].message.content == text == want
+    finally:
+        lab.send_signal(signal.SIGINT)
+        code = lab.wait(timeout=60)
+    assert code == 130
+    assert not list((tmp_path / "lab").glob("n*/data/mesh-node.sock"))  # every node stopped
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
