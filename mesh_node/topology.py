@@ -381,7 +381,7 @@ class TopologyService:
         involved = active.topology.stage_of(node_id) is not None or node_id == (
             active.coordinator_id
         )
-        if not involved or node_id == self.node.node_id:
+        if not involved or node_id == self.node.node_id or node_id in active.lost:
             return
         active.lost.add(node_id)
         active.state = "degraded"
