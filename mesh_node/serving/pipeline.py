@@ -268,6 +268,10 @@ class SplitServer:
             return
         if active.state != "active":  # incomplete (a worker did not accept) or degraded (lost)
             return
+        linked = {p.node_id for p in self.node.peers(connected_only=True)} | {self.node.node_id}
+        if any(s.node_id not in linked for s in topo.stages):
+            self.reason = "a stage node is not linked"
+            return
         loaded = self.host.loaded
         if loaded is None or loaded.topology.topology_id != topo.topology_id:
             own = active.reports.get(self.node.node_id)
@@ -307,6 +311,9 @@ class SplitServer:
         stage = active.topology.stage_of(node_id)
         if stage is None:
             return
+        # The topology service sees the same event; mark it degraded now, whichever
+        # subscriber runs first, so the lost route is never published again.
+        self.node.topology.on_peer_down(node_id)
         self._set_route(None, f"stage {stage.stage_index} (node {node_id[:12]}) was lost")
         log.warning("stage %d lost with node %s: replacing it", stage.stage_index, node_id[:12])
         try:
@@ -430,9 +437,11 @@ class SplitServer:
                 if route is not None and route.topology_id != broken.topology_id:
                     return route
                 if route is not None and (
-                    not _route_level(cause) or trio.current_time() - start > grace
+                    not _route_level(cause)
+                    or (trio.current_time() - start > grace and self._route_connected(route))
                 ):
-                    # The route still stands: no node was lost, the failure was the stage's.
+                    # The route still stands with every node linked: no node was lost, the
+                    # failure was the stage's. (A node that is down is being replaced.)
                     raise GenerationFailed(
                         f"a stage failed the request: {cause}", code="stage_failed"
                     )
@@ -442,6 +451,10 @@ class SplitServer:
             f"no route within {self.settings.failover_timeout_s:g} s: {self.reason}",
             code="failover_timeout",
         )
+
+    def _route_connected(self, route: Route) -> bool:
+        linked = {p.node_id for p in self.node.peers(connected_only=True)}
+        return all(n in linked or n == self.node.node_id for n in route.node_ids)
 
     # --- one attempt on one route --------------------------------------------------------------
     async def _run(
