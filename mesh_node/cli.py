@@ -140,21 +140,13 @@ def _run_trio_result(fn: Callable[..., Any], *args: Any) -> Any:
     try:
         return trio.run(fn, *args)
     except BaseExceptionGroup as group:
-        found = _skippy_error(group)
+        from mesh_node.errors import skippy_error_in
+
+        found = skippy_error_in(group)
         if found is None:
             raise
         raise found from None
 
-
-def _skippy_error(exc: BaseException) -> SkippyError | None:
-    if isinstance(exc, SkippyError):
-        return exc
-    if isinstance(exc, BaseExceptionGroup):
-        for inner in exc.exceptions:
-            found = _skippy_error(inner)
-            if found is not None:
-                return found
-    return None
 
 
 def cmd_status(args: argparse.Namespace) -> CommandResult:

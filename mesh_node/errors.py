@@ -5,6 +5,19 @@ from __future__ import annotations
 from skippy.errors import EXIT_USAGE, SkippyError
 
 
+def skippy_error_in(exc: BaseException) -> SkippyError | None:
+    """The first ``SkippyError`` in ``exc`` or, for a nursery's exception group, among its
+    leaves; ``None`` when there is none (a bug or a cancellation: re-raise it)."""
+    if isinstance(exc, SkippyError):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            found = skippy_error_in(inner)
+            if found is not None:
+                return found
+    return None
+
+
 class MeshError(SkippyError):
     """Something on the mesh failed (a peer, a link, a stream)."""
 

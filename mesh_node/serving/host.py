@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 import numpy as np
 import trio
 
-from mesh_node.errors import StreamReset
+from mesh_node.errors import StreamReset, skippy_error_in
 from mesh_node.link import MeshStream
 from mesh_node.node import MeshNode
 from mesh_node.peers import InboundStream
@@ -389,19 +389,6 @@ def _vm_kib(field: str) -> int | None:
                     return int(line.split()[1])
     except (OSError, ValueError):
         pass
-    return None
-
-
-def skippy_error_in(exc: BaseException) -> SkippyError | None:
-    """The first ``SkippyError`` in ``exc`` or, for a nursery's exception group, among its
-    leaves; ``None`` when there is none (a bug or a cancellation: re-raise it)."""
-    if isinstance(exc, SkippyError):
-        return exc
-    if isinstance(exc, BaseExceptionGroup):
-        for inner in exc.exceptions:
-            found = skippy_error_in(inner)
-            if found is not None:
-                return found
     return None
 
 

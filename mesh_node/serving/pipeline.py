@@ -33,17 +33,11 @@ from typing import Any, Final, Literal
 import numpy as np
 import trio
 
-from mesh_node.errors import MeshError, StreamReset, TopologyRefused
+from mesh_node.errors import MeshError, StreamReset, TopologyRefused, skippy_error_in
 from mesh_node.link import MeshStream
 from mesh_node.node import MeshNode
 from mesh_node.peers import InboundStream, PeerDown, PeerUp
-from mesh_node.serving.host import (
-    LoadedStage,
-    StageHost,
-    hop_summary,
-    sampler_at,
-    skippy_error_in,
-)
+from mesh_node.serving.host import LoadedStage, StageHost, hop_summary, sampler_at
 from mesh_node.serving.links import ChainSender, FrameReader, HopStats
 from mesh_node.topology import StageReport
 from protocol import constants as pc
