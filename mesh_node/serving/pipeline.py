@@ -33,7 +33,13 @@ from typing import Any, Final, Literal
 import numpy as np
 import trio
 
-from mesh_node.errors import MeshError, StreamReset, TopologyRefused, skippy_error_in
+from mesh_node.errors import (
+    MeshError,
+    StreamReset,
+    TopologyRefused,
+    first_exception,
+    skippy_error_in,
+)
 from mesh_node.link import MeshStream
 from mesh_node.node import MeshNode
 from mesh_node.peers import InboundStream, PeerDown, PeerUp
@@ -559,7 +565,7 @@ class SplitServer:
                         await sender.finish()
                 nursery.cancel_scope.cancel()
         except BaseExceptionGroup as group:
-            broken = _find(group, _RouteBroken)
+            broken = first_exception(group, _RouteBroken)
             if broken is not None:
                 raise broken from None
             err = skippy_error_in(group)
@@ -649,13 +655,3 @@ def _route_level(cause: BaseException) -> bool:
         return cause.code in _ROUTE_CODES
     return False
 
-
-def _find(group: BaseExceptionGroup[Any], kind: type[_RouteBroken]) -> _RouteBroken | None:
-    for inner in group.exceptions:
-        if isinstance(inner, kind):
-            return inner
-        if isinstance(inner, BaseExceptionGroup):
-            found = _find(inner, kind)
-            if found is not None:
-                return found
-    return None
