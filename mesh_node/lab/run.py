@@ -323,7 +323,8 @@ async def run_lab(
         else:
             api, topology, seconds = await lab.start_serving()
             report = await lab.report(topology, seconds, [])
-            report["api"] = api
+            if options.serve:
+                report["api"] = api
             if options.prompt is not None:
                 completion = await complete(
                     api, options.prompt, max_tokens=options.max_tokens, timeout_s=options.timeout_s

@@ -87,7 +87,7 @@ def render_prompt_report(doc: dict[str, Any]) -> str:
         f"({doc['finish_reason']})",
         f"speed    prefill {rate(doc['prefill_tokens_per_s'])} tok/s, decode "
         f"{rate(doc['decode_tokens_per_s'])} tok/s, first token "
-        f"{doc['time_to_first_token_s']} s",
+        f"{1000 * (doc['time_to_first_token_s'] or 0):.0f} ms",
     ]
     for n in doc["nodes"]:
         lines.append(
