@@ -29,7 +29,7 @@ from trio_websocket import (
 )
 
 from mesh_node.errors import PeerUnavailable
-from mesh_node.identity import LocalIdentity, is_trusted, owner_of, short_id
+from mesh_node.identity import LocalIdentity, owner_of, short_id, trust_decision
 from mesh_node.link import (
     Link,
     LinkTimeouts,
@@ -75,6 +75,8 @@ class _Member:
     hello: bool = False  # ever advertised (a member is listed only after its hello)
     hello_link: Link | None = None  # the link its latest hello came on
     last_seen: float = 0.0  # trio clock
+    bytes_received: int = 0  # over this member's closed links (a live link adds its own)
+    bytes_sent: int = 0
     disconnected: trio.Event = field(default_factory=trio.Event)
 
 
@@ -126,6 +128,7 @@ class MeshNode:
         self._handshake_slots = trio.CapacityLimiter(MAX_PENDING_HANDSHAKES)
         self._nursery: trio.Nursery | None = None
         self.started = trio.Event()
+        self._started_at: float | None = None  # trio clock, when run() began serving
         self.topology = TopologyService(self)
 
     # --- the registration API -----------------------------------------------------------------
@@ -211,6 +214,7 @@ class MeshNode:
             artifact_transfer=self.settings.artifact_transfer,
             peers=self.peers(),
             topology=self.topology.status(),
+            uptime_s=0.0 if self._started_at is None else trio.current_time() - self._started_at,
         )
 
     # --- running -------------------------------------------------------------------------------
@@ -236,6 +240,7 @@ class MeshNode:
             for address in self.settings.peers:
                 self._start_dialing(address, persistent=True)
             nursery.start_soon(self.topology.watch)
+            self._started_at = trio.current_time()
             self.started.set()
             task_status.started(f"{self.listen_url}#{self.node_id}")
 
@@ -339,17 +344,19 @@ class MeshNode:
             return
         own_owner, own_status = self.identity.owner(self.wall_clock())
         owner_id, owner_status = owner_of(identity.certificate, identity.node_id, self.wall_clock())
+        trusted, trust_reason = trust_decision(
+            owner_id,
+            owner_status,
+            own_owner_id=own_owner,
+            own_owner_status=own_status,
+            trusted_owners=self.settings.trusted_owners,
+        )
         peer = AuthenticatedPeer(
             node_id=node_id,
             owner_id=owner_id,
             owner_status=owner_status,
-            trusted=is_trusted(
-                owner_id,
-                owner_status,
-                own_owner_id=own_owner,
-                own_owner_status=own_status,
-                trusted_owners=self.settings.trusted_owners,
-            ),
+            trusted=trusted,
+            trust_reason=trust_reason,
         )
         link = Link(
             ws,
@@ -396,6 +403,8 @@ class MeshNode:
                 link.mux.send_link_message(hello.encode())
                 link.wake_writer()
         finally:
+            member.bytes_received += link.bytes_received
+            member.bytes_sent += link.bytes_sent
             if member.link is link:
                 member.link = None
                 member.last_seen = link.last_received
@@ -511,4 +520,6 @@ class MeshNode:
             connected=m.link is not None,
             last_seen_s=max(0.0, now - seen) if math.isfinite(seen) else 0.0,
             rtt_s=m.link.rtt_s if m.link is not None else None,
+            bytes_received=m.bytes_received + (m.link.bytes_received if m.link else 0),
+            bytes_sent=m.bytes_sent + (m.link.bytes_sent if m.link else 0),
         )

@@ -45,6 +45,36 @@ class ActiveTopology:
     state: State
     acks: dict[str, str] = field(default_factory=dict)  # worker -> accepted | refused: ... | ...
     lost: set[str] = field(default_factory=set)
+    sizes: ModelSizes | None = None  # the package's bytes, when this node planned it
+    own_id: str = ""  # this node's id
+
+    def stage_status(self) -> list[dict[str, Any]]:
+        """Per stage: its bytes (``None`` when this node does not know the package's sizes)
+        and whether it is ready. Until stages load (issue #10), ready means the stage's node
+        accepted this signed topology and has not been lost; ``None``: not known here (a
+        worker hears only its own acceptance)."""
+        out: list[dict[str, Any]] = []
+        for stage in self.topology.stages:
+            nid = stage.node_id
+            ready: bool | None
+            if nid in self.lost:
+                state, ready = "lost", False
+            elif nid == self.coordinator_id or (self.role == "worker" and nid == self.own_id):
+                state, ready = "accepted", True
+            elif self.role == "coordinator":
+                state = self.acks.get(nid, "pending")
+                ready = state == "accepted"
+            else:
+                state, ready = "unknown", None
+            out.append(
+                {
+                    "stage_index": stage.stage_index,
+                    "bytes": None if self.sizes is None else self.sizes.stage_bytes(stage.layers),
+                    "state": state,
+                    "ready": ready,
+                }
+            )
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -54,6 +84,7 @@ class ActiveTopology:
             "state": self.state,
             "acks": dict(sorted(self.acks.items())),
             "lost_nodes": sorted(self.lost),
+            "stage_status": self.stage_status(),
         }
 
 
@@ -148,7 +179,15 @@ class TopologyService:
         signature = sign_domain(
             self.node.identity.key, pc.SIG_DOMAIN_TOPOLOGY, topology.canonical_bytes()
         )
-        active = ActiveTopology(topology, signature, self.node.node_id, "coordinator", "incomplete")
+        active = ActiveTopology(
+            topology,
+            signature,
+            self.node.node_id,
+            "coordinator",
+            "incomplete",
+            sizes=sizes,
+            own_id=self.node.node_id,
+        )
         workers = [s.node_id for s in topology.stages if s.node_id != self.node.node_id]
         offer = TopologyOffer(topology.to_dict(), signature).encode()
         async with trio.open_nursery() as nursery:
@@ -241,7 +280,9 @@ class TopologyService:
             return TopologyAck(
                 topology.topology_id, False, "not_in_topology", "this node holds no stage"
             )
-        self.active = ActiveTopology(topology, offer.signature, coordinator_id, "worker", "active")
+        self.active = ActiveTopology(
+            topology, offer.signature, coordinator_id, "worker", "active", own_id=self.node.node_id
+        )
         self.node.emit(TopologyChanged("active", topology.topology_id))
         log.info("accepted topology %s from %s", topology.topology_id, coordinator_id[:12])
         return TopologyAck(topology.topology_id, True)

@@ -43,6 +43,7 @@ async def test_two_nodes_of_one_owner_authenticate_and_trust_each_other(tmp_path
         assert doc["peers"][0]["node_id"] == a.node_id
         assert set(doc) == {
             "node_id",
+            "uptime_s",
             "listen",
             "owner_id",
             "owner_status",
@@ -81,8 +82,37 @@ async def test_trust_needs_a_verified_owner_that_is_ours_or_listed(tmp_path, cas
         )
         assert p.peer.owner_status == expected_status
         assert p.peer.trusted is (case == "listed_owner")
+        assert p.peer.trust_reason == {
+            "no_certificate": "no owner certificate",
+            "other_owner": "owner is not this node's and not in trusted_owners",
+            "expired": "owner certificate invalid (bad signature, expired, or not this key)",
+            "listed_owner": "owner listed in trusted_owners",
+        }[case]
+        assert a.status()["peers"][0]["trust_reason"] == p.peer.trust_reason
         del b
         n.cancel_scope.cancel()
+
+
+def test_trust_reason_never_disagrees_with_the_trust_rule():
+    import itertools
+
+    from mesh_node.identity import trust_decision
+
+    mine, theirs, other = "a" * 64, "b" * 64, "c" * 64
+    for owner, status, own_status, listed in itertools.product(
+        (None, mine, theirs, other),
+        ("verified", "unverified", "invalid"),
+        ("verified", "unverified", "invalid"),
+        ((), (theirs,), (mine,)),
+    ):
+        trusted, reason = trust_decision(
+            owner, status, own_owner_id=mine, own_owner_status=own_status, trusted_owners=listed
+        )
+        # issue #7 §2, spelled out independently of the implementation
+        rule = status == "verified" and owner is not None and (
+            (owner == mine and own_status == "verified") or owner in listed
+        )
+        assert trusted is rule and reason, (owner, status, own_status, listed)
 
 
 async def test_artifact_transfer_bit_is_advertised_only_when_this_node_would_serve(tmp_path):
@@ -128,6 +158,10 @@ async def test_registered_handler_gets_the_authenticated_peer_and_a_flow_control
             reply += data
         await stream.aclose()
         assert int(reply) == len(payload)
+        # Link byte counters (the status page's throughput) saw the payload cross, encrypted.
+        await wait_for(lambda: a.peers()[0].bytes_received > len(payload))
+        assert b.peers()[0].bytes_sent > len(payload)
+        assert a.status()["peers"][0]["bytes_received"] == a.peers()[0].bytes_received
         (inbound,) = seen
         assert inbound.peer.node_id == b.node_id and inbound.peer.trusted
         assert (inbound.name, inbound.major, inbound.kind) == ("skippy-stage", 2, 0x03)
@@ -214,6 +248,21 @@ async def test_coordinator_signs_and_workers_verify_store_and_acknowledge(tmp_pa
             assert got.topology == active.topology
             assert topology_signature_valid(got.topology, coord.node_id, got.signature)
         assert workers[0].status()["topology"]["topology_id"] == active.topology.topology_id
+        # Per-stage bytes (the planner's rule) and readiness: the coordinator knows every ack,
+        # a worker only its own acceptance and the coordinator's stage.
+        stage_status = coord.status()["topology"]["stage_status"]
+        assert [s["bytes"] for s in stage_status] == [
+            SIZES.stage_bytes(s.layers) for s in active.topology.stages
+        ]
+        assert all(s["ready"] is True and s["state"] == "accepted" for s in stage_status)
+        seen_by_w0 = {
+            active.topology.stages[s["stage_index"]].node_id: s
+            for s in workers[0].status()["topology"]["stage_status"]
+        }
+        assert seen_by_w0[workers[0].node_id]["ready"] is True
+        assert seen_by_w0[coord.node_id]["ready"] is True
+        assert seen_by_w0[workers[1].node_id]["ready"] is None
+        assert seen_by_w0[workers[1].node_id]["bytes"] is None
         n.cancel_scope.cancel()
 
 
