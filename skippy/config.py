@@ -248,6 +248,16 @@ def parse_host_port(text: object, key: str) -> HostPort:
     return HostPort(m.group("v6") or m.group("host"), int(m.group("port")))
 
 
+def parse_http_bind(value: object, key: str = "http") -> HostPort:
+    """The status page's address: ``HOST:PORT``, or a bare port (``8080``), which means
+    loopback (``127.0.0.1:8080``): the page is local unless the operator names a host."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)
+    if isinstance(value, str) and value.strip().isdigit():
+        value = f"127.0.0.1:{value.strip()}"
+    return parse_host_port(value, key)
+
+
 def parse_peer_address(text: object, key: str = "peers") -> PeerAddress:
     """``ws://host:port`` with an optional ``#<64 hex node id>`` the peer must prove."""
     if not isinstance(text, str) or not text.startswith("ws://"):
@@ -344,7 +354,7 @@ def node_settings(config: NodeConfig, env: Environment | None = None) -> NodeSet
         peer_loss_timeout_s=peer_loss,
         idle_timeout_s=_seconds(raw, "idle_timeout_s", DEFAULT_IDLE_TIMEOUT_S),
         handshake_timeout_s=_seconds(raw, "handshake_timeout_s", DEFAULT_HANDSHAKE_TIMEOUT_S),
-        http=None if http is None else parse_host_port(http, "http"),
+        http=None if http is None else parse_http_bind(http),
         http_public=http_public,
         warnings=tuple(warnings),
     )

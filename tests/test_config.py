@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from pathlib import Path
 
 import pytest
@@ -145,6 +147,9 @@ def test_http_keys(tmp_path):
     cfg = _node_toml(tmp_path, 'identity = "k"\nhttp = "[::1]:8080"\nhttp_public = true\n')
     s = load_node_settings(cfg, read_environment({}))
     assert s.http == HostPort("::1", 8080) and s.http_public is True
+    for value in ("8081", 8081):  # a bare port is loopback
+        cfg = _node_toml(tmp_path, f'identity = "k"\nhttp = {json.dumps(value)}\n')
+        assert load_node_settings(cfg, read_environment({})).http == HostPort("127.0.0.1", 8081)
 
 
 def test_environment_wins_over_the_config_artifact_transfer(tmp_path):
@@ -172,7 +177,7 @@ def test_environment_wins_over_the_config_artifact_transfer(tmp_path):
         ('identity = "k"\npeer_loss_timeout_s = 1\nheartbeat_interval_s = 2\n',
          "peer_loss_timeout_s"),
         ('listen = "127.0.0.1:0"\n', "identity"),
-        ('identity = "k"\nhttp = "8080"\n', "http"),
+        ('identity = "k"\nhttp = "localhost"\n', "http"),
         ('identity = "k"\nhttp = "127.0.0.1:8080"\nhttp_public = "yes"\n', "http_public"),
     ],
 )
