@@ -38,6 +38,7 @@ from mesh_node.link import (
     secure_handshake,
     websocket_options,
 )
+from mesh_node.metrics import NodeMetrics
 from mesh_node.peers import (
     AuthenticatedPeer,
     InboundStream,
@@ -130,6 +131,8 @@ class MeshNode:
         self.started = trio.Event()
         self._started_at: float | None = None  # trio clock, when run() began serving
         self.topology = TopologyService(self)
+        # Event counters other components increment (transfers, serving); /metrics reads them.
+        self.metrics = NodeMetrics()
 
     # --- the registration API -----------------------------------------------------------------
     def register_subprotocol(
