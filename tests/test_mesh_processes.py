@@ -42,9 +42,9 @@ def write_config(path: Path, name: str, peers: list[str]) -> None:
     )
 
 
-def start(cwd: Path, config: str) -> tuple[subprocess.Popen[str], str]:
+def start(cwd: Path, config: str, *extra: str) -> tuple[subprocess.Popen[str], str]:
     proc = subprocess.Popen(
-        [*MESH, "run", "--config", config],
+        [*MESH, "run", "--config", config, *extra],
         cwd=cwd,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
