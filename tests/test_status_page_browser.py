@@ -179,7 +179,7 @@ def test_status_page_of_three_real_nodes_in_chromium(tmp_path, browser, synth_di
             s["node_id"] for s in topo["stages"]
         ]
         assert {s.get_attribute("data-node-id") for s in stages} == set(ids.values())
-        assert all("ready" in s.text and "KiB" in s.text for s in stages)
+        assert all(s.text.startswith("✓ S") and "KiB" in s.text for s in stages)
         widths = [s.size["width"] for s in stages]
         assert all(w > 0 for w in widths)
         # Transfers and serving appear only with their data (neither exists on this branch).

@@ -126,7 +126,7 @@
           "tr",
           { "data-node-id": p.node_id, "data-connected": String(p.connected) },
           h("td", { title: p.node_id }, swatch(p.node_id), short(p.node_id)),
-          h("td", { class: "wrap" }, p.address || "-"),
+          h("td", {}, p.address || "-"),
           h(
             "td",
             { title: p.owner_id || "" },
@@ -177,7 +177,8 @@
       const classes = ["stage"];
       if (!ready) classes.push("not-ready");
       if (st.state === "lost") classes.push("lost");
-      const mark = ready ? "ready" : st.ready === false ? st.state || "not ready" : "?";
+      // Readiness first: a narrow segment still shows it (details in the title and table).
+      const mark = ready ? "✓" : st.state === "lost" ? "✗" : st.ready === false ? "…" : "?";
       const seg = h(
         "div",
         {
@@ -189,9 +190,9 @@
             `stage ${s.stage_index}: layers ${s.layer_start}..${s.layer_end} on ${s.node_id}` +
             ` · ${fmtBytes(st.bytes)} · ${st.state || "?"}`,
         },
-        h("div", {}, `S${s.stage_index} ${s.layer_start}–${s.layer_end}`),
+        h("div", {}, `${mark} S${s.stage_index} ${s.layer_start}–${s.layer_end}`),
         h("div", {}, short(s.node_id).slice(0, 8)),
-        h("div", {}, `${st.bytes === null || st.bytes === undefined ? "" : fmtBytes(st.bytes) + " · "}${mark}`),
+        h("div", {}, st.bytes === null || st.bytes === undefined ? "" : fmtBytes(st.bytes)),
       );
       seg.style.flexGrow = String(Math.max(1, s.layer_end - s.layer_start));
       seg.style.flexBasis = "0";
