@@ -25,6 +25,8 @@ SECTIONS: dict[str, str] = {
     "consumer": "bench_consumer",
     "transfer": "bench_transfer",
     "mesh": "bench_mesh",
+    "quantize": "bench_quantize",
+    "stage": "bench_stage",
 }
 
 

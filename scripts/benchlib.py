@@ -66,17 +66,35 @@ def spread(times: list[float], unit: float = 1.0, fmt: str = "{:.3f}") -> str:
 
 
 def child_peak_rss_mib(argv: list[str]) -> float:
-    """Run a command in a child and return that child's own peak RSS (``wait4``'s rusage:
-    RUSAGE_CHILDREN would report the largest of every child so far, e.g. a pip install run
-    by scripts/_setup.sh before this process was exec'ed)."""
-    with tempfile.TemporaryFile(mode="w+") as err:
-        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=err, text=True)
-        _, status, usage = os.wait4(proc.pid, 0)
-        proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here, not by Popen
+    """Run a CLI command in a child and return its own peak RSS (VmHWM), in MiB.
+
+    Neither ``RUSAGE_CHILDREN`` (the largest child this process ever had: scripts/bench
+    execs python from a shell whose setup may have run pip) nor the child's ``wait4`` rusage
+    will do: a child forked from a large parent starts with the parent's resident pages, and
+    Linux carries that high-water mark across ``exec``. The exec'd program's own mm reports
+    its peak as ``VmHWM`` in /proc: it is polled once the child has exec'd, until it exits.
+    """
+    want = "\0".join(argv).encode()
+    with tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err
+        )
+        peak_kib = 0
+        status = Path(f"/proc/{proc.pid}/status")
+        cmdline = Path(f"/proc/{proc.pid}/cmdline")
+        while proc.poll() is None:
+            try:
+                if cmdline.read_bytes().rstrip(b"\0") == want:  # exec'd: its own mm
+                    for line in status.read_text().splitlines():
+                        if line.startswith("VmHWM:"):
+                            peak_kib = max(peak_kib, int(line.split()[1]))
+            except (OSError, ValueError):
+                pass  # exiting between the poll and the read
+            time.sleep(0.005)
         if proc.returncode != 0:
             err.seek(0)
-            raise SystemExit(f"{argv} failed: {err.read()}")
-    return usage.ru_maxrss / 1024
+            raise SystemExit(f"{argv} failed: {err.read().decode(errors='replace')}")
+    return peak_kib / 1024
 
 
 def render(rows: list[Row]) -> str:

@@ -10,10 +10,15 @@ Kinds (importable functions, and a CLI: ``python scripts/synth_gguf.py KIND OUT 
 
     llama_like(path, *, n_layers=4, width=64, ff=256, vocab=128, seed=0, alignment=None)
     gemma_like(path, *, n_layers=4, width=64, ff=256, vocab=128, seed=0, alignment=None)
+    qwen3_like(path, *, n_layers=4, width=64, ff=256, vocab=128, seed=0, alignment=None)
+    qwen2_like(path, *, n_layers=4, width=64, ff=256, vocab=128, seed=0, alignment=None)
     nextn_like(path, *, n_layers=4, width=64, ff=256, vocab=128, seed=0, arch="glm4moe")
     split_set(directory, stem, *, n_shards=2, metadata_only_first=False, <llama_like options>)
     projector(path, *, seed=0)
     big(path, target_bytes, *, seed=0)
+    high_precision(path, *, dtype="F32", n_layers=8, width=256, ff=640, vocab=512, n_head_kv=2,
+                   tied=False, n_experts=0, seed=0)
+    imatrix(model, path, *, seed=0, chunks=4)
 
 Tensor types are mixed on purpose: F32 norms; F16, BF16; Q8_0, Q4_0, Q4_1, Q5_0 made with
 ``gguf.quants.quantize``; K-quants (Q4_K, Q6_K) written as random blocks of the right byte
@@ -47,14 +52,28 @@ __all__ = [
     "KINDS",
     "big",
     "gemma_like",
+    "high_precision",
+    "imatrix",
     "llama_like",
     "main",
     "nextn_like",
     "projector",
+    "qwen2_like",
+    "qwen3_like",
     "split_set",
 ]
 
-KINDS = ("llama_like", "gemma_like", "split_set", "projector", "nextn_like", "big")
+KINDS = (
+    "llama_like",
+    "gemma_like",
+    "qwen3_like",
+    "qwen2_like",
+    "split_set",
+    "projector",
+    "nextn_like",
+    "big",
+    "high_precision",
+)
 
 # Byte offsets of the fp16 scale fields inside one block of each K-quant we write as random
 # bytes (ggml-common.h block_q*_K): fixing them to small finite values keeps the random blocks
@@ -225,6 +244,42 @@ def _gemma_tensors(d: _Dims) -> list[_Tensor]:
     return out
 
 
+def _qwen_tensors(d: _Dims, *, bias: bool, qk_norm: bool) -> list[_Tensor]:
+    """qwen2 (q/k/v biases) and qwen3 (per-head q/k RMS norms): llama's layout plus those."""
+    w, hd = d.width, d.head_dim
+    q, kv = d.n_head * hd, d.n_head_kv * hd
+    out = [
+        _Tensor("token_embd.weight", (w, d.vocab), Q.Q8_0),
+        _Tensor("output_norm.weight", (w,), Q.F32, norm=True),
+        _Tensor("output.weight", (w, d.vocab), Q.Q5_1),
+    ]
+    for i in range(d.n_layers):
+        p = f"blk.{i}."
+        out += [
+            _Tensor(p + "attn_norm.weight", (w,), Q.F32, norm=True),
+            _Tensor(p + "attn_q.weight", (w, q), Q.Q8_0),
+            _Tensor(p + "attn_k.weight", (w, kv), Q.Q5_0),
+            _Tensor(p + "attn_v.weight", (w, kv), Q.BF16 if i % 2 else Q.F16),
+            _Tensor(p + "attn_output.weight", (q, w), Q.Q5_1),
+            _Tensor(p + "ffn_norm.weight", (w,), Q.F32, norm=True),
+            _Tensor(p + "ffn_gate.weight", (w, d.ff), Q.Q4_0),
+            _Tensor(p + "ffn_up.weight", (w, d.ff), Q.Q8_0),
+            _Tensor(p + "ffn_down.weight", (d.ff, w), _ffn_down_type(d.ff, i + 1)),
+        ]
+        if bias:
+            out += [
+                _Tensor(p + "attn_q.bias", (q,), Q.F32),
+                _Tensor(p + "attn_k.bias", (kv,), Q.F32),
+                _Tensor(p + "attn_v.bias", (kv,), Q.F32),
+            ]
+        if qk_norm:
+            out += [
+                _Tensor(p + "attn_q_norm.weight", (hd,), Q.F32, norm=True),
+                _Tensor(p + "attn_k_norm.weight", (hd,), Q.F32, norm=True),
+            ]
+    return out
+
+
 # --- metadata ------------------------------------------------------------------------------------
 _KV = tuple[str, Any, V, V | None]  # key, value, type, array item type
 
@@ -372,6 +427,60 @@ def gemma_like(
     _check_dims(width, ff, n_layers, vocab)
     d = _Dims(n_layers, width, ff, vocab)
     return _write_model(Path(path), "gemma3", _gemma_kvs(d), _gemma_tensors(d), seed, alignment)
+
+
+def _qwen_like(
+    path: str | Path,
+    arch: str,
+    *,
+    bias: bool,
+    qk_norm: bool,
+    n_layers: int,
+    width: int,
+    ff: int,
+    vocab: int,
+    seed: int,
+    alignment: int | None,
+) -> Path:
+    _check_dims(width, ff, n_layers, vocab)
+    d = _Dims(n_layers, width, ff, vocab)
+    kvs = _llama_kvs(arch, f"synth {arch}-like", d)
+    tensors = _qwen_tensors(d, bias=bias, qk_norm=qk_norm)
+    return _write_model(Path(path), arch, kvs, tensors, seed, alignment)
+
+
+def qwen3_like(
+    path: str | Path,
+    *,
+    n_layers: int = 4,
+    width: int = 64,
+    ff: int = 256,
+    vocab: int = 128,
+    seed: int = 0,
+    alignment: int | None = None,
+) -> Path:
+    """A qwen3-architecture model: per-head q/k RMS norms, NEOX RoPE, untied output head."""
+    dims = {"n_layers": n_layers, "width": width, "ff": ff, "vocab": vocab}
+    return _qwen_like(
+        path, "qwen3", bias=False, qk_norm=True, seed=seed, alignment=alignment, **dims
+    )
+
+
+def qwen2_like(
+    path: str | Path,
+    *,
+    n_layers: int = 4,
+    width: int = 64,
+    ff: int = 256,
+    vocab: int = 128,
+    seed: int = 0,
+    alignment: int | None = None,
+) -> Path:
+    """A qwen2-architecture model: q/k/v biases, NEOX RoPE, untied output head."""
+    dims = {"n_layers": n_layers, "width": width, "ff": ff, "vocab": vocab}
+    return _qwen_like(
+        path, "qwen2", bias=True, qk_norm=False, seed=seed, alignment=alignment, **dims
+    )
 
 
 def nextn_like(
@@ -608,6 +717,124 @@ def big(path: str | Path, target_bytes: int, *, seed: int = 0) -> Path:
     return path
 
 
+# --- high precision: a source to quantize -------------------------------------------------------
+_HP_DTYPES = {"F32": Q.F32, "F16": Q.F16, "BF16": Q.BF16}
+_HP_FILE_TYPES = {
+    "F32": gguf.LlamaFileType.ALL_F32,
+    "F16": gguf.LlamaFileType.MOSTLY_F16,
+    "BF16": gguf.LlamaFileType.MOSTLY_BF16,
+}
+
+
+def high_precision(
+    path: str | Path,
+    *,
+    dtype: str = "F32",
+    n_layers: int = 8,
+    width: int = 256,
+    ff: int = 640,
+    vocab: int = 512,
+    n_head_kv: int = 2,
+    tied: bool = False,
+    n_experts: int = 0,
+    seed: int = 0,
+) -> Path:
+    """A llama-architecture model as a converter writes it before quantization: every matrix
+    in ``dtype`` (F32, F16 or BF16), norms in F32, ``general.file_type`` to match.
+
+    The defaults exercise llama.cpp's per-tensor rules: 8 layers (Q4_K_M gives attn_v and
+    ffn_down of layers 0, 3, 6, 7 more bits), width 256 (K-quant rows fit), ff 640 (ffn_down
+    rows do not fit 256-blocks: K-quants fall back to 32-block types), 4 query heads over
+    ``n_head_kv`` KV heads (n_gqa 2), and ``tied`` drops ``output.weight`` (the embeddings
+    then take the output's type). ``n_experts`` > 0 makes the FFN a mixture of experts
+    (``ffn_{gate,up,down}_exps`` of shape (…, …, n_experts), a router ``ffn_gate_inp``,
+    ``expert_count`` / ``expert_used_count`` = 2): 3-D tensors, and llama.cpp's 8-expert rules.
+    """
+    if dtype not in _HP_DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_HP_DTYPES)} (got {dtype!r})")
+    head_dim = 64
+    _check_dims(width, ff, n_layers, vocab, head_dim)
+    d = _Dims(n_layers, width, ff, vocab, head_dim=head_dim)
+    if not 1 <= n_head_kv <= d.n_head or d.n_head % n_head_kv:
+        raise ValueError(f"n_head_kv must divide the {d.n_head} heads (got {n_head_kv})")
+    q, kv, w = _HP_DTYPES[dtype], n_head_kv * head_dim, width
+    tensors = [
+        _Tensor("token_embd.weight", (w, vocab), q),
+        _Tensor("output_norm.weight", (w,), Q.F32, norm=True),
+    ]
+    if not tied:
+        tensors.append(_Tensor("output.weight", (w, vocab), q))
+    for i in range(n_layers):
+        p = f"blk.{i}."
+        tensors += [
+            _Tensor(p + "attn_norm.weight", (w,), Q.F32, norm=True),
+            _Tensor(p + "attn_q.weight", (w, w), q),
+            _Tensor(p + "attn_k.weight", (w, kv), q),
+            _Tensor(p + "attn_v.weight", (w, kv), q),
+            _Tensor(p + "attn_output.weight", (w, w), q),
+            _Tensor(p + "ffn_norm.weight", (w,), Q.F32, norm=True),
+        ]
+        if n_experts:
+            e = n_experts
+            tensors += [
+                _Tensor(p + "ffn_gate_inp.weight", (w, e), Q.F32),
+                _Tensor(p + "ffn_gate_exps.weight", (w, ff, e), q),
+                _Tensor(p + "ffn_up_exps.weight", (w, ff, e), q),
+                _Tensor(p + "ffn_down_exps.weight", (ff, w, e), q),
+            ]
+        else:
+            tensors += [
+                _Tensor(p + "ffn_gate.weight", (w, ff), q),
+                _Tensor(p + "ffn_up.weight", (w, ff), q),
+                _Tensor(p + "ffn_down.weight", (ff, w), q),
+            ]
+    kvs = [
+        (key, n_head_kv, vtype, sub)
+        if key == "llama.attention.head_count_kv"
+        else (key, int(_HP_FILE_TYPES[dtype]), vtype, sub)
+        if key == "general.file_type"
+        else (key, value, vtype, sub)
+        for key, value, vtype, sub in _llama_kvs("llama", f"synth {dtype} llama", d)
+        if key != "general.quantization_version"  # converters write none before quantizing
+    ]
+    if n_experts:
+        kvs += [
+            ("llama.expert_count", n_experts, V.UINT32, None),
+            ("llama.expert_used_count", 2, V.UINT32, None),
+        ]
+    return _write_model(Path(path), "llama", kvs, tensors, seed, None)
+
+
+def imatrix(model: str | Path, path: str | Path, *, seed: int = 0, chunks: int = 4) -> Path:
+    """An importance matrix for ``model`` in llama-imatrix's GGUF layout: per matrix weight
+    ``NAME.in_sum2`` (F32, ne0 x experts) and ``NAME.counts`` (F32, 1 x experts), plus the
+    ``imatrix.datasets`` / ``chunk_count`` / ``chunk_size`` keys llama-quantize requires.
+    Values are seeded positive sums (the token embeddings get none, as in llama-imatrix)."""
+    from skippy.gguf.reader import open_gguf
+
+    with open_gguf(model) as g:
+        shapes = [
+            (t.name, t.shape)
+            for t in g.tensors
+            if len(t.shape) >= 2 and t.name.endswith(".weight") and "token_embd" not in t.name
+        ]
+    rng = np.random.default_rng(seed)
+    chunk_size = 512
+    writer = GGUFWriter(Path(path), "imatrix")
+    writer.add_type("imatrix")
+    writer.add_array("imatrix.datasets", ["synthetic"])
+    writer.add_uint32("imatrix.chunk_count", chunks)
+    writer.add_uint32("imatrix.chunk_size", chunk_size)
+    for name, shape in shapes:
+        experts = shape[2] if len(shape) > 2 else 1
+        tokens = float(chunks * chunk_size)
+        sums = rng.uniform(0.01, 2.0, size=(experts, shape[0])).astype(np.float32) * tokens
+        writer.add_tensor(f"{name}.in_sum2", sums)
+        writer.add_tensor(f"{name}.counts", np.full((experts, 1), tokens, dtype=np.float32))
+    _finish(writer)
+    return Path(path)
+
+
 # --- CLI -----------------------------------------------------------------------------------------
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B?)\s*$", re.IGNORECASE)
 
@@ -641,6 +868,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--arch", default="glm4moe", help="nextn_like: architecture name")
     p.add_argument("--target-bytes", type=parse_size, default=None, help="big: e.g. 2GiB")
+    p.add_argument("--dtype", default="F32", help="high_precision: F32, F16 or BF16")
     return p
 
 
@@ -656,6 +884,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     makers: dict[str, Callable[[], Path | list[Path]]] = {
         "llama_like": lambda: llama_like(args.out, alignment=args.alignment, **model),
         "gemma_like": lambda: gemma_like(args.out, alignment=args.alignment, **model),
+        "qwen3_like": lambda: qwen3_like(args.out, alignment=args.alignment, **model),
+        "qwen2_like": lambda: qwen2_like(args.out, alignment=args.alignment, **model),
         "nextn_like": lambda: nextn_like(
             args.out, arch=args.arch, alignment=args.alignment, **model
         ),
@@ -668,6 +898,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ),
         "projector": lambda: projector(args.out, seed=args.seed),
         "big": lambda: big(args.out, args.target_bytes, seed=args.seed),
+        "high_precision": lambda: high_precision(args.out, dtype=args.dtype, **model),
     }
     if args.kind == "big" and args.target_bytes is None:
         print("synth_gguf.py: big needs --target-bytes", file=sys.stderr)

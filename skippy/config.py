@@ -39,6 +39,53 @@ _FALSE_WORDS = frozenset({"0", "false", "no", "off"})
 _TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
 
 
+# --- hub traffic policy (issue #11 section 6; applied by skippy.consume.hub_policy) ----------
+ENV_HUB_CONNECT_TIMEOUT = "SKIPPY_HUB_CONNECT_TIMEOUT_S"
+ENV_HUB_READ_TIMEOUT = "SKIPPY_HUB_READ_TIMEOUT_S"
+ENV_HUB_ATTEMPTS = "SKIPPY_HUB_ATTEMPTS"
+ENV_HUB_BACKOFF = "SKIPPY_HUB_BACKOFF_S"
+ENV_HUB_BACKOFF_MAX = "SKIPPY_HUB_BACKOFF_MAX_S"
+ENV_HUB_RETRY_AFTER_MAX = "SKIPPY_HUB_RETRY_AFTER_MAX_S"
+
+
+@dataclass(frozen=True)
+class HubPolicy:
+    """How every request to the hub behaves. ``attempts`` counts the first try; retries wait
+    ``backoff_s`` doubling up to ``backoff_max_s``, with jitter (half fixed, half random), or
+    the server's ``Retry-After`` when it asks for at most ``retry_after_max_s``."""
+
+    connect_timeout_s: float = 10.0
+    read_timeout_s: float = 30.0  # between two received bytes, not for a whole download
+    attempts: int = 4
+    backoff_s: float = 0.5
+    backoff_max_s: float = 8.0
+    retry_after_max_s: float = 60.0
+
+
+def _hub_policy(env: Mapping[str, str]) -> HubPolicy:
+    def number(name: str, default: float, *, minimum: float) -> float:
+        raw = env.get(name, "").strip()
+        if not raw:
+            return default
+        try:
+            value = float(raw)
+        except ValueError:
+            raise UsageError(f"{name}={raw!r} is not a number", code="invalid_config") from None
+        if not minimum <= value < float("inf"):
+            raise UsageError(f"{name}={raw!r} must be at least {minimum}", code="invalid_config")
+        return value
+
+    d = HubPolicy()
+    return HubPolicy(
+        connect_timeout_s=number(ENV_HUB_CONNECT_TIMEOUT, d.connect_timeout_s, minimum=0.01),
+        read_timeout_s=number(ENV_HUB_READ_TIMEOUT, d.read_timeout_s, minimum=0.01),
+        attempts=int(number(ENV_HUB_ATTEMPTS, d.attempts, minimum=1)),
+        backoff_s=number(ENV_HUB_BACKOFF, d.backoff_s, minimum=0),
+        backoff_max_s=number(ENV_HUB_BACKOFF_MAX, d.backoff_max_s, minimum=0),
+        retry_after_max_s=number(ENV_HUB_RETRY_AFTER_MAX, d.retry_after_max_s, minimum=0),
+    )
+
+
 @dataclass(frozen=True)
 class Environment:
     """Every environment variable the project honours, read once."""
@@ -56,6 +103,7 @@ class Environment:
     # HF_HOME/hub, then $XDG_CACHE_HOME/huggingface/hub) and passed to every hub call.
     hf_cache_dir: Path = field(default_factory=lambda: Path.home() / ".cache/huggingface/hub")
     skippy_cache_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "skippy")
+    hub_policy: HubPolicy = field(default_factory=HubPolicy)
 
 
 def parse_artifact_transfer(raw: str, source: str) -> tuple[ArtifactTransfer, str | None]:
@@ -97,6 +145,7 @@ def read_environment(environ: Mapping[str, str] | None = None) -> Environment:
         ),
         hf_cache_dir=Path(hf_cache).expanduser(),
         skippy_cache_dir=Path(xdg) / "skippy",
+        hub_policy=_hub_policy(env),
     )
 
 

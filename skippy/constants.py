@@ -26,6 +26,15 @@ MANIFEST_MAX_BYTES: Final = 16 * 1024 * 1024
 # one fragment per layer + output: more layers than this cannot load as one set.
 MAX_LAYER_COUNT: Final = 0xFFFF - 3
 
+# Bounds of the manifest's integer fields (issue #11: every integer is bounded; docs/cli.md).
+# A field outside its range is invalid_manifest naming the field; a JSON integer literal longer
+# than MAX_INT_DIGITS is refused before Python converts it.
+MAX_ARTIFACT_BYTES: Final = 2**53 - 1  # ~9 PB; also the largest integer a JSON double holds
+MAX_ARTIFACT_TENSORS: Final = 1 << 20  # the GGUF reader's own tensor-count bound
+MAX_ACTIVATION_WIDTH: Final = 1 << 20
+MAX_UNIX_SECS: Final = 253_402_300_799  # 9999-12-31T23:59:59Z
+MAX_INT_DIGITS: Final = 20  # 2**64 - 1 has 20 digits
+
 # --- layout (spec "Repository Layout") --------------------------------------------------------
 SHARED_DIR: Final = "shared"
 LAYERS_DIR: Final = "layers"
@@ -51,6 +60,7 @@ ROLE_PROJECTOR: Final = "projector"
 SHARED_ROLES: Final = (ROLE_METADATA, ROLE_EMBEDDINGS, ROLE_OUTPUT)
 
 PROJECTOR_KINDS: Final = frozenset({"mmproj"})
+PROJECTOR_ARCHITECTURE: Final = "clip"  # general.architecture of llama.cpp's mmproj files
 DEFAULT_PROJECTOR_KIND: Final = "mmproj"
 
 # --- tensor ownership (issue #2 section 4) ------------------------------------------------------
@@ -73,6 +83,7 @@ SPLIT_SHARD_RE: Final = re.compile(
 
 # --- keys our fragments carry so each one is self-describing ------------------------------------
 KEY_ARCHITECTURE: Final = "general.architecture"
+KEY_GENERAL_TYPE: Final = "general.type"
 KEY_ALIGNMENT: Final = "general.alignment"
 KEY_FRAGMENT_ROLE: Final = "skippy.fragment.role"
 KEY_FRAGMENT_LAYER_START: Final = "skippy.fragment.layer_start"

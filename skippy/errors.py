@@ -52,7 +52,7 @@ class SkippyError(Exception):
 class UsageError(SkippyError, ValueError):
     """The command line or configuration asks for something impossible."""
 
-    code = "bad_usage"
+    code = "usage"
     exit_code = EXIT_USAGE
 
 
@@ -115,6 +115,24 @@ class IntegrityError(SkippyError):
     def __init__(self, message: str, *, paths: tuple[str, ...] = (), **kwargs: Any) -> None:
         super().__init__(message, **kwargs)
         self.paths = paths or ((self.path,) if self.path else ())
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM arrived: the command stops, cleans up its partial files and exits
+    128 + the signal number (130, 143). A ``BaseException`` like ``KeyboardInterrupt``, so no
+    ``except Exception`` (or ``except SkippyError``) on the way up can swallow it."""
+
+    code = "interrupted"
+
+    def __init__(self, signum: int, name: str) -> None:
+        super().__init__(f"interrupted by {name}")
+        self.signum = signum
+        self.message = f"interrupted by {name}; partial files were removed"
+        self.exit_code = 128 + signum
+        self.remediation: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"code": self.code, "message": self.message, "signal": self.signum}
 
 
 class PackageInvalid(SkippyError):

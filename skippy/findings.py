@@ -41,6 +41,19 @@ class Finding:
         return cls(code=err.code, message=err.message, path=err.path, remediation=err.remediation)
 
 
+def summarize(findings: Iterable[Finding]) -> dict[str, Any]:
+    """Counts for a report's ``summary``: errors, warnings, and findings per code (most first)."""
+    items = list(findings)
+    by_code: dict[str, int] = {}
+    for f in items:
+        by_code[f.code] = by_code.get(f.code, 0) + 1
+    return {
+        "errors": sum(1 for f in items if f.severity == "error"),
+        "warnings": sum(1 for f in items if f.severity == "warning"),
+        "by_code": dict(sorted(by_code.items(), key=lambda kv: (-kv[1], kv[0]))),
+    }
+
+
 def errors_only(findings: Iterable[Finding]) -> list[Finding]:
     return [f for f in findings if f.severity == "error"]
 

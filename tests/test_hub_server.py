@@ -35,6 +35,17 @@ FILES_V1 = {
 FILES_V2 = {**FILES_V1, "model-package.json": b'{"v": 2}'}
 
 
+@pytest.fixture(autouse=True)
+def raw_client() -> Iterator[None]:
+    """These tests look at the fake server through huggingface_hub's own client, without our
+    retry policy (skippy.consume.hub_policy installs one process-wide once a hub call ran)."""
+    from skippy.consume.hub_policy import uninstall
+
+    uninstall()
+    yield
+    uninstall()
+
+
 @pytest.fixture
 def hub(tmp_path: Path) -> Iterator[FakeHub]:
     with running_hub({REPO: write_tree(tmp_path / "v1", FILES_V1)}) as h:

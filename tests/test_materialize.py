@@ -61,6 +61,7 @@ def source_and_pkg(request, synth_dir, tmp_path: Path) -> tuple[Path, LoadedPack
 def test_full_range_is_tensor_identical_to_the_source(source_and_pkg, tmp_path: Path) -> None:
     source, p = source_and_pkg
     out = tmp_path / "cache" / "full.gguf"
+    out.parent.mkdir(exist_ok=True)
     result = materialize_stage(
         p.root, stage(p, 0, p.manifest.layer_count), out, manifest_sha256=p.manifest_sha256
     )
@@ -85,6 +86,7 @@ def test_partial_range_holds_only_its_parts(source_and_pkg, tmp_path: Path) -> N
     _, p = source_and_pkg
     sel = stage(p, 1, 3)
     out = tmp_path / "cache" / "mid.gguf"
+    out.parent.mkdir(exist_ok=True)
     materialize_stage(p.root, sel, out, manifest_sha256=p.manifest_sha256)
     got = tensors_of(out)
     want = {}
@@ -115,6 +117,7 @@ def pkg(synth_dir, tmp_path: Path) -> LoadedPackage:
 
 def test_same_key_is_kept_other_key_is_rebuilt(pkg: LoadedPackage, tmp_path: Path) -> None:
     out = tmp_path / "cache" / "stage.gguf"
+    out.parent.mkdir(exist_ok=True)
     first = materialize_stage(pkg.root, stage(pkg, 0, 2), out, manifest_sha256=pkg.manifest_sha256)
     st = out.stat()
     again = materialize_stage(pkg.root, stage(pkg, 0, 2), out, manifest_sha256=pkg.manifest_sha256)
@@ -183,6 +186,7 @@ def test_a_damaged_materialization_is_rebuilt_not_kept(pkg: LoadedPackage, tmp_p
     """The cache key in the header proves nothing about the bytes: a corrupted output with
     the right key must be rebuilt, and so must one without our build record."""
     out = tmp_path / "cache" / "s.gguf"
+    out.parent.mkdir(exist_ok=True)
     sel = stage(pkg, 0, 4)
     first = materialize_stage(pkg.root, sel, out, manifest_sha256=pkg.manifest_sha256)
     data = bytearray(out.read_bytes())
@@ -204,10 +208,11 @@ def cli():
 
 def test_cli_materialize(cli, pkg: LoadedPackage, tmp_path: Path, capsys) -> None:
     out = tmp_path / "cache" / "s.gguf"
+    out.parent.mkdir(exist_ok=True)
     argv = ["materialize", str(pkg.root), "--layers", "2..4", "--out", str(out), "--json"]
     assert cli(argv) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["built"] is True and data["path"] == str(out)
+    assert data["built"] is True and data["out"] == str(out)
     assert [p["path"] for p in data["stage"]["parts"]][-1] == "shared/output.gguf"
     assert cli(argv) == 0
     assert json.loads(capsys.readouterr().out)["built"] is False

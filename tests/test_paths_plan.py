@@ -153,7 +153,7 @@ def test_plan_refuses_an_absurd_block_count(tmp_path):
     import numpy as np
 
     from skippy.errors import ModelError
-    from skippy.produce.inspect import sizes_from_gguf
+    from skippy.produce.inspect import sizes_from_source
 
     w = gguf.GGUFWriter(tmp_path / "m.gguf", "llama")
     w.add_block_count(3_000_000_000)
@@ -163,5 +163,5 @@ def test_plan_refuses_an_absurd_block_count(tmp_path):
     w.write_tensors_to_file()
     w.close()
     with pytest.raises(ModelError) as exc:
-        sizes_from_gguf(tmp_path / "m.gguf")
+        sizes_from_source(tmp_path / "m.gguf")
     assert exc.value.code == "invalid_block_count"

@@ -107,7 +107,7 @@ def test_bad_override_is_a_usage_error(pkg, capsys):
         ]
     )
     assert rc == 2
-    assert json.loads(capsys.readouterr().out)["error"]["code"] == "bad_usage"
+    assert json.loads(capsys.readouterr().out)["error"]["code"] == "usage"
 
 
 def test_runtime_default_is_for_the_package_architecture(pkg, capsys):

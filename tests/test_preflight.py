@@ -151,8 +151,6 @@ HOSTILE: list[tuple[str, Callable[[Path], None], dict[str, Any], str]] = [
     ("tensor count", setitem("layers[3].tensor_count", 1), {}, "tensor_count_mismatch"),
     ("not gguf", lambda p: (p / LAYER1).write_bytes(b"\0" * (p / LAYER1).stat().st_size), {},
      "invalid_artifact_gguf"),
-    ("zero stages", no_edit, {"stages": 0}, "invalid_stage_count"),
-    ("too many stages", no_edit, {"stages": 5}, "stage_count_exceeds_layer_count"),
     ("generation", setitem("generation", {"policy": {"profile": "no-such-profile"}}), {},
      "unsupported_policy_profile"),
     ("mtp without nextn", setitem("generation", MTP_LAYER3), {},
@@ -305,8 +303,18 @@ def test_cli_hostile_json_manifest(cli, pkg: Path, capsys) -> None:
     assert [f["code"] for f in data["findings"]] == ["invalid_manifest_json"]
 
 
-def test_cli_stage_count_findings(cli, pkg: Path, capsys) -> None:
-    assert cli(["preflight", str(pkg), "--stages", "9", "--json"]) == 1
+@pytest.mark.parametrize(
+    ("stages", "code"), [(0, "invalid_stage_count"), (5, "stage_count_exceeds_layer_count")]
+)
+def test_a_bad_stage_count_is_a_usage_error_not_a_finding(pkg: Path, stages, code) -> None:
+    with pytest.raises(UsageError) as exc:
+        preflight_package(pkg, stages=stages)
+    assert exc.value.code == code
+
+
+def test_cli_stage_count_is_a_usage_error(cli, pkg: Path, capsys) -> None:
+    assert cli(["preflight", str(pkg), "--stages", "9", "--json"]) == 2
     data = json.loads(capsys.readouterr().out)
+    assert data["error"]["code"] == "stage_count_exceeds_layer_count"
     assert [f["code"] for f in data["findings"]] == ["stage_count_exceeds_layer_count"]
     assert cli(["preflight", str(pkg), "--stages", "2", "--metadata-only", "--json"]) == 2

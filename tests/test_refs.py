@@ -33,8 +33,6 @@ ACCEPTED = [
     ("hf://ns/name@refs/pr/12", "ns/name", "refs/pr/12", None),
     ("hf://ns/name:refs/pr/12", "ns/name", "refs/pr/12", "hf://ns/name@refs/pr/12"),
     ("hf://ns/name@refs/convert/parquet", "ns/name", "refs/convert/parquet", None),
-    # '@' splits on the first '@'; the rest is the revision (git allows '@' in ref names)
-    ("hf://ns/name@a@b", "ns/name", "a@b", None),
     ("hf://a/b", "a/b", None, None),
     ("hf://ns/" + "n" * 96, "ns/" + "n" * 96, None, None),
 ]
@@ -81,6 +79,7 @@ REJECTED = [
     "hf://ns/name@-rev",
     "hf://ns/name@rev.lock",
     "hf://ns/name@a@{1}",
+    "hf://ns/name@a@b",  # one revision per reference (issue #11), though git allows '@'
     "hf://ns/name@" + "r" * 256,
     "hf:/ns/name",  # typo of the scheme is not silently a local path
     "hf:ns/name",

@@ -248,14 +248,16 @@ def test_every_corrupt_blob_is_evicted_at_once(hub):
     assert {f.path for f in again.fetch.files if f.downloaded} == set(victims)
 
 
-def test_failing_head_is_one_request_not_a_retry_loop(hub):
-    """huggingface_hub retries a failing metadata HEAD for ~23 s; our probe asks once. The
-    server's request count shows which path ran (no wall-clock assertion)."""
+def test_a_failing_head_follows_our_policy_not_huggingface_hubs_loop(hub):
+    """huggingface_hub retries a failing metadata HEAD for ~23 s; with our policy installed the
+    HEAD is tried exactly ``attempts`` times. The server's request count shows which path ran
+    (no wall-clock assertion)."""
     hub.inject(REPO, layer_path(1), Fault.SERVER_ERROR, methods=["HEAD"])
+    env = read_environment()
     with pytest.raises(HubError) as exc:
-        resolve_stage(f"hf://{REPO}", read_environment(), layers_text="1..2")
+        resolve_stage(f"hf://{REPO}", env, layers_text="1..2")
     assert exc.value.code == "hub_http_error"
-    assert hub.stats(REPO, layer_path(1)).head_requests == 1
+    assert hub.stats(REPO, layer_path(1)).head_requests == env.hub_policy.attempts
 
 
 def test_unused_projector_check_tolerates_a_failing_hub(synth_dir, tmp_path, monkeypatch, caplog):

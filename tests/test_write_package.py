@@ -192,7 +192,7 @@ def test_killed_write_leaves_no_manifest_and_no_visible_partials(synth_dir, tmp_
     pkg = tmp_path / "pkg"
     (pkg / layer_path(2)).mkdir(parents=True)
     with pytest.raises(IsADirectoryError):
-        make_package(synth_dir.llama, pkg, workers=1)
+        make_package(synth_dir.llama, pkg, workers=1, overwrite=True)
     assert not (pkg / MANIFEST_NAME).exists()
     assert not [p for p in pkg.rglob("*") if p.name.endswith(".partial")]
 
@@ -212,6 +212,7 @@ def test_killed_write_is_a_clean_cli_error(synth_dir, tmp_path, capsys):
             "r",
             "--source-file",
             synth_dir.llama.name,
+            "--overwrite",
         ]
     )
     assert rc == 2

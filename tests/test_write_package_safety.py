@@ -107,7 +107,7 @@ def test_an_artifact_folder_symlinked_out_of_the_package_is_refused(synth_dir, t
     pkg.mkdir()
     (pkg / "layers").symlink_to(elsewhere, target_is_directory=True)
     with pytest.raises(UnsafePath):
-        make_package(synth_dir.llama, pkg)
+        make_package(synth_dir.llama, pkg, overwrite=True)
     assert someone_elses.read_text() == "in progress"
     assert sorted(p.name for p in elsewhere.iterdir()) == [someone_elses.name]
 

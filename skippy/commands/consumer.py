@@ -13,15 +13,21 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from skippy.commands.output import CommandResult, add_json_flag, exit_for, finding_lines
-from skippy.config import read_environment
-from skippy.consume.materialize import materialize_stage
-from skippy.consume.preflight import PreparedStage, preflight_package
-from skippy.errors import InputUnreadable, UsageError
+from skippy.commands.output import (
+    CommandResult,
+    add_all_flag,
+    exit_for,
+    field_text,
+    finding_lines,
+    path_arg,
+)
+from skippy.errors import UsageError
 from skippy.package.refs import HfPackageRef, parse_package_ref
+from skippy.paths import require_dir
 from skippy.progress import human_bytes
 
-if TYPE_CHECKING:  # skippy.consume.resolve pulls in huggingface_hub (~0.2 s): import it when used
+if TYPE_CHECKING:  # each handler imports what it needs (skippy.consume.resolve: the hub client)
+    from skippy.consume.preflight import PreparedStage
     from skippy.consume.resolve import ResolvedStage
 
 REF_HELP = "a package directory, or hf://namespace/repo[@revision]"
@@ -37,44 +43,47 @@ def package_dir_for_cli(text: str) -> Path:
             code="preflight_needs_directory",
             remediation="use `select`/`fetch REF --layers A..B` to check a hub package's stage",
         )
-    if not ref.path.is_dir():
-        raise InputUnreadable(f"package directory {ref.path} does not exist", path=str(ref.path))
-    return ref.path
+    return require_dir(ref.path, "package directory")
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("preflight", help="check a package without its source model")
+    p = sub.add_parser("preflight")
     p.add_argument("package", metavar="PKG", help="a package directory")
-    p.add_argument("--stages", type=int, help="also list each stage's parts for N even stages")
+    p.add_argument(
+        "--stages", type=int, metavar="N", help="also list each stage's parts for N even stages"
+    )
     p.add_argument("--verify-sha256", action="store_true", help="hash every checked artifact")
     p.add_argument(
         "--metadata-only",
         action="store_true",
         help="check only the manifest and shared/metadata.gguf (no layer range needed)",
     )
-    add_json_flag(p)
+    add_all_flag(p)
     p.set_defaults(handler=cmd_preflight)
 
-    for name, handler, text in (
-        ("select", cmd_select, "list the validated parts a stage loads"),
-        ("fetch", cmd_fetch, "download and verify only the parts a stage needs"),
-    ):
-        p = sub.add_parser(name, help=text)
+    for name, handler in (("select", cmd_select), ("fetch", cmd_fetch)):
+        p = sub.add_parser(name)
         p.add_argument("ref", metavar="REF", help=REF_HELP)
         p.add_argument("--layers", required=True, metavar="A..B", help="half-open layer range")
         p.add_argument("--projector", metavar="P", help="a projector path declared in the manifest")
-        add_json_flag(p)
         p.set_defaults(handler=handler)
 
-    p = sub.add_parser("materialize", help="compose a stage's parts into one GGUF (a cache)")
+    p = sub.add_parser("materialize")
     p.add_argument("ref", metavar="REF", help=REF_HELP)
     p.add_argument("--layers", required=True, metavar="A..B", help="half-open layer range")
-    p.add_argument("--out", required=True, type=Path, metavar="FILE", help="outside the package")
-    add_json_flag(p)
+    p.add_argument(
+        "--out",
+        required=True,
+        type=path_arg,
+        metavar="FILE",
+        help="the GGUF to write, outside the package",
+    )
     p.set_defaults(handler=cmd_materialize)
 
 
 def cmd_preflight(args: argparse.Namespace) -> CommandResult:
+    from skippy.consume.preflight import preflight_package
+
     root = package_dir_for_cli(args.package)
     report = preflight_package(
         root,
@@ -99,14 +108,16 @@ def cmd_preflight(args: argparse.Namespace) -> CommandResult:
             f"{human_bytes(sel.total_bytes)}"
         )
         for r in sel.all_refs:
-            lines.append(f"    {r.role:<10} {r.path:<32} {human_bytes(r.artifact.artifact_bytes)}")
-    lines += finding_lines(report.findings)
+            size = human_bytes(r.artifact.artifact_bytes)
+            lines.append(f"    {r.role:<10} {field_text(r.path):<32} {size}")
+    lines += finding_lines(report.findings, show_all=args.show_all)
     return CommandResult(
         data=report.to_dict(), text="\n".join(lines), exit_code=exit_for(report.valid)
     )
 
 
 def _resolve(args: argparse.Namespace, projector: str | None) -> ResolvedStage:
+    from skippy.config import read_environment
     from skippy.consume.resolve import resolve_stage
 
     return resolve_stage(
@@ -117,15 +128,16 @@ def _resolve(args: argparse.Namespace, projector: str | None) -> ResolvedStage:
 def _parts_lines(stage: PreparedStage) -> list[str]:
     sel = stage.selection
     lines = [
-        f"{sel.manifest.model_id} layers {sel.layers}: {len(sel.parts)} parts, "
+        f"{field_text(sel.manifest.model_id)} layers {sel.layers}: {len(sel.parts)} parts, "
         f"{human_bytes(sel.total_bytes)}"
         + (" (SHA-256 verified)" if stage.verification is not None else "")
     ]
     for r in sel.all_refs:
         index = "" if r.layer_index is None else str(r.layer_index)
+        size = human_bytes(r.artifact.artifact_bytes)
         lines.append(
-            f"  {r.role:<10} {index:>5} {r.path:<32} {human_bytes(r.artifact.artifact_bytes):>10}"
-            f"  {r.artifact.sha256[:16]}"
+            f"  {r.role:<10} {index:>5} {field_text(r.path):<32} {size:>10}"
+            f"  {field_text(r.artifact.sha256[:16])}"
         )
     return lines
 
@@ -153,6 +165,8 @@ def cmd_fetch(args: argparse.Namespace) -> CommandResult:
 
 
 def cmd_materialize(args: argparse.Namespace) -> CommandResult:
+    from skippy.consume.materialize import materialize_stage
+
     # Projectors are never merged into a materialization (spec "Repository Layout").
     stage = _resolve(args, None).stage
     result = materialize_stage(
@@ -163,10 +177,13 @@ def cmd_materialize(args: argparse.Namespace) -> CommandResult:
         containment_root=stage.package.containment_root,
     )
     verb = "wrote" if result.built else "kept existing"
+    sel = stage.selection
     text = (
-        f"{verb} {result.path} (layers {stage.selection.layers}, {result.tensor_count} tensors, "
+        f"{verb} {field_text(result.path)} (layers {sel.layers}: {len(sel.layers)} of "
+        f"{sel.layers.layer_count} layers, {result.tensor_count} tensors, "
         f"{human_bytes(result.artifact_bytes)}, {result.seconds:.2f}s)\n"
+        f"  sha256 {result.sha256}\n"
         f"  cache key {result.cache_key}"
     )
-    data = {**result.to_dict(), "stage": stage.to_dict()}
+    data = {"package": stage.package.display, **result.to_dict(), "stage": stage.to_dict()}
     return CommandResult(data=data, text=text)

@@ -14,8 +14,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING, Any
 
-from skippy.commands.output import CommandResult, add_json_flag
-from skippy.config import read_environment
+from skippy.commands.output import CommandResult, field_text
 from skippy.errors import UsageError
 
 if TYPE_CHECKING:
@@ -29,9 +28,11 @@ UNKNOWN_ARCH = "unknown"  # the shared metadata is not on local disk (an unfetch
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("policy", help="explain the execution path chosen for a request phase")
+    p = sub.add_parser("policy")
     p.add_argument("ref", metavar="REF", help="a package directory, or hf://namespace/repo[@rev]")
-    p.add_argument("--phase", required=True, choices=PHASE_CHOICES)
+    p.add_argument(
+        "--phase", required=True, choices=PHASE_CHOICES, help="the request phase to decide for"
+    )
     p.add_argument("--n-tokens", type=int, required=True, help="tokens in this step")
     p.add_argument("--n-kv", type=int, required=True, help="visible KV rows")
     p.add_argument("--top-k", type=int, help="IndexShare top-k, when the model has one")
@@ -48,7 +49,6 @@ def register(sub: Any) -> None:
         metavar="PHASE=PATH",
         help="an explicit experiment override (repeatable)",
     )
-    add_json_flag(p)
     p.set_defaults(handler=cmd_policy)
 
 
@@ -64,7 +64,7 @@ def _override(items: list[str]) -> Any:
             raise UsageError(
                 f"--override {item!r} is not PHASE=PATH with PHASE one of "
                 f"{', '.join(PHASE_CHOICES[:4])}",
-                code="bad_usage",
+                code="usage",
             )
         paths[phase] = path
     return PhaseOverride(source="cli", **paths)
@@ -89,6 +89,7 @@ def package_architecture(pkg: LoadedPackage) -> str:
 
 
 def cmd_policy(args: argparse.Namespace) -> CommandResult:
+    from skippy.config import read_environment
     from skippy.consume.resolve import open_ref
     from skippy.generation import (
         BackendCapabilities,
@@ -110,10 +111,10 @@ def cmd_policy(args: argparse.Namespace) -> CommandResult:
         thresholds=spec.thresholds,
         override=_override(args.override),
     )
-    d = decision.to_dict()
+    d = {"package": pkg.display, **decision.to_dict()}
     lines = [
-        f"{pkg.manifest.model_id}: {d['phase']} on {d['backend']} -> {d['selected_path']} "
-        f"(from {d['selected_source']})",
+        f"{field_text(pkg.manifest.model_id)}: {d['phase']} on {d['backend']} -> "
+        f"{d['selected_path']} (from {d['selected_source']})",
         f"  profile: {d['profile'] or 'none declared'}; package path: {d['package_path']} "
         f"({d['package_path_status']}); runtime default for {d['arch']}: "
         f"{d['runtime_default_path']}",

@@ -4,46 +4,51 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from skippy.commands.output import CommandResult, add_json_flag, exit_for, finding_lines
-from skippy.config import read_environment
-from skippy.constants import MANIFEST_NAME
+from skippy.commands.output import (
+    CommandResult,
+    add_all_flag,
+    exit_for,
+    field_text,
+    finding_lines,
+    path_arg,
+)
 from skippy.errors import InputUnreadable, UsageError
-from skippy.package.plan import plan_stages
-from skippy.produce.inspect import (
-    inspect_gguf,
-    inspect_package,
-    read_manifest,
-    sizes_from_gguf,
-    sizes_from_manifest,
-)
-from skippy.produce.validate import validate_package
-from skippy.produce.write_package import (
-    Provenance,
-    WriteOptions,
-    local_provenance,
-    rewrite_readme,
-    write_package,
-)
+from skippy.paths import require_dir, require_file
 from skippy.progress import human_bytes
+
+if TYPE_CHECKING:
+    from skippy.produce.write_package import Provenance
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("write-package", help="split a GGUF into a layer package")
+    p = sub.add_parser("write-package")
     p.add_argument(
         "source",
-        type=Path,
-        help="a GGUF file, the first shard of a split set, or a hub coordinate ORG/REPO:DIST",
+        type=_nonempty,
+        help="a GGUF file, the first shard of a split set, or a hub coordinate ORG/REPO:DIST "
+        "(a path starting with ./ or / is always local)",
     )
-    p.add_argument("--out-dir", type=Path, required=True)
-    p.add_argument("--model-id", help="model coordinate ORG/REPO:DISTRIBUTION")
+    p.add_argument("--out-dir", type=path_arg, required=True, help="the package folder to write")
+    p.add_argument("--model-id", help="model coordinate ORG/REPO:DISTRIBUTION (local SOURCE)")
     p.add_argument("--source-repo", help="source repository (default: from --model-id)")
     p.add_argument(
         "--source-revision", help="source commit or tag (for a hub coordinate: what to resolve)"
     )
-    p.add_argument("--source-file", help="source file name inside the source repository")
-    p.add_argument("--projector", type=Path, action="append", default=[], metavar="FILE")
+    p.add_argument(
+        "--source-file",
+        help="source file name inside the source repository (for a hub coordinate: the file "
+        "to package, when the distribution alone does not pick it)",
+    )
+    p.add_argument(
+        "--projector",
+        type=path_arg,
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="a projector (mmproj) GGUF to copy into projectors/ (repeatable)",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace an existing package")
     p.add_argument(
         "--durable",
@@ -55,65 +60,91 @@ def register(sub: Any) -> None:
         action="store_true",
         help="run validate-package afterwards and record the result in README.md",
     )
-    add_json_flag(p)
+    add_all_flag(p)
     p.set_defaults(handler=cmd_write_package)
 
-    p = sub.add_parser("inspect", help="describe a GGUF file or a package directory")
-    p.add_argument("path", type=Path)
-    add_json_flag(p)
+    p = sub.add_parser("inspect")
+    p.add_argument(
+        "path", type=path_arg, help="a GGUF file, a split set's first shard or a package"
+    )
     p.set_defaults(handler=cmd_inspect)
 
-    p = sub.add_parser("plan", help="split layers into stages and size each stage")
-    p.add_argument("path", type=Path, help="a GGUF file or a package directory")
-    p.add_argument("--stages", type=int, required=True)
-    p.add_argument("--balance", choices=("layers", "bytes"), default="layers")
-    add_json_flag(p)
+    p = sub.add_parser("plan")
+    p.add_argument("path", type=path_arg, help="a GGUF file or a package directory")
+    p.add_argument("--stages", type=int, required=True, help="number of pipeline stages")
+    p.add_argument(
+        "--balance",
+        choices=("layers", "bytes"),
+        default="layers",
+        help="even layer counts (default) or the smallest largest stage in bytes",
+    )
     p.set_defaults(handler=cmd_plan)
 
-    p = sub.add_parser("validate-package", help="check a package against its source model")
-    p.add_argument("source", type=Path)
-    p.add_argument("package", type=Path)
-    add_json_flag(p)
+    p = sub.add_parser("validate-package")
+    p.add_argument("source", type=path_arg, help="the source GGUF (first shard of a split set)")
+    p.add_argument("package", type=path_arg, help="the package directory to check")
+    add_all_flag(p)
     p.set_defaults(handler=cmd_validate)
+
+
+def _nonempty(text: str) -> str:
+    path_arg(text)  # the same refusal of ""
+    return text
 
 
 def _source_and_provenance(args: argparse.Namespace) -> tuple[Path, Provenance]:
     """A local GGUF needs explicit provenance; a hub coordinate ``org/repo:DIST`` gets it from
-    the hub (spec "Publishing Rules"), with ``--source-revision`` choosing the revision."""
-    if args.source.exists():
-        return args.source, local_provenance(
+    the hub (spec "Publishing Rules"), with ``--source-revision`` choosing the revision and
+    ``--source-file`` naming the file when the distribution alone does not."""
+    from skippy.produce.write_package import local_provenance
+
+    # write-package passes a str, not a Path: Path("./a/b:Q") would drop the "./" that says
+    # "local" (skippy-quantize, which shares this function, still passes a Path).
+    text = str(args.source)
+    local = Path(text)
+    if local.exists() or text.startswith((".", "/", "~")):
+        return local, local_provenance(
             model_id=args.model_id,
             source_repo=args.source_repo,
             source_revision=args.source_revision,
             source_file=args.source_file,
         )
+    from skippy.config import read_environment
     from skippy.produce.hub_source import fetch_model_source, parse_model_coordinate
 
-    if parse_model_coordinate(str(args.source)) is None:
+    if parse_model_coordinate(text) is None:
         raise InputUnreadable(
-            f"source {args.source} is neither a file nor a model coordinate ORG/REPO:DIST",
-            path=str(args.source),
+            f"source {text} is neither a file nor a model coordinate ORG/REPO:DIST",
+            path=text,
         )
     given = [
-        f
-        for f, v in (
-            ("--model-id", args.model_id),
-            ("--source-repo", args.source_repo),
-            ("--source-file", args.source_file),
-        )
-        if v
+        f for f, v in (("--model-id", args.model_id), ("--source-repo", args.source_repo)) if v
     ]
     if given:
         raise UsageError(
             f"{', '.join(given)} cannot be combined with a hub coordinate: the hub provides "
             "the provenance",
-            code="bad_usage",
+            code="usage",
         )
-    hub_source = fetch_model_source(str(args.source), args.source_revision, read_environment())
+    hub_source = fetch_model_source(
+        text, args.source_revision, read_environment(), source_file=args.source_file
+    )
     return hub_source.first_shard, hub_source.provenance
 
 
+def _yes_no(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
+def _known(value: object, unit: str = "") -> str:
+    """A header value for a human: ``unknown`` rather than ``None``."""
+    return "unknown" if value is None else f"{field_text(value)}{unit}"
+
+
 def cmd_write_package(args: argparse.Namespace) -> CommandResult:
+    from skippy.constants import MANIFEST_NAME
+    from skippy.produce.write_package import WriteOptions, rewrite_readme, write_package
+
     source, prov = _source_and_provenance(args)
     opts = WriteOptions(
         out_dir=args.out_dir,
@@ -121,19 +152,21 @@ def cmd_write_package(args: argparse.Namespace) -> CommandResult:
         projectors=tuple(args.projector),
         overwrite=args.overwrite,
         durable=args.durable,
-        quiet=args.json,
     )
     result = write_package(source, opts)
-    data = result.to_dict()
+    m = result.manifest
+    data = {"source": args.source, **result.to_dict()}
     lines = [
         f"wrote {data['artifacts']} artifacts ({human_bytes(result.bytes_written)}) to "
-        f"{args.out_dir} in {result.seconds:.2f}s",
-        f"model {result.manifest.model_id}: {result.manifest.layer_count} layers, width "
-        f"{result.manifest.activation_width}, tied embeddings: {result.manifest.tied_embeddings}",
+        f"{field_text(args.out_dir)} in {result.seconds:.2f}s",
+        f"model {field_text(m.model_id)}: {m.layer_count} layers, width "
+        f"{_known(m.activation_width)}, tied embeddings: {_yes_no(m.tied_embeddings)}",
         f"{MANIFEST_NAME} sha256 {result.manifest_sha256}",
     ]
     exit_code = 0
     if args.validate:
+        from skippy.produce.validate import validate_package
+
         report = validate_package(source, args.out_dir)
         verdict = "valid" if report.valid else "INVALID"
         note = (
@@ -141,97 +174,131 @@ def cmd_write_package(args: argparse.Namespace) -> CommandResult:
             f"{report.tensors_checked} tensors checked byte-for-byte against the source, "
             f"{len(report.findings)} findings)."
         )
-        rewrite_readme(args.out_dir, result.manifest, result.manifest_sha256, note)
+        rewrite_readme(args.out_dir, m, result.manifest_sha256, note)
         data["validation"] = report.to_dict()
         lines.append(f"validate-package: {verdict}")
-        lines += finding_lines(report.findings)
+        lines += finding_lines(report.findings, show_all=args.show_all)
         exit_code = exit_for(report.valid)
     return CommandResult(data=data, text="\n".join(lines), exit_code=exit_code)
 
 
+def _package_lines(data: dict[str, Any]) -> list[str]:
+    src = data["source_model"]
+    lines = [
+        f"package {field_text(data['model_id'])}",
+        f"  source: {field_text(src['repo'])}@{field_text(src['revision'])} "
+        f"{field_text(src['primary_file'])}",
+        f"  layers: {data['layer_count']}  width: {_known(data['activation_width'])}  "
+        f"tied embeddings: {_yes_no(data['tied_embeddings'])}  "
+        f"ABI: {_known(data['skippy_abi_version'] or None)}",
+        f"  total: {human_bytes(data['total_bytes'])}",
+    ]
+    rows = [(role, a) for role, a in data["shared"].items()]
+    rows += [(f"layer {e['layer_index']}", e) for e in data["layers"]]
+    rows += [("projector", p) for p in data["projectors"]]
+    width = max(len(field_text(a["path"])) for _, a in rows)
+    for label, a in rows:
+        lines.append(
+            f"  {label:<11} {field_text(a['path']):<{width}} {a['tensor_count']:>5} tensors "
+            f"{human_bytes(a['artifact_bytes']):>10}"
+        )
+    return lines
+
+
+def _gguf_lines(data: dict[str, Any]) -> list[str]:
+    name = Path(data["source"]).name
+    if len(data["files"]) > 1:
+        name += f" (+{len(data['files']) - 1} shards)"
+    what = [f"GGUF v{data['gguf_version']}", _known(data["architecture"])]
+    held, frag, mat = data["layers_held"], data["fragment"], data["materialized"]
+    if mat is not None:
+        what.append(
+            f"materialized layers {mat['layer_start']}..{mat['layer_stop']} of "
+            f"{_known(mat['layer_count'])} ({held['count'] if held else 0} layers)"
+        )
+    elif frag is not None:
+        where = f" (layer {held['start']})" if held and held["count"] == 1 else ""
+        what.append(f"package fragment {field_text(frag['role'])!r}{where}")
+    else:
+        what.append(f"{_known(data['layer_count'])} layers")
+    if frag is None:
+        what.append(f"width {_known(data['activation_width'])}")
+        what.append(f"tied embeddings: {_yes_no(data['tied_embeddings'])}")
+    lines = [
+        f"{field_text(name)}: {', '.join(what)}",
+        f"  {data['tensor_count']} tensors, {human_bytes(data['tensor_bytes'])}, "
+        f"{data['kv_count']} KV pairs",
+    ]
+    if data["tensors"]:
+        width = max(40, *(len(field_text(t["name"])) for t in data["tensors"]))
+        lines.append(f"  {'name':<{width}} {'role':<10} {'layer':>5} {'type':<8} {'bytes':>12}")
+        for t in data["tensors"]:
+            layer = "" if t["layer_index"] is None else str(t["layer_index"])
+            lines.append(
+                f"  {field_text(t['name']):<{width}} {t['role']:<10} {layer:>5} "
+                f"{t['ggml_type']:<8} {t['bytes']:>12}"
+            )
+    return lines
+
+
 def cmd_inspect(args: argparse.Namespace) -> CommandResult:
+    from skippy.produce.inspect import inspect_gguf, inspect_package
+
     path: Path = args.path
     if path.is_dir():
         data = inspect_package(path)
-        lines = [
-            f"package {data['model_id']}",
-            f"  source: {data['source']['repo']}@{data['source']['revision']} "
-            f"{data['source']['primary_file']}",
-            f"  layers: {data['layer_count']}  width: {data['activation_width']}  "
-            f"tied embeddings: {data['tied_embeddings']}  ABI: {data['skippy_abi_version']}",
-            f"  total: {human_bytes(data['total_bytes'])}",
-        ]
-        for role, a in data["shared"].items():
-            lines.append(f"  {role:<11} {a['path']:<28} {human_bytes(a['artifact_bytes']):>10}")
-        for layer in data["layers"]:
-            lines.append(
-                f"  layer {layer['layer_index']:<5} {layer['tensors']:>3} tensors "
-                f"{human_bytes(layer['bytes']):>10}"
-            )
-        for proj in data["projectors"]:
-            lines.append(f"  projector   {proj['path']:<28} {human_bytes(proj['artifact_bytes'])}")
-        return CommandResult(data=data, text="\n".join(lines))
-    if not path.is_file():
-        raise InputUnreadable(f"{path} does not exist", path=str(path))
-    data = inspect_gguf(path)
-    lines = [
-        f"{path.name}: GGUF v{data['gguf_version']}, {data['architecture']}, "
-        f"{data['layer_count']} layers, width {data['activation_width']}, "
-        f"tied embeddings: {data['tied_embeddings']}",
-        f"  {data['tensor_count']} tensors, {human_bytes(data['tensor_bytes'])}, "
-        f"{data['kv_count']} KV pairs",
-        f"  {'name':<40} {'role':<10} {'layer':>5} {'type':<8} {'bytes':>12}",
-    ]
-    for t in data["tensors"]:
-        layer = "" if t["layer_index"] is None else str(t["layer_index"])
-        lines.append(
-            f"  {t['name']:<40} {t['role']:<10} {layer:>5} {t['ggml_type']:<8} {t['bytes']:>12}"
-        )
-    return CommandResult(data=data, text="\n".join(lines))
+        return CommandResult(data=data, text="\n".join(_package_lines(data)))
+    data = inspect_gguf(require_file(path, "GGUF"))
+    return CommandResult(data=data, text="\n".join(_gguf_lines(data)))
 
 
 def cmd_plan(args: argparse.Namespace) -> CommandResult:
+    from skippy.package.plan import plan_stages
+    from skippy.produce.inspect import read_manifest, sizes_from_manifest, sizes_from_source
+
     path: Path = args.path
     if path.is_dir():
-        sizes = sizes_from_manifest(read_manifest(path))
-    elif path.is_file():
-        sizes = sizes_from_gguf(path)
+        sizes, key = sizes_from_manifest(read_manifest(path)), "package"
     else:
-        raise InputUnreadable(f"{path} does not exist", path=str(path))
+        sizes, key = sizes_from_source(require_file(path, "GGUF")), "source"
     stages = plan_stages(sizes, args.stages, args.balance)
     data = {
-        "path": str(path),
+        key: str(path),
         "layer_count": sizes.layer_count,
         "stages": [s.to_dict() for s in stages],
         "balance": args.balance,
         "tied_embeddings": sizes.tied_embeddings,
     }
-    lines = [f"{len(stages)} stages over {sizes.layer_count} layers (balance: {args.balance})"]
+    noun = "stage" if len(stages) == 1 else "stages"
+    lines = [f"{len(stages)} {noun} over {sizes.layer_count} layers (balance: {args.balance})"]
+    lines.append(f"  {'stage':>5}  {'layers':<13} {'count':>5}  {'bytes':>10}  holds")
     for s in stages:
         d = s.to_dict()
-        extra = [
+        held = [
             name
-            for name, held in (("embeddings", d["holds_embeddings"]), ("output", d["owns_output"]))
-            if held
+            for name, on in (("embeddings", d["holds_embeddings"]), ("output", d["owns_output"]))
+            if on
         ]
         lines.append(
-            f"  stage {s.index}: layers {s.layers} ({len(s.layers)})  {human_bytes(s.bytes):>10}"
-            + (f"  + {', '.join(extra)}" if extra else "")
+            f"  {s.index:>5}  {s.layers!s:<13} {len(s.layers):>5}  "
+            f"{human_bytes(s.bytes):>10}  {', '.join(['metadata', *held])}"
         )
     return CommandResult(data=data, text="\n".join(lines))
 
 
 def cmd_validate(args: argparse.Namespace) -> CommandResult:
-    if not args.source.exists():
-        raise InputUnreadable(f"source {args.source} does not exist", path=str(args.source))
-    report = validate_package(args.source, args.package)
+    from skippy.produce.validate import validate_package
+
+    report = validate_package(
+        require_file(args.source, "source model"), require_dir(args.package, "package directory")
+    )
     verdict = "valid" if report.valid else "INVALID"
     lines = [
-        f"{args.package}: {verdict} ({report.artifacts_checked} artifacts, "
+        f"{field_text(args.package)}: {verdict} ({report.artifacts_checked} artifacts, "
         f"{report.tensors_checked} tensors, {human_bytes(report.bytes_hashed)} hashed in "
         f"{report.seconds:.2f}s)"
     ]
-    lines += finding_lines(report.findings)
+    lines += finding_lines(report.findings, show_all=args.show_all)
     return CommandResult(
         data=report.to_dict(), text="\n".join(lines), exit_code=exit_for(report.valid)
     )

@@ -1,20 +1,26 @@
-"""Runtime commands: ``run REF --prompt TEXT`` loads a verified stage and generates greedily.
+"""Runtime commands: ``run REF --prompt TEXT`` loads verified stages and generates.
 
-The order is: read the manifest once (``open_ref``; for a moving hf:// ref this is the one
-revision lookup) and refuse what the runtime cannot run before fetching or hashing anything (a
-bad speculation config or strategy, checked against the manifest alone; a partial range); then
+Engines: ``llama`` (llama.cpp on one whole-range stage), ``ggml`` (the stage runtime,
+``skippy.runtime.ggml_engine``) and ``numpy`` (its f32 reference); ``--stages N`` runs the
+model as N chained stages in this process, each loaded only from its own selection.
+
+The order is: refuse a bad command line (sizes, an empty or undecodable prompt, an engine
+that cannot do what was asked) and load the engine's library; read the manifest once
+(``open_ref``; for a moving hf:// ref this is the one revision lookup) and refuse what cannot
+run before fetching or hashing anything (a bad speculation config or strategy, checked against
+the manifest alone; a partial range; a bad stage count); then, per stage,
 ``skippy.consume.resolve.resolve_stage`` on the commit just read (``head.origin``), text-only
-because this runtime loads no projector (selection, fetch of just those parts, consumer validation,
-SHA-256 with the verification cache: always for hf://, for local directories unless
-SKIPPY_VERIFY_PACKAGE_SHA turns it off); then the final speculation plan, whose native-MTP layer
-indices are checked against the NextN tensors of the verified layer files; then load the
-selected parts in place and generate.
+because no runtime here loads a projector (selection, fetch of just those parts, consumer
+validation, SHA-256 with the verification cache: always for hf://, for local directories
+unless SKIPPY_VERIFY_PACKAGE_SHA turns it off); then the final speculation plan, whose
+native-MTP layer indices are checked against the NextN tensors of the verified layer files;
+then load the selected parts in place, tokenize behind the prompt guard, and generate.
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,19 +28,33 @@ from skippy.commands.output import CommandResult, add_json_flag
 from skippy.config import load_node_config, read_environment
 from skippy.constants import ENV_VERIFY_PACKAGE_SHA
 from skippy.errors import UsageError
-from skippy.package.ranges import parse_layer_range
+from skippy.package.ranges import LayerRange, parse_layer_range
 
-if TYPE_CHECKING:  # the hub client, numpy and llama.cpp load only when `run` runs
+if TYPE_CHECKING:  # the hub client, numpy, ggml and llama.cpp load only when `run` runs
     from skippy.config import NodeConfig
     from skippy.consume.resolve import ResolvedStage
     from skippy.generation import SpeculativePlan
     from skippy.package.manifest import Manifest
+    from skippy.runtime.boundary import Generation, StageLoad
+    from skippy.runtime.chain import StageChain
+    from skippy.runtime.llama_cpp import LlamaStageRuntime
+    from skippy.runtime.sampling import SamplingParams
+    from skippy.runtime.stage import Stage
 
 DEFAULT_MAX_TOKENS = 32
 
 
+ENGINES = ("ggml", "numpy", "llama")
+DEFAULT_N_CTX = 512
+DEFAULT_THREADS = 2
+
+
 def register(sub: Any) -> None:
-    p = sub.add_parser("run", help="load a package stage with llama.cpp and generate greedily")
+    p = sub.add_parser(
+        "run",
+        help="load a package and generate: llama.cpp on the whole range, or the stage runtime "
+        "on N chained stages",
+    )
     p.add_argument("ref", help="a package directory, or hf://namespace/repo[@revision]")
     p.add_argument("--prompt", required=True, help="the prompt text")
     p.add_argument(
@@ -47,8 +67,45 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--layers",
         metavar="A..B",
-        help="half-open layer range to load (default: every layer)",
+        help="half-open layer range to load; run needs every layer (default: every layer)",
     )
+    p.add_argument(
+        "--stages",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run the model as N chained stages in this process, each loaded only from its own "
+        "selection (default 1)",
+    )
+    p.add_argument(
+        "--engine",
+        choices=ENGINES,
+        help="ggml (the stage runtime), numpy (its f32 reference, slow) or llama (llama.cpp, "
+        "one whole-range stage); default: llama for one stage, ggml for --stages > 1",
+    )
+    p.add_argument(
+        "--n-ctx",
+        type=int,
+        default=DEFAULT_N_CTX,
+        metavar="N",
+        help=f"context in tokens (prompt + completion; default {DEFAULT_N_CTX})",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=DEFAULT_THREADS,
+        metavar="N",
+        help=f"CPU threads per stage (default {DEFAULT_THREADS})",
+    )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sampling temperature; 0 is greedy (default 0; ggml and numpy engines)",
+    )
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass to keep (1.0: off)")
+    p.add_argument("--seed", type=int, default=0, help="random seed for sampling (default 0)")
     p.add_argument("--config", type=Path, metavar="TOML", help="node config ([speculative] ...)")
     p.add_argument(
         "--speculative-strategy",
@@ -89,15 +146,17 @@ def speculative_plan(
     )
 
 
-def stage_layer_tensor_names(resolved: ResolvedStage) -> Callable[[int], Collection[str]]:
+def stage_layer_tensor_names(
+    resolved: Sequence[ResolvedStage],
+) -> Callable[[int], Collection[str]]:
     """Tensor names of a selected layer's (verified, local) artifact, read on demand: only the
-    layers a check asks about are opened. A layer outside the selection holds nothing here."""
+    layers a check asks about are opened. A layer outside the selections holds nothing here."""
     from skippy.constants import ROLE_LAYER
     from skippy.gguf.reader import open_gguf
 
-    stage = resolved.stage
     files = {
         r.layer_index: path
+        for stage in (rs.stage for rs in resolved)
         for r, path in zip(stage.selection.parts, stage.part_paths, strict=True)
         if r.role == ROLE_LAYER and r.layer_index is not None
     }
@@ -122,69 +181,133 @@ def _operator_configured(node: NodeConfig, args: argparse.Namespace) -> bool:
     )
 
 
-def cmd_run(args: argparse.Namespace) -> CommandResult:
-    from skippy.consume.resolve import open_ref, resolve_stage
-    from skippy.runtime.boundary import StageLoad
-    from skippy.runtime.llama_cpp import LlamaStageRuntime
+def _sampling(args: argparse.Namespace) -> SamplingParams:
+    from skippy.runtime.sampling import SamplingParams
+
+    return SamplingParams(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed
+    )
+
+
+def _check_args(args: argparse.Namespace, engine: str, sampling: SamplingParams) -> None:
+    """Everything about the command line that can be refused before any I/O."""
+    from skippy.runtime.boundary import StageUnsupported
+    from skippy.runtime.prompt_guard import prompt_bytes
 
     if args.max_tokens < 1:
         raise UsageError("--max-tokens must be at least 1", code="invalid_max_tokens")
+    if args.stages < 1:
+        raise UsageError("--stages must be at least 1", code="invalid_stage_count")
+    if not args.prompt:
+        raise UsageError("the prompt is empty", code="empty_prompt")
+    prompt_bytes(args.prompt)  # invalid Unicode (undecodable bytes) or too large
+    if engine == "llama" and args.stages > 1:
+        raise StageUnsupported(
+            "llama.cpp runs only whole-range stages; --stages N needs the stage runtime",
+            code="stages_unsupported",
+            remediation="use --engine ggml (or numpy) with --stages",
+        )
+    if engine == "llama" and not sampling.greedy:
+        raise StageUnsupported(
+            "the llama engine of run decodes greedily; sampling options need the stage runtime",
+            code="sampling_unsupported",
+            remediation="use --engine ggml (or numpy) to sample",
+        )
+
+
+def _whole_range(layers: LayerRange, engine: str) -> None:
+    from skippy.runtime.boundary import StageUnsupported
+    from skippy.runtime.llama_cpp import require_full_range
+
+    if engine == "llama":
+        require_full_range(layers)
+    elif not layers.is_full:
+        raise StageUnsupported(
+            f"run needs every layer to produce text; {layers} of {layers.layer_count} is a "
+            "partial range",
+            code="partial_range_unsupported",
+            expected=f"0..{layers.layer_count}",
+            actual=str(layers),
+            remediation="split the model with --stages N instead",
+        )
+
+
+def cmd_run(args: argparse.Namespace) -> CommandResult:
+    from skippy.consume.resolve import open_ref, resolve_stage
+    from skippy.package.plan import even_ranges
+    from skippy.runtime.boundary import StageLoad
+
+    engine = args.engine or ("llama" if args.stages == 1 else "ggml")
+    sampling = _sampling(args)
+    _check_args(args, engine, sampling)
     env = read_environment()
     node = load_node_config(args.config)
-    with LlamaStageRuntime() as runtime:
-        # Refuse what this runtime cannot run before fetching or hashing anything: a bad config
-        # or strategy (checked against the manifest alone) and an unsupported range.
+    runner = _Runner(engine, n_ctx=args.n_ctx, threads=args.threads)  # refuses a missing runtime
+    with runner:
+        # Refuse what cannot run before fetching or hashing anything: a bad config or strategy
+        # (checked against the manifest alone), a partial range, a bad stage count.
         head = open_ref(args.ref, env)
         speculative_plan(head.manifest, node, args)
+        n_layers = head.manifest.layer_count
         if args.layers is not None:
-            runtime.require_supported(parse_layer_range(args.layers, head.manifest.layer_count))
-        # The stage is the commit just read: a moving hf:// ref is resolved once (one lookup,
-        # one warning), so the checks above and the load agree. Text-only: this runtime
-        # cannot load a projector, so none is selected, fetched or hashed (spec "Compatibility").
+            _whole_range(parse_layer_range(args.layers, n_layers), engine)
+        ranges = even_ranges(n_layers, args.stages)
+        # Every stage comes from the commit just read: a moving hf:// ref is resolved once.
+        # Text-only: no runtime here loads a projector, so none is fetched or hashed.
         pinned = head.origin if head.from_hub else args.ref
-        resolved = resolve_stage(pinned, env, layers_text=args.layers, text_only=True)
-        prepared = resolved.stage
-        layers = prepared.selection.layers
-        runtime.require_supported(layers)
-        verify = prepared.verification is not None
+        resolved = [resolve_stage(pinned, env, layers_text=str(r), text_only=True) for r in ranges]
+        prepared = resolved[0].stage
+        verify = all(r.stage.verification is not None for r in resolved)
         # The final plan: native-MTP layer indices must hold NextN tensors in the verified
-        # layer files (spec "Speculative Decoding"; run serves full ranges, so all are here).
+        # layer files (spec "Speculative Decoding"); together the stages hold every layer.
         plan = speculative_plan(
             prepared.package.manifest,
             node,
             args,
             layer_tensor_names=stage_layer_tensor_names(resolved),
         )
-        stage = StageLoad.from_selection(
-            prepared.selection,
-            resolved.files(),
-            manifest_sha256=prepared.package.manifest_sha256,
-            sha256_verified=verify,
-            speculative=plan,
-        )
-        runtime.load(stage)
-        prompt_ids = runtime.tokenize(args.prompt)
-        gen = runtime.generate(prompt_ids, max_tokens=args.max_tokens)
-        load_s = runtime.load_s
+        loads = [
+            StageLoad.from_selection(
+                r.stage.selection,
+                r.files(),
+                manifest_sha256=r.stage.package.manifest_sha256,
+                sha256_verified=r.stage.verification is not None,
+                speculative=plan,
+            )
+            for r in resolved
+        ]
+        runner.load(loads, package_ref=prepared.package.display)
+        prompt_ids = runner.tokenize(args.prompt)
+        gen = runner.generate(prompt_ids, max_tokens=args.max_tokens, sampling=sampling)
+        stages = runner.describe()
+        load_s = runner.load_s
+    parts = sum(len(load.part_paths) for load in loads)
     data: dict[str, Any] = {
         "package": prepared.package.display,
-        "model_id": stage.model_id,
-        "manifest_sha256": stage.manifest_sha256,
-        "layers": str(layers),
-        "sha256_verified": stage.sha256_verified,
-        "parts": len(stage.part_paths),
+        "model_id": loads[0].model_id,
+        "manifest_sha256": loads[0].manifest_sha256,
+        "layers": f"0..{n_layers}",
+        "engine": engine,
+        "stages": stages,
+        "n_ctx": args.n_ctx,
+        "threads": args.threads,
+        "sampling": sampling.to_dict(),
+        "sha256_verified": verify,
+        "parts": parts,
         "load_s": load_s,
         "prompt": args.prompt,
         "speculative": plan.to_dict(),
         **gen.to_dict(),
     }
     rate = gen.decode_tokens_per_s or gen.tokens_per_s
+    split = ", ".join(f"{s['layer_start']}..{s['layer_end']}" for s in stages)
+    where = f"engine {engine}, {len(stages)} stage{'s' if len(stages) > 1 else ''} ({split})"
+    checked = "verified" if verify else "NOT verified"
     stats = (
-        f"[{len(gen.tokens)} tokens, stop: {gen.stop_reason}, "
-        f"{rate:.1f} tok/s, load {load_s or 0:.2f}s, "
-        f"{len(stage.part_paths)} parts, sha256 {'verified' if verify else 'NOT verified'}]"
+        f"[{len(gen.tokens)} tokens, stop: {gen.stop_reason}, {rate:.1f} tok/s, {where}, "
+        f"load {load_s or 0:.2f}s, {parts} parts, sha256 {checked}]"
         if rate
-        else f"[{len(gen.tokens)} tokens, stop: {gen.stop_reason}]"
+        else f"[{len(gen.tokens)} tokens, stop: {gen.stop_reason}, {where}]"
     )
     # Notes matter when an operator set something (a deprecated name, a bound that does not
     # apply, a model entry that matches nothing); the plain "no speculation default" of an
@@ -195,3 +318,106 @@ def cmd_run(args: argparse.Namespace) -> CommandResult:
             f"SHA-256 of the selected parts was not verified ({ENV_VERIFY_PACKAGE_SHA} is off)"
         )
     return CommandResult(data=data, text=f"{args.prompt}{gen.text}\n{stats}", warnings=warnings)
+
+
+class _Runner:
+    """One engine behind one interface for ``run``: llama.cpp on a whole range, or a chain of
+    stage-runtime stages. Constructing it imports the engine's library (a missing one is
+    refused before anything is fetched)."""
+
+    def __init__(self, engine: str, *, n_ctx: int, threads: int) -> None:
+        self.engine = engine
+        self.load_s: float | None = None
+        self._llama: LlamaStageRuntime | None = None
+        self._chain: StageChain | None = None
+        if engine == "llama":
+            from skippy.runtime.llama_cpp import LlamaRuntimeConfig, LlamaStageRuntime
+
+            self._llama = LlamaStageRuntime(LlamaRuntimeConfig(n_ctx=n_ctx, n_threads=threads))
+        else:
+            from skippy.runtime.llama_cpp import import_llama
+            from skippy.runtime.stage import StageConfig
+
+            self._config = StageConfig(n_ctx=n_ctx, n_threads=threads)
+            import_llama()  # the tokenizer is llama.cpp's
+            if engine == "ggml":
+                from skippy.gguf import ggml
+
+                ggml.load()  # version check and self-test
+
+    def load(self, loads: Sequence[StageLoad], *, package_ref: str) -> None:
+        import time
+
+        t0 = time.perf_counter()
+        if self._llama is not None:
+            self._llama.load(loads[0])
+            self.load_s = self._llama.load_s
+            return
+        from skippy.runtime.chain import StageChain, open_stage
+        from skippy.runtime.tokenizer import LlamaTokenizer
+
+        stages: list[Stage] = []
+        try:
+            for i, load in enumerate(loads):
+                stages.append(
+                    open_stage(
+                        self.engine,
+                        load,
+                        self._config,
+                        package_ref=package_ref,
+                        stage_index=i,
+                        stage_count=len(loads),
+                    )
+                )
+            tokenizer = LlamaTokenizer(loads[0].part_paths[0])
+        except BaseException:
+            for s in stages:
+                s.close()
+            raise
+        self._chain = StageChain(stages, tokenizer)
+        self.load_s = time.perf_counter() - t0
+
+    def tokenize(self, text: str) -> list[int]:
+        if self._llama is not None:
+            return self._llama.tokenize(text)
+        return self._loaded_chain().tokenize(text)
+
+    def generate(
+        self, tokens: Sequence[int], *, max_tokens: int, sampling: SamplingParams
+    ) -> Generation:
+        if self._llama is not None:
+            return self._llama.generate(tokens, max_tokens=max_tokens)
+        return self._loaded_chain().generate(tokens, max_tokens=max_tokens, sampling=sampling)
+
+    def describe(self) -> list[dict[str, Any]]:
+        if self._llama is not None:
+            stage = self._llama.stage
+            layers = stage.layers if stage is not None else None
+            return [
+                {
+                    "stage_index": 0,
+                    "stage_count": 1,
+                    "layer_start": layers.start if layers else None,
+                    "layer_end": layers.stop if layers else None,
+                    "engine": "llama",
+                    "runtime_version": "llama.cpp (llama-cpp-python)",
+                    "n_ctx": self._llama.config.n_ctx,
+                }
+            ]
+        return [s.descriptor.to_dict() for s in self._loaded_chain().stages]
+
+    def _loaded_chain(self) -> StageChain:
+        from skippy.runtime.boundary import StageNotLoaded
+
+        if self._chain is None:
+            raise StageNotLoaded("no stage is loaded")
+        return self._chain
+
+    def __enter__(self) -> _Runner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._llama is not None:
+            self._llama.close()
+        if self._chain is not None:
+            self._chain.close()

@@ -30,7 +30,11 @@ from huggingface_hub.errors import (
     RevisionResolutionError,
 )
 from huggingface_hub.file_download import repo_folder_name
+from huggingface_hub.utils.tqdm import disable_progress_bars, enable_progress_bars
 
+from skippy import progress
+from skippy.config import HubPolicy
+from skippy.consume.hub_policy import HubGaveUp, install
 from skippy.errors import EXIT_USAGE, ArtifactMissing, SkippyError, UnsafePath, UsageError
 from skippy.package.refs import COMMIT_SHA_RE, HfPackageRef
 from skippy.paths import check_relative_path, is_within
@@ -101,6 +105,7 @@ def resolve_revision(
     endpoint: str | None = None,
     cache_dir: Path | str | None = None,
     offline: bool = False,
+    policy: HubPolicy | None = None,
 ) -> str:
     """The 40-hex commit ``ref`` names now; offline, from the cache's ``refs/`` or ``snapshots/``.
 
@@ -109,6 +114,7 @@ def resolve_revision(
     down (5xx, unreachable) falls back to the cached ref with a warning. A full commit sha
     needs no lookup.
     """
+    install(policy or HubPolicy())
     api = HfApi(endpoint=endpoint)
     try:
         resolved = api.resolve_revision(
@@ -157,6 +163,7 @@ def list_files(
     *,
     endpoint: str | None = None,
     offline: bool = False,
+    policy: HubPolicy | None = None,
 ) -> list[str]:
     """Every file path of the repo at ``commit`` (the hub's listing; needs the network)."""
     if offline:
@@ -165,6 +172,7 @@ def list_files(
             code="hub_listing_offline",
             remediation="unset HF_HUB_OFFLINE, or pass the downloaded GGUF as a local SOURCE",
         )
+    install(policy or HubPolicy())
     try:
         info = HfApi(endpoint=endpoint).model_info(ref.repo_id, revision=commit)
     except _HUB_FAILURES as exc:
@@ -173,11 +181,17 @@ def list_files(
 
 
 def remote_size(
-    ref: HfPackageRef, commit: str, relpath: str, *, endpoint: str | None = None
+    ref: HfPackageRef,
+    commit: str,
+    relpath: str,
+    *,
+    endpoint: str | None = None,
+    policy: HubPolicy | None = None,
 ) -> int | None:
     """Size of one file on the hub at ``commit`` without downloading it (one HEAD request);
     None when the hub does not say."""
     check_relative_path(relpath)
+    install(policy or HubPolicy())
     url = hf_hub_url(ref.repo_id, relpath, revision=commit, endpoint=endpoint)
     try:
         meta = get_hf_file_metadata(url, endpoint=endpoint)
@@ -194,17 +208,19 @@ def download_file(
     endpoint: str | None = None,
     cache_dir: Path | str | None = None,
     offline: bool = False,
+    policy: HubPolicy | None = None,
 ) -> Path:
     """Fetch ``relpath`` at ``commit`` into the hub cache (or find it there); return the
-    snapshot path (a symlink into ``blobs/``)."""
+    snapshot path (a symlink into ``blobs/``). Requests follow ``policy``
+    (``skippy.consume.hub_policy``): huggingface_hub's own ~23 s retry loop never runs."""
     _check_commit(commit)
     check_relative_path(relpath)  # the one gate, before the name reaches the client
-    cached = repo_cache_root(cache_dir, ref.repo_id) / "snapshots" / commit / relpath
-    if not offline and not cached.exists():
-        # hf_hub_download retries a failing metadata HEAD for ~23 s (1+2+4+8+8 s, GOTCHAS);
-        # one HEAD of our own, without retries, makes an unreachable or failing hub an
-        # error in well under a second.
-        remote_size(ref, commit, relpath, endpoint=endpoint)
+    install(policy or HubPolicy())
+    # huggingface_hub draws its own download bars: only where ours are shown (skippy.progress).
+    if progress.enabled():
+        enable_progress_bars()
+    else:
+        disable_progress_bars()
     try:
         local = hf_hub_download(
             ref.repo_id,
@@ -242,6 +258,7 @@ def download_many(
     endpoint: str | None = None,
     cache_dir: Path | str | None = None,
     offline: bool = False,
+    policy: HubPolicy | None = None,
 ) -> dict[str, Path]:
     """``download_file`` for each path, in order. Offline, every miss is reported in one error."""
     out: dict[str, Path] = {}
@@ -251,7 +268,13 @@ def download_many(
             continue
         try:
             out[relpath] = download_file(
-                ref, commit, relpath, endpoint=endpoint, cache_dir=cache_dir, offline=offline
+                ref,
+                commit,
+                relpath,
+                endpoint=endpoint,
+                cache_dir=cache_dir,
+                offline=offline,
+                policy=policy,
             )
         except OfflineCacheMiss:
             missing.append(relpath)
@@ -284,6 +307,19 @@ def _raise_hub_error(ref: HfPackageRef, exc: BaseException, relpath: str | None)
     """Map a huggingface_hub/httpx failure to our hierarchy; the cause is dropped on purpose."""
     if isinstance(exc, LocalEntryNotFoundError) and exc.__cause__ is not None:
         exc = exc.__cause__  # online LocalEntryNotFound wraps the real failure of the HEAD call
+    if isinstance(exc, HubGaveUp):  # the policy's last attempt failed: name the endpoint
+        raise HubError(
+            f"{ref}: {exc}",
+            code="hub_http_error" if exc.status is not None else "hub_unreachable",
+            path=relpath,
+            actual=exc.status,
+            remediation=(
+                "The hub answered with a transient error every time: retry later, or raise "
+                "SKIPPY_HUB_ATTEMPTS / SKIPPY_HUB_BACKOFF_S."
+                if exc.status is not None
+                else "Check the network and HF_ENDPOINT, or run offline from a filled cache."
+            ),
+        ) from None
     if isinstance(exc, RemoteEntryNotFoundError):
         raise ArtifactMissing(
             f"{ref}: {relpath} does not exist in the repo. The manifest names a file the "

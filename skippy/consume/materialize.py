@@ -58,6 +58,7 @@ from skippy.gguf.writer import TensorSource, encode_kv, write_fragment
 from skippy.hashing import sha256_file
 from skippy.package.select import StageSelection
 from skippy.paths import is_within, resolve_under
+from skippy.progress import byte_bar
 
 
 @dataclass(frozen=True)
@@ -68,11 +69,11 @@ class MaterializeResult:
     artifact_bytes: int
     tensor_count: int
     seconds: float
-    sha256: str | None = None  # of the file just written (None when kept)
+    sha256: str  # of the output, built or kept
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "path": str(self.path),
+            "out": str(self.path),
             "cache_key": self.cache_key,
             "built": self.built,
             "artifact_bytes": self.artifact_bytes,
@@ -155,22 +156,26 @@ def _record_build(out: Path, key: str, sha256: str) -> None:
     atomic_write_bytes(_sidecar(out), json.dumps(record).encode(), durable=False)
 
 
-def _trusted_existing(out: Path, key: str) -> bool:
-    """True if ``out`` is our build for ``key`` and its bytes are the ones we wrote."""
+def _trusted_existing(out: Path, key: str) -> str | None:
+    """The SHA-256 of ``out`` if it is our build for ``key`` and its bytes are the ones we
+    wrote; None when it must be (re)built."""
     if _existing_key(out) != key:
-        return False
+        return None
     try:
         rec = json.loads(_sidecar(out).read_text())
     except (OSError, ValueError):
-        return False  # no record: rebuild rather than trust
+        return None  # no record: rebuild rather than trust
     if not isinstance(rec, dict) or rec.get("cache_key") != key:
-        return False
+        return None
+    sha = rec.get("sha256")
+    if not isinstance(sha, str):
+        return None
     if rec.get("stamp") == _stamp(out.stat()):
-        return True
-    if sha256_file(out) != rec.get("sha256"):
-        return False  # changed since we built it: rebuild
-    _record_build(out, key, rec["sha256"])
-    return True
+        return sha
+    if sha256_file(out) != sha:
+        return None  # changed since we built it: rebuild
+    _record_build(out, key, sha)
+    return sha
 
 
 @contextlib.contextmanager
@@ -242,7 +247,9 @@ def _build(
                 seen[t.name] = ref.path
                 tensors.append(TensorSource(t, g.fileno()))
         records = _kv_records(meta, key, manifest_sha256, sel)
-        written = write_fragment(out, records, tensors, meta.alignment)
+        total = sum(ref.artifact.artifact_bytes for ref in sel.parts)
+        with byte_bar(total, "materialize") as on_bytes:
+            written = write_fragment(out, records, tensors, meta.alignment, on_bytes=on_bytes)
     return written.sha256, written.tensor_count
 
 
@@ -263,17 +270,24 @@ def materialize_stage(
         raise UsageError(f"--out must be a .gguf file, not {MANIFEST_NAME}", path=str(out))
     key = materialization_key(manifest_sha256, selection)
 
-    def kept() -> MaterializeResult:
+    def kept(sha: str) -> MaterializeResult:
         with open_gguf(out) as g:
             n = len(g.tensors)
-        return MaterializeResult(out, key, False, out.stat().st_size, n, time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        return MaterializeResult(out, key, False, out.stat().st_size, n, seconds, sha256=sha)
 
-    if _trusted_existing(out, key):
-        return kept()
-    out.parent.mkdir(parents=True, exist_ok=True)
+    if not out.parent.is_dir():  # issue #11: never create folders the user did not ask for
+        raise UsageError(
+            f"--out {out}: the folder {out.parent} does not exist",
+            code="output_parent_missing",
+            path=str(out),
+            remediation="create the folder first, or choose an --out in an existing folder",
+        )
+    if (sha := _trusted_existing(out, key)) is not None:
+        return kept(sha)
     with _exclusive(lock_path_for(out)):
-        if _trusted_existing(out, key):  # another process built it while we waited
-            return kept()
+        if (sha := _trusted_existing(out, key)) is not None:  # built while we waited
+            return kept(sha)
         sha, n = _build(root, selection, out, key, manifest_sha256, containment_root)
         try:
             with open_gguf(out) as g:  # the writer's own output must read back cleanly

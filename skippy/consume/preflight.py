@@ -3,7 +3,7 @@
 Spec "Consumer Validation". ``preflight_package`` reports every problem as findings (severity,
 code, message, path, remediation) without needing the source model: the manifest rules
 (``skippy.package.manifest.check_manifest``), every artifact's presence, type and size
-(``skippy.produce.validate.check_artifact_file``), each artifact's GGUF header against its declared
+(``skippy.package.artifacts.check_artifact_file``), each artifact's GGUF header against its declared
 tensor count and bytes, the package generation defaults (``skippy.generation``), optionally
 SHA-256 (``skippy.consume.verify``) and a per-stage part list. ``metadata_only`` is the spec's
 "Metadata-only inspection": the manifest and ``shared/metadata.gguf`` only, no layer range.
@@ -24,21 +24,27 @@ from typing import Any, Final
 
 from skippy.constants import (
     KEY_ARCHITECTURE,
+    MAX_LAYER_COUNT,
     ROLE_LAYER,
     ROLE_METADATA,
     ROLE_PROJECTOR,
 )
 from skippy.consume.verify import VerifyCache, VerifyReport, check_refs, verify_selection
-from skippy.errors import InputUnreadable, ManifestError, SkippyError, UsageError
-from skippy.findings import Finding, errors_only, raise_for_findings
-from skippy.generation import check_generation
-from skippy.gguf.reader import GGUFFile, open_gguf
+from skippy.errors import ManifestError, SkippyError, UsageError
+from skippy.findings import Finding, errors_only, raise_for_findings, summarize
+from skippy.gguf.reader import GGUFFile, TensorInfo, open_gguf
+from skippy.package.artifacts import check_artifact_file, header_findings
 from skippy.package.manifest import ArtifactRef, Manifest, load_manifest_findings
-from skippy.package.plan import even_ranges
+from skippy.package.plan import check_stage_count, even_ranges
+from skippy.package.quantization import (
+    QUANTIZATION_KEY,
+    file_type_findings,
+    parse_quantization,
+)
 from skippy.package.ranges import LayerRange
 from skippy.package.select import StageSelection, select_stage
-from skippy.paths import is_safe_relative_path
-from skippy.produce.validate import check_artifact_file, header_findings
+from skippy.paths import is_safe_relative_path, require_dir
+from skippy.produce.quant_rules import TensorFacts, recorded_type_findings
 
 # Remediation for every code preflight can report that does not already carry one.
 REMEDIATIONS: Final[Mapping[str, str]] = {
@@ -78,8 +84,6 @@ REMEDIATIONS: Final[Mapping[str, str]] = {
     "invalid_artifact_gguf": "the file is not a readable GGUF fragment: fetch it again",
     "tensor_count_mismatch": "the fragment and the manifest disagree: rewrite the package",
     "tensor_bytes_mismatch": "the fragment and the manifest disagree: rewrite the package",
-    "invalid_stage_count": "use --stages N with N >= 1",
-    "stage_count_exceeds_layer_count": "use at most layer_count stages (each stage needs a layer)",
 }
 
 
@@ -114,8 +118,7 @@ def read_package(
 ) -> tuple[LoadedPackage | None, list[Finding]]:
     """Read and check ``model-package.json`` once (the bytes hashed are the bytes parsed).
     Raise ``InputUnreadable`` if ``root`` is not a readable directory."""
-    if not root.is_dir():
-        raise InputUnreadable(f"package directory {root} does not exist", path=str(root))
+    require_dir(root, "package directory")
     m, raw, findings = load_manifest_findings(root, containment_root=containment_root)
     if m is None or raw is None:
         return None, [with_remediation(f) for f in findings]
@@ -269,6 +272,7 @@ class PreflightReport:
             "sha256_verified": self.verification is not None,
             "verification": self.verification.to_dict() if self.verification else None,
             "stages": [s.to_dict() for s in self.stages],
+            "summary": summarize(self.findings),
             "findings": [f.to_dict() for f in self.findings],
             "seconds": round(self.seconds, 3),
         }
@@ -292,11 +296,8 @@ class _GGUFMetadata(Mapping[str, Any]):
 
 
 def _stage_findings(report: PreflightReport, m: Manifest, stages: int) -> Iterator[Finding]:
-    try:
-        ranges = even_ranges(m.layer_count, stages)
-    except UsageError as exc:  # invalid_stage_count, stage_count_exceeds_layer_count
-        yield Finding.from_error(exc)
-        return
+    # A bad --stages is a usage error (exit 2) like plan's, not a finding about the package.
+    ranges = even_ranges(m.layer_count, stages)
     seen = report.codes()
     for i, r in enumerate(ranges):
         try:
@@ -305,6 +306,23 @@ def _stage_findings(report: PreflightReport, m: Manifest, stages: int) -> Iterat
             report.stages.append(StagePreflight(i, r, None, exc.code))
             if exc.code not in seen:
                 yield Finding.from_error(exc)
+
+
+def _quantization_findings(
+    m: Manifest, metadata_file: GGUFFile, tensors: list[TensorInfo], metadata_only: bool
+) -> list[Finding]:
+    """The additive ``quantization`` block (skippy-quantize) against what the package holds:
+    the metadata's general.file_type and, with every fragment read, each tensor's type."""
+    meta = _GGUFMetadata(metadata_file)
+    out = file_type_findings(m.extra, meta)
+    if metadata_only or out:
+        return out
+    try:
+        block = parse_quantization(m.extra[QUANTIZATION_KEY])
+    except ManifestError:
+        return out  # a finding of check_manifest already
+    facts = [TensorFacts(t.name, t.shape, t.ggml_type) for t in tensors]
+    return recorded_type_findings(block, meta, facts)
 
 
 def preflight_package(
@@ -320,8 +338,10 @@ def preflight_package(
     if metadata_only and stages is not None:
         raise UsageError(
             "--metadata-only checks no layer range; it cannot be combined with --stages",
-            code="bad_usage",
+            code="usage",
         )
+    if stages is not None:
+        check_stage_count(stages, MAX_LAYER_COUNT)  # the package's own count is checked below
     t0 = time.perf_counter()
     report = PreflightReport(package=str(root), metadata_only=metadata_only)
     pkg, findings = read_package(root)
@@ -331,6 +351,8 @@ def preflight_package(
         return report
     m = report.manifest = pkg.manifest
     report.manifest_sha256 = pkg.manifest_sha256
+    if stages is not None:  # before any artifact is read or hashed
+        check_stage_count(stages, m.layer_count)
 
     # Metadata-only inspection validates the manifest and the shared metadata artifact only.
     refs = [next(m.artifacts())] if metadata_only else list(m.artifacts())
@@ -339,6 +361,7 @@ def preflight_package(
     problems: list[Finding] = []
     metadata_file: GGUFFile | None = None
     checked: set[str] = set()
+    tensors: list[TensorInfo] = []  # every checked fragment's, for the quantization block
     try:
         for ref in refs:
             # Lexically unsafe paths are already findings from check_manifest; symlinks that
@@ -358,6 +381,8 @@ def preflight_package(
                 problems.append(Finding("invalid_artifact_gguf", exc.message, path=ref.path))
                 continue
             problems.extend(header_findings(ref, g.tensors))
+            if ref.role != ROLE_PROJECTOR:
+                tensors.extend(g.tensors)
             if ref.role == ROLE_LAYER and ref.layer_index is not None:
                 layer_names[ref.layer_index] = tuple(t.name for t in g.tensors)
             if ref.role == ROLE_METADATA and metadata_file is None:
@@ -368,16 +393,22 @@ def preflight_package(
         def names_of(index: int) -> Collection[str]:
             return layer_names.get(index, ())
 
-        arch = metadata_file.get(KEY_ARCHITECTURE) if metadata_file else None
-        problems.extend(
-            check_generation(
-                m.generation,
-                layer_count=m.layer_count,
-                layer_tensor_names=None if metadata_only else names_of,
-                metadata=_GGUFMetadata(metadata_file) if metadata_file else None,
-                arch=arch if isinstance(arch, str) else None,
+        if m.generation is not None:  # the schema module loads only when there is a block
+            from skippy.generation import check_generation
+
+            arch = metadata_file.get(KEY_ARCHITECTURE) if metadata_file else None
+            problems.extend(
+                check_generation(
+                    m.generation,
+                    layer_count=m.layer_count,
+                    layer_tensor_names=None if metadata_only else names_of,
+                    metadata=_GGUFMetadata(metadata_file) if metadata_file else None,
+                    arch=arch if isinstance(arch, str) else None,
+                )
             )
-        )
+        # Only over a complete, readable package: the rules count tensors as they meet them.
+        if QUANTIZATION_KEY in m.extra and metadata_file is not None and not problems:
+            problems.extend(_quantization_findings(m, metadata_file, tensors, metadata_only))
     finally:
         if metadata_file is not None:
             metadata_file.close()

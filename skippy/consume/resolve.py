@@ -67,7 +67,12 @@ class FetchReport:
 
 
 def _hub_kwargs(env: Environment) -> dict[str, Any]:
-    return {"endpoint": env.hf_endpoint, "cache_dir": env.hf_cache_dir, "offline": env.hf_offline}
+    return {
+        "endpoint": env.hf_endpoint,
+        "cache_dir": env.hf_cache_dir,
+        "offline": env.hf_offline,
+        "policy": env.hub_policy,
+    }
 
 
 def open_package(ref: PackageRef, env: Environment) -> LoadedPackage:
@@ -193,7 +198,9 @@ def _check_remote_projectors(
     findings = []
     for proj in others:
         try:
-            size = hub.remote_size(ref, commit, proj.path, endpoint=env.hf_endpoint)
+            size = hub.remote_size(
+                ref, commit, proj.path, endpoint=env.hf_endpoint, policy=env.hub_policy
+            )
         except hub.HubError as exc:  # the stage itself is verified; an unused file must not
             log.warning("declared projector %s not checked: %s", proj.path, exc.message)
             continue

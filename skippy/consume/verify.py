@@ -34,9 +34,10 @@ from typing import Any, Final, Literal
 from skippy.atomic import atomic_write_bytes
 from skippy.errors import IntegrityError
 from skippy.hashing import DEFAULT_WORKERS, sha256_files
+from skippy.package.artifacts import stat_artifact
 from skippy.package.manifest import ArtifactRef
 from skippy.package.select import StageSelection
-from skippy.produce.validate import stat_artifact
+from skippy.progress import byte_bar
 
 log = logging.getLogger(__name__)
 
@@ -238,7 +239,8 @@ def check_refs(
         else:
             misses.append((ref, path, stamp, key))
 
-    digests = sha256_files([m[1] for m in misses], workers=workers)
+    with byte_bar(sum(m[2].size for m in misses), "sha256") as on_bytes:
+        digests = sha256_files([m[1] for m in misses], workers=workers, on_bytes=on_bytes)
     to_record: list[tuple[str, ArtifactRef]] = []
     for (ref, path, before, key), digest in zip(misses, digests, strict=True):
         report.bytes_hashed += before.size

@@ -237,6 +237,13 @@ def _decode(buf: Any, pos: int, vtype: int) -> tuple[Any, int]:
         size = SCALAR_SIZES[item_type]
         values = list(struct.unpack_from(f"<{count}{item_fmt[1]}", buf, pos))
         return values, pos + size * count
+    if item_type == ValueType.STRING:  # hot: a 262k-entry vocabulary, one loop, no recursion
+        strings, unpack = [], _U64.unpack_from
+        for _ in range(count):
+            (n,) = unpack(buf, pos)
+            strings.append(bytes(buf[pos + 8 : pos + 8 + n]).decode("utf-8"))
+            pos += 8 + n
+        return strings, pos
     out = []
     for _ in range(count):
         v, pos = _decode(buf, pos, item_type)
@@ -247,8 +254,12 @@ def _decode(buf: Any, pos: int, vtype: int) -> tuple[Any, int]:
 class GGUFFile:
     """An open, validated GGUF file. Use as a context manager or call ``close()``."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, known_records: Mapping[str, bytes] | None = None) -> None:
+        """``known_records``: raw KV records (key -> record bytes) of another file this reader
+        already validated; an array record found here byte-for-byte equal is skipped by its
+        length instead of walked (a 262k-entry vocabulary copied into a package fragment)."""
         self.path = path
+        self._known = known_records or {}
         try:
             self._file = open(path, "rb")  # noqa: SIM115 - owned by this object, closed in close()
         except OSError as exc:
@@ -308,7 +319,18 @@ class GGUFFile:
                 raise GGUFFormatError(f"duplicate KV key {key!r}", code="gguf_duplicate_key")
             vtype = cur.u32(f"type of {key!r}")
             value_start = cur.pos
-            item_type, count = cur.skip_value(vtype, 0, f"value of {key!r}")
+            known = self._known.get(key)
+            item_type: int | None
+            if (
+                known is not None
+                and vtype == ValueType.ARRAY
+                and buf[start : start + len(known)] == known
+            ):  # the same bytes as a record already validated: same array, same bounds
+                item_type = int(_U32.unpack_from(buf, value_start)[0])
+                count = int(_U64.unpack_from(buf, value_start + 4)[0])
+                cur.pos = start + len(known)
+            else:
+                item_type, count = cur.skip_value(vtype, 0, f"value of {key!r}")
             fields[key] = KVField(key, vtype, item_type, count, start, value_start, cur.pos)
         self.fields: Mapping[str, KVField] = fields
 
@@ -434,5 +456,7 @@ class GGUFFile:
         self.close()
 
 
-def open_gguf(path: str | os.PathLike[str]) -> GGUFFile:
-    return GGUFFile(Path(path))
+def open_gguf(
+    path: str | os.PathLike[str], *, known_records: Mapping[str, bytes] | None = None
+) -> GGUFFile:
+    return GGUFFile(Path(path), known_records=known_records)

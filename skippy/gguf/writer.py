@@ -11,6 +11,7 @@ followed by padding to the alignment.
 from __future__ import annotations
 
 import struct
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,12 +49,21 @@ def encode_kv(key: str, value_type: int, value: Any, item_type: int | None = Non
     )
 
 
+# Streams one tensor's payload into ``write`` (the fragment's hashing sink).
+TensorProducer = Callable[[Callable[[memoryview], None]], None]
+
+
 @dataclass(frozen=True)
 class TensorSource:
-    """A tensor to copy: its header facts and the open source file holding its bytes."""
+    """A tensor to write: its header facts and the open source file holding its bytes.
+
+    ``produce``, when set, replaces the raw copy: a producer that transforms the bytes on the
+    way (skippy-quantize) writes exactly ``info.nbytes`` bytes of the tensor ``info`` describes.
+    """
 
     info: TensorInfo
     fd: int
+    produce: TensorProducer | None = None
 
 
 @dataclass(frozen=True)
@@ -87,6 +97,15 @@ def build_header(
     return header + b"\0" * _pad(len(header), alignment), offsets
 
 
+def fragment_bytes(
+    kv_records: Sequence[bytes], tensors: Sequence[TensorInfo], alignment: int
+) -> int:
+    """The exact size ``write_fragment`` gives these records and tensors (``plan`` of a GGUF
+    counts each part's header and padding as the package will hold them)."""
+    header, _ = build_header(kv_records, tensors, alignment)
+    return len(header) + sum(t.nbytes + _pad(t.nbytes, alignment) for t in tensors)
+
+
 def write_fragment(
     dest: Path,
     kv_records: Sequence[bytes],
@@ -94,19 +113,37 @@ def write_fragment(
     alignment: int,
     *,
     on_bytes: Callable[[int], None] | None = None,
+    cancel: threading.Event | None = None,
 ) -> WrittenFragment:
-    """Write one fragment atomically, hashing in the same pass; return its facts."""
+    """Write one fragment atomically, hashing in the same pass; return its facts. ``on_bytes``
+    hears the size of every chunk written (a progress bar); ``cancel`` stops the copy at its
+    next chunk (the partial file is removed)."""
     header, _ = build_header(kv_records, [t.info for t in tensors], alignment)
     with atomic_install(dest) as f:
         sink = HashingSink(f)
-        sink.write(header)
+        write: Callable[[bytes | memoryview], None] = sink.write
+        if on_bytes is not None:
+            counted = on_bytes
+
+            def write(data: bytes | memoryview) -> None:
+                sink.write(data)
+                counted(len(data))
+
+        write(header)
         for t in tensors:
-            copy_range(t.fd, t.info.data_start, t.info.nbytes, sink.write)
+            if t.produce is None:
+                copy_range(t.fd, t.info.data_start, t.info.nbytes, write, cancel=cancel)
+            else:
+                start = sink.nbytes
+                t.produce(write)
+                if sink.nbytes - start != t.info.nbytes:  # the header already promised nbytes
+                    raise ValueError(
+                        f"tensor {t.info.name}: the producer wrote {sink.nbytes - start} bytes, "
+                        f"the header declares {t.info.nbytes}"
+                    )
             pad = _pad(t.info.nbytes, alignment)
             if pad:
-                sink.write(b"\0" * pad)
-            if on_bytes is not None:
-                on_bytes(t.info.nbytes)
+                write(b"\0" * pad)
     return WrittenFragment(
         artifact_bytes=sink.nbytes,
         sha256=sink.hexdigest(),

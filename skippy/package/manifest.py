@@ -20,7 +20,12 @@ from skippy.constants import (
     FORMAT,
     MANIFEST_MAX_BYTES,
     MANIFEST_NAME,
+    MAX_ACTIVATION_WIDTH,
+    MAX_ARTIFACT_BYTES,
+    MAX_ARTIFACT_TENSORS,
+    MAX_INT_DIGITS,
     MAX_LAYER_COUNT,
+    MAX_UNIX_SECS,
     PROJECTOR_KINDS,
     ROLE_EMBEDDINGS,
     ROLE_LAYER,
@@ -34,7 +39,10 @@ from skippy.constants import (
 )
 from skippy.errors import InputUnreadable, ManifestError, UnsafePath
 from skippy.findings import Finding
+from skippy.package.quantization import quantization_findings
 from skippy.paths import is_safe_relative_path, resolve_under
+from skippy.progress import human_bytes
+from skippy.text import unsafe_char
 
 MAX_MISSING_LAYER_FINDINGS = 20  # beyond this, one summary finding (a hostile count stays cheap)
 
@@ -264,19 +272,18 @@ class _Obj:
             raise self._bad(key, "a string")
         return v
 
-    def int_(self, key: str, *, required: bool = True) -> int | None:
-        if not required and not self.has(key):
-            return None
+    def int_(self, key: str, lo: int, hi: int) -> int:
+        """A required integer in ``lo..hi`` (inclusive)."""
         v = self.req(key)
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise self._bad(key, "an integer")
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+            raise self._bad(key, f"an integer in {lo}..{hi}")
         return v
 
-    def nonneg(self, key: str) -> int:
-        v = self.req(key)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise self._bad(key, "a non-negative integer")
-        return v
+    def opt_int(self, key: str, lo: int, hi: int) -> int | None:
+        return self.int_(key, lo, hi) if self.has(key) else None
+
+    def nonneg(self, key: str, hi: int) -> int:
+        return self.int_(key, 0, hi)
 
     def obj(self, key: str) -> _Obj:
         return _Obj(self.req(key), self._path(key))
@@ -293,9 +300,9 @@ class _Obj:
 def _artifact_fields(o: _Obj) -> dict[str, Any]:
     return {
         "path": o.str_("path"),
-        "tensor_count": o.nonneg("tensor_count"),
-        "tensor_bytes": o.nonneg("tensor_bytes"),
-        "artifact_bytes": o.nonneg("artifact_bytes"),
+        "tensor_count": o.nonneg("tensor_count", MAX_ARTIFACT_TENSORS),
+        "tensor_bytes": o.nonneg("tensor_bytes", MAX_ARTIFACT_BYTES),
+        "artifact_bytes": o.nonneg("artifact_bytes", MAX_ARTIFACT_BYTES),
         "sha256": o.str_("sha256"),
     }
 
@@ -304,7 +311,11 @@ def _parse_source(o: _Obj) -> SourceModel:
     files = []
     for i, raw in enumerate(o.list_("files", required=False)):
         fo = _Obj(raw, f"{o.where}.files[{i}]")
-        files.append(SourceFile(fo.str_("path"), fo.nonneg("size_bytes"), fo.str_("sha256")))
+        files.append(
+            SourceFile(
+                fo.str_("path"), fo.nonneg("size_bytes", MAX_ARTIFACT_BYTES), fo.str_("sha256")
+            )
+        )
     return SourceModel(
         sha256=o.str_("sha256"),
         path=o.str_("path", required=False),
@@ -335,6 +346,13 @@ def read_manifest_bytes(package_dir: Path, *, containment_root: Path | None = No
     if not stat.S_ISREG(st.st_mode):
         raise InputUnreadable(
             f"{path} is not a regular file", code="manifest_not_file", path=str(path)
+        )
+    if st.st_size > MANIFEST_MAX_BYTES:
+        raise ManifestError(
+            f"{MANIFEST_NAME} is {human_bytes(st.st_size)} ({st.st_size} bytes), over the "
+            f"{human_bytes(MANIFEST_MAX_BYTES)} cap",
+            code="manifest_too_large",
+            path=MANIFEST_NAME,
         )
     try:
         with open(path, "rb") as f:
@@ -369,18 +387,32 @@ def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _parse_int(literal: str) -> int:
+    """JSON integers, refused past MAX_INT_DIGITS before Python converts them (a 100k-digit
+    literal would otherwise cost quadratic time or hit Python's own digit limit)."""
+    digits = len(literal.lstrip("-"))
+    if digits > MAX_INT_DIGITS:
+        raise ManifestError(
+            f"model-package.json holds an integer of {digits} digits; no manifest field needs "
+            f"more than {MAX_INT_DIGITS}",
+            code="invalid_manifest_json",
+        )
+    return int(literal)
+
+
 def parse_manifest(raw: bytes) -> Manifest:
     """Parse manifest bytes strictly into a ``Manifest``; raise ``ManifestError`` with a code."""
     if len(raw) > MANIFEST_MAX_BYTES:
         raise ManifestError(
-            f"manifest is {len(raw)} bytes, over the {MANIFEST_MAX_BYTES}-byte cap",
+            f"manifest is over the {human_bytes(MANIFEST_MAX_BYTES)} cap",
             code="manifest_too_large",
         )
     try:
-        data = json.loads(raw.decode("utf-8"), object_pairs_hook=_reject_duplicate_keys)
+        data = json.loads(
+            raw.decode("utf-8"), object_pairs_hook=_reject_duplicate_keys, parse_int=_parse_int
+        )
     except ManifestError:
         raise
-    # ValueError also covers integers longer than Python's 4300-digit conversion limit.
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise ManifestError(
             f"model-package.json is not valid UTF-8 JSON: {exc}", code="invalid_manifest_json"
@@ -405,7 +437,7 @@ def parse_manifest(raw: bytes) -> Manifest:
             expected=FORMAT,
             actual=fmt,
         )
-    layer_count = top.nonneg("layer_count")
+    layer_count = top.nonneg("layer_count", 1 << 62)
     if layer_count > MAX_LAYER_COUNT:
         raise ManifestError(
             f"layer_count {layer_count} is over the {MAX_LAYER_COUNT} this runtime supports "
@@ -417,7 +449,9 @@ def parse_manifest(raw: bytes) -> Manifest:
     layers = []
     for i, raw_layer in enumerate(top.list_("layers")):
         lo = _Obj(raw_layer, f"layers[{i}]")
-        layers.append(LayerArtifact(layer_index=lo.nonneg("layer_index"), **_artifact_fields(lo)))
+        layers.append(
+            LayerArtifact(layer_index=lo.nonneg("layer_index", 1 << 62), **_artifact_fields(lo))
+        )
     projectors = []
     for i, raw_proj in enumerate(top.list_("projectors", required=False)):
         po = _Obj(raw_proj, f"projectors[{i}]")
@@ -434,7 +468,7 @@ def parse_manifest(raw: bytes) -> Manifest:
         model_id=top.str_("model_id"),
         source_model=_parse_source(top.obj("source_model")),
         layer_count=layer_count,
-        activation_width=top.int_("activation_width", required=False),
+        activation_width=top.opt_int("activation_width", 1, MAX_ACTIVATION_WIDTH),
         shared=SharedArtifacts(
             metadata=Artifact(**_artifact_fields(shared.obj(ROLE_METADATA))),
             embeddings=Artifact(**_artifact_fields(shared.obj(ROLE_EMBEDDINGS))),
@@ -444,7 +478,7 @@ def parse_manifest(raw: bytes) -> Manifest:
         projectors=tuple(projectors),
         generation=generation,
         skippy_abi_version=top.str_("skippy_abi_version", required=False),
-        created_at_unix_secs=top.int_("created_at_unix_secs", required=False),
+        created_at_unix_secs=top.opt_int("created_at_unix_secs", 0, MAX_UNIX_SECS),
         tied_embeddings=tied,
         extra={k: v for k, v in data.items() if k not in _KNOWN_TOP},
     )
@@ -511,6 +545,7 @@ def check_manifest(m: Manifest, *, runtime_abi: str = RUNTIME_ABI_VERSION) -> li
                 "source_model.sha256 is not a 64-character hex digest",
             )
         )
+    out.extend(_identity_text_findings(m))
     for name in ("repo", "revision", "primary_file"):
         if not getattr(src, name).strip():
             out.append(
@@ -590,7 +625,41 @@ def check_manifest(m: Manifest, *, runtime_abi: str = RUNTIME_ABI_VERSION) -> li
                     path=proj.path,
                 )
             )
+    out.extend(quantization_findings(m.extra))  # the additive skippy-quantize block
     return out
+
+
+def _identity_text_findings(m: Manifest) -> Iterator[Finding]:
+    """Issue #11: the rule write-package applies to provenance, applied to what a manifest
+    says: no control or bidi character in an identity string, and the source file names are
+    paths inside the source repository. (``source_model.path`` may be a local absolute path,
+    as in the spec's example, so only the character rule applies to it.)"""
+    src = m.source_model
+    texts = [("model_id", m.model_id)]
+    texts += [
+        (f"source_model.{name}", getattr(src, name))
+        for name in ("path", "repo", "revision", "primary_file", "canonical_ref", "distribution_id")
+    ]
+    texts += [(f"source_model.files[{i}].path", f.path) for i, f in enumerate(src.files)]
+    for where, value in texts:
+        bad = unsafe_char(value)
+        if bad is not None:
+            yield Finding(
+                "unsafe_manifest_text",
+                f"{where} contains the control or bidi character {bad}",
+                path=where,
+                remediation="republish the package: identity strings are plain text",
+            )
+    paths = [("source_model.primary_file", src.primary_file)]
+    paths += [(f"source_model.files[{i}].path", f.path) for i, f in enumerate(src.files)]
+    for where, value in paths:
+        if value and unsafe_char(value) is None and not is_safe_relative_path(value):
+            yield Finding(
+                "unsafe_source_path",
+                f"{where} {value!r} is not a path inside the source repository",
+                path=where,
+                remediation="republish the package naming the source file as its repo lists it",
+            )
 
 
 def _located_artifacts(m: Manifest) -> Iterator[tuple[str, ArtifactRef]]:

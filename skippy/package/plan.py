@@ -57,7 +57,7 @@ class StagePlan:
             # A tied final stage projects logits through the embedding matrix, so holds it too.
             "holds_embeddings": self.layers.owns_input
             or (self.layers.owns_output and self.tied_embeddings),
-            "bytes": self.bytes,
+            "total_bytes": self.bytes,
         }
 
 

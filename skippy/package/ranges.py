@@ -8,7 +8,9 @@ from dataclasses import dataclass
 
 from skippy.errors import UsageError
 
-_RANGE_RE = re.compile(r"^\s*(\d+)\s*\.\.\s*(\d+)\s*$")
+# ASCII digits only (re.ASCII): "１..２" is not a range. A sign is matched so that "-1..2" gets
+# the real reason, not "not of the form A..B".
+_RANGE_RE = re.compile(r"\A\s*([+-]?\d+)\s*\.\.\s*([+-]?\d+)\s*\Z", re.ASCII)
 
 
 @dataclass(frozen=True, order=True)
@@ -55,9 +57,17 @@ class LayerRange:
 def parse_layer_range(text: str, layer_count: int) -> LayerRange:
     """Parse ``A..B`` (half-open) at the edge; everything inside takes a ``LayerRange``."""
     m = _RANGE_RE.match(text)
-    if not m:
+    if not m or max(len(m.group(1)), len(m.group(2))) > 12:
         raise UsageError(
-            f"layer range {text!r} is not of the form A..B (half-open, e.g. 0..6)",
+            f"layer range {text!r} is not of the form A..B (half-open, ASCII digits, e.g. 0..6)",
             code="invalid_layer_range",
+            remediation=f"use A..B with 0 <= A < B <= {layer_count}",
         )
-    return LayerRange(int(m.group(1)), int(m.group(2)), layer_count)
+    start, stop = int(m.group(1)), int(m.group(2))
+    if start < 0 or stop < 0:
+        raise UsageError(
+            f"layer range {text!r}: layer numbers are never negative",
+            code="invalid_layer_range",
+            remediation=f"use A..B with 0 <= A < B <= {layer_count}",
+        )
+    return LayerRange(start, stop, layer_count)

@@ -41,6 +41,8 @@ _SLASHED_REVISION_RE: Final = re.compile(r"^refs/(?:pr/\d+|convert/[A-Za-z0-9_.-
 # git check-ref-format forbids these anywhere in a ref name.
 _REVISION_FORBIDDEN_RE: Final = re.compile(r"[\x00-\x20\x7f~^:?*\[\\]|\.\.|@\{")
 _REVISION_MAX_CHARS: Final = 255
+# Any URL scheme: s3://, https://... are not local directories, whatever the folder holds.
+_SCHEME_RE: Final = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
 
 class InvalidPackageRef(UsageError):
@@ -90,6 +92,8 @@ def _revision_problem(revision: str) -> str | None:
             f"revision {revision!r} contains '/'; only refs/pr/N and refs/convert/NAME may, "
             "and a package ref cannot name a path inside the repo"
         )
+    if "@" in revision:
+        return f"revision {revision!r} contains '@': a reference names one revision"
     if _REVISION_FORBIDDEN_RE.search(revision):
         return (
             f"revision {revision!r} contains whitespace, a control character, '..', '@{{' "
@@ -182,6 +186,11 @@ def parse_package_ref(text: str) -> PackageRef:
     """
     if not text:
         raise InvalidPackageRef(text, "it is empty")
+    scheme = _SCHEME_RE.match(text)
+    if scheme and scheme.group(1).lower() != "hf":
+        raise InvalidPackageRef(
+            text, f"the {scheme.group(1)}:// scheme is unsupported (only hf:// is)"
+        )
     if text[:3].lower() == "hf:":
         if not text.startswith(HF_SCHEME):
             raise InvalidPackageRef(text, f"Hub references start with exactly {HF_SCHEME!r}")

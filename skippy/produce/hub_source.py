@@ -9,6 +9,7 @@ the repo, the resolved commit and the file path.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -41,15 +42,49 @@ def _stem_and_shard(path: str) -> tuple[str, int | None, int | None]:
     return name[: -len(".gguf")], None, None
 
 
+# A quantization name as llama.cpp and the hub spell them: Q4_K_M, Q8_0, IQ4_XS, TQ1_0, F16,
+# BF16, MXFP4, Q4_0_4_4... Prefix tokens that belong to a recipe's name go in _RECIPE_PREFIXES
+# (Unsloth's dynamic "UD-Q4_K_XL" is a different distribution from "Q4_K_XL").
+_QUANT_TOKEN_RE = re.compile(r"(?:I?Q\d+(?:_[A-Z0-9]+)*|TQ\d+_\d+|B?F\d+|FP\d+|MXFP\d+)", re.I)
+_RECIPE_PREFIXES = frozenset({"ud"})
+
+
+def distribution_label(stem: str) -> str:
+    """The distribution a GGUF file stem names (pure): its trailing quantization tokens with
+    any recipe prefix (``Qwen3-8B-UD-Q4_K_XL`` -> ``UD-Q4_K_XL``, ``llama-2-7b.Q4_K_M`` ->
+    ``Q4_K_M``); a stem without one names its last ``-``/``.`` token (``tiny-SPLIT`` ->
+    ``SPLIT``)."""
+    _, dot, tail = stem.rpartition(".")
+    if dot and _QUANT_TOKEN_RE.fullmatch(tail):
+        return tail
+    tokens = stem.split("-")
+    i = len(tokens)
+    while i > 0 and _QUANT_TOKEN_RE.fullmatch(tokens[i - 1]):
+        i -= 1
+    if i < len(tokens):
+        if i > 0 and tokens[i - 1].lower() in _RECIPE_PREFIXES:
+            i -= 1
+        return "-".join(tokens[i:])
+    return re.split(r"[-.]", stem)[-1]
+
+
 def _names_distribution(path: str, dist: str) -> bool:
-    """The stem ends with the distribution after a ``-`` or ``.`` (never ``_``: quant names
-    contain it, so ``K_M`` must not match ``Q4_K_M``), or the file sits in a folder named
-    after it (``UD-Q4_K_XL/model-00001-of-00003.gguf``)."""
+    """The file's distribution label is exactly ``dist`` (case-insensitive), or the file sits
+    in a folder named exactly after it (``UD-Q4_K_XL/model-00001-of-00003.gguf``)."""
     stem, _, _ = _stem_and_shard(path)
-    d, s = dist.lower(), stem.lower()
-    if s == d or any(s.endswith(sep + d) for sep in "-."):
+    d = dist.lower()
+    if distribution_label(stem).lower() == d:
         return True
     return any(part.lower() == d for part in PurePosixPath(path).parts[:-1])
+
+
+def _model_ggufs(files: list[str]) -> list[str]:
+    """The repository's model GGUFs: projectors (``mmproj*``) never count."""
+    return [
+        f
+        for f in files
+        if f.endswith(".gguf") and not PurePosixPath(f).name.lower().startswith(PROJECTOR_PREFIX)
+    ]
 
 
 def choose_distribution_files(files: list[str], dist: str) -> list[str]:
@@ -58,11 +93,7 @@ def choose_distribution_files(files: list[str], dist: str) -> list[str]:
     Pure. Projector GGUFs (``mmproj*``) never count. No match, several candidate models, or
     an incomplete split set are errors that list what the repository holds.
     """
-    ggufs = [
-        f
-        for f in files
-        if f.endswith(".gguf") and not PurePosixPath(f).name.lower().startswith(PROJECTOR_PREFIX)
-    ]
+    ggufs = _model_ggufs(files)
     matches = [f for f in ggufs if _names_distribution(f, dist)]
     groups: dict[tuple[str, str], list[str]] = {}
     for f in matches:
@@ -71,17 +102,49 @@ def choose_distribution_files(files: list[str], dist: str) -> list[str]:
     available = ", ".join(ggufs) or "no GGUF files"
     if not groups:
         raise UsageError(
-            f"no GGUF in the repository names distribution {dist!r} (it holds: {available})",
+            f"no GGUF in the repository names distribution {dist!r} exactly (it holds: "
+            f"{available})",
             code="distribution_not_found",
+            remediation="name the file with --source-file",
         )
     if len(groups) > 1:
         raise UsageError(
             f"distribution {dist!r} is ambiguous: "
             + "; ".join(", ".join(g) for g in groups.values()),
             code="ambiguous_distribution",
-            remediation="name the file with --source-file and pass a downloaded local SOURCE",
+            remediation="name the file with --source-file",
         )
     (chosen,) = groups.values()
+    return _complete_set(chosen, dist)
+
+
+def choose_source_file(files: list[str], source_file: str) -> list[str]:
+    """``--source-file`` for a hub coordinate (pure): that GGUF, or the split set whose first
+    shard it names, every shard in order."""
+    ggufs = _model_ggufs(files)
+    if source_file not in ggufs:
+        raise UsageError(
+            f"--source-file {source_file!r} is not a model GGUF of the repository (it holds: "
+            f"{', '.join(ggufs) or 'no GGUF files'})",
+            code="source_file_not_found",
+        )
+    stem, no, _ = _stem_and_shard(source_file)
+    if no is None:
+        return [source_file]
+    if no != 1:
+        raise UsageError(
+            f"--source-file {source_file!r} is shard {no} of a split set; name the first shard",
+            code="not_first_shard",
+        )
+    parent = str(PurePosixPath(source_file).parent)
+    siblings = [
+        f for f in ggufs if str(PurePosixPath(f).parent) == parent and _stem_and_shard(f)[0] == stem
+    ]
+    return _complete_set(siblings, source_file)
+
+
+def _complete_set(chosen: list[str], what: str) -> list[str]:
+    """One plain GGUF, or a complete split set in shard order."""
     numbers = {f: _stem_and_shard(f)[1:] for f in chosen}  # (shard number, shard count)
     if len(chosen) == 1 and numbers[chosen[0]] == (None, None):
         return list(chosen)  # one plain GGUF
@@ -95,7 +158,7 @@ def choose_distribution_files(files: list[str], dist: str) -> list[str]:
     )
     if not complete:
         raise UsageError(
-            f"split set for {dist!r} is incomplete or inconsistent: {', '.join(shards)}",
+            f"split set for {what!r} is incomplete or inconsistent: {', '.join(shards)}",
             code="missing_split_shard",
         )
     return shards
@@ -133,7 +196,9 @@ class HubModelSource:
     files: tuple[str, ...]
 
 
-def fetch_model_source(coordinate: str, revision: str | None, env: Environment) -> HubModelSource:
+def fetch_model_source(
+    coordinate: str, revision: str | None, env: Environment, *, source_file: str | None = None
+) -> HubModelSource:
     parsed = parse_model_coordinate(coordinate)
     if parsed is None:
         raise UsageError(
@@ -143,12 +208,18 @@ def fetch_model_source(coordinate: str, revision: str | None, env: Environment) 
     repo_id, dist = parsed
     ref = HfPackageRef(repo_id, revision)
     endpoint, cache_dir, offline = env.hf_endpoint, env.hf_cache_dir, env.hf_offline
-    commit = hub.resolve_revision(ref, endpoint=endpoint, cache_dir=cache_dir, offline=offline)
-    files = choose_distribution_files(
-        hub.list_files(ref, commit, endpoint=endpoint, offline=offline), dist
+    policy = env.hub_policy
+    commit = hub.resolve_revision(
+        ref, endpoint=endpoint, cache_dir=cache_dir, offline=offline, policy=policy
+    )
+    listing = hub.list_files(ref, commit, endpoint=endpoint, offline=offline, policy=policy)
+    files = (
+        choose_source_file(listing, source_file)
+        if source_file is not None
+        else choose_distribution_files(listing, dist)
     )
     local = hub.download_many(
-        ref, commit, files, endpoint=endpoint, cache_dir=cache_dir, offline=offline
+        ref, commit, files, endpoint=endpoint, cache_dir=cache_dir, offline=offline, policy=policy
     )
     _verify_lfs_digests(local, hub.repo_cache_root(cache_dir, repo_id))
     return HubModelSource(

@@ -1,7 +1,9 @@
-"""inspect: what a GGUF or a package holds, without touching tensor bytes.
+"""inspect and plan's inputs: what a GGUF (or a whole split set) or a package holds, without
+touching tensor bytes.
 
 Uses only the bounded header reader (no ``import gguf``: it alone costs ~0.23 s), so
-inspecting gemma3-270m takes tens of milliseconds where ``gguf.GGUFReader`` needs ~12 s.
+inspecting gemma3-270m takes tens of milliseconds where ``gguf.GGUFReader`` needs ~12 s. A
+split set is read whole from its first shard, as write-package reads it (issue #11).
 """
 
 from __future__ import annotations
@@ -9,80 +11,132 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from skippy.constants import MAX_LAYER_COUNT, ROLE_LAYER, arch_key
+from skippy.constants import (
+    KEY_ARCHITECTURE,
+    KEY_FRAGMENT_LAYER_START,
+    KEY_FRAGMENT_LAYER_STOP,
+    KEY_FRAGMENT_ROLE,
+    KEY_MATERIALIZED_LAYER_COUNT,
+    KEY_MATERIALIZED_LAYER_START,
+    KEY_MATERIALIZED_LAYER_STOP,
+    MAX_LAYER_COUNT,
+    ROLE_EMBEDDINGS,
+    ROLE_LAYER,
+    ROLE_METADATA,
+    ROLE_OUTPUT,
+    arch_key,
+)
 from skippy.errors import ModelError
 from skippy.gguf.constants import ggml_type_name
-from skippy.gguf.reader import GGUFFile, open_gguf
+from skippy.gguf.reader import GGUFFile
+from skippy.gguf.writer import fragment_bytes
 from skippy.package.manifest import Manifest, parse_manifest, read_manifest_bytes
 from skippy.package.ownership import has_tied_embeddings, owner_of
 from skippy.package.plan import ModelSizes
+from skippy.produce.fragments import plan_fragments
+from skippy.produce.source import SourceModelFiles
 
 
 def read_manifest(package_dir: Path) -> Manifest:
     return parse_manifest(read_manifest_bytes(package_dir))
 
 
-def _gguf_facts(g: GGUFFile) -> dict[str, Any]:
-    arch = g.get("general.architecture")
+def _int_or_none(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
 
-    def arch_val(name: str) -> Any:
-        return g.get(arch_key(arch, name)) if isinstance(arch, str) else None
 
-    return {
-        "architecture": arch,
-        "name": g.get("general.name"),
-        "layer_count": arch_val("block_count"),
-        "activation_width": arch_val("embedding_length"),
-        "tied_embeddings": has_tied_embeddings(t.name for t in g.tensors),
-    }
+def _str_or_none(v: Any) -> str | None:
+    return v if isinstance(v, str) and v else None
+
+
+def _arch_int(g: GGUFFile, name: str) -> int | None:
+    arch = g.get(KEY_ARCHITECTURE)
+    return _int_or_none(g.get(arch_key(arch, name))) if isinstance(arch, str) else None
+
+
+def _layers_held(names: list[str]) -> dict[str, int] | None:
+    """The ``blk.N`` layers whose tensors this file holds: what a partial file really has."""
+    indices = {i for i in (owner_of(n).layer_index for n in names) if i is not None}
+    if not indices:
+        return None
+    return {"start": min(indices), "stop": max(indices) + 1, "count": len(indices)}
+
+
+def _keys(g: GGUFFile, **keys: str) -> dict[str, Any] | None:
+    """The given keys of ``g`` (name -> key), or None when the first one is absent."""
+    first = next(iter(keys.values()))
+    if g.get(first) is None:
+        return None
+    return {name: g.get(key) for name, key in keys.items()}
 
 
 def inspect_gguf(path: Path) -> dict[str, Any]:
-    with open_gguf(path) as g:
+    """A GGUF file, or the whole split set its first shard names."""
+    with SourceModelFiles(path) as src:
+        head = src.head
+        names = [t.info.name for t in src.tensors]
         tensors = []
-        for t in g.tensors:
-            owner = owner_of(t.name)
+        for t in src.tensors:
+            owner = owner_of(t.info.name)
             tensors.append(
                 {
-                    "name": t.name,
+                    "name": t.info.name,
+                    "shard": t.shard,
                     "role": owner.role,
                     "layer_index": owner.layer_index,
-                    "ggml_type": ggml_type_name(t.ggml_type),
-                    "shape": list(t.shape),
-                    "bytes": t.nbytes,
+                    "ggml_type": ggml_type_name(t.info.ggml_type),
+                    "shape": list(t.info.shape),
+                    "bytes": t.info.nbytes,
                 }
             )
         return {
             "kind": "gguf",
-            "path": str(path),
-            "file_bytes": g.file_size,
-            "gguf_version": g.version,
-            "alignment": g.alignment,
-            "kv_count": len(g.fields),
-            "tensor_count": len(g.tensors),
-            "tensor_bytes": sum(t.nbytes for t in g.tensors),
-            **_gguf_facts(g),
+            "source": str(path),
+            "files": [str(p) for p in src.paths],
+            "file_bytes": sum(g.file_size for g in src.shards),
+            "gguf_version": head.version,
+            "alignment": head.alignment,
+            "kv_count": len(head.fields),
+            "tensor_count": len(tensors),
+            "tensor_bytes": sum(t.info.nbytes for t in src.tensors),
+            "architecture": _str_or_none(head.get(KEY_ARCHITECTURE)),
+            "name": _str_or_none(head.get("general.name")),
+            "layer_count": _arch_int(head, "block_count"),
+            "layers_held": _layers_held(names),
+            "activation_width": _arch_int(head, "embedding_length"),
+            "tied_embeddings": has_tied_embeddings(names),
+            "fragment": _keys(
+                head,
+                role=KEY_FRAGMENT_ROLE,
+                layer_start=KEY_FRAGMENT_LAYER_START,
+                layer_stop=KEY_FRAGMENT_LAYER_STOP,
+            ),
+            "materialized": _keys(
+                head,
+                layer_start=KEY_MATERIALIZED_LAYER_START,
+                layer_stop=KEY_MATERIALIZED_LAYER_STOP,
+                layer_count=KEY_MATERIALIZED_LAYER_COUNT,
+            ),
             "tensors": tensors,
         }
 
 
 def inspect_package(package_dir: Path) -> dict[str, Any]:
+    """A package's manifest summary, in the manifest's own field names."""
     m = read_manifest(package_dir)
     return {
         "kind": "package",
-        "path": str(package_dir),
+        "package": str(package_dir),
         "model_id": m.model_id,
-        "source": m.source_model.to_dict(),
+        "source_model": m.source_model.to_dict(),
         "layer_count": m.layer_count,
         "activation_width": m.activation_width,
         "tied_embeddings": m.tied_embeddings,
         "skippy_abi_version": m.skippy_abi_version,
+        "created_at_unix_secs": m.created_at_unix_secs,
         "total_bytes": m.total_artifact_bytes(),
         "shared": m.shared.to_dict(),
-        "layers": [
-            {"layer_index": e.layer_index, "bytes": e.artifact_bytes, "tensors": e.tensor_count}
-            for e in sorted(m.layers, key=lambda e: e.layer_index)
-        ],
+        "layers": [e.to_dict() for e in sorted(m.layers, key=lambda e: e.layer_index)],
         "projectors": [p.to_dict() for p in m.projectors],
         "generation": m.generation,
     }
@@ -106,29 +160,32 @@ def sizes_from_manifest(m: Manifest) -> ModelSizes:
     )
 
 
-def sizes_from_gguf(path: Path) -> ModelSizes:
-    with open_gguf(path) as g:
-        facts = _gguf_facts(g)
-        n = facts["layer_count"]
-        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_LAYER_COUNT:
+def sizes_from_source(path: Path) -> ModelSizes:
+    """Each part's bytes exactly as write-package would write it (headers, the metadata and
+    tokenizer, padding), so ``plan`` of a GGUF equals ``plan`` of its package (issue #11)."""
+    with SourceModelFiles(path) as src:
+        n = _arch_int(src.head, "block_count")
+        if n is None or not 1 <= n <= MAX_LAYER_COUNT:
             raise ModelError(
                 f"{path} declares block count {n!r}; expected 1..{MAX_LAYER_COUNT}",
                 code="invalid_block_count",
                 path=str(path),
             )
-        per_layer = [0] * n
-        shared = {"metadata": 0, "embeddings": 0, "output": 0}
-        for t in g.tensors:
-            owner = owner_of(t.name)
-            if owner.layer_index is not None:
-                if owner.layer_index < n:
-                    per_layer[owner.layer_index] += t.nbytes
-            else:
-                shared[owner.role] += t.nbytes
+        plans = plan_fragments(
+            kv_records=[(f.key, src.head.raw_field(f.key)) for f in src.kv_fields()],
+            tensors=src.tensors,
+            layer_count=n,
+        )
+        size = {
+            (plan.role, plan.layer_index): fragment_bytes(
+                plan.kv_records, [t.info for t in plan.tensors], src.alignment
+            )
+            for plan in plans
+        }
         return ModelSizes(
-            layer_bytes=tuple(per_layer),
-            metadata_bytes=shared["metadata"],
-            embeddings_bytes=shared["embeddings"],
-            output_bytes=shared["output"],
-            tied_embeddings=bool(facts["tied_embeddings"]),
+            layer_bytes=tuple(size[(ROLE_LAYER, i)] for i in range(n)),
+            metadata_bytes=size[(ROLE_METADATA, None)],
+            embeddings_bytes=size[(ROLE_EMBEDDINGS, None)],
+            output_bytes=size[(ROLE_OUTPUT, None)],
+            tied_embeddings=has_tied_embeddings(t.info.name for t in src.tensors),
         )

@@ -8,7 +8,7 @@ and every tensor with the file descriptor that holds its bytes.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -63,12 +63,14 @@ class SourceTensor:
 class SourceModelFiles:
     """Open shards of one source model. Close it (or use ``with``) when done."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, shards: Sequence[Path] | None = None) -> None:
+        """``shards``: the parts in ``split.no`` order when their names do not say it (a layer
+        package's fragments, re-read by skippy-quantize); ``path`` is then the first."""
         if not path.is_file():
             raise InputUnreadable(
                 f"source model {path} does not exist or is not a file", path=str(path)
             )
-        self.paths = shard_paths(path)
+        self.paths = list(shards) if shards else shard_paths(path)
         self.shards: list[GGUFFile] = []
         try:  # every failure below must close the shards opened so far (fds and mmaps)
             for p in self.paths:

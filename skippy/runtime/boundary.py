@@ -13,6 +13,8 @@ manifest rules, selection, path gate, presence, sizes, SHA-256. Integrity never 
 
 from __future__ import annotations
 
+import json
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -208,6 +210,23 @@ class Generation:
             "tokens_per_s": self.tokens_per_s,
             "decode_tokens_per_s": self.decode_tokens_per_s,
         }
+
+
+def log_speculation_fallback(stage: StageLoad, logger: logging.Logger, runtime: str) -> None:
+    """Spec "Generation Defaults": a speculation path a runtime cannot execute gets a
+    correctness-preserving fallback (plain decoding: the same greedy tokens) and a stated
+    reason, in one structured line."""
+    plan = stage.speculative
+    if plan is None or not plan.enabled:
+        return
+    record = {
+        "requested": plan.requested,
+        "mode": plan.mode,
+        "selected": "disabled",
+        "fallback_reason": f"{runtime} has no speculative decoding; plain greedy decoding "
+        "gives the same tokens",
+    }
+    logger.warning("speculative decoding fallback %s", json.dumps(record, sort_keys=True))
 
 
 # --- the protocol ---------------------------------------------------------------------------------

@@ -36,7 +36,6 @@ exit 2). llama.cpp's own log lines are forwarded to the ``skippy.llama_cpp`` log
 from __future__ import annotations
 
 import ctypes
-import json
 import logging
 import os
 import tempfile
@@ -60,7 +59,9 @@ from skippy.runtime.boundary import (
     StageNotLoaded,
     StageUnsupported,
     StopReason,
+    log_speculation_fallback,
 )
+from skippy.runtime.prompt_guard import Vocabulary, guarded_bytes
 
 log = logging.getLogger(__name__)
 _llama_log = logging.getLogger("skippy.llama_cpp")
@@ -132,7 +133,8 @@ def _forward_log(level: int, text: bytes, _user_data: Any) -> None:
         _llama_log.log(py_level, "%s", message)
 
 
-def _import_llama() -> ModuleType:
+def import_llama() -> ModuleType:
+    """``llama_cpp``, with llama.cpp's log forwarded to logging (once per process)."""
     global _log_callback
     try:
         import llama_cpp
@@ -155,8 +157,9 @@ class LlamaStageRuntime:
 
     def __init__(self, config: LlamaRuntimeConfig | None = None) -> None:
         self.config = config or LlamaRuntimeConfig()
-        self._lib = _import_llama()
+        self._lib = import_llama()
         self._llm: Any = None
+        self._vocabulary: Vocabulary | None = None
         self.stage: StageLoad | None = None
         self.load_s: float | None = None
 
@@ -183,22 +186,7 @@ class LlamaStageRuntime:
             log.warning(
                 "projector %s is not loaded: this runtime is text-only", stage.projector_path
             )
-        if stage.speculative is not None and stage.speculative.enabled:
-            # Spec "Generation Defaults": a path we cannot execute gets a correctness-preserving
-            # fallback and a stated reason, in one structured line.
-            log.warning(
-                "speculative decoding fallback %s",
-                json.dumps(
-                    {
-                        "requested": stage.speculative.requested,
-                        "mode": stage.speculative.mode,
-                        "selected": "disabled",
-                        "fallback_reason": "the llama-cpp-python runtime has no speculative "
-                        "decoding; plain greedy decoding gives the same tokens",
-                    },
-                    sort_keys=True,
-                ),
-            )
+        log_speculation_fallback(stage, log, "the llama-cpp-python runtime")
         self.close()
         link_dir = Path(tempfile.mkdtemp(prefix=".skippy-split-", dir=self.config.link_parent))
         t0 = time.perf_counter()
@@ -245,12 +233,30 @@ class LlamaStageRuntime:
         return int(self._loaded().n_vocab())
 
     def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
+        """llama.cpp's ids, after the prompt guard (``skippy.runtime.prompt_guard``): a text
+        the vocabulary cannot encode is a coded error, never a native abort."""
         llm = self._loaded()
-        return [int(t) for t in llm.tokenize(text.encode("utf-8"), add_bos=add_special)]
+        if self.stage is None:
+            raise StageNotLoaded("no stage is loaded: call load() first")
+        if self._vocabulary is None:  # read on first use: load_s stays llama.cpp's own load
+            self._vocabulary = Vocabulary.read(self.stage.part_paths[0])
+        data = guarded_bytes(
+            self._vocabulary, self.stage.part_paths[0], text, max_tokens=self.config.n_ctx
+        )
+        return [int(t) for t in llm.tokenize(data, add_bos=add_special)]
 
     def detokenize(self, tokens: Sequence[int]) -> str:
         llm = self._loaded()
-        raw: bytes = llm.detokenize([int(t) for t in tokens])
+        ids = [int(t) for t in tokens]
+        n_vocab = int(llm.n_vocab())
+        bad = [t for t in ids if not 0 <= t < n_vocab]
+        if bad:  # llama.cpp throws (and aborts the process) on an id outside its vocabulary
+            raise UsageError(
+                f"token id {bad[0]} is outside the vocabulary 0..{n_vocab - 1}",
+                code="token_out_of_range",
+                actual=bad[0],
+            )
+        raw: bytes = llm.detokenize(ids)
         return raw.decode("utf-8", "replace")
 
     def _check_prompt(self, tokens: Sequence[int]) -> list[int]:
@@ -261,7 +267,7 @@ class LlamaStageRuntime:
             raise UsageError(
                 f"the prompt has {len(ids)} tokens; the context holds {self.config.n_ctx}",
                 code="prompt_too_long",
-                remediation="shorten the prompt or raise n_ctx",
+                remediation="shorten the prompt or raise the context with --n-ctx",
             )
         return ids
 
@@ -309,6 +315,6 @@ class LlamaStageRuntime:
         )
 
     def close(self) -> None:
-        llm, self._llm, self.stage = self._llm, None, None
+        llm, self._llm, self.stage, self._vocabulary = self._llm, None, None, None
         if llm is not None:
             llm.close()

@@ -1,0 +1,347 @@
+"""Stage-runtime rows (issue #9; the prompt guard of issue #11 section 2), called by
+scripts/bench.py.
+
+On gemma3-270m, 2 threads, side by side in one child process per comparison (interleaved run
+by run, so machine noise hits both): decode and prefill (128 and 512 tokens) tok/s of the
+ggml engine as one whole-range stage vs llama.cpp through llama-cpp-python, and of a 3-stage
+chain in one process vs the single stage; load time of the whole stage vs llama.cpp's load of
+the same parts. Peak RSS per stage (each in its own child, the rise over the process just
+before loading) vs its artifact bytes + KV cache. The prompt guard's options: the pure
+predicate per prompt vs tokenizing in a child process.
+
+Every measurement runs in a child with ``OPENBLAS_NUM_THREADS=1`` (GOTCHAS: numpy's BLAS
+threads and ggml's OpenMP threads fight in one process).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from benchlib import ROOT, BenchContext, Row, spread  # type: ignore[import-not-found]
+
+THREADS = 2
+N_CTX = 1024
+DECODE_TOKENS = 32
+PREFILLS = (128, 512)
+SPLIT = ("0..6", "6..12", "12..18")
+PROMPT = "The capital of France is"
+
+
+# --- the parent: rows ----------------------------------------------------------------------------
+def _package(ctx: BenchContext) -> Path:
+    from skippy.produce.write_package import WriteOptions, local_provenance, write_package
+
+    pkg = ctx.work / "stage-gemma3"
+    if not (pkg / "model-package.json").is_file():
+        prov = local_provenance(
+            model_id="google/gemma-3-270m-GGUF:Q4_K_M",
+            source_repo=None,
+            source_revision="bench",
+            source_file=ctx.gemma.name,
+        )
+        write_package(ctx.gemma, WriteOptions(out_dir=pkg, provenance=prov, overwrite=True))
+    return pkg
+
+
+def _child(*args: str) -> dict[str, Any]:
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__)), "child", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
+    if proc.returncode != 0:
+        raise SystemExit(f"bench_stage child {args} failed:\n{proc.stderr[-3000:]}")
+    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result
+
+
+def _rate(times: list[float], n: int) -> str:
+    return spread([n / t for t in times], fmt="{:.1f}") + " tok/s"
+
+
+def _ratio(a: list[float], b: list[float]) -> tuple[str, float]:
+    """Per-run speed ratios b_time / a_time (a faster -> > 1): 'median (min..max)'."""
+    ratios = [tb / ta for ta, tb in zip(a, b, strict=True)]
+    return spread(ratios, fmt="{:.2f}"), statistics.median(ratios)
+
+
+def rows(ctx: BenchContext) -> list[Row]:
+    pkg = _package(ctx)
+    out: list[Row] = []
+    speed = _child("speed", str(pkg), str(ctx.gemma), str(ctx.runs))
+    m = "gemma3"
+    for key, n, label in [("decode", DECODE_TOKENS, "decode")] + [
+        (f"prefill{p}", p, f"prefill {p}") for p in PREFILLS
+    ]:
+        g1, g3, ll = speed["ggml1"][key], speed["ggml3"][key], speed["llama"][key]
+        r1, med1 = _ratio(g1, ll)
+        r3, med3 = _ratio(g1, g3)  # chain / single: time single / time chain
+        target = 0.9 if key == "decode" else 0.7
+        out.append((m, f"{label}: llama.cpp, 2 threads", _rate(ll, n), ""))
+        out.append(
+            (
+                m,
+                f"{label}: ggml stage 0..18",
+                _rate(g1, n),
+                f"{r1} x llama.cpp (target >= {target}; {'met' if med1 >= target else 'NOT met'})",
+            )
+        )
+        out.append(
+            (
+                m,
+                f"{label}: ggml 3-stage chain {'/'.join(SPLIT)}",
+                _rate(g3, n),
+                f"{r3} x single stage (target >= 0.95; {'met' if med3 >= 0.95 else 'NOT met'})",
+            )
+        )
+    lg, ll = speed["load"]["ggml"], speed["load"]["llama"]
+    out.append((m, "load: llama.cpp, the same 21 parts", spread(ll) + " s", ""))
+    out.append((m, "load: ggml stage 0..18", spread(lg) + " s", f"{_ratio(lg, ll)[0]} x faster"))
+    for r in ("0..18", *SPLIT):
+        rss = _child("rss", str(pkg), r, "ggml")
+        budget = rss["artifact_bytes"] + rss["kv_bytes"]
+        mib = 1 / 2**20
+        out.append(
+            (
+                m,
+                f"peak RSS rise, ggml stage {r} (n_ctx 512)",
+                f"{rss['rise'] * mib:.0f} MiB",
+                f"{rss['rise'] / budget:.2f} x (artifacts {rss['artifact_bytes'] * mib:.0f} MiB "
+                f"+ KV {rss['kv_bytes'] * mib:.1f} MiB; target <= 1.2); process peak "
+                f"{rss['peak'] * mib:.0f} MiB",
+            )
+        )
+    rss = _child("rss", str(pkg), "0..18", "llama")
+    out.append(
+        (
+            m,
+            "peak RSS rise, llama.cpp 0..18 (n_ctx 512)",
+            f"{rss['rise'] / 2**20:.0f} MiB",
+            f"process peak {rss['peak'] / 2**20:.0f} MiB",
+        )
+    )
+    guard = _child("guard", str(pkg), str(ctx.runs))
+    for name, value in guard.items():
+        out.append(("prompt guard", name, value, ""))
+    return out
+
+
+# --- the children --------------------------------------------------------------------------------
+def _stage_loads(pkg: str, ranges: tuple[str, ...]) -> list[Any]:
+    from skippy.config import read_environment
+    from skippy.consume.resolve import resolve_stage
+    from skippy.runtime.boundary import StageLoad
+
+    env = read_environment({"SKIPPY_VERIFY_PACKAGE_SHA": "0"})
+    loads = []
+    for r in ranges:
+        resolved = resolve_stage(pkg, env, layers_text=r, text_only=True)
+        loads.append(StageLoad.from_selection(resolved.stage.selection, resolved.files()))
+    return loads
+
+
+def child_speed(pkg: str, gguf: str, runs: str) -> dict[str, Any]:
+    import llama_cpp
+    import numpy as np
+
+    from skippy.runtime.chain import StageChain
+    from skippy.runtime.ggml_engine import GgmlStage
+    from skippy.runtime.llama_cpp import LlamaRuntimeConfig, LlamaStageRuntime
+    from skippy.runtime.stage import StageConfig
+
+    cfg = StageConfig(n_ctx=N_CTX, n_threads=THREADS)
+    whole_load = _stage_loads(pkg, ("0..18",))[0]
+    chains = {
+        "ggml1": StageChain([GgmlStage(whole_load, cfg)], None),
+        "ggml3": StageChain([GgmlStage(load, cfg) for load in _stage_loads(pkg, SPLIT)], None),
+    }
+    llm = llama_cpp.Llama(
+        model_path=gguf,
+        n_ctx=N_CTX,
+        n_batch=512,
+        n_threads=THREADS,
+        n_threads_batch=THREADS,
+        verbose=False,
+    )
+    rng = np.random.default_rng(0)
+    prompts = {p: [int(x) for x in rng.integers(300, 200_000, size=p)] for p in PREFILLS}
+    start = [2, 818, 5279, 529, 7001, 563]
+    result: dict[str, Any] = {k: {} for k in (*chains, "llama")}
+
+    def record(engine: str, key: str, seconds: float) -> None:
+        result[engine].setdefault(key, []).append(seconds)
+
+    for _ in range(int(runs)):
+        for name, ch in chains.items():
+            ch.free("b")
+            out = ch.prefill("b", start)
+            tok = int(np.argmax(out.logits[-1]))  # type: ignore[index]
+            t = time.perf_counter()
+            for i in range(DECODE_TOKENS):
+                out = ch.decode("b", len(start) + i, tok)
+                tok = int(np.argmax(out.logits[-1]))  # type: ignore[index]
+            record(name, "decode", time.perf_counter() - t)
+            ch.free("b")
+            for p, ids in prompts.items():
+                t = time.perf_counter()
+                ch.prefill("b", ids)
+                record(name, f"prefill{p}", time.perf_counter() - t)
+                ch.free("b")
+        llm.reset()
+        llm.eval(start)
+        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        t = time.perf_counter()
+        for _ in range(DECODE_TOKENS):
+            llm.eval([tok])
+            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        record("llama", "decode", time.perf_counter() - t)
+        for p, ids in prompts.items():
+            llm.reset()
+            t = time.perf_counter()
+            llm.eval(ids)
+            record("llama", f"prefill{p}", time.perf_counter() - t)
+    for ch in chains.values():
+        ch.close()
+    llm.close()
+    # load time: the whole stage vs llama.cpp's load of the same parts (split-set links)
+    loads: dict[str, list[float]] = {"ggml": [], "llama": []}
+    for _ in range(int(runs)):
+        t = time.perf_counter()
+        GgmlStage(whole_load, cfg).close()
+        loads["ggml"].append(time.perf_counter() - t)
+        rt = LlamaStageRuntime(LlamaRuntimeConfig(n_ctx=N_CTX, n_threads=THREADS))
+        t = time.perf_counter()
+        rt.load(whole_load)
+        loads["llama"].append(time.perf_counter() - t)
+        rt.close()
+    result["load"] = loads
+    return result
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def child_rss(pkg: str, layers: str, engine: str) -> dict[str, Any]:
+    """One stage alone: RSS just before loading (libraries imported, ggml loaded), then the
+    peak after loading it and running a 128-token prefill and 16 decodes."""
+    import numpy as np
+
+    from skippy.gguf import ggml
+    from skippy.runtime.llama_cpp import LlamaRuntimeConfig, LlamaStageRuntime, import_llama
+    from skippy.runtime.stage import StageConfig
+
+    load = _stage_loads(pkg, (layers,))[0]
+    import_llama()
+    ggml.load()
+    artifact_bytes = sum(p.stat().st_size for p in load.part_paths)
+    ids = [int(x) for x in np.random.default_rng(0).integers(300, 200_000, size=128)]
+    before = _rss_bytes()
+    if engine == "llama":
+        rt = LlamaStageRuntime(LlamaRuntimeConfig(n_ctx=512, n_threads=THREADS))
+        rt.load(load)
+        rt.generate(ids, max_tokens=16)
+        kv = 0
+    else:
+        from skippy.runtime.ggml_engine import GgmlStage
+
+        stage = GgmlStage(load, StageConfig(n_ctx=512, n_threads=THREADS))
+        x: Any = (
+            np.asarray(ids)
+            if load.layers.owns_input
+            else (
+                np.random.default_rng(1).standard_normal((128, stage.spec.width)).astype(np.float32)
+            )
+        )
+        stage.prefill("r", 0, x)
+        for i in range(16):
+            step = x[i : i + 1]
+            stage.decode("r", 128 + i, step)
+        kv = stage.kv_bytes_per_session()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {
+        "before": before,
+        "peak": peak,
+        "rise": peak - before,
+        "artifact_bytes": artifact_bytes,
+        "kv_bytes": kv,
+    }
+
+
+def child_guard(pkg: str, runs: str) -> dict[str, str]:
+    """What each way of keeping a prompt from aborting llama.cpp costs."""
+    import tempfile
+
+    import synth_gguf  # type: ignore[import-not-found]
+
+    from skippy.produce.write_package import WriteOptions, local_provenance, write_package
+    from skippy.runtime.prompt_guard import Vocabulary, probe_in_child, spm_verdict
+
+    n = int(runs)
+    meta = Path(pkg) / "shared" / "metadata.gguf"
+    out: dict[str, str] = {}
+
+    def timed(fn: Any, reps: int) -> list[float]:
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return times
+
+    vocab_times = timed(lambda: Vocabulary.read(meta), n)
+    out["gemma3: read the vocabulary once (262,144 tokens)"] = (
+        spread(vocab_times, 1e3, "{:.0f}") + " ms"
+    )
+    vocab = Vocabulary.read(meta)
+    out["gemma3: SentencePiece predicate, 1 KiB prompt (all 256 byte tokens)"] = (
+        spread(timed(lambda: spm_verdict(vocab, PROMPT * 40), 100), 1e6, "{:.1f}") + " us"
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        src = synth_gguf.llama_like(Path(tmp) / "llama.gguf")
+        prov = local_provenance(
+            model_id="acme/tiny-GGUF:Q8_0",
+            source_repo=None,
+            source_revision="r",
+            source_file=src.name,
+        )
+        write_package(src, WriteOptions(out_dir=Path(tmp) / "pkg", provenance=prov))
+        tiny = Vocabulary.read(Path(tmp) / "pkg" / "shared" / "metadata.gguf")
+        text = "Ω " * 512
+        out["synthetic (no byte tokens): predicate with merge replay, 1 KiB prompt"] = (
+            spread(timed(lambda: spm_verdict(tiny, text), 20), 1e3, "{:.2f}") + " ms"
+        )
+    out["gemma3: tokenize once in a child process (the fallback)"] = (
+        spread(timed(lambda: probe_in_child(meta, PROMPT), n), fmt="{:.2f}") + " s"
+    )
+    return out
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 2 or argv[0] != "child":
+        print("usage: bench_stage.py child {speed|rss|guard} ARGS (run through scripts/bench)")
+        return 2
+    kind, args = argv[1], argv[2:]
+    children = {"speed": child_speed, "rss": child_rss, "guard": child_guard}
+    print(json.dumps(children[kind](*args)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path[:0] = [str(ROOT), str(ROOT / "scripts"), str(ROOT / "tests")]
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,226 @@
+"""N stages chained in one process (stage 0 -> ... -> last): a split seen working without a
+mesh. The same calls a mesh pipeline makes over links (``skippy.runtime.stage``), made
+in-process: token ids into stage 0, f32 activations between stages, logits and the sampled
+token out of the last one; prefill for the prompt, then one decode per token.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from skippy.errors import UsageError
+from skippy.runtime.boundary import Generation, StageLoad, StopReason
+from skippy.runtime.sampling import Sampler, SamplingParams
+from skippy.runtime.stage import Stage, StageConfig, StageOutput
+from skippy.runtime.tokenizer import LlamaTokenizer
+
+DEFAULT_SESSION = "run"
+ENGINES = ("ggml", "numpy")
+
+
+def open_stage(
+    engine: str,
+    load: StageLoad,
+    config: StageConfig,
+    *,
+    package_ref: str = "",
+    stage_index: int = 0,
+    stage_count: int = 1,
+) -> Stage:
+    """A loaded stage of the named engine (imported here, so each costs only when used)."""
+    kw: dict[str, Any] = {
+        "package_ref": package_ref,
+        "stage_index": stage_index,
+        "stage_count": stage_count,
+    }
+    if engine == "ggml":
+        from skippy.runtime.ggml_engine import GgmlStage
+
+        return GgmlStage(load, config, **kw)
+    if engine == "numpy":
+        from skippy.runtime.numpy_engine import NumpyStage
+
+        return NumpyStage(load, config, **kw)
+    raise UsageError(
+        f"unknown stage engine {engine!r} (known: {', '.join(ENGINES)})", code="bad_usage"
+    )
+
+
+class StageChain:
+    """Stages of one package covering every layer once, in order, plus its tokenizer."""
+
+    def __init__(self, stages: Sequence[Stage], tokenizer: LlamaTokenizer | None) -> None:
+        if not stages:
+            raise UsageError("a chain needs at least one stage", code="invalid_stage_chain")
+        first, last = stages[0].descriptor, stages[-1].descriptor
+        if not first.layers.owns_input or not last.layers.owns_output:
+            raise UsageError(
+                f"a chain must run from layer 0 to {first.layers.layer_count}; it runs "
+                f"{first.layers.start}..{last.layers.stop}",
+                code="invalid_stage_chain",
+            )
+        for up, down in itertools.pairwise(stages):
+            down.descriptor.check_follows(up.descriptor)
+        self.stages = tuple(stages)
+        self.tokenizer = tokenizer
+        self.n_ctx = min(s.descriptor.n_ctx for s in stages)
+
+    # --- text ------------------------------------------------------------------------------------
+    def _tok(self) -> LlamaTokenizer:
+        if self.tokenizer is None:
+            raise UsageError("this chain has no tokenizer", code="no_tokenizer")
+        return self.tokenizer
+
+    def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
+        return self._tok().tokenize(text, add_special=add_special, max_tokens=self.n_ctx)
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return self._tok().detokenize(tokens)
+
+    # --- running ---------------------------------------------------------------------------------
+    def _through(
+        self,
+        call: str,
+        session: str,
+        start: int,
+        inputs: npt.NDArray[Any],
+        *,
+        all_logits: bool = False,
+        sampler: Sampler | None = None,
+    ) -> StageOutput:
+        x: npt.NDArray[Any] = inputs
+        out = StageOutput()
+        for i, stage in enumerate(self.stages):
+            last = i == len(self.stages) - 1
+            if call == "prefill":
+                out = stage.prefill(
+                    session,
+                    start,
+                    x,
+                    all_logits=all_logits and last,
+                    sampler=sampler if last else None,
+                )
+            else:
+                out = stage.decode(session, start, x, sampler=sampler if last else None)
+            if not last:
+                if out.activations is None:  # a non-final stage always returns activations
+                    raise UsageError(f"stage {i} returned no activations", code="stage_mismatch")
+                x = out.activations
+        return out
+
+    def prefill(
+        self,
+        session: str,
+        tokens: Sequence[int],
+        *,
+        start: int = 0,
+        all_logits: bool = False,
+        sampler: Sampler | None = None,
+    ) -> StageOutput:
+        ids = np.asarray(list(tokens), dtype=np.int64)
+        return self._through("prefill", session, start, ids, all_logits=all_logits, sampler=sampler)
+
+    def decode(
+        self, session: str, position: int, token: int, *, sampler: Sampler | None = None
+    ) -> StageOutput:
+        ids = np.asarray([token], dtype=np.int64)
+        return self._through("decode", session, position, ids, sampler=sampler)
+
+    def free(self, session: str) -> None:
+        for s in self.stages:
+            s.free(session)
+
+    def logits(
+        self, tokens: Sequence[int], *, all_positions: bool = False
+    ) -> npt.NDArray[np.float32]:
+        """Logits after a fresh evaluation of ``tokens``: the last position ``(vocab,)``, or
+        every position ``(n, vocab)``."""
+        session = "logits"
+        try:
+            out = self.prefill(session, tokens, all_logits=all_positions)
+        finally:
+            self.free(session)
+        if out.logits is None:
+            raise UsageError("the last stage returned no logits", code="stage_mismatch")
+        return out.logits if all_positions else out.logits[-1]
+
+    def generate(
+        self,
+        tokens: Sequence[int],
+        *,
+        max_tokens: int,
+        sampling: SamplingParams | None = None,
+        session: str = DEFAULT_SESSION,
+    ) -> Generation:
+        """A completion from a fresh session (greedy unless ``sampling`` says otherwise)."""
+        ids = [int(t) for t in tokens]
+        if not ids:
+            raise UsageError("the prompt has no tokens", code="empty_prompt")
+        if max_tokens < 1:
+            raise UsageError("max_tokens must be at least 1", code="invalid_max_tokens")
+        if len(ids) >= self.n_ctx:
+            raise UsageError(
+                f"the prompt has {len(ids)} tokens; the context holds {self.n_ctx}",
+                code="prompt_too_long",
+                remediation="shorten the prompt or raise the context with --n-ctx",
+            )
+        sampler = Sampler(sampling)
+        tok = self.tokenizer
+        out: list[int] = []
+        stop: StopReason = "length"
+        self.free(session)
+        t0 = time.perf_counter()
+        try:
+            result = self.prefill(session, ids, sampler=sampler)
+            t_first = time.perf_counter()
+            position = len(ids)
+            while True:
+                token = result.token
+                if token is None:
+                    raise UsageError("the last stage sampled no token", code="stage_mismatch")
+                if tok is not None and 0 <= token < tok.n_vocab and tok.is_eog(token):
+                    stop = "eos"
+                    break
+                out.append(token)
+                if len(out) >= max_tokens:
+                    break
+                if position >= self.n_ctx:
+                    stop = "context"
+                    break
+                result = self.decode(session, position, token, sampler=sampler)
+                position += 1
+        finally:
+            self.free(session)
+        t_end = time.perf_counter()
+        return Generation(
+            prompt_tokens=tuple(ids),
+            tokens=tuple(out),
+            text=self.detokenize(out) if tok is not None else "",
+            stop_reason=stop,
+            prefill_s=t_first - t0,
+            decode_s=t_end - t_first,
+        )
+
+    def close(self) -> None:
+        for s in self.stages:
+            s.close()
+        if self.tokenizer is not None:
+            self.tokenizer.close()
+
+    def __enter__(self) -> StageChain:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

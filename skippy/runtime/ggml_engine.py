@@ -1,0 +1,405 @@
+"""The ggml stage engine: a layer range's forward pass as ggml graphs on the CPU backend.
+
+Weights are the package's own fragment bytes: every part with tensors is mapped read-only
+(``skippy.runtime.weights``) and handed to ggml with ``ggml_backend_cpu_buffer_from_ptr``;
+each weight tensor is placed at its offset with ``ggml_backend_tensor_alloc``. Nothing is
+copied or converted (quantized matmuls run on the quantized bytes; ggml quantizes the
+activations to Q8 for them, as llama.cpp does).
+
+Per call, one graph: embeddings (stage 0) or the incoming activations, then each layer
+(RMS norm, q/k/v, optional q/k norms, RoPE, the session's F16 KV cache, masked softmax
+attention, output projection, gated FFN), then for the final stage the output norm and
+head over only the rows whose logits are wanted. The op sequence mirrors llama.cpp's graph
+builders for these architectures (``src/models/{llama,qwen2,qwen3,gemma3}.cpp``) with the
+non-flash attention path and the V cache stored transposed, as llama.cpp uses them through
+llama-cpp-python by default. Graphs are allocated by one ``ggml_gallocr`` per stage.
+
+Every value that reaches ggml has been checked in Python first (``StageBase.check_inputs``,
+``StageWeights``): ggml aborts the process on a failed assertion.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Final
+
+import numpy as np
+import numpy.typing as npt
+
+from skippy.gguf import ggml
+from skippy.gguf.ggml import GGML_ROPE_TYPE_NEOX, GGML_ROPE_TYPE_NORMAL, GgmlInitParams, GgmlType
+from skippy.runtime.boundary import RuntimeLoadError
+from skippy.runtime.model import OUTPUT_NORM_TENSOR, ROPE_FREQS_TENSOR, attention_mask
+from skippy.runtime.stage import STAGE_API_VERSION, StageBase
+
+RUNTIME_VERSION: Final = f"skippy-stage/{STAGE_API_VERSION} ggml/{ggml.GGML_VERSION}"
+# Tensors (ops and views) a layer adds to a graph, with room to spare; ggml aborts when a
+# context runs out of room, so this errs large.
+_TENSORS_PER_LAYER: Final = 64
+_TENSORS_FIXED: Final = 64
+# YaRN parameters that disable YaRN (ggml.h, ggml_rope_ext); llama.cpp passes these values
+# when the model has no YaRN scaling.
+_EXT_FACTOR, _ATTN_FACTOR, _BETA_FAST, _BETA_SLOW = 0.0, 1.0, 32.0, 1.0
+
+
+def _ok(ptr: int | None, what: str) -> int:
+    if not ptr:
+        raise ggml.GgmlCallFailed(f"{what} returned NULL (out of memory?)")
+    return ptr
+
+
+@dataclass
+class _KvCache:
+    """One session's K and V for each of the stage's layers, in one backend buffer.
+    K of a layer: [kv_dim, n_ctx] F16 (one row per position); V: [n_ctx, kv_dim] F16
+    (transposed, so attention multiplies it without a copy)."""
+
+    ctx: int
+    buffer: int
+    k: dict[int, int]
+    v: dict[int, int]
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class _LayerWeights:
+    attn_norm: int
+    q: int
+    k: int
+    v: int
+    o: int
+    ffn_norm: int
+    gate: int
+    up: int
+    down: int
+    q_bias: int | None
+    k_bias: int | None
+    v_bias: int | None
+    o_bias: int | None
+    q_norm: int | None
+    k_norm: int | None
+    post_attn_norm: int | None
+    post_ffw_norm: int | None
+
+
+class GgmlStage(StageBase[_KvCache]):
+    """A stage computed by ggml on the CPU backend (see the module doc)."""
+
+    engine = "ggml"
+    runtime_version = RUNTIME_VERSION
+
+    def _prepare(self) -> None:
+        self.g = ggml.load()  # first: a missing or mismatched ggml is refused before any I/O
+        self._wctx: int | None = None
+        self._buffers: list[int] = []
+        self._backend = 0  # 0: none (a NULL pointer)
+        self._galloc = 0
+
+    def _setup(self) -> None:
+        g = self.g
+        self._tensors = self._place_weights()
+        self._layer_weights = {il: self._layer(il) for il in self.layers}
+        self._backend = _ok(g.ggml_backend_cpu_init(), "ggml_backend_cpu_init")
+        g.ggml_backend_cpu_set_n_threads(self._backend, self.config.n_threads)
+        self._galloc = _ok(g.ggml_gallocr_new(g.ggml_backend_cpu_buffer_type()), "gallocr")
+        n_graph = _TENSORS_PER_LAYER * len(self.layers) + _TENSORS_FIXED
+        self._graph_size = max(ggml.GGML_DEFAULT_GRAPH_SIZE, n_graph)
+        self._graph_mem = g.ggml_tensor_overhead() * 2 * self._graph_size + (
+            g.ggml_graph_overhead_custom(self._graph_size, False)
+        )
+        self._rope_mode = (
+            GGML_ROPE_TYPE_NORMAL if self.spec.rope_style == "normal" else GGML_ROPE_TYPE_NEOX
+        )
+
+    # --- loading ---------------------------------------------------------------------------------
+    def _place_weights(self) -> dict[str, int]:
+        """One no-alloc ggml tensor per checked weight, placed at its bytes in the mapping."""
+        g, w = self.g, self._loaded()
+        refs = list(w)
+        params = GgmlInitParams(
+            mem_size=g.ggml_tensor_overhead() * (len(refs) + 1), mem_buffer=None, no_alloc=True
+        )
+        self._wctx = _ok(g.ggml_init(params), "ggml_init")
+        for part in w.parts_with_tensors():
+            base, size = w.part_span(part)
+            if base % ggml.TENSOR_ALIGNMENT:  # a mapping starts on a page; keep it explicit
+                raise RuntimeLoadError(f"part {part} is mapped at a misaligned address")
+            self._buffers.append(
+                _ok(g.ggml_backend_cpu_buffer_from_ptr(base, size), "buffer_from_ptr")
+            )
+        buffer_of = dict(zip(w.parts_with_tensors(), self._buffers, strict=True))
+        tensors: dict[str, int] = {}
+        for r in refs:
+            shape = r.shape
+            if len(shape) == 1:
+                t = g.ggml_new_tensor_1d(self._wctx, r.ggml_type, shape[0])
+            elif len(shape) == 2:
+                t = g.ggml_new_tensor_2d(self._wctx, r.ggml_type, shape[0], shape[1])
+            else:  # the model plan only has vectors and matrices
+                raise RuntimeLoadError(f"{r.name}: unexpected rank {len(shape)}")
+            t = _ok(t, "ggml_new_tensor")
+            if g.ggml_nbytes(t) != r.nbytes:  # ggml and our reader must agree on the size
+                raise RuntimeLoadError(
+                    f"{r.name}: ggml sizes it {g.ggml_nbytes(t)} bytes, the file {r.nbytes}",
+                    code="fragment_tensor_shape",
+                )
+            status = g.ggml_backend_tensor_alloc(buffer_of[r.part], t, w.address(r.name))
+            if status != ggml.GGML_STATUS_SUCCESS:
+                raise RuntimeLoadError(f"{r.name}: ggml_backend_tensor_alloc status {status}")
+            tensors[r.name] = t
+        return tensors
+
+    def _layer(self, il: int) -> _LayerWeights:
+        t, p = self._tensors, f"blk.{il}."
+
+        def opt(name: str) -> int | None:
+            return t.get(p + name)
+
+        return _LayerWeights(
+            attn_norm=t[p + "attn_norm.weight"],
+            q=t[p + "attn_q.weight"],
+            k=t[p + "attn_k.weight"],
+            v=t[p + "attn_v.weight"],
+            o=t[p + "attn_output.weight"],
+            ffn_norm=t[p + "ffn_norm.weight"],
+            gate=t[p + "ffn_gate.weight"],
+            up=t[p + "ffn_up.weight"],
+            down=t[p + "ffn_down.weight"],
+            q_bias=opt("attn_q.bias"),
+            k_bias=opt("attn_k.bias"),
+            v_bias=opt("attn_v.bias"),
+            o_bias=opt("attn_output.bias"),
+            q_norm=opt("attn_q_norm.weight"),
+            k_norm=opt("attn_k_norm.weight"),
+            post_attn_norm=opt("post_attention_norm.weight"),
+            post_ffw_norm=opt("post_ffw_norm.weight"),
+        )
+
+    # --- sessions --------------------------------------------------------------------------------
+    def _new_session(self) -> _KvCache:
+        g, spec, n_ctx = self.g, self.spec, self.config.n_ctx
+        params = GgmlInitParams(
+            mem_size=g.ggml_tensor_overhead() * (2 * len(self.layers) + 1),
+            mem_buffer=None,
+            no_alloc=True,
+        )
+        ctx = _ok(g.ggml_init(params), "ggml_init")
+        try:
+            k = {
+                il: _ok(g.ggml_new_tensor_2d(ctx, GgmlType.F16, spec.kv_dim, n_ctx), "k")
+                for il in self.layers
+            }
+            v = {
+                il: _ok(g.ggml_new_tensor_2d(ctx, GgmlType.F16, n_ctx, spec.kv_dim), "v")
+                for il in self.layers
+            }
+            buffer = _ok(
+                g.ggml_backend_alloc_ctx_tensors_from_buft(ctx, g.ggml_backend_cpu_buffer_type()),
+                "KV cache allocation",
+            )
+        except BaseException:
+            g.ggml_free(ctx)
+            raise
+        g.ggml_backend_buffer_clear(buffer, 0)
+        return _KvCache(ctx, buffer, k, v, g.ggml_backend_buffer_get_size(buffer))
+
+    def _release(self, state: _KvCache) -> None:
+        self.g.ggml_backend_buffer_free(state.buffer)
+        self.g.ggml_free(state.ctx)
+
+    def _close_engine(self) -> None:
+        g = self.g
+        if self._galloc:
+            g.ggml_gallocr_free(self._galloc)
+            self._galloc = 0
+        if self._backend:
+            g.ggml_backend_free(self._backend)
+            self._backend = 0
+        for b in self._buffers:
+            g.ggml_backend_buffer_free(b)
+        self._buffers = []
+        if self._wctx:
+            g.ggml_free(self._wctx)
+            self._wctx = None
+
+    # --- the forward pass ------------------------------------------------------------------------
+    def _forward(
+        self, state: _KvCache, start: int, inputs: npt.NDArray[Any], out_rows: int
+    ) -> npt.NDArray[np.float32]:
+        g, spec = self.g, self.spec
+        n = int(inputs.shape[0])
+        ctx = _ok(
+            g.ggml_init(GgmlInitParams(mem_size=self._graph_mem, mem_buffer=None, no_alloc=True)),
+            "ggml_init",
+        )
+        try:
+            gf = _ok(g.ggml_new_graph_custom(ctx, self._graph_size, False), "ggml_new_graph")
+            feeds: list[tuple[int, npt.NDArray[Any]]] = []
+
+            def input_tensor(t: int | None, data: npt.NDArray[Any]) -> int:
+                t = _ok(t, "ggml_new_tensor")
+                g.ggml_set_input(t)
+                feeds.append((t, data))
+                return t
+
+            if self.layers.owns_input:
+                ids = input_tensor(g.ggml_new_tensor_1d(ctx, GgmlType.I32, n), inputs)
+                x = g.ggml_get_rows(ctx, self._tensors["token_embd.weight"], ids)
+                if spec.embed_scale is not None:
+                    x = g.ggml_scale(ctx, x, spec.embed_scale)
+            else:
+                x = input_tensor(g.ggml_new_tensor_2d(ctx, GgmlType.F32, spec.width, n), inputs)
+            positions = np.arange(start, start + n, dtype=np.int32)
+            pos = input_tensor(g.ggml_new_tensor_1d(ctx, GgmlType.I32, n), positions)
+            n_kv = start + n
+            masks = {
+                window: input_tensor(
+                    g.ggml_new_tensor_2d(ctx, GgmlType.F32, n_kv, n),
+                    attention_mask(start, n, window),
+                )
+                for window in self._windows()
+            }
+            final = self.layers.owns_output
+            last = self.layers.stop - 1
+            result: int | None = x
+            for il in self.layers:
+                rows = out_rows if final and il == last else None
+                result = self._layer_graph(ctx, gf, il, x, pos, masks, state, start, n, rows)
+                if result is None:  # final stage, no logits wanted: K/V written, done
+                    break
+                x = result
+            if final and result is not None:
+                result = self._head(ctx, result)
+            if result is not None:
+                g.ggml_set_output(result)
+                g.ggml_build_forward_expand(gf, result)
+            if not g.ggml_gallocr_alloc_graph(self._galloc, gf):
+                raise ggml.GgmlCallFailed("ggml_gallocr_alloc_graph failed (out of memory?)")
+            for t, data in feeds:
+                g.ggml_backend_tensor_set(t, data.ctypes.data, 0, data.nbytes)
+            status = g.ggml_backend_graph_compute(self._backend, gf)
+            if status != ggml.GGML_STATUS_SUCCESS:
+                raise ggml.GgmlCallFailed(f"ggml_backend_graph_compute returned status {status}")
+            if result is None:
+                return np.empty((0, self.vocab or 0), dtype=np.float32)
+            cols = (self.vocab or 0) if final else spec.width
+            rows_out = out_rows if final else n
+            out = np.empty((rows_out, cols), dtype=np.float32)
+            g.ggml_backend_tensor_get(result, out.ctypes.data, 0, out.nbytes)
+            return out
+        finally:
+            g.ggml_free(ctx)
+
+    def _windows(self) -> list[int | None]:
+        """The attention masks this stage's layers use: None = full causal, N = sliding."""
+        spec = self.spec
+        windows: list[int | None] = []
+        for il in self.layers:
+            w = spec.sliding_window if spec.is_swa(il) else None
+            if w not in windows:
+                windows.append(w)
+        return windows
+
+    def _norm(self, ctx: int, x: int, weight: int) -> int:
+        g = self.g
+        return g.ggml_mul(ctx, g.ggml_rms_norm(ctx, x, self.spec.rms_eps), weight)
+
+    def _linear(self, ctx: int, weight: int, x: int, bias: int | None = None) -> int:
+        y = self.g.ggml_mul_mat(ctx, weight, x)
+        return self.g.ggml_add(ctx, y, bias) if bias is not None else y
+
+    def _layer_graph(
+        self,
+        ctx: int,
+        gf: int,
+        il: int,
+        x: int,
+        pos: int,
+        masks: dict[int | None, int],
+        kv: _KvCache,
+        start: int,
+        n: int,
+        out_rows: int | None,
+    ) -> int | None:
+        """One transformer block over x [width, n]; returns [width, n] (or [width, out_rows]
+        for the final layer, or None when no logits are wanted from this chunk)."""
+        g, spec, w = self.g, self.spec, self._layer_weights[il]
+        hd, n_ctx = spec.head_dim, self.config.n_ctx
+        f16_row = g.ggml_row_size(GgmlType.F16, spec.kv_dim)
+        h = self._norm(ctx, x, w.attn_norm)
+        q = self._linear(ctx, w.q, h, w.q_bias)
+        k = self._linear(ctx, w.k, h, w.k_bias)
+        v = self._linear(ctx, w.v, h, w.v_bias)
+        q = g.ggml_reshape_3d(ctx, q, hd, spec.n_head, n)  # [hd, n_head, n]
+        k = g.ggml_reshape_3d(ctx, k, hd, spec.n_head_kv, n)
+        if w.q_norm is not None and w.k_norm is not None:
+            q = self._norm(ctx, q, w.q_norm)
+            k = self._norm(ctx, k, w.k_norm)
+        freq_factors = self._tensors.get(ROPE_FREQS_TENSOR)
+        base, scale = spec.rope_base_for(il), spec.rope_scale_for(il)
+        rope = (hd, self._rope_mode, spec.context_length, base, scale)
+        yarn = (_EXT_FACTOR, _ATTN_FACTOR, _BETA_FAST, _BETA_SLOW)
+        q = g.ggml_rope_ext(ctx, q, pos, freq_factors, *rope, *yarn)
+        k = g.ggml_rope_ext(ctx, k, pos, freq_factors, *rope, *yarn)
+        kq_scale = spec.attn_scale
+        if spec.scale_q_before_attention:
+            q, kq_scale = g.ggml_scale(ctx, q, spec.attn_scale), 1.0
+        # write this chunk's K and V into the session cache (before the attention reads it:
+        # nodes run in the order they were added)
+        k_dst = g.ggml_view_1d(ctx, kv.k[il], n * spec.kv_dim, f16_row * start)
+        g.ggml_build_forward_expand(gf, g.ggml_cpy(ctx, k, k_dst))
+        v_t = g.ggml_transpose(ctx, g.ggml_reshape_2d(ctx, v, spec.kv_dim, n))  # [n, kv_dim]
+        v_dst = g.ggml_view_2d(ctx, kv.v[il], n, spec.kv_dim, 2 * n_ctx, 2 * start)
+        g.ggml_build_forward_expand(gf, g.ggml_cpy(ctx, v_t, v_dst))
+        if out_rows == 0:
+            return None
+        n_kv = start + n
+        keys = g.ggml_view_3d(
+            ctx, kv.k[il], hd, n_kv, spec.n_head_kv, f16_row, 2 * hd, 0
+        )  # [hd, n_kv, n_head_kv]
+        values = g.ggml_view_3d(
+            ctx, kv.v[il], n_kv, hd, spec.n_head_kv, 2 * n_ctx, 2 * n_ctx * hd, 0
+        )  # [n_kv, hd, n_head_kv]
+        qp = g.ggml_permute(ctx, q, 0, 2, 1, 3)  # [hd, n, n_head]
+        kq = g.ggml_mul_mat(ctx, keys, qp)  # [n_kv, n, n_head]
+        window = spec.sliding_window if spec.is_swa(il) else None
+        kq = g.ggml_soft_max_ext(ctx, kq, masks[window], kq_scale, 0.0)
+        kqv = g.ggml_mul_mat(ctx, values, kq)  # [hd, n, n_head]
+        o = g.ggml_permute(ctx, kqv, 0, 2, 1, 3)  # [hd, n_head, n]
+        o = g.ggml_cont_2d(ctx, o, spec.q_dim, n)
+        if out_rows is not None and out_rows < n:  # final layer: only the rows with logits
+            skip = n - out_rows
+            o = g.ggml_view_2d(ctx, o, spec.q_dim, out_rows, 4 * spec.q_dim, 4 * spec.q_dim * skip)
+            x = g.ggml_view_2d(ctx, x, spec.width, out_rows, 4 * spec.width, 4 * spec.width * skip)
+        o = self._linear(ctx, w.o, o, w.o_bias)
+        if w.post_attn_norm is not None:
+            o = self._norm(ctx, o, w.post_attn_norm)
+        x = g.ggml_add(ctx, o, x)
+        h = self._norm(ctx, x, w.ffn_norm)
+        gate = g.ggml_mul_mat(ctx, w.gate, h)
+        up = g.ggml_mul_mat(ctx, w.up, h)
+        if spec.activation == "gelu_tanh":
+            a = g.ggml_geglu_split(ctx, gate, up)
+        else:
+            a = g.ggml_swiglu_split(ctx, gate, up)
+        f = g.ggml_mul_mat(ctx, w.down, a)
+        if w.post_ffw_norm is not None:
+            f = self._norm(ctx, f, w.post_ffw_norm)
+        return g.ggml_add(ctx, f, x)
+
+    def _head(self, ctx: int, x: int) -> int:
+        g, spec = self.g, self.spec
+        h = self._norm(ctx, x, self._tensors[OUTPUT_NORM_TENSOR])
+        head = self._tensors.get("output.weight", self._tensors.get("token_embd.weight"))
+        logits = g.ggml_mul_mat(ctx, _ok(head, "output head"), h)  # [vocab, rows]
+        cap = spec.final_logit_softcap
+        if cap:
+            logits = g.ggml_scale(ctx, g.ggml_tanh(ctx, g.ggml_scale(ctx, logits, 1.0 / cap)), cap)
+        return logits
+
+    # --- introspection -----------------------------------------------------------------------
+    def kv_bytes_per_session(self) -> int:
+        return 2 * 2 * len(self.layers) * self.spec.kv_dim * self.config.n_ctx
+
+    def compute_buffer_bytes(self) -> int:
+        return int(self.g.ggml_gallocr_get_buffer_size(self._galloc, 0)) if self._galloc else 0

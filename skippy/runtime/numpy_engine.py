@@ -1,0 +1,217 @@
+"""The numpy reference engine: the same stage math in plain f32 numpy, as an oracle.
+
+Independent of ggml on purpose: weights are dequantized with gguf-py (``gguf.quants``, the
+reference llama.cpp's own Python tools use), activations stay f32 (no Q8 rounding before
+matmuls), the KV cache is f32, RoPE angles are computed in float64, and every sublayer is a
+few lines of numpy. It shares with the ggml engine only what defines the model
+(``ModelSpec`` and the checked weights) and the stage API (``StageBase``). Slow (every
+weight dequantized at load: gemma3-270m needs ~1.75 GB) and meant for tests and
+``run --engine numpy``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Final
+
+import numpy as np
+import numpy.typing as npt
+
+from skippy.runtime.model import OUTPUT_NORM_TENSOR, ROPE_FREQS_TENSOR, attention_mask
+from skippy.runtime.stage import STAGE_API_VERSION, StageBase
+from skippy.runtime.weights import StageWeights, WeightRef
+
+RUNTIME_VERSION: Final = f"skippy-stage/{STAGE_API_VERSION} numpy-reference"
+F32 = np.float32
+Array = npt.NDArray[np.float32]
+
+
+def dequantize(weights: StageWeights, ref: WeightRef) -> Array:
+    """One tensor as f32 in numpy order (``(ne1, ne0)`` for a matrix)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+
+    raw = weights.raw(ref.name)
+    rows = int(np.prod(ref.np_shape[:-1], dtype=np.int64)) if len(ref.shape) > 1 else 1
+    values = gguf_dequantize(raw.reshape(rows, -1), GGMLQuantizationType(ref.ggml_type))
+    return np.ascontiguousarray(values, dtype=F32).reshape(ref.np_shape)
+
+
+# --- the sublayers (shapes in comments: n tokens, h heads, d head dim) --------------------------
+def rms_norm(x: Array, weight: Array, eps: float) -> Array:
+    """Normalize over the last axis, then scale (weights already hold gemma's +1)."""
+    ms = np.mean(np.square(x, dtype=F32), axis=-1, keepdims=True, dtype=F32)
+    return (x / np.sqrt(ms + F32(eps))).astype(F32) * weight
+
+
+def rope(
+    x: Array,  # (n, h, d)
+    positions: npt.NDArray[np.int64],  # (n,)
+    *,
+    base: float,
+    scale: float,
+    style: str,
+    freq_factors: Array | None,
+) -> Array:
+    """Rotate pairs by position * base^(-2i/d) * scale (/ factor_i): pairs (2i, 2i+1) for the
+    "normal" style (llama's converted weights), (i, i + d/2) for "neox"."""
+    d = x.shape[-1]
+    inv = base ** (-np.arange(0, d, 2, dtype=np.float64) / d)  # (d/2,)
+    if freq_factors is not None:
+        inv = inv / freq_factors.astype(np.float64)
+    theta = positions.astype(np.float64)[:, None] * inv[None, :] * scale  # (n, d/2)
+    cos = np.cos(theta).astype(F32)[:, None, :]
+    sin = np.sin(theta).astype(F32)[:, None, :]
+    if style == "normal":
+        x0, x1 = x[..., 0::2], x[..., 1::2]
+        out = np.empty_like(x)
+        out[..., 0::2] = x0 * cos - x1 * sin
+        out[..., 1::2] = x0 * sin + x1 * cos
+        return out
+    half = d // 2
+    x0, x1 = x[..., :half], x[..., half:]
+    return np.concatenate([x0 * cos - x1 * sin, x0 * sin + x1 * cos], axis=-1)
+
+
+def softmax(z: Array) -> Array:
+    z = z - np.max(z, axis=-1, keepdims=True)
+    e = np.exp(z)
+    out: Array = e / np.sum(e, axis=-1, keepdims=True)
+    return out
+
+
+def gelu_tanh(x: Array) -> Array:
+    c = F32(np.sqrt(2.0 / np.pi))
+    inner = c * (x + F32(0.044715) * x * x * x)
+    return (F32(0.5) * x * (F32(1.0) + np.tanh(inner))).astype(F32)
+
+
+def silu(x: Array) -> Array:
+    return (x / (F32(1.0) + np.exp(-x))).astype(F32)
+
+
+def attention(
+    q: Array,  # (n, h, d), already scaled if the model scales q
+    keys: Array,  # (n_kv, h_kv, d)
+    values: Array,  # (n_kv, h_kv, d)
+    mask: Array,  # (n, n_kv) additive
+    scale: float,
+) -> Array:
+    """Grouped-query attention: query head i reads KV head i // (h / h_kv)."""
+    group = q.shape[1] // keys.shape[1]
+    k = np.repeat(keys, group, axis=1)  # (n_kv, h, d)
+    v = np.repeat(values, group, axis=1)
+    scores = np.einsum("qhd,khd->hqk", q, k, dtype=F32) * F32(scale) + mask[None]
+    probs = softmax(scores.astype(F32))  # (h, n, n_kv)
+    out: Array = np.einsum("hqk,khd->qhd", probs, v, dtype=F32)  # (n, h, d)
+    return out
+
+
+@dataclass
+class _NpKv:
+    k: dict[int, Array]  # layer -> (n_ctx, h_kv, d)
+    v: dict[int, Array]
+
+
+class NumpyStage(StageBase[_NpKv]):
+    """A stage computed in f32 numpy (see the module doc)."""
+
+    engine = "numpy"
+    runtime_version = RUNTIME_VERSION
+
+    def _setup(self) -> None:
+        w = self._loaded()
+        self._w = {r.name: dequantize(w, r) for r in w}
+
+    def _new_session(self) -> _NpKv:
+        shape = (self.config.n_ctx, self.spec.n_head_kv, self.spec.head_dim)
+        return _NpKv(
+            k={il: np.zeros(shape, F32) for il in self.layers},
+            v={il: np.zeros(shape, F32) for il in self.layers},
+        )
+
+    def _release(self, state: _NpKv) -> None:
+        state.k.clear()
+        state.v.clear()
+
+    def _close_engine(self) -> None:
+        self._w = {}
+
+    def _forward(self, state: _NpKv, start: int, inputs: npt.NDArray[Any], out_rows: int) -> Array:
+        spec = self.spec
+        x: Array
+        if self.layers.owns_input:
+            x = self._w["token_embd.weight"][inputs].astype(F32)  # (n, width)
+            if spec.embed_scale is not None:
+                x = x * F32(spec.embed_scale)
+        else:
+            x = np.asarray(inputs, dtype=F32)
+        n = x.shape[0]
+        positions = np.arange(start, start + n, dtype=np.int64)
+        for il in self.layers:
+            x = self._block(il, x, positions, state, start)
+        if not self.layers.owns_output:
+            return x
+        if out_rows == 0:
+            return np.empty((0, self.vocab or 0), dtype=F32)
+        h = rms_norm(x[n - out_rows :], self._w[OUTPUT_NORM_TENSOR], spec.rms_eps)
+        head = self._w["output.weight" if "output.weight" in self._w else "token_embd.weight"]
+        logits: Array = (h @ head.T).astype(F32)  # (rows, vocab)
+        if spec.final_logit_softcap:
+            cap = F32(spec.final_logit_softcap)
+            logits = np.tanh(logits / cap) * cap
+        return logits
+
+    def _block(
+        self, il: int, x: Array, positions: npt.NDArray[np.int64], kv: _NpKv, start: int
+    ) -> Array:
+        spec, w, p = self.spec, self._w, f"blk.{il}."
+        n, hd = x.shape[0], spec.head_dim
+
+        def linear(name: str, h: Array) -> Array:
+            y: Array = h @ w[p + name + ".weight"].T
+            bias = w.get(p + name + ".bias")
+            return y + bias if bias is not None else y
+
+        # attention: (n, width) -> (n, width)
+        h = rms_norm(x, w[p + "attn_norm.weight"], spec.rms_eps)
+        q = linear("attn_q", h).reshape(n, spec.n_head, hd)
+        k = linear("attn_k", h).reshape(n, spec.n_head_kv, hd)
+        v = linear("attn_v", h).reshape(n, spec.n_head_kv, hd)
+        if spec.qk_norm:
+            q = rms_norm(q, w[p + "attn_q_norm.weight"], spec.rms_eps)
+            k = rms_norm(k, w[p + "attn_k_norm.weight"], spec.rms_eps)
+        rope_args: dict[str, Any] = {
+            "base": spec.rope_base_for(il),
+            "scale": spec.rope_scale_for(il),
+            "style": spec.rope_style,
+            "freq_factors": w.get(ROPE_FREQS_TENSOR),
+        }
+        q = rope(q, positions, **rope_args)
+        k = rope(k, positions, **rope_args)
+        scale = spec.attn_scale
+        if spec.scale_q_before_attention:
+            q, scale = q * F32(spec.attn_scale), 1.0
+        kv.k[il][start : start + n] = k
+        kv.v[il][start : start + n] = v
+        n_kv = start + n
+        window = spec.sliding_window if spec.is_swa(il) else None
+        mask = attention_mask(start, n, window)
+        o = attention(q, kv.k[il][:n_kv], kv.v[il][:n_kv], mask, scale)
+        o = linear("attn_output", o.reshape(n, spec.q_dim))
+        if spec.post_norms:
+            o = rms_norm(o, w[p + "post_attention_norm.weight"], spec.rms_eps)
+        x = x + o
+        # feed-forward: (n, width) -> (n, width)
+        h = rms_norm(x, w[p + "ffn_norm.weight"], spec.rms_eps)
+        gate = h @ w[p + "ffn_gate.weight"].T
+        up = h @ w[p + "ffn_up.weight"].T
+        act = gelu_tanh(gate) if spec.activation == "gelu_tanh" else silu(gate)
+        f = (act * up) @ w[p + "ffn_down.weight"].T
+        if spec.post_norms:
+            f = rms_norm(f, w[p + "post_ffw_norm.weight"], spec.rms_eps)
+        out: Array = (x + f).astype(F32)
+        return out
+
+
+__all__ = ["NumpyStage", "attention", "dequantize", "rope"]

@@ -1,0 +1,457 @@
+"""The stage API: one partial (or whole) layer range, driven per session.
+
+What a later mesh link carries between stages is exactly what crosses this API: a stage
+takes, for one session, a start position and either token ids (stage 0) or f32 activations
+``[tokens x width]`` (every other stage), and returns activations (non-final stages) or logits
+and, with a sampler, the chosen token (the final stage). Sessions hold the KV cache of the
+stage's own layers, bounded by ``StageConfig.n_ctx``; they can be truncated (a later issue
+replays committed tokens after a failover) and freed. ``AdmissionDescriptor`` says what a
+stage is, so a peer can check two stages fit together before sending anything.
+
+``StageBase`` holds everything engine-independent (input checks, session bookkeeping,
+chunked prefill, sampling); the ggml engine (``skippy.runtime.ggml_engine``) and the numpy
+reference (``skippy.runtime.numpy_engine``) implement ``_new_session``, ``_forward`` and
+``_release``. Every input is checked here before an engine sees it.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Final, Generic, Literal, Protocol, TypeVar, runtime_checkable
+
+import numpy as np
+import numpy.typing as npt
+
+from skippy.errors import UsageError
+from skippy.package.ranges import LayerRange
+from skippy.runtime.boundary import StageLoad, StageNotLoaded, log_speculation_fallback
+from skippy.runtime.sampling import Sampler
+from skippy.runtime.weights import StageWeights
+
+log = logging.getLogger(__name__)
+
+STAGE_API_VERSION: Final = 1
+ACTIVATION_DTYPE: Final = "f32"
+Engine = Literal["ggml", "numpy"]
+MAX_SESSION_ID_CHARS: Final = 128
+_SESSION_ID_RE = re.compile(r"\A[\x21-\x7e]{1,128}\Z")  # printable ASCII, no spaces
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageConfig:
+    """How a stage runs: context per session, CPU threads, prefill chunk, session cap."""
+
+    n_ctx: int = 512
+    n_threads: int = 2
+    n_batch: int = 512  # tokens per prefill chunk (one graph)
+    max_sessions: int = 8
+
+    def __post_init__(self) -> None:
+        for name, hi in (
+            ("n_ctx", 1 << 20),
+            ("n_threads", 512),
+            ("n_batch", 1 << 16),
+            ("max_sessions", 1 << 12),
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= hi:
+                raise UsageError(
+                    f"{name} must be an integer in 1..{hi}, got {value!r}",
+                    code="invalid_runtime_config",
+                )
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdmissionDescriptor:
+    """What a stage is, for a peer deciding whether to connect to it (and for `run` output)."""
+
+    package_ref: str
+    model_id: str
+    manifest_sha256: str | None
+    stage_index: int
+    stage_count: int
+    layers: LayerRange
+    width: int
+    vocab: int | None  # logits width (final stage) / accepted token ids (stage 0)
+    activation_dtype: str
+    engine: str
+    runtime_version: str
+    n_ctx: int
+
+    @property
+    def input_kind(self) -> Literal["tokens", "activations"]:
+        return "tokens" if self.layers.owns_input else "activations"
+
+    @property
+    def output_kind(self) -> Literal["logits", "activations"]:
+        return "logits" if self.layers.owns_output else "activations"
+
+    def check_follows(self, upstream: AdmissionDescriptor) -> None:
+        """Refuse to chain ``upstream -> self`` unless they are adjacent stages of the same
+        package manifest with the same activation contract and runtime."""
+        problems = []
+        if (upstream.model_id, upstream.manifest_sha256) != (self.model_id, self.manifest_sha256):
+            problems.append("they come from different package manifests")
+        if upstream.layers.stop != self.layers.start:
+            problems.append(f"layers {upstream.layers} are not followed by {self.layers}")
+        if (upstream.width, upstream.activation_dtype) != (self.width, self.activation_dtype):
+            problems.append(
+                f"activations {upstream.width}x{upstream.activation_dtype} vs "
+                f"{self.width}x{self.activation_dtype}"
+            )
+        if upstream.runtime_version != self.runtime_version:
+            problems.append(f"runtimes {upstream.runtime_version} vs {self.runtime_version}")
+        if problems:
+            raise UsageError(
+                f"stage {self.stage_index} cannot follow stage {upstream.stage_index}: "
+                + "; ".join(problems),
+                code="stage_mismatch",
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "package_ref": self.package_ref,
+            "model_id": self.model_id,
+            "manifest_sha256": self.manifest_sha256,
+            "stage_index": self.stage_index,
+            "stage_count": self.stage_count,
+            "layer_start": self.layers.start,
+            "layer_end": self.layers.stop,
+            "layer_count": self.layers.layer_count,
+            "input": self.input_kind,
+            "output": self.output_kind,
+            "width": self.width,
+            "vocab": self.vocab,
+            "activation_dtype": self.activation_dtype,
+            "engine": self.engine,
+            "runtime_version": self.runtime_version,
+            "n_ctx": self.n_ctx,
+        }
+
+
+@dataclass(frozen=True)
+class StageOutput:
+    """``activations`` ``[tokens x width]`` f32 from a non-final stage; ``logits``
+    ``[rows x vocab]`` f32 from the final stage (the last position, or every position with
+    ``all_logits``), and ``token`` when a sampler chose one."""
+
+    activations: npt.NDArray[np.float32] | None = None
+    logits: npt.NDArray[np.float32] | None = None
+    token: int | None = None
+
+
+@runtime_checkable
+class Stage(Protocol):
+    """What a pipeline (in one process, or across a mesh link) calls on a stage."""
+
+    descriptor: AdmissionDescriptor
+
+    def prefill(
+        self,
+        session: str,
+        start: int,
+        inputs: npt.NDArray[Any],
+        *,
+        all_logits: bool = False,
+        sampler: Sampler | None = None,
+    ) -> StageOutput: ...
+
+    def decode(
+        self,
+        session: str,
+        position: int,
+        inputs: npt.NDArray[Any],
+        *,
+        sampler: Sampler | None = None,
+    ) -> StageOutput: ...
+
+    def session_length(self, session: str) -> int: ...
+
+    def truncate(self, session: str, length: int) -> None: ...
+
+    def free(self, session: str) -> None: ...
+
+    def close(self) -> None: ...
+
+
+# --- the shared implementation -------------------------------------------------------------------
+S = TypeVar("S")  # an engine's per-session state (its KV cache)
+
+
+@dataclass
+class _Session(Generic[S]):
+    state: S
+    length: int = 0
+
+
+def stage_usage(message: str, code: str, **kw: Any) -> UsageError:
+    return UsageError(message, code=code, **kw)
+
+
+class StageBase(ABC, Generic[S]):
+    """Input checks, sessions and chunking shared by the engines."""
+
+    engine: Engine
+    runtime_version: str
+
+    def __init__(
+        self,
+        stage: StageLoad,
+        config: StageConfig | None = None,
+        *,
+        package_ref: str = "",
+        stage_index: int = 0,
+        stage_count: int = 1,
+    ) -> None:
+        """Open and check the stage's parts, then let the engine set up (``_setup``); a
+        failure anywhere releases what was taken."""
+        config = config or StageConfig()
+        self.config = config
+        self._prepare()
+        self.weights: StageWeights | None = StageWeights.open(stage)
+        spec = self.weights.spec
+        if config.n_ctx > spec.context_length:
+            self.weights.close()
+            raise stage_usage(
+                f"n_ctx {config.n_ctx} is more than the model's context length "
+                f"{spec.context_length}",
+                "invalid_runtime_config",
+                remediation=f"use --n-ctx {spec.context_length} or less",
+            )
+        self.spec = spec
+        self.layers = stage.layers
+        log_speculation_fallback(stage, log, f"the {self.engine} stage runtime")
+        self.vocab = self.weights.vocab
+        self._sessions: dict[str, _Session[S]] = {}
+        self.descriptor = AdmissionDescriptor(
+            package_ref=package_ref,
+            model_id=stage.model_id,
+            manifest_sha256=stage.manifest_sha256,
+            stage_index=stage_index,
+            stage_count=stage_count,
+            layers=stage.layers,
+            width=spec.width,
+            vocab=self.vocab,
+            activation_dtype=ACTIVATION_DTYPE,
+            engine=self.engine,
+            runtime_version=self.runtime_version,
+            n_ctx=config.n_ctx,
+        )
+        try:
+            self._setup()
+        except BaseException:
+            self.close()
+            raise
+
+    # --- engine hooks ------------------------------------------------------------------------
+    def _prepare(self) -> None:
+        """Before any file is opened (e.g. load and check the engine's library)."""
+
+    @abstractmethod
+    def _setup(self) -> None:
+        """After the weights are checked and mapped: the engine's own state."""
+
+    @abstractmethod
+    def _new_session(self) -> S: ...
+
+    @abstractmethod
+    def _forward(
+        self, state: S, start: int, inputs: npt.NDArray[Any], out_rows: int
+    ) -> npt.NDArray[np.float32]:
+        """Run ``inputs`` (checked: int32 ids or f32 activations) at positions
+        ``start..start+n``, writing the session's KV cache. Returns activations ``[n x width]``
+        for a non-final stage, or logits of the last ``out_rows`` positions (``0 <= out_rows
+        <= n``; with 0 the final stage only writes its KV cache)."""
+
+    @abstractmethod
+    def _release(self, state: S) -> None: ...
+
+    @abstractmethod
+    def _close_engine(self) -> None: ...
+
+    # --- checks ----------------------------------------------------------------------------------
+    def _loaded(self) -> StageWeights:
+        if self.weights is None:
+            raise StageNotLoaded("the stage is closed")
+        return self.weights
+
+    def check_inputs(self, inputs: npt.NDArray[Any]) -> npt.NDArray[Any]:
+        """Token ids (stage 0) or f32 activations (other stages), as the engine wants them."""
+        arr = np.asarray(inputs)
+        if self.layers.owns_input:
+            if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+                raise stage_usage(
+                    f"stage {self.layers} takes a 1-D array of token ids, got "
+                    f"{arr.dtype} {arr.shape}",
+                    "bad_stage_input",
+                )
+            if arr.size == 0:
+                raise stage_usage("no tokens to process", "empty_prompt")
+            vocab = self.vocab or 0
+            bad = (arr < 0) | (arr >= vocab)
+            if bad.any():
+                raise stage_usage(
+                    f"token id {int(arr[bad][0])} is outside the vocabulary 0..{vocab - 1}",
+                    "token_out_of_range",
+                    actual=int(arr[bad][0]),
+                )
+            return np.ascontiguousarray(arr, dtype=np.int32)
+        width = self.spec.width
+        if arr.dtype != np.float32 or arr.ndim != 2 or arr.shape[1] != width:
+            raise stage_usage(
+                f"stage {self.layers} takes f32 activations [tokens x {width}], got "
+                f"{arr.dtype} {arr.shape}",
+                "bad_stage_input",
+            )
+        if arr.shape[0] == 0:
+            raise stage_usage("no activations to process", "empty_prompt")
+        if not np.isfinite(arr).all():
+            raise stage_usage("activations hold NaN or infinity", "non_finite_activations")
+        return np.ascontiguousarray(arr)
+
+    @staticmethod
+    def _check_session_id(session: str) -> None:
+        if not isinstance(session, str) or not _SESSION_ID_RE.match(session):
+            raise stage_usage(
+                f"session id {session!r} must be 1..{MAX_SESSION_ID_CHARS} printable ASCII "
+                "characters without spaces",
+                "invalid_session_id",
+            )
+
+    def _session_for(self, session: str, start: int, n: int) -> _Session[S]:
+        self._check_session_id(session)
+        s = self._sessions.get(session)
+        length = s.length if s is not None else 0
+        if start != length:
+            raise stage_usage(
+                f"session {session!r} holds {length} positions; input must start there, "
+                f"not at {start}",
+                "position_mismatch",
+                expected=length,
+                actual=start,
+                remediation="truncate the session first to rewrite positions",
+            )
+        if start + n > self.config.n_ctx:
+            raise stage_usage(
+                f"session {session!r} would reach {start + n} positions; the context holds "
+                f"{self.config.n_ctx}",
+                "context_full",
+                expected=self.config.n_ctx,
+                actual=start + n,
+                remediation="raise the context with --n-ctx, or free the session",
+            )
+        if s is None:
+            if len(self._sessions) >= self.config.max_sessions:
+                raise stage_usage(
+                    f"the stage already holds {len(self._sessions)} sessions (the cap)",
+                    "too_many_sessions",
+                    remediation="free a session first",
+                )
+            s = _Session(self._new_session())
+            self._sessions[session] = s
+        return s
+
+    # --- the API -----------------------------------------------------------------------------
+    def prefill(
+        self,
+        session: str,
+        start: int,
+        inputs: npt.NDArray[Any],
+        *,
+        all_logits: bool = False,
+        sampler: Sampler | None = None,
+    ) -> StageOutput:
+        """Process ``inputs`` in chunks of ``n_batch`` tokens (one graph each)."""
+        self._loaded()
+        x = self.check_inputs(inputs)
+        n = int(x.shape[0])
+        s = self._session_for(session, start, n)
+        outs: list[npt.NDArray[np.float32]] = []
+        step = self.config.n_batch
+        for lo in range(0, n, step):
+            chunk = x[lo : lo + step]
+            last = lo + step >= n
+            # logits rows wanted from this chunk (0: only its KV cache matters)
+            rows = len(chunk) if all_logits else (1 if last else 0)
+            out = self._forward(s.state, start + lo, chunk, rows)
+            s.length = start + lo + len(chunk)
+            if not self.layers.owns_output or rows > 0:
+                outs.append(out)
+        result = np.concatenate(outs) if len(outs) > 1 else outs[0]
+        return self._output(result, sampler)
+
+    def decode(
+        self,
+        session: str,
+        position: int,
+        inputs: npt.NDArray[Any],
+        *,
+        sampler: Sampler | None = None,
+    ) -> StageOutput:
+        """One token (or one activation row) at ``position``."""
+        self._loaded()
+        x = self.check_inputs(inputs)
+        if x.shape[0] != 1:
+            raise stage_usage(f"decode takes one position, got {x.shape[0]}", "bad_stage_input")
+        s = self._session_for(session, position, 1)
+        out = self._forward(s.state, position, x, 1)
+        s.length = position + 1
+        return self._output(out, sampler)
+
+    def _output(self, out: npt.NDArray[np.float32], sampler: Sampler | None) -> StageOutput:
+        if not self.layers.owns_output:
+            return StageOutput(activations=out)
+        token = sampler.sample(out[-1]) if sampler is not None else None
+        return StageOutput(logits=out, token=token)
+
+    def session_length(self, session: str) -> int:
+        s = self._sessions.get(session)
+        return s.length if s is not None else 0
+
+    @property
+    def sessions(self) -> tuple[str, ...]:
+        return tuple(self._sessions)
+
+    def truncate(self, session: str, length: int) -> None:
+        """Forget positions ``length..``; the next input starts at ``length``."""
+        self._check_session_id(session)
+        s = self._sessions.get(session)
+        current = s.length if s is not None else 0
+        if not 0 <= length <= current:
+            raise stage_usage(
+                f"cannot truncate session {session!r} of {current} positions to {length}",
+                "invalid_truncate",
+                expected=f"0..{current}",
+                actual=length,
+            )
+        if s is not None:
+            s.length = length
+
+    def free(self, session: str) -> None:
+        """Release a session's KV cache; freeing an unknown session is a no-op."""
+        s = self._sessions.pop(session, None)
+        if s is not None:
+            self._release(s.state)
+
+    def close(self) -> None:
+        for sid in list(self._sessions):
+            self.free(sid)
+        if self.weights is not None:
+            self._close_engine()
+            self.weights.close()
+            self.weights = None
+
+    def __enter__(self) -> StageBase[S]:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

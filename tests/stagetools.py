@@ -1,0 +1,115 @@
+"""Helpers shared by the stage-runtime tests (plain functions, not fixtures).
+
+Tests run ggml on one thread: other suites share this 2-core machine, and two spinning ggml
+threads on an oversubscribed CPU run ~30x slower (measured: 0.65 s per gemma token at load
+7). Results do not depend on the thread count (each output row is one thread's dot products).
+
+``llama_logits`` is the independent reference: llama.cpp through llama-cpp-python's low-level
+API, every position's logits from one batch. ``repack=False`` loads the model without ggml's
+CPU weight repacking (``use_extra_bufts = false``): llama.cpp then runs the same kernels on the
+same bytes as our ggml engine, so the two must agree bit for bit; with repacking (llama.cpp's
+default) Q4_0/Q4_K weights are re-laid-out for other kernels and logits differ slightly.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from skippy.config import read_environment
+from skippy.constants import ENV_VERIFY_PACKAGE_SHA
+from skippy.consume.resolve import resolve_stage
+from skippy.runtime.boundary import StageLoad
+from skippy.runtime.chain import StageChain, open_stage
+from skippy.runtime.stage import StageConfig
+
+
+def stage_loads(pkg: Path, ranges: Sequence[str], *, verify: bool = False) -> list[StageLoad]:
+    """The consumer path: resolve, select, check (and verify) each range's parts."""
+    env = read_environment({} if verify else {ENV_VERIFY_PACKAGE_SHA: "0"})
+    out = []
+    for r in ranges:
+        resolved = resolve_stage(str(pkg), env, layers_text=r, text_only=True)
+        out.append(
+            StageLoad.from_selection(
+                resolved.stage.selection,
+                resolved.files(),
+                manifest_sha256=resolved.stage.package.manifest_sha256,
+            )
+        )
+    return out
+
+
+def chain(
+    engine: str, pkg: Path, ranges: Sequence[str], config: StageConfig | None = None
+) -> StageChain:
+    loads = stage_loads(pkg, ranges)
+    cfg = config or StageConfig(n_ctx=128, n_threads=1)
+    stages = [
+        open_stage(engine, load, cfg, stage_index=i, stage_count=len(loads))
+        for i, load in enumerate(loads)
+    ]
+    return StageChain(stages, None)
+
+
+def all_logits(engine: str, pkg: Path, ranges: Sequence[str], ids: Sequence[int]) -> np.ndarray:
+    with chain(engine, pkg, ranges) as ch:
+        return ch.logits(ids, all_positions=True)
+
+
+def split_ranges(layer_count: int) -> list[list[str]]:
+    """Two-stage splits at 1, L/2 and L-1, and a three-stage split."""
+    n, half = layer_count, layer_count // 2
+    third = max(1, n // 3)
+    return [
+        ["0..1", f"1..{n}"],
+        [f"0..{half}", f"{half}..{n}"],
+        [f"0..{n - 1}", f"{n - 1}..{n}"],
+        [f"0..{third}", f"{third}..{2 * third}", f"{2 * third}..{n}"],
+    ]
+
+
+def llama_logits(
+    model: Path, ids: Sequence[int], *, repack: bool = True, n_ctx: int = 512, threads: int = 1
+) -> np.ndarray:
+    """llama.cpp's logits at every position of ``ids`` (one batch), shape (n, vocab)."""
+    from skippy.runtime.llama_cpp import import_llama
+
+    lib = import_llama()
+    mparams = lib.llama_model_default_params()
+    mparams.use_extra_bufts = repack
+    model_p = lib.llama_model_load_from_file(str(model).encode(), mparams)
+    assert model_p, f"llama.cpp could not load {model}"
+    cparams = lib.llama_context_default_params()
+    cparams.n_ctx = n_ctx
+    cparams.n_batch = cparams.n_ubatch = max(len(ids), 1)
+    cparams.n_threads = cparams.n_threads_batch = threads
+    cparams.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_DISABLED  # as llama-cpp-python does
+    ctx = lib.llama_init_from_model(model_p, cparams)
+    assert ctx
+    batch = lib.llama_batch_init(len(ids), 0, 1)
+    try:
+        batch.n_tokens = len(ids)
+        for i, t in enumerate(ids):
+            batch.token[i] = t
+            batch.pos[i] = i
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = 0
+            batch.logits[i] = True
+        assert lib.llama_decode(ctx, batch) == 0
+        n_vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(model_p))
+        rows = [
+            np.ctypeslib.as_array(
+                ctypes.cast(lib.llama_get_logits_ith(ctx, i), ctypes.POINTER(ctypes.c_float)),
+                shape=(n_vocab,),
+            ).copy()
+            for i in range(len(ids))
+        ]
+    finally:
+        lib.llama_batch_free(batch)
+        lib.llama_free(ctx)
+        lib.llama_model_free(model_p)
+    return np.stack(rows)
