@@ -16,7 +16,7 @@ import pytest
 import trio
 from httptools import get_json, without_volatile
 from pkgtools import make_package
-from test_mesh_processes import mesh, start, status, stop, wait_status, write_config
+from test_mesh_processes import make_keys, mesh, start, status, stop, wait_status, write_config
 
 from mesh_node.http.app import build_app
 from mesh_node.http.server import serve_http
@@ -112,33 +112,10 @@ def check_theme_toggle(driver: Any) -> None:
     assert driver.execute_script(background) == before
 
 
-def make_cluster(tmp_path: Path) -> tuple[dict[str, str], str]:
-    """Keys for a, b, c under one owner; configs; returns (node ids, owner id)."""
-    ids = {}
-    for name in ("a", "b", "c"):
-        out = mesh(tmp_path, "keygen", f"keys/{name}.key")
-        assert out.returncode == 0, out.stderr
-        ids[name] = out.stdout.strip()
-    owner = mesh(tmp_path, "owner", "init", "keys/owner.key").stdout.strip()
-    for name in ("a", "b", "c"):
-        out = mesh(
-            tmp_path,
-            "owner",
-            "sign",
-            "--owner",
-            "keys/owner.key",
-            ids[name],
-            "--out",
-            f"keys/{name}.cert",
-        )
-        assert out.returncode == 0, out.stderr
-    return ids, owner
-
-
 def test_status_page_of_three_real_nodes_in_chromium(tmp_path, browser, synth_dir):
     pkg = tmp_path / "pkg"
     make_package(synth_dir.llama, pkg)
-    ids, _owner = make_cluster(tmp_path)
+    ids, _owner = make_keys(tmp_path, ("a", "b", "c"))
     write_config(tmp_path / "a.toml", "a", [])
     a, a_url = start(tmp_path, "a.toml", "--http", "127.0.0.1:0")
     procs = [a]
