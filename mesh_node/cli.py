@@ -169,6 +169,25 @@ def cmd_topology(args: argparse.Namespace) -> CommandResult:
     return CommandResult(topo, "\n".join(lines), exit_code=code)
 
 
+def cmd_lab(args: argparse.Namespace) -> CommandResult:
+    import trio
+
+    from mesh_node.lab.report import render_report
+    from mesh_node.lab.run import LabOptions, run_lab
+
+    options = LabOptions(
+        nodes=args.nodes,
+        package=args.package,
+        transfer=args.transfer,
+        foreign_owners=args.foreign_owner,
+        root=Path(args.dir) if args.dir else None,
+        keep=args.keep,
+        timeout_s=args.timeout,
+    )
+    report = trio.run(run_lab, options)
+    return CommandResult(report, render_report(report), exit_code=0 if report["ok"] else 1)
+
+
 # --- parser ---------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description="Run and inspect a skippy mesh node.")
@@ -232,6 +251,31 @@ def build_parser() -> argparse.ArgumentParser:
         "--workers-only",
         action="store_true",
         help="do not place a stage on this (coordinator) node",
+    )
+    p = add(
+        "lab",
+        cmd_lab,
+        "start N local nodes, split PACKAGE over them, and report which artifacts moved where",
+    )
+    p.add_argument("--nodes", type=int, required=True, help="nodes to start (>= 2)")
+    p.add_argument("--package", required=True, help="a package directory or hf://ns/repo@rev")
+    p.add_argument(
+        "--transfer",
+        choices=["open", "trusted", "disabled"],
+        default="trusted",
+        help="every node's artifact_transfer mode (default trusted)",
+    )
+    p.add_argument(
+        "--foreign-owner",
+        type=int,
+        default=0,
+        metavar="K",
+        help="the last K workers belong to a second owner nobody trusts (default 0)",
+    )
+    p.add_argument("--dir", help="where the nodes live (default: a temporary folder)")
+    p.add_argument("--keep", action="store_true", help="keep the nodes' folders and logs")
+    p.add_argument(
+        "--timeout", type=float, default=600.0, help="seconds for the split to be ready"
     )
     return parser
 

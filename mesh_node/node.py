@@ -50,6 +50,8 @@ from mesh_node.peers import (
     status_document,
 )
 from mesh_node.topology import TopologyService
+from mesh_node.transfer.policy import node_policy
+from mesh_node.transfer.records import TransferLog
 from protocol import constants as pc
 from protocol.errors import ProtocolError
 from protocol.frames import SubprotocolOpen
@@ -57,6 +59,7 @@ from protocol.handshake import Handshake, PeerIdentity, SecureChannel
 from protocol.messages import Hello, PeerRecord, Peers, decode_link_message
 from skippy.config import NodeSettings, PeerAddress, parse_peer_address
 from skippy.errors import UsageError
+from skippy.transfer.policy import would_serve
 
 log = logging.getLogger("mesh_node.node")
 MAX_PENDING_HANDSHAKES = 32  # inbound connections that have not authenticated yet
@@ -85,12 +88,10 @@ def advertised_features(
     settings: NodeSettings, identity: LocalIdentity, now_s: float
 ) -> dict[str, tuple[str, ...]]:
     """skippy-stage/2 with the stage bundle, plus ``artifact-transfer`` exactly when this node
-    would serve artifacts: open mode, or trusted mode with its own owner verified (spec "Peer
-    Cache Transfer"; the serving policy itself is issue #8's)."""
+    would serve artifacts (spec "Peer Cache Transfer": ``skippy.transfer.policy.would_serve``,
+    the same decision that registers the serving handler, ``mesh_node.transfer.service``)."""
     bits = set(pc.STAGE_BUNDLE)
-    _owner, own_status = identity.owner(now_s)
-    mode = settings.artifact_transfer
-    if mode == "open" or (mode == "trusted" and own_status == "verified"):
+    if would_serve(node_policy(settings, identity, now_s)):
         bits.add(pc.BIT_ARTIFACT_TRANSFER)
     return {pc.FEATURE_SKIPPY_STAGE: tuple(sorted(bits))}
 
@@ -131,6 +132,8 @@ class MeshNode:
         self.started = trio.Event()
         self._started_at: float | None = None  # trio clock, when run() began serving
         self.topology = TopologyService(self)
+        # Artifact transfers (issue #8): filled by mesh_node.transfer, shown in status().
+        self.transfers = TransferLog(wall_clock=wall_clock)
         # Event counters other components increment (transfers, serving); /metrics reads them.
         self.metrics = NodeMetrics()
 
@@ -217,6 +220,7 @@ class MeshNode:
             artifact_transfer=self.settings.artifact_transfer,
             peers=self.peers(),
             topology=self.topology.status(),
+            transfers=self.transfers.status(),
             uptime_s=0.0 if self._started_at is None else trio.current_time() - self._started_at,
         )
 

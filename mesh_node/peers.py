@@ -94,7 +94,17 @@ class TopologyChanged:
     topology_id: str | None
 
 
-NodeEvent = PeerUp | PeerDown | TopologyChanged
+@dataclass(frozen=True)
+class StageReported:
+    """A coordinator recorded a stage node's report (``ready``, ``failed`` or ``rejected``)."""
+
+    topology_id: str
+    node_id: str
+    state: str
+    code: str | None = None
+
+
+NodeEvent = PeerUp | PeerDown | TopologyChanged | StageReported
 
 
 def status_document(
@@ -108,10 +118,13 @@ def status_document(
     artifact_transfer: str,
     peers: Sequence[PeerInfo],
     topology: Mapping[str, Any] | None,
+    transfers: Mapping[str, Any] | None = None,
     uptime_s: float = 0.0,
 ) -> dict[str, Any]:
     """The status document (issue #7 §7): one function so every renderer agrees (the CLI's
-    ``status``, the control socket, the status page's ``/api/status``)."""
+    ``status``, the control socket, the status page's ``/api/status``).
+    ``transfers`` is ``mesh_node.transfer.records.TransferLog.status()`` (issue #8): stage
+    fetch state, transfers in progress and recent, counters; repo-relative paths only."""
     return {
         "node_id": node_id,
         "uptime_s": round(uptime_s, 3),
@@ -123,6 +136,7 @@ def status_document(
         "artifact_transfer": artifact_transfer,
         "peers": [p.to_dict() for p in sorted(peers, key=lambda p: p.node_id)],
         "topology": None if topology is None else dict(topology),
+        "transfers": None if transfers is None else dict(transfers),
     }
 
 
@@ -154,4 +168,19 @@ def render_status(doc: Mapping[str, Any]) -> str:
             )
     else:
         lines.append("topology none")
+    transfers = doc.get("transfers")
+    if transfers:
+        stage, c = transfers["stage"], transfers["counters"]
+        if stage:
+            lines.append(
+                f"stage    {stage['stage_index']} (layers {stage['layer_start']}.."
+                f"{stage['layer_end']}) {stage['state']}"
+                + (f" ({stage['error']})" if stage["error"] else "")
+                + (f", report {stage['report']}" if stage["report"] else "")
+            )
+        got = c["fetched_bytes"]
+        lines.append(
+            f"bytes    fetched peer {got['peer']} hub {got['hub']} cached {got['cache']}; "
+            f"served {c['served_bytes']}; {len(transfers['active'])} transfers active"
+        )
     return "\n".join(lines)

@@ -14,6 +14,7 @@ import trio
 from mesh_node.control import serve_control
 from mesh_node.identity import LocalIdentity
 from mesh_node.node import MeshNode
+from mesh_node.transfer.service import ArtifactService
 from skippy.config import NodeSettings, read_environment
 from skippy.errors import SkippyError, UsageError
 
@@ -95,9 +96,11 @@ async def _run_node(
 ) -> None:
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     node = MeshNode(settings, identity)
+    artifacts = ArtifactService(node, read_environment())
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
             await nursery.start(serve_control, settings.control_socket, control_handler(node))
+            await nursery.start(artifacts.run)
             address = await nursery.start(node.run)
             sys.stdout.write(f"listening {address}\n")
             sys.stdout.flush()

@@ -1,8 +1,10 @@
 """The topology service (issue #7 §6): the coordinator plans, signs and sends a split topology
 over skippy-stage/2 control streams (kind 0x01); a worker verifies the signature against the
 coordinator's *authenticated* node id and the exact-once coverage, stores it as its active
-topology and acknowledges. Peer loss marks the topology degraded; ``replan`` places the split
-again over the remaining capable peers.
+topology and acknowledges. Each stage's node later reports on the same kind of stream that its
+stage is ready (``StageReady``, issue #8); the coordinator checks the report's descriptor
+against the topology and records it. Peer loss marks the topology degraded; ``replan`` places
+the split again over the remaining capable peers.
 
 Planning is pure (``skippy.package.topology.plan_topology``); this module does the I/O.
 """
@@ -21,15 +23,23 @@ import trio
 from mesh_node.errors import MeshError, TopologyRefused
 from mesh_node.identity import LocalIdentity
 from mesh_node.link import LinkTimeouts, MeshStream
-from mesh_node.peers import InboundStream, NodeEvent, PeerDown, PeerInfo, TopologyChanged
+from mesh_node.peers import (
+    InboundStream,
+    NodeEvent,
+    PeerDown,
+    PeerInfo,
+    StageReported,
+    TopologyChanged,
+)
 from protocol import constants as pc
 from protocol.certificates import sign_domain, verify_domain
 from protocol.errors import ProtocolError
-from protocol.messages import TopologyAck, TopologyOffer, decode_control_message
+from protocol.messages import StageReady, TopologyAck, TopologyOffer, decode_control_message
 from skippy.config import NodeSettings
 from skippy.errors import TopologyError
 from skippy.package.plan import ModelSizes
 from skippy.package.topology import NodeCapacity, SplitTopology, plan_topology
+from skippy.stage.descriptor import StageDescriptor, admission_problem
 
 log = logging.getLogger("mesh_node.topology")
 Role = Literal["coordinator", "worker"]
@@ -47,30 +57,45 @@ class ActiveTopology:
     lost: set[str] = field(default_factory=set)
     sizes: ModelSizes | None = None  # the package's bytes, when this node planned it
     own_id: str = ""  # this node's id
+    # Coordinator: each stage node's last report (its own stage included).
+    reports: dict[str, StageReport] = field(default_factory=dict)
+
+    @property
+    def all_ready(self) -> bool:
+        """Every stage's node reported ready (with a descriptor matching the topology)."""
+        return all(
+            (r := self.reports.get(s.node_id)) is not None and r.state == "ready"
+            for s in self.topology.stages
+        )
 
     def stage_status(self) -> list[dict[str, Any]]:
-        """Per stage: its bytes (``None`` when this node does not know the package's sizes)
-        and whether it is ready. Until stages load (issue #10), ready means the stage's node
-        accepted this signed topology and has not been lost; ``None``: not known here (a
-        worker hears only its own acceptance)."""
+        """Per stage, for operators: its bytes (``None`` when this node does not know the
+        package's sizes), its state and whether it is ready. A coordinator knows each stage's
+        report (``ready`` / ``failed`` / ``rejected``, with ``code``), else its ack (``accepted``,
+        a refusal, ``pending``); a worker knows only that it accepted its own stage (``ready``:
+        ``None``, not known here; its fetch is in the document's ``transfers.stage``)."""
         out: list[dict[str, Any]] = []
         for stage in self.topology.stages:
             nid = stage.node_id
+            report = self.reports.get(nid)
             ready: bool | None
+            code = None
             if nid in self.lost:
                 state, ready = "lost", False
-            elif nid == self.coordinator_id or (self.role == "worker" and nid == self.own_id):
-                state, ready = "accepted", True
+            elif report is not None:
+                state, ready, code = report.state, report.state == "ready", report.code
             elif self.role == "coordinator":
-                state = self.acks.get(nid, "pending")
-                ready = state == "accepted"
+                state = "accepted" if nid == self.own_id else self.acks.get(nid, "pending")
+                ready = False
             else:
-                state, ready = "unknown", None
+                state = "accepted" if nid == self.own_id else "unknown"
+                ready = None
             out.append(
                 {
                     "stage_index": stage.stage_index,
                     "bytes": None if self.sizes is None else self.sizes.stage_bytes(stage.layers),
                     "state": state,
+                    "code": code,
                     "ready": ready,
                 }
             )
@@ -84,7 +109,26 @@ class ActiveTopology:
             "state": self.state,
             "acks": dict(sorted(self.acks.items())),
             "lost_nodes": sorted(self.lost),
+            "ready": {k: v.to_dict() for k, v in sorted(self.reports.items())},
+            "all_ready": self.all_ready,
             "stage_status": self.stage_status(),
+        }
+
+
+@dataclass(frozen=True)
+class StageReport:
+    """What the coordinator knows of one stage node: ``ready`` (descriptor checked),
+    ``failed`` (the node said so; ``code``), or ``rejected`` (the descriptor did not match)."""
+
+    state: Literal["ready", "failed", "rejected"]
+    code: str | None = None
+    descriptor: StageDescriptor | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "state": self.state,
+            "code": self.code,
+            "artifact_bytes": None if self.descriptor is None else self.descriptor.artifact_bytes,
         }
 
 
@@ -190,13 +234,16 @@ class TopologyService:
         )
         workers = [s.node_id for s in topology.stages if s.node_id != self.node.node_id]
         offer = TopologyOffer(topology.to_dict(), signature).encode()
+        # Active before any worker hears of it: a worker fetches its artifacts (issue #8) as
+        # soon as it accepts, and the artifact server authorizes against this topology.
+        self.active = active
+        self.node.emit(TopologyChanged(active.state, topology.topology_id))
         async with trio.open_nursery() as nursery:
             for worker in workers:
                 nursery.start_soon(self._send_offer, worker, offer, topology, active)
         active.state = (
             "active" if all(active.acks.get(w) == "accepted" for w in workers) else ("incomplete")
         )
-        self.active = active
         self.node.emit(TopologyChanged(active.state, topology.topology_id))
         log.info("topology %s: %s (%s)", topology.topology_id, active.state, active.acks)
         return active
@@ -253,10 +300,15 @@ class TopologyService:
         except ProtocolError as exc:
             stream.reset(exc.code, exc.message)
             return
-        if not isinstance(message, TopologyOffer):
-            stream.reset("unexpected_message", "a control stream starts with a topology offer")
+        if isinstance(message, TopologyOffer):
+            ack = self.accept_offer(message, inbound.peer.node_id)
+        elif isinstance(message, StageReady):
+            ack = self.record_stage(inbound.peer.node_id, message)
+        else:
+            stream.reset(
+                "unexpected_message", "a control stream starts with a topology offer or report"
+            )
             return
-        ack = self.accept_offer(message, inbound.peer.node_id)
         await stream.send_message(ack.encode())
         await stream.send_eof()
         await stream.receive_some()  # the coordinator's end of stream (or its reset)
@@ -286,6 +338,45 @@ class TopologyService:
         self.node.emit(TopologyChanged("active", topology.topology_id))
         log.info("accepted topology %s from %s", topology.topology_id, coordinator_id[:12])
         return TopologyAck(topology.topology_id, True)
+
+    # --- stage reports (issue #8: ready; issue #10 extends the descriptor) -----------------------
+    def record_stage(self, node_id: str, report: StageReady) -> TopologyAck:
+        """A stage node's report (``node_id`` authenticated, or this node itself): check it
+        against the active topology this node coordinates and record it."""
+        active = self.active
+        tid = report.topology_id
+        problem: tuple[str, str] | None = None
+        if active is None or active.role != "coordinator" or active.topology.topology_id != tid:
+            return TopologyAck(tid, False, "stale_topology", "not the topology this node runs")
+        stage = active.topology.stage_of(node_id)
+        if stage is None or stage.stage_id != report.stage_id:
+            return TopologyAck(tid, False, "not_in_topology", "the reporter holds no such stage")
+        if not report.ready:
+            result = StageReport("failed", report.code or "stage_failed")
+        else:
+            try:
+                descriptor = StageDescriptor.from_dict(report.descriptor)
+            except TopologyError as exc:
+                return TopologyAck(tid, False, exc.code, exc.message)
+            problem = admission_problem(descriptor, active.topology, node_id)
+            result = (
+                StageReport("ready", None, descriptor)
+                if problem is None
+                else StageReport("rejected", problem[0], descriptor)
+            )
+        active.reports[node_id] = result
+        log.info(
+            "topology %s: stage %d on %s %s%s",
+            tid,
+            stage.stage_index,
+            node_id[:12],
+            result.state,
+            f" ({result.code})" if result.code else "",
+        )
+        self.node.emit(StageReported(tid, node_id, result.state, result.code))
+        if problem is not None:
+            return TopologyAck(tid, False, problem[0], problem[1])
+        return TopologyAck(tid, True)
 
     # --- peer loss --------------------------------------------------------------------------------
     async def watch(self) -> None:

@@ -1,5 +1,6 @@
 """msgpack message schemas: link messages (hello, peer gossip) and control-stream messages
-(topology envelopes and their acknowledgements), plus the length-prefixed stream framing.
+(topology envelopes, stage ready reports and their acknowledgements), plus the
+length-prefixed stream framing.
 
 Every decoder is strict (exact keys, exact types, bounded sizes) and raises only
 ``ProtocolError``. What is gossiped is exactly what these schemas allow, and nothing else: a
@@ -182,7 +183,36 @@ class TopologyAck:
         )
 
 
-ControlMessage = TopologyOffer | TopologyAck
+@dataclass(frozen=True)
+class StageReady:
+    """A node's report on its stage of a topology: ready (every required artifact installed
+    and verified) or failed (``code``/``message`` say why). ``descriptor`` is the plain dict
+    form of skippy's stage descriptor (``skippy.stage.descriptor``), which checks its meaning,
+    as ``SplitTopology.from_dict`` does for an offer. The answer is a ``TopologyAck``."""
+
+    topology_id: str
+    stage_id: str
+    ready: bool
+    descriptor: dict[str, Any] | None = None
+    code: str | None = None
+    message: str | None = None
+
+    def encode(self) -> bytes:
+        return _pack(
+            {
+                "t": "stage_ready",
+                "gen": c.MESSAGE_GEN,
+                "topology_id": self.topology_id,
+                "stage_id": self.stage_id,
+                "ready": self.ready,
+                "descriptor": self.descriptor,
+                "code": self.code,
+                "message": self.message,
+            }
+        )
+
+
+ControlMessage = TopologyOffer | TopologyAck | StageReady
 
 
 def decode_control_message(payload: bytes, limits: c.Limits = c.DEFAULT_LIMITS) -> ControlMessage:
@@ -204,6 +234,22 @@ def decode_control_message(payload: bytes, limits: c.Limits = c.DEFAULT_LIMITS) 
         return TopologyAck(
             topology_id=_str(d["topology_id"], "topology_id", limits.max_reason_chars),
             accepted=d["accepted"],
+            code=_opt_str(d["code"], "code", limits.max_reason_chars),
+            message=_opt_str(d["message"], "message", 4 * limits.max_reason_chars),
+        )
+    if kind == "stage_ready":
+        keys = {"t", "gen", "topology_id", "stage_id", "ready", "descriptor", "code", "message"}
+        d = _check_keys(data, keys, "stage_ready")
+        if not isinstance(d["ready"], bool):
+            raise _fail("ready must be a boolean")
+        descriptor = d["descriptor"]
+        if descriptor is not None and not isinstance(descriptor, dict):
+            raise _fail("descriptor must be a map or nil")
+        return StageReady(
+            topology_id=_str(d["topology_id"], "topology_id", limits.max_reason_chars),
+            stage_id=_str(d["stage_id"], "stage_id", limits.max_reason_chars),
+            ready=d["ready"],
+            descriptor=descriptor,
             code=_opt_str(d["code"], "code", limits.max_reason_chars),
             message=_opt_str(d["message"], "message", 4 * limits.max_reason_chars),
         )

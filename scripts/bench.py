@@ -27,6 +27,7 @@ SECTIONS: dict[str, str] = {
     "mesh": "bench_mesh",
     "quantize": "bench_quantize",
     "stage": "bench_stage",
+    "transfer-mesh": "bench_transfer_mesh",
 }
 
 

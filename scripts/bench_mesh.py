@@ -242,6 +242,21 @@ def _server(kind: str) -> tuple[subprocess.Popen[str], str]:
     return proc, proc.stdout.readline().strip()
 
 
+def download_rates(kind: str, nbytes: int, runs: int) -> list[float]:
+    """MB/s receiving ``nbytes`` (whole MiB) from a server in a child process, listener to
+    dialer (the direction a coordinator serves its workers): ``kind`` is ``ws`` (raw
+    trio-websocket) or ``mesh`` (one stream between two MeshNodes, no files)."""
+    proc, where = _server(kind)
+    client = _ws_client if kind == "ws" else _mesh_client
+    target: Any = int(where) if kind == "ws" else where
+    try:
+        times = [trio.run(client, target, DOWN, nbytes) for _ in range(runs)]
+    finally:
+        proc.kill()
+        proc.wait()
+    return [nbytes / t / 1e6 for t in times]  # type: ignore[operator]
+
+
 def measure(runs: int, bulk_bytes: int = BULK_BYTES) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for kind in ("tcp", "ws", "mesh"):

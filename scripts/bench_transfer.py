@@ -29,7 +29,9 @@ from benchlib import (  # type: ignore[import-not-found]
     BenchContext,
     Row,
     child_peak_rss_mib,
+    gemma_package,
     hash_file,
+    random_file,
     spread,
     times_of,
 )
@@ -164,15 +166,8 @@ def _measure(label: str, job: dict[str, Any], source: Path, runs: int) -> list[R
 
 def rows(ctx: BenchContext) -> list[Row]:
     from skippy.consume.preflight import load_package
-    from skippy.produce.write_package import WriteOptions, local_provenance, write_package
 
-    pkg_dir = ctx.work / "pkg-gemma3"  # written by the package section, or here
-    if not (pkg_dir / MANIFEST_NAME).exists():
-        prov = local_provenance(
-            model_id="bench/model-GGUF:Q", source_repo=None, source_revision="r",
-            source_file=ctx.gemma.name,
-        )
-        write_package(ctx.gemma, WriteOptions(out_dir=pkg_dir, provenance=prov, overwrite=True))
+    pkg_dir = gemma_package(ctx)
     manifest = load_package(pkg_dir).manifest
     largest = max(manifest.artifacts(), key=lambda r: r.artifact.artifact_bytes)
     gemma_job = _setup("gemma3", manifest, largest, pkg_dir / largest.path, ctx.work)
@@ -180,13 +175,7 @@ def rows(ctx: BenchContext) -> list[Row]:
     if ctx.skip_big:
         return out
 
-    big = ctx.work / "transfer-synthetic.bin"
-    if not big.exists() or big.stat().st_size != SYNTH_BYTES:
-        with open(big, "wb") as f:
-            for _ in range(SYNTH_BYTES // (64 << 20)):
-                f.write(os.urandom(64 << 20))
-    with open(big, "rb") as f:
-        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    big, digest = random_file(ctx, SYNTH_BYTES)
     layer0 = manifest.layer(0)
     synthetic = dataclasses.replace(
         layer0, artifact_bytes=SYNTH_BYTES, tensor_bytes=SYNTH_BYTES, sha256=digest

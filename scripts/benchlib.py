@@ -114,3 +114,32 @@ def machine() -> str:
         pass
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     return f"{os.cpu_count()} cores ({cpu}), {mem:.0f} GiB, Python {platform.python_version()}"
+
+
+def gemma_package(ctx: BenchContext) -> Path:
+    """gemma3-270m as a package (written by the package section, or here once)."""
+    from skippy.constants import MANIFEST_NAME
+    from skippy.produce.write_package import WriteOptions, local_provenance, write_package
+
+    pkg_dir = ctx.work / "pkg-gemma3"
+    if not (pkg_dir / MANIFEST_NAME).exists():
+        prov = local_provenance(
+            model_id="bench/model-GGUF:Q", source_repo=None, source_revision="r",
+            source_file=ctx.gemma.name,
+        )
+        write_package(ctx.gemma, WriteOptions(out_dir=pkg_dir, provenance=prov, overwrite=True))
+    return pkg_dir
+
+
+def random_file(ctx: BenchContext, nbytes: int, name: str = "transfer-synthetic.bin") -> tuple[
+    Path, str
+]:
+    """``nbytes`` of random bytes (whole 64 MiB blocks; kept between runs) and their SHA-256."""
+    path = ctx.work / name
+    block = 64 << 20
+    if not path.exists() or path.stat().st_size != nbytes:
+        with open(path, "wb") as f:
+            for _ in range(nbytes // block):
+                f.write(os.urandom(block))
+    with open(path, "rb") as f:
+        return path, hashlib.file_digest(f, "sha256").hexdigest()

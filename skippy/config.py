@@ -168,6 +168,7 @@ NODE_KEYS = frozenset(
         "peers",
         "trusted_owners",
         "artifact_transfer",
+        "artifact_serve_bytes_per_s",
         "memory_budget",
         "heartbeat_interval_s",
         "peer_loss_timeout_s",
@@ -267,6 +268,8 @@ class NodeSettings:
     trusted_owners: tuple[str, ...]
     artifact_transfer: ArtifactTransfer
     memory_budget_bytes: int
+    # Total rate at which this node serves artifacts to peers (0: unlimited): an uplink cap.
+    artifact_serve_bytes_per_s: int = 0
     heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S
     peer_loss_timeout_s: float = DEFAULT_PEER_LOSS_TIMEOUT_S
     idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S
@@ -398,6 +401,9 @@ def node_settings(config: NodeConfig, env: Environment | None = None) -> NodeSet
         artifact_transfer=transfer,
         memory_budget_bytes=(
             _default_memory_budget() if budget is None else parse_size(budget, "memory_budget")
+        ),
+        artifact_serve_bytes_per_s=parse_size(
+            raw.get("artifact_serve_bytes_per_s", 0), "artifact_serve_bytes_per_s"
         ),
         heartbeat_interval_s=heartbeat,
         peer_loss_timeout_s=peer_loss,

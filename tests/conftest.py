@@ -9,11 +9,16 @@ import shutil
 import sys
 import tempfile
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import synth_gguf
+from pkgtools import make_package
+
+from mesh_node.lab.hub import FakeHub, running_hub
+from mesh_node.lab.package import publish_directory
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MODEL_CACHE_DIR = REPO_ROOT / ".work" / "models"  # gitignored
@@ -199,3 +204,24 @@ def smollm_gguf() -> Path:
     if not path.is_file() or path.stat().st_size != SMOLLM_BYTES:
         pytest.skip(f"{path} is missing or not {SMOLLM_BYTES} bytes")
     return path
+# --- a synthetic package on a lab hub (mesh transfer tests) -------------------------------------
+@dataclass(frozen=True)
+class HubPackage:
+    """A synthetic gemma-like package (tied embeddings, 4 layers, a projector) on a lab hub."""
+
+    directory: Path
+    hub: FakeHub
+    ref: str
+
+
+@pytest.fixture(scope="session")
+def hub_package(
+    synth_dir: SynthModels, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[HubPackage]:
+    root = tmp_path_factory.mktemp("meshxfer")
+    pkg = root / "tiny-layers"
+    make_package(synth_dir.gemma, pkg, projectors=(synth_dir.projector,))
+    with running_hub() as hub:
+        yield HubPackage(pkg, hub, publish_directory(hub, pkg))
+
+

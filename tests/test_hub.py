@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import socket
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from hub_server import FakeHub, Fault, running_hub, write_tree
 
+from mesh_node.lab.hub import FakeHub, Fault, running_hub, write_tree
 from skippy.config import HubPolicy
 from skippy.consume.hub import (
     HubError,
@@ -298,3 +301,29 @@ def test_offline_resolution_without_cache_is_a_miss(hub: FakeHub, cache: Path) -
         resolve_revision(REF.at("a" * 40), endpoint=hub.url, cache_dir=cache, offline=True)
     assert info.value.missing == (f"snapshots/{'a' * 40}",)
     assert hub.request_log() == []
+
+
+# --- no traffic to a hub we were not pointed at --------------------------------------------------
+def test_no_request_leaves_for_the_agent_registry(hub: FakeHub, tmp_path: Path) -> None:
+    """huggingface_hub 2.x builds its user agent by fetching ``{ENDPOINT}/api/agent-harnesses``
+    (huggingface.co unless HF_ENDPOINT says otherwise) unless telemetry is off; a node must not
+    call out to a hub it was not asked to use. The child points HF_ENDPOINT at the local hub so
+    such a fetch would show in its request log."""
+    code = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from skippy.consume.hub import download_file\n"
+        "from skippy.package.refs import HfPackageRef\n"
+        "download_file(HfPackageRef(sys.argv[1]), sys.argv[4], 'model-package.json',\n"
+        "              endpoint=sys.argv[2], cache_dir=Path(sys.argv[3]))\n"
+    )
+    env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HUB_DISABLE_TELEMETRY": ""}
+    env.pop("HF_HUB_OFFLINE", None)
+    done = subprocess.run(
+        [sys.executable, "-c", code, REPO, hub.url, str(tmp_path / "c"), hub.commit_of(REPO)],
+        env=env, capture_output=True, text=True, timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    paths = [p for _, p, _ in hub.request_log()]
+    assert any("model-package.json" in p for p in paths)
+    assert not [p for p in paths if "agent-harnesses" in p]

@@ -14,8 +14,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from hub_server import FakeHub, Fault, running_hub, write_tree
 
+from mesh_node.lab.hub import FakeHub, Fault, running_hub, write_tree
 from skippy.cli import main
 from skippy.config import HubPolicy, read_environment
 from skippy.consume.hub import HubError, download_file, resolve_revision

@@ -15,7 +15,6 @@ from urllib.parse import urlsplit
 
 import httpx2
 import pytest
-from hub_server import FakeHub, Fault, running_hub, write_tree
 from huggingface_hub import HfApi, hf_hub_download
 from huggingface_hub.errors import (
     HfHubHTTPError,
@@ -24,6 +23,8 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
 )
 from huggingface_hub.file_download import http_get
+
+from mesh_node.lab.hub import FakeHub, Fault, running_hub, write_tree
 
 REPO = "ns/pkg"
 FILES_V1 = {
@@ -269,9 +270,8 @@ def test_stop_cuts_keepalive_connections(tmp_path: Path) -> None:
 
 def test_subprocess_mode(tmp_path: Path) -> None:
     v1 = write_tree(tmp_path / "v1", FILES_V1)
-    script = Path(__file__).with_name("hub_server.py")
     proc = subprocess.Popen(
-        [sys.executable, str(script), "--repo", f"{REPO}={v1}@dev", "--port", "0"],
+        [sys.executable, "-m", "mesh_node.lab.hub", "--repo", f"{REPO}={v1}@dev", "--port", "0"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -52,6 +52,7 @@ async def test_two_nodes_of_one_owner_authenticate_and_trust_each_other(tmp_path
             "artifact_transfer",
             "peers",
             "topology",
+            "transfers",
         }
         n.cancel_scope.cancel()
 
@@ -387,7 +388,8 @@ async def test_a_configured_peer_is_redialed_after_its_link_drops(tmp_path):
     async with trio.open_nursery() as n:
         a = await start(n, MeshNode(settings(tmp_path, "a"), identity()))
         b = await start(n, MeshNode(with_peers(settings(tmp_path, "b"), a), identity()))
-        await wait_for(lambda: len(a.peers(connected_only=True)) == 1)
+        # Both sides' hellos: b must not see a's first PeerUp after subscribing below.
+        await wait_for(lambda: len(a.peers(connected_only=True)) == len(b.peers()) == 1)
         first = a._members[b.node_id].link
         assert first is not None
         async with b.subscribe() as events:

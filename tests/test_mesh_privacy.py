@@ -6,6 +6,7 @@ from __future__ import annotations
 import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from meshtools import identity, settings, wait_for, with_peers
+from meshxfer import import_into, propose, start_member, wait_connected
 
 from mesh_node.link import Link
 from mesh_node.node import MeshNode
@@ -69,3 +70,40 @@ async def test_every_advertisement_and_gossip_message_carries_only_allowed_field
             b"model-package.json",
         ):
             assert secret not in payload
+
+
+async def test_advertisements_carry_only_the_feature_bit_while_artifacts_move(
+    tmp_path, hub_package
+):
+    """Spec "Peer Cache Transfer": nodes advertise only skippy-stage/2 feature support,
+    including artifact-transfer, never package inventory, artifact paths or cache roots, also
+    while a coordinator holds a package and serves it to its workers."""
+    owner = Ed25519PrivateKey.generate()
+    async with trio.open_nursery() as n:
+        coord = await start_member(
+            n, tmp_path, "inventory-coord", owner, hub=hub_package.hub,
+            node_class=RecordingNode, artifact_transfer="trusted",
+        )
+        coord.node.captured = []
+        pkg = import_into(coord, hub_package)
+        worker = await start_member(
+            n, tmp_path, "inventory-worker", owner, hub=hub_package.hub,
+            node_class=RecordingNode, peers=(coord.node,),
+        )
+        worker.node.captured = []
+        await wait_connected([coord, worker])
+        await propose(coord, pkg)
+        await wait_for(lambda: coord.node.topology.active.all_ready, 20)
+        assert worker.node.transfers.counters.fetched_bytes["peer"] > 0
+        n.cancel_scope.cancel()
+    for node, other in ((coord.node, worker.node), (worker.node, coord.node)):
+        for payload in node.captured:
+            message = decode_link_message(payload)
+            if isinstance(message, Hello):
+                bits = set(message.features[pc.FEATURE_SKIPPY_STAGE])
+                assert set(message.features) == {pc.FEATURE_SKIPPY_STAGE}
+                assert bits == set(pc.STAGE_BUNDLE) | (
+                    {pc.BIT_ARTIFACT_TRANSFER} if other is coord.node else set()
+                )
+            for secret in (b"inventory", b"tiny-layers", b".gguf", b"model-package", b"hub"):
+                assert secret not in payload

@@ -13,9 +13,9 @@ import shutil
 from pathlib import Path
 
 import pytest
-from hub_server import FakeHub, Fault, running_hub
 from pkgtools import edit_manifest, make_package
 
+from mesh_node.lab.hub import FakeHub, Fault, running_hub
 from skippy.cli import main
 from skippy.config import read_environment
 from skippy.constants import MANIFEST_NAME, layer_path

@@ -17,9 +17,9 @@ pytest.importorskip(
     "llama_cpp", reason="llama-cpp-python is not installed (pip install 'skippy-mesh[llama]')"
 )
 
-from hub_server import running_hub
 from pkgtools import make_package
 
+from mesh_node.lab.hub import running_hub
 from skippy.cli import main
 from skippy.constants import MANIFEST_NAME
 

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from hub_server import FakeHub, running_hub
 from huggingface_hub import hf_hub_download
 from pkgtools import make_package
 
+from mesh_node.lab.hub import FakeHub, running_hub
 from skippy.constants import MANIFEST_NAME
 from skippy.consume.verify import VerifyCache
 from skippy.package.ranges import LayerRange

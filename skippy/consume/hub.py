@@ -39,6 +39,12 @@ from skippy.errors import EXIT_USAGE, ArtifactMissing, SkippyError, UnsafePath, 
 from skippy.package.refs import COMMIT_SHA_RE, HfPackageRef
 from skippy.paths import check_relative_path, is_within
 
+# huggingface_hub 2.x builds its user agent by fetching ``{ENDPOINT}/api/agent-harnesses`` (the
+# endpoint read at import time, huggingface.co by default, whatever endpoint a call is given)
+# unless telemetry is off: a node must never call a hub it was not pointed at. The flag is read
+# at each call, so setting it here (the one module that talks to huggingface_hub) covers all.
+constants.HF_HUB_DISABLE_TELEMETRY = True
+
 logger = logging.getLogger(__name__)
 
 _REPO_TYPE: Final = "model"

@@ -1,8 +1,12 @@
-"""Fake Hugging Face Hub: a test double of the Hub's HTTP API, as no real hub is reachable here.
+"""The lab hub: a local server speaking the Hugging Face Hub's download API.
 
-The machine running the tests has no network, yet consumers fetch package files through the
-real ``huggingface_hub`` client. This module serves package directories from local disk over
-the small subset of the Hub HTTP API that ``huggingface_hub`` 2.4.0 uses for downloads:
+A lab component (``mesh-node lab`` publishes a package directory on it; the demo, the
+benchmarks and the tests use it), and a stand-in for the real Hub, which is not reachable on
+the machines this project is built on: it is not the Hub, only the subset of its HTTP API
+that ``huggingface_hub`` uses for downloads, served from local disk.
+
+Consumers fetch package files through the real ``huggingface_hub`` client; this module serves
+package directories over the part of the API that ``huggingface_hub`` 2.4.0 downloads with:
 
 * ``GET /api/models/{ns}/{name}[/revision/{rev}]``: model_info (``id``, ``sha``, ``siblings``;
   sizes and LFS info only with ``?blobs=true``, as on the Hub).
@@ -29,7 +33,7 @@ In process::
         commit = hub.add_revision("ns/pkg", package_dir)
         hf_hub_download("ns/pkg", "model-package.json", endpoint=hub.url, cache_dir=...)
 
-As a subprocess: ``python tests/hub_server.py --repo ns/name=DIR[@branch] ... [--port N]``
+As a subprocess: ``python -m mesh_node.lab.hub --repo ns/name=DIR[@branch] ... [--port N]``
 prints the base URL as the first stdout line and serves until interrupted.
 """
 

@@ -1,0 +1,273 @@
+"""The lab's report (issue #8 section 5), built from plain data and rendered (pure).
+
+Per node: id, owner, stage and layer range, its stage state and the coordinator's answer to
+its ready report; per artifact: path, bytes, source (``peer``, ``hub`` or ``cache``), whether it
+is verified (the node proved it, and for a worker the lab hashed it again), and why it did not
+come from the peer when it did not; totals of peer and hub bytes, time and throughput.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from skippy.constants import MANIFEST_NAME
+
+
+@dataclass(frozen=True)
+class CacheCheck:
+    """What the lab found in a worker's hub cache for its stage, checked independently."""
+
+    required: tuple[str, ...]  # the stage's required set plus the manifest
+    verified: frozenset[str]  # present with the declared SHA-256 (hashed by the lab)
+    missing: tuple[str, ...] = ()
+    extra: tuple[str, ...] = ()  # package files it should not hold
+    partials: tuple[str, ...] = ()  # leftover partial or incomplete files
+
+    @property
+    def exact(self) -> bool:
+        return (
+            not self.missing
+            and not self.extra
+            and not self.partials
+            and set(self.required) <= self.verified
+        )
+
+
+@dataclass(frozen=True)
+class NodeFacts:
+    index: int
+    node_id: str
+    role: str  # coordinator | worker
+    owner: str  # the lab's owner label: primary | foreign
+    owner_id: str
+    stage: Mapping[str, Any] | None  # the topology's stage entry for this node
+    status: Mapping[str, Any] | None  # its status document at the end (None: not answering)
+    check: CacheCheck | None = None  # workers only
+    problems: list[str] = field(default_factory=list)
+
+
+def _latest_fetches(status: Mapping[str, Any] | None) -> dict[str, Mapping[str, Any]]:
+    if status is None or not status.get("transfers"):
+        return {}
+    out: dict[str, Mapping[str, Any]] = {}
+    for rec in reversed(status["transfers"]["recent"]):  # oldest first: the latest wins
+        if rec["direction"] == "fetch":
+            out[rec["path"]] = rec
+    return out
+
+
+def node_report(facts: NodeFacts, topology_id: str) -> dict[str, Any]:
+    status = facts.status
+    transfers = (status or {}).get("transfers") or {}
+    stage_state = transfers.get("stage") or {}
+    current = stage_state.get("topology_id") == topology_id
+    fetches = _latest_fetches(status)
+    required = list(stage_state.get("required", [])) if current else []
+    paths = [MANIFEST_NAME, *required] if required else []
+    artifacts = []
+    totals = {"peer": 0, "hub": 0, "cache": 0}
+    for path in paths:
+        rec = fetches.get(path, {})
+        source = rec.get("source")
+        size = rec.get("total") or rec.get("bytes_done") or 0
+        verified = bool(rec.get("verified"))
+        if facts.check is not None:
+            verified = verified and path in facts.check.verified
+        if source in totals and rec.get("verified"):
+            totals[source] += size
+        artifacts.append(
+            {
+                "path": path,
+                "bytes": size,
+                "source": source,
+                "verified": verified,
+                "fallback": rec.get("fallback"),
+                "mb_per_s": rec.get("mb_per_s"),
+            }
+        )
+    out: dict[str, Any] = {
+        "index": facts.index,
+        "node_id": facts.node_id,
+        "role": facts.role,
+        "owner": facts.owner,
+        "owner_id": facts.owner_id,
+        "stage_index": None if facts.stage is None else facts.stage["stage_index"],
+        "layer_start": None if facts.stage is None else facts.stage["layer_start"],
+        "layer_end": None if facts.stage is None else facts.stage["layer_end"],
+        "state": stage_state.get("state") if current else ("down" if status is None else None),
+        "error": stage_state.get("error") if current else None,
+        "report": stage_state.get("report") if current else None,
+        "bytes": totals,
+        "artifacts": artifacts,
+    }
+    if facts.check is not None:
+        out.update(
+            exact=facts.check.exact,
+            missing=list(facts.check.missing),
+            extra=list(facts.check.extra),
+            partials=list(facts.check.partials),
+        )
+    return out
+
+
+def build_report(
+    *,
+    package_ref: str,
+    transfer: str,
+    foreign_owners: int,
+    topology: Mapping[str, Any] | None,
+    nodes: Sequence[NodeFacts],
+    seconds: float,
+    problems: Sequence[str] = (),
+) -> dict[str, Any]:
+    """The whole report; ``ok`` only when every stage node is ready with its report accepted
+    and every worker holds exactly its required set, verified."""
+    topology_id = "" if topology is None else str(topology["topology_id"])
+    rows = [node_report(n, topology_id) for n in nodes]
+    found = list(problems)
+    for row, facts in zip(rows, nodes, strict=True):
+        found += facts.problems
+        if facts.stage is None:
+            continue
+        who = f"{facts.role} {facts.node_id[:12]}"
+        if row["state"] != "ready":
+            found.append(f"{who}: stage {row['state'] or 'not started'} ({row['error'] or '-'})")
+        elif row["report"] != "accepted":
+            found.append(f"{who}: ready report {row['report'] or 'not answered'}")
+        if facts.check is not None and not facts.check.exact:
+            found.append(f"{who}: its cache does not hold exactly its stage, verified")
+    totals = {
+        source: sum(r["bytes"][source] for r in rows if r["role"] == "worker")
+        for source in ("peer", "hub", "cache")
+    }
+    moved = totals["peer"] + totals["hub"]
+    coordinator = next((n for n in nodes if n.role == "coordinator"), None)
+    counters = (
+        ((coordinator.status or {}).get("transfers") or {}).get("counters", {})
+        if coordinator is not None
+        else {}
+    )
+    return {
+        "ok": not found and topology is not None,
+        "package": package_ref,
+        "transfer": transfer,
+        "nodes_total": len(nodes),
+        "foreign_owners": foreign_owners,
+        "topology_id": topology_id or None,
+        "seconds": round(seconds, 3),
+        "totals": {
+            "peer_bytes": totals["peer"],
+            "hub_bytes": totals["hub"],
+            "cache_bytes": totals["cache"],
+            "mb_per_s": round(moved / seconds / 1e6, 1) if seconds > 0 and moved else None,
+        },
+        "coordinator": {
+            "served_bytes": counters.get("served_bytes", 0),
+            "refusals": counters.get("refusals", {}),
+        },
+        "nodes": rows,
+        "problems": found,
+    }
+
+
+def human_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    value = float(n)
+    for unit in ("B", "KB", "MB", "GB"):
+        if value < 1000 or unit == "GB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1000
+    return f"{n} B"  # unreachable
+
+
+def _table(rows: Sequence[Sequence[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+
+
+def _by_stage(nodes: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    return sorted(nodes, key=lambda n: (n["stage_index"] is None, n["stage_index"] or 0))
+
+
+_LAYER = re.compile(r"\Alayers/layer-\d{5}\.gguf\Z")
+
+
+def _runs(artifacts: Sequence[Mapping[str, Any]]) -> list[list[Mapping[str, Any]]]:
+    """Consecutive layer files that arrived alike, as one table row (the text stays short)."""
+    out: list[list[Mapping[str, Any]]] = []
+    for a in artifacts:
+        last = out[-1][-1] if out else None
+        if (
+            last is not None
+            and _LAYER.match(a["path"])
+            and _LAYER.match(last["path"])
+            and all(a[k] == last[k] for k in ("source", "verified", "fallback"))
+        ):
+            out[-1].append(a)
+        else:
+            out.append([a])
+    return out
+
+
+def render_report(doc: Mapping[str, Any]) -> str:
+    foreign = f", {doc['foreign_owners']} foreign" if doc["foreign_owners"] else ""
+    lines = [
+        f"mesh-node lab: {doc['nodes_total']} nodes, {doc['package']}, transfer "
+        f"{doc['transfer']}{foreign}",
+        "",
+    ]
+    nodes = [("node", "role", "owner", "stage", "layers", "state", "report")]
+    for n in _by_stage(doc["nodes"]):
+        layers = "-" if n["layer_start"] is None else f"{n['layer_start']}..{n['layer_end']}"
+        nodes.append(
+            (
+                n["node_id"][:12],
+                n["role"],
+                n["owner"],
+                "-" if n["stage_index"] is None else str(n["stage_index"]),
+                layers,
+                n["state"] or "-",
+                n["report"] or "-",
+            )
+        )
+    lines += [*_table(nodes), ""]
+    arts = [("node", "artifact", "bytes", "source", "verified", "why not from the peer")]
+    for n in _by_stage(doc["nodes"]):
+        for group in _runs(n["artifacts"]):
+            a = group[0]
+            path = a["path"]
+            if len(group) > 1:
+                path = f"{path[: -len('.gguf')]}..{group[-1]['path'][-len('00000.gguf'):]}"
+                path += f" ({len(group)})"
+            arts.append(
+                (
+                    n["node_id"][:12],
+                    path,
+                    human_bytes(sum(g["bytes"] for g in group)),
+                    a["source"] or "-",
+                    "yes" if a["verified"] else "NO",
+                    a["fallback"] or "",
+                )
+            )
+    if len(arts) > 1:
+        lines += [*_table(arts), ""]
+    t = doc["totals"]
+    rate = f" ({t['mb_per_s']} MB/s)" if t["mb_per_s"] else ""
+    lines.append(
+        f"workers received: peer {human_bytes(t['peer_bytes'])}, hub {human_bytes(t['hub_bytes'])}"
+        f", already cached {human_bytes(t['cache_bytes'])}; {doc['seconds']:.2f} s{rate}"
+    )
+    refusals = doc["coordinator"]["refusals"]
+    lines.append(
+        "coordinator refusals: "
+        + (", ".join(f"{k} {v}" for k, v in refusals.items()) if refusals else "none")
+    )
+    if doc["ok"]:
+        lines.append("ok: every worker holds exactly its stage's artifacts, verified")
+    else:
+        lines += ["FAILED:"] + [f"  {p}" for p in doc["problems"]]
+    return "\n".join(lines)

@@ -1,0 +1,273 @@
+"""``mesh-node lab``: a split on N real local nodes, and what moved where (issue #8 section 5).
+
+``open_lab`` brings a lab up: the package (a directory is published on a lab hub under
+``hf://lab/<name>@<commit>``; an ``hf://`` reference is pinned), imported whole into the
+coordinator's hub cache, then N ``mesh-node run`` processes (``mesh_node.lab.cluster``) with
+fresh identities, all of one owner except the last ``foreign_owners`` workers (a second owner
+in nobody's trust store), workers with empty caches and the hub as their fallback. The lab is
+torn down on the way out, whatever happens (Ctrl-C included).
+
+``Lab.split`` is this issue's experiment: the coordinator plans the split and sends it, the
+workers fetch and report ready, the lab checks every worker's cache itself and builds the
+report. Issue #10 adds its own steps inside ``open_lab`` (a prompt through the ready split,
+``--serve``), issue #12 passes per-node arguments through ``LabOptions.run_args``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+import trio
+
+from mesh_node.lab.cluster import LabCluster, LabError, LabNode, NodeSpec
+from mesh_node.lab.hub import FakeHub
+from mesh_node.lab.package import LabPackage, import_package, publish_directory
+from mesh_node.lab.report import CacheCheck, NodeFacts, build_report
+from skippy.config import ArtifactTransfer, read_environment
+from skippy.constants import MANIFEST_NAME
+from skippy.consume.verify import VerifyCache
+from skippy.errors import UsageError
+from skippy.package.ranges import LayerRange
+from skippy.package.refs import LocalPackageRef, parse_package_ref
+from skippy.transfer.hubcache import RepoCache
+from skippy.transfer.required import stage_refs
+
+# Timeouts for lab nodes: loopback and local processes, so shorter than a WAN's defaults.
+LAB_NODE_CONFIG: Final[Mapping[str, Any]] = {
+    "heartbeat_interval_s": 1.0,
+    "peer_loss_timeout_s": 5.0,
+    "idle_timeout_s": 10.0,
+    "handshake_timeout_s": 5.0,
+}
+MESH_TIMEOUT_S: Final = 60.0
+POLL_S: Final = 0.2
+MODES: Final = ("open", "trusted", "disabled")
+
+
+@dataclass(frozen=True)
+class LabOptions:
+    nodes: int
+    package: str  # hf://ns/repo[@rev] or a package directory
+    transfer: ArtifactTransfer = "trusted"
+    foreign_owners: int = 0  # the last K workers belong to a second, untrusted owner
+    root: Path | None = None  # where the nodes live; default a temporary folder, removed after
+    keep: bool = False  # keep ``root`` (logs, caches) afterwards
+    timeout_s: float = 600.0  # for the whole split to become ready
+    node_config: Mapping[str, Any] = field(default_factory=lambda: dict(LAB_NODE_CONFIG))
+    node_overrides: Mapping[int, Mapping[str, Any]] = field(default_factory=dict)  # TOML, by index
+    node_env: Mapping[int, Mapping[str, str]] = field(default_factory=dict)  # per node index
+    run_args: Callable[[int], tuple[str, ...]] | None = None  # per node: after `mesh-node run`
+
+    def __post_init__(self) -> None:
+        if self.nodes < 2:
+            raise UsageError(
+                f"a lab needs at least 2 nodes (a coordinator and a worker), not {self.nodes}",
+                code="bad_usage",
+            )
+        if not 0 <= self.foreign_owners <= self.nodes - 1:
+            raise UsageError(
+                f"--foreign-owner must be 0..{self.nodes - 1} (workers only), not "
+                f"{self.foreign_owners}",
+                code="bad_usage",
+            )
+        if self.transfer not in MODES:
+            raise UsageError(f"--transfer must be one of {', '.join(MODES)}", code="bad_usage")
+
+
+@dataclass
+class Lab:
+    options: LabOptions
+    cluster: LabCluster
+    package: LabPackage
+    hub_url: str | None  # the lab hub (a published directory), else None
+
+    async def split(self) -> dict[str, Any]:
+        """Plan the split on the coordinator, wait for every stage, check, report."""
+        coordinator = self.cluster.coordinator
+        t0 = time.monotonic()
+        response = await coordinator.request(
+            {"op": "topology", "package": self.package.ref, "stages": None, "include_self": True},
+            timeout_s=self.options.timeout_s,
+        )
+        topology: dict[str, Any] = response["topology"]
+        problems = [
+            f"worker {node[:12]} did not accept the topology: {ack}"
+            for node, ack in topology["acks"].items()
+            if ack != "accepted"
+        ]
+        timed_out = not await self._wait_stages(topology, t0 + self.options.timeout_s)
+        seconds = time.monotonic() - t0
+        if timed_out:
+            problems.append(f"the split was not ready within {self.options.timeout_s:g} s")
+        statuses = await self.cluster.statuses()
+        stages = {s["node_id"]: s for s in topology["stages"]}
+        facts = []
+        for node, status in zip(self.cluster.nodes, statuses, strict=True):
+            stage = stages.get(node.node_id)
+            check = None
+            if node.index > 0 and stage is not None:
+                check = await trio.to_thread.run_sync(self.check_cache, node, stage)
+            facts.append(
+                NodeFacts(
+                    node.index,
+                    node.node_id,
+                    "coordinator" if node.index == 0 else "worker",
+                    node.spec.owner,
+                    node.owner_id,
+                    stage,
+                    status,
+                    check,
+                )
+            )
+        return build_report(
+            package_ref=self.package.ref,
+            transfer=self.options.transfer,
+            foreign_owners=self.options.foreign_owners,
+            topology=topology,
+            nodes=facts,
+            seconds=seconds,
+            problems=problems,
+        )
+
+    async def _wait_stages(self, topology: Mapping[str, Any], deadline: float) -> bool:
+        """Until every stage node's fetch ended (ready or failed) and its report was answered,
+        or a stage node is down; False at the deadline."""
+        tid = topology["topology_id"]
+        nodes = {n.node_id: n for n in self.cluster.nodes}
+        wanted = [nodes[s["node_id"]] for s in topology["stages"] if s["node_id"] in nodes]
+        while time.monotonic() < deadline:
+            statuses = await self.cluster.statuses()
+            if all(_stage_done(statuses[n.index], tid) or not n.running for n in wanted):
+                return True
+            await trio.sleep(POLL_S)
+        return False
+
+    def check_cache(self, node: LabNode, stage: Mapping[str, Any]) -> CacheCheck:
+        """The worker's snapshot of the package, checked by the lab: exactly the stage's
+        required set and the manifest, each hashing to its declared SHA-256, no leftovers."""
+        cache = RepoCache.for_ref(node.hub_cache_dir, self.package.ref)
+        m = self.package.manifest
+        layers = LayerRange(stage["layer_start"], stage["layer_end"], m.layer_count)
+        expected = {MANIFEST_NAME: self.package.manifest_sha256}
+        expected.update(
+            {r.path: r.artifact.sha256.lower() for r in stage_refs(m, layers)}
+        )
+        snap = cache.snapshot_dir
+        held = (
+            {p.relative_to(snap).as_posix(): p for p in snap.rglob("*") if not p.is_dir()}
+            if snap.is_dir()
+            else {}
+        )
+        verified = frozenset(
+            path for path, sha in expected.items() if path in held and _sha256(held[path]) == sha
+        )
+        blobs = cache.repo_root / "blobs"
+        names = os.listdir(blobs) if blobs.is_dir() else []
+        leftovers = sorted(n for n in names if n.endswith((".part", ".incomplete")))
+        return CacheCheck(
+            required=tuple(expected),
+            verified=verified,
+            missing=tuple(sorted(set(expected) - set(held))),
+            extra=tuple(sorted(set(held) - set(expected))),
+            partials=tuple(leftovers),
+        )
+
+
+def _stage_done(status: Mapping[str, Any] | None, topology_id: str) -> bool:
+    stage = ((status or {}).get("transfers") or {}).get("stage") or {}
+    return (
+        stage.get("topology_id") == topology_id
+        and stage.get("state") in ("ready", "failed")
+        and stage.get("report") is not None
+    )
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def node_specs(options: LabOptions, hub_url: str | None) -> list[NodeSpec]:
+    """Node 0 coordinates; the last ``foreign_owners`` workers belong to another owner."""
+    specs = []
+    first_foreign = options.nodes - options.foreign_owners
+    for i in range(options.nodes):
+        env = {"HF_ENDPOINT": hub_url} if hub_url else {}
+        env.update(options.node_env.get(i, {}))
+        specs.append(
+            NodeSpec(
+                name=f"n{i}",
+                owner="foreign" if i >= first_foreign else "primary",
+                config={
+                    **options.node_config,
+                    "artifact_transfer": options.transfer,
+                    **options.node_overrides.get(i, {}),
+                },
+                env=env,
+                run_args=options.run_args(i) if options.run_args else (),
+            )
+        )
+    return specs
+
+
+@asynccontextmanager
+async def open_lab(options: LabOptions) -> AsyncIterator[Lab]:
+    """A running lab (see the module docstring); torn down on exit."""
+    root = options.root or Path(tempfile.mkdtemp(prefix="mesh-lab-"))
+    if options.root is not None:
+        root.mkdir(parents=True, exist_ok=True)
+        if any(root.iterdir()):
+            raise UsageError(f"lab folder {root} is not empty", code="output_exists")
+    lab_hub: FakeHub | None = None
+    try:
+        ref = parse_package_ref(options.package)
+        if isinstance(ref, LocalPackageRef):
+            lab_hub = FakeHub()
+            lab_hub.start()
+            ref_text = await trio.to_thread.run_sync(publish_directory, lab_hub, ref.path)
+            endpoint: str | None = lab_hub.url
+        else:
+            ref_text, endpoint = str(ref), read_environment().hf_endpoint
+        cluster = LabCluster(root, node_specs(options, lab_hub.url if lab_hub else None))
+        coordinator = cluster.coordinator
+
+        def load() -> LabPackage:
+            return import_package(
+                ref_text,
+                coordinator.hub_cache_dir,
+                endpoint=endpoint,
+                verify_cache=VerifyCache.under(coordinator.skippy_cache_dir),
+            )
+
+        package = await trio.to_thread.run_sync(load)
+        try:
+            await cluster.start_all()
+            await cluster.wait_meshed(MESH_TIMEOUT_S)
+            yield Lab(options, cluster, package, lab_hub.url if lab_hub else None)
+        finally:
+            await cluster.aclose()
+    finally:
+        if lab_hub is not None:
+            lab_hub.stop()
+        if not options.keep:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+async def run_lab(options: LabOptions) -> dict[str, Any]:
+    """The whole experiment: bring the lab up, split, report, tear down."""
+    async with open_lab(options) as lab:
+        report = await lab.split()
+        report["root"] = str(lab.cluster.root) if options.keep else None
+        return report
+
+
+__all__ = ["Lab", "LabError", "LabOptions", "node_specs", "open_lab", "run_lab"]

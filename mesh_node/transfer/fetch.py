@@ -1,0 +1,566 @@
+"""The fetching side: a node brings in its stage of a topology (issue #8 section 4).
+
+The calls follow ``docs/architecture.md`` ("Peer artifact transfer", fetching): the manifest
+first (proven against the topology's SHA-256), then the stage's required set from the
+verified manifest (``plan_fetch``: what the verification cache already vouches for is skipped,
+the rest largest first, ``CONCURRENCY`` at a time). Each artifact comes from the coordinator
+when it advertises ``artifact-transfer``, else from the hub:
+
+- a disconnect, a stream reset, a stall past the idle timeout, a truncated or malformed
+  response: wait for the link (at most ``peer_loss_timeout_s``) and ask again from the
+  partial's offset (the sink resumes), ``PEER_ATTEMPTS`` times in all;
+- a refusal (``artifact unavailable``), bytes that fail size or SHA-256 (the sink deletes that
+  partial), an oversized manifest: no more asking that peer for this artifact;
+- then the hub (``skippy.transfer.fallback.fetch_from_hub``), which proves the SHA-256 too.
+
+Nothing unverified is ever installed (the sink and the fallback decide that, not this shell).
+A second fetch of an artifact that one is installing on this node waits for its lock and then
+finds it installed. The stage ends as a ``skippy.runtime.boundary.StageLoad`` built from the
+hub cache (consumer validation and SHA-256 from the verification records the sink wrote).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Final
+
+import trio
+
+from mesh_node.errors import (
+    LinkClosed,
+    MeshError,
+    PeerUnavailable,
+    StreamRefused,
+    StreamReset,
+    StreamStalled,
+)
+from mesh_node.identity import short_id
+from mesh_node.link import MeshStream
+from mesh_node.transfer.records import StageFetch, TransferLog, TransferRecord
+from mesh_node.transfer.serve import PEER_BUSY
+from protocol import constants as pc
+from skippy.atomic import LockBusy, exclusive_lock, find_partials
+from skippy.config import Environment
+from skippy.consume.verify import VerifyCache
+from skippy.errors import IntegrityError, ManifestError, SkippyError
+from skippy.package.topology import SplitTopology, StageAssignment
+from skippy.stage.descriptor import StageDescriptor
+from skippy.transfer.authorize import PEER_DISABLED, PEER_UNAVAILABLE
+from skippy.transfer.errors import ArtifactWireError, InstallBusy, PartialChanged, TransferRefused
+from skippy.transfer.fallback import fetch_from_hub
+from skippy.transfer.fetch_plan import FetchItem, manifest_item, plan_fetch, request_for
+from skippy.transfer.hubcache import RepoCache, load_held_manifest, verified_file, verified_present
+from skippy.transfer.required import stage_refs
+from skippy.transfer.sink import ArtifactSink, open_sink
+from skippy.transfer.wire import (
+    BodyData,
+    BodyEnd,
+    ResponseHeader,
+    ResponseReader,
+    encode_request,
+)
+
+if TYPE_CHECKING:
+    from mesh_node.node import MeshNode
+    from mesh_node.topology import ActiveTopology
+    from skippy.consume.preflight import LoadedPackage
+    from skippy.runtime.boundary import StageLoad
+
+log = logging.getLogger("mesh_node.transfer.fetch")
+
+CONCURRENCY: Final = 4  # artifacts of one stage in flight at once (the server allows 4 per link)
+PEER_ATTEMPTS: Final = 3  # asks of the coordinator per artifact before the hub
+WRITE_BATCH_BYTES: Final = 1024 * 1024  # received bytes handed to the sink per thread call
+WRITE_QUEUE: Final = 4  # batches between the stream reader and the disk writer
+LOCK_POLL_S: Final = 0.05
+# Failures after which asking the same peer again may work (the sink keeps the partial).
+_RETRY: Final = (
+    PeerUnavailable,
+    LinkClosed,
+    StreamRefused,
+    StreamReset,
+    StreamStalled,
+    ArtifactWireError,
+    PartialChanged,
+    InstallBusy,
+)
+_KNOWN_ANSWERS: Final = frozenset({PEER_UNAVAILABLE, PEER_DISABLED, PEER_BUSY})
+# Integrity failures of received bytes (issue #12's verification failures counter).
+_VERIFICATION_CODES: Final = frozenset(
+    {"artifact_sha256_mismatch", "artifact_size_mismatch", "peer_artifact_mismatch"}
+)
+
+
+class StageFetchFailed(MeshError):
+    """The stage could not be brought in (``code`` from the failure that stopped it)."""
+
+    code = "stage_fetch_failed"
+
+
+@dataclass(frozen=True)
+class StageResult:
+    """A stage whose required artifacts are all installed and verified on this node."""
+
+    topology: SplitTopology
+    stage: StageAssignment
+    load: StageLoad  # hand it to a runtime (skippy.runtime.boundary)
+    descriptor: StageDescriptor  # what the ready report says (issue #10 extends it)
+
+
+@dataclass(frozen=True)
+class _Job:
+    topology: SplitTopology
+    stage: StageAssignment
+    coordinator_id: str
+    cache: RepoCache
+
+
+class StageFetcher:
+    def __init__(
+        self,
+        node: MeshNode,
+        env: Environment,
+        records: TransferLog,
+        *,
+        verify_cache: VerifyCache | None,
+        concurrency: int = CONCURRENCY,
+        peer_attempts: int = PEER_ATTEMPTS,
+    ) -> None:
+        self.node = node
+        self.env = env
+        self.records = records
+        self.verify_cache = verify_cache
+        self.peer_attempts = peer_attempts
+        self._slots = trio.CapacityLimiter(concurrency)
+
+    # --- a stage ----------------------------------------------------------------------------
+    async def fetch_stage(self, active: ActiveTopology) -> StageResult:
+        """Bring in this node's stage of ``active``; ``StageFetchFailed`` (or another coded
+        ``SkippyError``) when it cannot. Progress is in ``records.stage``."""
+        topology = active.topology
+        stage = topology.stage_of(self.node.node_id)
+        if stage is None:
+            raise StageFetchFailed(
+                f"this node holds no stage in topology {topology.topology_id}",
+                code="not_in_topology",
+            )
+        state = StageFetch(
+            topology_id=topology.topology_id,
+            stage_id=stage.stage_id,
+            stage_index=stage.stage_index,
+            layer_start=stage.layers.start,
+            layer_end=stage.layers.stop,
+            coordinator_id=active.coordinator_id,
+            started=self.node.wall_clock(),
+        )
+        self.records.stage = state
+        try:
+            result = await self._fetch_stage(active, stage, state)
+        except SkippyError as exc:
+            self._end(state, exc.code)
+            raise
+        except OSError as exc:  # a disk failure we did not foresee: a clear error, no crash
+            self._end(state, "io_error")
+            raise StageFetchFailed(
+                f"disk error while fetching the stage: {exc}", code="io_error"
+            ) from exc
+        self._end(state, None)
+        return result
+
+    def _end(self, state: StageFetch, error: str | None) -> None:
+        state.state = "failed" if error else "ready"
+        state.error = error
+        state.finished = self.node.wall_clock()
+
+    async def _fetch_stage(
+        self, active: ActiveTopology, stage: StageAssignment, state: StageFetch
+    ) -> StageResult:
+        topology = active.topology
+        try:
+            cache = RepoCache.for_ref(self.node.settings.hub_cache_dir, topology.package_ref)
+        except (ArtifactWireError, ManifestError):
+            if active.coordinator_id == self.node.node_id:
+                return await trio.to_thread.run_sync(self._local_stage, topology, stage, state)
+            raise StageFetchFailed(
+                f"package {topology.package_ref} cannot be transferred: only "
+                "hf://namespace/repo@<40-hex commit> packages can (publish it on a hub)",
+                code="ineligible_package_ref",
+            ) from None
+        job = _Job(topology, stage, active.coordinator_id, cache)
+        await self._fetch(job, manifest_item(topology))
+        loaded = await trio.to_thread.run_sync(
+            load_held_manifest, cache, topology.manifest_sha256
+        )
+        manifest = loaded.held.manifest
+        refs = stage_refs(manifest, stage.layers)
+        state.required = tuple(r.path for r in refs)
+        state.bytes_required = sum(r.artifact.artifact_bytes for r in refs)
+        present = await trio.to_thread.run_sync(
+            functools.partial(
+                verified_present,
+                cache,
+                refs,
+                manifest_sha256=topology.manifest_sha256,
+                verify_cache=self.verify_cache,
+            )
+        )
+        plan = plan_fetch(manifest, loaded.held.sha256, topology, self.node.node_id, present)
+        for ref in plan.required:
+            if ref.path in present:
+                self.records.found_in_cache(ref.path, ref.artifact.artifact_bytes)
+        failures: list[SkippyError] = []
+        async with trio.open_nursery() as nursery:
+            for item in plan.fetch:
+                nursery.start_soon(self._fetch_collecting, job, item, failures)
+        if failures:
+            raise failures[0]
+        load = await trio.to_thread.run_sync(self._stage_load, cache, topology, stage)
+        return StageResult(topology, stage, load, StageDescriptor.for_stage(topology, stage, refs))
+
+    async def _fetch_collecting(
+        self, job: _Job, item: FetchItem, failures: list[SkippyError]
+    ) -> None:
+        """One artifact; a failure is collected so the others finish (their bytes are kept)."""
+        async with self._slots:
+            try:
+                await self._fetch(job, item)
+            except SkippyError as exc:
+                failures.append(exc)
+            except OSError as exc:
+                failures.append(StageFetchFailed(f"{item.path}: {exc}", code="io_error"))
+
+    def _stage_load(
+        self, cache: RepoCache, topology: SplitTopology, stage: StageAssignment
+    ) -> StageLoad:
+        """The verified stage as the runtime boundary value, from the hub cache (thread)."""
+        from skippy.consume.preflight import load_package
+
+        pkg = load_package(
+            cache.snapshot_dir,
+            containment_root=cache.repo_root,
+            origin=topology.package_ref,
+            from_hub=True,
+        )
+        return self._prepared_load(pkg, topology, stage)
+
+    def _local_stage(
+        self, topology: SplitTopology, stage: StageAssignment, state: StageFetch
+    ) -> StageResult:
+        """A coordinator that planned a local package directory: its own stage is read in
+        place (verified); nothing is transferred (only hf:// packages can be)."""
+        from skippy.consume.preflight import load_package
+
+        pkg = load_package(Path(topology.package_ref), origin=topology.package_ref)
+        refs = stage_refs(pkg.manifest, stage.layers)
+        state.required = tuple(r.path for r in refs)
+        state.bytes_required = sum(r.artifact.artifact_bytes for r in refs)
+        load = self._prepared_load(pkg, topology, stage)
+        for ref in refs:
+            self.records.found_in_cache(ref.path, ref.artifact.artifact_bytes)
+        return StageResult(topology, stage, load, StageDescriptor.for_stage(topology, stage, refs))
+
+    def _prepared_load(
+        self, pkg: LoadedPackage, topology: SplitTopology, stage: StageAssignment
+    ) -> StageLoad:
+        from skippy.consume.preflight import prepare_stage
+        from skippy.runtime.boundary import StageLoad
+
+        if pkg.manifest_sha256 != topology.manifest_sha256:
+            raise IntegrityError(
+                f"{topology.package_ref}: the manifest hashes to {pkg.manifest_sha256}, the "
+                f"topology names {topology.manifest_sha256}",
+                code="manifest_sha256_mismatch",
+                expected=topology.manifest_sha256,
+                actual=pkg.manifest_sha256,
+            )
+        prepared = prepare_stage(pkg, stage.layers, verify=True, cache=self.verify_cache)
+        sel = prepared.selection
+        files = {r.path: p for r, p in zip(sel.parts, prepared.part_paths, strict=True)}
+        if sel.projector is not None and prepared.projector_path is not None:
+            files[sel.projector.path] = prepared.projector_path
+        return StageLoad.from_selection(
+            sel, files, manifest_sha256=pkg.manifest_sha256, sha256_verified=True
+        )
+
+    # --- one artifact -----------------------------------------------------------------------
+    async def _fetch(self, job: _Job, item: FetchItem) -> Path:
+        rec = self.records.start("fetch", item.path, total=item.size)
+        error: str | None = "cancelled"
+        try:
+            path = await self._fetch_recorded(job, item, rec)
+            error = None
+            return path
+        except SkippyError as exc:
+            error = exc.code
+            raise
+        except OSError:
+            error = "io_error"
+            raise
+        finally:
+            self.records.finish(rec, verified=error is None, error=error)
+
+    async def _fetch_recorded(self, job: _Job, item: FetchItem, rec: TransferRecord) -> Path:
+        counters = self.records.counters
+        installed = job.cache.snapshot_path(item.path)
+        if item.is_manifest and await trio.to_thread.run_sync(self._present, job, item):
+            return self._from_cache(installed, rec)
+        peer = job.coordinator_id
+        reason = "not_advertised" if peer != self.node.node_id else "this_node_coordinates"
+        attempts = 0
+        while self._peer_serves(peer) and attempts < self.peer_attempts:
+            attempts += 1
+            try:
+                return await self._from_peer(job, item, rec)
+            except TransferRefused as exc:
+                answer = _answer(exc.actual)
+                counters.refusals_received[answer] += 1
+                reason = f"refused: {answer}"
+                log.info("%s refused %s: %s", short_id(peer), item.path, answer)
+                if answer == PEER_BUSY:
+                    await trio.sleep(min(1.0, self.node.timeouts.idle_s))
+                    continue
+                break
+            except (IntegrityError, ManifestError) as exc:
+                if exc.code in _VERIFICATION_CODES:
+                    counters.verification_failures += 1
+                reason = exc.code
+                log.warning("%s from %s: %s", item.path, short_id(peer), exc)
+                break
+            except _RETRY as exc:
+                reason = exc.code
+                log.info("%s from %s: %s (attempt %d)", item.path, short_id(peer), exc, attempts)
+                if not await self.wait_for_link(peer):
+                    reason = f"{exc.code}: no link"
+                    break
+        return await self._from_hub(job, item, rec, reason)
+
+    def _from_cache(self, installed: Path, rec: TransferRecord) -> Path:
+        """Already installed and verified (by another fetch, or before): nothing moves."""
+        size = installed.stat().st_size
+        rec.total = size
+        rec.restart("cache", offset=size)
+        self.records.counters.fetched_bytes["cache"] += size
+        return installed
+
+    def _present(self, job: _Job, item: FetchItem) -> bool:
+        return verified_file(
+            job.cache.snapshot_path(item.path),
+            item,
+            manifest_sha256=job.topology.manifest_sha256,
+            verify_cache=self.verify_cache,
+        )
+
+    def _peer_serves(self, peer_id: str) -> bool:
+        """The coordinator (not this node) advertises ``artifact-transfer``."""
+        if peer_id == self.node.node_id:
+            return False
+        info = self.node.peer(peer_id)
+        bit = frozenset({pc.BIT_ARTIFACT_TRANSFER})
+        return info is not None and info.has_features(pc.FEATURE_SKIPPY_STAGE, bit)
+
+    async def wait_for_link(self, peer_id: str) -> bool:
+        """Until the peer is linked again (a redial), at most ``peer_loss_timeout_s``."""
+        with trio.move_on_after(self.node.settings.peer_loss_timeout_s):
+            while True:
+                info = self.node.peer(peer_id)
+                if info is not None and info.connected:
+                    return True
+                await trio.sleep(LOCK_POLL_S)
+        return False
+
+    async def _open_sink(self, job: _Job, item: FetchItem) -> ArtifactSink:
+        """The sink, waiting (cancellably) while another fetch on this node installs it."""
+        opener = functools.partial(
+            open_sink,
+            job.cache,
+            item,
+            manifest_sha256=job.topology.manifest_sha256,
+            verify_cache=self.verify_cache,
+        )
+        with trio.move_on_after(self.node.timeouts.idle_s):
+            while True:
+                try:
+                    return await trio.to_thread.run_sync(opener)
+                except InstallBusy:
+                    await trio.sleep(LOCK_POLL_S)
+        raise InstallBusy(f"another fetch of {item.path} kept its install lock", path=item.path)
+
+    async def _from_peer(self, job: _Job, item: FetchItem, rec: TransferRecord) -> Path:
+        sink = await self._open_sink(job, item)
+        try:
+            if sink.present and sink.installed is not None:
+                return self._from_cache(sink.installed, rec)
+            rec.restart("peer", peer_id=job.coordinator_id, offset=sink.offset)
+            request = request_for(
+                item, job.topology, job.stage, bytes.fromhex(self.node.node_id), offset=sink.offset
+            )
+            stream = await self.node.open_stream(job.coordinator_id, pc.KIND_ARTIFACT_TRANSFER)
+            async with stream:
+                await stream.send_all(encode_request(request))
+                await stream.send_eof()
+                return await self._receive(stream, sink, rec)
+        finally:
+            sink.abort()  # keeps the partial unless it was installed or proven wrong
+            if item.is_manifest and sink.state != "installed":
+                _drop_partials(job.cache, item)  # a manifest is never resumed (the sink's rule)
+
+    async def _receive(self, stream: MeshStream, sink: ArtifactSink, rec: TransferRecord) -> Path:
+        """Read the response; a second task writes (hashes) the body on a thread meanwhile,
+        so the stream keeps granting credit while the disk works. At most ``WRITE_QUEUE``
+        batches wait between them (memory stays bounded)."""
+        reader = ResponseReader(sink.offset)
+        send, recv = trio.open_memory_channel[list[memoryview]](WRITE_QUEUE)
+        batch = _Batch()
+        failure: SkippyError | OSError | None = None
+        writer_failure: list[SkippyError | OSError] = []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._write_batches, recv, sink, rec, writer_failure)
+            async with send:
+                try:
+                    await self._receive_into(stream, reader, sink, send, batch, rec)
+                except trio.BrokenResourceError:  # the writer stopped: its error says why
+                    pass
+                except (SkippyError, OSError) as exc:
+                    failure = exc
+        # Every queued batch is on disk, in order.
+        if writer_failure:
+            raise writer_failure[0]
+        if failure is not None:
+            # The bytes received before the failure are kept for the resume (if they are
+            # wrong, the final digest says so and the sink deletes the partial).
+            if batch.size and sink.state == "receiving":
+                with contextlib.suppress(SkippyError, OSError):
+                    await trio.to_thread.run_sync(_write_parts, sink, batch.parts)
+                    self._wrote(sink, rec, batch.size)
+            raise failure
+        path: Path = await trio.to_thread.run_sync(sink.finish)
+        return path
+
+    async def _write_batches(
+        self,
+        batches: trio.MemoryReceiveChannel[list[memoryview]],
+        sink: ArtifactSink,
+        rec: TransferRecord,
+        failure: list[SkippyError | OSError],
+    ) -> None:
+        async with batches:
+            try:
+                async for parts in batches:
+                    await trio.to_thread.run_sync(_write_parts, sink, parts)
+                    self._wrote(sink, rec, sum(len(p) for p in parts))
+            except (SkippyError, OSError) as exc:
+                failure.append(exc)  # closing ``batches`` tells the reader to stop
+
+    def _wrote(self, sink: ArtifactSink, rec: TransferRecord, n: int) -> None:
+        rec.bytes_done = sink.offset
+        self.records.counters.fetched_bytes["peer"] += n
+
+    async def _receive_into(
+        self,
+        stream: MeshStream,
+        reader: ResponseReader,
+        sink: ArtifactSink,
+        batches: trio.MemorySendChannel[list[memoryview]],
+        batch: _Batch,
+        rec: TransferRecord,
+    ) -> None:
+        """Until the body ended (everything handed to the writer) or a failure raises;
+        ``batch`` holds what was received but not yet handed on."""
+        idle = self.node.timeouts.idle_s
+        # One cancel scope per response, its deadline pushed on as bytes arrive (a scope per
+        # receive costs more than the bytes it guards: ~20k receives per GiB).
+        with trio.CancelScope(deadline=trio.current_time() + idle) as scope:
+            while True:
+                data = await stream.receive_some()
+                now = trio.current_time()
+                if now + 0.75 * idle > scope.deadline:
+                    scope.deadline = now + idle
+                if not data:
+                    reader.eof()  # raises artifact_wire_truncated: the response did not end
+                    raise ArtifactWireError(
+                        "the stream ended early", code="artifact_wire_truncated"
+                    )
+                for event in reader.feed(data):
+                    if isinstance(event, ResponseHeader):
+                        sink.accept(event.response)  # refusal, wrong size or digest: raises
+                        rec.total = event.response.total_size
+                    elif isinstance(event, BodyData):
+                        batch.add(event.data)  # a view of ``data`` (immutable): no copy
+                        if batch.size >= WRITE_BATCH_BYTES:
+                            await batches.send(batch.take())
+                    elif isinstance(event, BodyEnd):
+                        if batch.size:
+                            await batches.send(batch.take())
+                        return
+        stream.reset("stalled", "no bytes within the idle timeout")
+        raise StreamStalled(f"the peer sent nothing for {idle:g} s")
+
+    async def _from_hub(self, job: _Job, item: FetchItem, rec: TransferRecord, reason: str) -> Path:
+        rec.restart("hub")
+        rec.fallback = reason
+        log.info("%s from the hub (%s)", item.path, reason)
+        fetch = functools.partial(
+            fetch_from_hub,
+            job.cache,
+            item,
+            manifest_sha256=job.topology.manifest_sha256,
+            verify_cache=self.verify_cache,
+            endpoint=self.env.hf_endpoint,
+            offline=self.env.hf_offline,
+        )
+        try:
+            path: Path = await trio.to_thread.run_sync(fetch)
+        except IntegrityError as exc:
+            if exc.code in _VERIFICATION_CODES:
+                self.records.counters.verification_failures += 1
+            raise
+        size = path.stat().st_size
+        rec.total = size
+        rec.bytes_done = size
+        self.records.counters.fetched_bytes["hub"] += size
+        await trio.to_thread.run_sync(_drop_partials, job.cache, item)
+        return path
+
+
+class _Batch:
+    """Received body pieces (views of the stream's bytes) waiting to be written."""
+
+    def __init__(self) -> None:
+        self.parts: list[memoryview] = []
+        self.size = 0
+
+    def add(self, view: memoryview) -> None:
+        self.parts.append(view)
+        self.size += len(view)
+
+    def take(self) -> list[memoryview]:
+        parts, self.parts, self.size = self.parts, [], 0
+        return parts
+
+
+def _write_parts(sink: ArtifactSink, parts: list[memoryview]) -> None:
+    for part in parts:
+        sink.write(part)
+
+
+def _answer(text: object) -> str:
+    """A peer's refusal as this node records it: one of the sentences a server says, else
+    ``other`` (the text is the peer's: it must not grow the counters or reach the page)."""
+    return text if text in _KNOWN_ANSWERS and isinstance(text, str) else "other"
+
+
+def _drop_partials(cache: RepoCache, item: FetchItem) -> None:
+    """After a hub download the peer partials of that blob are useless: delete them (only if
+    no other fetch holds the artifact's lock)."""
+    try:
+        with exclusive_lock(cache.lock_path(item.sha256)):
+            for partial in find_partials(cache.blob_path(item.sha256)):
+                with contextlib.suppress(FileNotFoundError):
+                    partial.unlink()
+    except LockBusy:
+        pass
+

@@ -1,0 +1,254 @@
+"""The serving side: the ``skippy-stage/2`` kind 0x03 stream handler (issue #8 section 3).
+
+Per stream: read one request frame (``RequestReader``, bounded, within the handshake
+timeout), take a serving slot (per link and per node), let ``ArtifactServer.serve`` decide and
+open the file on a worker thread, send the response header, then the body in bounded chunks
+(``pread`` on a thread), each send bounded by the write-idle timeout and, when configured, paced
+by the node's upload rate. The peer hears one generic sentence for every refusal; the log and
+the counters get the precise reason.
+
+Memory per request is bounded by what is in flight: one chunk read, and what the stream's flow
+control lets queue (the peer's credit, <= its 4 MiB window). ``PER_LINK`` and ``PER_NODE`` bound
+how many requests are served at once; a request that cannot get a slot within the idle timeout
+is refused as busy (the requester may retry), so waiting requests hold nothing but a task, and
+a link holds at most ``Limits.max_streams_per_link`` of those.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Final
+
+import trio
+
+from mesh_node.errors import MeshError, StreamStalled
+from mesh_node.identity import short_id
+from mesh_node.link import MeshStream
+from mesh_node.peers import InboundStream
+from mesh_node.transfer.policy import node_policy, peer_facts
+from mesh_node.transfer.records import TransferLog
+from skippy.errors import SkippyError
+from skippy.package.topology import SplitTopology
+from skippy.transfer.authorize import PEER_UNAVAILABLE
+from skippy.transfer.errors import ArtifactWireError
+from skippy.transfer.policy import NodePolicy
+from skippy.transfer.serve import ArtifactServer, ServeOutcome, refuse_malformed
+from skippy.transfer.wire import ArtifactRequest, ArtifactResponse, RequestReader, encode_response
+
+if TYPE_CHECKING:
+    from mesh_node.node import MeshNode
+
+log = logging.getLogger("mesh_node.transfer.serve")
+
+CHUNK_BYTES: Final = 1024 * 1024  # one pread (thread) and one send per MiB
+PER_LINK: Final = 4  # requests served at once to one peer (a worker fetches <= 4 at a time)
+PER_NODE: Final = 16  # requests served at once by this node
+# Said to a requester that got no slot in time: not an authorization answer, it may retry.
+PEER_BUSY: Final = "artifact server busy"
+
+
+class RateLimit:
+    """Paces bytes to ``bytes_per_s`` over every request of the node (0: no limit)."""
+
+    def __init__(self, bytes_per_s: int) -> None:
+        self.bytes_per_s = bytes_per_s
+        self._free_at = 0.0  # trio clock: when the link is ours again
+
+    async def take(self, n: int) -> None:
+        if self.bytes_per_s <= 0:
+            return
+        now = trio.current_time()
+        start = max(self._free_at, now)
+        self._free_at = start + n / self.bytes_per_s
+        await trio.sleep_until(start)
+
+
+class ArtifactHandler:
+    """``node.register_subprotocol(KIND_ARTIFACT_TRANSFER, handler)``: one call per stream."""
+
+    def __init__(
+        self,
+        node: MeshNode,
+        server: ArtifactServer,
+        records: TransferLog,
+        *,
+        per_link: int = PER_LINK,
+        per_node: int = PER_NODE,
+        chunk_bytes: int = CHUNK_BYTES,
+    ) -> None:
+        self.node = node
+        self.server = server
+        self.records = records
+        self.per_link = per_link
+        self.node_slots = trio.CapacityLimiter(per_node)
+        self.chunk_bytes = chunk_bytes
+        self.rate = RateLimit(node.settings.artifact_serve_bytes_per_s)
+        self._link_slots: dict[str, trio.CapacityLimiter] = {}
+        self._warm: dict[str, trio.Event] = {}
+
+    # --- warming ----------------------------------------------------------------------------
+    async def warm(self, topology: SplitTopology) -> None:
+        """Verify the topology's package once (single flight) so requests are answered from
+        the verification cache. A problem is logged; requests then refuse what is wrong."""
+        tid = topology.topology_id
+        done = self._warm.get(tid)
+        if done is not None:
+            await done.wait()
+            return
+        done = self._warm[tid] = trio.Event()
+        for old in [k for k in self._warm if k != tid]:
+            self._warm.pop(old).set()
+        try:
+            report = await trio.to_thread.run_sync(self.server.warm, topology)
+            log.info(
+                "topology %s: package verified for serving (%d hashed, %d cached)",
+                tid,
+                report.hashed,
+                report.cached,
+            )
+        except SkippyError as exc:
+            log.warning("topology %s: cannot verify the package for serving: %s", tid, exc)
+        finally:
+            done.set()
+
+    # --- one stream ---------------------------------------------------------------------------
+    async def __call__(self, inbound: InboundStream) -> None:
+        stream, peer = inbound.stream, inbound.peer
+        policy = node_policy(self.node.settings, self.node.identity, self.node.wall_clock())
+        request = await self._read_request(stream, policy)
+        if request is None:
+            return
+        if isinstance(request, ServeOutcome):  # malformed: answered with the broken rule
+            await self._refuse(stream, request, peer.node_id)
+            return
+        link_slots = self._link_slots.setdefault(peer.node_id, trio.CapacityLimiter(self.per_link))
+        if not await self._acquire(link_slots):
+            await self._busy(stream, peer.node_id, request)
+            return
+        try:
+            if not await self._acquire(self.node_slots):
+                await self._busy(stream, peer.node_id, request)
+                return
+            try:
+                await self._serve(stream, inbound, policy, request)
+            finally:
+                self.node_slots.release()
+        finally:
+            link_slots.release()
+            stats = link_slots.statistics()
+            if stats.borrowed_tokens == 0 and stats.tasks_waiting == 0:
+                self._link_slots.pop(peer.node_id, None)
+
+    async def _read_request(
+        self, stream: MeshStream, policy: NodePolicy
+    ) -> ArtifactRequest | ServeOutcome | None:
+        reader = RequestReader()
+        timeout = self.node.timeouts.handshake_s
+        try:
+            with trio.fail_after(timeout):
+                while True:
+                    data = await stream.receive_some()
+                    if not data:
+                        reader.eof()  # raises: the stream ended inside the request
+                    request = reader.feed(data)
+                    if request is not None:
+                        return request
+        except ArtifactWireError as exc:
+            return refuse_malformed(policy, exc)
+        except trio.TooSlowError:
+            stream.reset("timeout", "no complete request within the handshake timeout")
+            return None
+
+    async def _acquire(self, slots: trio.CapacityLimiter) -> bool:
+        with trio.move_on_after(self.node.timeouts.idle_s):
+            await slots.acquire()
+            return True
+        return False
+
+    async def _busy(self, stream: MeshStream, peer_id: str, request: ArtifactRequest) -> None:
+        log.info(
+            "busy: not serving %s to %s (no slot within the idle timeout)",
+            request.relative_path,
+            short_id(peer_id),
+        )
+        self.records.counters.refusals["server_busy"] += 1
+        await self._send_header(stream, encode_response(ArtifactResponse.refusal(PEER_BUSY)))
+
+    async def _refuse(self, stream: MeshStream, outcome: ServeOutcome, peer_id: str) -> None:
+        d = outcome.decision
+        # Precise in the log, generic to the peer (skippy.transfer.authorize).
+        log.info("refused %s: %s (%s) %s", short_id(peer_id), d.reason, d.detail, d.to_log())
+        self.records.counters.refusals[d.reason] += 1
+        await self._send_header(stream, outcome.header)
+
+    async def _send_header(self, stream: MeshStream, header: bytes) -> None:
+        with trio.move_on_after(self.node.timeouts.idle_s):
+            await stream.send_all(header)
+            await stream.send_eof()
+
+    async def _serve(
+        self,
+        stream: MeshStream,
+        inbound: InboundStream,
+        policy: NodePolicy,
+        request: ArtifactRequest,
+    ) -> None:
+        active = self.node.topology.active
+        topology = active.topology if active is not None else None
+        if active is not None and active.role == "coordinator" and policy.mode != "disabled":
+            await self.warm(active.topology)
+        outcome = await trio.to_thread.run_sync(
+            self.server.serve, policy, peer_facts(inbound.peer), topology, request
+        )
+        body = outcome.body
+        if body is None:
+            await self._refuse(stream, outcome, inbound.peer.node_id)
+            return
+        peer_id = inbound.peer.node_id
+        counters = self.records.counters
+        rec = self.records.start(
+            "serve",
+            request.relative_path,
+            total=outcome.response.total_size,
+            peer_id=peer_id,
+            offset=request.offset,
+        )
+        counters.served_requests += 1
+        counters.serving_now += 1
+        counters.serving_peak = max(counters.serving_peak, counters.serving_now)
+        log.info("serving %s from byte %d to %s", request.relative_path, request.offset, peer_id)
+        idle = self.node.timeouts.idle_s
+        error: str | None = "cancelled"
+        try:
+            await self._send_within(stream, outcome.header, idle)
+            while True:
+                chunk = await trio.to_thread.run_sync(body.read, self.chunk_bytes)
+                if not chunk:
+                    break
+                await self.rate.take(len(chunk))
+                await self._send_within(stream, chunk, idle)
+                rec.bytes_done += len(chunk)
+                counters.served_bytes += len(chunk)
+            await stream.send_eof()
+            with trio.move_on_after(idle):
+                await stream.receive_some()  # the requester's end of stream (or its reset)
+            error = None
+        except SkippyError as exc:  # our file went wrong under us: the peer keeps its partial
+            error = exc.code
+            if not isinstance(exc, MeshError):
+                log.warning("serving %s failed: %s", request.relative_path, exc)
+                stream.reset("artifact_unavailable", PEER_UNAVAILABLE)
+            else:
+                log.info("serving %s to %s ended: %s", request.relative_path, peer_id[:12], exc)
+        finally:
+            body.close()
+            counters.serving_now -= 1
+            self.records.finish(rec, verified=error is None, error=error)
+
+    async def _send_within(self, stream: MeshStream, data: bytes, idle_s: float) -> None:
+        """One send that must make progress within the write-idle timeout."""
+        with trio.move_on_after(idle_s) as scope:
+            await stream.send_all(data)
+        if scope.cancelled_caught:
+            stream.reset("stalled", "the requester read nothing within the idle timeout")
+            raise StreamStalled("the requester read nothing within the idle timeout")

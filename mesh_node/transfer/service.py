@@ -1,0 +1,178 @@
+"""Peer artifact transfer wired into a node (issue #8): serving, fetching, the ready report.
+
+- Serving: the kind 0x03 handler is registered exactly when ``would_serve`` (the same
+  decision that sets the ``artifact-transfer`` feature bit, ``MeshNode.features``); when this
+  node coordinates a new topology it verifies the package once (``ArtifactHandler.warm``).
+- Fetching: on every new topology in which this node holds a stage, the previous fetch is
+  cancelled (its partials stay for a resume) and ``StageFetcher.fetch_stage`` runs.
+- Reporting: when the stage is installed and verified, the node reports ``StageReady`` with
+  its descriptor to the coordinator over a control stream (kind 0x01), or records it
+  directly when it is the coordinator; a failed fetch is reported too, with its code.
+
+For issue #10: ``result`` is the last ready stage (its ``StageLoad`` for the runtime), and
+``ready_hook`` (if set) runs between "installed and verified" and the report: it can load the
+stage into a runtime and return the descriptor extended into the admission descriptor.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Final
+
+import trio
+
+from mesh_node.errors import MeshError
+from mesh_node.node import MeshNode
+from mesh_node.topology import ActiveTopology
+from mesh_node.transfer.fetch import StageFetcher, StageResult
+from mesh_node.transfer.policy import node_policy
+from mesh_node.transfer.serve import ArtifactHandler
+from protocol import constants as pc
+from protocol.errors import ProtocolError
+from protocol.messages import StageReady, TopologyAck, decode_control_message
+from skippy.config import Environment
+from skippy.consume.verify import VerifyCache
+from skippy.errors import SkippyError
+from skippy.stage.descriptor import StageDescriptor
+from skippy.transfer.policy import would_serve
+from skippy.transfer.serve import ArtifactServer
+
+log = logging.getLogger("mesh_node.transfer")
+REPORT_ATTEMPTS: Final = 3
+ReadyHook = Callable[[StageResult], Awaitable[StageDescriptor]]
+
+
+class ArtifactService:
+    def __init__(
+        self,
+        node: MeshNode,
+        env: Environment,
+        *,
+        server: ArtifactServer | None = None,
+        verify_cache: VerifyCache | None = None,
+    ) -> None:
+        self.node = node
+        self.records = node.transfers
+        vc = verify_cache if verify_cache is not None else VerifyCache.under(env.skippy_cache_dir)
+        self.server = server or ArtifactServer(node.settings.hub_cache_dir, verify_cache=vc)
+        self.handler = ArtifactHandler(node, self.server, self.records)
+        self.fetcher = StageFetcher(node, env, self.records, verify_cache=vc)
+        policy = node_policy(node.settings, node.identity, node.wall_clock())
+        self.serving = would_serve(policy)
+        if self.serving:
+            node.register_subprotocol(pc.KIND_ARTIFACT_TRANSFER, self.handler)
+        self.result: StageResult | None = None
+        self.ready_hook: ReadyHook | None = None
+        self._nursery: trio.Nursery | None = None
+        self._topology_id: str | None = None
+        self._job: trio.CancelScope | None = None
+
+    async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Follow the node's topology until cancelled."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            while True:  # a subscriber that fell behind is closed: subscribe again
+                async with self.node.subscribe() as events:
+                    self._follow()
+                    async for _event in events:
+                        self._follow()
+
+    def _follow(self) -> None:
+        """React to the active topology as it is now (events only say that it changed)."""
+        active = self.node.topology.active
+        tid = active.topology.topology_id if active is not None else None
+        if tid == self._topology_id:
+            return
+        self._topology_id = tid
+        if self._job is not None:
+            self._job.cancel()
+            self._job = None
+        if active is None or self._nursery is None:
+            return
+        if self.serving and active.role == "coordinator":
+            self._nursery.start_soon(self.handler.warm, active.topology)
+        if active.topology.stage_of(self.node.node_id) is not None:
+            self._job = trio.CancelScope()
+            self._nursery.start_soon(self._fetch_and_report, active, self._job)
+
+    async def _fetch_and_report(self, active: ActiveTopology, scope: trio.CancelScope) -> None:
+        topology = active.topology
+        with scope:
+            log.info("topology %s: fetching this node's stage", topology.topology_id)
+            try:
+                result = await self.fetcher.fetch_stage(active)
+                descriptor = result.descriptor
+                if self.ready_hook is not None:
+                    descriptor = await self.ready_hook(result)
+            except SkippyError as exc:
+                log.warning("topology %s: stage not ready: %s", topology.topology_id, exc)
+                await self._report_failure(active, exc.code)
+                return
+            except Exception:  # a bug here must not take the node down (as a link's handler)
+                log.exception("topology %s: fetching the stage failed", topology.topology_id)
+                state = self.records.stage
+                if state is not None and state.topology_id == topology.topology_id:
+                    state.state, state.error = "failed", "internal_error"
+                await self._report_failure(active, "internal_error")
+                return
+            self.result = result
+            log.info(
+                "topology %s: stage %d ready (%d artifacts, %d bytes)",
+                topology.topology_id,
+                result.stage.stage_index,
+                descriptor.artifact_count,
+                descriptor.artifact_bytes,
+            )
+            await self._report(
+                active,
+                StageReady(
+                    topology.topology_id, result.stage.stage_id, True, descriptor.to_dict()
+                ),
+            )
+
+    async def _report_failure(self, active: ActiveTopology, code: str) -> None:
+        stage_id = _stage_id(active, self.node.node_id)
+        tid = active.topology.topology_id
+        await self._report(active, StageReady(tid, stage_id, False, None, code, "stage failed"))
+
+    async def _report(self, active: ActiveTopology, report: StageReady) -> None:
+        answer = await self._send_report(active, report)
+        state = self.records.stage
+        if state is not None and state.topology_id == report.topology_id:
+            state.report = answer
+        log.info("topology %s: ready report answered %s", report.topology_id, answer)
+
+    async def _send_report(self, active: ActiveTopology, report: StageReady) -> str:
+        coordinator = active.coordinator_id
+        if coordinator == self.node.node_id:
+            return _answer(self.node.topology.record_stage(coordinator, report))
+        timeouts = self.node.timeouts
+        for _ in range(REPORT_ATTEMPTS):
+            try:
+                with trio.fail_after(timeouts.handshake_s + timeouts.idle_s):
+                    stream = await self.node.open_stream(coordinator, pc.KIND_CONTROL)
+                    async with stream:
+                        await stream.send_message(report.encode())
+                        await stream.send_eof()
+                        reply = await stream.receive_message()
+                if reply is None:
+                    return "no answer"
+                ack = decode_control_message(reply, self.node.limits)
+                if not isinstance(ack, TopologyAck):
+                    return "unexpected answer"
+                return _answer(ack)
+            except (MeshError, ProtocolError, trio.TooSlowError) as exc:
+                log.info("ready report to %s failed: %s", coordinator[:12], exc)
+                await self.fetcher.wait_for_link(coordinator)
+        return "unreachable"
+
+
+def _answer(ack: TopologyAck) -> str:
+    return "accepted" if ack.accepted else f"refused: {ack.code}"
+
+
+def _stage_id(active: ActiveTopology, node_id: str) -> str:
+    stage = active.topology.stage_of(node_id)
+    return stage.stage_id if stage is not None else "none"

@@ -1,0 +1,1 @@
+"""A stage of a split as a node reports it to its coordinator (the ready report's descriptor)."""

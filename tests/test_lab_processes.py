@@ -1,0 +1,273 @@
+"""``mesh-node lab`` and peer transfer faults with real ``mesh-node run`` processes (issue #8
+sections 5 and 6): the gemma3 split entirely from the peer ("Done when"), refusals and hub
+fallback (``--transfer disabled``, ``--foreign-owner 1``), a coordinator killed mid-transfer and
+restarted (the worker resumes its partial), a stalled coordinator (the hub takes over), a worker
+restarted after completion (nothing fetched again), and Ctrl-C stopping every node."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import synth_gguf
+import trio
+from pkgtools import make_package
+
+from mesh_node.lab.run import Lab, LabOptions, open_lab
+
+MESH = [sys.executable, "-m", "mesh_node"]
+# Short timeouts: loopback nodes on a loaded machine still answer within these.
+FAST = {
+    "heartbeat_interval_s": 0.2,
+    "peer_loss_timeout_s": 2.0,
+    "idle_timeout_s": 2.0,
+    "handshake_timeout_s": 2.0,
+}
+
+
+def lab_cli(*args: str, timeout: float = 300) -> tuple[int, dict[str, Any]]:
+    out = subprocess.run(
+        [*MESH, "lab", *args, "--json"], capture_output=True, text=True, timeout=timeout
+    )
+    assert "Traceback" not in out.stderr, out.stderr
+    return out.returncode, json.loads(out.stdout)
+
+
+def worker_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
+    return [n for n in report["nodes"] if n["role"] == "worker"]
+
+
+@pytest.fixture(scope="module")
+def tiny_package(synth_dir, tmp_path_factory) -> Path:  # type: ignore[no-untyped-def]
+    pkg = tmp_path_factory.mktemp("lab") / "tiny-layers"
+    make_package(synth_dir.gemma, pkg, projectors=(synth_dir.projector,))
+    return pkg
+
+
+@pytest.fixture(scope="module")
+def big_package(tmp_path_factory) -> Path:  # type: ignore[no-untyped-def]
+    """~32 MiB: layers of ~3 MiB, several 1 MiB serving chunks each (a transfer can be cut)."""
+    root = tmp_path_factory.mktemp("lab-big")
+    source = synth_gguf.big(root / "big.gguf", 32 << 20)
+    make_package(source, root / "big-layers", model_id="acme/big-GGUF:Q8_0")
+    return root / "big-layers"
+
+
+@pytest.mark.slow
+def test_done_when_gemma3_on_three_nodes_every_worker_part_from_the_peer(gemma_gguf, tmp_path):
+    pkg = tmp_path / "gemma-3-270m-layers"
+    make_package(gemma_gguf, pkg, model_id="google/gemma-3-270m-GGUF:Q4_K_M")
+    code, report = lab_cli("--nodes", "3", "--package", str(pkg))
+    assert code == 0 and report["ok"], report["problems"]
+    workers = worker_rows(report)
+    assert len(workers) == 2
+    for w in workers:
+        assert w["state"] == "ready" and w["report"] == "accepted" and w["exact"]
+        assert w["artifacts"] and all(
+            a["source"] == "peer" and a["verified"] for a in w["artifacts"]
+        )
+    assert report["totals"]["hub_bytes"] == 0 and report["totals"]["peer_bytes"] > 100e6
+    assert report["coordinator"]["refusals"] == {}
+
+
+def test_transfer_disabled_workers_use_the_hub_and_end_verified(tiny_package):
+    code, report = lab_cli("--nodes", "3", "--package", str(tiny_package), "--transfer", "disabled")
+    assert code == 0 and report["ok"], report["problems"]
+    for w in worker_rows(report):
+        assert w["exact"] and all(
+            a["source"] == "hub" and a["verified"] and a["fallback"] == "not_advertised"
+            for a in w["artifacts"]
+        )
+    assert report["totals"]["peer_bytes"] == 0 and report["coordinator"]["served_bytes"] == 0
+
+
+def test_a_foreign_owner_is_refused_and_falls_back_to_the_hub(tiny_package):
+    code, report = lab_cli("--nodes", "3", "--package", str(tiny_package), "--foreign-owner", "1")
+    assert code == 0 and report["ok"], report["problems"]
+    own, foreign = worker_rows(report)
+    assert own["owner"] == "primary" and foreign["owner"] == "foreign"
+    assert foreign["owner_id"] != own["owner_id"]
+    assert all(a["source"] == "peer" and a["verified"] for a in own["artifacts"])
+    assert all(
+        a["source"] == "hub" and a["verified"] and a["fallback"] == "refused: artifact unavailable"
+        for a in foreign["artifacts"]
+    )
+    # refused generically to the peer, precisely in the coordinator's counters
+    assert report["coordinator"]["refusals"] == {"peer_owner_untrusted": len(foreign["artifacts"])}
+
+
+# --- faults with processes ----------------------------------------------------------------------
+def options(package: Path, root: Path, **kw: Any) -> LabOptions:
+    config = {**FAST, **kw.pop("node_config", {})}
+    return LabOptions(
+        nodes=2, package=str(package), transfer="open", root=root / "lab",
+        node_config=config, timeout_s=60, **kw,
+    )
+
+
+async def propose(lab: Lab) -> dict[str, Any]:
+    response = await lab.cluster.coordinator.request(
+        {"op": "topology", "package": lab.package.ref, "stages": None, "include_self": True},
+        timeout_s=30,
+    )
+    topology: dict[str, Any] = response["topology"]
+    return topology
+
+
+async def worker_stage(lab: Lab, topology_id: str, states: tuple[str, ...]) -> dict[str, Any]:
+    """The worker's status once its stage for ``topology_id`` is in one of ``states``."""
+    worker = lab.cluster.nodes[1]
+    with trio.fail_after(60):
+        while True:
+            status = await worker.status()
+            stage = status["transfers"]["stage"] or {}
+            if stage.get("topology_id") == topology_id and stage.get("state") in states:
+                return status
+            await trio.sleep(0.05)
+
+
+def fetches(status: dict[str, Any]) -> list[dict[str, Any]]:
+    return [r for r in status["transfers"]["recent"] if r["direction"] == "fetch"]
+
+
+async def test_a_coordinator_killed_mid_transfer_is_resumed_after_its_restart(
+    big_package, tmp_path
+):
+    opts = options(
+        big_package,
+        tmp_path,
+        node_config={"artifact_serve_bytes_per_s": 8_000_000},
+        node_env={1: {"HF_HUB_OFFLINE": "1"}},  # no hub: only the coordinator can finish it
+    )
+    async with open_lab(opts) as lab:
+        coordinator, worker = lab.cluster.nodes
+        first = await propose(lab)
+        with trio.fail_after(60):  # until the worker holds part of an artifact
+            while not any(
+                r["direction"] == "fetch" and 0 < r["bytes_done"] < (r["total"] or 0)
+                for r in (await worker.status())["transfers"]["active"]
+            ):
+                await trio.sleep(0.02)
+        assert await lab.cluster.stop(0, signal.SIGKILL) == -signal.SIGKILL
+        failed = await worker_stage(lab, first["topology_id"], ("failed",))
+        assert failed["transfers"]["stage"]["error"] is not None  # clear error, nothing installed
+        await lab.cluster.start(0)  # same identity, port and cache
+        await lab.cluster.wait_meshed(30)
+        second = await propose(lab)
+        done = await worker_stage(lab, second["topology_id"], ("ready", "failed"))
+        assert done["transfers"]["stage"]["state"] == "ready"
+        latest = {}
+        for rec in reversed(fetches(done)):
+            latest[rec["path"]] = rec
+        resumed = [r for r in latest.values() if r["source"] == "peer" and r["resumed_from"] > 0]
+        assert resumed, latest  # at least the cut artifact continued from its partial
+        served = (await coordinator.status())["transfers"]["counters"]["served_bytes"]
+        stage_bytes = done["transfers"]["stage"]["bytes_required"]
+        assert served < stage_bytes  # the restarted coordinator did not send it all again
+        stage = next(s for s in second["stages"] if s["node_id"] == lab.cluster.nodes[1].node_id)
+        check = lab.check_cache(lab.cluster.nodes[1], stage)
+        assert check.exact, check
+
+
+async def test_a_stalled_coordinator_is_left_for_the_hub(big_package, tmp_path):
+    opts = options(big_package, tmp_path, node_config={"artifact_serve_bytes_per_s": 8_000_000})
+    async with open_lab(opts) as lab:
+        coordinator = lab.cluster.coordinator
+        topology = await propose(lab)
+        with trio.fail_after(60):
+            while not any(
+                r["direction"] == "serve" and 0 < r["bytes_done"] < r["total"]
+                for r in (await coordinator.status())["transfers"]["active"]
+            ):
+                await trio.sleep(0.02)
+        lab.cluster.send_signal(0, signal.SIGSTOP)
+        try:
+            done = await worker_stage(lab, topology["topology_id"], ("ready", "failed"))
+        finally:
+            lab.cluster.send_signal(0, signal.SIGCONT)
+        assert done["transfers"]["stage"]["state"] == "ready"
+        recs = fetches(done)
+        from_hub = [r for r in recs if r["source"] == "hub" and r["verified"]]
+        assert from_hub and all(r["fallback"] for r in from_hub)
+        stage = next(s for s in topology["stages"] if s["node_id"] == lab.cluster.nodes[1].node_id)
+        assert lab.check_cache(lab.cluster.nodes[1], stage).exact
+
+
+async def test_a_worker_restarted_after_completion_fetches_nothing(tiny_package, tmp_path):
+    async with open_lab(options(tiny_package, tmp_path)) as lab:
+        first = await propose(lab)
+        await worker_stage(lab, first["topology_id"], ("ready",))
+        coordinator = lab.cluster.coordinator
+        served = (await coordinator.status())["transfers"]["counters"]["served_bytes"]
+        assert served > 0
+        assert await lab.cluster.stop(1) == 0
+        await lab.cluster.start(1)
+        await lab.cluster.wait_meshed(30)
+        second = await propose(lab)
+        done = await worker_stage(lab, second["topology_id"], ("ready",))
+        counters = done["transfers"]["counters"]
+        assert counters["fetched_bytes"]["peer"] == 0 and counters["fetched_bytes"]["hub"] == 0
+        assert {r["source"] for r in fetches(done)} == {"cache"}
+        after = (await coordinator.status())["transfers"]["counters"]["served_bytes"]
+        assert after == served
+        worker = lab.cluster.nodes[1]
+        text = await trio.to_thread.run_sync(
+            lambda: subprocess.run(
+                [*MESH, "status", "--config", str(worker.config_path)],
+                capture_output=True, text=True, timeout=60,
+            )
+        )
+        assert text.returncode == 0 and "ready, report accepted" in text.stdout
+        assert "fetched peer 0 hub 0" in text.stdout
+
+
+def _processes_under(root: Path) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if str(root).encode() in cmdline:
+                pids.append(int(entry))
+    return pids
+
+
+def test_ctrl_c_stops_every_node(big_package, tmp_path):
+    root = tmp_path / "lab"
+    proc = subprocess.Popen(
+        [*MESH, "lab", "--nodes", "3", "--package", str(big_package), "--dir", str(root)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not (root / "n1" / "stdout").exists() or not (
+            (root / "n1" / "stdout").read_text().startswith("listening")
+        ):
+            assert time.monotonic() < deadline and proc.poll() is None, proc.stderr
+            time.sleep(0.02)
+        assert len(_processes_under(root)) >= 2  # nodes are running
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    assert _processes_under(root) == []
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_nodes(tmp_path: Path) -> Iterator[None]:
+    yield
+    assert _processes_under(tmp_path) == []
