@@ -4,13 +4,14 @@ Two sources, so that other components need no metrics code where state already t
 
 - **State, read at scrape time**: ``status_families(doc)`` turns the status document (the one
   ``mesh_node.peers.status_document``) into metric families: peers by trust status, link bytes
-  in/out, topology stages ready, transfers in progress, uptime. Pure; nothing to increment.
-- **Events that leave no state behind**, counted where they happen through the node's one
-  ``NodeMetrics`` (``node.metrics``): artifact bytes served and fetched by source, verification
-  failures, transfer refusals by reason (issue #8's shell calls these), requests, tokens and
-  latencies (issue #10's serving calls ``request()``). ``NodeMetrics`` also renders its counts
-  for the status document (``transfer_counters()``, ``serving_status()``) so the page and
-  ``/metrics`` read one count.
+  in/out, topology stages ready, and issue #8's transfer counters (artifact bytes served and
+  fetched by source, verification failures, refusals by reason), transfers in progress, the
+  stage's readiness, uptime. Pure; nothing to increment.
+- **Events that leave no state behind**, observed where they happen through the node's one
+  ``NodeMetrics`` (``node.metrics``): the duration of each finished artifact transfer (the
+  transfer log calls ``transfer_finished``), and issue #10's requests, tokens and latencies
+  (``request()``). ``serving_status()`` renders the serving counts for the status document, so
+  the page and ``/metrics`` read one count.
 
 Names follow Prometheus conventions: ``mesh_node_`` prefix, base units in the name
 (``_bytes``, ``_seconds``), ``_total`` on counters. Every labelled family is emitted with all
@@ -27,7 +28,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import trio
 from prometheus_client.metrics_core import (
@@ -39,11 +40,11 @@ from prometheus_client.metrics_core import (
 )
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from mesh_node.transfer.records import SOURCES, Direction, TransferRecord
 from skippy.transfer.authorize import REFUSAL_REASONS
 
 PREFIX = "mesh_node"
-FetchSource = Literal["peer", "hub", "cache"]
-FETCH_SOURCES: tuple[FetchSource, ...] = ("peer", "hub", "cache")
+DIRECTIONS: tuple[str, ...] = get_args(Direction)
 RequestOutcome = Literal["ok", "error", "cancelled", "rejected"]
 REQUEST_OUTCOMES: tuple[RequestOutcome, ...] = ("ok", "error", "cancelled", "rejected")
 OTHER_REASON = "other"  # a refusal reason outside authorize.REFUSAL_REASONS (keeps labels bounded)
@@ -69,12 +70,20 @@ class _Histogram:
         self.counts[bisect.bisect_left(self.bounds, value)] += 1
         self.sum += value
 
-    def family(self, name: str, documentation: str) -> HistogramMetricFamily:
+    def _buckets(self) -> list[tuple[str, float]]:
         cumulative, buckets = 0, []
         for bound, count in zip((*map(str, self.bounds), "+Inf"), self.counts, strict=True):
             cumulative += count
             buckets.append((bound, float(cumulative)))
-        return HistogramMetricFamily(name, documentation, buckets=buckets, sum_value=self.sum)
+        return buckets
+
+    def family(self, name: str, documentation: str) -> HistogramMetricFamily:
+        return HistogramMetricFamily(
+            name, documentation, buckets=self._buckets(), sum_value=self.sum
+        )
+
+    def add_to(self, family: HistogramMetricFamily, labels: list[str]) -> None:
+        family.add_metric(labels, self._buckets(), self.sum)
 
 
 @dataclass
@@ -104,12 +113,7 @@ class NodeMetrics:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._lock = threading.Lock()
-        self.served_bytes = 0
-        self.fetched_bytes: dict[str, int] = dict.fromkeys(FETCH_SOURCES, 0)
-        self.fetched_artifacts: dict[str, int] = dict.fromkeys(FETCH_SOURCES, 0)
-        self.verification_failures: dict[str, int] = dict.fromkeys(FETCH_SOURCES, 0)
-        self.refusals: dict[str, int] = dict.fromkeys(sorted(REFUSAL_REASONS | {OTHER_REASON}), 0)
-        self.transfer_seconds = _Histogram(TRANSFER_BUCKETS_S)
+        self.transfer_seconds = {d: _Histogram(TRANSFER_BUCKETS_S) for d in DIRECTIONS}
         self.requests: dict[str, int] = dict.fromkeys(REQUEST_OUTCOMES, 0)
         self.requests_in_flight = 0
         self.prompt_tokens = 0
@@ -120,43 +124,13 @@ class NodeMetrics:
         self._recent_ttft: deque[float] = deque(maxlen=RECENT_TTFT)
 
     # --- artifact transfer (issue #8) ----------------------------------------------------------
-    def artifact_served(self, nbytes: int) -> None:
-        """This node sent ``nbytes`` of artifact body to a peer."""
+    def transfer_finished(self, record: TransferRecord) -> None:
+        """A transfer ended (``TransferLog.on_finish``): its duration, when bytes moved and
+        were verified (a file found installed is not a transfer)."""
+        if record.source == "cache" or not record.verified:
+            return
         with self._lock:
-            self.served_bytes += nbytes
-
-    def artifact_fetched(
-        self, source: FetchSource, nbytes: int, duration_s: float | None = None
-    ) -> None:
-        """One artifact of ``nbytes`` was installed verified from ``source`` (``cache``: it was
-        already present and verified, nothing moved)."""
-        with self._lock:
-            self.fetched_bytes[source] += nbytes
-            self.fetched_artifacts[source] += 1
-            if duration_s is not None and source != "cache":
-                self.transfer_seconds.observe(duration_s)
-
-    def verification_failed(self, source: FetchSource) -> None:
-        """Bytes from ``source`` did not match the manifest's size or SHA-256."""
-        with self._lock:
-            self.verification_failures[source] += 1
-
-    def transfer_refused(self, reason: str) -> None:
-        """This node refused a peer's artifact request (``Decision.reason``)."""
-        key = reason if reason in self.refusals else OTHER_REASON
-        with self._lock:
-            self.refusals[key] += 1
-
-    def transfer_counters(self) -> dict[str, Any]:
-        """The counts above as plain data (for the status document's ``transfers``)."""
-        with self._lock:
-            return {
-                "served_bytes": self.served_bytes,
-                "fetched_bytes": dict(self.fetched_bytes),
-                "fetched_artifacts": dict(self.fetched_artifacts),
-                "verification_failures": dict(self.verification_failures),
-                "refusals": {k: v for k, v in self.refusals.items() if v},
-            }
+            self.transfer_seconds[record.direction].observe(record.duration_s())
 
     # --- serving (issue #10) ---------------------------------------------------------------------
     @contextmanager
@@ -218,44 +192,14 @@ class NodeMetrics:
     # --- prometheus_client Collector -------------------------------------------------------------
     def collect(self) -> Iterable[Metric]:
         with self._lock:
-            served = CounterMetricFamily(
-                f"{PREFIX}_artifact_served_bytes",
-                "Artifact bytes this node sent to peers",
-                value=self.served_bytes,
-            )
-            fetched = _by_label(
-                CounterMetricFamily,
-                f"{PREFIX}_artifact_fetched_bytes",
-                "Artifact bytes installed verified on this node, by source (cache: already "
-                "present)",
-                "source",
-                self.fetched_bytes,
-            )
-            artifacts = _by_label(
-                CounterMetricFamily,
-                f"{PREFIX}_artifact_fetched",
-                "Artifacts installed verified on this node, by source",
-                "source",
-                self.fetched_artifacts,
-            )
-            failures = _by_label(
-                CounterMetricFamily,
-                f"{PREFIX}_artifact_verification_failures",
-                "Artifacts whose bytes did not match the manifest's size or SHA-256, by source",
-                "source",
-                self.verification_failures,
-            )
-            refusals = _by_label(
-                CounterMetricFamily,
-                f"{PREFIX}_artifact_transfer_refusals",
-                "Artifact requests this node refused, by reason",
-                "reason",
-                self.refusals,
-            )
-            transfer_hist = self.transfer_seconds.family(
+            transfer_hist = HistogramMetricFamily(
                 f"{PREFIX}_artifact_transfer_duration_seconds",
-                "Time to fetch, verify and install one artifact from a peer or the hub",
+                "Time one verified artifact transfer took (fetch: from a peer or the hub, "
+                "verified and installed; serve: sent to a peer), by direction",
+                labels=["direction"],
             )
+            for direction, hist in self.transfer_seconds.items():
+                hist.add_to(transfer_hist, [direction])
             requests = _by_label(
                 CounterMetricFamily,
                 f"{PREFIX}_requests",
@@ -284,11 +228,6 @@ class NodeMetrics:
                 "Time from a request's arrival to its end",
             )
         return [
-            served,
-            fetched,
-            artifacts,
-            failures,
-            refusals,
             transfer_hist,
             requests,
             in_flight,
@@ -394,12 +333,6 @@ def status_families(doc: Mapping[str, Any]) -> list[Metric]:
             [],
             {"topology_id": topo["topology_id"], "role": topo["role"], "state": topo["state"]},
         )
-    transfers = doc.get("transfers") or {}
-    in_progress = GaugeMetricFamily(
-        f"{PREFIX}_artifact_transfers_in_progress",
-        "Artifact transfers to this node in progress",
-        value=len(transfers.get("in_progress") or ()),
-    )
     return [
         info,
         uptime,
@@ -411,7 +344,79 @@ def status_families(doc: Mapping[str, Any]) -> list[Metric]:
         stages,
         ready,
         topo_info,
+        *transfer_families(doc.get("transfers") or {}),
+    ]
+
+
+def transfer_families(transfers: Mapping[str, Any]) -> list[Metric]:
+    """Issue #8's ``transfers`` (``mesh_node.transfer.records.TransferLog.status()``): its
+    cumulative counters, the transfers running now and this node's stage."""
+    c = transfers.get("counters") or {}
+    served = CounterMetricFamily(
+        f"{PREFIX}_artifact_served_bytes",
+        "Artifact bytes this node sent to peers",
+        value=c.get("served_bytes", 0),
+    )
+    served_requests = CounterMetricFamily(
+        f"{PREFIX}_artifact_served_requests",
+        "Artifact requests this node accepted and served",
+        value=c.get("served_requests", 0),
+    )
+    fetched = _by_label(
+        CounterMetricFamily,
+        f"{PREFIX}_artifact_fetched_bytes",
+        "Artifact bytes in place verified on this node, by source (cache: already installed, "
+        "nothing moved)",
+        "source",
+        {**dict.fromkeys(SOURCES, 0), **(c.get("fetched_bytes") or {})},
+    )
+    failures = CounterMetricFamily(
+        f"{PREFIX}_artifact_verification_failures",
+        "Received artifact bytes (peer or hub) that failed the manifest's size or SHA-256",
+        value=c.get("verification_failures", 0),
+    )
+    refused: dict[str, int] = dict.fromkeys(sorted(REFUSAL_REASONS | {OTHER_REASON}), 0)
+    for reason, n in (c.get("refusals") or {}).items():
+        refused[reason if reason in refused else OTHER_REASON] += n
+    refusals = _by_label(
+        CounterMetricFamily,
+        f"{PREFIX}_artifact_transfer_refusals",
+        "Artifact requests this node refused, by reason",
+        "reason",
+        refused,
+    )
+    received = _by_label(
+        CounterMetricFamily,
+        f"{PREFIX}_artifact_refusals_received",
+        "Refusals this node's artifact requests got from peers, by the peer's answer",
+        "answer",
+        c.get("refusals_received") or {},
+    )
+    running: dict[str, int] = dict.fromkeys(DIRECTIONS, 0)
+    for record in transfers.get("active") or ():
+        running[record["direction"]] = running.get(record["direction"], 0) + 1
+    in_progress = _by_label(
+        GaugeMetricFamily,
+        f"{PREFIX}_artifact_transfers_in_progress",
+        "Artifact transfers running now, by direction",
+        "direction",
+        running,
+    )
+    stage = transfers.get("stage")
+    stage_ready = GaugeMetricFamily(
+        f"{PREFIX}_stage_ready",
+        "1 when this node holds its stage's artifacts, verified, for the active topology",
+        value=1 if stage is not None and stage.get("state") == "ready" else 0,
+    )
+    return [
+        served,
+        served_requests,
+        fetched,
+        failures,
+        refusals,
+        received,
         in_progress,
+        stage_ready,
     ]
 
 
