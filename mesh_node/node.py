@@ -132,10 +132,12 @@ class MeshNode:
         self.started = trio.Event()
         self._started_at: float | None = None  # trio clock, when run() began serving
         self.topology = TopologyService(self)
-        # Artifact transfers (issue #8): filled by mesh_node.transfer, shown in status().
-        self.transfers = TransferLog(wall_clock=wall_clock)
-        # Event counters other components increment (transfers, serving); /metrics reads them.
+        # Events /metrics cannot read from state (transfer durations, serving); see metrics.py.
         self.metrics = NodeMetrics()
+        # Artifact transfers (issue #8): filled by mesh_node.transfer, shown in status().
+        self.transfers = TransferLog(
+            wall_clock=wall_clock, on_finish=self.metrics.transfer_finished
+        )
 
     # --- the registration API -----------------------------------------------------------------
     def register_subprotocol(
