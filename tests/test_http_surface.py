@@ -9,6 +9,7 @@ import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
+from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
@@ -16,6 +17,7 @@ import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from httptools import arequest, get_json, read_events, status_only, without_volatile
 from meshtools import identity, settings, wait_for, with_peers
+from meshxfer import import_into, propose, start_member, wait_connected
 from prometheus_client.parser import text_string_to_metric_families
 
 from mesh_node.http import app as http_app
@@ -51,6 +53,8 @@ REQUIRED_METRICS = {
     "mesh_node_time_to_first_token_seconds": "histogram",
     "mesh_node_request_duration_seconds": "histogram",
     "mesh_node_artifact_transfer_duration_seconds": "histogram",
+    "mesh_node_artifact_transfers_in_progress": "gauge",
+    "mesh_node_stage_ready": "gauge",
 }
 
 
@@ -96,60 +100,97 @@ async def test_api_status_is_the_status_document(tmp_path):
         n.cancel_scope.cancel()
 
 
-async def test_metrics_parse_and_name_every_metric_of_the_issue(tmp_path):
-    async with trio.open_nursery() as n:
-        a, b, c = await three_nodes(n, tmp_path)
-        await a.topology.propose(package_ref=REF, manifest_sha256="ab" * 32, sizes=SIZES)
-        # The seams issue #8's transfer shell and issue #10's serving call at their events.
-        a.metrics.artifact_served(1000)
-        a.metrics.artifact_fetched("peer", 300, duration_s=0.2)
-        a.metrics.artifact_fetched("hub", 50, duration_s=1.5)
-        a.metrics.verification_failed("peer")
-        a.metrics.transfer_refused("peer_owner_untrusted")
-        a.metrics.transfer_refused("something_new")
-        with a.metrics.request(prompt_tokens=7) as req:
-            req.tokens(1)
-            req.tokens(3)
-        async with served(a) as url:
-            status, headers, body = await arequest(url + "metrics")
-            assert status == 200 and headers["content-type"].startswith("text/plain")
-        n.cancel_scope.cancel()
+def metric_families(body: bytes) -> dict[str, Any]:
+    """Parsed with prometheus_client's own text parser; every metric of the issue present."""
     families = {f.name: f for f in text_string_to_metric_families(body.decode())}
     for name, kind in REQUIRED_METRICS.items():
         assert name in families, name
         assert families[name].type == kind, (name, families[name].type)
+    return families
 
-    def value(name: str, suffix: str = "", **labels: str) -> float:
-        (v,) = [
-            s.value
-            for s in families[name].samples
-            if s.name == name + suffix and all(s.labels.get(k) == x for k, x in labels.items())
-        ]
-        return v
 
-    assert value("mesh_node_peers", trust="trusted", owner_status="verified", connected="true") == 2
+def metric(families: dict[str, Any], name: str, suffix: str = "", **labels: str) -> float:
+    (v,) = [
+        s.value
+        for s in families[name].samples
+        if s.name == name + suffix and all(s.labels.get(k) == x for k, x in labels.items())
+    ]
+    return float(v)
+
+
+async def test_metrics_of_a_real_split_with_transfers_parse_and_name_every_metric(
+    tmp_path, hub_package
+):
+    """A coordinator (trusted mode) serving a worker of its owner, and refusing a worker of
+    another owner, which falls back to the hub: real transfers, real counters."""
+    owner, stranger = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
+    hp = hub_package
+    async with trio.open_nursery() as n:
+        coord = await start_member(
+            n, tmp_path, "coord", owner, hub=hp.hub, artifact_transfer="trusted"
+        )
+        pkg = import_into(coord, hp)
+        ours = await start_member(n, tmp_path, "ours", owner, hub=hp.hub, peers=(coord.node,))
+        theirs = await start_member(
+            n, tmp_path, "theirs", stranger, hub=hp.hub, peers=(coord.node,)
+        )
+        await wait_connected([coord, ours, theirs])
+        await propose(coord, pkg)
+        await wait_for(
+            lambda: all(w.node.transfers.stage.report == "accepted" for w in (ours, theirs)), 30
+        )
+        # issue #10's seam: a served request, counted where it happens
+        with coord.node.metrics.request(prompt_tokens=7) as req:
+            req.tokens(1)
+            req.tokens(3)
+        bodies = {}
+        for m in (coord, ours, theirs):
+            async with served(m.node) as url:
+                status, headers, bodies[m.node.node_id] = await arequest(url + "metrics")
+                assert status == 200 and headers["content-type"].startswith("text/plain")
+        n.cancel_scope.cancel()
+    c = metric_families(bodies[coord.node.node_id])
     assert (
-        value("mesh_node_peers", trust="untrusted", owner_status="invalid", connected="true") == 0
+        metric(c, "mesh_node_peers", trust="trusted", owner_status="verified", connected="true")
+        == 1
     )
-    assert value("mesh_node_topology_stages") == 3 and value("mesh_node_topology_stages_ready") == 3
-    for peer in (b, c):
-        assert value("mesh_node_link_received_bytes", "_total", peer=peer.node_id) > 0
-        assert value("mesh_node_link_sent_bytes", "_total", peer=peer.node_id) > 0
-    assert value("mesh_node_artifact_served_bytes", "_total") == 1000
-    assert value("mesh_node_artifact_fetched_bytes", "_total", source="peer") == 300
-    assert value("mesh_node_artifact_fetched_bytes", "_total", source="hub") == 50
-    assert value("mesh_node_artifact_verification_failures", "_total", source="peer") == 1
     assert (
-        value("mesh_node_artifact_transfer_refusals", "_total", reason="peer_owner_untrusted") == 1
+        metric(c, "mesh_node_peers", trust="untrusted", owner_status="verified", connected="true")
+        == 1
     )
-    assert value("mesh_node_artifact_transfer_refusals", "_total", reason="other") == 1
-    assert value("mesh_node_requests", "_total", outcome="ok") == 1
-    assert value("mesh_node_tokens", "_total", kind="prompt") == 7
-    assert value("mesh_node_tokens", "_total", kind="completion") == 4
-    assert value("mesh_node_time_to_first_token_seconds", "_count") == 1
-    assert value("mesh_node_artifact_transfer_duration_seconds", "_count") == 2
-    assert value("mesh_node_artifact_transfer_duration_seconds", "_bucket", le="1.0") == 1
-    assert families["mesh_node_info"].samples[0].labels["node_id"] == a.node_id
+    assert metric(c, "mesh_node_topology_stages") == 3
+    assert metric(c, "mesh_node_topology_stages_ready") == 3  # every stage reported ready
+    for w in (ours, theirs):
+        assert metric(c, "mesh_node_link_received_bytes", "_total", peer=w.node.node_id) > 0
+    sent_to_ours = metric(c, "mesh_node_link_sent_bytes", "_total", peer=ours.node.node_id)
+    served_bytes = metric(c, "mesh_node_artifact_served_bytes", "_total")
+    assert served_bytes == ours.node.transfers.counters.fetched_bytes["peer"] > 0
+    assert sent_to_ours > served_bytes  # the artifacts crossed that link, plus framing
+    assert (
+        metric(c, "mesh_node_artifact_transfer_refusals", "_total", reason="peer_owner_untrusted")
+        > 0
+    )
+    assert (
+        metric(c, "mesh_node_artifact_transfer_duration_seconds", "_count", direction="serve") > 0
+    )
+    assert metric(c, "mesh_node_requests", "_total", outcome="ok") == 1
+    assert metric(c, "mesh_node_tokens", "_total", kind="prompt") == 7
+    assert metric(c, "mesh_node_tokens", "_total", kind="completion") == 4
+    assert metric(c, "mesh_node_time_to_first_token_seconds", "_count") == 1
+    assert c["mesh_node_info"].samples[0].labels["node_id"] == coord.node.node_id
+    o = metric_families(bodies[ours.node.node_id])
+    assert metric(o, "mesh_node_artifact_fetched_bytes", "_total", source="peer") == served_bytes
+    assert metric(o, "mesh_node_artifact_fetched_bytes", "_total", source="hub") == 0
+    assert metric(o, "mesh_node_stage_ready") == 1
+    fetches = metric(o, "mesh_node_artifact_transfer_duration_seconds", "_count", direction="fetch")
+    assert fetches == len(
+        [r for r in ours.node.status()["transfers"]["recent"] if r["source"] == "peer"]
+    )
+    t = metric_families(bodies[theirs.node.node_id])
+    assert metric(t, "mesh_node_artifact_fetched_bytes", "_total", source="hub") > 0
+    assert metric(t, "mesh_node_artifact_fetched_bytes", "_total", source="peer") == 0
+    assert sum(s.value for s in t["mesh_node_artifact_refusals_received"].samples) > 0
+    assert metric(t, "mesh_node_artifact_verification_failures", "_total") == 0
 
 
 async def test_only_get_reaches_the_node(tmp_path):

@@ -15,6 +15,7 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from mesh_node.metrics import RATE_WINDOW_S, NodeMetrics, node_registry
+from mesh_node.transfer.records import TransferLog
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -83,19 +84,46 @@ def test_request_outcomes_tokens_ttft_and_rate():
     assert got[("mesh_node_request_duration_seconds_count", ())] == 4
 
 
-def test_transfer_counters_and_unknown_refusal_reasons_stay_bounded():
+def test_transfer_durations_are_observed_as_the_transfer_log_finishes_them():
     m = NodeMetrics()
-    m.artifact_fetched("peer", 10, duration_s=0.5)
-    m.artifact_fetched("cache", 7)
-    m.transfer_refused("not_in_stage")
-    for i in range(100):
-        m.transfer_refused(f"made-up-{i}")  # no label explosion from unexpected reasons
-    counters = m.transfer_counters()
-    assert counters["fetched_bytes"] == {"peer": 10, "hub": 0, "cache": 7}
-    assert counters["refusals"] == {"not_in_stage": 1, "other": 100}
+    log = TransferLog(on_finish=m.transfer_finished)
+    fetched = log.start("fetch", "layers/layer-00000.gguf", total=10, source="peer")
+    log.finish(fetched, verified=True)
+    failed = log.start("fetch", "layers/layer-00001.gguf", total=10, source="hub")
+    log.finish(failed, verified=False, error="artifact_sha256_mismatch")
+    log.found_in_cache("shared/metadata.gguf", 5)  # nothing moved: not a transfer
+    served = log.start("serve", "layers/layer-00002.gguf", total=10, peer_id="ab" * 32)
+    log.finish(served, verified=True)
     got = samples(m, QUIET_DOC)
-    reasons = [k for k in got if k[0] == "mesh_node_artifact_transfer_refusals_total"]
-    assert len(reasons) < 40
+    name = "mesh_node_artifact_transfer_duration_seconds_count"
+    assert got[(name, (("direction", "fetch"),))] == 1
+    assert got[(name, (("direction", "serve"),))] == 1
+
+
+def test_transfer_families_read_the_documents_counters_with_bounded_labels():
+    log = TransferLog()
+    log.counters.served_bytes = 300
+    log.counters.fetched_bytes.update({"peer": 200, "cache": 7})
+    log.counters.verification_failures = 2
+    log.counters.refusals.update({"not_in_stage": 1, **{f"made-up-{i}": 1 for i in range(100)}})
+    log.counters.refusals_received.update({"artifact unavailable": 3})
+    log.start("fetch", "layers/layer-00003.gguf", total=10, source="peer")
+    got = samples(NodeMetrics(), {**QUIET_DOC, "transfers": log.status()})
+    assert got[("mesh_node_artifact_served_bytes_total", ())] == 300
+    assert got[("mesh_node_artifact_fetched_bytes_total", (("source", "peer"),))] == 200
+    assert got[("mesh_node_artifact_fetched_bytes_total", (("source", "hub"),))] == 0
+    assert got[("mesh_node_artifact_verification_failures_total", ())] == 2
+    refusals = {
+        k[1][0][1]: v
+        for k, v in got.items()
+        if k[0] == "mesh_node_artifact_transfer_refusals_total"
+    }
+    assert refusals["not_in_stage"] == 1 and refusals["other"] == 100  # no label explosion
+    assert len(refusals) < 40
+    answer = (("answer", "artifact unavailable"),)
+    assert got[("mesh_node_artifact_refusals_received_total", answer)] == 3
+    assert got[("mesh_node_artifact_transfers_in_progress", (("direction", "fetch"),))] == 1
+    assert got[("mesh_node_stage_ready", ())] == 0
 
 
 def test_state_families_follow_the_document():
@@ -118,7 +146,7 @@ def test_state_families_follow_the_document():
             "state": "active",
             "stage_status": stages,
         },
-        "transfers": {"in_progress": [{}, {}], "recent": []},
+        "transfers": {"active": [{"direction": "fetch"}, {"direction": "serve"}]},
     }
     got = samples(NodeMetrics(), doc)
     key = (("connected", "true"), ("owner_status", "verified"), ("trust", "untrusted"))
@@ -127,7 +155,7 @@ def test_state_families_follow_the_document():
     assert got[("mesh_node_peer_rtt_seconds", (("peer", "cd" * 32),))] == 0.0025
     assert got[("mesh_node_topology_stages", ())] == 3
     assert got[("mesh_node_topology_stages_ready", ())] == 1  # unknown is not ready
-    assert got[("mesh_node_artifact_transfers_in_progress", ())] == 2
+    assert got[("mesh_node_artifact_transfers_in_progress", (("direction", "serve"),))] == 1
     topo = (("role", "worker"), ("state", "active"), ("topology_id", "t1"))
     assert got[("mesh_node_topology_info", topo)] == 1
     assert got[("mesh_node_uptime_seconds", ())] == 12.5
@@ -140,9 +168,7 @@ def test_the_page_assets_ship_in_the_wheel(tmp_path):
         (src / name).parent.mkdir(exist_ok=True)
         (src / name).write_bytes((REPO / name).read_bytes())
     for package in ("skippy", "mesh_node", "protocol"):
-        shutil.copytree(
-            REPO / package, src / package, ignore=shutil.ignore_patterns("__pycache__")
-        )
+        shutil.copytree(REPO / package, src / package, ignore=shutil.ignore_patterns("__pycache__"))
     out = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(src)],
         capture_output=True,
