@@ -25,12 +25,20 @@
   }
 
   const short = (id) => (id ? String(id).slice(0, 12) : "-");
-  // A node's colour, the same wherever it appears (FNV-1a of its id, spread over the hues).
-  function hue(id) {
-    let x = 0x811c9dc5;
-    for (const ch of String(id)) x = Math.imul(x ^ ch.charCodeAt(0), 0x01000193) >>> 0;
-    return x % 360;
+  // A node's colour, the same wherever it appears and for as long as the page is open: the
+  // n-th node this page sees gets hue n x 137.5 degrees (the golden angle), so any few nodes
+  // get well-separated colours.
+  const hues = new Map();
+
+  function assignHues(doc) {
+    const ids = new Set([doc.node_id, ...(doc.peers || []).map((p) => p.node_id)]);
+    for (const s of (doc.topology && doc.topology.stages) || []) ids.add(s.node_id);
+    for (const id of [...ids].sort()) {
+      if (!hues.has(id)) hues.set(id, Math.round((hues.size * 137.508) % 360));
+    }
   }
+
+  const hue = (id) => hues.get(id) ?? 0;
 
   function swatch(id) {
     const s = h("span", { class: "swatch" });
@@ -178,7 +186,8 @@
       if (!ready) classes.push("not-ready");
       if (st.state === "lost") classes.push("lost");
       // Readiness first: a narrow segment still shows it (details in the title and table).
-      const mark = ready ? "✓" : st.state === "lost" ? "✗" : st.ready === false ? "…" : "?";
+      const failed = st.state === "lost" || st.state === "failed" || st.state === "rejected";
+      const mark = ready ? "✓" : failed ? "✗" : st.ready === false ? "…" : "?";
       const seg = h(
         "div",
         {
@@ -207,7 +216,11 @@
           h("td", {}, `${s.layer_start}..${s.layer_end}`),
           h("td", { title: s.node_id }, swatch(s.node_id), short(s.node_id) + self),
           h("td", {}, fmtBytes(st.bytes)),
-          h("td", { class: ready ? "ok" : st.state === "lost" ? "bad" : "warn" }, st.state || "?"),
+          h(
+            "td",
+            { class: ready ? "ok" : failed ? "bad" : "warn" },
+            (st.state || "?") + (st.code ? ` (${st.code})` : ""),
+          ),
         ),
       );
     });
@@ -215,46 +228,74 @@
     fill($("topology-rows"), rows);
   }
 
-  // --- artifact transfers (issue #8) ---------------------------------------------------------
+  // --- artifact transfers (issue #8: the document's `transfers`) -----------------------------
+  const MAX_TRANSFER_ROWS = 40;
+
   function transferRow(r, active) {
-    const total = Number(r.total) || 0;
-    const done = Number(r.bytes) || 0;
-    const failed = !active && (r.error || r.verified === false);
+    const total = r.total === null || r.total === undefined ? null : Number(r.total);
+    const done = Number(r.bytes_done) || 0;
+    const failed = !active && (r.error || !r.verified);
     const state = active ? "active" : failed ? "failed" : "done";
     const bar = h("span", { class: `progress ${state}` }, h("span"));
-    bar.firstChild.style.width = `${total ? Math.min(100, (100 * done) / total) : active ? 0 : 100}%`;
-    const source = r.source === "peer" ? `peer ${short(r.peer)}` : r.source || "-";
+    const pct = total ? Math.min(100, (100 * done) / total) : active ? 0 : 100;
+    bar.firstChild.style.width = `${pct}%`;
+    let where;
+    if (r.direction === "serve") where = ["↑ to ", r.peer_id ? swatch(r.peer_id) : null, short(r.peer_id)];
+    else if (r.source === "peer") where = ["↓ peer ", r.peer_id ? swatch(r.peer_id) : null, short(r.peer_id)];
+    else if (r.source === "cache") where = ["= cache"];
+    else where = [`↓ ${r.source || "?"}`];
     let verified;
-    if (active) verified = h("span", { class: "dim" }, "receiving…");
-    else if (r.verified) verified = h("span", { class: "ok" }, "✓ sha256");
+    if (active) verified = h("span", { class: "dim" }, r.direction === "serve" ? "sending…" : "receiving…");
+    else if (!failed) verified = h("span", { class: "ok" }, "✓ sha256");
     else verified = h("span", { class: "bad" }, "✗ " + (r.error || "not verified"));
+    const title = [r.peer_id || "", r.fallback ? `hub because: ${r.fallback}` : "",
+      r.resumed_from ? `resumed at ${fmtBytes(r.resumed_from)}` : ""].filter(Boolean).join(" · ");
     return h(
       "tr",
-      { "data-state": state, "data-path": r.path },
+      { "data-state": state, "data-direction": r.direction, "data-source": r.source, "data-path": r.path },
       h("td", { class: "wrap" }, r.path),
-      h("td", {}, `${fmtBytes(done)} / ${fmtBytes(total)}`),
+      h("td", { title }, ...where, r.fallback ? h("span", { class: "dim" }, " (fallback)") : null),
+      h("td", {}, `${fmtBytes(done)} / ${total === null ? "?" : fmtBytes(total)}`),
       h("td", {}, bar),
-      h("td", {}, r.mb_s === undefined || r.mb_s === null ? "-" : Number(r.mb_s).toFixed(1)),
-      h("td", { title: r.peer || "" }, r.peer ? swatch(r.peer) : null, source),
+      h("td", {}, r.mb_per_s === undefined || r.mb_per_s === null ? "-" : Number(r.mb_per_s).toFixed(1)),
       h("td", { class: "wrap" }, verified),
     );
   }
 
+  function stageLine(stage) {
+    const cls = stage.state === "ready" ? "ok" : stage.state === "failed" ? "bad" : "warn";
+    return [
+      `this node's stage ${stage.stage_index} (layers ${stage.layer_start}..${stage.layer_end}): `,
+      h("span", { class: cls }, stage.state + (stage.error ? ` (${stage.error})` : "")),
+      ` · ${(stage.required || []).length} artifacts, ${fmtBytes(stage.bytes_required)}`,
+      stage.report ? ` · coordinator's answer: ${stage.report}` : "",
+    ];
+  }
+
   function renderTransfers(doc) {
     const t = doc.transfers;
-    const active = (t && t.in_progress) || [];
+    const active = (t && t.active) || [];
     const recent = (t && t.recent) || [];
-    show("transfers", !!t && active.length + recent.length > 0);
+    const stage = t && t.stage;
+    show("transfers", !!t && (!!stage || active.length + recent.length > 0));
     if (!t) return;
     const c = t.counters || {};
     const parts = [];
-    if (c.fetched_bytes) {
-      for (const [src, n] of Object.entries(c.fetched_bytes)) if (n) parts.push(`${src} ${fmtBytes(n)}`);
-    }
+    for (const [src, n] of Object.entries(c.fetched_bytes || {})) if (n) parts.push(`${src} ${fmtBytes(n)}`);
     if (c.served_bytes) parts.push(`served ${fmtBytes(c.served_bytes)}`);
+    const refused = Object.values(c.refusals || {}).reduce((a, b) => a + b, 0);
+    if (refused) parts.push(`refused ${refused}`);
+    if (c.verification_failures) parts.push(`verification failures ${c.verification_failures}`);
     $("transfers-summary").textContent =
       `${active.length} in progress, ${recent.length} recent` + (parts.length ? ` · ${parts.join(" · ")}` : "");
-    fill($("transfers-rows"), [...active.map((r) => transferRow(r, true)), ...recent.map((r) => transferRow(r, false))]);
+    $("transfers-stage").hidden = !stage;
+    if (stage) $("transfers-stage").replaceChildren(...stageLine(stage).filter((x) => x !== ""));
+    const rows = [...active.map((r) => transferRow(r, true)), ...recent.map((r) => transferRow(r, false))];
+    const shown = rows.slice(0, MAX_TRANSFER_ROWS);
+    if (rows.length > shown.length) {
+      shown.push(h("tr", { class: "more" }, h("td", { colSpan: 6 }, `… ${rows.length - shown.length} older`)));
+    }
+    fill($("transfers-rows"), shown);
   }
 
   // --- serving (issue #10) -------------------------------------------------------------------
@@ -278,6 +319,7 @@
   let lastUpdate = 0;
 
   function render(doc) {
+    assignHues(doc);
     renderNode(doc);
     renderPeers(doc);
     renderTopology(doc);
