@@ -184,8 +184,26 @@ def cmd_lab(args: argparse.Namespace) -> CommandResult:
         keep=args.keep,
         timeout_s=args.timeout,
     )
-    report = trio.run(run_lab, options)
-    return CommandResult(report, render_report(report), exit_code=0 if report["ok"] else 1)
+    if args.http is None:
+        report = trio.run(run_lab, options)
+        return CommandResult(report, render_report(report), exit_code=0 if report["ok"] else 1)
+    from mesh_node.lab.page import run_lab_with_page
+
+    def on_page(url: str) -> None:
+        # stdout stays one JSON document under --json (printed when the lab stops)
+        out = sys.stderr if args.json else sys.stdout
+        out.write(f"status-page {url}\n")
+        out.flush()
+
+    def on_report(report: dict[str, Any]) -> None:
+        if not args.json:
+            print(render_report(report))
+            print("the lab stays up: Ctrl-C (or SIGTERM) stops it", flush=True)
+
+    report = trio.run(
+        lambda: run_lab_with_page(options, args.http, on_page=on_page, on_report=on_report)
+    )
+    return CommandResult(report, "", exit_code=0 if report["ok"] else 1)
 
 
 # --- parser ---------------------------------------------------------------------------------
@@ -271,6 +289,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         metavar="K",
         help="the last K workers belong to a second owner nobody trusts (default 0)",
+    )
+    p.add_argument(
+        "--http",
+        metavar="[HOST:]PORT",
+        help="the coordinator serves its status page here (printed as `status-page URL`); the "
+        "lab then stays up after its report until Ctrl-C",
     )
     p.add_argument("--dir", help="where the nodes live (default: a temporary folder)")
     p.add_argument("--keep", action="store_true", help="keep the nodes' folders and logs")
