@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 import signal
+import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -15,14 +16,14 @@ from typing import Any
 import pytest
 import trio
 from httptools import get_json, without_volatile
-from pkgtools import make_package
-from test_mesh_processes import make_keys, mesh, start, status, stop, wait_status, write_config
+from test_mesh_processes import MESH, status
 
 from mesh_node.http.app import build_app
 from mesh_node.http.server import serve_http
 from mesh_node.metrics import NodeMetrics
 from mesh_node.peers import AuthenticatedPeer, PeerInfo, status_document
-from mesh_node.topology import ActiveTopology
+from mesh_node.topology import ActiveTopology, StageReport
+from mesh_node.transfer.records import TransferLog
 from skippy.config import HostPort
 from skippy.package.plan import ModelSizes
 from skippy.package.topology import NodeCapacity, plan_topology
@@ -112,30 +113,51 @@ def check_theme_toggle(driver: Any) -> None:
     assert driver.execute_script(background) == before
 
 
-def test_status_page_of_three_real_nodes_in_chromium(tmp_path, browser, synth_dir):
-    pkg = tmp_path / "pkg"
-    make_package(synth_dir.llama, pkg)
-    ids, _owner = make_keys(tmp_path, ("a", "b", "c"))
-    write_config(tmp_path / "a.toml", "a", [])
-    a, a_url = start(tmp_path, "a.toml", "--http", "127.0.0.1:0")
-    procs = [a]
+def read_until(proc: subprocess.Popen[str], last: str, timeout_s: float = 120.0) -> list[str]:
+    """stdout lines up to the one starting with ``last`` (the lab prints as it goes)."""
+    assert proc.stdout is not None
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    while not (lines and lines[-1].startswith(last)):
+        line = proc.stdout.readline()
+        if not line or time.monotonic() > deadline:
+            err = proc.stderr.read() if proc.stderr and proc.poll() is not None else ""
+            raise AssertionError(f"no {last!r} line: {lines} {err}")
+        lines.append(line.rstrip("\n"))
+    return lines
+
+
+def test_status_page_of_a_three_node_lab_in_chromium(tmp_path, browser, hub_package):
+    """issue #12 "Done when": `mesh-node lab --nodes 3 ... --http` prints the coordinator's page
+    address; the page shows the three nodes, the three stages and the completed transfers."""
+    lab = tmp_path / "lab"
+    proc = subprocess.Popen(
+        [
+            *MESH,
+            "lab",
+            "--nodes",
+            "3",
+            "--package",
+            str(hub_package.directory),
+            "--http",
+            "127.0.0.1:0",
+            "--dir",
+            str(lab),
+            "--keep",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
-        assert a.stdout is not None
-        line = a.stdout.readline()  # the page address, one line after `listening ...`
-        assert line.startswith("status-page http://127.0.0.1:"), line
-        page = line.split(" ", 1)[1].strip()
-        for name in ("b", "c"):
-            write_config(tmp_path / f"{name}.toml", name, [a_url])
-            procs.append(start(tmp_path, f"{name}.toml")[0])
-        wait_status(
-            tmp_path,
-            "a.toml",
-            lambda d: sum(p["connected"] and p["trusted"] for p in d["peers"]) == 2,
-        )
-        out = mesh(tmp_path, "topology", "--config", "a.toml", "--package", str(pkg), "--json")
-        assert out.returncode == 0, out.stderr + out.stdout
-        topo = json.loads(out.stdout)
-        assert len(topo["stages"]) == 3
+        (first,) = read_until(proc, "status-page ")  # announced before the split starts
+        page = first.split(" ", 1)[1]
+        assert page.startswith("http://127.0.0.1:"), page
+        report = read_until(proc, "the lab stays up")
+        assert any(line.startswith("ok: every worker holds exactly") for line in report), report
+        coordinator = status(lab / "n0", "node.toml")
+        ids = {coordinator["node_id"], *(p["node_id"] for p in coordinator["peers"])}
+        assert len(ids) == 3
 
         browser.get(page)
         # The live update: more than one document arrived after the page loaded.
@@ -146,36 +168,37 @@ def test_status_page_of_three_real_nodes_in_chromium(tmp_path, browser, synth_di
             " && document.querySelectorAll('#topology-bar .stage[data-ready=true]').length == 3",
         )
         # The three nodes: this one, and its two peers.
-        assert browser.find_element("id", "node-id").get_attribute("data-node-id") == ids["a"]
+        node_id = browser.find_element("id", "node-id").get_attribute("data-node-id")
+        assert node_id == coordinator["node_id"]
         rows = browser.find_elements("css selector", "#peers-rows tr")
-        assert {r.get_attribute("data-node-id") for r in rows} == {ids["b"], ids["c"]}
+        assert {r.get_attribute("data-node-id") for r in rows} == ids - {node_id}
         assert all("trusted" in r.text and "same owner" in r.text for r in rows)
-        # The topology bar: three stages over the layer index, one per node, in order.
+        # The topology bar: three stages over the layer index, one per node, in plan order.
         stages = browser.find_elements("css selector", "#topology-bar .stage")
-        assert [s.get_attribute("data-node-id") for s in stages] == [
-            s["node_id"] for s in topo["stages"]
-        ]
-        assert {s.get_attribute("data-node-id") for s in stages} == set(ids.values())
-        assert all(s.text.startswith("✓ S") and "KiB" in s.text for s in stages)
-        widths = [s.size["width"] for s in stages]
-        assert all(w > 0 for w in widths)
-        # Transfers and serving appear only with their data (neither exists on this branch).
-        assert not browser.find_element("id", "transfers").is_displayed()
-        assert not browser.find_element("id", "serving").is_displayed()
+        planned = coordinator["topology"]["stages"]
+        assert [s.get_attribute("data-node-id") for s in stages] == [s["node_id"] for s in planned]
+        assert {s.get_attribute("data-node-id") for s in stages} == ids
+        assert all(s.text.startswith("✓ S") and "iB" in s.text for s in stages)
+        assert all(s.size["width"] > 0 for s in stages)
+        # Completed transfers: artifacts this coordinator served to its workers, verified.
+        done = browser.find_elements(
+            "css selector", "#transfers-rows tr[data-state=done][data-direction=serve]"
+        )
+        assert done and all("✓ sha256" in r.text and "↑ to" in r.text for r in done)
+        served = {r.get_attribute("data-path") for r in done}
+        assert "model-package.json" in served
+        assert "ready" in browser.find_element("id", "transfers-stage").text
+        assert not browser.find_element("id", "serving").is_displayed()  # issue #10's data
 
-        # Never on the page: private keys, local paths (the package dir, keys, data dirs).
+        # Never on the page: private keys, local paths (the lab's folders, caches).
         html = browser.page_source
-        key_pem = (tmp_path / "keys" / "a.key").read_text()
+        key_pem = (lab / "n0" / "node.key").read_text()
         assert "PRIVATE KEY" not in html and key_pem.strip().splitlines()[1] not in html
-        assert str(tmp_path) not in html and "…/pkg" in html
+        assert str(tmp_path) not in html and str(lab) not in html
 
-        # /api/status is the status document (the CLI's), local paths reduced.
+        # /api/status is the status document: the CLI's, but for what moved in between.
         doc = get_json(page + "api/status")
-        cli = status(tmp_path, "a.toml")
-        assert cli["topology"]["package_ref"] == str(pkg.resolve())
-        assert doc["topology"]["package_ref"] == "…/pkg"
-        cli["topology"]["package_ref"] = doc["topology"]["package_ref"]
-        assert without_volatile(doc) == without_volatile(cli)
+        assert without_volatile(doc) == without_volatile(status(lab / "n0", "node.toml"))
         assert str(tmp_path) not in json.dumps(doc)
 
         shot = tmp_path / "status-page.png"
@@ -184,28 +207,31 @@ def test_status_page_of_three_real_nodes_in_chromium(tmp_path, browser, synth_di
         check_phone_width(browser, tmp_path / "status-page-phone.png")
         check_theme_toggle(browser)
 
-        # A node with its page open still stops cleanly.
-        assert stop(a, signal.SIGTERM) == 0
-        procs.remove(a)
-        assert "Traceback" not in (a.stderr.read() if a.stderr else "")
+        # Ctrl-C stops the lab, its page open: every node stops cleanly.
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+        assert "Traceback" not in (proc.stderr.read() if proc.stderr else "")
         wait_for_page(browser, "return document.getElementById('live').classList.contains('stale')")
+        logs = "".join(p.read_text() for p in lab.glob("n*/node.log"))
+        assert logs and "Traceback" not in logs
     finally:
-        for p in procs:
-            p.kill()
-            p.wait()
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=60)
 
 
-# --- sections whose producers are not on this branch yet --------------------------------------
+# --- what a lab cannot show on demand ---------------------------------------------------------
 class StandInNode:
-    """Stand-in for a node that has transfer and serving data, which no real node on this
-    branch produces yet (transfers: issue #8's mesh half; serving: issue #10). The document is
-    built by the real ``status_document`` and ``ActiveTopology``; the ``transfers`` records
-    follow the schema issue #8 announced; ``serving`` is the real ``NodeMetrics`` output after
-    real ``request()`` calls. Replace with a real lab once those land."""
+    """Stand-in for a node in states a real lab does not hold still long enough to look at,
+    and with data no real node produces yet: a transfer in progress, a failed hub fallback, a
+    failed stage, and serving figures (issue #10). Everything is made by the real code: the
+    document by ``status_document``, the topology by ``plan_topology`` and ``ActiveTopology``
+    with ``StageReport``s, the transfers by a ``TransferLog``, serving by ``NodeMetrics``
+    after ``request()`` calls. Serve it with the real app; look at it in the real browser."""
 
     def __init__(self) -> None:
         self.metrics = NodeMetrics()
-        ids = ["1" * 64, "2" * 64, "3" * 64]
+        self.ids = ids = ["1" * 64, "2" * 64, "3" * 64]
         self.node_id = ids[0]
         sizes = ModelSizes(
             layer_bytes=(5_000_000,) * 18,
@@ -229,6 +255,11 @@ class StandInNode:
             "coordinator",
             "active",
             acks={ids[1]: "accepted", ids[2]: "accepted"},
+            reports={
+                ids[0]: StageReport("ready"),
+                ids[1]: StageReport("ready"),
+                ids[2]: StageReport("failed", "hub_unreachable"),
+            },
             sizes=sizes,
             own_id=ids[0],
         )
@@ -246,6 +277,18 @@ class StandInNode:
             )
             for n, i in enumerate(ids[1:])
         ]
+        self.transfers = log = TransferLog()
+        sending = log.start("serve", "layers/layer-00011.gguf", total=5_000_000, peer_id=ids[1])
+        sending.bytes_done = 2_000_000
+        fetched = log.start(
+            "fetch", "layers/layer-00010.gguf", total=5_000_000, peer_id=ids[1], source="peer"
+        )
+        fetched.bytes_done = 5_000_000
+        log.finish(fetched, verified=True)
+        failed = log.start("fetch", "layers/layer-00009.gguf", total=5_000_000, source="hub")
+        failed.bytes_done, failed.fallback = 5_000_000, "artifact unavailable"
+        log.finish(failed, verified=False, error="artifact_sha256_mismatch")
+        log.found_in_cache("model-package.json", 9_000)
         for ttft in (0.12, 0.2):
             with self.metrics.request(prompt_tokens=6) as req:
                 req.first_token_s = ttft
@@ -262,56 +305,10 @@ class StandInNode:
             artifact_transfer="trusted",
             peers=self.peers,
             topology=self.topology.to_dict(),
+            transfers=self.transfers.status(),
             uptime_s=3725,
         )
-        record = {"source": "peer", "peer": "2" * 64, "started": 0.0, "error": None}
-        doc["transfers"] = {
-            "in_progress": [
-                {
-                    **record,
-                    "path": "layers/layer-00011.gguf",
-                    "bytes": 2_000_000,
-                    "total": 5_000_000,
-                    "finished": None,
-                    "verified": None,
-                    "mb_s": 41.5,
-                },
-            ],
-            "recent": [
-                {
-                    **record,
-                    "path": "model-package.json",
-                    "bytes": 9_000,
-                    "total": 9_000,
-                    "finished": 0.1,
-                    "verified": True,
-                    "mb_s": 12.0,
-                },
-                {
-                    **record,
-                    "path": "layers/layer-00010.gguf",
-                    "bytes": 5_000_000,
-                    "total": 5_000_000,
-                    "finished": 0.3,
-                    "verified": True,
-                    "mb_s": 88.0,
-                },
-                {
-                    **record,
-                    "source": "hub",
-                    "peer": None,
-                    "path": "layers/layer-00009.gguf",
-                    "bytes": 5_000_000,
-                    "total": 5_000_000,
-                    "finished": 0.5,
-                    "verified": False,
-                    "mb_s": 30.0,
-                    "error": "artifact_sha256_mismatch",
-                },
-            ],
-            "counters": self.metrics.transfer_counters(),
-        }
-        doc["serving"] = self.metrics.serving_status()
+        doc["serving"] = self.metrics.serving_status()  # the key issue #10 will add
         return doc
 
     @asynccontextmanager
@@ -321,7 +318,7 @@ class StandInNode:
             yield receive
 
 
-async def test_transfer_and_serving_sections_render_from_their_data(tmp_path, browser):
+async def test_in_progress_failed_and_serving_states_render(tmp_path, browser):
     node = StandInNode()
     async with trio.open_nursery() as n:
         url = await n.start(serve_http, build_app(node), HostPort("127.0.0.1", 0))
@@ -333,22 +330,27 @@ async def test_transfer_and_serving_sections_render_from_their_data(tmp_path, br
             assert [r.get_attribute("data-state") for r in rows] == [
                 "active",
                 "done",
-                "done",
                 "failed",
+                "done",
             ]
-            assert "40%" in rows[0].find_element("css selector", ".progress > span").get_attribute(
-                "style"
-            )
-            assert "✓" in rows[2].text and "88.0" in rows[2].text and "peer 222222" in rows[2].text
-            assert "artifact_sha256_mismatch" in rows[3].text and "hub" in rows[3].text
+            bar = rows[0].find_element("css selector", ".progress > span")
+            assert "40%" in bar.get_attribute("style") and "↑ to 222222222222" in rows[0].text
+            assert "= cache" in rows[1].text and "✓ sha256" in rows[1].text
+            assert "↓ hub" in rows[2].text and "(fallback)" in rows[2].text
+            assert "✗ artifact_sha256_mismatch" in rows[2].text
+            assert "↓ peer 222222222222" in rows[3].text and "✓ sha256" in rows[3].text
+            ready = {
+                s.get_attribute("data-node-id"): s.get_attribute("data-ready")
+                for s in browser.find_elements("css selector", "#topology-bar .stage")
+            }
+            assert ready == {node.ids[0]: "true", node.ids[1]: "true", node.ids[2]: "false"}
+            assert "failed (hub_unreachable)" in browser.find_element("id", "topology").text
             serving = browser.find_element("id", "serving")
             assert serving.is_displayed()
             assert "160 ms" in serving.text  # the median of the two requests' TTFT
             assert browser.find_element("id", "serving-tps").text != "-"
-            stages = browser.find_elements("css selector", "#topology-bar .stage")
-            assert len(stages) == 3 and all(s.get_attribute("data-ready") == "true" for s in stages)
-            assert browser.save_screenshot(str(tmp_path / "status-page-sections.png"))
-            check_phone_width(browser, tmp_path / "status-page-sections-phone.png")
+            assert browser.save_screenshot(str(tmp_path / "status-page-states.png"))
+            check_phone_width(browser, tmp_path / "status-page-states-phone.png")
 
         await trio.to_thread.run_sync(look)
         n.cancel_scope.cancel()
