@@ -13,7 +13,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -99,11 +99,22 @@ def cmd_run(args: argparse.Namespace) -> CommandResult:
 
     from mesh_node.identity import load_local_identity
     from mesh_node.service import run_node
-    from skippy.config import load_node_settings
+    from skippy.config import load_node_settings, parse_http_bind
 
     settings = load_node_settings(Path(args.config))
+    if args.http is not None or args.http_public:
+        settings = replace(
+            settings,
+            http=parse_http_bind(args.http, "--http") if args.http is not None else settings.http,
+            http_public=settings.http_public or args.http_public,
+        )
     identity = load_local_identity(settings.identity_path, settings.certificate_path)
-    for warning in settings.warnings:
+    warnings = list(settings.warnings)
+    if settings.http is not None:
+        from mesh_node.http.bind import check_http_bind
+
+        warnings += filter(None, [check_http_bind(settings.http, settings.http_public)])
+    for warning in warnings:
         sys.stderr.write(f"warning: {warning}\n")
     trio.run(run_node, settings, identity)
     return CommandResult({"ok": True}, "")
@@ -173,8 +184,26 @@ def cmd_lab(args: argparse.Namespace) -> CommandResult:
         keep=args.keep,
         timeout_s=args.timeout,
     )
-    report = trio.run(run_lab, options)
-    return CommandResult(report, render_report(report), exit_code=0 if report["ok"] else 1)
+    if args.http is None:
+        report = trio.run(run_lab, options)
+        return CommandResult(report, render_report(report), exit_code=0 if report["ok"] else 1)
+    from mesh_node.lab.page import run_lab_with_page
+
+    def on_page(url: str) -> None:
+        # stdout stays one JSON document under --json (printed when the lab stops)
+        out = sys.stderr if args.json else sys.stdout
+        out.write(f"status-page {url}\n")
+        out.flush()
+
+    def on_report(report: dict[str, Any]) -> None:
+        if not args.json:
+            print(render_report(report))
+            print("the lab stays up: Ctrl-C (or SIGTERM) stops it", flush=True)
+
+    report = trio.run(
+        lambda: run_lab_with_page(options, args.http, on_page=on_page, on_report=on_report)
+    )
+    return CommandResult(report, "", exit_code=0 if report["ok"] else 1)
 
 
 # --- parser ---------------------------------------------------------------------------------
@@ -210,6 +239,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--days", type=int, default=365, help="validity in days (default 365)")
     p = add("run", cmd_run, "run a node until SIGINT/SIGTERM")
     p.add_argument("--config", required=True)
+    p.add_argument(
+        "--http",
+        metavar="[HOST:]PORT",
+        help="serve the read-only status page, /api/status and /metrics here; a bare port "
+        "means 127.0.0.1 (config: http)",
+    )
+    p.add_argument(
+        "--http-public",
+        action="store_true",
+        help="allow --http on a non-loopback address (config: http_public)",
+    )
     p = add("status", cmd_status, "ask the running node for its status")
     p.add_argument("--config", required=True)
     p = add(
@@ -249,6 +289,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         metavar="K",
         help="the last K workers belong to a second owner nobody trusts (default 0)",
+    )
+    p.add_argument(
+        "--http",
+        metavar="[HOST:]PORT",
+        help="the coordinator serves its status page here (printed as `status-page URL`); the "
+        "lab then stays up after its report until Ctrl-C",
     )
     p.add_argument("--dir", help="where the nodes live (default: a temporary folder)")
     p.add_argument("--keep", action="store_true", help="keep the nodes' folders and logs")

@@ -5,8 +5,9 @@ from __future__ import annotations
 import logging
 import signal
 import sys
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -15,7 +16,10 @@ from mesh_node.identity import LocalIdentity
 from mesh_node.node import MeshNode
 from mesh_node.transfer.service import ArtifactService
 from skippy.config import NodeSettings, read_environment
-from skippy.errors import UsageError
+from skippy.errors import SkippyError, UsageError
+
+if TYPE_CHECKING:
+    from starlette.routing import BaseRoute
 
 log = logging.getLogger("mesh_node.service")
 
@@ -65,7 +69,31 @@ def _package_facts(settings: NodeSettings, text: str) -> tuple[str, str, Any]:
     return pinned, pkg.manifest_sha256, sizes_from_manifest(pkg.manifest)
 
 
-async def run_node(settings: NodeSettings, identity: LocalIdentity) -> None:
+async def run_node(
+    settings: NodeSettings, identity: LocalIdentity, *, routes: Sequence[BaseRoute] = ()
+) -> None:
+    """Run the node (and its HTTP surface when ``settings.http`` is set, with ``routes`` from
+    other components) until SIGINT/SIGTERM. A startup refusal (data_dir in use, HTTP port
+    taken) is raised as itself, not inside an exception group, so the CLI reports it."""
+    try:
+        await _run_node(settings, identity, routes)
+    except BaseExceptionGroup as group:
+        leaves = _leaves(group)
+        if leaves and all(isinstance(e, SkippyError) for e in leaves):
+            raise leaves[0] from None
+        raise
+
+
+def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
+    out: list[BaseException] = []
+    for exc in group.exceptions:
+        out += _leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc]
+    return out
+
+
+async def _run_node(
+    settings: NodeSettings, identity: LocalIdentity, routes: Sequence[BaseRoute]
+) -> None:
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     node = MeshNode(settings, identity)
     artifacts = ArtifactService(node, read_environment())
@@ -76,6 +104,19 @@ async def run_node(settings: NodeSettings, identity: LocalIdentity) -> None:
             address = await nursery.start(node.run)
             sys.stdout.write(f"listening {address}\n")
             sys.stdout.flush()
+            if settings.http is not None:
+                from mesh_node.http.app import build_app
+                from mesh_node.http.bind import allowed_hosts
+                from mesh_node.http.server import serve_http
+
+                app = build_app(
+                    node,
+                    routes=routes,
+                    allowed_hosts=allowed_hosts(settings.http, settings.http_public),
+                )
+                url = await nursery.start(serve_http, app, settings.http)
+                sys.stdout.write(f"status-page {url}\n")
+                sys.stdout.flush()
             async for signum in signals:
                 log.info("%s: shutting down", signal.Signals(signum).name)
                 nursery.cancel_scope.cancel()
