@@ -13,7 +13,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -94,45 +94,61 @@ def cmd_owner_sign(args: argparse.Namespace) -> CommandResult:
     return CommandResult(data, text)
 
 
-def cmd_run(args: argparse.Namespace) -> CommandResult:
+def _node_settings(args: argparse.Namespace) -> tuple[Any, Any]:
+    """The node's settings with the command line's --http/--http-public applied, its identity;
+    warnings printed."""
     from mesh_node.identity import load_local_identity
-    from mesh_node.service import run_node
-    from skippy.config import load_node_settings
+    from skippy.config import load_node_settings, parse_http_bind
 
     settings = load_node_settings(Path(args.config))
+    if args.http is not None or args.http_public:
+        settings = replace(
+            settings,
+            http=parse_http_bind(args.http, "--http") if args.http is not None else settings.http,
+            http_public=settings.http_public or args.http_public,
+        )
     identity = load_local_identity(settings.identity_path, settings.certificate_path)
-    for warning in settings.warnings:
+    warnings = list(settings.warnings)
+    if settings.http is not None:
+        from mesh_node.http.bind import check_http_bind
+
+        warnings += filter(None, [check_http_bind(settings.http, settings.http_public)])
+    for warning in warnings:
         sys.stderr.write(f"warning: {warning}\n")
+    return settings, identity
+
+
+def cmd_run(args: argparse.Namespace) -> CommandResult:
+    from mesh_node.service import run_node
+
+    settings, identity = _node_settings(args)
     _run_trio(run_node, settings, identity)
     return CommandResult({"ok": True}, "")
 
 
 def cmd_serve(args: argparse.Namespace) -> CommandResult:
-    from mesh_node.identity import load_local_identity
-    from mesh_node.service import ServeOptions, run_node
-    from skippy.config import load_node_settings, parse_host_port
+    from mesh_node.service import run_node
+    from mesh_node.serving.service import ServeOptions
 
-    settings = load_node_settings(Path(args.config))
-    identity = load_local_identity(settings.identity_path, settings.certificate_path)
     if args.stages is not None and args.stages < 1:
         raise UsageError("--stages must be at least 1", code="bad_usage")
+    settings, identity = _node_settings(args)
+    assert settings.http is not None  # --http has a default (typing)
     options = ServeOptions(
         package=args.package,
         stages=args.stages,
-        http=parse_host_port(args.http, "--http"),
+        http=settings.http,
         model_name=args.model_name,
     )
-    for warning in settings.warnings:
-        sys.stderr.write(f"warning: {warning}\n")
-    _run_trio(run_node, settings, identity, options)
+
+    async def main() -> None:
+        await run_node(settings, identity, serve=options)
+
+    _run_trio(main)
     return CommandResult({"ok": True}, "")
 
 
-def _run_trio(fn: Callable[..., Any], *args: Any) -> None:
-    _run_trio_result(fn, *args)
-
-
-def _run_trio_result(fn: Callable[..., Any], *args: Any) -> Any:
+def _run_trio(fn: Callable[..., Any], *args: Any) -> Any:
     """``trio.run``, with our error surfacing from inside a nursery raised as itself (the
     CLI prints its code and message, never an exception group's traceback)."""
     import trio
@@ -146,7 +162,6 @@ def _run_trio_result(fn: Callable[..., Any], *args: Any) -> Any:
         if found is None:
             raise
         raise found from None
-
 
 
 def cmd_status(args: argparse.Namespace) -> CommandResult:
@@ -199,7 +214,6 @@ def cmd_topology(args: argparse.Namespace) -> CommandResult:
 
 
 def cmd_lab(args: argparse.Namespace) -> CommandResult:
-
     from mesh_node.lab.report import render_report
     from mesh_node.lab.run import LabOptions, run_lab
     from mesh_node.serving.report import render_prompt_report
@@ -215,27 +229,40 @@ def cmd_lab(args: argparse.Namespace) -> CommandResult:
         prompt=args.prompt,
         max_tokens=args.max_tokens,
         serve=args.serve,
-        http=args.http,
     )
 
     def render(report: dict[str, Any]) -> str:
         text = render_report(report)
         if report.get("prompt"):
             text += "\n" + render_prompt_report(report["prompt"])
-        if report.get("api"):
-            text += f"\napi {report['api']}"
         return text
 
-    def announce(report: dict[str, Any]) -> None:
-        """--serve: the lab is up; say where, then keep serving until Ctrl-C."""
-        if args.json:
-            print(json.dumps(report, default=str))
-        else:
-            print(render(report) + "\nserving until Ctrl-C")
-        sys.stdout.flush()
+    if args.http is None and not args.serve:
+        report = _run_trio(run_lab, options)
+        return CommandResult(report, render(report), exit_code=0 if report["ok"] else 1)
+    from mesh_node.lab.page import run_lab_with_page
 
-    report = _run_trio_result(run_lab, options, announce)
-    return CommandResult(report, render(report), exit_code=0 if report["ok"] else 1)
+    # The lab stays up. stdout stays one JSON document under --json (printed when the lab
+    # stops), so the addresses go to stderr then.
+    out = sys.stderr if args.json else sys.stdout
+
+    def on_page(url: str) -> None:
+        out.write(f"status-page {url}\n")
+        out.flush()
+
+    def on_report(report: dict[str, Any]) -> None:
+        if not args.json:
+            print(render(report))
+        if report.get("api"):
+            out.write(f"api {report['api']}\n")
+        out.write("the lab stays up: Ctrl-C (or SIGTERM) stops it\n")
+        out.flush()
+
+    http = args.http or "127.0.0.1:0"
+    report = _run_trio(
+        lambda: run_lab_with_page(options, http, on_page=on_page, on_report=on_report)
+    )
+    return CommandResult(report, "", exit_code=0 if report["ok"] else 1)
 
 
 # --- parser ---------------------------------------------------------------------------------
@@ -271,11 +298,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--days", type=int, default=365, help="validity in days (default 365)")
     p = add("run", cmd_run, "run a node until SIGINT/SIGTERM")
     p.add_argument("--config", required=True)
+    p.add_argument(
+        "--http",
+        metavar="[HOST:]PORT",
+        help="serve the read-only status page, /api/status and /metrics here; a bare port "
+        "means 127.0.0.1 (config: http)",
+    )
+    p.add_argument(
+        "--http-public",
+        action="store_true",
+        help="allow --http on a non-loopback address (config: http_public)",
+    )
     p = add(
         "serve",
         cmd_serve,
         "run a node that coordinates a split of PACKAGE (stage 0 here) and serves an "
-        "OpenAI-compatible API",
+        "OpenAI-compatible API beside its status page",
     )
     p.add_argument("--config", required=True)
     p.add_argument("--package", required=True, help="hf://ns/repo@rev or a package directory")
@@ -286,7 +324,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="number of stages; waits for that many - 1 capable peers (default: all connected)",
     )
     p.add_argument(
-        "--http", default="127.0.0.1:8080", help="HOST:PORT of the API (default 127.0.0.1:8080)"
+        "--http",
+        metavar="[HOST:]PORT",
+        default="127.0.0.1:8080",
+        help="the API (/v1) and the status page (default 127.0.0.1:8080)",
+    )
+    p.add_argument(
+        "--http-public",
+        action="store_true",
+        help="allow --http on a non-loopback address (config: http_public)",
     )
     p.add_argument("--model-name", default=None, help="the model id the API answers to")
     p = add("status", cmd_status, "ask the running node for its status")
@@ -329,6 +375,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="K",
         help="the last K workers belong to a second owner nobody trusts (default 0)",
     )
+    p.add_argument(
+        "--http",
+        metavar="[HOST:]PORT",
+        help="the coordinator serves its status page here (printed as `status-page URL`); the "
+        "lab then stays up after its report until Ctrl-C",
+    )
     p.add_argument("--dir", help="where the nodes live (default: a temporary folder)")
     p.add_argument("--keep", action="store_true", help="keep the nodes' folders and logs")
     p.add_argument(
@@ -344,10 +396,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--serve",
         action="store_true",
-        help="serve the split and keep the lab up (prints the API's address) until Ctrl-C",
-    )
-    p.add_argument(
-        "--http", default="127.0.0.1:0", help="the API's HOST:PORT (default: any free port)"
+        help="serve the split behind the OpenAI API and keep the lab up (prints the API's and "
+        "the status page's addresses) until Ctrl-C",
     )
     return parser
 

@@ -171,11 +171,35 @@ def is_trusted(
 ) -> bool:
     """Issue #7 §2: trusted when the peer's owner is verified and is this node's own (verified)
     owner or listed in ``trusted_owners``; nothing else is."""
-    if owner_status != "verified" or owner_id is None:
-        return False
+    return trust_decision(
+        owner_id,
+        owner_status,
+        own_owner_id=own_owner_id,
+        own_owner_status=own_owner_status,
+        trusted_owners=trusted_owners,
+    )[0]
+
+
+def trust_decision(
+    owner_id: str | None,
+    owner_status: OwnerStatus,
+    *,
+    own_owner_id: str | None,
+    own_owner_status: OwnerStatus,
+    trusted_owners: tuple[str, ...],
+) -> tuple[bool, str]:
+    """``is_trusted`` with the reason an operator reads on the status page (one rule)."""
+    if owner_status == "unverified" or owner_id is None:
+        return False, "no owner certificate"
+    if owner_status != "verified":
+        return False, "owner certificate invalid (bad signature, expired, or not this key)"
     if owner_id == own_owner_id and own_owner_status == "verified":
-        return True
-    return owner_id in trusted_owners
+        return True, "same owner as this node"
+    if owner_id in trusted_owners:
+        return True, "owner listed in trusted_owners"
+    if owner_id == own_owner_id:
+        return False, "same owner, but this node's own certificate is not verified"
+    return False, "owner is not this node's and not in trusted_owners"
 
 
 def load_local_identity(key_path: Path, cert_path: Path | None) -> LocalIdentity:

@@ -259,6 +259,10 @@ class Link:
         self.close_reason: tuple[str, str] | None = None
         self.last_received = trio.current_time()
         self.rtt_s: float | None = None
+        # WebSocket message bytes after the handshake (records, encrypted): link throughput
+        # for the status page and /metrics. Only this link's tasks touch them (one thread).
+        self.bytes_received = 0
+        self.bytes_sent = 0
         self._ping_sent: dict[int, float] = {}
         self._ping_seq = 0
         self._write_in_flight = False
@@ -353,6 +357,7 @@ class Link:
                 if not isinstance(message, bytes):
                     raise ProtocolError("malformed_record", "a text WebSocket message")
                 self.last_received = trio.current_time()
+                self.bytes_received += len(message)
                 for plaintext in self.channel.open(message):
                     for event in self.mux.receive(plaintext):
                         self._dispatch(event)
@@ -456,6 +461,7 @@ class Link:
                 if scope.cancelled_caught:
                     self.close("peer_not_reading", "a write stalled past the idle timeout")
                     return
+                self.bytes_sent += len(message)
         except (ConnectionClosed, trio.BrokenResourceError):
             self.close("connection_closed", "the peer closed the connection")
         except ProtocolError as exc:

@@ -29,7 +29,7 @@ from trio_websocket import (
 )
 
 from mesh_node.errors import PeerUnavailable
-from mesh_node.identity import LocalIdentity, is_trusted, owner_of, short_id
+from mesh_node.identity import LocalIdentity, owner_of, short_id, trust_decision
 from mesh_node.link import (
     Link,
     LinkTimeouts,
@@ -38,6 +38,7 @@ from mesh_node.link import (
     secure_handshake,
     websocket_options,
 )
+from mesh_node.metrics import NodeMetrics
 from mesh_node.peers import (
     AuthenticatedPeer,
     InboundStream,
@@ -78,6 +79,8 @@ class _Member:
     hello: bool = False  # ever advertised (a member is listed only after its hello)
     hello_link: Link | None = None  # the link its latest hello came on
     last_seen: float = 0.0  # trio clock
+    bytes_received: int = 0  # over this member's closed links (a live link adds its own)
+    bytes_sent: int = 0
     disconnected: trio.Event = field(default_factory=trio.Event)
 
 
@@ -127,9 +130,14 @@ class MeshNode:
         self._handshake_slots = trio.CapacityLimiter(MAX_PENDING_HANDSHAKES)
         self._nursery: trio.Nursery | None = None
         self.started = trio.Event()
+        self._started_at: float | None = None  # trio clock, when run() began serving
         self.topology = TopologyService(self)
+        # Events /metrics cannot read from state (transfer durations, serving); see metrics.py.
+        self.metrics = NodeMetrics()
         # Artifact transfers (issue #8): filled by mesh_node.transfer, shown in status().
-        self.transfers = TransferLog(wall_clock=wall_clock)
+        self.transfers = TransferLog(
+            wall_clock=wall_clock, on_finish=self.metrics.transfer_finished
+        )
         # Extra sections of the status document, filled by components (issue #10: "serving").
         self.status_sections: dict[str, Callable[[], Any]] = {}
 
@@ -217,6 +225,7 @@ class MeshNode:
             peers=self.peers(),
             topology=self.topology.status(),
             transfers=self.transfers.status(),
+            uptime_s=0.0 if self._started_at is None else trio.current_time() - self._started_at,
         )
         for key, section in self.status_sections.items():
             doc[key] = section()
@@ -245,6 +254,7 @@ class MeshNode:
             for address in self.settings.peers:
                 self._start_dialing(address, persistent=True)
             nursery.start_soon(self.topology.watch)
+            self._started_at = trio.current_time()
             self.started.set()
             task_status.started(f"{self.listen_url}#{self.node_id}")
 
@@ -348,17 +358,19 @@ class MeshNode:
             return
         own_owner, own_status = self.identity.owner(self.wall_clock())
         owner_id, owner_status = owner_of(identity.certificate, identity.node_id, self.wall_clock())
+        trusted, trust_reason = trust_decision(
+            owner_id,
+            owner_status,
+            own_owner_id=own_owner,
+            own_owner_status=own_status,
+            trusted_owners=self.settings.trusted_owners,
+        )
         peer = AuthenticatedPeer(
             node_id=node_id,
             owner_id=owner_id,
             owner_status=owner_status,
-            trusted=is_trusted(
-                owner_id,
-                owner_status,
-                own_owner_id=own_owner,
-                own_owner_status=own_status,
-                trusted_owners=self.settings.trusted_owners,
-            ),
+            trusted=trusted,
+            trust_reason=trust_reason,
         )
         link = Link(
             ws,
@@ -405,6 +417,8 @@ class MeshNode:
                 link.mux.send_link_message(hello.encode())
                 link.wake_writer()
         finally:
+            member.bytes_received += link.bytes_received
+            member.bytes_sent += link.bytes_sent
             if member.link is link:
                 member.link = None
                 member.last_seen = link.last_received
@@ -520,4 +534,6 @@ class MeshNode:
             connected=m.link is not None,
             last_seen_s=max(0.0, now - seen) if math.isfinite(seen) else 0.0,
             rtt_s=m.link.rtt_s if m.link is not None else None,
+            bytes_received=m.bytes_received + (m.link.bytes_received if m.link else 0),
+            bytes_sent=m.bytes_sent + (m.link.bytes_sent if m.link else 0),
         )

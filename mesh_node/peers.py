@@ -20,6 +20,7 @@ class AuthenticatedPeer:
     owner_id: str | None  # from its certificate, when it sent one
     owner_status: OwnerStatus  # verified | unverified | invalid (issue #7 §2)
     trusted: bool  # verified owner, and this node's own owner or in trusted_owners
+    trust_reason: str = ""  # why (mesh_node.identity.trust_decision), for operators
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,8 @@ class PeerInfo:
     connected: bool
     last_seen_s: float  # seconds since anything was received from it
     rtt_s: float | None = None
+    bytes_received: int = 0  # link bytes over every link to this peer since this node started
+    bytes_sent: int = 0
 
     @property
     def node_id(self) -> str:
@@ -64,9 +67,12 @@ class PeerInfo:
             "owner_id": self.peer.owner_id,
             "owner_status": self.peer.owner_status,
             "trusted": self.peer.trusted,
+            "trust_reason": self.peer.trust_reason,
             "memory_budget": self.memory_budget_bytes,
             "last_seen_s": round(self.last_seen_s, 3),
             "rtt_ms": None if self.rtt_s is None else round(self.rtt_s * 1000, 3),
+            "bytes_received": self.bytes_received,
+            "bytes_sent": self.bytes_sent,
         }
 
 
@@ -113,12 +119,15 @@ def status_document(
     peers: Sequence[PeerInfo],
     topology: Mapping[str, Any] | None,
     transfers: Mapping[str, Any] | None = None,
+    uptime_s: float = 0.0,
 ) -> dict[str, Any]:
-    """The status document (issue #7 §7): one function so every renderer agrees.
+    """The status document (issue #7 §7): one function so every renderer agrees (the CLI's
+    ``status``, the control socket, the status page's ``/api/status``).
     ``transfers`` is ``mesh_node.transfer.records.TransferLog.status()`` (issue #8): stage
     fetch state, transfers in progress and recent, counters; repo-relative paths only."""
     return {
         "node_id": node_id,
+        "uptime_s": round(uptime_s, 3),
         "listen": listen,
         "owner_id": owner_id,
         "owner_status": owner_status,

@@ -55,6 +55,8 @@ class ActiveTopology:
     state: State
     acks: dict[str, str] = field(default_factory=dict)  # worker -> accepted | refused: ... | ...
     lost: set[str] = field(default_factory=set)
+    sizes: ModelSizes | None = None  # the package's bytes, when this node planned it
+    own_id: str = ""  # this node's id
     # Coordinator: each stage node's last report (its own stage included).
     reports: dict[str, StageReport] = field(default_factory=dict)
 
@@ -66,6 +68,39 @@ class ActiveTopology:
             for s in self.topology.stages
         )
 
+    def stage_status(self) -> list[dict[str, Any]]:
+        """Per stage, for operators: its bytes (``None`` when this node does not know the
+        package's sizes), its state and whether it is ready. A coordinator knows each stage's
+        report (``ready`` / ``failed`` / ``rejected``, with ``code``), else its ack (``accepted``,
+        a refusal, ``pending``); a worker knows only that it accepted its own stage (``ready``:
+        ``None``, not known here; its fetch is in the document's ``transfers.stage``)."""
+        out: list[dict[str, Any]] = []
+        for stage in self.topology.stages:
+            nid = stage.node_id
+            report = self.reports.get(nid)
+            ready: bool | None
+            code = None
+            if nid in self.lost:
+                state, ready = "lost", False
+            elif report is not None:
+                state, ready, code = report.state, report.state == "ready", report.code
+            elif self.role == "coordinator":
+                state = "accepted" if nid == self.own_id else self.acks.get(nid, "pending")
+                ready = False
+            else:
+                state = "accepted" if nid == self.own_id else "unknown"
+                ready = None
+            out.append(
+                {
+                    "stage_index": stage.stage_index,
+                    "bytes": None if self.sizes is None else self.sizes.stage_bytes(stage.layers),
+                    "state": state,
+                    "code": code,
+                    "ready": ready,
+                }
+            )
+        return out
+
     def to_dict(self) -> dict[str, Any]:
         return {
             **self.topology.to_dict(),
@@ -76,6 +111,7 @@ class ActiveTopology:
             "lost_nodes": sorted(self.lost),
             "ready": {k: v.to_dict() for k, v in sorted(self.reports.items())},
             "all_ready": self.all_ready,
+            "stage_status": self.stage_status(),
         }
 
 
@@ -191,7 +227,7 @@ class TopologyService:
             raise TopologyRefused(
                 exc.message, code=exc.code, expected=exc.expected, actual=exc.actual, path=exc.path
             ) from None
-        return await self._distribute(topology)
+        return await self._distribute(topology, sizes)
 
     async def replace_lost(self, lost: str) -> ActiveTopology:
         """Move ``lost``'s stage of the active topology to a capable connected peer that holds
@@ -212,14 +248,22 @@ class TopologyService:
             raise TopologyRefused(
                 exc.message, code=exc.code, expected=exc.expected, actual=exc.actual, path=exc.path
             ) from None
-        return await self._distribute(topology)
+        return await self._distribute(topology, r.sizes)
 
-    async def _distribute(self, topology: SplitTopology) -> ActiveTopology:
+    async def _distribute(self, topology: SplitTopology, sizes: ModelSizes) -> ActiveTopology:
         """Sign ``topology``, make it active here, send it to every worker, collect acks."""
         signature = sign_domain(
             self.node.identity.key, pc.SIG_DOMAIN_TOPOLOGY, topology.canonical_bytes()
         )
-        active = ActiveTopology(topology, signature, self.node.node_id, "coordinator", "incomplete")
+        active = ActiveTopology(
+            topology,
+            signature,
+            self.node.node_id,
+            "coordinator",
+            "incomplete",
+            sizes=sizes,
+            own_id=self.node.node_id,
+        )
         workers = [s.node_id for s in topology.stages if s.node_id != self.node.node_id]
         offer = TopologyOffer(topology.to_dict(), signature).encode()
         # Active before any worker hears of it: a worker fetches its artifacts (issue #8) as
@@ -321,7 +365,9 @@ class TopologyService:
             return TopologyAck(
                 topology.topology_id, False, "not_in_topology", "this node holds no stage"
             )
-        self.active = ActiveTopology(topology, offer.signature, coordinator_id, "worker", "active")
+        self.active = ActiveTopology(
+            topology, offer.signature, coordinator_id, "worker", "active", own_id=self.node.node_id
+        )
         self.node.emit(TopologyChanged("active", topology.topology_id))
         log.info("accepted topology %s from %s", topology.topology_id, coordinator_id[:12])
         return TopologyAck(topology.topology_id, True)

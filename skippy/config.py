@@ -174,6 +174,8 @@ NODE_KEYS = frozenset(
         "peer_loss_timeout_s",
         "idle_timeout_s",
         "handshake_timeout_s",
+        "http",  # the status page / metrics address (mesh_node.http)
+        "http_public",
         "serving",  # [serving]: split serving (ServingSettings)
         "speculative",  # skippy.generation reads these two sections
         "models",
@@ -345,6 +347,10 @@ class NodeSettings:
     peer_loss_timeout_s: float = DEFAULT_PEER_LOSS_TIMEOUT_S
     idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S
     handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S
+    # The operator page, /api/status and /metrics (``None``: not served). A bind that is not
+    # loopback needs ``http_public`` (checked where the server starts, after CLI overrides).
+    http: HostPort | None = None
+    http_public: bool = False
     warnings: tuple[str, ...] = ()
     serving: ServingSettings = field(default_factory=ServingSettings)
 
@@ -366,6 +372,16 @@ def parse_host_port(text: object, key: str) -> HostPort:
     if m is None or not 0 <= int(m.group("port")) <= 65535:
         raise _bad(key, "expected HOST:PORT (e.g. 127.0.0.1:7000; port 0 = any)", text)
     return HostPort(m.group("v6") or m.group("host"), int(m.group("port")))
+
+
+def parse_http_bind(value: object, key: str = "http") -> HostPort:
+    """The status page's address: ``HOST:PORT``, or a bare port (``8080``), which means
+    loopback (``127.0.0.1:8080``): the page is local unless the operator names a host."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)
+    if isinstance(value, str) and value.strip().isdigit():
+        value = f"127.0.0.1:{value.strip()}"
+    return parse_host_port(value, key)
 
 
 def parse_peer_address(text: object, key: str = "peers") -> PeerAddress:
@@ -442,6 +458,10 @@ def node_settings(config: NodeConfig, env: Environment | None = None) -> NodeSet
     if peer_loss <= heartbeat:
         raise _bad("peer_loss_timeout_s", "must be longer than heartbeat_interval_s", peer_loss)
     budget = raw.get("memory_budget")
+    http = raw.get("http")
+    http_public = raw.get("http_public", False)
+    if not isinstance(http_public, bool):
+        raise _bad("http_public", "expected true or false", http_public)
     data_dir = path_of("data_dir", "data")
     assert data_dir is not None  # it has a default (typing only)
     return NodeSettings(
@@ -463,6 +483,8 @@ def node_settings(config: NodeConfig, env: Environment | None = None) -> NodeSet
         peer_loss_timeout_s=peer_loss,
         idle_timeout_s=_seconds(raw, "idle_timeout_s", DEFAULT_IDLE_TIMEOUT_S),
         handshake_timeout_s=_seconds(raw, "handshake_timeout_s", DEFAULT_HANDSHAKE_TIMEOUT_S),
+        http=None if http is None else parse_http_bind(http),
+        http_public=http_public,
         warnings=tuple(warnings),
         serving=serving_settings(raw.get("serving")),
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -136,6 +137,18 @@ def test_node_settings_resolve_paths_against_the_config_file(tmp_path):
     assert s.trusted_owners == (nid,) and s.artifact_transfer == "trusted"
     assert s.memory_budget_bytes == 8 * 2**30
     assert (s.heartbeat_interval_s, s.peer_loss_timeout_s) == (1.0, 5.0)
+    assert s.http is None and s.http_public is False  # no page unless asked for
+
+
+def test_http_keys(tmp_path):
+    from skippy.config import HostPort, load_node_settings
+
+    cfg = _node_toml(tmp_path, 'identity = "k"\nhttp = "[::1]:8080"\nhttp_public = true\n')
+    s = load_node_settings(cfg, read_environment({}))
+    assert s.http == HostPort("::1", 8080) and s.http_public is True
+    for value in ("8081", 8081):  # a bare port is loopback
+        cfg = _node_toml(tmp_path, f'identity = "k"\nhttp = {json.dumps(value)}\n')
+        assert load_node_settings(cfg, read_environment({})).http == HostPort("127.0.0.1", 8081)
 
 
 def test_environment_wins_over_the_config_artifact_transfer(tmp_path):
@@ -163,6 +176,8 @@ def test_environment_wins_over_the_config_artifact_transfer(tmp_path):
         ('identity = "k"\npeer_loss_timeout_s = 1\nheartbeat_interval_s = 2\n',
          "peer_loss_timeout_s"),
         ('listen = "127.0.0.1:0"\n', "identity"),
+        ('identity = "k"\nhttp = "localhost"\n', "http"),
+        ('identity = "k"\nhttp = "127.0.0.1:8080"\nhttp_public = "yes"\n', "http_public"),
     ],
 )
 def test_bad_node_keys_are_usage_errors_naming_the_key(tmp_path, text, key):

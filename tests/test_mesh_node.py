@@ -17,7 +17,7 @@ from mesh_node.topology import topology_signature_valid
 from protocol import constants as pc
 from protocol.messages import TopologyOffer
 from skippy.package.plan import ModelSizes
-from skippy.package.topology import SplitTopology
+from skippy.package.topology import NodeCapacity, SplitTopology, plan_topology
 
 SIZES = ModelSizes(layer_bytes=(100,) * 6, metadata_bytes=10, embeddings_bytes=50, output_bytes=50)
 SHA = "ab" * 32
@@ -43,6 +43,7 @@ async def test_two_nodes_of_one_owner_authenticate_and_trust_each_other(tmp_path
         assert doc["peers"][0]["node_id"] == a.node_id
         assert set(doc) == {
             "node_id",
+            "uptime_s",
             "listen",
             "owner_id",
             "owner_status",
@@ -82,8 +83,37 @@ async def test_trust_needs_a_verified_owner_that_is_ours_or_listed(tmp_path, cas
         )
         assert p.peer.owner_status == expected_status
         assert p.peer.trusted is (case == "listed_owner")
+        assert p.peer.trust_reason == {
+            "no_certificate": "no owner certificate",
+            "other_owner": "owner is not this node's and not in trusted_owners",
+            "expired": "owner certificate invalid (bad signature, expired, or not this key)",
+            "listed_owner": "owner listed in trusted_owners",
+        }[case]
+        assert a.status()["peers"][0]["trust_reason"] == p.peer.trust_reason
         del b
         n.cancel_scope.cancel()
+
+
+def test_trust_reason_never_disagrees_with_the_trust_rule():
+    import itertools
+
+    from mesh_node.identity import trust_decision
+
+    mine, theirs, other = "a" * 64, "b" * 64, "c" * 64
+    for owner, status, own_status, listed in itertools.product(
+        (None, mine, theirs, other),
+        ("verified", "unverified", "invalid"),
+        ("verified", "unverified", "invalid"),
+        ((), (theirs,), (mine,)),
+    ):
+        trusted, reason = trust_decision(
+            owner, status, own_owner_id=mine, own_owner_status=own_status, trusted_owners=listed
+        )
+        # issue #7 §2, spelled out independently of the implementation
+        rule = status == "verified" and owner is not None and (
+            (owner == mine and own_status == "verified") or owner in listed
+        )
+        assert trusted is rule and reason, (owner, status, own_status, listed)
 
 
 async def test_artifact_transfer_bit_is_advertised_only_when_this_node_would_serve(tmp_path):
@@ -129,6 +159,10 @@ async def test_registered_handler_gets_the_authenticated_peer_and_a_flow_control
             reply += data
         await stream.aclose()
         assert int(reply) == len(payload)
+        # Link byte counters (the status page's throughput) saw the payload cross, encrypted.
+        await wait_for(lambda: a.peers()[0].bytes_received > len(payload))
+        assert b.peers()[0].bytes_sent > len(payload)
+        assert a.status()["peers"][0]["bytes_received"] == a.peers()[0].bytes_received
         (inbound,) = seen
         assert inbound.peer.node_id == b.node_id and inbound.peer.trusted
         assert (inbound.name, inbound.major, inbound.kind) == ("skippy-stage", 2, 0x03)
@@ -215,7 +249,58 @@ async def test_coordinator_signs_and_workers_verify_store_and_acknowledge(tmp_pa
             assert got.topology == active.topology
             assert topology_signature_valid(got.topology, coord.node_id, got.signature)
         assert workers[0].status()["topology"]["topology_id"] == active.topology.topology_id
+        # Per-stage bytes (the planner's rule) and state: accepted, not ready before any
+        # report (no artifact service runs here); a worker knows only its own acceptance.
+        stage_status = coord.status()["topology"]["stage_status"]
+        assert [s["bytes"] for s in stage_status] == [
+            SIZES.stage_bytes(s.layers) for s in active.topology.stages
+        ]
+        assert all(s["ready"] is False and s["state"] == "accepted" for s in stage_status)
+        seen_by_w0 = {
+            active.topology.stages[s["stage_index"]].node_id: s
+            for s in workers[0].status()["topology"]["stage_status"]
+        }
+        assert seen_by_w0[workers[0].node_id]["state"] == "accepted"
+        assert seen_by_w0[coord.node_id]["state"] == "unknown"
+        assert all(s["ready"] is None and s["bytes"] is None for s in seen_by_w0.values())
         n.cancel_scope.cancel()
+
+
+def test_stage_status_follows_reports_acks_and_losses():
+    from mesh_node.topology import ActiveTopology, StageReport
+
+    ids = ["1" * 64, "2" * 64, "3" * 64, "4" * 64, "5" * 64]
+    topology = plan_topology(
+        SIZES,
+        [NodeCapacity(i, 1 << 30) for i in ids],
+        topology_id="t",
+        run_id="r",
+        package_ref=REF,
+        manifest_sha256=SHA,
+    )
+    by_node = {s.node_id: s.stage_index for s in topology.stages}
+    active = ActiveTopology(
+        topology,
+        b"",
+        ids[0],
+        "coordinator",
+        "degraded",
+        acks={ids[1]: "accepted", ids[2]: "refused: not_in_topology: no", ids[4]: "accepted"},
+        lost={ids[4]},
+        reports={ids[0]: StageReport("ready"), ids[1]: StageReport("failed", "hub_failed")},
+        sizes=SIZES,
+        own_id=ids[0],
+    )
+    got = {nid: active.stage_status()[i] for nid, i in by_node.items()}
+    assert (got[ids[0]]["state"], got[ids[0]]["ready"]) == ("ready", True)
+    assert (got[ids[1]]["state"], got[ids[1]]["code"], got[ids[1]]["ready"]) == (
+        "failed",
+        "hub_failed",
+        False,
+    )
+    assert got[ids[2]]["state"].startswith("refused") and got[ids[2]]["ready"] is False
+    assert (got[ids[3]]["state"], got[ids[3]]["ready"]) == ("pending", False)
+    assert (got[ids[4]]["state"], got[ids[4]]["ready"]) == ("lost", False)
 
 
 async def test_topology_that_does_not_fit_names_the_node_and_the_missing_bytes(tmp_path):

@@ -42,9 +42,9 @@ def write_config(path: Path, name: str, peers: list[str]) -> None:
     )
 
 
-def start(cwd: Path, config: str) -> tuple[subprocess.Popen[str], str]:
+def start(cwd: Path, config: str, *extra: str) -> tuple[subprocess.Popen[str], str]:
     proc = subprocess.Popen(
-        [*MESH, "run", "--config", config],
+        [*MESH, "run", "--config", config, *extra],
         cwd=cwd,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -57,6 +57,22 @@ def start(cwd: Path, config: str) -> tuple[subprocess.Popen[str], str]:
         err = proc.stderr.read() if proc.stderr else ""
         raise AssertionError(f"no listening line: {line!r} {err}")
     return proc, line.split(" ", 1)[1].strip()
+
+
+def make_keys(cwd: Path, names: tuple[str, ...]) -> tuple[dict[str, str], str]:
+    """``keys/<name>.key`` (``keygen``) and ``keys/<name>.cert`` from one owner (``owner init``,
+    ``owner sign``), as an operator makes them; returns (node ids by name, owner id)."""
+    ids = {}
+    for name in names:
+        out = mesh(cwd, "keygen", f"keys/{name}.key")
+        assert out.returncode == 0, out.stderr
+        ids[name] = out.stdout.strip()
+    owner = mesh(cwd, "owner", "init", "keys/owner.key").stdout.strip()
+    for name in names:
+        cert = f"keys/{name}.cert"
+        out = mesh(cwd, "owner", "sign", "--owner", "keys/owner.key", ids[name], "--out", cert)
+        assert out.returncode == 0, out.stderr
+    return ids, owner
 
 
 def status(cwd: Path, config: str) -> dict[str, Any]:
@@ -89,25 +105,9 @@ def test_two_real_processes_trust_each_other_and_a_signed_topology_is_acknowledg
 ):
     pkg = tmp_path / "pkg"
     make_package(synth_dir.llama, pkg)
-    ids = {}
+    ids, owner = make_keys(tmp_path, ("a", "b"))
     for name in ("a", "b"):
-        out = mesh(tmp_path, "keygen", f"keys/{name}.key")
-        assert out.returncode == 0, out.stderr
-        ids[name] = out.stdout.strip()
         assert os.stat(tmp_path / "keys" / f"{name}.key").st_mode & 0o777 == 0o600
-    owner = mesh(tmp_path, "owner", "init", "keys/owner.key").stdout.strip()
-    for name in ("a", "b"):
-        out = mesh(
-            tmp_path,
-            "owner",
-            "sign",
-            "--owner",
-            "keys/owner.key",
-            ids[name],
-            "--out",
-            f"keys/{name}.cert",
-        )
-        assert out.returncode == 0, out.stderr
     write_config(tmp_path / "a.toml", "a", [])
     a, a_url = start(tmp_path, "a.toml")
     procs = [a]

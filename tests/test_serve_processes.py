@@ -102,7 +102,7 @@ def test_openai_client_against_a_three_stage_split(tiny_pkg: Path, tmp_path: Pat
         assert status == 404
         # the coordinator's status document has the serving section
         serving = cluster.status()["serving"]
-        assert serving["state"] == "ready" and serving["requests_total"] >= 5
+        assert serving["state"] == "ready" and sum(serving["requests"].values()) >= 5
         # the lab's prompt report: text, speeds, and per node its range, bytes and peak RSS
         statuses = [cluster.status(p.name) for p in cluster.procs]
         report = prompt_report(
@@ -188,7 +188,11 @@ def test_serve_usage_errors_are_codes_not_tracebacks(tiny_pkg: Path, tmp_path: P
     cfg.write_text(node_toml(tmp_path, "coord"))
     for args, code in (
         (["--package", str(tmp_path / "missing")], "unreadable_input"),
-        (["--package", str(tiny_pkg), "--http", "10.255.255.1:80"], "http_bind_failed"),
+        (["--package", str(tiny_pkg), "--http", "10.255.255.1:80"], "http_not_loopback"),
+        (
+            ["--package", str(tiny_pkg), "--http", "10.255.255.1:80", "--http-public"],
+            "http_bind_failed",
+        ),
         (["--package", str(tiny_pkg), "--http", "nope"], "invalid_config"),
     ):
         out = subprocess.run(

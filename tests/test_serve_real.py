@@ -90,15 +90,24 @@ def test_openai_client_streams_a_chat_completion_from_lab_serve(
         [sys.executable, "-m", "mesh_node", "lab", "--nodes", "3", "--package", str(pkg),
          "--serve", "--json", "--timeout", "300", "--dir", str(tmp_path / "lab")],
         stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
         text=True,
         env=_env(),
     )
     try:
-        assert lab.stdout is not None
-        announced = json.loads(lab.stdout.readline())
+        # under --json, stdout is the one report at the end; the addresses come on stderr
+        assert lab.stderr is not None
+        lines = {}
+        for line in lab.stderr:
+            key, _, value = line.strip().partition(" ")
+            lines[key] = value
+            if key == "api":
+                break
+        assert lines["status-page"].startswith("http://127.0.0.1:")
+        api = lines["api"]
+        assert api == lines["status-page"].rstrip("/") + "/v1"  # one app per node
         model = "HuggingFaceTB/SmolLM2-135M-Instruct-GGUF:Q4_1"
-        client = openai.OpenAI(base_url=announced["api"], api_key="unused", max_retries=0)
+        client = openai.OpenAI(base_url=api, api_key="unused", max_retries=0)
         stream = client.chat.completions.create(
             model=model, messages=messages, max_tokens=24, temperature=0, stream=True
         )
@@ -115,8 +124,10 @@ def test_openai_client_streams_a_chat_completion_from_lab_serve(
         assert whole.choices[0].message.content == text == want
     finally:
         lab.send_signal(signal.SIGINT)
-        code = lab.wait(timeout=60)
-    assert code == 130
+        out, _ = lab.communicate(timeout=60)
+    assert lab.returncode == 0
+    report = json.loads(out)
+    assert report["ok"] and report["api"] == api and report["status_page"]
     assert not list((tmp_path / "lab").glob("n*/data/mesh-node.sock"))  # every node stopped
 
 

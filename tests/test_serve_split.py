@@ -32,9 +32,10 @@ from stagetools import chain
 
 from mesh_node.errors import StreamReset
 from mesh_node.node import MeshNode
-from mesh_node.service import _package_facts, stage_services
+from mesh_node.service import _package_facts
 from mesh_node.serving.host import StageHost
 from mesh_node.serving.pipeline import GenerationParams, ServerBusy, SplitServer
+from mesh_node.serving.service import stage_services
 from protocol import constants as pc
 from skippy.config import ServingSettings, read_environment
 from skippy.runtime.stage import StageConfig

@@ -71,8 +71,7 @@ class LabOptions:
     run_args: Callable[[int], tuple[str, ...]] | None = None  # per node: after `mesh-node run`
     prompt: str | None = None  # issue #10: one completion through the split
     max_tokens: int = 16
-    serve: bool = False  # issue #10: keep the lab up, serving the API
-    http: str = "127.0.0.1:0"  # the API's address (coordinator)
+    serve: bool = False  # issue #10: serve the split behind the API (the lab stays up)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -129,7 +128,6 @@ class Lab:
                 "op": "serve",
                 "package": self.package.ref,
                 "stages": self.options.nodes,
-                "http": self.options.http,
             },
             timeout_s=self.options.timeout_s,
         )
@@ -309,33 +307,32 @@ async def open_lab(options: LabOptions) -> AsyncIterator[Lab]:
             shutil.rmtree(root, ignore_errors=True)
 
 
-async def run_lab(
-    options: LabOptions, announce: Callable[[dict[str, Any]], None] | None = None
-) -> dict[str, Any]:
-    """The whole experiment: bring the lab up, split (serving, with ``prompt`` or ``serve``),
-    report, tear down. With ``serve`` the report goes to ``announce`` and the lab stays up
-    until cancelled (Ctrl-C)."""
+async def experiment(lab: Lab) -> dict[str, Any]:
+    """The lab's experiment: the split and its transfer report; with ``prompt`` or ``serve``
+    (issue #10) the coordinator serves the split, the report gains ``api`` and, with
+    ``prompt``, ``prompt`` (one greedy completion through the split)."""
     from mesh_node.serving.report import complete, prompt_report
 
+    options = lab.options
+    if options.prompt is None and not options.serve:
+        return await lab.split()
+    api, topology, seconds = await lab.start_serving()
+    report = await lab.report(topology, seconds, [])
+    report["api"] = api
+    if options.prompt is not None:
+        completion = await complete(
+            api, options.prompt, max_tokens=options.max_tokens, timeout_s=options.timeout_s
+        )
+        report["prompt"] = prompt_report(completion, await lab.cluster.statuses())
+    return report
+
+
+async def run_lab(options: LabOptions) -> dict[str, Any]:
+    """The whole experiment: bring the lab up, split (and serve), report, tear down."""
     async with open_lab(options) as lab:
-        if options.prompt is None and not options.serve:
-            report = await lab.split()
-        else:
-            api, topology, seconds = await lab.start_serving()
-            report = await lab.report(topology, seconds, [])
-            if options.serve:
-                report["api"] = api
-            if options.prompt is not None:
-                completion = await complete(
-                    api, options.prompt, max_tokens=options.max_tokens, timeout_s=options.timeout_s
-                )
-                report["prompt"] = prompt_report(completion, await lab.cluster.statuses())
+        report = await experiment(lab)
         report["root"] = str(lab.cluster.root) if options.keep else None
-        if options.serve:
-            if announce is not None:
-                announce(report)
-            await trio.sleep_forever()
         return report
 
 
-__all__ = ["Lab", "LabError", "LabOptions", "node_specs", "open_lab", "run_lab"]
+__all__ = ["Lab", "LabError", "LabOptions", "experiment", "node_specs", "open_lab", "run_lab"]

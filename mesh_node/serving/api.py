@@ -103,10 +103,22 @@ def _sse(data: Any) -> bytes:
 
 
 class OpenAIApi:
-    def __init__(self, server: SplitServer) -> None:
-        self.server = server
+    """The routes; ``source`` gives the node's ``SplitServer`` (``None``: it serves no model,
+    every route answers 503)."""
+
+    def __init__(self, source: Callable[[], SplitServer | None]) -> None:
+        self._source = source
         self._template: tuple[ChatTemplate | None] | None = None  # read once, when first needed
         self.created = int(time.time())
+
+    @property
+    def server(self) -> SplitServer:
+        server = self._source()
+        if server is None:
+            raise SplitNotReady(
+                "this node serves no model (start it with mesh-node serve)", code="not_serving"
+            )
+        return server
 
     def template(self) -> ChatTemplate | None:
         """The chat template from stage 0's metadata part (a thread: reads the file)."""
@@ -125,12 +137,16 @@ class OpenAIApi:
         ]
 
     async def models(self, request: Request) -> Response:
+        try:
+            name = self.server.model_name
+        except SkippyError as err:
+            return _error_response(err)
         return JSONResponse(
             {
                 "object": "list",
                 "data": [
                     {
-                        "id": self.server.model_name,
+                        "id": name,
                         "object": "model",
                         "created": self.created,
                         "owned_by": "skippy-mesh",

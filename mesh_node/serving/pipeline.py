@@ -125,11 +125,10 @@ class _Session:
 
 @dataclass
 class ServingStats:
-    requests_total: int = 0
-    requests_failed: int = 0
-    requests_rejected: int = 0  # 429 and 503 at admission
-    prompt_tokens_total: int = 0
-    completion_tokens_total: int = 0
+    """What admission needs (running, queued) and the recent requests' timings. Request and
+    token counts, time to first token and latencies are the node's metrics
+    (``MeshNode.metrics``: the status page and /metrics read them)."""
+
     failovers_total: int = 0
     in_flight: int = 0
     queued: int = 0
@@ -140,19 +139,11 @@ class ServingStats:
         decode_s = sum(r.decode_s for r in self.recent)
         prefill_tok = sum(r.prompt_tokens for r in self.recent)
         prefill_s = sum(r.prefill_s for r in self.recent)
-        ttft = sorted(r.ttft_s for r in self.recent)
         return {
-            "requests_in_flight": self.in_flight,
             "requests_queued": self.queued,
-            "requests_total": self.requests_total,
-            "requests_failed": self.requests_failed,
-            "requests_rejected": self.requests_rejected,
-            "prompt_tokens_total": self.prompt_tokens_total,
-            "completion_tokens_total": self.completion_tokens_total,
             "failovers_total": self.failovers_total,
             "decode_tokens_per_s": round(decode_tok / decode_s, 2) if decode_s > 0 else None,
             "prefill_tokens_per_s": round(prefill_tok / prefill_s, 2) if prefill_s > 0 else None,
-            "time_to_first_token_s_median": round(ttft[len(ttft) // 2], 4) if ttft else None,
         }
 
 
@@ -207,6 +198,7 @@ class SplitServer:
             "reason": None if route else (self.failed.message if self.failed else self.reason),
             "topology_id": route.topology_id if route else None,
             "stages": len(route.node_ids) if route else None,
+            **self.node.metrics.serving_status(),
             **self.stats.to_dict(),
             "hops": hop_summary(self.hops),
         }
@@ -353,15 +345,35 @@ class SplitServer:
     async def generate(
         self, prompt: list[int], params: GenerationParams, emit: Emit
     ) -> GenerationResult:
-        """One request through the split; ``emit`` gets each new token (and may stop it)."""
-        try:
-            self._check_ready()
-        except SplitNotReady:
-            self.stats.requests_rejected += 1
-            raise
+        """One request through the split; ``emit`` gets each new token (and may stop it).
+        Counted in the node's metrics (requests by outcome, tokens, time to first token)."""
+        with self.node.metrics.request(len(prompt)) as record:
+            try:
+                await self._admit()
+            except (SplitNotReady, ServerBusy):
+                record.outcome = "rejected"
+                raise
+
+            async def counted(token: int) -> bool:
+                record.tokens(1)
+                return await emit(token)
+
+            st = self.stats
+            st.in_flight += 1
+            try:
+                result = await self._generate(prompt, params, counted)
+            finally:
+                st.in_flight -= 1
+                self._slots.release()
+            st.failovers_total += result.failovers
+            st.recent.append(result)
+            return result
+
+    async def _admit(self) -> None:
+        """Ready, and a slot free or a place in the queue (then wait for a slot)."""
+        self._check_ready()
         st = self.stats
         if st.in_flight + st.queued >= self.settings.max_sessions + self.settings.max_queue:
-            st.requests_rejected += 1
             raise ServerBusy(
                 f"{st.in_flight} requests running and {st.queued} queued (the limit)",
                 remediation="retry later",
@@ -371,27 +383,11 @@ class SplitServer:
             with trio.fail_after(self.settings.queue_timeout_s):
                 await self._slots.acquire()
         except trio.TooSlowError:
-            st.requests_rejected += 1
             raise ServerBusy(
                 f"no slot within {self.settings.queue_timeout_s:g} s", remediation="retry later"
             ) from None
         finally:
             st.queued -= 1
-        st.in_flight += 1
-        st.requests_total += 1
-        try:
-            result = await self._generate(prompt, params, emit)
-        except BaseException:
-            st.requests_failed += 1
-            raise
-        finally:
-            st.in_flight -= 1
-            self._slots.release()
-        st.prompt_tokens_total += result.prompt_tokens
-        st.completion_tokens_total += len(result.tokens)
-        st.failovers_total += result.failovers
-        st.recent.append(result)
-        return result
 
     async def _generate(
         self, prompt: list[int], params: GenerationParams, emit: Emit

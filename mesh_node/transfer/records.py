@@ -50,6 +50,11 @@ class TransferRecord:
         self.error = None
         self._clock_start = time.monotonic()
 
+    def duration_s(self) -> float:
+        """Seconds of the latest attempt (to now while it runs)."""
+        end = self._clock_end if self._clock_end is not None else time.monotonic()
+        return max(0.0, end - self._clock_start)
+
     def mb_per_s(self) -> float | None:
         moved = self.bytes_done - self.resumed_from
         end = self._clock_end if self._clock_end is not None else time.monotonic()
@@ -144,8 +149,15 @@ class StageFetch:
 class TransferLog:
     """The node's transfer state; ``status()`` is the status document's ``transfers``."""
 
-    def __init__(self, *, wall_clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        *,
+        wall_clock: Callable[[], float] = time.time,
+        on_finish: Callable[[TransferRecord], None] | None = None,
+    ) -> None:
         self.wall_clock = wall_clock
+        # Told of every finished transfer (the node's metrics observe its duration there).
+        self.on_finish = on_finish
         self.counters = TransferCounters()
         self.stage: StageFetch | None = None
         self.active: dict[int, TransferRecord] = {}
@@ -183,6 +195,8 @@ class TransferLog:
         rec._clock_end = time.monotonic()
         if self.active.pop(rec.id, None) is not None:
             self.recent.append(rec)
+            if self.on_finish is not None:
+                self.on_finish(rec)
 
     def found_in_cache(self, path: str, size: int) -> None:
         """An artifact already present and verified: a finished ``cache`` record."""

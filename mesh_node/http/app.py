@@ -1,0 +1,212 @@
+"""The node's one ASGI app (starlette, run by hypercorn's trio worker in the node's process).
+
+Routes of the operator surface (issue #12), all ``GET`` (``HEAD`` too); any other method is
+answered 405 by starlette's router, so nothing here can change the node:
+
+- ``/`` the status page, ``/static/*`` its assets (package data: works offline);
+- ``/api/status`` the status document (``mesh_node.peers.status_document``, through
+  ``view.public_status``);
+- ``/api/events`` the same document as server-sent events: every ``PUSH_INTERVAL_S`` and soon
+  after each node event (peer up/down, topology change);
+- ``/metrics`` Prometheus exposition through prometheus_client (``mesh_node.metrics``).
+
+Other components add routes with ``build_app(node, routes=[...])`` (issue #10's OpenAI API
+under ``/v1``); they may use other methods on their own paths.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from contextlib import AbstractAsyncContextManager
+from importlib import resources
+from typing import Any, Protocol
+
+import trio
+from prometheus_client.exposition import choose_encoder
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.trustedhost import TrustedHostMiddleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import BaseRoute, Mount, Route
+from starlette.staticfiles import StaticFiles
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from mesh_node.http.view import public_status
+from mesh_node.metrics import NodeMetrics, node_registry
+from skippy.errors import UsageError
+
+PUSH_INTERVAL_S = 1.0  # the page's live update period
+EVENT_SETTLE_S = 0.2  # after a node event, wait this long so a burst becomes one push
+MAX_EVENT_STREAMS = 32  # open pages at once; beyond, 503 (the page then polls)
+STATIC_PACKAGE = ("mesh_node.http", "static")
+OWN_PATHS = ("/", "/api/status", "/api/events", "/metrics", "/static")
+SECURITY_HEADERS = [
+    # Everything the page needs comes from this origin: no CDN, fonts or inline code.
+    (
+        b"content-security-policy",
+        b"default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+        b"connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+    ),
+    (b"x-content-type-options", b"nosniff"),
+    (b"referrer-policy", b"no-referrer"),
+    (b"cache-control", b"no-store"),
+]
+
+
+class StatusSource(Protocol):
+    """What the app reads of a node (``MeshNode`` is one)."""
+
+    metrics: NodeMetrics
+
+    def status(self) -> dict[str, Any]: ...
+    def subscribe(self) -> AbstractAsyncContextManager[trio.MemoryReceiveChannel[Any]]: ...
+
+
+def build_app(
+    node: StatusSource,
+    *,
+    routes: Sequence[BaseRoute] = (),
+    allowed_hosts: Sequence[str] = ("*",),
+) -> Starlette:
+    """The app: the operator surface plus ``routes`` from other components. A component
+    route on one of the operator surface's paths is a programming error (``UsageError``)."""
+    for route in routes:
+        path = getattr(route, "path", None)
+        if isinstance(path, str) and any(
+            path == own or (own != "/" and path.startswith(own + "/")) for own in OWN_PATHS
+        ):
+            raise UsageError(f"route {path} would shadow the status page's own", code="bad_route")
+    index_html = resources.files(STATIC_PACKAGE[0]).joinpath(STATIC_PACKAGE[1], "index.html")
+    page = index_html.read_bytes()
+    registry = node_registry(node.status, node.metrics)
+    streams = _Slots(MAX_EVENT_STREAMS)
+
+    async def index(request: Request) -> Response:
+        return Response(page, media_type="text/html; charset=utf-8")
+
+    async def api_status(request: Request) -> Response:
+        return JSONResponse(public_status(node.status()))
+
+    async def api_events(request: Request) -> Response:
+        if not streams.take():
+            return JSONResponse({"error": "too many open event streams; poll /api/status"}, 503)
+        return _EventStream(node, streams)
+
+    async def metrics(request: Request) -> Response:
+        encoder, content_type = choose_encoder(request.headers.get("accept", ""))
+        return Response(encoder(registry), headers={"content-type": content_type})
+
+    own: list[BaseRoute] = [
+        Route("/", index, methods=["GET"]),
+        Route("/api/status", api_status, methods=["GET"]),
+        Route("/api/events", api_events, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ]
+    return Starlette(
+        routes=[
+            *own,
+            *routes,
+            Mount("/static", StaticFiles(packages=[STATIC_PACKAGE]), name="static"),
+        ],
+        middleware=[
+            Middleware(TrustedHostMiddleware, allowed_hosts=list(allowed_hosts)),
+            Middleware(_SecurityHeaders),
+        ],
+    )
+
+
+class _SecurityHeaders:
+    """Adds ``SECURITY_HEADERS`` to every response that does not set them itself."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                present = {name.lower() for name, _ in message.get("headers", [])}
+                extra = [(k, v) for k, v in SECURITY_HEADERS if k not in present]
+                message = {**message, "headers": [*message.get("headers", []), *extra]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers)
+
+
+class _Slots:
+    """A bound on open event streams (taken by the endpoint, released by the stream)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.open = limit, 0
+
+    def take(self) -> bool:
+        if self.open >= self.limit:
+            return False
+        self.open += 1
+        return True
+
+    def release(self) -> None:
+        self.open -= 1
+
+
+class _EventStream(Response):
+    """``text/event-stream`` of status documents until the client leaves or the node stops.
+
+    A plain ASGI response rather than an async generator: trio cancel scopes and node
+    subscriptions stay in one task, and the stream's slot is released in ``finally``."""
+
+    def __init__(self, node: StatusSource, slots: _Slots) -> None:
+        super().__init__(media_type="text/event-stream")
+        self._node, self._slots = node, slots
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [
+                        (b"content-type", b"text/event-stream; charset=utf-8"),
+                        (b"x-accel-buffering", b"no"),  # a reverse proxy must not hold events
+                    ],
+                }
+            )
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_until_disconnect, receive, nursery.cancel_scope)
+                await self._push(send)
+        finally:
+            self._slots.release()
+
+    async def _push(self, send: Send) -> None:
+        while True:
+            async with self._node.subscribe() as events:
+                try:
+                    while True:
+                        doc = public_status(self._node.status())
+                        body = f"data: {json.dumps(doc, separators=(',', ':'))}\n\n".encode()
+                        await send({"type": "http.response.body", "body": body, "more_body": True})
+                        with trio.move_on_after(PUSH_INTERVAL_S):
+                            await events.receive()
+                            await trio.sleep(EVENT_SETTLE_S)
+                            _drain(events)  # a burst of events is one push
+                except (trio.EndOfChannel, trio.ClosedResourceError):
+                    continue  # fell too far behind the node's events: subscribe again
+
+
+def _drain(events: trio.MemoryReceiveChannel[Any]) -> None:
+    while True:
+        try:
+            events.receive_nowait()
+        except trio.WouldBlock:
+            return
+
+
+async def _until_disconnect(receive: Receive, scope: trio.CancelScope) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    scope.cancel()

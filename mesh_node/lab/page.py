@@ -1,0 +1,77 @@
+"""``mesh-node lab --http`` (and ``--serve``): the lab with its coordinator's status page
+(issue #12), and with ``--serve`` the OpenAI API beside it (issue #10).
+
+The coordinator runs with ``--http``; its page address is announced as soon as it listens (so
+the split can be watched while artifacts move), the report follows, and the lab stays up
+until SIGINT or SIGTERM (at any point), then is torn down like any lab.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import signal
+from collections.abc import Callable
+from typing import Any, Final
+
+import trio
+
+from mesh_node.lab.cluster import LabError, LabNode
+from mesh_node.lab.run import LabOptions, experiment, open_lab
+
+PAGE_PREFIX: Final = "status-page "  # the line `mesh-node run --http` prints when serving
+PAGE_TIMEOUT_S: Final = 30.0
+
+
+async def page_url(node: LabNode, timeout_s: float = PAGE_TIMEOUT_S) -> str:
+    """The status page address a lab node printed (its stdout, after ``listening ...``)."""
+    stdout = node.root / "stdout"
+    with trio.move_on_after(timeout_s):
+        while True:
+            for line in stdout.read_text(errors="replace").splitlines():
+                if line.startswith(PAGE_PREFIX):
+                    return line.removeprefix(PAGE_PREFIX).strip()
+            if node.process is None or node.process.poll() is not None:
+                break
+            await trio.sleep(0.05)
+    raise LabError(f"{node.spec.name} printed no status page address:\n{node.log_tail()}")
+
+
+async def run_lab_with_page(
+    options: LabOptions,
+    http: str,
+    *,
+    on_page: Callable[[str], None],
+    on_report: Callable[[dict[str, Any]], None],
+) -> dict[str, Any]:
+    """Bring the lab up with the coordinator serving its page on ``http``, split, report, and
+    keep it up until SIGINT/SIGTERM. The report gains ``status_page``."""
+    previous = options.run_args
+
+    def run_args(index: int) -> tuple[str, ...]:
+        extra = previous(index) if previous else ()
+        return (*extra, "--http", http) if index == 0 else extra
+
+    options = dataclasses.replace(options, run_args=run_args)
+    reports: list[dict[str, Any]] = []  # the report, once made (a signal may come first)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_cancel_on_signal, nursery.cancel_scope)
+        async with open_lab(options) as lab:  # stops every node even when cancelled
+            url = await page_url(lab.cluster.coordinator)
+            on_page(url)
+            report = await experiment(lab)
+            report["status_page"] = url
+            report["root"] = str(lab.cluster.root) if options.keep else None
+            reports.append(report)
+            on_report(report)
+            await trio.sleep(math.inf)  # until SIGINT/SIGTERM cancels the nursery
+    if not reports:
+        raise KeyboardInterrupt  # stopped before the report: as a plain lab's Ctrl-C
+    return reports[0]
+
+
+async def _cancel_on_signal(scope: trio.CancelScope) -> None:
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for _ in signals:
+            scope.cancel()
+            return
