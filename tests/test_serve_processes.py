@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -103,6 +104,19 @@ def test_openai_client_against_a_three_stage_split(tiny_pkg: Path, tmp_path: Pat
         # the coordinator's status document has the serving section
         serving = cluster.status()["serving"]
         assert serving["state"] == "ready" and sum(serving["requests"].values()) >= 5
+        # /metrics (the node's one app, beside /v1) counts the requests and tokens
+        from prometheus_client.parser import text_string_to_metric_families
+
+        page = cluster.api.removesuffix("/v1")
+        with urllib.request.urlopen(f"{page}/metrics", timeout=10) as r:
+            families = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
+        ok = [s.value for s in families["mesh_node_requests"].samples
+              if s.name.endswith("_total") and s.labels == {"outcome": "ok"}]
+        assert ok and ok[0] >= 5
+        rejected = [s.value for s in families["mesh_node_requests"].samples
+                    if s.name.endswith("_total") and s.labels == {"outcome": "rejected"}]
+        assert rejected and rejected[0] >= 1  # the other model's 404 never reached the split
+        assert "mesh_node_time_to_first_token_seconds" in families
         # the lab's prompt report: text, speeds, and per node its range, bytes and peak RSS
         statuses = [cluster.status(p.name) for p in cluster.procs]
         report = prompt_report(

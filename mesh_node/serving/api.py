@@ -20,6 +20,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 from starlette.types import Receive, Scope, Send
 
+from mesh_node.metrics import NodeMetrics
 from mesh_node.serving.pipeline import (
     GenerationFailed,
     GenerationParams,
@@ -106,8 +107,11 @@ class OpenAIApi:
     """The routes; ``source`` gives the node's ``SplitServer`` (``None``: it serves no model,
     every route answers 503)."""
 
-    def __init__(self, source: Callable[[], SplitServer | None]) -> None:
+    def __init__(
+        self, source: Callable[[], SplitServer | None], metrics: NodeMetrics | None = None
+    ) -> None:
         self._source = source
+        self._metrics = metrics
         self._template: tuple[ChatTemplate | None] | None = None  # read once, when first needed
         self.created = int(time.time())
 
@@ -178,6 +182,9 @@ class OpenAIApi:
                 )
             ids = await trio.to_thread.run_sync(self._prompt_ids, req, n_ctx)
         except SkippyError as err:
+            if self._metrics is not None:  # refused before it reached the split: counted too
+                with self._metrics.request(0) as record:
+                    record.outcome = "rejected"
             return _error_response(err)
         params = GenerationParams(
             max_tokens=req.max_tokens,

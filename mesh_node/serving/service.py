@@ -97,7 +97,7 @@ class Serving:
         from mesh_node.serving.api import OpenAIApi
 
         if self._api is None:
-            self._api = OpenAIApi(lambda: self.server)
+            self._api = OpenAIApi(lambda: self.server, self.node.metrics)
         return [*self.extra_routes, *self._api.routes()]
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
