@@ -217,7 +217,11 @@ def cmd_lab(args: argparse.Namespace) -> CommandResult:
     from mesh_node.lab.report import render_report
     from mesh_node.lab.run import LabOptions, run_lab
     from mesh_node.serving.report import render_prompt_report
+    from skippy.config import parse_size
 
+    overrides: dict[int, dict[str, Any]] = {}
+    if args.serve_rate is not None:  # the coordinator's uplink cap (artifact_serve_bytes_per_s)
+        overrides[0] = {"artifact_serve_bytes_per_s": parse_size(args.serve_rate, "--serve-rate")}
     options = LabOptions(
         nodes=args.nodes,
         package=args.package,
@@ -229,6 +233,7 @@ def cmd_lab(args: argparse.Namespace) -> CommandResult:
         prompt=args.prompt,
         max_tokens=args.max_tokens,
         serve=args.serve,
+        node_overrides=overrides,
     )
 
     def render(report: dict[str, Any]) -> str:
@@ -380,6 +385,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="[HOST:]PORT",
         help="the coordinator serves its status page here (printed as `status-page URL`); the "
         "lab then stays up after its report until Ctrl-C",
+    )
+    p.add_argument(
+        "--serve-rate",
+        metavar="SIZE",
+        help="cap the coordinator's artifact serving at SIZE bytes per second (e.g. 20MB; "
+        "default unlimited): watch transfers move on the status page, or emulate an uplink",
     )
     p.add_argument("--dir", help="where the nodes live (default: a temporary folder)")
     p.add_argument("--keep", action="store_true", help="keep the nodes' folders and logs")

@@ -245,7 +245,10 @@ def _processes_under(root: Path) -> list[int]:
 def test_ctrl_c_stops_every_node(big_package, tmp_path):
     root = tmp_path / "lab"
     proc = subprocess.Popen(
-        [*MESH, "lab", "--nodes", "3", "--package", str(big_package), "--dir", str(root)],
+        # 1 MB/s: the 32 MiB split is still moving when the signal lands (unthrottled, the lab
+        # could finish first on a quiet machine and exit 0)
+        [*MESH, "lab", "--nodes", "3", "--package", str(big_package), "--dir", str(root),
+         "--serve-rate", "1MB"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
