@@ -94,11 +94,10 @@ def cmd_owner_sign(args: argparse.Namespace) -> CommandResult:
     return CommandResult(data, text)
 
 
-def cmd_run(args: argparse.Namespace) -> CommandResult:
-    import trio
-
+def _node_settings(args: argparse.Namespace) -> tuple[Any, Any]:
+    """The node's settings with the command line's --http/--http-public applied, its identity;
+    warnings printed."""
     from mesh_node.identity import load_local_identity
-    from mesh_node.service import run_node
     from skippy.config import load_node_settings, parse_http_bind
 
     settings = load_node_settings(Path(args.config))
@@ -116,8 +115,53 @@ def cmd_run(args: argparse.Namespace) -> CommandResult:
         warnings += filter(None, [check_http_bind(settings.http, settings.http_public)])
     for warning in warnings:
         sys.stderr.write(f"warning: {warning}\n")
-    trio.run(run_node, settings, identity)
+    return settings, identity
+
+
+def cmd_run(args: argparse.Namespace) -> CommandResult:
+    from mesh_node.service import run_node
+
+    settings, identity = _node_settings(args)
+    _run_trio(run_node, settings, identity)
     return CommandResult({"ok": True}, "")
+
+
+def cmd_serve(args: argparse.Namespace) -> CommandResult:
+    from mesh_node.service import run_node
+    from mesh_node.serving.service import ServeOptions
+
+    if args.stages is not None and args.stages < 1:
+        raise UsageError("--stages must be at least 1", code="bad_usage")
+    settings, identity = _node_settings(args)
+    assert settings.http is not None  # --http has a default (typing)
+    options = ServeOptions(
+        package=args.package,
+        stages=args.stages,
+        http=settings.http,
+        model_name=args.model_name,
+    )
+
+    async def main() -> None:
+        await run_node(settings, identity, serve=options)
+
+    _run_trio(main)
+    return CommandResult({"ok": True}, "")
+
+
+def _run_trio(fn: Callable[..., Any], *args: Any) -> Any:
+    """``trio.run``, with our error surfacing from inside a nursery raised as itself (the
+    CLI prints its code and message, never an exception group's traceback)."""
+    import trio
+
+    try:
+        return trio.run(fn, *args)
+    except BaseExceptionGroup as group:
+        from mesh_node.errors import skippy_error_in
+
+        found = skippy_error_in(group)
+        if found is None:
+            raise
+        raise found from None
 
 
 def cmd_status(args: argparse.Namespace) -> CommandResult:
@@ -170,10 +214,9 @@ def cmd_topology(args: argparse.Namespace) -> CommandResult:
 
 
 def cmd_lab(args: argparse.Namespace) -> CommandResult:
-    import trio
-
     from mesh_node.lab.report import render_report
     from mesh_node.lab.run import LabOptions, run_lab
+    from mesh_node.serving.report import render_prompt_report
     from skippy.config import parse_size
 
     overrides: dict[int, dict[str, Any]] = {}
@@ -187,26 +230,42 @@ def cmd_lab(args: argparse.Namespace) -> CommandResult:
         root=Path(args.dir) if args.dir else None,
         keep=args.keep,
         timeout_s=args.timeout,
+        prompt=args.prompt,
+        max_tokens=args.max_tokens,
+        serve=args.serve,
         node_overrides=overrides,
     )
-    if args.http is None:
-        report = trio.run(run_lab, options)
-        return CommandResult(report, render_report(report), exit_code=0 if report["ok"] else 1)
+
+    def render(report: dict[str, Any]) -> str:
+        text = render_report(report)
+        if report.get("prompt"):
+            text += "\n" + render_prompt_report(report["prompt"])
+        return text
+
+    if args.http is None and not args.serve:
+        report = _run_trio(run_lab, options)
+        return CommandResult(report, render(report), exit_code=0 if report["ok"] else 1)
     from mesh_node.lab.page import run_lab_with_page
 
+    # The lab stays up. stdout stays one JSON document under --json (printed when the lab
+    # stops), so the addresses go to stderr then.
+    out = sys.stderr if args.json else sys.stdout
+
     def on_page(url: str) -> None:
-        # stdout stays one JSON document under --json (printed when the lab stops)
-        out = sys.stderr if args.json else sys.stdout
         out.write(f"status-page {url}\n")
         out.flush()
 
     def on_report(report: dict[str, Any]) -> None:
         if not args.json:
-            print(render_report(report))
-            print("the lab stays up: Ctrl-C (or SIGTERM) stops it", flush=True)
+            print(render(report))
+        if report.get("api"):
+            out.write(f"api {report['api']}\n")
+        out.write("the lab stays up: Ctrl-C (or SIGTERM) stops it\n")
+        out.flush()
 
-    report = trio.run(
-        lambda: run_lab_with_page(options, args.http, on_page=on_page, on_report=on_report)
+    http = args.http or "127.0.0.1:0"
+    report = _run_trio(
+        lambda: run_lab_with_page(options, http, on_page=on_page, on_report=on_report)
     )
     return CommandResult(report, "", exit_code=0 if report["ok"] else 1)
 
@@ -255,6 +314,32 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="allow --http on a non-loopback address (config: http_public)",
     )
+    p = add(
+        "serve",
+        cmd_serve,
+        "run a node that coordinates a split of PACKAGE (stage 0 here) and serves an "
+        "OpenAI-compatible API beside its status page",
+    )
+    p.add_argument("--config", required=True)
+    p.add_argument("--package", required=True, help="hf://ns/repo@rev or a package directory")
+    p.add_argument(
+        "--stages",
+        type=int,
+        default=None,
+        help="number of stages; waits for that many - 1 capable peers (default: all connected)",
+    )
+    p.add_argument(
+        "--http",
+        metavar="[HOST:]PORT",
+        default="127.0.0.1:8080",
+        help="the API (/v1) and the status page (default 127.0.0.1:8080)",
+    )
+    p.add_argument(
+        "--http-public",
+        action="store_true",
+        help="allow --http on a non-loopback address (config: http_public)",
+    )
+    p.add_argument("--model-name", default=None, help="the model id the API answers to")
     p = add("status", cmd_status, "ask the running node for its status")
     p.add_argument("--config", required=True)
     p = add(
@@ -312,6 +397,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--timeout", type=float, default=600.0, help="seconds for the split to be ready"
     )
+    p.add_argument(
+        "--prompt",
+        help="serve the split (stage 0 on the coordinator) and run one greedy completion",
+    )
+    p.add_argument(
+        "--max-tokens", type=int, default=16, help="tokens to generate with --prompt (16)"
+    )
+    p.add_argument(
+        "--serve",
+        action="store_true",
+        help="serve the split behind the OpenAI API and keep the lab up (prints the API's and "
+        "the status page's addresses) until Ctrl-C",
+    )
     return parser
 
 
@@ -323,7 +421,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(_LineFormatter())
     logging.basicConfig(
-        level=logging.INFO if args.verbose or args.command == "run" else logging.WARNING,
+        level=logging.INFO if args.verbose or args.command in ("run", "serve") else logging.WARNING,
         handlers=[handler],
     )
     try:

@@ -2,7 +2,28 @@
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 from skippy.errors import EXIT_USAGE, SkippyError
+
+E = TypeVar("E", bound=BaseException)
+
+
+def first_exception(exc: BaseException, kind: type[E]) -> E | None:
+    """``exc`` if it is a ``kind``, else the first ``kind`` among a nursery's exception group's
+    leaves; ``None`` when there is none (a bug or a cancellation: re-raise it)."""
+    if isinstance(exc, kind):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            found = first_exception(inner, kind)
+            if found is not None:
+                return found
+    return None
+
+
+def skippy_error_in(exc: BaseException) -> SkippyError | None:
+    return first_exception(exc, SkippyError)
 
 
 class MeshError(SkippyError):

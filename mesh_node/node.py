@@ -138,6 +138,8 @@ class MeshNode:
         self.transfers = TransferLog(
             wall_clock=wall_clock, on_finish=self.metrics.transfer_finished
         )
+        # Extra sections of the status document, filled by components (issue #10: "serving").
+        self.status_sections: dict[str, Callable[[], Any]] = {}
 
     # --- the registration API -----------------------------------------------------------------
     def register_subprotocol(
@@ -212,7 +214,7 @@ class MeshNode:
 
     def status(self) -> dict[str, Any]:
         owner_id, owner_status = self.identity.owner(self.wall_clock())
-        return status_document(
+        doc = status_document(
             node_id=self.node_id,
             listen=self.listen_url,
             owner_id=owner_id,
@@ -225,6 +227,9 @@ class MeshNode:
             transfers=self.transfers.status(),
             uptime_s=0.0 if self._started_at is None else trio.current_time() - self._started_at,
         )
+        for key, section in self.status_sections.items():
+            doc[key] = section()
+        return doc
 
     # --- running -------------------------------------------------------------------------------
     async def run(self, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:

@@ -6,7 +6,6 @@ import logging
 import signal
 import sys
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -14,7 +13,8 @@ import trio
 from mesh_node.control import serve_control
 from mesh_node.identity import LocalIdentity
 from mesh_node.node import MeshNode
-from mesh_node.transfer.service import ArtifactService
+from mesh_node.packages import package_identity
+from mesh_node.serving.service import ServeOptions, Serving, serve_options, stage_services
 from skippy.config import NodeSettings, read_environment
 from skippy.errors import SkippyError, UsageError
 
@@ -24,11 +24,13 @@ if TYPE_CHECKING:
 log = logging.getLogger("mesh_node.service")
 
 
-def control_handler(node: MeshNode) -> Any:
+def control_handler(node: MeshNode, serving: Serving | None = None) -> Any:
     async def handle(request: dict[str, Any]) -> dict[str, Any]:
         op = request.get("op")
         if op == "status":
             return {"ok": True, "status": node.status()}
+        if op == "serve" and serving is not None:
+            return {"ok": True, "api": await serving.start(serve_options(request))}
         if op == "topology":
             package = request.get("package")
             stages = request.get("stages")
@@ -52,31 +54,23 @@ def control_handler(node: MeshNode) -> Any:
 
 def _package_facts(settings: NodeSettings, text: str) -> tuple[str, str, Any]:
     """(pinned package ref, manifest SHA-256, per-artifact sizes) of a package reference."""
-    from skippy.consume.resolve import open_package
-    from skippy.package.refs import HfPackageRef, parse_package_ref
-    from skippy.produce.inspect import sizes_from_manifest
-
-    ref = parse_package_ref(text)
-    env = replace(read_environment(), hf_cache_dir=settings.hub_cache_dir)
-    pkg = open_package(ref, env)
-    # A hub package is pinned to the commit resolved now (snapshots/<commit>/): every worker
-    # then names exactly the same bytes; a local directory is named by its absolute path.
-    pinned = (
-        f"hf://{ref.repo_id}@{pkg.root.name}"
-        if isinstance(ref, HfPackageRef)
-        else str(pkg.root.resolve())
-    )
-    return pinned, pkg.manifest_sha256, sizes_from_manifest(pkg.manifest)
+    ref, sha, sizes, _model = package_identity(settings, text)
+    return ref, sha, sizes
 
 
 async def run_node(
-    settings: NodeSettings, identity: LocalIdentity, *, routes: Sequence[BaseRoute] = ()
+    settings: NodeSettings,
+    identity: LocalIdentity,
+    *,
+    routes: Sequence[BaseRoute] = (),
+    serve: ServeOptions | None = None,
 ) -> None:
     """Run the node (and its HTTP surface when ``settings.http`` is set, with ``routes`` from
-    other components) until SIGINT/SIGTERM. A startup refusal (data_dir in use, HTTP port
-    taken) is raised as itself, not inside an exception group, so the CLI reports it."""
+    other components and the OpenAI API) until SIGINT/SIGTERM; with ``serve``, as a serving
+    coordinator (``mesh-node serve``). A startup refusal (data_dir in use, HTTP port taken)
+    is raised as itself, not inside an exception group, so the CLI reports it."""
     try:
-        await _run_node(settings, identity, routes)
+        await _run_node(settings, identity, routes, serve)
     except BaseExceptionGroup as group:
         leaves = _leaves(group)
         if leaves and all(isinstance(e, SkippyError) for e in leaves):
@@ -92,33 +86,34 @@ def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
 
 
 async def _run_node(
-    settings: NodeSettings, identity: LocalIdentity, routes: Sequence[BaseRoute]
+    settings: NodeSettings,
+    identity: LocalIdentity,
+    routes: Sequence[BaseRoute],
+    serve: ServeOptions | None,
 ) -> None:
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     node = MeshNode(settings, identity)
-    artifacts = ArtifactService(node, read_environment())
+    host, artifacts = stage_services(node, read_environment())
+    serving = Serving(node, host, extra_routes=routes)
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
-            await nursery.start(serve_control, settings.control_socket, control_handler(node))
+            handler = control_handler(node, serving)
+            await nursery.start(serve_control, settings.control_socket, handler)
             await nursery.start(artifacts.run)
             address = await nursery.start(node.run)
             sys.stdout.write(f"listening {address}\n")
             sys.stdout.flush()
+            await nursery.start(serving.run)
             if settings.http is not None:
-                from mesh_node.http.app import build_app
-                from mesh_node.http.bind import allowed_hosts
-                from mesh_node.http.server import serve_http
-
-                app = build_app(
-                    node,
-                    routes=routes,
-                    allowed_hosts=allowed_hosts(settings.http, settings.http_public),
-                )
-                url = await nursery.start(serve_http, app, settings.http)
+                url = await serving.start_http(settings.http, public=settings.http_public)
                 sys.stdout.write(f"status-page {url}\n")
+                sys.stdout.flush()
+            if serve is not None:
+                sys.stdout.write(f"api {await serving.start(serve)}\n")
                 sys.stdout.flush()
             async for signum in signals:
                 log.info("%s: shutting down", signal.Signals(signum).name)
                 nursery.cancel_scope.cancel()
                 break
+    await host.close()
     log.info("stopped")

@@ -38,8 +38,8 @@ from protocol.messages import StageReady, TopologyAck, TopologyOffer, decode_con
 from skippy.config import NodeSettings
 from skippy.errors import TopologyError
 from skippy.package.plan import ModelSizes
-from skippy.package.topology import NodeCapacity, SplitTopology, plan_topology
-from skippy.stage.descriptor import StageDescriptor, admission_problem
+from skippy.package.topology import NodeCapacity, SplitTopology, plan_topology, replace_node
+from skippy.stage.descriptor import RuntimeFacts, StageDescriptor, admission_problem
 
 log = logging.getLogger("mesh_node.topology")
 Role = Literal["coordinator", "worker"]
@@ -140,6 +140,7 @@ class _PlanRequest:
     include_self: bool
     stages: int | None
     run_id: str
+    first_node: str | None = None
 
 
 def topology_signature_valid(topology: SplitTopology, signer_id: str, signature: bytes) -> bool:
@@ -169,6 +170,8 @@ class TopologyService:
         self.node = node
         self.active: ActiveTopology | None = None
         self._last_request: _PlanRequest | None = None
+        # A serving coordinator sets its own runtime facts: stage reports must agree with them.
+        self.admission_expect: RuntimeFacts | None = None
         node.register_subprotocol(pc.KIND_CONTROL, self._handle_control)
 
     def status(self) -> dict[str, Any] | None:
@@ -195,8 +198,10 @@ class TopologyService:
         include_self: bool = True,
         stages: int | None = None,
         run_id: str | None = None,
+        first_node: str | None = None,
     ) -> ActiveTopology:
-        """Plan over the capable peers, sign, send to every worker and collect their acks."""
+        """Plan over the capable peers, sign, send to every worker and collect their acks.
+        ``first_node`` pins stage 0 (a serving coordinator holds it, issue #10)."""
         request = _PlanRequest(
             package_ref,
             manifest_sha256,
@@ -204,6 +209,7 @@ class TopologyService:
             include_self,
             stages,
             run_id or f"run-{uuid.uuid4().hex[:16]}",
+            first_node,
         )
         self._last_request = request
         try:
@@ -215,11 +221,37 @@ class TopologyService:
                 package_ref=package_ref,
                 manifest_sha256=manifest_sha256,
                 stages=stages,
+                first_node=first_node,
             )
         except TopologyError as exc:
             raise TopologyRefused(
                 exc.message, code=exc.code, expected=exc.expected, actual=exc.actual, path=exc.path
             ) from None
+        return await self._distribute(topology, sizes)
+
+    async def replace_lost(self, lost: str) -> ActiveTopology:
+        """Move ``lost``'s stage of the active topology to a capable connected peer that holds
+        no stage (``skippy.package.topology.replace_node``); the other stages stay put. Raises
+        ``TopologyRefused`` (``no_capable_peer``) when no peer can take it."""
+        active, r = self.active, self._last_request
+        if active is None or r is None or active.role != "coordinator":
+            raise TopologyRefused("this node coordinates no topology", code="no_topology")
+        try:
+            topology = replace_node(
+                active.topology,
+                lost,
+                [c for c in self.capable_nodes(False) if c.node_id != lost],
+                r.sizes,
+                topology_id=f"topo-{uuid.uuid4().hex[:16]}",
+            )
+        except TopologyError as exc:
+            raise TopologyRefused(
+                exc.message, code=exc.code, expected=exc.expected, actual=exc.actual, path=exc.path
+            ) from None
+        return await self._distribute(topology, r.sizes)
+
+    async def _distribute(self, topology: SplitTopology, sizes: ModelSizes) -> ActiveTopology:
+        """Sign ``topology``, make it active here, send it to every worker, collect acks."""
         signature = sign_domain(
             self.node.identity.key, pc.SIG_DOMAIN_TOPOLOGY, topology.canonical_bytes()
         )
@@ -261,6 +293,7 @@ class TopologyService:
             include_self=r.include_self,
             stages=r.stages,
             run_id=r.run_id,
+            first_node=r.first_node,
         )
 
     async def _send_offer(
@@ -358,7 +391,9 @@ class TopologyService:
                 descriptor = StageDescriptor.from_dict(report.descriptor)
             except TopologyError as exc:
                 return TopologyAck(tid, False, exc.code, exc.message)
-            problem = admission_problem(descriptor, active.topology, node_id)
+            problem = admission_problem(
+                descriptor, active.topology, node_id, expect=self.admission_expect
+            )
             result = (
                 StageReport("ready", None, descriptor)
                 if problem is None
@@ -392,7 +427,7 @@ class TopologyService:
         involved = active.topology.stage_of(node_id) is not None or node_id == (
             active.coordinator_id
         )
-        if not involved or node_id == self.node.node_id:
+        if not involved or node_id == self.node.node_id or node_id in active.lost:
             return
         active.lost.add(node_id)
         active.state = "degraded"

@@ -28,6 +28,7 @@ SECTIONS: dict[str, str] = {
     "quantize": "bench_quantize",
     "stage": "bench_stage",
     "transfer-mesh": "bench_transfer_mesh",
+    "serve": "bench_serve",  # reuses the stage section's gemma3 package
 }
 
 

@@ -176,6 +176,7 @@ NODE_KEYS = frozenset(
         "handshake_timeout_s",
         "http",  # the status page / metrics address (mesh_node.http)
         "http_public",
+        "serving",  # [serving]: split serving (ServingSettings)
         "speculative",  # skippy.generation reads these two sections
         "models",
     }
@@ -255,6 +256,78 @@ class PeerAddress:
         return self.url + (f"#{self.node_id}" if self.node_id else "")
 
 
+SERVING_KEYS = frozenset(
+    {
+        "engine",
+        "n_ctx",
+        "threads",
+        "max_sessions",
+        "max_queue",
+        "prefill_chunk",
+        "max_frame_bytes",
+        "max_inflight_frames",
+        "token_timeout_s",
+        "failover_timeout_s",
+        "ready_timeout_s",
+        "queue_timeout_s",
+    }
+)
+
+
+@dataclass(frozen=True)
+class ServingSettings:
+    """``[serving]`` of the node TOML: how this node runs its stage of a split and, on a
+    coordinator, how it admits requests. Every wait has a timeout (issue #10 section 4)."""
+
+    engine: str = "ggml"  # the stage runtime engine (ggml; numpy is the f32 oracle)
+    n_ctx: int = 2048  # positions per session (prompt + completion); bounds KV memory
+    threads: int = 2  # CPU threads of this node's stage
+    max_sessions: int = 4  # requests in flight at once (one session per request per stage)
+    max_queue: int = 16  # requests waiting for a slot; beyond, 429
+    prefill_chunk: int = 128  # prompt tokens per activation frame (pipelined prefill)
+    max_frame_bytes: int = 8 * 1024 * 1024  # largest activation frame accepted
+    max_inflight_frames: int = 4  # unacknowledged frames per link and session
+    token_timeout_s: float = 60.0  # a sampled token must come back within this
+    failover_timeout_s: float = 120.0  # a lost stage must be replaced (and ready) within this
+    ready_timeout_s: float = 600.0  # `mesh-node serve`: peers, fetch and load within this
+    queue_timeout_s: float = 300.0  # a queued request gets a slot within this, else 429
+
+
+def serving_settings(raw: object) -> ServingSettings:
+    """Parse ``[serving]`` (absent: the defaults); unknown keys are errors naming the key."""
+    if raw is None:
+        return ServingSettings()
+    if not isinstance(raw, Mapping):
+        raise _bad("serving", "expected a table", raw)
+    unknown = sorted(set(raw) - SERVING_KEYS)
+    if unknown:
+        raise UsageError(
+            f"unknown key serving.{unknown[0]}",
+            code="unknown_config_key",
+            path=f"serving.{unknown[0]}",
+        )
+    base = ServingSettings()
+    values: dict[str, Any] = {}
+    for key, value in raw.items():
+        default = getattr(base, key)
+        name = f"serving.{key}"
+        if key == "engine":
+            if value not in ("ggml", "numpy"):
+                raise _bad(name, "expected ggml or numpy", value)
+            values[key] = value
+        elif key == "max_frame_bytes":
+            values[key] = parse_size(value, name)
+            if values[key] < 1024:
+                raise _bad(name, "must be at least 1KiB", value)
+        elif isinstance(default, float):
+            values[key] = _seconds(raw, key, default) if key in raw else default
+        elif isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1 << 20:
+            raise _bad(name, "expected an integer in 1..1048576", value)
+        else:
+            values[key] = value
+    return ServingSettings(**values)
+
+
 @dataclass(frozen=True)
 class NodeSettings:
     """Everything ``mesh-node run`` needs, validated; paths resolved against the config file."""
@@ -279,6 +352,7 @@ class NodeSettings:
     http: HostPort | None = None
     http_public: bool = False
     warnings: tuple[str, ...] = ()
+    serving: ServingSettings = field(default_factory=ServingSettings)
 
     @property
     def hub_cache_dir(self) -> Path:
@@ -412,6 +486,7 @@ def node_settings(config: NodeConfig, env: Environment | None = None) -> NodeSet
         http=None if http is None else parse_http_bind(http),
         http_public=http_public,
         warnings=tuple(warnings),
+        serving=serving_settings(raw.get("serving")),
     )
 
 

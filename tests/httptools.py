@@ -12,8 +12,11 @@ from urllib.parse import urlsplit
 
 import trio
 
-# The parts of a status document that move with the clock or with link traffic.
-VOLATILE_KEYS = frozenset({"uptime_s", "last_seen_s", "rtt_ms", "bytes_received", "bytes_sent"})
+# The parts of a status document that move with the clock, with link traffic, or (a stage
+# node's peak RSS) with memory.
+VOLATILE_KEYS = frozenset(
+    {"uptime_s", "last_seen_s", "rtt_ms", "bytes_received", "bytes_sent", "peak_rss_kib"}
+)
 
 
 def request(

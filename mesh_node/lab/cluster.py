@@ -312,7 +312,8 @@ def peak_rss_bytes(pid: int) -> int | None:
 
 
 def _toml(values: Mapping[str, Any]) -> str:
-    """The few TOML value types a node config uses (strings, numbers, booleans, lists)."""
+    """The few TOML value types a node config uses (strings, numbers, booleans, lists, inline
+    tables)."""
 
     def value(v: Any) -> str:
         if isinstance(v, bool):
@@ -323,6 +324,8 @@ def _toml(values: Mapping[str, Any]) -> str:
             return json.dumps(v)  # a JSON string is a valid TOML basic string
         if isinstance(v, list | tuple):
             return "[" + ", ".join(value(x) for x in v) + "]"
+        if isinstance(v, Mapping):  # an inline table, e.g. serving = {threads = 1}
+            return "{" + ", ".join(f"{k} = {value(x)}" for k, x in v.items()) + "}"
         raise LabError(f"cannot write {v!r} into a node config", code="bad_usage")
 
     return "".join(f"{k} = {value(v)}\n" for k, v in values.items())

@@ -1,4 +1,5 @@
-"""``mesh-node lab --http``: the lab with its coordinator's status page (issue #12).
+"""``mesh-node lab --http`` (and ``--serve``): the lab with its coordinator's status page
+(issue #12), and with ``--serve`` the OpenAI API beside it (issue #10).
 
 The coordinator runs with ``--http``; its page address is announced as soon as it listens (so
 the split can be watched while artifacts move), the report follows, and the lab stays up
@@ -16,7 +17,7 @@ from typing import Any, Final
 import trio
 
 from mesh_node.lab.cluster import LabError, LabNode
-from mesh_node.lab.run import LabOptions, open_lab
+from mesh_node.lab.run import LabOptions, experiment, open_lab
 
 PAGE_PREFIX: Final = "status-page "  # the line `mesh-node run --http` prints when serving
 PAGE_TIMEOUT_S: Final = 30.0
@@ -58,7 +59,7 @@ async def run_lab_with_page(
         async with open_lab(options) as lab:  # stops every node even when cancelled
             url = await page_url(lab.cluster.coordinator)
             on_page(url)
-            report = await lab.split()
+            report = await experiment(lab)
             report["status_page"] = url
             report["root"] = str(lab.cluster.root) if options.keep else None
             reports.append(report)

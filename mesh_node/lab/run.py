@@ -9,8 +9,11 @@ torn down on the way out, whatever happens (Ctrl-C included).
 
 ``Lab.split`` is this issue's experiment: the coordinator plans the split and sends it, the
 workers fetch and report ready, the lab checks every worker's cache itself and builds the
-report. Issue #10 adds its own steps inside ``open_lab`` (a prompt through the ready split,
-``--serve``), issue #12 passes per-node arguments through ``LabOptions.run_args``.
+report. Issue #10's steps: ``Lab.start_serving`` makes the coordinator serve the package
+(control operation ``serve``: it plans the split with stage 0 on itself, the workers fetch,
+load and report, the route opens), then ``--prompt`` runs one greedy completion through it
+(``mesh_node.serving.report``) and ``--serve`` keeps the lab up with the API's address.
+Issue #12 passes per-node arguments through ``LabOptions.run_args``.
 """
 
 from __future__ import annotations
@@ -66,8 +69,13 @@ class LabOptions:
     node_overrides: Mapping[int, Mapping[str, Any]] = field(default_factory=dict)  # TOML, by index
     node_env: Mapping[int, Mapping[str, str]] = field(default_factory=dict)  # per node index
     run_args: Callable[[int], tuple[str, ...]] | None = None  # per node: after `mesh-node run`
+    prompt: str | None = None  # issue #10: one completion through the split
+    max_tokens: int = 16
+    serve: bool = False  # issue #10: serve the split behind the API (the lab stays up)
 
     def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise UsageError("--max-tokens must be at least 1", code="bad_usage")
         if self.nodes < 2:
             raise UsageError(
                 f"a lab needs at least 2 nodes (a coordinator and a worker), not {self.nodes}",
@@ -108,6 +116,39 @@ class Lab:
         seconds = time.monotonic() - t0
         if timed_out:
             problems.append(f"the split was not ready within {self.options.timeout_s:g} s")
+        return await self.report(topology, seconds, problems)
+
+    async def start_serving(self) -> tuple[str, dict[str, Any], float]:
+        """Make the coordinator serve the package over every node (issue #10); wait until
+        its route is ready. Returns the API's base URL, the topology and the seconds taken."""
+        coordinator = self.cluster.coordinator
+        t0 = time.monotonic()
+        response = await coordinator.request(
+            {
+                "op": "serve",
+                "package": self.package.ref,
+                "stages": self.options.nodes,
+            },
+            timeout_s=self.options.timeout_s,
+        )
+        api = str(response["api"])
+        deadline = t0 + self.options.timeout_s
+        while True:
+            status = await coordinator.status()
+            serving = status.get("serving") or {}
+            if serving.get("state") == "ready":
+                return api, dict(status["topology"]), time.monotonic() - t0
+            if serving.get("state") == "failed" or time.monotonic() > deadline:
+                raise LabError(
+                    f"the split did not become ready: {serving.get('reason')}",
+                    code="split_not_ready",
+                )
+            await trio.sleep(POLL_S)
+
+    async def report(
+        self, topology: dict[str, Any], seconds: float, problems: list[str]
+    ) -> dict[str, Any]:
+        """Check every worker's cache and build the report for ``topology``."""
         statuses = await self.cluster.statuses()
         stages = {s["node_id"]: s for s in topology["stages"]}
         facts = []
@@ -197,8 +238,11 @@ def _sha256(path: Path) -> str:
 
 
 def node_specs(options: LabOptions, hub_url: str | None) -> list[NodeSpec]:
-    """Node 0 coordinates; the last ``foreign_owners`` workers belong to another owner."""
+    """Node 0 coordinates; the last ``foreign_owners`` workers belong to another owner. The
+    nodes share this machine's cores: each stage gets an equal share of threads (ggml's
+    spinning threads stall each other when oversubscribed)."""
     specs = []
+    threads = max(1, (os.cpu_count() or 1) // options.nodes)
     first_foreign = options.nodes - options.foreign_owners
     for i in range(options.nodes):
         env = {"HF_ENDPOINT": hub_url} if hub_url else {}
@@ -208,6 +252,7 @@ def node_specs(options: LabOptions, hub_url: str | None) -> list[NodeSpec]:
                 name=f"n{i}",
                 owner="foreign" if i >= first_foreign else "primary",
                 config={
+                    "serving": {"threads": threads},
                     **options.node_config,
                     "artifact_transfer": options.transfer,
                     **options.node_overrides.get(i, {}),
@@ -262,12 +307,32 @@ async def open_lab(options: LabOptions) -> AsyncIterator[Lab]:
             shutil.rmtree(root, ignore_errors=True)
 
 
+async def experiment(lab: Lab) -> dict[str, Any]:
+    """The lab's experiment: the split and its transfer report; with ``prompt`` or ``serve``
+    (issue #10) the coordinator serves the split, the report gains ``api`` and, with
+    ``prompt``, ``prompt`` (one greedy completion through the split)."""
+    from mesh_node.serving.report import complete, prompt_report
+
+    options = lab.options
+    if options.prompt is None and not options.serve:
+        return await lab.split()
+    api, topology, seconds = await lab.start_serving()
+    report = await lab.report(topology, seconds, [])
+    report["api"] = api
+    if options.prompt is not None:
+        completion = await complete(
+            api, options.prompt, max_tokens=options.max_tokens, timeout_s=options.timeout_s
+        )
+        report["prompt"] = prompt_report(completion, await lab.cluster.statuses())
+    return report
+
+
 async def run_lab(options: LabOptions) -> dict[str, Any]:
-    """The whole experiment: bring the lab up, split, report, tear down."""
+    """The whole experiment: bring the lab up, split (and serve), report, tear down."""
     async with open_lab(options) as lab:
-        report = await lab.split()
+        report = await experiment(lab)
         report["root"] = str(lab.cluster.root) if options.keep else None
         return report
 
 
-__all__ = ["Lab", "LabError", "LabOptions", "node_specs", "open_lab", "run_lab"]
+__all__ = ["Lab", "LabError", "LabOptions", "experiment", "node_specs", "open_lab", "run_lab"]

@@ -45,6 +45,7 @@ from mesh_node.transfer.serve import PEER_BUSY
 from protocol import constants as pc
 from skippy.atomic import LockBusy, exclusive_lock, find_partials
 from skippy.config import Environment
+from skippy.constants import MANIFEST_NAME
 from skippy.consume.verify import VerifyCache
 from skippy.errors import IntegrityError, ManifestError, SkippyError
 from skippy.package.topology import SplitTopology, StageAssignment
@@ -183,7 +184,11 @@ class StageFetcher:
         try:
             cache = RepoCache.for_ref(self.node.settings.hub_cache_dir, topology.package_ref)
         except (ArtifactWireError, ManifestError):
-            if active.coordinator_id == self.node.node_id:
+            # A package directory is read in place by the coordinator that planned it, and by
+            # a worker that can read the same directory (one machine, a shared filesystem):
+            # its manifest must still hash to the signed topology's, its files verify.
+            local = await trio.to_thread.run_sync(_is_local_package, topology.package_ref)
+            if active.coordinator_id == self.node.node_id or local:
                 return await trio.to_thread.run_sync(self._local_stage, topology, stage, state)
             raise StageFetchFailed(
                 f"package {topology.package_ref} cannot be transferred: only "
@@ -250,8 +255,9 @@ class StageFetcher:
     def _local_stage(
         self, topology: SplitTopology, stage: StageAssignment, state: StageFetch
     ) -> StageResult:
-        """A coordinator that planned a local package directory: its own stage is read in
-        place (verified); nothing is transferred (only hf:// packages can be)."""
+        """A local package directory (the coordinator's, or one this worker can read): the
+        stage is read in place (verified); nothing is transferred (only hf:// packages can
+        be)."""
         from skippy.consume.preflight import load_package
 
         pkg = load_package(Path(topology.package_ref), origin=topology.package_ref)
@@ -564,3 +570,9 @@ def _drop_partials(cache: RepoCache, item: FetchItem) -> None:
     except LockBusy:
         pass
 
+
+
+def _is_local_package(ref: str) -> bool:
+    """``ref`` names a package directory readable on this node (absolute path, a manifest)."""
+    path = Path(ref)
+    return path.is_absolute() and (path / MANIFEST_NAME).is_file()

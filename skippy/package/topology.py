@@ -241,8 +241,11 @@ def plan_topology(
     package_ref: str,
     manifest_sha256: str,
     stages: int | None = None,
+    first_node: str | None = None,
 ) -> SplitTopology:
     """Split the package over ``nodes`` (issue #7 §6), using the manifest's per-artifact bytes.
+    With ``first_node`` (a serving coordinator, issue #10: it hosts stage 0 and the API),
+    stage 0 is placed on that node and the other stages on the others.
 
     Ranges are byte-balanced (``skippy.package.plan``); the largest stage goes to the node with
     the largest budget (sorted matching is optimal for "every stage fits its node"). With
@@ -256,6 +259,15 @@ def plan_topology(
     if len(set(ids)) != len(ids):
         raise TopologyError("a node is listed twice", code="topology_coverage")
     ranked = sorted(nodes, key=lambda n: (-n.memory_budget_bytes, n.node_id))
+    pinned = next((n for n in nodes if n.node_id == first_node), None)
+    if first_node is not None:
+        if pinned is None:
+            raise TopologyError(
+                "the node asked to hold stage 0 is not among the capable nodes",
+                code="topology_no_nodes",
+                path=first_node,
+            )
+        ranked = [pinned] + [n for n in ranked if n is not pinned]
     if stages is not None:
         if not 1 <= stages <= min(len(ranked), sizes.layer_count):
             raise TopologyError(
@@ -271,8 +283,12 @@ def plan_topology(
     for count in counts:
         chosen = ranked[:count]
         plans = plan_stages(sizes, count, balance="bytes")
-        by_size = sorted(plans, key=lambda p: (-p.bytes, p.index))
-        owner = {p.index: chosen[i] for i, p in enumerate(by_size)}
+        if pinned is not None:
+            rest = sorted(plans[1:], key=lambda p: (-p.bytes, p.index))
+            owner = {0: pinned, **{p.index: chosen[1 + i] for i, p in enumerate(rest)}}
+        else:
+            by_size = sorted(plans, key=lambda p: (-p.bytes, p.index))
+            owner = {p.index: chosen[i] for i, p in enumerate(by_size)}
         short = [
             (p, owner[p.index]) for p in plans if p.bytes > owner[p.index].memory_budget_bytes
         ]
@@ -302,3 +318,47 @@ def plan_topology(
             )
     assert first_failure is not None  # every count failed (typing only)
     raise first_failure
+
+
+def replace_node(
+    topology: SplitTopology,
+    lost: str,
+    candidates: Sequence[NodeCapacity],
+    sizes: ModelSizes,
+    *,
+    topology_id: str,
+) -> SplitTopology:
+    """The same split with ``lost``'s stage moved to a capable candidate (issue #10 section 4):
+    every other stage stays where it is (its node keeps its loaded layers), the run id stays;
+    the candidate is the one with the largest budget among those not in the topology whose
+    budget holds the stage. ``TopologyError(code="no_capable_peer")`` when none can."""
+    stage = topology.stage_of(lost)
+    if stage is None:
+        raise TopologyError(f"node {lost[:12]} holds no stage", code="not_in_topology", path=lost)
+    need = sizes.stage_bytes(stage.layers)
+    held = {s.node_id for s in topology.stages}
+    fit = sorted(
+        (c for c in candidates if c.node_id not in held and c.memory_budget_bytes >= need),
+        key=lambda c: (-c.memory_budget_bytes, c.node_id),
+    )
+    if not fit:
+        spare = [c.memory_budget_bytes for c in candidates if c.node_id not in held]
+        largest = f", the largest budget {max(spare)}" if spare else ""
+        raise TopologyError(
+            f"no capable peer can take stage {stage.stage_index} (layers {stage.layers}, "
+            f"{need} bytes): {len(spare)} spare node(s) connected{largest}",
+            code="no_capable_peer",
+            expected=need,
+        )
+    new = fit[0].node_id
+    return SplitTopology(
+        topology_id=topology_id,
+        run_id=topology.run_id,
+        package_ref=topology.package_ref,
+        manifest_sha256=topology.manifest_sha256,
+        layer_count=topology.layer_count,
+        stages=tuple(
+            StageAssignment(new, s.stage_id, s.stage_index, s.layers) if s.node_id == lost else s
+            for s in topology.stages
+        ),
+    )

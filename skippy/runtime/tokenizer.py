@@ -61,23 +61,32 @@ class LlamaTokenizer:
         return self._vocab
 
     def tokenize(
-        self, text: str, *, add_special: bool = True, max_tokens: int | None = None
+        self,
+        text: str,
+        *,
+        add_special: bool = True,
+        max_tokens: int | None = None,
+        parse_special: bool = False,
     ) -> list[int]:
         """llama.cpp's ids for ``text`` (BOS added when the model adds one), guarded;
-        ``max_tokens`` refuses a text that cannot fit before tokenizing it."""
+        ``max_tokens`` refuses a text that cannot fit before tokenizing it. ``parse_special``
+        turns control-token text (``<|im_start|>``) into those tokens: for text a chat template
+        rendered, never for a user's raw prompt."""
         vocab = self._loaded()
         data = guarded_bytes(self.vocabulary, self.path, text, max_tokens=max_tokens)
-        return self._tokenize_bytes(vocab, data, add_special)
+        return self._tokenize_bytes(vocab, data, add_special, parse_special)
 
-    def _tokenize_bytes(self, vocab: Any, data: bytes, add_special: bool) -> list[int]:
+    def _tokenize_bytes(
+        self, vocab: Any, data: bytes, add_special: bool, parse_special: bool = False
+    ) -> list[int]:
         lib = self._lib
         cap = len(data) + 8
         buf = (lib.llama_token * cap)()
-        n = lib.llama_tokenize(vocab, data, len(data), buf, cap, add_special, False)
+        n = lib.llama_tokenize(vocab, data, len(data), buf, cap, add_special, parse_special)
         if n < 0:  # more tokens than bytes + 8 cannot happen with these tokenizers; still
             cap = -n
             buf = (lib.llama_token * cap)()
-            n = lib.llama_tokenize(vocab, data, len(data), buf, cap, add_special, False)
+            n = lib.llama_tokenize(vocab, data, len(data), buf, cap, add_special, parse_special)
         if n < 0:
             raise RuntimeLoadError(f"llama_tokenize failed ({n})", code="tokenize_failed")
         return [int(t) for t in buf[:n]]

@@ -1,0 +1,27 @@
+"""A package a coordinator plans: its pinned reference and the facts a topology needs."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from skippy.config import NodeSettings, read_environment
+
+
+def package_identity(settings: NodeSettings, text: str) -> tuple[str, str, Any, str]:
+    """(pinned package ref, manifest SHA-256, per-artifact sizes, model id)."""
+    from skippy.consume.resolve import open_package
+    from skippy.package.refs import HfPackageRef, parse_package_ref
+    from skippy.produce.inspect import sizes_from_manifest
+
+    ref = parse_package_ref(text)
+    env = replace(read_environment(), hf_cache_dir=settings.hub_cache_dir)
+    pkg = open_package(ref, env)
+    # A hub package is pinned to the commit resolved now (snapshots/<commit>/): every worker
+    # then names exactly the same bytes; a local directory is named by its absolute path.
+    pinned = (
+        f"hf://{ref.repo_id}@{pkg.root.name}"
+        if isinstance(ref, HfPackageRef)
+        else str(pkg.root.resolve())
+    )
+    return pinned, pkg.manifest_sha256, sizes_from_manifest(pkg.manifest), pkg.manifest.model_id

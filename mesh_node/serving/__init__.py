@@ -1,0 +1,15 @@
+"""Split serving (issue #10): a model as a pipeline of stages on several mesh nodes.
+
+==============  ==============================================================================
+``links``       frames over one mesh stream: reader, sender with the in-flight cap, hop figures
+``host``        this node's stage (loaded in the stage runtime) and the transport handler
+                (kind 0x02): chain sessions, early acks, KV per stage, sampling on the last
+``bringup``     the ready hook: load the verified stage, extend the report into the
+                admission descriptor (issue #8's transfer service fetches and reports)
+``pipeline``    the coordinator: stage 0, the route, admission (queue, 429), generation with
+                failover and replay
+``api``         the OpenAI-compatible HTTP routes (starlette, on hypercorn's trio worker)
+==============  ==============================================================================
+
+The frames are skippy's (``skippy.stage.transport``, sans-IO); this package moves them.
+"""

@@ -1,0 +1,428 @@
+"""This node's stage of a split, and the transport handler (kind 0x02) that runs it.
+
+Every node (``mesh-node run`` and ``mesh-node serve``) has one ``StageHost``. When the node
+holds a stage of the active topology, its parts are brought in (issue #8's fetch, or a local
+package) and ``load`` opens them in the stage runtime (``skippy.runtime``), returning the
+runtime facts for the ready report. A stage already loaded for the same manifest and layers is
+kept when a new topology arrives (a failover moves only the lost stage).
+
+A chain stream (from the previous stage's node only) carries one session: BEGIN, then
+activation frames, then FREE. The reader acknowledges each frame as it takes it (early ack)
+and queues it; the compute task runs the stage (one call at a time per stage, in a worker
+thread: ggml releases the GIL) and forwards the output: activations to the next stage, or,
+on the final stage, the sampled token straight back to stage 0 on a return stream. The
+session's KV cache lives only here and is freed when the session ends in any way (FREE, end
+of stream, a reset, a refusal), which then travels on down the chain. A refused frame resets
+only its own stream: other sessions never notice.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import numpy as np
+import trio
+
+from mesh_node.errors import StreamReset, skippy_error_in
+from mesh_node.link import MeshStream
+from mesh_node.node import MeshNode
+from mesh_node.peers import InboundStream
+from mesh_node.serving.links import ChainSender, FrameReader, HopStats
+from protocol import constants as pc
+from skippy.config import ServingSettings
+from skippy.errors import SkippyError
+from skippy.package.topology import SplitTopology, StageAssignment
+from skippy.runtime.boundary import StageLoad
+from skippy.runtime.sampling import Sampler, SamplingParams
+from skippy.runtime.stage import Stage, StageConfig
+from skippy.stage import transport as t
+from skippy.stage.descriptor import RuntimeFacts
+
+log = logging.getLogger("mesh_node.serving")
+T = TypeVar("T")
+ReturnHandler = Callable[[InboundStream, FrameReader, t.Frame], Awaitable[None]]
+
+
+def transport_limits(settings: ServingSettings) -> t.TransportLimits:
+    return t.TransportLimits(
+        max_frame_bytes=settings.max_frame_bytes,
+        max_inflight_frames=settings.max_inflight_frames,
+    )
+
+
+def sampler_at(sampling: t.Sampling, position: int) -> Sampler:
+    """The sampler for the token at ``position``: seeded by (seed, position), so a replay after
+    a failover draws the same tokens as the undisturbed run would have (greedy ignores it)."""
+    params = SamplingParams(
+        temperature=sampling.temperature,
+        top_k=sampling.top_k,
+        top_p=sampling.top_p,
+        seed=(sampling.seed * 1_000_003 + position) % (1 << 63),
+    )
+    return Sampler(params)
+
+
+def runtime_facts(stage: Stage) -> RuntimeFacts:
+    d = stage.descriptor
+    return RuntimeFacts(
+        model_id=d.model_id,
+        width=d.width,
+        activation_dtype=d.activation_dtype,
+        runtime_version=d.runtime_version,
+        engine=d.engine,
+        n_ctx=d.n_ctx,
+        vocab=d.vocab or 0,
+    )
+
+
+@dataclass
+class LoadedStage:
+    topology: SplitTopology  # the latest topology this stage serves
+    assignment: StageAssignment
+    load: StageLoad
+    stage: Stage
+    facts: RuntimeFacts
+    artifact_bytes: int
+
+    @property
+    def key(self) -> tuple[str | None, int, int]:
+        return (self.load.manifest_sha256, self.load.layers.start, self.load.layers.stop)
+
+    @property
+    def is_final(self) -> bool:
+        return self.assignment.stage_index == len(self.topology.stages) - 1
+
+
+class SessionRefused(SkippyError):
+    """A chain stream this node will not serve (not from the upstream stage, stale topology,
+    no stage loaded)."""
+
+    code = "session_refused"
+
+
+class StageHost:
+    def __init__(self, node: MeshNode, settings: ServingSettings) -> None:
+        self.node = node
+        self.settings = settings
+        self.limits = transport_limits(settings)
+        self.loaded: LoadedStage | None = None
+        self.return_handler: ReturnHandler | None = None
+        self.hops: dict[str, HopStats] = {}  # per downstream node id
+        self._lock = trio.Lock()  # a stage is not thread-safe: one call at a time
+        self.sessions = 0  # chain sessions open on this node
+        self.busy_s = 0.0  # time spent in stage calls (compute), for the overlap figure
+        self.rss_before_load: int | None = None  # KiB, the process just before its stage loaded
+        self.calls = 0
+        node.register_subprotocol(pc.KIND_TRANSPORT, self._handle)
+
+    # --- loading ------------------------------------------------------------------------------
+    def stage_config(self) -> StageConfig:
+        s = self.settings
+        return StageConfig(
+            n_ctx=s.n_ctx,
+            n_threads=s.threads,
+            n_batch=max(s.prefill_chunk, 1),
+            # A failover can leave sessions of the old route draining while new ones start.
+            max_sessions=2 * s.max_sessions,
+        )
+
+    async def load(
+        self,
+        topology: SplitTopology,
+        assignment: StageAssignment,
+        load: StageLoad,
+        artifact_bytes: int,
+    ) -> LoadedStage:
+        """Open ``load`` in the stage runtime (or keep the stage already open for the same
+        manifest and layers) for ``topology``; return the loaded stage."""
+        current = self.loaded
+        key = (load.manifest_sha256, load.layers.start, load.layers.stop)
+        if current is not None and current.key == key:
+            current.topology, current.assignment = topology, assignment
+            log.info("stage %s kept for topology %s", load.layers, topology.topology_id)
+            return current
+        from skippy.runtime.chain import open_stage
+
+        def open_() -> Stage:
+            return open_stage(
+                self.settings.engine,
+                load,
+                self.stage_config(),
+                package_ref=topology.package_ref,
+                stage_index=assignment.stage_index,
+                stage_count=len(topology.stages),
+            )
+
+        async with self._lock:
+            if self.loaded is not None:
+                old, self.loaded = self.loaded, None
+                await trio.to_thread.run_sync(old.stage.close)
+            self.rss_before_load = _vm_kib("VmRSS")
+            stage = await trio.to_thread.run_sync(open_)
+            self.loaded = LoadedStage(
+                topology, assignment, load, stage, runtime_facts(stage), artifact_bytes
+            )
+        log.info(
+            "stage %d (layers %s) loaded for topology %s",
+            assignment.stage_index,
+            load.layers,
+            topology.topology_id,
+        )
+        return self.loaded
+
+    async def compute(self, fn: Callable[[], T]) -> T:
+        """Run one stage call in a worker thread, one at a time."""
+        async with self._lock:
+            start = time.perf_counter()
+            try:
+                return await trio.to_thread.run_sync(fn)
+            finally:
+                self.busy_s += time.perf_counter() - start
+                self.calls += 1
+
+    def status(self) -> dict[str, Any] | None:
+        """This node's stage for the status document (``stage`` section), or None."""
+        loaded = self.loaded
+        if loaded is None:
+            return None
+        kv = getattr(loaded.stage, "kv_bytes_per_session", None)
+        return {
+            "topology_id": loaded.topology.topology_id,
+            "stage_index": loaded.assignment.stage_index,
+            "layer_start": loaded.load.layers.start,
+            "layer_end": loaded.load.layers.stop,
+            "artifact_bytes": loaded.artifact_bytes,
+            "kv_bytes_per_session": kv() if callable(kv) else None,
+            "engine": loaded.facts.engine,
+            "runtime_version": loaded.facts.runtime_version,
+            "sessions": self.sessions,
+            "rss_before_load_kib": self.rss_before_load,
+            "peak_rss_kib": _vm_kib("VmHWM"),
+            "compute_calls": self.calls,
+            "compute_busy_s": round(self.busy_s, 4),
+            "hops": hop_summary(self.hops),
+        }
+
+    async def free(self, stage: Stage, name: str) -> None:
+        with trio.CancelScope(shield=True):
+            async with self._lock:
+                stage.free(name)
+
+    async def close(self) -> None:
+        with trio.CancelScope(shield=True):
+            async with self._lock:
+                if self.loaded is not None:
+                    loaded, self.loaded = self.loaded, None
+                    await trio.to_thread.run_sync(loaded.stage.close)
+
+    # --- the transport handler ---------------------------------------------------------------
+    async def _handle(self, inbound: InboundStream) -> None:
+        stream = inbound.stream
+        width = self.loaded.facts.width if self.loaded is not None else 0
+        reader = FrameReader(stream, t.FrameDecoder(width=width, limits=self.limits))
+        try:
+            with trio.fail_after(self.node.timeouts.handshake_s):
+                first = await reader.next()
+            if first is None:
+                return
+            if first.kind is t.Kind.RETURN:
+                if self.return_handler is None:
+                    raise SessionRefused("this node is not serving a route", code="not_serving")
+                await self.return_handler(inbound, reader, first)
+                return
+            if first.kind is not t.Kind.BEGIN:
+                raise t.TransportError(
+                    f"a stream starts with BEGIN or RETURN, not {first.kind.name}",
+                    code="unknown_session",
+                )
+            await self._chain(inbound, reader, first)
+        except trio.TooSlowError:
+            stream.reset("transport_timeout", "no frame within the timeout")
+        except (t.TransportError, SessionRefused) as exc:
+            log.info("refused a transport stream from %s: %s", inbound.peer.node_id[:12], exc)
+            stream.reset(exc.code, exc.message[:200])
+
+    async def _chain(self, inbound: InboundStream, reader: FrameReader, begin: t.Frame) -> None:
+        loaded = self.loaded
+        if loaded is None:
+            raise SessionRefused("no stage is loaded on this node", code="stage_not_ready")
+        topo, index = loaded.topology, loaded.assignment.stage_index
+        sampling, topology_id = begin.begin()
+        if topology_id != topo.topology_id:
+            raise SessionRefused(
+                f"topology {topology_id} is not the one this stage serves ({topo.topology_id})",
+                code="stale_topology",
+            )
+        if index == 0 or inbound.peer.node_id != topo.stages[index - 1].node_id:
+            raise SessionRefused(
+                "only the previous stage's node may send activations to this stage",
+                code="not_upstream",
+            )
+        session = t.SessionInbound(max_positions=loaded.facts.n_ctx)
+        session.accept(begin)
+        name = t.session_name(begin.session_id)
+        target = topo.stages[0 if loaded.is_final else index + 1].node_id
+        self.sessions += 1
+        out: MeshStream | None = None
+        try:
+            with trio.fail_after(self.node.timeouts.handshake_s):
+                out = await self.node.open_stream(target, pc.KIND_TRANSPORT)
+            if loaded.is_final:
+                await out.send_all(t.encode_return(begin.request_id, begin.session_id))
+                sender = None
+            else:
+                sender = ChainSender(
+                    out, self.limits.max_inflight_frames, self.hops.setdefault(target, HopStats())
+                )
+                await sender.send(
+                    t.encode_begin(
+                        begin.request_id,
+                        begin.session_id,
+                        width=loaded.facts.width,
+                        sampling=sampling,
+                        topology_id=topology_id,
+                    )
+                )
+            work_send, work_recv = trio.open_memory_channel[t.Frame](
+                self.limits.max_inflight_frames
+            )
+            async with trio.open_nursery() as nursery:
+                if sender is not None:
+                    nursery.start_soon(sender.read_acks)
+                else:
+                    nursery.start_soon(_drain, out)
+                nursery.start_soon(
+                    self._compute_loop, loaded, name, sampling, work_recv, sender, out, begin
+                )
+                async with work_send:
+                    while True:
+                        frame = await _next_within(reader, self.settings.token_timeout_s)
+                        if frame is None:
+                            break
+                        session.accept(frame)
+                        if frame.kind is t.Kind.FREE:
+                            break
+                        await inbound.stream.send_all(
+                            t.encode_ack(
+                                frame.request_id,
+                                frame.session_id,
+                                start=frame.start,
+                                count=frame.count,
+                            )
+                        )
+                        await work_send.send(frame)
+        except (SkippyError, BaseExceptionGroup) as caught:
+            # A runtime refusal (context, non-finite activations...), a downstream failure:
+            # this session ends; the upstream hears why.
+            exc = skippy_error_in(caught)
+            if exc is None:
+                raise
+            log.info("session %s ended: %s", name, exc)
+            # Pass a downstream peer's own code on (stage 0 tells a node loss from a refusal).
+            code = exc.actual if isinstance(exc, StreamReset) and exc.actual else exc.code
+            inbound.stream.reset(str(code), exc.message[:200])
+        finally:
+            self.sessions -= 1
+            await self.free(loaded.stage, name)
+            if out is not None:
+                with trio.CancelScope(shield=True), trio.move_on_after(1.0):
+                    await out.aclose()
+
+    async def _compute_loop(
+        self,
+        loaded: LoadedStage,
+        name: str,
+        sampling: t.Sampling,
+        frames: trio.MemoryReceiveChannel[t.Frame],
+        sender: ChainSender | None,
+        out: MeshStream,
+        begin: t.Frame,
+    ) -> None:
+        stage = loaded.stage
+        async with frames:
+            async for frame in frames:
+                x = np.array(frame.activations())  # a writable copy for the runtime
+                sample = bool(frame.flags & t.Flag.SAMPLE) and loaded.is_final
+                end = frame.start + frame.count
+                sampler = sampler_at(sampling, end) if sample else None
+
+                def run(f: t.Frame = frame, x: Any = x, s: Sampler | None = sampler) -> Any:
+                    if f.phase is t.Phase.DECODE:
+                        return stage.decode(name, f.start, x, sampler=s)
+                    return stage.prefill(name, f.start, x, sampler=s)
+
+                result = await self.compute(run)
+                if sender is not None:
+                    await sender.send_activations(
+                        t.encode_activations(
+                            frame.request_id,
+                            frame.session_id,
+                            phase=frame.phase,
+                            start=frame.start,
+                            activations=result.activations,
+                            flags=frame.flags,
+                        ),
+                        decode=frame.phase is t.Phase.DECODE,
+                    )
+                elif sample:
+                    await out.send_all(
+                        t.encode_tokens(
+                            frame.request_id, frame.session_id, start=end, tokens=[result.token]
+                        )
+                    )
+        # The session ended upstream: free it downstream too, and end our side.
+        if sender is not None:
+            await sender.send(t.encode_free(begin.request_id, begin.session_id))
+        await out.send_eof()
+
+
+def _vm_kib(field: str) -> int | None:
+    """This process's ``VmRSS``/``VmHWM`` in KiB (Linux), for the memory figures."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+async def _next_within(reader: FrameReader, timeout_s: float) -> t.Frame | None:
+    try:
+        with trio.fail_after(timeout_s):
+            return await reader.next()
+    except trio.TooSlowError:
+        raise t.TransportError(
+            f"no frame for {timeout_s:g} s: the session is dropped", code="transport_timeout"
+        ) from None
+
+
+async def _drain(stream: MeshStream) -> None:
+    """A return stream's other side sends nothing; wait for its end (a reset raises)."""
+    while await stream.receive_some():
+        pass
+
+
+def hop_summary(hops: dict[str, HopStats]) -> dict[str, Any]:
+    """Per-hop figures for the status document (milliseconds)."""
+
+    def ms(values: Any) -> float | None:
+        v = sorted(values)
+        return round(1000 * v[len(v) // 2], 3) if v else None
+
+    return {
+        node[:16]: {
+            "frames": h.frames,
+            "bytes_sent": h.bytes_sent,
+            "ack_rtt_ms_median": ms(h.rtts_s),
+            "decode_ack_rtt_ms_median": ms(h.decode_rtts_s),
+        }
+        for node, h in hops.items()
+    }
+
+

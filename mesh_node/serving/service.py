@@ -1,0 +1,150 @@
+"""Split serving wired into a node: the stage services every node runs, and serving on request.
+
+- ``stage_services``: artifact transfer (issue #8: serve, fetch this node's stage, report it)
+  with the stage host as its ready hook (issue #10: load the fetched stage, extend the report
+  into the admission descriptor, serve the transport streams).
+- ``Serving``: makes this node a serving coordinator when asked (``mesh-node serve``, or the
+  control operation ``serve`` the lab uses): a ``SplitServer`` (stage 0 here) and the OpenAI
+  routes. The routes belong to the node's one HTTP app (``mesh_node.http``, issue #12): when
+  the node already serves its status page (``--http``), the API joins it there; otherwise the
+  same app (page and API) starts on the address the request names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from mesh_node.node import MeshNode
+from mesh_node.serving.host import StageHost
+from mesh_node.transfer.service import ArtifactService
+from skippy.config import Environment, HostPort
+from skippy.errors import UsageError
+
+if TYPE_CHECKING:
+    from starlette.routing import BaseRoute
+
+    from mesh_node.serving.api import OpenAIApi
+    from mesh_node.serving.pipeline import SplitServer
+
+
+def stage_services(node: MeshNode, env: Environment) -> tuple[StageHost, ArtifactService]:
+    """What every node runs for splits (see the module docstring)."""
+    from mesh_node.serving.bringup import stage_ready
+    from mesh_node.transfer.fetch import StageResult
+    from skippy.stage.descriptor import StageDescriptor
+
+    host = StageHost(node, node.settings.serving)
+    node.status_sections["stage"] = host.status
+    artifacts = ArtifactService(node, env)
+
+    async def ready(result: StageResult) -> StageDescriptor:
+        return await stage_ready(
+            host, result.topology, result.stage, result.load, result.descriptor
+        )
+
+    artifacts.ready_hook = ready
+    return host, artifacts
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """What to serve: the package, its stage count, the model name; ``http`` is where the
+    node's HTTP app starts if it is not up yet."""
+
+    package: str
+    stages: int | None
+    http: HostPort
+    model_name: str | None = None
+
+
+def serve_options(request: dict[str, Any]) -> ServeOptions:
+    """The control operation ``serve``: ``{"op": "serve", "package": REF, "stages": N|null,
+    "http": "[HOST:]PORT", "model_name": NAME|null}``."""
+    from skippy.config import parse_http_bind
+
+    package, stages = request.get("package"), request.get("stages")
+    name = request.get("model_name")
+    if not isinstance(package, str) or not (stages is None or isinstance(stages, int)):
+        raise UsageError("serve needs package (string) and stages (int or null)")
+    if stages is not None and stages < 1:
+        raise UsageError("stages must be at least 1", code="bad_usage")
+    if name is not None and not isinstance(name, str):
+        raise UsageError("model_name must be a string")
+    http = parse_http_bind(request.get("http", "127.0.0.1:0"), "http")
+    return ServeOptions(package=package, stages=stages, http=http, model_name=name)
+
+
+class Serving:
+    """This node as a serving coordinator, at most once."""
+
+    def __init__(
+        self, node: MeshNode, host: StageHost, *, extra_routes: Sequence[BaseRoute] = ()
+    ) -> None:
+        self.node = node
+        self.host = host
+        self.extra_routes = tuple(extra_routes)  # other components' routes (the one app)
+        self.server: SplitServer | None = None
+        self._api: OpenAIApi | None = None
+        self.http_url: str | None = None  # the node's HTTP app, once it listens
+        self._nursery: trio.Nursery | None = None
+
+    def routes(self) -> list[BaseRoute]:
+        """Other components' routes and the OpenAI routes (503 until this node serves)."""
+        from mesh_node.serving.api import OpenAIApi
+
+        if self._api is None:
+            self._api = OpenAIApi(lambda: self.server, self.node.metrics)
+        return [*self.extra_routes, *self._api.routes()]
+
+    async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            await trio.sleep_forever()
+
+    async def start_http(self, bind: HostPort, *, public: bool = False) -> str:
+        """Start the node's one HTTP app (status page, /metrics and the API) on ``bind``."""
+        from mesh_node.http.app import build_app
+        from mesh_node.http.bind import allowed_hosts
+        from mesh_node.http.server import serve_http
+
+        if self._nursery is None:
+            raise UsageError("the node is not running", code="node_not_running")
+        app = build_app(self.node, routes=self.routes(), allowed_hosts=allowed_hosts(bind, public))
+        url: str = await self._nursery.start(serve_http, app, bind)
+        self.http_url = url
+        return url
+
+    async def start(self, options: ServeOptions) -> str:
+        """Coordinate a split of the package; return the API's base URL (``.../v1``)."""
+        from mesh_node.packages import package_identity
+        from mesh_node.serving.pipeline import SplitServer
+
+        if self.server is not None:
+            raise UsageError("this node already serves a model", code="already_serving")
+        if self._nursery is None:
+            raise UsageError("the node is not running", code="node_not_running")
+        ref, sha, sizes, model_id = await trio.to_thread.run_sync(
+            package_identity, self.node.settings, options.package
+        )
+        if self.http_url is None:
+            await self.start_http(options.http)
+        server = SplitServer(
+            self.node,
+            self.host,
+            self.node.settings.serving,
+            package_ref=ref,
+            manifest_sha256=sha,
+            sizes=sizes,
+            model_name=options.model_name or model_id,
+            stages=options.stages,
+        )
+        await self._nursery.start(server.run)
+        self.server = server
+        self.node.status_sections["serving"] = server.status
+        assert self.http_url is not None  # started above (typing)
+        return self.http_url.rstrip("/") + "/v1"

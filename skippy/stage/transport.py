@@ -1,0 +1,424 @@
+"""skippy-stage/2 transport (stream kind 0x02): the frames that carry a request between stages.
+
+Sans-IO: bytes in, frames out; frames in, bytes out. No sockets, tasks or clocks (the mesh
+shell, ``mesh_node.serving``, moves the bytes). Skippy owns this framing (spec "Peer Cache
+Transfer": "Mesh owns only the subprotocol open envelope").
+
+One stream carries one session between two consecutive stages (stage i -> stage i+1), and one
+"return" stream carries the sampled token ids from the final stage straight back to stage 0.
+A frame is a fixed 40-byte little-endian header and a payload whose size follows from the
+header alone::
+
+    version u8 | kind u8 | phase u8 | flags u8 | request_id u64 | session_id u64 |
+    start u32 | count u32 | width u32 | reserved u32 (0)
+
+    BEGIN        count 0, width = the link's activation width; payload BEGIN_PAYLOAD:
+                 temperature f64 | top_p f64 | top_k u32 | reserved u32 | seed u64 |
+                 topology_id 128 bytes ASCII, NUL-padded
+    ACTIVATIONS  count tokens at positions start..start+count, payload raw LE f32
+                 [count x width]; phase prefill (any count) or decode (count 1); flag SAMPLE:
+                 the final stage samples a token after this frame's last row
+    ACK          the receiver has taken the frame at ``start`` (early acknowledgement: sent
+                 on receipt, before computing it); no payload
+    TOKENS       count sampled token ids, payload count x u32; width 0 (final -> stage 0)
+    FREE         stop/cancel: free the session's KV cache here and pass it on; no payload
+    RETURN       the first frame of a return stream (final -> stage 0); no payload
+
+The receiver computes the payload size from the header and *its own* width and refuses
+anything else (``FrameDecoder``), and checks the order of a session's frames
+(``SessionInbound``): BEGIN first, contiguous positions, one session per stream. Every
+refusal is a ``TransportError`` with a stable code; the shell resets that one stream with
+it, so other sessions never notice.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import IntEnum, IntFlag
+from typing import Final
+
+import numpy as np
+import numpy.typing as npt
+
+from skippy.errors import SkippyError
+
+VERSION: Final = 1
+HEADER: Final = struct.Struct("<BBBBQQIIII")
+HEADER_BYTES: Final = HEADER.size  # 40
+_BEGIN_FIXED: Final = struct.Struct("<ddIIQ")
+TOPOLOGY_ID_BYTES: Final = 128
+BEGIN_PAYLOAD_BYTES: Final = _BEGIN_FIXED.size + TOPOLOGY_ID_BYTES  # 160
+F32_BYTES: Final = 4
+TOKEN_BYTES: Final = 4
+MAX_U32: Final = 0xFFFFFFFF
+MAX_U64: Final = (1 << 64) - 1
+_TOPOLOGY_ID_RE: Final = re.compile(rb"\A[A-Za-z0-9][A-Za-z0-9._:-]{0,127}\Z")
+
+# Defaults of the per-link caps (``TransportLimits``).
+DEFAULT_MAX_FRAME_BYTES: Final = 8 * 1024 * 1024
+DEFAULT_MAX_FRAME_TOKENS: Final = 4096
+DEFAULT_MAX_INFLIGHT_FRAMES: Final = 4
+
+
+class TransportError(SkippyError, ValueError):
+    """A transport frame (or a frame's place in its session) is refused; ``code`` says why."""
+
+    code = "transport_error"
+
+
+class Kind(IntEnum):
+    BEGIN = 1
+    ACTIVATIONS = 2
+    ACK = 3
+    TOKENS = 4
+    FREE = 5
+    RETURN = 6
+
+
+class Phase(IntEnum):
+    PREFILL = 0
+    DECODE = 1
+
+
+class Flag(IntFlag):
+    NONE = 0
+    SAMPLE = 1  # the final stage samples a token after this frame's last row
+
+
+KNOWN_FLAGS: Final = int(Flag.SAMPLE)
+
+
+@dataclass(frozen=True)
+class TransportLimits:
+    """Caps a receiver enforces (and a sender respects): bytes and tokens per frame, and frames
+    a sender may have unacknowledged on one link."""
+
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    max_frame_tokens: int = DEFAULT_MAX_FRAME_TOKENS
+    max_inflight_frames: int = DEFAULT_MAX_INFLIGHT_FRAMES
+
+    def __post_init__(self) -> None:
+        for name in ("max_frame_bytes", "max_frame_tokens", "max_inflight_frames"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_U32:
+                raise TransportError(f"{name} must be in 1..{MAX_U32}", code="transport_limits")
+
+    def tokens_per_frame(self, width: int) -> int:
+        """The most activation rows one frame may carry at ``width``."""
+        return max(1, min(self.max_frame_tokens, self.max_frame_bytes // (width * F32_BYTES)))
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """What the final stage samples with (``skippy.runtime.sampling.SamplingParams`` values)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Frame:
+    kind: Kind
+    request_id: int
+    session_id: int
+    phase: Phase = Phase.PREFILL
+    flags: Flag = Flag.NONE
+    start: int = 0
+    count: int = 0
+    width: int = 0
+    payload: bytes = field(default=b"", repr=False)
+
+    # --- typed views of the payload ------------------------------------------------------------
+    def activations(self) -> npt.NDArray[np.float32]:
+        """``[count x width]`` f32 (read-only view of the payload)."""
+        if self.kind is not Kind.ACTIVATIONS:
+            raise TransportError("not an activations frame", code="transport_wrong_kind")
+        return np.frombuffer(self.payload, dtype="<f4").reshape(self.count, self.width)
+
+    def tokens(self) -> list[int]:
+        if self.kind is not Kind.TOKENS:
+            raise TransportError("not a tokens frame", code="transport_wrong_kind")
+        return [int(t) for t in np.frombuffer(self.payload, dtype="<u4")]
+
+    def begin(self) -> tuple[Sampling, str]:
+        """(sampling, topology id) of a BEGIN frame."""
+        if self.kind is not Kind.BEGIN:
+            raise TransportError("not a begin frame", code="transport_wrong_kind")
+        return _check_begin(self.payload)
+
+
+# --- encoding ----------------------------------------------------------------------------------
+def _header(
+    kind: Kind,
+    request_id: int,
+    session_id: int,
+    *,
+    phase: Phase = Phase.PREFILL,
+    flags: Flag = Flag.NONE,
+    start: int = 0,
+    count: int = 0,
+    width: int = 0,
+) -> bytes:
+    for name, value, hi in (
+        ("request_id", request_id, MAX_U64),
+        ("session_id", session_id, MAX_U64),
+        ("start", start, MAX_U32),
+        ("count", count, MAX_U32),
+        ("width", width, MAX_U32),
+    ):
+        if not 0 <= value <= hi:
+            raise TransportError(f"{name} {value} does not fit its field", code="transport_range")
+    return HEADER.pack(
+        VERSION, kind, phase, int(flags), request_id, session_id, start, count, width, 0
+    )
+
+
+def encode_begin(
+    request_id: int, session_id: int, *, width: int, sampling: Sampling, topology_id: str
+) -> bytes:
+    raw_id = topology_id.encode("ascii")
+    if not _TOPOLOGY_ID_RE.match(raw_id):
+        raise TransportError(f"topology id {topology_id!r} is not valid", code="transport_range")
+    body = _BEGIN_FIXED.pack(
+        sampling.temperature, sampling.top_p, sampling.top_k, 0, sampling.seed
+    ) + raw_id.ljust(TOPOLOGY_ID_BYTES, b"\0")
+    return _header(Kind.BEGIN, request_id, session_id, width=width) + body
+
+
+def encode_activations(
+    request_id: int,
+    session_id: int,
+    *,
+    phase: Phase,
+    start: int,
+    activations: npt.NDArray[np.float32],
+    flags: Flag = Flag.NONE,
+) -> bytes:
+    rows = np.ascontiguousarray(activations, dtype="<f4")
+    if rows.ndim != 2 or rows.shape[0] == 0:
+        raise TransportError("activations must be [tokens x width]", code="transport_range")
+    count, width = int(rows.shape[0]), int(rows.shape[1])
+    head = _header(
+        Kind.ACTIVATIONS,
+        request_id,
+        session_id,
+        phase=phase,
+        flags=flags,
+        start=start,
+        count=count,
+        width=width,
+    )
+    return head + rows.tobytes()
+
+
+def encode_ack(request_id: int, session_id: int, *, start: int, count: int) -> bytes:
+    return _header(Kind.ACK, request_id, session_id, start=start, count=count)
+
+
+def encode_tokens(request_id: int, session_id: int, *, start: int, tokens: Sequence[int]) -> bytes:
+    ids = np.asarray(list(tokens), dtype=np.int64)
+    if ids.size == 0 or (ids < 0).any() or (ids > MAX_U32).any():
+        raise TransportError("token ids must be 1+ values in u32", code="transport_range")
+    return _header(
+        Kind.TOKENS, request_id, session_id, start=start, count=int(ids.size)
+    ) + ids.astype("<u4").tobytes()
+
+
+def encode_free(request_id: int, session_id: int) -> bytes:
+    return _header(Kind.FREE, request_id, session_id)
+
+
+def encode_return(request_id: int, session_id: int) -> bytes:
+    return _header(Kind.RETURN, request_id, session_id)
+
+
+# --- decoding ----------------------------------------------------------------------------------
+def _refuse(code: str, message: str, **kw: object) -> TransportError:
+    return TransportError(message, code=code, **kw)  # type: ignore[arg-type]
+
+
+class FrameDecoder:
+    """Bytes of one stream in, whole frames out. ``width`` is this receiver's own activation
+    width (0 for a stream that carries no activations, e.g. a return stream). A violation
+    raises ``TransportError`` and the decoder is then unusable (the stream must be reset)."""
+
+    def __init__(self, *, width: int, limits: TransportLimits | None = None) -> None:
+        self.width = width
+        self.limits = limits or TransportLimits()
+        self._buf = bytearray()
+        self._head: tuple[int, ...] | None = None
+        self._need = HEADER_BYTES
+        self._failed = False
+
+    @property
+    def buffered(self) -> int:
+        return len(self._buf)
+
+    def feed(self, data: bytes | bytearray | memoryview) -> list[Frame]:
+        if self._failed:
+            raise _refuse("transport_failed", "the stream already failed")
+        self._buf += data
+        frames: list[Frame] = []
+        try:
+            while len(self._buf) >= self._need:
+                if self._head is None:
+                    self._head = HEADER.unpack_from(self._buf)
+                    del self._buf[:HEADER_BYTES]
+                    self._need = self._payload_size(self._head)
+                    if self._need > 0:
+                        continue
+                frames.append(self._frame(self._head, bytes(self._buf[: self._need])))
+                del self._buf[: self._need]
+                self._head, self._need = None, HEADER_BYTES
+        except TransportError:
+            self._failed = True
+            raise
+        return frames
+
+    def eof(self) -> None:
+        """The stream ended: refuse a frame cut short."""
+        if self._buf or self._head is not None:
+            self._failed = True
+            raise _refuse("transport_truncated", "the stream ended inside a frame")
+
+    def _payload_size(self, head: tuple[int, ...]) -> int:
+        version, kind, phase, flags, _rid, _sid, _start, count, width, reserved = head
+        if version != VERSION:
+            raise _refuse(
+                "transport_version", f"frame version {version}, expected {VERSION}", actual=version
+            )
+        if kind not in Kind.__members__.values():
+            raise _refuse("transport_unknown_kind", f"unknown frame kind {kind}", actual=kind)
+        if phase not in Phase.__members__.values():
+            raise _refuse("transport_bad_phase", f"unknown phase {phase}", actual=phase)
+        if flags & ~KNOWN_FLAGS or reserved != 0:
+            raise _refuse("transport_bad_flags", "unknown flags or non-zero reserved field")
+        kind = Kind(kind)
+        lim = self.limits
+        if kind is Kind.ACTIVATIONS:
+            if width != self.width or self.width == 0:
+                raise _refuse(
+                    "transport_width_mismatch",
+                    f"activations of width {width}; this stage takes width {self.width}",
+                    expected=self.width,
+                    actual=width,
+                )
+            if not 1 <= count <= lim.max_frame_tokens or (phase == Phase.DECODE and count != 1):
+                raise _refuse(
+                    "transport_bad_count",
+                    f"{count} tokens in one {Phase(phase).name.lower()} frame "
+                    f"(1..{lim.max_frame_tokens}; decode: 1)",
+                    actual=count,
+                )
+            size = count * self.width * F32_BYTES
+            if size > lim.max_frame_bytes:
+                raise _refuse(
+                    "transport_frame_too_large",
+                    f"a frame of {size} bytes; the cap is {lim.max_frame_bytes}",
+                    expected=lim.max_frame_bytes,
+                    actual=size,
+                )
+            return size
+        if kind is Kind.TOKENS:
+            if width != 0 or not 1 <= count <= lim.max_frame_tokens:
+                raise _refuse("transport_bad_count", f"{count} token ids of width {width}")
+            return count * TOKEN_BYTES
+        if kind is Kind.BEGIN:
+            if count != 0 or width != self.width:
+                raise _refuse(
+                    "transport_width_mismatch",
+                    f"a session of width {width}; this stage takes width {self.width}",
+                    expected=self.width,
+                    actual=width,
+                )
+            return BEGIN_PAYLOAD_BYTES
+        if kind is not Kind.ACK and (count != 0 or width != 0):
+            raise _refuse("transport_bad_count", f"a {kind.name} frame carries no tokens")
+        return 0
+
+    def _frame(self, head: tuple[int, ...], payload: bytes) -> Frame:
+        _v, kind, phase, flags, rid, sid, start, count, width, _r = head
+        frame = Frame(Kind(kind), rid, sid, Phase(phase), Flag(flags), start, count, width, payload)
+        if frame.kind is Kind.BEGIN:
+            _check_begin(payload)
+        return frame
+
+
+def _check_begin(payload: bytes) -> tuple[Sampling, str]:
+    temperature, top_p, top_k, reserved, seed = _BEGIN_FIXED.unpack_from(payload)
+    raw = payload[_BEGIN_FIXED.size :]
+    tid = raw.rstrip(b"\0")
+    if reserved != 0 or b"\0" in tid or not _TOPOLOGY_ID_RE.match(tid):
+        raise _refuse("transport_bad_begin", "a begin frame with a malformed topology id")
+    if not (math.isfinite(temperature) and 0.0 <= temperature <= 100.0):
+        raise _refuse("transport_bad_begin", f"temperature {temperature} outside 0..100")
+    if not (math.isfinite(top_p) and 0.0 < top_p <= 1.0):
+        raise _refuse("transport_bad_begin", f"top_p {top_p} outside (0, 1]")
+    if seed >= 1 << 63:
+        raise _refuse("transport_bad_begin", "seed outside 0..2^63-1")
+    return Sampling(temperature, top_p, top_k, seed), tid.decode("ascii")
+
+
+# --- a session's frames in order (pure) ----------------------------------------------------------
+@dataclass
+class SessionInbound:
+    """The order rules of one inbound chain stream: exactly one BEGIN first, then ACTIVATIONS
+    of that session at contiguous positions, then FREE (or the end of the stream). Anything
+    else is refused (``unknown_session``, ``transport_out_of_order``, ``transport_position``).
+    ``max_positions`` is the receiving stage's context (``n_ctx``)."""
+
+    max_positions: int
+    session_id: int | None = None
+    request_id: int | None = None
+    position: int = 0
+    freed: bool = False
+
+    def accept(self, frame: Frame) -> None:
+        if self.freed:
+            raise _refuse("transport_out_of_order", "a frame after the session was freed")
+        if frame.kind is Kind.BEGIN:
+            if self.session_id is not None:
+                raise _refuse("transport_out_of_order", "a second begin on one stream")
+            self.session_id, self.request_id = frame.session_id, frame.request_id
+            return
+        if self.session_id is None or frame.session_id != self.session_id:
+            raise _refuse(
+                "unknown_session",
+                f"a {frame.kind.name} frame for session {frame.session_id:#x}, which this "
+                "stream did not begin",
+                actual=frame.session_id,
+            )
+        if frame.kind is Kind.FREE:
+            self.freed = True
+            return
+        if frame.kind is not Kind.ACTIVATIONS:
+            raise _refuse(
+                "transport_out_of_order", f"a {frame.kind.name} frame on a chain stream"
+            )
+        if frame.start != self.position:
+            raise _refuse(
+                "transport_position",
+                f"activations at position {frame.start}; the session holds {self.position}",
+                expected=self.position,
+                actual=frame.start,
+            )
+        if frame.start + frame.count > self.max_positions:
+            raise _refuse(
+                "context_full",
+                f"the session would reach {frame.start + frame.count} positions; the context "
+                f"holds {self.max_positions}",
+                expected=self.max_positions,
+                actual=frame.start + frame.count,
+            )
+        self.position = frame.start + frame.count
+
+
+def session_name(session_id: int) -> str:
+    """The stage runtime's session id for a transport session (printable ASCII)."""
+    return f"s{session_id:016x}"

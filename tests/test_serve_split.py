@@ -1,0 +1,322 @@
+"""Split serving over real mesh links between nodes in this process (synthetic models).
+
+- split == whole: through a 3-node split of tiny llama and qwen3 models, the activations that
+  cross each boundary are bit-identical to the in-process chain's, and the final stage's logits
+  at every generated position are bit-identical to the whole model's (one stage) for the same
+  tokens;
+- concurrent requests each get their own session through every stage and the same tokens as
+  alone; the queue bound answers ServerBusy beyond it;
+- a malformed, oversized or foreign frame on a transport stream is refused (that stream is
+  reset with a code) while a request running through the same nodes is undisturbed.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import trio
+
+pytest.importorskip("llama_cpp", reason="llama-cpp-python (and its libggml) is not installed")
+
+import synth_gguf
+from meshtools import identity, settings, wait_for, with_peers
+from pkgtools import make_package
+from stagetools import chain
+
+from mesh_node.errors import StreamReset
+from mesh_node.node import MeshNode
+from mesh_node.service import _package_facts
+from mesh_node.serving.host import StageHost
+from mesh_node.serving.pipeline import GenerationParams, ServerBusy, SplitServer
+from mesh_node.serving.service import stage_services
+from protocol import constants as pc
+from skippy.config import ServingSettings, read_environment
+from skippy.runtime.stage import StageConfig
+from skippy.runtime.tokenizer import LlamaTokenizer
+from skippy.stage import transport as t
+
+pytestmark = pytest.mark.llama
+IDS = [1, 5, 9, 17, 33, 65, 3, 100, 7, 12, 90, 44]
+SERVING = ServingSettings(
+    n_ctx=128, threads=1, prefill_chunk=5, max_sessions=3, max_queue=1, max_frame_bytes=64 * 1024
+)
+SERVING_CONFIG = StageConfig(n_ctx=128, n_threads=1, n_batch=5)
+
+
+@pytest.fixture(scope="module")
+def packages(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("serve_split")
+    out = {}
+    for arch, make in (("llama", synth_gguf.llama_like), ("qwen3", synth_gguf.qwen3_like)):
+        src = make(root / f"{arch}.gguf", n_layers=6)
+        make_package(src, root / arch, model_id=f"acme/{arch}-GGUF:Q8_0")
+        out[arch] = root / arch
+    return out
+
+
+class Recorder:
+    """A stage that records what crosses it (inputs and outputs), delegating to the real one."""
+
+    def __init__(self, stage: Any) -> None:
+        self.stage = stage
+        self.descriptor = stage.descriptor
+        self.calls: list[tuple[str, int, np.ndarray, Any]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stage, name)
+
+    def prefill(self, session: str, start: int, inputs: Any, **kw: Any) -> Any:
+        out = self.stage.prefill(session, start, inputs, **kw)
+        self.calls.append((session, start, np.array(inputs), out))
+        return out
+
+    def decode(self, session: str, position: int, inputs: Any, **kw: Any) -> Any:
+        out = self.stage.decode(session, position, inputs, **kw)
+        self.calls.append((session, position, np.array(inputs), out))
+        return out
+
+
+@dataclass
+class Split:
+    nodes: list[MeshNode]
+    hosts: list[StageHost]
+    server: SplitServer
+    recorders: list[Recorder] = field(default_factory=list)
+
+
+@asynccontextmanager
+async def split(tmp: Path, pkg: Path, stages: int = 3) -> AsyncIterator[Split]:
+    async with trio.open_nursery() as nursery:
+        nodes: list[MeshNode] = []
+        hosts = []
+        for i in range(stages):
+            s = settings(tmp, f"n{i}", serving=SERVING)
+            node = MeshNode(with_peers(s, nodes[0]) if nodes else s, identity())
+            host, artifacts = stage_services(node, read_environment())
+            await nursery.start(node.run)
+            await nursery.start(artifacts.run)
+            nodes.append(node)
+            hosts.append(host)
+        await wait_for(lambda: len(nodes[0].peers(connected_only=True)) == stages - 1)
+        ref, sha, sizes = _package_facts(nodes[0].settings, str(pkg))
+        server = SplitServer(
+            nodes[0],
+            hosts[0],
+            SERVING,
+            package_ref=ref,
+            manifest_sha256=sha,
+            sizes=sizes,
+            model_name="tiny",
+            stages=stages,
+        )
+        await nursery.start(server.run)
+        await wait_for(lambda: server.route is not None, 30)
+        yield Split(nodes, hosts, server)
+        nursery.cancel_scope.cancel()
+
+
+async def generate(server: SplitServer, ids: list[int], n: int) -> list[int]:
+    out: list[int] = []
+
+    async def emit(token: int) -> bool:
+        out.append(token)
+        return False
+
+    await server.generate(ids, GenerationParams(max_tokens=n), emit)
+    return out
+
+
+def _record(sp: Split) -> list[Recorder]:
+    """Wrap each node's loaded stage, in stage order (the route's stage 0 is the same
+    object)."""
+    recs = []
+    for host in sorted(sp.hosts, key=lambda h: h.loaded.assignment.stage_index if h.loaded else 0):
+        assert host.loaded is not None
+        rec = Recorder(host.loaded.stage)
+        host.loaded.stage = rec
+        recs.append(rec)
+    return recs
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+async def test_split_equals_whole_at_every_boundary_and_position(
+    arch: str, packages: dict[str, Path], tmp_path: Path
+) -> None:
+    pkg = packages[arch]
+    async with split(tmp_path, pkg) as sp:
+        recs = _record(sp)
+        got = await generate(sp.server, IDS, 12)
+    # every activation row that crossed a boundary arrived bit for bit as the upstream stage
+    # produced it, call by call (prefill chunks, then one-token decodes)
+    for up, down in itertools.pairwise(recs):
+        assert len(up.calls) == len(down.calls)
+        for (_, p_up, _, out), (_, p_down, received, _) in zip(up.calls, down.calls, strict=True):
+            assert p_up == p_down and np.array_equal(out.activations, received)
+    # the whole model as one stage, driven with the same calls, gives the same logits at
+    # every position where the split sampled a token, bit for bit, and the same tokens
+    with chain("ggml", pkg, ["0..6"], SERVING_CONFIG) as whole:
+        stage = whole.stages[0]
+        want_logits = []
+        for _, position, inputs, _ in recs[0].calls:
+            call = stage.decode if len(inputs) == 1 and position >= len(IDS) else stage.prefill
+            want_logits.append(call("w", position, inputs).logits[-1])
+    got_logits = [c[3].logits[-1] for c in recs[-1].calls]
+    assert len(got_logits) == len(want_logits) == len(recs[0].calls)
+    assert np.array_equal(np.stack(got_logits), np.stack(want_logits))
+    sampled = [int(np.argmax(r)) for r in want_logits[-12:]]
+    assert got == sampled
+
+
+async def test_concurrent_requests_have_their_own_sessions(
+    packages: dict[str, Path], tmp_path: Path
+) -> None:
+    pkg = packages["llama"]
+    prompts = [IDS, IDS[:7], [3, 1, 4, 1, 5, 9, 2, 6]]
+    with chain("ggml", pkg, ["0..6"], SERVING_CONFIG) as whole:
+        whole.tokenizer = LlamaTokenizer(pkg / "shared" / "metadata.gguf")  # stops at EOS
+        want = [list(whole.generate(p, max_tokens=10).tokens) for p in prompts]
+    async with split(tmp_path, pkg) as sp:
+        got: list[list[int]] = [[], [], []]
+
+        async def one(i: int) -> None:
+            got[i] = await generate(sp.server, prompts[i], 10)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(3):
+                nursery.start_soon(one, i)
+        assert got == want
+        # every stage frees every session (FREE travels down the chain after the answer)
+        await wait_for(
+            lambda: all(h.loaded is not None and not h.loaded.stage.sessions for h in sp.hosts)
+        )
+        # 3 slots + 1 queue place: the fifth concurrent request is refused with ServerBusy
+        outcomes: list[str] = []
+
+        async def busy(i: int) -> None:
+            try:
+                await generate(sp.server, IDS, 30)
+                outcomes.append("ok")
+            except ServerBusy:
+                outcomes.append("busy")
+
+        async with trio.open_nursery() as nursery:
+            for i in range(5):
+                nursery.start_soon(busy, i)
+        assert sorted(outcomes) == ["busy", "ok", "ok", "ok", "ok"]
+
+
+async def test_bad_frames_are_refused_without_disturbing_other_sessions(
+    packages: dict[str, Path], tmp_path: Path
+) -> None:
+    pkg = packages["llama"]
+    with chain("ggml", pkg, ["0..6"], SERVING_CONFIG) as whole:
+        whole.tokenizer = LlamaTokenizer(pkg / "shared" / "metadata.gguf")  # stops at EOS
+        want = list(whole.generate(IDS, max_tokens=40).tokens)
+    async with split(tmp_path, pkg) as sp:
+        coord = sp.nodes[0]
+        route = sp.server.route
+        assert route is not None
+        stage1 = route.node_ids[1]
+        width = route.stage0.facts.width
+        tid = route.topology_id
+        begin = t.encode_begin(1, 77, width=width, sampling=t.Sampling(), topology_id=tid)
+        good_rows = np.zeros((2, width), np.float32)
+        cases = {
+            # a malformed header (unknown version)
+            "transport_version": begin + b"\x09" + bytes(t.HEADER_BYTES - 1),
+            # activations of another width
+            "transport_width_mismatch": begin
+            + t.encode_activations(
+                1, 77, phase=t.Phase.PREFILL, start=0, activations=np.zeros((2, width + 1), "f4")
+            ),
+            # more bytes than the frame cap (refused from the header alone)
+            "transport_frame_too_large": begin
+            + t.HEADER.pack(t.VERSION, t.Kind.ACTIVATIONS, 0, 0, 1, 77, 0, 1000, width, 0),
+            # a frame for a session this stream did not begin
+            "unknown_session": begin
+            + t.encode_activations(
+                1, 78, phase=t.Phase.PREFILL, start=0, activations=good_rows
+            ),
+            # activations before any BEGIN
+            "unknown_session ": t.encode_activations(
+                1, 79, phase=t.Phase.PREFILL, start=0, activations=good_rows
+            ),
+            # a BEGIN for another topology
+            "stale_topology": t.encode_begin(
+                1, 80, width=width, sampling=t.Sampling(), topology_id="topo-other"
+            ),
+        }
+        got: list[int] = []
+        refusals: dict[str, str] = {}
+
+        async def legit() -> None:
+            got.extend(await generate(sp.server, IDS, 40))
+
+        async def rogue() -> None:
+            for expected, data in cases.items():
+                stream = await coord.open_stream(stage1, pc.KIND_TRANSPORT)
+                await stream.send_all(data)
+                with trio.fail_after(5):
+                    try:
+                        while await stream.receive_some():
+                            pass
+                        refusals[expected.strip()] = "not reset"
+                    except StreamReset as exc:
+                        refusals[expected.strip()] = str(exc.actual)
+                await trio.sleep(0.01)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(legit)
+            nursery.start_soon(rogue)
+        assert refusals == {k.strip(): k.strip() for k in cases}
+        assert got == want
+        # a transport stream from a node that is not the upstream stage is refused too
+        stage2 = next(n for n in sp.nodes if n.node_id == route.node_ids[2])
+        stream = await stage2.open_stream(stage1, pc.KIND_TRANSPORT)
+        await stream.send_all(begin)
+        with pytest.raises(StreamReset) as err, trio.fail_after(5):
+            while await stream.receive_some():
+                pass
+        assert err.value.actual == "not_upstream"
+
+
+async def test_a_one_stage_route_samples_on_the_coordinator(
+    packages: dict[str, Path], tmp_path: Path
+) -> None:
+    """The whole model on the coordinator (no transport): chunked prefill, then decode."""
+    pkg = packages["llama"]
+    with chain("ggml", pkg, ["0..6"], SERVING_CONFIG) as whole:
+        whole.tokenizer = LlamaTokenizer(pkg / "shared" / "metadata.gguf")
+        want = list(whole.generate(IDS, max_tokens=10).tokens)
+    async with split(tmp_path, pkg, stages=1) as sp:
+        assert sp.server.route is not None and sp.server.route.single
+        assert await generate(sp.server, IDS, 10) == want
+
+
+async def test_a_cancelled_request_frees_its_session_along_the_chain(
+    packages: dict[str, Path], tmp_path: Path
+) -> None:
+    """A client that goes away cancels its request: every stage frees the session's KV."""
+    async with split(tmp_path, packages["llama"]) as sp:
+        seen: list[int] = []
+        with trio.move_on_after(30) as scope:
+
+            async def emit(token: int) -> bool:
+                seen.append(token)
+                if len(seen) == 3:
+                    scope.cancel()  # as the HTTP layer does when the client disconnects
+                return False
+
+            await sp.server.generate(IDS, GenerationParams(max_tokens=100), emit)
+        assert scope.cancelled_caught and len(seen) == 3
+        await wait_for(
+            lambda: all(h.loaded is not None and not h.loaded.stage.sessions for h in sp.hosts)
+        )
+        assert sp.server.stats.in_flight == 0

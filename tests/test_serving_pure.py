@@ -1,0 +1,187 @@
+"""The pure serving pieces: OpenAI request checks, streamed text with stop sequences, chat
+templates in a sandbox, [serving] config, the admission descriptor, and topology placement
+for serving (stage 0 pinned, a lost stage moved alone)."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from skippy.config import ServingSettings, serving_settings
+from skippy.errors import TopologyError, UsageError
+from skippy.package.plan import ModelSizes
+from skippy.package.ranges import LayerRange
+from skippy.package.topology import NodeCapacity, plan_topology, replace_node
+from skippy.serving.chat import ChatTemplate, ChatTemplateError
+from skippy.serving.openai import ApiError, parse_request
+from skippy.serving.text import TextStream
+from skippy.stage.descriptor import RuntimeFacts, StageDescriptor, runtime_problem
+
+A, B, C, D = ("a" * 64, "b" * 64, "c" * 64, "d" * 64)
+
+
+# --- requests ------------------------------------------------------------------------------------
+def test_completion_request_defaults_and_checks() -> None:
+    r = parse_request({"prompt": "hi"}, "completion", max_tokens_limit=100)
+    assert (r.max_tokens, r.sampling.temperature, r.sampling.top_p, r.stop) == (16, 1.0, 1.0, ())
+    r = parse_request(
+        {"prompt": [1, 2], "max_tokens": 5, "temperature": 0, "top_k": 3, "seed": 9, "stop": "x"},
+        "completion",
+        max_tokens_limit=100,
+    )
+    assert r.prompt == (1, 2) and r.sampling.top_k == 3 and r.stop == ("x",)
+    for body, code, param in (
+        ({"prompt": "hi", "max_tokens": 101}, "invalid_value", "max_tokens"),
+        ({"prompt": "hi", "temperature": "hot"}, "invalid_value", "temperature"),
+        ({"prompt": "hi", "temperature": 3}, "invalid_value", "temperature"),
+        ({"prompt": "hi", "stop": ["a"] * 5}, "invalid_value", "stop"),
+        ({"prompt": "hi", "n": 2}, "unsupported_parameter", "n"),
+        ({"prompt": "hi", "logprobs": 2}, "unsupported_parameter", "logprobs"),
+        ({"prompt": []}, "invalid_prompt", "prompt"),
+        ({"prompt": ["a", "b"]}, "invalid_prompt", "prompt"),
+        ({"prompt": "hi", "stream": "yes"}, "invalid_value", "stream"),
+    ):
+        with pytest.raises(ApiError) as err:
+            parse_request(body, "completion", max_tokens_limit=100)
+        assert (err.value.code, err.value.param, err.value.status) == (code, param, 400)
+        assert err.value.body()["error"]["code"] == code
+
+
+def test_chat_request_checks_messages() -> None:
+    r = parse_request(
+        {
+            "messages": [
+                {"role": "developer", "content": "be brief"},
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+                },
+            ],
+            "max_completion_tokens": 7,
+        },
+        "chat",
+        max_tokens_limit=100,
+    )
+    assert r.messages == (
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "ab"},
+    )
+    assert r.max_tokens == 7
+    for messages in ([], [{"role": "robot", "content": "x"}], [{"role": "user", "content": 3}]):
+        with pytest.raises(ApiError):
+            parse_request({"messages": messages}, "chat", max_tokens_limit=100)
+    with pytest.raises(ApiError) as err:
+        parse_request(
+            {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            "chat",
+            max_tokens_limit=100,
+        )
+    assert err.value.code == "unsupported_parameter"
+
+
+# --- streamed text -------------------------------------------------------------------------------
+@given(
+    text=st.text(alphabet="abcXYZé🙂 ", max_size=40),
+    stop=st.lists(st.text(alphabet="abXé🙂", min_size=1, max_size=3), max_size=3),
+    cuts=st.lists(st.integers(0, 200), max_size=10),
+)
+def test_stream_equals_the_whole_text_cut_at_the_first_stop(
+    text: str, stop: list[str], cuts: list[int]
+) -> None:
+    data = text.encode()
+    bounds = sorted({c % (len(data) + 1) for c in cuts} | {0, len(data)})
+    ts = TextStream(stop)
+    out = "".join(ts.feed(data[a:b]) for a, b in itertools.pairwise(bounds))
+    out += ts.finish()
+    hits = [text.find(s) for s in stop if s and s in text]
+    expected = text[: min(hits)] if hits else text
+    assert out == expected == ts.text
+    assert not any(s in out for s in stop)
+
+
+# --- chat templates ------------------------------------------------------------------------------
+def test_chat_template_renders_in_a_sandbox(tmp_path: Path) -> None:
+    t = ChatTemplate(
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}",
+        "<s>",
+        "</s>",
+    )
+    assert t.render([{"role": "user", "content": "hi"}]) == "<user>hi<assistant>"
+    hostile = ChatTemplate("{{ messages.__class__.__mro__ }}", "", "")
+    with pytest.raises(ChatTemplateError):
+        hostile.render([{"role": "user", "content": "x"}])
+    refusing = ChatTemplate("{{ raise_exception('no system role') }}", "", "")
+    with pytest.raises(ChatTemplateError, match="no system role"):
+        refusing.render([])
+
+
+# --- config --------------------------------------------------------------------------------------
+def test_serving_config() -> None:
+    assert serving_settings(None) == ServingSettings()
+    s = serving_settings({"n_ctx": 512, "token_timeout_s": 5, "max_frame_bytes": "1MiB"})
+    assert (s.n_ctx, s.token_timeout_s, s.max_frame_bytes) == (512, 5.0, 1 << 20)
+    for bad in ({"bogus": 1}, {"n_ctx": 0}, {"engine": "torch"}, {"token_timeout_s": -1}):
+        with pytest.raises(UsageError):
+            serving_settings(bad)
+
+
+# --- admission descriptor ------------------------------------------------------------------------
+FACTS = RuntimeFacts("acme/m", 640, "f32", "skippy-stage/1 ggml/0.25.3", "ggml", 512, 1000)
+
+
+def test_admission_descriptor_round_trip_and_runtime_checks() -> None:
+    d = StageDescriptor("hf://a/b@" + "0" * 40, "f" * 64, 1, LayerRange(2, 4, 6), 3, 100, FACTS)
+    assert StageDescriptor.from_dict(d.to_dict()) == d
+    assert runtime_problem(FACTS, FACTS) is None
+    assert runtime_problem(None, FACTS) == (
+        "stage_not_loaded",
+        "the stage is fetched but not loaded in a runtime",
+    )
+    for change, code in (
+        ({"width": 576}, "activation_mismatch"),
+        ({"runtime_version": "skippy-stage/1 numpy-reference"}, "runtime_mismatch"),
+        ({"model_id": "other"}, "model_mismatch"),
+        ({"n_ctx": 256}, "context_too_small"),
+    ):
+        other = RuntimeFacts(**{**FACTS.to_dict(), **change})
+        problem = runtime_problem(other, FACTS)
+        assert problem is not None and problem[0] == code
+
+
+# --- placement -----------------------------------------------------------------------------------
+SIZES = ModelSizes(layer_bytes=(50,) * 6, metadata_bytes=10, embeddings_bytes=100, output_bytes=0)
+
+
+def _plan(nodes: list[NodeCapacity], first: str | None = None) -> object:
+    return plan_topology(
+        SIZES,
+        nodes,
+        topology_id="t1",
+        run_id="r1",
+        package_ref="pkg",
+        manifest_sha256="f" * 64,
+        stages=3,
+        first_node=first,
+    )
+
+
+def test_stage_zero_is_pinned_and_a_lost_stage_moves_alone() -> None:
+    nodes = [NodeCapacity(A, 300), NodeCapacity(B, 900), NodeCapacity(C, 900)]
+    topo = _plan(nodes, first=A)
+    assert topo.stages[0].node_id == A  # type: ignore[attr-defined]
+    lost = topo.stages[1].node_id  # type: ignore[attr-defined]
+    new = replace_node(
+        topo, lost, [*nodes, NodeCapacity(D, 900)], SIZES, topology_id="t2"  # type: ignore[arg-type]
+    )
+    assert new.stages[1].node_id == D and new.run_id == "r1"
+    assert [s.node_id for i, s in enumerate(new.stages) if i != 1] == [
+        s.node_id for i, s in enumerate(topo.stages) if i != 1  # type: ignore[attr-defined]
+    ]
+    with pytest.raises(TopologyError) as err:
+        replace_node(topo, lost, [*nodes, NodeCapacity(D, 1)], SIZES, topology_id="t3")  # type: ignore[arg-type]
+    assert err.value.code == "no_capable_peer"

@@ -1,0 +1,207 @@
+"""The skippy-stage/2 transport frames (sans-IO): round trips, chunking, and hostile bytes."""
+
+from __future__ import annotations
+
+import itertools
+import struct
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from skippy.stage import transport as t
+
+WIDTH = 8
+SAMPLING = t.Sampling(temperature=0.7, top_p=0.9, top_k=40, seed=123)
+
+
+def _session_bytes(rows: list[int], *, width: int = WIDTH) -> tuple[bytes, list[np.ndarray]]:
+    """A BEGIN, prefill frames of the given row counts, one decode frame, FREE."""
+    rng = np.random.default_rng(len(rows))
+    out = [t.encode_begin(7, 9, width=width, sampling=SAMPLING, topology_id="topo-abc")]
+    arrays = []
+    pos = 0
+    for n in rows:
+        a = rng.standard_normal((n, width)).astype(np.float32)
+        arrays.append(a)
+        out.append(t.encode_activations(7, 9, phase=t.Phase.PREFILL, start=pos, activations=a))
+        pos += n
+    d = rng.standard_normal((1, width)).astype(np.float32)
+    arrays.append(d)
+    out.append(
+        t.encode_activations(
+            7, 9, phase=t.Phase.DECODE, start=pos, activations=d, flags=t.Flag.SAMPLE
+        )
+    )
+    out.append(t.encode_free(7, 9))
+    return b"".join(out), arrays
+
+
+def _decode_in_pieces(data: bytes, cuts: list[int], **kw: object) -> list[t.Frame]:
+    dec = t.FrameDecoder(width=WIDTH, **kw)  # type: ignore[arg-type]
+    frames: list[t.Frame] = []
+    bounds = sorted({c % (len(data) + 1) for c in cuts} | {0, len(data)})
+    for lo, hi in itertools.pairwise(bounds):
+        frames += dec.feed(data[lo:hi])
+    dec.eof()
+    return frames
+
+
+@given(
+    rows=st.lists(st.integers(1, 20), min_size=1, max_size=5),
+    cuts=st.lists(st.integers(0, 10_000), max_size=12),
+)
+@settings(max_examples=150, suppress_health_check=[HealthCheck.too_slow])
+def test_any_chunking_decodes_the_same_frames(rows: list[int], cuts: list[int]) -> None:
+    data, arrays = _session_bytes(rows)
+    frames = _decode_in_pieces(data, cuts)
+    kinds = [f.kind for f in frames]
+    assert kinds == [t.Kind.BEGIN] + [t.Kind.ACTIVATIONS] * (len(rows) + 1) + [t.Kind.FREE]
+    assert frames[0].begin() == (SAMPLING, "topo-abc")
+    for f, a in zip(frames[1:-1], arrays, strict=True):
+        assert np.array_equal(f.activations(), a)  # raw LE f32: bit-exact
+    assert frames[-2].phase is t.Phase.DECODE and frames[-2].flags & t.Flag.SAMPLE
+    session = t.SessionInbound(max_positions=1000)
+    for f in frames:
+        session.accept(f)
+    assert session.freed and session.position == sum(rows) + 1
+
+
+@given(data=st.binary(max_size=400), cuts=st.lists(st.integers(0, 400), max_size=6))
+@settings(max_examples=300)
+def test_arbitrary_bytes_raise_only_transport_errors(data: bytes, cuts: list[int]) -> None:
+    try:
+        _decode_in_pieces(data, cuts)
+    except t.TransportError as exc:
+        assert exc.code.startswith("transport_")
+
+
+@given(
+    field=st.sampled_from(["version", "kind", "phase", "flags", "count", "width", "reserved"]),
+    value=st.integers(0, 2**32 - 1),
+)
+@settings(max_examples=300)
+def test_a_mutated_header_is_refused_or_means_the_same_size(field: str, value: int) -> None:
+    """Whatever a peer writes into a header, the receiver never reads a payload of a size it
+    did not derive from its own width and caps."""
+    names = [
+        "version", "kind", "phase", "flags", "rid", "sid", "start", "count", "width", "reserved"
+    ]
+    good = t.encode_activations(
+        1, 2, phase=t.Phase.PREFILL, start=0, activations=np.zeros((3, WIDTH), np.float32)
+    )
+    head = list(t.HEADER.unpack_from(good))
+    fmt = t.HEADER.format
+    sizes = {"B": 0xFF, "Q": 2**64 - 1, "I": 2**32 - 1}
+    i = names.index(field)
+    head[i] = value & sizes[fmt[1:][i]]
+    dec = t.FrameDecoder(width=WIDTH, limits=t.TransportLimits(max_frame_tokens=64))
+    try:
+        frames = dec.feed(t.HEADER.pack(*head) + good[t.HEADER_BYTES :])
+    except t.TransportError:
+        return
+    for f in frames:
+        if f.kind is t.Kind.ACTIVATIONS:
+            assert f.width == WIDTH and len(f.payload) == f.count * WIDTH * 4
+            assert 1 <= f.count <= 64
+        elif f.kind is t.Kind.TOKENS:
+            assert len(f.payload) == 4 * f.count
+
+
+def test_width_other_than_the_receivers_is_refused() -> None:
+    data = t.encode_activations(
+        1, 2, phase=t.Phase.PREFILL, start=0, activations=np.zeros((2, WIDTH + 1), np.float32)
+    )
+    with pytest.raises(t.TransportError) as err:
+        t.FrameDecoder(width=WIDTH).feed(data)
+    assert err.value.code == "transport_width_mismatch"
+    begin = t.encode_begin(1, 2, width=WIDTH * 2, sampling=SAMPLING, topology_id="x")
+    with pytest.raises(t.TransportError) as err:
+        t.FrameDecoder(width=WIDTH).feed(begin)
+    assert err.value.code == "transport_width_mismatch"
+
+
+def test_oversized_frames_are_refused_from_the_header_alone() -> None:
+    limits = t.TransportLimits(max_frame_bytes=4 * WIDTH * 10, max_frame_tokens=1000)
+    dec = t.FrameDecoder(width=WIDTH, limits=limits)
+    # only the header: the decoder refuses before any payload byte arrives
+    head = t.HEADER.pack(t.VERSION, t.Kind.ACTIVATIONS, 0, 0, 1, 2, 0, 11, WIDTH, 0)
+    with pytest.raises(t.TransportError) as err:
+        dec.feed(head)
+    assert err.value.code == "transport_frame_too_large"
+    huge = t.HEADER.pack(t.VERSION, t.Kind.ACTIVATIONS, 0, 0, 1, 2, 0, 2**32 - 1, WIDTH, 0)
+    with pytest.raises(t.TransportError) as err:
+        t.FrameDecoder(width=WIDTH).feed(huge)
+    assert err.value.code == "transport_bad_count"
+    assert limits.tokens_per_frame(WIDTH) == 10
+
+
+def test_decode_frames_carry_one_token() -> None:
+    head = t.HEADER.pack(t.VERSION, t.Kind.ACTIVATIONS, t.Phase.DECODE, 0, 1, 2, 0, 2, WIDTH, 0)
+    with pytest.raises(t.TransportError) as err:
+        t.FrameDecoder(width=WIDTH).feed(head)
+    assert err.value.code == "transport_bad_count"
+
+
+def test_a_truncated_stream_is_refused_at_eof() -> None:
+    data, _ = _session_bytes([3])
+    dec = t.FrameDecoder(width=WIDTH)
+    dec.feed(data[:-5])
+    with pytest.raises(t.TransportError) as err:
+        dec.eof()
+    assert err.value.code == "transport_truncated"
+    with pytest.raises(t.TransportError):
+        dec.feed(b"")  # a failed decoder stays failed
+
+
+def test_begin_payload_is_checked() -> None:
+    good = t.encode_begin(1, 2, width=WIDTH, sampling=SAMPLING, topology_id="topo-1")
+    bad_t = bytearray(good)
+    struct.pack_into("<d", bad_t, t.HEADER_BYTES, float("nan"))
+    bad_id = bytearray(good)
+    bad_id[t.HEADER_BYTES + 40] = 0x20  # a space inside the topology id
+    for bad in (bad_t, bad_id):
+        with pytest.raises(t.TransportError) as err:
+            t.FrameDecoder(width=WIDTH).feed(bytes(bad))
+        assert err.value.code == "transport_bad_begin"
+
+
+def test_session_order_rules() -> None:
+    acts = np.zeros((2, WIDTH), np.float32)
+    begin = t.FrameDecoder(width=WIDTH).feed(
+        t.encode_begin(1, 5, width=WIDTH, sampling=SAMPLING, topology_id="x")
+    )[0]
+
+    def act(session: int, start: int) -> t.Frame:
+        data = t.encode_activations(
+            1, session, phase=t.Phase.PREFILL, start=start, activations=acts
+        )
+        return t.FrameDecoder(width=WIDTH).feed(data)[0]
+
+    s = t.SessionInbound(max_positions=4)
+    with pytest.raises(t.TransportError) as err:
+        s.accept(act(5, 0))  # before BEGIN
+    assert err.value.code == "unknown_session"
+    s.accept(begin)
+    with pytest.raises(t.TransportError) as err:
+        s.accept(act(6, 0))  # another session on this stream
+    assert err.value.code == "unknown_session"
+    with pytest.raises(t.TransportError) as err:
+        s.accept(act(5, 1))
+    assert err.value.code == "transport_position"
+    s.accept(act(5, 0))
+    s.accept(act(5, 2))
+    with pytest.raises(t.TransportError) as err:
+        s.accept(act(5, 4))
+    assert err.value.code == "context_full"
+    with pytest.raises(t.TransportError) as err:
+        s.accept(begin)
+    assert err.value.code == "transport_out_of_order"
+
+
+def test_tokens_round_trip() -> None:
+    f = t.FrameDecoder(width=0).feed(t.encode_tokens(3, 4, start=17, tokens=[0, 262143]))[0]
+    assert f.tokens() == [0, 262143] and f.start == 17
+    with pytest.raises(t.TransportError):
+        t.encode_tokens(3, 4, start=0, tokens=[-1])
