@@ -45,6 +45,10 @@ if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null
   fi
 fi
 export PATH="$VENV/bin:$PATH"
+# Byte-compile our packages as a wheel install would (an editable install does not, and
+# PYTHONDONTWRITEBYTECODE, set on some machines, stops Python writing them at import time):
+# command start-up is then what users see. Only changed files are compiled again.
+"$PY" -m compileall -q skippy mesh_node protocol >/dev/null
 # Where scripts keep big derived files (the assembled model, demo packages): gitignored.
 WORK="${SKIPPY_WORK:-$ROOT/.work}"
 mkdir -p "$WORK/models"
