@@ -250,8 +250,8 @@ def child_rss(pkg: str, layers: str, engine: str) -> dict[str, Any]:
     ggml.load()
     artifact_bytes = sum(p.stat().st_size for p in load.part_paths)
     ids = [int(x) for x in np.random.default_rng(0).integers(300, 200_000, size=128)]
-    # The set-up above (resolving the stage, loading the libraries) has its own transient
-    # peak; reset the high-water mark so the figure is the stage's alone (Linux >= 4.0).
+    # ru_maxrss survives fork + exec (it would report the bench parent's peak); reset this
+    # process's high-water mark and read VmHWM so the figure is the stage's alone (Linux >= 4.0).
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     before = _rss_bytes()

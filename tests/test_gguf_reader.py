@@ -14,7 +14,6 @@ import os
 import struct
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -151,14 +150,24 @@ def test_parity_with_gguf_reader_on_gemma3(gemma_gguf: Path) -> None:
 
 
 @pytest.mark.slow
-def test_opens_gemma3_fast(gemma_gguf: Path) -> None:
-    # gguf.GGUFReader takes ~12 s on this file; our reader skips the vocabulary in tens of ms.
-    start = time.perf_counter()
-    with open_gguf(gemma_gguf) as g:
-        elapsed = time.perf_counter() - start
-        assert g.file_size == 253_113_024
-        assert len(g.tensors) > 0
-    assert elapsed < 3.0, f"open_gguf took {elapsed:.2f} s"
+def test_opens_gemma3_without_decoding_the_vocabulary(gemma_gguf: Path) -> None:
+    # gguf.GGUFReader takes ~12 s on this file because it decodes 262,144 tokens into objects;
+    # ours skips array elements until asked. Measured as allocations, not time: opening traces
+    # ~0.15 MB, decoding the tokens ~22 MB.
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        with open_gguf(gemma_gguf) as g:
+            _, open_peak = tracemalloc.get_traced_memory()
+            assert g.file_size == 253_113_024
+            assert len(g.tensors) > 0
+            assert len(g.value("tokenizer.ggml.tokens")) == 262144
+            _, decoded_peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert open_peak < 2 << 20, f"opening allocated {open_peak} bytes"
+    assert decoded_peak > 8 * open_peak  # the measure sees a decoded vocabulary
 
 
 # ================================================================================================
@@ -448,15 +457,12 @@ def test_big_2gib_streams_in_bounded_memory(tmp_path: Path) -> None:
         " '--target-bytes', '2GiB'], check=True, stdout=subprocess.DEVNULL);"
         "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)"
     )
-    start = time.perf_counter()
     done = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
-    elapsed = time.perf_counter() - start
     peak_mib = int(done.stdout.strip()) / 1024  # Linux reports KiB
     try:
         size = out.stat().st_size
         assert abs(size - (2 << 30)) < (2 << 30) * 0.01
         assert peak_mib < 500, f"peak RSS {peak_mib:.0f} MiB"
-        assert elapsed < 60, f"took {elapsed:.1f} s"
         with open_gguf(out) as g:
             assert g.tensors[-1].data_end <= g.file_size
     finally:

@@ -8,7 +8,6 @@ import io
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -170,11 +169,13 @@ def test_tree_listing_and_pagination(tmp_path: Path) -> None:
         assert sub == {"layers/layer-00000.gguf", "layers/layer-00001.gguf"}
 
 
-def test_hf_hub_download_and_typed_errors_are_fast(hub: FakeHub, tmp_path: Path) -> None:
+def test_hf_hub_download_and_typed_errors_are_not_retried(hub: FakeHub, tmp_path: Path) -> None:
+    """A 404 of each kind maps to the client's typed error on the first answer: one request
+    each, no retry loop (a retry storm would be the way such a test hangs)."""
     cache = tmp_path / "cache"
     local = hf_hub_download(REPO, "layers/layer-00000.gguf", cache_dir=cache, endpoint=hub.url)
     assert Path(local).read_bytes() == FILES_V1["layers/layer-00000.gguf"]
-    t0 = time.monotonic()
+    before = len(hub.request_log())
     with pytest.raises(RemoteEntryNotFoundError):
         hf_hub_download(REPO, "layers/absent.gguf", cache_dir=cache, endpoint=hub.url)
     with pytest.raises(RevisionNotFoundError):
@@ -183,7 +184,8 @@ def test_hf_hub_download_and_typed_errors_are_fast(hub: FakeHub, tmp_path: Path)
         )
     with pytest.raises(RepositoryNotFoundError):
         hf_hub_download("ns/absent", "model-package.json", cache_dir=cache, endpoint=hub.url)
-    assert time.monotonic() - t0 < 3
+    failed = hub.request_log()[before:]
+    assert [status for _, _, status in failed] == [404, 404, 404], failed
 
 
 @pytest.mark.parametrize(
@@ -262,10 +264,8 @@ def test_stop_cuts_keepalive_connections(tmp_path: Path) -> None:
     api = HfApi(endpoint=hub.url)
     api.model_info(REPO)
     hub.stop()
-    t0 = time.monotonic()
     with pytest.raises(httpx2.TransportError):
         api.model_info(REPO)
-    assert time.monotonic() - t0 < 3
 
 
 def test_subprocess_mode(tmp_path: Path) -> None:
