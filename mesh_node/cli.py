@@ -54,7 +54,7 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> Any:
         if _Parser.json_errors:
-            print(json.dumps({"ok": False, "error": {"code": "bad_usage", "message": message}}))
+            print(json.dumps({"ok": False, "error": {"code": "usage", "message": message}}))
         else:
             self.print_usage(sys.stderr)
             sys.stderr.write(f"{self.prog}: error: {message}\n")
@@ -131,7 +131,7 @@ def cmd_serve(args: argparse.Namespace) -> CommandResult:
     from mesh_node.serving.service import ServeOptions
 
     if args.stages is not None and args.stages < 1:
-        raise UsageError("--stages must be at least 1", code="bad_usage")
+        raise UsageError("--stages must be at least 1", code="usage")
     settings, identity = _node_settings(args)
     assert settings.http is not None  # --http has a default (typing)
     options = ServeOptions(
@@ -189,7 +189,7 @@ def cmd_topology(args: argparse.Namespace) -> CommandResult:
     if args.replan:
         payload: dict[str, Any] = {"op": "replan"}
     elif args.package is None:
-        raise UsageError("topology needs --package REF (or --replan)", code="bad_usage")
+        raise UsageError("topology needs --package REF (or --replan)", code="usage")
     else:
         payload = {
             "op": "topology",

@@ -104,7 +104,7 @@ def issue_certificate(
             f"{node_id!r} is not a node id (64 lowercase hex characters)", code="invalid_node_id"
         )
     if days < 1:
-        raise IdentityError("--days must be at least 1", code="bad_usage")
+        raise IdentityError("--days must be at least 1", code="usage")
     now = int(time.time() if now_s is None else now_s)
     return OwnerCertificate.issue(owner_key, node, now - 60, now + days * 86400)
 

@@ -422,7 +422,7 @@ def _default_memory_budget() -> int:
 def node_settings(config: NodeConfig, env: Environment | None = None) -> NodeSettings:
     """The node keys of a loaded config file (``identity`` is required)."""
     if config.path is None:
-        raise UsageError("mesh-node needs a config file (--config node.toml)", code="bad_usage")
+        raise UsageError("mesh-node needs a config file (--config node.toml)", code="usage")
     env = read_environment() if env is None else env
     raw, base = config.raw, config.path.parent
 

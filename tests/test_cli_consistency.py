@@ -228,3 +228,27 @@ def test_preflight_json_summarises_findings(pkg, tmp_path, capsys):
     code, doc = run_json(capsys, "preflight", str(broken))
     assert code == 1 and doc["ok"] is False
     assert doc["summary"]["by_code"]["missing_artifact"] == 1
+
+
+@pytest.mark.parametrize(
+    ("tool", "argv"),
+    [
+        ("skippy", ["plan", "--no-such-flag"]),
+        ("quantize", ["quantize-layer-package", "--no-such-flag"]),
+        ("mesh", ["topology", "--no-such-flag"]),
+        ("mesh", ["lab", "--nodes", "0", "--package", "x"]),
+    ],
+)
+def test_every_tool_names_a_usage_error_the_same_way(tool, argv, capsys):
+    """One code for "you called it wrong" across the three command-line tools."""
+    from mesh_node.cli import main as mesh_main
+    from skippy.quantize_cli import main as quantize_main
+
+    entry = {"skippy": main, "quantize": quantize_main, "mesh": mesh_main}[tool]
+    try:
+        code = entry([*argv, "--json"])
+    except SystemExit as exit_:
+        code = exit_.code
+    doc = json.loads(capsys.readouterr().out)
+    assert code == 2, doc
+    assert doc["ok"] is False and doc["error"]["code"] == "usage", doc

@@ -128,7 +128,7 @@ class LabCluster:
         self, root: Path, specs: Sequence[NodeSpec], *, python: str = sys.executable
     ) -> None:
         if not specs:
-            raise LabError("a lab needs at least one node", code="bad_usage")
+            raise LabError("a lab needs at least one node", code="usage")
         self.root = root
         self.python = python
         self._owners: dict[str, Ed25519PrivateKey] = {}
@@ -193,7 +193,7 @@ class LabCluster:
         """Start (or restart) node ``index`` and wait until it listens."""
         node = self.nodes[index]
         if node.running:
-            raise LabError(f"{node.spec.name} is already running", code="bad_usage")
+            raise LabError(f"{node.spec.name} is already running", code="usage")
         if node.url is None:
             self._write_config(node, "127.0.0.1:0")
         stdout = node.root / "stdout"
@@ -326,6 +326,6 @@ def _toml(values: Mapping[str, Any]) -> str:
             return "[" + ", ".join(value(x) for x in v) + "]"
         if isinstance(v, Mapping):  # an inline table, e.g. serving = {threads = 1}
             return "{" + ", ".join(f"{k} = {value(x)}" for k, x in v.items()) + "}"
-        raise LabError(f"cannot write {v!r} into a node config", code="bad_usage")
+        raise LabError(f"cannot write {v!r} into a node config", code="usage")
 
     return "".join(f"{k} = {value(v)}\n" for k, v in values.items())

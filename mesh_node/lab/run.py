@@ -75,20 +75,20 @@ class LabOptions:
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
-            raise UsageError("--max-tokens must be at least 1", code="bad_usage")
+            raise UsageError("--max-tokens must be at least 1", code="usage")
         if self.nodes < 2:
             raise UsageError(
                 f"a lab needs at least 2 nodes (a coordinator and a worker), not {self.nodes}",
-                code="bad_usage",
+                code="usage",
             )
         if not 0 <= self.foreign_owners <= self.nodes - 1:
             raise UsageError(
                 f"--foreign-owner must be 0..{self.nodes - 1} (workers only), not "
                 f"{self.foreign_owners}",
-                code="bad_usage",
+                code="usage",
             )
         if self.transfer not in MODES:
-            raise UsageError(f"--transfer must be one of {', '.join(MODES)}", code="bad_usage")
+            raise UsageError(f"--transfer must be one of {', '.join(MODES)}", code="usage")
 
 
 @dataclass

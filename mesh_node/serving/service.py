@@ -71,7 +71,7 @@ def serve_options(request: dict[str, Any]) -> ServeOptions:
     if not isinstance(package, str) or not (stages is None or isinstance(stages, int)):
         raise UsageError("serve needs package (string) and stages (int or null)")
     if stages is not None and stages < 1:
-        raise UsageError("stages must be at least 1", code="bad_usage")
+        raise UsageError("stages must be at least 1", code="usage")
     if name is not None and not isinstance(name, str):
         raise UsageError("model_name must be a string")
     http = parse_http_bind(request.get("http", "127.0.0.1:0"), "http")

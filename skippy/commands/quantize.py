@@ -127,7 +127,7 @@ def _options(args: argparse.Namespace) -> tuple[Path, Any]:
         raise UsageError(
             f"{', '.join(given)} cannot be combined with a package SOURCE: its manifest "
             "names the original source and its projectors are copied",
-            code="bad_usage",
+            code="usage",
         )
     if os.path.realpath(args.source) == os.path.realpath(args.out_dir):
         raise UsageError(

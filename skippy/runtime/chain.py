@@ -49,7 +49,7 @@ def open_stage(
 
         return NumpyStage(load, config, **kw)
     raise UsageError(
-        f"unknown stage engine {engine!r} (known: {', '.join(ENGINES)})", code="bad_usage"
+        f"unknown stage engine {engine!r} (known: {', '.join(ENGINES)})", code="usage"
     )
 
 
