@@ -133,26 +133,34 @@ class LockBusy(SkippyError, BlockingIOError):
 
 
 @contextlib.contextmanager
-def exclusive_lock(path: Path, *, timeout_s: float = 0.0) -> Iterator[None]:
-    """Hold an exclusive ``flock`` on ``path`` (created if needed) for the block.
+def exclusive_lock(path: Path, *, timeout_s: float | None = 0.0) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``path`` for the block.
 
-    ``timeout_s`` 0 tries once; otherwise the lock is polled until the deadline, so a caller
+    ``path`` is a lock file (created if needed) or an existing directory (locked itself, so a
+    folder that will be published gets no lock file). ``timeout_s`` 0 tries once, ``None``
+    waits as long as it takes; otherwise the lock is polled until the deadline, so a caller
     on a worker thread (``trio.to_thread``) is never stuck for longer than it asked. Closing
     the descriptor releases the lock, also when the process dies. flock conflicts between
     two descriptors of one process too, so threads of one node exclude each other.
     """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    if path.is_dir():
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    else:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    raise LockBusy(f"{path} is held by another installer") from None
-                time.sleep(_LOCK_POLL_S)
+        if timeout_s is None:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        else:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        raise LockBusy(f"{path} is held by another installer") from None
+                    time.sleep(_LOCK_POLL_S)
         yield
     finally:
         os.close(fd)

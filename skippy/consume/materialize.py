@@ -21,17 +21,15 @@ callers build it once (the lock only saves work: the atomic rename is what makes
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import os
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from skippy.atomic import atomic_write_bytes
+from skippy.atomic import atomic_write_bytes, exclusive_lock
 from skippy.constants import (
     FRAGMENT_KEY_PREFIX,
     KEY_MATERIALIZED_CACHE_KEY,
@@ -178,16 +176,6 @@ def _trusted_existing(out: Path, key: str) -> str | None:
     return sha
 
 
-@contextlib.contextmanager
-def _exclusive(lock: Path) -> Iterator[None]:
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # closing the descriptor releases the lock
-
-
 def _kv_records(meta: GGUFFile, key: str, manifest_sha256: str, sel: StageSelection) -> list[bytes]:
     records = [
         meta.raw_field(k)
@@ -285,7 +273,7 @@ def materialize_stage(
         )
     if (sha := _trusted_existing(out, key)) is not None:
         return kept(sha)
-    with _exclusive(lock_path_for(out)):
+    with exclusive_lock(lock_path_for(out), timeout_s=None):
         if (sha := _trusted_existing(out, key)) is not None:  # built while we waited
             return kept(sha)
         sha, n = _build(root, selection, out, key, manifest_sha256, containment_root)

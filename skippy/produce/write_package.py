@@ -27,7 +27,6 @@ What a reader can rely on:
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import os
 import signal
@@ -40,7 +39,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from skippy.atomic import PARTIAL_SUFFIX, atomic_install, atomic_write_bytes, fsync_path
+from skippy.atomic import (
+    PARTIAL_SUFFIX,
+    LockBusy,
+    atomic_install,
+    atomic_write_bytes,
+    exclusive_lock,
+    fsync_path,
+)
 from skippy.constants import (
     ARTIFACT_DIRS,
     DEFAULT_PROJECTOR_KIND,
@@ -288,11 +294,10 @@ def _write_lock(out_dir: Path) -> Iterator[None]:
     work (two runs would delete each other's partials); the renames make writes correct.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(out_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
+    with contextlib.ExitStack() as held:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+            held.enter_context(exclusive_lock(out_dir))
+        except LockBusy:
             raise OutputExists(
                 f"another write-package run is writing into {out_dir}; two runs into one "
                 "folder would delete each other's files",
@@ -301,8 +306,6 @@ def _write_lock(out_dir: Path) -> Iterator[None]:
                 remediation="wait for the other run to finish, or choose another --out-dir",
             ) from None
         yield
-    finally:
-        os.close(fd)
 
 
 def _check_out_dir(out_dir: Path, overwrite: bool) -> bool:
