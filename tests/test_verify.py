@@ -12,6 +12,7 @@ from pkgtools import make_package
 from skippy.consume.preflight import LoadedPackage, load_package
 from skippy.consume.verify import (
     VerifyCache,
+    check_refs,
     verify_selection,
 )
 from skippy.errors import ArtifactMissing, IntegrityError, UnsafePath
@@ -108,13 +109,18 @@ def test_touched_or_replaced_file_is_hashed_again(pkg: LoadedPackage, tmp_path: 
     assert set(statuses.values()) == {"cached"}
 
 
-def test_mismatch_writes_no_record(pkg: LoadedPackage, tmp_path: Path) -> None:
+def test_mismatch_writes_no_record_for_that_file_only(pkg: LoadedPackage, tmp_path: Path) -> None:
     cache = VerifyCache(tmp_path / "vcache")
-    flip_byte_keep_mtime(pkg.root / pkg.manifest.shared.metadata.path, offset=100)
+    bad = pkg.manifest.shared.metadata.path
+    flip_byte_keep_mtime(pkg.root / bad, offset=100)
     for _ in range(2):  # the second attempt must hash again, not trust a record
         with pytest.raises(IntegrityError, match=r"metadata\.gguf"):
             verify(pkg, cache)
-    assert not cache.root.exists() or not list(cache.root.iterdir())
+    refs = full(pkg).all_refs
+    report = check_refs(pkg.root, refs, manifest_sha256=pkg.manifest_sha256, cache=cache)
+    statuses = {a.path: a.status for a in report.artifacts}
+    assert statuses.pop(bad) == "mismatch"
+    assert set(statuses.values()) == {"cached"}  # the good files kept their records
 
 
 def test_record_is_tied_to_the_manifest_digest(pkg: LoadedPackage, tmp_path: Path) -> None:

@@ -222,7 +222,8 @@ def check_refs(
 ) -> VerifyReport:
     """Verify ``refs`` (each file once), hashing cache misses in parallel; mismatches are in
     the report, not raised. Missing, unsafe or wrongly sized files raise (no hashing needed
-    to know they are wrong). Records are written only if every artifact verified."""
+    to know they are wrong). Every artifact that verified gets a record, also when another
+    one did not."""
     t0 = time.perf_counter()
     report = VerifyReport()
     unique: dict[str, ArtifactRef] = {}
@@ -253,7 +254,9 @@ def check_refs(
             to_record.append((key, ref))
 
     report.artifacts = [results[ref.path] for ref in unique.values()]
-    if cache is not None and report.ok:
+    # Each record stands for one file's bytes under this manifest, so a mismatch elsewhere
+    # does not make a verified file worth hashing again (the bad one gets no record).
+    if cache is not None:
         for key, ref in to_record:
             cache.record(key, ref.artifact.sha256, ref.artifact.artifact_bytes)
     report.seconds = time.perf_counter() - t0
