@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from skippy.errors import InputUnreadable
 from skippy.gguf.reader import TensorInfo
-from skippy.hashing import CHUNK_BYTES
+from skippy.hashing import CHUNK_BYTES, give_back, take_buffer
 
 PARK_BUDGET_BYTES = 64 * 1024 * 1024  # peak RSS target of validate-package is 200 MiB
 # A chunk up to this size is parked as a copy into a recycled small buffer rather than by
@@ -195,7 +195,7 @@ def walk_file(
     chunks aligned to each tensor's start and handed to ``on_tensor_chunk(key, buf, n, offset)``,
     which returns the buffer for the next read (it may keep the one it got)."""
     h = hashlib.sha256()
-    buf = bytearray(CHUNK_BYTES)
+    buf = take_buffer()
 
     def span(start: int, stop: int, name: str | None) -> None:
         nonlocal buf
@@ -218,6 +218,7 @@ def walk_file(
         span(t.data_start, t.data_end, t.name)
         pos = t.data_end
     span(pos, size, None)
+    give_back(buf)  # ours, whichever buffer it is now (the rendezvous swaps them)
     return h.hexdigest()
 
 
