@@ -384,6 +384,7 @@ def validate_package(
                         fut.result().src.close()
                     raise
                 sp = fut.result()
+    rdv.drain()  # comparisons handed over after the package pass's last chunk
     order = {ref.path: i for i, (ref, _) in enumerate(found)}
     results = sorted(scanner.results, key=lambda r: order[r[0].path])
     report.findings.extend(scanner.findings)
