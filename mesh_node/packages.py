@@ -12,7 +12,7 @@ def package_identity(settings: NodeSettings, text: str) -> tuple[str, str, Any, 
     """(pinned package ref, manifest SHA-256, per-artifact sizes, model id)."""
     from skippy.consume.resolve import open_package
     from skippy.package.refs import HfPackageRef, parse_package_ref
-    from skippy.produce.inspect import sizes_from_manifest
+    from skippy.produce.sizes import sizes_from_manifest
 
     ref = parse_package_ref(text)
     env = replace(read_environment(), hf_cache_dir=settings.hub_cache_dir)

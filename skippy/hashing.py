@@ -19,6 +19,27 @@ from skippy.errors import InputUnreadable
 CHUNK_BYTES = 4 * 1024 * 1024
 DEFAULT_WORKERS = max(1, min(4, os.cpu_count() or 1))
 
+_spare = threading.local()  # this thread's idle chunk buffers (take_buffer / give_back)
+
+
+def take_buffer() -> bytearray:
+    """A ``CHUNK_BYTES`` buffer for this thread's next copy or hash, reused from its last one:
+    a fresh 4 MiB buffer is zeroed and page-faulted in, ~20 ms per 256 MB copied in small
+    files or tensors (issue #14: write-package copies 200+ tensors, validate walks 20+
+    files). Hand it back with ``give_back`` when done; its contents are garbage."""
+    spare: list[bytearray] | None = getattr(_spare, "bufs", None)
+    return spare.pop() if spare else bytearray(CHUNK_BYTES)
+
+
+def give_back(buf: bytearray) -> None:
+    """Return a buffer from ``take_buffer`` (or any ``CHUNK_BYTES`` buffer now unused) for
+    this thread's next ``take_buffer``. Keeps at most two per thread."""
+    spare: list[bytearray] | None = getattr(_spare, "bufs", None)
+    if spare is None:
+        spare = _spare.bufs = []
+    if len(spare) < 2 and len(buf) == CHUNK_BYTES:
+        spare.append(buf)
+
 
 class HashingSink:
     """Writes to a file while hashing and counting, so a fragment is hashed in the same pass."""
@@ -48,20 +69,24 @@ def copy_range(
     """Stream ``length`` bytes from ``fd`` at ``offset`` into ``write`` through one reused
     buffer: bounded memory (no mmap pages counted in RSS), one copy in, one copy out.
     ``cancel`` set: ``CancelledError`` at the next chunk."""
-    buf = bytearray(min(CHUNK_BYTES, max(length, 1)))
-    view = memoryview(buf)
-    done = 0
-    while done < length:
-        if cancel is not None and cancel.is_set():
-            raise CancelledError("copy cancelled")
-        want = min(len(buf), length - done)
-        got = os.preadv(fd, [view[:want]], offset + done)
-        if got <= 0:
-            raise InputUnreadable(
-                f"unexpected end of file after {offset + done} bytes", code="unexpected_eof"
-            )
-        write(view[:got])
-        done += got
+    buf = take_buffer()
+    try:
+        with memoryview(buf) as view:
+            done = 0
+            while done < length:
+                if cancel is not None and cancel.is_set():
+                    raise CancelledError("copy cancelled")
+                want = min(len(buf), length - done)
+                got = os.preadv(fd, [view[:want]], offset + done)
+                if got <= 0:
+                    raise InputUnreadable(
+                        f"unexpected end of file after {offset + done} bytes",
+                        code="unexpected_eof",
+                    )
+                write(view[:got])
+                done += got
+    finally:
+        give_back(buf)
 
 
 def sha256_file(
@@ -78,14 +103,17 @@ def sha256_file(
             if cancel is None and on_bytes is None:
                 return hashlib.file_digest(f, "sha256").hexdigest()
             h = hashlib.sha256()
-            buf = bytearray(CHUNK_BYTES)
-            view = memoryview(buf)
-            while n := f.readinto(buf):
-                if cancel is not None and cancel.is_set():
-                    raise CancelledError(f"hashing {path} was cancelled")
-                h.update(view[:n])
-                if on_bytes is not None:
-                    on_bytes(n)
+            buf = take_buffer()
+            try:
+                with memoryview(buf) as view:
+                    while n := f.readinto(buf):
+                        if cancel is not None and cancel.is_set():
+                            raise CancelledError(f"hashing {path} was cancelled")
+                        h.update(view[:n])
+                        if on_bytes is not None:
+                            on_bytes(n)
+            finally:
+                give_back(buf)
             return h.hexdigest()
     except OSError as exc:
         raise InputUnreadable(f"cannot read {path}: {exc.strerror or exc}", path=str(path)) from exc

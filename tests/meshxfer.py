@@ -21,7 +21,7 @@ from mesh_node.topology import ActiveTopology
 from mesh_node.transfer.service import ArtifactService
 from skippy.config import Environment
 from skippy.consume.verify import VerifyCache
-from skippy.produce.inspect import sizes_from_manifest
+from skippy.produce.sizes import sizes_from_manifest
 from skippy.transfer.serve import ArtifactServer
 
 

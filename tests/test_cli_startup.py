@@ -103,6 +103,29 @@ def test_a_command_imports_only_its_own_module(tmp_path, synth_dir):
     assert others.isdisjoint(modules), sorted(others & modules)
 
 
+# What ``inspect`` of a GGUF needs is the header reader; the writer (with hashing and atomic
+# installs), the manifest, the stage planner and the fragment planner are for other commands.
+INSPECT_GGUF_NEEDS_NONE_OF = (
+    "skippy.gguf.writer",
+    "skippy.hashing",
+    "skippy.atomic",
+    "skippy.package.manifest",
+    "skippy.package.plan",
+    "skippy.produce.fragments",
+    "skippy.produce.sizes",
+    "hashlib",
+    "concurrent.futures",
+)
+
+
+def test_inspect_of_a_gguf_imports_only_the_header_reader(tmp_path, synth_dir):
+    code, modules = _imports_of(tmp_path, "inspect", str(synth_dir.llama), "--json")
+    assert code == 0
+    assert "skippy.gguf.reader" in modules  # the check sees the modules inspect does load
+    loaded = sorted(m for m in INSPECT_GGUF_NEEDS_NONE_OF if m in modules)
+    assert loaded == [], f"inspect imported {loaded}"
+
+
 def test_version(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["--version"])

@@ -153,7 +153,7 @@ def test_plan_refuses_an_absurd_block_count(tmp_path):
     import numpy as np
 
     from skippy.errors import ModelError
-    from skippy.produce.inspect import sizes_from_source
+    from skippy.produce.sizes import sizes_from_source
 
     w = gguf.GGUFWriter(tmp_path / "m.gguf", "llama")
     w.add_block_count(3_000_000_000)

@@ -254,7 +254,8 @@ def cmd_inspect(args: argparse.Namespace) -> CommandResult:
 
 def cmd_plan(args: argparse.Namespace) -> CommandResult:
     from skippy.package.plan import plan_stages
-    from skippy.produce.inspect import read_manifest, sizes_from_manifest, sizes_from_source
+    from skippy.produce.inspect import read_manifest
+    from skippy.produce.sizes import sizes_from_manifest, sizes_from_source
 
     path: Path = args.path
     if path.is_dir():

@@ -44,6 +44,7 @@ from skippy.gguf.constants import (
 
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
+_SKIP_BLOCK = 4096  # strings skipped between two checks (_Cursor._skip_strings)
 
 
 @dataclass(frozen=True)
@@ -154,29 +155,46 @@ class _Cursor:
             raise GGUFFormatError(f"{what} is not UTF-8", code="gguf_bad_string") from exc
 
     def _skip_strings(self, count: int, what: str) -> None:
-        # Hot loop: a 262k-entry vocabulary is walked here. Bounds are checked once per
-        # item with plain comparisons; struct.error only on a length read past the end.
+        # Hot loop: a 262k-entry vocabulary is walked here, so the inner loop only adds
+        # lengths (~30% faster than checking every item). The checks run per block instead:
+        # a block that advanced by no more than the limit and stayed inside the file cannot
+        # hold an item over the limit or past the end; any other block is walked again item
+        # by item, which raises on the exact item.
         buf, pos, size, limit = self.buf, self.pos, self.size, MAX_STRING_BYTES
         unpack = _U64.unpack_from
-        n = 0
-        try:
-            for _ in range(count):
-                (n,) = unpack(buf, pos)
-                pos += 8 + n
-                if n > limit or pos > size:
-                    break
-        except struct.error:
-            pos = size + 1
-        if n > limit:
-            raise GGUFFormatError(
-                f"{what}: a string item claims {n} bytes, over the {limit}-byte limit",
-                code="gguf_string_too_long",
-            )
-        if pos > size:
-            raise GGUFFormatError(
-                f"{what}: string array runs past the end of the file", code="gguf_truncated"
-            )
+        done = 0
+        while done < count:
+            k = min(_SKIP_BLOCK, count - done)
+            start = pos
+            try:
+                for _ in itertools.repeat(None, k):
+                    pos += 8 + unpack(buf, pos)[0]
+            except (struct.error, OverflowError):  # a length read past the end
+                pos = size + 1
+            if pos - start > limit or pos > size:
+                pos = self._skip_strings_checked(start, k, what)
+            done += k
         self.pos = pos
+
+    def _skip_strings_checked(self, pos: int, k: int, what: str) -> int:
+        """Walk ``k`` strings from ``pos`` checking each; returns the position after them."""
+        buf, size, limit = self.buf, self.size, MAX_STRING_BYTES
+        for _ in range(k):
+            try:
+                (n,) = _U64.unpack_from(buf, pos)
+            except (struct.error, OverflowError):
+                n, pos = 0, size + 1
+            if n > limit:
+                raise GGUFFormatError(
+                    f"{what}: a string item claims {n} bytes, over the {limit}-byte limit",
+                    code="gguf_string_too_long",
+                )
+            pos += 8 + n
+            if pos > size:
+                raise GGUFFormatError(
+                    f"{what}: string array runs past the end of the file", code="gguf_truncated"
+                )
+        return pos
 
     def skip_value(self, vtype: int, depth: int, what: str) -> tuple[int | None, int]:
         """Advance past one value; return (item_type, count) for arrays, (None, 1) otherwise."""

@@ -1,5 +1,7 @@
-"""inspect and plan's inputs: what a GGUF (or a whole split set) or a package holds, without
-touching tensor bytes.
+"""inspect: what a GGUF (or a whole split set) or a package holds, without touching tensor
+bytes. (plan's inputs, which need the fragment planner and the writer, are in
+``skippy.produce.sizes``: ``inspect`` as a command imports only this module's light needs,
+issue #14.)
 
 Uses only the bounded header reader (no ``import gguf``: it alone costs ~0.23 s), so
 inspecting gemma3-270m takes tens of milliseconds where ``gguf.GGUFReader`` needs ~12 s. A
@@ -9,7 +11,7 @@ split set is read whole from its first shard, as write-package reads it (issue #
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from skippy.constants import (
     KEY_ARCHITECTURE,
@@ -19,25 +21,21 @@ from skippy.constants import (
     KEY_MATERIALIZED_LAYER_COUNT,
     KEY_MATERIALIZED_LAYER_START,
     KEY_MATERIALIZED_LAYER_STOP,
-    MAX_LAYER_COUNT,
-    ROLE_EMBEDDINGS,
-    ROLE_LAYER,
-    ROLE_METADATA,
-    ROLE_OUTPUT,
     arch_key,
 )
-from skippy.errors import ModelError
 from skippy.gguf.constants import ggml_type_name
 from skippy.gguf.reader import GGUFFile
-from skippy.gguf.writer import fragment_bytes
-from skippy.package.manifest import Manifest, parse_manifest, read_manifest_bytes
 from skippy.package.ownership import has_tied_embeddings, owner_of
-from skippy.package.plan import ModelSizes
-from skippy.produce.fragments import plan_fragments
 from skippy.produce.source import SourceModelFiles
+
+if TYPE_CHECKING:
+    from skippy.package.manifest import Manifest
 
 
 def read_manifest(package_dir: Path) -> Manifest:
+    # Imported here: inspecting a GGUF (the common, start-up-bound case) never needs it.
+    from skippy.package.manifest import parse_manifest, read_manifest_bytes
+
     return parse_manifest(read_manifest_bytes(package_dir))
 
 
@@ -49,7 +47,7 @@ def _str_or_none(v: Any) -> str | None:
     return v if isinstance(v, str) and v else None
 
 
-def _arch_int(g: GGUFFile, name: str) -> int | None:
+def arch_int(g: GGUFFile, name: str) -> int | None:
     arch = g.get(KEY_ARCHITECTURE)
     return _int_or_none(g.get(arch_key(arch, name))) if isinstance(arch, str) else None
 
@@ -101,9 +99,9 @@ def inspect_gguf(path: Path) -> dict[str, Any]:
             "tensor_bytes": sum(t.info.nbytes for t in src.tensors),
             "architecture": _str_or_none(head.get(KEY_ARCHITECTURE)),
             "name": _str_or_none(head.get("general.name")),
-            "layer_count": _arch_int(head, "block_count"),
+            "layer_count": arch_int(head, "block_count"),
             "layers_held": _layers_held(names),
-            "activation_width": _arch_int(head, "embedding_length"),
+            "activation_width": arch_int(head, "embedding_length"),
             "tied_embeddings": has_tied_embeddings(names),
             "fragment": _keys(
                 head,
@@ -140,52 +138,3 @@ def inspect_package(package_dir: Path) -> dict[str, Any]:
         "projectors": [p.to_dict() for p in m.projectors],
         "generation": m.generation,
     }
-
-
-def sizes_from_manifest(m: Manifest) -> ModelSizes:
-    per_layer = [0] * m.layer_count
-    for ref in m.artifacts():
-        if (
-            ref.role == ROLE_LAYER
-            and ref.layer_index is not None
-            and ref.layer_index < len(per_layer)
-        ):
-            per_layer[ref.layer_index] = ref.artifact.artifact_bytes
-    return ModelSizes(
-        layer_bytes=tuple(per_layer),
-        metadata_bytes=m.shared.metadata.artifact_bytes,
-        embeddings_bytes=m.shared.embeddings.artifact_bytes,
-        output_bytes=m.shared.output.artifact_bytes,
-        tied_embeddings=m.tied_embeddings,
-    )
-
-
-def sizes_from_source(path: Path) -> ModelSizes:
-    """Each part's bytes exactly as write-package would write it (headers, the metadata and
-    tokenizer, padding), so ``plan`` of a GGUF equals ``plan`` of its package (issue #11)."""
-    with SourceModelFiles(path) as src:
-        n = _arch_int(src.head, "block_count")
-        if n is None or not 1 <= n <= MAX_LAYER_COUNT:
-            raise ModelError(
-                f"{path} declares block count {n!r}; expected 1..{MAX_LAYER_COUNT}",
-                code="invalid_block_count",
-                path=str(path),
-            )
-        plans = plan_fragments(
-            kv_records=[(f.key, src.head.raw_field(f.key)) for f in src.kv_fields()],
-            tensors=src.tensors,
-            layer_count=n,
-        )
-        size = {
-            (plan.role, plan.layer_index): fragment_bytes(
-                plan.kv_records, [t.info for t in plan.tensors], src.alignment
-            )
-            for plan in plans
-        }
-        return ModelSizes(
-            layer_bytes=tuple(size[(ROLE_LAYER, i)] for i in range(n)),
-            metadata_bytes=size[(ROLE_METADATA, None)],
-            embeddings_bytes=size[(ROLE_EMBEDDINGS, None)],
-            output_bytes=size[(ROLE_OUTPUT, None)],
-            tied_embeddings=has_tied_embeddings(t.info.name for t in src.tensors),
-        )

@@ -12,7 +12,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from skippy.constants import (
     KEY_ARCHITECTURE,
@@ -24,7 +24,9 @@ from skippy.constants import (
 )
 from skippy.errors import InputUnreadable, ModelError
 from skippy.gguf.reader import GGUFFile, KVField, TensorInfo, open_gguf
-from skippy.gguf.writer import TensorSource
+
+if TYPE_CHECKING:  # the writer (and its hashing, atomic installs) is not needed to read
+    from skippy.gguf.writer import TensorSource
 
 
 def shard_paths(first: Path) -> list[Path]:
@@ -125,6 +127,8 @@ class SourceModelFiles:
         return (f for k, f in self.head.fields.items() if k not in SPLIT_KEYS)
 
     def tensor_source(self, t: SourceTensor) -> TensorSource:
+        from skippy.gguf.writer import TensorSource
+
         return TensorSource(t.info, self.shards[t.shard].fileno())
 
     @property

@@ -1,0 +1,71 @@
+"""plan's inputs: each part's bytes, from a package's manifest or from a source GGUF exactly
+as write-package would write it (issue #11)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from skippy.constants import (
+    MAX_LAYER_COUNT,
+    ROLE_EMBEDDINGS,
+    ROLE_LAYER,
+    ROLE_METADATA,
+    ROLE_OUTPUT,
+)
+from skippy.errors import ModelError
+from skippy.gguf.writer import fragment_bytes
+from skippy.package.manifest import Manifest
+from skippy.package.ownership import has_tied_embeddings
+from skippy.package.plan import ModelSizes
+from skippy.produce.fragments import plan_fragments
+from skippy.produce.inspect import arch_int
+from skippy.produce.source import SourceModelFiles
+
+
+def sizes_from_manifest(m: Manifest) -> ModelSizes:
+    per_layer = [0] * m.layer_count
+    for ref in m.artifacts():
+        if (
+            ref.role == ROLE_LAYER
+            and ref.layer_index is not None
+            and ref.layer_index < len(per_layer)
+        ):
+            per_layer[ref.layer_index] = ref.artifact.artifact_bytes
+    return ModelSizes(
+        layer_bytes=tuple(per_layer),
+        metadata_bytes=m.shared.metadata.artifact_bytes,
+        embeddings_bytes=m.shared.embeddings.artifact_bytes,
+        output_bytes=m.shared.output.artifact_bytes,
+        tied_embeddings=m.tied_embeddings,
+    )
+
+
+def sizes_from_source(path: Path) -> ModelSizes:
+    """Each part's bytes exactly as write-package would write it (headers, the metadata and
+    tokenizer, padding), so ``plan`` of a GGUF equals ``plan`` of its package (issue #11)."""
+    with SourceModelFiles(path) as src:
+        n = arch_int(src.head, "block_count")
+        if n is None or not 1 <= n <= MAX_LAYER_COUNT:
+            raise ModelError(
+                f"{path} declares block count {n!r}; expected 1..{MAX_LAYER_COUNT}",
+                code="invalid_block_count",
+                path=str(path),
+            )
+        plans = plan_fragments(
+            kv_records=[(f.key, src.head.raw_field(f.key)) for f in src.kv_fields()],
+            tensors=src.tensors,
+            layer_count=n,
+        )
+        size = {
+            (plan.role, plan.layer_index): fragment_bytes(
+                plan.kv_records, [t.info for t in plan.tensors], src.alignment
+            )
+            for plan in plans
+        }
+        return ModelSizes(
+            layer_bytes=tuple(size[(ROLE_LAYER, i)] for i in range(n)),
+            metadata_bytes=size[(ROLE_METADATA, None)],
+            embeddings_bytes=size[(ROLE_EMBEDDINGS, None)],
+            output_bytes=size[(ROLE_OUTPUT, None)],
+            tied_embeddings=has_tied_embeddings(t.info.name for t in src.tensors),
+        )
