@@ -151,6 +151,9 @@ def _stage_loads(pkg: str, ranges: tuple[str, ...]) -> list[Any]:
 
 
 def child_speed(pkg: str, gguf: str, runs: str) -> dict[str, Any]:
+    from skippy.gguf.ggml import configure_openmp
+
+    configure_openmp()  # as the runtime runs (libgomp reads it once, as llama_cpp loads it)
     import llama_cpp
     import numpy as np
 

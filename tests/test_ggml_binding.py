@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -84,3 +85,23 @@ def test_tensor_struct_reads_live_tensors() -> None:
         assert g.ggml_nelements(t) == int(np.prod([8, 3, 2]))
     finally:
         g.ggml_free(ctx)
+
+
+@pytest.mark.parametrize("preset", [None, "300000"])
+def test_openmp_idle_spin_is_set_before_libgomp_loads(preset: str | None) -> None:
+    """Loading ggml (or llama_cpp) in a fresh process first sets GOMP_SPINCOUNT, which libgomp
+    reads only when it loads; a value the user set is kept."""
+    code = (
+        "import os, sys\n"
+        "from skippy.gguf import ggml\n"
+        "ggml.load()\n"
+        "maps = open('/proc/self/maps').read()\n"
+        "print(os.environ.get('GOMP_SPINCOUNT'), 'libgomp' in maps)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
+    if preset is not None:
+        env["GOMP_SPINCOUNT"] = preset
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env
+    ).stdout.split()
+    assert out == [preset or ggml.OPENMP_ENVIRONMENT["GOMP_SPINCOUNT"], "True"]

@@ -8,7 +8,7 @@ import itertools
 from pathlib import Path
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from skippy.config import ServingSettings, serving_settings
@@ -89,6 +89,8 @@ def test_chat_request_checks_messages() -> None:
     stop=st.lists(st.text(alphabet="abXé🙂", min_size=1, max_size=3), max_size=3),
     cuts=st.lists(st.integers(0, 200), max_size=10),
 )
+# a longer stop sequence that began earlier completes after a shorter one inside it
+@example(text="X🙂X", stop=["🙂", "X🙂X"], cuts=[5])
 def test_stream_equals_the_whole_text_cut_at_the_first_stop(
     text: str, stop: list[str], cuts: list[int]
 ) -> None:

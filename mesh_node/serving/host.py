@@ -306,6 +306,9 @@ class StageHost:
                         session.accept(frame)
                         if frame.kind is t.Kind.FREE:
                             break
+                        # To the compute task first, then the ack: the ack's encryption and
+                        # send overlap the stage's compute instead of delaying its start.
+                        await work_send.send(frame)
                         await inbound.stream.send_all(
                             t.encode_ack(
                                 frame.request_id,
@@ -314,7 +317,6 @@ class StageHost:
                                 count=frame.count,
                             )
                         )
-                        await work_send.send(frame)
         except (SkippyError, BaseExceptionGroup) as caught:
             # A runtime refusal (context, non-finite activations...), a downstream failure:
             # this session ends; the upstream hears why.

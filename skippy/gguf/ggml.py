@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+import os
 import threading
 from collections.abc import Callable
 from ctypes import (
@@ -80,6 +81,23 @@ class GgmlType:
     Q8_0: Final = 8
     I32: Final = 26
     BF16: Final = 30
+
+
+# libgomp (ggml's CPU backend is built with OpenMP) reads its environment once, when it is
+# loaded. By default an idle OpenMP thread spins ~300,000 pauses (~7 ms of a core here) after
+# every graph before it sleeps. A stage of a split is idle while the next stage computes on the
+# same cores, so that spin steals a core from the stage doing the work, on every token of every
+# hop. ggml's barriers inside a graph are OpenMP barriers too, so OMP_WAIT_POLICY=passive
+# (sleep at once) makes each graph ~2-3x slower; a short spin keeps the barriers fast and lets
+# an idle stage sleep within ~0.3 ms (measured: docs/performance.md, split serving).
+OPENMP_ENVIRONMENT: Final = {"GOMP_SPINCOUNT": "10000"}
+
+
+def configure_openmp() -> None:
+    """Set OpenMP's idle behaviour before libgomp loads (a value the user set is kept). Call
+    before loading ggml or importing llama_cpp; once libgomp is loaded it has no effect."""
+    for key, value in OPENMP_ENVIRONMENT.items():
+        os.environ.setdefault(key, value)
 
 
 # --- errors ---------------------------------------------------------------------------------------
@@ -441,6 +459,7 @@ def library_dir() -> Path:
 
 
 def _open_libraries(lib_dir: Path) -> tuple[ctypes.CDLL, ...]:
+    configure_openmp()
     libs = []
     for name in LIBRARY_FILES:
         path = lib_dir / name

@@ -50,6 +50,7 @@ import numpy as np
 import numpy.typing as npt
 
 from skippy.errors import ArtifactMissing, UsageError
+from skippy.gguf.ggml import configure_openmp
 from skippy.package.ranges import LayerRange
 from skippy.runtime.boundary import (
     Generation,
@@ -136,6 +137,7 @@ def _forward_log(level: int, text: bytes, _user_data: Any) -> None:
 def import_llama() -> ModuleType:
     """``llama_cpp``, with llama.cpp's log forwarded to logging (once per process)."""
     global _log_callback
+    configure_openmp()  # llama_cpp loads ggml, and with it libgomp
     try:
         import llama_cpp
         import llama_cpp.llama  # installs llama-cpp-python's own log callback; ours replaces it

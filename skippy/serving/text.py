@@ -26,24 +26,26 @@ class TextStream:
         if self.stopped:
             return ""
         self._held += self._decoder.decode(piece)
-        hits = [at for s in self.stop if (at := self._held.find(s)) >= 0]
-        if hits:  # the earliest stop sequence ends the text
-            out = self._held[: min(hits)]
-            self._held, self.stopped = "", True
-            self.text += out
-            return out
-        keep = self._longest_stop_prefix_suffix()
-        out = self._held[: len(self._held) - keep]
-        self._held = self._held[len(self._held) - keep :]
-        self.text += out
-        return out
+        return self._release(final=False)
 
     def finish(self) -> str:
         """The end of generation: release what was held (a partial stop sequence is text)."""
         if self.stopped:
             return ""
-        out = self._held + self._decoder.decode(b"", final=True)
-        self._held = ""
+        self._held += self._decoder.decode(b"", final=True)
+        return self._release(final=True)
+
+    def _release(self, *, final: bool) -> str:
+        held = self._held
+        hits = [at for s in self.stop if (at := held.find(s)) >= 0]
+        first = min(hits) if hits else len(held)
+        # where the earliest stop sequence that may still complete begins (none at the end)
+        pending = len(held) if final else len(held) - self._longest_stop_prefix_suffix()
+        if hits and first <= pending:  # the earliest stop sequence ends the text
+            out, self._held, self.stopped = held[:first], "", True
+        else:  # a stop sequence that began earlier than a complete one may still complete
+            cut = min(first, pending)
+            out, self._held = held[:cut], held[cut:]
         self.text += out
         return out
 
