@@ -75,7 +75,7 @@ log = logging.getLogger("mesh_node.transfer.fetch")
 
 CONCURRENCY: Final = 4  # artifacts of one stage in flight at once (the server allows 4 per link)
 PEER_ATTEMPTS: Final = 3  # asks of the coordinator per artifact before the hub
-WRITE_BATCH_BYTES: Final = 1024 * 1024  # received bytes handed to the sink per thread call
+WRITE_BATCH_BYTES: Final = 2 * 1024 * 1024  # received bytes handed to the sink per thread call
 WRITE_QUEUE: Final = 4  # batches between the stream reader and the disk writer
 LOCK_POLL_S: Final = 0.05
 # Failures after which asking the same peer again may work (the sink keeps the partial).

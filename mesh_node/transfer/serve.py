@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("mesh_node.transfer.serve")
 
-CHUNK_BYTES: Final = 1024 * 1024  # one pread (thread) and one send per MiB
+CHUNK_BYTES: Final = 4 * 1024 * 1024  # one pread (thread) and one send per 4 MiB
 PER_LINK: Final = 4  # requests served at once to one peer (a worker fetches <= 4 at a time)
 PER_NODE: Final = 16  # requests served at once by this node
 # Said to a requester that got no slot in time: not an authorization answer, it may retry.
