@@ -4,7 +4,7 @@ Every byte a link moves passes through short-lived buffers of 64 KiB to ~1 MiB: 
 Noise records, WebSocket messages (wsproto alone makes three copies of each outgoing one).
 With glibc's defaults a freed buffer of that size is handed back to the kernel (the dynamic
 mmap threshold, heap trimming at twice it) and the next one is page-faulted in again: measured
-here, 0.18-0.46 million minor faults per GB on the sending side, about a third of its CPU
+here, 0.18-0.46 million minor faults per GB on the sending side, a fifth to a third of its CPU
 (raw trio-websocket's server shows the same, docs/performance.md). A fixed mmap threshold
 above the largest such buffer and a trim threshold above the working set keep freed memory in
 the heap for the next buffer. Peak RSS does not grow: memory is reused, not accumulated (the

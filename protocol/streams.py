@@ -46,7 +46,8 @@ class StreamAccepted:
 @dataclass(frozen=True)
 class DataReceived:
     """``data`` is a read-only view into the record's decrypted plaintext (immutable bytes),
-    not a copy: bulk receivers hand it on as is; keeping it keeps that record alive."""
+    not a copy, when the payload fills at least half its record (keeping it keeps that record
+    alive); a smaller payload is a copy (``bytes``)."""
 
     stream_id: int
     data: bytes | memoryview
