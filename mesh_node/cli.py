@@ -119,9 +119,11 @@ def _node_settings(args: argparse.Namespace) -> tuple[Any, Any]:
 
 
 def cmd_run(args: argparse.Namespace) -> CommandResult:
+    from mesh_node.allocator import tune_for_streaming
     from mesh_node.service import run_node
 
     settings, identity = _node_settings(args)
+    tune_for_streaming()  # links and artifact transfers: see mesh_node/allocator.py
     _run_trio(run_node, settings, identity)
     return CommandResult({"ok": True}, "")
 

@@ -45,8 +45,12 @@ class StreamAccepted:
 
 @dataclass(frozen=True)
 class DataReceived:
+    """``data`` is a read-only view into the record's decrypted plaintext (immutable bytes),
+    not a copy, when the payload fills at least half its record (keeping it keeps that record
+    alive); a smaller payload is a copy (``bytes``)."""
+
     stream_id: int
-    data: bytes
+    data: bytes | memoryview
 
 
 @dataclass(frozen=True)
@@ -132,6 +136,7 @@ class Multiplexer:
         # Streams that may have sendable data, in round-robin order (an ordered set).
         self._ready: dict[int, None] = {}
         self._going_away: tuple[str, str] | None = None
+        self._view_min = 0  # see receive()
 
     # --- inspection ------------------------------------------------------------------------
     def stream_ids(self) -> list[int]:
@@ -217,17 +222,20 @@ class Multiplexer:
             f.encode_frame(c.FRAME_RESET, stream_id, f.encode_reason(code, reason, self.limits))
         )
 
-    def consumed(self, stream_id: int, nbytes: int) -> None:
-        """The application read ``nbytes`` of the stream: grant them back (coalesced)."""
+    def consumed(self, stream_id: int, nbytes: int) -> bool:
+        """The application read ``nbytes`` of the stream: grant them back (coalesced). True
+        when a window update is now due (the caller wakes its writer only then)."""
         s = self._streams.get(stream_id)
         if s is None or s.fin_received:
-            return  # nothing more will arrive: no credit needed
+            return False  # nothing more will arrive: no credit needed
         s.unacked += nbytes
         # Grant when half the window is consumed: few updates, and the sender never idles.
-        if s.unacked >= self.limits.stream_window_bytes // 2:
-            s.recv_window += s.unacked
-            self._window_due[stream_id] = self._window_due.get(stream_id, 0) + s.unacked
-            s.unacked = 0
+        if s.unacked < self.limits.stream_window_bytes // 2:
+            return False
+        s.recv_window += s.unacked
+        self._window_due[stream_id] = self._window_due.get(stream_id, 0) + s.unacked
+        s.unacked = 0
+        return True
 
     def ping(self, opaque: bytes) -> None:
         if len(opaque) != c.PING_PAYLOAD_BYTES:
@@ -317,6 +325,10 @@ class Multiplexer:
     def receive(self, plaintext: bytes) -> list[Event]:
         """Events for one record's plaintext. Violations raise ``ProtocolError`` (fatal)."""
         events: list[Event] = []
+        # A DATA payload of at least half the record is handed on as a view (no copy); a
+        # smaller one is copied, so that buffered views never pin more than twice the bytes
+        # the stream window admits (a record of 1 data byte and 64 KiB of other frames).
+        self._view_min = (len(plaintext) + 1) // 2
         for frame in f.decode_frames(plaintext, self.limits):
             self._on_frame(frame, events)
         return events
@@ -361,7 +373,8 @@ class Multiplexer:
                 )
             s.recv_window -= len(payload)
             if payload:
-                events.append(DataReceived(sid, bytes(payload)))
+                data = payload if len(payload) >= self._view_min else bytes(payload)
+                events.append(DataReceived(sid, data))
         elif t == c.FRAME_ACCEPT:
             if not s.local or s.state is not StreamState.OPENING or payload:
                 raise ProtocolError("stream_state", f"unexpected ACCEPT for stream {sid}")

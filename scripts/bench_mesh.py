@@ -1,18 +1,24 @@
 """Mesh link benchmark rows (issue #7), called by scripts/bench.py; also runnable alone.
 
-Each figure is measured against a server in a child process (so both ends get a core), with
-the same workload over three transports in one run:
+Each figure is measured between two child processes (so both ends get a core and their own
+allocator settings), with the same workload over three transports in one run:
 - raw trio TCP (``trio.serve_tcp``), 1 MiB writes;
 - raw trio-websocket, 1 MiB binary messages, 1 MiB receive buffer (GOTCHAS);
 - the mesh: two ``MeshNode``s, one Noise-encrypted multiplexed stream under flow control.
 Bulk throughput in both directions ("upload" = dialer to listener, the masked WebSocket
 direction), and control round-trip latency (a 64-byte message echoed on an open stream; raw
 WebSocket beside it). Target: mesh >= 0.6x raw trio-websocket in each direction.
+
+Both mesh ends tune glibc's allocator as ``mesh-node run`` does (``mesh_node.allocator``: freed
+buffers stay in the heap). That alone speeds raw trio-websocket too, so raw WebSocket is
+measured both ways, with glibc's defaults (what a plain trio-websocket program gets) and with
+the same tuning (the like-for-like baseline), and the mesh ratio is given against each.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import struct
 import subprocess
@@ -235,49 +241,72 @@ async def _mesh_client(address: str, direction: int, n: int) -> float | list[flo
         return result
 
 
-def _server(kind: str) -> tuple[subprocess.Popen[str], str]:
-    proc = subprocess.Popen([sys.executable, __file__, "serve", kind], stdout=subprocess.PIPE,
-                            text=True)
+def _server(kind: str, tuned: bool) -> tuple[subprocess.Popen[str], str]:
+    proc = subprocess.Popen(
+        [sys.executable, __file__, "serve", kind, *(["--tuned"] if tuned else [])],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert proc.stdout is not None
     return proc, proc.stdout.readline().strip()
 
 
-def download_rates(kind: str, nbytes: int, runs: int) -> list[float]:
+def _client(kind: str, where: str, direction: int, n: int, tuned: bool) -> Any:
+    """One client run in a child process: seconds, or the round trips for ECHO."""
+    out = subprocess.run(
+        [sys.executable, __file__, "client", kind, "--where", where, "--direction",
+         str(direction), "--n", str(n), *(["--tuned"] if tuned else [])],
+        check=True, stdout=subprocess.PIPE, text=True,
+    ).stdout
+    return json.loads(out)
+
+
+def _run_client(kind: str, where: str, direction: int, n: int) -> float | list[float]:
+    if kind == "tcp":
+        return trio.run(_tcp_client, int(where), direction, n)
+    if kind == "ws":
+        return trio.run(_ws_client, int(where), direction, n)
+    return trio.run(_mesh_client, where, direction, n)
+
+
+def _tuned(kind: str, variant: str) -> bool:
+    """The mesh always runs as ``mesh-node run`` does; raw WebSocket both ways."""
+    return kind == "mesh" or variant == "tuned"
+
+
+def download_rates(kind: str, nbytes: int, runs: int, *, tuned: bool | None = None) -> list[float]:
     """MB/s receiving ``nbytes`` (whole MiB) from a server in a child process, listener to
     dialer (the direction a coordinator serves its workers): ``kind`` is ``ws`` (raw
-    trio-websocket) or ``mesh`` (one stream between two MeshNodes, no files)."""
-    proc, where = _server(kind)
-    client = _ws_client if kind == "ws" else _mesh_client
-    target: Any = int(where) if kind == "ws" else where
+    trio-websocket) or ``mesh`` (one stream between two MeshNodes, no files). ``tuned``: the
+    allocator settings of ``mesh-node run`` in both processes (default: only for the mesh)."""
+    tuned = kind == "mesh" if tuned is None else tuned
+    proc, where = _server(kind, tuned)
     try:
-        times = [trio.run(client, target, DOWN, nbytes) for _ in range(runs)]
+        times = [_client(kind, where, DOWN, nbytes, tuned) for _ in range(runs)]
     finally:
         proc.kill()
         proc.wait()
-    return [nbytes / t / 1e6 for t in times]  # type: ignore[operator]
+    return [nbytes / t / 1e6 for t in times]
 
 
-def measure(runs: int, bulk_bytes: int = BULK_BYTES) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for kind in ("tcp", "ws", "mesh"):
-        proc, where = _server(kind)
+# (kind, allocator variant) measured in one run; the mesh is always tuned.
+KINDS = (("tcp", "default"), ("ws", "default"), ("ws", "tuned"), ("mesh", "tuned"))
+
+
+def measure(runs: int, bulk_bytes: int = BULK_BYTES) -> dict[Any, Any]:
+    out: dict[Any, Any] = {}
+    for kind, variant in KINDS:
+        tuned = _tuned(kind, variant)
+        proc, where = _server(kind, tuned)
         try:
             for direction, label in ((UP, "upload"), (DOWN, "download")):
-                times = []
-                for _ in range(runs):
-                    if kind == "tcp":
-                        times.append(trio.run(_tcp_client, int(where), direction, bulk_bytes))
-                    elif kind == "ws":
-                        times.append(trio.run(_ws_client, int(where), direction, bulk_bytes))
-                    else:
-                        times.append(trio.run(_mesh_client, where, direction, bulk_bytes))
-                out[(kind, label)] = times
-            if kind != "tcp":
+                out[(kind, variant, label)] = [
+                    _client(kind, where, direction, bulk_bytes, tuned) for _ in range(runs)
+                ]
+            if kind != "tcp" and variant == "tuned":
                 rtts: list[float] = []
                 for _ in range(runs):
-                    client = _ws_client if kind == "ws" else _mesh_client
-                    target: Any = int(where) if kind == "ws" else where
-                    got = trio.run(client, target, ECHO, RTT_ROUNDS)
+                    got = _client(kind, where, ECHO, RTT_ROUNDS, tuned)
                     assert isinstance(got, list)
                     rtts.append(statistics.median(got))
                 out[(kind, "rtt")] = rtts
@@ -290,17 +319,28 @@ def measure(runs: int, bulk_bytes: int = BULK_BYTES) -> dict[str, Any]:
 def rows(ctx: BenchContext) -> list[Row]:
     m = measure(ctx.runs)
     mb = BULK_BYTES / 1e6
+    names = {
+        ("tcp", "default"): "raw trio TCP",
+        ("ws", "default"): "raw trio-websocket, glibc malloc defaults",
+        ("ws", "tuned"): "raw trio-websocket, malloc tuned as mesh-node run",
+        ("mesh", "tuned"): "mesh stream (Noise + mux), malloc tuned",
+    }
     result: list[Row] = []
     for label in ("upload", "download"):
-        speeds = {k: [mb / t for t in m[(k, label)]] for k in ("tcp", "ws", "mesh")}
-        for kind, name in (("tcp", "raw trio TCP"), ("ws", "raw trio-websocket"),
-                           ("mesh", "mesh stream (Noise + mux)")):
+        speeds = {kv: [mb / t for t in m[(*kv, label)]] for kv in KINDS}
+        for kv in KINDS:
             note = ""
-            if kind == "mesh":
-                ratios = [a / b for a, b in zip(speeds["mesh"], speeds["ws"], strict=True)]
-                note = f"{spread(ratios, fmt='{:.2f}')}x raw websocket (target >= 0.6)"
-            result.append(("mesh", f"{label} 256 MiB, {name}",
-                           f"{spread(speeds[kind], fmt='{:.0f}')} MB/s", note))
+            if kv[0] == "mesh":
+                notes = []
+                for base, what in (
+                    (("ws", "default"), "raw websocket as shipped (target >= 0.6)"),
+                    (("ws", "tuned"), "raw websocket with the same malloc tuning"),
+                ):
+                    ratios = [a / b for a, b in zip(speeds[kv], speeds[base], strict=True)]
+                    notes.append(f"{spread(ratios, fmt='{:.2f}')}x {what}")
+                note = "; ".join(notes)
+            result.append(("mesh", f"{label} 256 MiB, {names[kv]}",
+                           f"{spread(speeds[kv], fmt='{:.0f}')} MB/s", note))
     for kind, name in (("ws", "raw trio-websocket echo"), ("mesh", "mesh control stream echo")):
         result.append(("mesh", f"64 B round trip, {name}",
                        f"{spread(m[(kind, 'rtt')], unit=1e6, fmt='{:.0f}')} µs",
@@ -310,12 +350,22 @@ def rows(ctx: BenchContext) -> list[Row]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("mode", choices=["serve", "measure"])
+    ap.add_argument("mode", choices=["serve", "client", "measure"])
     ap.add_argument("kind", nargs="?", choices=["tcp", "ws", "mesh"])
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--tuned", action="store_true", help="mesh-node run's allocator settings")
+    ap.add_argument("--where", default="")
+    ap.add_argument("--direction", type=int, default=DOWN)
+    ap.add_argument("--n", type=int, default=BULK_BYTES)
     args = ap.parse_args()
+    if args.tuned:
+        from mesh_node.allocator import tune_for_streaming
+
+        tune_for_streaming()
     if args.mode == "serve":
         trio.run({"tcp": _serve_tcp, "ws": _serve_ws, "mesh": _serve_mesh}[args.kind])
+    elif args.mode == "client":
+        print(json.dumps(_run_client(args.kind, args.where, args.direction, args.n)))
     else:
         from benchlib import render  # type: ignore[import-not-found]
 

@@ -125,6 +125,22 @@ def test_sender_never_exceeds_credit_and_consumption_grants_more():
     assert a.send_capacity(sid) == 128 * 1024
 
 
+def test_bulk_data_is_a_view_of_the_record_and_small_data_is_copied():
+    """A bulk payload is handed on without a copy; a small one beside other frames is copied,
+    so buffered views never pin more than twice the bytes the stream window admits."""
+    a, b, sid = opened_pair()
+    a.send_data(sid, b"d" * 60_000)
+    (bulk,) = pump(a, b)
+    assert isinstance(bulk, ev.DataReceived) and isinstance(bulk.data, memoryview)
+    assert bytes(bulk.data) == b"d" * 60_000 and len(bulk.data.obj) <= 2 * len(bulk.data)
+    record = f.encode_frame(c.FRAME_DATA, sid, b"x") + f.encode_frame(
+        c.FRAME_MESSAGE, c.LINK_STREAM_ID, b"m" * 30_000
+    )
+    small, _message = b.receive(record)
+    assert isinstance(small, ev.DataReceived) and type(small.data) is bytes
+    assert small.data == b"x"
+
+
 def test_data_beyond_the_window_kills_the_link():
     limits = c.Limits(stream_window_bytes=1000)
     _a, b, sid = opened_pair(limits)

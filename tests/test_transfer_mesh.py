@@ -28,7 +28,13 @@ from meshxfer import (
 from mesh_node.errors import StreamRefused
 from mesh_node.node import MeshNode
 from mesh_node.topology import ActiveTopology
-from mesh_node.transfer.serve import PEER_BUSY, PER_LINK
+from mesh_node.transfer.serve import (
+    CHUNK_BYTES,
+    MIN_PACED_CHUNK_BYTES,
+    PEER_BUSY,
+    PER_LINK,
+    RateLimit,
+)
 from protocol import constants as pc
 from protocol.certificates import sign_domain
 from protocol.messages import TopologyOffer
@@ -380,3 +386,12 @@ async def test_requests_beyond_the_per_link_bound_wait_for_a_slot(tmp_path, hub_
         assert counters.served_requests == len(full)
         assert counters.refusals["server_busy"] == len(busy)
         n.cancel_scope.cancel()
+
+
+def test_serving_reads_are_a_slice_of_the_upload_rate_when_one_is_set():
+    """Unlimited: whole 4 MiB reads; under a limit at most 1/8 s of it (paced smoothly, and a
+    transfer is several reads long), never below 64 KiB."""
+    assert RateLimit(0).chunk_bytes(CHUNK_BYTES) == CHUNK_BYTES
+    assert RateLimit(8_000_000).chunk_bytes(CHUNK_BYTES) == 1_000_000
+    assert RateLimit(1000).chunk_bytes(CHUNK_BYTES) == MIN_PACED_CHUNK_BYTES
+    assert RateLimit(10**12).chunk_bytes(CHUNK_BYTES) == CHUNK_BYTES

@@ -75,7 +75,7 @@ log = logging.getLogger("mesh_node.transfer.fetch")
 
 CONCURRENCY: Final = 4  # artifacts of one stage in flight at once (the server allows 4 per link)
 PEER_ATTEMPTS: Final = 3  # asks of the coordinator per artifact before the hub
-WRITE_BATCH_BYTES: Final = 1024 * 1024  # received bytes handed to the sink per thread call
+WRITE_BATCH_BYTES: Final = 2 * 1024 * 1024  # received bytes handed to the sink per thread call
 WRITE_QUEUE: Final = 4  # batches between the stream reader and the disk writer
 LOCK_POLL_S: Final = 0.05
 # Failures after which asking the same peer again may work (the sink keeps the partial).
@@ -481,27 +481,29 @@ class StageFetcher:
         # receive costs more than the bytes it guards: ~20k receives per GiB).
         with trio.CancelScope(deadline=trio.current_time() + idle) as scope:
             while True:
-                data = await stream.receive_some()
+                # Every record received so far, as views (no copy, one call per batch).
+                views = await stream.receive_views()
                 now = trio.current_time()
                 if now + 0.75 * idle > scope.deadline:
                     scope.deadline = now + idle
-                if not data:
+                if not views:
                     reader.eof()  # raises artifact_wire_truncated: the response did not end
                     raise ArtifactWireError(
                         "the stream ended early", code="artifact_wire_truncated"
                     )
-                for event in reader.feed(data):
-                    if isinstance(event, ResponseHeader):
-                        sink.accept(event.response)  # refusal, wrong size or digest: raises
-                        rec.total = event.response.total_size
-                    elif isinstance(event, BodyData):
-                        batch.add(event.data)  # a view of ``data`` (immutable): no copy
-                        if batch.size >= WRITE_BATCH_BYTES:
-                            await batches.send(batch.take())
-                    elif isinstance(event, BodyEnd):
-                        if batch.size:
-                            await batches.send(batch.take())
-                        return
+                for view in views:
+                    for event in reader.feed(view):
+                        if isinstance(event, ResponseHeader):
+                            sink.accept(event.response)  # refusal, wrong size or digest
+                            rec.total = event.response.total_size
+                        elif isinstance(event, BodyData):
+                            batch.add(event.data)  # a view of immutable bytes: no copy
+                            if batch.size >= WRITE_BATCH_BYTES:
+                                await batches.send(batch.take())
+                        elif isinstance(event, BodyEnd):
+                            if batch.size:
+                                await batches.send(batch.take())
+                            return
         stream.reset("stalled", "no bytes within the idle timeout")
         raise StreamStalled(f"the peer sent nothing for {idle:g} s")
 

@@ -40,7 +40,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("mesh_node.transfer.serve")
 
-CHUNK_BYTES: Final = 1024 * 1024  # one pread (thread) and one send per MiB
+CHUNK_BYTES: Final = 4 * 1024 * 1024  # one pread (thread) and one send per 4 MiB
+MIN_PACED_CHUNK_BYTES: Final = 64 * 1024  # the smallest read under an upload rate limit
 PER_LINK: Final = 4  # requests served at once to one peer (a worker fetches <= 4 at a time)
 PER_NODE: Final = 16  # requests served at once by this node
 # Said to a requester that got no slot in time: not an authorization answer, it may retry.
@@ -53,6 +54,13 @@ class RateLimit:
     def __init__(self, bytes_per_s: int) -> None:
         self.bytes_per_s = bytes_per_s
         self._free_at = 0.0  # trio clock: when the link is ours again
+
+    def chunk_bytes(self, most: int) -> int:
+        """The read size: ``most``, or under a limit at most 1/8 s of it (smooth pacing
+        rather than a 4 MiB burst and a long pause)."""
+        if self.bytes_per_s <= 0:
+            return most
+        return max(MIN_PACED_CHUNK_BYTES, min(most, self.bytes_per_s // 8))
 
     async def take(self, n: int) -> None:
         if self.bytes_per_s <= 0:
@@ -221,8 +229,9 @@ class ArtifactHandler:
         error: str | None = "cancelled"
         try:
             await self._send_within(stream, outcome.header, idle)
+            chunk_bytes = self.rate.chunk_bytes(self.chunk_bytes)
             while True:
-                chunk = await trio.to_thread.run_sync(body.read, self.chunk_bytes)
+                chunk = await trio.to_thread.run_sync(body.read, chunk_bytes)
                 if not chunk:
                     break
                 await self.rate.take(len(chunk))
