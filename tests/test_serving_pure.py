@@ -91,6 +91,8 @@ def test_chat_request_checks_messages() -> None:
 )
 # a longer stop sequence that began earlier completes after a shorter one inside it
 @example(text="X🙂X", stop=["🙂", "X🙂X"], cuts=[5])
+@example(text="aXX", stop=["X", "aXX"], cuts=[1])
+@example(text="aXX", stop=["X", "aXX"], cuts=[2])
 def test_stream_equals_the_whole_text_cut_at_the_first_stop(
     text: str, stop: list[str], cuts: list[int]
 ) -> None:
