@@ -94,26 +94,3 @@ def test_a_source_that_fails_to_parse_stops_both_passes(wide, tmp_path):
     with pytest.raises(GGUFFormatError):
         validate_package(bad, pkg)
 
-
-@pytest.mark.parametrize("differ", [False, True])
-def test_a_comparison_handed_to_the_package_pass_is_still_made(differ):
-    """The package pass got to a chunk first; the source pass, arriving second, hands the
-    memcmp over instead of doing it (it is the longer pass). The verdict must not change."""
-    from skippy.produce.byte_compare import Rendezvous
-
-    rdv = Rendezvous(budget_bytes=4 * CHUNK_BYTES)
-    rdv.publish_positions({"t": (0, 0)})
-    chunk = bytes(range(256)) * (CHUNK_BYTES // 256)
-    pkg_buf = bytearray(chunk)
-    # The package pass parks its chunk (the source has not got there) and reads on.
-    nxt = rdv.meet_package(("t", 0), pkg_buf, CHUNK_BYTES, [])
-    assert nxt is not pkg_buf
-    src_buf = bytearray(chunk)
-    if differ:
-        src_buf[CHUNK_BYTES - 1] ^= 0xFF
-    # The source pass meets it: handed over, so it reads on into another buffer.
-    assert rdv.meet_source(("t", 0), src_buf, CHUNK_BYTES, -1, 0) is not src_buf
-    assert rdv.compared == set()  # not compared yet: the package pass does it
-    rdv.drain()
-    assert rdv.compared == {"t"}
-    assert rdv.differing == ({"t"} if differ else set())

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from skippy.errors import InputUnreadable
 from skippy.gguf.reader import TensorInfo
-from skippy.hashing import CHUNK_BYTES, give_back, take_buffer
+from skippy.hashing import CHUNK_BYTES
 
 PARK_BUDGET_BYTES = 64 * 1024 * 1024  # peak RSS target of validate-package is 200 MiB
 # A chunk up to this size is parked as a copy into a recycled small buffer rather than by
@@ -63,9 +63,6 @@ class Rendezvous:
     _free: list[bytearray] = field(default_factory=list)
     _free_small: list[bytearray] = field(default_factory=list)
     _held: int = 0  # bytes of buffers allocated for parking (they are recycled, never freed)
-    # Comparisons the source pass handed to the package pass: (name, source buffer, n, the
-    # package chunk). See meet_source.
-    _pending: list[tuple[str, bytearray, int, _Parked]] = field(default_factory=list)
     _source_done: bool = False
     _positions_known: threading.Event = field(default_factory=threading.Event)
 
@@ -120,15 +117,6 @@ class Rendezvous:
                     self._parked[key] = _Parked(None, n, fd, offset, False)
                 self._cond.notify_all()  # a package pass waiting at ``key`` can go on
                 return nxt if nxt is not None else buf
-            if other.buf is not None:
-                # The package pass is ahead (it waits for buffers while the source pass, which
-                # must hash every source byte alone, is the longer one): hand it the memcmp
-                # too, and read on into a free buffer. Without one, compare here.
-                fresh = self._allocate(self._free, CHUNK_BYTES)
-                if fresh is not None:
-                    self._pending.append((key[0], buf, n, other))
-                    self._cond.notify_all()
-                    return fresh
         if other.buf is None:  # the package pass never leaves markers (its files close early)
             raise RuntimeError(f"package chunk {key} was parked without its bytes")
         self._record(key[0], _same(buf, n, other.buf, other.n))
@@ -139,9 +127,8 @@ class Rendezvous:
         """The package pass reached ``key``; returns the buffer for its next chunk. Without
         room to park it waits (for a buffer, or for the source pass to reach ``key``) while the
         source pass runs, so it never leaves a marker."""
-        while True:
-            self.drain()
-            with self._cond:
+        with self._cond:
+            while True:
                 other = self._parked.pop(key, None)
                 if other is not None:
                     break
@@ -151,8 +138,7 @@ class Rendezvous:
                 nxt = self._park(key, buf, n, -1, -1)
                 if nxt is not None:
                     return nxt
-                if not self._pending:
-                    self._cond.wait()
+                self._cond.wait()
         theirs = other.buf
         if theirs is None:  # the source pass had no room: re-read its bytes
             if not scratch:
@@ -164,21 +150,6 @@ class Rendezvous:
         self._record(key[0], _same(buf, n, theirs, other.n))
         self._release(other)
         return buf
-
-    def drain(self) -> None:
-        """Do the comparisons the source pass handed over (the package pass calls this while
-        it would wait; ``validate_package`` once more after both passes)."""
-        while True:
-            with self._cond:
-                if not self._pending:
-                    return
-                name, theirs, n, ours = self._pending.pop()
-            if ours.buf is None:  # never: meet_source hands over only chunks with bytes
-                raise RuntimeError(f"package chunk of {name} was handed over without its bytes")
-            self._record(name, _same(theirs, n, ours.buf, ours.n))
-            with self._cond:
-                self._free.append(theirs)
-            self._release(ours)
 
     def _release(self, parked: _Parked) -> None:
         with self._cond:
@@ -224,7 +195,7 @@ def walk_file(
     chunks aligned to each tensor's start and handed to ``on_tensor_chunk(key, buf, n, offset)``,
     which returns the buffer for the next read (it may keep the one it got)."""
     h = hashlib.sha256()
-    buf = take_buffer()
+    buf = bytearray(CHUNK_BYTES)
 
     def span(start: int, stop: int, name: str | None) -> None:
         nonlocal buf
@@ -247,7 +218,6 @@ def walk_file(
         span(t.data_start, t.data_end, t.name)
         pos = t.data_end
     span(pos, size, None)
-    give_back(buf)  # ours, whichever buffer it is now (the rendezvous swaps them)
     return h.hexdigest()
 
 

@@ -187,9 +187,7 @@ class _Jobs:
         self._ordered = threading.Event()
         # The embeddings go first, before the source order is known: they are usually at the
         # start of the source and hold most bytes of a small model. The metadata fragment (no
-        # tensors; its vocabulary is parsed cheaply once the source's is known) comes next:
-        # the package pass is ahead of the source pass then (it started while the source
-        # header was parsed), so it fills that slack instead of running alone at the end.
+        # tensors; its vocabulary is parsed cheaply once the source's is known) goes last.
         self.first = [j for j in jobs if j[0].role == ROLE_EMBEDDINGS]
         self._rest = [j for j in jobs if j[0].role != ROLE_EMBEDDINGS]
         self._queue: deque[Job] = deque()
@@ -200,7 +198,7 @@ class _Jobs:
         def key(job: Job) -> tuple[int, tuple[int, int]]:
             ref = job[0]
             if ref.role == ROLE_METADATA:
-                return -1, _LAST
+                return 2, _LAST
             return 0 if ref.role != ROLE_PROJECTOR else 1, first_at.get(
                 (ref.role, ref.layer_index), _LAST
             )
@@ -384,7 +382,6 @@ def validate_package(
                         fut.result().src.close()
                     raise
                 sp = fut.result()
-    rdv.drain()  # comparisons handed over after the package pass's last chunk
     order = {ref.path: i for i, (ref, _) in enumerate(found)}
     results = sorted(scanner.results, key=lambda r: order[r[0].path])
     report.findings.extend(scanner.findings)
