@@ -39,6 +39,10 @@ from skippy.constants import (
 )
 from skippy.errors import InputUnreadable, ManifestError, UnsafePath
 from skippy.findings import Finding
+from skippy.package.artifact_ref import Artifact as Artifact  # re-exported
+from skippy.package.artifact_ref import ArtifactRef as ArtifactRef
+from skippy.package.artifact_ref import LayerArtifact as LayerArtifact
+from skippy.package.artifact_ref import ProjectorArtifact as ProjectorArtifact
 from skippy.package.quantization import quantization_findings
 from skippy.paths import is_safe_relative_path, resolve_under
 from skippy.progress import human_bytes
@@ -48,42 +52,6 @@ MAX_MISSING_LAYER_FINDINGS = 20  # beyond this, one summary finding (a hostile c
 
 
 # --- value objects ------------------------------------------------------------------------------
-@dataclass(frozen=True, kw_only=True)
-class Artifact:
-    """One GGUF file of the package (spec "Each artifact entry MUST include")."""
-
-    path: str
-    tensor_count: int
-    tensor_bytes: int
-    artifact_bytes: int
-    sha256: str
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "path": self.path,
-            "tensor_count": self.tensor_count,
-            "tensor_bytes": self.tensor_bytes,
-            "artifact_bytes": self.artifact_bytes,
-            "sha256": self.sha256,
-        }
-
-
-@dataclass(frozen=True, kw_only=True)
-class LayerArtifact(Artifact):
-    layer_index: int
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"layer_index": self.layer_index, **super().to_dict()}
-
-
-@dataclass(frozen=True, kw_only=True)
-class ProjectorArtifact(Artifact):
-    kind: str
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, **super().to_dict()}
-
-
 @dataclass(frozen=True)
 class SourceFile:
     path: str
@@ -130,19 +98,6 @@ class SharedArtifacts:
             ROLE_EMBEDDINGS: self.embeddings.to_dict(),
             ROLE_OUTPUT: self.output.to_dict(),
         }
-
-
-@dataclass(frozen=True)
-class ArtifactRef:
-    """An artifact together with the role it plays; what selection and verification iterate."""
-
-    role: str
-    artifact: Artifact
-    layer_index: int | None = None
-
-    @property
-    def path(self) -> str:
-        return self.artifact.path
 
 
 @dataclass(frozen=True, kw_only=True)
