@@ -105,7 +105,7 @@ def test_missing_layer(synth_dir, pkg):
 @pytest.mark.parametrize(
     ("edit", "code"),
     [
-        (lambda d: d.update(schema_version=2), "unsupported_schema_version"),
+        (lambda d: d.update(schema_version=3), "unsupported_schema_version"),
         (lambda d: d.update(format="gguf-split"), "invalid_format"),
     ],
 )

@@ -20,7 +20,7 @@ from skippy.constants import MANIFEST_NAME
 from skippy.consume import hub
 from skippy.consume.preflight import load_package
 from skippy.consume.verify import VerifyCache, check_refs
-from skippy.package.manifest import Manifest
+from skippy.package.manifest import PackageManifest
 from skippy.package.refs import parse_hf_package_ref
 
 LAB_NAMESPACE: Final = "lab"
@@ -33,7 +33,7 @@ class LabPackage:
 
     ref: str  # hf://ns/repo@<commit>
     manifest_sha256: str
-    manifest: Manifest
+    manifest: PackageManifest
 
 
 def repo_name_for(directory: Path) -> str:

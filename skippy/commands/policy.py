@@ -79,7 +79,7 @@ def package_architecture(pkg: LoadedPackage) -> str:
     from skippy.paths import resolve_under
 
     path = resolve_under(
-        pkg.root, pkg.manifest.shared.metadata.path, containment_root=pkg.containment_root
+        pkg.root, pkg.manifest.metadata_ref().path, containment_root=pkg.containment_root
     )
     if not path.is_file():
         return UNKNOWN_ARCH

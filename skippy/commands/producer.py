@@ -193,6 +193,16 @@ def _package_lines(data: dict[str, Any]) -> list[str]:
         f"ABI: {_known(data['skippy_abi_version'] or None)}",
         f"  total: {human_bytes(data['total_bytes'])}",
     ]
+    if data.get("schema_version") == 2:
+        lines.insert(1, f"  schema 2, package_id {data['package_id']}")
+        width = max(len(field_text(a["path"])) for a in data["artifacts"])
+        for a in data["artifacts"]:
+            label = a["role"] if a["layer_index"] is None else f"layer {a['layer_index']}"
+            lines.append(
+                f"  {label:<11} {field_text(a['path']):<{width}} "
+                f"{human_bytes(a['artifact_bytes']):>10}"
+            )
+        return lines
     rows = [(role, a) for role, a in data["shared"].items()]
     rows += [(f"layer {e['layer_index']}", e) for e in data["layers"]]
     rows += [("projector", p) for p in data["projectors"]]

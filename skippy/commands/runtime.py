@@ -34,7 +34,7 @@ if TYPE_CHECKING:  # the hub client, numpy, ggml and llama.cpp load only when `r
     from skippy.config import NodeConfig
     from skippy.consume.resolve import ResolvedStage
     from skippy.generation import SpeculativePlan
-    from skippy.package.manifest import Manifest
+    from skippy.package.manifest import PackageManifest
     from skippy.runtime.boundary import Generation, StageLoad
     from skippy.runtime.chain import StageChain
     from skippy.runtime.llama_cpp import LlamaStageRuntime
@@ -117,7 +117,7 @@ def register(sub: Any) -> None:
 
 
 def speculative_plan(
-    manifest: Manifest,
+    manifest: PackageManifest,
     node: NodeConfig,
     args: argparse.Namespace,
     *,
@@ -130,9 +130,10 @@ def speculative_plan(
     it, native-MTP ``layer_indices`` are cross-checked against the layers' NextN tensors
     (``mtp_layer_missing_nextn_tensors``), as ``preflight`` does."""
     from skippy.generation import SpeculativeSettings, parse_generation, resolve_speculative_plan
+    from skippy.package.v2_view import ManifestV2
 
     package = parse_generation(
-        manifest.generation,
+        manifest.speculative_block() if isinstance(manifest, ManifestV2) else manifest.generation,
         layer_count=manifest.layer_count,
         layer_tensor_names=layer_tensor_names,
     )

@@ -25,6 +25,7 @@ from typing import Any, Final
 from skippy.constants import (
     KEY_ARCHITECTURE,
     MAX_LAYER_COUNT,
+    ROLE_COMMON,
     ROLE_LAYER,
     ROLE_METADATA,
     ROLE_PROJECTOR,
@@ -34,7 +35,8 @@ from skippy.errors import ManifestError, SkippyError, UsageError
 from skippy.findings import Finding, errors_only, raise_for_findings, summarize
 from skippy.gguf.reader import GGUFFile, TensorInfo, open_gguf
 from skippy.package.artifacts import check_artifact_file, header_findings
-from skippy.package.manifest import ArtifactRef, Manifest, load_manifest_findings
+from skippy.package.catalog import part_directory_findings
+from skippy.package.manifest import ArtifactRef, Manifest, PackageManifest, load_manifest_findings
 from skippy.package.plan import check_stage_count, even_ranges
 from skippy.package.quantization import (
     QUANTIZATION_KEY,
@@ -43,6 +45,8 @@ from skippy.package.quantization import (
 )
 from skippy.package.ranges import LayerRange
 from skippy.package.select import StageSelection, select_stage
+from skippy.package.v2_carrier import read_catalog
+from skippy.package.v2_view import ManifestV2
 from skippy.paths import is_safe_relative_path, require_dir
 from skippy.produce.quant_rules import TensorFacts, recorded_type_findings
 
@@ -100,7 +104,7 @@ class LoadedPackage:
     (the identity verification records and materializations are keyed by)."""
 
     root: Path
-    manifest: Manifest
+    manifest: PackageManifest
     manifest_sha256: str
     # For hub snapshots: the repo cache folder every file must resolve inside (its files are
     # symlinks into blobs/, GOTCHAS); None for a plain local directory.
@@ -122,6 +126,9 @@ def read_package(
     m, raw, findings = load_manifest_findings(root, containment_root=containment_root)
     if m is None or raw is None:
         return None, [with_remediation(f) for f in findings]
+    if isinstance(m, ManifestV2) and not errors_only(findings):
+        m, problem = resolve_v2_catalog(root, m, containment_root=containment_root)
+        findings = [*findings, *([problem] if problem else [])]
     pkg = LoadedPackage(
         root,
         m,
@@ -144,6 +151,24 @@ def load_package(
     if pkg is None:  # unreachable: no manifest always comes with an error finding
         raise ManifestError(f"{root}: no usable manifest", path=str(root))
     return pkg
+
+
+def resolve_v2_catalog(
+    root: Path, m: ManifestV2, *, containment_root: Path | None = None
+) -> tuple[ManifestV2, Finding | None]:
+    """Read the v2 metadata carrier (path gate, presence, declared size) and attach the
+    tensor catalog it resolves to (notes §3.1 step 2-4); a problem comes back as a finding
+    and the manifest without a catalog."""
+    if m.root.metadata_artifact is None:  # invalid_metadata_artifact: a check_root finding
+        return m, None
+    ref = m.metadata_ref()
+    p, problem = check_artifact_file(root, ref, containment_root=containment_root)
+    if problem is not None or p is None:
+        return m, problem
+    try:
+        return m.with_catalog(read_catalog(m.root, p)), None
+    except SkippyError as exc:
+        return m, Finding.from_error(exc)
 
 
 # --- one stage ---------------------------------------------------------------------------------
@@ -246,7 +271,7 @@ class PreflightReport:
     metadata_only: bool = False
     findings: list[Finding] = field(default_factory=list)
     manifest_sha256: str | None = None
-    manifest: Manifest | None = None
+    manifest: PackageManifest | None = None
     artifacts_checked: int = 0
     stages: list[StagePreflight] = field(default_factory=list)
     verification: VerifyReport | None = None
@@ -295,7 +320,7 @@ class _GGUFMetadata(Mapping[str, Any]):
         return len(self._g.fields)
 
 
-def _stage_findings(report: PreflightReport, m: Manifest, stages: int) -> Iterator[Finding]:
+def _stage_findings(report: PreflightReport, m: PackageManifest, stages: int) -> Iterator[Finding]:
     # A bad --stages is a usage error (exit 2) like plan's, not a finding about the package.
     ranges = even_ranges(m.layer_count, stages)
     seen = report.codes()
@@ -376,11 +401,17 @@ def preflight_package(
             report.artifacts_checked += 1
             good.append(ref)
             try:
-                g = open_gguf(p)
+                g = open_gguf(
+                    p, header_only=isinstance(m, ManifestV2) and ref.role == ROLE_METADATA
+                )
             except SkippyError as exc:
                 problems.append(Finding("invalid_artifact_gguf", exc.message, path=ref.path))
                 continue
-            problems.extend(header_findings(ref, g.tensors))
+            if not isinstance(m, ManifestV2):
+                problems.extend(header_findings(ref, g.tensors))
+            elif m.catalog is not None and ref.role in (ROLE_COMMON, ROLE_LAYER):
+                aid = m.artifact_id_of(ref.path)
+                problems.extend(part_directory_findings(m.catalog, aid, ref.path, g.tensors))
             if ref.role != ROLE_PROJECTOR:
                 tensors.extend(g.tensors)
             if ref.role == ROLE_LAYER and ref.layer_index is not None:
@@ -393,7 +424,7 @@ def preflight_package(
         def names_of(index: int) -> Collection[str]:
             return layer_names.get(index, ())
 
-        if m.generation is not None:  # the schema module loads only when there is a block
+        if m.generation is not None and isinstance(m, Manifest):  # v2: its own block
             from skippy.generation import check_generation
 
             arch = metadata_file.get(KEY_ARCHITECTURE) if metadata_file else None
@@ -407,7 +438,12 @@ def preflight_package(
                 )
             )
         # Only over a complete, readable package: the rules count tensors as they meet them.
-        if QUANTIZATION_KEY in m.extra and metadata_file is not None and not problems:
+        if (
+            isinstance(m, Manifest)
+            and QUANTIZATION_KEY in m.extra
+            and metadata_file is not None
+            and not problems
+        ):
             problems.extend(_quantization_findings(m, metadata_file, tensors, metadata_only))
     finally:
         if metadata_file is not None:

@@ -272,12 +272,22 @@ def _decode(buf: Any, pos: int, vtype: int) -> tuple[Any, int]:
 class GGUFFile:
     """An open, validated GGUF file. Use as a context manager or call ``close()``."""
 
-    def __init__(self, path: Path, *, known_records: Mapping[str, bytes] | None = None) -> None:
-        """``known_records``: raw KV records (key -> record bytes) of another file this reader
+    def __init__(
+        self,
+        path: Path,
+        *,
+        known_records: Mapping[str, bytes] | None = None,
+        header_only: bool = False,
+    ) -> None:
+        """``header_only``: a package-v2 metadata carrier, whose tensor directory describes
+        payload stored elsewhere; its descriptors are parsed and bounded but not required to
+        lie inside this file (the carrier's own rules are in skippy.package.v2_carrier).
+        ``known_records``: raw KV records (key -> record bytes) of another file this reader
         already validated; an array record found here byte-for-byte equal is skipped by its
         length instead of walked (a 262k-entry vocabulary copied into a package fragment)."""
         self.path = path
         self._known = known_records or {}
+        self._header_only = header_only
         try:
             self._file = open(path, "rb")  # noqa: SIM115 - owned by this object, closed in close()
         except OSError as exc:
@@ -404,7 +414,7 @@ class GGUFFile:
                     code="gguf_misaligned_tensor",
                 )
             start = self.data_offset + offset
-            if start + nbytes > self.file_size:
+            if start + nbytes > self.file_size and not self._header_only:
                 raise GGUFFormatError(
                     f"tensor {name!r} data [{start}, {start + nbytes}) runs past the end of the "
                     f"file ({self.file_size} bytes)",
@@ -412,7 +422,7 @@ class GGUFFile:
                 )
             tensors.append(TensorInfo(name, shape, ggml_type, offset, start, nbytes))
         ordered = sorted(tensors, key=lambda t: t.data_start)
-        for prev, nxt in itertools.pairwise(ordered):
+        for prev, nxt in itertools.pairwise([] if self._header_only else ordered):
             if nxt.data_start < prev.data_end:
                 raise GGUFFormatError(
                     f"tensors {prev.name!r} and {nxt.name!r} overlap", code="gguf_tensor_overlap"
@@ -475,6 +485,9 @@ class GGUFFile:
 
 
 def open_gguf(
-    path: str | os.PathLike[str], *, known_records: Mapping[str, bytes] | None = None
+    path: str | os.PathLike[str],
+    *,
+    known_records: Mapping[str, bytes] | None = None,
+    header_only: bool = False,
 ) -> GGUFFile:
-    return GGUFFile(Path(path), known_records=known_records)
+    return GGUFFile(Path(path), known_records=known_records, header_only=header_only)

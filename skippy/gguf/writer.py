@@ -10,6 +10,7 @@ followed by padding to the alignment.
 
 from __future__ import annotations
 
+import hashlib
 import struct
 import threading
 from collections.abc import Callable, Sequence
@@ -106,6 +107,35 @@ def fragment_bytes(
     return len(header) + sum(t.nbytes + _pad(t.nbytes, alignment) for t in tensors)
 
 
+def _emit(
+    write: Callable[[bytes | memoryview], None],
+    nbytes: Callable[[], int],
+    header: bytes,
+    tensors: Sequence[TensorSource],
+    alignment: int,
+    *,
+    trailing_pad: bool,
+    cancel: threading.Event | None,
+) -> None:
+    """The one byte stream of a fragment: header, then each tensor padded to the alignment
+    (the last one too unless ``trailing_pad`` is False, as package-v2 parts are)."""
+    write(header)
+    for i, t in enumerate(tensors):
+        if t.produce is None:
+            copy_range(t.fd, t.info.data_start, t.info.nbytes, write, cancel=cancel)
+        else:
+            start = nbytes()
+            t.produce(write)
+            if nbytes() - start != t.info.nbytes:  # the header already promised nbytes
+                raise ValueError(
+                    f"tensor {t.info.name}: the producer wrote {nbytes() - start} bytes, "
+                    f"the header declares {t.info.nbytes}"
+                )
+        pad = _pad(t.info.nbytes, alignment)
+        if pad and (trailing_pad or i + 1 < len(tensors)):
+            write(b"\0" * pad)
+
+
 def write_fragment(
     dest: Path,
     kv_records: Sequence[bytes],
@@ -114,6 +144,7 @@ def write_fragment(
     *,
     on_bytes: Callable[[int], None] | None = None,
     cancel: threading.Event | None = None,
+    trailing_pad: bool = True,
 ) -> WrittenFragment:
     """Write one fragment atomically, hashing in the same pass; return its facts. ``on_bytes``
     hears the size of every chunk written (a progress bar); ``cancel`` stops the copy at its
@@ -129,24 +160,48 @@ def write_fragment(
                 sink.write(data)
                 counted(len(data))
 
-        write(header)
-        for t in tensors:
-            if t.produce is None:
-                copy_range(t.fd, t.info.data_start, t.info.nbytes, write, cancel=cancel)
-            else:
-                start = sink.nbytes
-                t.produce(write)
-                if sink.nbytes - start != t.info.nbytes:  # the header already promised nbytes
-                    raise ValueError(
-                        f"tensor {t.info.name}: the producer wrote {sink.nbytes - start} bytes, "
-                        f"the header declares {t.info.nbytes}"
-                    )
-            pad = _pad(t.info.nbytes, alignment)
-            if pad:
-                write(b"\0" * pad)
+        _emit(
+            write,
+            lambda: sink.nbytes,
+            header,
+            tensors,
+            alignment,
+            trailing_pad=trailing_pad,
+            cancel=cancel,
+        )
     return WrittenFragment(
         artifact_bytes=sink.nbytes,
         sha256=sink.hexdigest(),
         tensor_count=len(tensors),
         tensor_bytes=sum(t.info.nbytes for t in tensors),
     )
+
+
+def fragment_digest(
+    kv_records: Sequence[bytes],
+    tensors: Sequence[TensorSource],
+    alignment: int,
+    *,
+    trailing_pad: bool = True,
+    cancel: threading.Event | None = None,
+) -> tuple[int, str]:
+    """(size, SHA-256) of the file ``write_fragment`` would write, computed from the source
+    without writing: what ``--resume-existing-artifacts`` compares an existing file with."""
+    h = hashlib.sha256()
+    count = [0]
+
+    def write(data: bytes | memoryview) -> None:
+        h.update(data)
+        count[0] += len(data)
+
+    header, _ = build_header(kv_records, [t.info for t in tensors], alignment)
+    _emit(
+        write,
+        lambda: count[0],
+        header,
+        tensors,
+        alignment,
+        trailing_pad=trailing_pad,
+        cancel=cancel,
+    )
+    return count[0], h.hexdigest()

@@ -34,6 +34,7 @@ from skippy.constants import (
     ROLE_PROJECTOR,
     RUNTIME_ABI_VERSION,
     SCHEMA_VERSION,
+    SCHEMA_VERSION_V2,
     SHA256_HEX_RE,
     SHARED_ROLES,
 )
@@ -44,6 +45,7 @@ from skippy.package.artifact_ref import ArtifactRef as ArtifactRef
 from skippy.package.artifact_ref import LayerArtifact as LayerArtifact
 from skippy.package.artifact_ref import ProjectorArtifact as ProjectorArtifact
 from skippy.package.quantization import quantization_findings
+from skippy.package.v2_view import ManifestV2, check_manifest_v2, manifest_v2_from_data
 from skippy.paths import is_safe_relative_path, resolve_under
 from skippy.progress import human_bytes
 from skippy.text import unsafe_char
@@ -124,6 +126,9 @@ class Manifest:
                 return entry
         raise KeyError(index)
 
+    def metadata_ref(self) -> ArtifactRef:
+        return ArtifactRef(ROLE_METADATA, self.shared.metadata)
+
     def artifacts(self) -> Iterator[ArtifactRef]:
         """Every artifact in canonical load order: metadata, embeddings, layers, output,
         then projectors (which are never part of a stage's split set)."""
@@ -161,6 +166,10 @@ class Manifest:
         if self.created_at_unix_secs is not None:
             out["created_at_unix_secs"] = self.created_at_unix_secs
         return out
+
+
+# Either schema version, as the consumers and peer transfer hold it (issue #24).
+PackageManifest = Manifest | ManifestV2
 
 
 def dump_manifest(manifest: Manifest) -> bytes:
@@ -318,7 +327,7 @@ def read_manifest_bytes(package_dir: Path, *, containment_root: Path | None = No
 
 def load_manifest_findings(
     package_dir: Path, *, containment_root: Path | None = None
-) -> tuple[Manifest | None, bytes | None, list[Finding]]:
+) -> tuple[PackageManifest | None, bytes | None, list[Finding]]:
     """Read, parse and check once: (manifest, the exact bytes parsed, findings). A manifest
     that cannot be read as schema 1 comes back as None with its finding."""
     try:
@@ -355,8 +364,9 @@ def _parse_int(literal: str) -> int:
     return int(literal)
 
 
-def parse_manifest(raw: bytes) -> Manifest:
-    """Parse manifest bytes strictly into a ``Manifest``; raise ``ManifestError`` with a code."""
+def parse_manifest(raw: bytes) -> PackageManifest:
+    """Parse manifest bytes strictly into a ``Manifest`` (schema 1) or a ``ManifestV2``
+    (schema 2, its carrier not yet resolved); raise ``ManifestError`` with a code."""
     if len(raw) > MANIFEST_MAX_BYTES:
         raise ManifestError(
             f"manifest is over the {human_bytes(MANIFEST_MAX_BYTES)} cap",
@@ -374,10 +384,13 @@ def parse_manifest(raw: bytes) -> Manifest:
         ) from exc
     top = _Obj(data, "")
     version = data.get("schema_version")
+    if isinstance(data, dict) and version == SCHEMA_VERSION_V2 and not isinstance(version, bool):
+        return manifest_v2_from_data(data)
     if isinstance(version, bool) or version != SCHEMA_VERSION:
         raise ManifestError(
             f"schema_version {json.dumps(version)} is not supported (this runtime reads "
-            f"{SCHEMA_VERSION}); upgrade the runtime or republish the package",
+            f"{SCHEMA_VERSION} and {SCHEMA_VERSION_V2}); upgrade the runtime or republish the "
+            "package",
             code="unsupported_schema_version",
             path="schema_version",
             expected=SCHEMA_VERSION,
@@ -486,9 +499,14 @@ def _artifact_findings(ref: ArtifactRef, where: str) -> Iterator[Finding]:
         )
 
 
-def check_manifest(m: Manifest, *, runtime_abi: str = RUNTIME_ABI_VERSION) -> list[Finding]:
+def check_manifest(
+    m: PackageManifest, *, runtime_abi: str = RUNTIME_ABI_VERSION
+) -> list[Finding]:
     """Every schema-1 rule that is not a parse error (spec "Manifest Schema", "Consumer
-    Validation"), as findings; an empty list means the manifest is consistent."""
+    Validation"), as findings; an empty list means the manifest is consistent. A v2 root
+    gets its own rules (``skippy.package.v2_root.check_root``)."""
+    if isinstance(m, ManifestV2):
+        return check_manifest_v2(m)
     out: list[Finding] = []
     if not m.model_id.strip():
         out.append(Finding("empty_model_id", "model_id must be a non-empty model coordinate"))

@@ -14,6 +14,7 @@ from typing import Any
 
 from skippy.constants import (
     DEFAULT_PROJECTOR_KIND,
+    ROLE_COMMON,
     ROLE_EMBEDDINGS,
     ROLE_LAYER,
     ROLE_METADATA,
@@ -21,13 +22,15 @@ from skippy.constants import (
     ROLE_PROJECTOR,
 )
 from skippy.errors import ManifestError, UsageError
-from skippy.package.manifest import ArtifactRef, Manifest
+from skippy.package.manifest import ArtifactRef, PackageManifest
+from skippy.package.ownership import owner_of
 from skippy.package.ranges import LayerRange
+from skippy.package.v2_view import ManifestV2
 
 
 @dataclass(frozen=True)
 class StageSelection:
-    manifest: Manifest
+    manifest: PackageManifest
     layers: LayerRange
     parts: tuple[ArtifactRef, ...]  # in load (split) order; never includes projectors
     projector: ArtifactRef | None = None
@@ -65,7 +68,7 @@ def _part_dict(r: ArtifactRef) -> dict[str, Any]:
 
 
 def select_stage(
-    m: Manifest,
+    m: PackageManifest,
     layers: LayerRange,
     *,
     projector_path: str | None = None,
@@ -79,6 +82,10 @@ def select_stage(
             f"{m.layer_count}",
             code="invalid_layer_range",
         )
+    if isinstance(m, ManifestV2):
+        parts = _select_v2(m, layers)
+        projector = None if text_only else _select_projector(m, layers, projector_path)
+        return StageSelection(m, layers, tuple(parts), projector)
     by_index: dict[int, ArtifactRef] = {}
     for ref in m.artifacts():
         if ref.role == ROLE_LAYER and ref.layer_index is not None:
@@ -101,8 +108,53 @@ def select_stage(
     return StageSelection(m, layers, tuple(parts), projector)
 
 
+def _needs(name: str, layer: int | None, layers: LayerRange, tied: bool) -> bool:
+    """Whether a stage over ``layers`` computes with this tensor: its own layers' tensors; the
+    input boundary's (token embeddings) at stage 0, and at the final stage of a tied model;
+    the output boundary's at the final stage; any other non-layer tensor (``rope_freqs``) at
+    every stage (the v1 rule puts those in shared/metadata.gguf, which every stage loads)."""
+    if layer is not None:
+        return layer in layers
+    role = owner_of(name).role
+    if role == ROLE_EMBEDDINGS:
+        return layers.owns_input or (layers.owns_output and tied)
+    if role == ROLE_OUTPUT:
+        return layers.owns_output
+    return True
+
+
+def _select_v2(m: ManifestV2, layers: LayerRange) -> list[ArtifactRef]:
+    """Package v2 (notes §3.2): the carrier plus every artifact holding a tensor the stage
+    needs. Upstream derives the tensor set from the compute graph with a native planner; we
+    know our architectures' tensor roles, so the set is the layer ordinals plus the boundary
+    tensors (``_needs``). Without the carrier resolved (a peer's bare manifest) the rule is
+    the superset: the carrier, every common part and the stage's layer parts."""
+    refs = list(m.artifacts())
+    if not refs or refs[0].role != ROLE_METADATA:
+        raise ManifestError(
+            "the v2 root names no metadata carrier", code="invalid_metadata_artifact"
+        )
+    cat = m.catalog
+    if cat is None:
+        keep = {
+            r.path
+            for r in refs
+            if r.role == ROLE_COMMON or (r.role == ROLE_LAYER and r.layer_index in layers)
+        }
+    else:
+        tied = m.tied_embeddings
+        keep = {t.path for t in cat if _needs(t.name, t.layer, layers, tied)}
+    have_layers = {r.layer_index for r in refs if r.role == ROLE_LAYER}
+    for i in layers:
+        if i not in have_layers:
+            raise ManifestError(f"layer {i} has no artifact in the package", code="missing_layer")
+    return [refs[0]] + [
+        r for r in refs[1:] if r.role in (ROLE_COMMON, ROLE_LAYER) and r.path in keep
+    ]
+
+
 def _select_projector(
-    m: Manifest, layers: LayerRange, projector_path: str | None
+    m: PackageManifest, layers: LayerRange, projector_path: str | None
 ) -> ArtifactRef | None:
     if projector_path is not None:
         for p in m.projectors:

@@ -29,10 +29,11 @@ from skippy.package.ownership import has_tied_embeddings, owner_of
 from skippy.produce.source import SourceModelFiles
 
 if TYPE_CHECKING:
-    from skippy.package.manifest import Manifest
+    from skippy.package.manifest import PackageManifest
+    from skippy.package.v2_view import ManifestV2
 
 
-def read_manifest(package_dir: Path) -> Manifest:
+def read_manifest(package_dir: Path) -> PackageManifest:
     # Imported here: inspecting a GGUF (the common, start-up-bound case) never needs it.
     from skippy.package.manifest import parse_manifest, read_manifest_bytes
 
@@ -119,9 +120,52 @@ def inspect_gguf(path: Path) -> dict[str, Any]:
         }
 
 
+def _inspect_v2(package_dir: Path, m: ManifestV2) -> dict[str, Any]:
+    """A v2 root's summary: the same keys as a v1 package's where they mean the same, the
+    artifact catalog (with each file's role) in place of ``shared``/``layers``."""
+    src = m.root.source_model
+    return {
+        "kind": "package",
+        "package": str(package_dir),
+        "schema_version": 2,
+        "package_id": m.package_id,
+        "model_id": m.model_id,
+        "source_model": {
+            "repo": src.repo or "",
+            "revision": src.revision or "",
+            "primary_file": src.primary_file or "",
+            "sha256": src.sha256,
+        },
+        "layer_count": m.layer_count,
+        "activation_width": None,
+        "tied_embeddings": m.tied_embeddings,
+        "skippy_abi_version": m.skippy_abi_version,
+        "created_at_unix_secs": m.created_at_unix_secs,
+        "total_bytes": m.total_artifact_bytes(),
+        "shared": {},
+        "layers": [],
+        "artifacts": [
+            {
+                "role": r.role,
+                "layer_index": r.layer_index,
+                "path": r.path,
+                "artifact_bytes": r.artifact.artifact_bytes,
+                "sha256": r.artifact.sha256,
+            }
+            for r in m.artifacts()
+        ],
+        "projectors": [p.to_dict() for p in m.projectors],
+        "generation": m.generation,
+    }
+
+
 def inspect_package(package_dir: Path) -> dict[str, Any]:
     """A package's manifest summary, in the manifest's own field names."""
+    from skippy.package.v2_view import ManifestV2
+
     m = read_manifest(package_dir)
+    if isinstance(m, ManifestV2):
+        return _inspect_v2(package_dir, m)
     return {
         "kind": "package",
         "package": str(package_dir),

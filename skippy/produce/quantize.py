@@ -26,7 +26,7 @@ from typing import Any
 from skippy.constants import ROLE_PROJECTOR
 from skippy.consume.preflight import load_package
 from skippy.consume.verify import check_refs
-from skippy.errors import ModelError, UsageError
+from skippy.errors import ManifestError, ModelError, UsageError
 from skippy.gguf import ggml
 from skippy.gguf.writer import TensorSource
 from skippy.hashing import DEFAULT_WORKERS
@@ -321,6 +321,13 @@ def open_package_source(root: Path) -> PackageSource:
     """Check the package like a consumer (spec "Consumer Validation": manifest, paths, sizes,
     and every fragment's SHA-256) before any of its bytes is trusted."""
     pkg = load_package(root)
+    if not isinstance(pkg.manifest, Manifest):  # v2 preserves source bytes (notes §1.10)
+        raise ManifestError(
+            f"{root} is a schema-version-2 package; skippy-quantize reads schema-1 packages "
+            "(v2 never transforms: quantize the source, then package it)",
+            code="unsupported_schema_version",
+            path=str(root),
+        )
     refs = list(pkg.manifest.artifacts())
     check_refs(root, refs, manifest_sha256=pkg.manifest_sha256, cache=None).raise_for_mismatch()
     paths = [(ref, stat_artifact(root, ref)[0]) for ref in refs]

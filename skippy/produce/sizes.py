@@ -7,6 +7,7 @@ from pathlib import Path
 
 from skippy.constants import (
     MAX_LAYER_COUNT,
+    ROLE_COMMON,
     ROLE_EMBEDDINGS,
     ROLE_LAYER,
     ROLE_METADATA,
@@ -14,15 +15,18 @@ from skippy.constants import (
 )
 from skippy.errors import ModelError
 from skippy.gguf.writer import fragment_bytes
-from skippy.package.manifest import Manifest
+from skippy.package.manifest import PackageManifest
 from skippy.package.ownership import has_tied_embeddings
 from skippy.package.plan import ModelSizes
+from skippy.package.v2_view import ManifestV2
 from skippy.produce.fragments import plan_fragments
 from skippy.produce.inspect import arch_int
 from skippy.produce.source import SourceModelFiles
 
 
-def sizes_from_manifest(m: Manifest) -> ModelSizes:
+def sizes_from_manifest(m: PackageManifest) -> ModelSizes:
+    if isinstance(m, ManifestV2):
+        return _sizes_v2(m)
     per_layer = [0] * m.layer_count
     for ref in m.artifacts():
         if (
@@ -37,6 +41,27 @@ def sizes_from_manifest(m: Manifest) -> ModelSizes:
         embeddings_bytes=m.shared.embeddings.artifact_bytes,
         output_bytes=m.shared.output.artifact_bytes,
         tied_embeddings=m.tied_embeddings,
+    )
+
+
+def _sizes_v2(m: ManifestV2) -> ModelSizes:
+    """A v2 package in plan's terms: the carrier is the metadata part, every layer's parts
+    its layer bytes, and the common group counts as the boundary stages' extra (as tied
+    embeddings: the first and the last stage load it)."""
+    per_layer = [0] * m.layer_count
+    common = 0
+    for ref in m.artifacts():
+        if ref.role == ROLE_LAYER and ref.layer_index is not None:
+            if ref.layer_index < len(per_layer):
+                per_layer[ref.layer_index] += ref.artifact.artifact_bytes
+        elif ref.role == ROLE_COMMON:
+            common += ref.artifact.artifact_bytes
+    return ModelSizes(
+        layer_bytes=tuple(per_layer),
+        metadata_bytes=m.metadata_ref().artifact.artifact_bytes,
+        embeddings_bytes=common,
+        output_bytes=0,
+        tied_embeddings=True,
     )
 
 

@@ -345,8 +345,20 @@ def validate_package(
     require_dir(pkg, "package directory")
     require_file(source, "source model")
     shards = shard_paths(source)
-    m, _, findings = load_manifest_findings(pkg)
+    m_any, _, findings = load_manifest_findings(pkg)
     report.findings.extend(findings)
+    if m_any is not None and not isinstance(m_any, Manifest):
+        report.findings.append(
+            Finding(
+                "unsupported_schema_version",
+                f"{pkg} is a schema-version-2 package; validate-package checks schema 1",
+                path="schema_version",
+                remediation=f"run verify-package-v2 {pkg} --source {source}",
+            )
+        )
+        report.seconds = time.perf_counter() - t0
+        return report
+    m = m_any
     report.manifest = m
     found: list[Job] = []
     if m is not None:

@@ -80,6 +80,7 @@ from skippy.package.manifest import (
     Artifact,
     LayerArtifact,
     Manifest,
+    PackageManifest,
     ProjectorArtifact,
     SharedArtifacts,
     SourceFile,
@@ -411,7 +412,9 @@ def _refuse_inputs_as_outputs(
             )
 
 
-def _prepare_out_dir(out_dir: Path, overwrite: bool, *, durable: bool) -> Manifest | None:
+def _prepare_out_dir(
+    out_dir: Path, overwrite: bool, *, durable: bool
+) -> PackageManifest | None:
     """With --overwrite, withdraw the old manifest first so nothing trusts it while its
     artifacts are being replaced. Returns the old manifest (``None`` if there was none or it
     was unreadable) for ``_remove_stale``."""
@@ -419,7 +422,7 @@ def _prepare_out_dir(out_dir: Path, overwrite: bool, *, durable: bool) -> Manife
     # An artifact folder that is a symlink out of the package would make us write (and clean
     # up) elsewhere, and no consumer would accept the result: refuse before touching anything.
     dirs = [resolve_under(out_dir, sub) for sub in ARTIFACT_DIRS]
-    old: Manifest | None = None
+    old: PackageManifest | None = None
     if manifest_path.exists():
         with contextlib.suppress(OSError, ManifestError, UnsafePath):
             old = parse_manifest(read_manifest_bytes(out_dir))
@@ -786,7 +789,7 @@ def _is_artifact_path(rel: str) -> bool:
 
 
 def _remove_stale(
-    out_dir: Path, old: Manifest | None, keep: set[str], inputs: Identities
+    out_dir: Path, old: PackageManifest | None, keep: set[str], inputs: Identities
 ) -> tuple[str, ...]:
     """After --overwrite, delete the regular files the old manifest listed and ``keep`` does
     not: only under shared/, layers/ and projectors/, only where the real path stays inside

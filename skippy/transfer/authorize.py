@@ -26,7 +26,7 @@ from typing import Any, Final
 
 from skippy.constants import MANIFEST_MAX_BYTES, MANIFEST_NAME
 from skippy.errors import SkippyError, UsageError
-from skippy.package.manifest import ArtifactRef, Manifest
+from skippy.package.manifest import ArtifactRef, PackageManifest
 from skippy.package.refs import parse_hf_package_ref
 from skippy.package.topology import SplitTopology, StageAssignment
 from skippy.paths import is_safe_relative_path
@@ -81,7 +81,7 @@ class HeldManifest:
     """The manifest this node holds for the topology's package: parsed, with the SHA-256
     and length of the exact bytes parsed."""
 
-    manifest: Manifest
+    manifest: PackageManifest
     sha256: str
     size: int
 

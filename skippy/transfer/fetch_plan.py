@@ -15,7 +15,7 @@ from typing import Any
 
 from skippy.constants import MANIFEST_MAX_BYTES, MANIFEST_NAME
 from skippy.errors import TopologyError
-from skippy.package.manifest import ArtifactRef, Manifest
+from skippy.package.manifest import ArtifactRef, PackageManifest
 from skippy.package.topology import SplitTopology, StageAssignment
 from skippy.transfer.required import stage_refs
 from skippy.transfer.wire import ArtifactRequest
@@ -91,7 +91,7 @@ class FetchPlan:
 
 
 def plan_fetch(
-    manifest: Manifest,
+    manifest: PackageManifest,
     manifest_sha256: str,
     topology: SplitTopology,
     node_id: str,

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from skippy.package.manifest import ArtifactRef, Manifest
+from skippy.package.manifest import ArtifactRef, PackageManifest
 from skippy.package.ranges import LayerRange
 from skippy.package.select import select_stage
 
 
 def stage_refs(
-    manifest: Manifest,
+    manifest: PackageManifest,
     layers: LayerRange,
     *,
     projector_path: str | None = None,
@@ -31,7 +31,7 @@ def stage_refs(
     ).all_refs
 
 
-def servable_refs(manifest: Manifest, layers: LayerRange) -> Mapping[str, ArtifactRef]:
+def servable_refs(manifest: PackageManifest, layers: LayerRange) -> Mapping[str, ArtifactRef]:
     """Every artifact a peer holding ``layers`` may receive, by manifest path.
 
     The stage's default selection, and for the stage that owns layer 0 every declared
