@@ -28,6 +28,9 @@ COMMANDS: dict[str, CommandInfo] = {
     "inspect": CommandInfo(_PRODUCER, "describe a GGUF, a split set or a package directory"),
     "plan": CommandInfo(_PRODUCER, "split layers into stages and size each stage"),
     "validate-package": CommandInfo(_PRODUCER, "check a package byte for byte against its source"),
+    "verify-package-v2": CommandInfo(
+        _PRODUCER, "prove a schema-2 package source-complete against its source GGUF"
+    ),
     "preflight": CommandInfo(_CONSUMER, "check a package directory without its source model"),
     "select": CommandInfo(_CONSUMER, "list the validated parts a stage loads"),
     "fetch": CommandInfo(_CONSUMER, "download and verify only the parts a stage needs"),

@@ -60,8 +60,55 @@ def register(sub: Any) -> None:
         action="store_true",
         help="run validate-package afterwards and record the result in README.md",
     )
+    p.add_argument(
+        "--schema",
+        type=int,
+        choices=(1, 2),
+        default=1,
+        help="manifest schema version: 1 (default, our spec) or 2 (upstream's "
+        "source-complete package-v2 format)",
+    )
+    p.add_argument(
+        "--max-artifact-bytes",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="schema 2: split a payload group into -partNN files past N stored tensor bytes "
+        "(default 8 GiB)",
+    )
+    p.add_argument(
+        "--after-artifact-command",
+        metavar="CMD",
+        help="run CMD after each artifact is written and verified, with "
+        "SKIPPY_PACKAGE_ARTIFACT_PATH and SKIPPY_PACKAGE_ARTIFACT_RELATIVE_PATH set (it may "
+        "upload and delete the file); a non-zero exit aborts",
+    )
+    p.add_argument(
+        "--resume-existing-artifacts",
+        action="store_true",
+        help="reuse artifacts already in --out-dir after verifying them against the source; "
+        "missing or different ones are rewritten",
+    )
     add_all_flag(p)
     p.set_defaults(handler=cmd_write_package)
+
+    p = sub.add_parser("verify-package-v2")
+    p.add_argument("package", type=path_arg, help="the schema-2 package directory")
+    p.add_argument(
+        "--source", type=path_arg, required=True, help="the source GGUF (first shard)"
+    )
+    p.add_argument(
+        "--source-file", help="the primary source file's logical name (default: the manifest's)"
+    )
+    p.add_argument(
+        "--source-projector",
+        type=path_arg,
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="the source of a declared projector (one per sidecar; repeatable)",
+    )
+    p.set_defaults(handler=cmd_verify_v2)
 
     p = sub.add_parser("inspect")
     p.add_argument(
@@ -85,6 +132,16 @@ def register(sub: Any) -> None:
     p.add_argument("package", type=path_arg, help="the package directory to check")
     add_all_flag(p)
     p.set_defaults(handler=cmd_validate)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError("must be > 0")
+    return value
 
 
 def _nonempty(text: str) -> str:
@@ -143,8 +200,14 @@ def _known(value: object, unit: str = "") -> str:
 
 def cmd_write_package(args: argparse.Namespace) -> CommandResult:
     from skippy.constants import MANIFEST_NAME
+    from skippy.produce.artifact_hook import ArtifactHook
     from skippy.produce.write_package import WriteOptions, rewrite_readme, write_package
 
+    hook = ArtifactHook.parse(args.after_artifact_command)
+    if args.schema == 2:
+        return _write_v2(args, hook)
+    if args.max_artifact_bytes is not None:
+        raise UsageError("--max-artifact-bytes applies to --schema 2 only", code="usage")
     source, prov = _source_and_provenance(args)
     opts = WriteOptions(
         out_dir=args.out_dir,
@@ -152,6 +215,8 @@ def cmd_write_package(args: argparse.Namespace) -> CommandResult:
         projectors=tuple(args.projector),
         overwrite=args.overwrite,
         durable=args.durable,
+        hook=hook,
+        resume=args.resume_existing_artifacts,
     )
     result = write_package(source, opts)
     m = result.manifest
@@ -180,6 +245,53 @@ def cmd_write_package(args: argparse.Namespace) -> CommandResult:
         lines += finding_lines(report.findings, show_all=args.show_all)
         exit_code = exit_for(report.valid)
     return CommandResult(data=data, text="\n".join(lines), exit_code=exit_code)
+
+
+def _write_v2(args: argparse.Namespace, hook: Any) -> CommandResult:
+    from skippy.constants import V2_DEFAULT_MAX_ARTIFACT_BYTES
+    from skippy.produce.write_package_v2 import WriteOptionsV2, write_package_v2
+
+    for flag, on in (("--overwrite", args.overwrite), ("--validate", args.validate)):
+        if on:
+            raise UsageError(
+                f"{flag} does not apply to --schema 2 (a v2 package is never rewritten in "
+                "place; check it with verify-package-v2)",
+                code="usage",
+            )
+    source, prov = _source_and_provenance(args)
+    opts = WriteOptionsV2(
+        out_dir=args.out_dir,
+        provenance=prov,
+        projectors=tuple(args.projector),
+        max_artifact_bytes=args.max_artifact_bytes or V2_DEFAULT_MAX_ARTIFACT_BYTES,
+        hook=hook,
+        resume=args.resume_existing_artifacts,
+    )
+    result = write_package_v2(source, opts)
+    data = {"source": args.source, **result.to_dict()}
+    lines = [
+        f"wrote {len(result.written)} and reused {len(result.reused)} of "
+        f"{data['artifacts']} artifacts ({human_bytes(data['bytes_written'])}) to "
+        f"{field_text(args.out_dir)} in {result.seconds:.2f}s (schema 2)",
+        f"model {field_text(result.root.model_id)}: {result.root.layer_count} layers",
+        f"package_id {result.root.package_id}",
+    ]
+    return CommandResult(data=data, text="\n".join(lines))
+
+
+def cmd_verify_v2(args: argparse.Namespace) -> CommandResult:
+    import json
+
+    from skippy.produce.verify_v2 import verify_package_v2
+
+    report = verify_package_v2(
+        require_dir(args.package, "package directory"),
+        require_file(args.source, "source model"),
+        source_file=args.source_file,
+        source_projectors=tuple(args.source_projector),
+    )
+    data = report.to_dict()
+    return CommandResult(data=data, text=json.dumps(data))
 
 
 def _package_lines(data: dict[str, Any]) -> list[str]:

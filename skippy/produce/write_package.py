@@ -74,7 +74,7 @@ from skippy.errors import (
 )
 from skippy.generation import infer_generation
 from skippy.gguf.reader import GGUFFile, open_gguf
-from skippy.gguf.writer import TensorSource, WrittenFragment, write_fragment
+from skippy.gguf.writer import TensorSource, WrittenFragment, fragment_digest, write_fragment
 from skippy.hashing import DEFAULT_WORKERS, HashingSink, copy_range, sha256_file
 from skippy.package.manifest import (
     Artifact,
@@ -91,6 +91,7 @@ from skippy.package.manifest import (
 )
 from skippy.package.ownership import has_tied_embeddings, highest_layer_index
 from skippy.paths import check_relative_path, is_safe_relative_path, resolve_under
+from skippy.produce.artifact_hook import ArtifactHook, run_hooks
 from skippy.produce.fragments import FragmentPlan, plan_fragments
 from skippy.produce.package_readme import render_readme
 from skippy.produce.source import SourceModelFiles, SourceTensor, shard_paths
@@ -228,6 +229,11 @@ class WriteOptions:
     # hashed and the provenance is copied verbatim.
     source_shards: tuple[Path, ...] | None = None
     source_model: SourceModel | None = None
+    # The publisher's workflow (issue #24, notes §2.4-2.5): a command run after each artifact
+    # is written (it may upload and delete it), and reuse of artifacts already present after
+    # proving their bytes are what the source gives.
+    hook: ArtifactHook | None = None
+    resume: bool = False
 
 
 @dataclass(frozen=True)
@@ -562,6 +568,8 @@ def _write_fragments(
     durable: bool,
     cancel: threading.Event,
     transform: TensorTransform | None,
+    hook: ArtifactHook | None = None,
+    resume: bool = False,
 ) -> list[WrittenFragment]:
     def write_one(plan: FragmentPlan) -> WrittenFragment:
         if cancel.is_set():  # taken off the queue after the run failed: create nothing
@@ -571,6 +579,12 @@ def _write_fragments(
             transform.tensor_source(src, x) if transform else src.tensor_source(x)
             for x in plan.tensors
         ]
+        if resume and dest.is_file():
+            reused = _reuse_verified(dest, plan, sources, src.alignment, cancel)
+            if reused is not None:
+                if hook is not None:
+                    hook.run(out_dir, plan.path)
+                return reused
         w = write_fragment(
             dest,
             plan.kv_records,
@@ -581,6 +595,8 @@ def _write_fragments(
         )
         if durable:  # here, on the pool, so one fragment's flush overlaps the next one's copy
             fsync_path(dest)
+        if hook is not None:  # after the artifact is whole and its digest known
+            hook.run(out_dir, plan.path)
         return w
 
     # Largest first so both cores finish together (gemma3: token_embd is 70% of the bytes).
@@ -596,6 +612,38 @@ def _write_fragments(
             f.cancel()
         wait(futures.values())
         raise
+
+
+def _check_resume(opts: WriteOptions) -> None:
+    """``--resume-existing-artifacts`` continues an unfinished package; a finished one (its
+    manifest written) is replaced only with ``--overwrite``."""
+    if opts.resume and not opts.overwrite and (opts.out_dir / MANIFEST_NAME).exists():
+        raise OutputExists(
+            f"--out-dir {opts.out_dir} already holds a finished package ({MANIFEST_NAME}); "
+            "--resume-existing-artifacts continues an unfinished one",
+            path=str(opts.out_dir),
+            remediation="pass --overwrite as well to rewrite it, reusing its verified artifacts",
+        )
+
+
+def _reuse_verified(
+    dest: Path,
+    plan: FragmentPlan,
+    sources: list[TensorSource],
+    alignment: int,
+    cancel: threading.Event,
+) -> WrittenFragment | None:
+    """An existing fragment whose size and SHA-256 equal what the source would give (computed
+    from the source, never trusted from the file), or None: it is then rewritten."""
+    size, digest = fragment_digest(plan.kv_records, sources, alignment, cancel=cancel)
+    if dest.stat().st_size != size or sha256_file(dest, cancel=cancel) != digest:
+        return None
+    return WrittenFragment(
+        artifact_bytes=size,
+        sha256=digest,
+        tensor_count=len(plan.tensors),
+        tensor_bytes=plan.tensor_bytes,
+    )
 
 
 def _build_manifest(
@@ -665,7 +713,8 @@ def write_package(source: Path, opts: WriteOptions) -> WriteResult:
     # _study_source (provenance in Provenance itself).
     given = opts.source_model is not None  # provenance copied, nothing to hash or name
     shard_names = [] if given else _shard_names(opts.provenance.source_file, len(paths))
-    _check_out_dir(opts.out_dir, opts.overwrite)
+    _check_resume(opts)
+    _check_out_dir(opts.out_dir, opts.overwrite or opts.resume)
     inputs = _identities([*paths, *opts.projectors])
     sizes = [p.stat().st_size for p in paths]
     cancel = threading.Event()
@@ -695,7 +744,7 @@ def write_package(source: Path, opts: WriteOptions) -> WriteResult:
                 phases["plan"] = time.perf_counter() - t0
                 fresh = _FreshFolder.before_lock(opts.out_dir)
                 stack.enter_context(_write_lock(opts.out_dir))  # held until the manifest is in
-                if not _check_out_dir(opts.out_dir, opts.overwrite):  # again, under the lock
+                if not _check_out_dir(opts.out_dir, opts.overwrite or opts.resume):  # locked
                     fresh = None
                 destinations += [
                     *(plan.path for plan in facts.plans),
@@ -714,6 +763,8 @@ def write_package(source: Path, opts: WriteOptions) -> WriteResult:
                     durable=opts.durable,
                     cancel=cancel,
                     transform=opts.transform,
+                    hook=opts.hook,
+                    resume=opts.resume,
                 )
                 phases["fragments"] = time.perf_counter() - t0
             digests = [f.result() for f in hash_futs]
@@ -722,6 +773,7 @@ def write_package(source: Path, opts: WriteOptions) -> WriteResult:
             projectors = tuple(
                 _copy_projector(p, opts.out_dir, durable=opts.durable) for p in opened
             )
+            run_hooks(opts.hook, opts.out_dir, [p.path for p in projectors])
             source_files = (
                 ()
                 if given

@@ -80,6 +80,9 @@ class StageLoad:
     # The one resolved speculation plan (spec "Speculative Decoding"); runtimes execute it or
     # log a correctness-preserving fallback, and never re-resolve it.
     speculative: SpeculativePlan | None = None
+    # 2: the first part is a package-v2 metadata carrier (no payload; its tensor directory
+    # describes the payload parts) and the others are payload parts (issue #24).
+    schema_version: int = 1
 
     def __post_init__(self) -> None:
         if not self.model_id.strip():
@@ -151,6 +154,7 @@ class StageLoad:
             part_roles=tuple(r.role for r in selection.parts),
             projector_path=where(selection.projector.path) if selection.projector else None,
             sha256_verified=sha256_verified,
+            schema_version=m.schema_version,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -169,6 +173,7 @@ class StageLoad:
             ],
             "projector_path": str(self.projector_path) if self.projector_path else None,
             "sha256_verified": self.sha256_verified,
+            "schema_version": self.schema_version,
             "speculative": self.speculative.to_dict() if self.speculative else None,
         }
 

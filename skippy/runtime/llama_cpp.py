@@ -193,7 +193,13 @@ class LlamaStageRuntime:
         link_dir = Path(tempfile.mkdtemp(prefix=".skippy-split-", dir=self.config.link_parent))
         t0 = time.perf_counter()
         try:
-            first = link_split_set(stage.part_paths, link_dir)
+            if stage.schema_version == 2:  # not a split set: one derived file (v2_parts)
+                from skippy.runtime.v2_parts import compose_parts
+
+                first = link_dir / "model.gguf"
+                compose_parts(stage.part_paths, first)
+            else:
+                first = link_split_set(stage.part_paths, link_dir)
             try:
                 self._llm = self._lib.llama.Llama(
                     model_path=str(first),

@@ -26,12 +26,15 @@ import numpy.typing as npt
 
 from skippy.constants import (
     KEY_ARCHITECTURE,
+    KEY_V2_METADATA_ONLY,
     OUTPUT_WEIGHT_TENSOR,
+    ROLE_COMMON,
     ROLE_EMBEDDINGS,
     ROLE_LAYER,
     ROLE_METADATA,
     ROLE_OUTPUT,
     TOKEN_EMBEDDING_TENSOR,
+    V2_CARRIER_KEYS,
 )
 from skippy.errors import ModelError
 from skippy.gguf.constants import GGML_TYPES
@@ -77,8 +80,13 @@ class WeightRef:
 
 
 def read_model_kv(g: GGUFFile) -> dict[str, Any]:
-    """The metadata part's KV pairs the forward pass reads (tokenizer arrays skipped)."""
-    return {k: g.value(k) for k in g.fields if not k.startswith(_SKIPPED_KEY_PREFIXES)}
+    """The metadata part's KV pairs the forward pass reads (tokenizer arrays and a v2
+    carrier's locator arrays skipped)."""
+    return {
+        k: g.value(k)
+        for k in g.fields
+        if not k.startswith(_SKIPPED_KEY_PREFIXES) and k not in V2_CARRIER_KEYS
+    }
 
 
 class StageWeights:
@@ -179,6 +187,8 @@ def _collect(
 ) -> dict[str, tuple[int, TensorInfo]]:
     found: dict[str, tuple[int, TensorInfo]] = {}
     for index, (g, role) in enumerate(zip(files, stage.part_roles, strict=True)):
+        if index == 0 and stage.schema_version == 2:
+            continue  # the carrier's directory describes the payload parts, it holds none
         part_arch = g.get(KEY_ARCHITECTURE)
         if part_arch != arch:
             raise _fragment_error(
@@ -191,7 +201,11 @@ def _collect(
         for t in g.tensors:
             owner = owner_of(t.name)
             owner_role, layer = owner.role, owner.layer_index
-            if owner_role != role or (role == ROLE_LAYER and layer not in stage.layers):
+            # A v2 common part holds every non-layer tensor (notes §1.6).
+            common_ok = role == ROLE_COMMON and layer is None
+            if not common_ok and (
+                owner_role != role or (role == ROLE_LAYER and layer not in stage.layers)
+            ):
                 raise _fragment_error(
                     f"{g.path} ({role} part) holds tensor {t.name!r}, which belongs to the "
                     f"{owner_role} part" + (f" of layer {layer}" if layer is not None else ""),
@@ -313,8 +327,15 @@ def _open_stage(stage: StageLoad) -> StageWeights:
     files: list[GGUFFile] = []
     maps: list[mmap.mmap | None] = []
     try:
-        for path in stage.part_paths:
-            files.append(open_gguf(path))
+        for i, path in enumerate(stage.part_paths):
+            files.append(open_gguf(path, header_only=i == 0 and stage.schema_version == 2))
+        if stage.schema_version == 2 and files[0].get(KEY_V2_METADATA_ONLY) is not True:
+            raise _fragment_error(
+                f"{files[0].path} is not a package-v2 metadata carrier (no "
+                f"{KEY_V2_METADATA_ONLY} marker)",
+                "carrier_missing_marker",
+                files[0].path,
+            )
         if stage.part_roles[0] != ROLE_METADATA:  # StageLoad guarantees it; keep it explicit
             raise ModelError("the first part is not the metadata part", code="invalid_stage_load")
         kv = read_model_kv(files[0])
@@ -343,6 +364,13 @@ def _open_stage(stage: StageLoad) -> StageWeights:
                 actual=TOKEN_EMBEDDING_TENSOR,
             )
         plan = stage_tensors(spec, stage.layers, vocab=vocab, tied=tied)
+        if stage.schema_version == 2:  # a common part also holds other stages' boundary tensors
+            wanted = {s.name for s in plan}
+            found = {
+                n: v
+                for n, v in found.items()
+                if n in wanted or stage.part_roles[v[0]] != ROLE_COMMON
+            }
         refs = _check(plan, found, files)
         used = {r.part for r in refs.values()}
         for i, g in enumerate(files):
