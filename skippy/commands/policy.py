@@ -83,7 +83,7 @@ def package_architecture(pkg: LoadedPackage) -> str:
     )
     if not path.is_file():
         return UNKNOWN_ARCH
-    with open_gguf(path) as g:
+    with open_gguf(path, header_only=True) as g:
         arch = g.get(KEY_ARCHITECTURE)
     return arch if isinstance(arch, str) and arch else UNKNOWN_ARCH
 

@@ -155,19 +155,18 @@ def stage_layer_tensor_names(
     from skippy.constants import ROLE_LAYER
     from skippy.gguf.reader import open_gguf
 
-    files = {
-        r.layer_index: path
-        for stage in (rs.stage for rs in resolved)
-        for r, path in zip(stage.selection.parts, stage.part_paths, strict=True)
-        if r.role == ROLE_LAYER and r.layer_index is not None
-    }
+    files: dict[int, list[Path]] = {}  # a v2 layer may span several -partNN files
+    for stage in (rs.stage for rs in resolved):
+        for r, path in zip(stage.selection.parts, stage.part_paths, strict=True):
+            if r.role == ROLE_LAYER and r.layer_index is not None:
+                files.setdefault(r.layer_index, []).append(path)
 
     def names(index: int) -> Collection[str]:
-        path = files.get(index)
-        if path is None:
-            return ()
-        with open_gguf(path) as g:
-            return tuple(t.name for t in g.tensors)
+        out: list[str] = []
+        for path in files.get(index, []):
+            with open_gguf(path) as g:
+                out += [t.name for t in g.tensors]
+        return tuple(out)
 
     return names
 

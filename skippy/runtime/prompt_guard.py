@@ -73,7 +73,8 @@ class Vocabulary:
 
     @classmethod
     def read(cls, metadata_path: Path) -> Vocabulary:
-        with open_gguf(metadata_path) as g:
+        # header_only: the KV is all this reads (a v2 carrier's directory points elsewhere)
+        with open_gguf(metadata_path, header_only=True) as g:
             model = g.get("tokenizer.ggml.model")
             if not isinstance(model, str):
                 raise RuntimeLoadError(
