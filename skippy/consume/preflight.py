@@ -163,6 +163,11 @@ def resolve_v2_catalog(
         return m, None
     ref = m.metadata_ref()
     p, problem = check_artifact_file(root, ref, containment_root=containment_root)
+    if problem is not None and problem.code == "missing_artifact":
+        # Not fetched yet (a hub snapshot holding only the root, a peer's bare manifest):
+        # selection then takes the path-derived superset (skippy.package.select._select_v2);
+        # preflight reports the missing file among every artifact's own checks.
+        return m, None
     if problem is not None or p is None:
         return m, problem
     try:

@@ -85,12 +85,33 @@ def open_package(ref: PackageRef, env: Environment) -> LoadedPackage:
         return load_package(ref.path, origin=str(ref.path))
     commit = hub.resolve_revision(ref, **_hub_kwargs(env))
     manifest_file = hub.download_file(ref, commit, MANIFEST_NAME, **_hub_kwargs(env))
+    carrier = _v2_carrier_path(
+        manifest_file.parent, hub.repo_cache_root(env.hf_cache_dir, ref.repo_id)
+    )
+    if carrier is not None:  # package v2: the root and the carrier first (notes §3.3)
+        hub.download_file(ref, commit, carrier, **_hub_kwargs(env))
     return load_package(
         manifest_file.parent,
         containment_root=hub.repo_cache_root(env.hf_cache_dir, ref.repo_id),
         origin=str(ref.at(commit)),
         from_hub=True,
     )
+
+
+def _v2_carrier_path(snapshot: Path, containment_root: Path) -> str | None:
+    """The metadata carrier's path when the snapshot's manifest is a v2 root (None for v1 or
+    an unreadable manifest: load_package reports that)."""
+    from skippy.errors import ManifestError
+    from skippy.package.manifest import parse_manifest, read_manifest_bytes
+    from skippy.package.v2_view import ManifestV2
+
+    try:
+        m = parse_manifest(read_manifest_bytes(snapshot, containment_root=containment_root))
+    except (ManifestError, InputUnreadable, UnsafePath):
+        return None
+    if not isinstance(m, ManifestV2) or m.root.metadata_artifact is None:
+        return None
+    return m.root.metadata_artifact.path
 
 
 def fetch_selection(

@@ -802,7 +802,9 @@ def write_package(source: Path, opts: WriteOptions) -> WriteResult:
             # was new or empty gets back to that state, so the next run needs no --overwrite.
             cancel.set()
             pool.shutdown(wait=True, cancel_futures=True)
-            if fresh is not None:
+            # With a hook, whole artifacts stay (no manifest names them, so nothing trusts
+            # them): --resume-existing-artifacts verifies and reuses them (issue #24).
+            if fresh is not None and opts.hook is None:
                 fresh.undo(destinations)
             raise
     return WriteResult(
