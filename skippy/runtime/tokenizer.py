@@ -9,8 +9,11 @@ also throws inside llama.cpp).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
-from collections.abc import Sequence
+import shutil
+import tempfile
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import ModuleType, TracebackType
 from typing import Any
@@ -32,7 +35,33 @@ def load_vocab_only(lib: ModuleType, metadata_path: Path) -> Any:
     overrides[0].tag = lib.LLAMA_KV_OVERRIDE_TYPE_INT
     overrides[0].value.val_i64 = 1
     params.kv_overrides = overrides
-    return lib.llama_model_load_from_file(str(metadata_path).encode(), params)
+    with _vocab_file(metadata_path) as path:
+        return lib.llama_model_load_from_file(str(path).encode(), params)
+
+
+@contextlib.contextmanager
+def _vocab_file(metadata_path: Path) -> Iterator[Path]:
+    """The file llama.cpp reads the vocabulary from: the metadata part itself, or for a
+    package-v2 carrier (whose tensor directory points into other files, which llama.cpp
+    refuses as out of bounds) a private KV-only copy without its locator keys, deleted once
+    loaded (the vocabulary is copied into the model)."""
+    from skippy.constants import KEY_V2_METADATA_ONLY, V2_CARRIER_KEYS
+    from skippy.gguf.reader import open_gguf
+    from skippy.gguf.writer import write_fragment
+
+    with open_gguf(metadata_path, header_only=True) as g:
+        if g.get(KEY_V2_METADATA_ONLY) is not True:
+            yield metadata_path
+            return
+        records = [g.raw_field(k) for k in g.fields if k not in V2_CARRIER_KEYS]
+        alignment = g.alignment
+    folder = Path(tempfile.mkdtemp(prefix=".skippy-vocab-"))
+    try:
+        path = folder / "vocab.gguf"
+        write_fragment(path, records, [], alignment)
+        yield path
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 class LlamaTokenizer:
