@@ -88,6 +88,20 @@ REMEDIATIONS: Final[Mapping[str, str]] = {
     "invalid_artifact_gguf": "the file is not a readable GGUF fragment: fetch it again",
     "tensor_count_mismatch": "the fragment and the manifest disagree: rewrite the package",
     "tensor_bytes_mismatch": "the fragment and the manifest disagree: rewrite the package",
+    # schema 2 (issue #24; docs/cli.md "v2 validation codes")
+    "unknown_field": "a schema-2 root is closed: republish it with a schema-2 writer",
+    "package_identity_mismatch": "the root was edited after it was written: fetch it again",
+    "carrier_has_payload": "shared/metadata.gguf must hold no tensor bytes: republish",
+    "carrier_missing_marker": "this is not a package-v2 metadata carrier: republish",
+    "unsupported_locator_schema": "this runtime reads locator schema 1: upgrade or republish",
+    "carrier_part_count_mismatch": "the carrier and the root disagree: republish",
+    "carrier_missing_array": "the carrier lacks a locator array: republish",
+    "carrier_array_not_unsigned": "the carrier's locator arrays must be unsigned: republish",
+    "carrier_locator_length_mismatch": "the carrier's locators and its tensors disagree: "
+    "republish",
+    "storage_out_of_bounds": "a tensor is placed past its artifact's end: republish",
+    "overlapping_storage": "two tensors share bytes of one artifact: republish",
+    "package_storage_mismatch": "a payload part and the carrier disagree: republish",
 }
 
 
