@@ -41,6 +41,7 @@ from skippy.constants import (
     MATERIALIZED_KEY_PREFIX,
     ROLE_METADATA,
     SPLIT_KEYS,
+    V2_CARRIER_KEYS,
 )
 from skippy.errors import (
     GGUFFormatError,
@@ -176,11 +177,20 @@ def _trusted_existing(out: Path, key: str) -> str | None:
     return sha
 
 
+def _v2_wanted(sel: StageSelection) -> set[str] | None:
+    """The tensors a v2 stage holds: every one in its parts that the selection rule needs
+    (``skippy.package.select.stage_tensor_names``); None without a catalog (all of them)."""
+    from skippy.package.select import stage_tensor_names
+
+    return stage_tensor_names(sel.manifest, sel.layers)
+
+
 def _kv_records(meta: GGUFFile, key: str, manifest_sha256: str, sel: StageSelection) -> list[bytes]:
     records = [
         meta.raw_field(k)
         for k in meta.fields
         if k not in SPLIT_KEYS
+        and k not in V2_CARRIER_KEYS
         and not k.startswith(FRAGMENT_KEY_PREFIX)
         and not k.startswith(MATERIALIZED_KEY_PREFIX)
     ]
@@ -206,11 +216,14 @@ def _build(
         raise ManifestError(
             "a stage selection must start with shared metadata", code="bad_selection"
         )
+    # Schema 2: the first part is the metadata carrier; its directory describes the payload
+    # parts (issue #24), so it is read header-only and contributes only its KV.
+    v2 = sel.manifest.schema_version == 2
     with contextlib.ExitStack() as stack:
         files: list[GGUFFile] = []
-        for ref in sel.parts:
+        for i, ref in enumerate(sel.parts):
             p = resolve_under(root, ref.path, containment_root=containment_root)
-            g = stack.enter_context(open_gguf(p))
+            g = stack.enter_context(open_gguf(p, header_only=v2 and i == 0))
             if g.file_size != ref.artifact.artifact_bytes:
                 raise IntegrityError(
                     f"{ref.path} is {g.file_size} bytes, the manifest declares "
@@ -224,8 +237,13 @@ def _build(
         meta = files[0]
         tensors: list[TensorSource] = []
         seen: dict[str, str] = {}
-        for ref, g in zip(sel.parts, files, strict=True):
+        wanted = _v2_wanted(sel) if v2 else None
+        for i, (ref, g) in enumerate(zip(sel.parts, files, strict=True)):
+            if v2 and i == 0:
+                continue
             for t in g.tensors:
+                if wanted is not None and t.name not in wanted:
+                    continue  # another stage's boundary tensor in a shared common part
                 if t.name in seen:
                     raise GGUFFormatError(
                         f"tensor {t.name!r} is in both {seen[t.name]} and {ref.path}",

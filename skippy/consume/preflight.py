@@ -434,7 +434,10 @@ def preflight_package(
             if ref.role != ROLE_PROJECTOR:
                 tensors.extend(g.tensors)
             if ref.role == ROLE_LAYER and ref.layer_index is not None:
-                layer_names[ref.layer_index] = tuple(t.name for t in g.tensors)
+                # a v2 layer may span several -partNN files
+                layer_names[ref.layer_index] = layer_names.get(ref.layer_index, ()) + tuple(
+                    t.name for t in g.tensors
+                )
             if ref.role == ROLE_METADATA and metadata_file is None:
                 metadata_file = g
             else:
@@ -443,13 +446,16 @@ def preflight_package(
         def names_of(index: int) -> Collection[str]:
             return layer_names.get(index, ())
 
-        if m.generation is not None and isinstance(m, Manifest):  # v2: its own block
+        # v2: its speculative_decoding block has v1's shape (notes §1.9) and gets v1's rules;
+        # request_defaults is carried as given (its profile rules are not checked: docs/cli.md)
+        generation = m.speculative_block() if isinstance(m, ManifestV2) else m.generation
+        if generation is not None:
             from skippy.generation import check_generation
 
             arch = metadata_file.get(KEY_ARCHITECTURE) if metadata_file else None
             problems.extend(
                 check_generation(
-                    m.generation,
+                    generation,
                     layer_count=m.layer_count,
                     layer_tensor_names=None if metadata_only else names_of,
                     metadata=_GGUFMetadata(metadata_file) if metadata_file else None,

@@ -123,6 +123,15 @@ def _needs(name: str, layer: int | None, layers: LayerRange, tied: bool) -> bool
     return True
 
 
+def stage_tensor_names(m: PackageManifest, layers: LayerRange) -> set[str] | None:
+    """The tensors a v2 stage computes with (``_needs``), from the catalog; None for v1 or
+    a v2 manifest whose carrier is not resolved."""
+    if not isinstance(m, ManifestV2) or m.catalog is None:
+        return None
+    tied = m.tied_embeddings
+    return {t.name for t in m.catalog if _needs(t.name, t.layer, layers, tied)}
+
+
 def _select_v2(m: ManifestV2, layers: LayerRange) -> list[ArtifactRef]:
     """Package v2 (notes §3.2): the carrier plus every artifact holding a tensor the stage
     needs. Upstream derives the tensor set from the compute graph with a native planner; we
