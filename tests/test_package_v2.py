@@ -494,3 +494,21 @@ def test_materialize_of_v2_holds_the_same_tensors_as_v1(synth_dir, v2pkg, tmp_pa
     assert main(["materialize", str(v2pkg), "--layers", "1..2", "--out", str(out)]) == 0
     with open_gguf(out) as g:
         assert {t.name.split(".")[1] for t in g.tensors} == {"1"}
+
+
+def test_peer_transfer_authorizes_the_superset_from_a_bare_root(v2pkg):
+    from skippy.transfer.required import servable_refs, stage_refs
+
+    bare = parse_manifest((v2pkg / MANIFEST_NAME).read_bytes())  # what a held manifest is
+    full = load_package(v2pkg).manifest
+    assert isinstance(bare, ManifestV2) and bare.catalog is None
+    n = bare.layer_count
+    for layers in (LayerRange(0, 1, n), LayerRange(1, 3, n), LayerRange(3, n, n)):
+        allowed = set(servable_refs(bare, layers))
+        wanted = {r.path for r in stage_refs(full, layers)}
+        assert wanted <= allowed  # the precise selection is always authorized
+        assert METADATA_PATH in allowed
+        assert all(
+            p.startswith("shared/") or any(p.startswith(f"layers/layer-{i:05d}") for i in layers)
+            for p in allowed
+        )

@@ -67,7 +67,13 @@ from skippy.package.v2_root import (
 )
 from skippy.produce.artifact_hook import ArtifactHook
 from skippy.produce.source import SourceModelFiles, SourceTensor, shard_paths
-from skippy.produce.write_package import Provenance, _layer_count, _open_projector, _shard_names
+from skippy.produce.write_package import (
+    Provenance,
+    _layer_count,
+    _open_projector,
+    _shard_names,
+    _write_lock,
+)
 
 MIN_MAX_ARTIFACT_BYTES = 1
 
@@ -272,6 +278,21 @@ def _copy_projector(path: Path, index: int, opts: WriteOptionsV2) -> tuple[Catal
 
 
 def write_package_v2(source: Path, opts: WriteOptionsV2) -> WriteResultV2:
+    """One writer per folder (the v1 writer's flock on the folder itself, ``package_busy``).
+    A failed run keeps the parts it verified (no root names them, so nothing trusts them):
+    ``--resume-existing-artifacts`` reuses them."""
+    if not source.is_file():  # before the lock's mkdir: a failed start creates nothing
+        raise InputUnreadable(
+            f"source model {source} does not exist or is not a file", path=str(source)
+        )
+    if opts.max_artifact_bytes < MIN_MAX_ARTIFACT_BYTES:
+        raise UsageError("--max-artifact-bytes must be > 0", code="usage")
+    _check_out_dir(opts.out_dir, opts.resume)
+    with _write_lock(opts.out_dir):
+        return _write_package_v2(source, opts)
+
+
+def _write_package_v2(source: Path, opts: WriteOptionsV2) -> WriteResultV2:
     t0 = time.perf_counter()
     if opts.max_artifact_bytes < MIN_MAX_ARTIFACT_BYTES:
         raise UsageError("--max-artifact-bytes must be > 0", code="usage")
