@@ -34,7 +34,7 @@ import stat
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from concurrent.futures import CancelledError, ThreadPoolExecutor, wait
+from concurrent.futures import CancelledError, ThreadPoolExecutor, as_completed, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -582,8 +582,6 @@ def _write_fragments(
         if resume and dest.is_file():
             reused = _reuse_verified(dest, plan, sources, src.alignment, cancel)
             if reused is not None:
-                if hook is not None:
-                    hook.run(out_dir, plan.path)
                 return reused
         w = write_fragment(
             dest,
@@ -595,8 +593,6 @@ def _write_fragments(
         )
         if durable:  # here, on the pool, so one fragment's flush overlaps the next one's copy
             fsync_path(dest)
-        if hook is not None:  # after the artifact is whole and its digest known
-            hook.run(out_dir, plan.path)
         return w
 
     # Largest first so both cores finish together (gemma3: token_embd is 70% of the bytes).
@@ -604,6 +600,14 @@ def _write_fragments(
     with _signals_held():
         futures = {i: pool.submit(write_one, plans[i]) for i in order}
     try:
+        if hook is not None:
+            # On this thread, as each artifact is whole and its digest known: the workers
+            # keep SIGINT/SIGTERM blocked (_signals_held) and a child inherits that mask, so
+            # a hook started there could not be interrupted.
+            index = {f: i for i, f in futures.items()}
+            for fut in as_completed(futures.values()):
+                fut.result()
+                hook.run(out_dir, plans[index[fut]].path)
         return [futures[i].result() for i in range(len(plans))]
     except BaseException:
         # Stop every copy before the caller closes the source files they read from.
