@@ -110,14 +110,27 @@ def test_canonical_form_field_order_omissions_and_sorts(v2pkg):
     data["source_model"].pop("repo")  # an absent optional is omitted, never null
     data["sidecars"] = []  # an empty list is omitted
     data["publisher_metadata"] = [
-        {"role": r, "artifact_id": "layer-00000-part00", "source_repo": "a/b",
-         "source_revision": "0" * 40, "source_path": p}
+        {
+            "role": r,
+            "artifact_id": "layer-00000-part00",
+            "source_repo": "a/b",
+            "source_revision": "0" * 40,
+            "source_path": p,
+        }
         for r, p in (("chat_template", "t.jinja"), ("model_config", "config.json"))
     ]
     canon = json.loads(compact_json(parse_root(data).canonical(for_identity=True)))
     assert list(canon) == [
-        "schema_version", "package_id", "model_id", "source_model", "format", "layer_count",
-        "artifact_catalog", "publisher_metadata", "native_abi_version", "generator_version",
+        "schema_version",
+        "package_id",
+        "model_id",
+        "source_model",
+        "format",
+        "layer_count",
+        "artifact_catalog",
+        "publisher_metadata",
+        "native_abi_version",
+        "generator_version",
         "created_at_unix_secs",
     ]
     assert canon["package_id"] == "" and canon["created_at_unix_secs"] == 0
@@ -142,8 +155,10 @@ def test_float_spelling_follows_serde_json():
     [
         (lambda d: d.update(tensor_catalog=[]), "tensor_catalog"),
         (lambda d: d["source_model"].update(path="/x"), "source_model.path"),
-        (lambda d: d["artifact_catalog"]["entries"][0].update(role="x"),
-         "artifact_catalog.entries[0].role"),
+        (
+            lambda d: d["artifact_catalog"]["entries"][0].update(role="x"),
+            "artifact_catalog.entries[0].role",
+        ),
         (lambda d: d.update(generation={"policy": {}}), "generation.policy"),
     ],
 )
@@ -167,14 +182,20 @@ def test_an_edited_root_is_a_package_identity_mismatch(pkg):
 @pytest.mark.parametrize(
     ("edit", "code"),
     [
-        (lambda d: d["artifact_catalog"]["entries"].append(
-            dict(d["artifact_catalog"]["entries"][1])), "duplicate_artifact"),
+        (
+            lambda d: d["artifact_catalog"]["entries"].append(
+                dict(d["artifact_catalog"]["entries"][1])
+            ),
+            "duplicate_artifact",
+        ),
         (lambda d: d["artifact_catalog"]["entries"][1].update(id="bad id"), "invalid_identifier"),
         (lambda d: d["artifact_catalog"]["entries"][1].update(path="../x.gguf"), "invalid_path"),
         (lambda d: d["artifact_catalog"]["entries"][1].update(sha256="A" * 64), "invalid_digest"),
         (lambda d: d["source_model"].update(sha256="1" * 64), "source_identity_mismatch"),
-        (lambda d: d["source_model"].update(metadata_artifact_id="nope"),
-         "invalid_metadata_artifact"),
+        (
+            lambda d: d["source_model"].update(metadata_artifact_id="nope"),
+            "invalid_metadata_artifact",
+        ),
         (lambda d: d.update(format="layer-package"), "invalid_format"),
     ],
 )
@@ -336,9 +357,23 @@ def test_selection_takes_exactly_the_artifacts_holding_a_stages_tensors(v2pkg):
 
 
 def test_write_refuses_an_existing_package(synth_dir, v2pkg, capsys):
-    code = main(["write-package", str(synth_dir.gemma), "--schema", "2", "--out-dir",
-                 str(v2pkg), "--model-id", MODEL_ID, "--source-revision", "r",
-                 "--source-file", "gemma.gguf", "--json"])
+    code = main(
+        [
+            "write-package",
+            str(synth_dir.gemma),
+            "--schema",
+            "2",
+            "--out-dir",
+            str(v2pkg),
+            "--model-id",
+            MODEL_ID,
+            "--source-revision",
+            "r",
+            "--source-file",
+            "gemma.gguf",
+            "--json",
+        ]
+    )
     assert code == 2
     assert json.loads(capsys.readouterr().out)["error"]["code"] == "output_exists"
 
@@ -369,9 +404,22 @@ def test_upload_and_delete_hook_end_to_end_on_the_lab_hub(
 ):
     remote = tmp_path / "remote"
     out = tmp_path / "out"
-    args = ["write-package", str(synth_dir.gemma), "--schema", schema, "--out-dir", str(out),
-            "--model-id", MODEL_ID, "--source-revision", "0123abc", "--source-file",
-            "gemma.gguf", "--after-artifact-command", make_hook(tmp_path, remote)]
+    args = [
+        "write-package",
+        str(synth_dir.gemma),
+        "--schema",
+        schema,
+        "--out-dir",
+        str(out),
+        "--model-id",
+        MODEL_ID,
+        "--source-revision",
+        "0123abc",
+        "--source-file",
+        "gemma.gguf",
+        "--after-artifact-command",
+        make_hook(tmp_path, remote),
+    ]
     assert main(args) == 0
     capsys.readouterr()
     # every artifact went to the remote and left the local disk; the manifest stays local
@@ -388,9 +436,21 @@ def test_upload_and_delete_hook_end_to_end_on_the_lab_hub(
 
 def test_a_failing_hook_aborts_and_resume_reuses_what_was_verified(synth_dir, tmp_path, capsys):
     out = tmp_path / "out"
-    base = ["write-package", str(synth_dir.gemma), "--schema", "2", "--out-dir", str(out),
-            "--model-id", MODEL_ID, "--source-revision", "0123abc", "--source-file",
-            "gemma.gguf", "--json"]
+    base = [
+        "write-package",
+        str(synth_dir.gemma),
+        "--schema",
+        "2",
+        "--out-dir",
+        str(out),
+        "--model-id",
+        MODEL_ID,
+        "--source-revision",
+        "0123abc",
+        "--source-file",
+        "gemma.gguf",
+        "--json",
+    ]
     hook = make_hook(tmp_path, tmp_path / "remote", fail_on="layers/layer-00002.gguf")
     assert main([*base, "--after-artifact-command", hook]) == 1
     err = json.loads(capsys.readouterr().out)["error"]
@@ -413,8 +473,19 @@ def test_a_failing_hook_aborts_and_resume_reuses_what_was_verified(synth_dir, tm
 
 def test_v1_resume_reuses_only_verified_fragments(synth_dir, tmp_path, capsys):
     out = tmp_path / "out"
-    base = ["write-package", str(synth_dir.llama), "--out-dir", str(out), "--model-id",
-            MODEL_ID, "--source-revision", "0123abc", "--source-file", "llama.gguf", "--json"]
+    base = [
+        "write-package",
+        str(synth_dir.llama),
+        "--out-dir",
+        str(out),
+        "--model-id",
+        MODEL_ID,
+        "--source-revision",
+        "0123abc",
+        "--source-file",
+        "llama.gguf",
+        "--json",
+    ]
     hook = make_hook(tmp_path, tmp_path / "remote", fail_on="layers/layer-00001.gguf")
     assert main([*base, "--after-artifact-command", hook]) == 1
     assert json.loads(capsys.readouterr().out)["error"]["code"] == "artifact_hook_failed"
@@ -512,3 +583,55 @@ def test_peer_transfer_authorizes_the_superset_from_a_bare_root(v2pkg):
             p.startswith("shared/") or any(p.startswith(f"layers/layer-{i:05d}") for i in layers)
             for p in allowed
         )
+
+
+@pytest.mark.parametrize(
+    ("key", "change", "code"),
+    [
+        ("skippy.package.tensor_part", lambda v: [999, *v[1:]], "unknown_artifact"),
+        ("skippy.package.tensor_offset", lambda v: [v[0] + 1, *v[1:]], "misaligned_offset"),
+        ("skippy.package.tensor_alignment", lambda v: [48, *v[1:]], "invalid_alignment"),
+        ("skippy.package.tensor_size", lambda v: [v[0] + 64, *v[1:]], "invalid_stored_length"),
+    ],
+)
+def test_a_carrier_with_a_bad_locator(pkg, key, change, code):
+    item = ValueType.UINT32 if key.endswith(("part", "alignment")) else ValueType.UINT64
+    values = change(_locators(pkg, key))
+    rewrite_carrier(pkg, lambda r: r.update({key: _array(key, values, item)}))
+    assert codes_of(pkg) == {code}
+
+
+def test_a_carrier_with_another_part_count(pkg):
+    rewrite_carrier(
+        pkg,
+        lambda r: r.update(
+            {
+                "skippy.package.part_count": encode_kv(
+                    "skippy.package.part_count", ValueType.UINT32, 1
+                )
+            }
+        ),
+    )
+    assert codes_of(pkg) == {"carrier_part_count_mismatch"}
+
+
+def test_preflight_finds_a_part_whose_directory_disagrees_with_the_carrier(pkg, synth_dir):
+    """Swap two equal-sized layer parts' contents: sizes and digests re-declared, the root
+    re-identified; only the carrier-against-part check can tell."""
+    import hashlib
+
+    data = root_dict(pkg)
+    entries = {e["path"]: e for e in data["artifact_catalog"]["entries"]}
+    a, b = "layers/layer-00000-part01.gguf", "layers/layer-00001-part01.gguf"
+    ra, rb = (pkg / a).read_bytes(), (pkg / b).read_bytes()
+    (pkg / a).write_bytes(rb)
+    (pkg / b).write_bytes(ra)
+    for path, raw in ((a, rb), (b, ra)):
+        entries[path].update(byte_size=len(raw), sha256=hashlib.sha256(raw).hexdigest())
+    save_root(pkg, data)
+    from skippy.consume.preflight import preflight_package
+
+    report = preflight_package(pkg)
+    assert {"unexpected_tensor", "missing_tensor"} <= report.codes()
+    with pytest.raises(PackageInvalid):
+        verify_package_v2(pkg, synth_dir.gemma)
