@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import itertools
 from pathlib import Path
-from typing import Any
 
 from skippy.constants import (
     KEY_V2_LOCATOR_SCHEMA,
@@ -61,14 +60,6 @@ def _typed_array(g: GGUFFile, key: str, n: int) -> list[int]:
         )
     values = g.value(key)
     return [int(v) for v in values]
-
-
-def carrier_model_metadata(g: GGUFFile) -> dict[str, Any]:
-    """The carrier's KV minus the seven ``skippy.package.*`` keys: the normalized source
-    metadata (decoded; what verify compares with the source)."""
-    from skippy.constants import V2_CARRIER_KEYS
-
-    return {k: g.value(k) for k in g.fields if k not in V2_CARRIER_KEYS}
 
 
 def resolve_carrier(root: PackageRootV2, carrier: GGUFFile) -> TensorCatalog:
