@@ -307,7 +307,11 @@ class MeshNode:
             limits=self.limits,
         )
         opts = websocket_options(self.limits, self.timeouts)
-        async with open_websocket_url(address.url, None, **opts) as ws:  # type: ignore[arg-type]
+        # `dial_via` (issue #21): reach this peer through another address (a relay, a tunnel);
+        # the handshake still demands the peer's own id.
+        via = self.settings.dial_via.get(address.node_id or "")
+        url = via.url if via is not None else address.url
+        async with open_websocket_url(url, None, **opts) as ws:  # type: ignore[arg-type]
             try:
                 peer, channel = await secure_handshake(ws, hs, self.timeouts.handshake_s)
             except ProtocolError as exc:

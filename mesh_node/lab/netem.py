@@ -32,11 +32,13 @@ import random
 import re
 import socket
 import struct
+import tomllib
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 from typing import Any, Final, Literal
 
 import trio
@@ -239,6 +241,22 @@ def link_table_from_toml(doc: Mapping[str, Any], default: LinkSpec) -> LinkTable
         if not oneway:
             pairs[(f"n{b}", f"n{a}")] = spec
     return LinkTable(base, pairs)
+
+
+def load_lab_file(path: Path, default: LinkSpec) -> LinkTable:
+    """``mesh-node lab --links FILE``: read and check a lab file (``link_table_from_toml``)."""
+    try:
+        with open(path, "rb") as f:
+            doc = tomllib.load(f)
+    except OSError as exc:
+        raise UsageError(
+            f"cannot read lab file {path}: {exc.strerror}", code="unreadable_input"
+        ) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise UsageError(
+            f"lab file {path} is not valid TOML: {exc}", code="invalid_config"
+        ) from None
+    return link_table_from_toml(doc, default)
 
 
 # --- the pure part: when each chunk arrives ---------------------------------------------------
@@ -590,6 +608,7 @@ __all__ = [
     "Scheduled",
     "format_rate",
     "link_table_from_toml",
+    "load_lab_file",
     "open_netem",
     "parse_duration",
     "parse_probability",
