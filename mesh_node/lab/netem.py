@@ -340,9 +340,8 @@ class _Direction:
         self.changed = trio.Event()
 
     async def read(self, stream: trio.SocketStream) -> None:
-        limit = self.line.queue_limit()
         while True:
-            while self.queued >= limit:
+            while self.queued >= self.line.queue_limit():
                 await self.changed.wait()
             data = await stream.receive_some(CHUNK_BYTES)
             if not data:
@@ -428,6 +427,13 @@ class Netem:
             rng = random.Random(f"{self.seed}:{src}->{dst}")  # reproducible per direction
             line = self._lines[(src, dst)] = DelayLine(self.links.spec(src, dst), rng)
         return line
+
+    def set_links(self, links: LinkTable) -> None:
+        """Change every link's spec from now on (chunks already scheduled keep theirs): one
+        running lab can be measured at several latencies."""
+        self.links = links
+        for (src, dst), line in self._lines.items():
+            line.spec = links.spec(src, dst)
 
     def set_target(self, node: str, target: Callable[[], tuple[str, int] | None]) -> None:
         """Where ``node`` listens (looked up per connection: a restarted node may move)."""
