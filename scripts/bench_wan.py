@@ -166,4 +166,80 @@ def _transfer_rows(ctx: BenchContext) -> list[Row]:
 
 
 def rows(ctx: BenchContext) -> list[Row]:
-    return _transfer_rows(ctx) + _serve_rows(ctx)
+    return _window_rows(ctx) + _transfer_rows(ctx) + _serve_rows(ctx)
+
+
+# --- one stream's window at a long RTT (in one process: both nodes and the relay) -----------------
+WINDOW_RTT_S = 0.1
+WINDOW_BYTES = 200 << 20
+
+
+async def _stream_rate(tmp: Path, window_max: int) -> float:
+    """MB/s of one mesh stream through the relay at WINDOW_RTT_S (no rate limit), receiver
+    side, with the receive window allowed to grow to ``window_max``."""
+    from meshtools import identity, settings  # type: ignore[import-not-found]
+
+    from mesh_node.lab.netem import open_netem
+    from mesh_node.node import MeshNode
+    from protocol import constants as pc
+    from skippy.config import PeerAddress
+
+    limits = pc.Limits(
+        stream_window_max_bytes=window_max, handshake_timeout_s=5, idle_timeout_s=10
+    )
+    chunk = b"\0" * (1 << 20)
+
+    async def serve(stream: Any) -> None:
+        for _ in range(WINDOW_BYTES // len(chunk)):
+            await stream.stream.send_all(chunk)
+        await stream.stream.send_eof()
+        await stream.stream.receive_some()  # until the reader's end: a close would reset
+
+    ia, ib = identity(), identity()
+    timeouts = {"heartbeat_interval_s": 0.5, "peer_loss_timeout_s": 10.0}
+    async with (
+        open_netem(LinkTable(LinkSpec(rtt_s=WINDOW_RTT_S))) as netem,
+        trio.open_nursery() as nursery,
+    ):
+        a = MeshNode(settings(tmp, "a", **timeouts), ia, limits=limits)
+        a.register_subprotocol(0x7F, serve)
+        await nursery.start(a.run)
+        assert a.listen_url is not None
+        host, port = a.listen_url.removeprefix("ws://").rsplit(":", 1)
+        netem.set_target("a", lambda: (host, int(port)))
+        url = (await netem.route("b", "a")).removeprefix("ws://")
+        rh, rp = url.rsplit(":", 1)
+        b = MeshNode(
+            settings(tmp, "b", peers=(PeerAddress(host, int(port), ia.node_id),),
+                     dial_via={ia.node_id: PeerAddress(rh, int(rp), ia.node_id)}, **timeouts),
+            ib, limits=limits,
+        )
+        await nursery.start(b.run)
+        while (peer := b.peer(ia.node_id)) is None or peer.rtt_s is None:
+            await trio.sleep(0.05)
+        stream = await b.open_stream(ia.node_id, 0x7F)
+        got, t0 = 0, trio.current_time()
+        while got < WINDOW_BYTES and (data := await stream.receive_some()):
+            got += len(data)
+        seconds = trio.current_time() - t0
+        await stream.send_eof()
+        nursery.cancel_scope.cancel()
+    return got / seconds / 1e6
+
+
+def _window_rows(ctx: BenchContext) -> list[Row]:
+    fixed, grown = [], []
+    for i in range(max(2, ctx.runs // 2)):
+        root = ctx.work / f"wan-window-{i}"
+        shutil.rmtree(root, ignore_errors=True)
+        root.mkdir(parents=True)
+        fixed.append(trio.run(_stream_rate, root, 4 << 20))
+        grown.append(trio.run(_stream_rate, root, 16 << 20))
+    cap = (4 << 20) / WINDOW_RTT_S / 1e6
+    return [
+        ("wan stream", f"one mesh stream at {WINDOW_RTT_S * 1000:g} ms RTT (unshaped, one "
+         "process): window fixed at 4 MiB / growing to 16 MiB",
+         f"{spread(fixed, fmt='{:.1f}')} / {spread(grown, fmt='{:.1f}')} MB/s",
+         f"{statistics.median(grown) / statistics.median(fixed):.2f}x; a fixed 4 MiB window "
+         f"caps it at {cap:.0f} MB/s"),
+    ]
