@@ -199,7 +199,11 @@ def cmd_topology(args: argparse.Namespace) -> CommandResult:
             "stages": args.stages,
             "include_self": not args.workers_only,
         }
+        if args.dry_run:
+            payload["dry_run"] = True
     response = trio.run(control.request, settings.control_socket, payload, TOPOLOGY_TIMEOUT_S)
+    if "plan" in response:
+        return _dry_run_result(response["plan"])
     topo = response["topology"]
     lines = [
         f"topology {topo['topology_id']} ({topo['state']}) run {topo['run_id']}",
@@ -213,6 +217,23 @@ def cmd_topology(args: argparse.Namespace) -> CommandResult:
         )
     code = 0 if topo["state"] == "active" else 1
     return CommandResult(topo, "\n".join(lines), exit_code=code)
+
+
+def _dry_run_result(plan: dict[str, Any]) -> CommandResult:
+    """Issue #21: ``topology --dry-run``: the ranked candidates, nothing sent."""
+    lines = [f"dry run: {plan['candidates_total']} candidate(s), nothing sent"]
+    for c in plan["candidates"][:10]:
+        stages = ", ".join(
+            f"{n[:12]} {a}..{b}" for n, (a, b) in zip(c["nodes"], c["layers"], strict=True)
+        )
+        fit = "" if c["fits"] else f"  (does not fit: {c['problem']})"
+        lines.append(
+            f"  {c['predicted_ms_per_token']:8.2f} ms/token (compute {c['compute_ms']:.2f} + "
+            f"hops {c['hops_ms']:.2f}): {stages}{fit}"
+        )
+    lines.append(f"chosen: {plan['why']}")
+    lines += [f"  {k}: {v}" for k, v in plan["assumptions"].items()]
+    return CommandResult(plan, "\n".join(lines), exit_code=0 if plan["chosen"] else 1)
 
 
 def _lab_links(args: argparse.Namespace) -> Any:
@@ -389,6 +410,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--workers-only",
         action="store_true",
         help="do not place a stage on this (coordinator) node",
+    )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="rank every candidate split by predicted decode ms/token (link RTTs, memory) and "
+        "print them; send nothing",
     )
     p = add(
         "lab",

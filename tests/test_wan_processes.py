@@ -126,3 +126,33 @@ async def test_a_transfer_cut_by_a_partition_resumes_from_its_partial(big_packag
 def _t(lab: Lab, kind: str) -> float:
     assert lab.netem is not None
     return max(e.t for e in lab.netem.events if e.kind == kind)
+
+
+async def test_topology_dry_run_ranks_candidates_by_measured_links_and_sends_nothing(
+    tiny_package, tmp_path
+):
+    import json
+    import subprocess
+    import sys
+
+    slow = LinkSpec(rtt_s=0.05)
+    links = LinkTable(LinkSpec(rtt_s=0.005), {("n0", "n2"): slow, ("n2", "n0"): slow})
+    async with open_lab(_options(tiny_package, tmp_path, links)) as lab:
+        coordinator = lab.cluster.coordinator
+        await trio.sleep(2 * TIMEOUTS["heartbeat_interval_s"])  # RTTs measured
+        out = await trio.to_thread.run_sync(
+            lambda: subprocess.run(
+                [sys.executable, "-m", "mesh_node", "topology", "--config",
+                 str(coordinator.config_path), "--package", lab.package.ref, "--stages", "2",
+                 "--dry-run", "--json"],
+                capture_output=True, text=True, env=lab.cluster.environment(coordinator),
+                timeout=120,
+            )
+        )
+        assert out.returncode == 0, out.stderr + out.stdout
+        plan = json.loads(out.stdout)
+        n0, n1, n2 = (n.node_id for n in lab.cluster.nodes)
+        assert plan["chosen"]["nodes"] == [n0, n1]  # not over the 50 ms link to n2
+        by_nodes = {tuple(c["nodes"]): c for c in plan["candidates"]}
+        assert by_nodes[(n0, n2)]["hops_ms"] > by_nodes[(n0, n1)]["hops_ms"]
+        assert (await coordinator.status())["topology"] is None  # nothing was sent
