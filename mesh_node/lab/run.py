@@ -357,6 +357,8 @@ async def experiment(lab: Lab) -> dict[str, Any]:
             api, options.prompt, max_tokens=options.max_tokens, timeout_s=options.timeout_s
         )
         report["prompt"] = prompt_report(completion, await lab.cluster.statuses())
+        if lab.netem is not None:  # issue #21: the links' bytes include the completion's
+            report["links"] = lab.netem.report()
     return report
 
 
