@@ -199,7 +199,11 @@ def cmd_topology(args: argparse.Namespace) -> CommandResult:
             "stages": args.stages,
             "include_self": not args.workers_only,
         }
+        if args.dry_run:
+            payload["dry_run"] = True
     response = trio.run(control.request, settings.control_socket, payload, TOPOLOGY_TIMEOUT_S)
+    if "plan" in response:
+        return _dry_run_result(response["plan"])
     topo = response["topology"]
     lines = [
         f"topology {topo['topology_id']} ({topo['state']}) run {topo['run_id']}",
@@ -213,6 +217,50 @@ def cmd_topology(args: argparse.Namespace) -> CommandResult:
         )
     code = 0 if topo["state"] == "active" else 1
     return CommandResult(topo, "\n".join(lines), exit_code=code)
+
+
+def _dry_run_result(plan: dict[str, Any]) -> CommandResult:
+    """Issue #21: ``topology --dry-run``: the ranked candidates, nothing sent."""
+    lines = [f"dry run: {plan['candidates_total']} candidate(s), nothing sent"]
+    for c in plan["candidates"][:10]:
+        stages = ", ".join(
+            f"{n[:12]} {a}..{b}" for n, (a, b) in zip(c["nodes"], c["layers"], strict=True)
+        )
+        fit = "" if c["fits"] else f"  (does not fit: {c['problem']})"
+        lines.append(
+            f"  {c['predicted_ms_per_token']:8.2f} ms/token (compute {c['compute_ms']:.2f} + "
+            f"hops {c['hops_ms']:.2f}): {stages}{fit}"
+        )
+    lines.append(f"chosen: {plan['why']}")
+    lines += [f"  {k}: {v}" for k, v in plan["assumptions"].items()]
+    return CommandResult(plan, "\n".join(lines), exit_code=0 if plan["chosen"] else 1)
+
+
+def _lab_links(args: argparse.Namespace) -> Any:
+    """Issue #21: the emulated links from ``--link-*`` and ``--links FILE`` (None: plain
+    loopback, no relays)."""
+    flags = (args.link_latency, args.link_jitter, args.link_rate, args.link_loss)
+    if args.links is None and all(f is None for f in flags):
+        return None
+    from mesh_node.lab import netem
+
+    default = netem.LinkSpec(
+        rtt_s=0.0 if args.link_latency is None else netem.parse_duration(
+            args.link_latency, "--link-latency"
+        ),
+        jitter_s=0.0 if args.link_jitter is None else netem.parse_duration(
+            args.link_jitter, "--link-jitter"
+        ),
+        rate_bytes_per_s=None if args.link_rate is None else netem.parse_rate(
+            args.link_rate, "--link-rate"
+        ),
+        loss=0.0 if args.link_loss is None else netem.parse_probability(
+            args.link_loss, "--link-loss"
+        ),
+    )
+    if args.links is None:
+        return netem.LinkTable(default)
+    return netem.load_lab_file(Path(args.links), default)
 
 
 def cmd_lab(args: argparse.Namespace) -> CommandResult:
@@ -236,6 +284,7 @@ def cmd_lab(args: argparse.Namespace) -> CommandResult:
         max_tokens=args.max_tokens,
         serve=args.serve,
         node_overrides=overrides,
+        links=_lab_links(args),
     )
 
     def render(report: dict[str, Any]) -> str:
@@ -362,6 +411,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="do not place a stage on this (coordinator) node",
     )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="rank every candidate split by predicted decode ms/token (link RTTs, memory) and "
+        "print them; send nothing",
+    )
     p = add(
         "lab",
         cmd_lab,
@@ -411,6 +466,29 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="serve the split behind the OpenAI API and keep the lab up (prints the API's and "
         "the status page's addresses) until Ctrl-C",
+    )
+    links = p.add_argument_group(
+        "emulated links (every node dials every other through a relay of the lab)"
+    )
+    links.add_argument(
+        "--link-latency",
+        metavar="TIME",
+        help="round-trip time added to every link, half each way (e.g. 20ms)",
+    )
+    links.add_argument("--link-jitter", metavar="TIME", help="one-way jitter, +- (e.g. 2ms)")
+    links.add_argument(
+        "--link-rate", metavar="RATE", help="each direction's rate (e.g. 100Mbit, 1Gbit)"
+    )
+    links.add_argument(
+        "--link-loss",
+        metavar="P",
+        help="per 64 KiB chunk relayed, the probability the connection drops (e.g. 0.1%%)",
+    )
+    links.add_argument(
+        "--links",
+        metavar="FILE",
+        help="a TOML lab file with [links] and [[links.pair]] a = I, b = J, latency, jitter, "
+        "rate, loss, stall, stall_time (per-pair values; the flags are its defaults)",
     )
     return parser
 

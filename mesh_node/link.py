@@ -187,7 +187,9 @@ class MeshStream(trio.abc.HalfCloseableStream):
 
     def _grant(self, nbytes: int) -> None:
         """Give ``nbytes`` of credit back; the writer wakes only when an update is due."""
-        if self._link.mux.consumed(self.stream_id, nbytes):
+        # The clock and the link's RTT let the window grow to the bandwidth-delay product.
+        now, rtt = trio.current_time(), self._link.rtt_s
+        if self._link.mux.consumed(self.stream_id, nbytes, now_s=now, rtt_s=rtt):
             self._link.wake_writer()
 
     async def send_eof(self) -> None:
@@ -494,8 +496,11 @@ class Link:
             self.close(exc.code, exc.message)
 
     async def _heartbeat(self) -> None:
+        first = True  # ping at once: the RTT sizes stream windows from the start (issue #21)
         while True:
-            await trio.sleep(self.timeouts.heartbeat_interval_s)
+            if not first:
+                await trio.sleep(self.timeouts.heartbeat_interval_s)
+            first = False
             silent = trio.current_time() - self.last_received
             if silent > self.timeouts.peer_loss_s:
                 self.close("peer_lost", f"nothing received for {silent:.1f} s")

@@ -67,6 +67,10 @@ MAX_LEARNED_DIALS = 3  # attempts at a gossip-learned address before it is forgo
 MAX_DIAL_LOOPS = 64  # concurrent dial loops (configured peers always get one)
 MAX_MEMBERS = 1024  # membership entries; the longest-silent disconnected one goes first
 EVENT_QUEUE = 256  # per subscriber; an overflowing subscriber is closed (it can resubscribe)
+# Link ends that may be a network's doing, not the peer's (issue #21): the connection broke, or
+# its writes stalled. Any other end (silence past peer_loss_timeout_s, a goodbye, a protocol
+# fault, shutdown) is a peer loss at once.
+BROKEN_CONNECTION_REASONS = frozenset({"connection_closed", "peer_not_reading"})
 
 
 @dataclass
@@ -307,7 +311,11 @@ class MeshNode:
             limits=self.limits,
         )
         opts = websocket_options(self.limits, self.timeouts)
-        async with open_websocket_url(address.url, None, **opts) as ws:  # type: ignore[arg-type]
+        # `dial_via` (issue #21): reach this peer through another address (a relay, a tunnel);
+        # the handshake still demands the peer's own id.
+        via = self.settings.dial_via.get(address.node_id or "")
+        url = via.url if via is not None else address.url
+        async with open_websocket_url(url, None, **opts) as ws:  # type: ignore[arg-type]
             try:
                 peer, channel = await secure_handshake(ws, hs, self.timeouts.handshake_s)
             except ProtocolError as exc:
@@ -426,7 +434,39 @@ class MeshNode:
                 reason = link.close_reason or ("closed", "")
                 log.info("link down: %s (%s: %s)", short_id(node_id), *reason)
                 if member.hello:
-                    self.emit(PeerDown(node_id, f"{reason[0]}: {reason[1]}"))
+                    self._link_lost(node_id, member, link, reason)
+
+    # --- issue #21: a dropped connection is not a lost peer --------------------------------------
+    def _link_lost(
+        self, node_id: str, member: _Member, link: Link, reason: tuple[str, str]
+    ) -> None:
+        """Report the peer lost (``PeerDown``) now when it went silent (``peer_lost``) or said
+        goodbye; a connection that merely broke (a reset, a NAT or middlebox drop) gets until
+        the same deadline a silent link would have, ``peer_loss_timeout_s`` after the last
+        byte it received, to come back (the dial loop redials at once): then nobody hears of
+        it. A crashed peer is therefore reported at that deadline too: the socket cannot tell
+        a crash from a network reset."""
+        down = PeerDown(node_id, f"{reason[0]}: {reason[1]}")
+        deadline = link.last_received + self.settings.peer_loss_timeout_s
+        if reason[0] not in BROKEN_CONNECTION_REASONS or self._nursery is None:
+            self.emit(down)
+            return
+        log.info(
+            "link to %s broke (%s); waiting up to %.1f s for it to come back",
+            short_id(node_id),
+            reason[0],
+            max(0.0, deadline - trio.current_time()),
+        )
+        self._nursery.start_soon(self._report_unless_relinked, member, down, deadline)
+
+    async def _report_unless_relinked(
+        self, member: _Member, down: PeerDown, deadline: float
+    ) -> None:
+        await trio.sleep_until(deadline)
+        if member.link is None and self._members.get(down.node_id) is member:
+            self.emit(down)
+        else:
+            log.info("link to %s came back in time: not a peer loss", short_id(down.node_id))
 
     def _make_room(self) -> bool:
         """Keep membership bounded: forget the longest-silent disconnected peer if full."""

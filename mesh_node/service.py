@@ -37,6 +37,12 @@ def control_handler(node: MeshNode, serving: Serving | None = None) -> Any:
             if not isinstance(package, str) or not (stages is None or isinstance(stages, int)):
                 raise UsageError("topology needs package (string) and stages (int or null)")
             ref, sha, sizes = await trio.to_thread.run_sync(_package_facts, node.settings, package)
+            if request.get("dry_run"):  # issue #21: rank the candidates, send nothing
+                from mesh_node.cost_inputs import dry_run
+
+                include = bool(request.get("include_self", True))
+                plan = dry_run(node, sizes, include_self=include, stages=stages)
+                return {"ok": True, "plan": plan}
             active = await node.topology.propose(
                 package_ref=ref,
                 manifest_sha256=sha,

@@ -94,6 +94,10 @@ class Limits:
     # streams and flow control
     max_streams_per_link: int = 32  # live streams opened by one side of a link
     stream_window_bytes: int = 4 * 1024 * 1024  # yamux-like per-stream receive window
+    # Issue #21: the receive window grows (doubling) up to this while it limits a stream on a
+    # long link (bandwidth-delay product); only bigger window updates go on the wire, which
+    # every peer accepts, and both ends still start from ``stream_window_bytes``.
+    stream_window_max_bytes: int = 16 * 1024 * 1024
     max_control_backlog_bytes: int = 1024 * 1024  # queued outbound control frames
     # time (seconds; the sans-IO state machines take "now" as a number)
     handshake_timeout_s: float = 10.0

@@ -116,6 +116,8 @@ class _Stream:
     send_credit: int
     recv_window: int  # bytes the peer may still send before we grant more
     unacked: int = 0  # consumed by the application, not yet granted back
+    window: int = 0  # the receive window we aim for (issue #21: grows with the BDP)
+    granted_at: float | None = None  # when the last window update was due (the caller's clock)
     queued: deque[memoryview] = field(default_factory=deque)
     queued_bytes: int = 0
     fin_queued: bool = False
@@ -222,20 +224,47 @@ class Multiplexer:
             f.encode_frame(c.FRAME_RESET, stream_id, f.encode_reason(code, reason, self.limits))
         )
 
-    def consumed(self, stream_id: int, nbytes: int) -> bool:
+    def consumed(
+        self,
+        stream_id: int,
+        nbytes: int,
+        *,
+        now_s: float | None = None,
+        rtt_s: float | None = None,
+    ) -> bool:
         """The application read ``nbytes`` of the stream: grant them back (coalesced). True
-        when a window update is now due (the caller wakes its writer only then)."""
+        when a window update is now due (the caller wakes its writer only then).
+
+        With ``now_s`` and the link's ``rtt_s`` the window adapts to the bandwidth-delay
+        product (issue #21; QUIC receivers' rule): when half a window was consumed within
+        two round trips of the previous update, the window, not the link or the reader, was
+        the bottleneck, so it doubles (up to ``Limits.stream_window_max_bytes``) and the
+        update carries the extra credit. A reader that falls behind never grows it."""
         s = self._streams.get(stream_id)
         if s is None or s.fin_received:
             return False  # nothing more will arrive: no credit needed
         s.unacked += nbytes
+        window = s.window or self.limits.stream_window_bytes
         # Grant when half the window is consumed: few updates, and the sender never idles.
-        if s.unacked < self.limits.stream_window_bytes // 2:
+        if s.unacked < window // 2:
             return False
-        s.recv_window += s.unacked
-        self._window_due[stream_id] = self._window_due.get(stream_id, 0) + s.unacked
+        grant = s.unacked
+        if now_s is not None and rtt_s is not None:
+            if s.granted_at is not None and now_s - s.granted_at < 2 * rtt_s:
+                grown = min(2 * window, max(window, self.limits.stream_window_max_bytes))
+                grant += grown - window
+                window = grown
+            s.granted_at = now_s
+        s.window = window
+        s.recv_window += grant
+        self._window_due[stream_id] = self._window_due.get(stream_id, 0) + grant
         s.unacked = 0
         return True
+
+    def receive_window(self, stream_id: int) -> int:
+        """The receive window this side aims for on a stream (0 for an unknown stream)."""
+        s = self._streams.get(stream_id)
+        return 0 if s is None else (s.window or self.limits.stream_window_bytes)
 
     def ping(self, opaque: bytes) -> None:
         if len(opaque) != c.PING_PAYLOAD_BYTES:

@@ -29,6 +29,7 @@ SECTIONS: dict[str, str] = {
     "stage": "bench_stage",
     "transfer-mesh": "bench_transfer_mesh",
     "serve": "bench_serve",  # reuses the stage section's gemma3 package
+    "wan": "bench_wan",  # issue #21: emulated WAN links (reuses the stage section's package)
 }
 
 

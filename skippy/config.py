@@ -179,6 +179,7 @@ NODE_KEYS = frozenset(
         "serving",  # [serving]: split serving (ServingSettings)
         "speculative",  # skippy.generation reads these two sections
         "models",
+        "dial_via",  # issue #21: {node id = "ws://HOST:PORT"}: where to dial a given peer
     }
 )
 
@@ -353,6 +354,9 @@ class NodeSettings:
     http_public: bool = False
     warnings: tuple[str, ...] = ()
     serving: ServingSettings = field(default_factory=ServingSettings)
+    # Issue #21: node id -> the address to dial that peer at instead of the one it advertises
+    # or was configured with (a relay, a tunnel, a port forward; the lab's emulated links).
+    dial_via: Mapping[str, PeerAddress] = field(default_factory=dict)
 
     @property
     def hub_cache_dir(self) -> Path:
@@ -487,7 +491,25 @@ def node_settings(config: NodeConfig, env: Environment | None = None) -> NodeSet
         http_public=http_public,
         warnings=tuple(warnings),
         serving=serving_settings(raw.get("serving")),
+        dial_via=parse_dial_via(raw.get("dial_via", {})),
     )
+
+
+# --- issue #21: dialing a peer through another address --------------------------------------------
+def parse_dial_via(value: object) -> dict[str, PeerAddress]:
+    """``[dial_via]``: ``"<64 hex node id>" = "ws://HOST:PORT"``. The peer must still prove
+    that id: the address changes where the bytes go, never whom the node accepts."""
+    if not isinstance(value, Mapping):
+        raise _bad("dial_via", 'expected a table of "<node-id>" = "ws://HOST:PORT"', value)
+    out: dict[str, PeerAddress] = {}
+    for node_id, address in value.items():
+        if not isinstance(node_id, str) or not _NODE_ID_RE.match(node_id):
+            raise _bad("dial_via", "keys must be node ids (64 lowercase hex)", node_id)
+        parsed = parse_peer_address(address, f"dial_via.{node_id[:12]}")
+        if parsed.node_id not in (None, node_id):
+            raise _bad("dial_via", "an address's #<node-id> must be its key", address)
+        out[node_id] = PeerAddress(parsed.host, parsed.port, node_id)
+    return out
 
 
 def load_node_settings(path: Path, env: Environment | None = None) -> NodeSettings:

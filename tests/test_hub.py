@@ -12,8 +12,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hubfaults import Fault, FaultyHub, running_hub
 
-from mesh_node.lab.hub import FakeHub, Fault, running_hub, write_tree
+from mesh_node.lab.hub import write_tree
 from skippy.config import HubPolicy
 from skippy.consume.hub import (
     HubError,
@@ -43,7 +44,7 @@ FAST = HubPolicy(attempts=3, backoff_s=0.01, backoff_max_s=0.02)
 
 
 @pytest.fixture
-def hub(tmp_path: Path) -> Iterator[FakeHub]:
+def hub(tmp_path: Path) -> Iterator[FaultyHub]:
     with running_hub({REPO: write_tree(tmp_path / "v1", FILES_V1)}) as h:
         yield h
 
@@ -66,7 +67,7 @@ def _assert_no_hf_traceback(err: BaseException) -> None:
 
 # --- resolve_revision ----------------------------------------------------------------------------
 def test_resolve_branch_warns_and_returns_commit(
-    hub: FakeHub, cache: Path, caplog: pytest.LogCaptureFixture
+    hub: FaultyHub, cache: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     with caplog.at_level(logging.WARNING, logger="skippy.consume.hub"):
         commit = resolve_revision(REF, endpoint=hub.url, cache_dir=cache)
@@ -78,7 +79,7 @@ def test_resolve_branch_warns_and_returns_commit(
 
 
 def test_resolve_pinned_commit_needs_no_request_and_no_warning(
-    hub: FakeHub, cache: Path, caplog: pytest.LogCaptureFixture
+    hub: FaultyHub, cache: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     commit = hub.commit_of(REPO)
     with caplog.at_level(logging.WARNING, logger="skippy.consume.hub"):
@@ -88,7 +89,7 @@ def test_resolve_pinned_commit_needs_no_request_and_no_warning(
 
 
 def test_resolve_tag(tmp_path: Path, cache: Path) -> None:
-    with FakeHub() as hub:
+    with FaultyHub() as hub:
         old = hub.add_revision(REPO, write_tree(tmp_path / "v1", FILES_V1), tags=("v1",))
         new = hub.add_revision(REPO, write_tree(tmp_path / "v2", FILES_V2))
         assert old != new
@@ -105,7 +106,7 @@ def test_resolve_tag(tmp_path: Path, cache: Path) -> None:
     ],
 )
 def test_resolve_not_found_is_typed(
-    hub: FakeHub, cache: Path, ref: HfPackageRef, code: str
+    hub: FaultyHub, cache: Path, ref: HfPackageRef, code: str
 ) -> None:
     with pytest.raises(ArtifactMissing) as info:
         resolve_revision(ref, endpoint=hub.url, cache_dir=cache)
@@ -124,7 +125,7 @@ def test_resolve_unreachable_hub_is_hub_error(cache: Path) -> None:
     _assert_no_hf_traceback(info.value)
 
 
-def test_resolve_hub_5xx_without_cache_is_hub_error(hub: FakeHub, cache: Path) -> None:
+def test_resolve_hub_5xx_without_cache_is_hub_error(hub: FaultyHub, cache: Path) -> None:
     hub.inject(REPO, None, Fault.SERVER_ERROR)
     with pytest.raises(HubError) as info:
         resolve_revision(REF, endpoint=hub.url, cache_dir=cache, policy=FAST)
@@ -133,7 +134,7 @@ def test_resolve_hub_5xx_without_cache_is_hub_error(hub: FakeHub, cache: Path) -
 
 
 # --- download_file -------------------------------------------------------------------------------
-def test_download_file_lands_in_the_standard_cache(hub: FakeHub, cache: Path) -> None:
+def test_download_file_lands_in_the_standard_cache(hub: FaultyHub, cache: Path) -> None:
     commit = resolve_revision(REF, endpoint=hub.url, cache_dir=cache)
     path = download_file(REF, commit, "layers/layer-00000.gguf", endpoint=hub.url, cache_dir=cache)
     root = repo_cache_root(cache, REPO)
@@ -148,7 +149,7 @@ def test_download_file_lands_in_the_standard_cache(hub: FakeHub, cache: Path) ->
 
 
 def test_pinned_commit_returns_old_content(tmp_path: Path, cache: Path) -> None:
-    with FakeHub() as hub:
+    with FaultyHub() as hub:
         old = hub.add_revision(REPO, write_tree(tmp_path / "v1", FILES_V1))
         new = hub.add_revision(REPO, write_tree(tmp_path / "v2", FILES_V2))
         assert resolve_revision(REF, endpoint=hub.url, cache_dir=cache) == new
@@ -161,7 +162,7 @@ def test_pinned_commit_returns_old_content(tmp_path: Path, cache: Path) -> None:
         assert old in str(got_old) and new in str(got_new)
 
 
-def test_missing_file_is_artifact_missing_fast(hub: FakeHub, cache: Path) -> None:
+def test_missing_file_is_artifact_missing_fast(hub: FaultyHub, cache: Path) -> None:
     commit = hub.commit_of(REPO)
     with pytest.raises(ArtifactMissing) as info:
         download_file(
@@ -174,7 +175,7 @@ def test_missing_file_is_artifact_missing_fast(hub: FakeHub, cache: Path) -> Non
     _assert_no_hf_traceback(err)
 
 
-def test_injected_404_is_artifact_missing(hub: FakeHub, cache: Path) -> None:
+def test_injected_404_is_artifact_missing(hub: FaultyHub, cache: Path) -> None:
     hub.inject(REPO, "shared/output.gguf", Fault.NOT_FOUND)
     with pytest.raises(ArtifactMissing) as info:
         download_file(
@@ -183,13 +184,13 @@ def test_injected_404_is_artifact_missing(hub: FakeHub, cache: Path) -> None:
     assert info.value.code == "missing_artifact"
 
 
-def test_unknown_commit_is_revision_not_found(hub: FakeHub, cache: Path) -> None:
+def test_unknown_commit_is_revision_not_found(hub: FaultyHub, cache: Path) -> None:
     with pytest.raises(ArtifactMissing) as info:
         download_file(REF, "f" * 40, "model-package.json", endpoint=hub.url, cache_dir=cache)
     assert info.value.code == "hub_revision_not_found"
 
 
-def test_server_error_on_download_is_hub_error_fast(hub: FakeHub, cache: Path) -> None:
+def test_server_error_on_download_is_hub_error_fast(hub: FaultyHub, cache: Path) -> None:
     """A 5xx on the GET is retried by our policy only (``attempts`` GETs in all)."""
     hub.inject(REPO, "shared/metadata.gguf", Fault.SERVER_ERROR)
     with pytest.raises(HubError) as info:
@@ -208,7 +209,7 @@ def test_server_error_on_download_is_hub_error_fast(hub: FakeHub, cache: Path) -
 
 
 def test_truncated_body_is_incomplete_download_and_leaves_nothing(
-    hub: FakeHub, cache: Path
+    hub: FaultyHub, cache: Path
 ) -> None:
     hub.inject(REPO, "shared/metadata.gguf", Fault.TRUNCATE)
     with pytest.raises(HubError) as info:
@@ -220,7 +221,7 @@ def test_truncated_body_is_incomplete_download_and_leaves_nothing(
     assert [p.name for p in blobs.iterdir()] == []  # no partial or bogus blob kept
 
 
-def test_flipped_byte_passes_the_clients_size_check(hub: FakeHub, cache: Path) -> None:
+def test_flipped_byte_passes_the_clients_size_check(hub: FaultyHub, cache: Path) -> None:
     """huggingface_hub checks size only: corrupted bytes land in the cache under the declared
     sha256. This is why consumers must verify SHA-256 themselves (spec, Consumer Validation)."""
     relpath = "layers/layer-00001.gguf"
@@ -232,7 +233,7 @@ def test_flipped_byte_passes_the_clients_size_check(hub: FakeHub, cache: Path) -
 
 
 def test_unsafe_relpath_and_bad_commit_are_refused_before_any_request(
-    hub: FakeHub, cache: Path
+    hub: FaultyHub, cache: Path
 ) -> None:
     commit = hub.commit_of(REPO)
     for bad in ("../x", "/etc/passwd", "a//b", "a/./b", "", "a\\b", "shared/"):
@@ -245,7 +246,7 @@ def test_unsafe_relpath_and_bad_commit_are_refused_before_any_request(
 
 
 # --- counters: a stage fetch downloads exactly its parts ---------------------------------------
-def test_download_many_fetches_exactly_the_requested_files(hub: FakeHub, cache: Path) -> None:
+def test_download_many_fetches_exactly_the_requested_files(hub: FaultyHub, cache: Path) -> None:
     commit = resolve_revision(REF, endpoint=hub.url, cache_dir=cache)
     wanted = ["model-package.json", "shared/metadata.gguf", "layers/layer-00001.gguf"]
     got = download_many(REF, commit, wanted, endpoint=hub.url, cache_dir=cache)
@@ -276,7 +277,7 @@ def test_offline_works_from_cache_without_the_hub(tmp_path: Path, cache: Path) -
     assert {p: got[p].read_bytes() for p in wanted} == {p: FILES_V1[p] for p in wanted}
 
 
-def test_offline_lists_every_missing_file(hub: FakeHub, cache: Path) -> None:
+def test_offline_lists_every_missing_file(hub: FaultyHub, cache: Path) -> None:
     commit = resolve_revision(REF, endpoint=hub.url, cache_dir=cache)
     download_file(REF, commit, "model-package.json", endpoint=hub.url, cache_dir=cache)
     hub.reset()
@@ -293,7 +294,7 @@ def test_offline_lists_every_missing_file(hub: FakeHub, cache: Path) -> None:
     _assert_no_hf_traceback(err)
 
 
-def test_offline_resolution_without_cache_is_a_miss(hub: FakeHub, cache: Path) -> None:
+def test_offline_resolution_without_cache_is_a_miss(hub: FaultyHub, cache: Path) -> None:
     with pytest.raises(OfflineCacheMiss) as info:
         resolve_revision(REF, endpoint=hub.url, cache_dir=cache, offline=True)
     assert info.value.missing == ("refs/main",)
@@ -304,7 +305,7 @@ def test_offline_resolution_without_cache_is_a_miss(hub: FakeHub, cache: Path) -
 
 
 # --- no traffic to a hub we were not pointed at --------------------------------------------------
-def test_no_request_leaves_for_the_agent_registry(hub: FakeHub, tmp_path: Path) -> None:
+def test_no_request_leaves_for_the_agent_registry(hub: FaultyHub, tmp_path: Path) -> None:
     """huggingface_hub 2.x builds its user agent by fetching ``{ENDPOINT}/api/agent-harnesses``
     (huggingface.co unless HF_ENDPOINT says otherwise) unless telemetry is off; a node must not
     call out to a hub it was not asked to use. The child points HF_ENDPOINT at the local hub so

@@ -14,8 +14,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hubfaults import Fault, FaultyHub, running_hub
 
-from mesh_node.lab.hub import FakeHub, Fault, running_hub, write_tree
+from mesh_node.lab.hub import write_tree
 from skippy.cli import main
 from skippy.config import HubPolicy, read_environment
 from skippy.consume.hub import HubError, download_file, resolve_revision
@@ -76,13 +77,13 @@ def test_the_policy_comes_from_the_environment():
 
 # --- the transport, through huggingface_hub, against the fault injection -------------------------
 @pytest.fixture
-def hub(tmp_path: Path) -> Iterator[FakeHub]:
+def hub(tmp_path: Path) -> Iterator[FaultyHub]:
     files = {"model-package.json": b"{}", FILE: b"L" * 4096}
     with running_hub({REPO: write_tree(tmp_path / "repo", files)}) as h:
         yield h
 
 
-def _download(hub: FakeHub, cache: Path, policy: HubPolicy = FAST) -> Path:
+def _download(hub: FaultyHub, cache: Path, policy: HubPolicy = FAST) -> Path:
     return download_file(
         REF, hub.commit_of(REPO), FILE, endpoint=hub.url, cache_dir=cache, policy=policy
     )

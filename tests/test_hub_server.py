@@ -14,6 +14,7 @@ from urllib.parse import urlsplit
 
 import httpx2
 import pytest
+from hubfaults import Fault, FaultyHub, running_hub
 from huggingface_hub import HfApi, hf_hub_download
 from huggingface_hub.errors import (
     HfHubHTTPError,
@@ -23,7 +24,7 @@ from huggingface_hub.errors import (
 )
 from huggingface_hub.file_download import http_get
 
-from mesh_node.lab.hub import FakeHub, Fault, running_hub, write_tree
+from mesh_node.lab.hub import write_tree
 
 REPO = "ns/pkg"
 FILES_V1 = {
@@ -47,13 +48,13 @@ def raw_client() -> Iterator[None]:
 
 
 @pytest.fixture
-def hub(tmp_path: Path) -> Iterator[FakeHub]:
+def hub(tmp_path: Path) -> Iterator[FaultyHub]:
     with running_hub({REPO: write_tree(tmp_path / "v1", FILES_V1)}) as h:
         yield h
 
 
 def _request(
-    hub: FakeHub, method: str, path: str, headers: dict[str, str] | None = None
+    hub: FaultyHub, method: str, path: str, headers: dict[str, str] | None = None
 ) -> tuple[int, dict[str, str], bytes]:
     """A raw request: http.client does not normalise '..' away, unlike httpx."""
     parts = urlsplit(hub.url)
@@ -66,7 +67,7 @@ def _request(
         conn.close()
 
 
-def test_resolve_head_carries_the_metadata_the_client_needs(hub: FakeHub) -> None:
+def test_resolve_head_carries_the_metadata_the_client_needs(hub: FaultyHub) -> None:
     data = FILES_V1["shared/metadata.gguf"]
     status, headers, body = _request(hub, "HEAD", f"/{REPO}/resolve/main/shared/metadata.gguf")
     assert status == 200 and body == b""
@@ -88,7 +89,7 @@ def test_resolve_head_carries_the_metadata_the_client_needs(hub: FakeHub) -> Non
         ("bytes=5-99999", 5, 1024),
     ],
 )
-def test_range_requests_get_206(hub: FakeHub, range_header: str, start: int, stop: int) -> None:
+def test_range_requests_get_206(hub: FaultyHub, range_header: str, start: int, stop: int) -> None:
     data = FILES_V1["shared/metadata.gguf"]
     path = f"/{REPO}/resolve/main/shared/metadata.gguf"
     status, headers, body = _request(hub, "GET", path, {"Range": range_header})
@@ -98,13 +99,13 @@ def test_range_requests_get_206(hub: FakeHub, range_header: str, start: int, sto
     assert hub.stats(REPO, "shared/metadata.gguf").bytes_served == stop - start
 
 
-def test_unsatisfiable_range_is_416(hub: FakeHub) -> None:
+def test_unsatisfiable_range_is_416(hub: FaultyHub) -> None:
     path = f"/{REPO}/resolve/main/shared/metadata.gguf"
     status, headers, _ = _request(hub, "GET", path, {"Range": "bytes=5000-"})
     assert status == 416 and headers["Content-Range"] == "bytes */1024"
 
 
-def test_client_resume_uses_range(hub: FakeHub) -> None:
+def test_client_resume_uses_range(hub: FaultyHub) -> None:
     """huggingface_hub's own resume path (http_get with resume_size) gets the tail via Range."""
     data = FILES_V1["shared/metadata.gguf"]
     buf = io.BytesIO()
@@ -118,7 +119,7 @@ def test_client_resume_uses_range(hub: FakeHub) -> None:
 def test_model_info_and_revisions(tmp_path: Path) -> None:
     v1 = write_tree(tmp_path / "v1", FILES_V1)
     v2 = write_tree(tmp_path / "v2", FILES_V2)
-    with FakeHub() as hub:
+    with FaultyHub() as hub:
         c1 = hub.add_revision(REPO, v1, tags=("v1.0",))
         c2 = hub.add_revision(REPO, v2)
         api = HfApi(endpoint=hub.url)
@@ -147,7 +148,7 @@ def test_model_info_and_revisions(tmp_path: Path) -> None:
 def test_commit_is_deterministic(tmp_path: Path) -> None:
     a = write_tree(tmp_path / "a", FILES_V1)
     b = write_tree(tmp_path / "b", FILES_V1)
-    with FakeHub() as one, FakeHub() as two:
+    with FaultyHub() as one, FaultyHub() as two:
         assert one.add_revision(REPO, a) == two.add_revision(REPO, b)
         assert one.add_revision("ns/other", a) != one.commit_of(REPO)
 
@@ -169,7 +170,7 @@ def test_tree_listing_and_pagination(tmp_path: Path) -> None:
         assert sub == {"layers/layer-00000.gguf", "layers/layer-00001.gguf"}
 
 
-def test_hf_hub_download_and_typed_errors_are_not_retried(hub: FakeHub, tmp_path: Path) -> None:
+def test_hf_hub_download_and_typed_errors_are_not_retried(hub: FaultyHub, tmp_path: Path) -> None:
     """A 404 of each kind maps to the client's typed error on the first answer: one request
     each, no retry loop (a retry storm would be the way such a test hangs)."""
     cache = tmp_path / "cache"
@@ -201,7 +202,7 @@ def test_hf_hub_download_and_typed_errors_are_not_retried(hub: FakeHub, tmp_path
         f"/api/models/{REPO}/tree/main/%2e%2e",
     ],
 )
-def test_server_refuses_unsafe_paths(hub: FakeHub, path: str) -> None:
+def test_server_refuses_unsafe_paths(hub: FaultyHub, path: str) -> None:
     status, _, _ = _request(hub, "GET", path)
     assert status == 400
 
@@ -210,11 +211,11 @@ def test_server_refuses_to_serve_symlinks_out_of_the_package(tmp_path: Path) -> 
     (tmp_path / "secret").write_bytes(b"s")
     pkg = write_tree(tmp_path / "pkg", {"model-package.json": b"{}"})
     os.symlink(tmp_path / "secret", pkg / "leak")
-    with pytest.raises(ValueError, match="refusing to serve"), FakeHub() as hub:
+    with pytest.raises(ValueError, match="refusing to serve"), FaultyHub() as hub:
         hub.add_revision(REPO, pkg)
 
 
-def test_faults_and_counters(hub: FakeHub, tmp_path: Path) -> None:
+def test_faults_and_counters(hub: FaultyHub, tmp_path: Path) -> None:
     path = "layers/layer-00000.gguf"
     url_path = f"/{REPO}/resolve/main/{path}"
     hub.inject(REPO, path, Fault.NOT_FOUND)
@@ -258,7 +259,7 @@ def test_faults_and_counters(hub: FakeHub, tmp_path: Path) -> None:
 
 def test_stop_cuts_keepalive_connections(tmp_path: Path) -> None:
     """A stopped hub must not keep answering through the client's pooled connection."""
-    hub = FakeHub()
+    hub = FaultyHub()
     hub.add_revision(REPO, write_tree(tmp_path / "v1", FILES_V1))
     hub.start()
     api = HfApi(endpoint=hub.url)

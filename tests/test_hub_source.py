@@ -6,8 +6,8 @@ import json
 import shutil
 
 import pytest
+from hubfaults import running_hub
 
-from mesh_node.lab.hub import running_hub
 from skippy.cli import main
 from skippy.errors import UsageError
 from skippy.produce.hub_source import choose_distribution_files, parse_model_coordinate
@@ -136,7 +136,7 @@ def test_a_corrupt_source_download_never_becomes_provenance(
 ):
     import hashlib
 
-    from mesh_node.lab.hub import Fault
+    from hubfaults import Fault
 
     repo_dir = tmp_path / "repo"
     repo_dir.mkdir()

@@ -13,9 +13,9 @@ import shutil
 from pathlib import Path
 
 import pytest
+from hubfaults import Fault, FaultyHub, running_hub
 from pkgtools import edit_manifest, make_package
 
-from mesh_node.lab.hub import FakeHub, Fault, running_hub
 from skippy.cli import main
 from skippy.config import read_environment
 from skippy.constants import MANIFEST_NAME, layer_path
@@ -41,7 +41,7 @@ def packages(synth_dir, tmp_path_factory) -> tuple[Path, Path]:
 
 
 @pytest.fixture
-def hub(packages, monkeypatch) -> FakeHub:
+def hub(packages, monkeypatch) -> FaultyHub:
     v1, v2 = packages
     with running_hub({REPO: [v1, v2]}) as h:
         monkeypatch.setenv("HF_ENDPOINT", h.url)
@@ -80,7 +80,7 @@ def test_second_fetch_downloads_nothing(hub):
 
 def test_revision_pin_is_honoured(packages, monkeypatch):
     v1, v2 = packages
-    with FakeHub() as h:
+    with FaultyHub() as h:
         old = h.add_revision(REPO, v1)
         new = h.add_revision(REPO, v2)  # main moves to v2
         monkeypatch.setenv("HF_ENDPOINT", h.url)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from hubfaults import Fault
 from transfer_tools import (
     REPO,
     WORKER_B,
@@ -24,7 +25,6 @@ from transfer_tools import (
     served_package,  # noqa: F401 - a fixture
 )
 
-from mesh_node.lab.hub import Fault
 from skippy.cli import main
 from skippy.config import Environment, read_environment
 from skippy.constants import MANIFEST_NAME

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from hubfaults import FaultyHub, running_hub
 from huggingface_hub import hf_hub_download
 from pkgtools import make_package
 
-from mesh_node.lab.hub import FakeHub, running_hub
 from skippy.constants import MANIFEST_NAME
 from skippy.consume.verify import VerifyCache
 from skippy.package.ranges import LayerRange
@@ -62,7 +62,7 @@ class ServedPackage:
     ref: str  # hf://lab/tiny-layers@<commit>
     commit: str
     manifest_sha256: str
-    hub: FakeHub  # still running: the hub workers fall back to
+    hub: FaultyHub  # still running: the hub workers fall back to
 
     def topology(self, **changes: object) -> SplitTopology:
         n = 4

@@ -22,10 +22,10 @@ package directories over the part of the API that ``huggingface_hub`` 2.4.0 down
 Every file is presented as an LFS file, so the cache blob is named by its sha256. Revisions are
 immutable snapshots of a directory *listing*: the commit sha is the sha1 of the repo id and the
 sorted ``(path, size, sha256)`` lines, and bytes are re-read from disk on each request (do not
-edit a served directory). Fault injection (flip a byte, truncate, 404, 500, 503 or 429 with an
-optional Retry-After, a dropped connection, a stall) and per-file counters are thread-safe and
-can be changed while the server runs; ``times=N`` makes a fault transient (the first N
-requests), which is how retry policies are tested.
+edit a served directory). Per-file counters and the request log are thread-safe. Fault
+injection is test tooling and lives beside the tests (``tests/hubfaults.py``); this hub only
+offers the two hooks it uses (``_Handler._intercept`` and ``_Handler._presented``, plus
+``FakeHub.handler_class``), which answer every request normally here.
 
 In process::
 
@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import enum
 import hashlib
 import json
 import os
@@ -50,7 +49,6 @@ import signal
 import socket
 import sys
 import threading
-import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -63,34 +61,6 @@ COMMIT_RE: Final = re.compile(r"^[0-9a-f]{40}$")
 LFS_POINTER_SIZE: Final = 134  # a real LFS pointer file is ~130 bytes; the client only stores it
 FIXED_DATE: Final = "2026-01-01T00:00:00.000Z"
 _READ_CHUNK: Final = 1 << 20
-
-
-class Fault(enum.Enum):
-    """What to do instead of serving a file normally."""
-
-    FLIP_BYTE = "flip_byte"  # XOR 0xFF into the middle byte of the body (size unchanged)
-    TRUNCATE = "truncate"  # serve only the first half, with an honest Content-Length
-    NOT_FOUND = "not_found"  # 404 EntryNotFound (RepoNotFound for repo-level API faults)
-    SERVER_ERROR = "server_error"  # 500
-    UNAVAILABLE = "unavailable"  # 503 (with Retry-After when the rule carries one)
-    RATE_LIMITED = "rate_limited"  # 429 (with Retry-After when the rule carries one)
-    DROP = "drop"  # close the connection without answering
-    STALL = "stall"  # wait ``stall_s`` seconds, then answer normally
-
-
-# Which methods a fault hits when the caller does not say. SERVER_ERROR defaults to GET only:
-# huggingface_hub answers a 5xx on its metadata HEAD by retrying with 1+2+4+8+8 s of backoff
-# (~23 s) before giving up, whereas a 5xx on the GET fails at once.
-_DEFAULT_METHODS: Final[dict[Fault, frozenset[str]]] = {
-    Fault.FLIP_BYTE: frozenset({"GET"}),
-    Fault.TRUNCATE: frozenset({"GET"}),
-    Fault.NOT_FOUND: frozenset({"HEAD", "GET"}),
-    Fault.SERVER_ERROR: frozenset({"GET"}),
-    Fault.UNAVAILABLE: frozenset({"HEAD", "GET"}),
-    Fault.RATE_LIMITED: frozenset({"HEAD", "GET"}),
-    Fault.DROP: frozenset({"HEAD", "GET"}),
-    Fault.STALL: frozenset({"HEAD", "GET"}),
-}
 
 
 @dataclass(frozen=True)
@@ -139,15 +109,6 @@ class FileStats:
     get_requests: int = 0
     head_requests: int = 0
     bytes_served: int = 0
-
-
-@dataclass
-class _FaultRule:
-    fault: Fault
-    methods: frozenset[str]
-    remaining: int | None  # None: until cleared
-    retry_after: str | None = None  # the Retry-After header of a 429/503
-    stall_s: float = 0.0
 
 
 class UnsafeRequestPath(ValueError):
@@ -225,6 +186,8 @@ def _parse_range(header: str | None, size: int) -> tuple[int, int] | str | None:
 class FakeHub:
     """A threaded HTTP server speaking the Hub download API; see the module docstring."""
 
+    handler_class: type[_Handler]  # set below the handler; a test hub may substitute its own
+
     def __init__(
         self, *, host: str = "127.0.0.1", port: int = 0, tree_page_size: int = 1000
     ) -> None:
@@ -233,7 +196,6 @@ class FakeHub:
         self.tree_page_size = tree_page_size
         self._lock = threading.Lock()
         self._repos: dict[str, Repo] = {}
-        self._faults: dict[tuple[str, str | None], _FaultRule] = {}
         self._stats: dict[tuple[str, str], FileStats] = {}
         self._log: list[tuple[str, str, int]] = []
         self._server: ThreadingHTTPServer | None = None
@@ -276,41 +238,10 @@ class FakeHub:
             raise KeyError(f"{repo_id} has no revision {revision!r}")
         return rev.commit
 
-    # --- faults and counters -------------------------------------------------------------------
-    def inject(
-        self,
-        repo_id: str,
-        path: str | None,
-        fault: Fault,
-        *,
-        methods: Iterable[str] | None = None,
-        times: int | None = None,
-        retry_after: str | None = None,
-        stall_s: float = 0.0,
-    ) -> None:
-        """Make requests for ``path`` misbehave (``path=None``: the repo's JSON API endpoints).
-
-        ``methods`` defaults per fault (SERVER_ERROR hits only GET, see ``_DEFAULT_METHODS``);
-        ``times`` limits how many requests the fault hits before it clears itself;
-        ``retry_after`` is sent as the Retry-After header of a 429/503; ``stall_s`` is how long
-        a STALL waits before answering.
-        """
-        if times is not None and times < 1:
-            raise ValueError(f"times must be >= 1 (or None for a persistent fault), got {times}")
-        chosen = (
-            _DEFAULT_METHODS[fault] if methods is None else frozenset(m.upper() for m in methods)
-        )
-        with self._lock:
-            self._faults[(repo_id, path)] = _FaultRule(fault, chosen, times, retry_after, stall_s)
-
-    def clear_faults(self) -> None:
-        with self._lock:
-            self._faults.clear()
-
+    # --- counters ------------------------------------------------------------------------------
     def reset(self) -> None:
-        """Forget faults, counters and the request log (content and refs stay)."""
+        """Forget counters and the request log (content and refs stay)."""
         with self._lock:
-            self._faults.clear()
             self._stats.clear()
             self._log.clear()
 
@@ -335,17 +266,6 @@ class FakeHub:
         """Every request as (method, raw path, status), oldest first."""
         with self._lock:
             return list(self._log)
-
-    def _take_fault(self, repo_id: str, path: str | None, method: str) -> _FaultRule | None:
-        with self._lock:
-            rule = self._faults.get((repo_id, path))
-            if rule is None or method not in rule.methods:
-                return None
-            if rule.remaining is not None:
-                rule.remaining -= 1
-                if rule.remaining <= 0:
-                    del self._faults[(repo_id, path)]
-            return rule
 
     def _count_request(self, repo_id: str, path: str, method: str) -> None:
         with self._lock:
@@ -383,7 +303,7 @@ class FakeHub:
         """Bind (ephemeral port by default), serve in a daemon thread, return the base URL."""
         if self._server is not None:
             return self.url
-        handler = type("_BoundHandler", (_Handler,), {"hub": self})
+        handler = type("_BoundHandler", (self.handler_class,), {"hub": self})
         self._server = ThreadingHTTPServer((self._host, self._port), handler)
         self._server.daemon_threads = True
         self._thread = threading.Thread(
@@ -478,27 +398,21 @@ class _Handler(BaseHTTPRequestHandler):
             headers["X-Repo-Commit"] = commit
         self._json(status, {"error": message}, headers)
 
-    def _transient(self, rule: _FaultRule | None) -> bool:
-        """Answer a 429/503, drop the connection, or stall; True when the request is done."""
-        if rule is None:
-            return False
-        if rule.fault is Fault.STALL:
-            time.sleep(rule.stall_s)
-            return False
-        if rule.fault is Fault.DROP:
-            self.hub._record(self.command, self.path, 0)
-            self.close_connection = True
-            with contextlib.suppress(OSError):
-                self.connection.shutdown(socket.SHUT_RDWR)
-            return True
-        if rule.fault in (Fault.UNAVAILABLE, Fault.RATE_LIMITED):
-            status = 503 if rule.fault is Fault.UNAVAILABLE else 429
-            headers = {"X-Error-Message": f"injected {status}"}
-            if rule.retry_after is not None:
-                headers["Retry-After"] = rule.retry_after
-            self._json(status, {"error": f"injected {status}"}, headers)
-            return True
+    # --- hooks (test tooling overrides them: tests/hubfaults.py) ----------------------------------
+    def _intercept(
+        self, method: str, repo_id: str, path: str | None, commit: str | None
+    ) -> bool:
+        """Called before a request is answered (``path=None``: the repo's JSON API; ``commit``:
+        the resolved revision of a file request); True when it answered the request itself.
+        The plain hub never does."""
         return False
+
+    def _presented(
+        self, method: str, repo_id: str, path: str, entry: HubFile
+    ) -> tuple[int, int | None]:
+        """The representation served for ``entry``: its size and a byte index to corrupt (XOR
+        0xFF), or None. The plain hub serves the file as it is."""
+        return entry.size, None
 
     def _dispatch(self, method: str) -> None:
         split = urlsplit(self.path)
@@ -523,15 +437,7 @@ class _Handler(BaseHTTPRequestHandler):
             return
         repo_id = "/".join(_safe_segments(raw[:2]))
         rest = raw[2:]
-        rule = self.hub._take_fault(repo_id, None, method)
-        if self._transient(rule):
-            return
-        fault = rule.fault if rule is not None else None
-        if fault is Fault.SERVER_ERROR:
-            self._error(500, None, "injected server error")
-            return
-        if fault is Fault.NOT_FOUND:
-            self._error(404, "RepoNotFound", "Repository not found")
+        if self._intercept(method, repo_id, None, None):
             return
         if not rest:
             self._model_info(repo_id, None, query)
@@ -649,15 +555,10 @@ class _Handler(BaseHTTPRequestHandler):
         if rev is None:
             return
         entry = rev.files.get(path)
-        rule = self.hub._take_fault(repo_id, path, method)
-        if self._transient(rule):
+        if self._intercept(method, repo_id, path, rev.commit):
             return
-        fault = rule.fault if rule is not None else None
-        if entry is None or fault is Fault.NOT_FOUND:
+        if entry is None:
             self._error(404, "EntryNotFound", f"{path} does not exist on {revision}", rev.commit)
-            return
-        if fault is Fault.SERVER_ERROR:
-            self._error(500, None, "injected server error")
             return
         meta = {
             "X-Repo-Commit": rev.commit,
@@ -666,9 +567,7 @@ class _Handler(BaseHTTPRequestHandler):
             "X-Linked-Size": str(entry.size),
             "Accept-Ranges": "bytes",
         }
-        # The representation a faulty server would send: same size for FLIP, half for TRUNCATE.
-        size = entry.size // 2 if fault is Fault.TRUNCATE else entry.size
-        flip_at = entry.size // 2 if fault is Fault.FLIP_BYTE and entry.size else None
+        size, flip_at = self._presented(method, repo_id, path, entry)
         rng = _parse_range(self.headers.get("Range"), size)
         if rng == "unsatisfiable":
             self._send(416, b"", {**meta, "Content-Range": f"bytes */{size}"})
@@ -708,6 +607,9 @@ class _Handler(BaseHTTPRequestHandler):
                 pos += len(chunk)
 
 
+FakeHub.handler_class = _Handler
+
+
 # --- helpers for tests ------------------------------------------------------------------------
 def write_tree(root: Path, files: Mapping[str, bytes]) -> Path:
     """Write ``{relative posix path: bytes}`` under ``root`` (created); return ``root``."""
@@ -720,13 +622,16 @@ def write_tree(root: Path, files: Mapping[str, bytes]) -> Path:
 
 @contextlib.contextmanager
 def running_hub(
-    repos: Mapping[str, Path | Sequence[Path]] | None = None, *, tree_page_size: int = 1000
+    repos: Mapping[str, Path | Sequence[Path]] | None = None,
+    *,
+    tree_page_size: int = 1000,
+    hub_class: type[FakeHub] = FakeHub,
 ) -> Iterator[FakeHub]:
-    """A started FakeHub serving ``{repo_id: dir or [older dirs..., main dir]}``.
+    """A started hub (``hub_class``) serving ``{repo_id: dir or [older dirs..., main dir]}``.
 
     With a list, every directory becomes a commit and ``main`` ends on the last one.
     """
-    hub = FakeHub(tree_page_size=tree_page_size)
+    hub = hub_class(tree_page_size=tree_page_size)
     for repo_id, dirs in (repos or {}).items():
         for directory in [dirs] if isinstance(dirs, Path) else dirs:
             hub.add_revision(repo_id, directory)

@@ -213,6 +213,19 @@ def _runs(artifacts: Sequence[Mapping[str, Any]]) -> list[list[Mapping[str, Any]
     return out
 
 
+def render_links(links: Mapping[str, Any] | None) -> list[str]:
+    """Issue #21: the emulated links (``mesh_node.lab.netem``) and their fault counters."""
+    if not links:
+        return []
+    rows = [("link", "emulated", "bytes relayed")]
+    rows += [(f"{x['a']} - {x['b']}", x["text"], human_bytes(x["bytes"])) for x in links["links"]]
+    counts = links.get("counts", {})
+    faults = ", ".join(
+        f"{k} {counts[k]}" for k in ("drop", "stall", "partition", "refuse") if counts.get(k)
+    )
+    return [*_table(rows), f"link faults: {faults or 'none'}"]
+
+
 def render_report(doc: Mapping[str, Any]) -> str:
     foreign = f", {doc['foreign_owners']} foreign" if doc["foreign_owners"] else ""
     lines = [
@@ -261,6 +274,7 @@ def render_report(doc: Mapping[str, Any]) -> str:
         f"workers received: peer {human_bytes(t['peer_bytes'])}, hub {human_bytes(t['hub_bytes'])}"
         f", already cached {human_bytes(t['cache_bytes'])}; {doc['seconds']:.2f} s{rate}"
     )
+    lines += render_links(doc.get("links"))
     refusals = doc["coordinator"]["refusals"]
     lines.append(
         "coordinator refusals: "

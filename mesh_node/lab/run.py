@@ -24,8 +24,9 @@ import shutil
 import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
-from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any, Final
 
@@ -33,6 +34,7 @@ import trio
 
 from mesh_node.lab.cluster import LabCluster, LabError, LabNode, NodeSpec
 from mesh_node.lab.hub import FakeHub
+from mesh_node.lab.netem import LinkTable, Netem, open_netem
 from mesh_node.lab.package import LabPackage, import_package, publish_directory
 from mesh_node.lab.report import CacheCheck, NodeFacts, build_report
 from skippy.config import ArtifactTransfer, read_environment
@@ -72,6 +74,7 @@ class LabOptions:
     prompt: str | None = None  # issue #10: one completion through the split
     max_tokens: int = 16
     serve: bool = False  # issue #10: serve the split behind the API (the lab stays up)
+    links: LinkTable | None = None  # issue #21: emulated WAN links between every pair of nodes
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -97,6 +100,7 @@ class Lab:
     cluster: LabCluster
     package: LabPackage
     hub_url: str | None  # the lab hub (a published directory), else None
+    netem: Netem | None = None  # issue #21: the emulated links (partition, heal, event log)
 
     async def split(self) -> dict[str, Any]:
         """Plan the split on the coordinator, wait for every stage, check, report."""
@@ -169,7 +173,7 @@ class Lab:
                     check,
                 )
             )
-        return build_report(
+        report = build_report(
             package_ref=self.package.ref,
             transfer=self.options.transfer,
             foreign_owners=self.options.foreign_owners,
@@ -178,6 +182,8 @@ class Lab:
             seconds=seconds,
             problems=problems,
         )
+        report["links"] = self.netem.report() if self.netem is not None else None
+        return report
 
     async def _wait_stages(self, topology: Mapping[str, Any], deadline: float) -> bool:
         """Until every stage node's fetch ended (ready or failed) and its report was answered,
@@ -294,17 +300,44 @@ async def open_lab(options: LabOptions) -> AsyncIterator[Lab]:
             )
 
         package = await trio.to_thread.run_sync(load)
-        try:
-            await cluster.start_all()
-            await cluster.wait_meshed(MESH_TIMEOUT_S)
-            yield Lab(options, cluster, package, lab_hub.url if lab_hub else None)
-        finally:
-            await cluster.aclose()
+        async with AsyncExitStack() as stack:
+            netem = None
+            if options.links is not None:
+                netem = await stack.enter_async_context(open_netem(options.links))
+                await route_through(netem, cluster)
+            try:
+                await cluster.start_all()
+                await cluster.wait_meshed(MESH_TIMEOUT_S)
+                yield Lab(options, cluster, package, lab_hub.url if lab_hub else None, netem)
+            finally:
+                await cluster.aclose()
     finally:
         if lab_hub is not None:
             lab_hub.stop()
         if not options.keep:
             shutil.rmtree(root, ignore_errors=True)
+
+
+async def route_through(netem: Netem, cluster: LabCluster) -> None:
+    """Issue #21: every node dials every other node through that ordered pair's relay (its
+    ``dial_via`` table), so configured and gossip-learned links alike cross an emulated link.
+    Call before the nodes start; relays look their target's address up per connection."""
+    for node in cluster.nodes:
+        netem.set_target(node.spec.name, partial(_listening_at, node))
+    for node in cluster.nodes:
+        via = {
+            other.node_id: await netem.route(node.spec.name, other.spec.name)
+            for other in cluster.nodes
+            if other is not node
+        }
+        node.spec = replace(node.spec, config={**node.spec.config, "dial_via": via})
+
+
+def _listening_at(node: LabNode) -> tuple[str, int] | None:
+    if node.url is None:
+        return None
+    host, _, port = node.url.removeprefix("ws://").split("#", 1)[0].rpartition(":")
+    return host.strip("[]"), int(port)
 
 
 async def experiment(lab: Lab) -> dict[str, Any]:
@@ -324,6 +357,8 @@ async def experiment(lab: Lab) -> dict[str, Any]:
             api, options.prompt, max_tokens=options.max_tokens, timeout_s=options.timeout_s
         )
         report["prompt"] = prompt_report(completion, await lab.cluster.statuses())
+        if lab.netem is not None:  # issue #21: the links' bytes include the completion's
+            report["links"] = lab.netem.report()
     return report
 
 

@@ -1,0 +1,245 @@
+"""The mesh on emulated WAN links (issue #21 section 4), called by scripts/bench.py (section
+"wan"). Every link crosses the lab's userspace relay (``mesh_node.lab.netem``).
+
+- Serving: gemma3-270m on a 3-node lab split (``mesh-node lab``'s nodes, one thread per stage),
+  its links set in turn to 0, 5, 20 and 50 ms RTT (one lab, ``Netem.set_links``), beside the
+  same runtime as one stage (``mesh-node serve --stages 1``, one thread) asked in the same
+  minutes: decode and prefill tok/s, time to first token, and the model
+  ``t_token = sum(stage compute) + hops x one-way latency`` (3 hops per token: stage 0 -> 1
+  -> 2 -> back to stage 0), with the stages' compute per token read from their own counters
+  (``compute_busy_s``) around each decode request.
+- Transfer: a 201 MB artifact from the coordinator to a worker over a link shaped to
+  100 Mbit/s and 1 Gbit/s at 20 ms RTT (and 1 Gbit/s at 50 ms RTT, where a fixed 4 MiB
+  stream window would cap it at 80 MB/s), vs the link rate: the worker's own record of the
+  verified transfer.
+"""
+
+from __future__ import annotations
+
+import shutil
+import statistics
+from pathlib import Path
+from typing import Any
+
+import trio
+from bench_serve import _complete, _long_prompt  # type: ignore[import-not-found]
+from bench_transfer_mesh import _package, _wait_record  # type: ignore[import-not-found]
+from benchlib import BenchContext, Row, random_file, spread  # type: ignore[import-not-found]
+from servetools import split_cluster, wait_ready  # type: ignore[import-not-found]
+
+from mesh_node.lab.netem import LinkSpec, LinkTable, format_rate
+from mesh_node.lab.run import LabOptions, open_lab
+
+MODEL = "gemma3-270m"
+RTTS_MS = (0, 5, 20, 50)
+HOPS = 3
+DECODE_TOKENS = 32
+TRANSFER_BYTES = 3 * 64 << 20  # whole 64 MiB blocks (benchlib.random_file): 201 MB
+TRANSFERS = ((100e6 / 8, 0.02), (1e9 / 8, 0.02), (1e9 / 8, 0.05))  # (bytes/s, RTT s)
+
+
+def _package_dir(ctx: BenchContext) -> Path:
+    from bench_stage import _package as stage_package  # type: ignore[import-not-found]
+
+    return Path(stage_package(ctx))
+
+
+async def _busy(lab: Any) -> float:
+    total = 0.0
+    for doc in await lab.cluster.statuses():
+        stage = (doc or {}).get("stage") or {}
+        total += float(stage.get("compute_busy_s") or 0.0)
+    return total
+
+
+async def _serving(ctx: BenchContext, pkg: Path, single_api: str) -> dict[int, dict[str, Any]]:
+    root = ctx.work / "wan-serve-lab"
+    shutil.rmtree(root, ignore_errors=True)
+    options = LabOptions(
+        nodes=3, package=str(pkg), transfer="open", root=root, links=LinkTable(), serve=True
+    )
+    out: dict[int, dict[str, Any]] = {}
+    async with open_lab(options) as lab:
+        api, _, _ = await lab.start_serving()
+        assert lab.netem is not None
+        await trio.to_thread.run_sync(wait_ready, api, 300)
+        long = _long_prompt()
+        for rtt_ms in RTTS_MS:
+            lab.netem.set_links(LinkTable(LinkSpec(rtt_s=rtt_ms / 1000)))
+            await trio.sleep(2 * rtt_ms / 1000 + 0.5)  # the new delay reaches every link
+            got: dict[str, list[float]] = {
+                k: [] for k in ("dec", "dec1", "pre", "pre1", "ttft", "ttft1", "compute")
+            }
+            for _ in range(ctx.runs):
+                for name, where in (("", api), ("1", single_api)):
+                    before = await _busy(lab)
+                    d = await trio.to_thread.run_sync(
+                        _complete, where, "Once upon a time", DECODE_TOKENS
+                    )
+                    n = d["usage"]["completion_tokens"]
+                    got["dec" + name].append((n - 1) / d["timings"]["decode_s"])
+                    if not name:
+                        got["compute"].append((await _busy(lab) - before) / n)
+                    p = await trio.to_thread.run_sync(_complete, where, long, 1)
+                    got["pre" + name].append(len(long) / p["timings"]["prefill_s"])
+                    got["ttft" + name].append(p["timings"]["ttft_s"])
+            out[rtt_ms] = got
+    return out
+
+
+def _serve_rows(ctx: BenchContext) -> list[Row]:
+    pkg = _package_dir(ctx)
+    root = ctx.work / "wan-single"
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    kw = {"budget": "4GiB", "n_ctx": 1024, "chunk": 128, "threads": 1, "sessions": 4}
+    with split_cluster(root, pkg, workers=0, stages=1, **kw) as single:
+        wait_ready(single.api, 300)
+        got = trio.run(_serving, ctx, pkg, single.api)
+    out: list[Row] = []
+    for rtt_ms, g in got.items():
+        dec, dec1 = statistics.median(g["dec"]), statistics.median(g["dec1"])
+        compute_ms = statistics.median(g["compute"]) * 1000
+        model_ms = compute_ms + HOPS * rtt_ms / 2
+        measured_ms = 1000 / dec
+        out += [
+            (MODEL, f"wan {rtt_ms} ms RTT: decode tok/s, 3-stage lab split / 1 stage",
+             f"{spread(g['dec'], fmt='{:.1f}')} / {spread(g['dec1'], fmt='{:.1f}')}",
+             f"{dec / dec1:.2f}x one stage; {measured_ms:.1f} ms/token vs model "
+             f"{model_ms:.1f} (stage compute {compute_ms:.1f} + {HOPS} x {rtt_ms / 2:g}): "
+             f"overhead {measured_ms - model_ms:+.1f} ms/token (goal <= 3)"),
+            (MODEL, f"wan {rtt_ms} ms RTT: prefill tok/s (512 tokens), split / 1 stage",
+             f"{spread(g['pre'], fmt='{:.0f}')} / {spread(g['pre1'], fmt='{:.0f}')}",
+             f"{statistics.median(g['pre']) / statistics.median(g['pre1']):.2f}x one stage"),
+            (MODEL, f"wan {rtt_ms} ms RTT: time to first token (512 tokens), split / 1 stage",
+             f"{spread(g['ttft'], 1000, '{:.0f}')} / {spread(g['ttft1'], 1000, '{:.0f}')}", "ms"),
+        ]
+    return out
+
+
+async def _transfer_runs(package: Path, work: Path, spec: LinkSpec, runs: int) -> list[float]:
+    root = work / "wan-xfer-lab"
+    shutil.rmtree(root, ignore_errors=True)
+    options = LabOptions(
+        nodes=2,
+        package=str(package),
+        transfer="open",
+        root=root,
+        timeout_s=600,
+        node_overrides={0: {"memory_budget": "1GiB"}, 1: {"memory_budget": "16GiB"}},
+        links=LinkTable(spec),
+    )
+    rates: list[float] = []
+    async with open_lab(options) as lab:
+        coordinator, worker = lab.cluster.nodes
+        for i in range(runs + 1):
+            await lab.cluster.stop(1)
+            shutil.rmtree(worker.data_dir / "hub", ignore_errors=True)
+            shutil.rmtree(worker.root / "cache", ignore_errors=True)
+            await lab.cluster.start(1)
+            await lab.cluster.wait_meshed(60)
+            response = await coordinator.request(
+                {"op": "topology", "package": lab.package.ref, "stages": 2, "include_self": True},
+                timeout_s=120,
+            )
+            record = await _wait_record(worker, response["topology"]["topology_id"])
+            if i:  # the first run warms up
+                rates.append(record["mb_per_s"])
+    return rates
+
+
+def _transfer_rows(ctx: BenchContext) -> list[Row]:
+    big, digest = random_file(ctx, TRANSFER_BYTES, name="wan-transfer.bin")
+    package = _package(ctx.work, "wan", big, digest, link=True)
+    out: list[Row] = []
+    for rate, rtt in TRANSFERS:
+        spec = LinkSpec(rtt_s=rtt, rate_bytes_per_s=rate)
+        rates = trio.run(_transfer_runs, package, ctx.work, spec, max(2, ctx.runs // 2))
+        link_mb = rate / 1e6
+        out.append(
+            ("wan transfer", f"{TRANSFER_BYTES / 1e6:.0f} MB verified peer transfer, "
+             f"{format_rate(rate)} at {rtt * 1000:g} ms RTT", f"{spread(rates, fmt='{:.1f}')} MB/s",
+             f"{statistics.median(rates) / link_mb:.2f}x the link rate ({link_mb:g} MB/s; "
+             "target >= 0.9x)"),
+        )
+    return out
+
+
+def rows(ctx: BenchContext) -> list[Row]:
+    return _window_rows(ctx) + _transfer_rows(ctx) + _serve_rows(ctx)
+
+
+# --- one stream's window at a long RTT (in one process: both nodes and the relay) -----------------
+WINDOW_RTT_S = 0.1
+WINDOW_BYTES = 200 << 20
+
+
+async def _stream_rate(tmp: Path, window_max: int) -> float:
+    """MB/s of one mesh stream through the relay at WINDOW_RTT_S (no rate limit), receiver
+    side, with the receive window allowed to grow to ``window_max``."""
+    from meshtools import identity, settings  # type: ignore[import-not-found]
+
+    from mesh_node.lab.netem import open_netem
+    from mesh_node.node import MeshNode
+    from protocol import constants as pc
+    from skippy.config import PeerAddress
+
+    limits = pc.Limits(
+        stream_window_max_bytes=window_max, handshake_timeout_s=5, idle_timeout_s=10
+    )
+    chunk = b"\0" * (1 << 20)
+
+    async def serve(stream: Any) -> None:
+        for _ in range(WINDOW_BYTES // len(chunk)):
+            await stream.stream.send_all(chunk)
+        await stream.stream.send_eof()
+        await stream.stream.receive_some()  # until the reader's end: a close would reset
+
+    ia, ib = identity(), identity()
+    timeouts = {"heartbeat_interval_s": 0.5, "peer_loss_timeout_s": 10.0}
+    async with (
+        open_netem(LinkTable(LinkSpec(rtt_s=WINDOW_RTT_S))) as netem,
+        trio.open_nursery() as nursery,
+    ):
+        a = MeshNode(settings(tmp, "a", **timeouts), ia, limits=limits)
+        a.register_subprotocol(0x7F, serve)
+        await nursery.start(a.run)
+        assert a.listen_url is not None
+        host, port = a.listen_url.removeprefix("ws://").rsplit(":", 1)
+        netem.set_target("a", lambda: (host, int(port)))
+        url = (await netem.route("b", "a")).removeprefix("ws://")
+        rh, rp = url.rsplit(":", 1)
+        b = MeshNode(
+            settings(tmp, "b", peers=(PeerAddress(host, int(port), ia.node_id),),
+                     dial_via={ia.node_id: PeerAddress(rh, int(rp), ia.node_id)}, **timeouts),
+            ib, limits=limits,
+        )
+        await nursery.start(b.run)
+        while (peer := b.peer(ia.node_id)) is None or peer.rtt_s is None:
+            await trio.sleep(0.05)
+        stream = await b.open_stream(ia.node_id, 0x7F)
+        got, t0 = 0, trio.current_time()
+        while got < WINDOW_BYTES and (data := await stream.receive_some()):
+            got += len(data)
+        seconds = trio.current_time() - t0
+        await stream.send_eof()
+        nursery.cancel_scope.cancel()
+    return got / seconds / 1e6
+
+
+def _window_rows(ctx: BenchContext) -> list[Row]:
+    fixed, grown = [], []
+    for i in range(max(2, ctx.runs // 2)):
+        root = ctx.work / f"wan-window-{i}"
+        shutil.rmtree(root, ignore_errors=True)
+        root.mkdir(parents=True)
+        fixed.append(trio.run(_stream_rate, root, 4 << 20))
+        grown.append(trio.run(_stream_rate, root, 16 << 20))
+    cap = (4 << 20) / WINDOW_RTT_S / 1e6
+    return [
+        ("wan stream", f"one mesh stream at {WINDOW_RTT_S * 1000:g} ms RTT (unshaped, one "
+         "process): window fixed at 4 MiB / growing to 16 MiB",
+         f"{spread(fixed, fmt='{:.1f}')} / {spread(grown, fmt='{:.1f}')} MB/s",
+         f"{statistics.median(grown) / statistics.median(fixed):.2f}x; a fixed 4 MiB window "
+         f"caps it at {cap:.0f} MB/s"),
+    ]

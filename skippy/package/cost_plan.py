@@ -1,0 +1,183 @@
+"""A split planner that knows what links and nodes cost (issue #21 section 3; pure).
+
+``plan_topology`` (``skippy.package.topology``) places byte-balanced stages by memory budget
+and stays the default; this module ranks alternatives by predicted decode time per token:
+
+    t_token = sum over stages (layers x the node's seconds per layer per token)
+            + sum over hops of the one-way latency (stage i -> i+1, and the last stage back
+              to stage 0, which holds the sampler)
+
+subject to memory (each stage's bytes within its node's budget). Every stage count, node
+choice and order is a candidate (exhaustively up to ``MAX_EXHAUSTIVE_NODES`` nodes); each
+stage's layer count is proportional to its node's speed, so a faster node takes a heavier
+range. ``plan_by_cost`` returns every candidate, best first, each with its prediction and,
+when it does not fit, why: what ``mesh-node topology --dry-run --json`` is meant to print.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from skippy.errors import TopologyError
+from skippy.package.plan import ModelSizes
+from skippy.package.ranges import LayerRange
+
+MAX_EXHAUSTIVE_NODES: Final = 7  # 7! orders x 7 counts: ~35k candidates, milliseconds each
+
+
+@dataclass(frozen=True)
+class NodeCost:
+    """A node that may hold a stage: its budget and its calibrated decode speed."""
+
+    node_id: str
+    memory_budget_bytes: int
+    decode_s_per_layer: float  # seconds per layer per token (a calibration run, issue #21)
+
+    def __post_init__(self) -> None:
+        if not self.decode_s_per_layer > 0:
+            raise TopologyError("decode_s_per_layer must be positive", path=self.node_id)
+
+
+@dataclass(frozen=True)
+class LinkCosts:
+    """One-way latency between nodes (half the RTT heartbeats measure); symmetric unless both
+    directions are given; ``default_s`` for pairs nobody measured."""
+
+    one_way_s: Mapping[tuple[str, str], float] = field(default_factory=dict)
+    default_s: float = 0.0
+
+    def between(self, a: str, b: str) -> float:
+        return self.one_way_s.get((a, b), self.one_way_s.get((b, a), self.default_s))
+
+
+@dataclass(frozen=True)
+class Candidate:
+    nodes: tuple[str, ...]  # in stage order
+    layers: tuple[LayerRange, ...]
+    compute_s: float
+    hops_s: float
+    problem: str | None = None  # why it does not fit (None: it fits)
+
+    @property
+    def predicted_s(self) -> float:
+        return self.compute_s + self.hops_s
+
+    @property
+    def fits(self) -> bool:
+        return self.problem is None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "nodes": list(self.nodes),
+            "layers": [[r.start, r.stop] for r in self.layers],
+            "predicted_ms_per_token": round(self.predicted_s * 1000, 3),
+            "compute_ms": round(self.compute_s * 1000, 3),
+            "hops_ms": round(self.hops_s * 1000, 3),
+            "fits": self.fits,
+            "problem": self.problem,
+        }
+
+
+def speed_weighted_counts(layer_count: int, speeds: Sequence[float]) -> list[int]:
+    """Contiguous layer counts proportional to ``speeds`` (layers per second), each >= 1,
+    summing to ``layer_count`` (largest remainder)."""
+    k = len(speeds)
+    if not 1 <= k <= layer_count:
+        raise TopologyError(f"{k} stages cannot share {layer_count} layers")
+    total = sum(speeds)
+    shares = [layer_count * s / total for s in speeds]
+    counts = [max(1, int(x)) for x in shares]
+    while sum(counts) > layer_count:  # the minimum of one layer overshot: trim the largest
+        i = max(range(k), key=lambda j: (counts[j], -j))
+        counts[i] -= 1
+    order = sorted(range(k), key=lambda i: (-(shares[i] - int(shares[i])), i))
+    for i in order[: layer_count - sum(counts)]:
+        counts[i] += 1
+    return counts
+
+
+def evaluate(
+    sizes: ModelSizes, order: Sequence[NodeCost], links: LinkCosts
+) -> Candidate:
+    """One candidate: ``order``'s nodes as stages 0.. with speed-weighted ranges."""
+    counts = speed_weighted_counts(sizes.layer_count, [1 / n.decode_s_per_layer for n in order])
+    ranges, start = [], 0
+    for c in counts:
+        ranges.append(LayerRange(start, start + c, sizes.layer_count))
+        start += c
+    compute = sum(c * n.decode_s_per_layer for c, n in zip(counts, order, strict=True))
+    ids = [n.node_id for n in order]
+    hops = 0.0
+    if len(ids) > 1:
+        hops = sum(links.between(a, b) for a, b in itertools.pairwise(ids))
+        hops += links.between(ids[-1], ids[0])  # the last stage's logits or token go home
+    problem = None
+    for n, r in zip(order, ranges, strict=True):
+        need = sizes.stage_bytes(r)
+        if need > n.memory_budget_bytes:
+            problem = (
+                f"node {n.node_id[:12]} lacks {need - n.memory_budget_bytes} bytes for layers "
+                f"{r} ({need} bytes, budget {n.memory_budget_bytes})"
+            )
+            break
+    return Candidate(tuple(ids), tuple(ranges), compute, hops, problem)
+
+
+def plan_by_cost(
+    sizes: ModelSizes,
+    nodes: Sequence[NodeCost],
+    links: LinkCosts,
+    *,
+    first_node: str | None = None,
+    stages: int | None = None,
+) -> list[Candidate]:
+    """Every candidate split, the fitting ones first, each group by predicted time per
+    token (ties: fewer stages, then node ids). ``first_node`` pins stage 0 (a serving
+    coordinator); ``stages`` fixes the count. The first candidate is the plan when it fits."""
+    if not nodes:
+        raise TopologyError("no capable node to place stages on", code="topology_no_nodes")
+    by_id = {n.node_id: n for n in nodes}
+    if len(by_id) != len(nodes):
+        raise TopologyError("a node is listed twice", code="topology_coverage")
+    if len(nodes) > MAX_EXHAUSTIVE_NODES:
+        # Keep the search bounded: the fastest nodes (and the pinned one) are considered.
+        keep = sorted(nodes, key=lambda n: (n.decode_s_per_layer, n.node_id))
+        keep = keep[:MAX_EXHAUSTIVE_NODES]
+        if first_node in by_id and by_id[first_node] not in keep:
+            keep = [by_id[first_node], *keep[:-1]]
+        nodes = keep
+    pinned = by_id.get(first_node) if first_node is not None else None
+    if first_node is not None and pinned is None:
+        raise TopologyError(
+            "the node asked to hold stage 0 is not among the capable nodes",
+            code="topology_no_nodes",
+            path=first_node,
+        )
+    top = min(len(nodes), sizes.layer_count)
+    counts = [stages] if stages is not None else list(range(1, top + 1))
+    out: list[Candidate] = []
+    for k in counts:
+        if not 1 <= k <= top:
+            raise TopologyError(f"{k} stages need 1..{top}", code="topology_stage_count")
+        orders: Iterable[tuple[NodeCost, ...]]
+        if pinned is not None:
+            rest = [n for n in nodes if n is not pinned]
+            orders = ((pinned, *p) for p in itertools.permutations(rest, k - 1))
+        else:
+            orders = itertools.permutations(nodes, k)
+        out += [evaluate(sizes, order, links) for order in orders]
+    out.sort(key=lambda c: (not c.fits, round(c.predicted_s, 9), len(c.nodes), c.nodes))
+    return out
+
+
+__all__ = [
+    "Candidate",
+    "LinkCosts",
+    "NodeCost",
+    "evaluate",
+    "plan_by_cost",
+    "speed_weighted_counts",
+]
