@@ -239,6 +239,10 @@ class NodeMetrics:
 
 
 def _is_cancellation(exc: BaseException) -> bool:
+    """A cancellation, also as it leaves a nursery (an exception group of cancellations):
+    a client that went away is ``cancelled``, not an ``error`` of ours."""
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_is_cancellation(e) for e in exc.exceptions)
     return isinstance(exc, trio.Cancelled | GeneratorExit | KeyboardInterrupt)
 
 

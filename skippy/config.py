@@ -348,6 +348,7 @@ HTTP_KEYS = frozenset(
         "body_read_timeout_s",
         "body_deadline_s",
         "max_json_depth",
+        "shutdown_grace_s",
     }
 )
 _ORIGIN_RE = re.compile(r"^https?://[A-Za-z0-9.-]+(?::\d{1,5})?$|^https?://\[[0-9A-Fa-f:.]+\](?::\d{1,5})?$")
@@ -372,6 +373,7 @@ class HttpSettings:
     body_read_timeout_s: float = 10.0  # between two pieces of one body
     body_deadline_s: float = 30.0  # the whole body
     max_json_depth: int = 32  # nesting of arrays and objects in a request body
+    shutdown_grace_s: float = 2.0  # at SIGINT/SIGTERM, open requests may finish within this
 
 
 def http_settings(
@@ -425,8 +427,12 @@ def http_settings(
             "http.max_buffered_body_bytes", "must be at least max_body_bytes",
             sizes["max_buffered_body_bytes"],
         )
+    grace = raw.get("shutdown_grace_s", d.shutdown_grace_s)
+    if isinstance(grace, bool) or not isinstance(grace, int | float) or not 0 <= grace <= 600:
+        raise _bad("http.shutdown_grace_s", "expected seconds in 0..600", grace)
     return HttpSettings(
         api_key_file=path("api_key_file"),
+        shutdown_grace_s=float(grace),
         api_key=api_key,
         access_log=access_log,
         allowed_origins=tuple(o.lower() for o in origins),

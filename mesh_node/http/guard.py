@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
+import trio
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mesh_node.http.keys import ApiKeys
@@ -36,6 +37,8 @@ OPEN_PATHS: Final = frozenset({"/health", "/"})
 OPEN_PREFIXES: Final = ("/static/",)
 JSON_TYPES: Final = frozenset({"application/json"})
 PREFLIGHT_MAX_AGE_S: Final = 600
+DRAIN_S: Final = 1.0  # a refused request's body: what already arrived, briefly
+DRAIN_MAX_BYTES: Final = 64 * 1024
 CORS_METHODS: Final = b"GET, POST, OPTIONS"
 CORS_HEADERS: Final = b"authorization, content-type, x-request-id"
 
@@ -223,6 +226,8 @@ class Guard:
         try:
             refused = refusal(record.method, record.path, headers, scheme, self.policy)
             if refused is not None:
+                if refused.close:
+                    await _drain(receive)
                 await _answer(guarded_send, refused)
             elif record.method == "OPTIONS" and cors:
                 await _preflight(guarded_send)
@@ -231,6 +236,18 @@ class Guard:
         finally:
             if self.policy.access_log:
                 access_log.info(record.line(time.monotonic()))
+
+
+async def _drain(receive: Receive) -> None:
+    """Take what hypercorn already parsed of a body we refuse (bounded), so that the server's
+    own close after our answer does not race it (seen: a concurrent send on the socket)."""
+    with trio.move_on_after(DRAIN_S):
+        taken = 0
+        while taken <= DRAIN_MAX_BYTES:
+            message = await receive()
+            taken += len(message.get("body", b""))
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                return
 
 
 async def _answer(send: Send, refused: Refusal) -> None:

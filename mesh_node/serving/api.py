@@ -44,7 +44,6 @@ from skippy.serving.text import TextStream
 from skippy.stage.transport import Sampling
 
 log = logging.getLogger("mesh_node.serving.api")
-DRAIN_GRACE_S: Final = 2.0  # at SIGINT/SIGTERM: open requests may finish within this
 DRAIN_FLUSH_S: Final = 1.0  # then the cancelled ones write their final event within this
 Write = Callable[[bytes], Awaitable[None]]
 
@@ -305,10 +304,12 @@ class OpenAIApi:
             self._running.discard(scope)
         raise _shutting_down()  # only reached when drain cancelled the scope
 
-    async def drain(self, grace_s: float = DRAIN_GRACE_S, flush_s: float = DRAIN_FLUSH_S) -> None:
-        """Shutdown: refuse new requests, let running ones finish within ``grace_s``, then end
-        the rest (a stream gets a final ``shutting_down`` event and ``[DONE]``)."""
+    async def drain(self, flush_s: float = DRAIN_FLUSH_S) -> None:
+        """Shutdown: refuse new requests, let running ones finish within
+        ``[http] shutdown_grace_s``, then end the rest (a stream gets a final
+        ``shutting_down`` event and ``[DONE]``)."""
         self.closing = True
+        grace_s = self.body.settings.shutdown_grace_s
         with trio.move_on_after(grace_s):
             while self._running:
                 await trio.sleep(0.05)

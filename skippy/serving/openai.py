@@ -218,6 +218,8 @@ def parse_request(
         raw = body.get("prompt")
         if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], str | list):
             raw = raw[0]  # a batch of one
+        if raw == "":
+            raise _bad("the prompt is empty", "prompt", "empty_prompt")
         if isinstance(raw, str):
             prompt = raw
         elif isinstance(raw, list) and raw and all(
