@@ -190,27 +190,27 @@ class Serving:
             raise UsageError("this node already serves a model", code="already_serving")
         if self._nursery is None:
             raise UsageError("the node is not running", code="node_not_running")
-        self.starting = True
+        self.starting = True  # /health (of a node already serving its page): "loading"
         try:
-            if self.http_url is None:  # the page first: /health says "loading" meanwhile
-                await self.start_http(options.http)
             ref, sha, sizes, model_id = await trio.to_thread.run_sync(
                 package_identity, self.node.settings, options.package
             )
+            if self.http_url is None:
+                await self.start_http(options.http)
+            server = SplitServer(
+                self.node,
+                self.host,
+                self.node.settings.serving,
+                package_ref=ref,
+                manifest_sha256=sha,
+                sizes=sizes,
+                model_name=options.model_name or model_id,
+                stages=options.stages,
+            )
+            await self._nursery.start(server.run)
+            self.server = server
         finally:
             self.starting = False
-        server = SplitServer(
-            self.node,
-            self.host,
-            self.node.settings.serving,
-            package_ref=ref,
-            manifest_sha256=sha,
-            sizes=sizes,
-            model_name=options.model_name or model_id,
-            stages=options.stages,
-        )
-        await self._nursery.start(server.run)
-        self.server = server
         self.node.status_sections["serving"] = server.status
         assert self.http_url is not None  # started above (typing)
         return self.http_url.rstrip("/") + "/v1"
