@@ -642,3 +642,50 @@ def test_sigterm_ends_open_streams_with_an_error_event(tmp_path: Path, tiny_pkg:
         assert proc.popen.wait(timeout=30) == 0
     finally:
         cluster.stop()
+
+
+def test_a_failure_of_ours_is_an_error_outcome_and_a_final_sse_event(
+    tmp_path: Path, tiny_pkg: Path
+) -> None:
+    """Two stages, no spare: SIGKILL the worker mid-stream. The stream ends with an SSE error
+    event (no capable peer) and [DONE], not a bare connection error; /metrics counts it as
+    ``error`` (a failure of ours), not ``cancelled``."""
+    cluster, _ = serve_alone(tmp_path, tiny_pkg, args=("--stages", "2"), n_ctx=2048)
+    try:
+        coord = cluster.proc("coord")
+        toml = node_toml(tmp_path, "w0", peers=(coord.address,), n_ctx=2048)
+        worker = cluster.start("w0", ["run"], toml)
+        worker.address = worker.wait_line("listening ")
+        wait_ready(cluster.api)
+        host, port = host_port(cluster.api)
+        body = json.dumps(
+            {"prompt": IDS, "max_tokens": 2000, "temperature": 0, "stream": True}
+        ).encode()
+        with socket.create_connection((host, port), timeout=60) as s:
+            s.sendall(
+                http_request("POST", "/v1/completions", cluster.api, body,
+                             {"Content-Type": "application/json"})
+            )
+            received = s.recv(65536)
+            while received.count(b"data: ") < 2:
+                received += s.recv(65536)
+            os.kill(worker.popen.pid, signal.SIGKILL)
+            while chunk := s.recv(65536):
+                received += chunk
+        events = [line[6:] for line in received.split(b"\n") if line.startswith(b"data: ")]
+        assert events[-1] == b"[DONE]"
+        final = json.loads(events[-2])
+        assert "error" in final and final["error"]["type"] == "service_unavailable", final
+        outcomes = {}
+        response, _ = raw(cluster.api, http_request("GET", "/metrics", cluster.api))
+        for family in text_string_to_metric_families(
+            response.split(b"\r\n\r\n", 1)[1].decode()
+        ):
+            if family.name == "mesh_node_requests":
+                outcomes = {
+                    s.labels["outcome"]: s.value for s in family.samples
+                    if s.name.endswith("_total")
+                }
+        assert outcomes["error"] == 1 and outcomes["cancelled"] == 0, outcomes
+    finally:
+        cluster.stop()
