@@ -173,3 +173,26 @@ def test_the_http_table(tmp_path: Path):
             http_settings(table, tmp_path)
         assert err.value.path == key and err.value.exit_code == 2, table
 
+
+
+def test_outcomes_rejected_stays_and_a_cancelled_group_is_cancelled():
+    import trio
+
+    from mesh_node.metrics import NodeMetrics
+
+    m = NodeMetrics()
+    with pytest.raises(ServerBusy), m.request() as record:
+        record.outcome = "rejected"
+        raise ServerBusy("full")
+
+    async def cancelled_in_a_nursery() -> None:
+        with trio.CancelScope() as outer, m.request():
+            async with trio.open_nursery() as n:
+                n.start_soon(trio.sleep_forever)
+                outer.cancel()
+                await trio.sleep_forever()
+
+    trio.run(cancelled_in_a_nursery)
+    with pytest.raises(RuntimeError), m.request():
+        raise RuntimeError("ours")
+    assert m.requests == {"ok": 0, "rejected": 1, "cancelled": 1, "error": 1}
