@@ -107,12 +107,22 @@ def _node_settings(args: argparse.Namespace) -> tuple[Any, Any]:
             http=parse_http_bind(args.http, "--http") if args.http is not None else settings.http,
             http_public=settings.http_public or args.http_public,
         )
+    if args.api_key_file is not None:
+        settings = replace(
+            settings,
+            http_settings=replace(
+                settings.http_settings, api_key_file=Path(args.api_key_file).resolve()
+            ),
+        )
     identity = load_local_identity(settings.identity_path, settings.certificate_path)
     warnings = list(settings.warnings)
     if settings.http is not None:
         from mesh_node.http.bind import check_http_bind
+        from mesh_node.http.keys import load_api_keys
 
-        warnings += filter(None, [check_http_bind(settings.http, settings.http_public)])
+        # Refused before the node starts; the node's own start (the one gate) warns.
+        keys = load_api_keys(settings.http_settings)
+        check_http_bind(settings.http, settings.http_public, authenticated=keys.required)
     for warning in warnings:
         sys.stderr.write(f"warning: {warning}\n")
     return settings, identity
@@ -365,6 +375,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="allow --http on a non-loopback address (config: http_public)",
     )
+    p.add_argument(
+        "--api-key-file",
+        metavar="PATH",
+        help="HTTP API keys, one per line (0600); every request but /health needs one "
+        "(config: [http] api_key_file; env: MESH_NODE_API_KEY)",
+    )
     p = add(
         "serve",
         cmd_serve,
@@ -389,6 +405,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--http-public",
         action="store_true",
         help="allow --http on a non-loopback address (config: http_public)",
+    )
+    p.add_argument(
+        "--api-key-file",
+        metavar="PATH",
+        help="HTTP API keys, one per line (0600); every request but /health needs one "
+        "(config: [http] api_key_file; env: MESH_NODE_API_KEY)",
     )
     p.add_argument("--model-name", default=None, help="the model id the API answers to")
     p = add("status", cmd_status, "ask the running node for its status")

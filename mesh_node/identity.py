@@ -58,6 +58,18 @@ def write_private_key(path: Path) -> Ed25519PrivateKey:
     return key
 
 
+def check_private_mode(st: os.stat_result, path: Path, what: str = "a private key") -> None:
+    """A secret's file must be readable by its owner only (node keys, HTTP API keys, the TLS
+    key): ``key_file_permissions`` otherwise."""
+    if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise KeyFilePermissions(
+            f"key file {path} is accessible by group or others "
+            f"(mode {stat.S_IMODE(st.st_mode):04o}); {what} must be 0600",
+            path=str(path),
+            remediation=f"chmod 600 {path}",
+        )
+
+
 def load_private_key(path: Path) -> Ed25519PrivateKey:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
@@ -72,14 +84,7 @@ def load_private_key(path: Path) -> Ed25519PrivateKey:
             f"cannot open key file {path}: {exc.strerror}", path=str(path)
         ) from None
     with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-            raise KeyFilePermissions(
-                f"key file {path} is accessible by group or others "
-                f"(mode {stat.S_IMODE(st.st_mode):04o}); a private key must be 0600",
-                path=str(path),
-                remediation=f"chmod 600 {path}",
-            )
+        check_private_mode(os.fstat(f.fileno()), path)
         data = f.read(MAX_KEY_FILE_BYTES + 1)
     if len(data) > MAX_KEY_FILE_BYTES:
         raise IdentityError(f"{path} is too large to be a key file", path=str(path))

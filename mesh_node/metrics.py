@@ -136,8 +136,8 @@ class NodeMetrics:
     @contextmanager
     def request(self, prompt_tokens: int = 0) -> Iterator[RequestRecord]:
         """Count one request from start to end: in flight while inside; on exit its outcome
-        (``record.outcome``; ``cancelled`` on cancellation, ``error`` on an exception), tokens,
-        time to first token and duration are recorded."""
+        (``record.outcome``; unless set otherwise, ``cancelled`` on cancellation and ``error``
+        on an exception), tokens, time to first token and duration are recorded."""
         record = RequestRecord(
             self._clock(), prompt_tokens, _clock=self._clock, _on_token=self._token_produced
         )
@@ -146,7 +146,8 @@ class NodeMetrics:
         try:
             yield record
         except BaseException as exc:
-            record.outcome = "cancelled" if _is_cancellation(exc) else "error"
+            if record.outcome == "ok":  # a "rejected" set before the raise stays rejected
+                record.outcome = "cancelled" if _is_cancellation(exc) else "error"
             raise
         finally:
             duration = self._clock() - record.started_s
@@ -238,6 +239,10 @@ class NodeMetrics:
 
 
 def _is_cancellation(exc: BaseException) -> bool:
+    """A cancellation, also as it leaves a nursery (an exception group of cancellations):
+    a client that went away is ``cancelled``, not an ``error`` of ours."""
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_is_cancellation(e) for e in exc.exceptions)
     return isinstance(exc, trio.Cancelled | GeneratorExit | KeyboardInterrupt)
 
 

@@ -111,7 +111,7 @@ async def _run_node(
             sys.stdout.flush()
             await nursery.start(serving.run)
             if settings.http is not None:
-                url = await serving.start_http(settings.http, public=settings.http_public)
+                url = await serving.start_http(settings.http)
                 sys.stdout.write(f"status-page {url}\n")
                 sys.stdout.flush()
             if serve is not None:
@@ -119,6 +119,9 @@ async def _run_node(
                 sys.stdout.flush()
             async for signum in signals:
                 log.info("%s: shutting down", signal.Signals(signum).name)
+                # open API requests drain briefly; streams end with a final error event
+                # (a second signal during it is not waited for: the drain is bounded)
+                await serving.drain()
                 nursery.cancel_scope.cancel()
                 break
     await host.close()

@@ -26,6 +26,7 @@ ENV_HF_CACHE_LEGACY = "HUGGINGFACE_HUB_CACHE"
 ENV_HF_CACHE = "HF_HUB_CACHE"
 ENV_HF_HOME = "HF_HOME"
 ENV_XDG_CACHE = "XDG_CACHE_HOME"
+ENV_API_KEY = "MESH_NODE_API_KEY"  # one HTTP API key (mesh_node.http.keys; HttpSettings)
 
 ArtifactTransfer = Literal["disabled", "trusted", "open"]
 # Spec "Peer Cache Transfer" (mesh-llm's values, exactly): trimmed and lower-cased; anything else,
@@ -104,6 +105,8 @@ class Environment:
     hf_cache_dir: Path = field(default_factory=lambda: Path.home() / ".cache/huggingface/hub")
     skippy_cache_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "skippy")
     hub_policy: HubPolicy = field(default_factory=HubPolicy)
+    # MESH_NODE_API_KEY: a secret, kept out of repr (and so out of any log of this object).
+    api_key: str | None = field(default=None, repr=False)
 
 
 def parse_artifact_transfer(raw: str, source: str) -> tuple[ArtifactTransfer, str | None]:
@@ -146,6 +149,7 @@ def read_environment(environ: Mapping[str, str] | None = None) -> Environment:
         hf_cache_dir=Path(hf_cache).expanduser(),
         skippy_cache_dir=Path(xdg) / "skippy",
         hub_policy=_hub_policy(env),
+        api_key=env.get(ENV_API_KEY, "").strip() or None,
     )
 
 
@@ -174,7 +178,7 @@ NODE_KEYS = frozenset(
         "peer_loss_timeout_s",
         "idle_timeout_s",
         "handshake_timeout_s",
-        "http",  # the status page / metrics address (mesh_node.http)
+        "http",  # the HTTP surface's address, or the [http] table (HttpSettings)
         "http_public",
         "serving",  # [serving]: split serving (ServingSettings)
         "speculative",  # skippy.generation reads these two sections
@@ -329,6 +333,120 @@ def serving_settings(raw: object) -> ServingSettings:
     return ServingSettings(**values)
 
 
+# --- [http]: the node's HTTP surface (issue #20; mesh_node.http) ---------------------------------
+HTTP_KEYS = frozenset(
+    {
+        "listen",
+        "public",
+        "api_key_file",
+        "access_log",
+        "allowed_origins",
+        "tls_cert",
+        "tls_key",
+        "max_body_bytes",
+        "max_concurrent_bodies",
+        "max_buffered_body_bytes",
+        "body_read_timeout_s",
+        "body_deadline_s",
+        "max_json_depth",
+        "shutdown_grace_s",
+    }
+)
+_ORIGIN_RE = re.compile(r"^https?://[A-Za-z0-9.-]+(?::\d{1,5})?$|^https?://\[[0-9A-Fa-f:.]+\](?::\d{1,5})?$")
+
+
+@dataclass(frozen=True)
+class HttpSettings:
+    """``[http]`` of the node TOML (``http = "HOST:PORT"`` alone is the address only): who may
+    call the HTTP surface and how much a request may make the node hold. Keys are loaded (and
+    their file's mode checked) by ``mesh_node.http.keys``; ``api_key`` is
+    ``MESH_NODE_API_KEY``."""
+
+    api_key_file: Path | None = None
+    api_key: str | None = field(default=None, repr=False)
+    access_log: bool = True  # one line per request on the node's log
+    allowed_origins: tuple[str, ...] = ()  # browser origins besides the node's own
+    tls_cert: Path | None = None  # both, or neither: HTTPS on the same listener
+    tls_key: Path | None = None
+    max_body_bytes: int = 16 * 1024 * 1024 + 64 * 1024  # the prompt guard's 16 MiB, plus JSON
+    max_concurrent_bodies: int = 8  # request bodies being read at once; beyond, 503
+    max_buffered_body_bytes: int = 48 * 1024 * 1024  # all bodies being read, together
+    body_read_timeout_s: float = 10.0  # between two pieces of one body
+    body_deadline_s: float = 30.0  # the whole body
+    max_json_depth: int = 32  # nesting of arrays and objects in a request body
+    shutdown_grace_s: float = 2.0  # at SIGINT/SIGTERM, open requests may finish within this
+
+
+def http_settings(
+    raw: Mapping[str, Any] | None, base: Path, api_key: str | None = None
+) -> HttpSettings:
+    """Parse ``[http]`` (``None``: the defaults); paths resolve against the config's folder;
+    unknown keys are errors naming the key."""
+    raw = raw or {}
+    unknown = sorted(set(raw) - HTTP_KEYS)
+    if unknown:
+        raise UsageError(
+            f"unknown key http.{unknown[0]}", code="unknown_config_key", path=f"http.{unknown[0]}"
+        )
+
+    def path(key: str) -> Path | None:
+        value = raw.get(key)
+        if value is None:
+            return None
+        if not isinstance(value, str) or not value.strip():
+            raise _bad(f"http.{key}", "expected a path", value)
+        return (base / Path(value).expanduser()).resolve()
+
+    def count(key: str, default: int) -> int:
+        value = raw.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1 << 20:
+            raise _bad(f"http.{key}", "expected an integer in 1..1048576", value)
+        return value
+
+    d = HttpSettings()
+    access_log = raw.get("access_log", True)
+    if not isinstance(access_log, bool):
+        raise _bad("http.access_log", "expected true or false", access_log)
+    origins = raw.get("allowed_origins", [])
+    if not isinstance(origins, list) or not all(
+        isinstance(o, str) and _ORIGIN_RE.match(o) for o in origins
+    ):
+        raise _bad(
+            "http.allowed_origins",
+            "expected a list of origins such as https://app.example or http://127.0.0.1:3000",
+            origins,
+        )
+    cert, key = path("tls_cert"), path("tls_key")
+    if (cert is None) != (key is None):
+        raise _bad("http.tls_cert", "tls_cert and tls_key go together", str(cert or key))
+    sizes = {
+        k: parse_size(raw.get(k, getattr(d, k)), f"http.{k}")
+        for k in ("max_body_bytes", "max_buffered_body_bytes")
+    }
+    if sizes["max_buffered_body_bytes"] < sizes["max_body_bytes"]:
+        raise _bad(
+            "http.max_buffered_body_bytes", "must be at least max_body_bytes",
+            sizes["max_buffered_body_bytes"],
+        )
+    grace = raw.get("shutdown_grace_s", d.shutdown_grace_s)
+    if isinstance(grace, bool) or not isinstance(grace, int | float) or not 0 <= grace <= 600:
+        raise _bad("http.shutdown_grace_s", "expected seconds in 0..600", grace)
+    return HttpSettings(
+        api_key_file=path("api_key_file"),
+        shutdown_grace_s=float(grace),
+        api_key=api_key,
+        access_log=access_log,
+        allowed_origins=tuple(o.lower() for o in origins),
+        tls_cert=cert,
+        tls_key=key,
+        max_concurrent_bodies=count("max_concurrent_bodies", d.max_concurrent_bodies),
+        body_read_timeout_s=_seconds(raw, "body_read_timeout_s", d.body_read_timeout_s),
+        body_deadline_s=_seconds(raw, "body_deadline_s", d.body_deadline_s),
+        max_json_depth=count("max_json_depth", d.max_json_depth),
+        **sizes,
+    )
+
+
 @dataclass(frozen=True)
 class NodeSettings:
     """Everything ``mesh-node run`` needs, validated; paths resolved against the config file."""
@@ -357,6 +475,7 @@ class NodeSettings:
     # Issue #21: node id -> the address to dial that peer at instead of the one it advertises
     # or was configured with (a relay, a tunnel, a port forward; the lab's emulated links).
     dial_via: Mapping[str, PeerAddress] = field(default_factory=dict)
+    http_settings: HttpSettings = field(default_factory=HttpSettings)
 
     @property
     def hub_cache_dir(self) -> Path:
@@ -466,6 +585,13 @@ def node_settings(config: NodeConfig, env: Environment | None = None) -> NodeSet
     http_public = raw.get("http_public", False)
     if not isinstance(http_public, bool):
         raise _bad("http_public", "expected true or false", http_public)
+    http_table: Mapping[str, Any] | None = None
+    if isinstance(http, Mapping):  # the [http] table: its listen/public keys, and the rest
+        http_table, http = http, http.get("listen")
+        table_public = http_table.get("public", False)
+        if not isinstance(table_public, bool):
+            raise _bad("http.public", "expected true or false", table_public)
+        http_public = http_public or table_public
     data_dir = path_of("data_dir", "data")
     assert data_dir is not None  # it has a default (typing only)
     return NodeSettings(
@@ -492,6 +618,7 @@ def node_settings(config: NodeConfig, env: Environment | None = None) -> NodeSet
         warnings=tuple(warnings),
         serving=serving_settings(raw.get("serving")),
         dial_via=parse_dial_via(raw.get("dial_via", {})),
+        http_settings=http_settings(http_table, base, env.api_key),
     )
 
 

@@ -288,7 +288,12 @@ async def test_components_add_routes_to_the_same_app(tmp_path):
 
     node = MeshNode(settings(tmp_path, "a"), identity())
     async with served(node, routes=[Route("/v1/echo", echo, methods=["POST"])]) as url:
-        status, _, body = await arequest(url + "v1/echo", "POST", body=b'{"prompt": "hi"}')
+        status, _, body = await arequest(
+            url + "v1/echo",
+            "POST",
+            body=b'{"prompt": "hi"}',
+            headers={"Content-Type": "application/json"},
+        )
         assert status == 200 and json.loads(body) == {"got": "hi"}
         status, _, _ = await arequest(url + "api/status")
         assert status == 200

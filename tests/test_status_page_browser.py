@@ -354,3 +354,52 @@ async def test_in_progress_failed_and_serving_states_render(tmp_path, browser):
 
         await trio.to_thread.run_sync(look)
         n.cancel_scope.cancel()
+
+
+def test_the_page_of_a_node_with_an_api_key_in_chromium(tmp_path, browser):
+    """issue #20: a real `mesh-node run --http --api-key-file` node. The page's shell loads
+    without a key and shows no data; it asks for the key once (a wrong one is refused), keeps
+    it in this tab's session storage, and then renders the document and its live updates
+    (read through fetch: EventSource cannot send the header); a reload does not ask again."""
+    from test_http_processes import node_config
+    from test_mesh_processes import start, stop
+
+    key = "sk-page-" + "p4ge" * 6
+    keys = tmp_path / "keys.txt"
+    keys.write_text(f"# page test\n{key}\n")
+    keys.chmod(0o600)
+    proc, _ = start(tmp_path, node_config(tmp_path, "a"), "--http", "127.0.0.1:0",
+                    "--api-key-file", str(keys))
+    try:
+        assert proc.stdout is not None
+        url = proc.stdout.readline().removeprefix("status-page ").strip()
+        node_id = subprocess.run(
+            [*MESH, "id", "a.key"], cwd=tmp_path, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        browser.get(url)
+        wait_for_page(browser, "return !document.getElementById('login').hidden")
+        assert node_id not in browser.page_source  # nothing of the node without the key
+        assert browser.find_element("id", "node").get_attribute("hidden") is not None
+        field = browser.find_element("id", "api-key")
+        field.send_keys("sk-wrong")
+        browser.find_element("id", "login-submit").click()
+        wait_for_page(
+            browser, "return document.getElementById('login-error').textContent.includes('refused')"
+        )
+        assert node_id not in browser.page_source
+        field.send_keys(key)
+        browser.find_element("id", "login-submit").click()
+        wait_for_page(browser, "return Number(document.body.dataset.updates) >= 3")  # live
+        assert browser.find_element("id", "login").get_attribute("hidden") is not None
+        assert browser.find_element("id", "node-id").text == node_id
+        assert browser.execute_script("return sessionStorage.getItem('mesh-node-api-key')") == key
+        assert key not in browser.find_element("tag name", "body").text  # never shown
+        assert browser.save_screenshot(str(tmp_path / "status-page-with-key.png"))
+        browser.refresh()  # the same tab: the key is still in session storage
+        wait_for_page(browser, "return Number(document.body.dataset.updates) >= 2")
+        assert browser.find_element("id", "login").get_attribute("hidden") is not None
+        browser.execute_script("sessionStorage.clear()")
+    finally:
+        assert stop(proc) == 0
+    err = proc.stderr.read() if proc.stderr else ""
+    assert key not in err and "Traceback" not in err

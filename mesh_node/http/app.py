@@ -8,7 +8,12 @@ answered 405 by starlette's router, so nothing here can change the node:
   ``view.public_status``);
 - ``/api/events`` the same document as server-sent events: every ``PUSH_INTERVAL_S`` and soon
   after each node event (peer up/down, topology change);
-- ``/metrics`` Prometheus exposition through prometheus_client (``mesh_node.metrics``).
+- ``/metrics`` Prometheus exposition through prometheus_client (``mesh_node.metrics``);
+- ``/health`` 200 ``{"status": "ok"}`` when the node can serve what it is for, else 503
+  ``{"status": ..., "reason": ...}`` (llama-server's convention; the ``health`` callable).
+
+Every request passes ``mesh_node.http.guard`` first (keys, origin, framing, access log).
+Under ``/v1`` an unknown path or method is answered in OpenAI's error shape (404 / 405).
 
 Other components add routes with ``build_app(node, routes=[...])`` (issue #10's OpenAI API
 under ``/v1``); they may use other methods on their own paths.
@@ -17,7 +22,7 @@ under ``/v1``); they may use other methods on their own paths.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from importlib import resources
 from typing import Any, Protocol
@@ -25,14 +30,16 @@ from typing import Any, Protocol
 import trio
 from prometheus_client.exposition import choose_encoder
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from mesh_node.http.guard import Guard, GuardPolicy
 from mesh_node.http.view import public_status
 from mesh_node.metrics import NodeMetrics, node_registry
 from skippy.errors import UsageError
@@ -41,7 +48,8 @@ PUSH_INTERVAL_S = 1.0  # the page's live update period
 EVENT_SETTLE_S = 0.2  # after a node event, wait this long so a burst becomes one push
 MAX_EVENT_STREAMS = 32  # open pages at once; beyond, 503 (the page then polls)
 STATIC_PACKAGE = ("mesh_node.http", "static")
-OWN_PATHS = ("/", "/api/status", "/api/events", "/metrics", "/static")
+OWN_PATHS = ("/", "/api/status", "/api/events", "/metrics", "/static", "/health")
+Health = Callable[[], tuple[int, dict[str, Any]]]  # (status, document) of /health
 SECURITY_HEADERS = [
     # Everything the page needs comes from this origin: no CDN, fonts or inline code.
     (
@@ -69,6 +77,8 @@ def build_app(
     *,
     routes: Sequence[BaseRoute] = (),
     allowed_hosts: Sequence[str] = ("*",),
+    policy: GuardPolicy | None = None,
+    health: Health | None = None,
 ) -> Starlette:
     """The app: the operator surface plus ``routes`` from other components. A component
     route on one of the operator surface's paths is a programming error (``UsageError``)."""
@@ -94,6 +104,11 @@ def build_app(
             return JSONResponse({"error": "too many open event streams; poll /api/status"}, 503)
         return _EventStream(node, streams)
 
+    async def health_check(request: Request) -> Response:
+        status, doc = health() if health is not None else (200, {"status": "ok"})
+        retry = {"retry-after": str(doc["retry_after_s"])} if "retry_after_s" in doc else None
+        return JSONResponse(doc, status_code=status, headers=retry)
+
     async def metrics(request: Request) -> Response:
         encoder, content_type = choose_encoder(request.headers.get("accept", ""))
         return Response(encoder(registry), headers={"content-type": content_type})
@@ -103,6 +118,7 @@ def build_app(
         Route("/api/status", api_status, methods=["GET"]),
         Route("/api/events", api_events, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        Route("/health", health_check, methods=["GET"]),
     ]
     return Starlette(
         routes=[
@@ -111,10 +127,31 @@ def build_app(
             Mount("/static", StaticFiles(packages=[STATIC_PACKAGE]), name="static"),
         ],
         middleware=[
+            Middleware(Guard, policy=policy or GuardPolicy()),
             Middleware(TrustedHostMiddleware, allowed_hosts=list(allowed_hosts)),
             Middleware(_SecurityHeaders),
         ],
+        exception_handlers={HTTPException: _http_error},
     )
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's 404/405: OpenAI's error body under ``/v1`` (clients parse it), plain
+    text elsewhere."""
+    assert isinstance(exc, HTTPException)  # registered for it (typing)
+    headers = dict(exc.headers or {})
+    if not request.url.path.startswith("/v1"):
+        return PlainTextResponse(exc.detail, status_code=exc.status_code, headers=headers)
+    what = "no such endpoint" if exc.status_code == 404 else "method not allowed here"
+    doc = {
+        "error": {
+            "message": f"{request.method} {request.url.path}: {what}",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "not_found" if exc.status_code == 404 else "method_not_allowed",
+        }
+    }
+    return JSONResponse(doc, status_code=exc.status_code, headers=headers)
 
 
 class _SecurityHeaders:

@@ -1,5 +1,7 @@
 """Where the HTTP surface may listen (pure): loopback by default; anything else only when the
-operator says so (``--http-public`` / ``http_public = true``), with a warning."""
+operator says so (``--http-public`` / ``http_public = true``), with a warning, louder when no
+API key is configured. The one gate: every path that starts the HTTP server (``run --http``,
+``serve``, the control operation ``serve``) goes through ``check_http_bind``."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ def is_loopback(host: str) -> bool:
         return False  # a name we cannot vouch for: treat it as reachable from elsewhere
 
 
-def check_http_bind(bind: HostPort, public: bool) -> str | None:
+def check_http_bind(bind: HostPort, public: bool, *, authenticated: bool = False) -> str | None:
     """``None`` for a loopback bind; the warning to print for a permitted non-loopback bind;
     ``UsageError`` (exit 2) for a non-loopback bind without ``public``."""
     if is_loopback(bind.host):
@@ -33,10 +35,18 @@ def check_http_bind(bind: HostPort, public: bool) -> str | None:
             remediation="use 127.0.0.1:PORT, or allow it with --http-public "
             "(http_public = true in the node TOML)",
         )
+    if authenticated:
+        return (
+            f"the status page, /metrics and the API listen on {bind}, reachable from other "
+            "machines; every request but /health (and the page's static files) needs an API "
+            "key; without TLS ([http] tls_cert/tls_key) keys cross the network in clear"
+        )
     return (
-        f"the status page and /metrics listen on {bind}, reachable from other machines: they "
-        "show this node's id, peers, topology and transfers to anyone who can connect "
-        "(read-only, no keys or paths); put it behind a firewall or a reverse proxy with auth"
+        f"the status page and /metrics listen on {bind}, reachable from other machines, and "
+        "NO API KEY is configured: anyone who can connect can read this node's id, peers, "
+        "topology and transfers (read-only, no keys or paths) and, on a serving node, run "
+        "generations; set --api-key-file / MESH_NODE_API_KEY, or put it behind a firewall "
+        "or a reverse proxy with auth"
     )
 
 

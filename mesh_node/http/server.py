@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import socket
 from functools import partial
+from pathlib import Path
 
 import trio
 from hypercorn.config import Config
@@ -45,18 +46,33 @@ def bind_socket(bind: HostPort) -> socket.socket:
     return sock
 
 
-def page_url(sock: socket.socket) -> str:
+def page_url(sock: socket.socket, scheme: str = "http") -> str:
     host, port = sock.getsockname()[:2]
-    return f"http://[{host}]:{port}/" if ":" in host else f"http://{host}:{port}/"
+    return f"{scheme}://[{host}]:{port}/" if ":" in host else f"{scheme}://{host}:{port}/"
 
 
 async def serve_http(
-    app: ASGIApp, bind: HostPort, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED
+    app: ASGIApp,
+    bind: HostPort,
+    *,
+    tls: tuple[Path, Path] | None = None,
+    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve ``app`` on ``bind`` until cancelled; ``task_status`` gets the page's URL."""
+    """Serve ``app`` on ``bind`` until cancelled; ``task_status`` gets the page's URL.
+    ``tls`` (certificate, key): HTTPS on the same listener, by hypercorn's own TLS."""
     sock = bind_socket(bind)
-    url = page_url(sock)
+    url = page_url(sock, "https" if tls else "http")
     config = Config()
+    if tls is not None:
+        config.certfile, config.keyfile = str(tls[0]), str(tls[1])
+        try:
+            config.create_ssl_context()  # a bad certificate or key: our clear error, now
+        except (OSError, ValueError) as exc:
+            sock.close()
+            raise UsageError(
+                f"cannot use the TLS certificate {tls[0]} and key {tls[1]}: {exc}",
+                code="invalid_tls",
+            ) from None
     # hypercorn adopts the socket we bound (so bind errors are ours, and clear).
     config.bind = [f"fd://{sock.fileno()}"]
     config.errorlog = log

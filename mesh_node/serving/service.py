@@ -7,13 +7,17 @@
   control operation ``serve`` the lab uses): a ``SplitServer`` (stage 0 here) and the OpenAI
   routes. The routes belong to the node's one HTTP app (``mesh_node.http``, issue #12): when
   the node already serves its status page (``--http``), the API joins it there; otherwise the
-  same app (page and API) starts on the address the request names.
+  same app (page and API) starts on the address the request names. Every start goes through
+  the loopback gate (``mesh_node.http.bind.check_http_bind``) with the node's ``http_public``,
+  and loads the API keys (``mesh_node.http.keys``).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -23,6 +27,9 @@ from mesh_node.serving.host import StageHost
 from mesh_node.transfer.service import ArtifactService
 from skippy.config import Environment, HostPort
 from skippy.errors import UsageError
+
+log = logging.getLogger("mesh_node.http")
+RETRY_AFTER_STARTING_S = 5  # /health while the split forms
 
 if TYPE_CHECKING:
     from starlette.routing import BaseRoute
@@ -91,13 +98,16 @@ class Serving:
         self._api: OpenAIApi | None = None
         self.http_url: str | None = None  # the node's HTTP app, once it listens
         self._nursery: trio.Nursery | None = None
+        self.starting = False  # start() is bringing a split up (before ``server`` exists)
 
     def routes(self) -> list[BaseRoute]:
         """Other components' routes and the OpenAI routes (503 until this node serves)."""
         from mesh_node.serving.api import OpenAIApi
 
         if self._api is None:
-            self._api = OpenAIApi(lambda: self.server, self.node.metrics)
+            self._api = OpenAIApi(
+                lambda: self.server, self.node.metrics, self.node.settings.http_settings
+            )
         return [*self.extra_routes, *self._api.routes()]
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -106,18 +116,70 @@ class Serving:
             task_status.started()
             await trio.sleep_forever()
 
-    async def start_http(self, bind: HostPort, *, public: bool = False) -> str:
-        """Start the node's one HTTP app (status page, /metrics and the API) on ``bind``."""
+    async def start_http(self, bind: HostPort, *, public: bool | None = None) -> str:
+        """Start the node's one HTTP app (status page, /metrics and the API) on ``bind``,
+        through the loopback gate (``public``: the node's ``http_public`` unless given)."""
         from mesh_node.http.app import build_app
-        from mesh_node.http.bind import allowed_hosts
+        from mesh_node.http.bind import allowed_hosts, check_http_bind
+        from mesh_node.http.guard import GuardPolicy
+        from mesh_node.http.keys import check_tls_key, load_api_keys
         from mesh_node.http.server import serve_http
 
         if self._nursery is None:
             raise UsageError("the node is not running", code="node_not_running")
-        app = build_app(self.node, routes=self.routes(), allowed_hosts=allowed_hosts(bind, public))
-        url: str = await self._nursery.start(serve_http, app, bind)
+        public = self.node.settings.http_public if public is None else public
+        http = self.node.settings.http_settings
+        keys = await trio.to_thread.run_sync(load_api_keys, http)
+        warning = check_http_bind(bind, public, authenticated=keys.required)
+        if warning is not None:
+            log.warning(warning)
+        tls = None
+        if http.tls_cert is not None and http.tls_key is not None:
+            check_tls_key(http.tls_key)
+            tls = (http.tls_cert, http.tls_key)
+        policy = GuardPolicy(
+            keys=keys, allowed_origins=frozenset(http.allowed_origins), access_log=http.access_log
+        )
+        app = build_app(
+            self.node,
+            routes=self.routes(),
+            allowed_hosts=allowed_hosts(bind, public),
+            policy=policy,
+            health=self.health,
+        )
+        url: str = await self._nursery.start(partial(serve_http, app, bind, tls=tls))
         self.http_url = url
         return url
+
+    def health(self) -> tuple[int, dict[str, Any]]:
+        """``/health``: 200 when this node can serve what it is for (a plain node: it runs;
+        a serving coordinator: its route is ready), else 503 with the state and why."""
+        if self._api is not None and self._api.closing:
+            return 503, {"status": "shutting_down", "reason": "the node is shutting down"}
+        server = self.server
+        if server is None:
+            if self.starting:
+                return 503, {
+                    "status": "loading",
+                    "reason": "reading the package to serve",
+                    "retry_after_s": RETRY_AFTER_STARTING_S,
+                }
+            return 200, {"status": "ok"}
+        if server.route is not None:
+            return 200, {"status": "ok"}
+        if server.failed is not None:
+            return 503, {"status": "error", "reason": server.failed.message,
+                         "code": server.failed.code}
+        return 503, {
+            "status": "loading",
+            "reason": f"the split is not ready: {server.reason}",
+            "retry_after_s": RETRY_AFTER_STARTING_S,
+        }
+
+    async def drain(self) -> None:
+        """Shutdown: the API refuses new requests and ends open streams cleanly."""
+        if self._api is not None:
+            await self._api.drain()
 
     async def start(self, options: ServeOptions) -> str:
         """Coordinate a split of the package; return the API's base URL (``.../v1``)."""
@@ -128,23 +190,27 @@ class Serving:
             raise UsageError("this node already serves a model", code="already_serving")
         if self._nursery is None:
             raise UsageError("the node is not running", code="node_not_running")
-        ref, sha, sizes, model_id = await trio.to_thread.run_sync(
-            package_identity, self.node.settings, options.package
-        )
-        if self.http_url is None:
-            await self.start_http(options.http)
-        server = SplitServer(
-            self.node,
-            self.host,
-            self.node.settings.serving,
-            package_ref=ref,
-            manifest_sha256=sha,
-            sizes=sizes,
-            model_name=options.model_name or model_id,
-            stages=options.stages,
-        )
-        await self._nursery.start(server.run)
-        self.server = server
+        self.starting = True  # /health (of a node already serving its page): "loading"
+        try:
+            ref, sha, sizes, model_id = await trio.to_thread.run_sync(
+                package_identity, self.node.settings, options.package
+            )
+            if self.http_url is None:
+                await self.start_http(options.http)
+            server = SplitServer(
+                self.node,
+                self.host,
+                self.node.settings.serving,
+                package_ref=ref,
+                manifest_sha256=sha,
+                sizes=sizes,
+                model_name=options.model_name or model_id,
+                stages=options.stages,
+            )
+            await self._nursery.start(server.run)
+            self.server = server
+        finally:
+            self.starting = False
         self.node.status_sections["serving"] = server.status
         assert self.http_url is not None  # started above (typing)
         return self.http_url.rstrip("/") + "/v1"

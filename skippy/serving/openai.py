@@ -11,6 +11,7 @@ ignored; unknown keys are ignored, as OpenAI's clients send new ones.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -55,11 +56,13 @@ class ApiError(SkippyError):
         status: int = 400,
         param: str | None = None,
         kind: str = "invalid_request_error",
+        headers: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__(message, code=code)
         self.status = status
         self.param = param
         self.kind = kind
+        self.headers: dict[str, str] = dict(headers or {})  # e.g. Retry-After
 
     def body(self) -> dict[str, Any]:
         """OpenAI's error body."""
@@ -71,6 +74,38 @@ class ApiError(SkippyError):
                 "code": self.code,
             }
         }
+
+
+def decode_json(data: bytes | bytearray, max_depth: int) -> Any:
+    """A request body as JSON, nested at most ``max_depth`` arrays/objects deep; anything
+    else is ``invalid_json`` (400), never a crash: a body of 100,000 nested arrays would
+    otherwise end in ``RecursionError``."""
+    try:
+        doc = json.loads(data)
+    except (ValueError, UnicodeDecodeError):
+        raise ApiError("the request body is not valid JSON", code="invalid_json") from None
+    except RecursionError:
+        doc = None
+    else:
+        if _depth_within(doc, max_depth):
+            return doc
+    raise ApiError(
+        f"the request body nests arrays or objects deeper than {max_depth} levels",
+        code="invalid_json",
+    )
+
+
+def _depth_within(doc: Any, max_depth: int) -> bool:
+    """Iteratively (no recursion): every array/object at most ``max_depth`` deep."""
+    stack: list[tuple[Any, int]] = [(doc, 1)] if isinstance(doc, dict | list) else []
+    while stack:
+        value, depth = stack.pop()
+        if depth > max_depth:
+            return False
+        for child in value.values() if isinstance(value, dict) else value:
+            if isinstance(child, dict | list):
+                stack.append((child, depth + 1))
+    return True
 
 
 @dataclass(frozen=True)
@@ -183,6 +218,8 @@ def parse_request(
         raw = body.get("prompt")
         if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], str | list):
             raw = raw[0]  # a batch of one
+        if raw == "":
+            raise _bad("the prompt is empty", "prompt", "empty_prompt")
         if isinstance(raw, str):
             prompt = raw
         elif isinstance(raw, list) and raw and all(

@@ -338,12 +338,48 @@
     live.textContent = text;
   }
 
+  // --- API key (issue #20): asked for once, kept in this tab's sessionStorage -----------------
+  const KEY_ITEM = "mesh-node-api-key";
+  function storedKey() {
+    try {
+      return sessionStorage.getItem(KEY_ITEM);
+    } catch (err) {
+      return null;
+    }
+  }
+  let apiKey = storedKey();
+  function authHeaders() {
+    return apiKey ? { Authorization: "Bearer " + apiKey } : {};
+  }
+  function askForKey(message) {
+    show("login", true);
+    $("login-error").textContent = message || "";
+    setLive(false, "needs a key");
+    $("api-key").focus();
+  }
+  $("login-form").addEventListener("submit", (e) => {
+    e.preventDefault();
+    apiKey = $("api-key").value.trim();
+    $("api-key").value = "";
+    try {
+      sessionStorage.setItem(KEY_ITEM, apiKey);
+    } catch (err) {
+      /* no storage: the key lasts for this page only */
+    }
+    start();
+  });
+
   let polling = false;
   async function poll() {
     polling = true;
     for (;;) {
       try {
-        const response = await fetch("/api/status", { cache: "no-store" });
+        const response = await fetch("/api/status", { cache: "no-store", headers: authHeaders() });
+        if (response.status === 401) {
+          polling = false;
+          askForKey(apiKey ? "that key was refused" : "");
+          return;
+        }
         if (response.ok) render(await response.json());
         else setLive(false, `error ${response.status}`);
       } catch (err) {
@@ -353,7 +389,45 @@
     }
   }
 
+  // EventSource cannot send a header: with a key, the events are read through fetch.
+  async function streamEvents() {
+    const response = await fetch("/api/events", { cache: "no-store", headers: authHeaders() });
+    if (response.status === 401) {
+      askForKey("that key was refused");
+      return;
+    }
+    if (!response.ok || !response.body) {
+      if (!polling) poll();
+      return;
+    }
+    const reader = response.body.getReader();
+    const decoder = new TextDecoder();
+    let buffer = "";
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) break;
+      buffer += decoder.decode(value, { stream: true });
+      let end;
+      while ((end = buffer.indexOf("\n\n")) >= 0) {
+        const event = buffer.slice(0, end);
+        buffer = buffer.slice(end + 2);
+        for (const line of event.split("\n")) {
+          if (line.startsWith("data: ")) render(JSON.parse(line.slice(6)));
+        }
+      }
+    }
+    setLive(false, "reconnecting");
+    setTimeout(connect, POLL_MS);
+  }
+
   function connect() {
+    if (apiKey) {
+      streamEvents().catch(() => {
+        setLive(false, "reconnecting");
+        setTimeout(connect, POLL_MS);
+      });
+      return;
+    }
     if (!window.EventSource) {
       poll();
       return;
@@ -362,11 +436,27 @@
     events.onmessage = (e) => render(JSON.parse(e.data));
     events.onerror = () => {
       if (events.readyState === EventSource.CLOSED && !polling) {
-        poll(); // refused (e.g. too many open pages): poll instead
+        poll(); // refused (e.g. too many open pages, or a key is needed): poll instead
       } else {
         setLive(false, "reconnecting");
       }
     };
+  }
+
+  // First ask once whether this node needs a key (and whether ours works).
+  async function start() {
+    try {
+      const response = await fetch("/api/status", { cache: "no-store", headers: authHeaders() });
+      if (response.status === 401) {
+        askForKey(apiKey ? "that key was refused" : "");
+        return;
+      }
+      show("login", false);
+      if (response.ok) render(await response.json());
+    } catch (err) {
+      setLive(false, "unreachable");
+    }
+    connect();
   }
 
   setInterval(() => {
@@ -400,5 +490,5 @@
     }
   });
 
-  connect();
+  start();
 })();
