@@ -276,6 +276,7 @@ def cmd_lab(args: argparse.Namespace) -> CommandResult:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description="Run and inspect a skippy mesh node.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log details to stderr")
+    parser.add_argument("--version", action="version", version=f"{PROG} {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
 
@@ -396,9 +397,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--dir", help="where the nodes live (default: a temporary folder)")
     p.add_argument("--keep", action="store_true", help="keep the nodes' folders and logs")
-    p.add_argument(
-        "--timeout", type=float, default=600.0, help="seconds for the split to be ready"
-    )
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds for the split to be ready")
     p.add_argument(
         "--prompt",
         help="serve the split (stage 0 on the coordinator) and run one greedy completion",
@@ -413,6 +412,12 @@ def build_parser() -> argparse.ArgumentParser:
         "the status page's addresses) until Ctrl-C",
     )
     return parser
+
+
+def _version() -> str:
+    from skippy import __version__
+
+    return __version__
 
 
 def main(argv: Sequence[str] | None = None) -> int:
