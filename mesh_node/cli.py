@@ -397,7 +397,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--dir", help="where the nodes live (default: a temporary folder)")
     p.add_argument("--keep", action="store_true", help="keep the nodes' folders and logs")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds for the split to be ready")
+    p.add_argument(
+        "--timeout", type=float, default=600.0, help="seconds for the split to be ready"
+    )
     p.add_argument(
         "--prompt",
         help="serve the split (stage 0 on the coordinator) and run one greedy completion",
