@@ -98,10 +98,10 @@ async def _serve_one(stream: trio.abc.Stream, handler: Handler) -> None:
             if not isinstance(request, dict):
                 raise ValueError("a request is a JSON object")
             response = await handler(request)
+        except SkippyError as exc:  # first: a UsageError is a ValueError too, keep its code
+            response = {"ok": False, "error": exc.to_dict(), "exit_code": exc.exit_code}
         except (ValueError, trio.TooSlowError) as exc:
             response = {"ok": False, "error": {"code": "bad_request", "message": str(exc)}}
-        except SkippyError as exc:
-            response = {"ok": False, "error": exc.to_dict(), "exit_code": exc.exit_code}
         with suppress(trio.BrokenResourceError, trio.ClosedResourceError):
             await stream.send_all(json.dumps(response, default=str).encode() + b"\n")
 
