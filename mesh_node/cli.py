@@ -45,6 +45,7 @@ class CommandResult:
     data: dict[str, Any]
     text: str
     exit_code: int = EXIT_OK
+    printed: bool = False  # the command printed its document itself (the lab, once ready)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -236,6 +237,7 @@ def cmd_lab(args: argparse.Namespace) -> CommandResult:
         max_tokens=args.max_tokens,
         serve=args.serve,
         node_overrides=overrides,
+        stages=args.stages,
     )
 
     def render(report: dict[str, Any]) -> str:
@@ -258,8 +260,9 @@ def cmd_lab(args: argparse.Namespace) -> CommandResult:
         out.flush()
 
     def on_report(report: dict[str, Any]) -> None:
-        if not args.json:
-            print(render(report))
+        # The report once ready: the one JSON document on stdout under --json (issue #18)
+        print(json.dumps(report, indent=2, default=str) if args.json else render(report))
+        sys.stdout.flush()
         if report.get("api"):
             out.write(f"api {report['api']}\n")
         out.write("the lab stays up: Ctrl-C (or SIGTERM) stops it\n")
@@ -269,7 +272,7 @@ def cmd_lab(args: argparse.Namespace) -> CommandResult:
     report = _run_trio(
         lambda: run_lab_with_page(options, http, on_page=on_page, on_report=on_report)
     )
-    return CommandResult(report, "", exit_code=0 if report["ok"] else 1)
+    return CommandResult(report, "", exit_code=0 if report["ok"] else 1, printed=True)
 
 
 # --- parser ---------------------------------------------------------------------------------
@@ -413,6 +416,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve the split behind the OpenAI API and keep the lab up (prints the API's and "
         "the status page's addresses) until Ctrl-C",
     )
+    p.add_argument(
+        "--stages",
+        type=int,
+        default=None,
+        help="with --serve/--prompt: serve over S stages, the other nodes are spares "
+        "(default: one stage per node)",
+    )
     return parser
 
 
@@ -455,7 +465,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.stderr.write(f"error [io_error]: {err_doc['message']}\n")
         return EXIT_USAGE
     try:
-        if as_json:
+        if result.printed:
+            pass
+        elif as_json:
             print(json.dumps(result.data, indent=2, default=str))
         elif result.text:
             print(result.text)
