@@ -32,6 +32,7 @@ from trio_websocket import (
 )
 
 from mesh_node.errors import PeerUnavailable
+from mesh_node.hostid import host_fingerprint
 from mesh_node.identity import LocalIdentity, owner_of, short_id, trust_decision
 from mesh_node.link import (
     Link,
@@ -80,6 +81,7 @@ class _Member:
     features: dict[str, tuple[str, ...]] = field(default_factory=dict)
     memory_budget_bytes: int = 0
     hello: bool = False  # ever advertised (a member is listed only after its hello)
+    host_id: str | None = None  # its machine's fingerprint, from its hello (issue #18)
     hello_link: Link | None = None  # the link its latest hello came on
     last_seen: float = 0.0  # trio clock
     bytes_received: int = 0  # over this member's closed links (a live link adds its own)
@@ -189,6 +191,7 @@ class MeshNode:
         )
         self.wall_clock = wall_clock
         self.listen_url: str | None = None
+        self.host_id = host_fingerprint()  # advertised: peers on this machine share its cores
         self._members: dict[str, _Member] = {}
         self._handlers: dict[tuple[str, int, int], SubprotocolHandler] = {}
         self._subscribers: list[trio.MemorySendChannel[NodeEvent]] = []
@@ -486,6 +489,7 @@ class MeshNode:
                     listen=self.listen_url,
                     features=self.features,
                     memory_budget_bytes=self.settings.memory_budget_bytes,
+                    host=self.host_id,
                 )
                 link.mux.send_link_message(hello.encode())
                 link.wake_writer()
@@ -556,6 +560,7 @@ class MeshNode:
             member.address = message.listen
             member.features = dict(message.features)
             member.memory_budget_bytes = message.memory_budget_bytes
+            member.host_id = message.host
             first_on_link = member.hello_link is not link
             member.hello, member.hello_link = True, link
             if first_on_link:
@@ -604,6 +609,7 @@ class MeshNode:
             address=m.address,
             features=dict(m.features),
             memory_budget_bytes=m.memory_budget_bytes,
+            host_id=m.host_id,
             connected=m.link is not None,
             last_seen_s=max(0.0, now - seen) if math.isfinite(seen) else 0.0,
             rtt_s=m.link.rtt_s if m.link is not None else None,

@@ -50,6 +50,7 @@ class PeerInfo:
     rtt_s: float | None = None
     bytes_received: int = 0  # link bytes over every link to this peer since this node started
     bytes_sent: int = 0
+    host_id: str | None = None  # its machine's fingerprint (Hello, issue #18), if it sent one
 
     @property
     def node_id(self) -> str:

@@ -104,3 +104,48 @@ def test_the_run_state_round_trips_and_a_bad_file_is_ignored(tmp_path: Path) -> 
     assert [p.name for p in state_path(tmp_path).parent.iterdir()] == ["split.json"]
     state_path(tmp_path).write_text("{not json")
     assert load_state(tmp_path) is None
+
+
+@pytest.mark.parametrize(
+    ("configured", "cores", "co_located", "want"),
+    [
+        (None, 2, 3, 1),  # three stages on a 2-core host: one thread each, not 2 x 3
+        (None, 8, 3, 2),
+        (None, 2, 1, 2),  # alone on the host: every core
+        (None, 1, 4, 1),  # never below one
+        (4, 2, 3, 4),  # threads = N is honoured as given
+    ],
+)
+def test_auto_threads_divide_the_cores_among_co_located_stages(
+    configured: int | None, cores: int, co_located: int, want: int
+) -> None:
+    from mesh_node.serving.host import stage_threads
+
+    assert stage_threads(configured, cores, co_located) == want
+
+
+def test_threads_setting_is_auto_by_default_or_a_count() -> None:
+    from skippy.config import serving_settings
+    from skippy.errors import UsageError
+
+    assert serving_settings(None).threads is None
+    assert serving_settings({"threads": "auto"}).threads is None
+    assert serving_settings({"threads": 3}).threads == 3
+    for bad in ("many", 0, True, 2.5):
+        with pytest.raises(UsageError):
+            serving_settings({"threads": bad})
+
+
+def test_hello_carries_an_optional_host_fingerprint() -> None:
+    from protocol import constants as pc
+    from protocol.errors import ProtocolError
+    from protocol.messages import Hello, decode_link_message
+
+    limits = pc.Limits()
+    with_host = Hello("ws://127.0.0.1:1", {}, 5, host="ab12" * 8)
+    assert decode_link_message(with_host.encode(), limits) == with_host
+    without = Hello("ws://127.0.0.1:1", {}, 5)  # an older node's hello is still valid
+    assert decode_link_message(without.encode(), limits) == without
+    for bad in ("", "x" * 65, "not/hex!"):
+        with pytest.raises(ProtocolError):
+            decode_link_message(Hello(None, {}, 0, host=bad).encode(), limits)

@@ -259,6 +259,10 @@ async def test_a_returning_node_is_planned_in_without_an_operator(
         want = (await _generate(server, params, _nothing)).tokens
         route = server.route
         assert route is not None
+        # the three nodes share this machine (one host fingerprint in their hellos): with
+        # threads = "auto" each stage would take a third of the cores
+        topology = route.stage0.topology
+        assert [mesh.of(n).host.co_located(topology) for n in route.node_ids] == [3, 3, 3]
         victim = mesh.of(route.node_ids[2])
         victim.scope.cancel()
         await wait_for(lambda: server.routes.waiting is not None, 10)
