@@ -66,8 +66,9 @@ async def run_lab_with_page(
             reports.append(report)
             on_report(report)
             await trio.sleep(math.inf)  # until SIGINT/SIGTERM cancels the nursery
-    if not reports or stopped_by == [signal.SIGINT]:
-        # Ctrl-C: exit 130 like a plain lab's (the report was printed when it was made)
+    if not reports or (options.serve and stopped_by == [signal.SIGINT]):
+        # Ctrl-C of a serving lab (issue #18): exit 130 like a plain lab's; the report was
+        # printed when it was made. A page-only lab (--http) exits 0 on a good report.
         raise KeyboardInterrupt
     return reports[0]
 
