@@ -30,6 +30,7 @@ SECTIONS: dict[str, str] = {
     "stage": "bench_stage",
     "transfer-mesh": "bench_transfer_mesh",
     "serve": "bench_serve",  # reuses the stage section's gemma3 package
+    "threads": "bench_threads",  # issue #18: threads = "auto" on one host
     "soak": "bench_soak",  # issue #18: kills and restarts under load (--soak-s)
 }
 
