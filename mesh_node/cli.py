@@ -45,6 +45,7 @@ class CommandResult:
     data: dict[str, Any]
     text: str
     exit_code: int = EXIT_OK
+    printed: bool = False  # the command printed its document itself (the lab, once ready)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -295,6 +296,7 @@ def cmd_lab(args: argparse.Namespace) -> CommandResult:
         serve=args.serve,
         node_overrides=overrides,
         links=_lab_links(args),
+        stages=args.stages,
     )
 
     def render(report: dict[str, Any]) -> str:
@@ -317,8 +319,9 @@ def cmd_lab(args: argparse.Namespace) -> CommandResult:
         out.flush()
 
     def on_report(report: dict[str, Any]) -> None:
-        if not args.json:
-            print(render(report))
+        # The report once ready: the one JSON document on stdout under --json (issue #18)
+        print(json.dumps(report, indent=2, default=str) if args.json else render(report))
+        sys.stdout.flush()
         if report.get("api"):
             out.write(f"api {report['api']}\n")
         out.write("the lab stays up: Ctrl-C (or SIGTERM) stops it\n")
@@ -328,13 +331,14 @@ def cmd_lab(args: argparse.Namespace) -> CommandResult:
     report = _run_trio(
         lambda: run_lab_with_page(options, http, on_page=on_page, on_report=on_report)
     )
-    return CommandResult(report, "", exit_code=0 if report["ok"] else 1)
+    return CommandResult(report, "", exit_code=0 if report["ok"] else 1, printed=True)
 
 
 # --- parser ---------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description="Run and inspect a skippy mesh node.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log details to stderr")
+    parser.add_argument("--version", action="version", version=f"{PROG} {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
 
@@ -512,7 +516,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="a TOML lab file with [links] and [[links.pair]] a = I, b = J, latency, jitter, "
         "rate, loss, stall, stall_time (per-pair values; the flags are its defaults)",
     )
+    p.add_argument(
+        "--stages",
+        type=int,
+        default=None,
+        help="with --serve/--prompt: serve over S stages, the other nodes are spares "
+        "(default: one stage per node)",
+    )
     return parser
+
+
+def _version() -> str:
+    from skippy import __version__
+
+    return __version__
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -548,7 +565,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.stderr.write(f"error [io_error]: {err_doc['message']}\n")
         return EXIT_USAGE
     try:
-        if as_json:
+        if result.printed:
+            pass
+        elif as_json:
             print(json.dumps(result.data, indent=2, default=str))
         elif result.text:
             print(result.text)

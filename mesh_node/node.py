@@ -9,8 +9,11 @@ Registration API (see docs/architecture.md, "Plugging in a subprotocol handler")
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
+import random
+import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -29,6 +32,7 @@ from trio_websocket import (
 )
 
 from mesh_node.errors import PeerUnavailable
+from mesh_node.hostid import host_fingerprint
 from mesh_node.identity import LocalIdentity, owner_of, short_id, trust_decision
 from mesh_node.link import (
     Link,
@@ -57,7 +61,7 @@ from protocol.errors import ProtocolError
 from protocol.frames import SubprotocolOpen
 from protocol.handshake import Handshake, PeerIdentity, SecureChannel
 from protocol.messages import Hello, PeerRecord, Peers, decode_link_message
-from skippy.config import NodeSettings, PeerAddress, parse_peer_address
+from skippy.config import HostPort, NodeSettings, PeerAddress, parse_peer_address
 from skippy.errors import UsageError
 from skippy.transfer.policy import would_serve
 
@@ -81,6 +85,7 @@ class _Member:
     features: dict[str, tuple[str, ...]] = field(default_factory=dict)
     memory_budget_bytes: int = 0
     hello: bool = False  # ever advertised (a member is listed only after its hello)
+    host_id: str | None = None  # its machine's fingerprint, from its hello (issue #18)
     hello_link: Link | None = None  # the link its latest hello came on
     last_seen: float = 0.0  # trio clock
     bytes_received: int = 0  # over this member's closed links (a live link adds its own)
@@ -98,6 +103,69 @@ def advertised_features(
     if would_serve(node_policy(settings, identity, now_s)):
         bits.add(pc.BIT_ARTIFACT_TRANSFER)
     return {pc.FEATURE_SKIPPY_STAGE: tuple(sorted(bits))}
+
+
+def listen_error(listen: HostPort, exc: OSError) -> UsageError:
+    """A ``listen`` address that cannot be bound, as one clear error (no traceback)."""
+    where = f"{listen.host}:{listen.port}"
+    if isinstance(exc, socket.gaierror):
+        return UsageError(
+            f"listen address {where}: the host does not resolve ({exc.strerror or exc})",
+            code="listen_unresolvable",
+            actual=where,
+            remediation="set listen to an IP address or a resolvable name, e.g. 127.0.0.1:7000",
+        )
+    if exc.errno == errno.EADDRINUSE:
+        return UsageError(
+            f"listen address {where} is already in use",
+            code="listen_in_use",
+            actual=where,
+            remediation="stop the other process or pick another port (0 = any free port)",
+        )
+    return UsageError(
+        f"cannot listen on {where}: {exc.strerror or exc}",
+        code="listen_bind_failed",
+        actual=where,
+        remediation="listen on an address of this machine (127.0.0.1, ::1, 0.0.0.0)",
+    )
+
+
+def dial_backoff_cap_s(heartbeat_interval_s: float) -> float:
+    """The longest wait between two dials of one address: a node that comes back is linked
+    again within a couple of heartbeats, and a dead address costs little."""
+    return max(1.0, 2 * heartbeat_interval_s)
+
+
+def jittered(delay_s: float) -> float:
+    """``delay_s`` scaled by a random factor in [0.5, 1.0) (equal jitter)."""
+    return delay_s * (0.5 + random.random() / 2)
+
+
+def dial_failure(exc: BaseException) -> str:
+    """Why a dial failed, in words (trio-websocket's errors often have an empty ``str``)."""
+    if isinstance(exc, ConnectionRejected):
+        return f"the peer rejected the WebSocket upgrade (HTTP {exc.status_code})"
+    if isinstance(exc, ConnectionClosed):
+        reason = exc.reason
+        code = getattr(reason, "code", None)
+        why = getattr(reason, "reason", None)
+        return f"the connection closed during the handshake (code {code}: {why or '-'})"
+    if isinstance(exc, trio.TooSlowError):
+        return "no answer within handshake_timeout_s"
+    if isinstance(exc, ProtocolError):
+        return f"handshake refused [{exc.code}]: {exc.message}"
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{exc.strerror} ({type(exc).__name__})"
+    cause = exc.__cause__
+    if isinstance(cause, BaseExceptionGroup) and cause.exceptions:
+        cause = cause.exceptions[0]  # trio: "all attempts to connect ... failed" from a group
+    if isinstance(exc, OSError) and isinstance(cause, OSError):
+        return f"{exc}: {dial_failure(cause)}"
+    text = str(exc)
+    if text:
+        return f"{type(exc).__name__}: {text}"
+    inner = exc.__cause__ or exc.__context__  # HandshakeError() wraps the OSError
+    return dial_failure(inner) if inner is not None else type(exc).__name__
 
 
 class MeshNode:
@@ -127,6 +195,7 @@ class MeshNode:
         )
         self.wall_clock = wall_clock
         self.listen_url: str | None = None
+        self.host_id = host_fingerprint()  # advertised: peers on this machine share its cores
         self._members: dict[str, _Member] = {}
         self._handlers: dict[tuple[str, int, int], SubprotocolHandler] = {}
         self._subscribers: list[trio.MemorySendChannel[NodeEvent]] = []
@@ -242,17 +311,20 @@ class MeshNode:
             self._nursery = nursery
             opts = websocket_options(self.limits, self.timeouts)
             listen = self.settings.listen
-            server = await nursery.start(
-                lambda task_status: serve_websocket(
-                    self._on_request,
-                    listen.host,
-                    listen.port,
-                    None,
-                    handler_nursery=nursery,
-                    task_status=task_status,
-                    **opts,  # type: ignore[arg-type]
+            try:
+                server = await nursery.start(
+                    lambda task_status: serve_websocket(
+                        self._on_request,
+                        listen.host,
+                        listen.port,
+                        None,
+                        handler_nursery=nursery,
+                        task_status=task_status,
+                        **opts,  # type: ignore[arg-type]
+                    )
                 )
-            )
+            except OSError as exc:
+                raise listen_error(listen, exc) from None
             host = listen.host if ":" not in listen.host else f"[{listen.host}]"
             self.listen_url = f"ws://{host}:{server.port}"
             for address in self.settings.peers:
@@ -272,7 +344,11 @@ class MeshNode:
         self._nursery.start_soon(self._dial_loop, address, persistent)
 
     async def _dial_loop(self, address: PeerAddress, persistent: bool) -> None:
+        """Dial ``address`` and keep its link: after a loss or a failure, dial again with
+        exponential backoff (from 50 ms up to ``dial_backoff_cap_s``) and jitter, so that
+        nodes cut off together do not all dial back at the same instant."""
         delay, failures = 0.05, 0
+        cap = dial_backoff_cap_s(self.settings.heartbeat_interval_s)
         try:
             while True:
                 member = self._members.get(address.node_id or "")
@@ -293,11 +369,11 @@ class MeshNode:
                     trio.BrokenResourceError,
                 ) as exc:
                     failures += 1
-                    log.info("dial %s failed: %s", address, exc)
+                    log.info("dial %s failed: %s", address, dial_failure(exc))
                     if not persistent and failures >= MAX_LEARNED_DIALS:
                         return
-                await trio.sleep(delay)
-                delay = min(delay * 2, max(1.0, self.settings.heartbeat_interval_s))
+                await trio.sleep(jittered(delay))
+                delay = min(delay * 2, cap)
         finally:
             self._dialing.discard(str(address))
 
@@ -421,6 +497,7 @@ class MeshNode:
                     listen=self.listen_url,
                     features=self.features,
                     memory_budget_bytes=self.settings.memory_budget_bytes,
+                    host=self.host_id,
                 )
                 link.mux.send_link_message(hello.encode())
                 link.wake_writer()
@@ -523,6 +600,7 @@ class MeshNode:
             member.address = message.listen
             member.features = dict(message.features)
             member.memory_budget_bytes = message.memory_budget_bytes
+            member.host_id = message.host
             first_on_link = member.hello_link is not link
             member.hello, member.hello_link = True, link
             if first_on_link:
@@ -571,6 +649,7 @@ class MeshNode:
             address=m.address,
             features=dict(m.features),
             memory_budget_bytes=m.memory_budget_bytes,
+            host_id=m.host_id,
             connected=m.link is not None,
             last_seen_s=max(0.0, now - seen) if math.isfinite(seen) else 0.0,
             rtt_s=m.link.rtt_s if m.link is not None else None,

@@ -50,6 +50,7 @@ class PeerInfo:
     rtt_s: float | None = None
     bytes_received: int = 0  # link bytes over every link to this peer since this node started
     bytes_sent: int = 0
+    host_id: str | None = None  # its machine's fingerprint (Hello, issue #18), if it sent one
 
     @property
     def node_id(self) -> str:
@@ -183,4 +184,27 @@ def render_status(doc: Mapping[str, Any]) -> str:
             f"bytes    fetched peer {got['peer']} hub {got['hub']} cached {got['cache']}; "
             f"served {c['served_bytes']}; {len(transfers['active'])} transfers active"
         )
+    serving = doc.get("serving")
+    if serving:
+        lines += render_serving(serving)
     return "\n".join(lines)
+
+
+def render_serving(serving: Mapping[str, Any]) -> list[str]:
+    """A serving coordinator's section of ``mesh-node status`` (text)."""
+    state = serving.get("state")
+    head = f"serving  {serving.get('model')} {state}"
+    if state == "ready":
+        head += f" ({serving.get('stages')} stage(s), topology {serving.get('topology_id')})"
+    else:
+        head += f" [{serving.get('code')}]: {serving.get('reason')}"
+    requests = serving.get("requests") or {}
+    done = ", ".join(f"{k} {v}" for k, v in sorted(requests.items())) if requests else "none"
+    speed = serving.get("decode_tokens_per_s")
+    return [
+        head,
+        f"  requests in flight {serving.get('requests_in_flight', 0)}, queued "
+        f"{serving.get('requests_queued', 0)}; done: {done}; failovers "
+        f"{serving.get('failovers_total', 0)}; decode "
+        + (f"{speed} tok/s" if speed is not None else "-"),
+    ]

@@ -6,6 +6,7 @@ import logging
 import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -31,6 +32,15 @@ def control_handler(node: MeshNode, serving: Serving | None = None) -> Any:
             return {"ok": True, "status": node.status()}
         if op == "serve" and serving is not None:
             return {"ok": True, "api": await serving.start(serve_options(request))}
+        if op in ("topology", "replan") and serving is not None and serving.server is not None:
+            # The split of a serving coordinator is its route manager's: a hand-made plan
+            # could move stage 0 away from the API and break every request (issue #18).
+            raise UsageError(
+                "this node serves a model: its split is kept by `mesh-node serve` (it heals "
+                "and re-plans on its own)",
+                code="node_is_serving",
+                remediation="watch `mesh-node status`; to change the split, restart serve",
+            )
         if op == "topology":
             package = request.get("package")
             stages = request.get("stages")
@@ -84,6 +94,26 @@ async def run_node(
         raise
 
 
+def make_data_dir(path: Path) -> None:
+    """Create ``data_dir`` (and its parents); a path that exists and is not a folder is its
+    own error, not ``File exists``."""
+    if path.exists() and not path.is_dir():
+        raise UsageError(
+            f"data_dir {path} exists and is not a directory",
+            code="data_dir_not_a_directory",
+            path=str(path),
+            remediation="point data_dir at a folder (it is created if missing)",
+        )
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(
+            f"cannot create data_dir {path}: {exc.strerror or exc}",
+            code="data_dir_unusable",
+            path=str(path),
+        ) from None
+
+
 def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
     out: list[BaseException] = []
     for exc in group.exceptions:
@@ -97,26 +127,28 @@ async def _run_node(
     routes: Sequence[BaseRoute],
     serve: ServeOptions | None,
 ) -> None:
-    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    make_data_dir(settings.data_dir)
     node = MeshNode(settings, identity)
     host, artifacts = stage_services(node, read_environment())
     serving = Serving(node, host, extra_routes=routes)
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+    # SIGHUP (the terminal went away) shuts down as cleanly as SIGTERM: no reload exists.
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as signals:
         async with trio.open_nursery() as nursery:
             handler = control_handler(node, serving)
             await nursery.start(serve_control, settings.control_socket, handler)
             await nursery.start(artifacts.run)
             address = await nursery.start(node.run)
-            sys.stdout.write(f"listening {address}\n")
-            sys.stdout.flush()
             await nursery.start(serving.run)
+            lines = []
             if settings.http is not None:
                 url = await serving.start_http(settings.http)
-                sys.stdout.write(f"status-page {url}\n")
-                sys.stdout.flush()
+                lines.append(f"status-page {url}")
             if serve is not None:
-                sys.stdout.write(f"api {await serving.start(serve)}\n")
-                sys.stdout.flush()
+                lines.append(f"api {await serving.start(serve)}")
+            # `listening` only once every check passed (package, HTTP port): a wrapper that
+            # waits for it knows the node started.
+            sys.stdout.write("".join(f"{line}\n" for line in [f"listening {address}", *lines]))
+            sys.stdout.flush()
             async for signum in signals:
                 log.info("%s: shutting down", signal.Signals(signum).name)
                 # open API requests drain briefly; streams end with a final error event

@@ -37,6 +37,7 @@ from protocol.errors import ProtocolError
 from protocol.messages import StageReady, TopologyAck, TopologyOffer, decode_control_message
 from skippy.config import NodeSettings
 from skippy.errors import TopologyError
+from skippy.package.heal import heal_topology
 from skippy.package.plan import ModelSizes
 from skippy.package.topology import NodeCapacity, SplitTopology, plan_topology, replace_node
 from skippy.stage.descriptor import RuntimeFacts, StageDescriptor, admission_problem
@@ -250,11 +251,63 @@ class TopologyService:
             ) from None
         return await self._distribute(topology, r.sizes)
 
-    async def _distribute(self, topology: SplitTopology, sizes: ModelSizes) -> ActiveTopology:
-        """Sign ``topology``, make it active here, send it to every worker, collect acks."""
-        signature = sign_domain(
+    async def heal(self) -> ActiveTopology:
+        """The active topology again over the nodes linked now (issue #18 item 2): stages
+        whose node is linked stay (a returning node keeps its own), each other one moves to a
+        capable spare (``skippy.package.heal``); a new topology id, signed and sent to every
+        stage node. ``TopologyRefused`` (``no_capable_peer``) when a stage has no taker."""
+        active, r = self.active, self._last_request
+        if active is None or r is None or active.role != "coordinator":
+            raise TopologyRefused("this node coordinates no topology", code="no_topology")
+        try:
+            topology = heal_topology(
+                active.topology,
+                self.capable_nodes(True),
+                r.sizes,
+                topology_id=f"topo-{uuid.uuid4().hex[:16]}",
+            )
+        except TopologyError as exc:
+            raise TopologyRefused(
+                exc.message, code=exc.code, expected=exc.expected, actual=exc.actual, path=exc.path
+            ) from None
+        return await self._distribute(topology, r.sizes)
+
+    async def restore(
+        self, topology: SplitTopology, sizes: ModelSizes, *, first_node: str | None
+    ) -> ActiveTopology:
+        """A restarted coordinator takes up the split it ran before (issue #18 item 4): the
+        same stages on the same nodes, same run id, a new topology id, signed again (through
+        ``sign_topology`` like every topology this node offers)."""
+        self._last_request = _PlanRequest(
+            topology.package_ref,
+            topology.manifest_sha256,
+            sizes,
+            any(s.node_id == self.node.node_id for s in topology.stages),
+            len(topology.stages),
+            topology.run_id,
+            first_node,
+        )
+        self.active = ActiveTopology(
+            topology,
+            b"",
+            self.node.node_id,
+            "coordinator",
+            "degraded",
+            sizes=sizes,
+            own_id=self.node.node_id,
+        )
+        return await self.heal()
+
+    def sign_topology(self, topology: SplitTopology) -> bytes:
+        """The one place this node signs a topology (every offer, re-plans, heals and a
+        restarted coordinator's re-offer all pass here)."""
+        return sign_domain(
             self.node.identity.key, pc.SIG_DOMAIN_TOPOLOGY, topology.canonical_bytes()
         )
+
+    async def _distribute(self, topology: SplitTopology, sizes: ModelSizes) -> ActiveTopology:
+        """Sign ``topology``, make it active here, send it to every worker, collect acks."""
+        signature = self.sign_topology(topology)
         active = ActiveTopology(
             topology,
             signature,

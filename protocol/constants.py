@@ -109,3 +109,6 @@ class Limits:
 
 
 DEFAULT_LIMITS: Final = Limits()
+
+# A Hello's optional host fingerprint (issue #18): letters and digits, at most this long.
+MAX_HOST_CHARS = 64

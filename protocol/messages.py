@@ -66,17 +66,21 @@ class Hello:
     listen: str | None  # ws://host:port where it accepts links, if any
     features: dict[str, tuple[str, ...]] = field(default_factory=dict)
     memory_budget_bytes: int = 0
+    # Added in issue #18 (optional: a hello without it is still valid): a salted fingerprint
+    # of the sender's machine, so that nodes sharing its cores know each other.
+    host: str | None = None
 
     def encode(self) -> bytes:
-        return _pack(
-            {
-                "t": "hello",
-                "gen": c.MESSAGE_GEN,
-                "listen": self.listen,
-                "features": {k: list(v) for k, v in self.features.items()},
-                "memory_budget_bytes": self.memory_budget_bytes,
-            }
-        )
+        doc: dict[str, object] = {
+            "t": "hello",
+            "gen": c.MESSAGE_GEN,
+            "listen": self.listen,
+            "features": {k: list(v) for k, v in self.features.items()},
+            "memory_budget_bytes": self.memory_budget_bytes,
+        }
+        if self.host is not None:
+            doc["host"] = self.host
+        return _pack(doc)
 
 
 @dataclass(frozen=True)
@@ -110,11 +114,20 @@ def decode_link_message(payload: bytes, limits: c.Limits = c.DEFAULT_LIMITS) -> 
     data = unpack_bounded(payload, limits)
     kind = data.get("t") if isinstance(data, dict) else None
     if kind == "hello":
-        d = _check_keys(data, {"t", "gen", "listen", "features", "memory_budget_bytes"}, "hello")
+        keys = {"t", "gen", "listen", "features", "memory_budget_bytes"}
+        if isinstance(data, dict) and "host" in data:
+            keys.add("host")  # optional since issue #18
+        d = _check_keys(data, keys, "hello")
+        host = d.get("host")
+        if host is not None and (
+            not isinstance(host, str) or not 0 < len(host) <= c.MAX_HOST_CHARS or not host.isalnum()
+        ):
+            raise _fail(f"host must be 1-{c.MAX_HOST_CHARS} letters or digits")
         return Hello(
             listen=_opt_str(d["listen"], "listen", limits.max_address_chars),
             features=_features(d["features"], limits),
             memory_budget_bytes=_int(d["memory_budget_bytes"], "memory_budget_bytes"),
+            host=host,
         )
     if kind == "peers":
         d = _check_keys(data, {"t", "gen", "peers"}, "peers")

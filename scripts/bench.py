@@ -13,6 +13,7 @@ import argparse
 import datetime
 import importlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -30,6 +31,8 @@ SECTIONS: dict[str, str] = {
     "transfer-mesh": "bench_transfer_mesh",
     "serve": "bench_serve",  # reuses the stage section's gemma3 package
     "wan": "bench_wan",  # issue #21: emulated WAN links (reuses the stage section's package)
+    "threads": "bench_threads",  # issue #18: threads = "auto" on one host
+    "soak": "bench_soak",  # issue #18: kills and restarts under load (--soak-s)
 }
 
 
@@ -42,7 +45,9 @@ def main() -> int:
     ap.add_argument("--skip-big", action="store_true")
     ap.add_argument("--only", default="", help="comma-separated sections: " + ", ".join(SECTIONS))
     ap.add_argument("--record", action="store_true", help="append to docs/performance.md")
+    ap.add_argument("--soak-s", type=float, default=1200.0, help="the soak's duration (s)")
     args = ap.parse_args()
+    os.environ["SKIPPY_SOAK_S"] = str(args.soak_s)
     wanted = [s for s in args.only.split(",") if s] or list(SECTIONS)
     unknown = [s for s in wanted if s not in SECTIONS]
     if unknown:

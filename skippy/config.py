@@ -286,7 +286,9 @@ class ServingSettings:
 
     engine: str = "ggml"  # the stage runtime engine (ggml; numpy is the f32 oracle)
     n_ctx: int = 2048  # positions per session (prompt + completion); bounds KV memory
-    threads: int = 2  # CPU threads of this node's stage
+    # CPU threads of this node's stage; None ("auto", the default): this machine's cores
+    # divided among the stages of the split that run on it (peers' host fingerprints).
+    threads: int | None = None
     max_sessions: int = 4  # requests in flight at once (one session per request per stage)
     max_queue: int = 16  # requests waiting for a slot; beyond, 429
     prefill_chunk: int = 128  # prompt tokens per activation frame (pipelined prefill)
@@ -320,6 +322,12 @@ def serving_settings(raw: object) -> ServingSettings:
             if value not in ("ggml", "numpy"):
                 raise _bad(name, "expected ggml or numpy", value)
             values[key] = value
+        elif key == "threads" and value == "auto":
+            values[key] = None
+        elif key == "threads" and (
+            isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1024
+        ):
+            raise _bad(name, 'expected "auto" or an integer in 1..1024', value)
         elif key == "max_frame_bytes":
             values[key] = parse_size(value, name)
             if values[key] < 1024:

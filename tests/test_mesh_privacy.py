@@ -3,11 +3,14 @@ advertisement and gossip message that three real nodes exchange is captured and 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from meshtools import identity, settings, wait_for, with_peers
 from meshxfer import import_into, propose, start_member, wait_connected
 
+from mesh_node.hostid import host_fingerprint
 from mesh_node.link import Link
 from mesh_node.node import MeshNode
 from protocol import constants as pc
@@ -49,12 +52,19 @@ async def test_every_advertisement_and_gossip_message_carries_only_allowed_field
     kinds = {type(decode_link_message(p)) for p in messages}
     assert kinds == {Hello, Peers}
     addresses = {x.listen_url for x in nodes}
+    try:
+        machine_id: bytes | None = Path("/etc/machine-id").read_bytes().strip() or None
+    except OSError:
+        machine_id = None
     for payload in messages:
         raw = unpack_bounded(payload)
         assert isinstance(raw, dict)
         if raw["t"] == "hello":
-            assert set(raw) == {"t", "gen", "listen", "features", "memory_budget_bytes"}
+            assert set(raw) == {"t", "gen", "listen", "features", "memory_budget_bytes", "host"}
             assert raw["listen"] in addresses
+            # issue #18: the salted host fingerprint, never the machine id itself
+            assert raw["host"] == host_fingerprint() and len(raw["host"]) == 32
+            assert machine_id is None or machine_id not in payload
             assert raw["features"] == {
                 pc.FEATURE_SKIPPY_STAGE: sorted([*pc.STAGE_BUNDLE, pc.BIT_ARTIFACT_TRANSFER])
             }

@@ -54,8 +54,9 @@ async def run_lab_with_page(
 
     options = dataclasses.replace(options, run_args=run_args)
     reports: list[dict[str, Any]] = []  # the report, once made (a signal may come first)
+    stopped_by: list[int] = []
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(_cancel_on_signal, nursery.cancel_scope)
+        nursery.start_soon(_cancel_on_signal, nursery.cancel_scope, stopped_by)
         async with open_lab(options) as lab:  # stops every node even when cancelled
             url = await page_url(lab.cluster.coordinator)
             on_page(url)
@@ -65,13 +66,16 @@ async def run_lab_with_page(
             reports.append(report)
             on_report(report)
             await trio.sleep(math.inf)  # until SIGINT/SIGTERM cancels the nursery
-    if not reports:
-        raise KeyboardInterrupt  # stopped before the report: as a plain lab's Ctrl-C
+    if not reports or (options.serve and stopped_by == [signal.SIGINT]):
+        # Ctrl-C of a serving lab (issue #18): exit 130 like a plain lab's; the report was
+        # printed when it was made. A page-only lab (--http) exits 0 on a good report.
+        raise KeyboardInterrupt
     return reports[0]
 
 
-async def _cancel_on_signal(scope: trio.CancelScope) -> None:
+async def _cancel_on_signal(scope: trio.CancelScope, stopped_by: list[int]) -> None:
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async for _ in signals:
+        async for signum in signals:
+            stopped_by.append(signum)
             scope.cancel()
             return

@@ -75,8 +75,13 @@ class LabOptions:
     max_tokens: int = 16
     serve: bool = False  # issue #10: serve the split behind the API (the lab stays up)
     links: LinkTable | None = None  # issue #21: emulated WAN links between every pair of nodes
+    stages: int | None = None  # issue #18: serve over this many stages (the rest are spares)
 
     def __post_init__(self) -> None:
+        if self.stages is not None and not 1 <= self.stages <= self.nodes:
+            raise UsageError(
+                f"--stages must be 1..{self.nodes} (--nodes), not {self.stages}", code="usage"
+            )
         if self.max_tokens < 1:
             raise UsageError("--max-tokens must be at least 1", code="usage")
         if self.nodes < 2:
@@ -131,7 +136,7 @@ class Lab:
             {
                 "op": "serve",
                 "package": self.package.ref,
-                "stages": self.options.nodes,
+                "stages": self.options.stages or self.options.nodes,
             },
             timeout_s=self.options.timeout_s,
         )
@@ -161,11 +166,12 @@ class Lab:
             check = None
             if node.index > 0 and stage is not None:
                 check = await trio.to_thread.run_sync(self.check_cache, node, stage)
+            role = "coordinator" if node.index == 0 else ("worker" if stage else "spare")
             facts.append(
                 NodeFacts(
                     node.index,
                     node.node_id,
-                    "coordinator" if node.index == 0 else "worker",
+                    role,
                     node.spec.owner,
                     node.owner_id,
                     stage,
@@ -352,6 +358,7 @@ async def experiment(lab: Lab) -> dict[str, Any]:
     api, topology, seconds = await lab.start_serving()
     report = await lab.report(topology, seconds, [])
     report["api"] = api
+    operable(lab, report)
     if options.prompt is not None:
         completion = await complete(
             api, options.prompt, max_tokens=options.max_tokens, timeout_s=options.timeout_s
@@ -360,6 +367,27 @@ async def experiment(lab: Lab) -> dict[str, Any]:
         if lab.netem is not None:  # issue #21: the links' bytes include the completion's
             report["links"] = lab.netem.report()
     return report
+
+
+def operable(lab: Lab, report: dict[str, Any]) -> None:
+    """What a person or a test needs to operate on a serving lab (issue #18 item 7): per node
+    its ``stage`` and ``layers`` (``None`` for a spare), ``pid``, ``config`` (the TOML it
+    runs with) and ``env`` (the lab's variables), so that it can be killed and started again
+    with ``mesh-node run --config <config>`` (with ``env``) where its peers dial it."""
+    for row in report["nodes"]:
+        node = lab.cluster.nodes[row["index"]]
+        start, end = row.get("layer_start"), row.get("layer_end")
+        env = lab.cluster.environment(node)
+        row.update(
+            stage=row.get("stage_index"),
+            layers=None if start is None else f"{start}..{end}",
+            pid=node.process.pid if node.process is not None else None,
+            config=str(node.config_path),
+            env={k: env[k] for k in LAB_ENV if k in env},
+        )
+
+
+LAB_ENV: Final = ("XDG_CACHE_HOME", "HF_HOME", "HF_HUB_CACHE", "HF_ENDPOINT")
 
 
 async def run_lab(options: LabOptions) -> dict[str, Any]:

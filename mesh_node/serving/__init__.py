@@ -6,8 +6,12 @@
                 (kind 0x02): chain sessions, early acks, KV per stage, sampling on the last
 ``bringup``     the ready hook: load the verified stage, extend the report into the
                 admission descriptor (issue #8's transfer service fetches and reports)
-``pipeline``    the coordinator: stage 0, the route, admission (queue, 429), generation with
-                failover and replay
+``pipeline``    the coordinator as the API sees it: admission of requests (queue, 429),
+                metrics; joins ``routes`` and ``generator``
+``routes``      the route manager: bring-up, restore after a restart, healing, route
+                readiness and the 503 reasons (issue #18)
+``generator``   generation over a route with failover and exact replay; return streams
+``state``       the coordinator's persisted run state (``data_dir/serving/split.json``)
 ``api``         the OpenAI-compatible HTTP routes (starlette, on hypercorn's trio worker)
 ==============  ==============================================================================
 

@@ -19,6 +19,7 @@ only its own stream: other sessions never notice.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -120,11 +121,24 @@ class StageHost:
         node.register_subprotocol(pc.KIND_TRANSPORT, self._handle)
 
     # --- loading ------------------------------------------------------------------------------
-    def stage_config(self) -> StageConfig:
+    def co_located(self, topology: SplitTopology) -> int:
+        """Stages of ``topology`` on this machine (this node's included): peers whose Hello
+        carried this node's host fingerprint."""
+        here = self.node.host_id
+        others = 0
+        for stage in topology.stages:
+            if stage.node_id == self.node.node_id:
+                continue
+            peer = self.node.peer(stage.node_id)
+            others += peer is not None and peer.host_id is not None and peer.host_id == here
+        return 1 + others
+
+    def stage_config(self, topology: SplitTopology | None = None) -> StageConfig:
         s = self.settings
+        sharing = self.co_located(topology) if topology is not None else 1
         return StageConfig(
             n_ctx=s.n_ctx,
-            n_threads=s.threads,
+            n_threads=stage_threads(s.threads, _cores(), sharing),
             n_batch=max(s.prefill_chunk, 1),
             # A failover can leave sessions of the old route draining while new ones start.
             max_sessions=2 * s.max_sessions,
@@ -147,11 +161,19 @@ class StageHost:
             return current
         from skippy.runtime.chain import open_stage
 
+        config = self.stage_config(topology)
+        log.info(
+            "stage threads: %d (serving.threads %s, %d stage(s) on this machine)",
+            config.n_threads,
+            self.settings.threads if self.settings.threads is not None else "auto",
+            self.co_located(topology),
+        )
+
         def open_() -> Stage:
             return open_stage(
                 self.settings.engine,
                 load,
-                self.stage_config(),
+                config,
                 package_ref=topology.package_ref,
                 stage_index=assignment.stage_index,
                 stage_count=len(topology.stages),
@@ -380,6 +402,23 @@ class StageHost:
         if sender is not None:
             await sender.send(t.encode_free(begin.request_id, begin.session_id))
         await out.send_eof()
+
+
+def stage_threads(configured: int | None, cores: int, co_located: int) -> int:
+    """A stage's CPU threads: ``configured`` when set, else ("auto") this machine's cores
+    divided among the ``co_located`` stages running on it, at least 1. ggml's OpenMP threads
+    spin at barriers, so stages that add up to more threads than cores stall each other
+    (docs/GOTCHAS: 2.7x slower decode with three 2-thread stages on 2 cores)."""
+    if configured is not None:
+        return configured
+    return max(1, cores // max(1, co_located))
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def _vm_kib(field: str) -> int | None:

@@ -167,9 +167,9 @@ class Serving:
             return 200, {"status": "ok"}
         if server.route is not None:
             return 200, {"status": "ok"}
-        if server.failed is not None:
-            return 503, {"status": "error", "reason": server.failed.message,
-                         "code": server.failed.code}
+        waiting = server.routes.waiting  # the split cannot be placed now (e.g. no capable peer)
+        if waiting is not None:
+            return 503, {"status": "error", "reason": waiting.message, "code": waiting.code}
         return 503, {
             "status": "loading",
             "reason": f"the split is not ready: {server.reason}",

@@ -1,0 +1,394 @@
+"""Generation over a route, with failover (issue #10; exact replay: issue #18 item 1).
+
+``Generator.generate`` runs one request: a session through every stage of the current route.
+Stage 0 (this node) embeds the prompt and runs its layers chunk by chunk; each chunk crosses to
+stage 1 while stage 0 computes the next one (at most ``max_inflight_frames`` unacknowledged);
+the final stage samples and sends the token id straight back here on a return stream; then
+one-token decode frames until a stop.
+
+When the route breaks under a request (a node or link lost, a reset, a token timeout), the
+generator asks its ``RouteSource`` for the next route (the route manager replaces the lost
+stage, or re-admits the node when it returns) and **replays** the request's committed tokens
+through it with exactly the calls the lost route made (``skippy.serving.replay.schedule``:
+the prompt in the same chunks, then each generated token as its own one-token decode step),
+then continues. Every stage of the new route recomputes from a fresh session, surviving
+stages included: they held the lost session's KV, but a session is tied to its chain of
+streams, which the loss broke; a fresh session costs one prompt's prefill plus one decode per
+generated token and is exact by construction (chosen over resuming a surviving stage's KV,
+which would need a resume protocol and a cut point every stage agrees on).
+
+The route source is a protocol so failover can be tested on its own (tests feed it routes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Final, Literal, Protocol
+
+import numpy as np
+import trio
+
+from mesh_node.errors import MeshError, StreamReset, first_exception, skippy_error_in
+from mesh_node.link import MeshStream
+from mesh_node.node import MeshNode
+from mesh_node.peers import InboundStream
+from mesh_node.serving.host import LoadedStage, StageHost, sampler_at
+from mesh_node.serving.links import ChainSender, FrameReader, HopStats
+from protocol import constants as pc
+from skippy.config import ServingSettings
+from skippy.errors import SkippyError, UsageError
+from skippy.runtime.tokenizer import LlamaTokenizer
+from skippy.serving.replay import Step, schedule
+from skippy.stage import transport as t
+
+log = logging.getLogger("mesh_node.serving.generator")
+StopReason = Literal["length", "eos", "stop", "context"]
+MAX_FAILOVERS: Final = 3  # per request
+Emit = Callable[[int], Awaitable[bool]]  # a new token -> True to stop (a stop string matched)
+
+
+class ServingFault(MeshError):
+    """A server-side fault of the serving core (HTTP 5xx): never the client's doing. Client
+    errors are ``UsageError``s (HTTP 4xx); the class tells them apart, the code says which."""
+
+    code = "serving_fault"
+
+
+class GenerationFailed(ServingFault):
+    """A request failed mid-way and could not be continued (HTTP 503)."""
+
+    code = "generation_failed"
+
+
+class BadGenerationRequest(UsageError):
+    """The request itself cannot be run (an empty prompt, longer than the context): HTTP 400."""
+
+    code = "bad_generation_request"
+
+
+@dataclass(frozen=True)
+class Route:
+    topology_id: str
+    node_ids: tuple[str, ...]  # stage order; node_ids[0] is this node
+    stage0: LoadedStage
+
+    @property
+    def single(self) -> bool:
+        return len(self.node_ids) == 1
+
+
+class RouteSource(Protocol):
+    """Where the generator gets its routes (``mesh_node.serving.routes.RouteManager``)."""
+
+    tokenizer: LlamaTokenizer | None
+
+    def check_ready(self) -> Route:
+        """The current route, or ``SplitNotReady``."""
+        ...
+
+    async def await_new_route(self, broken: Route, cause: BaseException) -> Route:
+        """The route after ``broken`` failed with ``cause``, or ``GenerationFailed``."""
+        ...
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    max_tokens: int
+    sampling: t.Sampling = field(default_factory=t.Sampling)
+
+
+@dataclass
+class GenerationResult:
+    prompt_tokens: int
+    tokens: list[int]
+    stop_reason: StopReason
+    ttft_s: float
+    prefill_s: float
+    decode_s: float
+    failovers: int = 0
+
+
+@dataclass
+class _Session:
+    session_id: int
+    request_id: int
+    final_node: str  # the final stage of this session's route: the only one that may return
+    tokens: trio.MemorySendChannel[int | BaseException]
+
+
+class _RouteBroken(Exception):
+    """Internal: the route failed under a request (link loss, reset, timeout)."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+
+
+class Generator:
+    """Runs requests over the routes a ``RouteSource`` gives (stage 0 here)."""
+
+    def __init__(
+        self, node: MeshNode, host: StageHost, settings: ServingSettings, routes: RouteSource
+    ) -> None:
+        self.node = node
+        self.host = host
+        self.settings = settings
+        self.routes = routes
+        self.hops = host.hops  # per downstream node: stage 0's hop is this node's
+        self._sessions: dict[int, _Session] = {}
+        host.return_handler = self.on_return
+
+    def chunk(self, route: Route) -> int:
+        """Prompt tokens per prefill call: the same on every attempt (exact replay)."""
+        per_frame = self.host.limits.tokens_per_frame(route.stage0.facts.width)
+        return max(1, min(self.settings.prefill_chunk, per_frame))
+
+    async def generate(
+        self, prompt: list[int], params: GenerationParams, emit: Emit
+    ) -> GenerationResult:
+        route = self.routes.check_ready()
+        n_ctx = route.stage0.facts.n_ctx
+        if not prompt:
+            raise BadGenerationRequest("the prompt has no tokens", code="empty_prompt")
+        if len(prompt) >= n_ctx:
+            raise BadGenerationRequest(
+                f"the prompt has {len(prompt)} tokens; the context holds {n_ctx}",
+                code="prompt_too_long",
+            )
+        result = GenerationResult(len(prompt), [], "length", 0.0, 0.0, 0.0)
+        t0 = time.perf_counter()
+        while True:
+            try:
+                await self._run(route, prompt, params, emit, result, t0)
+                return result
+            except _RouteBroken as broken:
+                if result.failovers >= MAX_FAILOVERS:
+                    raise GenerationFailed(
+                        f"the route failed {result.failovers + 1} times: {broken.cause}",
+                        code="route_failed",
+                    ) from None
+                result.failovers += 1
+                log.warning(
+                    "request lost its route %s after %d tokens (%s); waiting for a new one",
+                    route.topology_id,
+                    len(result.tokens),
+                    broken.cause,
+                )
+                route = await self.routes.await_new_route(route, broken.cause)
+
+    # --- one attempt on one route --------------------------------------------------------------
+    async def _run(
+        self,
+        route: Route,
+        prompt: list[int],
+        params: GenerationParams,
+        emit: Emit,
+        result: GenerationResult,
+        t0: float,
+    ) -> None:
+        loaded = route.stage0
+        stage = loaded.stage
+        session_id = secrets.randbits(63)
+        request_id = secrets.randbits(63)
+        name = t.session_name(session_id)
+        n_ctx = loaded.facts.n_ctx
+        tok = self.routes.tokenizer
+        send_tokens, recv_tokens = trio.open_memory_channel[int | BaseException](4)
+        self._sessions[session_id] = _Session(
+            session_id, request_id, route.node_ids[-1], send_tokens
+        )
+        out: MeshStream | None = None
+        sender: ChainSender | None = None
+        try:
+            async with trio.open_nursery() as nursery:
+                if not route.single:
+                    try:
+                        with trio.fail_after(self.node.timeouts.handshake_s):
+                            out = await self.node.open_stream(route.node_ids[1], pc.KIND_TRANSPORT)
+                        stats = self.hops.setdefault(route.node_ids[1], HopStats())
+                        sender = ChainSender(out, self.host.limits.max_inflight_frames, stats)
+                        await sender.send(
+                            t.encode_begin(
+                                request_id,
+                                session_id,
+                                width=loaded.facts.width,
+                                sampling=params.sampling,
+                                topology_id=route.topology_id,
+                            )
+                        )
+                    except (MeshError, trio.TooSlowError) as exc:
+                        raise _RouteBroken(exc) from None
+                    nursery.start_soon(_watch_acks, sender)
+
+                async def forward(step: Step) -> None:
+                    x = np.asarray(step.tokens, dtype=np.int64)
+                    sampler = sampler_at(params.sampling, step.end) if step.sample else None
+                    decode = step.phase == "decode"
+
+                    def run() -> Any:
+                        if decode:
+                            return stage.decode(name, step.start, x, sampler=sampler)
+                        return stage.prefill(name, step.start, x, sampler=sampler)
+
+                    try:
+                        output = await self.host.compute(run)
+                    except SkippyError as exc:  # this node's own stage refused: ours, not theirs
+                        raise GenerationFailed(
+                            f"stage 0 refused the request: {exc.message}",
+                            code="stage_failed",
+                            actual=exc.code,
+                        ) from None
+                    if sender is None:  # one stage: sampled here
+                        if step.sample and output.token is not None:
+                            await send_tokens.send(int(output.token))
+                        return
+                    frame = t.encode_activations(
+                        request_id,
+                        session_id,
+                        phase=t.Phase.DECODE if decode else t.Phase.PREFILL,
+                        start=step.start,
+                        activations=output.activations,
+                        flags=t.Flag.SAMPLE if step.sample else t.Flag.NONE,
+                    )
+                    try:
+                        await sender.send_activations(frame, decode=decode)
+                    except MeshError as exc:
+                        raise _RouteBroken(exc) from None
+
+                tp = time.perf_counter()
+                # The first attempt and every replay make the same calls (exact replay).
+                steps = schedule(prompt, result.tokens, self.chunk(route))
+                for step in steps:
+                    await forward(step)
+                position = steps[-1].end
+                first = True
+                td = tp
+                while True:
+                    token = await self._next_token(recv_tokens)
+                    now = time.perf_counter()
+                    if first:
+                        if not result.tokens:
+                            result.ttft_s = now - t0
+                        result.prefill_s += now - tp
+                        td, first = now, False
+                    if tok is not None and 0 <= token < tok.n_vocab and tok.is_eog(token):
+                        result.stop_reason = "eos"
+                        break
+                    result.tokens.append(token)
+                    if await emit(token):
+                        result.stop_reason = "stop"
+                        break
+                    if len(result.tokens) >= params.max_tokens:
+                        result.stop_reason = "length"
+                        break
+                    if position >= n_ctx:
+                        result.stop_reason = "context"
+                        break
+                    await forward(Step("decode", position, (token,), True))
+                    position += 1
+                result.decode_s += time.perf_counter() - td
+                if sender is not None:
+                    with trio.move_on_after(self.node.timeouts.idle_s):
+                        await sender.send(t.encode_free(request_id, session_id))
+                        await sender.finish()
+                nursery.cancel_scope.cancel()
+        except BaseExceptionGroup as group:
+            broken = first_exception(group, _RouteBroken)
+            if broken is not None:
+                raise broken from None
+            err = skippy_error_in(group)
+            if err is not None:
+                raise err from None
+            raise
+        finally:
+            self._sessions.pop(session_id, None)
+            await self.host.free(stage, name)
+            if out is not None:
+                with trio.CancelScope(shield=True), trio.move_on_after(1.0):
+                    await out.aclose()
+
+    async def _next_token(self, tokens: trio.MemoryReceiveChannel[int | BaseException]) -> int:
+        try:
+            with trio.fail_after(self.settings.token_timeout_s):
+                item = await tokens.receive()
+        except trio.TooSlowError:
+            raise _RouteBroken(
+                TimeoutError(f"no token within {self.settings.token_timeout_s:g} s")
+            ) from None
+        if isinstance(item, BaseException):
+            raise _RouteBroken(item)
+        return item
+
+    # --- the return stream (final stage -> here) -------------------------------------------------
+    async def on_return(self, inbound: InboundStream, reader: FrameReader, first: t.Frame) -> None:
+        session = self._sessions.get(first.session_id)
+        if session is None or session.request_id != first.request_id:
+            raise t.TransportError(
+                "a return stream for no session of this node", code="unknown_session"
+            )
+        if inbound.peer.node_id != session.final_node:
+            raise t.TransportError("only the final stage returns tokens", code="not_final_stage")
+        try:
+            while (frame := await reader.next()) is not None:
+                if frame.kind is not t.Kind.TOKENS or frame.session_id != session.session_id:
+                    raise t.TransportError(
+                        f"a {frame.kind.name} frame on a return stream", code="unknown_session"
+                    )
+                for token in frame.tokens():
+                    session.tokens.send_nowait(token)
+        except (MeshError, t.TransportError, trio.WouldBlock) as exc:
+            with_error = (
+                exc
+                if not isinstance(exc, trio.WouldBlock)
+                else t.TransportError(
+                    "tokens arrived faster than they were asked for", code="transport_unexpected"
+                )
+            )
+            with contextlib.suppress(
+                trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError
+            ):
+                session.tokens.send_nowait(with_error)
+            if isinstance(with_error, t.TransportError):
+                inbound.stream.reset(with_error.code, with_error.message[:200])
+
+
+async def _watch_acks(sender: ChainSender) -> None:
+    try:
+        await sender.read_acks()
+    except (MeshError, t.TransportError) as exc:
+        raise _RouteBroken(exc) from None
+
+
+# Failures that mean "the route broke" (a node or link went away): wait for a replacement.
+# Anything else (a stage refusing the session: context, bad activations...) fails the request.
+ROUTE_CODES: Final = frozenset(
+    {
+        "link_closed",
+        "peer_unavailable",
+        "stream_refused",
+        "stream_stalled",
+        "transport_timeout",
+        "stale_topology",
+        "stage_not_ready",
+        "not_upstream",
+        "timeout",
+        "closed",
+    }
+)
+
+
+def route_level(cause: BaseException) -> bool:
+    """Whether ``cause`` means the route broke (wait for the next) rather than a stage
+    refusing the request (fail it)."""
+    if isinstance(cause, TimeoutError | trio.TooSlowError):
+        return True
+    if isinstance(cause, StreamReset):
+        return (cause.actual or cause.code) in ROUTE_CODES
+    if isinstance(cause, SkippyError):
+        return cause.code in ROUTE_CODES
+    return False

@@ -1,0 +1,439 @@
+"""The route manager of a serving coordinator: route lifecycle and admission of routes.
+
+``RouteManager.run`` brings the split up and keeps it up, with no operator:
+
+- **Bring-up.** It waits for the capable peers and plans the package over them with stage 0
+  on this node (``TopologyService.propose(first_node=...)``), or, when this coordinator ran the
+  same package before (same identity, package and stage count: ``data_dir/serving/split.json``,
+  issue #18 item 4), waits for that run's nodes and re-forms the same split
+  (``TopologyService.restore``: their verified parts stay in their caches, nothing is
+  transferred again). ``serve`` waits like a service: after ``ready_timeout_s`` it logs a
+  WARNING naming what is missing and keeps forming the split as peers arrive.
+- **Admission of routes.** The route is published only when every stage reported ready with an
+  admission descriptor that matches the topology and this node's runtime (same model, width
+  and dtype, runtime version, enough context), and stage 0 is this node's. Until then requests
+  get ``SplitNotReady`` (HTTP 503) with what the split waits for.
+- **Healing.** A stage node lost (link loss or heartbeat) withdraws the route; the lost stage
+  moves to a capable spare, or, when none can take it, the split waits (503
+  ``no_capable_peer``, naming the node it waits for) until the node comes back with the same
+  id or a capable peer joins, and is then planned in again (``TopologyService.heal``), checked
+  on every membership event and every heartbeat interval, with a backoff when a try fails.
+
+``generator.Generator`` asks it for routes (``RouteSource``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Final
+
+import trio
+
+from mesh_node.errors import TopologyRefused
+from mesh_node.node import MeshNode
+from mesh_node.peers import PeerDown
+from mesh_node.serving.generator import (
+    GenerationFailed,
+    Route,
+    ServingFault,
+    route_level,
+)
+from mesh_node.serving.host import StageHost
+from mesh_node.serving.state import SplitState, load_state, save_state
+from mesh_node.topology import ActiveTopology, StageReport
+from skippy.config import ServingSettings
+from skippy.errors import EXIT_USAGE, SkippyError
+from skippy.package.heal import missing_nodes
+from skippy.package.plan import ModelSizes
+from skippy.runtime.tokenizer import LlamaTokenizer
+from skippy.stage.descriptor import runtime_problem
+
+log = logging.getLogger("mesh_node.serving.routes")
+MAX_RETRY_S: Final = 30.0  # the longest wait between two failed tries to place the split
+
+
+class SplitNotReady(ServingFault):
+    """The split cannot take requests now (HTTP 503); the message says what it waits for."""
+
+    code = "split_not_ready"
+    exit_code = EXIT_USAGE
+
+
+class RouteManager:
+    """The split's topology and route, kept up (see the module docstring)."""
+
+    def __init__(
+        self,
+        node: MeshNode,
+        host: StageHost,
+        settings: ServingSettings,
+        *,
+        package_ref: str,
+        manifest_sha256: str,
+        sizes: ModelSizes,
+        stages: int | None = None,
+    ) -> None:
+        self.node = node
+        self.host = host
+        self.settings = settings
+        self.package_ref = package_ref
+        self.manifest_sha256 = manifest_sha256
+        self.sizes = sizes
+        self.stages = stages
+        self.route: Route | None = None
+        self.reason = "the split is starting"
+        self.waiting: SkippyError | None = None  # why the split cannot be placed now
+        self.tokenizer: LlamaTokenizer | None = None
+        self.restored: str | None = None  # the run id re-formed after a restart
+        self._changed = trio.Event()
+        self._wake = trio.Event()
+        self._restore_from: SplitState | None = None
+        self._retry_at = 0.0  # trio clock: no new try to place the split before this
+        self._retry_s = 0.0
+        self._not_ready_since: float | None = None
+        self._warned = False
+        self._saved: str | None = None  # topology id last persisted
+
+    # --- state ---------------------------------------------------------------------------------
+    def _set_route(self, route: Route | None, reason: str = "") -> None:
+        self.route = route
+        if route is not None:
+            self.waiting = None
+            self._not_ready_since, self._warned = None, False
+        elif self._not_ready_since is None:
+            self._not_ready_since = trio.current_time()
+        self.reason = reason
+        self._notify()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def status(self) -> dict[str, Any]:
+        route = self.route
+        return {
+            "state": "ready" if route else ("waiting" if self.waiting else "not_ready"),
+            "reason": None if route else (self.waiting.message if self.waiting else self.reason),
+            "code": None if route else (self.waiting.code if self.waiting else "split_not_ready"),
+            "topology_id": route.topology_id if route else None,
+            "stages": len(route.node_ids) if route else None,
+            "restored_run": self.restored,
+        }
+
+    def check_ready(self) -> Route:
+        if self.route is not None:
+            return self.route
+        if self.waiting is not None:
+            raise SplitNotReady(self.waiting.message, code=self.waiting.code)
+        raise SplitNotReady(f"the split is not ready: {self.reason}")
+
+    # --- running -------------------------------------------------------------------------------
+    async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Bring the split up and keep it up until cancelled."""
+        state = load_state(self.node.settings.data_dir)
+        if state is not None and state.matches(
+            self.node.node_id, self.package_ref, self.manifest_sha256, self.stages
+        ):
+            self._restore_from = state
+            log.info(
+                "re-forming run %s of %s (topology %s) from %s",
+                state.topology.run_id,
+                state.package_ref,
+                state.topology.topology_id,
+                self.node.settings.data_dir,
+            )
+        self._not_ready_since = trio.current_time()
+        tick = max(0.05, min(1.0, self.node.settings.heartbeat_interval_s))
+        async with self.node.subscribe() as events, trio.open_nursery() as nursery:
+            task_status.started()
+
+            async def keeper() -> None:
+                while True:
+                    self._wake = trio.Event()
+                    await self._step()
+                    with trio.move_on_after(tick):
+                        await self._wake.wait()
+
+            nursery.start_soon(keeper)
+            async for event in events:
+                if isinstance(event, PeerDown):
+                    self._on_peer_down(event.node_id)
+                self.wake()
+
+    def _linked(self) -> set[str]:
+        return {p.node_id for p in self.node.peers(connected_only=True)} | {self.node.node_id}
+
+    def _ours(self) -> ActiveTopology | None:
+        active = self.node.topology.active
+        if active is None or active.role != "coordinator":
+            return None
+        return active
+
+    async def _step(self) -> None:
+        """One look at the split: place it if it is not placed (bring-up, restore, heal),
+        publish the route when it is ready, warn once when it has not been for too long."""
+        try:
+            active = self._ours()
+            if active is None:
+                await self._bring_up()
+            else:
+                capable = {c.node_id for c in self.node.topology.capable_nodes(True)}
+                gone = missing_nodes(active.topology, capable)
+                if gone or active.state != "active":
+                    await self._heal(active, gone)
+            await self._refresh()
+        finally:
+            self._warn_if_slow()
+
+    def _may_try(self) -> bool:
+        return trio.current_time() >= self._retry_at
+
+    def _tried(self, ok: bool) -> None:
+        if ok:
+            self._retry_s, self._retry_at = 0.0, 0.0
+        else:
+            self._retry_s = min(MAX_RETRY_S, max(0.5, 2 * self._retry_s))
+            self._retry_at = trio.current_time() + self._retry_s
+
+    async def _bring_up(self) -> None:
+        state = self._restore_from
+        capable = {c.node_id for c in self.node.topology.capable_nodes(False)}
+        if state is not None:
+            absent = [n for n in missing_nodes(state.topology, capable) if n != self.node.node_id]
+            overdue = self._overdue()
+            if absent and not overdue:
+                self.reason = (
+                    f"re-forming run {state.topology.run_id} after a restart: waiting for "
+                    + ", ".join(f"node {n[:12]}" for n in absent)
+                )
+                return
+            if not self._may_try():
+                return
+            self.reason = f"re-forming run {state.topology.run_id}"
+            try:
+                active = await self.node.topology.restore(
+                    state.topology, self.sizes, first_node=self.node.node_id
+                )
+            except TopologyRefused as exc:
+                self._wait_for(exc, None)
+                return
+            self.restored = state.topology.run_id
+            self._restore_from = None
+            self._placed(active)
+            return
+        want = (self.stages or 1) - 1
+        have = len(capable)
+        if have < want:
+            self.reason = (
+                f"waiting for {want - have} more capable peer(s) ({have} of {want} linked)"
+            )
+            return
+        if not self._may_try():
+            return
+        self.reason = "planning the split"
+        try:
+            active = await self.node.topology.propose(
+                package_ref=self.package_ref,
+                manifest_sha256=self.manifest_sha256,
+                sizes=self.sizes,
+                stages=self.stages,
+                first_node=self.node.node_id,
+            )
+        except TopologyRefused as exc:
+            self._wait_for(exc, None)
+            return
+        self._placed(active)
+
+    async def _heal(self, active: ActiveTopology, gone: list[str]) -> None:
+        self._withdraw(active, gone)
+        if not self._may_try():
+            return
+        try:
+            healed = await self.node.topology.heal()
+        except TopologyRefused as exc:
+            self._wait_for(exc, gone[0] if gone else None)
+            return
+        moved = [
+            f"stage {a.stage_index} to node {b.node_id[:12]}"
+            for a, b in zip(active.topology.stages, healed.topology.stages, strict=True)
+            if a.node_id != b.node_id
+        ]
+        log.info(
+            "split healed: topology %s (%s)",
+            healed.topology.topology_id,
+            ", ".join(moved) or "same nodes",
+        )
+        self._placed(healed)
+
+    def _withdraw(self, active: ActiveTopology, gone: list[str]) -> None:
+        if self.route is not None and self.route.topology_id == active.topology.topology_id:
+            lost = ", ".join(
+                f"stage {s.stage_index} (node {s.node_id[:12]})"
+                for s in active.topology.stages
+                if s.node_id in gone
+            )
+            self._set_route(None, f"lost {lost or 'a stage node'}")
+
+    def _placed(self, active: ActiveTopology) -> None:
+        self._tried(active.state == "active")
+        if active.state != "active":
+            self.waiting = None
+            refused = {w: a for w, a in active.acks.items() if a != "accepted"}
+            self.reason = "not every stage node accepted the topology: " + "; ".join(
+                f"{w[:12]} {a}" for w, a in sorted(refused.items())
+            )
+            return
+        self.waiting = None
+        self.reason = f"waiting for {len(active.topology.stages)} stage(s) to be ready"
+        self._persist(active)
+        self._notify()
+
+    def _wait_for(self, exc: TopologyRefused, node_id: str | None) -> None:
+        """The split cannot be placed now: say what it waits for (the 503's text)."""
+        self._tried(False)
+        if exc.code == "no_capable_peer":
+            back = f"node {node_id[:12]} to come back or " if node_id else ""
+            exc = TopologyRefused(
+                f"{exc.message}; waiting for {back}a capable peer to join",
+                code=exc.code,
+                expected=exc.expected,
+            )
+        if self.waiting is None or self.waiting.message != exc.message:
+            log.warning("the split waits: %s", exc.message)
+        self.waiting = exc
+        self._notify()
+
+    def _persist(self, active: ActiveTopology) -> None:
+        topo = active.topology
+        if self._saved == topo.topology_id:
+            return
+        state = SplitState(
+            self.node.node_id,
+            self.package_ref,
+            self.manifest_sha256,
+            self.stages,
+            topo,
+            active.signature,
+        )
+        try:
+            save_state(self.node.settings.data_dir, state)
+            self._saved = topo.topology_id
+        except OSError as exc:
+            log.warning("could not persist the serving state: %s", exc)
+
+    def _overdue(self) -> bool:
+        since = self._not_ready_since
+        return since is not None and trio.current_time() - since > self.settings.ready_timeout_s
+
+    def _warn_if_slow(self) -> None:
+        if self.route is None and not self._warned and self._overdue():
+            self._warned = True
+            why = self.waiting.message if self.waiting is not None else self.reason
+            log.warning(
+                "the split is not ready after %g s (serving.ready_timeout_s): %s; still "
+                "forming it as peers arrive",
+                self.settings.ready_timeout_s,
+                why,
+            )
+
+    # --- publishing the route ------------------------------------------------------------------
+    async def _refresh(self) -> None:
+        """Publish the route when every stage of the active topology is ready."""
+        active = self._ours()
+        if active is None:
+            return
+        topo = active.topology
+        if self.route is not None and self.route.topology_id == topo.topology_id:
+            return
+        if active.state != "active":  # incomplete (a worker did not accept) or degraded (lost)
+            return
+        if topo.stages[0].node_id != self.node.node_id:
+            # Stage 0 must be here (it embeds the prompt; the API and tokenizer are here).
+            self.reason = "stage 0 is not on this node: the topology cannot serve"
+            return
+        if any(s.node_id not in self._linked() for s in topo.stages):
+            self.reason = "a stage node is not linked"
+            return
+        loaded = self.host.loaded
+        if loaded is None or loaded.topology.topology_id != topo.topology_id:
+            own = active.reports.get(self.node.node_id)
+            failed = own is not None and own.state != "ready"
+            self.reason = (
+                f"stage 0 failed to load ({own.code})" if failed and own else "stage 0 is loading"
+            )
+            return
+        if self.tokenizer is None:
+            self.tokenizer = await trio.to_thread.run_sync(
+                LlamaTokenizer, loaded.load.part_paths[0]
+            )
+        self.node.topology.admission_expect = loaded.facts
+        waiting = []
+        for stage in topo.stages:
+            report = active.reports.get(stage.node_id)
+            if report is None or report.state != "ready":
+                state = "not reported" if report is None else f"{report.state} ({report.code})"
+                waiting.append(f"stage {stage.stage_index} (node {stage.node_id[:12]}): {state}")
+                continue
+            desc = report.descriptor
+            problem = runtime_problem(desc.runtime if desc else None, loaded.facts)
+            if problem is not None:
+                active.reports[stage.node_id] = StageReport("rejected", problem[0], desc)
+                waiting.append(f"stage {stage.stage_index}: rejected ({problem[1]})")
+        if waiting:
+            self.reason = "waiting for " + "; ".join(waiting)
+            return
+        route = Route(topo.topology_id, tuple(s.node_id for s in topo.stages), loaded)
+        self._set_route(route)
+        log.info("route %s ready: %d stage(s)", topo.topology_id, len(route.node_ids))
+
+    def _on_peer_down(self, node_id: str) -> None:
+        active = self._ours()
+        if active is None:
+            return
+        stage = active.topology.stage_of(node_id)
+        if stage is None:
+            return
+        # The topology service sees the same event; mark it degraded now, whichever
+        # subscriber runs first, so the lost route is never published again.
+        self.node.topology.on_peer_down(node_id)
+        if self.route is not None:
+            self._set_route(None, f"stage {stage.stage_index} (node {node_id[:12]}) was lost")
+        log.warning("stage %d lost with node %s", stage.stage_index, node_id[:12])
+
+    # --- for requests in flight -----------------------------------------------------------------
+    async def await_new_route(self, broken: Route, cause: BaseException) -> Route:
+        """The route after ``broken`` failed (``RouteSource``): a new one within
+        ``failover_timeout_s``, or ``GenerationFailed`` (no capable peer, a stage's own
+        refusal, the timeout)."""
+        grace = self.node.settings.peer_loss_timeout_s + 1.0
+        start = trio.current_time()
+        self.wake()
+        with trio.move_on_after(self.settings.failover_timeout_s):
+            while True:
+                if self.waiting is not None:
+                    raise GenerationFailed(self.waiting.message, code=self.waiting.code)
+                route = self.route
+                if route is not None and route.topology_id != broken.topology_id:
+                    return route
+                if route is not None and (
+                    not route_level(cause)
+                    or (trio.current_time() - start > grace and self._route_connected(route))
+                ):
+                    # The route still stands with every node linked: no node was lost, the
+                    # failure was the stage's. (A node that is down is being replaced.)
+                    raise GenerationFailed(
+                        f"a stage failed the request: {cause}", code="stage_failed"
+                    )
+                with trio.move_on_after(0.1):
+                    await self._changed.wait()
+        raise GenerationFailed(
+            f"no route within {self.settings.failover_timeout_s:g} s: {self.reason}",
+            code="failover_timeout",
+        )
+
+    def _route_connected(self, route: Route) -> bool:
+        linked = self._linked()
+        return all(n in linked for n in route.node_ids)
