@@ -177,6 +177,7 @@ NODE_KEYS = frozenset(
         "http",  # the status page / metrics address (mesh_node.http)
         "http_public",
         "serving",  # [serving]: split serving (ServingSettings)
+        "security",  # [security]: who may coordinate us, peer budgets (SecuritySettings)
         "speculative",  # skippy.generation reads these two sections
         "models",
     }
@@ -328,6 +329,75 @@ def serving_settings(raw: object) -> ServingSettings:
     return ServingSettings(**values)
 
 
+# --- [security]: untrusted peers (issue #19) ---------------------------------------------------
+PeerScope = Literal["trusted", "any"]
+MIN_PEER_MEMORY_BUDGET = 16 * 1024 * 1024  # a few streams' windows: below, nothing works
+SECURITY_KEYS = frozenset(
+    {
+        "accept_topologies_from",
+        "place_stages_on",
+        "peer_memory_budget",
+        "cache_budget",
+        "partials_budget",
+        "min_transfer_bytes_per_s",
+    }
+)
+
+
+@dataclass(frozen=True)
+class SecuritySettings:
+    """``[security]`` of the node TOML (docs/security.md, "Untrusted peers"). ``trusted``
+    means: a verified owner that is this node's own (verified) owner or in ``trusted_owners``;
+    ``any`` is for labs (the node says so in its log at start)."""
+
+    # Whose signed topologies this node accepts (and so whom it fetches from and serves for).
+    accept_topologies_from: PeerScope = "trusted"
+    # Which peers this node, as coordinator, places stages on (separate from artifact policy).
+    place_stages_on: PeerScope = "trusted"
+    # All links' buffered and in-flight received bytes together (stream data, messages).
+    peer_memory_budget_bytes: int = 256 * 1024 * 1024
+    # The most the hub cache may hold after a stage's fetch (0: only the disk's free space).
+    cache_budget_bytes: int = 0
+    # Partials of failed or abandoned fetches kept for a resume; the oldest go first.
+    partials_budget_bytes: int = 2 * 1024 * 1024 * 1024
+    # A peer transfer slower than this (over an idle timeout's window) falls back to the hub.
+    min_transfer_bytes_per_s: int = 64 * 1024
+
+
+def security_settings(raw: object) -> SecuritySettings:
+    """Parse ``[security]`` (absent: the defaults); unknown keys are errors naming the key."""
+    if raw is None:
+        return SecuritySettings()
+    if not isinstance(raw, Mapping):
+        raise _bad("security", "expected a table", raw)
+    unknown = sorted(set(raw) - SECURITY_KEYS)
+    if unknown:
+        raise UsageError(
+            f"unknown key security.{unknown[0]}",
+            code="unknown_config_key",
+            path=f"security.{unknown[0]}",
+            remediation="known keys: " + ", ".join(sorted(SECURITY_KEYS)),
+        )
+    values: dict[str, Any] = {}
+    for key in ("accept_topologies_from", "place_stages_on"):
+        if key in raw:
+            if raw[key] not in ("trusted", "any"):
+                raise _bad(f"security.{key}", "expected trusted or any", raw[key])
+            values[key] = raw[key]
+    for key in ("peer_memory_budget", "cache_budget", "partials_budget"):
+        if key in raw:
+            values[f"{key}_bytes"] = parse_size(raw[key], f"security.{key}")
+    if values.get("peer_memory_budget_bytes", MIN_PEER_MEMORY_BUDGET) < MIN_PEER_MEMORY_BUDGET:
+        raise _bad(
+            "security.peer_memory_budget", "must be at least 16MiB", raw["peer_memory_budget"]
+        )
+    if "min_transfer_bytes_per_s" in raw:
+        values["min_transfer_bytes_per_s"] = parse_size(
+            raw["min_transfer_bytes_per_s"], "security.min_transfer_bytes_per_s"
+        )
+    return SecuritySettings(**values)
+
+
 @dataclass(frozen=True)
 class NodeSettings:
     """Everything ``mesh-node run`` needs, validated; paths resolved against the config file."""
@@ -353,6 +423,7 @@ class NodeSettings:
     http_public: bool = False
     warnings: tuple[str, ...] = ()
     serving: ServingSettings = field(default_factory=ServingSettings)
+    security: SecuritySettings = field(default_factory=SecuritySettings)
 
     @property
     def hub_cache_dir(self) -> Path:
@@ -487,6 +558,7 @@ def node_settings(config: NodeConfig, env: Environment | None = None) -> NodeSet
         http_public=http_public,
         warnings=tuple(warnings),
         serving=serving_settings(raw.get("serving")),
+        security=security_settings(raw.get("security")),
     )
 
 
