@@ -79,7 +79,7 @@ MAX_TRACKED_ADDRESSES = 4096  # rate-limit entries; the stalest is forgotten fir
 QUEUE_WAIT_S = 2.0  # the longest a connection waits for a handshake slot (then 503)
 MAX_HEARD_OF = MAX_MEMBERS  # node ids learned from gossip (bounds the topology sanity check)
 # After a link that held this much of the peer budget closes, free heap goes back to the OS.
-TRIM_AFTER_BYTES = 8 * 1024 * 1024
+TRIM_AFTER_BYTES = 1024 * 1024
 
 
 @dataclass
