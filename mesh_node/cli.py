@@ -215,19 +215,11 @@ def cmd_topology(args: argparse.Namespace) -> CommandResult:
     response = trio.run(control.request, settings.control_socket, payload, TOPOLOGY_TIMEOUT_S)
     if "plan" in response:
         return _dry_run_result(response["plan"])
+    from mesh_node.peers import render_topology
+
     topo = response["topology"]
-    lines = [
-        f"topology {topo['topology_id']} ({topo['state']}) run {topo['run_id']}",
-        f"package {topo['package_ref']} manifest {topo['manifest_sha256'][:16]}...",
-    ]
-    for s in topo["stages"]:
-        ack = topo["acks"].get(s["node_id"], "coordinator")
-        lines.append(
-            f"  stage {s['stage_index']}: layers {s['layer_start']}..{s['layer_end']} on "
-            f"{s['node_id'][:12]} ({ack})"
-        )
     code = 0 if topo["state"] == "active" else 1
-    return CommandResult(topo, "\n".join(lines), exit_code=code)
+    return CommandResult(topo, render_topology(topo), exit_code=code)
 
 
 def _dry_run_result(plan: dict[str, Any]) -> CommandResult:

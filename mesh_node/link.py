@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection
 
+from mesh_node.budget import PeerMemory
 from mesh_node.errors import LinkClosed, StreamRefused, StreamReset, StreamStalled
 from protocol import constants as pc
 from protocol import streams as ev
@@ -94,9 +95,33 @@ class MeshStream(trio.abc.HalfCloseableStream):
         self._reader = MessageReader(link.limits)
         self._pending: deque[bytes] = deque()
         self._sending = False
+        self._held = 0  # bytes taken from the node's peer-memory budget (mesh_node.budget)
+
+    # --- the node's peer-memory budget ---------------------------------------------------------
+    def _take(self, nbytes: int) -> bool:
+        budget = self._link.budget
+        if budget is not None and not budget.take(self._link.budget_key, nbytes):
+            return False
+        self._held += nbytes
+        return True
+
+    def _give(self, nbytes: int) -> None:
+        nbytes = min(nbytes, self._held)
+        self._held -= nbytes
+        if self._link.budget is not None:
+            self._link.budget.give(self._link.budget_key, nbytes)
+
+    def _over_budget(self) -> None:
+        self.reset("memory_budget", "this node holds too much for its peers; retry later")
 
     # --- called by the link ------------------------------------------------------------------
     def _on_data(self, data: bytes | memoryview) -> None:
+        if self._error is not None or self._closed:
+            self._link.mux.consumed(self.stream_id, len(data))
+            return
+        if not self._take(len(data)):  # before it is buffered (issue #19)
+            self._over_budget()
+            return
         self._chunks.append(data)
         self._readable.unpark_all()
 
@@ -107,6 +132,13 @@ class MeshStream(trio.abc.HalfCloseableStream):
     def _fail(self, error: Exception) -> None:
         if self._error is None:
             self._error = error
+        if not isinstance(error, LinkClosed):
+            # A reset stream is never read again: release what it held now. (A closed
+            # link's streams keep what arrived before the close; the link's end releases
+            # its whole share of the budget.)
+            self._chunks.clear()
+            self._reader = MessageReader(self._link.limits)
+            self._give(self._held)
         self._accepted.set()
         self._readable.unpark_all()
         self._writable.unpark_all()
@@ -156,6 +188,7 @@ class MeshStream(trio.abc.HalfCloseableStream):
             view = memoryview(data)
             self._chunks.appendleft(view[max_bytes:])
             data = view[:max_bytes]
+        self._give(len(data))
         self._grant(len(data))
         await trio.lowlevel.checkpoint()
         return bytes(data)  # the same object when it already is ``bytes``
@@ -169,7 +202,9 @@ class MeshStream(trio.abc.HalfCloseableStream):
             return []
         views = [memoryview(chunk) for chunk in self._chunks]
         self._chunks.clear()
-        self._grant(sum(len(v) for v in views))
+        nbytes = sum(len(v) for v in views)
+        self._give(nbytes)
+        self._grant(nbytes)
         await trio.lowlevel.checkpoint()
         return views
 
@@ -201,6 +236,8 @@ class MeshStream(trio.abc.HalfCloseableStream):
     async def aclose(self) -> None:
         if not self._closed:
             self._closed = True
+            self._chunks.clear()
+            self._give(self._held)
             mux = self._link.mux
             if self._error is None and mux.has_stream(self.stream_id):
                 if not self._eof:
@@ -237,11 +274,19 @@ class MeshStream(trio.abc.HalfCloseableStream):
                 if self._reader.buffered:
                     raise StreamReset("the stream ended inside a message", code="truncated_message")
                 return None
+            before = self._reader.buffered
             try:
                 self._pending.extend(self._reader.feed(data))
             except ProtocolError as exc:
                 self.reset(exc.code, exc.message)
                 raise StreamReset(exc.message, code=exc.code) from None
+            # A partly received message is held for the peer too: account for it.
+            grown = self._reader.buffered - before
+            if grown > 0 and not self._take(grown):
+                self._over_budget()
+                raise StreamReset("over the node's peer-memory budget", code="memory_budget")
+            if grown < 0:
+                self._give(-grown)
 
     def _check_open(self) -> None:
         if self._error is not None:
@@ -269,6 +314,7 @@ class Link:
         timeouts: LinkTimeouts,
         on_stream: Callable[[Link, SubprotocolOpen], StreamDecision],
         on_message: Callable[[Link, bytes], None],
+        budget: PeerMemory | None = None,
     ) -> None:
         self.ws = ws
         self.channel = channel
@@ -281,6 +327,11 @@ class Link:
         self._on_stream = on_stream
         self._on_message = on_message
         self._streams: dict[int, MeshStream] = {}
+        # Streams the peer opened, with the cancel scope of the handler serving each.
+        self._inbound: dict[int, trio.CancelScope] = {}
+        self.budget = budget
+        self.budget_key = id(self)
+        self.budget_peak = 0  # the most this link held of the budget (known once it closed)
         self._output = trio.lowlevel.ParkingLot()
         self._nursery: trio.Nursery | None = None
         self.closed = trio.Event()
@@ -298,6 +349,8 @@ class Link:
     # --- lifecycle ---------------------------------------------------------------------------
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Serve the link until it closes; never raises for a peer's misbehaviour."""
+        if self.budget is not None:
+            self.budget.open(self.budget_key)
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
@@ -316,6 +369,8 @@ class Link:
             for stream in list(self._streams.values()):
                 stream._fail(error)
             self._streams.clear()
+            if self.budget is not None:
+                self.budget_peak = self.budget.close(self.budget_key)
             self.closed.set()
             with trio.CancelScope(shield=True), trio.move_on_after(self.timeouts.disconnect_s):
                 await self._say_goodbye(reason)
@@ -352,6 +407,20 @@ class Link:
 
     def forget_stream(self, stream_id: int) -> None:
         self._streams.pop(stream_id, None)
+        self._inbound.pop(stream_id, None)
+
+    def reset_inbound(self, code: str, reason: str) -> int:
+        """Reset every stream the peer opened and stop the handlers serving them (e.g. its
+        trust ended)."""
+        stopped = 0
+        for sid, scope in list(self._inbound.items()):
+            stream = self._streams.get(sid)
+            if stream is not None:
+                stream.reset(code, reason)
+            scope.cancel()
+            stopped += 1
+        self._inbound.clear()
+        return stopped
 
     # --- streams -----------------------------------------------------------------------------
     async def open_stream(self, open_: SubprotocolOpen) -> MeshStream:
@@ -441,6 +510,8 @@ class Link:
             self.close("peer_going_away", f"{event.code}: {event.reason}")
 
     def _on_open(self, stream_id: int, open_: SubprotocolOpen) -> None:
+        if not self.mux.has_stream(stream_id):
+            return  # opened and reset by the peer in one record: nothing to accept
         decision = self._on_stream(self, open_)
         if isinstance(decision, tuple):
             code, reason = decision
@@ -450,15 +521,25 @@ class Link:
         stream = MeshStream(self, stream_id, open_)
         stream._accepted.set()
         self._streams[stream_id] = stream
+        self._inbound[stream_id] = trio.CancelScope()
         assert self._nursery is not None  # dispatch runs inside run()'s nursery
         self._nursery.start_soon(self._run_handler, decision, stream)
 
     async def _run_handler(self, handler: StreamHandler, stream: MeshStream) -> None:
+        scope = self._inbound.get(stream.stream_id) or trio.CancelScope()
         try:
-            async with stream:
-                await handler(stream)
+            with scope:
+                async with stream:
+                    await handler(stream)
         except (LinkClosed, StreamReset, StreamRefused, StreamStalled) as exc:
             log.info("link %s stream %d ended: %s", self.node_id[:12], stream.stream_id, exc)
+        except trio.TooSlowError:  # a peer that went quiet: expected, one line, no traceback
+            log.warning(
+                "link %s stream %d: the peer sent nothing in time; stream reset",
+                self.node_id[:12],
+                stream.stream_id,
+            )
+            stream.reset("timeout", "nothing received in time")
         except Exception as exc:  # a handler bug must not take the link (or node) down
             log.exception(
                 "link %s: handler for stream %d failed", self.node_id[:12], stream.stream_id

@@ -31,6 +31,8 @@ from trio_websocket import (
     serve_websocket,
 )
 
+from mesh_node import allocator
+from mesh_node.budget import PeerMemory
 from mesh_node.errors import PeerUnavailable
 from mesh_node.hostid import host_fingerprint
 from mesh_node.identity import LocalIdentity, owner_of, short_id, trust_decision
@@ -57,6 +59,7 @@ from mesh_node.topology import TopologyService
 from mesh_node.transfer.policy import node_policy
 from mesh_node.transfer.records import TransferLog
 from protocol import constants as pc
+from protocol.certificates import OwnerCertificate
 from protocol.errors import ProtocolError
 from protocol.frames import SubprotocolOpen
 from protocol.handshake import Handshake, PeerIdentity, SecureChannel
@@ -75,6 +78,16 @@ EVENT_QUEUE = 256  # per subscriber; an overflowing subscriber is closed (it can
 # its writes stalled. Any other end (silence past peer_loss_timeout_s, a goodbye, a protocol
 # fault, shutdown) is a peer loss at once.
 BROKEN_CONNECTION_REASONS = frozenset({"connection_closed", "peer_not_reading"})
+# Admission (issue #19 item 4; docs/security.md "Admission"): a connection claims a handshake
+# slot before its WebSocket upgrade is accepted, waiting at most QUEUE_WAIT_S for one.
+MAX_PENDING_PER_ADDRESS = 8  # handshakes pending (queued or running) from one source address
+NEW_LINKS_PER_S_PER_ADDRESS = 10.0  # sustained new connections per source address ...
+NEW_LINKS_BURST_PER_ADDRESS = 20  # ... after a burst of this many
+MAX_TRACKED_ADDRESSES = 4096  # rate-limit entries; the stalest is forgotten first
+QUEUE_WAIT_S = 2.0  # the longest a connection waits for a handshake slot (then 503)
+MAX_HEARD_OF = MAX_MEMBERS  # node ids learned from gossip (bounds the topology sanity check)
+# After a link that held this much of the peer budget closes, free heap goes back to the OS.
+TRIM_AFTER_BYTES = 1024 * 1024
 
 
 @dataclass
@@ -91,6 +104,8 @@ class _Member:
     bytes_received: int = 0  # over this member's closed links (a live link adds its own)
     bytes_sent: int = 0
     disconnected: trio.Event = field(default_factory=trio.Event)
+    certificate: OwnerCertificate | None = None  # what its link's handshake presented
+    trust_until: float = math.inf  # wall clock: when ``peer`` must be evaluated again
 
 
 def advertised_features(
@@ -201,6 +216,12 @@ class MeshNode:
         self._subscribers: list[trio.MemorySendChannel[NodeEvent]] = []
         self._dialing: set[str] = set()  # addresses with a dial loop
         self._handshake_slots = trio.CapacityLimiter(MAX_PENDING_HANDSHAKES)
+        self._pending_by_address: dict[str, int] = {}
+        self._admission_rates: dict[str, tuple[float, float]] = {}  # address -> tokens, time
+        self._heard_of: dict[str, None] = {}  # ordered set, oldest first
+        # Memory held for peers, all links together (issue #19 item 3).
+        self.peer_memory = PeerMemory(settings.security.peer_memory_budget_bytes)
+        self.admission = {"rejected_busy": 0, "rejected_address": 0, "evicted_untrusted": 0}
         self._nursery: trio.Nursery | None = None
         self.started = trio.Event()
         self._started_at: float | None = None  # trio clock, when run() began serving
@@ -285,6 +306,82 @@ class MeshNode:
     def features(self) -> dict[str, tuple[str, ...]]:
         return advertised_features(self.settings, self.identity, self.wall_clock())
 
+    def authenticated(self, node_id: str) -> AuthenticatedPeer | None:
+        """The peer as its link proved it, its trust evaluated *now* (a certificate may have
+        expired since the handshake; issue #19 item 5). None without a membership entry."""
+        member = self._members.get(node_id)
+        if member is None:
+            return None
+        self._refresh_trust(member)
+        return member.peer
+
+    def known_node_ids(self) -> set[str]:
+        """This node, its members and the ids gossip told it of (the sanity bound on how
+        many stages a topology may name)."""
+        return {self.node_id, *self._members, *self._heard_of}
+
+    def _evaluate(
+        self, node_id: str, cert: OwnerCertificate | None
+    ) -> tuple[AuthenticatedPeer, float]:
+        """The trust decision for a peer now, and until when it holds (wall clock)."""
+        now = self.wall_clock()
+        own_owner, own_status = self.identity.owner(now)
+        owner_id, owner_status = owner_of(cert, bytes.fromhex(node_id), now)
+        trusted, reason = trust_decision(
+            owner_id,
+            owner_status,
+            own_owner_id=own_owner,
+            own_owner_status=own_status,
+            trusted_owners=self.settings.trusted_owners,
+        )
+        until = math.inf
+        for c in (cert, self.identity.certificate):
+            if c is None:
+                continue
+            # The next moment a status can change: a certificate becomes valid, or expires.
+            if now < c.not_before:
+                until = min(until, c.not_before)
+            elif now < c.not_after:
+                until = min(until, c.not_after)
+        peer = AuthenticatedPeer(node_id, owner_id, owner_status, trusted, reason)
+        return peer, until
+
+    def _refresh_trust(self, member: _Member) -> bool:
+        """Re-evaluate ``member``'s trust if its validity window ended; True if it changed."""
+        if self.wall_clock() < member.trust_until:
+            return False
+        before = member.peer
+        member.peer, member.trust_until = self._evaluate(before.node_id, member.certificate)
+        if member.peer.trusted == before.trusted and member.peer.owner_status == (
+            before.owner_status
+        ):
+            return False
+        log.warning(
+            "peer %s: owner %s, trusted %s (was %s, %s): %s",
+            short_id(before.node_id),
+            member.peer.owner_status,
+            member.peer.trusted,
+            before.owner_status,
+            before.trusted,
+            member.peer.trust_reason,
+        )
+        if before.trusted and not member.peer.trusted and member.link is not None:
+            stopped = member.link.reset_inbound("trust_expired", "this peer is no longer trusted")
+            if stopped:
+                log.warning(
+                    "peer %s: stopped %d streams it had open", short_id(before.node_id), stopped
+                )
+        return True
+
+    async def _watch_trust(self, member: _Member, link: Link) -> None:
+        """Until the link ends: re-evaluate trust when a certificate's validity ends."""
+        while not link.closed.is_set() and not math.isinf(member.trust_until):
+            delay = member.trust_until - self.wall_clock()
+            # Wall-clock time may jump: wake at least once a minute to look again.
+            with trio.move_on_after(min(max(delay, 0.01), 60.0)):
+                await link.closed.wait()
+            self._refresh_trust(member)
+
     def status(self) -> dict[str, Any]:
         owner_id, owner_status = self.identity.owner(self.wall_clock())
         doc = status_document(
@@ -300,6 +397,10 @@ class MeshNode:
             transfers=self.transfers.status(),
             uptime_s=0.0 if self._started_at is None else trio.current_time() - self._started_at,
         )
+        doc["security"] = {  # issue #19: the budgets and admission counters
+            "peer_memory": self.peer_memory.to_dict(),
+            "admission": dict(self.admission),
+        }
         for key, section in self.status_sections.items():
             doc[key] = section()
         return doc
@@ -307,6 +408,16 @@ class MeshNode:
     # --- running -------------------------------------------------------------------------------
     async def run(self, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
         """Listen, dial the configured peers, and serve until cancelled."""
+        security = self.settings.security
+        if security.accept_topologies_from == "any":
+            log.warning(
+                "accept_topologies_from = any: any authenticated peer may coordinate this node "
+                "(for labs only)"
+            )
+        if security.place_stages_on == "any":
+            log.warning(
+                "place_stages_on = any: stages may be placed on untrusted peers (for labs only)"
+            )
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             opts = websocket_options(self.limits, self.timeouts)
@@ -406,25 +517,65 @@ class MeshNode:
         except (ConnectionClosed, trio.BrokenResourceError, OSError) as exc:
             log.info("inbound connection aborted: %s", type(exc).__name__)
 
+    def _admit_address(self, address: str) -> bool:
+        """Per source address: at most ``MAX_PENDING_PER_ADDRESS`` pending handshakes and
+        ``NEW_LINKS_PER_S_PER_ADDRESS`` new connections a second (token bucket)."""
+        if self._pending_by_address.get(address, 0) >= MAX_PENDING_PER_ADDRESS:
+            return False
+        now = trio.current_time()
+        tokens, then = self._admission_rates.pop(address, (NEW_LINKS_BURST_PER_ADDRESS, now))
+        refill = (now - then) * NEW_LINKS_PER_S_PER_ADDRESS
+        tokens = min(NEW_LINKS_BURST_PER_ADDRESS, tokens + refill)
+        if tokens < 1:
+            self._admission_rates[address] = (tokens, now)
+            return False
+        self._admission_rates[address] = (tokens - 1, now)  # re-inserted: most recent last
+        while len(self._admission_rates) > MAX_TRACKED_ADDRESSES:
+            del self._admission_rates[next(iter(self._admission_rates))]
+        return True
+
     async def _accept(self, request: WebSocketRequest) -> None:
-        if self._handshake_slots.available_tokens == 0:
-            await request.reject(503, body=b"too many pending handshakes")
+        remote = request.remote
+        address = str(getattr(remote, "address", remote))
+        if not self._admit_address(address):
+            self.admission["rejected_address"] += 1
+            await request.reject(429, body=b"too many connections from this address")
             return
-        ws = await request.accept()
-        hs = Handshake(
-            initiator=False,
-            identity=self.identity.key,
-            certificate=self.identity.certificate,
-            limits=self.limits,
-        )
-        async with self._handshake_slots:
-            try:
-                peer, channel = await secure_handshake(ws, hs, self.timeouts.handshake_s)
-            except (ProtocolError, trio.TooSlowError) as exc:
-                log.info("inbound handshake failed: %s", exc)
-                with trio.move_on_after(self.timeouts.disconnect_s):
-                    await ws.aclose(code=1008, reason="handshake failed")
+        self._pending_by_address[address] = self._pending_by_address.get(address, 0) + 1
+        try:
+            # The slot is claimed before the upgrade is accepted, and waited for at most
+            # QUEUE_WAIT_S: a burst of silent connections cannot queue without a deadline.
+            acquired = False
+            with trio.move_on_after(min(QUEUE_WAIT_S, self.timeouts.handshake_s)):
+                await self._handshake_slots.acquire()
+                acquired = True
+            if not acquired:
+                self.admission["rejected_busy"] += 1
+                await request.reject(503, body=b"too many pending handshakes")
                 return
+            try:
+                ws = await request.accept()
+                hs = Handshake(
+                    initiator=False,
+                    identity=self.identity.key,
+                    certificate=self.identity.certificate,
+                    limits=self.limits,
+                )
+                try:
+                    peer, channel = await secure_handshake(ws, hs, self.timeouts.handshake_s)
+                except (ProtocolError, trio.TooSlowError) as exc:
+                    log.info("inbound handshake failed: %s", exc)
+                    with trio.move_on_after(self.timeouts.disconnect_s):
+                        await ws.aclose(code=1008, reason="handshake failed")
+                    return
+            finally:
+                self._handshake_slots.release()
+        finally:
+            left = self._pending_by_address.get(address, 1) - 1
+            if left > 0:
+                self._pending_by_address[address] = left
+            else:
+                self._pending_by_address.pop(address, None)
         await self._serve_link(ws, peer, channel, initiator=False)
 
     # --- links and membership -------------------------------------------------------------------
@@ -440,22 +591,7 @@ class MeshNode:
         if node_id == self.node_id:
             log.info("refusing a link to myself")
             return
-        own_owner, own_status = self.identity.owner(self.wall_clock())
-        owner_id, owner_status = owner_of(identity.certificate, identity.node_id, self.wall_clock())
-        trusted, trust_reason = trust_decision(
-            owner_id,
-            owner_status,
-            own_owner_id=own_owner,
-            own_owner_status=own_status,
-            trusted_owners=self.settings.trusted_owners,
-        )
-        peer = AuthenticatedPeer(
-            node_id=node_id,
-            owner_id=owner_id,
-            owner_status=owner_status,
-            trusted=trusted,
-            trust_reason=trust_reason,
-        )
+        peer, trust_until = self._evaluate(node_id, identity.certificate)
         link = Link(
             ws,
             channel,
@@ -465,6 +601,7 @@ class MeshNode:
             timeouts=self.timeouts,
             on_stream=self._decide_stream,
             on_message=self._on_message,
+            budget=self.peer_memory,
         )
         member = self._members.get(node_id)
         if member is not None and member.link is not None:
@@ -476,23 +613,25 @@ class MeshNode:
             old.close("duplicate", "a preferred link replaced this one")
             member.disconnected.set()  # wake dial loops waiting on the old link's event
         if member is None:
-            if not self._make_room():
+            if not self._make_room(for_trusted=peer.trusted):
                 log.warning("membership full (%d): refusing %s", MAX_MEMBERS, short_id(node_id))
                 return
             member = self._members[node_id] = _Member(peer=peer)
         member.peer, member.link = peer, link
+        member.certificate, member.trust_until = identity.certificate, trust_until
         member.disconnected = trio.Event()
         member.last_seen = trio.current_time()
         log.info(
             "link up: %s (%s, owner %s, trusted %s)",
             short_id(node_id),
             "dialed" if initiator else "accepted",
-            owner_status,
+            peer.owner_status,
             peer.trusted,
         )
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(link.run)
+                nursery.start_soon(self._watch_trust, member, link)
                 hello = Hello(
                     listen=self.listen_url,
                     features=self.features,
@@ -502,6 +641,8 @@ class MeshNode:
                 link.mux.send_link_message(hello.encode())
                 link.wake_writer()
         finally:
+            if link.budget_peak >= TRIM_AFTER_BYTES:
+                allocator.release_free_memory()
             member.bytes_received += link.bytes_received
             member.bytes_sent += link.bytes_sent
             if member.link is link:
@@ -545,14 +686,31 @@ class MeshNode:
         else:
             log.info("link to %s came back in time: not a peer loss", short_id(down.node_id))
 
-    def _make_room(self) -> bool:
-        """Keep membership bounded: forget the longest-silent disconnected peer if full."""
+    def _make_room(self, *, for_trusted: bool = False) -> bool:
+        """Keep membership bounded: forget the longest-silent disconnected peer if full; for
+        a trusted newcomer, evict the longest-silent untrusted connected one (untrusted peers
+        never lock trusted ones out, issue #19 item 4)."""
         if len(self._members) < MAX_MEMBERS:
             return True
         gone = [(m.last_seen, nid) for nid, m in self._members.items() if m.link is None]
-        if not gone:
+        if gone:
+            del self._members[min(gone)[1]]
+            return True
+        if not for_trusted:
             return False
-        del self._members[min(gone)[1]]
+        untrusted = [
+            (m.link.last_received if m.link is not None else m.last_seen, nid)
+            for nid, m in self._members.items()
+            if not m.peer.trusted
+        ]
+        if not untrusted:
+            return False
+        victim_id = min(untrusted)[1]
+        victim = self._members.pop(victim_id)
+        self.admission["evicted_untrusted"] += 1
+        log.warning("membership full: evicting untrusted %s for a trusted peer", victim_id[:12])
+        if victim.link is not None:
+            victim.link.close("evicted", "membership is full and a trusted peer needs the place")
         return True
 
     def _prefer_new(self, old: Link, new: Link) -> bool:
@@ -583,6 +741,7 @@ class MeshNode:
         member = self._members.get(link.node_id)
         if member is None or member.link is not link:
             return ("link_replaced", "this link is being replaced")
+        self._refresh_trust(member)  # every authorization sees trust as of now
         peer = member.peer
 
         async def run(stream: MeshStream) -> None:
@@ -609,6 +768,10 @@ class MeshNode:
         elif isinstance(message, Peers):
             for record in message.peers:
                 node_id = record.node_id.hex()
+                self._heard_of.pop(node_id, None)
+                self._heard_of[node_id] = None
+                while len(self._heard_of) > MAX_HEARD_OF:
+                    del self._heard_of[next(iter(self._heard_of))]
                 known = self._members.get(node_id)
                 if node_id == self.node_id or (known is not None and known.link is not None):
                     continue

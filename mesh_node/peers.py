@@ -9,6 +9,15 @@ from typing import Any
 
 from mesh_node.link import MeshStream
 from protocol.certificates import OwnerStatus
+from skippy.text import escape
+
+
+def peer_text(value: object) -> str:
+    """The one rule for a peer's words on a terminal (issue #19 item 6): every string that
+    came from a peer (its Hello address, an ack's reason, a refusal) is printed through this,
+    so a control sequence or a newline cannot clear the screen or forge a line. (The log
+    lines are JSON-escaped by ``mesh-node``'s formatter, ASCII only.)"""
+    return escape(str(value))
 
 
 @dataclass(frozen=True)
@@ -156,16 +165,18 @@ def render_status(doc: Mapping[str, Any]) -> str:
         state = "up" if p["connected"] else "down"
         trust = "trusted" if p["trusted"] else "untrusted"
         lines.append(
-            f"  {p['node_id'][:16]} {state:4} {p['owner_status']:10} {trust:9} "
-            f"{p['address'] or '-'} seen {p['last_seen_s']:.1f}s ago"
+            f"  {peer_text(p['node_id'][:16])} {state:4} {peer_text(p['owner_status']):10} "
+            f"{trust:9} {peer_text(p['address'] or '-')} seen {p['last_seen_s']:.1f}s ago"
         )
     topo = doc.get("topology")
     if topo:
-        lines.append(f"topology {topo['topology_id']} ({topo['role']}, {topo['state']})")
+        lines.append(
+            f"topology {peer_text(topo['topology_id'])} ({topo['role']}, {topo['state']})"
+        )
         for s in topo["stages"]:
             lines.append(
                 f"  stage {s['stage_index']}: layers {s['layer_start']}..{s['layer_end']} on "
-                f"{s['node_id'][:16]}"
+                f"{peer_text(s['node_id'][:16])}"
             )
     else:
         lines.append("topology none")
@@ -176,8 +187,8 @@ def render_status(doc: Mapping[str, Any]) -> str:
             lines.append(
                 f"stage    {stage['stage_index']} (layers {stage['layer_start']}.."
                 f"{stage['layer_end']}) {stage['state']}"
-                + (f" ({stage['error']})" if stage["error"] else "")
-                + (f", report {stage['report']}" if stage["report"] else "")
+                + (f" ({peer_text(stage['error'])})" if stage["error"] else "")
+                + (f", report {peer_text(stage['report'])}" if stage["report"] else "")
             )
         got = c["fetched_bytes"]
         lines.append(
@@ -208,3 +219,20 @@ def render_serving(serving: Mapping[str, Any]) -> list[str]:
         f"{serving.get('failovers_total', 0)}; decode "
         + (f"{speed} tok/s" if speed is not None else "-"),
     ]
+
+
+def render_topology(topo: Mapping[str, Any]) -> str:
+    """``mesh-node topology``'s text: the coordinator's view, each stage with its worker's
+    answer (a peer's words: escaped)."""
+    lines = [
+        f"topology {peer_text(topo['topology_id'])} ({topo['state']}) run "
+        f"{peer_text(topo['run_id'])}",
+        f"package {peer_text(topo['package_ref'])} manifest {topo['manifest_sha256'][:16]}...",
+    ]
+    for s in topo["stages"]:
+        ack = topo["acks"].get(s["node_id"], "coordinator")
+        lines.append(
+            f"  stage {s['stage_index']}: layers {s['layer_start']}..{s['layer_end']} on "
+            f"{peer_text(s['node_id'][:12])} ({peer_text(ack)})"
+        )
+    return "\n".join(lines)

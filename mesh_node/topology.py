@@ -20,10 +20,19 @@ from typing import Any, Literal, Protocol
 
 import trio
 
+from mesh_node.coordination import (
+    EpochStore,
+    admits,
+    bounds_problem,
+    offer_refusal,
+    placeable,
+    sign_topology,
+)
 from mesh_node.errors import MeshError, TopologyRefused
 from mesh_node.identity import LocalIdentity
 from mesh_node.link import LinkTimeouts, MeshStream
 from mesh_node.peers import (
+    AuthenticatedPeer,
     InboundStream,
     NodeEvent,
     PeerDown,
@@ -32,7 +41,7 @@ from mesh_node.peers import (
     TopologyChanged,
 )
 from protocol import constants as pc
-from protocol.certificates import sign_domain, verify_domain
+from protocol.certificates import verify_domain
 from protocol.errors import ProtocolError
 from protocol.messages import StageReady, TopologyAck, TopologyOffer, decode_control_message
 from skippy.config import NodeSettings
@@ -60,6 +69,9 @@ class ActiveTopology:
     own_id: str = ""  # this node's id
     # Coordinator: each stage node's last report (its own stage included).
     reports: dict[str, StageReport] = field(default_factory=dict)
+    # Whether the coordinator was trusted when the topology was accepted (issue #19): only
+    # then may its bytes be installed under the hub commit (mesh_node.transfer.fetch).
+    coordinator_trusted: bool = True
 
     @property
     def all_ready(self) -> bool:
@@ -158,8 +170,11 @@ class NodeView(Protocol):
     settings: NodeSettings
     limits: pc.Limits
     timeouts: LinkTimeouts
+    wall_clock: Callable[[], float]
 
     def peers(self, *, connected_only: bool = False) -> list[PeerInfo]: ...
+    def authenticated(self, node_id: str) -> AuthenticatedPeer | None: ...
+    def known_node_ids(self) -> set[str]: ...
     async def open_stream(self, node_id: str, kind: int) -> MeshStream: ...
     def emit(self, event: NodeEvent) -> None: ...
     def subscribe(self) -> AbstractAsyncContextManager[trio.MemoryReceiveChannel[NodeEvent]]: ...
@@ -173,16 +188,19 @@ class TopologyService:
         self._last_request: _PlanRequest | None = None
         # A serving coordinator sets its own runtime facts: stage reports must agree with them.
         self.admission_expect: RuntimeFacts | None = None
+        self.epochs = EpochStore(node.settings.data_dir)
         node.register_subprotocol(pc.KIND_CONTROL, self._handle_control)
 
     def status(self) -> dict[str, Any] | None:
         return None if self.active is None else self.active.to_dict()
 
     def capable_nodes(self, include_self: bool) -> list[NodeCapacity]:
-        """Connected peers advertising the complete stage bundle (and this node, if asked)."""
+        """Connected peers advertising the complete stage bundle that ``place_stages_on``
+        admits (``mesh_node.coordination.placeable``), and this node, if asked."""
+        scope = self.node.settings.security.place_stages_on
         nodes = [
             NodeCapacity(p.node_id, p.memory_budget_bytes)
-            for p in self.node.peers(connected_only=True)
+            for p in placeable(self.node.peers(connected_only=True), scope)
             if p.has_features(pc.FEATURE_SKIPPY_STAGE, pc.STAGE_BUNDLE)
         ]
         if include_self:
@@ -298,16 +316,15 @@ class TopologyService:
         )
         return await self.heal()
 
-    def sign_topology(self, topology: SplitTopology) -> bytes:
+    def sign_topology(self, topology: SplitTopology) -> tuple[SplitTopology, bytes]:
         """The one place this node signs a topology (every offer, re-plans, heals and a
-        restarted coordinator's re-offer all pass here)."""
-        return sign_domain(
-            self.node.identity.key, pc.SIG_DOMAIN_TOPOLOGY, topology.canonical_bytes()
-        )
+        restarted coordinator's re-offer all pass here), stamped with this coordinator's next
+        epoch (issue #19: workers refuse an older or equal one)."""
+        return sign_topology(self.node.identity.key, topology, self.epochs, self.node.wall_clock())
 
     async def _distribute(self, topology: SplitTopology, sizes: ModelSizes) -> ActiveTopology:
         """Sign ``topology``, make it active here, send it to every worker, collect acks."""
-        signature = self.sign_topology(topology)
+        topology, signature = self.sign_topology(topology)
         active = ActiveTopology(
             topology,
             signature,
@@ -386,10 +403,16 @@ class TopologyService:
         except ProtocolError as exc:
             stream.reset(exc.code, exc.message)
             return
+        peer = self.node.authenticated(inbound.peer.node_id) or inbound.peer  # trust as of now
         if isinstance(message, TopologyOffer):
-            ack = self.accept_offer(message, inbound.peer.node_id)
+            ack = self.accept_offer(message, peer.node_id)
         elif isinstance(message, StageReady):
-            ack = self.record_stage(inbound.peer.node_id, message)
+            if admits(self.node.settings.security.place_stages_on, peer.trusted):
+                ack = self.record_stage(peer.node_id, message)
+            else:  # in trusted mode only trusted stage nodes count (issue #19)
+                ack = TopologyAck(
+                    message.topology_id, False, "untrusted_peer", "this node is not trusted here"
+                )
         else:
             stream.reset(
                 "unexpected_message", "a control stream starts with a topology offer or report"
@@ -414,15 +437,47 @@ class TopologyService:
                 "topology_signature",
                 "the signature does not verify against the sending coordinator's id",
             )
+        # Issue #19: who may coordinate us, epochs, sanity bounds; all before any fetch.
+        coordinator = self.node.authenticated(coordinator_id) or AuthenticatedPeer(
+            coordinator_id, None, "unverified", False, "not linked"
+        )
+        refusal = offer_refusal(
+            scope=self.node.settings.security.accept_topologies_from,
+            coordinator=coordinator,
+            coordinating=self.active is not None and self.active.role == "coordinator",
+            epoch=topology.epoch,
+            last_epoch=self.epochs.last_accepted(coordinator_id),
+        ) or bounds_problem(topology, len(self.node.known_node_ids() | {coordinator_id}))
+        if refusal is not None:
+            log.warning(
+                "refused topology %s from %s: %s: %s",
+                topology.topology_id,
+                coordinator_id[:12],
+                *refusal,
+            )
+            return TopologyAck(topology.topology_id, False, *refusal)
         if topology.stage_of(self.node.node_id) is None:
             return TopologyAck(
                 topology.topology_id, False, "not_in_topology", "this node holds no stage"
             )
+        self.epochs.record_accepted(coordinator_id, topology.epoch)
         self.active = ActiveTopology(
-            topology, offer.signature, coordinator_id, "worker", "active", own_id=self.node.node_id
+            topology,
+            offer.signature,
+            coordinator_id,
+            "worker",
+            "active",
+            own_id=self.node.node_id,
+            coordinator_trusted=coordinator.trusted,
         )
         self.node.emit(TopologyChanged("active", topology.topology_id))
-        log.info("accepted topology %s from %s", topology.topology_id, coordinator_id[:12])
+        log.info(
+            "accepted topology %s (epoch %d) from %s (%s)",
+            topology.topology_id,
+            topology.epoch,
+            coordinator_id[:12],
+            "trusted" if coordinator.trusted else "untrusted",
+        )
         return TopologyAck(topology.topology_id, True)
 
     # --- stage reports (issue #8: ready; issue #10 extends the descriptor) -----------------------

@@ -391,10 +391,14 @@ class Multiplexer:
             self._check_known_id(sid)
             return  # a late frame for a stream we already reset or finished: drop it
         if t == c.FRAME_DATA:
+            # A violation confined to one stream resets that stream only (issue #19); a
+            # credit violation stays fatal (the peer's flow control is broken).
             if s.state is not StreamState.OPEN:
-                raise ProtocolError("stream_state", f"data on stream {sid} before it is open")
+                self._stream_error(sid, f"data on stream {sid} before it is open", events)
+                return
             if s.fin_received:
-                raise ProtocolError("stream_state", f"data on stream {sid} after its end")
+                self._stream_error(sid, f"data on stream {sid} after its end", events)
+                return
             if len(payload) > s.recv_window:
                 raise ProtocolError(
                     "flow_control",
@@ -406,7 +410,8 @@ class Multiplexer:
                 events.append(DataReceived(sid, data))
         elif t == c.FRAME_ACCEPT:
             if not s.local or s.state is not StreamState.OPENING or payload:
-                raise ProtocolError("stream_state", f"unexpected ACCEPT for stream {sid}")
+                self._stream_error(sid, f"unexpected ACCEPT for stream {sid}", events)
+                return
             s.state = StreamState.OPEN
             events.append(StreamAccepted(sid))
             if s.queued or s.fin_queued:
@@ -420,7 +425,8 @@ class Multiplexer:
             events.append(CreditAvailable(sid))
         elif t == c.FRAME_CLOSE:
             if payload or s.fin_received or s.state is not StreamState.OPEN:
-                raise ProtocolError("stream_state", f"unexpected CLOSE for stream {sid}")
+                self._stream_error(sid, f"unexpected CLOSE for stream {sid}", events)
+                return
             s.fin_received = True
             events.append(StreamEnded(sid))
             self._maybe_forget(s)
@@ -458,6 +464,11 @@ class Multiplexer:
             self.limits.stream_window_bytes,
         )
         events.append(StreamOpenRequested(sid, open_))
+
+    def _stream_error(self, sid: int, reason: str, events: list[Event]) -> None:
+        """A protocol error on one stream: reset it (both sides learn why); the link lives."""
+        self.reset_stream(sid, "stream_state", reason)
+        events.append(StreamReset(sid, "stream_state", reason))
 
     def _refuse(self, sid: int, code: str, reason: str, events: list[Event]) -> None:
         self._queue_control(

@@ -181,6 +181,7 @@ NODE_KEYS = frozenset(
         "http",  # the HTTP surface's address, or the [http] table (HttpSettings)
         "http_public",
         "serving",  # [serving]: split serving (ServingSettings)
+        "security",  # [security]: who may coordinate us, peer budgets (SecuritySettings)
         "speculative",  # skippy.generation reads these two sections
         "models",
         "dial_via",  # issue #21: {node id = "ws://HOST:PORT"}: where to dial a given peer
@@ -453,6 +454,73 @@ def http_settings(
         max_json_depth=count("max_json_depth", d.max_json_depth),
         **sizes,
     )
+# --- [security]: untrusted peers (issue #19) ---------------------------------------------------
+PeerScope = Literal["trusted", "any"]
+MIN_PEER_MEMORY_BUDGET = 16 * 1024 * 1024  # a few streams' windows: below, nothing works
+SECURITY_KEYS = frozenset(
+    {
+        "accept_topologies_from",
+        "place_stages_on",
+        "peer_memory_budget",
+        "cache_budget",
+        "partials_budget",
+        "min_transfer_bytes_per_s",
+    }
+)
+
+
+@dataclass(frozen=True)
+class SecuritySettings:
+    """``[security]`` of the node TOML (docs/security.md, "Untrusted peers"). ``trusted``
+    means: a verified owner that is this node's own (verified) owner or in ``trusted_owners``;
+    ``any`` is for labs (the node says so in its log at start)."""
+
+    # Whose signed topologies this node accepts (and so whom it fetches from and serves for).
+    accept_topologies_from: PeerScope = "trusted"
+    # Which peers this node, as coordinator, places stages on (separate from artifact policy).
+    place_stages_on: PeerScope = "trusted"
+    # All links' buffered and in-flight received bytes together (stream data, messages).
+    peer_memory_budget_bytes: int = 256 * 1024 * 1024
+    # The most the hub cache may hold after a stage's fetch (0: only the disk's free space).
+    cache_budget_bytes: int = 0
+    # Partials of failed or abandoned fetches kept for a resume; the oldest go first.
+    partials_budget_bytes: int = 2 * 1024 * 1024 * 1024
+    # A peer transfer slower than this (over an idle timeout's window) falls back to the hub.
+    min_transfer_bytes_per_s: int = 64 * 1024
+
+
+def security_settings(raw: object) -> SecuritySettings:
+    """Parse ``[security]`` (absent: the defaults); unknown keys are errors naming the key."""
+    if raw is None:
+        return SecuritySettings()
+    if not isinstance(raw, Mapping):
+        raise _bad("security", "expected a table", raw)
+    unknown = sorted(set(raw) - SECURITY_KEYS)
+    if unknown:
+        raise UsageError(
+            f"unknown key security.{unknown[0]}",
+            code="unknown_config_key",
+            path=f"security.{unknown[0]}",
+            remediation="known keys: " + ", ".join(sorted(SECURITY_KEYS)),
+        )
+    values: dict[str, Any] = {}
+    for key in ("accept_topologies_from", "place_stages_on"):
+        if key in raw:
+            if raw[key] not in ("trusted", "any"):
+                raise _bad(f"security.{key}", "expected trusted or any", raw[key])
+            values[key] = raw[key]
+    for key in ("peer_memory_budget", "cache_budget", "partials_budget"):
+        if key in raw:
+            values[f"{key}_bytes"] = parse_size(raw[key], f"security.{key}")
+    if values.get("peer_memory_budget_bytes", MIN_PEER_MEMORY_BUDGET) < MIN_PEER_MEMORY_BUDGET:
+        raise _bad(
+            "security.peer_memory_budget", "must be at least 16MiB", raw["peer_memory_budget"]
+        )
+    if "min_transfer_bytes_per_s" in raw:
+        values["min_transfer_bytes_per_s"] = parse_size(
+            raw["min_transfer_bytes_per_s"], "security.min_transfer_bytes_per_s"
+        )
+    return SecuritySettings(**values)
 
 
 @dataclass(frozen=True)
@@ -484,6 +552,7 @@ class NodeSettings:
     # or was configured with (a relay, a tunnel, a port forward; the lab's emulated links).
     dial_via: Mapping[str, PeerAddress] = field(default_factory=dict)
     http_settings: HttpSettings = field(default_factory=HttpSettings)
+    security: SecuritySettings = field(default_factory=SecuritySettings)
 
     @property
     def hub_cache_dir(self) -> Path:
@@ -627,6 +696,7 @@ def node_settings(config: NodeConfig, env: Environment | None = None) -> NodeSet
         serving=serving_settings(raw.get("serving")),
         dial_via=parse_dial_via(raw.get("dial_via", {})),
         http_settings=http_settings(http_table, base, env.api_key),
+        security=security_settings(raw.get("security")),
     )
 
 

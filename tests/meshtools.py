@@ -15,7 +15,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from mesh_node.identity import LocalIdentity, issue_certificate
 from mesh_node.node import MeshNode
-from skippy.config import HostPort, NodeSettings, PeerAddress
+from skippy.config import HostPort, NodeSettings, PeerAddress, SecuritySettings
 
 FAST = {
     "heartbeat_interval_s": 0.1,
@@ -23,6 +23,9 @@ FAST = {
     "idle_timeout_s": 1.0,
     "handshake_timeout_s": 1.0,
 }
+# Most mesh tests run nodes without owner certificates: they need the lab setting (the
+# defaults, ``trusted``, are tested in tests/test_untrusted_peers.py with owners).
+LAB_SECURITY = SecuritySettings(accept_topologies_from="any", place_stages_on="any")
 
 
 def identity(owner: Ed25519PrivateKey | None = None, *, days: int = 1) -> LocalIdentity:
@@ -44,6 +47,7 @@ def settings(tmp: Path, name: str, **kw: Any) -> NodeSettings:
         "trusted_owners": (),
         "artifact_transfer": "disabled",
         "memory_budget_bytes": 1 << 30,
+        "security": LAB_SECURITY,
         **FAST,
     }
     base.update(kw)

@@ -26,6 +26,9 @@ peer_loss_timeout_s = 2.0
 idle_timeout_s = 5.0
 handshake_timeout_s = 5.0
 memory_budget = "{budget}"
+[security]
+accept_topologies_from = "any"
+place_stages_on = "any"
 [serving]
 threads = {threads}
 n_ctx = {n_ctx}

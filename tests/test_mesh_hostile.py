@@ -191,20 +191,26 @@ async def test_a_stream_flood_is_refused_beyond_the_limit_and_state_stays_bounde
         await wait_for(lambda: link_to(victim, key) is not None)
         opens = [
             f.encode_frame(
-                pc.FRAME_OPEN, 2 * i + 1, f.SubprotocolOpen("skippy-stage", 2, 0x7E).encode()
+                pc.FRAME_OPEN,
+                2 * i + 1,
+                # A real kind (control): an unknown one is refused whatever the limit says.
+                f.SubprotocolOpen("skippy-stage", 2, pc.KIND_CONTROL).encode(),
             )
             for i in range(2000)
         ]
-        resets = 0
+        resets = accepts = 0
         for start in range(0, len(opens), 1000):
             record = b"".join(opens[start : start + 1000])
             await ws.send_message(
                 channel.seal([record[i : i + 60000] for i in range(0, len(record), 60000)])
             )
         with trio.fail_after(5):
-            while resets < 2000:
+            while resets + accepts < 2000:
                 for pt in channel.open(await ws.get_message()):
-                    resets += sum(1 for fr in f.decode_frames(pt) if fr.type == pc.FRAME_RESET)
+                    frames = f.decode_frames(pt)
+                    resets += sum(1 for fr in frames if fr.type == pc.FRAME_RESET)
+                    accepts += sum(1 for fr in frames if fr.type == pc.FRAME_ACCEPT)
+        assert accepts <= pc.DEFAULT_LIMITS.max_streams_per_link  # the per-link stream limit
         link = link_to(victim, key)
         assert link is not None and not link.closed.is_set()
         assert len(link.mux.stream_ids()) <= pc.DEFAULT_LIMITS.max_streams_per_link

@@ -53,6 +53,7 @@ async def test_two_nodes_of_one_owner_authenticate_and_trust_each_other(tmp_path
             "peers",
             "topology",
             "transfers",
+            "security",
         }
         n.cancel_scope.cancel()
 
@@ -317,9 +318,16 @@ async def test_topology_that_does_not_fit_names_the_node_and_the_missing_bytes(t
         n.cancel_scope.cancel()
 
 
+_EPOCHS = iter(range(1, 1 << 30))
+
+
 def _offer(signer: Ed25519PrivateKey, topology: SplitTopology) -> TopologyOffer:
+    """Signed as a coordinator signs: each offer with a newer epoch."""
+    import dataclasses
+
     from protocol.certificates import sign_domain
 
+    topology = dataclasses.replace(topology, epoch=next(_EPOCHS))
     return TopologyOffer(
         topology.to_dict(), sign_domain(signer, pc.SIG_DOMAIN_TOPOLOGY, topology.canonical_bytes())
     )

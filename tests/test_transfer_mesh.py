@@ -9,6 +9,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import time
 
 import pytest
 import trio
@@ -25,6 +26,7 @@ from meshxfer import (
     wait_connected,
 )
 
+from mesh_node.coordination import sign_topology
 from mesh_node.errors import StreamRefused
 from mesh_node.node import MeshNode
 from mesh_node.topology import ActiveTopology
@@ -36,7 +38,6 @@ from mesh_node.transfer.serve import (
     RateLimit,
 )
 from protocol import constants as pc
-from protocol.certificates import sign_domain
 from protocol.messages import TopologyOffer
 from skippy.atomic import find_partials
 from skippy.constants import MANIFEST_MAX_BYTES, MANIFEST_NAME
@@ -298,8 +299,8 @@ async def test_a_coordinator_holding_a_manifest_over_16_MiB_refuses_it(tmp_path,
             StageAssignment(worker.node.node_id, "stage-1", 1, LayerRange(2, 4, 4)),
         )
         topology = SplitTopology("topo-big", "run-big", ref, sha, 4, stages)
-        sig = sign_domain(
-            coord.node.identity.key, pc.SIG_DOMAIN_TOPOLOGY, topology.canonical_bytes()
+        topology, sig = sign_topology(
+            coord.node.identity.key, topology, coord.node.topology.epochs, time.time()
         )
         coord.node.topology.active = ActiveTopology(
             topology, sig, coord.node.node_id, "coordinator", "active"

@@ -265,6 +265,9 @@ def node_specs(options: LabOptions, hub_url: str | None) -> list[NodeSpec]:
                 owner="foreign" if i >= first_foreign else "primary",
                 config={
                     "serving": {"threads": threads},
+                    # A lab mixes owners on purpose (foreign workers): the lab setting, which
+                    # each node states in its log at start (issue #19).
+                    "security": {"accept_topologies_from": "any", "place_stages_on": "any"},
                     **options.node_config,
                     "artifact_transfer": options.transfer,
                     **options.node_overrides.get(i, {}),

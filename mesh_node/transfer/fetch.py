@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
@@ -51,6 +52,7 @@ from skippy.errors import IntegrityError, ManifestError, SkippyError
 from skippy.package.topology import SplitTopology, StageAssignment
 from skippy.stage.descriptor import StageDescriptor
 from skippy.transfer.authorize import PEER_DISABLED, PEER_UNAVAILABLE
+from skippy.transfer.disk import cache_usage, evict_partials, stage_disk_problem
 from skippy.transfer.errors import ArtifactWireError, InstallBusy, PartialChanged, TransferRefused
 from skippy.transfer.fallback import fetch_from_hub
 from skippy.transfer.fetch_plan import FetchItem, manifest_item, plan_fetch, request_for
@@ -100,6 +102,12 @@ class StageFetchFailed(MeshError):
     """The stage could not be brought in (``code`` from the failure that stopped it)."""
 
     code = "stage_fetch_failed"
+
+
+class TransferTooSlow(MeshError):
+    """A peer sent bytes, but slower than ``min_transfer_bytes_per_s``: take the hub."""
+
+    code = "transfer_too_slow"
 
 
 @dataclass(frozen=True)
@@ -181,8 +189,15 @@ class StageFetcher:
         self, active: ActiveTopology, stage: StageAssignment, state: StageFetch
     ) -> StageResult:
         topology = active.topology
+        # The cache tells the truth about commits (issue #19): an untrusted coordinator's
+        # bytes go to the peer area, never under the hub commit.
+        untrusted = None if active.coordinator_trusted else topology.manifest_sha256
         try:
-            cache = RepoCache.for_ref(self.node.settings.hub_cache_dir, topology.package_ref)
+            cache = RepoCache.for_ref(
+                self.node.settings.hub_cache_dir,
+                topology.package_ref,
+                untrusted_manifest=untrusted,
+            )
         except (ArtifactWireError, ManifestError):
             # A package directory is read in place by the coordinator that planned it, and by
             # a worker that can read the same directory (one machine, a shared filesystem):
@@ -214,6 +229,7 @@ class StageFetcher:
             )
         )
         plan = plan_fetch(manifest, loaded.held.sha256, topology, self.node.node_id, present)
+        await trio.to_thread.run_sync(self._check_disk, plan.bytes_required, plan.bytes_to_fetch)
         for ref in plan.required:
             if ref.path in present:
                 self.records.found_in_cache(ref.path, ref.artifact.artifact_bytes)
@@ -237,6 +253,23 @@ class StageFetcher:
                 failures.append(exc)
             except OSError as exc:
                 failures.append(StageFetchFailed(f"{item.path}: {exc}", code="io_error"))
+
+    def _check_disk(self, required: int, to_fetch: int) -> None:
+        """The declared sizes against this node's budgets, before a byte is written (thread)."""
+        settings = self.node.settings
+        root = settings.hub_cache_dir
+        root.mkdir(parents=True, exist_ok=True)
+        security = settings.security
+        problem = stage_disk_problem(
+            required_bytes=required,
+            fetch_bytes=to_fetch,
+            memory_budget_bytes=settings.memory_budget_bytes,
+            cache_budget_bytes=security.cache_budget_bytes,
+            cache_used_bytes=cache_usage(root) if security.cache_budget_bytes else 0,
+            disk_free_bytes=shutil.disk_usage(root).free,
+        )
+        if problem is not None:
+            raise StageFetchFailed(problem[1], code=problem[0])
 
     def _stage_load(
         self, cache: RepoCache, topology: SplitTopology, stage: StageAssignment
@@ -336,6 +369,10 @@ class StageFetcher:
                 reason = exc.code
                 log.warning("%s from %s: %s", item.path, short_id(peer), exc)
                 break
+            except TransferTooSlow as exc:  # a trickle: the hub, at once (issue #19)
+                reason = exc.code
+                log.warning("%s from %s: %s", item.path, short_id(peer), exc)
+                break
             except _RETRY as exc:
                 reason = exc.code
                 log.info("%s from %s: %s (attempt %d)", item.path, short_id(peer), exc, attempts)
@@ -380,6 +417,12 @@ class StageFetcher:
 
     async def _open_sink(self, job: _Job, item: FetchItem) -> ArtifactSink:
         """The sink, waiting (cancellably) while another fetch on this node installs it."""
+        budget = self.node.settings.security.partials_budget_bytes
+        evicted = await trio.to_thread.run_sync(
+            evict_partials, self.node.settings.hub_cache_dir, budget, item.max_size
+        )
+        if evicted:
+            log.info("evicted %d old partials (over the %d-byte budget)", len(evicted), budget)
         opener = functools.partial(
             open_sink,
             job.cache,
@@ -477,15 +520,22 @@ class StageFetcher:
         """Until the body ended (everything handed to the writer) or a failure raises;
         ``batch`` holds what was received but not yet handed on."""
         idle = self.node.timeouts.idle_s
+        min_rate = self.node.settings.security.min_transfer_bytes_per_s
         # One cancel scope per response, its deadline pushed on as bytes arrive (a scope per
-        # receive costs more than the bytes it guards: ~20k receives per GiB).
+        # receive costs more than the bytes it guards: ~20k receives per GiB). It is pushed
+        # on only while the peer keeps ``min_transfer_bytes_per_s`` since the last push: a
+        # trickle under ``idle_timeout_s`` cannot postpone the hub forever (issue #19).
+        mark_time, mark_bytes, received = trio.current_time(), 0, 0
         with trio.CancelScope(deadline=trio.current_time() + idle) as scope:
             while True:
                 # Every record received so far, as views (no copy, one call per batch).
                 views = await stream.receive_views()
+                received += sum(len(v) for v in views)
                 now = trio.current_time()
-                if now + 0.75 * idle > scope.deadline:
+                due = now + 0.75 * idle > scope.deadline
+                if due and received - mark_bytes >= min_rate * (now - mark_time):
                     scope.deadline = now + idle
+                    mark_time, mark_bytes = now, received
                 if not views:
                     reader.eof()  # raises artifact_wire_truncated: the response did not end
                     raise ArtifactWireError(
@@ -504,6 +554,12 @@ class StageFetcher:
                             if batch.size:
                                 await batches.send(batch.take())
                             return
+        if received > mark_bytes:  # bytes came, just too few of them
+            stream.reset("too_slow", "under the minimum transfer rate")
+            raise TransferTooSlow(
+                f"the peer sent {received - mark_bytes} bytes in {idle:g} s, under "
+                f"{min_rate} bytes/s"
+            )
         stream.reset("stalled", "no bytes within the idle timeout")
         raise StreamStalled(f"the peer sent nothing for {idle:g} s")
 

@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from skippy.constants import MAX_LAYER_COUNT
 from skippy.errors import TopologyError
 from skippy.package.plan import ModelSizes, plan_stages
 from skippy.package.ranges import LayerRange
@@ -24,6 +25,7 @@ NODE_ID_HEX_CHARS = 64  # an Ed25519 public key, lowercase hex
 MAX_ID_CHARS = 128  # topology_id, run_id, stage_id
 MAX_STAGES = 1024
 MAX_PACKAGE_REF_CHARS = 512
+MAX_EPOCH = 2**63 - 1
 _NODE_ID_RE = re.compile(r"^[0-9a-f]{64}$")
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
@@ -95,9 +97,15 @@ class SplitTopology:
     manifest_sha256: str
     layer_count: int
     stages: tuple[StageAssignment, ...]
+    # The coordinator's signing counter (issue #19): set by the one function that signs a
+    # topology (``mesh_node.coordination.sign_topology``); a worker refuses one that is not
+    # newer than the last it accepted from that coordinator. 0: never signed.
+    epoch: int = 0
 
     def __post_init__(self) -> None:
         _check_id(self.topology_id, "topology_id")
+        if not 0 <= _check_int(self.epoch, "epoch") <= MAX_EPOCH:
+            raise TopologyError(f"epoch must be in 0..{MAX_EPOCH}", actual=self.epoch)
         _check_id(self.run_id, "run_id")
         if not isinstance(self.package_ref, str) or not 0 < len(self.package_ref) <= (
             MAX_PACKAGE_REF_CHARS
@@ -112,7 +120,11 @@ class SplitTopology:
                 "manifest_sha256 must be 64 lowercase hex characters",
                 actual=_short(self.manifest_sha256),
             )
-        _check_int(self.layer_count, "layer_count")
+        if not 1 <= _check_int(self.layer_count, "layer_count") <= MAX_LAYER_COUNT:
+            # The manifest's own bound (a peer's 2^63-layer topology is refused here).
+            raise TopologyError(
+                f"layer_count must be in 1..{MAX_LAYER_COUNT}", actual=self.layer_count
+            )
         if not 0 < len(self.stages) <= MAX_STAGES:
             raise TopologyError(
                 f"a topology needs 1-{MAX_STAGES} stages", actual=len(self.stages)
@@ -173,6 +185,7 @@ class SplitTopology:
             "manifest_sha256": self.manifest_sha256,
             "layer_count": self.layer_count,
             "stages": [s.to_dict() for s in self.stages],
+            "epoch": self.epoch,
         }
 
     def canonical_bytes(self) -> bytes:
@@ -186,7 +199,8 @@ class SplitTopology:
         """Strict parse of untrusted data (a peer's message): exact keys, exact types."""
         fields = {"topology_id", "run_id", "package_ref", "manifest_sha256", "layer_count",
                   "stages"}
-        if not isinstance(data, Mapping) or set(data) != fields:
+        # ``epoch`` is optional on input (0: unsigned); it is always written.
+        if not isinstance(data, Mapping) or set(data) - {"epoch"} != fields:
             got = sorted(map(str, data)) if isinstance(data, Mapping) else type(data).__name__
             raise TopologyError(f"a topology has exactly the fields {sorted(fields)}", actual=got)
         raw_stages = data["stages"]
@@ -201,6 +215,7 @@ class SplitTopology:
             manifest_sha256=data["manifest_sha256"],
             layer_count=layer_count,
             stages=stages,
+            epoch=data.get("epoch", 0),
         )
 
 

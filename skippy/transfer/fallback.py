@@ -10,8 +10,10 @@ evicted at once so the next attempt downloads it again.
 from __future__ import annotations
 
 import contextlib
+import os
 from pathlib import Path
 
+from skippy.atomic import atomic_symlink
 from skippy.consume import hub
 from skippy.consume.verify import VerifyCache
 from skippy.errors import IntegrityError
@@ -41,7 +43,20 @@ def fetch_from_hub(
         offline=offline,
     )
     if verified_file(path, item, manifest_sha256=manifest_sha256, verify_cache=verify_cache):
-        return path
+        if cache.peer_area is None:
+            return path
+        # The hub's bytes for the commit are the truth; the peer area links the same blob.
+        link = cache.snapshot_path(item.path)
+        blob = path.resolve()
+        if not is_within(blob, cache.repo_root):
+            raise IntegrityError(
+                f"{item.path}: the hub cache entry leads outside its repository folder",
+                code="unsafe_artifact_path",
+                path=item.path,
+            )
+        link.parent.mkdir(parents=True, exist_ok=True)
+        atomic_symlink(os.path.relpath(blob, link.parent), link)
+        return link
     with contextlib.suppress(OSError):
         blob = path.resolve()
         path.unlink()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import re
 import stat
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -47,6 +48,8 @@ from skippy.transfer.fetch_plan import FetchItem
 from skippy.transfer.wire import eligible_package_ref
 
 log = logging.getLogger(__name__)
+PEER_SNAPSHOTS = "peer-snapshots"  # beside huggingface_hub's snapshots/, never read by it
+_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
 @dataclass(frozen=True)
@@ -55,11 +58,25 @@ class RepoCache:
 
     cache_dir: Path
     ref: HfPackageRef
+    # Issue #19, "the cache tells the truth about commits": bytes named by a coordinator this
+    # node does not trust are never linked under ``snapshots/<commit>/`` (where huggingface_hub
+    # and our resolver look a commit up), but under ``peer-snapshots/<manifest sha256>/``:
+    # named by what they are proven to be, not by what a stranger says the commit holds.
+    peer_area: str | None = None
 
     @classmethod
-    def for_ref(cls, cache_dir: Path, package_ref: str) -> RepoCache:
-        """From an eligible ``hf://ns/repo@<commit>`` (``ArtifactWireError`` otherwise)."""
-        return cls(cache_dir, eligible_package_ref(package_ref))
+    def for_ref(
+        cls, cache_dir: Path, package_ref: str, *, untrusted_manifest: str | None = None
+    ) -> RepoCache:
+        """From an eligible ``hf://ns/repo@<commit>`` (``ArtifactWireError`` otherwise).
+        ``untrusted_manifest`` (the manifest SHA-256 an untrusted coordinator named) selects
+        the peer area instead of the commit's snapshot."""
+        area = None
+        if untrusted_manifest is not None:
+            if not _SHA256_RE.match(untrusted_manifest):
+                raise ManifestError("not a SHA-256", code="invalid_manifest_sha256")
+            area = untrusted_manifest
+        return cls(cache_dir, eligible_package_ref(package_ref), area)
 
     def __post_init__(self) -> None:
         if not self.ref.is_pinned:
@@ -78,6 +95,8 @@ class RepoCache:
 
     @property
     def snapshot_dir(self) -> Path:
+        if self.peer_area is not None:
+            return self.repo_root / PEER_SNAPSHOTS / self.peer_area
         return self.repo_root / "snapshots" / self.commit
 
     def snapshot_path(self, rel: str) -> Path:
