@@ -13,6 +13,7 @@ import errno
 import logging
 import math
 import random
+import secrets
 import socket
 import time
 from collections.abc import AsyncIterator, Callable
@@ -99,6 +100,8 @@ class _Member:
     memory_budget_bytes: int = 0
     hello: bool = False  # ever advertised (a member is listed only after its hello)
     host_id: str | None = None  # its machine's fingerprint, from its hello (issue #18)
+    boot: str | None = None  # its process's random id, from its hello: new at every restart
+    down_reported: bool = False  # a PeerDown was emitted since its last PeerUp
     hello_link: Link | None = None  # the link its latest hello came on
     last_seen: float = 0.0  # trio clock
     bytes_received: int = 0  # over this member's closed links (a live link adds its own)
@@ -211,6 +214,7 @@ class MeshNode:
         self.wall_clock = wall_clock
         self.listen_url: str | None = None
         self.host_id = host_fingerprint()  # advertised: peers on this machine share its cores
+        self.boot_id = secrets.token_hex(8)  # advertised: a restart is told from a reconnect
         self._members: dict[str, _Member] = {}
         self._handlers: dict[tuple[str, int, int], SubprotocolHandler] = {}
         self._subscribers: list[trio.MemorySendChannel[NodeEvent]] = []
@@ -637,6 +641,7 @@ class MeshNode:
                     features=self.features,
                     memory_budget_bytes=self.settings.memory_budget_bytes,
                     host=self.host_id,
+                    boot=self.boot_id,
                 )
                 link.mux.send_link_message(hello.encode())
                 link.wake_writer()
@@ -667,7 +672,7 @@ class MeshNode:
         down = PeerDown(node_id, f"{reason[0]}: {reason[1]}")
         deadline = link.last_received + self.settings.peer_loss_timeout_s
         if reason[0] not in BROKEN_CONNECTION_REASONS or self._nursery is None:
-            self.emit(down)
+            self._peer_down(member, down)
             return
         log.info(
             "link to %s broke (%s); waiting up to %.1f s for it to come back",
@@ -681,10 +686,16 @@ class MeshNode:
         self, member: _Member, down: PeerDown, deadline: float
     ) -> None:
         await trio.sleep_until(deadline)
+        if member.down_reported:
+            return  # reported meanwhile (it came back as a new process)
         if member.link is None and self._members.get(down.node_id) is member:
-            self.emit(down)
+            self._peer_down(member, down)
         else:
             log.info("link to %s came back in time: not a peer loss", short_id(down.node_id))
+
+    def _peer_down(self, member: _Member, down: PeerDown) -> None:
+        member.down_reported = True
+        self.emit(down)
 
     def _make_room(self, *, for_trusted: bool = False) -> bool:
         """Keep membership bounded: forget the longest-silent disconnected peer if full; for
@@ -762,7 +773,14 @@ class MeshNode:
             member.host_id = message.host
             first_on_link = member.hello_link is not link
             member.hello, member.hello_link = True, link
+            restarted = member.boot is not None and message.boot != member.boot
+            member.boot = message.boot
             if first_on_link:
+                if restarted and not member.down_reported:
+                    # Relinked before its loss was reported, but as a new process: whatever
+                    # it held (a loaded stage, sessions) is gone, so it is a loss after all.
+                    self._peer_down(member, PeerDown(link.node_id, "restarted: a new process"))
+                member.down_reported = False
                 self._gossip_about(link.node_id, member)
                 self.emit(PeerUp(self._info(member, trio.current_time())))
         elif isinstance(message, Peers):

@@ -69,6 +69,10 @@ class Hello:
     # Added in issue #18 (optional: a hello without it is still valid): a salted fingerprint
     # of the sender's machine, so that nodes sharing its cores know each other.
     host: str | None = None
+    # Added with it (optional too): a random id of the sender's process, new at every start, so
+    # that a peer that relinks fast after a restart is known to have lost its state (a broken
+    # connection alone is not a peer loss; a restarted process is).
+    boot: str | None = None
 
     def encode(self) -> bytes:
         doc: dict[str, object] = {
@@ -80,6 +84,8 @@ class Hello:
         }
         if self.host is not None:
             doc["host"] = self.host
+        if self.boot is not None:
+            doc["boot"] = self.boot
         return _pack(doc)
 
 
@@ -115,19 +121,23 @@ def decode_link_message(payload: bytes, limits: c.Limits = c.DEFAULT_LIMITS) -> 
     kind = data.get("t") if isinstance(data, dict) else None
     if kind == "hello":
         keys = {"t", "gen", "listen", "features", "memory_budget_bytes"}
-        if isinstance(data, dict) and "host" in data:
-            keys.add("host")  # optional since issue #18
+        if isinstance(data, dict):
+            keys |= {"host", "boot"} & set(data)  # optional since issue #18
         d = _check_keys(data, keys, "hello")
-        host = d.get("host")
-        if host is not None and (
-            not isinstance(host, str) or not 0 < len(host) <= c.MAX_HOST_CHARS or not host.isalnum()
-        ):
-            raise _fail(f"host must be 1-{c.MAX_HOST_CHARS} letters or digits")
+        host, boot = d.get("host"), d.get("boot")
+        for name, value in (("host", host), ("boot", boot)):
+            if value is not None and (
+                not isinstance(value, str)
+                or not 0 < len(value) <= c.MAX_HOST_CHARS
+                or not value.isalnum()
+            ):
+                raise _fail(f"{name} must be 1-{c.MAX_HOST_CHARS} letters or digits")
         return Hello(
             listen=_opt_str(d["listen"], "listen", limits.max_address_chars),
             features=_features(d["features"], limits),
             memory_budget_bytes=_int(d["memory_budget_bytes"], "memory_budget_bytes"),
             host=host,
+            boot=boot,
         )
     if kind == "peers":
         d = _check_keys(data, {"t", "gen", "peers"}, "peers")

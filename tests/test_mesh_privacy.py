@@ -60,7 +60,12 @@ async def test_every_advertisement_and_gossip_message_carries_only_allowed_field
         raw = unpack_bounded(payload)
         assert isinstance(raw, dict)
         if raw["t"] == "hello":
-            assert set(raw) == {"t", "gen", "listen", "features", "memory_budget_bytes", "host"}
+            assert set(raw) == {
+                "t", "gen", "listen", "features", "memory_budget_bytes", "host", "boot"
+            }
+            # the process's random id (a restart is told from a reconnect): nothing of the machine
+            assert isinstance(raw["boot"], str) and len(raw["boot"]) == 16
+            assert machine_id is None or raw["boot"].encode() not in machine_id
             assert raw["listen"] in addresses
             # issue #18: the salted host fingerprint, never the machine id itself
             assert raw["host"] == host_fingerprint() and len(raw["host"]) == 32
