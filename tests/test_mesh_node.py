@@ -438,10 +438,15 @@ async def test_a_configured_peer_is_redialed_after_its_link_drops(tmp_path):
         assert first is not None
         async with b.subscribe() as events:
             first.close("test", "dropped by the test")
-            down = await events.receive()
-            assert isinstance(down, PeerDown) and down.node_id == a.node_id
-            up = await events.receive()
-            assert isinstance(up, PeerUp) and up.peer.node_id == a.node_id
+            # b hears of the drop at once when a's close reaches it first, and not at all when
+            # its socket just breaks (issue #21: a broken connection that relinks within
+            # peer_loss_timeout_s is no peer loss): either way the next PeerUp is the redial.
+            with trio.fail_after(10):
+                event = await events.receive()
+                if isinstance(event, PeerDown):
+                    assert event.node_id == a.node_id
+                    event = await events.receive()
+            assert isinstance(event, PeerUp) and event.peer.node_id == a.node_id
         second = a._members[b.node_id].link
         assert second is not None and second is not first
         n.cancel_scope.cancel()
