@@ -89,10 +89,13 @@ class Cluster:
     api: str = ""
     coordinator_address: str = ""
 
-    def start(self, name: str, args: list[str], toml: str) -> Proc:
+    def start(
+        self, name: str, args: list[str], toml: str, env: dict[str, str] | None = None
+    ) -> Proc:
+        """Start one node; ``env`` adds to (or overrides) this process's environment."""
         cfg = self.root / f"{name}.toml"
         cfg.write_text(toml)
-        env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
         popen = subprocess.Popen(
             [sys.executable, "-m", "mesh_node", *args, "--config", str(cfg)],
             stdout=subprocess.PIPE,

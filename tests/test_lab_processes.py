@@ -6,6 +6,7 @@ restarted after completion (nothing fetched again), and Ctrl-C stopping every no
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -21,6 +22,7 @@ import synth_gguf
 import trio
 from pkgtools import make_package
 
+from mesh_node.lab.cluster import LabError
 from mesh_node.lab.run import Lab, LabOptions, open_lab
 
 MESH = [sys.executable, "-m", "mesh_node"]
@@ -227,6 +229,21 @@ async def test_a_worker_restarted_after_completion_fetches_nothing(tiny_package,
         )
         assert text.returncode == 0 and "ready, report accepted" in text.stdout
         assert "fetched peer 0 hub 0" in text.stdout
+
+
+async def test_serving_gives_up_at_the_deadline_with_the_cores_waiting_reason(
+    tiny_package, tmp_path
+):
+    # The serving core waits like a service (issue #18 item 3); only the lab gives up, at its
+    # deadline, saying what the core waits for (here: the worker it needs is gone).
+    opts = dataclasses.replace(options(tiny_package, tmp_path), stages=2, timeout_s=8)
+    async with open_lab(opts) as lab:
+        assert await lab.cluster.stop(1) == 0
+        with pytest.raises(LabError) as failed:
+            await lab.start_serving()
+        assert failed.value.code == "split_not_ready"
+        message = str(failed.value)
+        assert "within 8 s" in message and "capable peer" in message, message
 
 
 def _processes_under(root: Path) -> list[int]:

@@ -6,7 +6,9 @@
 - no spare: a worker killed with SIGKILL and started again with the same config is planned
   back in with no command (503 `no_capable_peer` naming the node in between);
 - a coordinator killed with SIGKILL and started again with the same identity and config
-  re-forms the same split (same nodes, same run), with nothing fetched again.
+  re-forms the same split (same nodes, same run), with nothing fetched again;
+- a worker restarted within `peer_loss_timeout_s` (no peer loss for the mesh) is planned in
+  again and must report ready anew before the route is published.
 """
 
 from __future__ import annotations
@@ -159,5 +161,44 @@ def test_serve_waits_heals_and_restarts(tiny_pkg: Path, tmp_path: Path) -> None:
             assert (now["peer"], now["hub"]) == (fetched[w]["peer"], fetched[w]["hub"])
             assert now["cache"] > fetched[w]["cache"]
         print(f"coordinator restart: serving again {took:.2f} s after its start")
+    finally:
+        cluster.stop()
+
+
+def test_a_worker_restarted_within_peer_loss_timeout_must_report_ready_again(
+    tiny_pkg: Path, tmp_path: Path
+) -> None:
+    # peer_loss_timeout_s far longer than the restart takes: the mesh sees no peer loss (the
+    # link "came back in time"), yet the node is a new process holding no stage. The route
+    # must not come back on its old ready report (every request failed with
+    # transport_width_mismatch): the node is planned in again and reports ready anew.
+    def toml(name: str, peers: tuple[str, ...] = ()) -> str:
+        text = node_toml(tmp_path, name, peers=peers)
+        return text.replace("peer_loss_timeout_s = 2.0", "peer_loss_timeout_s = 30.0")
+
+    cluster = Cluster(tmp_path)
+    try:
+        coord = cluster.start("coord", _serve_args(tiny_pkg, _free_port()), toml("coord"))
+        cluster.coordinator_address = coord.address = coord.wait_line("listening ")
+        cluster.api = coord.wait_line("api ")
+        workers = {name: toml(name, (cluster.coordinator_address,)) for name in ("w0", "w1")}
+        for name, text in workers.items():
+            worker = cluster.start(name, ["run"], text)
+            worker.address = worker.wait_line("listening ")
+        wait_ready(cluster.api)
+        want = _complete(cluster.api)
+        topo = cluster.status()["topology"]
+        victim = cluster.proc_of(topo["stages"][2]["node_id"])
+        os.kill(victim.popen.pid, signal.SIGKILL)
+        victim.popen.wait()
+        back = cluster.start(victim.name, ["run"], workers[victim.name])
+        back.address = back.wait_line("listening ")
+        wait_ready(cluster.api, timeout_s=25)  # well inside peer_loss_timeout_s
+        assert _complete(cluster.api) == want
+        after = cluster.status()["topology"]
+        assert after["lost_nodes"] == []  # the mesh saw no peer loss ...
+        assert after["topology_id"] != topo["topology_id"]  # ... the node was planned in again
+        assert [s["node_id"] for s in after["stages"]] == [s["node_id"] for s in topo["stages"]]
+        assert after["run_id"] == topo["run_id"]
     finally:
         cluster.stop()

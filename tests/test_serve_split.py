@@ -320,3 +320,29 @@ async def test_a_cancelled_request_frees_its_session_along_the_chain(
             lambda: all(h.loaded is not None and not h.loaded.stage.sessions for h in sp.hosts)
         )
         assert sp.server.stats.in_flight == 0
+
+
+async def test_a_begin_to_a_node_without_a_stage_is_refused_as_stage_not_ready(
+    packages: dict[str, Path], tmp_path: Path
+) -> None:
+    # e.g. a worker restarted within peer_loss_timeout_s: its route must be seen as broken
+    # (stage_not_ready waits for a new route), not as a width the request got wrong
+    async with split(tmp_path, packages["llama"], stages=2) as sp, trio.open_nursery() as n:
+        coord = sp.nodes[0]
+        bare = MeshNode(with_peers(settings(tmp_path, "bare", serving=SERVING), coord), identity())
+        stage_services(bare, read_environment())
+        await n.start(bare.run)
+        await wait_for(lambda: coord.peer(bare.node_id) is not None, 10)
+        route = sp.server.route
+        assert route is not None
+        begin = t.encode_begin(
+            1, 5, width=route.stage0.facts.width, sampling=t.Sampling(),
+            topology_id=route.topology_id,
+        )
+        stream = await coord.open_stream(bare.node_id, pc.KIND_TRANSPORT)
+        await stream.send_all(begin)
+        with pytest.raises(StreamReset) as err, trio.fail_after(5):
+            while await stream.receive_some():
+                pass
+        assert err.value.actual == "stage_not_ready"
+        n.cancel_scope.cancel()

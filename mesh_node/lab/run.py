@@ -147,9 +147,13 @@ class Lab:
             serving = status.get("serving") or {}
             if serving.get("state") == "ready":
                 return api, dict(status["topology"]), time.monotonic() - t0
-            if serving.get("state") == "failed" or time.monotonic() > deadline:
+            # The serving core never gives up by itself (it waits like a service, issue #18
+            # item 3: ``ready``, ``waiting`` or ``not_ready``); the lab does, at its deadline,
+            # with what the core says it waits for.
+            if time.monotonic() > deadline:
                 raise LabError(
-                    f"the split did not become ready: {serving.get('reason')}",
+                    f"the split did not become ready within {self.options.timeout_s:g} s: "
+                    f"{serving.get('reason')} [{serving.get('code')}]",
                     code="split_not_ready",
                 )
             await trio.sleep(POLL_S)

@@ -265,6 +265,10 @@ class StageHost:
         except trio.TooSlowError:
             stream.reset("transport_timeout", "no frame within the timeout")
         except (t.TransportError, SessionRefused) as exc:
+            if width == 0 and exc.code == "transport_width_mismatch":
+                # No stage here (e.g. a restarted process): say so, not "width 0" (its BEGIN
+                # was refused by the width check before _chain could look).
+                exc = SessionRefused("no stage is loaded on this node", code="stage_not_ready")
             log.info("refused a transport stream from %s: %s", inbound.peer.node_id[:12], exc)
             stream.reset(exc.code, exc.message[:200])
 

@@ -93,6 +93,8 @@ class RouteManager:
         self._not_ready_since: float | None = None
         self._warned = False
         self._saved: str | None = None  # topology id last persisted
+        # Stage nodes of the active topology (by its id) seen unlinked by a step; see _relinked.
+        self._unlinked: tuple[str, set[str]] = ("", set())
 
     # --- state ---------------------------------------------------------------------------------
     def _set_route(self, route: Route | None, reason: str = "") -> None:
@@ -182,11 +184,26 @@ class RouteManager:
             else:
                 capable = {c.node_id for c in self.node.topology.capable_nodes(True)}
                 gone = missing_nodes(active.topology, capable)
-                if gone or active.state != "active":
+                back = self._relinked(active.topology.topology_id, gone)
+                if gone or back or active.state != "active":
                     await self._heal(active, gone)
             await self._refresh()
         finally:
             self._warn_if_slow()
+
+    def _relinked(self, topology_id: str, gone: list[str]) -> set[str]:
+        """Stage nodes seen unlinked under this topology and linked again. A link that broke
+        and came back within ``peer_loss_timeout_s`` is no peer loss for the mesh, but the
+        socket cannot tell a reset from a crash: the node may be a restarted process holding
+        no stage, so its old ready report proves nothing. Such a node is planned in again
+        (``heal``: a new topology id, the same nodes) and must report ready anew; its verified
+        parts stay in its cache, so nothing is transferred again."""
+        tid, seen = self._unlinked
+        if tid != topology_id:
+            tid, seen = topology_id, set()
+        seen |= set(gone)
+        self._unlinked = (tid, seen)
+        return seen - set(gone)
 
     def _may_try(self) -> bool:
         return trio.current_time() >= self._retry_at
@@ -356,6 +373,10 @@ class RouteManager:
             return
         if any(s.node_id not in self._linked() for s in topo.stages):
             self.reason = "a stage node is not linked"
+            return
+        tid, seen = self._unlinked
+        if tid == topo.topology_id and seen:  # relinked: planned in again first (_relinked)
+            self.reason = "re-planning " + ", ".join(f"node {n[:12]}" for n in sorted(seen))
             return
         loaded = self.host.loaded
         if loaded is None or loaded.topology.topology_id != topo.topology_id:
