@@ -181,6 +181,13 @@ class NodeView(Protocol):
     def register_subprotocol(self, kind: int, handler: Callable[[InboundStream], Any]) -> None: ...
 
 
+def _refused(exc: TopologyError) -> TopologyRefused:
+    """A planning error as this coordinator's refusal, with the same code and facts."""
+    return TopologyRefused(
+        exc.message, code=exc.code, expected=exc.expected, actual=exc.actual, path=exc.path
+    )
+
+
 class TopologyService:
     def __init__(self, node: NodeView) -> None:
         self.node = node
@@ -243,9 +250,7 @@ class TopologyService:
                 first_node=first_node,
             )
         except TopologyError as exc:
-            raise TopologyRefused(
-                exc.message, code=exc.code, expected=exc.expected, actual=exc.actual, path=exc.path
-            ) from None
+            raise _refused(exc) from None
         return await self._distribute(topology, sizes)
 
     async def replace_lost(self, lost: str) -> ActiveTopology:
@@ -264,9 +269,7 @@ class TopologyService:
                 topology_id=f"topo-{uuid.uuid4().hex[:16]}",
             )
         except TopologyError as exc:
-            raise TopologyRefused(
-                exc.message, code=exc.code, expected=exc.expected, actual=exc.actual, path=exc.path
-            ) from None
+            raise _refused(exc) from None
         return await self._distribute(topology, r.sizes)
 
     async def heal(self) -> ActiveTopology:
@@ -285,9 +288,7 @@ class TopologyService:
                 topology_id=f"topo-{uuid.uuid4().hex[:16]}",
             )
         except TopologyError as exc:
-            raise TopologyRefused(
-                exc.message, code=exc.code, expected=exc.expected, actual=exc.actual, path=exc.path
-            ) from None
+            raise _refused(exc) from None
         return await self._distribute(topology, r.sizes)
 
     async def restore(
