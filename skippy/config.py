@@ -301,19 +301,25 @@ class ServingSettings:
     queue_timeout_s: float = 300.0  # a queued request gets a slot within this, else 429
 
 
+def _refuse_unknown_keys(raw: Mapping[str, Any], table: str, known: frozenset[str]) -> None:
+    """A key of ``[table]`` that we do not read is an error naming it (a typo must not pass)."""
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise UsageError(
+            f"unknown key {table}.{unknown[0]}",
+            code="unknown_config_key",
+            path=f"{table}.{unknown[0]}",
+            remediation="known keys: " + ", ".join(sorted(known)),
+        )
+
+
 def serving_settings(raw: object) -> ServingSettings:
     """Parse ``[serving]`` (absent: the defaults); unknown keys are errors naming the key."""
     if raw is None:
         return ServingSettings()
     if not isinstance(raw, Mapping):
         raise _bad("serving", "expected a table", raw)
-    unknown = sorted(set(raw) - SERVING_KEYS)
-    if unknown:
-        raise UsageError(
-            f"unknown key serving.{unknown[0]}",
-            code="unknown_config_key",
-            path=f"serving.{unknown[0]}",
-        )
+    _refuse_unknown_keys(raw, "serving", SERVING_KEYS)
     base = ServingSettings()
     values: dict[str, Any] = {}
     for key, value in raw.items():
@@ -392,11 +398,7 @@ def http_settings(
     """Parse ``[http]`` (``None``: the defaults); paths resolve against the config's folder;
     unknown keys are errors naming the key."""
     raw = raw or {}
-    unknown = sorted(set(raw) - HTTP_KEYS)
-    if unknown:
-        raise UsageError(
-            f"unknown key http.{unknown[0]}", code="unknown_config_key", path=f"http.{unknown[0]}"
-        )
+    _refuse_unknown_keys(raw, "http", HTTP_KEYS)
 
     def path(key: str) -> Path | None:
         value = raw.get(key)
@@ -495,14 +497,7 @@ def security_settings(raw: object) -> SecuritySettings:
         return SecuritySettings()
     if not isinstance(raw, Mapping):
         raise _bad("security", "expected a table", raw)
-    unknown = sorted(set(raw) - SECURITY_KEYS)
-    if unknown:
-        raise UsageError(
-            f"unknown key security.{unknown[0]}",
-            code="unknown_config_key",
-            path=f"security.{unknown[0]}",
-            remediation="known keys: " + ", ".join(sorted(SECURITY_KEYS)),
-        )
+    _refuse_unknown_keys(raw, "security", SECURITY_KEYS)
     values: dict[str, Any] = {}
     for key in ("accept_topologies_from", "place_stages_on"):
         if key in raw:
