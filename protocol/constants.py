@@ -89,6 +89,7 @@ class Limits:
     max_envelope_bytes: int = 256
     max_gossip_peers: int = 128
     max_features: int = 32
+    max_hello_extensions: int = 16  # unknown hello keys a node ignores (newer peers)
     max_feature_chars: int = 64
     max_address_chars: int = 256
     # streams and flow control

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 import msgpack
 
@@ -120,10 +120,7 @@ def decode_link_message(payload: bytes, limits: c.Limits = c.DEFAULT_LIMITS) -> 
     data = unpack_bounded(payload, limits)
     kind = data.get("t") if isinstance(data, dict) else None
     if kind == "hello":
-        keys = {"t", "gen", "listen", "features", "memory_budget_bytes"}
-        if isinstance(data, dict):
-            keys |= {"host", "boot"} & set(data)  # optional since issue #18
-        d = _check_keys(data, keys, "hello")
+        d = _hello_fields(data, limits)
         host, boot = d.get("host"), d.get("boot")
         for name, value in (("host", host), ("boot", boot)):
             if value is not None and (
@@ -152,6 +149,36 @@ def decode_link_message(payload: bytes, limits: c.Limits = c.DEFAULT_LIMITS) -> 
             records.append(PeerRecord(_key(entry["node_id"], "node_id"), address))
         return Peers(tuple(records))
     raise _fail(f"unknown link message type {kind!r}")
+
+
+_HELLO_REQUIRED: Final = frozenset({"t", "gen", "listen", "features", "memory_budget_bytes"})
+_HELLO_KNOWN_OPTIONAL: Final = frozenset({"host", "boot"})  # optional since issue #18
+_HELLO_FORBIDDEN: Final = frozenset(
+    {"inventory", "artifacts", "packages", "paths", "cache_root", "token", "tokens"}
+)
+
+
+def _hello_fields(data: object, limits: c.Limits) -> dict[str, Any]:
+    """The hello's fields with any unknown extension keys dropped.
+
+    The versioning rule (docs/mesh-node.md "Hello versioning"): a hello must carry every
+    required field, and may carry up to ``limits.max_hello_extensions`` further keys this node
+    does not know. Those are ignored, not refused, so a newer node can add an optional
+    advertisement without cutting older nodes off. Capabilities that change behaviour on the
+    wire are announced as feature bits, never inferred from an extension key."""
+    if not isinstance(data, dict) or not set(data) >= _HELLO_REQUIRED:
+        raise _fail(f"a hello message has at least the fields {sorted(_HELLO_REQUIRED)}")
+    unknown = [k for k in data if k not in _HELLO_REQUIRED | _HELLO_KNOWN_OPTIONAL]
+    if len(unknown) > limits.max_hello_extensions:
+        raise _fail(f"a hello message has at most {limits.max_hello_extensions} extension keys")
+    for key in unknown:
+        _str(key, "a hello extension key", limits.max_feature_chars)
+        if key in _HELLO_FORBIDDEN:
+            # spec "Peer Cache Transfer": nodes do not gossip inventory, paths, cache roots or tokens
+            raise _fail(f"a hello must not advertise {key!r} (the spec forbids inventory gossip)")
+    if data.get("gen") != c.MESSAGE_GEN:
+        raise _fail(f"a hello message of generation {data.get('gen')!r}")
+    return {k: v for k, v in data.items() if k not in unknown}
 
 
 def _features(value: object, limits: c.Limits) -> dict[str, tuple[str, ...]]:

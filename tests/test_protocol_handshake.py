@@ -235,3 +235,29 @@ def test_advertisement_limits(hello):
     raw.update(hello)
     with pytest.raises(ProtocolError, match="malformed_message"):
         m.decode_link_message(msgpack.packb(raw))
+
+
+def test_a_hello_from_a_newer_node_with_unknown_keys_is_accepted_and_they_are_ignored():
+    raw = {"t": "hello", "gen": 1, "listen": None, "features": {}, "memory_budget_bytes": 7}
+    newer = dict(raw, calibration={"ms_per_layer": 1.5}, cipher="aes")
+    decoded = m.decode_link_message(msgpack.packb(newer))
+    assert decoded == m.Hello(None, {}, 7)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {f"x{i}": 1 for i in range(c.DEFAULT_LIMITS.max_hello_extensions + 1)},
+        {"k" * (c.DEFAULT_LIMITS.max_feature_chars + 1): 1},
+    ],
+)
+def test_hello_extension_keys_are_bounded(extra):
+    raw = {"t": "hello", "gen": 1, "listen": None, "features": {}, "memory_budget_bytes": 0}
+    with pytest.raises(ProtocolError, match="malformed_message"):
+        m.decode_link_message(msgpack.packb(dict(raw, **extra)))
+
+
+def test_a_hello_missing_a_required_field_is_refused():
+    raw = {"t": "hello", "gen": 1, "listen": None, "features": {}}
+    with pytest.raises(ProtocolError, match="malformed_message"):
+        m.decode_link_message(msgpack.packb(raw))
