@@ -174,7 +174,7 @@ def _hello_fields(data: object, limits: c.Limits) -> dict[str, Any]:
     for key in unknown:
         _str(key, "a hello extension key", limits.max_feature_chars)
         if key in _HELLO_FORBIDDEN:
-            # spec "Peer Cache Transfer": nodes do not gossip inventory, paths, cache roots or tokens
+            # spec "Peer Cache Transfer": no gossip of inventory, paths, cache roots, tokens
             raise _fail(f"a hello must not advertise {key!r} (the spec forbids inventory gossip)")
     if data.get("gen") != c.MESSAGE_GEN:
         raise _fail(f"a hello message of generation {data.get('gen')!r}")
