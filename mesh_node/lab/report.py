@@ -85,6 +85,7 @@ def node_report(facts: NodeFacts, topology_id: str) -> dict[str, Any]:
                 "source": source,
                 "verified": verified,
                 "fallback": rec.get("fallback"),
+                "revision": rec.get("revision"),
                 "mb_per_s": rec.get("mb_per_s"),
             }
         )
@@ -205,12 +206,19 @@ def _runs(artifacts: Sequence[Mapping[str, Any]]) -> list[list[Mapping[str, Any]
             last is not None
             and _LAYER.match(a["path"])
             and _LAYER.match(last["path"])
-            and all(a[k] == last[k] for k in ("source", "verified", "fallback"))
+            and all(a.get(k) == last.get(k) for k in ("source", "verified", "fallback", "revision"))
         ):
             out[-1].append(a)
         else:
             out.append([a])
     return out
+
+
+def source_text(artifact: Mapping[str, Any]) -> str:
+    """``peer``, ``hub``, ``cache``, or ``cache (revision <short>)`` for a delta link."""
+    source = artifact.get("source") or "-"
+    revision = artifact.get("revision")
+    return f"{source} (revision {revision})" if source == "cache" and revision else source
 
 
 def render_links(links: Mapping[str, Any] | None) -> list[str]:
@@ -261,7 +269,7 @@ def render_report(doc: Mapping[str, Any]) -> str:
                     n["node_id"][:12],
                     path,
                     human_bytes(sum(g["bytes"] for g in group)),
-                    a["source"] or "-",
+                    source_text(a),
                     "yes" if a["verified"] else "NO",
                     a["fallback"] or "",
                 )

@@ -52,6 +52,7 @@ from skippy.errors import IntegrityError, ManifestError, SkippyError
 from skippy.package.topology import SplitTopology, StageAssignment
 from skippy.stage.descriptor import StageDescriptor
 from skippy.transfer.authorize import PEER_DISABLED, PEER_UNAVAILABLE
+from skippy.transfer.delta import link_from_revisions
 from skippy.transfer.disk import cache_usage, evict_partials, stage_disk_problem
 from skippy.transfer.errors import ArtifactWireError, InstallBusy, PartialChanged, TransferRefused
 from skippy.transfer.fallback import fetch_from_hub
@@ -228,11 +229,23 @@ class StageFetcher:
                 verify_cache=self.verify_cache,
             )
         )
+        # Delta revisions (issue #23): what another revision holds verified is linked, not moved.
+        linked = await trio.to_thread.run_sync(
+            functools.partial(
+                link_from_revisions,
+                cache,
+                [r for r in refs if r.path not in present],
+                manifest_sha256=topology.manifest_sha256,
+                verify_cache=self.verify_cache,
+            )
+        )
+        present = {**present, **dict.fromkeys(linked, "cached")}
         plan = plan_fetch(manifest, loaded.held.sha256, topology, self.node.node_id, present)
         await trio.to_thread.run_sync(self._check_disk, plan.bytes_required, plan.bytes_to_fetch)
         for ref in plan.required:
             if ref.path in present:
-                self.records.found_in_cache(ref.path, ref.artifact.artifact_bytes)
+                revision = linked[ref.path].revision.short if ref.path in linked else None
+                self.records.found_in_cache(ref.path, ref.artifact.artifact_bytes, revision)
         failures: list[SkippyError] = []
         async with trio.open_nursery() as nursery:
             for item in plan.fetch:
