@@ -41,6 +41,7 @@ from mesh_node.errors import (
 )
 from mesh_node.identity import short_id
 from mesh_node.link import MeshStream
+from mesh_node.transfer.cache_budget import CacheBudget
 from mesh_node.transfer.records import StageFetch, TransferLog, TransferRecord
 from mesh_node.transfer.serve import PEER_BUSY
 from protocol import constants as pc
@@ -146,6 +147,11 @@ class StageFetcher:
         self.verify_cache = verify_cache
         self.peer_attempts = peer_attempts
         self._slots = trio.CapacityLimiter(concurrency)
+        settings = node.settings
+        self.cache_budget = CacheBudget(
+            settings.hub_cache_dir, settings.data_dir, settings.security
+        )
+        self._in_use: Path | None = None  # the last ready stage's snapshot (it may be running)
 
     # --- a stage ----------------------------------------------------------------------------
     async def fetch_stage(self, active: ActiveTopology) -> StageResult:
@@ -241,7 +247,10 @@ class StageFetcher:
         )
         present = {**present, **dict.fromkeys(linked, "cached")}
         plan = plan_fetch(manifest, loaded.held.sha256, topology, self.node.node_id, present)
-        await trio.to_thread.run_sync(self._check_disk, plan.bytes_required, plan.bytes_to_fetch)
+        needed = [cache.snapshot_dir, *([self._in_use] if self._in_use else [])]
+        await trio.to_thread.run_sync(
+            self._check_disk, plan.bytes_required, plan.bytes_to_fetch, needed
+        )
         for ref in plan.required:
             if ref.path in present:
                 revision = linked[ref.path].revision.short if ref.path in linked else None
@@ -253,6 +262,8 @@ class StageFetcher:
         if failures:
             raise failures[0]
         load = await trio.to_thread.run_sync(self._stage_load, cache, topology, stage)
+        await trio.to_thread.run_sync(self.cache_budget.touch, cache.snapshot_dir)
+        self._in_use = cache.snapshot_dir
         return StageResult(topology, stage, load, StageDescriptor.for_stage(topology, stage, refs))
 
     async def _fetch_collecting(
@@ -267,22 +278,31 @@ class StageFetcher:
             except OSError as exc:
                 failures.append(StageFetchFailed(f"{item.path}: {exc}", code="io_error"))
 
-    def _check_disk(self, required: int, to_fetch: int) -> None:
-        """The declared sizes against this node's budgets, before a byte is written (thread)."""
+    def _check_disk(self, required: int, to_fetch: int, needed: list[Path]) -> None:
+        """The declared sizes against this node's budgets, before a byte is written (thread).
+        Over the cache budget, least-recently-used blobs nothing ``needed`` links to are
+        evicted first (issue #23); the refusal stands when that cannot make room."""
         settings = self.node.settings
         root = settings.hub_cache_dir
         root.mkdir(parents=True, exist_ok=True)
-        security = settings.security
+        self.cache_budget.make_room(to_fetch, needed)
         problem = stage_disk_problem(
             required_bytes=required,
             fetch_bytes=to_fetch,
             memory_budget_bytes=settings.memory_budget_bytes,
-            cache_budget_bytes=security.cache_budget_bytes,
-            cache_used_bytes=cache_usage(root) if security.cache_budget_bytes else 0,
+            cache_budget_bytes=self.cache_budget.budget_bytes,
+            cache_used_bytes=cache_usage(root) if self.cache_budget.budget_bytes else 0,
             disk_free_bytes=shutil.disk_usage(root).free,
         )
         if problem is not None:
-            raise StageFetchFailed(problem[1], code=problem[0])
+            code, message = problem
+            if code == "cache_budget":
+                self.cache_budget.refusals += 1
+                message += (
+                    "; eviction could not make room (what remains is needed by this node's "
+                    "topology or its running stage): raise cache_budget or free the disk"
+                )
+            raise StageFetchFailed(message, code=code)
 
     def _stage_load(
         self, cache: RepoCache, topology: SplitTopology, stage: StageAssignment
