@@ -17,10 +17,12 @@ from meshtools import wait_for
 from meshxfer import import_into, propose, records, start_member, wait_connected
 
 from mesh_node.lab.package import revise_directory
-from mesh_node.lab.report import source_text
+from mesh_node.lab.report import render_revision_change, revision_change, source_text
+from mesh_node.lab.run import LabOptions
 from skippy.constants import MANIFEST_NAME, ROLE_LAYER
 from skippy.consume import hub
 from skippy.consume.verify import VerifyCache
+from skippy.errors import UsageError
 from skippy.package.artifact_ref import Artifact, ArtifactRef
 from skippy.package.manifest import PackageManifest
 from skippy.package.refs import parse_hf_package_ref
@@ -246,3 +248,34 @@ async def test_a_second_revision_moves_only_the_changed_layers_bytes(tmp_path, h
         assert worker.service.result.load.sha256_verified
         assert hp.hub.downloaded_paths("lab/tiny-layers") == set()  # the worker asked no hub
         n.cancel_scope.cancel()
+
+
+# --- the lab's report of it (pure; the lab itself is run by hand, see docs/mesh-node.md) -----
+def test_the_lab_report_says_whether_only_the_changed_layer_moved() -> None:
+    layer = _ref("layers/layer-00001.gguf", B, size=40, layer=1)
+    manifest = [_ref("a.gguf", A), layer]
+
+    def doc(source: str) -> dict[str, object]:
+        arts = [
+            {"path": MANIFEST_NAME, "bytes": 7, "source": "peer"},
+            {"path": "a.gguf", "bytes": 100, "source": "cache", "revision": "1" * 12},
+            {"path": layer.path, "bytes": 40, "source": source},
+        ]
+        return {"nodes": [{"role": "worker", "artifacts": arts},
+                          {"role": "coordinator", "artifacts": arts}]}  # fmt: skip
+
+    good = revision_change(doc("peer"), manifest, 1)
+    assert good["only_the_change_moved"] and good["moved_bytes"] == 40
+    assert good["cached_from_revisions"] == ["1" * 12] and good["workers_holding_it"] == 1
+    assert "only that layer moved" in render_revision_change(good)[0]
+    moved_more = doc("peer")
+    moved_more["nodes"][0]["artifacts"][1]["source"] = "hub"  # type: ignore[index]
+    bad = revision_change(moved_more, manifest, 1)
+    assert not bad["only_the_change_moved"] and "MORE MOVED" in render_revision_change(bad)[0]
+
+
+def test_the_lab_refuses_a_revision_change_with_serve_or_a_negative_layer() -> None:
+    with pytest.raises(UsageError):
+        LabOptions(nodes=2, package="x", revision_change=1, prompt="hi")
+    with pytest.raises(UsageError):
+        LabOptions(nodes=2, package="x", revision_change=-1)

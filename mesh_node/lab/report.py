@@ -9,11 +9,12 @@ come from the peer when it did not; totals of peer and hub bytes, time and throu
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from skippy.constants import MANIFEST_NAME
+from skippy.constants import MANIFEST_NAME, ROLE_LAYER
+from skippy.package.artifact_ref import ArtifactRef
 
 
 @dataclass(frozen=True)
@@ -174,6 +175,65 @@ def build_report(
     }
 
 
+def revision_change(
+    doc: Mapping[str, Any], artifacts: Iterable[ArtifactRef], layer: int
+) -> dict[str, Any]:
+    """Issue #23: what a second revision changing ``layer`` moved to the workers (pure):
+    ``moved_bytes`` (peer and hub, the manifest aside) must equal ``changed_bytes`` times
+    the workers whose stage holds that layer; every other artifact came from the cache."""
+    changed = next(
+        (r for r in artifacts if r.role == ROLE_LAYER and r.layer_index == layer),
+        None,
+    )
+    path = changed.path if changed is not None else None
+    size = changed.artifact.artifact_bytes if changed is not None else 0
+    moved = holders = 0
+    revisions: set[str] = set()
+    for row in doc["nodes"]:
+        if row["role"] != "worker":
+            continue
+        for a in row["artifacts"]:
+            if a["path"] == MANIFEST_NAME:
+                continue
+            if a["source"] in ("peer", "hub"):
+                moved += a["bytes"] or 0
+            if a["path"] == path:
+                holders += 1
+            if a["source"] == "cache" and a.get("revision"):
+                revisions.add(a["revision"])
+    return {
+        "layer": layer,
+        "path": path,
+        "changed_bytes": size,
+        "workers_holding_it": holders,
+        "moved_bytes": moved,
+        "only_the_change_moved": moved == size * holders,
+        "cached_from_revisions": sorted(revisions),
+    }
+
+
+def render_revision_change(
+    change: Mapping[str, Any] | None, first: Mapping[str, Any] | None = None
+) -> list[str]:
+    if not change:
+        return []
+    verdict = "only that layer moved" if change["only_the_change_moved"] else "MORE MOVED"
+    lines = []
+    if first:
+        t = first["totals"]
+        lines.append(
+            f"first revision {first['package']}: workers received peer "
+            f"{human_bytes(t['peer_bytes'])}, hub {human_bytes(t['hub_bytes'])} "
+            f"({'ok' if first['ok'] else 'FAILED'})"
+        )
+    return [
+        *lines,
+        f"revision change: layer {change['layer']} ({change['path']}), "
+        f"{human_bytes(change['changed_bytes'])} on {change['workers_holding_it']} worker(s); "
+        f"workers received {human_bytes(change['moved_bytes'])} besides the manifest: {verdict}"
+    ]
+
+
 def human_bytes(n: int | None) -> str:
     if n is None:
         return "-"
@@ -283,6 +343,7 @@ def render_report(doc: Mapping[str, Any]) -> str:
         f", already cached {human_bytes(t['cache_bytes'])}; {doc['seconds']:.2f} s{rate}"
     )
     lines += render_links(doc.get("links"))
+    lines += render_revision_change(doc.get("revision_change"), doc.get("first_revision"))
     refusals = doc["coordinator"]["refusals"]
     lines.append(
         "coordinator refusals: "
