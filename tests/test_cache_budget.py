@@ -16,6 +16,7 @@ from conftest import HubPackage
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from meshtools import wait_for
 from meshxfer import (
+    Member,
     import_into,
     propose,
     records,
@@ -26,8 +27,9 @@ from meshxfer import (
 )
 from test_delta_revisions import _revise
 
+from mesh_node.lab.package import revise_directory
 from mesh_node.metrics import cache_families
-from mesh_node.peers import render_cache
+from mesh_node.peers import render_cache, render_status
 from mesh_node.transfer.cache_budget import CacheBudget
 from skippy.atomic import exclusive_lock, resumable_partial_for
 from skippy.config import SecuritySettings
@@ -147,7 +149,7 @@ def test_make_room_evicts_lru_never_a_needed_blob_nor_a_partial_being_written(
 
 
 # --- over real mesh links: the running stage is never evicted -------------------------------------
-async def test_a_small_budget_never_evicts_the_running_stage_and_refuses_with_a_code(
+async def test_a_small_budget_never_evicts_the_running_stage_then_evicts_what_nothing_needs(
     tmp_path, hub_package
 ):
     owner = Ed25519PrivateKey.generate()
@@ -188,4 +190,43 @@ async def test_a_small_budget_never_evicts_the_running_stage_and_refuses_with_a_
         cache = worker.node.status()["cache"]
         assert cache["refusals"] == 1 and cache["evicted_blobs"] == 0
         assert cache["budget_bytes"] == budget.budget_bytes and cache["used_bytes"] > 0
+
+        # the second revision runs now (no budget); a third changes another of its layers:
+        # the first revision's own blobs are no longer needed, and go to make room
+        budget.budget_bytes = 0
+        again = await propose(coord, pkg2, stages=2)
+        await _ready(worker, again.topology.topology_id)
+        running2 = {p: sha256_of(f) for p, f in snapshot_files(worker, ref2).items()}
+        dir2 = tmp_path / "rev" / hp.directory.name
+        dir3 = tmp_path / "rev3" / hp.directory.name
+        revise_directory(dir2, dir3, layer=stage.layers.start + 1)
+        repo = ref2.removeprefix("hf://").split("@")[0]
+        ref3 = f"hf://{repo}@{hp.hub.add_revision(repo, dir3, branches=())}"
+        pkg3 = import_into(coord, HubPackage(dir3, hp.hub, ref3))
+        changed3 = next(
+            r for r in pkg3.manifest.artifacts()
+            if r.role == ROLE_LAYER and r.layer_index == stage.layers.start + 1
+        )  # fmt: skip
+        budget.budget_bytes = (
+            cache_usage(worker.cache) + manifest_bytes + changed3.artifact.artifact_bytes - 1
+        )
+        old_only = {  # blobs only the first revision links to
+            os.path.realpath(f) for f in snapshot_files(worker, pkg1.ref).values()
+        } - {os.path.realpath(f) for f in snapshot_files(worker, ref2).values()}
+        assert old_only
+        third = await propose(coord, pkg3, stages=2)
+        await _ready(worker, third.topology.topology_id)
+        cache = worker.node.status()["cache"]
+        assert cache["evicted_blobs"] >= 1 and cache["used_bytes"] <= budget.budget_bytes
+        assert sum(not os.path.exists(b) for b in old_only) == cache["evicted_blobs"]
+        assert {p: sha256_of(f) for p, f in snapshot_files(worker, ref2).items()} == running2
+        assert "cache    " in render_status(worker.node.status())
         n.cancel_scope.cancel()
+
+
+async def _ready(worker: Member, topology_id: str) -> None:
+    await wait_for(
+        lambda: worker.node.transfers.stage.topology_id == topology_id
+        and worker.node.transfers.stage.report == "accepted",
+        20,
+    )  # fmt: skip
