@@ -6,6 +6,7 @@ holds: an untrusted topology's links go to the peer area, never under the commit
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from meshtools import wait_for
 from meshxfer import import_into, propose, records, start_member, wait_connected
 
+from mesh_node.cli import main as mesh_main
 from mesh_node.lab.package import revise_directory
 from mesh_node.lab.report import render_revision_change, revision_change, source_text
 from mesh_node.lab.run import LabOptions
@@ -279,3 +281,10 @@ def test_the_lab_refuses_a_revision_change_with_serve_or_a_negative_layer() -> N
         LabOptions(nodes=2, package="x", revision_change=1, prompt="hi")
     with pytest.raises(UsageError):
         LabOptions(nodes=2, package="x", revision_change=-1)
+
+
+def test_the_lab_cli_refuses_a_revision_change_of_a_hub_reference_with_a_code(capsys) -> None:
+    argv = ["lab", "--nodes", "2", "--package", "hf://lab/x@main", "--revision-change", "1"]
+    assert mesh_main([*argv, "--json"]) == 2
+    error = json.loads(capsys.readouterr().out)["error"]
+    assert error["code"] == "usage" and "package directory" in error["message"]
