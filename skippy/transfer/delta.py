@@ -150,13 +150,14 @@ def _held(label: str, other: RepoCache) -> HeldRevision | None:
     return HeldRevision(label, sha, tuple(manifest.artifacts()))
 
 
-def held_revisions(cache: RepoCache) -> list[HeldRevision]:
-    """The other revisions of ``cache``'s package with a valid manifest (I/O)."""
+def held_revisions(cache: RepoCache) -> list[tuple[HeldRevision, RepoCache]]:
+    """The other revisions of ``cache``'s package with a valid manifest, with where each
+    lives (I/O)."""
     out = []
     for label, other in _revision_caches(cache):
         held = _held(label, other)
         if held is not None:
-            out.append(held)
+            out.append((held, other))
     return out
 
 
@@ -172,11 +173,12 @@ def link_from_revisions(
     Synchronous (a trio shell runs it on a thread)."""
     if not wanted:
         return {}
-    held = held_revisions(cache)
+    found = held_revisions(cache)
+    held = [h for h, _ in found]
     candidates = delta_candidates(wanted, held)
     if not candidates:
         return {}
-    caches = dict(_revision_caches(cache))
+    caches = {h.label: c for h, c in found}
     revisions = {h.label: h for h in held}
     verified = {
         label: verified_present(
