@@ -289,6 +289,7 @@ def cmd_lab(args: argparse.Namespace) -> CommandResult:
         node_overrides=overrides,
         links=_lab_links(args),
         stages=args.stages,
+        revision_change=args.revision_change,
     )
 
     def render(report: dict[str, Any]) -> str:
@@ -514,6 +515,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="with --serve/--prompt: serve over S stages, the other nodes are spares "
         "(default: one stage per node)",
+    )
+    p.add_argument(  # issue #23
+        "--revision-change",
+        type=int,
+        default=None,
+        metavar="LAYER",
+        help="after the split, publish a second revision of the package directory with LAYER "
+        "changed and split it too: the report shows what moved (only that layer should)",
     )
     return parser
 

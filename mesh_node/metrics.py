@@ -350,6 +350,38 @@ def status_families(doc: Mapping[str, Any]) -> list[Metric]:
         ready,
         topo_info,
         *transfer_families(doc.get("transfers") or {}),
+        *cache_families(doc.get("cache") or {}),
+    ]
+
+
+def cache_families(cache: Mapping[str, Any]) -> list[Metric]:
+    """Issue #23's hub cache budget (``mesh_node.transfer.cache_budget``)."""
+    return [
+        GaugeMetricFamily(
+            f"{PREFIX}_cache_used_bytes",
+            "Bytes in this node's hub cache blobs (partials included), as last measured",
+            value=cache.get("used_bytes") or 0,
+        ),
+        GaugeMetricFamily(
+            f"{PREFIX}_cache_budget_bytes",
+            "This node's hub cache budget (0: none, only the disk's free space)",
+            value=cache.get("budget_bytes") or 0,
+        ),
+        CounterMetricFamily(
+            f"{PREFIX}_cache_evicted_blobs",
+            "Blobs evicted, least recently used first, to keep the hub cache in its budget",
+            value=cache.get("evicted_blobs", 0),
+        ),
+        CounterMetricFamily(
+            f"{PREFIX}_cache_evicted_bytes",
+            "Bytes evicted to keep the hub cache in its budget",
+            value=cache.get("evicted_bytes", 0),
+        ),
+        CounterMetricFamily(
+            f"{PREFIX}_cache_budget_refusals",
+            "Stage fetches refused because eviction could not make room in the cache budget",
+            value=cache.get("refusals", 0),
+        ),
     ]
 
 

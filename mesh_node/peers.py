@@ -195,10 +195,27 @@ def render_status(doc: Mapping[str, Any]) -> str:
             f"bytes    fetched peer {got['peer']} hub {got['hub']} cached {got['cache']}; "
             f"served {c['served_bytes']}; {len(transfers['active'])} transfers active"
         )
+    cache = doc.get("cache")
+    if cache:
+        lines.append(render_cache(cache))
     serving = doc.get("serving")
     if serving:
         lines += render_serving(serving)
     return "\n".join(lines)
+
+
+def render_cache(cache: Mapping[str, Any]) -> str:
+    """Issue #23: hub cache use vs budget, and what eviction did."""
+    used = cache.get("used_bytes")
+    budget = cache.get("budget_bytes") or 0
+    text = f"cache    {'-' if used is None else used} bytes used of "
+    text += f"{budget} budget" if budget else "no budget (disk free space only)"
+    if budget and used is not None:
+        text += f" ({100 * used / budget:.0f}%)"
+    return text + (
+        f"; evicted {cache.get('evicted_blobs', 0)} blobs ({cache.get('evicted_bytes', 0)} "
+        f"bytes), {cache.get('refusals', 0)} fetches refused"
+    )
 
 
 def render_serving(serving: Mapping[str, Any]) -> list[str]:

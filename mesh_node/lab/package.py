@@ -10,13 +10,16 @@ without hashing again).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
 from mesh_node.lab.hub import FakeHub
-from skippy.constants import MANIFEST_NAME
+from skippy.constants import MANIFEST_NAME, ROLE_LAYER
 from skippy.consume import hub
 from skippy.consume.preflight import load_package
 from skippy.consume.verify import VerifyCache, check_refs
@@ -79,3 +82,27 @@ def import_package(
         containment_root=root,
     ).raise_for_mismatch()
     return LabPackage(pinned, pkg.manifest_sha256, pkg.manifest)
+
+
+def revise_directory(directory: Path, out: Path, *, layer: int) -> Path:
+    """A copy of the package ``directory`` at ``out`` whose layer ``layer`` differs in one
+    tensor byte (the lowest bit of a byte in the middle of its tensor data, so the file stays
+    a valid GGUF of the same shape) and whose manifest declares the new SHA-256: a second
+    revision for showing delta transfers (issue #23). Every other file is byte-identical."""
+    manifest = load_package(directory, origin=str(directory)).manifest
+    refs = [r for r in manifest.artifacts() if r.role == ROLE_LAYER and r.layer_index == layer]
+    if not refs:
+        raise ValueError(f"the package has no layer {layer} (it has {manifest.layer_count})")
+    art = refs[0].artifact
+    shutil.copytree(directory, out)
+    target = out / art.path
+    data = bytearray(target.read_bytes())
+    data[len(data) - 1 - art.tensor_bytes // 2] ^= 1
+    target.write_bytes(bytes(data))
+    doc = json.loads((out / MANIFEST_NAME).read_text(encoding="utf-8"))
+    for entry in doc.get("layers", ()):  # schema 1 (what the lab publishes)
+        if entry.get("path") == art.path:
+            entry["sha256"] = hashlib.sha256(data).hexdigest()
+    (out / MANIFEST_NAME).write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+    load_package(out, origin=str(out))  # still a valid package
+    return out

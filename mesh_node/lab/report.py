@@ -9,11 +9,12 @@ come from the peer when it did not; totals of peer and hub bytes, time and throu
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from skippy.constants import MANIFEST_NAME
+from skippy.constants import MANIFEST_NAME, ROLE_LAYER
+from skippy.package.artifact_ref import ArtifactRef
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,7 @@ def node_report(facts: NodeFacts, topology_id: str) -> dict[str, Any]:
                 "source": source,
                 "verified": verified,
                 "fallback": rec.get("fallback"),
+                "revision": rec.get("revision"),
                 "mb_per_s": rec.get("mb_per_s"),
             }
         )
@@ -173,6 +175,65 @@ def build_report(
     }
 
 
+def revision_change(
+    doc: Mapping[str, Any], artifacts: Iterable[ArtifactRef], layer: int
+) -> dict[str, Any]:
+    """Issue #23: what a second revision changing ``layer`` moved to the workers (pure):
+    ``moved_bytes`` (peer and hub, the manifest aside) must equal ``changed_bytes`` times
+    the workers whose stage holds that layer; every other artifact came from the cache."""
+    changed = next(
+        (r for r in artifacts if r.role == ROLE_LAYER and r.layer_index == layer),
+        None,
+    )
+    path = changed.path if changed is not None else None
+    size = changed.artifact.artifact_bytes if changed is not None else 0
+    moved = holders = 0
+    revisions: set[str] = set()
+    for row in doc["nodes"]:
+        if row["role"] != "worker":
+            continue
+        for a in row["artifacts"]:
+            if a["path"] == MANIFEST_NAME:
+                continue
+            if a["source"] in ("peer", "hub"):
+                moved += a["bytes"] or 0
+            if a["path"] == path:
+                holders += 1
+            if a["source"] == "cache" and a.get("revision"):
+                revisions.add(a["revision"])
+    return {
+        "layer": layer,
+        "path": path,
+        "changed_bytes": size,
+        "workers_holding_it": holders,
+        "moved_bytes": moved,
+        "only_the_change_moved": moved == size * holders,
+        "cached_from_revisions": sorted(revisions),
+    }
+
+
+def render_revision_change(
+    change: Mapping[str, Any] | None, first: Mapping[str, Any] | None = None
+) -> list[str]:
+    if not change:
+        return []
+    verdict = "only that layer moved" if change["only_the_change_moved"] else "MORE MOVED"
+    lines = []
+    if first:
+        t = first["totals"]
+        lines.append(
+            f"first revision {first['package']}: workers received peer "
+            f"{human_bytes(t['peer_bytes'])}, hub {human_bytes(t['hub_bytes'])} "
+            f"({'ok' if first['ok'] else 'FAILED'})"
+        )
+    return [
+        *lines,
+        f"revision change: layer {change['layer']} ({change['path']}), "
+        f"{human_bytes(change['changed_bytes'])} on {change['workers_holding_it']} worker(s); "
+        f"workers received {human_bytes(change['moved_bytes'])} besides the manifest: {verdict}"
+    ]
+
+
 def human_bytes(n: int | None) -> str:
     if n is None:
         return "-"
@@ -205,12 +266,19 @@ def _runs(artifacts: Sequence[Mapping[str, Any]]) -> list[list[Mapping[str, Any]
             last is not None
             and _LAYER.match(a["path"])
             and _LAYER.match(last["path"])
-            and all(a[k] == last[k] for k in ("source", "verified", "fallback"))
+            and all(a.get(k) == last.get(k) for k in ("source", "verified", "fallback", "revision"))
         ):
             out[-1].append(a)
         else:
             out.append([a])
     return out
+
+
+def source_text(artifact: Mapping[str, Any]) -> str:
+    """``peer``, ``hub``, ``cache``, or ``cache (revision <short>)`` for a delta link."""
+    source = artifact.get("source") or "-"
+    revision = artifact.get("revision")
+    return f"{source} (revision {revision})" if source == "cache" and revision else source
 
 
 def render_links(links: Mapping[str, Any] | None) -> list[str]:
@@ -261,7 +329,7 @@ def render_report(doc: Mapping[str, Any]) -> str:
                     n["node_id"][:12],
                     path,
                     human_bytes(sum(g["bytes"] for g in group)),
-                    a["source"] or "-",
+                    source_text(a),
                     "yes" if a["verified"] else "NO",
                     a["fallback"] or "",
                 )
@@ -275,6 +343,7 @@ def render_report(doc: Mapping[str, Any]) -> str:
         f", already cached {human_bytes(t['cache_bytes'])}; {doc['seconds']:.2f} s{rate}"
     )
     lines += render_links(doc.get("links"))
+    lines += render_revision_change(doc.get("revision_change"), doc.get("first_revision"))
     refusals = doc["coordinator"]["refusals"]
     lines.append(
         "coordinator refusals: "

@@ -35,8 +35,13 @@ import trio
 from mesh_node.lab.cluster import LabCluster, LabError, LabNode, NodeSpec
 from mesh_node.lab.hub import FakeHub
 from mesh_node.lab.netem import LinkTable, Netem, open_netem
-from mesh_node.lab.package import LabPackage, import_package, publish_directory
-from mesh_node.lab.report import CacheCheck, NodeFacts, build_report
+from mesh_node.lab.package import (
+    LabPackage,
+    import_package,
+    publish_directory,
+    revise_directory,
+)
+from mesh_node.lab.report import CacheCheck, NodeFacts, build_report, revision_change
 from skippy.config import ArtifactTransfer, read_environment
 from skippy.constants import MANIFEST_NAME
 from skippy.consume.verify import VerifyCache
@@ -76,6 +81,7 @@ class LabOptions:
     serve: bool = False  # issue #10: serve the split behind the API (the lab stays up)
     links: LinkTable | None = None  # issue #21: emulated WAN links between every pair of nodes
     stages: int | None = None  # issue #18: serve over this many stages (the rest are spares)
+    revision_change: int | None = None  # issue #23: then split a second revision, this layer
 
     def __post_init__(self) -> None:
         if self.stages is not None and not 1 <= self.stages <= self.nodes:
@@ -95,6 +101,14 @@ class LabOptions:
                 f"{self.foreign_owners}",
                 code="usage",
             )
+        if self.revision_change is not None and (self.prompt is not None or self.serve):
+            raise UsageError(
+                "--revision-change shows a second split's transfers; it does not combine with "
+                "--prompt or --serve",
+                code="usage",
+            )
+        if self.revision_change is not None and self.revision_change < 0:
+            raise UsageError("--revision-change must be a layer index (>= 0)", code="usage")
         if self.transfer not in MODES:
             raise UsageError(f"--transfer must be one of {', '.join(MODES)}", code="usage")
 
@@ -106,6 +120,7 @@ class Lab:
     package: LabPackage
     hub_url: str | None  # the lab hub (a published directory), else None
     netem: Netem | None = None  # issue #21: the emulated links (partition, heal, event log)
+    revision: LabPackage | None = None  # issue #23: the second revision (one layer changed)
 
     async def split(self) -> dict[str, Any]:
         """Plan the split on the coordinator, wait for every stage, check, report."""
@@ -294,11 +309,21 @@ async def open_lab(options: LabOptions) -> AsyncIterator[Lab]:
     lab_hub: FakeHub | None = None
     try:
         ref = parse_package_ref(options.package)
+        revision_text = None
         if isinstance(ref, LocalPackageRef):
             lab_hub = FakeHub()
             lab_hub.start()
             ref_text = await trio.to_thread.run_sync(publish_directory, lab_hub, ref.path)
             endpoint: str | None = lab_hub.url
+            if options.revision_change is not None:
+                revision_text = await trio.to_thread.run_sync(
+                    publish_revision, lab_hub, ref.path, root, options.revision_change
+                )
+        elif options.revision_change is not None:
+            raise UsageError(
+                "--revision-change needs a package directory (the lab publishes both revisions)",
+                code="usage",
+            )
         else:
             ref_text, endpoint = str(ref), read_environment().hf_endpoint
         cluster = LabCluster(root, node_specs(options, lab_hub.url if lab_hub else None))
@@ -313,6 +338,17 @@ async def open_lab(options: LabOptions) -> AsyncIterator[Lab]:
             )
 
         package = await trio.to_thread.run_sync(load)
+        revision = None
+        if revision_text is not None:
+            revision = await trio.to_thread.run_sync(
+                partial(
+                    import_package,
+                    revision_text,
+                    coordinator.hub_cache_dir,
+                    endpoint=endpoint,
+                    verify_cache=VerifyCache.under(coordinator.skippy_cache_dir),
+                )
+            )
         async with AsyncExitStack() as stack:
             netem = None
             if options.links is not None:
@@ -321,7 +357,8 @@ async def open_lab(options: LabOptions) -> AsyncIterator[Lab]:
             try:
                 await cluster.start_all()
                 await cluster.wait_meshed(MESH_TIMEOUT_S)
-                yield Lab(options, cluster, package, lab_hub.url if lab_hub else None, netem)
+                url = lab_hub.url if lab_hub else None
+                yield Lab(options, cluster, package, url, netem, revision)
             finally:
                 await cluster.aclose()
     finally:
@@ -360,6 +397,8 @@ async def experiment(lab: Lab) -> dict[str, Any]:
     from mesh_node.serving.report import complete, prompt_report
 
     options = lab.options
+    if lab.revision is not None and options.revision_change is not None:
+        return await delta_split(lab, options.revision_change)
     if options.prompt is None and not options.serve:
         return await lab.split()
     api, topology, seconds = await lab.start_serving()
@@ -374,6 +413,38 @@ async def experiment(lab: Lab) -> dict[str, Any]:
         if lab.netem is not None:  # issue #21: the links' bytes include the completion's
             report["links"] = lab.netem.report()
     return report
+
+
+def publish_revision(lab_hub: FakeHub, directory: Path, root: Path, layer: int) -> str:
+    """Issue #23: a copy of the package with ``layer`` changed, published as the next commit
+    of the same lab repository."""
+    out = root / "revision-2" / directory.resolve().name
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        revise_directory(directory, out, layer=layer)
+    except ValueError as exc:
+        raise UsageError(f"--revision-change: {exc}", code="usage") from None
+    return publish_directory(lab_hub, out)
+
+
+async def delta_split(lab: Lab, layer: int) -> dict[str, Any]:
+    """Issue #23's delta: split the first revision, then the second (``layer`` changed) over
+    the same nodes. The report is the second split's, with the first's summary and what the
+    change moved (``revision_change``): only the changed layer's bytes should move."""
+    if lab.revision is None:
+        raise LabError("no second revision was published", code="usage")
+    first = await lab.split()
+    first_package = lab.package
+    lab.package = lab.revision
+    second = await lab.split()
+    second["first_revision"] = {
+        k: first[k] for k in ("package", "ok", "seconds", "totals", "problems")
+    }
+    second["revision_change"] = revision_change(second, lab.revision.manifest.artifacts(), layer)
+    second["revision_change"]["from"] = first_package.ref
+    second["problems"] = [*(f"first revision: {p}" for p in first["problems"]), *second["problems"]]
+    second["ok"] = bool(first["ok"] and second["ok"])
+    return second
 
 
 def operable(lab: Lab, report: dict[str, Any]) -> None:

@@ -41,6 +41,7 @@ from mesh_node.errors import (
 )
 from mesh_node.identity import short_id
 from mesh_node.link import MeshStream
+from mesh_node.transfer.cache_budget import CacheBudget
 from mesh_node.transfer.records import StageFetch, TransferLog, TransferRecord
 from mesh_node.transfer.serve import PEER_BUSY
 from protocol import constants as pc
@@ -52,6 +53,7 @@ from skippy.errors import IntegrityError, ManifestError, SkippyError
 from skippy.package.topology import SplitTopology, StageAssignment
 from skippy.stage.descriptor import StageDescriptor
 from skippy.transfer.authorize import PEER_DISABLED, PEER_UNAVAILABLE
+from skippy.transfer.delta import link_from_revisions
 from skippy.transfer.disk import cache_usage, evict_partials, stage_disk_problem
 from skippy.transfer.errors import ArtifactWireError, InstallBusy, PartialChanged, TransferRefused
 from skippy.transfer.fallback import fetch_from_hub
@@ -145,6 +147,11 @@ class StageFetcher:
         self.verify_cache = verify_cache
         self.peer_attempts = peer_attempts
         self._slots = trio.CapacityLimiter(concurrency)
+        settings = node.settings
+        self.cache_budget = CacheBudget(
+            settings.hub_cache_dir, settings.data_dir, settings.security
+        )
+        self._in_use: Path | None = None  # the last ready stage's snapshot (it may be running)
 
     # --- a stage ----------------------------------------------------------------------------
     async def fetch_stage(self, active: ActiveTopology) -> StageResult:
@@ -228,11 +235,26 @@ class StageFetcher:
                 verify_cache=self.verify_cache,
             )
         )
+        # Delta revisions (issue #23): what another revision holds verified is linked, not moved.
+        linked = await trio.to_thread.run_sync(
+            functools.partial(
+                link_from_revisions,
+                cache,
+                [r for r in refs if r.path not in present],
+                manifest_sha256=topology.manifest_sha256,
+                verify_cache=self.verify_cache,
+            )
+        )
+        present = {**present, **dict.fromkeys(linked, "cached")}
         plan = plan_fetch(manifest, loaded.held.sha256, topology, self.node.node_id, present)
-        await trio.to_thread.run_sync(self._check_disk, plan.bytes_required, plan.bytes_to_fetch)
+        needed = [cache.snapshot_dir, *([self._in_use] if self._in_use else [])]
+        await trio.to_thread.run_sync(
+            self._check_disk, plan.bytes_required, plan.bytes_to_fetch, needed
+        )
         for ref in plan.required:
             if ref.path in present:
-                self.records.found_in_cache(ref.path, ref.artifact.artifact_bytes)
+                revision = linked[ref.path].revision.short if ref.path in linked else None
+                self.records.found_in_cache(ref.path, ref.artifact.artifact_bytes, revision)
         failures: list[SkippyError] = []
         async with trio.open_nursery() as nursery:
             for item in plan.fetch:
@@ -240,6 +262,8 @@ class StageFetcher:
         if failures:
             raise failures[0]
         load = await trio.to_thread.run_sync(self._stage_load, cache, topology, stage)
+        await trio.to_thread.run_sync(self.cache_budget.touch, cache.snapshot_dir)
+        self._in_use = cache.snapshot_dir
         return StageResult(topology, stage, load, StageDescriptor.for_stage(topology, stage, refs))
 
     async def _fetch_collecting(
@@ -254,22 +278,31 @@ class StageFetcher:
             except OSError as exc:
                 failures.append(StageFetchFailed(f"{item.path}: {exc}", code="io_error"))
 
-    def _check_disk(self, required: int, to_fetch: int) -> None:
-        """The declared sizes against this node's budgets, before a byte is written (thread)."""
+    def _check_disk(self, required: int, to_fetch: int, needed: list[Path]) -> None:
+        """The declared sizes against this node's budgets, before a byte is written (thread).
+        Over the cache budget, least-recently-used blobs nothing ``needed`` links to are
+        evicted first (issue #23); the refusal stands when that cannot make room."""
         settings = self.node.settings
         root = settings.hub_cache_dir
         root.mkdir(parents=True, exist_ok=True)
-        security = settings.security
+        self.cache_budget.make_room(to_fetch, needed)
         problem = stage_disk_problem(
             required_bytes=required,
             fetch_bytes=to_fetch,
             memory_budget_bytes=settings.memory_budget_bytes,
-            cache_budget_bytes=security.cache_budget_bytes,
-            cache_used_bytes=cache_usage(root) if security.cache_budget_bytes else 0,
+            cache_budget_bytes=self.cache_budget.budget_bytes,
+            cache_used_bytes=cache_usage(root) if self.cache_budget.budget_bytes else 0,
             disk_free_bytes=shutil.disk_usage(root).free,
         )
         if problem is not None:
-            raise StageFetchFailed(problem[1], code=problem[0])
+            code, message = problem
+            if code == "cache_budget":
+                self.cache_budget.refusals += 1
+                message += (
+                    "; eviction could not make room (what remains is needed by this node's "
+                    "topology or its running stage): raise cache_budget or free the disk"
+                )
+            raise StageFetchFailed(message, code=code)
 
     def _stage_load(
         self, cache: RepoCache, topology: SplitTopology, stage: StageAssignment

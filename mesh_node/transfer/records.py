@@ -40,6 +40,7 @@ class TransferRecord:
     verified: bool = False  # fetch: size and SHA-256 proven; serve: the file served was verified
     error: str | None = None  # a stable code
     fallback: str | None = None  # fetch from the hub: why not from the peer (a code or answer)
+    revision: str | None = None  # fetch from the cache: the other revision it was linked from
     _clock_start: float = field(default_factory=time.monotonic, repr=False)
     _clock_end: float | None = field(default=None, repr=False)
 
@@ -79,6 +80,7 @@ class TransferRecord:
             "mb_per_s": None if rate is None else round(rate, 2),
             "error": self.error,
             "fallback": self.fallback,
+            "revision": self.revision,
         }
 
 
@@ -198,9 +200,11 @@ class TransferLog:
             if self.on_finish is not None:
                 self.on_finish(rec)
 
-    def found_in_cache(self, path: str, size: int) -> None:
-        """An artifact already present and verified: a finished ``cache`` record."""
+    def found_in_cache(self, path: str, size: int, revision: str | None = None) -> None:
+        """An artifact already present and verified: a finished ``cache`` record;
+        ``revision`` (short) when it was linked from another revision (a delta)."""
         rec = self.start("fetch", path, total=size, source="cache", offset=size)
+        rec.revision = revision
         self.counters.fetched_bytes["cache"] += size
         self.finish(rec, verified=True)
 

@@ -58,6 +58,7 @@ class ArtifactService:
         self.server = server or ArtifactServer(node.settings.hub_cache_dir, verify_cache=vc)
         self.handler = ArtifactHandler(node, self.server, self.records)
         self.fetcher = StageFetcher(node, env, self.records, verify_cache=vc)
+        node.status_sections["cache"] = self.fetcher.cache_budget.status  # issue #23
         policy = node_policy(node.settings, node.identity, node.wall_clock())
         self.serving = would_serve(policy)
         if self.serving:
@@ -70,6 +71,7 @@ class ArtifactService:
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Follow the node's topology until cancelled."""
+        await trio.to_thread.run_sync(self.fetcher.cache_budget.refresh)
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             task_status.started()
