@@ -9,6 +9,7 @@ from typing import Any
 
 from mesh_node.link import MeshStream
 from protocol.certificates import OwnerStatus
+from protocol.messages import ComputeCost
 from skippy.text import escape
 
 
@@ -60,6 +61,7 @@ class PeerInfo:
     bytes_received: int = 0  # link bytes over every link to this peer since this node started
     bytes_sent: int = 0
     host_id: str | None = None  # its machine's fingerprint (Hello, issue #18), if it sent one
+    compute: ComputeCost | None = None  # its calibrated speed (Hello, issue #21), if it sent one
 
     @property
     def node_id(self) -> str:
@@ -83,6 +85,7 @@ class PeerInfo:
             "rtt_ms": None if self.rtt_s is None else round(self.rtt_s * 1000, 3),
             "bytes_received": self.bytes_received,
             "bytes_sent": self.bytes_sent,
+            "compute": None if self.compute is None else self.compute.to_wire(),
         }
 
 

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import pytest
 import trio
+from meshtools import wait_for
 from test_wan_links import relayed_mesh
 
 from mesh_node.lab.netem import LinkSpec, LinkTable
+from protocol.messages import ComputeCost
 from skippy.errors import TopologyError
 from skippy.package.cost_plan import LinkCosts, NodeCost, plan_by_cost, speed_weighted_counts
 from skippy.package.plan import ModelSizes
@@ -16,6 +18,7 @@ from skippy.package.plan import ModelSizes
 SIZES = ModelSizes(layer_bytes=(100,) * 12, metadata_bytes=10, embeddings_bytes=50, output_bytes=50)
 WHOLE = SIZES.metadata_bytes + sum(SIZES.layer_bytes) + 100
 MS = 1e-3
+REF = "hf://lab/pkg@" + "0" * 40
 
 
 def ids(n: int) -> list[str]:
@@ -83,3 +86,55 @@ async def test_measured_rtts_steer_the_plan_away_from_the_slow_pair(tmp_path) ->
         # And with stage 0 pinned on n0 (a serving coordinator), its partner is not n2.
         pinned = plan_by_cost(SIZES, costs, LinkCosts(one_way), first_node=n0, stages=2)[0]
         assert pinned.nodes[0] == n0 and pinned.nodes[1] != n2
+
+
+# --- the real coordinator plans by cost (mesh_node.topology.TopologyService.propose) ---------
+def _calibrated(ms_per_layer: float) -> ComputeCost:
+    # Measured on layers of SIZES' bytes, so the figure applies unscaled.
+    return ComputeCost(ms_per_layer * MS, ms_per_layer * MS / 4, SIZES.layer_bytes[0])
+
+
+async def test_the_coordinator_plans_by_cost_over_measured_links_and_calibrations(tmp_path):
+    """4 calibrated nodes, n0-n2 at 50 ms RTT and the rest at 5 ms, n3 three times slower:
+    the coordinator's own plan avoids the slow pair and the slow node, prefers 2 stages to 4
+    when each node holds half the model, and gives n3 fewer layers when 4 are asked for."""
+    slow = LinkSpec(rtt_s=0.05)
+    table = LinkTable(LinkSpec(rtt_s=0.005), {("n0", "n2"): slow, ("n2", "n0"): slow})
+    compute = [_calibrated(1.0), _calibrated(1.0), _calibrated(1.0), _calibrated(3.0)]
+    budget = WHOLE // 2 + 200  # no node holds the model alone; any two do
+    node_settings = {"memory_budget_bytes": budget}
+    async with relayed_mesh(tmp_path, 4, table, compute, **node_settings) as mesh:
+        coordinator = mesh.nodes[0]
+        n0, n1, n2, n3 = (n.node_id for n in mesh.nodes)
+        await wait_for(
+            lambda: all(p.rtt_s is not None for p in coordinator.peers(connected_only=True)),
+            timeout_s=10,
+        )
+        free = await coordinator.topology.propose(
+            package_ref=REF, manifest_sha256="ab" * 32, sizes=SIZES
+        )
+        chosen = [s.node_id for s in free.topology.stages]
+        assert len(chosen) == 2 and set(chosen) != {n0, n2} and n3 not in chosen
+        assert free.prediction is not None and free.prediction["planner"] == "cost"
+        assert free.prediction["chosen"]["nodes"] == chosen
+        assert free.prediction["chosen"]["compute_ms"] == pytest.approx(12.0)  # 12 layers x 1 ms
+
+        four = await coordinator.topology.propose(
+            package_ref=REF, manifest_sha256="ab" * 32, sizes=SIZES, stages=4, first_node=n0
+        )
+        stages = four.topology.stages
+        assert stages[0].node_id == n0 and stages[2].node_id == n2  # n2 never next to n0
+        layers = {s.node_id: len(s.layers) for s in stages}
+        assert layers[n3] < min(layers[n] for n in (n0, n1, n2))
+        assert four.state == "active"  # the workers accepted the cost plan's ranges
+        assert four.to_dict()["prediction"]["planner"] == "cost"
+
+
+async def test_an_uncalibrated_node_falls_back_to_the_memory_plan_and_says_why(tmp_path):
+    async with relayed_mesh(tmp_path, 2, LinkTable(), [_calibrated(1.0)]) as mesh:
+        active = await mesh.nodes[0].topology.propose(
+            package_ref=REF, manifest_sha256="ab" * 32, sizes=SIZES
+        )
+        assert active.prediction is not None and active.prediction["planner"] == "memory"
+        assert "1 capable node(s) sent no calibration" in active.prediction["why"]
+        assert len(active.topology.stages) == 2  # the memory plan: one stage per node
