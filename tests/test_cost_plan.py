@@ -138,3 +138,41 @@ async def test_an_uncalibrated_node_falls_back_to_the_memory_plan_and_says_why(t
         assert active.prediction is not None and active.prediction["planner"] == "memory"
         assert "1 capable node(s) sent no calibration" in active.prediction["why"]
         assert len(active.topology.stages) == 2  # the memory plan: one stage per node
+
+
+# --- the lab report: the plan, and predicted beside measured (mesh_node.lab.report) ----------
+def test_the_report_shows_the_plan_and_predicted_beside_measured_decode() -> None:
+    from mesh_node.lab.report import predicted_vs_measured, render_plan
+
+    a, b = ids(2)
+    nodes = [NodeCost(a, WHOLE, 1 * MS), NodeCost(b, WHOLE, 1 * MS)]
+    ranked = plan_by_cost(SIZES, nodes, LinkCosts(default_s=5 * MS), stages=2)
+    plan = {
+        "planner": "cost",
+        "predicted_ms_per_token": round(ranked[0].predicted_s * 1000, 3),
+        "chosen": ranked[0].to_dict(),
+        "runner_up": ranked[1].to_dict(),
+        "candidates_total": len(ranked),
+        "candidates_fit": len(ranked),
+        "why": "the lowest predicted decode time per token among the candidates that fit",
+        "assumptions": {"compute": "calibrated"},
+    }
+    pvm = predicted_vs_measured(plan, {"decode_tokens_per_s": 25.0})
+    assert pvm == {
+        "predicted_ms_per_token": 22.0,  # 12 layers x 1 ms + two 5 ms hops
+        "measured_decode_ms_per_token": 40.0,
+        "measured_over_predicted": 1.82,
+        "planner": "cost",
+    }
+    text = "\n".join(render_plan({"plan": plan, "predicted_vs_measured": pvm}))
+    assert "plan: cost planner, predicted 22.00 ms/token (compute 12.00 + hops 10.00)" in text
+    assert "decode per token: predicted 22.00 ms, measured 40.00 ms (1.82x" in text
+    assert predicted_vs_measured(plan, None) is None  # no prompt: nothing measured
+    memory = {"planner": "memory", "predicted_ms_per_token": None, "why": "2 uncalibrated"}
+    assert predicted_vs_measured(memory, {"decode_tokens_per_s": 25.0}) == {
+        "predicted_ms_per_token": None,
+        "measured_decode_ms_per_token": 40.0,
+        "measured_over_predicted": None,
+        "planner": "memory",
+    }
+    assert render_plan({"plan": memory}) == ["plan: memory planner; 2 uncalibrated"]
