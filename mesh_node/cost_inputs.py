@@ -5,6 +5,7 @@ running coordinator, and the plan it makes for real.
   from ``mesh_node.calibration``), seconds per layer per token measured on layers of
   ``layer_bytes`` bytes, scaled to the package's mean layer bytes (decode is bound by reading
   the weights, so time per layer follows its bytes).
+  The output head is weighed the same way on the node holding the last stage.
 - Links: the one-way latency of every link this node measured (half the heartbeat RTT). A
   link between two peers is measured only by them: it is taken as the median of this node's
   own links (the document says so). Bandwidth is not used: a decode step sends one
@@ -63,6 +64,13 @@ def per_layer_s(compute: ComputeCost, sizes: ModelSizes) -> float:
     return compute.decode_s_per_layer * max(mean, 1.0) / compute.layer_bytes
 
 
+def head_s(compute: ComputeCost, sizes: ModelSizes) -> float:
+    """A node's seconds per token for the output head (the embedding matrix when tied),
+    scaled by bytes like a layer: a matrix-vector product reads every weight once."""
+    head = sizes.embeddings_bytes if sizes.tied_embeddings else sizes.output_bytes
+    return compute.decode_s_per_layer * head / compute.layer_bytes
+
+
 def gather(
     own_id: str,
     own_compute: ComputeCost | None,
@@ -79,7 +87,8 @@ def gather(
         if cost is None:
             uncalibrated.append(c.node_id)
         s = UNCALIBRATED_S_PER_LAYER if cost is None else per_layer_s(cost, sizes)
-        nodes.append(NodeCost(c.node_id, c.memory_budget_bytes, s))
+        head = 0.0 if cost is None else head_s(cost, sizes)
+        nodes.append(NodeCost(c.node_id, c.memory_budget_bytes, s, head))
     own = {(own_id, p.node_id): p.rtt_s / 2 for p in peers if p.connected and p.rtt_s is not None}
     default = statistics.median(own.values()) if own else 0.0
     return CostInputs(tuple(nodes), LinkCosts(own, default), tuple(uncalibrated))

@@ -55,6 +55,14 @@ def test_a_node_three_times_slower_gets_fewer_layers() -> None:
     assert speed_weighted_counts(10, [1.0, 1.0, 2.0]) == [3, 2, 5]
 
 
+def test_the_output_head_is_counted_on_the_last_stages_node() -> None:
+    a, b = ids(2)
+    nodes = [NodeCost(a, WHOLE, 1 * MS, head_s=9 * MS), NodeCost(b, WHOLE, 1 * MS, head_s=1 * MS)]
+    best = plan_by_cost(SIZES, nodes, LinkCosts(), stages=2)[0]
+    assert best.nodes[-1] == b  # the node with the cheaper head ends the pipeline
+    assert best.compute_s == pytest.approx(13 * MS)
+
+
 def test_a_pinned_first_node_holds_stage_zero_and_nothing_fits_says_why() -> None:
     a, b, c = ids(3)
     nodes = [NodeCost(a, WHOLE, 1 * MS), NodeCost(b, WHOLE, 1 * MS), NodeCost(c, 10, 1 * MS)]
@@ -117,7 +125,8 @@ async def test_the_coordinator_plans_by_cost_over_measured_links_and_calibration
         assert len(chosen) == 2 and set(chosen) != {n0, n2} and n3 not in chosen
         assert free.prediction is not None and free.prediction["planner"] == "cost"
         assert free.prediction["chosen"]["nodes"] == chosen
-        assert free.prediction["chosen"]["compute_ms"] == pytest.approx(12.0)  # 12 layers x 1 ms
+        # 12 layers x 1 ms, and the head (50 bytes: half a 100-byte layer) on the last stage
+        assert free.prediction["chosen"]["compute_ms"] == pytest.approx(12.5)
 
         four = await coordinator.topology.propose(
             package_ref=REF, manifest_sha256="ab" * 32, sizes=SIZES, stages=4, first_node=n0

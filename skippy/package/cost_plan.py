@@ -4,6 +4,7 @@
 and stays the default; this module ranks alternatives by predicted decode time per token:
 
     t_token = sum over stages (layers x the node's seconds per layer per token)
+            + the last stage's node's time for the output head
             + sum over hops of the one-way latency (stage i -> i+1, and the last stage back
               to stage 0, which holds the sampler)
 
@@ -36,10 +37,15 @@ class NodeCost:
     node_id: str
     memory_budget_bytes: int
     decode_s_per_layer: float  # seconds per layer per token (a calibration run, issue #21)
+    # Seconds per token for the output head (logits) when this node holds the last stage:
+    # on gemma3-270m the 262144-row head costs more than all 18 layers (GOTCHAS).
+    head_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.decode_s_per_layer > 0:
             raise TopologyError("decode_s_per_layer must be positive", path=self.node_id)
+        if not self.head_s >= 0:
+            raise TopologyError("head_s must not be negative", path=self.node_id)
 
 
 @dataclass(frozen=True)
@@ -122,6 +128,7 @@ def predict(
     planned candidate gets, and what a healed or restored topology is re-predicted with."""
     counts = [len(r) for r in ranges]
     compute = sum(c * n.decode_s_per_layer for c, n in zip(counts, order, strict=True))
+    compute += order[-1].head_s if order else 0.0
     ids = [n.node_id for n in order]
     hops = 0.0
     if len(ids) > 1:
