@@ -6,7 +6,8 @@ running coordinator, and the plan it makes for real.
   ``layer_bytes`` bytes, scaled to the package's mean layer bytes (decode is bound by reading
   the weights, so time per layer follows its bytes).
   The output head is weighed the same way on the node holding the last stage.
-- Links: the one-way latency of every link this node measured (half the heartbeat RTT). A
+- Links: the one-way latency of every link this node measured: half the least of its last
+  heartbeat RTTs (``Link.rtt_min_s``; one sample can carry a loaded peer's delay). A
   link between two peers is measured only by them: it is taken as the median of this node's
   own links (the document says so). Bandwidth is not used: a decode step sends one
   activation row (kilobytes), so hops cost latency, not rate.
@@ -89,7 +90,11 @@ def gather(
         s = UNCALIBRATED_S_PER_LAYER if cost is None else per_layer_s(cost, sizes)
         head = 0.0 if cost is None else head_s(cost, sizes)
         nodes.append(NodeCost(c.node_id, c.memory_budget_bytes, s, head))
-    own = {(own_id, p.node_id): p.rtt_s / 2 for p in peers if p.connected and p.rtt_s is not None}
+    own = {
+        (own_id, p.node_id): rtt / 2
+        for p in peers
+        if p.connected and (rtt := p.rtt_min_s if p.rtt_min_s is not None else p.rtt_s) is not None
+    }
     default = statistics.median(own.values()) if own else 0.0
     return CostInputs(tuple(nodes), LinkCosts(own, default), tuple(uncalibrated))
 

@@ -842,6 +842,7 @@ class MeshNode:
             connected=m.link is not None,
             last_seen_s=max(0.0, now - seen) if math.isfinite(seen) else 0.0,
             rtt_s=m.link.rtt_s if m.link is not None else None,
+            rtt_min_s=m.link.rtt_min_s if m.link is not None else None,
             bytes_received=m.bytes_received + (m.link.bytes_received if m.link else 0),
             bytes_sent=m.bytes_sent + (m.link.bytes_sent if m.link else 0),
         )

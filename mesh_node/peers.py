@@ -58,6 +58,7 @@ class PeerInfo:
     connected: bool
     last_seen_s: float  # seconds since anything was received from it
     rtt_s: float | None = None
+    rtt_min_s: float | None = None  # the least of the link's recent RTTs (issue #21)
     bytes_received: int = 0  # link bytes over every link to this peer since this node started
     bytes_sent: int = 0
     host_id: str | None = None  # its machine's fingerprint (Hello, issue #18), if it sent one

@@ -114,10 +114,15 @@ async def test_the_coordinator_plans_by_cost_over_measured_links_and_calibration
     async with relayed_mesh(tmp_path, 4, table, compute, **node_settings) as mesh:
         coordinator = mesh.nodes[0]
         n0, n1, n2, n3 = (n.node_id for n in mesh.nodes)
-        await wait_for(
-            lambda: all(p.rtt_s is not None for p in coordinator.peers(connected_only=True)),
-            timeout_s=10,
-        )
+
+        def slow_pair_measured() -> bool:
+            # What the planner reads: the least of each link's recent heartbeat RTTs.
+            rtt = {p.node_id: p.rtt_min_s for p in coordinator.peers(connected_only=True)}
+            if len(rtt) < 3 or any(v is None for v in rtt.values()):
+                return False
+            return rtt[n2] > max(rtt[n1], rtt[n3]) + 0.02  # type: ignore[operator]
+
+        await wait_for(slow_pair_measured, timeout_s=20)
         free = await coordinator.topology.propose(
             package_ref=REF, manifest_sha256="ab" * 32, sizes=SIZES
         )
@@ -132,7 +137,7 @@ async def test_the_coordinator_plans_by_cost_over_measured_links_and_calibration
             package_ref=REF, manifest_sha256="ab" * 32, sizes=SIZES, stages=4, first_node=n0
         )
         stages = four.topology.stages
-        assert stages[0].node_id == n0 and stages[2].node_id == n2  # n2 never next to n0
+        assert stages[0].node_id == n0 and stages[2].node_id == n2, four.prediction
         layers = {s.node_id: len(s.layers) for s in stages}
         assert layers[n3] < min(layers[n] for n in (n0, n1, n2))
         assert four.state == "active"  # the workers accepted the cost plan's ranges
@@ -185,3 +190,41 @@ def test_the_report_shows_the_plan_and_predicted_beside_measured_decode() -> Non
         "planner": "memory",
     }
     assert render_plan({"plan": memory}) == ["plan: memory planner; 2 uncalibrated"]
+
+
+def test_inputs_scale_calibrations_to_the_package_and_a_healed_split_is_re_predicted() -> None:
+    from mesh_node.cost_inputs import cost_choice, gather, predict_topology
+    from mesh_node.peers import AuthenticatedPeer, PeerInfo
+    from skippy.package.topology import NodeCapacity, SplitTopology, StageAssignment
+
+    own, fast, spare = ids(3)
+
+    def peer(node_id: str, rtt_s: float, compute: ComputeCost | None) -> PeerInfo:
+        auth = AuthenticatedPeer(node_id, None, "verified", True)
+        return PeerInfo(auth, None, {}, WHOLE, True, 0.0, rtt_s=rtt_s, compute=compute)
+
+    # Calibrated on 50-byte layers: SIZES' 100-byte layers take twice as long.
+    cost = ComputeCost(1 * MS, 0.5 * MS, 50)
+    peers = [peer(fast, 0.010, cost), peer(spare, 0.030, cost)]
+    capable = [NodeCapacity(n, WHOLE) for n in (own, fast, spare)]
+    inputs = gather(own, cost, peers, capable, SIZES)
+    assert [n.decode_s_per_layer for n in inputs.nodes] == pytest.approx([2 * MS] * 3)
+    assert inputs.links.between(own, fast) == pytest.approx(0.005)  # half the RTT
+    assert inputs.links.between(fast, spare) == pytest.approx(0.010)  # the median of own links
+    choice = cost_choice(inputs, SIZES, stages=2, first_node=own)
+    assert choice is not None and choice.chosen.nodes == (own, fast)  # the nearer peer
+    # A heal moved stage 1 to the spare: same ranges, predicted over the slower link.
+    healed = SplitTopology(
+        "topo-h", "run-1", REF, "ab" * 32, SIZES.layer_count,
+        tuple(
+            StageAssignment(n, f"stage-{i}", i, r)
+            for i, (n, r) in enumerate(zip((own, spare), choice.chosen.layers, strict=True))
+        ),
+    )
+    again = predict_topology(inputs, SIZES, healed)
+    assert again is not None and again["chosen"]["nodes"] == [own, spare]
+    assert again["predicted_ms_per_token"] > choice.prediction()["predicted_ms_per_token"]
+    # One node without a calibration: no cost plan, no prediction.
+    blind = gather(own, cost, [peer(fast, 0.01, None)], capable[:2], SIZES)
+    assert cost_choice(blind, SIZES, stages=None, first_node=own) is None
+    assert predict_topology(blind, SIZES, healed) is None
