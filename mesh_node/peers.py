@@ -239,4 +239,9 @@ def render_topology(topo: Mapping[str, Any]) -> str:
             f"  stage {s['stage_index']}: layers {s['layer_start']}..{s['layer_end']} on "
             f"{peer_text(s['node_id'][:12])} ({peer_text(ack)})"
         )
+    plan = topo.get("prediction")  # issue #21: which planner, and what it predicted
+    if plan:
+        ms = plan.get("predicted_ms_per_token")
+        predicted = "" if ms is None else f", predicted {ms:.2f} ms/token"
+        lines.append(f"planner {plan.get('planner')}{predicted}: {plan.get('why')}")
     return "\n".join(lines)

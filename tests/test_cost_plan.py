@@ -142,6 +142,9 @@ async def test_the_coordinator_plans_by_cost_over_measured_links_and_calibration
         assert layers[n3] < min(layers[n] for n in (n0, n1, n2))
         assert four.state == "active"  # the workers accepted the cost plan's ranges
         assert four.to_dict()["prediction"]["planner"] == "cost"
+        from mesh_node.peers import render_topology
+
+        assert "planner cost, predicted " in render_topology(four.to_dict())
 
 
 async def test_an_uncalibrated_node_falls_back_to_the_memory_plan_and_says_why(tmp_path):
