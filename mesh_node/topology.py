@@ -6,7 +6,9 @@ stage is ready (``StageReady``, issue #8); the coordinator checks the report's d
 against the topology and records it. Peer loss marks the topology degraded; ``replan`` places
 the split again over the remaining capable peers.
 
-Planning is pure (``skippy.package.topology.plan_topology``); this module does the I/O.
+Planning is pure (``skippy.package.topology.plan_topology``; with every capable node
+calibrated, the cost planner ``skippy.package.cost_plan`` through ``mesh_node.cost_inputs``,
+issue #21); this module does the I/O.
 """
 
 from __future__ import annotations
