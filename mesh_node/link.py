@@ -29,6 +29,7 @@ from protocol.handshake import Handshake, PeerIdentity, SecureChannel
 from protocol.messages import MessageReader, frame_message
 from protocol.streams import Multiplexer
 
+RTT_WINDOW = 16  # heartbeat RTT samples kept per link (issue #21: min-RTT for planning)
 log = logging.getLogger("mesh_node.link")
 _PING = struct.Struct(">Q")
 
@@ -338,6 +339,9 @@ class Link:
         self.close_reason: tuple[str, str] | None = None
         self.last_received = trio.current_time()
         self.rtt_s: float | None = None
+        # Issue #21: the recent samples; their minimum is the link's latency without the
+        # scheduling delays a loaded peer adds to some pongs (what cost planning uses).
+        self._rtt_samples: deque[float] = deque(maxlen=RTT_WINDOW)
         # WebSocket message bytes after the handshake (records, encrypted): link throughput
         # for the status page and /metrics. Only this link's tasks touch them (one thread).
         self.bytes_received = 0
@@ -504,10 +508,16 @@ class Link:
             sent = self._ping_sent.pop(seq, None)
             if sent is not None:
                 self.rtt_s = trio.current_time() - sent
+                self._rtt_samples.append(self.rtt_s)
         elif isinstance(event, ev.LinkMessageReceived):
             self._on_message(self, event.payload)
         elif isinstance(event, ev.GoAwayReceived):
             self.close("peer_going_away", f"{event.code}: {event.reason}")
+
+    @property
+    def rtt_min_s(self) -> float | None:
+        """The least of the last ``RTT_WINDOW`` heartbeat RTTs (``None`` before the first)."""
+        return min(self._rtt_samples) if self._rtt_samples else None
 
     def _on_open(self, stream_id: int, open_: SubprotocolOpen) -> None:
         if not self.mux.has_stream(stream_id):

@@ -64,7 +64,7 @@ from protocol.certificates import OwnerCertificate
 from protocol.errors import ProtocolError
 from protocol.frames import SubprotocolOpen
 from protocol.handshake import Handshake, PeerIdentity, SecureChannel
-from protocol.messages import Hello, PeerRecord, Peers, decode_link_message
+from protocol.messages import ComputeCost, Hello, PeerRecord, Peers, decode_link_message
 from skippy.config import HostPort, NodeSettings, PeerAddress, parse_peer_address
 from skippy.errors import UsageError
 from skippy.transfer.policy import would_serve
@@ -101,6 +101,7 @@ class _Member:
     hello: bool = False  # ever advertised (a member is listed only after its hello)
     host_id: str | None = None  # its machine's fingerprint, from its hello (issue #18)
     boot: str | None = None  # its process's random id, from its hello: new at every restart
+    compute: ComputeCost | None = None  # its calibrated speed, from its hello (issue #21)
     down_reported: bool = False  # a PeerDown was emitted since its last PeerUp
     hello_link: Link | None = None  # the link its latest hello came on
     last_seen: float = 0.0  # trio clock
@@ -215,6 +216,9 @@ class MeshNode:
         self.listen_url: str | None = None
         self.host_id = host_fingerprint()  # advertised: peers on this machine share its cores
         self.boot_id = secrets.token_hex(8)  # advertised: a restart is told from a reconnect
+        # Advertised when set (issue #21): the stage runtime's calibration, measured by the
+        # shell that starts the node (mesh_node.calibration), never here.
+        self.compute: ComputeCost | None = None
         self._members: dict[str, _Member] = {}
         self._handlers: dict[tuple[str, int, int], SubprotocolHandler] = {}
         self._subscribers: list[trio.MemorySendChannel[NodeEvent]] = []
@@ -405,6 +409,7 @@ class MeshNode:
             "peer_memory": self.peer_memory.to_dict(),
             "admission": dict(self.admission),
         }
+        doc["compute"] = None if self.compute is None else self.compute.to_wire()  # issue #21
         for key, section in self.status_sections.items():
             doc[key] = section()
         return doc
@@ -642,6 +647,7 @@ class MeshNode:
                     memory_budget_bytes=self.settings.memory_budget_bytes,
                     host=self.host_id,
                     boot=self.boot_id,
+                    compute=self.compute,
                 )
                 link.mux.send_link_message(hello.encode())
                 link.wake_writer()
@@ -771,6 +777,7 @@ class MeshNode:
             member.features = dict(message.features)
             member.memory_budget_bytes = message.memory_budget_bytes
             member.host_id = message.host
+            member.compute = message.compute
             first_on_link = member.hello_link is not link
             member.hello, member.hello_link = True, link
             restarted = member.boot is not None and message.boot != member.boot
@@ -831,9 +838,11 @@ class MeshNode:
             features=dict(m.features),
             memory_budget_bytes=m.memory_budget_bytes,
             host_id=m.host_id,
+            compute=m.compute,
             connected=m.link is not None,
             last_seen_s=max(0.0, now - seen) if math.isfinite(seen) else 0.0,
             rtt_s=m.link.rtt_s if m.link is not None else None,
+            rtt_min_s=m.link.rtt_min_s if m.link is not None else None,
             bytes_received=m.bytes_received + (m.link.bytes_received if m.link else 0),
             bytes_sent=m.bytes_sent + (m.link.bytes_sent if m.link else 0),
         )

@@ -9,6 +9,7 @@ from typing import Any
 
 from mesh_node.link import MeshStream
 from protocol.certificates import OwnerStatus
+from protocol.messages import ComputeCost
 from skippy.text import escape
 
 
@@ -57,9 +58,11 @@ class PeerInfo:
     connected: bool
     last_seen_s: float  # seconds since anything was received from it
     rtt_s: float | None = None
+    rtt_min_s: float | None = None  # the least of the link's recent RTTs (issue #21)
     bytes_received: int = 0  # link bytes over every link to this peer since this node started
     bytes_sent: int = 0
     host_id: str | None = None  # its machine's fingerprint (Hello, issue #18), if it sent one
+    compute: ComputeCost | None = None  # its calibrated speed (Hello, issue #21), if it sent one
 
     @property
     def node_id(self) -> str:
@@ -83,6 +86,7 @@ class PeerInfo:
             "rtt_ms": None if self.rtt_s is None else round(self.rtt_s * 1000, 3),
             "bytes_received": self.bytes_received,
             "bytes_sent": self.bytes_sent,
+            "compute": None if self.compute is None else self.compute.to_wire(),
         }
 
 
@@ -252,4 +256,9 @@ def render_topology(topo: Mapping[str, Any]) -> str:
             f"  stage {s['stage_index']}: layers {s['layer_start']}..{s['layer_end']} on "
             f"{peer_text(s['node_id'][:12])} ({peer_text(ack)})"
         )
+    plan = topo.get("prediction")  # issue #21: which planner, and what it predicted
+    if plan:
+        ms = plan.get("predicted_ms_per_token")
+        predicted = "" if ms is None else f", predicted {ms:.2f} ms/token"
+        lines.append(f"planner {plan.get('planner')}{predicted}: {plan.get('why')}")
     return "\n".join(lines)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from mesh_node.calibration import compute_cost, load_or_calibrate
 from mesh_node.control import serve_control
 from mesh_node.identity import LocalIdentity
 from mesh_node.node import MeshNode
@@ -51,7 +52,15 @@ def control_handler(node: MeshNode, serving: Serving | None = None) -> Any:
                 from mesh_node.cost_inputs import dry_run
 
                 include = bool(request.get("include_self", True))
-                plan = dry_run(node, sizes, include_self=include, stages=stages)
+                plan = dry_run(
+                    node.node_id,
+                    node.compute,
+                    node.peers(connected_only=True),
+                    node.topology.capable_nodes(include),
+                    sizes,
+                    include_self=include,
+                    stages=stages,
+                )
                 return {"ok": True, "plan": plan}
             active = await node.topology.propose(
                 package_ref=ref,
@@ -129,6 +138,9 @@ async def _run_node(
 ) -> None:
     make_data_dir(settings.data_dir)
     node = MeshNode(settings, identity)
+    # Issue #21: measured (or read from data_dir's cache) before the first link, so every
+    # hello carries it; in a thread, since it runs the stage runtime for a moment.
+    node.compute = compute_cost(await trio.to_thread.run_sync(load_or_calibrate, settings))
     host, artifacts = stage_services(node, read_environment())
     serving = Serving(node, host, extra_routes=routes)
     # SIGHUP (the terminal went away) shuts down as cleanly as SIGTERM: no reload exists.

@@ -6,7 +6,9 @@ stage is ready (``StageReady``, issue #8); the coordinator checks the report's d
 against the topology and records it. Peer loss marks the topology degraded; ``replan`` places
 the split again over the remaining capable peers.
 
-Planning is pure (``skippy.package.topology.plan_topology``); this module does the I/O.
+Planning is pure (``skippy.package.topology.plan_topology``; with every capable node
+calibrated, the cost planner ``skippy.package.cost_plan`` through ``mesh_node.cost_inputs``,
+issue #21); this module does the I/O.
 """
 
 from __future__ import annotations
@@ -28,6 +30,13 @@ from mesh_node.coordination import (
     placeable,
     sign_topology,
 )
+from mesh_node.cost_inputs import (
+    CostInputs,
+    cost_choice,
+    gather,
+    memory_plan_reason,
+    predict_topology,
+)
 from mesh_node.errors import MeshError, TopologyRefused
 from mesh_node.identity import LocalIdentity
 from mesh_node.link import LinkTimeouts, MeshStream
@@ -43,9 +52,16 @@ from mesh_node.peers import (
 from protocol import constants as pc
 from protocol.certificates import verify_domain
 from protocol.errors import ProtocolError
-from protocol.messages import StageReady, TopologyAck, TopologyOffer, decode_control_message
+from protocol.messages import (
+    ComputeCost,
+    StageReady,
+    TopologyAck,
+    TopologyOffer,
+    decode_control_message,
+)
 from skippy.config import NodeSettings
 from skippy.errors import TopologyError
+from skippy.package.cost_plan import topology_from_candidate
 from skippy.package.heal import heal_topology
 from skippy.package.plan import ModelSizes
 from skippy.package.topology import NodeCapacity, SplitTopology, plan_topology, replace_node
@@ -72,6 +88,9 @@ class ActiveTopology:
     # Whether the coordinator was trusted when the topology was accepted (issue #19): only
     # then may its bytes be installed under the hub commit (mesh_node.transfer.fetch).
     coordinator_trusted: bool = True
+    # Issue #21: the coordinator's planner record (which planner, predicted ms/token, why);
+    # ``None`` on a worker.
+    prediction: dict[str, Any] | None = None
 
     @property
     def all_ready(self) -> bool:
@@ -125,6 +144,7 @@ class ActiveTopology:
             "ready": {k: v.to_dict() for k, v in sorted(self.reports.items())},
             "all_ready": self.all_ready,
             "stage_status": self.stage_status(),
+            "prediction": self.prediction,
         }
 
 
@@ -166,6 +186,7 @@ class NodeView(Protocol):
     """The part of ``MeshNode`` the service uses (keeps the arrow one way: node -> topology)."""
 
     node_id: str
+    compute: ComputeCost | None  # this node's calibration (issue #21), for cost planning
     identity: LocalIdentity
     settings: NodeSettings
     limits: pc.Limits
@@ -238,20 +259,47 @@ class TopologyService:
             first_node,
         )
         self._last_request = request
+        capable = self.capable_nodes(include_self)
+        topology_id = f"topo-{uuid.uuid4().hex[:16]}"
+        # Issue #21: with every capable node calibrated, the cost planner decides (stage
+        # count, nodes, order, speed-weighted ranges); else the byte-balanced memory plan.
+        inputs = self.cost_inputs(capable, sizes)
         try:
-            topology = plan_topology(
-                sizes,
-                self.capable_nodes(include_self),
-                topology_id=f"topo-{uuid.uuid4().hex[:16]}",
-                run_id=request.run_id,
-                package_ref=package_ref,
-                manifest_sha256=manifest_sha256,
-                stages=stages,
-                first_node=first_node,
-            )
+            choice = cost_choice(inputs, sizes, stages=stages, first_node=first_node)
+            if choice is not None:
+                topology = topology_from_candidate(
+                    choice.chosen,
+                    sizes,
+                    topology_id=topology_id,
+                    run_id=request.run_id,
+                    package_ref=package_ref,
+                    manifest_sha256=manifest_sha256,
+                )
+            else:
+                topology = plan_topology(
+                    sizes,
+                    capable,
+                    topology_id=topology_id,
+                    run_id=request.run_id,
+                    package_ref=package_ref,
+                    manifest_sha256=manifest_sha256,
+                    stages=stages,
+                    first_node=first_node,
+                )
         except TopologyError as exc:
             raise _refused(exc) from None
-        return await self._distribute(topology, sizes)
+        prediction = choice.prediction() if choice is not None else memory_plan_reason(inputs)
+        return await self._distribute(topology, sizes, prediction)
+
+    def cost_inputs(self, capable: list[NodeCapacity], sizes: ModelSizes) -> CostInputs:
+        """What the cost planner knows now (``mesh_node.cost_inputs.gather``)."""
+        peers = self.node.peers(connected_only=True)
+        return gather(self.node.node_id, self.node.compute, peers, capable, sizes)
+
+    def _repredict(self, topology: SplitTopology, sizes: ModelSizes) -> dict[str, Any] | None:
+        """A healed or replaced topology's prediction, when its nodes are calibrated."""
+        capable = self.capable_nodes(True)
+        return predict_topology(self.cost_inputs(capable, sizes), sizes, topology)
 
     async def replace_lost(self, lost: str) -> ActiveTopology:
         """Move ``lost``'s stage of the active topology to a capable connected peer that holds
@@ -270,7 +318,7 @@ class TopologyService:
             )
         except TopologyError as exc:
             raise _refused(exc) from None
-        return await self._distribute(topology, r.sizes)
+        return await self._distribute(topology, r.sizes, self._repredict(topology, r.sizes))
 
     async def heal(self) -> ActiveTopology:
         """The active topology again over the nodes linked now (issue #18 item 2): stages
@@ -289,7 +337,7 @@ class TopologyService:
             )
         except TopologyError as exc:
             raise _refused(exc) from None
-        return await self._distribute(topology, r.sizes)
+        return await self._distribute(topology, r.sizes, self._repredict(topology, r.sizes))
 
     async def restore(
         self, topology: SplitTopology, sizes: ModelSizes, *, first_node: str | None
@@ -323,7 +371,12 @@ class TopologyService:
         epoch (issue #19: workers refuse an older or equal one)."""
         return sign_topology(self.node.identity.key, topology, self.epochs, self.node.wall_clock())
 
-    async def _distribute(self, topology: SplitTopology, sizes: ModelSizes) -> ActiveTopology:
+    async def _distribute(
+        self,
+        topology: SplitTopology,
+        sizes: ModelSizes,
+        prediction: dict[str, Any] | None = None,
+    ) -> ActiveTopology:
         """Sign ``topology``, make it active here, send it to every worker, collect acks."""
         topology, signature = self.sign_topology(topology)
         active = ActiveTopology(
@@ -334,6 +387,7 @@ class TopologyService:
             "incomplete",
             sizes=sizes,
             own_id=self.node.node_id,
+            prediction=prediction,
         )
         workers = [s.node_id for s in topology.stages if s.node_id != self.node.node_id]
         offer = TopologyOffer(topology.to_dict(), signature).encode()

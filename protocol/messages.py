@@ -10,6 +10,7 @@ listen addresses (peers). No inventory, paths, cache roots or tokens can be expr
 
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -59,6 +60,48 @@ def _key(value: object, what: str) -> bytes:
 
 
 # --- link messages --------------------------------------------------------------------------
+MAX_CALIBRATED_S: Final = 60.0  # seconds per layer per token: anything slower is a bad figure
+
+
+@dataclass(frozen=True)
+class ComputeCost:
+    """A node's calibrated stage-runtime speed (issue #21 section 3; the hello key
+    ``compute``): seconds per layer per token for decode and prefill, measured on layers of
+    ``layer_bytes`` bytes of weights (so a planner can scale them to another model's layers)."""
+
+    decode_s_per_layer: float
+    prefill_s_per_layer: float
+    layer_bytes: int
+
+    def __post_init__(self) -> None:
+        for name in ("decode_s_per_layer", "prefill_s_per_layer"):
+            v = getattr(self, name)
+            if (
+                isinstance(v, bool)
+                or not isinstance(v, float | int)
+                or not math.isfinite(v)
+                or not 0 < v <= MAX_CALIBRATED_S
+            ):
+                raise _fail(f"compute.{name} must be a number in (0, {MAX_CALIBRATED_S:g}]")
+        _int(self.layer_bytes, "compute.layer_bytes")
+        if self.layer_bytes < 1:
+            raise _fail("compute.layer_bytes must be positive")
+
+    def to_wire(self) -> dict[str, object]:
+        return {
+            "decode_s_per_layer": float(self.decode_s_per_layer),
+            "prefill_s_per_layer": float(self.prefill_s_per_layer),
+            "layer_bytes": self.layer_bytes,
+        }
+
+    @classmethod
+    def from_wire(cls, value: object) -> ComputeCost:
+        keys = {"decode_s_per_layer", "prefill_s_per_layer", "layer_bytes"}
+        if not isinstance(value, dict) or set(value) != keys:
+            raise _fail(f"compute has exactly the fields {sorted(keys)}")
+        return cls(value["decode_s_per_layer"], value["prefill_s_per_layer"], value["layer_bytes"])
+
+
 @dataclass(frozen=True)
 class Hello:
     """A node's advertisement, sent once per link right after the handshake."""
@@ -73,6 +116,8 @@ class Hello:
     # that a peer that relinks fast after a restart is known to have lost its state (a broken
     # connection alone is not a peer loss; a restarted process is).
     boot: str | None = None
+    # Added in issue #21 (optional): the sender's calibrated compute speed, for cost planning.
+    compute: ComputeCost | None = None
 
     def encode(self) -> bytes:
         doc: dict[str, object] = {
@@ -86,6 +131,8 @@ class Hello:
             doc["host"] = self.host
         if self.boot is not None:
             doc["boot"] = self.boot
+        if self.compute is not None:
+            doc["compute"] = self.compute.to_wire()
         return _pack(doc)
 
 
@@ -135,6 +182,7 @@ def decode_link_message(payload: bytes, limits: c.Limits = c.DEFAULT_LIMITS) -> 
             memory_budget_bytes=_int(d["memory_budget_bytes"], "memory_budget_bytes"),
             host=host,
             boot=boot,
+            compute=ComputeCost.from_wire(d["compute"]) if "compute" in d else None,
         )
     if kind == "peers":
         d = _check_keys(data, {"t", "gen", "peers"}, "peers")
@@ -152,7 +200,9 @@ def decode_link_message(payload: bytes, limits: c.Limits = c.DEFAULT_LIMITS) -> 
 
 
 _HELLO_REQUIRED: Final = frozenset({"t", "gen", "listen", "features", "memory_budget_bytes"})
-_HELLO_KNOWN_OPTIONAL: Final = frozenset({"host", "boot"})  # optional since issue #18
+_HELLO_KNOWN_OPTIONAL: Final = frozenset(
+    {"host", "boot", "compute"}  # host, boot: issue #18; compute: issue #21
+)
 _HELLO_FORBIDDEN: Final = frozenset(
     {"inventory", "artifacts", "packages", "paths", "cache_root", "token", "tokens"}
 )

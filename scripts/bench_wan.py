@@ -12,6 +12,11 @@
   100 Mbit/s and 1 Gbit/s at 20 ms RTT (and 1 Gbit/s at 50 ms RTT, where a fixed 4 MiB
   stream window would cap it at 80 MB/s), vs the link rate: the worker's own record of the
   verified transfer.
+- Failover stall: the same 3-stage split at 20 ms RTT with two spares; a streamed greedy
+  completion, the node of stage 1 (then, in the next completion, of stage 2) killed with
+  SIGKILL after ``FAILOVER_AT`` tokens: the time from the kill to the next token, beside the
+  decode gap between tokens before it (the lab's ``peer_loss_timeout_s`` bounds how soon a
+  crash is known: a killed process cannot be told from a reset connection).
 """
 
 from __future__ import annotations
@@ -166,7 +171,87 @@ def _transfer_rows(ctx: BenchContext) -> list[Row]:
 
 
 def rows(ctx: BenchContext) -> list[Row]:
-    return _window_rows(ctx) + _transfer_rows(ctx) + _serve_rows(ctx)
+    return _window_rows(ctx) + _transfer_rows(ctx) + _serve_rows(ctx) + _failover_rows(ctx)
+
+
+# --- the failover stall at 20 ms RTT -----------------------------------------------------------
+FAILOVER_RTT_S = 0.02
+FAILOVER_TOKENS = 64
+FAILOVER_AT = 16
+
+
+def _stream_with_kill(api: str, pid: int, at: int) -> tuple[float, list[float]]:
+    """Stream a greedy completion; SIGKILL ``pid`` once ``at`` tokens arrived. Returns the
+    seconds from the kill to the next token and the gaps between tokens before the kill."""
+    import itertools
+    import json
+    import os
+    import signal
+    import time
+    import urllib.request
+
+    body = {"prompt": "Once upon a time", "max_tokens": FAILOVER_TOKENS, "temperature": 0,
+            "stream": True}
+    req = urllib.request.Request(
+        f"{api}/completions", data=json.dumps(body).encode(),
+        headers={"content-type": "application/json"},
+    )
+    arrivals: list[float] = []
+    killed_at: float | None = None
+    after: float | None = None
+    with urllib.request.urlopen(req, timeout=300) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            now = time.monotonic()
+            if killed_at is not None and after is None:
+                after = now
+            arrivals.append(now)
+            if len(arrivals) == at:
+                os.kill(pid, signal.SIGKILL)
+                killed_at = time.monotonic()
+    if killed_at is None or after is None:
+        raise SystemExit(f"bench wan: the stream ended after {len(arrivals)} tokens")
+    gaps = [b - a for a, b in itertools.pairwise(arrivals[:at])]
+    return after - killed_at, gaps[1:]  # the first gap holds the prefill
+
+
+async def _failover(ctx: BenchContext, pkg: Path) -> tuple[list[float], list[float], float]:
+    root = ctx.work / "wan-failover-lab"
+    shutil.rmtree(root, ignore_errors=True)
+    options = LabOptions(
+        nodes=5, stages=3, package=str(pkg), transfer="open", root=root, serve=True,
+        links=LinkTable(LinkSpec(rtt_s=FAILOVER_RTT_S)),
+    )
+    stalls: list[float] = []
+    gaps: list[float] = []
+    async with open_lab(options) as lab:
+        api, _, _ = await lab.start_serving()
+        await trio.to_thread.run_sync(wait_ready, api, 300)
+        loss_s = float(lab.options.node_config.get("peer_loss_timeout_s", 0.0))
+        by_id = {n.node_id: n for n in lab.cluster.nodes}
+        for stage in (1, 2):
+            topology = (await lab.cluster.coordinator.status())["topology"]
+            victim = by_id[topology["stages"][stage]["node_id"]]
+            assert victim.process is not None
+            stall, before = await trio.to_thread.run_sync(
+                _stream_with_kill, api, victim.process.pid, FAILOVER_AT
+            )
+            stalls.append(stall)
+            gaps += before
+            await trio.to_thread.run_sync(wait_ready, api, 300)
+    return stalls, gaps, loss_s
+
+
+def _failover_rows(ctx: BenchContext) -> list[Row]:
+    stalls, gaps, loss_s = trio.run(_failover, ctx, _package_dir(ctx))
+    return [
+        (MODEL, f"wan {FAILOVER_RTT_S * 1000:g} ms RTT: failover stall (SIGKILL of stage 1, "
+         "then stage 2; 2 spares)", f"{spread(stalls, fmt='{:.2f}')} s",
+         f"kill to next token; decode gap before it {statistics.median(gaps) * 1000:.0f} ms; "
+         f"the lab's peer_loss_timeout_s is {loss_s:g} s"),
+    ]
 
 
 # --- one stream's window at a long RTT (in one process: both nodes and the relay) -----------------

@@ -27,6 +27,7 @@ ENV_HF_CACHE = "HF_HUB_CACHE"
 ENV_HF_HOME = "HF_HOME"
 ENV_XDG_CACHE = "XDG_CACHE_HOME"
 ENV_API_KEY = "MESH_NODE_API_KEY"  # one HTTP API key (mesh_node.http.keys; HttpSettings)
+ENV_CALIBRATION = "MESH_NODE_CALIBRATION"  # issue #21: auto | off (wins over the TOML key)
 
 ArtifactTransfer = Literal["disabled", "trusted", "open"]
 # Spec "Peer Cache Transfer" (mesh-llm's values, exactly): trimmed and lower-cased; anything else,
@@ -107,6 +108,8 @@ class Environment:
     hub_policy: HubPolicy = field(default_factory=HubPolicy)
     # MESH_NODE_API_KEY: a secret, kept out of repr (and so out of any log of this object).
     api_key: str | None = field(default=None, repr=False)
+    # MESH_NODE_CALIBRATION (issue #21): auto | off; ``None`` when unset (the TOML decides).
+    calibration: str | None = None
 
 
 def parse_artifact_transfer(raw: str, source: str) -> tuple[ArtifactTransfer, str | None]:
@@ -150,6 +153,7 @@ def read_environment(environ: Mapping[str, str] | None = None) -> Environment:
         skippy_cache_dir=Path(xdg) / "skippy",
         hub_policy=_hub_policy(env),
         api_key=env.get(ENV_API_KEY, "").strip() or None,
+        calibration=env.get(ENV_CALIBRATION, "").strip().lower() or None,
     )
 
 
@@ -185,6 +189,7 @@ NODE_KEYS = frozenset(
         "speculative",  # skippy.generation reads these two sections
         "models",
         "dial_via",  # issue #21: {node id = "ws://HOST:PORT"}: where to dial a given peer
+        "calibration",  # issue #21: auto | off: calibrate the stage runtime, advertise it
     }
 )
 
@@ -548,6 +553,9 @@ class NodeSettings:
     dial_via: Mapping[str, PeerAddress] = field(default_factory=dict)
     http_settings: HttpSettings = field(default_factory=HttpSettings)
     security: SecuritySettings = field(default_factory=SecuritySettings)
+    # Issue #21: ``mesh-node run`` calibrates the stage runtime (cached in data_dir) and
+    # advertises it in its hello, for cost-aware planning; ``calibration = "off"`` skips it.
+    calibrate: bool = True
 
     @property
     def hub_cache_dir(self) -> Path:
@@ -692,7 +700,19 @@ def node_settings(config: NodeConfig, env: Environment | None = None) -> NodeSet
         dial_via=parse_dial_via(raw.get("dial_via", {})),
         http_settings=http_settings(http_table, base, env.api_key),
         security=security_settings(raw.get("security")),
+        calibrate=_calibration(env.calibration, raw.get("calibration", "auto")),
     )
+
+
+def _calibration(env_word: str | None, toml_word: object) -> bool:
+    """``calibration``: auto (calibrate at start, the default) or off; the environment wins."""
+    for source, word in ((ENV_CALIBRATION, env_word), ("calibration", toml_word)):
+        if word is None:
+            continue
+        if word not in ("auto", "off"):
+            raise _bad(source, "expected auto or off", word)
+        return word == "auto"
+    return True
 
 
 # --- issue #21: dialing a peer through another address --------------------------------------------

@@ -54,6 +54,7 @@ async def test_two_nodes_of_one_owner_authenticate_and_trust_each_other(tmp_path
             "topology",
             "transfers",
             "security",
+            "compute",  # issue #21: this node's calibration (None: not calibrated)
         }
         n.cancel_scope.cancel()
 

@@ -9,10 +9,11 @@ elapsed time."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import trio
 from meshtools import identity, settings, wait_for
@@ -21,6 +22,7 @@ from mesh_node.lab.netem import LinkSpec, LinkTable, Netem, open_netem
 from mesh_node.link import Link
 from mesh_node.node import MeshNode
 from mesh_node.peers import NodeEvent, PeerDown
+from protocol.messages import ComputeCost
 from skippy.config import PeerAddress
 from skippy.package.plan import ModelSizes
 
@@ -53,8 +55,15 @@ class Mesh:
 
 
 @asynccontextmanager
-async def relayed_mesh(tmp: Path, count: int, links: LinkTable) -> AsyncIterator[Mesh]:
-    """``count`` nodes, node k > 0 configured to dial node 0; every dial crosses a relay."""
+async def relayed_mesh(
+    tmp: Path,
+    count: int,
+    links: LinkTable,
+    compute: Sequence[ComputeCost | None] = (),
+    **node_kw: Any,
+) -> AsyncIterator[Mesh]:
+    """``count`` nodes, node k > 0 configured to dial node 0; every dial crosses a relay.
+    ``compute[k]``: node k's calibration, advertised in its hello (default: none)."""
     idents = [identity() for _ in range(count)]
     async with open_netem(links, seed=7) as netem, trio.open_nursery() as nursery:
         nodes: list[MeshNode] = []
@@ -69,8 +78,9 @@ async def relayed_mesh(tmp: Path, count: int, links: LinkTable) -> AsyncIterator
             if k > 0:
                 host, port = nodes[0].listen_url.removeprefix("ws://").rsplit(":", 1)  # type: ignore[union-attr]
                 peers = (PeerAddress(host, int(port), idents[0].node_id),)
-            s = settings(tmp, f"n{k}", peers=peers, dial_via=via, **TIMEOUTS)
+            s = settings(tmp, f"n{k}", peers=peers, dial_via=via, **TIMEOUTS, **node_kw)
             node = MeshNode(s, ident)
+            node.compute = compute[k] if k < len(compute) else None
             await nursery.start(node.run)
             assert node.listen_url is not None
             h, p = node.listen_url.removeprefix("ws://").rsplit(":", 1)

@@ -25,7 +25,11 @@ TIMEOUTS = {
 }
 
 
-def test_the_lab_cli_runs_over_emulated_links_and_reports_them(tiny_package, tmp_path):
+def test_the_lab_cli_runs_over_emulated_links_and_reports_them(
+    tiny_package, tmp_path, monkeypatch
+):
+    # Calibrated nodes (issue #21 section 3): the lab's split is planned by cost.
+    monkeypatch.setenv("MESH_NODE_CALIBRATION", "auto")
     lab_file = tmp_path / "links.toml"
     lab_file.write_text('[[links.pair]]\na = 1\nb = 2\nlatency = "40ms"\nrate = "50Mbit"\n')
     code, report = lab_cli(
@@ -41,6 +45,15 @@ def test_the_lab_cli_runs_over_emulated_links_and_reports_them(tiny_package, tmp
     # The workers' parts crossed the coordinator's relays.
     assert links[("n0", "n1")]["bytes"] > 0 and links[("n0", "n2")]["bytes"] > 0
     assert report["totals"]["peer_bytes"] > 0 and report["totals"]["hub_bytes"] == 0
+    plan = report["plan"]
+    assert plan["planner"] == "cost", plan
+    assert len(plan["chosen"]["nodes"]) == 3 and plan["chosen"]["hops_ms"] > 0
+    assert plan["chosen"]["nodes"] == [s["node_id"] for s in _stages_in_order(report)]
+
+
+def _stages_in_order(report: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = [n for n in report["nodes"] if n["stage_index"] is not None]
+    return sorted(rows, key=lambda n: n["stage_index"])
 
 
 def test_bad_link_flags_are_usage_errors(tiny_package):

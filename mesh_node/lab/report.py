@@ -172,6 +172,8 @@ def build_report(
         },
         "nodes": rows,
         "problems": found,
+        # Issue #21: the coordinator's planner record (cost or memory, predicted ms/token, why).
+        "plan": None if topology is None else topology.get("prediction"),
     }
 
 
@@ -232,6 +234,64 @@ def render_revision_change(
         f"{human_bytes(change['changed_bytes'])} on {change['workers_holding_it']} worker(s); "
         f"workers received {human_bytes(change['moved_bytes'])} besides the manifest: {verdict}"
     ]
+
+
+def predicted_vs_measured(
+    plan: Mapping[str, Any] | None, prompt: Mapping[str, Any] | None
+) -> dict[str, Any] | None:
+    """Issue #21: the plan's predicted decode ms/token beside the one measured while serving
+    (``prompt``: ``mesh_node.serving.report.prompt_report``); ``None`` without a prompt."""
+    if prompt is None:
+        return None
+    predicted = None if plan is None else plan.get("predicted_ms_per_token")
+    rate = prompt.get("decode_tokens_per_s")
+    measured = round(1000 / rate, 3) if rate else None
+    return {
+        "predicted_ms_per_token": predicted,
+        "measured_decode_ms_per_token": measured,
+        "measured_over_predicted": (
+            round(measured / predicted, 2) if measured and predicted else None
+        ),
+        "planner": None if plan is None else plan.get("planner"),
+    }
+
+
+def render_plan(doc: Mapping[str, Any]) -> list[str]:
+    """Issue #21: which planner placed the split, its prediction and why it won; after a
+    prompt, predicted beside measured."""
+    plan = doc.get("plan")
+    if not plan:
+        return []
+    lines = []
+    if plan.get("planner") == "cost" and plan.get("chosen"):
+        c = plan["chosen"]
+        lines.append(
+            f"plan: cost planner, predicted {c['predicted_ms_per_token']:.2f} ms/token (compute "
+            f"{c['compute_ms']:.2f} + hops {c['hops_ms']:.2f}) over {len(c['nodes'])} stage(s); "
+            f"{plan['why']} ({plan.get('candidates_fit', '?')} of "
+            f"{plan.get('candidates_total', '?')} candidates fit)"
+        )
+        if plan.get("runner_up"):
+            r = plan["runner_up"]
+            lines.append(
+                f"  runner-up: {r['predicted_ms_per_token']:.2f} ms/token over "
+                f"{len(r['nodes'])} stage(s)"
+            )
+        lines += [f"  {k}: {v}" for k, v in (plan.get("assumptions") or {}).items()]
+    else:
+        lines.append(f"plan: {plan.get('planner', '?')} planner; {plan.get('why', '')}")
+    pvm = doc.get("predicted_vs_measured")
+    if pvm:
+        def ms(v: float | None) -> str:
+            return "-" if v is None else f"{v:.2f} ms"
+
+        ratio = pvm["measured_over_predicted"]
+        lines.append(
+            f"decode per token: predicted {ms(pvm['predicted_ms_per_token'])}, measured "
+            f"{ms(pvm['measured_decode_ms_per_token'])}"
+            + (f" ({ratio:.2f}x the prediction)" if ratio else "")
+        )
+    return lines
 
 
 def human_bytes(n: int | None) -> str:
@@ -344,6 +404,7 @@ def render_report(doc: Mapping[str, Any]) -> str:
     )
     lines += render_links(doc.get("links"))
     lines += render_revision_change(doc.get("revision_change"), doc.get("first_revision"))
+    lines += render_plan(doc)
     refusals = doc["coordinator"]["refusals"]
     lines.append(
         "coordinator refusals: "

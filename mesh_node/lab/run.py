@@ -127,7 +127,14 @@ class Lab:
         coordinator = self.cluster.coordinator
         t0 = time.monotonic()
         response = await coordinator.request(
-            {"op": "topology", "package": self.package.ref, "stages": None, "include_self": True},
+            {
+                "op": "topology",
+                "package": self.package.ref,
+                # Explicit (issue #21): calibrated nodes would otherwise be planned by cost,
+                # which uses fewer stages when memory allows; the lab is about a split.
+                "stages": self.options.stages or self.options.nodes,
+                "include_self": True,
+            },
             timeout_s=self.options.timeout_s,
         )
         topology: dict[str, Any] = response["topology"]
@@ -394,6 +401,7 @@ async def experiment(lab: Lab) -> dict[str, Any]:
     """The lab's experiment: the split and its transfer report; with ``prompt`` or ``serve``
     (issue #10) the coordinator serves the split, the report gains ``api`` and, with
     ``prompt``, ``prompt`` (one greedy completion through the split)."""
+    from mesh_node.lab.report import predicted_vs_measured
     from mesh_node.serving.report import complete, prompt_report
 
     options = lab.options
@@ -410,6 +418,9 @@ async def experiment(lab: Lab) -> dict[str, Any]:
             api, options.prompt, max_tokens=options.max_tokens, timeout_s=options.timeout_s
         )
         report["prompt"] = prompt_report(completion, await lab.cluster.statuses())
+        report["predicted_vs_measured"] = predicted_vs_measured(
+            report.get("plan"), report["prompt"]
+        )
         if lab.netem is not None:  # issue #21: the links' bytes include the completion's
             report["links"] = lab.netem.report()
     return report

@@ -4,6 +4,7 @@
 and stays the default; this module ranks alternatives by predicted decode time per token:
 
     t_token = sum over stages (layers x the node's seconds per layer per token)
+            + the last stage's node's time for the output head
             + sum over hops of the one-way latency (stage i -> i+1, and the last stage back
               to stage 0, which holds the sampler)
 
@@ -24,6 +25,7 @@ from typing import Any, Final
 from skippy.errors import TopologyError
 from skippy.package.plan import ModelSizes
 from skippy.package.ranges import LayerRange
+from skippy.package.topology import SplitTopology, StageAssignment
 
 MAX_EXHAUSTIVE_NODES: Final = 7  # 7! orders x 7 counts: ~35k candidates, milliseconds each
 
@@ -35,10 +37,15 @@ class NodeCost:
     node_id: str
     memory_budget_bytes: int
     decode_s_per_layer: float  # seconds per layer per token (a calibration run, issue #21)
+    # Seconds per token for the output head (logits) when this node holds the last stage:
+    # on gemma3-270m the 262144-row head costs more than all 18 layers (GOTCHAS).
+    head_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.decode_s_per_layer > 0:
             raise TopologyError("decode_s_per_layer must be positive", path=self.node_id)
+        if not self.head_s >= 0:
+            raise TopologyError("head_s must not be negative", path=self.node_id)
 
 
 @dataclass(frozen=True)
@@ -108,7 +115,20 @@ def evaluate(
     for c in counts:
         ranges.append(LayerRange(start, start + c, sizes.layer_count))
         start += c
+    return predict(sizes, order, ranges, links)
+
+
+def predict(
+    sizes: ModelSizes,
+    order: Sequence[NodeCost],
+    ranges: Sequence[LayerRange],
+    links: LinkCosts,
+) -> Candidate:
+    """The prediction for a given assignment (``order[i]`` runs ``ranges[i]``): what a
+    planned candidate gets, and what a healed or restored topology is re-predicted with."""
+    counts = [len(r) for r in ranges]
     compute = sum(c * n.decode_s_per_layer for c, n in zip(counts, order, strict=True))
+    compute += order[-1].head_s if order else 0.0
     ids = [n.node_id for n in order]
     hops = 0.0
     if len(ids) > 1:
@@ -124,6 +144,33 @@ def evaluate(
             )
             break
     return Candidate(tuple(ids), tuple(ranges), compute, hops, problem)
+
+
+def topology_from_candidate(
+    candidate: Candidate,
+    sizes: ModelSizes,
+    *,
+    topology_id: str,
+    run_id: str,
+    package_ref: str,
+    manifest_sha256: str,
+) -> SplitTopology:
+    """The split a fitting candidate describes (stage ``i`` on ``candidate.nodes[i]``)."""
+    if not candidate.fits:
+        raise TopologyError(
+            f"the candidate does not fit: {candidate.problem}", code="topology_does_not_fit"
+        )
+    return SplitTopology(
+        topology_id=topology_id,
+        run_id=run_id,
+        package_ref=package_ref,
+        manifest_sha256=manifest_sha256,
+        layer_count=sizes.layer_count,
+        stages=tuple(
+            StageAssignment(node, f"stage-{i}", i, layers)
+            for i, (node, layers) in enumerate(zip(candidate.nodes, candidate.layers, strict=True))
+        ),
+    )
 
 
 def plan_by_cost(
@@ -179,5 +226,7 @@ __all__ = [
     "NodeCost",
     "evaluate",
     "plan_by_cost",
+    "predict",
     "speed_weighted_counts",
+    "topology_from_candidate",
 ]

@@ -1,0 +1,126 @@
+"""The node's stage-runtime calibration (issue #21 section 3): measured once, cached in
+``data_dir``, advertised in the hello (``protocol.messages.ComputeCost``).
+
+``mesh-node run`` calls ``load_or_calibrate`` before the node starts linking, so its first
+hello carries the figure. The cache (``calibration.json``) holds one record per
+``CalibrationKey`` (engine, runtime version, threads, model class): a restart with the same
+key reuses it and measures nothing; a changed runtime, thread count or calibration model
+measures again. A calibration that fails (a runtime that cannot load here) is logged and the
+node starts without one: planners then treat it as uncalibrated, never as fast.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Final
+
+from protocol.messages import ComputeCost
+from skippy.atomic import atomic_write_bytes
+from skippy.config import NodeSettings
+from skippy.errors import SkippyError
+from skippy.runtime.calibration import MODEL_CLASS, Calibration, run_calibration
+
+log = logging.getLogger("mesh_node.calibration")
+
+CACHE_NAME: Final = "calibration.json"
+CACHE_VERSION: Final = 1
+MAX_RECORDS: Final = 8  # one per key seen; the oldest go first
+
+
+def calibration_threads(settings: NodeSettings) -> int:
+    """The threads calibrated with: ``[serving] threads`` when set, else 1. Several nodes of a
+    lab share a machine's cores, and a single-thread figure is the one that does not depend
+    on who else is running; a node that pins its threads is calibrated at that count."""
+    return settings.serving.threads or 1
+
+
+def read_cache(path: Path) -> list[Calibration]:
+    """The cached records; an unreadable or foreign file is an empty cache (logged)."""
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return []
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        log.warning("ignoring the calibration cache %s: %s", path, exc)
+        return []
+    if not isinstance(doc, dict) or doc.get("version") != CACHE_VERSION:
+        log.warning("ignoring the calibration cache %s: not version %d", path, CACHE_VERSION)
+        return []
+    out = []
+    for record in doc.get("records", []) if isinstance(doc.get("records"), list) else []:
+        try:
+            out.append(Calibration.from_dict(record))
+        except SkippyError as exc:
+            log.warning("ignoring a calibration cache record: %s", exc)
+    return out
+
+
+def write_cache(path: Path, records: list[Calibration]) -> None:
+    doc = {"version": CACHE_VERSION, "records": [r.to_dict() for r in records[-MAX_RECORDS:]]}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(path, json.dumps(doc, indent=1).encode("utf-8"), durable=False)
+
+
+def cached(records: list[Calibration], engine: str, threads: int) -> Calibration | None:
+    """The record measured for this engine and thread count with today's calibration model.
+    (The engine's exact version is recorded too; a pinned llama-cpp-python means one.)"""
+    for r in reversed(records):
+        k = r.key
+        if (k.engine, k.threads, k.model_class) == (engine, threads, MODEL_CLASS):
+            return r
+    return None
+
+
+def load_or_calibrate(settings: NodeSettings) -> Calibration | None:
+    """The cached calibration for this node's key, else a fresh one (stored); ``None`` when
+    calibration is off or cannot run here."""
+    if not settings.calibrate:
+        return None
+    engine, threads = settings.serving.engine, calibration_threads(settings)
+    path = settings.data_dir / CACHE_NAME
+    records = read_cache(path)
+    hit = cached(records, engine, threads)
+    if hit is not None:
+        log.info("calibration (cached): %s", describe(hit))
+        return hit
+    scratch = Path(tempfile.mkdtemp(prefix=".calibration-", dir=_scratch_parent(settings)))
+    try:
+        fresh = run_calibration(scratch, engine=engine, threads=threads)
+    except (SkippyError, OSError, ValueError) as exc:
+        log.warning("calibration failed, advertising none: %s", exc)
+        return None
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    kept = [r for r in records if r.key != fresh.key]
+    try:
+        write_cache(path, [*kept, fresh])
+    except OSError as exc:  # the figure is still good for this run
+        log.warning("could not cache the calibration in %s: %s", path, exc)
+    log.info("calibration (measured): %s", describe(fresh))
+    return fresh
+
+
+def _scratch_parent(settings: NodeSettings) -> Path:
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    writable = os.access(settings.data_dir, os.W_OK)
+    return settings.data_dir if writable else Path(tempfile.gettempdir())
+
+
+def describe(c: Calibration) -> str:
+    return (
+        f"{c.key.engine} {c.key.runtime_version}, {c.key.threads} thread(s): decode "
+        f"{c.decode_s_per_layer * 1000:.3f} ms, prefill {c.prefill_s_per_layer * 1000:.3f} ms "
+        f"per layer per token ({c.layer_bytes} bytes per layer)"
+    )
+
+
+def compute_cost(c: Calibration | None) -> ComputeCost | None:
+    """What the hello advertises (no key: peers only weigh numbers)."""
+    if c is None:
+        return None
+    return ComputeCost(c.decode_s_per_layer, c.prefill_s_per_layer, c.layer_bytes)
