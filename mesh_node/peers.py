@@ -60,6 +60,7 @@ class PeerInfo:
     bytes_received: int = 0  # link bytes over every link to this peer since this node started
     bytes_sent: int = 0
     host_id: str | None = None  # its machine's fingerprint (Hello, issue #18), if it sent one
+    link_cipher: str | None = None  # the connected link's Noise cipher (issue #25)
 
     @property
     def node_id(self) -> str:
@@ -83,6 +84,7 @@ class PeerInfo:
             "rtt_ms": None if self.rtt_s is None else round(self.rtt_s * 1000, 3),
             "bytes_received": self.bytes_received,
             "bytes_sent": self.bytes_sent,
+            "link_cipher": self.link_cipher,
         }
 
 
