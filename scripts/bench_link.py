@@ -14,11 +14,13 @@ file, no model.
   the coordinator (the lab's usual shape); "upload": the coordinator dialed the worker, so the
   bytes go from the dialer to the listener. The first transfer of each only warms up; the
   ratio is against the median raw WebSocket of the same direction in this run.
-- the link cipher both ends agreed on (AES-256-GCM where the CPU has AES instructions).
+- the link cipher both ends agreed on (AES-256-GCM where the CPU has AES instructions), and
+  the mesh stream once more with ChaCha20-Poly1305 (what a link to an older node uses).
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import statistics
@@ -43,17 +45,32 @@ def _stream_rates(runs: int) -> dict[tuple[str, str], list[float]]:
     """MB/s per run: (kind, direction) -> rates, raw and mesh interleaved run by run."""
     out: dict[tuple[str, str], list[float]] = {}
     servers = {kind: bm._server(kind, True) for kind in ("ws", "mesh")}
+    os.environ[bm.CIPHER_ENV] = "chacha"  # inherited by this server and its clients only
+    try:
+        servers["mesh-chacha"] = bm._server("mesh", True)
+    finally:
+        del os.environ[bm.CIPHER_ENV]
     try:
         for _ in range(runs):
             for label, direction in DIRECTIONS:
                 for kind, (_, where) in servers.items():
-                    seconds = bm._client(kind, where, direction, FILE_BYTES, True)
+                    seconds = _client(kind, where, direction)
                     out.setdefault((kind, label), []).append(FILE_BYTES / seconds / 1e6)
     finally:
         for proc, _ in servers.values():
             proc.kill()
             proc.wait()
     return out
+
+
+def _client(kind: str, where: str, direction: int) -> float:
+    if kind != "mesh-chacha":
+        return float(bm._client(kind, where, direction, FILE_BYTES, True))
+    os.environ[bm.CIPHER_ENV] = "chacha"
+    try:
+        return float(bm._client("mesh", where, direction, FILE_BYTES, True))
+    finally:
+        del os.environ[bm.CIPHER_ENV]
 
 
 def _free_port() -> int:
@@ -117,6 +134,8 @@ def rows(ctx: BenchContext) -> list[Row]:
     for label, _ in DIRECTIONS:
         raw, mesh = stream[("ws", label)], stream[("mesh", label)]
         ratios = [m / r for m, r in zip(mesh, raw, strict=True)]
+        chacha = stream[("mesh-chacha", label)]
+        chacha_ratios = [m / r for m, r in zip(chacha, raw, strict=True)]
         moved = [v / statistics.median(raw) for v in verified[label]]
         out += [
             ("link", f"{label} 256 MiB, raw trio-websocket, malloc tuned",
@@ -124,6 +143,9 @@ def rows(ctx: BenchContext) -> list[Row]:
             ("link", f"{label} 256 MiB, mesh stream alone (Noise + mux, no files)",
              f"{spread(mesh, fmt='{:.0f}')} MB/s",
              f"{spread(ratios, fmt='{:.2f}')}x raw websocket (per-run pairs)"),
+            ("link", f"{label} 256 MiB, mesh stream alone, ChaCha20-Poly1305 (older peers)",
+             f"{spread(chacha, fmt='{:.0f}')} MB/s",
+             f"{spread(chacha_ratios, fmt='{:.2f}')}x raw websocket (per-run pairs)"),
             ("link", f"{label} 256 MiB, verified peer transfer (two mesh-node processes)",
              f"{spread(verified[label], fmt='{:.0f}')} MB/s",
              f"{spread(moved, fmt='{:.2f}')}x raw websocket (its median this run)"),
