@@ -1,5 +1,6 @@
-"""The link cipher (issue #25): AES-256-GCM when both ends offer it in the WebSocket upgrade,
-ChaCha20-Poly1305 with every node that does not (older nodes), over real links on loopback."""
+"""The link near the machine (issue #25): AES-256-GCM when both ends offer it in the WebSocket
+upgrade, ChaCha20-Poly1305 with every node that does not (older nodes), over real links on
+loopback; and a stream reader that takes many records per call."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from meshtools import identity, settings, wait_for, with_peers
 from trio_websocket import WebSocketRequest, open_websocket_url, serve_websocket
 
 from mesh_node.cipher_support import ciphers_for, has_hardware_aes
+from mesh_node.link import RECEIVE_SOME_BYTES
 from mesh_node.node import MeshNode
+from mesh_node.peers import InboundStream
 from protocol import constants as pc
 from protocol.errors import ProtocolError
 from protocol.handshake import Handshake
@@ -186,4 +189,35 @@ async def test_a_new_dialer_falls_back_with_an_old_style_listener(tmp_path):
             await done.wait()
         assert seen["proposed"] == (TOKEN,)  # the new node did offer AES-256-GCM
         assert seen["dialer"] == node.node_id  # and completed the ChaCha handshake
+        n.cancel_scope.cancel()
+
+
+async def test_receive_some_coalesces_buffered_records_within_its_limit(tmp_path):
+    payload = bytes(range(256)) * (3 * 4096 + 7)  # ~3 MiB: ~48 records, inside the window
+    owner = Ed25519PrivateKey.generate()
+
+    async def send_payload(inbound: InboundStream) -> None:
+        await inbound.stream.send_all(payload)
+        await inbound.stream.send_eof()
+        await inbound.stream.receive_some()
+
+    async with trio.open_nursery() as n:
+        a = MeshNode(settings(tmp_path, "a"), identity(owner))
+        await n.start(a.run)
+        b = MeshNode(with_peers(settings(tmp_path, "b"), a), identity(owner))
+        await n.start(b.run)
+        a.register_subprotocol(pc.KIND_ARTIFACT_TRANSFER, send_payload)
+        await wait_for(lambda: len(b.peers(connected_only=True)) == 1)
+        stream = await b.open_stream(a.node_id, pc.KIND_ARTIFACT_TRANSFER)
+        await wait_for(lambda: sum(len(c) for c in stream._chunks) == len(payload))
+        got: list[bytes] = []
+        limits = [None, 100_000, 1, None, 70_000]
+        while data := await stream.receive_some(limits[len(got) % len(limits)]):
+            limit = limits[len(got) % len(limits)]
+            assert len(data) <= (RECEIVE_SOME_BYTES if limit is None else limit)
+            got.append(data)
+        assert b"".join(got) == payload  # in order, nothing lost or repeated
+        assert len(got[0]) == RECEIVE_SOME_BYTES  # many records in one call, up to its limit
+        assert len(got[1]) == 100_000  # a limit spanning records is filled exactly
+        await stream.aclose()
         n.cancel_scope.cancel()
