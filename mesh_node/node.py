@@ -34,6 +34,7 @@ from trio_websocket import (
 
 from mesh_node import allocator
 from mesh_node.budget import PeerMemory
+from mesh_node.cipher_support import local_ciphers
 from mesh_node.errors import PeerUnavailable
 from mesh_node.hostid import host_fingerprint
 from mesh_node.identity import LocalIdentity, owner_of, short_id, trust_decision
@@ -64,6 +65,12 @@ from protocol.certificates import OwnerCertificate
 from protocol.errors import ProtocolError
 from protocol.frames import SubprotocolOpen
 from protocol.handshake import Handshake, PeerIdentity, SecureChannel
+from protocol.link_cipher import (
+    LinkCipher,
+    cipher_for_selected,
+    offered_subprotocols,
+    select_subprotocol,
+)
 from protocol.messages import ComputeCost, Hello, PeerRecord, Peers, decode_link_message
 from skippy.config import HostPort, NodeSettings, PeerAddress, parse_peer_address
 from skippy.errors import UsageError
@@ -195,8 +202,11 @@ class MeshNode:
         *,
         limits: pc.Limits | None = None,
         wall_clock: Callable[[], float] = time.time,
+        link_ciphers: tuple[LinkCipher, ...] | None = None,
     ) -> None:
         self.settings = settings
+        # Noise ciphers this node offers and accepts, best first (issue #25).
+        self.link_ciphers = link_ciphers if link_ciphers is not None else local_ciphers()
         self.identity = identity
         self.node_id = identity.node_id
         self.limits = limits or pc.Limits(
@@ -499,19 +509,26 @@ class MeshNode:
 
     async def _dial(self, address: PeerAddress) -> None:
         expected = bytes.fromhex(address.node_id) if address.node_id else None
-        hs = Handshake(
-            initiator=True,
-            identity=self.identity.key,
-            certificate=self.identity.certificate,
-            expected_peer=expected,
-            limits=self.limits,
-        )
         opts = websocket_options(self.limits, self.timeouts)
+        offered = offered_subprotocols(self.link_ciphers)
         # `dial_via` (issue #21): reach this peer through another address (a relay, a tunnel);
         # the handshake still demands the peer's own id.
         via = self.settings.dial_via.get(address.node_id or "")
         url = via.url if via is not None else address.url
-        async with open_websocket_url(url, None, **opts) as ws:  # type: ignore[arg-type]
+        async with open_websocket_url(
+            url,
+            None,
+            subprotocols=offered,
+            **opts,  # type: ignore[arg-type]
+        ) as ws:
+            hs = Handshake(
+                initiator=True,
+                identity=self.identity.key,
+                certificate=self.identity.certificate,
+                expected_peer=expected,
+                limits=self.limits,
+                cipher=cipher_for_selected(ws.subprotocol, offered),
+            )
             try:
                 peer, channel = await secure_handshake(ws, hs, self.timeouts.handshake_s)
             except ProtocolError as exc:
@@ -563,12 +580,16 @@ class MeshNode:
                 await request.reject(503, body=b"too many pending handshakes")
                 return
             try:
-                ws = await request.accept()
+                cipher, selected = select_subprotocol(
+                    request.proposed_subprotocols, self.link_ciphers
+                )
+                ws = await request.accept(subprotocol=selected)
                 hs = Handshake(
                     initiator=False,
                     identity=self.identity.key,
                     certificate=self.identity.certificate,
                     limits=self.limits,
+                    cipher=cipher,
                 )
                 try:
                     peer, channel = await secure_handshake(ws, hs, self.timeouts.handshake_s)
@@ -845,4 +866,5 @@ class MeshNode:
             rtt_min_s=m.link.rtt_min_s if m.link is not None else None,
             bytes_received=m.bytes_received + (m.link.bytes_received if m.link else 0),
             bytes_sent=m.bytes_sent + (m.link.bytes_sent if m.link else 0),
+            link_cipher=m.link.channel.cipher.label if m.link is not None else None,
         )

@@ -63,6 +63,7 @@ class PeerInfo:
     bytes_sent: int = 0
     host_id: str | None = None  # its machine's fingerprint (Hello, issue #18), if it sent one
     compute: ComputeCost | None = None  # its calibrated speed (Hello, issue #21), if it sent one
+    link_cipher: str | None = None  # the connected link's Noise cipher (issue #25)
 
     @property
     def node_id(self) -> str:
@@ -87,6 +88,7 @@ class PeerInfo:
             "bytes_received": self.bytes_received,
             "bytes_sent": self.bytes_sent,
             "compute": None if self.compute is None else self.compute.to_wire(),
+            "link_cipher": self.link_cipher,
         }
 
 

@@ -11,6 +11,9 @@ from typing import Final
 
 # --- secure channel ---------------------------------------------------------------------------
 NOISE_PROTOCOL_NAME: Final = b"Noise_XX_25519_ChaChaPoly_SHA256"
+# Issue #25: the same handshake with AES-256-GCM, used only when both ends support it
+# (negotiated in the WebSocket upgrade, protocol/link_cipher.py).
+NOISE_PROTOCOL_AESGCM: Final = b"Noise_XX_25519_AESGCM_SHA256"
 # The prologue binds the protocol version into the handshake hash: a peer speaking another
 # version fails the handshake instead of misreading frames.
 NOISE_PROLOGUE: Final = b"skippy-mesh/1"
@@ -67,6 +70,9 @@ BIT_CONTROL: Final = "control"
 BIT_STATUS: Final = "status"
 BIT_CONTENT_IDENTITY: Final = "content-identity"
 BIT_ARTIFACT_TRANSFER: Final = "artifact-transfer"
+# Issue #25: the AES-256-GCM link cipher. Announced before Noise starts, as an RFC 6455
+# WebSocket subprotocol the dialer offers and the listener selects (protocol/link_cipher.py).
+WS_SUBPROTOCOL_AESGCM: Final = "skippy-mesh-aesgcm"
 STAGE_BUNDLE: Final = frozenset({BIT_CONTROL, BIT_STATUS, BIT_CONTENT_IDENTITY})
 
 # --- message generations -----------------------------------------------------------------------

@@ -1,6 +1,8 @@
 """The Noise XX handshake as a sans-IO state machine, with identities bound the libp2p way.
 
-``Noise_XX_25519_ChaChaPoly_SHA256`` (the ``noiseprotocol`` package: no home-made crypto). Each
+``Noise_XX_25519_ChaChaPoly_SHA256``, or ``Noise_XX_25519_AESGCM_SHA256`` when both ends
+chose it in the WebSocket upgrade (``protocol.link_cipher``; the ``noiseprotocol`` package
+does all of it: no home-made crypto). Each
 side's X25519 static key is fresh per link; its long-term Ed25519 identity signs that static key
 inside the encrypted handshake payload (STYLE 17), so the peer id is derived from a key that
 proved itself, never claimed. The payload may carry the node's owner certificate.
@@ -39,6 +41,7 @@ from protocol import constants as c
 from protocol import frames as f
 from protocol.certificates import OwnerCertificate, public_bytes, sign_domain, verify_domain
 from protocol.errors import ProtocolError
+from protocol.link_cipher import DEFAULT_CIPHER, LinkCipher
 
 _NOISE_ERRORS = (
     NoiseHandshakeError,
@@ -67,10 +70,13 @@ class SecureChannel:
     The nonces are Noise's own counters, so a tampered, replayed, dropped or reordered record
     fails authentication and the link is dead (``decrypt_failed`` is fatal)."""
 
-    def __init__(self, encrypt: Any, decrypt: Any, limits: c.Limits) -> None:
+    def __init__(
+        self, encrypt: Any, decrypt: Any, limits: c.Limits, cipher: LinkCipher = DEFAULT_CIPHER
+    ) -> None:
         self._enc = encrypt
         self._dec = decrypt
         self.limits = limits
+        self.cipher = cipher
 
     def seal(self, plaintexts: list[bytes]) -> bytes:
         parts: list[bytes] = []
@@ -106,8 +112,10 @@ class Handshake:
         certificate: OwnerCertificate | None = None,
         expected_peer: bytes | None = None,
         limits: c.Limits = c.DEFAULT_LIMITS,
+        cipher: LinkCipher = DEFAULT_CIPHER,
     ) -> None:
         self.initiator = initiator
+        self.cipher = cipher
         self.limits = limits
         self._identity = identity
         self._certificate = certificate
@@ -123,7 +131,7 @@ class Handshake:
                 "cert": certificate.to_wire() if certificate is not None else None,
             }
         )
-        self._noise = NoiseConnection.from_name(c.NOISE_PROTOCOL_NAME)
+        self._noise = NoiseConnection.from_name(cipher.noise_name)
         self._noise.set_keypair_from_private_bytes(Keypair.STATIC, static_priv)
         self._noise.set_prologue(c.NOISE_PROLOGUE)
         if initiator:
@@ -213,6 +221,6 @@ class Handshake:
     def _finish(self) -> None:
         proto = self._noise.noise_protocol
         self.channel = SecureChannel(
-            proto.cipher_state_encrypt, proto.cipher_state_decrypt, self.limits
+            proto.cipher_state_encrypt, proto.cipher_state_decrypt, self.limits, self.cipher
         )
         self._step = 2

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import struct
 import subprocess
@@ -36,6 +37,7 @@ RTT_ROUNDS = 500
 BENCH_PROTOCOL = "bench"
 _HDR = struct.Struct(">BQ")  # direction (0 upload, 1 download), byte count
 UP, DOWN, ECHO = 0, 1, 2
+CIPHER_ENV = "SKIPPY_BENCH_MESH_CIPHER"  # "chacha": both mesh ends offer ChaCha20-Poly1305 only
 
 
 # --- servers (child process) ------------------------------------------------------------------
@@ -124,7 +126,14 @@ def _new_node(settings: Any) -> Any:
     from mesh_node.identity import LocalIdentity
     from mesh_node.node import MeshNode
 
-    return MeshNode(settings, LocalIdentity(Ed25519PrivateKey.generate(), None))
+    ciphers = None
+    if os.environ.get(CIPHER_ENV) == "chacha":  # bench_link: the cipher older peers speak
+        from protocol.link_cipher import LinkCipher
+
+        ciphers = (LinkCipher.CHACHAPOLY,)
+    return MeshNode(
+        settings, LocalIdentity(Ed25519PrivateKey.generate(), None), link_ciphers=ciphers
+    )
 
 
 async def _serve_mesh() -> None:
