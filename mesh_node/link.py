@@ -21,6 +21,7 @@ from trio_websocket import ConnectionClosed, WebSocketConnection
 
 from mesh_node.budget import PeerMemory
 from mesh_node.errors import LinkClosed, StreamRefused, StreamReset, StreamStalled
+from mesh_node.transport import BudgetedStream
 from protocol import constants as pc
 from protocol import streams as ev
 from protocol.errors import ProtocolError
@@ -56,7 +57,10 @@ def websocket_options(limits: pc.Limits, timeouts: LinkTimeouts) -> dict[str, ob
 
 
 async def secure_handshake(
-    ws: WebSocketConnection, hs: Handshake, timeout_s: float
+    ws: WebSocketConnection,
+    hs: Handshake,
+    timeout_s: float,
+    transport: BudgetedStream | None = None,
 ) -> tuple[PeerIdentity, SecureChannel]:
     """Run the Noise XX exchange over ``ws``; raise ``ProtocolError`` or ``trio.TooSlowError``."""
     with trio.fail_after(timeout_s):
@@ -64,6 +68,8 @@ async def secure_handshake(
             await ws.send_message(hs.start())
         while not hs.complete:
             message = await ws.get_message()
+            if transport is not None:
+                transport.delivered(len(message))
             if not isinstance(message, bytes):
                 raise ProtocolError("handshake_failed", "a text message during the handshake")
             reply = hs.receive(message)
@@ -315,6 +321,7 @@ class Link:
         on_stream: Callable[[Link, SubprotocolOpen], StreamDecision],
         on_message: Callable[[Link, bytes], None],
         budget: PeerMemory | None = None,
+        transport: BudgetedStream | None = None,
     ) -> None:
         self.ws = ws
         self.channel = channel
@@ -330,7 +337,9 @@ class Link:
         # Streams the peer opened, with the cancel scope of the handler serving each.
         self._inbound: dict[int, trio.CancelScope] = {}
         self.budget = budget
-        self.budget_key = id(self)
+        # The transport's account (its reads, issue #19) is the link's: one share per peer.
+        self.transport = transport
+        self.budget_key = transport.key if transport is not None else id(self)
         self.budget_peak = 0  # the most this link held of the budget (known once it closed)
         self._output = trio.lowlevel.ParkingLot()
         self._nursery: trio.Nursery | None = None
@@ -351,6 +360,7 @@ class Link:
         """Serve the link until it closes; never raises for a peer's misbehaviour."""
         if self.budget is not None:
             self.budget.open(self.budget_key)
+            self.budget.on_pressure(self.budget_key, self.shed_memory)
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
@@ -402,6 +412,17 @@ class Link:
         if self._nursery is not None:
             self._nursery.cancel_scope.cancel()
 
+    def shed_memory(self) -> int:
+        """The node needs room for a fairer peer (``PeerMemory._preempt``): reset the stream
+        holding the most of the budget (``memory_budget``); the bytes released."""
+        holding = [stream for stream in self._streams.values() if stream._held > 0]
+        if not holding:
+            return 0
+        stream = max(holding, key=lambda s: s._held)
+        released = stream._held
+        stream._over_budget()
+        return released
+
     def wake_writer(self) -> None:
         self._output.unpark_all()
 
@@ -451,6 +472,8 @@ class Link:
         try:
             while True:
                 message = await self.ws.get_message()
+                if self.transport is not None:  # out of the WebSocket: streams take their part
+                    self.transport.delivered(len(message))
                 if not isinstance(message, bytes):
                     raise ProtocolError("malformed_record", "a text WebSocket message")
                 self.last_received = trio.current_time()
@@ -576,13 +599,20 @@ class Link:
         except ProtocolError as exc:
             self.close(exc.code, exc.message)
 
+    def _last_heard(self) -> float:
+        """When the peer last sent something, as far as we know: while our transport waits
+        for budget room (issue #19) its bytes wait in the kernel, which is not silence."""
+        if self.transport is None:
+            return self.last_received
+        return max(self.last_received, self.transport.waited_at)
+
     async def _heartbeat(self) -> None:
         first = True  # ping at once: the RTT sizes stream windows from the start (issue #21)
         while True:
             if not first:
                 await trio.sleep(self.timeouts.heartbeat_interval_s)
             first = False
-            silent = trio.current_time() - self.last_received
+            silent = trio.current_time() - self._last_heard()
             if silent > self.timeouts.peer_loss_s:
                 self.close("peer_lost", f"nothing received for {silent:.1f} s")
                 return
