@@ -34,6 +34,9 @@ MIB: Final = 1024 * 1024
 FLOOR_BYTES: Final = 4 * MIB
 # The part of the budget all untrusted accounts together may hold.
 UNTRUSTED_FRACTION: Final = 0.5
+WAKE_BYTES: Final = 64 * 1024  # freed bytes that wake reads waiting for room
+# Untrusted reads together, while strangers hold over half their pool (see ``pace``).
+PRESSURE_BYTES_PER_S: Final = 32 * MIB
 
 
 class PeerMemory:
@@ -52,6 +55,9 @@ class PeerMemory:
         # Per account: how to make it let go of bytes (a link resets its largest stream).
         self._shedders: dict[int, Callable[[], int]] = {}
         self.preempted = 0
+        self._freed_since_wake = 0
+        self._paced_until = 0.0  # trio clock
+        self.paced = 0
 
     # --- accounts -----------------------------------------------------------------------------
     def open(self, key: int, *, trusted: bool = False) -> None:
@@ -166,6 +172,23 @@ class PeerMemory:
             self.stalls += 1
             await self._freed.park()
 
+    def under_pressure(self) -> bool:
+        """Strangers hold more than half of what they may: the signature of a flood."""
+        return self._pool_total[0] > self.untrusted_cap // 2
+
+    async def pace(self, key: int, nbytes: int) -> None:
+        """After an untrusted account read ``nbytes``: under pressure, all untrusted reads
+        together proceed at ``PRESSURE_BYTES_PER_S`` (one virtual clock, first come first
+        served), so that a flood cannot keep the event loop busy and an honest trusted link
+        is answered within milliseconds. Trusted accounts, and everyone without pressure,
+        are never paced."""
+        if key in self._trusted or not self.under_pressure():
+            return
+        now = trio.current_time()
+        self._paced_until = max(now, self._paced_until) + nbytes / PRESSURE_BYTES_PER_S
+        self.paced += 1
+        await trio.sleep(self._paced_until - now)
+
     def _add(self, key: int, nbytes: int) -> None:
         held = self._held[key] + nbytes
         self._held[key] = held
@@ -182,10 +205,14 @@ class PeerMemory:
         self._held[key] -= n
         self._pool_total[key in self._trusted] -= n
         self.total -= n
-        self._wake()
+        self._wake(n)
 
-    def _wake(self) -> None:
-        if self._freed.statistics().tasks_waiting:
+    def _wake(self, freed: int = WAKE_BYTES) -> None:
+        """Wake waiting reads once enough was freed to matter (many small gives would wake
+        every stalled link again and again; each also looks again every 0.25 s)."""
+        self._freed_since_wake += freed
+        if self._freed_since_wake >= WAKE_BYTES and self._freed.statistics().tasks_waiting:
+            self._freed_since_wake = 0
             self._freed.unpark_all()
 
     def to_dict(self) -> dict[str, int]:
@@ -199,4 +226,5 @@ class PeerMemory:
             "refusals": self.refusals,
             "stalls": self.stalls,
             "preempted": self.preempted,
+            "paced": self.paced,
         }

@@ -481,6 +481,7 @@ class Link:
                 for plaintext in self.channel.open(message):
                     for event in self.mux.receive(plaintext):
                         self._dispatch(event)
+                    await self._yield_to_others()
                 if self.mux.has_output():
                     self.wake_writer()
         except trio.BrokenResourceError:
@@ -492,6 +493,13 @@ class Link:
         except ProtocolError as exc:
             log.warning("link %s: protocol violation: %s", self.node_id[:12], exc)
             self.close(exc.code, exc.message)
+
+    async def _yield_to_others(self) -> None:
+        """An untrusted peer's message is handled one record per turn of the event loop, so
+        that a flood from many strangers delays an honest link by records, not by whole
+        1 MiB messages (issue #19: honest-link RTT under attack)."""
+        if self.transport is not None and not self.transport.trusted:
+            await trio.lowlevel.checkpoint()
 
     def _dispatch(self, event: ev.Event) -> None:
         if isinstance(event, ev.DataReceived):

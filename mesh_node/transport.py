@@ -70,6 +70,7 @@ class BudgetedStream(trio.abc.HalfCloseableStream):
         self.held = 0  # read from the socket, not yet delivered as a message
         self.cap: int | None = PENDING_CAP_BYTES
         self.read_bytes = UNTRUSTED_READ_BYTES
+        self.trusted = False
         self._in_head, self._head_tail = True, b""
         self.waited_at = -math.inf  # trio clock: the last time a read waited for room
         try:
@@ -91,6 +92,7 @@ class BudgetedStream(trio.abc.HalfCloseableStream):
         """The peer's pool, and its read size: an untrusted peer's bytes are read in small
         steps, so that a flood from many of them cannot hold the event loop for long between
         two turns of an honest link (a ping answered within tens of ms)."""
+        self.trusted = trusted
         self.read_bytes = READ_BYTES if trusted else UNTRUSTED_READ_BYTES
         self.budget.set_trusted(self.key, trusted)
 
@@ -138,6 +140,7 @@ class BudgetedStream(trio.abc.HalfCloseableStream):
         http = self._http_head_bytes(data)  # parsed at once by h11 (bounded there): not held
         self.budget.give(self.key, reserved - len(data) + http)
         self.held += len(data) - http
+        await self.budget.pace(self.key, len(data))
         return data
 
     def _http_head_bytes(self, data: bytes) -> int:

@@ -203,6 +203,12 @@ async def _fill(url: str, links: int) -> None:
 
 
 # --- measurements (this process) ---------------------------------------------------------------
+def _cpu_s(pid: int) -> float:
+    """The process's user + system CPU time so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _rss_kib(pid: int, field: str = "VmRSS:") -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith(field):
@@ -313,6 +319,7 @@ def memory_attack(url: str, pid: int, owner: Any) -> dict[str, Any]:
             await trio.sleep(0.3)
             rtts.clear()
             rtts_untrusted.clear()
+            cpu0, wall0 = _cpu_s(pid), time.perf_counter()
             with _Sampler(pid) as sampler:
                 debug = os.environ.get("BENCH_ADVERSARY_DEBUG")
                 if debug:
@@ -326,9 +333,10 @@ def memory_attack(url: str, pid: int, owner: Any) -> dict[str, Any]:
                 if debug:
                     print(f"attackers left at {time.time() % 1000:.2f}", file=sys.stderr)
             stop.set()
+        cpu = (_cpu_s(pid) - cpu0) / (time.perf_counter() - wall0)
         await trio.sleep(AFTER_S)
         return {"start_kib": start, "peak_kib": sampler.peak_kib, "after_kib": _rss_kib(pid),
-                "sent": sent.split()[1], "dropped": sent.split()[2]}
+                "sent": sent.split()[1], "dropped": sent.split()[2], "cpu": cpu}
 
     out = trio.run(main)
     out["rtt_before"], out["rtt"], out["rtt_untrusted"] = rtts_before, rtts, rtts_untrusted
@@ -405,6 +413,14 @@ def _fmt_ms(times: list[float]) -> str:
     return f"{statistics.median(ms):.0f} ms ({min(ms):.0f}..{max(ms):.0f})"
 
 
+def _fmt_rtt(times: list[float]) -> str:
+    ms = sorted(t * 1000 for t in times)
+    p90 = ms[int(0.9 * (len(ms) - 1))]
+    over = sum(1 for t in ms if t >= 50)
+    return (f"median {statistics.median(ms):.0f} ms, p90 {p90:.0f}, max {ms[-1]:.0f} "
+            f"({over} of {len(ms)} >= 50 ms)")
+
+
 def rows(ctx: BenchContext) -> list[Row]:
     from servetools import Cluster, node_toml  # type: ignore[import-not-found]
 
@@ -449,12 +465,14 @@ def rows(ctx: BenchContext) -> list[Row]:
                     "the victim before"))
         rtt, rtt_u = mem["rtt"], mem["rtt_untrusted"]
         out.append(("adversary", "honest trusted link (same owner) ping RTT during the memory "
-                    "attack", _fmt_ms(rtt),
-                    f"target < 50 ms (max {max(rtt) / 0.05:.1f}x); {len(rtt)} pings; before "
-                    f"the attack {_fmt_ms(mem['rtt_before'])}"))
+                    "attack", _fmt_rtt(rtt),
+                    f"target < 50 ms (max {max(rtt) / 0.05:.1f}x); before "
+                    f"the attack {_fmt_ms(mem['rtt_before'])}; the victim used "
+                    f"{mem['cpu']:.0%} of a core meanwhile; load average "
+                    f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"))
         out.append(("adversary", "honest untrusted link (no certificate) ping RTT, same run",
-                    _fmt_ms(rtt_u), f"{len(rtt_u)} pings; shares the untrusted half of the "
-                    "budget with the attackers"))
+                    _fmt_rtt(rtt_u), "shares the untrusted half of the budget with the "
+                    "attackers"))
         burst = burst_connect(victim.address, ctx.runs)
         out.append(("adversary", f"legitimate peer connect (dial to Hello) during a {BURST}-"
                     "upgrade silent burst from one address", _fmt_ms(burst),

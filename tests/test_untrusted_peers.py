@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from meshtools import identity, settings, wait_for, with_peers
+from meshtools import LAB_SECURITY, identity, settings, wait_for, with_peers
 from trio_websocket import ConnectionClosed, WebSocketConnection, open_websocket_url
 from wsproto import ConnectionType, WSConnection
 from wsproto import events as wsproto_events
@@ -37,8 +37,8 @@ from protocol.certificates import OwnerCertificate
 from protocol.handshake import Handshake, SecureChannel
 from protocol.messages import TopologyOffer
 from protocol.streams import Multiplexer
-from skippy.config import SecuritySettings
-from skippy.errors import TopologyError
+from skippy.config import SecuritySettings, security_settings
+from skippy.errors import TopologyError, UsageError
 from skippy.package.ranges import LayerRange
 from skippy.package.topology import SplitTopology, StageAssignment
 from skippy.transfer.disk import evict_partials, stage_disk_problem
@@ -385,13 +385,11 @@ async def test_a_legitimate_peer_connects_during_a_200_connection_burst(tmp_path
         n.cancel_scope.cancel()
 
 
-async def test_a_trusted_peer_evicts_an_untrusted_one_when_membership_is_full(
-    tmp_path, monkeypatch
-):
-    monkeypatch.setattr(node_module, "MAX_MEMBERS", 3)
+async def test_a_trusted_peer_evicts_an_untrusted_one_when_membership_is_full(tmp_path):
     owner = Ed25519PrivateKey.generate()
+    small = dataclasses.replace(LAB_SECURITY, max_members=3)  # [security] max_members
     async with trio.open_nursery() as n:
-        victim = MeshNode(settings(tmp_path, "v"), identity(owner))
+        victim = MeshNode(settings(tmp_path, "v", security=small), identity(owner))
         await n.start(victim.run)
         async with raw_peer(victim), raw_peer(victim), raw_peer(victim):
             await wait_for(lambda: len(victim._members) == 3)
@@ -405,6 +403,15 @@ async def test_a_trusted_peer_evicts_an_untrusted_one_when_membership_is_full(
             assert victim.peer(friend.node_id).peer.trusted
             assert len(victim._members) == 3 and victim.admission["evicted_untrusted"] >= 1
         n.cancel_scope.cancel()
+
+
+def test_max_members_is_read_from_security_and_bounded():
+    assert security_settings({"max_members": 128}).max_members == 128
+    assert security_settings(None).max_members == node_module.MAX_MEMBERS == 1024
+    for bad in (0, 1025, "many", True):
+        with pytest.raises(UsageError) as info:
+            security_settings({"max_members": bad})
+        assert info.value.code == "invalid_config" and "max_members" in info.value.message
 
 
 # --- item 5: live trust -------------------------------------------------------------------------
@@ -482,6 +489,48 @@ def test_untrusted_peers_hold_at_most_half_the_budget_so_trusted_ones_always_hav
     assert budget.to_dict()["held_untrusted_bytes"] == 12 * MIB and budget.room(7) > 0
     budget.set_trusted(0, False)
     assert budget.room(7) == 0
+
+
+async def test_a_newcomer_under_its_share_preempts_the_largest_over_share_holder():
+    budget = PeerMemory(16 * MIB)  # untrusted pool: 8 MiB
+    shed: list[int] = []
+
+    def shedder(key: int):
+        def shed_it() -> int:
+            held = budget.held(key)
+            budget.give(key, held)  # a link resets its largest stream: released at once
+            shed.append(key)
+            return held
+
+        return shed_it
+
+    for key in (1, 2):
+        budget.open(key)
+        budget.on_pressure(key, shedder(key))
+        assert budget.take(key, 4 * MIB)  # the pool is full
+    budget.open(3)  # a newcomer: its read would wait forever without preemption
+    with trio.fail_after(1):
+        got = await budget.take_some(3, 64 * 1024)
+    assert got == 64 * 1024 and shed == [2]  # the largest (ties: the later key)
+    assert budget.preempted == 1
+
+
+async def test_under_pressure_untrusted_reads_are_paced_and_trusted_ones_never(autojump_clock):
+    from mesh_node.budget import PRESSURE_BYTES_PER_S
+
+    budget = PeerMemory(16 * MIB)
+    budget.open(1)
+    budget.open(2, trusted=True)
+    t0 = trio.current_time()
+    await budget.pace(1, 8 * MIB)  # no pressure: not paced
+    assert trio.current_time() == t0
+    assert budget.take(1, 4 * MIB + 1) and budget.under_pressure()
+    await budget.pace(2, 8 * MIB)  # trusted: never paced
+    assert trio.current_time() == t0
+    await budget.pace(1, 4 * MIB)
+    await budget.pace(1, 4 * MIB)  # one clock for all strangers: the waits add up
+    assert trio.current_time() - t0 >= 8 * MIB / PRESSURE_BYTES_PER_S
+    assert budget.paced == 2
 
 
 async def test_transport_buffers_are_taken_from_the_budget_before_the_websocket_holds_them(
