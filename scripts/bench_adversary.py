@@ -142,11 +142,15 @@ async def _memory_attack(url: str, links: int, streams: int) -> None:
                     for e in await events_in(ws, channel, mux):
                         if type(e).__name__ == "StreamAccepted":
                             accepted.add(e.stream_id)
-            with trio.move_on_after(SEND_S):  # the victim may stop reading: TCP pushes back
-                for sid in sorted(accepted):
-                    if mux.send_capacity(sid) >= len(payload):
-                        mux.send_data(sid, payload)
-                        await flush(ws, channel, mux)
+            # The victim may stop reading (TCP pushes back): stop queueing at the deadline,
+            # but never cancel a sealed message mid-write (a nonce gap kills the link).
+            deadline = trio.current_time() + SEND_S
+            for sid in sorted(accepted):
+                if trio.current_time() > deadline:
+                    break
+                if mux.send_capacity(sid) >= len(payload):
+                    mux.send_data(sid, payload)
+                    await flush(ws, channel, mux)
             sent += 1
             # Keep the link alive (answer pings) until told to leave.
             with trio.move_on_after(60):
@@ -329,14 +333,17 @@ def memory_attack(url: str, pid: int, owner: Any) -> dict[str, Any]:
                 if debug:
                     print(f"attack sent at {time.time() % 1000:.2f}", file=sys.stderr)
                 await trio.sleep(HOLD_S)
+                child_cpu = _cpu_s(child.pid)
                 await trio.to_thread.run_sync(_leave, child)
                 if debug:
                     print(f"attackers left at {time.time() % 1000:.2f}", file=sys.stderr)
             stop.set()
-        cpu = (_cpu_s(pid) - cpu0) / (time.perf_counter() - wall0)
+        wall = time.perf_counter() - wall0
+        cpu, child_cpu = (_cpu_s(pid) - cpu0) / wall, child_cpu / wall
         await trio.sleep(AFTER_S)
         return {"start_kib": start, "peak_kib": sampler.peak_kib, "after_kib": _rss_kib(pid),
-                "sent": sent.split()[1], "dropped": sent.split()[2], "cpu": cpu}
+                "sent": sent.split()[1], "dropped": sent.split()[2], "cpu": cpu,
+                "child_cpu": child_cpu}
 
     out = trio.run(main)
     out["rtt_before"], out["rtt"], out["rtt_untrusted"] = rtts_before, rtts, rtts_untrusted
@@ -455,6 +462,9 @@ def rows(ctx: BenchContext) -> list[Row]:
             doc = cluster.status("victim")
             linked = sum(1 for p in doc.get("peers", []) if p.get("connected"))
             print("after:", doc.get("security"), linked, file=sys.stderr)
+            for line in victim.log:
+                if "closing" in line:
+                    print("victim:", line[:200], file=sys.stderr)
         budget_mb = BUDGET_BYTES / 1e6
         start, peak, after = (mem[k] * 1024 / 1e6 for k in ("start_kib", "peak_kib", "after_kib"))
         out.append(("adversary", f"{LINKS} hostile links x {STREAMS} streams x 2 MiB: victim RSS "
@@ -468,7 +478,8 @@ def rows(ctx: BenchContext) -> list[Row]:
                     "attack", _fmt_rtt(rtt),
                     f"target < 50 ms (max {max(rtt) / 0.05:.1f}x); before "
                     f"the attack {_fmt_ms(mem['rtt_before'])}; the victim used "
-                    f"{mem['cpu']:.0%} of a core meanwhile; load average "
+                    f"{mem['cpu']:.0%} of a core meanwhile, the attack child "
+                    f"{mem['child_cpu']:.0%}; load average "
                     f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"))
         out.append(("adversary", "honest untrusted link (no certificate) ping RTT, same run",
                     _fmt_rtt(rtt_u), "shares the untrusted half of the budget with the "
