@@ -35,7 +35,8 @@ FLOOR_BYTES: Final = 4 * MIB
 # The part of the budget all untrusted accounts together may hold.
 UNTRUSTED_FRACTION: Final = 0.5
 WAKE_BYTES: Final = 64 * 1024  # freed bytes that wake reads waiting for room
-# Untrusted reads together, while strangers hold over half their pool (see ``pace``).
+# Untrusted reads together, while strangers hold over this part of their pool (``pace``).
+PRESSURE_FRACTION: Final = 0.75
 PRESSURE_BYTES_PER_S: Final = 32 * MIB
 
 
@@ -173,8 +174,9 @@ class PeerMemory:
             await self._freed.park()
 
     def under_pressure(self) -> bool:
-        """Strangers hold more than half of what they may: the signature of a flood."""
-        return self._pool_total[0] > self.untrusted_cap // 2
+        """Strangers hold more than ``PRESSURE_FRACTION`` of what they may: the signature of
+        a flood (honest transfers, even several at once into one node, hold far less)."""
+        return self._pool_total[0] > self.untrusted_cap * PRESSURE_FRACTION
 
     async def pace(self, key: int, nbytes: int) -> None:
         """After an untrusted account read ``nbytes``: under pressure, all untrusted reads

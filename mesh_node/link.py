@@ -495,10 +495,11 @@ class Link:
             self.close(exc.code, exc.message)
 
     async def _yield_to_others(self) -> None:
-        """An untrusted peer's message is handled one record per turn of the event loop, so
-        that a flood from many strangers delays an honest link by records, not by whole
-        1 MiB messages (issue #19: honest-link RTT under attack)."""
-        if self.transport is not None and not self.transport.trusted:
+        """While strangers press on the budget (a flood), an untrusted peer's message is
+        handled one record per turn of the event loop, so that many of them delay an honest
+        link by records, not by whole 1 MiB messages (issue #19: honest-link RTT)."""
+        transport = self.transport
+        if transport is not None and not transport.trusted and transport.budget.under_pressure():
             await trio.lowlevel.checkpoint()
 
     def _dispatch(self, event: ev.Event) -> None:

@@ -33,7 +33,8 @@ from mesh_node.budget import PeerMemory
 PENDING_CAP_BYTES: Final = 64 * 1024
 # trio-websocket's receive buffer (its 4 KiB default caps loopback throughput, GOTCHAS).
 READ_BYTES: Final = 1024 * 1024
-UNTRUSTED_READ_BYTES: Final = 64 * 1024  # before the handshake, and for untrusted peers
+# Before the handshake, and for untrusted peers while strangers press on the budget.
+SMALL_READ_BYTES: Final = 64 * 1024
 CLOSING_READ_BYTES: Final = 4096
 STALL_POLL_S: Final = 0.25  # while a read waits for room, how often the socket is looked at
 # Linux tcp_states.h: CLOSE (reset, or both closed), CLOSE_WAIT (the peer's FIN arrived),
@@ -69,7 +70,7 @@ class BudgetedStream(trio.abc.HalfCloseableStream):
         self.server = server  # a server receives masked frames (RFC 6455 5.3)
         self.held = 0  # read from the socket, not yet delivered as a message
         self.cap: int | None = PENDING_CAP_BYTES
-        self.read_bytes = UNTRUSTED_READ_BYTES
+        self.read_bytes = SMALL_READ_BYTES
         self.trusted = False
         self._in_head, self._head_tail = True, b""
         self.waited_at = -math.inf  # trio clock: the last time a read waited for room
@@ -89,12 +90,19 @@ class BudgetedStream(trio.abc.HalfCloseableStream):
         self.set_trusted(trusted)
 
     def set_trusted(self, trusted: bool) -> None:
-        """The peer's pool, and its read size: an untrusted peer's bytes are read in small
-        steps, so that a flood from many of them cannot hold the event loop for long between
-        two turns of an honest link (a ping answered within tens of ms)."""
+        """The peer's pool (its reads' size: ``_read_size``)."""
         self.trusted = trusted
-        self.read_bytes = READ_BYTES if trusted else UNTRUSTED_READ_BYTES
+        self.read_bytes = READ_BYTES
         self.budget.set_trusted(self.key, trusted)
+
+    def _read_size(self) -> int:
+        """While strangers press on the budget (``PeerMemory.under_pressure``) an untrusted
+        peer's bytes are read in small steps, so that a flood from many of them cannot hold
+        the event loop for long between two turns of an honest link; otherwise (and for
+        trusted peers always) 1 MiB, for throughput."""
+        if not self.trusted and self.budget.under_pressure():
+            return SMALL_READ_BYTES
+        return self.read_bytes
 
     def delivered(self, payload_bytes: int) -> None:
         """The WebSocket handed one message of ``payload_bytes`` to its reader."""
@@ -103,7 +111,8 @@ class BudgetedStream(trio.abc.HalfCloseableStream):
         self.budget.give(self.key, n)
 
     async def receive_some(self, max_bytes: int | None = None) -> bytes:
-        want = min(max_bytes or self.read_bytes, self.read_bytes)
+        size = self._read_size()
+        want = min(max_bytes or size, size)
         if self.cap is not None:
             while self.cap is not None and self.held >= self.cap:
                 # Nothing will be delivered until the peer sends a whole small message:

@@ -524,7 +524,8 @@ async def test_under_pressure_untrusted_reads_are_paced_and_trusted_ones_never(a
     t0 = trio.current_time()
     await budget.pace(1, 8 * MIB)  # no pressure: not paced
     assert trio.current_time() == t0
-    assert budget.take(1, 4 * MIB + 1) and budget.under_pressure()
+    assert budget.take(1, 6 * MIB) and not budget.under_pressure()  # 3/4 of the 8 MiB pool
+    assert budget.take(1, 1) and budget.under_pressure()
     await budget.pace(2, 8 * MIB)  # trusted: never paced
     assert trio.current_time() == t0
     await budget.pace(1, 4 * MIB)
