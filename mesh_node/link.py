@@ -21,6 +21,7 @@ from trio_websocket import ConnectionClosed, WebSocketConnection
 
 from mesh_node.budget import PeerMemory
 from mesh_node.errors import LinkClosed, StreamRefused, StreamReset, StreamStalled
+from mesh_node.transport import BudgetedStream
 from protocol import constants as pc
 from protocol import streams as ev
 from protocol.errors import ProtocolError
@@ -59,7 +60,10 @@ def websocket_options(limits: pc.Limits, timeouts: LinkTimeouts) -> dict[str, ob
 
 
 async def secure_handshake(
-    ws: WebSocketConnection, hs: Handshake, timeout_s: float
+    ws: WebSocketConnection,
+    hs: Handshake,
+    timeout_s: float,
+    transport: BudgetedStream | None = None,
 ) -> tuple[PeerIdentity, SecureChannel]:
     """Run the Noise XX exchange over ``ws``; raise ``ProtocolError`` or ``trio.TooSlowError``."""
     with trio.fail_after(timeout_s):
@@ -67,6 +71,8 @@ async def secure_handshake(
             await ws.send_message(hs.start())
         while not hs.complete:
             message = await ws.get_message()
+            if transport is not None:
+                transport.delivered(len(message))
             if not isinstance(message, bytes):
                 raise ProtocolError("handshake_failed", "a text message during the handshake")
             reply = hs.receive(message)
@@ -335,6 +341,7 @@ class Link:
         on_stream: Callable[[Link, SubprotocolOpen], StreamDecision],
         on_message: Callable[[Link, bytes], None],
         budget: PeerMemory | None = None,
+        transport: BudgetedStream | None = None,
     ) -> None:
         self.ws = ws
         self.channel = channel
@@ -350,7 +357,9 @@ class Link:
         # Streams the peer opened, with the cancel scope of the handler serving each.
         self._inbound: dict[int, trio.CancelScope] = {}
         self.budget = budget
-        self.budget_key = id(self)
+        # The transport's account (its reads, issue #19) is the link's: one share per peer.
+        self.transport = transport
+        self.budget_key = transport.key if transport is not None else id(self)
         self.budget_peak = 0  # the most this link held of the budget (known once it closed)
         self._output = trio.lowlevel.ParkingLot()
         self._nursery: trio.Nursery | None = None
@@ -374,6 +383,7 @@ class Link:
         """Serve the link until it closes; never raises for a peer's misbehaviour."""
         if self.budget is not None:
             self.budget.open(self.budget_key)
+            self.budget.on_pressure(self.budget_key, self.shed_memory)
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
@@ -425,6 +435,17 @@ class Link:
         if self._nursery is not None:
             self._nursery.cancel_scope.cancel()
 
+    def shed_memory(self) -> int:
+        """The node needs room for a fairer peer (``PeerMemory._preempt``): reset the stream
+        holding the most of the budget (``memory_budget``); the bytes released."""
+        holding = [stream for stream in self._streams.values() if stream._held > 0]
+        if not holding:
+            return 0
+        stream = max(holding, key=lambda s: s._held)
+        released = stream._held
+        stream._over_budget()
+        return released
+
     def wake_writer(self) -> None:
         self._output.unpark_all()
 
@@ -474,6 +495,8 @@ class Link:
         try:
             while True:
                 message = await self.ws.get_message()
+                if self.transport is not None:  # out of the WebSocket: streams take their part
+                    self.transport.delivered(len(message))
                 if not isinstance(message, bytes):
                     raise ProtocolError("malformed_record", "a text WebSocket message")
                 self.last_received = trio.current_time()
@@ -481,6 +504,7 @@ class Link:
                 for plaintext in self.channel.open(message):
                     for event in self.mux.receive(plaintext):
                         self._dispatch(event)
+                    await self._yield_to_others()
                 if self.mux.has_output():
                     self.wake_writer()
         except trio.BrokenResourceError:
@@ -492,6 +516,14 @@ class Link:
         except ProtocolError as exc:
             log.warning("link %s: protocol violation: %s", self.node_id[:12], exc)
             self.close(exc.code, exc.message)
+
+    async def _yield_to_others(self) -> None:
+        """While strangers press on the budget (a flood), an untrusted peer's message is
+        handled one record per turn of the event loop, so that many of them delay an honest
+        link by records, not by whole 1 MiB messages (issue #19: honest-link RTT)."""
+        transport = self.transport
+        if transport is not None and not transport.trusted and transport.budget.under_pressure():
+            await trio.lowlevel.checkpoint()
 
     def _dispatch(self, event: ev.Event) -> None:
         if isinstance(event, ev.DataReceived):
@@ -605,13 +637,20 @@ class Link:
         except ProtocolError as exc:
             self.close(exc.code, exc.message)
 
+    def _last_heard(self) -> float:
+        """When the peer last sent something, as far as we know: while our transport waits
+        for budget room (issue #19) its bytes wait in the kernel, which is not silence."""
+        if self.transport is None:
+            return self.last_received
+        return max(self.last_received, self.transport.waited_at)
+
     async def _heartbeat(self) -> None:
         first = True  # ping at once: the RTT sizes stream windows from the start (issue #21)
         while True:
             if not first:
                 await trio.sleep(self.timeouts.heartbeat_interval_s)
             first = False
-            silent = trio.current_time() - self.last_received
+            silent = trio.current_time() - self._last_heard()
             if silent > self.timeouts.peer_loss_s:
                 self.close("peer_lost", f"nothing received for {silent:.1f} s")
                 return

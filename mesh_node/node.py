@@ -28,8 +28,6 @@ from trio_websocket import (
     HandshakeError,
     WebSocketConnection,
     WebSocketRequest,
-    open_websocket_url,
-    serve_websocket,
 )
 
 from mesh_node import allocator
@@ -60,6 +58,13 @@ from mesh_node.peers import (
 from mesh_node.topology import TopologyService
 from mesh_node.transfer.policy import node_policy
 from mesh_node.transfer.records import TransferLog
+from mesh_node.transport import (
+    AcceptedTransports,
+    BudgetedStream,
+    budgeted_listeners,
+    budgeted_websocket,
+    websocket_server,
+)
 from protocol import constants as pc
 from protocol.certificates import OwnerCertificate
 from protocol.errors import ProtocolError
@@ -235,6 +240,7 @@ class MeshNode:
         self._dialing: set[str] = set()  # addresses with a dial loop
         self._handshake_slots = trio.CapacityLimiter(MAX_PENDING_HANDSHAKES)
         self._pending_by_address: dict[str, int] = {}
+        self._transports = AcceptedTransports()  # accepted, not yet seen by _accept
         self._admission_rates: dict[str, tuple[float, float]] = {}  # address -> tokens, time
         self._heard_of: dict[str, None] = {}  # ordered set, oldest first
         # Memory held for peers, all links together (issue #19 item 3).
@@ -383,6 +389,8 @@ class MeshNode:
             before.trusted,
             member.peer.trust_reason,
         )
+        if member.link is not None and member.link.transport is not None:
+            member.link.transport.set_trusted(member.peer.trusted)  # its budget pool
         if before.trusted and not member.peer.trusted and member.link is not None:
             stopped = member.link.reset_inbound("trust_expired", "this peer is no longer trusted")
             if stopped:
@@ -442,21 +450,16 @@ class MeshNode:
             opts = websocket_options(self.limits, self.timeouts)
             listen = self.settings.listen
             try:
-                server = await nursery.start(
-                    lambda task_status: serve_websocket(
-                        self._on_request,
-                        listen.host,
-                        listen.port,
-                        None,
-                        handler_nursery=nursery,
-                        task_status=task_status,
-                        **opts,  # type: ignore[arg-type]
-                    )
+                # Every accepted connection's reads are taken from the peer-memory budget
+                # from its first byte (mesh_node.transport, issue #19).
+                listeners = await budgeted_listeners(
+                    listen.host, listen.port, self.peer_memory, self._transports
                 )
             except OSError as exc:
                 raise listen_error(listen, exc) from None
+            await nursery.start(websocket_server(self._on_request, listeners, nursery, opts).run)
             host = listen.host if ":" not in listen.host else f"[{listen.host}]"
-            self.listen_url = f"ws://{host}:{server.port}"
+            self.listen_url = f"ws://{host}:{listeners[0].port}"
             for address in self.settings.peers:
                 self._start_dialing(address, persistent=True)
             nursery.start_soon(self.topology.watch)
@@ -514,13 +517,10 @@ class MeshNode:
         # `dial_via` (issue #21): reach this peer through another address (a relay, a tunnel);
         # the handshake still demands the peer's own id.
         via = self.settings.dial_via.get(address.node_id or "")
-        url = via.url if via is not None else address.url
-        async with open_websocket_url(
-            url,
-            None,
-            subprotocols=offered,
-            **opts,  # type: ignore[arg-type]
-        ) as ws:
+        target = via if via is not None else address
+        async with budgeted_websocket(
+            target.host, target.port, self.peer_memory, {**opts, "subprotocols": offered}
+        ) as (ws, transport):
             hs = Handshake(
                 initiator=True,
                 identity=self.identity.key,
@@ -530,12 +530,14 @@ class MeshNode:
                 cipher=cipher_for_selected(ws.subprotocol, offered),
             )
             try:
-                peer, channel = await secure_handshake(ws, hs, self.timeouts.handshake_s)
+                peer, channel = await secure_handshake(
+                    ws, hs, self.timeouts.handshake_s, transport=transport
+                )
             except ProtocolError as exc:
                 if exc.code == "identity_mismatch":
                     log.warning("dial %s: %s (fails closed)", address, exc.message)
                 raise
-            await self._serve_link(ws, peer, channel, initiator=True)
+            await self._serve_link(ws, peer, channel, initiator=True, transport=transport)
 
     async def _on_request(self, request: WebSocketRequest) -> None:
         try:
@@ -561,8 +563,19 @@ class MeshNode:
         return True
 
     async def _accept(self, request: WebSocketRequest) -> None:
+        # The connection's budgeted stream (trio-websocket names it as the remote endpoint).
+        transport = self._transports.claim(str(request.remote))
+        try:
+            await self._accept_upgrade(request, transport)
+        finally:
+            if transport is not None:  # the link (if any) is done: release what is left
+                self.peer_memory.close(transport.key)
+
+    async def _accept_upgrade(
+        self, request: WebSocketRequest, transport: BudgetedStream | None
+    ) -> None:
         remote = request.remote
-        address = str(getattr(remote, "address", remote))
+        address = transport.peer_address if transport is not None else str(remote)
         if not self._admit_address(address):
             self.admission["rejected_address"] += 1
             await request.reject(429, body=b"too many connections from this address")
@@ -592,7 +605,9 @@ class MeshNode:
                     cipher=cipher,
                 )
                 try:
-                    peer, channel = await secure_handshake(ws, hs, self.timeouts.handshake_s)
+                    peer, channel = await secure_handshake(
+                        ws, hs, self.timeouts.handshake_s, transport=transport
+                    )
                 except (ProtocolError, trio.TooSlowError) as exc:
                     log.info("inbound handshake failed: %s", exc)
                     with trio.move_on_after(self.timeouts.disconnect_s):
@@ -606,7 +621,7 @@ class MeshNode:
                 self._pending_by_address[address] = left
             else:
                 self._pending_by_address.pop(address, None)
-        await self._serve_link(ws, peer, channel, initiator=False)
+        await self._serve_link(ws, peer, channel, initiator=False, transport=transport)
 
     # --- links and membership -------------------------------------------------------------------
     async def _serve_link(
@@ -616,6 +631,7 @@ class MeshNode:
         channel: SecureChannel,
         *,
         initiator: bool,
+        transport: BudgetedStream | None = None,
     ) -> None:
         node_id = identity.node_id.hex()
         if node_id == self.node_id:
@@ -632,7 +648,10 @@ class MeshNode:
             on_stream=self._decide_stream,
             on_message=self._on_message,
             budget=self.peer_memory,
+            transport=transport,
         )
+        if transport is not None:
+            transport.established(trusted=peer.trusted)  # its bytes in the peer's pool
         member = self._members.get(node_id)
         if member is not None and member.link is not None:
             if not self._prefer_new(member.link, link):
@@ -644,7 +663,9 @@ class MeshNode:
             member.disconnected.set()  # wake dial loops waiting on the old link's event
         if member is None:
             if not self._make_room(for_trusted=peer.trusted):
-                log.warning("membership full (%d): refusing %s", MAX_MEMBERS, short_id(node_id))
+                log.warning(
+                    "membership full (%d): refusing %s", len(self._members), short_id(node_id)
+                )
                 return
             member = self._members[node_id] = _Member(peer=peer)
         member.peer, member.link = peer, link
@@ -728,7 +749,7 @@ class MeshNode:
         """Keep membership bounded: forget the longest-silent disconnected peer if full; for
         a trusted newcomer, evict the longest-silent untrusted connected one (untrusted peers
         never lock trusted ones out, issue #19 item 4)."""
-        if len(self._members) < MAX_MEMBERS:
+        if len(self._members) < min(MAX_MEMBERS, self.settings.security.max_members):
             return True
         gone = [(m.last_seen, nid) for nid, m in self._members.items() if m.link is None]
         if gone:

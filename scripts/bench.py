@@ -35,6 +35,7 @@ SECTIONS: dict[str, str] = {
     "threads": "bench_threads",  # issue #18: threads = "auto" on one host
     "soak": "bench_soak",  # issue #18: kills and restarts under load (--soak-s)
     "delta": "bench_delta",  # issue #23: a revision changing one layer moves only that layer
+    "adversary": "bench_adversary",  # issue #19: hostile peers against one `mesh-node run`
 }
 
 

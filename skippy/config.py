@@ -472,6 +472,7 @@ SECURITY_KEYS = frozenset(
         "cache_budget",
         "partials_budget",
         "min_transfer_bytes_per_s",
+        "max_members",
     }
 )
 
@@ -494,6 +495,9 @@ class SecuritySettings:
     partials_budget_bytes: int = 2 * 1024 * 1024 * 1024
     # A peer transfer slower than this (over an idle timeout's window) falls back to the hub.
     min_transfer_bytes_per_s: int = 64 * 1024
+    # Membership entries (authenticated peers) this node keeps; a bench or a small lab may
+    # lower it (docs/security.md "Numbers"). Never above mesh_node's MAX_MEMBERS.
+    max_members: int = 1024
 
 
 def security_settings(raw: object) -> SecuritySettings:
@@ -520,6 +524,11 @@ def security_settings(raw: object) -> SecuritySettings:
         values["min_transfer_bytes_per_s"] = parse_size(
             raw["min_transfer_bytes_per_s"], "security.min_transfer_bytes_per_s"
         )
+    if "max_members" in raw:
+        members = raw["max_members"]
+        if not isinstance(members, int) or isinstance(members, bool) or not 1 <= members <= 1024:
+            raise _bad("security.max_members", "expected an integer from 1 to 1024", members)
+        values["max_members"] = members
     return SecuritySettings(**values)
 
 
