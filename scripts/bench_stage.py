@@ -104,6 +104,15 @@ def rows(ctx: BenchContext) -> list[Row]:
                 f"{r3} x single stage (target >= 0.95; {'met' if med3 >= 0.95 else 'NOT met'})",
             )
         )
+    fresh, reused = speed["fresh"]["decode"], speed["ggml1"]["decode"]
+    out.append(
+        (
+            m,
+            "decode: ggml stage 0..18, fresh graph per token + logits to numpy (before #25)",
+            _rate(fresh, DECODE_TOKENS),
+            f"reused graph + head on ggml: {_ratio(reused, fresh)[0]} x this",
+        )
+    )
     lg, ll = speed["load"]["ggml"], speed["load"]["llama"]
     out.append((m, "load: llama.cpp, the same 21 parts", spread(ll) + " s", ""))
     out.append((m, "load: ggml stage 0..18", spread(lg) + " s", f"{_ratio(lg, ll)[0]} x faster"))
@@ -160,6 +169,7 @@ def child_speed(pkg: str, gguf: str, runs: str) -> dict[str, Any]:
     from skippy.runtime.chain import StageChain
     from skippy.runtime.ggml_engine import GgmlStage
     from skippy.runtime.llama_cpp import LlamaRuntimeConfig, LlamaStageRuntime
+    from skippy.runtime.sampling import Sampler
     from skippy.runtime.stage import StageConfig
 
     cfg = StageConfig(n_ctx=N_CTX, n_threads=THREADS)
@@ -168,6 +178,11 @@ def child_speed(pkg: str, gguf: str, runs: str) -> dict[str, Any]:
         "ggml1": StageChain([GgmlStage(whole_load, cfg)], None),
         "ggml3": StageChain([GgmlStage(load, cfg) for load in _stage_loads(pkg, SPLIT)], None),
     }
+    # Before issue #25 item 2: a fresh graph per decode token and every logit copied out for
+    # numpy's argmax (decode only; the stage maps the same pages).
+    fresh = GgmlStage(whole_load, cfg)
+    fresh.reuse_decode_graph = False
+    fresh_chain = StageChain([fresh], None)
     llm = llama_cpp.Llama(
         model_path=gguf,
         n_ctx=N_CTX,
@@ -179,22 +194,30 @@ def child_speed(pkg: str, gguf: str, runs: str) -> dict[str, Any]:
     rng = np.random.default_rng(0)
     prompts = {p: [int(x) for x in rng.integers(300, 200_000, size=p)] for p in PREFILLS}
     start = [2, 818, 5279, 529, 7001, 563]
-    result: dict[str, Any] = {k: {} for k in (*chains, "llama")}
+    result: dict[str, Any] = {k: {} for k in (*chains, "llama", "fresh")}
 
     def record(engine: str, key: str, seconds: float) -> None:
         result[engine].setdefault(key, []).append(seconds)
 
-    for _ in range(int(runs)):
-        for name, ch in chains.items():
-            ch.free("b")
-            out = ch.prefill("b", start)
-            tok = int(np.argmax(out.logits[-1]))  # type: ignore[index]
-            t = time.perf_counter()
-            for i in range(DECODE_TOKENS):
+    def decode_run(ch: StageChain, greedy_head: bool) -> float:
+        ch.free("b")
+        out = ch.prefill("b", start)
+        tok = int(np.argmax(out.logits[-1]))  # type: ignore[index]
+        t = time.perf_counter()
+        for i in range(DECODE_TOKENS):
+            if greedy_head:  # as generation runs: the head's argmax on ggml
+                tok = ch.decode("b", len(start) + i, tok, sampler=Sampler()).token  # type: ignore[assignment]
+            else:
                 out = ch.decode("b", len(start) + i, tok)
                 tok = int(np.argmax(out.logits[-1]))  # type: ignore[index]
-            record(name, "decode", time.perf_counter() - t)
-            ch.free("b")
+        seconds = time.perf_counter() - t
+        ch.free("b")
+        return seconds
+
+    for _ in range(int(runs)):
+        record("fresh", "decode", decode_run(fresh_chain, False))
+        for name, ch in chains.items():
+            record(name, "decode", decode_run(ch, True))
             for p, ids in prompts.items():
                 t = time.perf_counter()
                 ch.prefill("b", ids)
@@ -213,7 +236,7 @@ def child_speed(pkg: str, gguf: str, runs: str) -> dict[str, Any]:
             t = time.perf_counter()
             llm.eval(ids)
             record("llama", f"prefill{p}", time.perf_counter() - t)
-    for ch in chains.values():
+    for ch in (*chains.values(), fresh_chain):
         ch.close()
     llm.close()
     # load time: the whole stage vs llama.cpp's load of the same parts (split-set links)
