@@ -153,6 +153,8 @@ async def test_split_equals_whole_at_every_boundary_and_position(
     async with split(tmp_path, pkg) as sp:
         recs = _record(sp)
         got = await generate(sp.server, IDS, 12)
+        # every stage ran its small decode steps on its event loop (no thread hand-off)
+        assert all(h.inline_steps > 0 for h in sp.hosts)
     # every activation row that crossed a boundary arrived bit for bit as the upstream stage
     # produced it, call by call (prefill chunks, then one-token decodes)
     for up, down in itertools.pairwise(recs):
