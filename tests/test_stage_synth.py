@@ -344,3 +344,16 @@ def test_greedy_head_on_ties_takes_the_first_maximum(tmp_path: Path) -> None:
         tokens = _greedy_decode(ch, IDS[:4], 2)
     assert not logits.any()
     assert tokens == [0, 0]
+
+
+def test_adaptive_threads_change_nothing_but_the_thread_count(synth) -> None:
+    """A stage whose threads follow the machine's load (issue #25 item 1) computes the same
+    logits as a fixed one-thread stage: each output row is one thread's dot products."""
+    cfg = StageConfig(n_ctx=32, n_threads=2, adaptive_threads=True)
+    with chain("ggml", synth["qwen3"].pkg, ["0..4"], cfg) as ch:
+        stage = ch.stages[0]
+        assert isinstance(stage, GgmlStage) and stage.threads_now in (1, 2)
+        adaptive = _decode_rows(ch, IDS, 3, reuse=True)
+    with chain("ggml", synth["qwen3"].pkg, ["0..4"], StageConfig(n_ctx=32, n_threads=1)) as ch:
+        fixed = _decode_rows(ch, IDS, 3, reuse=True)
+    assert np.array_equal(adaptive, fixed)

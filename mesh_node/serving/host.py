@@ -148,6 +148,8 @@ class StageHost:
             n_batch=max(s.prefill_chunk, 1),
             # A failover can leave sessions of the old route draining while new ones start.
             max_sessions=2 * s.max_sessions,
+            # "auto": also fewer threads while other processes keep cores busy (issue #25)
+            adaptive_threads=s.threads is None,
         )
 
     async def load(

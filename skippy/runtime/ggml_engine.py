@@ -36,6 +36,7 @@ from skippy.gguf.ggml import (
     tensor_struct,
 )
 from skippy.runtime.boundary import RuntimeLoadError
+from skippy.runtime.contention import ThreadGovernor, machine_cores
 from skippy.runtime.model import OUTPUT_NORM_TENSOR, ROPE_FREQS_TENSOR, attention_mask
 from skippy.runtime.stage import STAGE_API_VERSION, StageBase
 
@@ -168,6 +169,12 @@ class GgmlStage(StageBase[_KvCache]):
         self._layer_weights = {il: self._layer(il) for il in self.layers}
         self._backend = _ok(g.ggml_backend_cpu_init(), "ggml_backend_cpu_init")
         g.ggml_backend_cpu_set_n_threads(self._backend, self.config.n_threads)
+        self.threads_now = self.config.n_threads
+        self._governor = (
+            ThreadGovernor(self.config.n_threads, machine_cores())
+            if self.config.adaptive_threads and self.config.n_threads > 1
+            else None
+        )
         self._galloc = _ok(g.ggml_gallocr_new(g.ggml_backend_cpu_buffer_type()), "gallocr")
         n_graph = _TENSORS_PER_LAYER * len(self.layers) + _TENSORS_FIXED
         self._graph_size = max(ggml.GGML_DEFAULT_GRAPH_SIZE, n_graph)
@@ -293,6 +300,17 @@ class GgmlStage(StageBase[_KvCache]):
             self._wctx = None
 
     # --- the forward pass ------------------------------------------------------------------------
+    def _compute(self, graph: int) -> None:
+        """Run a graph, on the threads the governor allows now (adaptive stages)."""
+        if self._governor is not None:
+            n = self._governor.threads()
+            if n != self.threads_now:
+                self.g.ggml_backend_cpu_set_n_threads(self._backend, n)
+                self.threads_now = n
+        status = self.g.ggml_backend_graph_compute(self._backend, graph)
+        if status != ggml.GGML_STATUS_SUCCESS:
+            raise ggml.GgmlCallFailed(f"ggml_backend_graph_compute returned status {status}")
+
     def _forward(
         self, state: _KvCache, start: int, inputs: npt.NDArray[Any], out_rows: int
     ) -> npt.NDArray[np.float32]:
@@ -347,9 +365,7 @@ class GgmlStage(StageBase[_KvCache]):
                 raise ggml.GgmlCallFailed("ggml_gallocr_alloc_graph failed (out of memory?)")
             for t, data in feeds:
                 g.ggml_backend_tensor_set(t, data.ctypes.data, 0, data.nbytes)
-            status = g.ggml_backend_graph_compute(self._backend, gf)
-            if status != ggml.GGML_STATUS_SUCCESS:
-                raise ggml.GgmlCallFailed(f"ggml_backend_graph_compute returned status {status}")
+            self._compute(gf)
             if result is None:
                 return np.empty((0, self.vocab or 0), dtype=np.float32)
             cols = (self.vocab or 0) if final else spec.width
@@ -386,9 +402,7 @@ class GgmlStage(StageBase[_KvCache]):
             if window is not None and n_kv > window:
                 m[: n_kv - window] = -np.inf
             g.ggml_backend_tensor_set(mask, m.ctypes.data, 0, 4 * n_kv)
-        status = g.ggml_backend_graph_compute(self._backend, dg.graph)
-        if status != ggml.GGML_STATUS_SUCCESS:
-            raise ggml.GgmlCallFailed(f"ggml_backend_graph_compute returned status {status}")
+        self._compute(dg.graph)
         if dg.token is not None and dg.below is not None:
             g.ggml_backend_tensor_get(dg.token, dg.token_buf.ctypes.data, 0, 4)
             g.ggml_backend_tensor_get(dg.below, dg.below_buf.ctypes.data, 0, 4)

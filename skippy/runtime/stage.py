@@ -49,6 +49,9 @@ class StageConfig:
     n_threads: int = 2
     n_batch: int = 512  # tokens per prefill chunk (one graph)
     max_sessions: int = 8
+    # n_threads is a cap, lowered while other processes keep cores busy (ggml engine;
+    # skippy.runtime.contention)
+    adaptive_threads: bool = False
 
     def __post_init__(self) -> None:
         for name, hi in (
