@@ -352,17 +352,19 @@ class StageHost:
                         session.accept(frame)
                         if frame.kind is t.Kind.FREE:
                             break
-                        # To the compute task first, then the ack: the ack's encryption and
-                        # send overlap the stage's compute instead of delaying its start.
-                        await work_send.send(frame)
-                        await inbound.stream.send_all(
-                            t.encode_ack(
-                                frame.request_id,
-                                frame.session_id,
-                                start=frame.start,
-                                count=frame.count,
-                            )
+                        ack = t.encode_ack(
+                            frame.request_id, frame.session_id, start=frame.start, count=frame.count
                         )
+                        if frame.phase is t.Phase.DECODE:
+                            # A decode step may run on this loop (StageHost.compute): ack
+                            # first, or the ack would wait for the compute.
+                            await inbound.stream.send_all(ack)
+                            await work_send.send(frame)
+                        else:
+                            # To the compute thread first, then the ack: the ack's encryption
+                            # and send overlap the stage's compute instead of delaying its start.
+                            await work_send.send(frame)
+                            await inbound.stream.send_all(ack)
         except (SkippyError, BaseExceptionGroup) as caught:
             # A runtime refusal (context, non-finite activations...), a downstream failure:
             # this session ends; the upstream hears why.
