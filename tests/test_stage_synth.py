@@ -335,8 +335,8 @@ def test_reused_decode_graph_equals_fresh_graphs_and_llama_cpp(arch: str, synth,
 
 
 def test_greedy_head_on_ties_takes_the_first_maximum(tmp_path: Path) -> None:
-    """An all-zero head makes every logit 0: ggml's argmax alone would pick the last id; the
-    head sees the tie and answers numpy's (and llama.cpp's greedy sampler's) first maximum."""
+    """An all-zero head makes every logit 0: ggml's own argmax would pick the last id; the
+    greedy decode answers numpy's (and llama.cpp's greedy sampler's) first maximum."""
     src = synth_gguf.llama_like(tmp_path / "flat.gguf", zero_head=True)
     make_package(src, tmp_path / "pkg", model_id="acme/flat-GGUF:Q8_0")
     with chain("ggml", tmp_path / "pkg", ["0..4"], StageConfig(n_ctx=16, n_threads=1)) as ch:

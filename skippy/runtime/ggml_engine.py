@@ -20,6 +20,7 @@ Every value that reaches ggml has been checked in Python first (``StageBase.chec
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -67,7 +68,7 @@ class _KvCache:
     k: dict[int, int]
     v: dict[int, int]
     nbytes: int
-    decode: dict[bool, _DecodeGraph] = field(default_factory=dict)  # by "greedy head"
+    decode: _DecodeGraph | None = None  # built at the session's first decode
 
 
 @dataclass
@@ -100,15 +101,13 @@ class _DecodeGraph:
     pos: int  # I32 [1]
     masks: dict[int | None, int]  # F32 [n_ctx, 1] each, resized to [n_kv, 1]
     result: int  # activations [width, 1] or logits [vocab, 1]
-    token: int | None  # greedy head: I32 [1], ggml's argmax (the last maximum on ties)
-    below: int | None  # greedy head: F32 [1], how many logits are below that maximum
+    # the result's bytes in the graph's own compute buffer (fixed while the graph lives)
+    result_view: npt.NDArray[np.float32]
     pos_buf: npt.NDArray[np.int32]
     k_buf: npt.NDArray[np.int64]
     v_base: npt.NDArray[np.int64]
     v_buf: npt.NDArray[np.int64]
     mask_buf: npt.NDArray[np.float32]
-    token_buf: npt.NDArray[np.int32]
-    below_buf: npt.NDArray[np.float32]
     n_kv: int = 0
 
     def resize(self, n_kv: int) -> None:
@@ -278,9 +277,9 @@ class GgmlStage(StageBase[_KvCache]):
         return _KvCache(ctx, buffer, k, v, g.ggml_backend_buffer_get_size(buffer))
 
     def _release(self, state: _KvCache) -> None:
-        for dg in state.decode.values():
-            self._free_decode_graph(dg)
-        state.decode.clear()
+        if state.decode is not None:
+            self._free_decode_graph(state.decode)
+            state.decode = None
         self.g.ggml_backend_buffer_free(state.buffer)
         self.g.ggml_free(state.ctx)
 
@@ -300,10 +299,13 @@ class GgmlStage(StageBase[_KvCache]):
             self._wctx = None
 
     # --- the forward pass ------------------------------------------------------------------------
-    def _compute(self, graph: int) -> None:
-        """Run a graph, on the threads the governor allows now (adaptive stages)."""
+    def _compute(self, graph: int, *, step: bool = False) -> None:
+        """Run a graph. An adaptive stage runs a one-position ``step`` on the threads the
+        governor allows now (a small graph is all barriers: one preempted thread stalls the
+        rest at every op) and everything else on the cap (a prefill's big matmuls still gain
+        from a second thread beside a busy neighbour: docs/performance.md, issue #25)."""
         if self._governor is not None:
-            n = self._governor.threads()
+            n = self._governor.threads() if step else self.config.n_threads
             if n != self.threads_now:
                 self.g.ggml_backend_cpu_set_n_threads(self._backend, n)
                 self.threads_now = n
@@ -382,10 +384,9 @@ class GgmlStage(StageBase[_KvCache]):
     ) -> tuple[npt.NDArray[np.float32] | None, int | None]:
         if not self.reuse_decode_graph:
             return super()._decode_one(state, position, inputs, greedy=greedy)
-        greedy = greedy and self.layers.owns_output
-        dg = state.decode.get(greedy)
+        dg = state.decode
         if dg is None:
-            dg = state.decode[greedy] = self._build_decode_graph(state, greedy)
+            dg = state.decode = self._build_decode_graph(state)
         g, n_kv = self.g, position + 1
         dg.resize(n_kv)
         dg.pos_buf[0] = position
@@ -402,24 +403,14 @@ class GgmlStage(StageBase[_KvCache]):
             if window is not None and n_kv > window:
                 m[: n_kv - window] = -np.inf
             g.ggml_backend_tensor_set(mask, m.ctypes.data, 0, 4 * n_kv)
-        self._compute(dg.graph)
-        if dg.token is not None and dg.below is not None:
-            g.ggml_backend_tensor_get(dg.token, dg.token_buf.ctypes.data, 0, 4)
-            g.ggml_backend_tensor_get(dg.below, dg.below_buf.ctypes.data, 0, 4)
-            vocab = self.vocab or 0
-            if int(dg.below_buf[0]) == vocab - 1:  # one maximum, no NaN: ggml's pick is it
-                return None, int(dg.token_buf[0])
-            # Ties (ggml_argmax takes the last maximum, the sampler the first) or a NaN: read
-            # the row and let numpy decide, as the sampler would.
-            row = np.empty((1, vocab), dtype=np.float32)
-            g.ggml_backend_tensor_get(dg.result, row.ctypes.data, 0, row.nbytes)
-            return None, int(np.argmax(row[0]))
-        cols = (self.vocab or 0) if self.layers.owns_output else self.spec.width
-        out = np.empty((1, cols), dtype=np.float32)
-        g.ggml_backend_tensor_get(dg.result, out.ctypes.data, 0, out.nbytes)
-        return out, None
+        self._compute(dg.graph, step=True)
+        if greedy and self.layers.owns_output:
+            # The argmax over the logits where ggml left them: no copy, and numpy's first
+            # maximum is the sampler's own rule (ggml_argmax takes the last one on ties).
+            return None, int(np.argmax(dg.result_view))
+        return dg.result_view.reshape(1, -1).copy(), None
 
-    def _build_decode_graph(self, kv: _KvCache, greedy: bool) -> _DecodeGraph:
+    def _build_decode_graph(self, kv: _KvCache) -> _DecodeGraph:
         """The one-position graph of ``kv``'s session at the full context (see _DecodeGraph),
         with its own allocator: the shared one re-plans for every prefill graph, which would
         move this graph's intermediate tensors."""
@@ -462,20 +453,12 @@ class GgmlStage(StageBase[_KvCache]):
             result = self._head(ctx, x) if final else x
             g.ggml_set_output(result)
             g.ggml_build_forward_expand(gf, result)
-            token = below = None
-            if greedy:
-                vocab = self.vocab or 0
-                token = g.ggml_argmax(ctx, result)  # [1] I32
-                top = g.ggml_get_rows(ctx, g.ggml_reshape_2d(ctx, result, 1, vocab), token)
-                # x < max exactly where -(x - max) > 0; a NaN counts nowhere
-                less = g.ggml_step(ctx, g.ggml_scale(ctx, g.ggml_sub(ctx, result, top), -1.0))
-                below = g.ggml_sum(ctx, less)
-                for t in (token, below):
-                    g.ggml_set_output(t)
-                    g.ggml_build_forward_expand(gf, t)
             galloc = _ok(g.ggml_gallocr_new(g.ggml_backend_cpu_buffer_type()), "gallocr")
             if not g.ggml_gallocr_alloc_graph(galloc, gf):
                 raise ggml.GgmlCallFailed("ggml_gallocr_alloc_graph failed (out of memory?)")
+            cols = (self.vocab or 0) if final else spec.width
+            data = _ok(g.ggml_get_data(result), "decode graph output")
+            view = np.ctypeslib.as_array((ctypes.c_float * cols).from_address(data))
         except BaseException:
             if galloc:
                 g.ggml_gallocr_free(galloc)
@@ -491,15 +474,12 @@ class GgmlStage(StageBase[_KvCache]):
             pos=pos,
             masks=masks,
             result=result,
-            token=token,
-            below=below,
+            result_view=view,
             pos_buf=np.zeros(1, dtype=np.int32),
             k_buf=np.zeros(1, dtype=np.int64),
             v_base=v_base,
             v_buf=v_base.copy(),
             mask_buf=np.zeros(n_ctx, dtype=np.float32),
-            token_buf=np.zeros(1, dtype=np.int32),
-            below_buf=np.zeros(1, dtype=np.float32),
         )
 
     def _free_decode_graph(self, dg: _DecodeGraph) -> None:
