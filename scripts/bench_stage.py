@@ -9,6 +9,11 @@ the same parts. Peak RSS per stage (each in its own child, the rise over the pro
 before loading) vs its artifact bytes + KV cache. The prompt guard's options: the pure
 predicate per prompt vs tokenizing in a child process.
 
+Issue #25: decode with a fresh graph per token and every logit copied to numpy (the engine
+before the change) beside the reused graph with the greedy head; and the contention rows:
+ggml (adaptive, 2, 1 threads) and llama.cpp (2, 1 threads), each decode and a 128-token
+prefill, as the machine is and beside one bounded busy-loop child pinned to core 0.
+
 Every measurement runs in a child with ``OPENBLAS_NUM_THREADS=1`` (GOTCHAS: numpy's BLAS
 threads and ggml's OpenMP threads fight in one process).
 """
