@@ -614,4 +614,11 @@ class GgmlStage(StageBase[_KvCache]):
         return 2 * 2 * len(self.layers) * self.spec.kv_dim * self.config.n_ctx
 
     def compute_buffer_bytes(self) -> int:
-        return int(self.g.ggml_gallocr_get_buffer_size(self._galloc, 0)) if self._galloc else 0
+        """The shared graph allocator's buffer plus each session's decode graph's own."""
+        if not self._galloc:
+            return 0
+        size = int(self.g.ggml_gallocr_get_buffer_size(self._galloc, 0))
+        for s in self._sessions.values():
+            if s.state.decode is not None:
+                size += int(self.g.ggml_gallocr_get_buffer_size(s.state.decode.galloc, 0))
+        return size
