@@ -9,6 +9,11 @@ the same parts. Peak RSS per stage (each in its own child, the rise over the pro
 before loading) vs its artifact bytes + KV cache. The prompt guard's options: the pure
 predicate per prompt vs tokenizing in a child process.
 
+Issue #25: decode with a fresh graph per token and every logit copied to numpy (the engine
+before the change) beside the reused graph with the greedy head; and the contention rows:
+ggml (adaptive, 2, 1 threads) and llama.cpp (2, 1 threads), each decode and a 128-token
+prefill, as the machine is and beside one bounded busy-loop child pinned to core 0.
+
 Every measurement runs in a child with ``OPENBLAS_NUM_THREADS=1`` (GOTCHAS: numpy's BLAS
 threads and ggml's OpenMP threads fight in one process).
 """
@@ -104,6 +109,15 @@ def rows(ctx: BenchContext) -> list[Row]:
                 f"{r3} x single stage (target >= 0.95; {'met' if med3 >= 0.95 else 'NOT met'})",
             )
         )
+    fresh, reused = speed["fresh"]["decode"], speed["ggml1"]["decode"]
+    out.append(
+        (
+            m,
+            "decode: ggml stage 0..18, fresh graph per token + logits to numpy (before #25)",
+            _rate(fresh, DECODE_TOKENS),
+            f"reused graph + head on ggml: {_ratio(reused, fresh)[0]} x this",
+        )
+    )
     lg, ll = speed["load"]["ggml"], speed["load"]["llama"]
     out.append((m, "load: llama.cpp, the same 21 parts", spread(ll) + " s", ""))
     out.append((m, "load: ggml stage 0..18", spread(lg) + " s", f"{_ratio(lg, ll)[0]} x faster"))
@@ -130,13 +144,151 @@ def rows(ctx: BenchContext) -> list[Row]:
             f"process peak {rss['peak'] / 2**20:.0f} MiB",
         )
     )
+    out += _contention_rows(_child("contend", str(pkg), str(ctx.gemma), str(ctx.runs)))
     guard = _child("guard", str(pkg), str(ctx.runs))
     for name, value in guard.items():
         out.append(("prompt guard", name, value, ""))
     return out
 
 
+# Issue #25 item 1: each setup decodes and prefills as is and beside one busy neighbour.
+CONTEND_SETUPS = (
+    "ggml adaptive (cap 2)",
+    "ggml 2 threads",
+    "ggml 1 thread",
+    "llama.cpp 2 threads",
+    "llama.cpp 1 thread",
+)
+CONTEND_PREFILL = 128
+
+
+def _contention_rows(res: dict[str, Any]) -> list[Row]:
+    """Quiet (as the machine is) vs one busy neighbour, per setup; the engine's default
+    (adaptive) against its own quiet speed and against llama.cpp (2 threads) side by side."""
+    out: list[Row] = []
+    m = "gemma3"
+    for key, n, label in (
+        ("decode", DECODE_TOKENS, "decode"),
+        ("prefill", CONTEND_PREFILL, f"prefill {CONTEND_PREFILL}"),
+    ):
+        for setup in CONTEND_SETUPS:
+            quiet, busy = res[setup]["quiet"][key], res[setup]["busy"][key]
+            keep, keep_med = _ratio(busy, quiet)  # quiet time / busy time: speed kept
+            note = f"busy neighbour: {_rate(busy, n)} = {keep} x quiet"
+            if setup.startswith("ggml adaptive"):
+                ll = res["llama.cpp 2 threads"]
+                vs_q, med_q = _ratio(quiet, ll["quiet"][key])
+                vs_b, med_b = _ratio(busy, ll["busy"][key])
+                ok = keep_med >= 0.6 and med_q >= 0.9 and med_b >= 0.9
+                note += (
+                    f"; vs llama.cpp 2 threads: quiet {vs_q} x, busy {vs_b} x (targets: "
+                    f">= 0.6 x quiet, >= 0.9 x llama.cpp; {'met' if ok else 'NOT met'})"
+                    if key == "decode"
+                    else f"; vs llama.cpp 2 threads: quiet {vs_q} x, busy {vs_b} x"
+                )
+            out.append((m, f"contention, {label}: {setup}, quiet", _rate(quiet, n), note))
+    return out
+
+
 # --- the children --------------------------------------------------------------------------------
+def _busy_neighbour(core: int | None) -> subprocess.Popen[bytes]:
+    """One bounded busy-loop process (at most 600 s), pinned to ``core`` where given; the
+    caller stops it by its PID."""
+    code = (
+        "import os, sys, time\n"
+        "core = int(sys.argv[1])\n"
+        "if core >= 0: os.sched_setaffinity(0, {core})\n"
+        "end = time.monotonic() + 600\n"
+        "while time.monotonic() < end: pass\n"
+    )
+    return subprocess.Popen([sys.executable, "-c", code, str(-1 if core is None else core)])
+
+
+def child_contend(pkg: str, gguf: str, runs: str) -> dict[str, Any]:
+    """Decode (greedy, 32 tokens) and a 128-token prefill per setup, each run quiet and then
+    beside one busy neighbour pinned to core 0 (started and stopped by PID here)."""
+    from skippy.gguf.ggml import configure_openmp
+
+    configure_openmp()
+    import llama_cpp
+    import numpy as np
+
+    from skippy.runtime.chain import StageChain
+    from skippy.runtime.ggml_engine import GgmlStage
+    from skippy.runtime.sampling import Sampler
+    from skippy.runtime.stage import StageConfig
+
+    load = _stage_loads(pkg, ("0..18",))[0]
+    configs = {
+        "ggml adaptive (cap 2)": StageConfig(n_ctx=N_CTX, n_threads=2, adaptive_threads=True),
+        "ggml 2 threads": StageConfig(n_ctx=N_CTX, n_threads=2),
+        "ggml 1 thread": StageConfig(n_ctx=N_CTX, n_threads=1),
+    }
+    chains = {name: StageChain([GgmlStage(load, c)], None) for name, c in configs.items()}
+    llms = {
+        f"llama.cpp {n} thread{'s' if n > 1 else ''}": llama_cpp.Llama(
+            model_path=gguf,
+            n_ctx=N_CTX,
+            n_batch=512,
+            n_threads=n,
+            n_threads_batch=n,
+            verbose=False,
+        )
+        for n in (2, 1)
+    }
+    start = [2, 818, 5279, 529, 7001, 563]
+    ids = [int(x) for x in np.random.default_rng(0).integers(300, 200_000, size=CONTEND_PREFILL)]
+    res: dict[str, Any] = {s: {"quiet": {}, "busy": {}} for s in CONTEND_SETUPS}
+
+    def ggml_run(ch: StageChain) -> tuple[float, float]:
+        ch.free("b")
+        tok = int(np.argmax(ch.prefill("b", start).logits[-1]))  # type: ignore[index]
+        t = time.perf_counter()
+        for i in range(DECODE_TOKENS):
+            tok = ch.decode("b", len(start) + i, tok, sampler=Sampler()).token  # type: ignore[assignment]
+        dec = time.perf_counter() - t
+        ch.free("b")
+        t = time.perf_counter()
+        ch.prefill("b", ids)
+        pre = time.perf_counter() - t
+        ch.free("b")
+        return dec, pre
+
+    def llama_run(llm: Any) -> tuple[float, float]:
+        llm.reset()
+        llm.eval(start)
+        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        t = time.perf_counter()
+        for _ in range(DECODE_TOKENS):
+            llm.eval([tok])
+            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        dec = time.perf_counter() - t
+        llm.reset()
+        t = time.perf_counter()
+        llm.eval(ids)
+        return dec, time.perf_counter() - t
+
+    for _ in range(int(runs)):
+        for condition in ("quiet", "busy"):
+            neighbour = _busy_neighbour(0) if condition == "busy" else None
+            try:
+                time.sleep(1.0)  # a steady neighbour: the adaptive stage's window has seen it
+                for name in CONTEND_SETUPS:
+                    ch = chains.get(name)
+                    dec, pre = ggml_run(ch) if ch is not None else llama_run(llms[name])
+                    res[name][condition].setdefault("decode", []).append(dec)
+                    res[name][condition].setdefault("prefill", []).append(pre)
+            finally:
+                if neighbour is not None:
+                    neighbour.kill()
+                    neighbour.wait()
+    for ch in chains.values():
+        ch.close()
+    for llm in llms.values():
+        llm.close()
+    return res
+
+
 def _stage_loads(pkg: str, ranges: tuple[str, ...]) -> list[Any]:
     from skippy.config import read_environment
     from skippy.consume.resolve import resolve_stage
@@ -160,6 +312,7 @@ def child_speed(pkg: str, gguf: str, runs: str) -> dict[str, Any]:
     from skippy.runtime.chain import StageChain
     from skippy.runtime.ggml_engine import GgmlStage
     from skippy.runtime.llama_cpp import LlamaRuntimeConfig, LlamaStageRuntime
+    from skippy.runtime.sampling import Sampler
     from skippy.runtime.stage import StageConfig
 
     cfg = StageConfig(n_ctx=N_CTX, n_threads=THREADS)
@@ -168,6 +321,11 @@ def child_speed(pkg: str, gguf: str, runs: str) -> dict[str, Any]:
         "ggml1": StageChain([GgmlStage(whole_load, cfg)], None),
         "ggml3": StageChain([GgmlStage(load, cfg) for load in _stage_loads(pkg, SPLIT)], None),
     }
+    # Before issue #25 item 2: a fresh graph per decode token and every logit copied out for
+    # numpy's argmax (decode only; the stage maps the same pages).
+    fresh = GgmlStage(whole_load, cfg)
+    fresh.reuse_decode_graph = False
+    fresh_chain = StageChain([fresh], None)
     llm = llama_cpp.Llama(
         model_path=gguf,
         n_ctx=N_CTX,
@@ -179,22 +337,30 @@ def child_speed(pkg: str, gguf: str, runs: str) -> dict[str, Any]:
     rng = np.random.default_rng(0)
     prompts = {p: [int(x) for x in rng.integers(300, 200_000, size=p)] for p in PREFILLS}
     start = [2, 818, 5279, 529, 7001, 563]
-    result: dict[str, Any] = {k: {} for k in (*chains, "llama")}
+    result: dict[str, Any] = {k: {} for k in (*chains, "llama", "fresh")}
 
     def record(engine: str, key: str, seconds: float) -> None:
         result[engine].setdefault(key, []).append(seconds)
 
-    for _ in range(int(runs)):
-        for name, ch in chains.items():
-            ch.free("b")
-            out = ch.prefill("b", start)
-            tok = int(np.argmax(out.logits[-1]))  # type: ignore[index]
-            t = time.perf_counter()
-            for i in range(DECODE_TOKENS):
+    def decode_run(ch: StageChain, greedy_head: bool) -> float:
+        ch.free("b")
+        out = ch.prefill("b", start)
+        tok = int(np.argmax(out.logits[-1]))  # type: ignore[index]
+        t = time.perf_counter()
+        for i in range(DECODE_TOKENS):
+            if greedy_head:  # as generation runs: the head's argmax on ggml
+                tok = ch.decode("b", len(start) + i, tok, sampler=Sampler()).token  # type: ignore[assignment]
+            else:
                 out = ch.decode("b", len(start) + i, tok)
                 tok = int(np.argmax(out.logits[-1]))  # type: ignore[index]
-            record(name, "decode", time.perf_counter() - t)
-            ch.free("b")
+        seconds = time.perf_counter() - t
+        ch.free("b")
+        return seconds
+
+    for _ in range(int(runs)):
+        record("fresh", "decode", decode_run(fresh_chain, False))
+        for name, ch in chains.items():
+            record(name, "decode", decode_run(ch, True))
             for p, ids in prompts.items():
                 t = time.perf_counter()
                 ch.prefill("b", ids)
@@ -213,7 +379,7 @@ def child_speed(pkg: str, gguf: str, runs: str) -> dict[str, Any]:
             t = time.perf_counter()
             llm.eval(ids)
             record("llama", f"prefill{p}", time.perf_counter() - t)
-    for ch in chains.values():
+    for ch in (*chains.values(), fresh_chain):
         ch.close()
     llm.close()
     # load time: the whole stage vs llama.cpp's load of the same parts (split-set links)
@@ -340,10 +506,15 @@ def child_guard(pkg: str, runs: str) -> dict[str, str]:
 
 def main(argv: list[str]) -> int:
     if len(argv) < 2 or argv[0] != "child":
-        print("usage: bench_stage.py child {speed|rss|guard} ARGS (run through scripts/bench)")
+        print("usage: bench_stage.py child {speed|rss|guard|contend} ARGS (via scripts/bench)")
         return 2
     kind, args = argv[1], argv[2:]
-    children = {"speed": child_speed, "rss": child_rss, "guard": child_guard}
+    children = {
+        "speed": child_speed,
+        "rss": child_rss,
+        "guard": child_guard,
+        "contend": child_contend,
+    }
     print(json.dumps(children[kind](*args)))
     return 0
 

@@ -38,7 +38,7 @@ import re
 import sys
 import zlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +97,7 @@ class _Tensor:
     shape: tuple[int, ...]
     qtype: Q
     norm: bool = False  # values around 1.0 instead of around 0.0
+    zero: bool = False  # every value 0 (a head whose logits all tie)
 
     @property
     def np_shape(self) -> tuple[int, ...]:
@@ -137,6 +138,8 @@ def _payload(seed: int, t: _Tensor) -> np.ndarray:
         return blocks.reshape(*t.np_shape[:-1], t.shape[0] // block * type_size)
     values = rng.standard_normal(t.np_shape, dtype=np.float32)
     values = 1.0 + 0.05 * values if t.norm else 0.02 * values
+    if t.zero:
+        values[...] = 0.0
     if t.qtype == Q.F32:
         return values.astype(np.float32)
     if t.qtype == Q.F16:
@@ -334,7 +337,7 @@ def _llama_kvs(arch: str, name: str, d: _Dims, *, nextn_layers: int = 0) -> list
     return kvs
 
 
-def _gemma_kvs(d: _Dims) -> list[_KV]:
+def _gemma_kvs(d: _Dims, sliding_window: int = 512) -> list[_KV]:
     a = "gemma3."
     kvs: list[_KV] = [
         ("general.type", "model", V.STRING, None),
@@ -348,7 +351,7 @@ def _gemma_kvs(d: _Dims) -> list[_KV]:
         (a + "attention.key_length", d.head_dim, V.UINT32, None),
         (a + "attention.value_length", d.head_dim, V.UINT32, None),
         (a + "rope.freq_base", 1000000.0, V.FLOAT32, None),
-        (a + "attention.sliding_window", 512, V.UINT32, None),
+        (a + "attention.sliding_window", sliding_window, V.UINT32, None),
         (a + "attention.head_count_kv", d.n_head_kv, V.UINT32, None),
         ("general.file_type", int(gguf.LlamaFileType.MOSTLY_Q4_K_M), V.UINT32, None),
     ]
@@ -405,12 +408,18 @@ def llama_like(
     vocab: int = 128,
     seed: int = 0,
     alignment: int | None = None,
+    zero_head: bool = False,
 ) -> Path:
-    """A llama-architecture model: full hyperparameter set, small tokenizer, mixed types."""
+    """A llama-architecture model: full hyperparameter set, small tokenizer, mixed types.
+    ``zero_head``: an all-zero ``output.weight``, so every logit is 0 (a tie everywhere)."""
     _check_dims(width, ff, n_layers, vocab)
     d = _Dims(n_layers, width, ff, vocab)
     kvs = _llama_kvs("llama", "synth llama-like", d)
-    return _write_model(Path(path), "llama", kvs, _llama_tensors(d), seed, alignment)
+    tensors = [
+        replace(t, zero=True) if zero_head and t.name == "output.weight" else t
+        for t in _llama_tensors(d)
+    ]
+    return _write_model(Path(path), "llama", kvs, tensors, seed, alignment)
 
 
 def gemma_like(
@@ -422,11 +431,14 @@ def gemma_like(
     vocab: int = 128,
     seed: int = 0,
     alignment: int | None = None,
+    sliding_window: int = 512,
 ) -> Path:
-    """A gemma3-architecture model with tied embeddings (no ``output.weight``)."""
+    """A gemma3-architecture model with tied embeddings (no ``output.weight``); its layers
+    (all sliding at 4 layers: every 6th is global) see ``sliding_window`` positions back."""
     _check_dims(width, ff, n_layers, vocab)
     d = _Dims(n_layers, width, ff, vocab)
-    return _write_model(Path(path), "gemma3", _gemma_kvs(d), _gemma_tensors(d), seed, alignment)
+    kvs = _gemma_kvs(d, sliding_window)
+    return _write_model(Path(path), "gemma3", kvs, _gemma_tensors(d), seed, alignment)
 
 
 def _qwen_like(

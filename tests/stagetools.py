@@ -73,9 +73,18 @@ def split_ranges(layer_count: int) -> list[list[str]]:
 
 
 def llama_logits(
-    model: Path, ids: Sequence[int], *, repack: bool = True, n_ctx: int = 512, threads: int = 1
+    model: Path,
+    ids: Sequence[int],
+    *,
+    repack: bool = True,
+    n_ctx: int = 512,
+    threads: int = 1,
+    prefill: int | None = None,
 ) -> np.ndarray:
-    """llama.cpp's logits at every position of ``ids`` (one batch), shape (n, vocab)."""
+    """llama.cpp's logits at every position of ``ids`` (one batch), shape (n, vocab); with
+    ``prefill`` k, the first k positions as one batch and the rest one token per
+    ``llama_decode`` (as a generation decodes), shape (n - k + 1, vocab): the prefill's last
+    row, then each decoded position's."""
     from skippy.runtime.llama_cpp import import_llama
 
     lib = import_llama()
@@ -91,23 +100,33 @@ def llama_logits(
     ctx = lib.llama_init_from_model(model_p, cparams)
     assert ctx
     batch = lib.llama_batch_init(len(ids), 0, 1)
-    try:
-        batch.n_tokens = len(ids)
-        for i, t in enumerate(ids):
-            batch.token[i] = t
-            batch.pos[i] = i
-            batch.n_seq_id[i] = 1
-            batch.seq_id[i][0] = 0
-            batch.logits[i] = True
+    n_vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(model_p))
+
+    def run(lo: int, hi: int, wanted: range) -> list[np.ndarray]:
+        batch.n_tokens = hi - lo
+        for i in range(lo, hi):
+            j = i - lo
+            batch.token[j] = ids[i]
+            batch.pos[j] = i
+            batch.n_seq_id[j] = 1
+            batch.seq_id[j][0] = 0
+            batch.logits[j] = i in wanted
         assert lib.llama_decode(ctx, batch) == 0
-        n_vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(model_p))
-        rows = [
+        return [
             np.ctypeslib.as_array(
-                ctypes.cast(lib.llama_get_logits_ith(ctx, i), ctypes.POINTER(ctypes.c_float)),
+                ctypes.cast(lib.llama_get_logits_ith(ctx, i - lo), ctypes.POINTER(ctypes.c_float)),
                 shape=(n_vocab,),
             ).copy()
-            for i in range(len(ids))
+            for i in wanted
         ]
+
+    try:
+        if prefill is None:
+            rows = run(0, len(ids), range(len(ids)))
+        else:
+            rows = run(0, prefill, range(prefill - 1, prefill))
+            for i in range(prefill, len(ids)):
+                rows += run(i, i + 1, range(i, i + 1))
     finally:
         lib.llama_batch_free(batch)
         lib.llama_free(ctx)

@@ -23,6 +23,7 @@ from pkgtools import make_package
 from stagetools import all_logits, chain, llama_logits, split_ranges, stage_loads
 
 from skippy.errors import UsageError
+from skippy.runtime.chain import StageChain
 from skippy.runtime.ggml_engine import GgmlStage
 from skippy.runtime.numpy_engine import NumpyStage
 from skippy.runtime.sampling import Sampler, SamplingParams
@@ -273,3 +274,86 @@ def test_seeded_sampling_is_reproducible(synth) -> None:
     assert a.tokens == b.tokens and len(a.tokens) >= 1
     assert greedy.tokens[0] == int(np.argmax(logits))
     assert Sampler(SamplingParams(temperature=1.0, top_k=1)).sample(logits) == greedy.tokens[0]
+
+
+# --- the reused decode graph and the greedy head on ggml (issue #25 item 2) ---------------------
+def _decode_rows(ch: StageChain, ids: list[int], prefill: int, *, reuse: bool) -> np.ndarray:
+    """The prefill's last logits row, then each one-token decode's, through ``ch``."""
+    for s in ch.stages:
+        assert isinstance(s, GgmlStage)
+        s.reuse_decode_graph = reuse
+    out = ch.prefill("d", ids[:prefill]).logits
+    assert out is not None
+    rows = [out[-1]]
+    for pos in range(prefill, len(ids)):
+        step = ch.decode("d", pos, ids[pos])
+        assert step.logits is not None
+        rows.append(step.logits[-1])
+    ch.free("d")
+    return np.stack(rows)
+
+
+def _greedy_decode(ch: StageChain, ids: list[int], prefill: int) -> list[int]:
+    ch.prefill("g", ids[:prefill])
+    tokens = []
+    for pos in range(prefill, len(ids)):
+        step = ch.decode("g", pos, ids[pos], sampler=Sampler())
+        assert step.token is not None and step.logits is None  # no logits crossed into Python
+        tokens.append(step.token)
+    ch.free("g")
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def gemma_swa(tmp_path_factory: pytest.TempPathFactory) -> Synth:
+    """The synthetic gemma3 with a 4-position sliding window, so decode crosses it."""
+    root = tmp_path_factory.mktemp("gemma_swa")
+    src = synth_gguf.gemma_like(root / "gemma-swa.gguf", sliding_window=4)
+    make_package(src, root / "pkg", model_id="acme/gemma3-swa-GGUF:Q8_0")
+    return Synth("gemma3", src, root / "pkg")
+
+
+@pytest.mark.parametrize("arch", [*ARCHS, "gemma3-swa"])
+def test_reused_decode_graph_equals_fresh_graphs_and_llama_cpp(arch: str, synth, gemma_swa) -> None:
+    """Decoding through one graph per session (resized, inputs reset per token) gives the
+    logits of a freshly built graph per token, and of llama.cpp decoding token by token
+    (repacking off), bit for bit; in a 2-stage split too. The greedy head on ggml picks
+    numpy's argmax of those logits."""
+    s = gemma_swa if arch == "gemma3-swa" else synth[arch]
+    prefill, cfg = 3, StageConfig(n_ctx=32, n_threads=1)
+    ref = llama_logits(s.gguf, IDS, repack=False, n_ctx=32, prefill=prefill)
+    with chain("ggml", s.pkg, ["0..4"], cfg) as ch:
+        fresh = _decode_rows(ch, IDS, prefill, reuse=False)
+        reused = _decode_rows(ch, IDS, prefill, reuse=True)
+        greedy = _greedy_decode(ch, IDS, prefill)
+    with chain("ggml", s.pkg, ["0..2", "2..4"], cfg) as ch:
+        split = _decode_rows(ch, IDS, prefill, reuse=True)
+    assert np.array_equal(reused, fresh)
+    assert np.array_equal(reused, ref)
+    assert np.array_equal(split, reused)
+    assert greedy == [int(i) for i in np.argmax(reused[1:], axis=1)]
+
+
+def test_greedy_head_on_ties_takes_the_first_maximum(tmp_path: Path) -> None:
+    """An all-zero head makes every logit 0: ggml's own argmax would pick the last id; the
+    greedy decode answers numpy's (and llama.cpp's greedy sampler's) first maximum."""
+    src = synth_gguf.llama_like(tmp_path / "flat.gguf", zero_head=True)
+    make_package(src, tmp_path / "pkg", model_id="acme/flat-GGUF:Q8_0")
+    with chain("ggml", tmp_path / "pkg", ["0..4"], StageConfig(n_ctx=16, n_threads=1)) as ch:
+        logits = _decode_rows(ch, IDS[:4], 2, reuse=True)
+        tokens = _greedy_decode(ch, IDS[:4], 2)
+    assert not logits.any()
+    assert tokens == [0, 0]
+
+
+def test_adaptive_threads_change_nothing_but_the_thread_count(synth) -> None:
+    """A stage whose threads follow the machine's load (issue #25 item 1) computes the same
+    logits as a fixed one-thread stage: each output row is one thread's dot products."""
+    cfg = StageConfig(n_ctx=32, n_threads=2, adaptive_threads=True)
+    with chain("ggml", synth["qwen3"].pkg, ["0..4"], cfg) as ch:
+        stage = ch.stages[0]
+        assert isinstance(stage, GgmlStage) and stage.threads_now in (1, 2)
+        adaptive = _decode_rows(ch, IDS, 3, reuse=True)
+    with chain("ggml", synth["qwen3"].pkg, ["0..4"], StageConfig(n_ctx=32, n_threads=1)) as ch:
+        fixed = _decode_rows(ch, IDS, 3, reuse=True)
+    assert np.array_equal(adaptive, fixed)

@@ -68,6 +68,20 @@ def test_any_chunking_decodes_the_same_frames(rows: list[int], cuts: list[int]) 
     assert session.freed and session.position == sum(rows) + 1
 
 
+def test_whole_frames_in_immutable_bytes_are_views_and_mutable_input_is_copied() -> None:
+    """A frame lying whole in one received ``bytes`` chunk is a view of it (no copy before
+    the stage's own); a mutable buffer (which its owner may reuse) is always copied."""
+    rows = np.arange(2 * WIDTH, dtype=np.float32).reshape(2, WIDTH)
+    data = t.encode_activations(1, 2, phase=t.Phase.PREFILL, start=0, activations=rows)
+    (frame,) = t.FrameDecoder(width=WIDTH).feed(data)
+    assert isinstance(frame.payload, memoryview) and frame.payload.obj is data
+    assert np.array_equal(frame.activations(), rows)
+    buf = bytearray(data)
+    (copied,) = t.FrameDecoder(width=WIDTH).feed(buf)
+    buf[t.HEADER_BYTES :] = bytes(len(buf) - t.HEADER_BYTES)  # the owner reuses its buffer
+    assert np.array_equal(copied.activations(), rows)
+
+
 @given(data=st.binary(max_size=400), cuts=st.lists(st.integers(0, 400), max_size=6))
 @settings(max_examples=300)
 def test_arbitrary_bytes_raise_only_transport_errors(data: bytes, cuts: list[int]) -> None:

@@ -236,7 +236,7 @@ class Generator:
                         return stage.prefill(name, step.start, x, sampler=sampler)
 
                     try:
-                        output = await self.host.compute(run)
+                        output = await self.host.compute(run, step=decode)
                     except SkippyError as exc:  # this node's own stage refused: ours, not theirs
                         raise GenerationFailed(
                             f"stage 0 refused the request: {exc.message}",

@@ -25,7 +25,6 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import numpy as np
 import trio
 
 from mesh_node.errors import StreamReset, skippy_error_in
@@ -46,6 +45,11 @@ from skippy.stage.descriptor import RuntimeFacts
 log = logging.getLogger("mesh_node.serving")
 T = TypeVar("T")
 ReturnHandler = Callable[[InboundStream, FrameReader, t.Frame], Awaitable[None]]
+# A decode step runs on the event loop (no thread hand-off) while steps take at most this long:
+# a 6-layer gemma3 stage takes ~3-8 ms here; a much slower stage would hold the loop (HTTP,
+# acks, keepalives) too long, so it goes back to a worker thread.
+INLINE_STEP_MAX_S = 0.025
+STEP_SMOOTHING = 0.2
 
 
 def transport_limits(settings: ServingSettings) -> t.TransportLimits:
@@ -118,6 +122,8 @@ class StageHost:
         self.busy_s = 0.0  # time spent in stage calls (compute), for the overlap figure
         self.rss_before_load: int | None = None  # KiB, the process just before its stage loaded
         self.calls = 0
+        self.step_s = 0.0  # recent one-position step time (s), for the inline choice
+        self.inline_steps = 0
         node.register_subprotocol(pc.KIND_TRANSPORT, self._handle)
 
     # --- loading ------------------------------------------------------------------------------
@@ -142,6 +148,8 @@ class StageHost:
             n_batch=max(s.prefill_chunk, 1),
             # A failover can leave sessions of the old route draining while new ones start.
             max_sessions=2 * s.max_sessions,
+            # "auto": also fewer threads while other processes keep cores busy (issue #25)
+            adaptive_threads=s.threads is None,
         )
 
     async def load(
@@ -196,15 +204,26 @@ class StageHost:
         )
         return self.loaded
 
-    async def compute(self, fn: Callable[[], T]) -> T:
-        """Run one stage call in a worker thread, one at a time."""
+    async def compute(self, fn: Callable[[], T], *, step: bool = False) -> T:
+        """Run one stage call, one at a time: in a worker thread (ggml releases the GIL), or,
+        for a one-position ``step`` (decode) while such steps take at most
+        ``INLINE_STEP_MAX_S``, right here on the event loop: the two thread hand-offs cost
+        ~0.4-1 ms per stage per token (issue #25), and a few milliseconds of blocked loop
+        delay nothing this stage could run meanwhile (its calls are serialized anyway)."""
         async with self._lock:
             start = time.perf_counter()
+            inline = step and self.step_s <= INLINE_STEP_MAX_S
             try:
+                if inline:
+                    return fn()
                 return await trio.to_thread.run_sync(fn)
             finally:
-                self.busy_s += time.perf_counter() - start
+                elapsed = time.perf_counter() - start
+                self.busy_s += elapsed
                 self.calls += 1
+                if step:  # a moving average, so one slow step does not move every later one
+                    self.step_s += STEP_SMOOTHING * (elapsed - self.step_s)
+                    self.inline_steps += inline
 
     def status(self) -> dict[str, Any] | None:
         """This node's stage for the status document (``stage`` section), or None."""
@@ -226,6 +245,7 @@ class StageHost:
             "peak_rss_kib": _vm_kib("VmHWM"),
             "compute_calls": self.calls,
             "compute_busy_s": round(self.busy_s, 4),
+            "inline_steps": self.inline_steps,
             "hops": hop_summary(self.hops),
         }
 
@@ -332,17 +352,19 @@ class StageHost:
                         session.accept(frame)
                         if frame.kind is t.Kind.FREE:
                             break
-                        # To the compute task first, then the ack: the ack's encryption and
-                        # send overlap the stage's compute instead of delaying its start.
-                        await work_send.send(frame)
-                        await inbound.stream.send_all(
-                            t.encode_ack(
-                                frame.request_id,
-                                frame.session_id,
-                                start=frame.start,
-                                count=frame.count,
-                            )
+                        ack = t.encode_ack(
+                            frame.request_id, frame.session_id, start=frame.start, count=frame.count
                         )
+                        if frame.phase is t.Phase.DECODE:
+                            # A decode step may run on this loop (StageHost.compute): ack
+                            # first, or the ack would wait for the compute.
+                            await inbound.stream.send_all(ack)
+                            await work_send.send(frame)
+                        else:
+                            # To the compute thread first, then the ack: the ack's encryption
+                            # and send overlap the stage's compute instead of delaying its start.
+                            await work_send.send(frame)
+                            await inbound.stream.send_all(ack)
         except (SkippyError, BaseExceptionGroup) as caught:
             # A runtime refusal (context, non-finite activations...), a downstream failure:
             # this session ends; the upstream hears why.
@@ -373,7 +395,7 @@ class StageHost:
         stage = loaded.stage
         async with frames:
             async for frame in frames:
-                x = np.array(frame.activations())  # a writable copy for the runtime
+                x = frame.activations()  # a read-only view of the received bytes: no copy
                 sample = bool(frame.flags & t.Flag.SAMPLE) and loaded.is_final
                 end = frame.start + frame.count
                 sampler = sampler_at(sampling, end) if sample else None
@@ -383,7 +405,7 @@ class StageHost:
                         return stage.decode(name, f.start, x, sampler=s)
                     return stage.prefill(name, f.start, x, sampler=s)
 
-                result = await self.compute(run)
+                result = await self.compute(run, step=frame.phase is t.Phase.DECODE)
                 if sender is not None:
                     await sender.send_activations(
                         t.encode_activations(

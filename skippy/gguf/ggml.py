@@ -80,6 +80,7 @@ class GgmlType:
     F16: Final = 1
     Q8_0: Final = 8
     I32: Final = 26
+    I64: Final = 27
     BF16: Final = 30
 
 
@@ -135,8 +136,11 @@ class GgmlInitParams(ctypes.Structure):
 
 
 class GgmlTensorStruct(ctypes.Structure):
-    """``struct ggml_tensor``, read-only: the runtime reads ``ne``/``nb``/``type``/``data``
-    of tensors it created to check them (the self-test checks this layout)."""
+    """``struct ggml_tensor``: the runtime reads ``ne``/``nb``/``type``/``data`` of tensors it
+    created to check them (the self-test checks this layout). The one writer is the ggml stage
+    engine's reused decode graph, which sets the KV length (``ne``, and ``nb`` of its own
+    contiguous results) of attention tensors it built, before each run
+    (``skippy.runtime.ggml_engine._DecodeGraph``)."""
 
     _fields_ = [
         ("type", c_int),
@@ -305,6 +309,8 @@ class Ggml:
     def ggml_cpy(self, ctx: int, a: int, b: int) -> int: ...
     @_c(_ptr, _ptr, _ptr, _ptr)
     def ggml_get_rows(self, ctx: int, a: int, b: int) -> int: ...
+    @_c(_ptr, _ptr, _ptr, _ptr, _ptr)
+    def ggml_set_rows(self, ctx: int, a: int, b: int, c: int) -> int: ...
 
     # ==== arithmetic and activations (ggml.h)
     @_c(_ptr, _ptr, _ptr, _ptr)

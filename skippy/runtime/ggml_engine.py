@@ -20,15 +20,24 @@ Every value that reaches ggml has been checked in Python first (``StageBase.chec
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import ctypes
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
 
 from skippy.gguf import ggml
-from skippy.gguf.ggml import GGML_ROPE_TYPE_NEOX, GGML_ROPE_TYPE_NORMAL, GgmlInitParams, GgmlType
+from skippy.gguf.ggml import (
+    GGML_ROPE_TYPE_NEOX,
+    GGML_ROPE_TYPE_NORMAL,
+    GgmlInitParams,
+    GgmlTensorStruct,
+    GgmlType,
+    tensor_struct,
+)
 from skippy.runtime.boundary import RuntimeLoadError
+from skippy.runtime.contention import ThreadGovernor, machine_cores
 from skippy.runtime.model import OUTPUT_NORM_TENSOR, ROPE_FREQS_TENSOR, attention_mask
 from skippy.runtime.stage import STAGE_API_VERSION, StageBase
 
@@ -59,6 +68,61 @@ class _KvCache:
     k: dict[int, int]
     v: dict[int, int]
     nbytes: int
+    decode: _DecodeGraph | None = None  # built at the session's first decode
+
+
+@dataclass
+class _KvSlots:
+    """How a reused decode graph writes and reads the cache: K/V rows by index (inputs, so
+    the position is data, not graph shape), attention views built at the full context, and
+    the tensors whose KV length is set before each run (``_DecodeGraph.resize``)."""
+
+    k_rows: int  # I64 [1]: the position
+    v_rows: int  # I64 [kv_dim]: d * n_ctx + position (V is stored transposed)
+    resizable: list[tuple[GgmlTensorStruct, int, bool]] = field(default_factory=list)
+
+    def add(self, tensor: int, dim: int, contiguous: bool) -> None:
+        self.resizable.append((tensor_struct(tensor), dim, contiguous))
+
+
+@dataclass
+class _DecodeGraph:
+    """One session's one-position graph, built once at the full context and run per token:
+    only its inputs and the KV length of its attention tensors change between runs, so each
+    run computes exactly what a freshly built graph for that position computes (same ops,
+    same shapes, same kernels: bit-identical, which padding the KV views would not be: the
+    soft_max and F16 dot-product kernels sum a row's tail differently by length)."""
+
+    ctx: int
+    galloc: int
+    graph: int
+    slots: _KvSlots
+    tokens: int  # I32 [1] ids (stage 0) or F32 [width, 1] activations
+    pos: int  # I32 [1]
+    masks: dict[int | None, int]  # F32 [n_ctx, 1] each, resized to [n_kv, 1]
+    result: int  # activations [width, 1] or logits [vocab, 1]
+    # the result's bytes in the graph's own compute buffer (fixed while the graph lives)
+    result_view: npt.NDArray[np.float32]
+    pos_buf: npt.NDArray[np.int32]
+    k_buf: npt.NDArray[np.int64]
+    v_base: npt.NDArray[np.int64]
+    v_buf: npt.NDArray[np.int64]
+    mask_buf: npt.NDArray[np.float32]
+    n_kv: int = 0
+
+    def resize(self, n_kv: int) -> None:
+        """Set the KV length of every attention tensor (views keep their strides; contiguous
+        results get the strides of their new shape)."""
+        if n_kv == self.n_kv:
+            return
+        for t, dim, contiguous in self.slots.resizable:
+            t.ne[dim] = n_kv
+            if contiguous:
+                nb = t.nb
+                nb[1] = nb[0] * t.ne[0]
+                nb[2] = nb[1] * t.ne[1]
+                nb[3] = nb[2] * t.ne[2]
+        self.n_kv = n_kv
 
 
 @dataclass(frozen=True)
@@ -87,6 +151,9 @@ class GgmlStage(StageBase[_KvCache]):
 
     engine = "ggml"
     runtime_version = RUNTIME_VERSION
+    # Decode through one graph per session, reused per token (False: a fresh graph per token,
+    # the general path; the bench and the tests compare the two).
+    reuse_decode_graph = True
 
     def _prepare(self) -> None:
         self.g = ggml.load()  # first: a missing or mismatched ggml is refused before any I/O
@@ -101,6 +168,12 @@ class GgmlStage(StageBase[_KvCache]):
         self._layer_weights = {il: self._layer(il) for il in self.layers}
         self._backend = _ok(g.ggml_backend_cpu_init(), "ggml_backend_cpu_init")
         g.ggml_backend_cpu_set_n_threads(self._backend, self.config.n_threads)
+        self.threads_now = self.config.n_threads
+        self._governor = (
+            ThreadGovernor(self.config.n_threads, machine_cores())
+            if self.config.adaptive_threads and self.config.n_threads > 1
+            else None
+        )
         self._galloc = _ok(g.ggml_gallocr_new(g.ggml_backend_cpu_buffer_type()), "gallocr")
         n_graph = _TENSORS_PER_LAYER * len(self.layers) + _TENSORS_FIXED
         self._graph_size = max(ggml.GGML_DEFAULT_GRAPH_SIZE, n_graph)
@@ -204,6 +277,9 @@ class GgmlStage(StageBase[_KvCache]):
         return _KvCache(ctx, buffer, k, v, g.ggml_backend_buffer_get_size(buffer))
 
     def _release(self, state: _KvCache) -> None:
+        if state.decode is not None:
+            self._free_decode_graph(state.decode)
+            state.decode = None
         self.g.ggml_backend_buffer_free(state.buffer)
         self.g.ggml_free(state.ctx)
 
@@ -223,6 +299,20 @@ class GgmlStage(StageBase[_KvCache]):
             self._wctx = None
 
     # --- the forward pass ------------------------------------------------------------------------
+    def _compute(self, graph: int, *, step: bool = False) -> None:
+        """Run a graph. An adaptive stage runs a one-position ``step`` on the threads the
+        governor allows now (a small graph is all barriers: one preempted thread stalls the
+        rest at every op) and everything else on the cap (a prefill's big matmuls still gain
+        from a second thread beside a busy neighbour: docs/performance.md, issue #25)."""
+        if self._governor is not None:
+            n = self._governor.threads() if step else self.config.n_threads
+            if n != self.threads_now:
+                self.g.ggml_backend_cpu_set_n_threads(self._backend, n)
+                self.threads_now = n
+        status = self.g.ggml_backend_graph_compute(self._backend, graph)
+        if status != ggml.GGML_STATUS_SUCCESS:
+            raise ggml.GgmlCallFailed(f"ggml_backend_graph_compute returned status {status}")
+
     def _forward(
         self, state: _KvCache, start: int, inputs: npt.NDArray[Any], out_rows: int
     ) -> npt.NDArray[np.float32]:
@@ -277,9 +367,7 @@ class GgmlStage(StageBase[_KvCache]):
                 raise ggml.GgmlCallFailed("ggml_gallocr_alloc_graph failed (out of memory?)")
             for t, data in feeds:
                 g.ggml_backend_tensor_set(t, data.ctypes.data, 0, data.nbytes)
-            status = g.ggml_backend_graph_compute(self._backend, gf)
-            if status != ggml.GGML_STATUS_SUCCESS:
-                raise ggml.GgmlCallFailed(f"ggml_backend_graph_compute returned status {status}")
+            self._compute(gf)
             if result is None:
                 return np.empty((0, self.vocab or 0), dtype=np.float32)
             cols = (self.vocab or 0) if final else spec.width
@@ -289,6 +377,114 @@ class GgmlStage(StageBase[_KvCache]):
             return out
         finally:
             g.ggml_free(ctx)
+
+    # --- one position: the reused decode graph and the head on ggml (issue #25 item 2) -------
+    def _decode_one(
+        self, state: _KvCache, position: int, inputs: npt.NDArray[Any], *, greedy: bool
+    ) -> tuple[npt.NDArray[np.float32] | None, int | None]:
+        if not self.reuse_decode_graph:
+            return super()._decode_one(state, position, inputs, greedy=greedy)
+        dg = state.decode
+        if dg is None:
+            dg = state.decode = self._build_decode_graph(state)
+        g, n_kv = self.g, position + 1
+        dg.resize(n_kv)
+        dg.pos_buf[0] = position
+        dg.k_buf[0] = position
+        np.add(dg.v_base, position, out=dg.v_buf)
+        g.ggml_backend_tensor_set(dg.tokens, inputs.ctypes.data, 0, inputs.nbytes)
+        g.ggml_backend_tensor_set(dg.pos, dg.pos_buf.ctypes.data, 0, 4)
+        g.ggml_backend_tensor_set(dg.slots.k_rows, dg.k_buf.ctypes.data, 0, 8)
+        g.ggml_backend_tensor_set(dg.slots.v_rows, dg.v_buf.ctypes.data, 0, dg.v_buf.nbytes)
+        for window, mask in dg.masks.items():
+            # query `position` sees every key up to it, minus those outside its window
+            m = dg.mask_buf[:n_kv]
+            m[:] = 0.0
+            if window is not None and n_kv > window:
+                m[: n_kv - window] = -np.inf
+            g.ggml_backend_tensor_set(mask, m.ctypes.data, 0, 4 * n_kv)
+        self._compute(dg.graph, step=True)
+        if greedy and self.layers.owns_output:
+            # The argmax over the logits where ggml left them: no copy, and numpy's first
+            # maximum is the sampler's own rule (ggml_argmax takes the last one on ties).
+            return None, int(np.argmax(dg.result_view))
+        return dg.result_view.reshape(1, -1).copy(), None
+
+    def _build_decode_graph(self, kv: _KvCache) -> _DecodeGraph:
+        """The one-position graph of ``kv``'s session at the full context (see _DecodeGraph),
+        with its own allocator: the shared one re-plans for every prefill graph, which would
+        move this graph's intermediate tensors."""
+        g, spec, n_ctx = self.g, self.spec, self.config.n_ctx
+        ctx = _ok(
+            g.ggml_init(GgmlInitParams(mem_size=self._graph_mem, mem_buffer=None, no_alloc=True)),
+            "ggml_init",
+        )
+        galloc = 0
+        try:
+            gf = _ok(g.ggml_new_graph_custom(ctx, self._graph_size, False), "ggml_new_graph")
+
+            def input_tensor(t: int | None) -> int:
+                t = _ok(t, "ggml_new_tensor")
+                g.ggml_set_input(t)
+                return t
+
+            if self.layers.owns_input:
+                tokens = input_tensor(g.ggml_new_tensor_1d(ctx, GgmlType.I32, 1))
+                x = g.ggml_get_rows(ctx, self._tensors["token_embd.weight"], tokens)
+                if spec.embed_scale is not None:
+                    x = g.ggml_scale(ctx, x, spec.embed_scale)
+            else:
+                tokens = x = input_tensor(g.ggml_new_tensor_2d(ctx, GgmlType.F32, spec.width, 1))
+            pos = input_tensor(g.ggml_new_tensor_1d(ctx, GgmlType.I32, 1))
+            slots = _KvSlots(
+                k_rows=input_tensor(g.ggml_new_tensor_1d(ctx, GgmlType.I64, 1)),
+                v_rows=input_tensor(g.ggml_new_tensor_1d(ctx, GgmlType.I64, spec.kv_dim)),
+            )
+            masks = {}
+            for window in self._windows():
+                masks[window] = input_tensor(g.ggml_new_tensor_2d(ctx, GgmlType.F32, n_ctx, 1))
+                slots.add(masks[window], 0, True)
+            final = self.layers.owns_output
+            last = self.layers.stop - 1
+            for il in self.layers:
+                rows = 1 if final and il == last else None
+                y = self._layer_graph(ctx, gf, il, x, pos, masks, kv, 0, 1, rows, slots)
+                x = _ok(y, "decode layer")
+            result = self._head(ctx, x) if final else x
+            g.ggml_set_output(result)
+            g.ggml_build_forward_expand(gf, result)
+            galloc = _ok(g.ggml_gallocr_new(g.ggml_backend_cpu_buffer_type()), "gallocr")
+            if not g.ggml_gallocr_alloc_graph(galloc, gf):
+                raise ggml.GgmlCallFailed("ggml_gallocr_alloc_graph failed (out of memory?)")
+            cols = (self.vocab or 0) if final else spec.width
+            data = _ok(g.ggml_get_data(result), "decode graph output")
+            view = np.ctypeslib.as_array((ctypes.c_float * cols).from_address(data))
+        except BaseException:
+            if galloc:
+                g.ggml_gallocr_free(galloc)
+            g.ggml_free(ctx)
+            raise
+        v_base = np.arange(spec.kv_dim, dtype=np.int64) * n_ctx
+        return _DecodeGraph(
+            ctx=ctx,
+            galloc=galloc,
+            graph=gf,
+            slots=slots,
+            tokens=tokens,
+            pos=pos,
+            masks=masks,
+            result=result,
+            result_view=view,
+            pos_buf=np.zeros(1, dtype=np.int32),
+            k_buf=np.zeros(1, dtype=np.int64),
+            v_base=v_base,
+            v_buf=v_base.copy(),
+            mask_buf=np.zeros(n_ctx, dtype=np.float32),
+        )
+
+    def _free_decode_graph(self, dg: _DecodeGraph) -> None:
+        self.g.ggml_gallocr_free(dg.galloc)
+        self.g.ggml_free(dg.ctx)
 
     def _windows(self) -> list[int | None]:
         """The attention masks this stage's layers use: None = full causal, N = sliding."""
@@ -320,9 +516,12 @@ class GgmlStage(StageBase[_KvCache]):
         start: int,
         n: int,
         out_rows: int | None,
+        slots: _KvSlots | None = None,
     ) -> int | None:
         """One transformer block over x [width, n]; returns [width, n] (or [width, out_rows]
-        for the final layer, or None when no logits are wanted from this chunk)."""
+        for the final layer, or None when no logits are wanted from this chunk). With
+        ``slots`` (the reused decode graph, n = 1) K and V are written at the rows the slots'
+        inputs name and attention reads views of the whole context, resized before each run."""
         g, spec, w = self.g, self.spec, self._layer_weights[il]
         hd, n_ctx = spec.head_dim, self.config.n_ctx
         f16_row = g.ggml_row_size(GgmlType.F16, spec.kv_dim)
@@ -346,14 +545,21 @@ class GgmlStage(StageBase[_KvCache]):
             q, kq_scale = g.ggml_scale(ctx, q, spec.attn_scale), 1.0
         # write this chunk's K and V into the session cache (before the attention reads it:
         # nodes run in the order they were added)
-        k_dst = g.ggml_view_1d(ctx, kv.k[il], n * spec.kv_dim, f16_row * start)
-        g.ggml_build_forward_expand(gf, g.ggml_cpy(ctx, k, k_dst))
-        v_t = g.ggml_transpose(ctx, g.ggml_reshape_2d(ctx, v, spec.kv_dim, n))  # [n, kv_dim]
-        v_dst = g.ggml_view_2d(ctx, kv.v[il], n, spec.kv_dim, 2 * n_ctx, 2 * start)
-        g.ggml_build_forward_expand(gf, g.ggml_cpy(ctx, v_t, v_dst))
+        if slots is None:
+            k_dst = g.ggml_view_1d(ctx, kv.k[il], n * spec.kv_dim, f16_row * start)
+            g.ggml_build_forward_expand(gf, g.ggml_cpy(ctx, k, k_dst))
+            v_t = g.ggml_transpose(ctx, g.ggml_reshape_2d(ctx, v, spec.kv_dim, n))  # [n, kv_dim]
+            v_dst = g.ggml_view_2d(ctx, kv.v[il], n, spec.kv_dim, 2 * n_ctx, 2 * start)
+            g.ggml_build_forward_expand(gf, g.ggml_cpy(ctx, v_t, v_dst))
+        else:  # the same f32 -> f16 conversion, at rows given as data
+            k_row = g.ggml_reshape_2d(ctx, k, spec.kv_dim, 1)
+            g.ggml_build_forward_expand(gf, g.ggml_set_rows(ctx, kv.k[il], k_row, slots.k_rows))
+            v_all = g.ggml_reshape_2d(ctx, kv.v[il], 1, n_ctx * spec.kv_dim)
+            v_col = g.ggml_reshape_2d(ctx, v, 1, spec.kv_dim)
+            g.ggml_build_forward_expand(gf, g.ggml_set_rows(ctx, v_all, v_col, slots.v_rows))
         if out_rows == 0:
             return None
-        n_kv = start + n
+        n_kv = start + n if slots is None else n_ctx
         keys = g.ggml_view_3d(
             ctx, kv.k[il], hd, n_kv, spec.n_head_kv, f16_row, 2 * hd, 0
         )  # [hd, n_kv, n_head_kv]
@@ -363,7 +569,13 @@ class GgmlStage(StageBase[_KvCache]):
         qp = g.ggml_permute(ctx, q, 0, 2, 1, 3)  # [hd, n, n_head]
         kq = g.ggml_mul_mat(ctx, keys, qp)  # [n_kv, n, n_head]
         window = spec.sliding_window if spec.is_swa(il) else None
+        scores = kq
         kq = g.ggml_soft_max_ext(ctx, kq, masks[window], kq_scale, 0.0)
+        if slots is not None:
+            slots.add(keys, 1, False)
+            slots.add(values, 0, False)
+            slots.add(scores, 0, True)
+            slots.add(kq, 0, True)
         kqv = g.ggml_mul_mat(ctx, values, kq)  # [hd, n, n_head]
         o = g.ggml_permute(ctx, kqv, 0, 2, 1, 3)  # [hd, n_head, n]
         o = g.ggml_cont_2d(ctx, o, spec.q_dim, n)
@@ -402,4 +614,11 @@ class GgmlStage(StageBase[_KvCache]):
         return 2 * 2 * len(self.layers) * self.spec.kv_dim * self.config.n_ctx
 
     def compute_buffer_bytes(self) -> int:
-        return int(self.g.ggml_gallocr_get_buffer_size(self._galloc, 0)) if self._galloc else 0
+        """The shared graph allocator's buffer plus each session's decode graph's own."""
+        if not self._galloc:
+            return 0
+        size = int(self.g.ggml_gallocr_get_buffer_size(self._galloc, 0))
+        for s in self._sessions.values():
+            if s.state.decode is not None:
+                size += int(self.g.ggml_gallocr_get_buffer_size(s.state.decode.galloc, 0))
+        return size

@@ -49,6 +49,9 @@ class StageConfig:
     n_threads: int = 2
     n_batch: int = 512  # tokens per prefill chunk (one graph)
     max_sessions: int = 8
+    # n_threads is a cap, lowered while other processes keep cores busy (ggml engine;
+    # skippy.runtime.contention)
+    adaptive_threads: bool = False
 
     def __post_init__(self) -> None:
         for name, hi in (
@@ -137,7 +140,9 @@ class AdmissionDescriptor:
 class StageOutput:
     """``activations`` ``[tokens x width]`` f32 from a non-final stage; ``logits``
     ``[rows x vocab]`` f32 from the final stage (the last position, or every position with
-    ``all_logits``), and ``token`` when a sampler chose one."""
+    ``all_logits``), and ``token`` when a sampler chose one. A greedy ``decode`` may return the
+    token alone (logits None: the engine took the argmax); decode without a sampler for
+    logits."""
 
     activations: npt.NDArray[np.float32] | None = None
     logits: npt.NDArray[np.float32] | None = None
@@ -266,6 +271,14 @@ class StageBase(ABC, Generic[S]):
         ``start..start+n``, writing the session's KV cache. Returns activations ``[n x width]``
         for a non-final stage, or logits of the last ``out_rows`` positions (``0 <= out_rows
         <= n``; with 0 the final stage only writes its KV cache)."""
+
+    def _decode_one(
+        self, state: S, position: int, inputs: npt.NDArray[Any], *, greedy: bool
+    ) -> tuple[npt.NDArray[np.float32] | None, int | None]:
+        """One position (decode): ``(output, None)``, or ``(None, token)`` when ``greedy``
+        and the engine took the argmax itself (the first maximum, as ``Sampler``). The
+        default runs ``_forward`` and leaves sampling to the caller."""
+        return self._forward(state, position, inputs, 1), None
 
     @abstractmethod
     def _release(self, state: S) -> None: ...
@@ -398,8 +411,11 @@ class StageBase(ABC, Generic[S]):
         if x.shape[0] != 1:
             raise stage_usage(f"decode takes one position, got {x.shape[0]}", "bad_stage_input")
         s = self._session_for(session, position, 1)
-        out = self._forward(s.state, position, x, 1)
+        greedy = sampler is not None and sampler.params.greedy and self.layers.owns_output
+        out, token = self._decode_one(s.state, position, x, greedy=greedy)
         s.length = position + 1
+        if out is None:  # the engine chose the token: no logits crossed into Python
+            return StageOutput(token=token)
         return self._output(out, sampler)
 
     def _output(self, out: npt.NDArray[np.float32], sampler: Sampler | None) -> StageOutput:

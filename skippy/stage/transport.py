@@ -132,7 +132,8 @@ class Frame:
     start: int = 0
     count: int = 0
     width: int = 0
-    payload: bytes = field(default=b"", repr=False)
+    # A view of the received bytes where the frame lay whole in one immutable chunk (no copy).
+    payload: bytes | memoryview = field(default=b"", repr=False)
 
     # --- typed views of the payload ------------------------------------------------------------
     def activations(self) -> npt.NDArray[np.float32]:
@@ -150,7 +151,7 @@ class Frame:
         """(sampling, topology id) of a BEGIN frame."""
         if self.kind is not Kind.BEGIN:
             raise TransportError("not a begin frame", code="transport_wrong_kind")
-        return _check_begin(self.payload)
+        return _check_begin(bytes(self.payload))
 
 
 # --- encoding ----------------------------------------------------------------------------------
@@ -214,7 +215,7 @@ def encode_activations(
         count=count,
         width=width,
     )
-    return head + rows.tobytes()
+    return b"".join((head, rows.data.cast("B")))  # one copy of the rows
 
 
 def encode_ack(request_id: int, session_id: int, *, start: int, count: int) -> bytes:
@@ -263,9 +264,14 @@ class FrameDecoder:
     def feed(self, data: bytes | bytearray | memoryview) -> list[Frame]:
         if self._failed:
             raise _refuse("transport_failed", "the stream already failed")
-        self._buf += data
         frames: list[Frame] = []
         try:
+            if not self._buf and self._head is None and type(data) is bytes:
+                done = self._whole_frames(data, frames)
+                if done == len(data):
+                    return frames
+                data = memoryview(data)[done:]
+            self._buf += data
             while len(self._buf) >= self._need:
                 if self._head is None:
                     self._head = HEADER.unpack_from(self._buf)
@@ -280,6 +286,20 @@ class FrameDecoder:
             self._failed = True
             raise
         return frames
+
+    def _whole_frames(self, data: bytes, frames: list[Frame]) -> int:
+        """Append the frames lying wholly in ``data`` (immutable: payloads are views of it,
+        not copies; a decode step's activations then reach the stage with no copy before
+        ggml's own); return where the rest begins."""
+        view, off, size = memoryview(data), 0, len(data)
+        while size - off >= HEADER_BYTES:
+            head = HEADER.unpack_from(data, off)
+            end = off + HEADER_BYTES + self._payload_size(head)
+            if end > size:
+                break
+            frames.append(self._frame(head, view[off + HEADER_BYTES : end]))
+            off = end
+        return off
 
     def eof(self) -> None:
         """The stream ended: refuse a frame cut short."""
@@ -342,11 +362,11 @@ class FrameDecoder:
             raise _refuse("transport_bad_count", f"a {kind.name} frame carries no tokens")
         return 0
 
-    def _frame(self, head: tuple[int, ...], payload: bytes) -> Frame:
+    def _frame(self, head: tuple[int, ...], payload: bytes | memoryview) -> Frame:
         _v, kind, phase, flags, rid, sid, start, count, width, _r = head
         frame = Frame(Kind(kind), rid, sid, Phase(phase), Flag(flags), start, count, width, payload)
         if frame.kind is Kind.BEGIN:
-            _check_begin(payload)
+            _check_begin(bytes(payload))
         return frame
 
 
