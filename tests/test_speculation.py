@@ -129,7 +129,7 @@ def test_ngram_cache_drafts_only_seen_continuations(history: list[int], lo: int,
     seen = {tuple(history[i - n : i + 1]) for n in range(lo, 5) for i in range(n, len(history))}
     context = list(history)
     for token in draft:  # each drafted token followed its context's n-gram somewhere
-        assert any(tuple([*context[len(context) - n:], token]) in seen for n in range(lo, 5))
+        assert any(tuple([*context[len(context) - n :], token]) in seen for n in range(lo, 5))
         context.append(token)
 
 
@@ -273,3 +273,125 @@ def test_a_plan_the_runtime_cannot_execute_is_refused() -> None:
     with pytest.raises(UsageError) as err:
         generate_speculative(None, [1], max_tokens=1, plan=mtp)  # type: ignore[arg-type]
     assert err.value.code == "speculation_unsupported"
+
+
+# --- packages declare it, run executes it --------------------------------------------------------
+SUFFIX_DECL = (
+    "ngram-suffix:ngram_min=3,ngram_max=16,max_proposal_tokens=8,window=adaptive,max_window=8"
+)
+CACHE_DECL = "ngram-cache:ngram_min=1,ngram_max=3,max_proposal_tokens=4"
+PROMPT = "Ω"  # the synthetic vocabulary encodes little text (tests/test_run_hub.py)
+
+
+def _cli(capsys: pytest.CaptureFixture[str], *args: object) -> tuple[int, str]:
+    from skippy.cli import main
+
+    rc = main([str(a) for a in args])
+    return rc, capsys.readouterr().out
+
+
+def _write(
+    capsys: pytest.CaptureFixture[str], src: Path, out: Path, *extra: str
+) -> tuple[int, str]:
+    return _cli(
+        capsys,
+        "write-package",
+        src,
+        "--out-dir",
+        out,
+        "--model-id",
+        "acme/tiny-GGUF:Q8_0",
+        "--source-revision",
+        "0123abc",
+        "--source-file",
+        src.name,
+        *extra,
+    )
+
+
+def test_write_package_declares_ngram_strategies(
+    synth_dir, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    from skippy.generation import parse_generation
+
+    rc, _ = _write(
+        capsys,
+        synth_dir.llama,
+        tmp_path / "p",
+        "--speculative",
+        SUFFIX_DECL,
+        "--speculative",
+        CACHE_DECL,
+        "--speculative-default",
+        "ngram-cache",
+    )
+    assert rc == 0
+    gen = json.loads((tmp_path / "p" / "model-package.json").read_text())["generation"]
+    sd = parse_generation(gen, layer_count=4).speculative
+    assert sd is not None and sd.default == "ngram-cache"
+    suffix_strategy = sd.strategies["ngram-suffix"]
+    assert suffix_strategy.source == suffix(3, 16, 8)
+    assert suffix_strategy.window == WindowPolicy(
+        mode="adaptive", initial_window=8, min_window=1, max_window=8
+    )
+    assert sd.strategies["ngram-cache"].source == cache(1, 3, 4)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--speculative", "ngram-cache:ngram_min=1,ngram_max=5,max_proposal_tokens=4"],  # > 4
+        ["--speculative", "ngram-suffix:ngram_min=2,ngram_max=8,max_proposal_tokens=4"],  # < 3
+        ["--speculative", "ngram-suffix:ngram_min=3,ngram_max=8"],  # no max_proposal_tokens
+        ["--speculative", "ngram-suffix:ngram_min=3,ngram_max=8,max_proposal_tokens=4,x=1"],
+        ["--speculative", "native-mtp:layer_indices=3"],
+        ["--speculative", SUFFIX_DECL],  # no default asked for: none is invented
+        ["--speculative", SUFFIX_DECL, "--speculative-default", "ngram-cache"],  # undeclared
+    ],
+)
+def test_write_package_refuses_a_bad_declaration_and_writes_nothing(
+    synth_dir, tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str]
+) -> None:
+    import json
+
+    rc, out = _write(capsys, synth_dir.llama, tmp_path / "p", *extra, "--json")
+    assert rc == 2 and json.loads(out)["error"]["code"] == "invalid_speculative_declaration"
+    assert not (tmp_path / "p" / "model-package.json").exists()
+
+
+@pytest.mark.llama
+def test_run_speculative_prints_the_same_text_with_acceptance(
+    synth_dir, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue #22 "Done when": run --stages 3 --speculative-strategy ngram-suffix prints the same
+    text as without speculation, plus the drafts accepted."""
+    import json
+
+    _need_ggml()
+    monkeypatch.setenv("SKIPPY_VERIFY_PACKAGE_SHA", "0")
+    pkg = tmp_path / "p"
+    decl = ["--speculative", SUFFIX_DECL, "--speculative", CACHE_DECL]
+    assert (
+        _write(capsys, synth_dir.llama, pkg, *decl, "--speculative-default", "ngram-suffix")[0] == 0
+    )
+    base = ["run", pkg, "--engine", "ggml", "--stages", 3, "--threads", 1, "--prompt", PROMPT]
+    base += ["--max-tokens", 40]
+    runs = {}
+    for strategy in ("disabled", "ngram-suffix", "ngram-cache"):
+        rc, out = _cli(capsys, *base, "--speculative-strategy", strategy, "--json")
+        assert rc == 0
+        runs[strategy] = json.loads(out)
+    plain = runs["disabled"]
+    assert "proposed_tokens" not in plain["speculative"]
+    for strategy in ("ngram-suffix", "ngram-cache"):
+        data = runs[strategy]
+        assert (data["tokens"], data["completion"]) == (plain["tokens"], plain["completion"])
+        s = data["speculative"]
+        assert s["strategy"] == strategy and s["mode"] == strategy
+        assert s["verify_passes"] > 0 and 0 < s["accepted_tokens"] <= s["proposed_tokens"]
+    rc, text = _cli(capsys, *base)  # auto: the package default, ngram-suffix
+    first, stats, summary = text.splitlines()[:3]
+    assert rc == 0 and first == PROMPT + plain["completion"] and "3 stages" in stats
+    assert summary.startswith("[speculative ngram-suffix: ") and "verify passes]" in summary

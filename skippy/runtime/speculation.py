@@ -33,10 +33,11 @@ from skippy.generation.proposers import VerifyWindow, make_proposer
 from skippy.runtime.boundary import Generation, StopReason
 from skippy.runtime.chain import DEFAULT_SESSION, StageChain, check_generation_request
 from skippy.runtime.sampling import Sampler, SamplingParams
+from skippy.runtime.stage import SPECULATIVE_MODES
 
 # Plan modes this runtime executes; the others (native-mtp needs NextN tensors, none here)
 # keep the logged fallback to plain decoding (spec "Generation Defaults").
-EXECUTABLE_MODES: Final = frozenset({"ngram-cache", "ngram-suffix"})
+EXECUTABLE_MODES: Final = SPECULATIVE_MODES
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,9 @@ ACTIVATION_DTYPE: Final = "f32"
 Engine = Literal["ggml", "numpy"]
 MAX_SESSION_ID_CHARS: Final = 128
 _SESSION_ID_RE = re.compile(r"\A[\x21-\x7e]{1,128}\Z")  # printable ASCII, no spaces
+# Speculation plan modes a chain of these stages executes (``skippy.runtime.speculation``);
+# others (native-mtp: no NextN runtime here) get the logged fallback to plain decoding.
+SPECULATIVE_MODES: Final = frozenset({"ngram-cache", "ngram-suffix"})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -224,7 +227,9 @@ class StageBase(ABC, Generic[S]):
             )
         self.spec = spec
         self.layers = stage.layers
-        log_speculation_fallback(stage, log, f"the {self.engine} stage runtime")
+        log_speculation_fallback(
+            stage, log, f"the {self.engine} stage runtime", executable=SPECULATIVE_MODES
+        )
         self.vocab = self.weights.vocab
         self._sessions: dict[str, _Session[S]] = {}
         self.descriptor = AdmissionDescriptor(
