@@ -113,6 +113,14 @@ def register(sub: Any) -> None:
         metavar="S",
         help="auto, mtp, disabled, or a strategy id the package declares (overrides --config)",
     )
+    p.add_argument(
+        "--speculative-verify",
+        choices=("exact", "batched"),
+        default="exact",
+        help="how the stage runtime verifies a draft: exact (one-position steps, the tokens of "
+        "plain decoding bit for bit; default) or batched (one multi-row graph per stage: less "
+        "compute, but a near-tie may flip a token; docs/generation.md)",
+    )
     add_json_flag(p)
     p.set_defaults(handler=cmd_run)
 
@@ -279,7 +287,13 @@ def cmd_run(args: argparse.Namespace) -> CommandResult:
         ]
         runner.load(loads, package_ref=prepared.package.display)
         prompt_ids = runner.tokenize(args.prompt)
-        gen = runner.generate(prompt_ids, max_tokens=args.max_tokens, sampling=sampling, plan=plan)
+        gen = runner.generate(
+            prompt_ids,
+            max_tokens=args.max_tokens,
+            sampling=sampling,
+            plan=plan,
+            exact=args.speculative_verify == "exact",
+        )
         spec_stats = runner.speculative_stats
         stages = runner.describe()
         load_s = runner.load_s
@@ -395,6 +409,7 @@ class _Runner:
         max_tokens: int,
         sampling: SamplingParams,
         plan: SpeculativePlan | None = None,
+        exact: bool = True,
     ) -> Generation:
         """Plain decoding, or speculative decoding when the stage runtime executes ``plan``
         (the llama engine and other plan modes log their fallback when loaded)."""
@@ -405,7 +420,7 @@ class _Runner:
         chain = self._loaded_chain()
         if plan is not None and plan.mode in EXECUTABLE_MODES:
             gen, self.speculative_stats = generate_speculative(
-                chain, tokens, max_tokens=max_tokens, plan=plan, sampling=sampling
+                chain, tokens, max_tokens=max_tokens, plan=plan, sampling=sampling, exact=exact
             )
             return gen
         return chain.generate(tokens, max_tokens=max_tokens, sampling=sampling)

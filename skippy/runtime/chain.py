@@ -154,6 +154,24 @@ class StageChain:
         for s in self.stages:
             s.truncate(session, length)
 
+    def verify(
+        self, session: str, start: int, tokens: Sequence[int], *, exact: bool
+    ) -> StageOutput:
+        """Logits at every position of ``tokens`` (a verify window) from one pass through the
+        chain: as one multi-row graph per stage, or with ``exact`` as one-position steps
+        whose logits equal plain decoding's bit for bit (``Stage.decode_steps``)."""
+        if not exact:
+            return self.prefill(session, tokens, start=start, all_logits=True)
+        x: npt.NDArray[Any] = np.asarray(list(tokens), dtype=np.int64)
+        out = StageOutput()
+        for i, stage in enumerate(self.stages):
+            out = stage.decode_steps(session, start, x)
+            if i < len(self.stages) - 1:
+                if out.activations is None:
+                    raise UsageError(f"stage {i} returned no activations", code="stage_mismatch")
+                x = out.activations
+        return out
+
     def free(self, session: str) -> None:
         for s in self.stages:
             s.free(session)

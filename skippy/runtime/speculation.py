@@ -38,6 +38,9 @@ from skippy.runtime.stage import SPECULATIVE_MODES
 # Plan modes this runtime executes; the others (native-mtp needs NextN tensors, none here)
 # keep the logged fallback to plain decoding (spec "Generation Defaults").
 EXECUTABLE_MODES: Final = SPECULATIVE_MODES
+VERIFY_EXACT: Final = "exact"
+VERIFY_BATCHED: Final = "batched"
+VERIFY_MODES: Final = (VERIFY_EXACT, VERIFY_BATCHED)
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,7 @@ class SpeculativeStats:
 
     strategy: str | None
     mode: str
+    verify: str = VERIFY_EXACT  # "exact" (one-position steps) or "batched" (one graph)
     proposed_tokens: int = 0
     accepted_tokens: int = 0
     verify_passes: int = 0
@@ -59,6 +63,7 @@ class SpeculativeStats:
     def to_dict(self) -> dict[str, Any]:
         return {
             "strategy": self.strategy,
+            "verify": self.verify,
             "proposed_tokens": self.proposed_tokens,
             "accepted_tokens": self.accepted_tokens,
             "verify_passes": self.verify_passes,
@@ -70,8 +75,9 @@ class SpeculativeStats:
     def summary(self) -> str:
         rate = f" ({self.acceptance:.0%})" if self.acceptance is not None else ""
         return (
-            f"speculative {self.strategy}: {self.accepted_tokens}/{self.proposed_tokens} drafted "
-            f"tokens accepted{rate} in {self.verify_passes} verify passes"
+            f"speculative {self.strategy} ({self.verify} verify): {self.accepted_tokens}/"
+            f"{self.proposed_tokens} drafted tokens accepted{rate} in {self.verify_passes} "
+            "verify passes"
         )
 
 
@@ -103,8 +109,14 @@ def generate_speculative(
     plan: SpeculativePlan,
     sampling: SamplingParams | None = None,
     session: str = DEFAULT_SESSION,
+    exact: bool = True,
 ) -> tuple[Generation, SpeculativeStats]:
-    """``StageChain.generate`` with ``plan``'s N-gram proposer and verify window."""
+    """``StageChain.generate`` with ``plan``'s N-gram proposer and verify window.
+
+    ``exact`` (the default) verifies with one-position steps per stage, whose logits are
+    plain decoding's bit for bit, so the tokens are identical by construction; without it a
+    window is one multi-row graph per stage (cheaper compute, and the same tokens unless a
+    near-tie flips: module doc)."""
     if plan.mode not in EXECUTABLE_MODES or plan.ngram is None or plan.window is None:
         raise UsageError(
             f"speculative mode {plan.mode!r} is not executable by the stage runtime",
@@ -151,7 +163,7 @@ def generate_speculative(
                 emitted = [chain.decode(session, position, pending, sampler=sampler).token]
                 position, steps = position + 1, steps + 1
                 continue
-            result = chain.prefill(session, [pending, *draft], start=position, all_logits=True)
+            result = chain.verify(session, position, [pending, *draft], exact=exact)
             if result.logits is None:
                 raise UsageError("the last stage returned no logits", code="stage_mismatch")
             emitted = list(accept_draft(result.logits, draft, sampler.sample))
@@ -175,6 +187,7 @@ def generate_speculative(
     stats = SpeculativeStats(
         strategy=plan.strategy_id,
         mode=plan.mode,
+        verify=VERIFY_EXACT if exact else VERIFY_BATCHED,
         proposed_tokens=proposed,
         accepted_tokens=accepted,
         verify_passes=passes,

@@ -172,6 +172,8 @@ class Stage(Protocol):
         sampler: Sampler | None = None,
     ) -> StageOutput: ...
 
+    def decode_steps(self, session: str, start: int, inputs: npt.NDArray[Any]) -> StageOutput: ...
+
     def session_length(self, session: str) -> int: ...
 
     def truncate(self, session: str, length: int) -> None: ...
@@ -406,6 +408,25 @@ class StageBase(ABC, Generic[S]):
         out = self._forward(s.state, position, x, 1)
         s.length = position + 1
         return self._output(out, sampler)
+
+    def decode_steps(self, session: str, start: int, inputs: npt.NDArray[Any]) -> StageOutput:
+        """Each of ``inputs`` as its own one-position ``decode`` step, from ``start`` on, and
+        every step's output stacked (activations, or logits ``[n x vocab]``). The graphs are
+        exactly those of ``decode``, so the outputs equal n ``decode`` calls bit for bit: an
+        exact verify window (``skippy.runtime.speculation``). A multi-row ``prefill`` is
+        cheaper but not batch-invariant (different matmul shapes sum in another order)."""
+        self._loaded()
+        x = self.check_inputs(inputs)
+        n = int(x.shape[0])
+        s = self._session_for(session, start, n)
+        outs: list[npt.NDArray[np.float32]] = []
+        for i in range(n):
+            outs.append(self._forward(s.state, start + i, x[i : i + 1], 1))
+            s.length = start + i + 1
+        out = np.concatenate(outs)
+        return (
+            StageOutput(activations=out) if not self.layers.owns_output else StageOutput(logits=out)
+        )
 
     def _output(self, out: npt.NDArray[np.float32], sampler: Sampler | None) -> StageOutput:
         if not self.layers.owns_output:
