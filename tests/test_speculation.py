@@ -212,7 +212,7 @@ requests = st.fixed_dictionaries(
 @pytest.mark.llama
 @pytest.mark.parametrize("name", list(CHAINS))
 @settings(
-    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(req=requests)
 def test_speculative_output_equals_plain_decoding(
@@ -422,3 +422,21 @@ def test_run_speculative_prints_the_same_text_with_acceptance(
         summary.startswith("[speculative ngram-suffix (exact verify): ")
         and "verify passes]" in summary
     )
+
+
+def test_skippy_quantize_declares_ngram_strategies_too(hp_models, tmp_path: Path, capsys) -> None:
+    import json
+
+    from skippy.quantize_cli import main as quantize_main
+
+    out = tmp_path / "q"
+    prov = ["--model-id", "acme/tiny:Q8_0", "--source-revision", "0123abc", "--source-file", "m"]
+    argv = ["quantize-layer-package", str(hp_models.f32), "--out-dir", str(out), "--type", "q8_0"]
+    decl = ["--speculative", CACHE_DECL, "--speculative-default", "ngram-cache", "--json"]
+    assert quantize_main([*argv, *prov, *decl]) == 0
+    capsys.readouterr()
+    sd = json.loads((out / "model-package.json").read_text())["generation"]["speculative_decoding"]
+    assert sd["default"] == "ngram-cache" and sd["proposers"]["ngram-cache"]["ngram_max"] == 3
+    bad = ["--speculative", "ngram-cache:ngram_min=1", "--json"]
+    assert quantize_main([*argv, *prov, "--overwrite", *bad]) == 2
+    assert json.loads(capsys.readouterr().out)["error"]["code"] == "invalid_speculative_declaration"
