@@ -60,14 +60,14 @@ class NgramCacheProposer:
 
     def extend(self, tokens: Iterable[int]) -> None:
         h = self.history
-        for token in tokens:
-            end = len(h)  # the follower's position
+        for raw in tokens:
+            token, end = int(raw), len(h)  # end: the follower's position
             for n, table in self._followers.items():
                 if end >= n:
                     counts = table.setdefault(tuple(h[end - n : end]), {})
                     count, _ = counts.get(token, (0, 0))
                     counts[token] = (count + 1, end)
-            h.append(int(token))
+            h.append(token)
 
     def _next(self, context: Sequence[int]) -> int | None:
         for n in range(self.source.ngram_max, self.source.ngram_min - 1, -1):
