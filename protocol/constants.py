@@ -67,6 +67,7 @@ BIT_CONTROL: Final = "control"
 BIT_STATUS: Final = "status"
 BIT_CONTENT_IDENTITY: Final = "content-identity"
 BIT_ARTIFACT_TRANSFER: Final = "artifact-transfer"
+BIT_VERIFY_WINDOW: Final = "verify-window"  # issue #22: transport phase verify (speculation)
 STAGE_BUNDLE: Final = frozenset({BIT_CONTROL, BIT_STATUS, BIT_CONTENT_IDENTITY})
 
 # --- message generations -----------------------------------------------------------------------

@@ -35,6 +35,7 @@ from mesh_node.serving.generator import (
 from mesh_node.serving.host import StageHost, hop_summary
 from mesh_node.serving.routes import RouteManager, SplitNotReady
 from skippy.config import ServingSettings
+from skippy.generation import SpeculativePlan
 from skippy.package.plan import ModelSizes
 from skippy.runtime.tokenizer import LlamaTokenizer
 
@@ -100,6 +101,7 @@ class SplitServer:
         sizes: ModelSizes,
         model_name: str,
         stages: int | None = None,
+        speculative: SpeculativePlan | None = None,
     ) -> None:
         self.node = node
         self.host = host
@@ -114,7 +116,7 @@ class SplitServer:
             sizes=sizes,
             stages=stages,
         )
-        self.generator = Generator(node, host, settings, self.routes)
+        self.generator = Generator(node, host, settings, self.routes, speculative=speculative)
         self.stats = ServingStats()
         self._slots = trio.Semaphore(settings.max_sessions)
         self.hops = host.hops
