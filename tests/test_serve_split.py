@@ -396,6 +396,39 @@ async def test_speculative_windows_across_the_split_give_plain_decodings_tokens(
             assert spec.accepted_tokens <= spec.proposed_tokens
             accepted.append(spec.accepted_tokens)
         assert accepted[0] > 0  # greedy (sampling this random model rarely repeats itself)
+        # counted in the node's metrics and shown on the status page (text form here)
+        from mesh_node.peers import render_serving
+
+        counters = sp.nodes[0].metrics.speculative
+        assert counters["accepted"] == sum(accepted) and counters["verify_passes"] > 0
+        status = sp.server.status()
+        assert status["speculative_strategy"] == "ngram-cache"
+        assert status["speculative"] == counters
+        assert any(
+            line.startswith("  speculative ngram-cache: accepted")
+            for line in render_serving(status)
+        )
         await wait_for(
             lambda: all(h.loaded is not None and not h.loaded.stage.sessions for h in sp.hosts)
         )
+
+
+def test_serve_resolves_the_packages_declared_strategy(synth_dir, tmp_path: Path) -> None:
+    """mesh-node serve's plan: --speculative-strategy, then the config, against the package's
+    declared strategies (skippy's resolver); an undeclared one is refused."""
+    from mesh_node.packages import package_speculation
+    from skippy.errors import UsageError
+    from skippy.generation import load_speculative_overrides
+
+    pkg = tmp_path / "pkg"
+    decl = "ngram-suffix:ngram_min=3,ngram_max=8,max_proposal_tokens=4,window=fixed,max_window=4"
+    make_package(synth_dir.llama, pkg, speculative=(decl,), speculative_default="ngram-suffix")
+    node = settings(tmp_path, "n0", serving=SERVING)
+    plan = package_speculation(node, str(pkg), None, None)
+    assert (plan.mode, plan.window.max_window if plan.window else None) == ("ngram-suffix", 4)
+    overrides = load_speculative_overrides({"speculative": {"strategy": "disabled"}})
+    assert package_speculation(node, str(pkg), overrides, None).mode == "disabled"
+    assert package_speculation(node, str(pkg), overrides, "auto").mode == "ngram-suffix"
+    with pytest.raises(UsageError) as err:
+        package_speculation(node, str(pkg), None, "ngram-cache")
+    assert err.value.code == "undeclared_speculative_strategy"

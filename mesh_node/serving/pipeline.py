@@ -140,6 +140,9 @@ class SplitServer:
     def status(self) -> dict[str, Any]:
         return {
             "model": self.model_name,
+            "speculative_strategy": (
+                self.generator.speculative.strategy_id if self.generator.speculative else None
+            ),
             **self.routes.status(),
             **self.node.metrics.serving_status(),
             **self.stats.to_dict(),
@@ -175,6 +178,10 @@ class SplitServer:
                 st.in_flight -= 1
                 self._slots.release()
             st.failovers_total += result.failovers
+            if result.verify_passes:
+                self.node.metrics.speculation(
+                    result.proposed_tokens, result.accepted_tokens, result.verify_passes
+                )
             st.recent.append(result)
             return result
 
