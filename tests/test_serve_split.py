@@ -365,7 +365,7 @@ def _ngram_plan() -> Any:
 
 @pytest.mark.parametrize("stages", [3, 1])
 async def test_speculative_windows_across_the_split_give_plain_decodings_tokens(
-    packages: dict[str, Path], tmp_path: Path, stages: int
+    packages: dict[str, Path], tmp_path: Path, stages: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Verify windows cross every link as one frame (exact one-position steps per stage); the
     final stage accepts and returns the committed tokens; greedy and seeded sampling give the
@@ -376,6 +376,11 @@ async def test_speculative_windows_across_the_split_give_plain_decodings_tokens(
     async with split(tmp_path, pkg, stages=stages) as sp:
         gen = sp.server.generator
         accepted: list[int] = []
+        greedy_plain: list[int] = []
+
+        async def emit_none(token: int) -> bool:
+            return False
+
         for sampling in (t.Sampling(), t.Sampling(temperature=0.9, top_k=20, seed=11)):
             params = GenerationParams(max_tokens=24, sampling=sampling)
             runs = []
@@ -391,6 +396,8 @@ async def test_speculative_windows_across_the_split_give_plain_decodings_tokens(
                 assert result.tokens == out
                 runs.append(result)
             plain, spec = runs
+            if sampling.temperature == 0:
+                greedy_plain = plain.tokens
             assert spec.tokens == plain.tokens and spec.stop_reason == plain.stop_reason
             assert plain.verify_passes == 0 and spec.verify_passes > 0
             assert spec.accepted_tokens <= spec.proposed_tokens
@@ -408,6 +415,23 @@ async def test_speculative_windows_across_the_split_give_plain_decodings_tokens(
             line.startswith("  speculative ngram-cache: accepted")
             for line in render_serving(status)
         )
+        if stages > 1:  # a stage that does not advertise verify-window: plain decoding
+            from dataclasses import replace
+
+            real_peer = sp.nodes[0].peer
+            last = sp.server.route.node_ids[-1] if sp.server.route else ""
+
+            def without_bit(node_id: str) -> Any:
+                info = real_peer(node_id)
+                if info is None or node_id != last:
+                    return info
+                bits = info.features[pc.FEATURE_SKIPPY_STAGE]
+                kept = tuple(b for b in bits if b != pc.BIT_VERIFY_WINDOW)
+                return replace(info, features={pc.FEATURE_SKIPPY_STAGE: kept})
+
+            monkeypatch.setattr(sp.nodes[0], "peer", without_bit)
+            result = await sp.server.generate(prompt, GenerationParams(max_tokens=24), emit_none)
+            assert result.verify_passes == 0 and result.tokens == greedy_plain
         await wait_for(
             lambda: all(h.loaded is not None and not h.loaded.stage.sessions for h in sp.hosts)
         )
