@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -39,6 +40,12 @@ PROMPTS = {
     "non-repetitive": "Write a short story about a lighthouse keeper who finds a message",
 }
 MODES = ("plain", "exact", "batched")
+SUFFIX_DECLARATION = (
+    "ngram-suffix:ngram_min=3,ngram_max=16,max_proposal_tokens=8,window=adaptive,"
+    "initial_window=4,min_window=1,max_window=8"
+)
+WAN_RTTS_MS = (0, 20)
+WAN_TOKENS = 48
 
 
 def _child(*args: str) -> dict[str, Any]:
@@ -56,7 +63,102 @@ def _child(*args: str) -> dict[str, Any]:
     return result
 
 
+def _spec_package(ctx: BenchContext) -> Path:
+    """gemma3-270m as a package declaring ngram-suffix (adaptive window) as its default."""
+    from skippy.constants import MANIFEST_NAME
+    from skippy.produce.write_package import WriteOptions, local_provenance, write_package
+
+    pkg = ctx.work / "pkg-gemma3-ngram-suffix"
+    if not (pkg / MANIFEST_NAME).exists():
+        prov = local_provenance(
+            model_id="bench/model-GGUF:Q",
+            source_repo=None,
+            source_revision="r",
+            source_file=ctx.gemma.name,
+        )
+        opts = WriteOptions(
+            out_dir=pkg,
+            provenance=prov,
+            overwrite=True,
+            speculative=(SUFFIX_DECLARATION,),
+            speculative_default="ngram-suffix",
+        )
+        write_package(ctx.gemma, opts)
+    return pkg
+
+
+async def _wan_lab(ctx: BenchContext, pkg: Path, strategy: str) -> dict[int, Any]:
+    """Decode tok/s through a 3-node lab split at each RTT, serving with ``strategy``."""
+    import shutil
+
+    import trio
+    from bench_serve import _complete  # type: ignore[import-not-found]
+    from servetools import wait_ready  # type: ignore[import-not-found]
+
+    from mesh_node.lab.netem import LinkSpec, LinkTable
+    from mesh_node.lab.run import LAB_NODE_CONFIG, LabOptions, open_lab
+
+    root = ctx.work / f"spec-wan-{strategy}"
+    shutil.rmtree(root, ignore_errors=True)
+    config = {**LAB_NODE_CONFIG, "speculative": {"strategy": strategy}}
+    options = LabOptions(
+        nodes=3,
+        package=str(pkg),
+        transfer="open",
+        root=root,
+        links=LinkTable(),
+        serve=True,
+        node_overrides={0: config},
+    )
+    out: dict[int, Any] = {}
+    async with open_lab(options) as lab:
+        api, _, _ = await lab.start_serving()
+        assert lab.netem is not None
+        await trio.to_thread.run_sync(wait_ready, api, 600)
+        for rtt_ms in WAN_RTTS_MS:
+            lab.netem.set_links(LinkTable(LinkSpec(rtt_s=rtt_ms / 1000)))
+            await trio.sleep(2 * rtt_ms / 1000 + 0.5)
+            rates = []
+            for _ in range(ctx.runs):
+                d = await trio.to_thread.run_sync(_complete, api, PROMPTS["repetitive"], WAN_TOKENS)
+                n = d["usage"]["completion_tokens"]
+                rates.append((n - 1) / d["timings"]["decode_s"])
+            docs = await lab.cluster.statuses()
+            serving = next((doc.get("serving") for doc in docs if doc and doc.get("serving")), {})
+            out[rtt_ms] = {"rates": rates, "speculative": (serving or {}).get("speculative")}
+    return out
+
+
+def wan_rows(ctx: BenchContext) -> list[Row]:
+    """Serve across a 3-node lab split at emulated RTTs: plain vs ngram-suffix windows."""
+    import trio
+
+    pkg = _spec_package(ctx)
+    plain = trio.run(_wan_lab, ctx, pkg, "disabled")
+    spec = trio.run(_wan_lab, ctx, pkg, "auto")
+    out: list[Row] = []
+    for rtt_ms in WAN_RTTS_MS:
+        p, s = plain[rtt_ms]["rates"], spec[rtt_ms]["rates"]
+        c = spec[rtt_ms]["speculative"] or {}
+        ratio = statistics.median(s) / statistics.median(p)
+        out.append(
+            (
+                "gemma3",
+                f"serve 3-node lab split, {rtt_ms} ms RTT, repetitive: decode plain / "
+                "ngram-suffix windows",
+                f"{spread(p, fmt='{:.1f}')} / {spread(s, fmt='{:.1f}')} tok/s",
+                f"{ratio:.2f}x (goal >= 1.5 at 20 ms); accepted {c.get('accepted')} of "
+                f"{c.get('proposed')} in {c.get('verify_passes')} windows (all runs, cumulative)",
+            )
+        )
+    return out
+
+
 def rows(ctx: BenchContext) -> list[Row]:
+    return local_rows(ctx) + wan_rows(ctx)
+
+
+def local_rows(ctx: BenchContext) -> list[Row]:
     pkg = gemma_package(ctx)
     data = _child(str(pkg), str(ctx.runs))
     out: list[Row] = []

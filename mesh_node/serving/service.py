@@ -19,6 +19,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -73,6 +74,13 @@ class ServeOptions:
     speculative_strategy: str | None = None
 
 
+def _config_speculation(path: Path | None) -> SpeculativeOverrides | None:
+    """The node TOML's ``[speculative]`` tables (a ``serve`` control operation names none)."""
+    from skippy.config import load_node_config
+
+    return load_node_config(path).speculative if path is not None and path.is_file() else None
+
+
 def log_serving_speculation(plan: SpeculativePlan) -> None:
     """Say what serving does with the plan: execute it, or fall back to plain decoding with
     the reason (spec "Generation Defaults": one structured line)."""
@@ -95,7 +103,7 @@ def log_serving_speculation(plan: SpeculativePlan) -> None:
 
 def serve_options(request: dict[str, Any]) -> ServeOptions:
     """The control operation ``serve``: ``{"op": "serve", "package": REF, "stages": N|null,
-    "http": "[HOST:]PORT", "model_name": NAME|null}``."""
+    "http": "[HOST:]PORT", "model_name": NAME|null, "speculative_strategy": S|null}``."""
     from skippy.config import parse_http_bind
 
     package, stages = request.get("package"), request.get("stages")
@@ -107,7 +115,16 @@ def serve_options(request: dict[str, Any]) -> ServeOptions:
     if name is not None and not isinstance(name, str):
         raise UsageError("model_name must be a string")
     http = parse_http_bind(request.get("http", "127.0.0.1:0"), "http")
-    return ServeOptions(package=package, stages=stages, http=http, model_name=name)
+    strategy = request.get("speculative_strategy")
+    if strategy is not None and not isinstance(strategy, str):
+        raise UsageError("speculative_strategy must be a string")
+    return ServeOptions(
+        package=package,
+        stages=stages,
+        http=http,
+        model_name=name,
+        speculative_strategy=strategy,
+    )
 
 
 class Serving:
@@ -224,7 +241,7 @@ class Serving:
                 package_speculation,
                 self.node.settings,
                 ref,
-                options.speculative,
+                options.speculative or _config_speculation(self.node.settings.config_path),
                 options.speculative_strategy,
             )
             log_serving_speculation(plan)
