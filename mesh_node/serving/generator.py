@@ -323,9 +323,18 @@ class Generator:
                 position = steps[-1].end  # where the pending (newest) token goes
                 first = True
                 td = tp
-                drafted = 0  # drafts in the window in flight (0: a plain decode step)
+                draft: list[int] = []  # the drafts of the window in flight ([]: a decode)
+                drafted = 0
                 while True:
                     batch = await self._next_tokens(recv_tokens)
+                    if not first and not accepts(draft, batch):
+                        raise _RouteBroken(
+                            t.TransportError(
+                                f"the final stage returned {len(batch)} tokens for a window of "
+                                f"{len(draft)} drafts that they do not continue",
+                                code="transport_unexpected",
+                            )
+                        )
                     now = time.perf_counter()
                     if first:
                         if not result.tokens:
@@ -460,6 +469,12 @@ class Generator:
                 session.tokens.send_nowait(with_error)
             if isinstance(with_error, t.TransportError):
                 inbound.stream.reset(with_error.code, with_error.message[:200])
+
+
+def accepts(draft: list[int], batch: list[int]) -> bool:
+    """Whether ``batch`` can answer a pass that carried ``draft``: an agreeing prefix of the
+    drafts plus one token of the target's (a plain decode: exactly one token)."""
+    return 1 <= len(batch) <= len(draft) + 1 and batch[:-1] == draft[: len(batch) - 1]
 
 
 async def _watch_acks(sender: ChainSender) -> None:
