@@ -418,11 +418,14 @@ class StageBase(ABC, Generic[S]):
         self._loaded()
         x = self.check_inputs(inputs)
         n = int(x.shape[0])
-        s = self._session_for(session, start, n)
+        self._session_for(session, start, n)  # the whole window fits, before any step runs
         outs: list[npt.NDArray[np.float32]] = []
-        for i in range(n):
-            outs.append(self._forward(s.state, start + i, x[i : i + 1], 1))
-            s.length = start + i + 1
+        for i in range(n):  # through decode itself, so the steps follow whatever it runs
+            step = self.decode(session, start + i, x[i : i + 1])
+            row = step.logits if self.layers.owns_output else step.activations
+            if row is None:
+                raise stage_usage("a decode step returned no output", "stage_mismatch")
+            outs.append(row)
         out = np.concatenate(outs)
         return (
             StageOutput(activations=out) if not self.layers.owns_output else StageOutput(logits=out)
