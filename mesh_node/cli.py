@@ -147,11 +147,16 @@ def cmd_serve(args: argparse.Namespace) -> CommandResult:
         raise UsageError("--stages must be at least 1", code="usage")
     settings, identity = _node_settings(args)
     assert settings.http is not None  # --http has a default (typing)
+    from skippy.config import load_node_config
+
     options = ServeOptions(
         package=args.package,
         stages=args.stages,
         http=settings.http,
         model_name=args.model_name,
+        # issue #22: [speculative] and model entries of the same config, and the CLI's choice
+        speculative=load_node_config(Path(args.config)).speculative,
+        speculative_strategy=args.speculative_strategy,
     )
 
     async def main() -> None:
@@ -410,6 +415,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(config: [http] api_key_file; env: MESH_NODE_API_KEY)",
     )
     p.add_argument("--model-name", default=None, help="the model id the API answers to")
+    p.add_argument(
+        "--speculative-strategy",
+        metavar="S",
+        help="auto, mtp, disabled, or a strategy id the package declares (overrides the "
+        "config's [speculative]); ngram-cache / ngram-suffix run as verify windows",
+    )
     p = add("status", cmd_status, "ask the running node for its status")
     p.add_argument("--config", required=True)
     p = add(

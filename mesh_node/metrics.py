@@ -47,6 +47,7 @@ PREFIX = "mesh_node"
 DIRECTIONS: tuple[str, ...] = get_args(Direction)
 RequestOutcome = Literal["ok", "error", "cancelled", "rejected"]
 REQUEST_OUTCOMES: tuple[RequestOutcome, ...] = ("ok", "error", "cancelled", "rejected")
+SPECULATIVE_COUNTERS: tuple[str, ...] = ("proposed", "accepted", "verify_passes")
 OTHER_REASON = "other"  # a refusal reason outside authorize.REFUSAL_REASONS (keeps labels bounded)
 OWNER_STATUSES = ("verified", "unverified", "invalid")
 # Time to first token and whole-request latency: from a few ms (a warm short prompt) to a
@@ -122,6 +123,8 @@ class NodeMetrics:
         self.request_seconds = _Histogram(LATENCY_BUCKETS_S)
         self._recent_tokens: deque[tuple[float, int]] = deque()
         self._recent_ttft: deque[float] = deque(maxlen=RECENT_TTFT)
+        # speculative decoding (issue #22): drafted tokens proposed / accepted, verify windows
+        self.speculative: dict[str, int] = dict.fromkeys(SPECULATIVE_COUNTERS, 0)
 
     # --- artifact transfer (issue #8) ----------------------------------------------------------
     def transfer_finished(self, record: TransferRecord) -> None:
@@ -160,6 +163,13 @@ class NodeMetrics:
                     self.ttft_seconds.observe(record.first_token_s)
                     self._recent_ttft.append(record.first_token_s)
 
+    def speculation(self, proposed: int, accepted: int, verify_passes: int) -> None:
+        """One request's speculative decoding: drafted tokens proposed and accepted, windows."""
+        with self._lock:
+            self.speculative["proposed"] += proposed
+            self.speculative["accepted"] += accepted
+            self.speculative["verify_passes"] += verify_passes
+
     def _token_produced(self, n: int) -> None:
         now = self._clock()
         with self._lock:
@@ -188,6 +198,7 @@ class NodeMetrics:
                     if self._recent_ttft
                     else None
                 ),
+                "speculative": dict(self.speculative),
             }
 
     # --- prometheus_client Collector -------------------------------------------------------------
@@ -228,7 +239,22 @@ class NodeMetrics:
                 f"{PREFIX}_request_duration_seconds",
                 "Time from a request's arrival to its end",
             )
+            spec = self.speculative
+            drafted = _by_label(
+                CounterMetricFamily,
+                f"{PREFIX}_speculative_tokens",
+                "Speculative decoding: drafted tokens verified, by outcome (proposed, accepted)",
+                "kind",
+                {"proposed": spec["proposed"], "accepted": spec["accepted"]},
+            )
+            windows = CounterMetricFamily(
+                f"{PREFIX}_speculative_verify_windows",
+                "Speculative decoding: verify windows sent through the split",
+                value=spec["verify_passes"],
+            )
         return [
+            drafted,
+            windows,
             transfer_hist,
             requests,
             in_flight,

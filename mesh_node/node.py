@@ -131,6 +131,7 @@ def advertised_features(
     would serve artifacts (spec "Peer Cache Transfer": ``skippy.transfer.policy.would_serve``,
     the same decision that registers the serving handler, ``mesh_node.transfer.service``)."""
     bits = set(pc.STAGE_BUNDLE)
+    bits.add(pc.BIT_VERIFY_WINDOW)  # every stage host here runs verify windows (issue #22)
     if would_serve(node_policy(settings, identity, now_s)):
         bits.add(pc.BIT_ARTIFACT_TRANSFER)
     return {pc.FEATURE_SKIPPY_STAGE: tuple(sorted(bits))}

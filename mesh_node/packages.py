@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from skippy.config import NodeSettings, read_environment
+
+if TYPE_CHECKING:
+    from skippy.generation import SpeculativeOverrides, SpeculativePlan
 
 
 def package_identity(settings: NodeSettings, text: str) -> tuple[str, str, Any, str]:
@@ -25,3 +28,27 @@ def package_identity(settings: NodeSettings, text: str) -> tuple[str, str, Any, 
         else str(pkg.root.resolve())
     )
     return pinned, pkg.manifest_sha256, sizes_from_manifest(pkg.manifest), pkg.manifest.model_id
+
+
+def package_speculation(
+    settings: NodeSettings,
+    pinned: str,
+    overrides: SpeculativeOverrides | None,
+    strategy: str | None,
+) -> SpeculativePlan:
+    """The speculation plan for serving the package at ``pinned`` (spec "Speculative
+    Decoding"): ``--speculative-strategy``, then the config's model entry, then its global
+    ``[speculative]`` table, resolved against the package's declared strategies."""
+    from skippy.consume.resolve import open_package
+    from skippy.generation import SpeculativeSettings, parse_generation, resolve_speculative_plan
+    from skippy.package.refs import parse_package_ref
+    from skippy.package.v2_view import ManifestV2
+
+    env = replace(read_environment(), hf_cache_dir=settings.hub_cache_dir)
+    m = open_package(parse_package_ref(pinned), env).manifest
+    package = parse_generation(
+        m.speculative_block() if isinstance(m, ManifestV2) else m.generation,
+        layer_count=m.layer_count,
+    )
+    cli = SpeculativeSettings(strategy=strategy) if strategy else None
+    return resolve_speculative_plan(package=package, overrides=overrides, model=m.model_id, cli=cli)

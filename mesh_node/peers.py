@@ -235,13 +235,22 @@ def render_serving(serving: Mapping[str, Any]) -> list[str]:
     requests = serving.get("requests") or {}
     done = ", ".join(f"{k} {v}" for k, v in sorted(requests.items())) if requests else "none"
     speed = serving.get("decode_tokens_per_s")
-    return [
+    lines = [
         head,
         f"  requests in flight {serving.get('requests_in_flight', 0)}, queued "
         f"{serving.get('requests_queued', 0)}; done: {done}; failovers "
         f"{serving.get('failovers_total', 0)}; decode "
         + (f"{speed} tok/s" if speed is not None else "-"),
     ]
+    strategy = serving.get("speculative_strategy")
+    if strategy:  # issue #22
+        sp = serving.get("speculative") or {}
+        lines.append(
+            f"  speculative {peer_text(str(strategy))}: accepted {sp.get('accepted', 0)} of "
+            f"{sp.get('proposed', 0)} drafted tokens in {sp.get('verify_passes', 0)} verify "
+            "windows"
+        )
+    return lines
 
 
 def render_topology(topo: Mapping[str, Any]) -> str:

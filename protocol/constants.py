@@ -73,6 +73,7 @@ BIT_ARTIFACT_TRANSFER: Final = "artifact-transfer"
 # Issue #25: the AES-256-GCM link cipher. Announced before Noise starts, as an RFC 6455
 # WebSocket subprotocol the dialer offers and the listener selects (protocol/link_cipher.py).
 WS_SUBPROTOCOL_AESGCM: Final = "skippy-mesh-aesgcm"
+BIT_VERIFY_WINDOW: Final = "verify-window"  # issue #22: transport phase verify (speculation)
 STAGE_BUNDLE: Final = frozenset({BIT_CONTROL, BIT_STATUS, BIT_CONTENT_IDENTITY})
 
 # --- message generations -----------------------------------------------------------------------

@@ -36,6 +36,7 @@ SECTIONS: dict[str, str] = {
     "soak": "bench_soak",  # issue #18: kills and restarts under load (--soak-s)
     "delta": "bench_delta",  # issue #23: a revision changing one layer moves only that layer
     "adversary": "bench_adversary",  # issue #19: hostile peers against one `mesh-node run`
+    "speculative": "bench_speculative",  # issue #22: n-gram speculation, exact vs batched verify
 }
 
 

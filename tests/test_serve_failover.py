@@ -277,3 +277,38 @@ async def test_a_returning_node_is_planned_in_without_an_operator(
         assert healed.topology_id != route.topology_id
         assert (await _generate(server, params, _nothing)).tokens == want
         assert np.array_equal(healed.node_ids, route.node_ids)
+
+
+async def test_a_failover_under_verify_windows_continues_exactly(
+    tiny_pkg: Path, tmp_path: Path
+) -> None:
+    """Issue #22: with speculative verify windows, a stage lost mid-request is replaced and the
+    replay (one-token steps: the graphs every window step ran) ends with the tokens of plain
+    decoding."""
+    from skippy.generation import SpeculativePlan
+    from skippy.generation.schema import NgramSource, WindowPolicy
+
+    plan = SpeculativePlan(
+        mode="ngram-cache",
+        requested="ngram-cache",
+        requested_source="cli",
+        strategy_id="ngram-cache",
+        ngram=NgramSource("ngram-cache", ngram_min=1, ngram_max=3, max_proposal_tokens=4),
+        window=WindowPolicy(mode="adaptive", initial_window=3, min_window=1, max_window=4),
+    )
+    params = GenerationParams(max_tokens=3 * N)
+    async with split(tmp_path, tiny_pkg, spares=1) as (mesh, server):
+        want = (await _generate(server, params, _nothing)).tokens
+        server.generator.speculative = plan
+        undisturbed = await _generate(server, params, _nothing)
+        assert undisturbed.tokens == want and undisturbed.verify_passes > 0
+        route = server.route
+        assert route is not None
+        victim = mesh.of(route.node_ids[2])
+
+        async def on_token(count: int) -> None:
+            if count == 2 * N:
+                victim.scope.cancel()
+
+        result = await _generate(server, params, on_token)
+        assert result.tokens == want and result.failovers >= 1

@@ -353,3 +353,113 @@ async def test_a_begin_to_a_node_without_a_stage_is_refused_as_stage_not_ready(
                 pass
         assert err.value.actual == "stage_not_ready"
         n.cancel_scope.cancel()
+
+
+# --- speculative decoding across the split (issue #22) ----------------------------------------
+def _ngram_plan() -> Any:
+    from skippy.generation import SpeculativePlan
+    from skippy.generation.schema import NgramSource, WindowPolicy
+
+    return SpeculativePlan(
+        mode="ngram-cache",
+        requested="ngram-cache",
+        requested_source="cli",
+        strategy_id="ngram-cache",
+        ngram=NgramSource("ngram-cache", ngram_min=1, ngram_max=3, max_proposal_tokens=6),
+        window=WindowPolicy(mode="adaptive", initial_window=4, min_window=1, max_window=6),
+    )
+
+
+@pytest.mark.parametrize("stages", [3, 1])
+async def test_speculative_windows_across_the_split_give_plain_decodings_tokens(
+    packages: dict[str, Path], tmp_path: Path, stages: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Verify windows cross every link as one frame (exact one-position steps per stage); the
+    final stage accepts and returns the committed tokens; greedy and seeded sampling give the
+    tokens of plain decoding, with greedy drafts accepted, and every stage
+    frees the session."""
+    pkg = packages["llama"]
+    prompt = [5, 9, 17, 33, 5, 9, 17, 33, 5, 9, 17]
+    async with split(tmp_path, pkg, stages=stages) as sp:
+        gen = sp.server.generator
+        accepted: list[int] = []
+        greedy_plain: list[int] = []
+
+        async def emit_none(token: int) -> bool:
+            return False
+
+        for sampling in (t.Sampling(), t.Sampling(temperature=0.9, top_k=20, seed=11)):
+            params = GenerationParams(max_tokens=24, sampling=sampling)
+            runs = []
+            for plan in (None, _ngram_plan()):
+                gen.speculative = plan
+                out: list[int] = []
+
+                async def emit(token: int, out: list[int] = out) -> bool:
+                    out.append(token)
+                    return False
+
+                result = await sp.server.generate(prompt, params, emit)
+                assert result.tokens == out
+                runs.append(result)
+            plain, spec = runs
+            if sampling.temperature == 0:
+                greedy_plain = plain.tokens
+            assert spec.tokens == plain.tokens and spec.stop_reason == plain.stop_reason
+            assert plain.verify_passes == 0 and spec.verify_passes > 0
+            assert spec.accepted_tokens <= spec.proposed_tokens
+            accepted.append(spec.accepted_tokens)
+        assert accepted[0] > 0  # greedy (sampling this random model rarely repeats itself)
+        # counted in the node's metrics and shown on the status page (text form here)
+        from mesh_node.peers import render_serving
+
+        counters = sp.nodes[0].metrics.speculative
+        assert counters["accepted"] == sum(accepted) and counters["verify_passes"] > 0
+        status = sp.server.status()
+        assert status["speculative_strategy"] == "ngram-cache"
+        assert status["speculative"] == counters
+        assert any(
+            line.startswith("  speculative ngram-cache: accepted")
+            for line in render_serving(status)
+        )
+        if stages > 1:  # a stage that does not advertise verify-window: plain decoding
+            from dataclasses import replace
+
+            real_peer = sp.nodes[0].peer
+            last = sp.server.route.node_ids[-1] if sp.server.route else ""
+
+            def without_bit(node_id: str) -> Any:
+                info = real_peer(node_id)
+                if info is None or node_id != last:
+                    return info
+                bits = info.features[pc.FEATURE_SKIPPY_STAGE]
+                kept = tuple(b for b in bits if b != pc.BIT_VERIFY_WINDOW)
+                return replace(info, features={pc.FEATURE_SKIPPY_STAGE: kept})
+
+            monkeypatch.setattr(sp.nodes[0], "peer", without_bit)
+            result = await sp.server.generate(prompt, GenerationParams(max_tokens=24), emit_none)
+            assert result.verify_passes == 0 and result.tokens == greedy_plain
+        await wait_for(
+            lambda: all(h.loaded is not None and not h.loaded.stage.sessions for h in sp.hosts)
+        )
+
+
+def test_serve_resolves_the_packages_declared_strategy(synth_dir, tmp_path: Path) -> None:
+    """mesh-node serve's plan: --speculative-strategy, then the config, against the package's
+    declared strategies (skippy's resolver); an undeclared one is refused."""
+    from mesh_node.packages import package_speculation
+    from skippy.errors import UsageError
+    from skippy.generation import load_speculative_overrides
+
+    pkg = tmp_path / "pkg"
+    decl = "ngram-suffix:ngram_min=3,ngram_max=8,max_proposal_tokens=4,window=fixed,max_window=4"
+    make_package(synth_dir.llama, pkg, speculative=(decl,), speculative_default="ngram-suffix")
+    node = settings(tmp_path, "n0", serving=SERVING)
+    plan = package_speculation(node, str(pkg), None, None)
+    assert (plan.mode, plan.window.max_window if plan.window else None) == ("ngram-suffix", 4)
+    overrides = load_speculative_overrides({"speculative": {"strategy": "disabled"}})
+    assert package_speculation(node, str(pkg), overrides, None).mode == "disabled"
+    assert package_speculation(node, str(pkg), overrides, "auto").mode == "ngram-suffix"
+    with pytest.raises(UsageError) as err:
+        package_speculation(node, str(pkg), None, "ngram-cache")
+    assert err.value.code == "undeclared_speculative_strategy"

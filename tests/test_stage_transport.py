@@ -219,3 +219,60 @@ def test_tokens_round_trip() -> None:
     assert f.tokens() == [0, 262143] and f.start == 17
     with pytest.raises(t.TransportError):
         t.encode_tokens(3, 4, start=0, tokens=[-1])
+
+
+# --- verify windows (issue #22) ------------------------------------------------------------------
+def test_a_verify_window_round_trips_its_rows_and_token_ids() -> None:
+    rows = np.arange(3 * WIDTH, dtype=np.float32).reshape(3, WIDTH)
+    data = t.encode_verify(7, 9, start=12, activations=rows, tokens=[5, 6, 262143])
+    assert len(data) == t.HEADER_BYTES + 3 * WIDTH * 4 + 3 * 4
+    f = t.FrameDecoder(width=WIDTH).feed(data)[0]
+    assert f.phase is t.Phase.VERIFY and f.flags & t.Flag.SAMPLE and (f.start, f.count) == (12, 3)
+    assert np.array_equal(f.activations(), rows) and f.tokens() == [5, 6, 262143]
+    with pytest.raises(t.TransportError):
+        t.encode_verify(7, 9, start=0, activations=rows, tokens=[1, 2])  # one id per row
+
+
+def test_a_verify_window_without_sampling_is_refused() -> None:
+    good = t.encode_verify(
+        1, 2, start=0, activations=np.zeros((2, WIDTH), np.float32), tokens=[1, 2]
+    )
+    head = list(t.HEADER.unpack_from(good))
+    head[3] = 0  # flags
+    with pytest.raises(t.TransportError) as err:
+        t.FrameDecoder(width=WIDTH).feed(t.HEADER.pack(*head) + good[t.HEADER_BYTES :])
+    assert err.value.code == "transport_bad_flags"
+
+
+def test_after_a_verify_window_the_next_frame_may_rewind_into_it_only() -> None:
+    dec = t.FrameDecoder(width=WIDTH)
+    s = t.SessionInbound(max_positions=64)
+    s.accept(dec.feed(t.encode_begin(1, 5, width=WIDTH, sampling=SAMPLING, topology_id="x"))[0])
+    one = np.zeros((1, WIDTH), np.float32)
+
+    def frame(start: int, n: int, verify: bool) -> t.Frame:
+        acts = np.zeros((n, WIDTH), np.float32)
+        data = (
+            t.encode_verify(1, 5, start=start, activations=acts, tokens=list(range(n)))
+            if verify
+            else t.encode_activations(1, 5, phase=t.Phase.DECODE, start=start, activations=one)
+        )
+        return dec.feed(data)[0]
+
+    s.accept(
+        dec.feed(
+            t.encode_activations(
+                1, 5, phase=t.Phase.PREFILL, start=0, activations=np.zeros((10, WIDTH), np.float32)
+            )
+        )[0]
+    )
+    s.accept(frame(10, 5, True))  # positions 10..14
+    for bad in (10, 16):  # not past the window's committed token; not beyond it
+        with pytest.raises(t.TransportError) as err:
+            s.accept(frame(bad, 1, False))
+        assert err.value.code == "transport_position"
+    s.accept(frame(12, 4, True))  # two drafts accepted: rewind to 12, a new window
+    s.accept(frame(16, 1, False))  # the whole window accepted: no rewind
+    with pytest.raises(t.TransportError) as err:
+        s.accept(frame(15, 1, False))  # only right after a verify window
+    assert err.value.code == "transport_position"

@@ -37,11 +37,20 @@ from mesh_node.errors import MeshError, StreamReset, first_exception, skippy_err
 from mesh_node.link import MeshStream
 from mesh_node.node import MeshNode
 from mesh_node.peers import InboundStream
-from mesh_node.serving.host import LoadedStage, StageHost, sampler_at
+from mesh_node.serving.host import (
+    LoadedStage,
+    StageHost,
+    drop_rejected,
+    sampler_at,
+    verify_window,
+)
 from mesh_node.serving.links import ChainSender, FrameReader, HopStats
 from protocol import constants as pc
 from skippy.config import ServingSettings
 from skippy.errors import SkippyError, UsageError
+from skippy.generation import SpeculativePlan
+from skippy.generation.proposers import Proposer, VerifyWindow, make_proposer
+from skippy.runtime.speculation import EXECUTABLE_MODES
 from skippy.runtime.tokenizer import LlamaTokenizer
 from skippy.serving.replay import Step, schedule
 from skippy.stage import transport as t
@@ -111,6 +120,10 @@ class GenerationResult:
     prefill_s: float
     decode_s: float
     failovers: int = 0
+    # speculative decoding (issue #22): drafted tokens proposed / accepted, verify windows
+    proposed_tokens: int = 0
+    accepted_tokens: int = 0
+    verify_passes: int = 0
 
 
 @dataclass
@@ -118,7 +131,7 @@ class _Session:
     session_id: int
     request_id: int
     final_node: str  # the final stage of this session's route: the only one that may return
-    tokens: trio.MemorySendChannel[int | BaseException]
+    tokens: trio.MemorySendChannel[list[int] | BaseException]  # one item per TOKENS frame
 
 
 class _RouteBroken(Exception):
@@ -133,12 +146,24 @@ class Generator:
     """Runs requests over the routes a ``RouteSource`` gives (stage 0 here)."""
 
     def __init__(
-        self, node: MeshNode, host: StageHost, settings: ServingSettings, routes: RouteSource
+        self,
+        node: MeshNode,
+        host: StageHost,
+        settings: ServingSettings,
+        routes: RouteSource,
+        *,
+        speculative: SpeculativePlan | None = None,
     ) -> None:
         self.node = node
         self.host = host
         self.settings = settings
         self.routes = routes
+        # an N-gram plan to execute (issue #22); other plans decode plainly
+        self.speculative = (
+            speculative
+            if speculative is not None and speculative.mode in EXECUTABLE_MODES
+            else None
+        )
         self.hops = host.hops  # per downstream node: stage 0's hop is this node's
         self._sessions: dict[int, _Session] = {}
         host.return_handler = self.on_return
@@ -198,7 +223,13 @@ class Generator:
         name = t.session_name(session_id)
         n_ctx = loaded.facts.n_ctx
         tok = self.routes.tokenizer
-        send_tokens, recv_tokens = trio.open_memory_channel[int | BaseException](4)
+        send_tokens, recv_tokens = trio.open_memory_channel[list[int] | BaseException](4)
+        plan = self.speculative if self._route_verifies(route) else None
+        proposer = (
+            make_proposer(plan.ngram, [*prompt, *result.tokens]) if plan and plan.ngram else None
+        )
+        window = VerifyWindow(plan.window) if plan and plan.window else None
+        frame_cap = self.host.limits.tokens_per_frame(loaded.facts.width)
         self._sessions[session_id] = _Session(
             session_id, request_id, route.node_ids[-1], send_tokens
         )
@@ -229,8 +260,14 @@ class Generator:
                     x = np.asarray(step.tokens, dtype=np.int64)
                     sampler = sampler_at(params.sampling, step.end) if step.sample else None
                     decode = step.phase == "decode"
+                    verify = step.phase == "verify"
 
                     def run() -> Any:
+                        if verify:  # a speculative window: exact one-position steps
+                            return verify_window(
+                                stage, name, params.sampling, step.start, x, list(step.tokens)
+                            )
+                        drop_rejected(stage, name, step.start)
                         if decode:
                             return stage.decode(name, step.start, x, sampler=sampler)
                         return stage.prefill(name, step.start, x, sampler=sampler)
@@ -243,9 +280,27 @@ class Generator:
                             code="stage_failed",
                             actual=exc.code,
                         ) from None
+                    if verify:
+                        rows, committed = output
+                        if sender is None:  # one stage: accepted here
+                            if committed is not None:
+                                await send_tokens.send(committed)
+                            return
+                        frame = t.encode_verify(
+                            request_id,
+                            session_id,
+                            start=step.start,
+                            activations=rows,
+                            tokens=step.tokens,
+                        )
+                        try:
+                            await sender.send_activations(frame, decode=True)
+                        except MeshError as exc:
+                            raise _RouteBroken(exc) from None
+                        return
                     if sender is None:  # one stage: sampled here
                         if step.sample and output.token is not None:
-                            await send_tokens.send(int(output.token))
+                            await send_tokens.send([int(output.token)])
                         return
                     frame = t.encode_activations(
                         request_id,
@@ -265,32 +320,54 @@ class Generator:
                 steps = schedule(prompt, result.tokens, self.chunk(route))
                 for step in steps:
                     await forward(step)
-                position = steps[-1].end
+                position = steps[-1].end  # where the pending (newest) token goes
                 first = True
                 td = tp
+                draft: list[int] = []  # the drafts of the window in flight ([]: a decode)
+                drafted = 0
                 while True:
-                    token = await self._next_token(recv_tokens)
+                    batch = await self._next_tokens(recv_tokens)
+                    if not first and not accepts(draft, batch):
+                        raise _RouteBroken(
+                            t.TransportError(
+                                f"the final stage returned {len(batch)} tokens for a window of "
+                                f"{len(draft)} drafts that they do not continue",
+                                code="transport_unexpected",
+                            )
+                        )
                     now = time.perf_counter()
                     if first:
                         if not result.tokens:
                             result.ttft_s = now - t0
                         result.prefill_s += now - tp
                         td, first = now, False
-                    if tok is not None and 0 <= token < tok.n_vocab and tok.is_eog(token):
-                        result.stop_reason = "eos"
-                        break
-                    result.tokens.append(token)
-                    if await emit(token):
-                        result.stop_reason = "stop"
-                        break
-                    if len(result.tokens) >= params.max_tokens:
-                        result.stop_reason = "length"
+                    else:  # the pending token and the accepted drafts are in the KV now
+                        position += len(batch)
+                    if drafted:
+                        result.proposed_tokens += drafted
+                        result.accepted_tokens += len(batch) - 1
+                        result.verify_passes += 1
+                        if window is not None:
+                            window.update(drafted, len(batch) - 1)
+                    if await self._commit(batch, result, params, emit, tok, proposer):
                         break
                     if position >= n_ctx:
                         result.stop_reason = "context"
                         break
-                    await forward(Step("decode", position, (token,), True))
-                    position += 1
+                    token = result.tokens[-1]
+                    # never draft past the token budget, the context or one frame
+                    k = min(
+                        window.size if window is not None else 0,
+                        params.max_tokens - len(result.tokens) - 1,
+                        n_ctx - position - 1,
+                        frame_cap - 1,
+                    )
+                    draft = proposer.propose(k) if proposer is not None and k > 0 else []
+                    drafted = len(draft)
+                    if draft:
+                        await forward(Step("verify", position, (token, *draft), True))
+                    else:
+                        await forward(Step("decode", position, (token,), True))
                 result.decode_s += time.perf_counter() - td
                 if sender is not None:
                     with trio.move_on_after(self.node.timeouts.idle_s):
@@ -312,7 +389,45 @@ class Generator:
                 with trio.CancelScope(shield=True), trio.move_on_after(1.0):
                     await out.aclose()
 
-    async def _next_token(self, tokens: trio.MemoryReceiveChannel[int | BaseException]) -> int:
+    def _route_verifies(self, route: Route) -> bool:
+        """Every other node of the route takes verify windows (feature bit, issue #22)."""
+        if self.speculative is None:
+            return False
+        bit = frozenset({pc.BIT_VERIFY_WINDOW})
+        for node_id in route.node_ids[1:]:
+            info = self.node.peer(node_id)
+            if info is None or not info.has_features(pc.FEATURE_SKIPPY_STAGE, bit):
+                return False
+        return True
+
+    @staticmethod
+    async def _commit(
+        batch: list[int],
+        result: GenerationResult,
+        params: GenerationParams,
+        emit: Emit,
+        tok: LlamaTokenizer | None,
+        proposer: Proposer | None,
+    ) -> bool:
+        """Commit a pass's tokens in order; True when the request stops."""
+        for token in batch:
+            if tok is not None and 0 <= token < tok.n_vocab and tok.is_eog(token):
+                result.stop_reason = "eos"
+                return True
+            result.tokens.append(token)
+            if proposer is not None:
+                proposer.extend((token,))
+            if await emit(token):
+                result.stop_reason = "stop"
+                return True
+            if len(result.tokens) >= params.max_tokens:
+                result.stop_reason = "length"
+                return True
+        return False
+
+    async def _next_tokens(
+        self, tokens: trio.MemoryReceiveChannel[list[int] | BaseException]
+    ) -> list[int]:
         try:
             with trio.fail_after(self.settings.token_timeout_s):
                 item = await tokens.receive()
@@ -339,8 +454,7 @@ class Generator:
                     raise t.TransportError(
                         f"a {frame.kind.name} frame on a return stream", code="unknown_session"
                     )
-                for token in frame.tokens():
-                    session.tokens.send_nowait(token)
+                session.tokens.send_nowait(frame.tokens())
         except (MeshError, t.TransportError, trio.WouldBlock) as exc:
             with_error = (
                 exc
@@ -355,6 +469,12 @@ class Generator:
                 session.tokens.send_nowait(with_error)
             if isinstance(with_error, t.TransportError):
                 inbound.stream.reset(with_error.code, with_error.message[:200])
+
+
+def accepts(draft: list[int], batch: list[int]) -> bool:
+    """Whether ``batch`` can answer a pass that carried ``draft``: an agreeing prefix of the
+    drafts plus one token of the target's (a plain decode: exactly one token)."""
+    return 1 <= len(batch) <= len(draft) + 1 and batch[:-1] == draft[: len(batch) - 1]
 
 
 async def _watch_acks(sender: ChainSender) -> None:

@@ -38,6 +38,7 @@ from skippy.errors import SkippyError
 from skippy.package.topology import SplitTopology, StageAssignment
 from skippy.runtime.boundary import StageLoad
 from skippy.runtime.sampling import Sampler, SamplingParams
+from skippy.runtime.speculation import accept_draft
 from skippy.runtime.stage import Stage, StageConfig
 from skippy.stage import transport as t
 from skippy.stage.descriptor import RuntimeFacts
@@ -382,6 +383,37 @@ class StageHost:
                 with trio.CancelScope(shield=True), trio.move_on_after(1.0):
                     await out.aclose()
 
+    async def _verify(
+        self,
+        loaded: LoadedStage,
+        name: str,
+        sampling: t.Sampling,
+        frame: t.Frame,
+        x: Any,
+        sender: ChainSender | None,
+        out: MeshStream,
+    ) -> None:
+        """One verify window: pass its rows on, or (final stage) return the committed tokens."""
+        window = frame.tokens()
+        rows, tokens = await self.compute(
+            lambda: verify_window(loaded.stage, name, sampling, frame.start, x, window)
+        )
+        if sender is not None:
+            data = t.encode_verify(
+                frame.request_id,
+                frame.session_id,
+                start=frame.start,
+                activations=rows,
+                tokens=window,
+            )
+            await sender.send_activations(data, decode=True)
+        elif tokens is not None:
+            await out.send_all(
+                t.encode_tokens(
+                    frame.request_id, frame.session_id, start=frame.start + 1, tokens=tokens
+                )
+            )
+
     async def _compute_loop(
         self,
         loaded: LoadedStage,
@@ -399,8 +431,12 @@ class StageHost:
                 sample = bool(frame.flags & t.Flag.SAMPLE) and loaded.is_final
                 end = frame.start + frame.count
                 sampler = sampler_at(sampling, end) if sample else None
+                if frame.phase is t.Phase.VERIFY:
+                    await self._verify(loaded, name, sampling, frame, x, sender, out)
+                    continue
 
                 def run(f: t.Frame = frame, x: Any = x, s: Sampler | None = sampler) -> Any:
+                    drop_rejected(stage, name, f.start)
                     if f.phase is t.Phase.DECODE:
                         return stage.decode(name, f.start, x, sampler=s)
                     return stage.prefill(name, f.start, x, sampler=s)
@@ -428,6 +464,31 @@ class StageHost:
         if sender is not None:
             await sender.send(t.encode_free(begin.request_id, begin.session_id))
         await out.send_eof()
+
+
+def drop_rejected(stage: Stage, name: str, start: int) -> None:
+    """A frame starting inside the last verify window (``SessionInbound`` allows only that):
+    forget the rejected drafts' KV first (a length change, no recompute)."""
+    if stage.session_length(name) > start:
+        stage.truncate(name, start)
+
+
+def verify_window(
+    stage: Stage, name: str, sampling: t.Sampling, start: int, x: Any, window: list[int]
+) -> tuple[Any, list[int] | None]:
+    """Run a verify window through ``stage`` with exact one-position steps (plain decoding's
+    graphs: issue #22); a final stage also accepts it: the committed tokens (the accepted
+    drafts, then the target's own), each drawn like plain decoding's token at its position."""
+    drop_rejected(stage, name, start)
+    out = stage.decode_steps(name, start, x)
+    if out.logits is None:
+        return out.activations, None
+    positions = iter(range(start + 1, start + len(window) + 1))
+
+    def sample(row: Any) -> int:
+        return sampler_at(sampling, next(positions)).sample(row)
+
+    return None, accept_draft(out.logits, window[1:], sample)
 
 
 def stage_threads(configured: int | None, cores: int, co_located: int) -> int:

@@ -35,6 +35,7 @@ from mesh_node.serving.generator import (
 from mesh_node.serving.host import StageHost, hop_summary
 from mesh_node.serving.routes import RouteManager, SplitNotReady
 from skippy.config import ServingSettings
+from skippy.generation import SpeculativePlan
 from skippy.package.plan import ModelSizes
 from skippy.runtime.tokenizer import LlamaTokenizer
 
@@ -100,6 +101,7 @@ class SplitServer:
         sizes: ModelSizes,
         model_name: str,
         stages: int | None = None,
+        speculative: SpeculativePlan | None = None,
     ) -> None:
         self.node = node
         self.host = host
@@ -114,7 +116,7 @@ class SplitServer:
             sizes=sizes,
             stages=stages,
         )
-        self.generator = Generator(node, host, settings, self.routes)
+        self.generator = Generator(node, host, settings, self.routes, speculative=speculative)
         self.stats = ServingStats()
         self._slots = trio.Semaphore(settings.max_sessions)
         self.hops = host.hops
@@ -138,6 +140,9 @@ class SplitServer:
     def status(self) -> dict[str, Any]:
         return {
             "model": self.model_name,
+            "speculative_strategy": (
+                self.generator.speculative.strategy_id if self.generator.speculative else None
+            ),
             **self.routes.status(),
             **self.node.metrics.serving_status(),
             **self.stats.to_dict(),
@@ -173,6 +178,10 @@ class SplitServer:
                 st.in_flight -= 1
                 self._slots.release()
             st.failovers_total += result.failovers
+            if result.verify_passes:
+                self.node.metrics.speculation(
+                    result.proposed_tokens, result.accepted_tokens, result.verify_passes
+                )
             st.recent.append(result)
             return result
 

@@ -14,10 +14,12 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -27,6 +29,7 @@ from mesh_node.serving.host import StageHost
 from mesh_node.transfer.service import ArtifactService
 from skippy.config import Environment, HostPort
 from skippy.errors import UsageError
+from skippy.generation import SpeculativeOverrides, SpeculativePlan
 
 log = logging.getLogger("mesh_node.http")
 RETRY_AFTER_STARTING_S = 5  # /health while the split forms
@@ -66,11 +69,41 @@ class ServeOptions:
     stages: int | None
     http: HostPort
     model_name: str | None = None
+    # speculation (issue #22): the config's [speculative] tables and --speculative-strategy
+    speculative: SpeculativeOverrides | None = None
+    speculative_strategy: str | None = None
+
+
+def _config_speculation(path: Path | None) -> SpeculativeOverrides | None:
+    """The node TOML's ``[speculative]`` tables (a ``serve`` control operation names none)."""
+    from skippy.config import load_node_config
+
+    return load_node_config(path).speculative if path is not None and path.is_file() else None
+
+
+def log_serving_speculation(plan: SpeculativePlan) -> None:
+    """Say what serving does with the plan: execute it, or fall back to plain decoding with
+    the reason (spec "Generation Defaults": one structured line)."""
+    from skippy.runtime.speculation import EXECUTABLE_MODES
+
+    if not plan.enabled:
+        return
+    if plan.mode in EXECUTABLE_MODES:
+        log.info("speculative decoding %s (%s), exact verify windows", plan.strategy_id, plan.mode)
+        return
+    record = {
+        "requested": plan.requested,
+        "mode": plan.mode,
+        "selected": "disabled",
+        "fallback_reason": "mesh-node serve executes only ngram-cache / ngram-suffix; plain "
+        "decoding gives the same tokens",
+    }
+    log.warning("speculative decoding fallback %s", json.dumps(record, sort_keys=True))
 
 
 def serve_options(request: dict[str, Any]) -> ServeOptions:
     """The control operation ``serve``: ``{"op": "serve", "package": REF, "stages": N|null,
-    "http": "[HOST:]PORT", "model_name": NAME|null}``."""
+    "http": "[HOST:]PORT", "model_name": NAME|null, "speculative_strategy": S|null}``."""
     from skippy.config import parse_http_bind
 
     package, stages = request.get("package"), request.get("stages")
@@ -82,7 +115,16 @@ def serve_options(request: dict[str, Any]) -> ServeOptions:
     if name is not None and not isinstance(name, str):
         raise UsageError("model_name must be a string")
     http = parse_http_bind(request.get("http", "127.0.0.1:0"), "http")
-    return ServeOptions(package=package, stages=stages, http=http, model_name=name)
+    strategy = request.get("speculative_strategy")
+    if strategy is not None and not isinstance(strategy, str):
+        raise UsageError("speculative_strategy must be a string")
+    return ServeOptions(
+        package=package,
+        stages=stages,
+        http=http,
+        model_name=name,
+        speculative_strategy=strategy,
+    )
 
 
 class Serving:
@@ -183,7 +225,7 @@ class Serving:
 
     async def start(self, options: ServeOptions) -> str:
         """Coordinate a split of the package; return the API's base URL (``.../v1``)."""
-        from mesh_node.packages import package_identity
+        from mesh_node.packages import package_identity, package_speculation
         from mesh_node.serving.pipeline import SplitServer
 
         if self.server is not None:
@@ -195,6 +237,14 @@ class Serving:
             ref, sha, sizes, model_id = await trio.to_thread.run_sync(
                 package_identity, self.node.settings, options.package
             )
+            plan = await trio.to_thread.run_sync(
+                package_speculation,
+                self.node.settings,
+                ref,
+                options.speculative or _config_speculation(self.node.settings.config_path),
+                options.speculative_strategy,
+            )
+            log_serving_speculation(plan)
             if self.http_url is None:
                 await self.start_http(options.http)
             server = SplitServer(
@@ -206,6 +256,7 @@ class Serving:
                 sizes=sizes,
                 model_name=options.model_name or model_id,
                 stages=options.stages,
+                speculative=plan,
             )
             await self._nursery.start(server.run)
             self.server = server

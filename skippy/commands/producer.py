@@ -89,6 +89,19 @@ def register(sub: Any) -> None:
         help="reuse artifacts already in --out-dir after verifying them against the source; "
         "missing or different ones are rewritten",
     )
+    p.add_argument(
+        "--speculative",
+        action="append",
+        default=[],
+        metavar="TYPE:K=V,...",
+        help="declare an N-gram speculation strategy (repeatable), e.g. ngram-suffix:ngram_min=3,"
+        "ngram_max=16,max_proposal_tokens=8,window=adaptive,max_window=8 (docs/generation.md)",
+    )
+    p.add_argument(
+        "--speculative-default",
+        metavar="ID",
+        help="the declared strategy to recommend as the package default (set only when given)",
+    )
     add_all_flag(p)
     p.set_defaults(handler=cmd_write_package)
 
@@ -208,8 +221,14 @@ def cmd_write_package(args: argparse.Namespace) -> CommandResult:
         return _write_v2(args, hook)
     if args.max_artifact_bytes is not None:
         raise UsageError("--max-artifact-bytes applies to --schema 2 only", code="usage")
+    from skippy.generation.declare import parse_declaration
+
+    for text in args.speculative:  # refused before anything is read
+        parse_declaration(text)
     source, prov = _source_and_provenance(args)
     opts = WriteOptions(
+        speculative=tuple(args.speculative),
+        speculative_default=args.speculative_default,
         out_dir=args.out_dir,
         provenance=prov,
         projectors=tuple(args.projector),
@@ -258,6 +277,12 @@ def _write_v2(args: argparse.Namespace, hook: Any) -> CommandResult:
                 "place; check it with verify-package-v2)",
                 code="usage",
             )
+    if args.speculative or args.speculative_default is not None:
+        raise UsageError(
+            "--speculative applies to --schema 1 only (this writer copies a v2 package's "
+            "generation block from upstream's format)",
+            code="usage",
+        )
     source, prov = _source_and_provenance(args)
     opts = WriteOptionsV2(
         out_dir=args.out_dir,

@@ -62,6 +62,16 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--dry-run", action="store_true", help="print every tensor's type; write nothing"
     )
+    p.add_argument(
+        "--speculative",
+        action="append",
+        default=[],
+        metavar="TYPE:K=V,...",
+        help="declare an N-gram speculation strategy (repeatable), as write-package does",
+    )
+    p.add_argument(
+        "--speculative-default", metavar="ID", help="the declared strategy to make the default"
+    )
     add_json_flag(p)
     p.set_defaults(handler=cmd_quantize)
 
@@ -90,6 +100,10 @@ def _options(args: argparse.Namespace) -> tuple[Path, Any]:
 
     if args.threads < 1:
         raise UsageError(f"--threads must be at least 1 (got {args.threads})")
+    from skippy.generation.declare import parse_declaration
+
+    for text in args.speculative:  # refused before anything is read
+        parse_declaration(text)
     file_type = parse_file_type(args.type)
     recipe = _read_recipe(args.tensor_types) if args.tensor_types else None
     imatrix = load_imatrix(args.imatrix) if args.imatrix else None
@@ -103,6 +117,8 @@ def _options(args: argparse.Namespace) -> tuple[Path, Any]:
         "overwrite": args.overwrite,
         "workers": args.threads,
         "quiet": args.json,
+        "speculative": tuple(args.speculative),
+        "speculative_default": args.speculative_default,
     }
     if not args.source.is_dir():
         from skippy.commands.producer import _source_and_provenance  # write-package's rule

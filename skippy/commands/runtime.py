@@ -39,6 +39,7 @@ if TYPE_CHECKING:  # the hub client, numpy, ggml and llama.cpp load only when `r
     from skippy.runtime.chain import StageChain
     from skippy.runtime.llama_cpp import LlamaStageRuntime
     from skippy.runtime.sampling import SamplingParams
+    from skippy.runtime.speculation import SpeculativeStats
     from skippy.runtime.stage import Stage
 
 DEFAULT_MAX_TOKENS = 32
@@ -111,6 +112,14 @@ def register(sub: Any) -> None:
         "--speculative-strategy",
         metavar="S",
         help="auto, mtp, disabled, or a strategy id the package declares (overrides --config)",
+    )
+    p.add_argument(
+        "--speculative-verify",
+        choices=("exact", "batched"),
+        default="exact",
+        help="how the stage runtime verifies a draft: exact (one-position steps, the tokens of "
+        "plain decoding bit for bit; default) or batched (one multi-row graph per stage: less "
+        "compute, but a near-tie may flip a token; docs/generation.md)",
     )
     add_json_flag(p)
     p.set_defaults(handler=cmd_run)
@@ -278,7 +287,14 @@ def cmd_run(args: argparse.Namespace) -> CommandResult:
         ]
         runner.load(loads, package_ref=prepared.package.display)
         prompt_ids = runner.tokenize(args.prompt)
-        gen = runner.generate(prompt_ids, max_tokens=args.max_tokens, sampling=sampling)
+        gen = runner.generate(
+            prompt_ids,
+            max_tokens=args.max_tokens,
+            sampling=sampling,
+            plan=plan,
+            exact=args.speculative_verify == "exact",
+        )
+        spec_stats = runner.speculative_stats
         stages = runner.describe()
         load_s = runner.load_s
     parts = sum(len(load.part_paths) for load in loads)
@@ -296,7 +312,8 @@ def cmd_run(args: argparse.Namespace) -> CommandResult:
         "parts": parts,
         "load_s": load_s,
         "prompt": args.prompt,
-        "speculative": plan.to_dict(),
+        # the resolved plan, plus what speculation did when this runtime executed it
+        "speculative": plan.to_dict() | (spec_stats.to_dict() if spec_stats else {}),
         **gen.to_dict(),
     }
     rate = gen.decode_tokens_per_s or gen.tokens_per_s
@@ -309,6 +326,8 @@ def cmd_run(args: argparse.Namespace) -> CommandResult:
         if rate
         else f"[{len(gen.tokens)} tokens, stop: {gen.stop_reason}, {where}]"
     )
+    if spec_stats is not None:
+        stats += f"\n[{spec_stats.summary()}]"
     # Notes matter when an operator set something (a deprecated name, a bound that does not
     # apply, a model entry that matches nothing); the plain "no speculation default" of an
     # ordinary package with no speculative settings stays in the JSON plan only.
@@ -328,6 +347,7 @@ class _Runner:
     def __init__(self, engine: str, *, n_ctx: int, threads: int) -> None:
         self.engine = engine
         self.load_s: float | None = None
+        self.speculative_stats: SpeculativeStats | None = None  # after a speculative generate
         self._llama: LlamaStageRuntime | None = None
         self._chain: StageChain | None = None
         if engine == "llama":
@@ -383,11 +403,27 @@ class _Runner:
         return self._loaded_chain().tokenize(text)
 
     def generate(
-        self, tokens: Sequence[int], *, max_tokens: int, sampling: SamplingParams
+        self,
+        tokens: Sequence[int],
+        *,
+        max_tokens: int,
+        sampling: SamplingParams,
+        plan: SpeculativePlan | None = None,
+        exact: bool = True,
     ) -> Generation:
+        """Plain decoding, or speculative decoding when the stage runtime executes ``plan``
+        (the llama engine and other plan modes log their fallback when loaded)."""
         if self._llama is not None:
             return self._llama.generate(tokens, max_tokens=max_tokens)
-        return self._loaded_chain().generate(tokens, max_tokens=max_tokens, sampling=sampling)
+        from skippy.runtime.speculation import EXECUTABLE_MODES, generate_speculative
+
+        chain = self._loaded_chain()
+        if plan is not None and plan.mode in EXECUTABLE_MODES:
+            gen, self.speculative_stats = generate_speculative(
+                chain, tokens, max_tokens=max_tokens, plan=plan, sampling=sampling, exact=exact
+            )
+            return gen
+        return chain.generate(tokens, max_tokens=max_tokens, sampling=sampling)
 
     def describe(self) -> list[dict[str, Any]]:
         if self._llama is not None:

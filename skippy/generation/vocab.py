@@ -179,6 +179,7 @@ WP_MAX: Final = "max_window"
 WP_PIPELINE_DEPTH: Final = "pipeline_depth"
 WINDOW_MODES: Final = frozenset({"fixed", "adaptive"})
 WINDOW_FIXED: Final = "fixed"
+WINDOW_ADAPTIVE: Final = "adaptive"
 LEGACY_WINDOW: Final = 1  # omitted window_policy / pipeline_depth keep the legacy depth of 1
 
 # Stable strategy ids ("Speculative Decoding": "full product menu").

@@ -90,6 +90,9 @@ class QuantizeOptions:
     # The source package's own quantization block, when it had one (recorded: the bytes can
     # then no longer be redone from source_model).
     requantized_from: dict[str, Any] | None = None
+    # N-gram speculation to declare (write-package --speculative; skippy.generation.declare)
+    speculative: tuple[str, ...] = ()
+    speculative_default: str | None = None
 
 
 @dataclass(frozen=True)
@@ -298,6 +301,8 @@ def quantize_layer_package(source: Path, opts: QuantizeOptions) -> QuantizeResul
                 transform=transform,
                 source_shards=opts.source_shards,
                 source_model=opts.source_model,
+                speculative=opts.speculative,
+                speculative_default=opts.speculative_default,
             ),
         )
     if transform.plan is None:  # write_package always prepares before writing

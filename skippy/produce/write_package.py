@@ -73,6 +73,7 @@ from skippy.errors import (
     UsageError,
 )
 from skippy.generation import infer_generation
+from skippy.generation.declare import declare_speculation
 from skippy.gguf.reader import GGUFFile, open_gguf
 from skippy.gguf.writer import TensorSource, WrittenFragment, fragment_digest, write_fragment
 from skippy.hashing import DEFAULT_WORKERS, HashingSink, copy_range, sha256_file
@@ -234,6 +235,10 @@ class WriteOptions:
     # proving their bytes are what the source gives.
     hook: ArtifactHook | None = None
     resume: bool = False
+    # N-gram speculation the publisher declares (``skippy.generation.declare``: one
+    # ``TYPE:key=value,...`` each) and the strategy to make the default, only when asked.
+    speculative: tuple[str, ...] = ()
+    speculative_default: str | None = None
 
 
 @dataclass(frozen=True)
@@ -515,7 +520,12 @@ class _SourceFacts:
     tied: bool
 
 
-def _study_source(src: SourceModelFiles, transform: TensorTransform | None) -> _SourceFacts:
+def _study_source(
+    src: SourceModelFiles,
+    transform: TensorTransform | None,
+    speculative: Sequence[str] = (),
+    speculative_default: str | None = None,
+) -> _SourceFacts:
     """Everything decided from the source header alone (pure apart from reading it)."""
     if is_projector(src.head):
         raise UsageError(
@@ -547,6 +557,9 @@ def _study_source(src: SourceModelFiles, transform: TensorTransform | None) -> _
         metadata=src.metadata(),
         tensor_names=names,
         layer_count=layer_count,
+    )
+    generation = declare_speculation(
+        generation, speculative, default=speculative_default, layer_count=layer_count
     )
     width = src.arch_value("embedding_length")
     return _SourceFacts(
@@ -744,7 +757,9 @@ def write_package(source: Path, opts: WriteOptions) -> WriteResult:
             with _signals_held():
                 hash_futs = [] if given else [pool.submit(hash_one, p) for p in paths]
             with SourceModelFiles(source, shards=opts.source_shards) as src:
-                facts = _study_source(src, opts.transform)
+                facts = _study_source(
+                    src, opts.transform, opts.speculative, opts.speculative_default
+                )
                 phases["plan"] = time.perf_counter() - t0
                 fresh = _FreshFolder.before_lock(opts.out_dir)
                 stack.enter_context(_write_lock(opts.out_dir))  # held until the manifest is in

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -217,12 +217,18 @@ class Generation:
         }
 
 
-def log_speculation_fallback(stage: StageLoad, logger: logging.Logger, runtime: str) -> None:
+def log_speculation_fallback(
+    stage: StageLoad,
+    logger: logging.Logger,
+    runtime: str,
+    *,
+    executable: Collection[str] = (),
+) -> None:
     """Spec "Generation Defaults": a speculation path a runtime cannot execute gets a
     correctness-preserving fallback (plain decoding: the same greedy tokens) and a stated
-    reason, in one structured line."""
+    reason, in one structured line. ``executable`` are the plan modes the runtime runs."""
     plan = stage.speculative
-    if plan is None or not plan.enabled:
+    if plan is None or not plan.enabled or plan.mode in executable:
         return
     record = {
         "requested": plan.requested,

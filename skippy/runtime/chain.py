@@ -25,6 +25,22 @@ DEFAULT_SESSION = "run"
 ENGINES = ("ggml", "numpy")
 
 
+def check_generation_request(tokens: Sequence[int], max_tokens: int, n_ctx: int) -> list[int]:
+    """The prompt as ints, refused when empty or too long for the context."""
+    ids = [int(t) for t in tokens]
+    if not ids:
+        raise UsageError("the prompt has no tokens", code="empty_prompt")
+    if max_tokens < 1:
+        raise UsageError("max_tokens must be at least 1", code="invalid_max_tokens")
+    if len(ids) >= n_ctx:
+        raise UsageError(
+            f"the prompt has {len(ids)} tokens; the context holds {n_ctx}",
+            code="prompt_too_long",
+            remediation="shorten the prompt or raise the context with --n-ctx",
+        )
+    return ids
+
+
 def open_stage(
     engine: str,
     load: StageLoad,
@@ -133,6 +149,29 @@ class StageChain:
         ids = np.asarray([token], dtype=np.int64)
         return self._through("decode", session, position, ids, sampler=sampler)
 
+    def truncate(self, session: str, length: int) -> None:
+        """Forget positions ``length..`` in every stage (a rejected draft's KV)."""
+        for s in self.stages:
+            s.truncate(session, length)
+
+    def verify(
+        self, session: str, start: int, tokens: Sequence[int], *, exact: bool
+    ) -> StageOutput:
+        """Logits at every position of ``tokens`` (a verify window) from one pass through the
+        chain: as one multi-row graph per stage, or with ``exact`` as one-position steps
+        whose logits equal plain decoding's bit for bit (``Stage.decode_steps``)."""
+        if not exact:
+            return self.prefill(session, tokens, start=start, all_logits=True)
+        x: npt.NDArray[Any] = np.asarray(list(tokens), dtype=np.int64)
+        out = StageOutput()
+        for i, stage in enumerate(self.stages):
+            out = stage.decode_steps(session, start, x)
+            if i < len(self.stages) - 1:
+                if out.activations is None:
+                    raise UsageError(f"stage {i} returned no activations", code="stage_mismatch")
+                x = out.activations
+        return out
+
     def free(self, session: str) -> None:
         for s in self.stages:
             s.free(session)
@@ -160,17 +199,7 @@ class StageChain:
         session: str = DEFAULT_SESSION,
     ) -> Generation:
         """A completion from a fresh session (greedy unless ``sampling`` says otherwise)."""
-        ids = [int(t) for t in tokens]
-        if not ids:
-            raise UsageError("the prompt has no tokens", code="empty_prompt")
-        if max_tokens < 1:
-            raise UsageError("max_tokens must be at least 1", code="invalid_max_tokens")
-        if len(ids) >= self.n_ctx:
-            raise UsageError(
-                f"the prompt has {len(ids)} tokens; the context holds {self.n_ctx}",
-                code="prompt_too_long",
-                remediation="shorten the prompt or raise the context with --n-ctx",
-            )
+        ids = check_generation_request(tokens, max_tokens, self.n_ctx)
         sampler = Sampler(sampling)
         tok = self.tokenizer
         out: list[int] = []

@@ -39,6 +39,9 @@ ACTIVATION_DTYPE: Final = "f32"
 Engine = Literal["ggml", "numpy"]
 MAX_SESSION_ID_CHARS: Final = 128
 _SESSION_ID_RE = re.compile(r"\A[\x21-\x7e]{1,128}\Z")  # printable ASCII, no spaces
+# Speculation plan modes a chain of these stages executes (``skippy.runtime.speculation``);
+# others (native-mtp: no NextN runtime here) get the logged fallback to plain decoding.
+SPECULATIVE_MODES: Final = frozenset({"ngram-cache", "ngram-suffix"})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -174,6 +177,8 @@ class Stage(Protocol):
         sampler: Sampler | None = None,
     ) -> StageOutput: ...
 
+    def decode_steps(self, session: str, start: int, inputs: npt.NDArray[Any]) -> StageOutput: ...
+
     def session_length(self, session: str) -> int: ...
 
     def truncate(self, session: str, length: int) -> None: ...
@@ -229,7 +234,9 @@ class StageBase(ABC, Generic[S]):
             )
         self.spec = spec
         self.layers = stage.layers
-        log_speculation_fallback(stage, log, f"the {self.engine} stage runtime")
+        log_speculation_fallback(
+            stage, log, f"the {self.engine} stage runtime", executable=SPECULATIVE_MODES
+        )
         self.vocab = self.weights.vocab
         self._sessions: dict[str, _Session[S]] = {}
         self.descriptor = AdmissionDescriptor(
@@ -417,6 +424,28 @@ class StageBase(ABC, Generic[S]):
         if out is None:  # the engine chose the token: no logits crossed into Python
             return StageOutput(token=token)
         return self._output(out, sampler)
+
+    def decode_steps(self, session: str, start: int, inputs: npt.NDArray[Any]) -> StageOutput:
+        """Each of ``inputs`` as its own one-position ``decode`` step, from ``start`` on, and
+        every step's output stacked (activations, or logits ``[n x vocab]``). The graphs are
+        exactly those of ``decode``, so the outputs equal n ``decode`` calls bit for bit: an
+        exact verify window (``skippy.runtime.speculation``). A multi-row ``prefill`` is
+        cheaper but not batch-invariant (different matmul shapes sum in another order)."""
+        self._loaded()
+        x = self.check_inputs(inputs)
+        n = int(x.shape[0])
+        self._session_for(session, start, n)  # the whole window fits, before any step runs
+        outs: list[npt.NDArray[np.float32]] = []
+        for i in range(n):  # through decode itself, so the steps follow whatever it runs
+            step = self.decode(session, start + i, x[i : i + 1])
+            row = step.logits if self.layers.owns_output else step.activations
+            if row is None:
+                raise stage_usage("a decode step returned no output", "stage_mismatch")
+            outs.append(row)
+        out = np.concatenate(outs)
+        return (
+            StageOutput(activations=out) if not self.layers.owns_output else StageOutput(logits=out)
+        )
 
     def _output(self, out: npt.NDArray[np.float32], sampler: Sampler | None) -> StageOutput:
         if not self.layers.owns_output:

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-Phase = Literal["prefill", "decode"]
+Phase = Literal["prefill", "decode", "verify"]  # verify: a live speculative window, never replayed
 
 
 @dataclass(frozen=True)

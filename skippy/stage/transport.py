@@ -20,7 +20,14 @@ header alone::
                  the final stage samples a token after this frame's last row
     ACK          the receiver has taken the frame at ``start`` (early acknowledgement: sent
                  on receipt, before computing it); no payload
-    TOKENS       count sampled token ids, payload count x u32; width 0 (final -> stage 0)
+                 phase verify (issue #22, only to a peer advertising ``verify-window``):
+                 a speculative verify window, count = 1 + drafted tokens at start..start+count,
+                 payload the rows then the window's count token ids (u32: the committed token
+                 and the drafts) so the final stage can accept; flag SAMPLE required. The next
+                 frame of the session may start anywhere in start+1..start+count (the
+                 receiver truncates its KV there: the rejected drafts)
+    TOKENS       count sampled token ids, payload count x u32; width 0 (final -> stage 0);
+                 after a verify window, the accepted drafts and the target's next token
     FREE         stop/cancel: free the session's KV cache here and pass it on; no payload
     RETURN       the first frame of a return stream (final -> stage 0); no payload
 
@@ -82,6 +89,7 @@ class Kind(IntEnum):
 class Phase(IntEnum):
     PREFILL = 0
     DECODE = 1
+    VERIFY = 2  # a speculative verify window (issue #22; feature bit ``verify-window``)
 
 
 class Flag(IntFlag):
@@ -140,9 +148,14 @@ class Frame:
         """``[count x width]`` f32 (read-only view of the payload)."""
         if self.kind is not Kind.ACTIVATIONS:
             raise TransportError("not an activations frame", code="transport_wrong_kind")
-        return np.frombuffer(self.payload, dtype="<f4").reshape(self.count, self.width)
+        rows = np.frombuffer(self.payload, dtype="<f4", count=self.count * self.width)
+        return rows.reshape(self.count, self.width)
 
     def tokens(self) -> list[int]:
+        """The token ids of a TOKENS frame, or the window's ids of a verify frame."""
+        if self.kind is Kind.ACTIVATIONS and self.phase is Phase.VERIFY:
+            rows = self.count * self.width * F32_BYTES
+            return [int(t) for t in np.frombuffer(self.payload, dtype="<u4", offset=rows)]
         if self.kind is not Kind.TOKENS:
             raise TransportError("not a tokens frame", code="transport_wrong_kind")
         return [int(t) for t in np.frombuffer(self.payload, dtype="<u4")]
@@ -216,6 +229,35 @@ def encode_activations(
         width=width,
     )
     return b"".join((head, rows.data.cast("B")))  # one copy of the rows
+
+
+def encode_verify(
+    request_id: int,
+    session_id: int,
+    *,
+    start: int,
+    activations: npt.NDArray[np.float32],
+    tokens: Sequence[int],
+) -> bytes:
+    """A verify window: activations ``[count x width]`` for positions ``start..start+count``
+    and the window's ``count`` token ids (the committed token, then the drafts)."""
+    ids = np.asarray(list(tokens), dtype=np.int64)
+    rows = np.ascontiguousarray(activations, dtype="<f4")
+    if rows.ndim != 2 or ids.size != rows.shape[0]:
+        raise TransportError(
+            "a verify window needs one token id per activation row", code="transport_range"
+        )
+    if (ids < 0).any() or (ids > MAX_U32).any():
+        raise TransportError("token ids must be u32 values", code="transport_range")
+    head = encode_activations(
+        request_id,
+        session_id,
+        phase=Phase.VERIFY,
+        start=start,
+        activations=rows,
+        flags=Flag.SAMPLE,
+    )
+    return head + ids.astype("<u4").tobytes()
 
 
 def encode_ack(request_id: int, session_id: int, *, start: int, count: int) -> bytes:
@@ -329,6 +371,8 @@ class FrameDecoder:
                     expected=self.width,
                     actual=width,
                 )
+            if phase == Phase.VERIFY and not flags & Flag.SAMPLE:
+                raise _refuse("transport_bad_flags", "a verify window must ask for sampling")
             if not 1 <= count <= lim.max_frame_tokens or (phase == Phase.DECODE and count != 1):
                 raise _refuse(
                     "transport_bad_count",
@@ -337,6 +381,8 @@ class FrameDecoder:
                     actual=count,
                 )
             size = count * self.width * F32_BYTES
+            if phase == Phase.VERIFY:
+                size += count * TOKEN_BYTES  # the window's token ids after the rows
             if size > lim.max_frame_bytes:
                 raise _refuse(
                     "transport_frame_too_large",
@@ -398,6 +444,8 @@ class SessionInbound:
     request_id: int | None = None
     position: int = 0
     freed: bool = False
+    # after a verify window at s with count c: the next frame may start in s+1..s+c
+    rewind_floor: int | None = None
 
     def accept(self, frame: Frame) -> None:
         if self.freed:
@@ -421,10 +469,16 @@ class SessionInbound:
             raise _refuse(
                 "transport_out_of_order", f"a {frame.kind.name} frame on a chain stream"
             )
-        if frame.start != self.position:
+        floor = self.rewind_floor if self.rewind_floor is not None else self.position
+        if not floor <= frame.start <= self.position:
             raise _refuse(
                 "transport_position",
-                f"activations at position {frame.start}; the session holds {self.position}",
+                f"activations at position {frame.start}; the session holds {self.position}"
+                + (
+                    f" (after a verify window: {floor}..{self.position})"
+                    if floor < self.position
+                    else ""
+                ),
                 expected=self.position,
                 actual=frame.start,
             )
@@ -437,6 +491,7 @@ class SessionInbound:
                 actual=frame.start + frame.count,
             )
         self.position = frame.start + frame.count
+        self.rewind_floor = frame.start + 1 if frame.phase is Phase.VERIFY else None
 
 
 def session_name(session_id: int) -> str:

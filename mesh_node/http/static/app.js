@@ -312,6 +312,10 @@
       .join(" · ") || "-";
     $("serving-tokens").textContent =
       s.prompt_tokens === undefined ? "-" : `prompt ${s.prompt_tokens} · completion ${s.completion_tokens}`;
+    const sp = s.speculative || {};
+    $("serving-speculative").textContent = !s.speculative_strategy
+      ? "off"
+      : `${s.speculative_strategy}: accepted ${sp.accepted ?? 0} of ${sp.proposed ?? 0} drafted tokens in ${sp.verify_passes ?? 0} verify windows`;
   }
 
   // --- live updates --------------------------------------------------------------------------
