@@ -120,6 +120,7 @@ def advertised_features(
     bits = set(pc.STAGE_BUNDLE)
     if would_serve(node_policy(settings, identity, now_s)):
         bits.add(pc.BIT_ARTIFACT_TRANSFER)
+        bits.add(pc.BIT_SWARM_TRANSFER)  # issue #23: every server here speaks chunk ranges
     return {pc.FEATURE_SKIPPY_STAGE: tuple(sorted(bits))}
 
 

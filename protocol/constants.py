@@ -18,6 +18,7 @@ NOISE_PROLOGUE: Final = b"skippy-mesh/1"
 SIG_DOMAIN_STATIC_KEY: Final = b"skippy-mesh-noise-static-key:"
 SIG_DOMAIN_OWNER_CERT: Final = b"skippy-mesh-owner-certificate/1\x00"
 SIG_DOMAIN_TOPOLOGY: Final = b"skippy-mesh-topology/1\x00"
+SIG_DOMAIN_SWARM_SOURCES: Final = b"skippy-mesh-swarm-sources/1\x00"  # issue #23 source lists
 NOISE_MAX_MESSAGE: Final = 65535  # Noise spec: a transport message is at most 65535 bytes
 NOISE_TAG_BYTES: Final = 16
 KEY_BYTES: Final = 32  # Ed25519 and X25519 public keys
@@ -59,7 +60,12 @@ SKIPPY_STAGE_MAJOR: Final = 2
 KIND_CONTROL: Final = 0x01
 KIND_TRANSPORT: Final = 0x02
 KIND_ARTIFACT_TRANSFER: Final = 0x03
-SKIPPY_STAGE_KINDS: Final = frozenset({KIND_CONTROL, KIND_TRANSPORT, KIND_ARTIFACT_TRANSFER})
+# Issue #23: a stage's signed source list, asked of the coordinator (only when it advertises
+# BIT_SWARM_TRANSFER).
+KIND_SWARM_SOURCES: Final = 0x04
+SKIPPY_STAGE_KINDS: Final = frozenset(
+    {KIND_CONTROL, KIND_TRANSPORT, KIND_ARTIFACT_TRANSFER, KIND_SWARM_SOURCES}
+)
 
 # --- features --------------------------------------------------------------------------------
 FEATURE_SKIPPY_STAGE: Final = f"{SKIPPY_STAGE}/{SKIPPY_STAGE_MAJOR}"
@@ -67,6 +73,9 @@ BIT_CONTROL: Final = "control"
 BIT_STATUS: Final = "status"
 BIT_CONTENT_IDENTITY: Final = "content-identity"
 BIT_ARTIFACT_TRANSFER: Final = "artifact-transfer"
+# Issue #23: chunk-range requests (``length``) and kind 0x04 source lists; a serving node
+# advertises it beside ``artifact-transfer``. Without it a peer gets whole-file requests only.
+BIT_SWARM_TRANSFER: Final = "swarm-transfer"
 STAGE_BUNDLE: Final = frozenset({BIT_CONTROL, BIT_STATUS, BIT_CONTENT_IDENTITY})
 
 # --- message generations -----------------------------------------------------------------------
