@@ -120,7 +120,8 @@ def advertised_features(
     bits = set(pc.STAGE_BUNDLE)
     if would_serve(node_policy(settings, identity, now_s)):
         bits.add(pc.BIT_ARTIFACT_TRANSFER)
-        bits.add(pc.BIT_SWARM_TRANSFER)  # issue #23: every server here speaks chunk ranges
+        if settings.swarm_transfer:  # issue #23: chunk ranges and source lists
+            bits.add(pc.BIT_SWARM_TRANSFER)
     return {pc.FEATURE_SKIPPY_STAGE: tuple(sorted(bits))}
 
 
