@@ -86,6 +86,9 @@ def node_report(facts: NodeFacts, topology_id: str) -> dict[str, Any]:
                 "verified": verified,
                 "fallback": rec.get("fallback"),
                 "mb_per_s": rec.get("mb_per_s"),
+                # issue #23: every node that served part of it, with its bytes
+                "served_by": [dict(s) for s in rec.get("served_by", [])],
+                "dropped_sources": [dict(s) for s in rec.get("dropped_sources", [])],
             }
         )
     out: dict[str, Any] = {
@@ -102,6 +105,8 @@ def node_report(facts: NodeFacts, topology_id: str) -> dict[str, Any]:
         "report": stage_state.get("report") if current else None,
         "bytes": totals,
         "artifacts": artifacts,
+        # issue #23: what this node sent to its peers (a swarm spreads it over the holders)
+        "served_bytes": ((transfers.get("counters") or {}).get("served_bytes") or 0),
     }
     if facts.check is not None:
         out.update(
@@ -196,6 +201,13 @@ def _by_stage(nodes: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
 _LAYER = re.compile(r"\Alayers/layer-\d{5}\.gguf\Z")
 
 
+def _source_text(artifact: Mapping[str, Any]) -> str:
+    """``peer``, or ``peer x3`` when three nodes served parts of it (issue #23)."""
+    source = artifact["source"] or "-"
+    servers = len(artifact.get("served_by") or ())
+    return f"{source} x{servers}" if servers > 1 else source
+
+
 def _runs(artifacts: Sequence[Mapping[str, Any]]) -> list[list[Mapping[str, Any]]]:
     """Consecutive layer files that arrived alike, as one table row (the text stays short)."""
     out: list[list[Mapping[str, Any]]] = []
@@ -261,7 +273,7 @@ def render_report(doc: Mapping[str, Any]) -> str:
                     n["node_id"][:12],
                     path,
                     human_bytes(sum(g["bytes"] for g in group)),
-                    a["source"] or "-",
+                    _source_text(a),
                     "yes" if a["verified"] else "NO",
                     a["fallback"] or "",
                 )

@@ -56,6 +56,7 @@ from skippy.transfer.chunks import CHUNK_BYTES, ChunkDigestStore, ChunkScheduler
 from skippy.transfer.errors import ArtifactWireError, InstallBusy, TransferRefused
 from skippy.transfer.fetch_plan import FetchItem, manifest_item, request_for
 from skippy.transfer.hubcache import LoadedManifest, RepoCache
+from skippy.transfer.policy import peer_refusal
 from skippy.transfer.required import stage_refs
 from skippy.transfer.serve import ArtifactServer
 from skippy.transfer.sources import (
@@ -90,6 +91,21 @@ _SKIP_COORDINATOR: Final = frozenset(
     {"chunk_digest_mismatch", "peer_artifact_mismatch", "transfer_too_slow"}
 )
 SWARM_BITS: Final = frozenset({pc.BIT_ARTIFACT_TRANSFER, pc.BIT_SWARM_TRANSFER})
+
+
+def may_ask(node: MeshNode, holder_id: str, coordinator_id: str) -> bool:
+    """This node's own trust mode for a holder that is not the coordinator (the coordinator
+    is asked as for a whole-file fetch): ``trusted`` asks only holders whose owner it trusts
+    (``skippy.transfer.policy.peer_refusal``); ``open`` and ``disabled`` (which is about
+    serving) ask any member the signed list names: every chunk is checked against the
+    coordinator's signed digests, the file against the signed topology's manifest."""
+    if holder_id == coordinator_id:
+        return True
+    policy = node_policy(node.settings, node.identity, node.wall_clock())
+    if policy.mode != "trusted":
+        return True
+    peer = node.authenticated(holder_id)
+    return peer is not None and peer_refusal(policy, peer_facts(peer)) is None
 
 
 def speaks_swarm(node: MeshNode, node_id: str) -> bool:
@@ -167,10 +183,10 @@ class SourcesHandler:
             facts = held.held if isinstance(held, LoadedManifest) else held
             decision = authorize(policy, peer_facts(inbound.peer), topology, facts, request)
         if not decision.allowed or active is None:
-            log.info(
-                "refused a source list to %s: %s", short_id(inbound.peer.node_id), decision.reason
-            )
-            self.records.counters.refusals[decision.reason] += 1
+            # Logged, not counted in ``refusals`` (those count artifact requests): the
+            # requester then asks for its files one by one and is refused (or served) there.
+            who = short_id(inbound.peer.node_id)
+            log.info("refused a source list to %s: %s", who, decision.reason)
             return None
         topology = active.topology
         manifest = held.held.manifest if isinstance(held, LoadedManifest) else None
@@ -319,6 +335,7 @@ class SwarmFetch:
         self.book = book
         self.verify_cache = verify_cache
         self.dropped: set[str] = set()
+        self.coordinator_id = ""  # set by ``run``
         self.coordinator_dropped = False
         self._busy: set[str] = set()
         self._changed = trio.Event()
@@ -360,6 +377,8 @@ class SwarmFetch:
             if holder in self._busy or holder in self.dropped:
                 continue
             if not speaks_swarm(self.node, holder):
+                continue
+            if not may_ask(self.node, holder, self.coordinator_id):
                 continue
             self._busy.add(holder)
             nursery.start_soon(self._source, holder, sink, sched)
