@@ -33,6 +33,7 @@ SECTIONS: dict[str, str] = {
     "wan": "bench_wan",  # issue #21: emulated WAN links (reuses the stage section's package)
     "threads": "bench_threads",  # issue #18: threads = "auto" on one host
     "soak": "bench_soak",  # issue #18: kills and restarts under load (--soak-s)
+    "swarm": "bench_swarm",  # issue #23: swarm fetch vs coordinator-only, chunk overhead
 }
 
 

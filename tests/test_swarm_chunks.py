@@ -229,3 +229,46 @@ def test_a_resume_keeps_the_verified_chunks(tmp_path):
     for i in (1, 2, 3):
         again.write_chunk(i, data[i * CB : (i + 1) * CB])
     assert again.finish().read_bytes() == data
+
+
+def test_a_source_list_is_taken_only_with_the_coordinators_signature():
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from mesh_node.transfer.swarm import checked_source_list
+    from protocol import constants as pc
+    from protocol.certificates import public_bytes, sign_domain
+
+    key, other = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
+    coord = public_bytes(key.public_key()).hex()
+    t = _topology()
+    me = t.stages[1].node_id
+    required = {"a.gguf": ("c" * 64, CB + 1)}
+    sl = _list((coord,))
+    good = encode_source_list(sl, sign_domain(key, pc.SIG_DOMAIN_SWARM_SOURCES, sl.signed_bytes()))
+    assert checked_source_list(good, t, required, me, coord) == sl
+    forged = encode_source_list(
+        sl, sign_domain(other, pc.SIG_DOMAIN_SWARM_SOURCES, sl.signed_bytes())
+    )
+    wrong_domain = encode_source_list(
+        sl, sign_domain(key, pc.SIG_DOMAIN_TOPOLOGY, sl.signed_bytes())
+    )
+    for body in (forged, wrong_domain):
+        with pytest.raises(IntegrityError) as e:
+            checked_source_list(body, t, required, me, coord)
+        assert e.value.code == "source_list_signature"
+
+
+def test_chunks_matching_lying_digests_still_fail_the_whole_file_check(tmp_path):
+    """Digests that describe other bytes (a lying coordinator): every chunk passes, the
+    whole-file SHA-256 does not, and nothing is installed."""
+    data, other = os.urandom(2 * CB), os.urandom(2 * CB)
+    cache, item, _ = _sink_setup(tmp_path, data)
+    lying = tuple(chunk_digest(other[i : i + CB]) for i in range(0, len(other), CB))
+    sink = _open(cache, item, lying)
+    for i in (0, 1):
+        sink.write_chunk(i, other[i * CB : (i + 1) * CB])
+    with pytest.raises(IntegrityError) as e:
+        sink.finish()
+    assert e.value.code == "artifact_sha256_mismatch"
+    assert not cache.blob_path(item.sha256).exists()
+    assert find_partials(cache.blob_path(item.sha256)) == []

@@ -29,7 +29,7 @@ import dataclasses
 import functools
 import hashlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
@@ -270,7 +270,20 @@ async def ask_sources(
                         body += event.data
     if header is None or not header.accepted:
         raise IntegrityError("the coordinator gave no source list", code="source_list_refused")
-    sources, signed, signature = decode_source_list(bytes(body))
+    required = required_set(manifest, topology, node.node_id)
+    return checked_source_list(bytes(body), topology, required, node.node_id, coordinator_id)
+
+
+def checked_source_list(
+    body: bytes,
+    topology: SplitTopology,
+    required: Mapping[str, tuple[str, int]],
+    requester_id: str,
+    coordinator_id: str,
+) -> SourceList:
+    """A source list's bytes -> the list, only when the topology's coordinator signed it and
+    it is for this requester's stage (``check_source_list``); pure."""
+    sources, signed, signature = decode_source_list(body)
     if not verify_domain(
         bytes.fromhex(coordinator_id), signature, pc.SIG_DOMAIN_SWARM_SOURCES, signed
     ):
@@ -278,8 +291,7 @@ async def ask_sources(
             "the source list's signature does not verify against the coordinator",
             code="source_list_signature",
         )
-    required = required_set(manifest, topology, node.node_id)
-    return check_source_list(sources, topology, required, node.node_id, coordinator_id)
+    return check_source_list(sources, topology, required, requester_id, coordinator_id)
 
 
 @dataclass
