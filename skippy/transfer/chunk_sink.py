@@ -12,8 +12,9 @@ and the verification record. What differs:
   any order and from several threads at once);
 - a resume keeps every chunk of the partial that matches its digest (a whole-file prefix
   left by ``ArtifactSink`` resumes too: its complete chunks verify);
-- ``finish`` still hashes the whole file before the install (spec "Peer Cache Transfer":
-  installed "only after size and SHA-256 verification"); a mismatch deletes the partial;
+- ``finish`` still checks the whole file's SHA-256 before the install (spec "Peer Cache
+  Transfer": installed "only after size and SHA-256 verification"), computed over the bytes
+  written, in order, as the verified prefix grows; a mismatch deletes the partial;
 - ``keep_prefix_only`` cuts the partial to its verified prefix before a whole-file fallback,
   which can resume only a prefix.
 """
@@ -24,12 +25,12 @@ import contextlib
 import hashlib
 import logging
 import os
+import threading
 from pathlib import Path
 
 from skippy.atomic import LockBusy, exclusive_lock
 from skippy.consume.verify import VerifyCache
-from skippy.errors import InputUnreadable, IntegrityError, UsageError
-from skippy.hashing import copy_range
+from skippy.errors import IntegrityError, UsageError
 from skippy.transfer.chunks import ChunkSpan, chunk_digest, chunk_spans, verified_chunks
 from skippy.transfer.errors import InstallBusy, PartialChanged
 from skippy.transfer.fetch_plan import FetchItem
@@ -74,6 +75,11 @@ class ChunkSink(ArtifactSink):
         self.digests = digests
         self.verified: set[int] = set()
         self._total = item.size
+        # The whole-file SHA-256, fed in chunk order as the verified prefix grows (chunks come
+        # roughly in order, so the bytes are hashed from memory, and no second read is needed).
+        self._whole = hashlib.sha256()
+        self._hashed = 0  # chunks [0, _hashed) are in ``_whole``
+        self._order = threading.Lock()  # write_chunk runs on several threads at once
 
     # --- opening (ArtifactSink's recipe; chunks instead of a prefix) ----------------------
     def _resume(self, path: Path, seen: os.stat_result) -> None:
@@ -101,12 +107,14 @@ class ChunkSink(ArtifactSink):
         log.info(
             "resuming %s with %d of %d chunks verified", self.item.path, len(good), len(self.spans)
         )
+        self._advance(-1, b"")  # the verified prefix, read back once
         if self.complete:  # a whole partial (a crash before the rename): install or restart
             if self._whole_digest() == self.item.sha256:
                 self._install()
             else:
                 self._drop_partial()
                 self.verified = set()
+                self._whole, self._hashed = hashlib.sha256(), 0
                 self._total = self.item.size
 
     def _fresh(self) -> None:
@@ -140,12 +148,33 @@ class ChunkSink(ArtifactSink):
         while view:
             written = os.pwrite(self._fd, view, pos)
             view, pos = view[written:], pos + written
-        self.verified.add(index)
-        self.offset += span.length
-        self.received_bytes += span.length
+        with self._order:
+            self.verified.add(index)
+            self.offset += span.length
+            self.received_bytes += span.length
+            self._advance(index, data)
+
+    def _advance(self, index: int, data: bytes | bytearray | memoryview) -> None:
+        """Feed the whole-file hash every verified chunk that now continues its prefix:
+        ``data`` for chunk ``index``, the partial's bytes for the others."""
+        while self._hashed < len(self.spans) and self._hashed in self.verified:
+            span = self.spans[self._hashed]
+            if self._hashed == index:
+                self._whole.update(data)
+            else:
+                if self._fd is None:
+                    raise UsageError("the partial is closed", code="sink_order")
+                got = os.pread(self._fd, span.length, span.start)
+                if len(got) != span.length:
+                    raise PartialChanged(
+                        f"the partial of {self.item.path} shrank while it was hashed",
+                        path=self.item.path,
+                    )
+                self._whole.update(got)
+            self._hashed += 1
 
     def finish(self) -> Path:
-        """Every chunk verified: hash the whole file, install it, return the snapshot path."""
+        """Every chunk verified: check the whole-file SHA-256, install, return the path."""
         self._expect_receiving()
         if not self.complete or self._fd is None:
             raise IntegrityError(
@@ -168,18 +197,15 @@ class ChunkSink(ArtifactSink):
         return self.link
 
     def _whole_digest(self) -> str:
+        """The SHA-256 of the chunks in order (every one verified and hashed by now)."""
         if self._fd is None:
             raise UsageError("the partial is closed", code="sink_order")
-        size = self.item.size or 0
-        os.ftruncate(self._fd, size)  # a longer stale partial ends where the artifact does
-        whole = hashlib.sha256()
-        try:
-            copy_range(self._fd, 0, size, whole.update)
-        except InputUnreadable:
-            raise PartialChanged(
-                f"the partial of {self.item.path} shrank while it was hashed", path=self.item.path
-            ) from None
-        return whole.hexdigest()
+        with self._order:
+            self._advance(-1, b"")
+            if self._hashed != len(self.spans):
+                raise UsageError("chunks are missing from the whole-file hash", code="sink_order")
+            os.ftruncate(self._fd, self.item.size or 0)  # a longer stale partial ends here
+            return self._whole.hexdigest()
 
     def keep_prefix_only(self) -> int:
         """Cut the partial to its longest run of verified chunks from byte 0 (a whole-file
