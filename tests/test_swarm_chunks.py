@@ -272,3 +272,40 @@ def test_chunks_matching_lying_digests_still_fail_the_whole_file_check(tmp_path)
     assert e.value.code == "artifact_sha256_mismatch"
     assert not cache.blob_path(item.sha256).exists()
     assert find_partials(cache.blob_path(item.sha256)) == []
+
+
+def test_plan_sources_lists_ready_servers_needing_the_file_and_only_the_stage(hub_package):
+    """The coordinator's decision: for each file of the requester's stage, itself first, then
+    the ready, serving stage nodes whose stage needs that file; never the requester, never a
+    file of another stage; a file it holds no digests for is left out."""
+    from skippy.consume.preflight import load_package
+    from skippy.transfer.required import stage_refs
+    from skippy.transfer.sources import plan_sources
+
+    manifest = load_package(hub_package.directory).manifest
+    n = manifest.layer_count
+    ids = [bytes([i]) * 32 for i in (1, 2, 3)]
+    t = SplitTopology(
+        topology_id="t1", run_id="r1", package_ref="hf://acme/tiny@" + "a" * 40,
+        manifest_sha256="b" * 64, layer_count=n,
+        stages=(
+            StageAssignment(ids[0].hex(), "s0", 0, LayerRange(0, n // 2, n)),
+            StageAssignment(ids[1].hex(), "s1", 1, LayerRange(n // 2, n, n)),
+        ),
+    )
+    coord, holder, me = (bytes([9]) * 32).hex(), ids[0].hex(), ids[1].hex()
+    mine = stage_refs(manifest, t.stages[1].layers)
+    theirs = {r.path for r in stage_refs(manifest, t.stages[0].layers)}
+    digests = {r.artifact.sha256.lower(): (b"\0" * 32,) for r in mine[1:]}  # not the first
+    sl = plan_sources(
+        t, manifest, me, coordinator_id=coord, ready=[holder, me], servers=[coord, holder, me],
+        digests=digests, chunk_bytes=1 << 26,
+    )
+    assert [a.path for a in sl.artifacts] == [r.path for r in mine[1:]]
+    for a in sl.artifacts:
+        assert a.holders == ((coord, holder) if a.path in theirs else (coord,))
+    not_ready = plan_sources(
+        t, manifest, me, coordinator_id=coord, ready=[], servers=[coord, holder],
+        digests=digests, chunk_bytes=1 << 26,
+    )
+    assert all(a.holders == (coord,) for a in not_ready.artifacts)

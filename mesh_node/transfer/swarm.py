@@ -161,7 +161,7 @@ class SourcesHandler:
             return
         try:
             body = await self._answer(inbound, request)
-        except SkippyError as exc:
+        except (SkippyError, OSError) as exc:  # a clear log line, a refusal, no crash
             log.warning("source list for %s failed: %s", short_id(inbound.peer.node_id), exc)
             body = None
         with trio.move_on_after(self.node.timeouts.idle_s):
@@ -221,7 +221,8 @@ class SourcesHandler:
     def _digests(
         self, topology: SplitTopology, manifest: PackageManifest, requester: str
     ) -> dict[str, tuple[bytes, ...]]:
-        """The requester's stage's chunk digests from this node's verified copies (thread)."""
+        """The requester's stage's chunk digests from this node's verified copies (thread); a
+        file this node does not hold verified is left out (the worker fetches it whole)."""
         stage = topology.stage_of(requester)
         if stage is None:
             return {}
@@ -229,12 +230,15 @@ class SourcesHandler:
         out: dict[str, tuple[bytes, ...]] = {}
         for ref in stage_refs(manifest, stage.layers):
             sha = ref.artifact.sha256.lower()
-            out[sha] = self.digests.digests_for(
-                cache.snapshot_path(ref.path),
-                size=ref.artifact.artifact_bytes,
-                sha256=sha,
-                chunk_bytes=self.chunk_bytes,
-            )
+            try:
+                out[sha] = self.digests.digests_for(
+                    cache.snapshot_path(ref.path),
+                    size=ref.artifact.artifact_bytes,
+                    sha256=sha,
+                    chunk_bytes=self.chunk_bytes,
+                )
+            except (SkippyError, OSError) as exc:  # not held here, or not verified: unlisted
+                log.info("no chunk digests for %s: %s", ref.path, exc)
         return out
 
 

@@ -121,7 +121,8 @@ def plan_sources(
 ) -> SourceList:
     """The list for ``requester_id``'s stage (the coordinator's decision). ``ready``: the
     stage nodes whose ready report was accepted; ``servers``: the members that serve swarm
-    requests (the coordinator among them when it does); ``digests``: by artifact SHA-256.
+    requests (the coordinator among them when it does); ``digests``: by artifact SHA-256 (a
+    file without digests is left out: the worker fetches it whole, coordinator then hub).
     A holder is a server that is the coordinator (first) or reported ready with a stage
     needing that file; the requester is never its own holder; only members appear."""
     stage = topology.stage_of(requester_id)
@@ -143,6 +144,8 @@ def plan_sources(
     entries = []
     for ref in stage_refs(manifest, stage.layers):
         sha = ref.artifact.sha256.lower()
+        if sha not in digests:  # the coordinator has no verified copy: fetched whole
+            continue
         others = sorted(held.get(ref.path, set()) - {coordinator_id})
         holders = tuple([*first, *others][:MAX_HOLDERS])
         entries.append(
