@@ -433,7 +433,7 @@ class SwarmFetch:
                     continue
                 try:
                     data = await self._get_chunk(source, sink, index)
-                    await trio.to_thread.run_sync(sink.write_chunk, index, data)
+                    await trio.to_thread.run_sync(sink.write_chunk_parts, index, data)
                 except IntegrityError as exc:
                     sched.failed(index)
                     if exc.code == "chunk_digest_mismatch":
@@ -474,7 +474,7 @@ class SwarmFetch:
                 del self._busy[source]
             self._wake()
 
-    async def _get_chunk(self, source: str, sink: ChunkSink, index: int) -> bytearray:
+    async def _get_chunk(self, source: str, sink: ChunkSink, index: int) -> list[memoryview]:
         span = sink.spans[index]
         request = request_for(
             self.item,
@@ -484,14 +484,14 @@ class SwarmFetch:
             offset=span.start,
         )
         request = dataclasses.replace(request, length=span.length)
-        out = bytearray()
+        out: list[memoryview] = []
         stream = await self.node.open_stream(source, pc.KIND_ARTIFACT_TRANSFER)
         async with stream:
             await stream.send_all(encode_request(request))
             await stream.send_eof()
             reader = ResponseReader(span.start, span.length)
             await self._read_chunk(stream, reader, sink, out, source)
-        return out  # handed to the sink as is (no copy)
+        return out  # views of the received records, handed to the sink as they are
 
 
     async def _read_chunk(
@@ -499,7 +499,7 @@ class SwarmFetch:
         stream: MeshStream,
         reader: ResponseReader,
         sink: ChunkSink,
-        out: bytearray,
+        out: list[memoryview],
         source: str,
     ) -> None:
         """The response into ``out``. As in ``StageFetcher._receive_into``: one deadline,
@@ -524,7 +524,7 @@ class SwarmFetch:
                         if isinstance(event, ResponseHeader):
                             sink.accept(event.response)  # a refusal, another size or digest
                         elif isinstance(event, BodyData):
-                            out += event.data
+                            out.append(event.data)  # a view of immutable bytes: no copy
             return
         if received > mark_bytes:
             stream.reset("too_slow", "under the minimum transfer rate")

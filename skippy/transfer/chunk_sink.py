@@ -26,12 +26,13 @@ import hashlib
 import logging
 import os
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 from skippy.atomic import LockBusy, exclusive_lock
 from skippy.consume.verify import VerifyCache
 from skippy.errors import IntegrityError, UsageError
-from skippy.transfer.chunks import ChunkSpan, chunk_digest, chunk_spans, verified_chunks
+from skippy.transfer.chunks import ChunkSpan, chunk_spans, verified_chunks
 from skippy.transfer.errors import InstallBusy, PartialChanged
 from skippy.transfer.fetch_plan import FetchItem
 from skippy.transfer.hubcache import RepoCache
@@ -107,7 +108,7 @@ class ChunkSink(ArtifactSink):
         log.info(
             "resuming %s with %d of %d chunks verified", self.item.path, len(good), len(self.spans)
         )
-        self._advance(-1, b"")  # the verified prefix, read back once
+        self._advance(-1, ())  # the verified prefix, read back once
         if self.complete:  # a whole partial (a crash before the rename): install or restart
             if self._whole_digest() == self.item.sha256:
                 self._install()
@@ -130,11 +131,19 @@ class ChunkSink(ArtifactSink):
 
     def write_chunk(self, index: int, data: bytes | bytearray | memoryview) -> None:
         """Check chunk ``index`` against its digest, then write it at its offset."""
+        self.write_chunk_parts(index, [memoryview(data)])
+
+    def write_chunk_parts(self, index: int, parts: Sequence[memoryview]) -> None:
+        """``write_chunk`` for a chunk received as pieces (views of the stream's records:
+        hashed and written as they are, never joined into one copy)."""
         self._expect_receiving()
         if self._fd is None or not 0 <= index < len(self.spans):
             raise UsageError(f"no chunk {index} to write", code="sink_order")
         span = self.spans[index]
-        if len(data) != span.length or chunk_digest(data) != self.digests[index]:
+        digest = hashlib.sha256()
+        for part in parts:
+            digest.update(part)
+        if sum(len(p) for p in parts) != span.length or digest.digest() != self.digests[index]:
             raise IntegrityError(
                 f"{self.item.path}: chunk {index} (bytes {span.start}..{span.stop}) does not "
                 "match its signed digest",
@@ -143,24 +152,26 @@ class ChunkSink(ArtifactSink):
             )
         if index in self.verified:
             return
-        view = memoryview(data)
         pos = span.start
-        while view:
-            written = os.pwrite(self._fd, view, pos)
-            view, pos = view[written:], pos + written
+        for part in parts:
+            view = part
+            while view:
+                written = os.pwrite(self._fd, view, pos)
+                view, pos = view[written:], pos + written
         with self._order:
             self.verified.add(index)
             self.offset += span.length
             self.received_bytes += span.length
-            self._advance(index, data)
+            self._advance(index, parts)
 
-    def _advance(self, index: int, data: bytes | bytearray | memoryview) -> None:
+    def _advance(self, index: int, parts: Sequence[memoryview]) -> None:
         """Feed the whole-file hash every verified chunk that now continues its prefix:
-        ``data`` for chunk ``index``, the partial's bytes for the others."""
+        ``parts`` for chunk ``index``, the partial's bytes for the others."""
         while self._hashed < len(self.spans) and self._hashed in self.verified:
             span = self.spans[self._hashed]
             if self._hashed == index:
-                self._whole.update(data)
+                for part in parts:
+                    self._whole.update(part)
             else:
                 if self._fd is None:
                     raise UsageError("the partial is closed", code="sink_order")
@@ -201,7 +212,7 @@ class ChunkSink(ArtifactSink):
         if self._fd is None:
             raise UsageError("the partial is closed", code="sink_order")
         with self._order:
-            self._advance(-1, b"")
+            self._advance(-1, ())
             if self._hashed != len(self.spans):
                 raise UsageError("chunks are missing from the whole-file hash", code="sink_order")
             os.ftruncate(self._fd, self.item.size or 0)  # a longer stale partial ends here
