@@ -134,6 +134,8 @@ def advertised_features(
     bits.add(pc.BIT_VERIFY_WINDOW)  # every stage host here runs verify windows (issue #22)
     if would_serve(node_policy(settings, identity, now_s)):
         bits.add(pc.BIT_ARTIFACT_TRANSFER)
+        if settings.swarm_transfer:  # issue #23: chunk ranges and source lists
+            bits.add(pc.BIT_SWARM_TRANSFER)
     return {pc.FEATURE_SKIPPY_STAGE: tuple(sorted(bits))}
 
 

@@ -21,6 +21,7 @@ NOISE_PROLOGUE: Final = b"skippy-mesh/1"
 SIG_DOMAIN_STATIC_KEY: Final = b"skippy-mesh-noise-static-key:"
 SIG_DOMAIN_OWNER_CERT: Final = b"skippy-mesh-owner-certificate/1\x00"
 SIG_DOMAIN_TOPOLOGY: Final = b"skippy-mesh-topology/1\x00"
+SIG_DOMAIN_SWARM_SOURCES: Final = b"skippy-mesh-swarm-sources/1\x00"  # issue #23 source lists
 NOISE_MAX_MESSAGE: Final = 65535  # Noise spec: a transport message is at most 65535 bytes
 NOISE_TAG_BYTES: Final = 16
 KEY_BYTES: Final = 32  # Ed25519 and X25519 public keys
@@ -62,7 +63,12 @@ SKIPPY_STAGE_MAJOR: Final = 2
 KIND_CONTROL: Final = 0x01
 KIND_TRANSPORT: Final = 0x02
 KIND_ARTIFACT_TRANSFER: Final = 0x03
-SKIPPY_STAGE_KINDS: Final = frozenset({KIND_CONTROL, KIND_TRANSPORT, KIND_ARTIFACT_TRANSFER})
+# Issue #23: a stage's signed source list, asked of the coordinator (only when it advertises
+# BIT_SWARM_TRANSFER).
+KIND_SWARM_SOURCES: Final = 0x04
+SKIPPY_STAGE_KINDS: Final = frozenset(
+    {KIND_CONTROL, KIND_TRANSPORT, KIND_ARTIFACT_TRANSFER, KIND_SWARM_SOURCES}
+)
 
 # --- features --------------------------------------------------------------------------------
 FEATURE_SKIPPY_STAGE: Final = f"{SKIPPY_STAGE}/{SKIPPY_STAGE_MAJOR}"
@@ -74,6 +80,9 @@ BIT_ARTIFACT_TRANSFER: Final = "artifact-transfer"
 # WebSocket subprotocol the dialer offers and the listener selects (protocol/link_cipher.py).
 WS_SUBPROTOCOL_AESGCM: Final = "skippy-mesh-aesgcm"
 BIT_VERIFY_WINDOW: Final = "verify-window"  # issue #22: transport phase verify (speculation)
+# Issue #23: chunk-range requests (``length``) and kind 0x04 source lists; a serving node
+# advertises it beside ``artifact-transfer``. Without it a peer gets whole-file requests only.
+BIT_SWARM_TRANSFER: Final = "swarm-transfer"
 STAGE_BUNDLE: Final = frozenset({BIT_CONTROL, BIT_STATUS, BIT_CONTENT_IDENTITY})
 
 # --- message generations -----------------------------------------------------------------------

@@ -37,6 +37,7 @@ SECTIONS: dict[str, str] = {
     "delta": "bench_delta",  # issue #23: a revision changing one layer moves only that layer
     "adversary": "bench_adversary",  # issue #19: hostile peers against one `mesh-node run`
     "speculative": "bench_speculative",  # issue #22: n-gram speculation, exact vs batched verify
+    "swarm": "bench_swarm",  # issue #23: swarm fetch vs coordinator-only, chunk overhead
 }
 
 

@@ -177,6 +177,7 @@ NODE_KEYS = frozenset(
         "trusted_owners",
         "artifact_transfer",
         "artifact_serve_bytes_per_s",
+        "swarm_transfer",  # issue #23
         "memory_budget",
         "heartbeat_interval_s",
         "peer_loss_timeout_s",
@@ -547,6 +548,9 @@ class NodeSettings:
     memory_budget_bytes: int
     # Total rate at which this node serves artifacts to peers (0: unlimited): an uplink cap.
     artifact_serve_bytes_per_s: int = 0
+    # Issue #23: serve chunk ranges and (coordinating) signed swarm source lists beside
+    # artifact-transfer; false keeps the whole-file, coordinator-only path.
+    swarm_transfer: bool = True
     heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S
     peer_loss_timeout_s: float = DEFAULT_PEER_LOSS_TIMEOUT_S
     idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S
@@ -698,6 +702,7 @@ def node_settings(config: NodeConfig, env: Environment | None = None) -> NodeSet
         artifact_serve_bytes_per_s=parse_size(
             raw.get("artifact_serve_bytes_per_s", 0), "artifact_serve_bytes_per_s"
         ),
+        swarm_transfer=_swarm_transfer(raw),
         heartbeat_interval_s=heartbeat,
         peer_loss_timeout_s=peer_loss,
         idle_timeout_s=_seconds(raw, "idle_timeout_s", DEFAULT_IDLE_TIMEOUT_S),
@@ -722,6 +727,14 @@ def _calibration(env_word: str | None, toml_word: object) -> bool:
             raise _bad(source, "expected auto or off", word)
         return word == "auto"
     return True
+
+
+def _swarm_transfer(raw: Mapping[str, Any]) -> bool:
+    """``swarm_transfer = true|false`` (issue #23; default true)."""
+    value = raw.get("swarm_transfer", True)
+    if not isinstance(value, bool):
+        raise _bad("swarm_transfer", "expected true or false", value)
+    return value
 
 
 # --- issue #21: dialing a peer through another address --------------------------------------------

@@ -206,3 +206,17 @@ def test_node_timeout_defaults_are_the_protocol_limits():
 
     assert DEFAULT_LIMITS.handshake_timeout_s == config.DEFAULT_HANDSHAKE_TIMEOUT_S
     assert DEFAULT_LIMITS.idle_timeout_s == config.DEFAULT_IDLE_TIMEOUT_S
+
+
+def test_swarm_transfer_is_on_by_default_and_must_be_a_boolean(tmp_path):
+    """Issue #23: ``swarm_transfer = false`` keeps the whole-file, coordinator-only path."""
+    from skippy.config import load_node_settings
+    from skippy.errors import SkippyError
+
+    env = read_environment({})
+    assert load_node_settings(_node_toml(tmp_path, 'identity = "k"\n'), env).swarm_transfer
+    off = _node_toml(tmp_path, 'identity = "k"\nswarm_transfer = false\n')
+    assert load_node_settings(off, env).swarm_transfer is False
+    with pytest.raises(SkippyError) as e:
+        load_node_settings(_node_toml(tmp_path, 'identity = "k"\nswarm_transfer = "yes"\n'), env)
+    assert "swarm_transfer" in e.value.message

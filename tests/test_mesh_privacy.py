@@ -72,7 +72,12 @@ async def test_every_advertisement_and_gossip_message_carries_only_allowed_field
             assert machine_id is None or machine_id not in payload
             assert raw["features"] == {
                 pc.FEATURE_SKIPPY_STAGE: sorted(
-                    [*pc.STAGE_BUNDLE, pc.BIT_ARTIFACT_TRANSFER, pc.BIT_VERIFY_WINDOW]
+                    [
+                        *pc.STAGE_BUNDLE,
+                        pc.BIT_ARTIFACT_TRANSFER,
+                        pc.BIT_SWARM_TRANSFER,
+                        pc.BIT_VERIFY_WINDOW,
+                    ]
                 )
             }
         else:
@@ -120,7 +125,9 @@ async def test_advertisements_carry_only_the_feature_bit_while_artifacts_move(
                 bits = set(message.features[pc.FEATURE_SKIPPY_STAGE])
                 assert set(message.features) == {pc.FEATURE_SKIPPY_STAGE}
                 assert bits == set(pc.STAGE_BUNDLE) | {pc.BIT_VERIFY_WINDOW} | (
-                    {pc.BIT_ARTIFACT_TRANSFER} if other is coord.node else set()
+                    {pc.BIT_ARTIFACT_TRANSFER, pc.BIT_SWARM_TRANSFER}
+                    if other is coord.node
+                    else set()
                 )
             for secret in (b"inventory", b"tiny-layers", b".gguf", b"model-package", b"hub"):
                 assert secret not in payload

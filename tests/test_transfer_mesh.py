@@ -211,19 +211,27 @@ async def _pair(  # type: ignore[no-untyped-def]
     return coord, worker, pkg
 
 
+@pytest.mark.parametrize(
+    ("swarm", "detected_as"),
+    [(False, "artifact_sha256_mismatch"), (True, "chunk_digest_mismatch")],
+)
 async def test_a_corrupted_byte_is_never_installed_and_the_hub_supplies_the_artifact(
-    tmp_path, hub_package
+    tmp_path, hub_package, swarm, detected_as
 ):
+    """Whole-file (no swarm-transfer bit): found by the final SHA-256. Chunked (issue #23):
+    found at its chunk, the coordinator dropped as a source, the hub asked."""
     async with trio.open_nursery() as n:
         coord, worker, pkg = await _pair(
-            n, tmp_path, hub_package, server_class=misbehaving(flip=True)
+            n, tmp_path, hub_package, server_class=misbehaving(flip=True), swarm_transfer=swarm
         )
         await propose(coord, pkg)
         await wait_for(lambda: coord.node.topology.active.all_ready, timeout_s=20)
         rec = records(worker)[TARGET]
         assert rec["source"] == "hub" and rec["verified"]
-        assert rec["fallback"] == "artifact_sha256_mismatch"
-        assert worker.node.transfers.counters.verification_failures == 1
+        assert rec["fallback"] == detected_as
+        counters = worker.node.transfers.counters
+        assert counters.verification_failures == 1
+        assert counters.chunk_failures == (1 if swarm else 0)
         ref = {r.path: r for r in pkg.manifest.artifacts()}[TARGET]
         assert sha256_of(snapshot_files(worker, pkg.ref)[TARGET]) == ref.artifact.sha256
         cache = RepoCache.for_ref(worker.cache, pkg.ref)
@@ -235,8 +243,9 @@ async def test_a_corrupted_byte_is_never_installed_and_the_hub_supplies_the_arti
 
 async def test_a_truncated_stream_resumes_from_the_partial(tmp_path, hub_package):
     async with trio.open_nursery() as n:
-        coord, worker, pkg = await _pair(
-            n, tmp_path, hub_package, server_class=misbehaving(truncate=True), worker_hub=False
+        coord, worker, pkg = await _pair(  # the whole-file path (a chunk is kept only whole)
+            n, tmp_path, hub_package, server_class=misbehaving(truncate=True), worker_hub=False,
+            swarm_transfer=False,
         )
         await propose(coord, pkg)
         await wait_for(lambda: coord.node.topology.active.all_ready, timeout_s=20)

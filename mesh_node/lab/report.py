@@ -88,6 +88,9 @@ def node_report(facts: NodeFacts, topology_id: str) -> dict[str, Any]:
                 "fallback": rec.get("fallback"),
                 "revision": rec.get("revision"),
                 "mb_per_s": rec.get("mb_per_s"),
+                # issue #23: every node that served part of it, with its bytes
+                "served_by": [dict(s) for s in rec.get("served_by", [])],
+                "dropped_sources": [dict(s) for s in rec.get("dropped_sources", [])],
             }
         )
     out: dict[str, Any] = {
@@ -104,6 +107,8 @@ def node_report(facts: NodeFacts, topology_id: str) -> dict[str, Any]:
         "report": stage_state.get("report") if current else None,
         "bytes": totals,
         "artifacts": artifacts,
+        # issue #23: what this node sent to its peers (a swarm spreads it over the holders)
+        "served_bytes": ((transfers.get("counters") or {}).get("served_bytes") or 0),
     }
     if facts.check is not None:
         out.update(
@@ -335,10 +340,14 @@ def _runs(artifacts: Sequence[Mapping[str, Any]]) -> list[list[Mapping[str, Any]
 
 
 def source_text(artifact: Mapping[str, Any]) -> str:
-    """``peer``, ``hub``, ``cache``, or ``cache (revision <short>)`` for a delta link."""
+    """``peer``, ``hub``, ``cache``; ``cache (revision <short>)`` for a delta link; ``peer x3``
+    when three nodes served parts of it (issue #23)."""
     source = artifact.get("source") or "-"
     revision = artifact.get("revision")
-    return f"{source} (revision {revision})" if source == "cache" and revision else source
+    if source == "cache" and revision:
+        return f"{source} (revision {revision})"
+    servers = len(artifact.get("served_by") or ())
+    return f"{source} x{servers}" if servers > 1 else source
 
 
 def render_links(links: Mapping[str, Any] | None) -> list[str]:

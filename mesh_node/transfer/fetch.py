@@ -22,6 +22,7 @@ hub cache (consumer validation and SHA-256 from the verification records the sin
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import shutil
@@ -44,12 +45,23 @@ from mesh_node.link import MeshStream
 from mesh_node.transfer.cache_budget import CacheBudget
 from mesh_node.transfer.records import StageFetch, TransferLog, TransferRecord
 from mesh_node.transfer.serve import PEER_BUSY
+from mesh_node.transfer.swarm import (
+    REFRESH_S,
+    SourceBook,
+    SwarmFailed,
+    SwarmFetch,
+    ask_sources,
+    open_chunk_sink_waiting,
+    speaks_swarm,
+)
 from protocol import constants as pc
+from protocol.errors import ProtocolError
 from skippy.atomic import LockBusy, exclusive_lock, find_partials
 from skippy.config import Environment
 from skippy.constants import MANIFEST_NAME
 from skippy.consume.verify import VerifyCache
 from skippy.errors import IntegrityError, ManifestError, SkippyError
+from skippy.package.manifest import PackageManifest
 from skippy.package.topology import SplitTopology, StageAssignment
 from skippy.stage.descriptor import StageDescriptor
 from skippy.transfer.authorize import PEER_DISABLED, PEER_UNAVAILABLE
@@ -128,6 +140,7 @@ class _Job:
     stage: StageAssignment
     coordinator_id: str
     cache: RepoCache
+    book: SourceBook | None = None  # issue #23: the stage's swarm sources, when offered
 
 
 class StageFetcher:
@@ -140,8 +153,10 @@ class StageFetcher:
         verify_cache: VerifyCache | None,
         concurrency: int = CONCURRENCY,
         peer_attempts: int = PEER_ATTEMPTS,
+        swarm_refresh_s: float = REFRESH_S,
     ) -> None:
         self.node = node
+        self.swarm_refresh_s = swarm_refresh_s
         self.env = env
         self.records = records
         self.verify_cache = verify_cache
@@ -251,6 +266,8 @@ class StageFetcher:
         await trio.to_thread.run_sync(
             self._check_disk, plan.bytes_required, plan.bytes_to_fetch, needed
         )
+        if plan.fetch:
+            job = dataclasses.replace(job, book=await self._swarm_book(job, manifest))
         for ref in plan.required:
             if ref.path in present:
                 revision = linked[ref.path].revision.short if ref.path in linked else None
@@ -383,6 +400,12 @@ class StageFetcher:
         peer = job.coordinator_id
         reason = "not_advertised" if peer != self.node.node_id else "this_node_coordinates"
         attempts = 0
+        if job.book is not None and not item.is_manifest:
+            path, skip_peer = await self._from_swarm(job, item, rec)
+            if path is not None:
+                return path
+            if skip_peer:  # the coordinator itself served bytes that failed their digest
+                return await self._from_hub(job, item, rec, rec.fallback or "swarm_failed")
         while self._peer_serves(peer) and attempts < self.peer_attempts:
             attempts += 1
             try:
@@ -540,6 +563,71 @@ class StageFetcher:
     def _wrote(self, sink: ArtifactSink, rec: TransferRecord, n: int) -> None:
         rec.bytes_done = sink.offset
         self.records.counters.fetched_bytes["peer"] += n
+        if rec.peer_id is not None:
+            rec.served_by[rec.peer_id] = rec.served_by.get(rec.peer_id, 0) + n
+
+    # --- issue #23: swarm fetch (kept apart from the whole-file and cache paths) --------------
+    async def _swarm_book(self, job: _Job, manifest: PackageManifest) -> SourceBook | None:
+        """The coordinator's signed source list for this stage, when it offers one."""
+        coordinator = job.coordinator_id
+        if not speaks_swarm(self.node, coordinator):
+            return None
+        ask = functools.partial(
+            ask_sources, self.node, coordinator, job.topology, job.stage, manifest
+        )
+        try:
+            latest = await ask()
+        except (SkippyError, MeshError, ProtocolError, trio.TooSlowError) as exc:
+            log.info("no swarm source list from %s: %s", short_id(coordinator), exc)
+            return None
+        return SourceBook(ask, latest, refresh_s=self.swarm_refresh_s)
+
+    async def _from_swarm(
+        self, job: _Job, item: FetchItem, rec: TransferRecord
+    ) -> tuple[Path | None, bool]:
+        """Chunks from every listed holder (``mesh_node.transfer.swarm``). (None, skip) when
+        the whole-file path must take over: skip the coordinator when it served bad bytes."""
+        book = job.book
+        entry = book.latest.by_path().get(item.path) if book is not None else None
+        if book is None or entry is None:
+            return None, False
+        sink = await open_chunk_sink_waiting(
+            self.node,
+            job.cache,
+            item,
+            entry,
+            book.latest.chunk_bytes,
+            manifest_sha256=job.topology.manifest_sha256,
+            verify_cache=self.verify_cache,
+            poll_s=LOCK_POLL_S,
+        )
+        try:
+            if sink.present and sink.installed is not None:
+                return self._from_cache(sink.installed, rec), False
+            rec.restart("peer", offset=sink.offset)
+            swarm = SwarmFetch(
+                self.node, self.records, job.cache, job.topology, job.stage, item, rec, book,
+                verify_cache=self.verify_cache,
+            )
+            try:
+                await swarm.run(sink, job.coordinator_id)
+                path: Path = await trio.to_thread.run_sync(sink.finish)
+                if rec.served_by:  # ``peer_id``: the node that served most (all: ``served_by``)
+                    rec.peer_id = max(rec.served_by, key=rec.served_by.__getitem__)
+                return path, False
+            except SwarmFailed as exc:
+                log.warning("%s: %s; the whole-file path takes over", item.path, exc)
+                # The first dropped source's code says most (``chunk_digest_mismatch``).
+                rec.fallback = next(iter(rec.dropped.values()), exc.code)
+                await trio.to_thread.run_sync(sink.keep_prefix_only)
+                return None, swarm.coordinator_dropped
+            except IntegrityError as exc:  # chunks matched digests, the file did not
+                self.records.counters.verification_failures += 1
+                log.warning("%s: %s", item.path, exc)
+                rec.fallback = exc.code
+                return None, True
+        finally:
+            sink.abort()
 
     async def _receive_into(
         self,

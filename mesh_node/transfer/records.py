@@ -41,6 +41,10 @@ class TransferRecord:
     error: str | None = None  # a stable code
     fallback: str | None = None  # fetch from the hub: why not from the peer (a code or answer)
     revision: str | None = None  # fetch from the cache: the other revision it was linked from
+    # Issue #23: fetch from peers: the bytes each node served (several in a swarm fetch), and
+    # the sources dropped (node id -> the code of what they did wrong).
+    served_by: dict[str, int] = field(default_factory=dict)
+    dropped: dict[str, str] = field(default_factory=dict)
     _clock_start: float = field(default_factory=time.monotonic, repr=False)
     _clock_end: float | None = field(default=None, repr=False)
 
@@ -81,6 +85,12 @@ class TransferRecord:
             "error": self.error,
             "fallback": self.fallback,
             "revision": self.revision,
+            "served_by": [
+                {"node_id": k, "bytes": v} for k, v in sorted(self.served_by.items())
+            ],
+            "dropped_sources": [
+                {"node_id": k, "code": v} for k, v in sorted(self.dropped.items())
+            ],
         }
 
 
@@ -98,6 +108,8 @@ class TransferCounters:
     refusals_received: Counter[str] = field(default_factory=Counter)  # peers' refusals, by answer
     serving_now: int = 0  # requests being served at this moment (a gauge)
     serving_peak: int = 0  # the most served at once since start
+    chunk_failures: int = 0  # issue #23: chunks that failed their signed digest
+    dropped_sources: int = 0  # issue #23: sources a swarm fetch stopped asking
 
     def snapshot(self) -> dict[str, Any]:
         return {
@@ -109,6 +121,8 @@ class TransferCounters:
             "refusals_received": dict(sorted(self.refusals_received.items())),
             "serving_now": self.serving_now,
             "serving_peak": self.serving_peak,
+            "chunk_failures": self.chunk_failures,
+            "dropped_sources": self.dropped_sources,
         }
 
 

@@ -28,6 +28,7 @@ from mesh_node.topology import ActiveTopology
 from mesh_node.transfer.fetch import StageFetcher, StageResult
 from mesh_node.transfer.policy import node_policy
 from mesh_node.transfer.serve import ArtifactHandler
+from mesh_node.transfer.swarm import SourcesHandler
 from protocol import constants as pc
 from protocol.errors import ProtocolError
 from protocol.messages import StageReady, TopologyAck, decode_control_message
@@ -35,6 +36,7 @@ from skippy.config import Environment
 from skippy.consume.verify import VerifyCache
 from skippy.errors import SkippyError
 from skippy.stage.descriptor import StageDescriptor
+from skippy.transfer.chunks import ChunkDigestStore
 from skippy.transfer.policy import would_serve
 from skippy.transfer.serve import ArtifactServer
 
@@ -61,8 +63,15 @@ class ArtifactService:
         node.status_sections["cache"] = self.fetcher.cache_budget.status  # issue #23
         policy = node_policy(node.settings, node.identity, node.wall_clock())
         self.serving = would_serve(policy)
+        # Issue #23: the coordinator's source lists, beside the serving handler (the
+        # swarm-transfer bit is advertised with artifact-transfer, ``MeshNode.features``).
+        self.sources = SourcesHandler(
+            node, self.server, self.records, ChunkDigestStore.beside(vc.root)
+        )
         if self.serving:
             node.register_subprotocol(pc.KIND_ARTIFACT_TRANSFER, self.handler)
+            if node.settings.swarm_transfer:
+                node.register_subprotocol(pc.KIND_SWARM_SOURCES, self.sources)
         self.result: StageResult | None = None
         self.ready_hook: ReadyHook | None = None
         self._nursery: trio.Nursery | None = None

@@ -294,6 +294,13 @@ def _expect(
             f"{request.relative_path}: offset {request.offset} is past its {size} bytes",
             stage=stage,
         )
+    if request.length is not None and request.offset + request.length > size:
+        return refuse(
+            "offset_beyond_end",
+            f"{request.relative_path}: range {request.offset}+{request.length} is past its "
+            f"{size} bytes",
+            stage=stage,
+        )
     return Decision(
         True, ALLOWED, f"{request.relative_path} for stage {stage.stage_id}", "", stage, ref
     )

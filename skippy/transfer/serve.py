@@ -102,10 +102,10 @@ class FileBody:
 
 
 class BytesBody:
-    """The manifest's exact hashed bytes from ``offset``."""
+    """The manifest's exact hashed bytes from ``offset`` (to ``end``)."""
 
-    def __init__(self, data: bytes, offset: int) -> None:
-        self._data = memoryview(data)
+    def __init__(self, data: bytes, offset: int, end: int | None = None) -> None:
+        self._data = memoryview(data)[: len(data) if end is None else end]
         self._pos = offset
 
     @property
@@ -230,14 +230,20 @@ class ArtifactServer:
         if decision.artifact is None:  # the manifest: its exact hashed bytes
             if not isinstance(held, LoadedManifest):
                 raise IntegrityError("authorize allowed a manifest this node does not hold")
-            body = BytesBody(held.raw, request.offset)
+            body = BytesBody(held.raw, request.offset, _end(request, len(held.raw)))
             return ServeOutcome(
                 decision, ArtifactResponse.accept(len(held.raw), held.held.sha256), body
             )
         if topology is None:
             raise IntegrityError("authorize allowed a request without a topology")
         cache = RepoCache.for_ref(self.hub_cache_dir, topology.package_ref)
-        opened = self._open_artifact(cache, decision, topology.manifest_sha256, request.offset)
+        opened = self._open_artifact(
+            cache,
+            decision,
+            topology.manifest_sha256,
+            request.offset,
+            _end(request, decision.artifact.artifact.artifact_bytes),
+        )
         if isinstance(opened, Decision):
             log.warning("artifact check failed: %s", opened.to_log())
             return _refused(opened)
@@ -249,7 +255,12 @@ class ArtifactServer:
         )
 
     def _open_artifact(
-        self, cache: RepoCache, decision: Decision, manifest_sha256: str, offset: int
+        self,
+        cache: RepoCache,
+        decision: Decision,
+        manifest_sha256: str,
+        offset: int,
+        end: int | None = None,
     ) -> FileBody | Decision:
         ref = decision.artifact
         stage = decision.stage
@@ -281,7 +292,7 @@ class ArtifactServer:
                 f"{bad.expected_sha256}",
                 stage=stage,
             )
-        return _open_verified(path, st, boundary, ref, offset, decision)
+        return _open_verified(path, st, boundary, ref, offset, decision, end)
 
 
 def _open_verified(
@@ -291,6 +302,7 @@ def _open_verified(
     ref: ArtifactRef,
     offset: int,
     decision: Decision,
+    end: int | None = None,
 ) -> FileBody | Decision:
     """Open the real file behind ``path`` and prove it is the one just verified."""
     real = os.path.realpath(path)
@@ -307,7 +319,12 @@ def _open_verified(
         return refuse(
             "artifact_changed", f"{ref.path} changed after it was verified", stage=decision.stage
         )
-    return FileBody(fd, offset, st.st_size)
+    return FileBody(fd, offset, st.st_size if end is None else min(end, st.st_size))
+
+
+def _end(request: ArtifactRequest, size: int) -> int | None:
+    """Where the body stops: the range's end (issue #23 chunk requests), else the file's."""
+    return None if request.length is None else min(size, request.offset + request.length)
 
 
 def _stamp(path: Path) -> FileStamp | None:

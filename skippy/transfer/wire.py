@@ -62,9 +62,12 @@ REQUEST_KEYS: Final = frozenset(
         "offset",
         "expected_size",
         "expected_sha256",
+        "length",
     }
 )
-REQUEST_OPTIONAL: Final = frozenset({"expected_size", "expected_sha256"})
+# ``length`` (issue #23: a chunk range) is sent only to a peer advertising
+# ``protocol.constants.BIT_SWARM_TRANSFER``; older servers never see the key.
+REQUEST_OPTIONAL: Final = frozenset({"expected_size", "expected_sha256", "length"})
 RESPONSE_KEYS: Final = frozenset({"gen", "accepted", "total_size", "sha256", "error"})
 RESPONSE_OPTIONAL: Final = frozenset({"sha256", "error"})
 
@@ -186,10 +189,21 @@ class ArtifactRequest:
     offset: int = 0
     expected_size: int | None = None
     expected_sha256: str | None = None
+    length: int | None = None  # a range: ``length`` bytes from ``offset`` (None: to the end)
     gen: int = WIRE_GEN
 
     def __post_init__(self) -> None:
         _check_gen(self.gen)
+        if self.length is not None:
+            _check_size(self.length, "length", minimum=1)
+            if self.expected_size is not None and self.offset + self.length > self.expected_size:
+                raise _bad(
+                    "artifact_wire_field",
+                    f"range {self.offset}+{self.length} runs past expected_size "
+                    f"{self.expected_size}",
+                    actual=self.offset + self.length,
+                    expected=self.expected_size,
+                )
         if not isinstance(self.requester_id, bytes) or len(self.requester_id) != (
             REQUESTER_ID_BYTES
         ):
@@ -238,6 +252,8 @@ class ArtifactRequest:
             out["expected_size"] = self.expected_size
         if self.expected_sha256 is not None:
             out["expected_sha256"] = self.expected_sha256
+        if self.length is not None:
+            out["length"] = self.length
         return out
 
     def to_log(self) -> dict[str, Any]:
@@ -468,13 +484,15 @@ ResponseEvent = ResponseHeader | BodyData | BodyEnd
 
 class ResponseReader:
     """Requester side: feed the stream's bytes, get events: one ``ResponseHeader``, then (if
-    accepted) ``BodyData`` up to exactly ``total_size - offset`` bytes and one ``BodyEnd``.
+    accepted) ``BodyData`` up to exactly ``total_size - offset`` bytes (``length`` for a
+    range request) and one ``BodyEnd``.
     Body bytes are handed on as views of the input, never accumulated. A refusal ends after
     its header. Any byte past the end, or an offset past ``total_size``, is an error."""
 
-    def __init__(self, offset: int) -> None:
+    def __init__(self, offset: int, length: int | None = None) -> None:
         self._frame = _FrameBuffer(MAX_RESPONSE_BYTES)
         self._offset = offset
+        self._length = length
         self.response: ArtifactResponse | None = None
         self.remaining: int | None = None  # body bytes still due
         self.done = False
@@ -498,6 +516,14 @@ class ResponseReader:
                         f"{self.response.total_size}",
                     )
                 self.remaining = self.response.total_size - self._offset
+                if self._length is not None:
+                    if self._length > self.remaining:
+                        raise _bad(
+                            "artifact_wire_field",
+                            f"range {self._offset}+{self._length} is past the artifact's "
+                            f"total size {self.response.total_size}",
+                        )
+                    self.remaining = self._length
                 if self.remaining == 0:
                     self.done = True
                     events.append(BodyEnd())

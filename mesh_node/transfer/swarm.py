@@ -1,0 +1,571 @@
+"""Swarm fetch (issue #23 items 2-3): signed source lists and chunk-verified, multi-source
+transfer of one artifact.
+
+Coordinator (``SourcesHandler``, kind 0x04, registered with the serving handler): a worker
+asks with an ``ArtifactRequest`` for the manifest (the same fields bind it to the topology,
+run, package, manifest and its stage), ``authorize`` decides exactly as for the manifest
+itself, then ``plan_sources`` lists, for each artifact of the requester's stage, the
+coordinator and the stage nodes that reported ready with a stage needing that file (and that
+advertise ``swarm-transfer``), with the chunk digests of the coordinator's verified copy
+(``ChunkDigestStore``). The list is signed with the node key under
+``SIG_DOMAIN_SWARM_SOURCES``. Nodes never gossip holdings (spec "Peer Cache Transfer").
+
+Worker (``SwarmFetch``): the list's signature is checked against the topology's coordinator,
+the list against the verified manifest and topology (``check_source_list``), then one task
+per source takes chunks from a shared ``ChunkScheduler`` and asks that source for each as a
+range request on a kind 0x03 stream (the source's own ``authorize`` applies in full: a node
+outside the topology, or on another revision, refuses). Every chunk is checked against its
+digest before it is written at its offset (``ChunkSink``); a source that serves a wrong
+chunk is dropped (logged, ``chunk_failures`` / ``dropped_sources`` counted, named in the
+record) and the chunk goes to another source. The list is asked again every
+``refresh_s`` while chunks remain, so holders that become ready meanwhile join. The whole
+file is hashed before the install; when no source is left the caller falls back to the
+whole-file path (coordinator, then hub).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import logging
+from collections import Counter
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Final
+
+import trio
+
+from mesh_node.errors import MeshError
+from mesh_node.identity import short_id
+from mesh_node.link import MeshStream
+from mesh_node.peers import InboundStream
+from mesh_node.transfer.policy import node_policy, peer_facts
+from mesh_node.transfer.records import TransferLog, TransferRecord
+from mesh_node.transfer.serve import PEER_BUSY
+from protocol import constants as pc
+from protocol.certificates import sign_domain, verify_domain
+from protocol.errors import ProtocolError
+from skippy.constants import MANIFEST_NAME
+from skippy.consume.verify import VerifyCache
+from skippy.errors import IntegrityError, SkippyError
+from skippy.package.manifest import PackageManifest
+from skippy.package.topology import SplitTopology, StageAssignment
+from skippy.transfer.authorize import authorize, refuse
+from skippy.transfer.chunk_sink import ChunkSink, open_chunk_sink
+from skippy.transfer.chunks import CHUNK_BYTES, ChunkDigestStore, ChunkScheduler
+from skippy.transfer.errors import ArtifactWireError, InstallBusy, TransferRefused
+from skippy.transfer.fetch_plan import FetchItem, manifest_item, request_for
+from skippy.transfer.hubcache import LoadedManifest, RepoCache
+from skippy.transfer.policy import peer_refusal
+from skippy.transfer.required import stage_refs
+from skippy.transfer.serve import ArtifactServer
+from skippy.transfer.sources import (
+    MAX_SOURCE_LIST_BYTES,
+    ArtifactSources,
+    SourceList,
+    check_source_list,
+    decode_source_list,
+    encode_source_list,
+    plan_sources,
+    required_set,
+)
+from skippy.transfer.wire import (
+    ArtifactRequest,
+    ArtifactResponse,
+    BodyData,
+    RequestReader,
+    ResponseHeader,
+    ResponseReader,
+    encode_request,
+    encode_response,
+)
+
+if TYPE_CHECKING:
+    from mesh_node.node import MeshNode
+
+log = logging.getLogger("mesh_node.transfer.swarm")
+
+REFRESH_S: Final = 1.0  # how often a running swarm fetch asks for new holders
+MAX_SOURCES: Final = 4  # sources used at once for one artifact
+# Chunk requests in flight per source: the next request overlaps the previous chunk's check
+# and write (one at a time left the link idle for both: ~50% slower than a whole file).
+PER_SOURCE: Final = 2
+MAX_IN_FLIGHT: Final = 4  # chunks of one artifact in memory at once, over all its sources
+_SKIP_COORDINATOR: Final = frozenset(
+    {"chunk_digest_mismatch", "peer_artifact_mismatch", "transfer_too_slow"}
+)
+SWARM_BITS: Final = frozenset({pc.BIT_ARTIFACT_TRANSFER, pc.BIT_SWARM_TRANSFER})
+
+
+def may_ask(node: MeshNode, holder_id: str, coordinator_id: str) -> bool:
+    """This node's own trust mode for a holder that is not the coordinator (the coordinator
+    is asked as for a whole-file fetch): ``trusted`` asks only holders whose owner it trusts
+    (``skippy.transfer.policy.peer_refusal``); ``open`` and ``disabled`` (which is about
+    serving) ask any member the signed list names: every chunk is checked against the
+    coordinator's signed digests, the file against the signed topology's manifest."""
+    if holder_id == coordinator_id:
+        return True
+    policy = node_policy(node.settings, node.identity, node.wall_clock())
+    if policy.mode != "trusted":
+        return True
+    peer = node.authenticated(holder_id)
+    return peer is not None and peer_refusal(policy, peer_facts(peer)) is None
+
+
+def speaks_swarm(node: MeshNode, node_id: str) -> bool:
+    """``node_id`` (not this node) is linked and advertises serving with chunk ranges."""
+    if node_id == node.node_id:
+        return False
+    info = node.peer(node_id)
+    return (
+        info is not None
+        and info.connected
+        and info.has_features(pc.FEATURE_SKIPPY_STAGE, SWARM_BITS)
+    )
+
+
+# --- the coordinator: source lists --------------------------------------------------------
+class SourcesHandler:
+    """``node.register_subprotocol(KIND_SWARM_SOURCES, handler)``: one list per stream."""
+
+    def __init__(
+        self,
+        node: MeshNode,
+        server: ArtifactServer,
+        records: TransferLog,
+        digests: ChunkDigestStore,
+        *,
+        chunk_bytes: int = CHUNK_BYTES,
+    ) -> None:
+        self.node = node
+        self.server = server
+        self.records = records
+        self.digests = digests
+        self.chunk_bytes = chunk_bytes  # the coordinator chooses; tests use small chunks
+
+    async def __call__(self, inbound: InboundStream) -> None:
+        stream = inbound.stream
+        timeout = self.node.timeouts.handshake_s
+        reader = RequestReader()
+        try:
+            with trio.fail_after(timeout):
+                request = None
+                while request is None:
+                    data = await stream.receive_some()
+                    if not data:
+                        reader.eof()
+                    request = reader.feed(data)
+        except (ArtifactWireError, trio.TooSlowError) as exc:
+            stream.reset("malformed", f"no valid source request: {type(exc).__name__}")
+            return
+        try:
+            body = await self._answer(inbound, request)
+        except (SkippyError, OSError) as exc:  # a clear log line, a refusal, no crash
+            log.warning("source list for %s failed: %s", short_id(inbound.peer.node_id), exc)
+            body = None
+        with trio.move_on_after(self.node.timeouts.idle_s):
+            if body is None:
+                await stream.send_all(encode_response(ArtifactResponse.refusal("unavailable")))
+            else:
+                digest = hashlib.sha256(body).hexdigest()
+                await stream.send_all(
+                    encode_response(ArtifactResponse.accept(len(body), digest)) + body
+                )
+            await stream.send_eof()
+
+    async def _answer(self, inbound: InboundStream, request: ArtifactRequest) -> bytes | None:
+        node = self.node
+        active = node.topology.active
+        policy = node_policy(node.settings, node.identity, node.wall_clock())
+        if active is None or active.role != "coordinator":
+            decision = refuse("no_active_topology", "this node coordinates no topology")
+        elif request.relative_path != MANIFEST_NAME:
+            decision = refuse("undeclared_path", "a source request names the manifest")
+        else:
+            topology = active.topology
+            held = await trio.to_thread.run_sync(self.server.held, topology)
+            facts = held.held if isinstance(held, LoadedManifest) else held
+            decision = authorize(policy, peer_facts(inbound.peer), topology, facts, request)
+        if not decision.allowed or active is None:
+            # Logged, not counted in ``refusals`` (those count artifact requests): the
+            # requester then asks for its files one by one and is refused (or served) there.
+            who = short_id(inbound.peer.node_id)
+            log.info("refused a source list to %s: %s", who, decision.reason)
+            return None
+        topology = active.topology
+        manifest = held.held.manifest if isinstance(held, LoadedManifest) else None
+        if manifest is None:
+            return None
+        ready = [nid for nid, r in active.reports.items() if r.state == "ready"]
+        servers = {s.node_id for s in topology.stages if speaks_swarm(node, s.node_id)}
+        servers.add(node.node_id)  # this node serves (the handler is registered only then)
+        digests = await trio.to_thread.run_sync(
+            self._digests, topology, manifest, request.requester_hex
+        )
+        sources = plan_sources(
+            topology,
+            manifest,
+            request.requester_hex,
+            coordinator_id=node.node_id,
+            ready=ready,
+            servers=servers,
+            digests=digests,
+            chunk_bytes=self.chunk_bytes,
+        )
+        signature = sign_domain(
+            node.identity.key, pc.SIG_DOMAIN_SWARM_SOURCES, sources.signed_bytes()
+        )
+        return encode_source_list(sources, signature)
+
+    def _digests(
+        self, topology: SplitTopology, manifest: PackageManifest, requester: str
+    ) -> dict[str, tuple[bytes, ...]]:
+        """The requester's stage's chunk digests from this node's verified copies (thread); a
+        file this node does not hold verified is left out (the worker fetches it whole)."""
+        stage = topology.stage_of(requester)
+        if stage is None:
+            return {}
+        cache = RepoCache.for_ref(self.server.hub_cache_dir, topology.package_ref)
+        out: dict[str, tuple[bytes, ...]] = {}
+        for ref in stage_refs(manifest, stage.layers):
+            sha = ref.artifact.sha256.lower()
+            try:
+                out[sha] = self.digests.digests_for(
+                    cache.snapshot_path(ref.path),
+                    size=ref.artifact.artifact_bytes,
+                    sha256=sha,
+                    chunk_bytes=self.chunk_bytes,
+                )
+            except (SkippyError, OSError) as exc:  # not held here, or not verified: unlisted
+                log.info("no chunk digests for %s: %s", ref.path, exc)
+        return out
+
+
+# --- the worker: asking for the list ------------------------------------------------------
+async def ask_sources(
+    node: MeshNode,
+    coordinator_id: str,
+    topology: SplitTopology,
+    stage: StageAssignment,
+    manifest: PackageManifest,
+) -> SourceList:
+    """The coordinator's signed list for this node's stage, checked; a ``SkippyError`` or
+    ``MeshError`` when there is none to trust."""
+    request = request_for(
+        manifest_item(topology), topology, stage, bytes.fromhex(node.node_id), offset=0
+    )
+    timeouts = node.timeouts
+    body = bytearray()
+    with trio.fail_after(timeouts.handshake_s + timeouts.idle_s):
+        stream = await node.open_stream(coordinator_id, pc.KIND_SWARM_SOURCES)
+        async with stream:
+            await stream.send_all(encode_request(request))
+            await stream.send_eof()
+            reader = ResponseReader(0)
+            header: ArtifactResponse | None = None
+            while not reader.done:
+                data = await stream.receive_some()
+                if not data:
+                    reader.eof()
+                for event in reader.feed(data):
+                    if isinstance(event, ResponseHeader):
+                        header = event.response
+                        if header.accepted and header.total_size > MAX_SOURCE_LIST_BYTES:
+                            raise ArtifactWireError(
+                                "the source list is too large", code="source_list_malformed"
+                            )
+                    elif isinstance(event, BodyData):
+                        body += event.data
+    if header is None or not header.accepted:
+        raise IntegrityError("the coordinator gave no source list", code="source_list_refused")
+    required = required_set(manifest, topology, node.node_id)
+    return checked_source_list(bytes(body), topology, required, node.node_id, coordinator_id)
+
+
+def checked_source_list(
+    body: bytes,
+    topology: SplitTopology,
+    required: Mapping[str, tuple[str, int]],
+    requester_id: str,
+    coordinator_id: str,
+) -> SourceList:
+    """A source list's bytes -> the list, only when the topology's coordinator signed it and
+    it is for this requester's stage (``check_source_list``); pure."""
+    sources, signed, signature = decode_source_list(body)
+    if not verify_domain(
+        bytes.fromhex(coordinator_id), signature, pc.SIG_DOMAIN_SWARM_SOURCES, signed
+    ):
+        raise IntegrityError(
+            "the source list's signature does not verify against the coordinator",
+            code="source_list_signature",
+        )
+    return check_source_list(sources, topology, required, requester_id, coordinator_id)
+
+
+@dataclass
+class SourceBook:
+    """The latest checked list of one stage fetch, asked again at most every ``refresh_s``."""
+
+    ask: Callable[[], Awaitable[SourceList]] | None
+    latest: SourceList
+    refresh_s: float = REFRESH_S
+    _asked_at: float = 0.0
+
+    async def refreshed(self) -> SourceList:
+        now = trio.current_time()
+        if self.ask is not None and now - self._asked_at >= self.refresh_s:
+            self._asked_at = now
+            try:
+                self.latest = await self.ask()
+            except (SkippyError, MeshError, ProtocolError, trio.TooSlowError) as exc:
+                log.info("asking for new sources failed: %s", exc)
+        return self.latest
+
+
+class SwarmFailed(MeshError):
+    """No source is left for some chunk (every one refused, failed or served a bad chunk)."""
+
+    code = "swarm_sources_exhausted"
+
+
+# --- the worker: one artifact from many sources -------------------------------------------
+class SwarmFetch:
+    """One artifact, chunk by chunk, from every usable holder at once."""
+
+    def __init__(
+        self,
+        node: MeshNode,
+        records: TransferLog,
+        cache: RepoCache,
+        topology: SplitTopology,
+        stage: StageAssignment,
+        item: FetchItem,
+        rec: TransferRecord,
+        book: SourceBook,
+        *,
+        verify_cache: VerifyCache | None,
+    ) -> None:
+        self.node = node
+        self.records = records
+        self.cache = cache
+        self.topology = topology
+        self.stage = stage
+        self.item = item
+        self.rec = rec
+        self.book = book
+        self.verify_cache = verify_cache
+        self.dropped: set[str] = set()
+        self.coordinator_id = ""  # set by ``run``
+        self.coordinator_dropped = False
+        self._busy: Counter[str] = Counter()  # holder -> its tasks (PER_SOURCE each)
+        self._changed = trio.Event()
+
+    def _entry(self, sources: SourceList) -> ArtifactSources | None:
+        return sources.by_path().get(self.item.path)
+
+    async def run(self, sink: ChunkSink, coordinator_id: str) -> None:
+        """Until every chunk is verified in ``sink``; ``SwarmFailed`` when no source is left."""
+        sched = ChunkScheduler(len(sink.spans), sink.verified)
+        self.coordinator_id = coordinator_id
+        async with trio.open_nursery() as nursery:
+            self._start_sources(nursery, sink, sched, self.book.latest)
+            if not self._busy and not sched.complete:
+                raise SwarmFailed(f"no usable source for {self.item.path}")
+            while not sched.complete and self._busy:
+                with trio.move_on_after(self.book.refresh_s):
+                    await self._changed.wait()
+                if sched.complete or not self._busy:
+                    break
+                latest = await self.book.refreshed()
+                self._start_sources(nursery, sink, sched, latest)
+            nursery.cancel_scope.cancel()
+        if not sched.complete:
+            raise SwarmFailed(
+                f"{self.item.path}: every source failed or was dropped "
+                f"({len(self.dropped)} dropped)"
+            )
+
+    def _start_sources(
+        self, nursery: trio.Nursery, sink: ChunkSink, sched: ChunkScheduler, sources: SourceList
+    ) -> None:
+        entry = self._entry(sources)
+        if entry is None:
+            return
+        usable = [
+            h
+            for h in entry.holders
+            if h not in self.dropped
+            and speaks_swarm(self.node, h)
+            and may_ask(self.node, h, self.coordinator_id)
+        ][:MAX_SOURCES]
+        # Round robin: every holder gets its first task before any gets a second, and at
+        # most MAX_IN_FLIGHT chunks of this file are in memory at once.
+        for _ in range(PER_SOURCE):
+            for holder in usable:
+                if sum(self._busy.values()) >= MAX_IN_FLIGHT or self._busy[holder] >= PER_SOURCE:
+                    continue
+                self._busy[holder] += 1
+                nursery.start_soon(self._source, holder, sink, sched)
+        for holder in [h for h, n in self._busy.items() if n <= 0]:
+            del self._busy[holder]
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def _drop(self, source: str, why: str) -> None:
+        if source in self.dropped:  # its other task already did
+            return
+        self.dropped.add(source)
+        self.records.counters.dropped_sources += 1
+        self.rec.dropped[source] = why
+        # Bad bytes or a trickle from the coordinator: its whole-file path would do the same.
+        if source == self.coordinator_id and why in _SKIP_COORDINATOR:
+            self.coordinator_dropped = True
+
+    async def _source(self, source: str, sink: ChunkSink, sched: ChunkScheduler) -> None:
+        try:
+            while not sched.complete and source not in self.dropped:
+                index = sched.take()
+                if index is None:  # the rest is in flight elsewhere: wait for a change
+                    await self._changed.wait()
+                    continue
+                try:
+                    data = await self._get_chunk(source, sink, index)
+                    await trio.to_thread.run_sync(sink.write_chunk_parts, index, data)
+                except IntegrityError as exc:
+                    sched.failed(index)
+                    if exc.code == "chunk_digest_mismatch":
+                        self.records.counters.chunk_failures += 1
+                        self.records.counters.verification_failures += 1
+                    log.warning(
+                        "%s from %s: %s; dropping that source",
+                        self.item.path,
+                        short_id(source),
+                        exc,
+                    )
+                    self._drop(source, exc.code)
+                    return
+                except TransferRefused as exc:
+                    sched.failed(index)
+                    if exc.actual == PEER_BUSY:  # no slot now: it may have one later
+                        await trio.sleep(min(1.0, self.node.timeouts.idle_s))
+                        continue
+                    log.info("%s: %s refused", self.item.path, short_id(source))
+                    self._drop(source, exc.code)
+                    return
+                except (SkippyError, MeshError, ProtocolError) as exc:
+                    sched.failed(index)
+                    log.info(
+                        "%s from %s: %s; not asking it again", self.item.path, short_id(source), exc
+                    )
+                    self._drop(source, exc.code)
+                    return
+                sched.finished(index)
+                n = sink.spans[index].length
+                self.rec.served_by[source] = self.rec.served_by.get(source, 0) + n
+                self.rec.bytes_done = sink.offset
+                self.records.counters.fetched_bytes["peer"] += n
+                self._wake()
+        finally:
+            self._busy[source] -= 1
+            if self._busy[source] <= 0:
+                del self._busy[source]
+            self._wake()
+
+    async def _get_chunk(self, source: str, sink: ChunkSink, index: int) -> list[memoryview]:
+        span = sink.spans[index]
+        request = request_for(
+            self.item,
+            self.topology,
+            self.stage,
+            bytes.fromhex(self.node.node_id),
+            offset=span.start,
+        )
+        request = dataclasses.replace(request, length=span.length)
+        out: list[memoryview] = []
+        stream = await self.node.open_stream(source, pc.KIND_ARTIFACT_TRANSFER)
+        async with stream:
+            await stream.send_all(encode_request(request))
+            await stream.send_eof()
+            reader = ResponseReader(span.start, span.length)
+            await self._read_chunk(stream, reader, sink, out, source)
+        return out  # views of the received records, handed to the sink as they are
+
+
+    async def _read_chunk(
+        self,
+        stream: MeshStream,
+        reader: ResponseReader,
+        sink: ChunkSink,
+        out: list[memoryview],
+        source: str,
+    ) -> None:
+        """The response into ``out``. As in ``StageFetcher._receive_into``: one deadline,
+        pushed on only while the source keeps ``min_transfer_bytes_per_s`` (issue #19), so a
+        trickle is dropped like a stall."""
+        idle = self.node.timeouts.idle_s
+        min_rate = self.node.settings.security.min_transfer_bytes_per_s
+        mark_time, mark_bytes, received = trio.current_time(), 0, 0
+        with trio.CancelScope(deadline=trio.current_time() + idle) as scope:
+            while not reader.done:
+                views = await stream.receive_views()
+                received += sum(len(v) for v in views)
+                now = trio.current_time()
+                due = now + 0.75 * idle > scope.deadline
+                if due and received - mark_bytes >= min_rate * (now - mark_time):
+                    scope.deadline = now + idle
+                    mark_time, mark_bytes = now, received
+                if not views:
+                    reader.eof()
+                for view in views:
+                    for event in reader.feed(view):
+                        if isinstance(event, ResponseHeader):
+                            sink.accept(event.response)  # a refusal, another size or digest
+                        elif isinstance(event, BodyData):
+                            out.append(event.data)  # a view of immutable bytes: no copy
+            return
+        if received > mark_bytes:
+            stream.reset("too_slow", "under the minimum transfer rate")
+            raise SwarmTooSlow(f"{short_id(source)} sent under {min_rate} bytes/s")
+        stream.reset("stalled", "no bytes within the idle timeout")
+        raise SwarmStalled(f"{short_id(source)} sent nothing for {idle:g} s")
+
+
+class SwarmStalled(MeshError):
+    code = "stream_stalled"
+
+
+class SwarmTooSlow(MeshError):
+    code = "transfer_too_slow"  # the code of ``mesh_node.transfer.fetch.TransferTooSlow``
+
+
+async def open_chunk_sink_waiting(
+    node: MeshNode,
+    cache: RepoCache,
+    item: FetchItem,
+    sources: ArtifactSources,
+    chunk_bytes: int,
+    *,
+    manifest_sha256: str,
+    verify_cache: VerifyCache | None,
+    poll_s: float,
+) -> ChunkSink:
+    """The chunk sink, waiting (cancellably) while another fetch on this node installs it."""
+    opener = functools.partial(
+        open_chunk_sink,
+        cache,
+        item,
+        digests=sources.digests,
+        chunk_bytes=chunk_bytes,
+        manifest_sha256=manifest_sha256,
+        verify_cache=verify_cache,
+    )
+    with trio.move_on_after(node.timeouts.idle_s):
+        while True:
+            try:
+                return await trio.to_thread.run_sync(opener)
+            except InstallBusy:
+                await trio.sleep(poll_s)
+    raise InstallBusy(f"another fetch of {item.path} kept its install lock", path=item.path)

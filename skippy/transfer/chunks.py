@@ -1,0 +1,235 @@
+"""Fixed-size chunks of an artifact and their SHA-256 digests (issue #23 item 3).
+
+An artifact of ``size`` bytes is cut into ``ceil(size / chunk_bytes)`` chunks, every one
+``chunk_bytes`` long but the last. The coordinator computes one SHA-256 per chunk from its
+verified copy (``digest_chunks``, which proves the whole-file SHA-256 in the same pass) and
+keeps them in a ``ChunkDigestStore`` beside its verification records; a receiver checks every
+chunk against its digest as it arrives, and still the whole file before the install.
+
+``ChunkScheduler`` is the pure decision of which chunk a source fetches next: a shared queue
+that every source takes from (a faster source takes more), a chunk that failed goes back to
+the front for another source, and nothing is handed out twice at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+from skippy.atomic import atomic_write_bytes
+from skippy.errors import IntegrityError, UsageError
+
+CHUNK_BYTES: Final = 8 * 1024 * 1024  # the default: ~31 chunks for gemma3-270m's 253 MB
+MIN_CHUNK_BYTES: Final = 4 * 1024  # small enough for the synthetic test packages
+MAX_CHUNK_BYTES: Final = 64 * 1024 * 1024  # a chunk is held in memory while it is checked
+MAX_CHUNKS: Final = 1 << 16  # per artifact: bounds a digest list (2 MiB at most)
+DIGEST_BYTES: Final = 32
+_READ_BYTES: Final = 1024 * 1024
+
+
+def check_chunk_bytes(chunk_bytes: object) -> int:
+    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int):
+        raise UsageError("chunk_bytes must be an integer", code="invalid_chunk_bytes")
+    if not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES:
+        raise UsageError(
+            f"chunk_bytes must be in {MIN_CHUNK_BYTES}..{MAX_CHUNK_BYTES}, got {chunk_bytes}",
+            code="invalid_chunk_bytes",
+        )
+    return chunk_bytes
+
+
+@dataclass(frozen=True)
+class ChunkSpan:
+    """Chunk ``index``: the half-open byte range ``[start, stop)`` of the artifact."""
+
+    index: int
+    start: int
+    stop: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.start < self.stop or self.index < 0:
+            raise UsageError(f"invalid chunk {self.index}: {self.start}..{self.stop}")
+
+    @property
+    def length(self) -> int:
+        return self.stop - self.start
+
+
+def chunk_count(size: int, chunk_bytes: int) -> int:
+    if size <= 0:
+        raise UsageError(f"an artifact of {size} bytes has no chunks", code="invalid_chunk_size")
+    return -(-size // check_chunk_bytes(chunk_bytes))
+
+
+def chunk_spans(size: int, chunk_bytes: int) -> tuple[ChunkSpan, ...]:
+    """Every chunk of an artifact of ``size`` bytes, in order. An artifact needing more than
+    ``MAX_CHUNKS`` is refused (``too_many_chunks``): choose bigger chunks."""
+    count = chunk_count(size, chunk_bytes)
+    if count > MAX_CHUNKS:
+        raise UsageError(
+            f"{size} bytes in chunks of {chunk_bytes} makes {count} chunks, over {MAX_CHUNKS}",
+            code="too_many_chunks",
+        )
+    return tuple(
+        ChunkSpan(i, i * chunk_bytes, min(size, (i + 1) * chunk_bytes)) for i in range(count)
+    )
+
+
+def chunk_digest(data: bytes | bytearray | memoryview) -> bytes:
+    return hashlib.sha256(data).digest()
+
+
+def pack_digests(digests: Iterable[bytes]) -> bytes:
+    return b"".join(digests)
+
+
+def unpack_digests(blob: bytes, count: int) -> tuple[bytes, ...]:
+    """``count`` digests packed back to back; anything else is an ``IntegrityError``."""
+    if len(blob) != count * DIGEST_BYTES:
+        raise IntegrityError(
+            f"a digest list of {len(blob)} bytes is not {count} SHA-256 digests",
+            code="chunk_digests_invalid",
+            expected=count * DIGEST_BYTES,
+            actual=len(blob),
+        )
+    return tuple(blob[i : i + DIGEST_BYTES] for i in range(0, len(blob), DIGEST_BYTES))
+
+
+def digest_chunks(path: Path, *, size: int, sha256: str, chunk_bytes: int) -> tuple[bytes, ...]:
+    """One read of ``path``: the per-chunk digests, returned only when the whole file is
+    ``size`` bytes and hashes to ``sha256`` (the digests vouch for nothing else)."""
+    spans = chunk_spans(size, chunk_bytes)
+    whole = hashlib.sha256()
+    digests: list[bytes] = []
+    with open(path, "rb", buffering=0) as f:
+        for span in spans:
+            part = hashlib.sha256()
+            left = span.length
+            while left:
+                data = f.read(min(left, _READ_BYTES))
+                if not data:
+                    break
+                part.update(data)
+                whole.update(data)
+                left -= len(data)
+            if left:
+                raise IntegrityError(
+                    f"{path.name} ended inside chunk {span.index}",
+                    code="artifact_size_mismatch",
+                    expected=size,
+                )
+            digests.append(part.digest())
+        if f.read(1):
+            raise IntegrityError(
+                f"{path.name} is longer than {size} bytes", code="artifact_size_mismatch"
+            )
+    if whole.hexdigest() != sha256:
+        raise IntegrityError(
+            f"{path.name} hashes to {whole.hexdigest()}, not {sha256}",
+            code="artifact_sha256_mismatch",
+            expected=sha256,
+            actual=whole.hexdigest(),
+        )
+    return tuple(digests)
+
+
+class ChunkDigestStore:
+    """Digest lists by (artifact SHA-256, chunk size), one small file each. Content-addressed:
+    a list is stored only after ``digest_chunks`` proved the whole file, so it stays true
+    for every copy of that artifact (no file stamp needed)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    @classmethod
+    def beside(cls, verify_root: Path) -> ChunkDigestStore:
+        """Next to a ``VerifyCache``'s records (``<skippy cache>/verify`` ->
+        ``<skippy cache>/chunk-digests``)."""
+        return cls(verify_root.parent / "chunk-digests")
+
+    def _path(self, sha256: str, chunk_bytes: int) -> Path:
+        return self.root / f"{sha256}.{chunk_bytes}.sha256s"
+
+    def get(self, sha256: str, size: int, chunk_bytes: int) -> tuple[bytes, ...] | None:
+        try:
+            blob = self._path(sha256, chunk_bytes).read_bytes()
+        except OSError:
+            return None
+        try:
+            return unpack_digests(blob, chunk_count(size, chunk_bytes))
+        except IntegrityError:
+            return None  # a stale or damaged record: computed again
+
+    def put(self, sha256: str, chunk_bytes: int, digests: tuple[bytes, ...]) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(self._path(sha256, chunk_bytes), pack_digests(digests), durable=False)
+
+    def digests_for(
+        self, path: Path, *, size: int, sha256: str, chunk_bytes: int
+    ) -> tuple[bytes, ...]:
+        """The stored list, else computed from ``path`` (proven whole) and stored."""
+        cached = self.get(sha256, size, chunk_bytes)
+        if cached is not None:
+            return cached
+        digests = digest_chunks(path, size=size, sha256=sha256, chunk_bytes=chunk_bytes)
+        with contextlib.suppress(OSError):  # storing only saves work next time
+            self.put(sha256, chunk_bytes, digests)
+        return digests
+
+
+def verified_chunks(fd: int, spans: tuple[ChunkSpan, ...], digests: tuple[bytes, ...]) -> set[int]:
+    """Which chunks of a partial file already hold their right bytes (a resume keeps them)."""
+    have = os.fstat(fd).st_size
+    good: set[int] = set()
+    for span, digest in zip(spans, digests, strict=True):
+        if span.stop > have:
+            break
+        data = os.pread(fd, span.length, span.start)
+        if len(data) == span.length and chunk_digest(data) == digest:
+            good.add(span.index)
+    return good
+
+
+class ChunkScheduler:
+    """Which chunk a source fetches next (pure). Chunks already verified are never handed
+    out; a chunk is with at most one source at a time; ``failed`` puts it first in line for
+    whichever source asks next (the caller stops asking the source that failed it)."""
+
+    def __init__(self, count: int, done: Iterable[int] = ()) -> None:
+        self.count = count
+        self.done: set[int] = {i for i in done if 0 <= i < count}
+        self.in_flight: set[int] = set()
+        self._pending: deque[int] = deque(i for i in range(count) if i not in self.done)
+
+    @property
+    def complete(self) -> bool:
+        return len(self.done) == self.count
+
+    @property
+    def waiting(self) -> int:
+        """Chunks nobody is fetching yet."""
+        return len(self._pending)
+
+    def take(self) -> int | None:
+        """The next chunk to fetch, or None when every chunk is done or in flight."""
+        if not self._pending:
+            return None
+        index = self._pending.popleft()
+        self.in_flight.add(index)
+        return index
+
+    def finished(self, index: int) -> None:
+        self.in_flight.discard(index)
+        self.done.add(index)
+
+    def failed(self, index: int) -> None:
+        """The chunk came back wrong or not at all: first in line again."""
+        if index in self.in_flight:
+            self.in_flight.discard(index)
+            self._pending.appendleft(index)

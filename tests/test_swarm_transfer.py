@@ -1,0 +1,158 @@
+"""Swarm fetch over real mesh links (issue #23 items 2-3), nodes in this process on loopback
+with the synthetic package: a worker fetches a file from two holders at once; a holder that
+serves a corrupted chunk is detected at that chunk and dropped, the file still installs
+verified; a node outside the topology is never asked and refuses; the swarm never hands a
+worker a file its stage does not need."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import trio
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from meshtools import wait_for
+from meshxfer import (
+    Member,
+    import_into,
+    propose,
+    records,
+    sha256_of,
+    snapshot_files,
+    start_member,
+    wait_connected,
+)
+from test_transfer_mesh import TARGET, misbehaving, required_of
+
+from mesh_node.transfer.swarm import ask_sources
+from protocol import constants as pc
+from skippy.constants import MANIFEST_NAME
+from skippy.transfer.chunks import MIN_CHUNK_BYTES
+from skippy.transfer.fetch_plan import FetchItem, request_for
+from skippy.transfer.serve import ArtifactServer
+from skippy.transfer.wire import ArtifactResponse, ResponseHeader, ResponseReader, encode_request
+
+SHARED = "shared/embeddings.gguf"  # both stages need it: 9024 bytes, 3 chunks of 4 KiB
+
+
+async def _swarm(n, tmp_path, hp, *, holder_server=ArtifactServer):  # type: ignore[no-untyped-def]
+    """A coordinator (not a stage), a holder H that already has the package (ready at once)
+    and a worker W whose fetch starts only after H reported ready (so W's first source list
+    names H: no race). Every node serves (``open``); chunks are the smallest allowed."""
+    owner = Ed25519PrivateKey.generate()
+    coord = await start_member(n, tmp_path, "coord", owner, hub=hp.hub, artifact_transfer="open")
+    coord.service.sources.chunk_bytes = MIN_CHUNK_BYTES
+    pkg = import_into(coord, hp)
+    holder = await start_member(
+        n, tmp_path, "h", owner, hub=hp.hub, peers=(coord.node,), artifact_transfer="open",
+        server_class=holder_server,
+    )
+    import_into(holder, hp)
+    worker = await start_member(
+        n, tmp_path, "w", owner, hub=None, offline=True, peers=(coord.node,),
+        artifact_transfer="open", run_service=False,
+    )
+    await wait_connected([coord, holder, worker])
+    active = await propose(coord, pkg, include_self=False, stages=2)
+    hid = holder.node.node_id
+    await wait_for(lambda: (r := coord.node.topology.active.reports.get(hid)) is not None
+                   and r.state == "ready", 20)
+    await n.start(worker.service.run)
+    await wait_for(lambda: coord.node.topology.active.all_ready, 20)
+    return coord, holder, worker, pkg, active.topology
+
+
+async def _ask(member: Member, node_id: str, request) -> ArtifactResponse:  # type: ignore[no-untyped-def]
+    """One raw request to ``node_id``: its response header."""
+    stream = await member.node.open_stream(node_id, pc.KIND_ARTIFACT_TRANSFER)
+    async with stream:
+        await stream.send_all(encode_request(request))
+        await stream.send_eof()
+        reader = ResponseReader(request.offset, request.length)
+        while True:
+            data = await stream.receive_some()
+            for event in reader.feed(data):
+                if isinstance(event, ResponseHeader):
+                    return event.response
+            if not data:
+                raise AssertionError("no response header")
+
+
+def _item(pkg, path: str) -> FetchItem:  # type: ignore[no-untyped-def]
+    return FetchItem.of({r.path: r for r in pkg.manifest.artifacts()}[path])
+
+
+async def test_a_worker_fetches_a_file_from_two_holders_at_once_and_only_what_its_stage_needs(
+    tmp_path, hub_package
+):
+    async with trio.open_nursery() as n:
+        coord, holder, worker, pkg, topology = await _swarm(n, tmp_path, hub_package)
+        cid, hid, wid = coord.node.node_id, holder.node.node_id, worker.node.node_id
+        rec = records(worker)[SHARED]
+        assert rec["source"] == "peer" and rec["verified"]
+        served = {s["node_id"]: s["bytes"] for s in rec["served_by"]}
+        assert set(served) == {cid, hid} and all(b > 0 for b in served.values())
+        size = _item(pkg, SHARED).size
+        assert sum(served.values()) == size and rec["dropped_sources"] == []
+        assert sha256_of(snapshot_files(worker, pkg.ref)[SHARED]) == _item(pkg, SHARED).sha256
+        # what the holder served went to the worker and was counted there
+        assert holder.node.transfers.counters.served_bytes == sum(
+            s["bytes"] for r in records(worker).values() for s in r["served_by"]
+            if s["node_id"] == hid
+        )
+        # W's own files came only from the coordinator (H's stage does not hold them)
+        required = required_of(worker, pkg, topology)
+        h_required = required_of(holder, pkg, topology)
+        for path in set(required) - set(h_required):
+            assert {s["node_id"] for s in records(worker)[path]["served_by"]} == {cid}
+        # the swarm never hands a worker a file its stage does not need
+        assert set(snapshot_files(worker, pkg.ref)) == {*required, MANIFEST_NAME}
+        stage = topology.stage_of(wid)
+        sources = await ask_sources(worker.node, cid, topology, stage, pkg.manifest)
+        assert {a.path for a in sources.artifacts} == set(required)
+        assert all(set(a.holders) <= {cid, hid} for a in sources.artifacts)
+        me = bytes.fromhex(wid)
+        foreign = next(p for p in h_required if p not in required)
+        refused = await _ask(
+            worker, hid,
+            dataclasses.replace(request_for(_item(pkg, foreign), topology, stage, me), length=64),
+        )
+        assert not refused.accepted and holder.node.transfers.counters.refusals["not_in_stage"] == 1
+
+        # a node outside the topology, holding the same package: never asked, and it refuses
+        outsider = await start_member(
+            n, tmp_path, "o", Ed25519PrivateKey.generate(), hub=None, peers=(coord.node,),
+            artifact_transfer="open",
+        )
+        import_into(outsider, hub_package)
+        await wait_connected([coord, holder, worker, outsider])
+        assert outsider.node.transfers.counters.served_requests == 0
+        assert not any(outsider.node.transfers.counters.refusals.values())
+        again = await ask_sources(worker.node, cid, topology, stage, pkg.manifest)
+        assert all(outsider.node.node_id not in a.holders for a in again.artifacts)
+        request = dataclasses.replace(
+            request_for(_item(pkg, SHARED), topology, stage, me), length=MIN_CHUNK_BYTES
+        )
+        answer = await _ask(worker, outsider.node.node_id, request)
+        assert not answer.accepted and answer.error == "artifact unavailable"
+        assert outsider.node.transfers.counters.served_requests == 0
+        n.cancel_scope.cancel()
+
+
+async def test_a_holder_serving_a_corrupted_chunk_is_dropped_and_the_file_installs_verified(
+    tmp_path, hub_package
+):
+    async with trio.open_nursery() as n:
+        coord, holder, worker, pkg, _ = await _swarm(
+            n, tmp_path, hub_package, holder_server=misbehaving(flip=True)
+        )
+        cid, hid = coord.node.node_id, holder.node.node_id
+        rec = records(worker)[TARGET]
+        assert rec["source"] == "peer" and rec["verified"] and rec["fallback"] is None
+        assert rec["dropped_sources"] == [{"node_id": hid, "code": "chunk_digest_mismatch"}]
+        assert rec["served_by"] == [{"node_id": cid, "bytes": _item(pkg, TARGET).size}]
+        counters = worker.node.transfers.counters
+        assert counters.chunk_failures == 1 and counters.dropped_sources == 1
+        status = worker.node.status()["transfers"]["counters"]
+        assert status["chunk_failures"] == 1 and status["dropped_sources"] == 1
+        assert sha256_of(snapshot_files(worker, pkg.ref)[TARGET]) == _item(pkg, TARGET).sha256
+        n.cancel_scope.cancel()
