@@ -142,16 +142,19 @@ def cmd_run(args: argparse.Namespace) -> CommandResult:
 def cmd_serve(args: argparse.Namespace) -> CommandResult:
     from mesh_node.service import run_node
     from mesh_node.serving.service import ServeOptions
+    from skippy.serving.replicas import check_replicas
 
     if args.stages is not None and args.stages < 1:
         raise UsageError("--stages must be at least 1", code="usage")
     settings, identity = _node_settings(args)
     assert settings.http is not None  # --http has a default (typing)
+    check_replicas(args.replicas or settings.serving.replicas, args.stages)
     options = ServeOptions(
         package=args.package,
         stages=args.stages,
         http=settings.http,
         model_name=args.model_name,
+        replicas=args.replicas,
     )
 
     async def main() -> None:
@@ -391,6 +394,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="number of stages; waits for that many - 1 capable peers (default: all connected)",
+    )
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        help="independent pipelines of the package over disjoint peers, requests balanced "
+        "across them (needs --stages S; R x (S - 1) capable peers; default [serving] replicas, 1)",
     )
     p.add_argument(
         "--http",

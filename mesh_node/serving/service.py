@@ -66,6 +66,7 @@ class ServeOptions:
     stages: int | None
     http: HostPort
     model_name: str | None = None
+    replicas: int | None = None  # issue #23: None is [serving] replicas
 
 
 def serve_options(request: dict[str, Any]) -> ServeOptions:
@@ -81,8 +82,13 @@ def serve_options(request: dict[str, Any]) -> ServeOptions:
         raise UsageError("stages must be at least 1", code="usage")
     if name is not None and not isinstance(name, str):
         raise UsageError("model_name must be a string")
+    replicas = request.get("replicas")
+    if replicas is not None and (isinstance(replicas, bool) or not isinstance(replicas, int)):
+        raise UsageError("replicas must be an integer or null", code="usage")
     http = parse_http_bind(request.get("http", "127.0.0.1:0"), "http")
-    return ServeOptions(package=package, stages=stages, http=http, model_name=name)
+    return ServeOptions(
+        package=package, stages=stages, http=http, model_name=name, replicas=replicas
+    )
 
 
 class Serving:
@@ -167,7 +173,7 @@ class Serving:
             return 200, {"status": "ok"}
         if server.route is not None:
             return 200, {"status": "ok"}
-        waiting = server.routes.waiting  # the split cannot be placed now (e.g. no capable peer)
+        waiting = server.replicas.waiting  # the split cannot be placed now (e.g. no capable peer)
         if waiting is not None:
             return 503, {"status": "error", "reason": waiting.message, "code": waiting.code}
         return 503, {
@@ -190,6 +196,10 @@ class Serving:
             raise UsageError("this node already serves a model", code="already_serving")
         if self._nursery is None:
             raise UsageError("the node is not running", code="node_not_running")
+        from skippy.serving.replicas import check_replicas
+
+        replicas = options.replicas or self.node.settings.serving.replicas
+        check_replicas(replicas, options.stages)
         self.starting = True  # /health (of a node already serving its page): "loading"
         try:
             ref, sha, sizes, model_id = await trio.to_thread.run_sync(
@@ -206,6 +216,7 @@ class Serving:
                 sizes=sizes,
                 model_name=options.model_name or model_id,
                 stages=options.stages,
+                replicas=replicas,
             )
             await self._nursery.start(server.run)
             self.server = server
