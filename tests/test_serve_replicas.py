@@ -1,0 +1,124 @@
+"""Replicas of a split in real processes (issue #23 item 1): `mesh-node serve --replicas 2
+--stages 2` with two `mesh-node run` workers on loopback, the small synthetic model. Both
+replicas take concurrent requests with the same greedy output; SIGKILL of one replica's
+worker moves its request in flight to the other replica (same output) and leaves that one
+serving while the lost replica waits for a capable peer."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("llama_cpp", reason="llama-cpp-python (and its libggml) is not installed")
+pytest.importorskip("openai", reason="the openai client is a dev dependency")
+
+import openai
+import synth_gguf
+from pkgtools import make_package
+from servetools import Cluster, http, split_cluster
+
+pytestmark = pytest.mark.llama
+
+IDS = [1, 5, 9, 17, 33, 65, 3, 100, 7, 12, 90, 44]
+N = 200  # tokens per request: long enough that a kill lands mid-generation
+
+
+@pytest.fixture(scope="module")
+def tiny_pkg(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("serve_replicas")
+    src = synth_gguf.llama_like(root / "llama.gguf", n_layers=6)
+    make_package(src, root / "pkg", model_id="acme/tiny-GGUF:Q8_0")
+    return root / "pkg"
+
+
+def _replicas(cluster: Cluster) -> list[dict[str, Any]]:
+    """The coordinator's replicas from its status document (over HTTP: fast enough to act
+    on mid-generation)."""
+    status, doc = http("GET", cluster.api.removesuffix("/v1") + "/api/status")
+    assert status == 200, doc
+    return list(doc["serving"]["replicas"])
+
+
+def _wait_replicas_ready(cluster: Cluster, timeout_s: float = 90.0) -> list[dict[str, Any]]:
+    deadline = time.monotonic() + timeout_s
+    reps: list[dict[str, Any]] = []
+    while time.monotonic() < deadline:
+        reps = _replicas(cluster)
+        if len(reps) == 2 and all(r["state"] == "ready" for r in reps):
+            return reps
+        time.sleep(0.3)
+    raise AssertionError(f"the replicas did not become ready: {reps}")
+
+
+def test_two_replicas_share_requests_and_one_survives_the_others_loss(
+    tiny_pkg: Path, tmp_path: Path
+) -> None:
+    with split_cluster(
+        tmp_path, tiny_pkg, workers=2, stages=2, serve_args=("--replicas", "2")
+    ) as cluster:
+        reps = _wait_replicas_ready(cluster)
+        workers = [r["nodes"][1] for r in reps]
+        assert workers[0] != workers[1] and reps[0]["nodes"][0] == reps[1]["nodes"][0]
+        client = openai.OpenAI(base_url=cluster.api, api_key="unused", max_retries=0, timeout=60)
+
+        # concurrent requests: both replicas take some, every greedy output is the same
+        texts: list[str] = []
+
+        def one() -> None:
+            done = client.completions.create(model="tiny", prompt=IDS, max_tokens=N, temperature=0)
+            texts.append(done.choices[0].text)
+
+        threads = [threading.Thread(target=one) for _ in range(6)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(timeout=120)
+        assert len(texts) == 6 and len(set(texts)) == 1
+        reference = texts[0]
+        totals = [r["requests_total"] for r in _replicas(cluster)]
+        assert sum(totals) == 6 and min(totals) >= 1, totals
+
+        # SIGKILL the worker of the replica a stream runs on: the stream continues on the
+        # other replica (the coordinator moves it), with the same output
+        before = [r["requests_total"] for r in _replicas(cluster)]
+        moved = client.completions.create(
+            model="tiny", prompt=IDS, max_tokens=N, temperature=0, stream=True
+        )
+        pieces = []
+        lost = -1
+        for chunk in moved:
+            pieces.append(chunk.choices[0].text)
+            if len(pieces) == 2:
+                now = [r["requests_total"] for r in _replicas(cluster)]
+                lost = next(k for k in range(2) if now[k] > before[k])
+                os.kill(cluster.proc_of(workers[lost]).popen.pid, signal.SIGKILL)
+        assert "".join(pieces) == reference
+        kept = 1 - lost
+        coord = cluster.proc("coord")
+        assert any(f"moves from replica {lost} to replica {kept}" in line for line in coord.log), [
+            line for line in coord.log if "replica" in line or "lost" in line or "WARN" in line
+        ]
+
+        # the lost replica waits for a capable peer; the other keeps serving, /health is ok
+        deadline = time.monotonic() + 30
+        while _replicas(cluster)[lost]["state"] == "ready" and time.monotonic() < deadline:
+            time.sleep(0.2)
+        reps = _replicas(cluster)
+        assert reps[kept]["state"] == "ready" and reps[lost]["state"] != "ready", reps
+        assert reps[lost]["code"] == "no_capable_peer", reps
+        before_kept = reps[kept]["requests_total"]
+        for _ in range(2):
+            status, doc = http(
+                "POST", f"{cluster.api}/completions",
+                {"prompt": IDS, "max_tokens": N, "temperature": 0},
+            )
+            assert status == 200 and doc["choices"][0]["text"] == reference
+        assert _replicas(cluster)[kept]["requests_total"] == before_kept + 2
+        status, _doc = http("GET", cluster.api.removesuffix("/v1") + "/health")
+        assert status == 200
