@@ -229,13 +229,24 @@ def render_serving(serving: Mapping[str, Any]) -> list[str]:
     requests = serving.get("requests") or {}
     done = ", ".join(f"{k} {v}" for k, v in sorted(requests.items())) if requests else "none"
     speed = serving.get("decode_tokens_per_s")
-    return [
+    lines = [
         head,
         f"  requests in flight {serving.get('requests_in_flight', 0)}, queued "
         f"{serving.get('requests_queued', 0)}; done: {done}; failovers "
         f"{serving.get('failovers_total', 0)}; decode "
         + (f"{speed} tok/s" if speed is not None else "-"),
     ]
+    replicas = serving.get("replicas") or []
+    if len(replicas) > 1:  # issue #23 item 1: one line per replica
+        for r in replicas:
+            why = "" if r.get("state") == "ready" else f" [{r.get('code')}]: {r.get('reason')}"
+            lines.append(
+                f"  replica {r.get('replica')} {r.get('state')}{why}; nodes "
+                + (", ".join(peer_text(str(n))[:12] for n in r.get("nodes") or []) or "-")
+                + f"; in flight {r.get('requests_in_flight', 0)}, outstanding "
+                f"{r.get('outstanding_tokens', 0)} tok, total {r.get('requests_total', 0)}"
+            )
+    return lines
 
 
 def render_topology(topo: Mapping[str, Any]) -> str:

@@ -137,3 +137,58 @@ def test_serving_replicas_setting_is_validated() -> None:
         with pytest.raises(UsageError) as info:
             serving_settings({"replicas": bad})
         assert "serving.replicas" in info.value.message
+
+
+SERVING = {
+    "model": "tiny",
+    "state": "ready",
+    "stages": 2,
+    "topology_id": "topo-a",
+    "replicas": [
+        {
+            "replica": 0,
+            "state": "ready",
+            "reason": None,
+            "code": None,
+            "nodes": [COORD, "a" * 64],
+            "requests_in_flight": 1,
+            "outstanding_tokens": 120,
+            "requests_total": 7,
+        },
+        {
+            "replica": 1,
+            "state": "waiting",
+            "reason": "no capable peer for stage 1",
+            "code": "no_capable_peer",
+            "nodes": [COORD, "b" * 64],
+            "requests_in_flight": 0,
+            "outstanding_tokens": 0,
+            "requests_total": 3,
+        },
+    ],
+}
+
+
+def test_status_text_shows_each_replica() -> None:
+    from mesh_node.peers import render_serving
+
+    lines = render_serving(SERVING)
+    assert any(line.startswith("  replica 0 ready;") and "total 7" in line for line in lines)
+    assert any(
+        line.startswith("  replica 1 waiting [no_capable_peer]: no capable peer") for line in lines
+    )
+
+
+def test_metrics_label_each_replica() -> None:
+    from mesh_node.metrics import replica_families
+
+    families = {f.name: f for f in replica_families(SERVING)}
+    ready = {s.labels["replica"]: s.value for s in families["mesh_node_replica_ready"].samples}
+    assert ready == {"0": 1, "1": 0}
+    total = {
+        s.labels["replica"]: s.value
+        for s in families["mesh_node_replica_requests"].samples
+        if s.name.endswith("_total")
+    }
+    assert total == {"0": 7, "1": 3}
+    assert replica_families({"state": "ready"}) == []

@@ -10,6 +10,7 @@ import os
 import signal
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -120,5 +121,13 @@ def test_two_replicas_share_requests_and_one_survives_the_others_loss(
             )
             assert status == 200 and doc["choices"][0]["text"] == reference
         assert _replicas(cluster)[kept]["requests_total"] == before_kept + 2
-        status, _doc = http("GET", cluster.api.removesuffix("/v1") + "/health")
+        base = cluster.api.removesuffix("/v1")
+        status, health = http("GET", base + "/health")
         assert status == 200
+        assert [r["state"] == "ready" for r in health["replicas"]] == [
+            k == kept for k in range(2)
+        ]
+        with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
+            metrics = r.read().decode()
+        assert f'mesh_node_replica_ready{{replica="{kept}"}} 1.0' in metrics
+        assert f'mesh_node_replica_ready{{replica="{lost}"}} 0.0' in metrics

@@ -162,6 +162,16 @@ class ReplicaSet:
         out["replicas"] = [self.replica_status(k) for k in range(len(self.managers))]
         return out
 
+    def health(self) -> dict[str, Any]:
+        """``/health``'s ``replicas`` (only with more than one): each one's state and why."""
+        if len(self.managers) == 1:
+            return {}
+        out = []
+        for k, manager in enumerate(self.managers):
+            st = manager.status()
+            out.append({"replica": k, "state": st["state"], "reason": st["reason"]})
+        return {"replicas": out}
+
     def replica_status(self, k: int) -> dict[str, Any]:
         manager = self.managers[k]
         active = manager.topology.active

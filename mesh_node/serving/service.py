@@ -171,15 +171,22 @@ class Serving:
                     "retry_after_s": RETRY_AFTER_STARTING_S,
                 }
             return 200, {"status": "ok"}
+        replicas = server.replicas.health()  # issue #23: each replica, when more than one
         if server.route is not None:
-            return 200, {"status": "ok"}
+            return 200, {"status": "ok", **replicas}
         waiting = server.replicas.waiting  # the split cannot be placed now (e.g. no capable peer)
         if waiting is not None:
-            return 503, {"status": "error", "reason": waiting.message, "code": waiting.code}
+            return 503, {
+                "status": "error",
+                "reason": waiting.message,
+                "code": waiting.code,
+                **replicas,
+            }
         return 503, {
             "status": "loading",
             "reason": f"the split is not ready: {server.reason}",
             "retry_after_s": RETRY_AFTER_STARTING_S,
+            **replicas,
         }
 
     async def drain(self) -> None:

@@ -312,6 +312,11 @@
       .join(" · ") || "-";
     $("serving-tokens").textContent =
       s.prompt_tokens === undefined ? "-" : `prompt ${s.prompt_tokens} · completion ${s.completion_tokens}`;
+    // issue #23: each replica's state, requests in flight, outstanding tokens and total
+    $("serving-replicas").textContent = (s.replicas || [])
+      .map((r) => `#${r.replica} ${r.state} (in flight ${r.requests_in_flight}, ` +
+        `outstanding ${r.outstanding_tokens} tok, total ${r.requests_total})`)
+      .join(" · ") || "-";
   }
 
   // --- live updates --------------------------------------------------------------------------
