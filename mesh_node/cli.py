@@ -293,6 +293,7 @@ def cmd_lab(args: argparse.Namespace) -> CommandResult:
         links=_lab_links(args),
         stages=args.stages,
         revision_change=args.revision_change,
+        replicas=args.replicas,
     )
 
     def render(report: dict[str, Any]) -> str:
@@ -533,6 +534,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="LAYER",
         help="after the split, publish a second revision of the package directory with LAYER "
         "changed and split it too: the report shows what moved (only that layer should)",
+    )
+    p.add_argument(  # issue #23 item 1
+        "--replicas",
+        type=int,
+        default=1,
+        help="with --serve/--prompt: R pipelines over disjoint workers (R x (S - 1) workers; "
+        "default S: an equal share of the workers per replica)",
     )
     return parser
 

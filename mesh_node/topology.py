@@ -208,6 +208,15 @@ class TopologyService:
     def status(self) -> dict[str, Any] | None:
         return None if self.active is None else self.active.to_dict()
 
+    def active_for(self, node_id: str) -> ActiveTopology | None:
+        """The active topology ``node_id`` holds a stage in: a replica's (``siblings``,
+        issue #23) when that one has it, else this service's own."""
+        for sibling in self.siblings:
+            other = sibling.active
+            if other is not None and other.topology.stage_of(node_id) is not None:
+                return other
+        return self.active
+
     def capable_nodes(self, include_self: bool) -> list[NodeCapacity]:
         """Connected peers advertising the complete stage bundle that ``place_stages_on``
         admits (``mesh_node.coordination.placeable``), and this node, if asked."""

@@ -179,6 +179,7 @@ class ReplicaSet:
             "replica": k,
             **manager.status(),
             "nodes": [] if active is None else [s.node_id for s in active.topology.stages],
+            "stages": [] if active is None else [s.to_dict() for s in active.topology.stages],
             "requests_in_flight": self.in_flight[k],
             "outstanding_tokens": self.outstanding[k],
             "requests_total": self.requests_total[k],
