@@ -192,3 +192,17 @@ def test_metrics_label_each_replica() -> None:
     }
     assert total == {"0": 7, "1": 3}
     assert replica_families({"state": "ready"}) == []
+
+
+def test_the_lab_checks_its_replicas_against_its_nodes() -> None:
+    from mesh_node.lab.run import LabOptions
+
+    ok = LabOptions(nodes=5, package="pkg", serve=True, replicas=2)
+    assert ok.serve_stages == 3  # an equal share of the 4 workers per replica, plus stage 0
+    assert LabOptions(nodes=4, package="pkg", serve=True).serve_stages == 4
+    with pytest.raises(UsageError) as info:
+        LabOptions(nodes=4, package="pkg", serve=True, replicas=2, stages=3)
+    assert "need 4 workers" in info.value.message and info.value.code == "usage"
+    with pytest.raises(UsageError) as info:
+        LabOptions(nodes=5, package="pkg", replicas=2)  # neither --serve nor --prompt
+    assert "--replicas needs" in info.value.message

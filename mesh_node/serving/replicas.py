@@ -90,9 +90,14 @@ class ReplicaSet:
     def _held_by_others(self, k: int) -> set[str]:
         held: set[str] = set()
         for j, manager in enumerate(self.managers):
+            if j == k:
+                continue
             active = manager.topology.active
-            if j != k and active is not None:
+            if active is not None:
                 held |= {s.node_id for s in active.topology.stages}
+            pending = manager.restoring  # a restarted coordinator waits for these (replica 0)
+            if pending is not None:
+                held |= {s.node_id for s in pending.stages}
         return held
 
     # --- the split's view, over every replica --------------------------------------------------

@@ -45,6 +45,7 @@ from skippy.config import ServingSettings
 from skippy.errors import EXIT_USAGE, SkippyError
 from skippy.package.heal import missing_nodes
 from skippy.package.plan import ModelSizes
+from skippy.package.topology import SplitTopology
 from skippy.runtime.tokenizer import LlamaTokenizer
 from skippy.stage.descriptor import runtime_problem
 
@@ -120,6 +121,11 @@ class RouteManager:
 
     def wake(self) -> None:
         self._wake.set()
+
+    @property
+    def restoring(self) -> SplitTopology | None:
+        """The run this coordinator waits to re-form after a restart (its nodes are taken)."""
+        return None if self._restore_from is None else self._restore_from.topology
 
     def status(self) -> dict[str, Any]:
         route = self.route
