@@ -75,15 +75,15 @@ def test_two_replicas_share_requests_and_one_survives_the_others_loss(
             done = client.completions.create(model="tiny", prompt=IDS, max_tokens=N, temperature=0)
             texts.append(done.choices[0].text)
 
-        threads = [threading.Thread(target=one) for _ in range(6)]
+        threads = [threading.Thread(target=one) for _ in range(4)]
         for th in threads:
             th.start()
         for th in threads:
             th.join(timeout=120)
-        assert len(texts) == 6 and len(set(texts)) == 1
+        assert len(texts) == 4 and len(set(texts)) == 1
         reference = texts[0]
         totals = [r["requests_total"] for r in _replicas(cluster)]
-        assert sum(totals) == 6 and min(totals) >= 1, totals
+        assert sum(totals) == 4 and min(totals) >= 1, totals
 
         # SIGKILL the worker of the replica a stream runs on: the stream continues on the
         # other replica (the coordinator moves it), with the same output
