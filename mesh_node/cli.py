@@ -148,7 +148,8 @@ def cmd_serve(args: argparse.Namespace) -> CommandResult:
         raise UsageError("--stages must be at least 1", code="usage")
     settings, identity = _node_settings(args)
     assert settings.http is not None  # --http has a default (typing)
-    check_replicas(args.replicas or settings.serving.replicas, args.stages)
+    replicas = args.replicas if args.replicas is not None else settings.serving.replicas
+    check_replicas(replicas, args.stages)
     options = ServeOptions(
         package=args.package,
         stages=args.stages,

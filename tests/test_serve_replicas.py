@@ -131,3 +131,24 @@ def test_two_replicas_share_requests_and_one_survives_the_others_loss(
             metrics = r.read().decode()
         assert f'mesh_node_replica_ready{{replica="{kept}"}} 1.0' in metrics
         assert f'mesh_node_replica_ready{{replica="{lost}"}} 0.0' in metrics
+
+
+def test_serve_refuses_replicas_without_a_stage_count(tiny_pkg: Path, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from servetools import node_toml
+
+    cfg = tmp_path / "coord.toml"
+    cfg.write_text(node_toml(tmp_path, "coord"))
+    # One invocation (the other bad counts are pure: tests/test_replicas_pure.py).
+    out = subprocess.run(
+        [sys.executable, "-m", "mesh_node", "serve", "--config", str(cfg), "--json",
+         "--package", str(tiny_pkg), "--replicas", "2"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2, out.stderr
+    assert '"code": "usage"' in out.stdout and "Traceback" not in out.stderr
+    assert "--stages" in out.stdout

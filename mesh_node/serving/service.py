@@ -205,7 +205,9 @@ class Serving:
             raise UsageError("the node is not running", code="node_not_running")
         from skippy.serving.replicas import check_replicas
 
-        replicas = options.replicas or self.node.settings.serving.replicas
+        replicas = options.replicas
+        if replicas is None:
+            replicas = self.node.settings.serving.replicas
         check_replicas(replicas, options.stages)
         self.starting = True  # /health (of a node already serving its page): "loading"
         try:
