@@ -2,7 +2,7 @@
 --stages 2` with two `mesh-node run` workers on loopback, the small synthetic model. Both
 replicas take concurrent requests with the same greedy output; SIGKILL of one replica's
 worker moves its request in flight to the other replica (same output) and leaves that one
-serving while the lost replica waits for a capable peer."""
+serving while the lost replica waits for a capable peer; a peer that joins heals it."""
 
 from __future__ import annotations
 
@@ -131,6 +131,12 @@ def test_two_replicas_share_requests_and_one_survives_the_others_loss(
             metrics = r.read().decode()
         assert f'mesh_node_replica_ready{{replica="{kept}"}} 1.0' in metrics
         assert f'mesh_node_replica_ready{{replica="{lost}"}} 0.0' in metrics
+
+        # a capable peer that joins heals the lost replica, never the other's nodes
+        late = cluster.add_worker("late")
+        reps = _wait_replicas_ready(cluster)
+        assert reps[lost]["nodes"][1] == late.address.rsplit("#", 1)[1]
+        assert reps[kept]["nodes"] == [reps[kept]["nodes"][0], workers[kept]]
 
 
 def test_serve_refuses_replicas_without_a_stage_count(tiny_pkg: Path, tmp_path: Path) -> None:
