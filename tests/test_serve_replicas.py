@@ -82,8 +82,11 @@ def test_two_replicas_share_requests_and_one_survives_the_others_loss(
             th.join(timeout=120)
         assert len(texts) == 4 and len(set(texts)) == 1
         reference = texts[0]
-        totals = [r["requests_total"] for r in _replicas(cluster)]
+        reps = _replicas(cluster)
+        totals = [r["requests_total"] for r in reps]
         assert sum(totals) == 4 and min(totals) >= 1, totals
+        # every request's tokens and slot were given back when it ended
+        assert [(r["outstanding_tokens"], r["requests_in_flight"]) for r in reps] == [(0, 0)] * 2
 
         # SIGKILL the worker of the replica a stream runs on: the stream continues on the
         # other replica (the coordinator moves it), with the same output

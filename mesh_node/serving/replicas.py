@@ -83,6 +83,8 @@ class ReplicaSet:
         if replicas > 1:
             for k, manager in enumerate(self.managers):
                 manager.topology.exclude = partial(self._held_by_others, k)
+                if k:  # one tokenizer: stage 0 (and its metadata) is the same loaded stage
+                    manager.shared_tokenizer = partial(getattr, self.managers[0], "tokenizer")
         self.outstanding = [0] * replicas  # tokens still to process, per replica
         self.in_flight = [0] * replicas
         self.requests_total = [0] * replicas

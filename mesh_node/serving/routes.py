@@ -25,6 +25,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any, Final
 
 import trio
@@ -82,6 +83,7 @@ class RouteManager:
         # (``mesh_node.serving.replicas``) and shares stage 0 with replica 0.
         self.topology: TopologyService = topology if topology is not None else node.topology
         self.replica = replica
+        self.shared_tokenizer: Callable[[], LlamaTokenizer | None] | None = None
         self.host = host
         self.settings = settings
         self.package_ref = package_ref
@@ -411,6 +413,8 @@ class RouteManager:
                 f"stage 0 failed to load ({own.code})" if failed and own else "stage 0 is loading"
             )
             return
+        if self.tokenizer is None and self.shared_tokenizer is not None:
+            self.tokenizer = self.shared_tokenizer()  # replicas: replica 0's, once it has one
         if self.tokenizer is None:
             self.tokenizer = await trio.to_thread.run_sync(
                 LlamaTokenizer, loaded.load.part_paths[0]
