@@ -194,6 +194,13 @@ class ReplicaSet:
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Every replica's route manager, until cancelled."""
+        if len(self.managers) > 1 and self.stages is not None:
+            log.info(
+                "serving %d replicas of %d stages: they need %d capable peers",
+                len(self.managers),
+                self.stages,
+                peers_needed(len(self.managers), self.stages),
+            )
         async with trio.open_nursery() as nursery:
             for manager in self.managers:
                 await nursery.start(manager.run)
