@@ -142,11 +142,14 @@ def cmd_run(args: argparse.Namespace) -> CommandResult:
 def cmd_serve(args: argparse.Namespace) -> CommandResult:
     from mesh_node.service import run_node
     from mesh_node.serving.service import ServeOptions
+    from skippy.serving.replicas import check_replicas
 
     if args.stages is not None and args.stages < 1:
         raise UsageError("--stages must be at least 1", code="usage")
     settings, identity = _node_settings(args)
     assert settings.http is not None  # --http has a default (typing)
+    replicas = args.replicas if args.replicas is not None else settings.serving.replicas
+    check_replicas(replicas, args.stages)
     from skippy.config import load_node_config
 
     options = ServeOptions(
@@ -157,6 +160,7 @@ def cmd_serve(args: argparse.Namespace) -> CommandResult:
         # issue #22: [speculative] and model entries of the same config, and the CLI's choice
         speculative=load_node_config(Path(args.config)).speculative,
         speculative_strategy=args.speculative_strategy,
+        replicas=args.replicas,
     )
 
     async def main() -> None:
@@ -295,6 +299,7 @@ def cmd_lab(args: argparse.Namespace) -> CommandResult:
         links=_lab_links(args),
         stages=args.stages,
         revision_change=args.revision_change,
+        replicas=args.replicas,
     )
 
     def render(report: dict[str, Any]) -> str:
@@ -396,6 +401,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="number of stages; waits for that many - 1 capable peers (default: all connected)",
+    )
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        help="independent pipelines of the package over disjoint peers, requests balanced "
+        "across them (needs --stages S; R x (S - 1) capable peers; default [serving] replicas, 1)",
     )
     p.add_argument(
         "--http",
@@ -534,6 +546,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="LAYER",
         help="after the split, publish a second revision of the package directory with LAYER "
         "changed and split it too: the report shows what moved (only that layer should)",
+    )
+    p.add_argument(  # issue #23 item 1
+        "--replicas",
+        type=int,
+        default=1,
+        help="with --serve/--prompt: R pipelines over disjoint workers (R x (S - 1) workers; "
+        "default S: an equal share of the workers per replica)",
     )
     return parser
 

@@ -377,7 +377,38 @@ def status_families(doc: Mapping[str, Any]) -> list[Metric]:
         topo_info,
         *transfer_families(doc.get("transfers") or {}),
         *cache_families(doc.get("cache") or {}),
+        *replica_families(doc.get("serving") or {}),
     ]
+
+
+def replica_families(serving: Mapping[str, Any]) -> list[Metric]:
+    """Issue #23 item 1: each replica of a serving coordinator, labelled ``replica``."""
+    replicas = serving.get("replicas") or []
+    if not replicas:
+        return []
+    ready = GaugeMetricFamily(
+        f"{PREFIX}_replica_ready", "Whether a replica's route is ready (1) or not (0)",
+        labels=["replica"],
+    )
+    in_flight = GaugeMetricFamily(
+        f"{PREFIX}_replica_requests_in_flight", "Requests running on a replica",
+        labels=["replica"],
+    )
+    outstanding = GaugeMetricFamily(
+        f"{PREFIX}_replica_outstanding_tokens",
+        "Tokens a replica's requests in flight still have to process (the balancing load)",
+        labels=["replica"],
+    )
+    total = CounterMetricFamily(
+        f"{PREFIX}_replica_requests", "Requests a replica was chosen for", labels=["replica"]
+    )
+    for r in replicas:
+        label = [str(r["replica"])]
+        ready.add_metric(label, 1 if r["state"] == "ready" else 0)
+        in_flight.add_metric(label, r["requests_in_flight"])
+        outstanding.add_metric(label, r["outstanding_tokens"])
+        total.add_metric(label, r["requests_total"])
+    return [ready, in_flight, outstanding, total]
 
 
 def cache_families(cache: Mapping[str, Any]) -> list[Metric]:

@@ -250,6 +250,16 @@ def render_serving(serving: Mapping[str, Any]) -> list[str]:
             f"{sp.get('proposed', 0)} drafted tokens in {sp.get('verify_passes', 0)} verify "
             "windows"
         )
+    replicas = serving.get("replicas") or []
+    if len(replicas) > 1:  # issue #23 item 1: one line per replica
+        for r in replicas:
+            why = "" if r.get("state") == "ready" else f" [{r.get('code')}]: {r.get('reason')}"
+            lines.append(
+                f"  replica {r.get('replica')} {r.get('state')}{why}; nodes "
+                + (", ".join(peer_text(str(n))[:12] for n in r.get("nodes") or []) or "-")
+                + f"; in flight {r.get('requests_in_flight', 0)}, outstanding "
+                f"{r.get('outstanding_tokens', 0)} tok, total {r.get('requests_total', 0)}"
+            )
     return lines
 
 

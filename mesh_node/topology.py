@@ -210,17 +210,33 @@ def _refused(exc: TopologyError) -> TopologyRefused:
 
 
 class TopologyService:
-    def __init__(self, node: NodeView) -> None:
+    def __init__(self, node: NodeView, *, epochs: EpochStore | None = None) -> None:
         self.node = node
         self.active: ActiveTopology | None = None
         self._last_request: _PlanRequest | None = None
         # A serving coordinator sets its own runtime facts: stage reports must agree with them.
         self.admission_expect: RuntimeFacts | None = None
-        self.epochs = EpochStore(node.settings.data_dir)
-        node.register_subprotocol(pc.KIND_CONTROL, self._handle_control)
+        # Replicas (issue #23 item 1, mesh_node.serving.replicas): the node's own service
+        # registers the control streams; a replica's service shares its epochs (one sequence
+        # per coordinator) and gets its stage reports through ``siblings``. ``exclude`` names
+        # nodes this service must not plan over (those other replicas hold).
+        self.siblings: list[TopologyService] = []
+        self.exclude: Callable[[], set[str]] | None = None
+        self.epochs = epochs if epochs is not None else EpochStore(node.settings.data_dir)
+        if epochs is None:
+            node.register_subprotocol(pc.KIND_CONTROL, self._handle_control)
 
     def status(self) -> dict[str, Any] | None:
         return None if self.active is None else self.active.to_dict()
+
+    def active_for(self, node_id: str) -> ActiveTopology | None:
+        """The active topology ``node_id`` holds a stage in: a replica's (``siblings``,
+        issue #23) when that one has it, else this service's own."""
+        for sibling in self.siblings:
+            other = sibling.active
+            if other is not None and other.topology.stage_of(node_id) is not None:
+                return other
+        return self.active
 
     def capable_nodes(self, include_self: bool) -> list[NodeCapacity]:
         """Connected peers advertising the complete stage bundle that ``place_stages_on``
@@ -231,6 +247,9 @@ class TopologyService:
             for p in placeable(self.node.peers(connected_only=True), scope)
             if p.has_features(pc.FEATURE_SKIPPY_STAGE, pc.STAGE_BUNDLE)
         ]
+        if self.exclude is not None:
+            taken = self.exclude() - {self.node.node_id}
+            nodes = [n for n in nodes if n.node_id not in taken]
         if include_self:
             nodes.append(NodeCapacity(self.node.node_id, self.node.settings.memory_budget_bytes))
         return nodes
@@ -542,6 +561,9 @@ class TopologyService:
         active = self.active
         tid = report.topology_id
         problem: tuple[str, str] | None = None
+        for sibling in self.siblings:  # another replica's topology (issue #23 item 1)
+            if sibling.active is not None and sibling.active.topology.topology_id == tid:
+                return sibling.record_stage(node_id, report)
         if active is None or active.role != "coordinator" or active.topology.topology_id != tid:
             return TopologyAck(tid, False, "stale_topology", "not the topology this node runs")
         stage = active.topology.stage_of(node_id)

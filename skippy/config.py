@@ -282,8 +282,10 @@ SERVING_KEYS = frozenset(
         "failover_timeout_s",
         "ready_timeout_s",
         "queue_timeout_s",
+        "replicas",  # issue #23 item 1
     }
 )
+MAX_REPLICAS = 64  # [serving] replicas: independent pipelines of one package (issue #23)
 
 
 @dataclass(frozen=True)
@@ -305,6 +307,8 @@ class ServingSettings:
     failover_timeout_s: float = 120.0  # a lost stage must be replaced (and ready) within this
     ready_timeout_s: float = 600.0  # `mesh-node serve`: peers, fetch and load within this
     queue_timeout_s: float = 300.0  # a queued request gets a slot within this, else 429
+    # Coordinator (issue #23 item 1): independent pipelines of the package over disjoint peers.
+    replicas: int = 1
 
 
 def _refuse_unknown_keys(raw: Mapping[str, Any], table: str, known: frozenset[str]) -> None:
@@ -341,6 +345,10 @@ def serving_settings(raw: object) -> ServingSettings:
             isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1024
         ):
             raise _bad(name, 'expected "auto" or an integer in 1..1024', value)
+        elif key == "replicas" and (
+            isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_REPLICAS
+        ):
+            raise _bad(name, f"expected an integer in 1..{MAX_REPLICAS}", value)
         elif key == "max_frame_bytes":
             values[key] = parse_size(value, name)
             if values[key] < 1024:

@@ -171,6 +171,7 @@ def split_cluster(
     workers: int,
     stages: int,
     spares: int = 0,
+    serve_args: tuple[str, ...] = (),
     **kw: object,
 ) -> Iterator[Cluster]:
     """`mesh-node serve` (stage 0, the API) plus ``workers`` + ``spares`` `mesh-node run`
@@ -180,7 +181,7 @@ def split_cluster(
         coord = cluster.start(
             "coord",
             ["serve", "--package", str(package), "--stages", str(stages), "--http",
-             "127.0.0.1:0", "--model-name", "tiny"],
+             "127.0.0.1:0", "--model-name", "tiny", *serve_args],
             node_toml(root, "coord", **kw),
         )
         cluster.coordinator_address = coord.address = coord.wait_line("listening ")

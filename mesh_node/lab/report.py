@@ -64,6 +64,8 @@ def node_report(facts: NodeFacts, topology_id: str) -> dict[str, Any]:
     status = facts.status
     transfers = (status or {}).get("transfers") or {}
     stage_state = transfers.get("stage") or {}
+    # A replica's worker (issue #23) is judged against its own replica's topology.
+    topology_id = (facts.stage or {}).get("topology_id") or topology_id
     current = stage_state.get("topology_id") == topology_id
     fetches = _latest_fetches(status)
     required = list(stage_state.get("required", [])) if current else []
@@ -385,6 +387,11 @@ def render_report(doc: Mapping[str, Any]) -> str:
             )
         )
     lines += [*_table(nodes), ""]
+    for r in doc.get("replicas") or []:  # issue #23 item 1
+        workers = ", ".join(n[:12] for n in r["nodes"][1:]) or "-"
+        lines.append(f"replica {r['replica']}: {r['state']}, workers {workers}")
+    if doc.get("replicas"):
+        lines.append("")
     arts = [("node", "artifact", "bytes", "source", "verified", "why not from the peer")]
     for n in _by_stage(doc["nodes"]):
         for group in _runs(n["artifacts"]):

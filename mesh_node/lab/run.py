@@ -82,8 +82,31 @@ class LabOptions:
     links: LinkTable | None = None  # issue #21: emulated WAN links between every pair of nodes
     stages: int | None = None  # issue #18: serve over this many stages (the rest are spares)
     revision_change: int | None = None  # issue #23: then split a second revision, this layer
+    replicas: int = 1  # issue #23 item 1: serve R pipelines over disjoint workers
+
+    @property
+    def serve_stages(self) -> int:
+        """Stages per replica when serving: ``stages``, else every node (one replica) or an
+        equal share of the workers per replica."""
+        if self.stages is not None:
+            return self.stages
+        return self.nodes if self.replicas == 1 else 1 + (self.nodes - 1) // self.replicas
 
     def __post_init__(self) -> None:
+        if self.replicas != 1:
+            from skippy.serving.replicas import check_replicas, peers_needed
+
+            if self.prompt is None and not self.serve:
+                raise UsageError("--replicas needs --prompt or --serve", code="usage")
+            check_replicas(self.replicas, self.serve_stages)
+            need = peers_needed(self.replicas, self.serve_stages)
+            if need > self.nodes - 1:
+                raise UsageError(
+                    f"{self.replicas} replicas of {self.serve_stages} stages need {need} "
+                    f"workers; --nodes {self.nodes} has {self.nodes - 1}",
+                    code="usage",
+                    remediation=f"use --nodes {need + 1} or more",
+                )
         if self.stages is not None and not 1 <= self.stages <= self.nodes:
             raise UsageError(
                 f"--stages must be 1..{self.nodes} (--nodes), not {self.stages}", code="usage"
@@ -121,6 +144,7 @@ class Lab:
     hub_url: str | None  # the lab hub (a published directory), else None
     netem: Netem | None = None  # issue #21: the emulated links (partition, heal, event log)
     revision: LabPackage | None = None  # issue #23: the second revision (one layer changed)
+    replicas: list[dict[str, Any]] = field(default_factory=list)  # issue #23: once serving
 
     async def split(self) -> dict[str, Any]:
         """Plan the split on the coordinator, wait for every stage, check, report."""
@@ -158,7 +182,8 @@ class Lab:
             {
                 "op": "serve",
                 "package": self.package.ref,
-                "stages": self.options.stages or self.options.nodes,
+                "stages": self.options.serve_stages,
+                "replicas": self.options.replicas,
             },
             timeout_s=self.options.timeout_s,
         )
@@ -167,7 +192,9 @@ class Lab:
         while True:
             status = await coordinator.status()
             serving = status.get("serving") or {}
-            if serving.get("state") == "ready":
+            replicas = serving.get("replicas") or []
+            if serving.get("state") == "ready" and all(r["state"] == "ready" for r in replicas):
+                self.replicas = list(replicas)
                 return api, dict(status["topology"]), time.monotonic() - t0
             # The serving core never gives up by itself (it waits like a service, issue #18
             # item 3: ``ready``, ``waiting`` or ``not_ready``); the lab does, at its deadline,
@@ -186,6 +213,9 @@ class Lab:
         """Check every worker's cache and build the report for ``topology``."""
         statuses = await self.cluster.statuses()
         stages = {s["node_id"]: s for s in topology["stages"]}
+        for replica in self.replicas[1:]:  # issue #23: the other replicas' workers
+            tid = replica["topology_id"]
+            stages.update({s["node_id"]: {**s, "topology_id": tid} for s in replica["stages"][1:]})
         facts = []
         for node, status in zip(self.cluster.nodes, statuses, strict=True):
             stage = stages.get(node.node_id)
@@ -215,6 +245,8 @@ class Lab:
             problems=problems,
         )
         report["links"] = self.netem.report() if self.netem is not None else None
+        if len(self.replicas) > 1:
+            report["replicas"] = self.replicas
         return report
 
     async def _wait_stages(self, topology: Mapping[str, Any], deadline: float) -> bool:

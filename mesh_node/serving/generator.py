@@ -94,7 +94,8 @@ class Route:
 class RouteSource(Protocol):
     """Where the generator gets its routes (``mesh_node.serving.routes.RouteManager``)."""
 
-    tokenizer: LlamaTokenizer | None
+    @property
+    def tokenizer(self) -> LlamaTokenizer | None: ...
 
     def check_ready(self) -> Route:
         """The current route, or ``SplitNotReady``."""
@@ -174,9 +175,17 @@ class Generator:
         return max(1, min(self.settings.prefill_chunk, per_frame))
 
     async def generate(
-        self, prompt: list[int], params: GenerationParams, emit: Emit
+        self,
+        prompt: list[int],
+        params: GenerationParams,
+        emit: Emit,
+        *,
+        routes: RouteSource | None = None,
     ) -> GenerationResult:
-        route = self.routes.check_ready()
+        """``routes``: this request's route source (a replica's lease, issue #23), else the
+        generator's own."""
+        source = routes if routes is not None else self.routes
+        route = source.check_ready()
         n_ctx = route.stage0.facts.n_ctx
         if not prompt:
             raise BadGenerationRequest("the prompt has no tokens", code="empty_prompt")
@@ -204,7 +213,7 @@ class Generator:
                     len(result.tokens),
                     broken.cause,
                 )
-                route = await self.routes.await_new_route(route, broken.cause)
+                route = await source.await_new_route(route, broken.cause)
 
     # --- one attempt on one route --------------------------------------------------------------
     async def _run(

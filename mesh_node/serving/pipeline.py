@@ -33,6 +33,7 @@ from mesh_node.serving.generator import (
     StopReason,
 )
 from mesh_node.serving.host import StageHost, hop_summary
+from mesh_node.serving.replicas import ReplicaSet
 from mesh_node.serving.routes import RouteManager, SplitNotReady
 from skippy.config import ServingSettings
 from skippy.generation import SpeculativePlan
@@ -102,12 +103,14 @@ class SplitServer:
         model_name: str,
         stages: int | None = None,
         speculative: SpeculativePlan | None = None,
+        replicas: int = 1,
     ) -> None:
         self.node = node
         self.host = host
         self.settings = settings
         self.model_name = model_name
-        self.routes = RouteManager(
+        # Replicas (issue #23 item 1, mesh_node.serving.replicas); ``routes`` is replica 0's.
+        self.replicas = ReplicaSet(
             node,
             host,
             settings,
@@ -115,8 +118,12 @@ class SplitServer:
             manifest_sha256=manifest_sha256,
             sizes=sizes,
             stages=stages,
+            replicas=replicas,
         )
-        self.generator = Generator(node, host, settings, self.routes, speculative=speculative)
+        self.routes: RouteManager = self.replicas.managers[0]
+        self.generator = Generator(
+            node, host, settings, self.replicas, speculative=speculative
+        )
         self.stats = ServingStats()
         self._slots = trio.Semaphore(settings.max_sessions)
         self.hops = host.hops
@@ -124,18 +131,18 @@ class SplitServer:
     # --- the route manager's view (what the API reads) -----------------------------------------
     @property
     def route(self) -> Route | None:
-        return self.routes.route
+        return self.replicas.route
 
     @property
     def tokenizer(self) -> LlamaTokenizer | None:
-        return self.routes.tokenizer
+        return self.replicas.tokenizer
 
     @property
     def reason(self) -> str:
-        return self.routes.reason
+        return self.replicas.reason
 
     def _check_ready(self) -> Route:
-        return self.routes.check_ready()
+        return self.replicas.check_ready()
 
     def status(self) -> dict[str, Any]:
         return {
@@ -143,7 +150,7 @@ class SplitServer:
             "speculative_strategy": (
                 self.generator.speculative.strategy_id if self.generator.speculative else None
             ),
-            **self.routes.status(),
+            **self.replicas.status(),
             **self.node.metrics.serving_status(),
             **self.stats.to_dict(),
             "hops": hop_summary(self.hops),
@@ -151,7 +158,7 @@ class SplitServer:
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Bring the split up and keep it up (``RouteManager.run``) until cancelled."""
-        await self.routes.run(task_status=task_status)
+        await self.replicas.run(task_status=task_status)
 
     # --- admission -----------------------------------------------------------------------------
     async def generate(
@@ -166,16 +173,20 @@ class SplitServer:
                 record.outcome = "rejected"
                 raise
 
+            lease = self.replicas.lease(len(prompt) + params.max_tokens)
+
             async def counted(token: int) -> bool:
                 record.tokens(1)
+                lease.produced(1)
                 return await emit(token)
 
             st = self.stats
             st.in_flight += 1
             try:
-                result = await self.generator.generate(prompt, params, counted)
+                result = await self.generator.generate(prompt, params, counted, routes=lease)
             finally:
                 st.in_flight -= 1
+                lease.release()
                 self._slots.release()
             st.failovers_total += result.failovers
             if result.verify_passes:
@@ -187,7 +198,7 @@ class SplitServer:
 
     async def _admit(self) -> None:
         """Ready, and a slot free or a place in the queue (then wait for a slot)."""
-        self.routes.check_ready()
+        self.replicas.check_ready()
         st = self.stats
         if st.in_flight + st.queued >= self.settings.max_sessions + self.settings.max_queue:
             raise ServerBusy(

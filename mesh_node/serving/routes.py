@@ -25,6 +25,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any, Final
 
 import trio
@@ -40,11 +41,12 @@ from mesh_node.serving.generator import (
 )
 from mesh_node.serving.host import StageHost
 from mesh_node.serving.state import SplitState, load_state, save_state
-from mesh_node.topology import ActiveTopology, StageReport
+from mesh_node.topology import ActiveTopology, StageReport, TopologyService
 from skippy.config import ServingSettings
 from skippy.errors import EXIT_USAGE, SkippyError
 from skippy.package.heal import missing_nodes
 from skippy.package.plan import ModelSizes
+from skippy.package.topology import SplitTopology
 from skippy.runtime.tokenizer import LlamaTokenizer
 from skippy.stage.descriptor import runtime_problem
 
@@ -72,8 +74,16 @@ class RouteManager:
         manifest_sha256: str,
         sizes: ModelSizes,
         stages: int | None = None,
+        topology: TopologyService | None = None,
+        replica: int = 0,
     ) -> None:
         self.node = node
+        # Replicas (issue #23 item 1): replica 0 is the node's own topology service and
+        # persists the run (split.json); every other replica has its own service
+        # (``mesh_node.serving.replicas``) and shares stage 0 with replica 0.
+        self.topology: TopologyService = topology if topology is not None else node.topology
+        self.replica = replica
+        self.shared_tokenizer: Callable[[], LlamaTokenizer | None] | None = None
         self.host = host
         self.settings = settings
         self.package_ref = package_ref
@@ -114,6 +124,11 @@ class RouteManager:
     def wake(self) -> None:
         self._wake.set()
 
+    @property
+    def restoring(self) -> SplitTopology | None:
+        """The run this coordinator waits to re-form after a restart (its nodes are taken)."""
+        return None if self._restore_from is None else self._restore_from.topology
+
     def status(self) -> dict[str, Any]:
         route = self.route
         return {
@@ -135,7 +150,7 @@ class RouteManager:
     # --- running -------------------------------------------------------------------------------
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Bring the split up and keep it up until cancelled."""
-        state = load_state(self.node.settings.data_dir)
+        state = load_state(self.node.settings.data_dir) if self.replica == 0 else None
         if state is not None and state.matches(
             self.node.node_id, self.package_ref, self.manifest_sha256, self.stages
         ):
@@ -169,7 +184,7 @@ class RouteManager:
         return {p.node_id for p in self.node.peers(connected_only=True)} | {self.node.node_id}
 
     def _ours(self) -> ActiveTopology | None:
-        active = self.node.topology.active
+        active = self.topology.active
         if active is None or active.role != "coordinator":
             return None
         return active
@@ -182,7 +197,7 @@ class RouteManager:
             if active is None:
                 await self._bring_up()
             else:
-                capable = {c.node_id for c in self.node.topology.capable_nodes(True)}
+                capable = {c.node_id for c in self.topology.capable_nodes(True)}
                 gone = missing_nodes(active.topology, capable)
                 back = self._relinked(active.topology.topology_id, gone)
                 if gone or back or active.state != "active":
@@ -217,7 +232,7 @@ class RouteManager:
 
     async def _bring_up(self) -> None:
         state = self._restore_from
-        capable = {c.node_id for c in self.node.topology.capable_nodes(False)}
+        capable = {c.node_id for c in self.topology.capable_nodes(False)}
         if state is not None:
             absent = [n for n in missing_nodes(state.topology, capable) if n != self.node.node_id]
             overdue = self._overdue()
@@ -231,7 +246,7 @@ class RouteManager:
                 return
             self.reason = f"re-forming run {state.topology.run_id}"
             try:
-                active = await self.node.topology.restore(
+                active = await self.topology.restore(
                     state.topology, self.sizes, first_node=self.node.node_id
                 )
             except TopologyRefused as exc:
@@ -252,7 +267,7 @@ class RouteManager:
             return
         self.reason = "planning the split"
         try:
-            active = await self.node.topology.propose(
+            active = await self.topology.propose(
                 package_ref=self.package_ref,
                 manifest_sha256=self.manifest_sha256,
                 sizes=self.sizes,
@@ -269,7 +284,7 @@ class RouteManager:
         if not self._may_try():
             return
         try:
-            healed = await self.node.topology.heal()
+            healed = await self.topology.heal()
         except TopologyRefused as exc:
             self._wait_for(exc, gone[0] if gone else None)
             return
@@ -325,7 +340,7 @@ class RouteManager:
 
     def _persist(self, active: ActiveTopology) -> None:
         topo = active.topology
-        if self._saved == topo.topology_id:
+        if self._saved == topo.topology_id or self.replica != 0:
             return
         state = SplitState(
             self.node.node_id,
@@ -379,18 +394,32 @@ class RouteManager:
             self.reason = "re-planning " + ", ".join(f"node {n[:12]}" for n in sorted(seen))
             return
         loaded = self.host.loaded
-        if loaded is None or loaded.topology.topology_id != topo.topology_id:
+        if self.replica != 0 and loaded is not None:
+            # Stage 0 is replica 0's loaded stage: the same manifest and layers serve here.
+            if (loaded.load.layers.start, loaded.load.layers.stop) != (
+                topo.stages[0].layers.start,
+                topo.stages[0].layers.stop,
+            ):
+                self.reason = (
+                    f"stage 0 of this replica has layers {topo.stages[0].layers}, the "
+                    f"coordinator holds {loaded.load.layers}: replicas share stage 0"
+                )
+                return
+            active.reports.setdefault(self.node.node_id, StageReport("ready"))
+        elif loaded is None or loaded.topology.topology_id != topo.topology_id:
             own = active.reports.get(self.node.node_id)
             failed = own is not None and own.state != "ready"
             self.reason = (
                 f"stage 0 failed to load ({own.code})" if failed and own else "stage 0 is loading"
             )
             return
+        if self.tokenizer is None and self.shared_tokenizer is not None:
+            self.tokenizer = self.shared_tokenizer()  # replicas: replica 0's, once it has one
         if self.tokenizer is None:
             self.tokenizer = await trio.to_thread.run_sync(
                 LlamaTokenizer, loaded.load.part_paths[0]
             )
-        self.node.topology.admission_expect = loaded.facts
+        self.topology.admission_expect = loaded.facts
         waiting = []
         for stage in topo.stages:
             report = active.reports.get(stage.node_id)
@@ -399,6 +428,8 @@ class RouteManager:
                 waiting.append(f"stage {stage.stage_index} (node {stage.node_id[:12]}): {state}")
                 continue
             desc = report.descriptor
+            if desc is None and stage.node_id == self.node.node_id:
+                continue  # replica > 0: stage 0 is the loaded stage itself (checked above)
             problem = runtime_problem(desc.runtime if desc else None, loaded.facts)
             if problem is not None:
                 active.reports[stage.node_id] = StageReport("rejected", problem[0], desc)
@@ -419,7 +450,7 @@ class RouteManager:
             return
         # The topology service sees the same event; mark it degraded now, whichever
         # subscriber runs first, so the lost route is never published again.
-        self.node.topology.on_peer_down(node_id)
+        self.topology.on_peer_down(node_id)
         if self.route is not None:
             self._set_route(None, f"stage {stage.stage_index} (node {node_id[:12]}) was lost")
         log.warning("stage %d lost with node %s", stage.stage_index, node_id[:12])

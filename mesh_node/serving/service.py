@@ -72,6 +72,7 @@ class ServeOptions:
     # speculation (issue #22): the config's [speculative] tables and --speculative-strategy
     speculative: SpeculativeOverrides | None = None
     speculative_strategy: str | None = None
+    replicas: int | None = None  # issue #23: None is [serving] replicas
 
 
 def _config_speculation(path: Path | None) -> SpeculativeOverrides | None:
@@ -114,6 +115,9 @@ def serve_options(request: dict[str, Any]) -> ServeOptions:
         raise UsageError("stages must be at least 1", code="usage")
     if name is not None and not isinstance(name, str):
         raise UsageError("model_name must be a string")
+    replicas = request.get("replicas")
+    if replicas is not None and (isinstance(replicas, bool) or not isinstance(replicas, int)):
+        raise UsageError("replicas must be an integer or null", code="usage")
     http = parse_http_bind(request.get("http", "127.0.0.1:0"), "http")
     strategy = request.get("speculative_strategy")
     if strategy is not None and not isinstance(strategy, str):
@@ -124,6 +128,7 @@ def serve_options(request: dict[str, Any]) -> ServeOptions:
         http=http,
         model_name=name,
         speculative_strategy=strategy,
+        replicas=replicas,
     )
 
 
@@ -207,15 +212,22 @@ class Serving:
                     "retry_after_s": RETRY_AFTER_STARTING_S,
                 }
             return 200, {"status": "ok"}
+        replicas = server.replicas.health()  # issue #23: each replica, when more than one
         if server.route is not None:
-            return 200, {"status": "ok"}
-        waiting = server.routes.waiting  # the split cannot be placed now (e.g. no capable peer)
+            return 200, {"status": "ok", **replicas}
+        waiting = server.replicas.waiting  # the split cannot be placed now (e.g. no capable peer)
         if waiting is not None:
-            return 503, {"status": "error", "reason": waiting.message, "code": waiting.code}
+            return 503, {
+                "status": "error",
+                "reason": waiting.message,
+                "code": waiting.code,
+                **replicas,
+            }
         return 503, {
             "status": "loading",
             "reason": f"the split is not ready: {server.reason}",
             "retry_after_s": RETRY_AFTER_STARTING_S,
+            **replicas,
         }
 
     async def drain(self) -> None:
@@ -232,6 +244,12 @@ class Serving:
             raise UsageError("this node already serves a model", code="already_serving")
         if self._nursery is None:
             raise UsageError("the node is not running", code="node_not_running")
+        from skippy.serving.replicas import check_replicas
+
+        replicas = options.replicas
+        if replicas is None:
+            replicas = self.node.settings.serving.replicas
+        check_replicas(replicas, options.stages)
         self.starting = True  # /health (of a node already serving its page): "loading"
         try:
             ref, sha, sizes, model_id = await trio.to_thread.run_sync(
@@ -257,6 +275,7 @@ class Serving:
                 model_name=options.model_name or model_id,
                 stages=options.stages,
                 speculative=plan,
+                replicas=replicas,
             )
             await self._nursery.start(server.run)
             self.server = server

@@ -201,7 +201,7 @@ class ArtifactHandler:
         policy: NodePolicy,
         request: ArtifactRequest,
     ) -> None:
-        active = self.node.topology.active
+        active = self.node.topology.active_for(inbound.peer.node_id)  # a replica's (#23)
         topology = active.topology if active is not None else None
         if active is not None and active.role == "coordinator" and policy.mode != "disabled":
             await self.warm(active.topology)

@@ -316,6 +316,11 @@
     $("serving-speculative").textContent = !s.speculative_strategy
       ? "off"
       : `${s.speculative_strategy}: accepted ${sp.accepted ?? 0} of ${sp.proposed ?? 0} drafted tokens in ${sp.verify_passes ?? 0} verify windows`;
+    // issue #23: each replica's state, requests in flight, outstanding tokens and total
+    $("serving-replicas").textContent = (s.replicas || [])
+      .map((r) => `#${r.replica} ${r.state} (in flight ${r.requests_in_flight}, ` +
+        `outstanding ${r.outstanding_tokens} tok, total ${r.requests_total})`)
+      .join(" · ") || "-";
   }
 
   // --- live updates --------------------------------------------------------------------------
