@@ -31,6 +31,7 @@ from skippy.transfer.sources import (
     check_source_list,
     decode_source_list,
     encode_source_list,
+    worth_chunking,
 )
 from skippy.transfer.wire import (
     ArtifactRequest,
@@ -309,3 +310,10 @@ def test_plan_sources_lists_ready_servers_needing_the_file_and_only_the_stage(hu
         digests=digests, chunk_bytes=1 << 26,
     )
     assert all(a.holders == (coord,) for a in not_ready.artifacts)
+
+
+def test_only_an_artifact_with_several_holders_is_fetched_chunk_by_chunk():
+    one = ArtifactSources("a.gguf", "c" * 64, CB + 1, (b"\x01" * 32, b"\x02" * 32), ("a" * 64,))
+    two = ArtifactSources("a.gguf", "c" * 64, CB + 1, one.digests, ("a" * 64, "b" * 64))
+    assert not worth_chunking(one)  # the coordinator alone: the whole-file stream resumes exactly
+    assert worth_chunking(two)

@@ -73,6 +73,7 @@ from skippy.transfer.fetch_plan import FetchItem, manifest_item, plan_fetch, req
 from skippy.transfer.hubcache import RepoCache, load_held_manifest, verified_file, verified_present
 from skippy.transfer.required import stage_refs
 from skippy.transfer.sink import ArtifactSink, open_sink
+from skippy.transfer.sources import worth_chunking
 from skippy.transfer.wire import (
     BodyData,
     BodyEnd,
@@ -589,7 +590,7 @@ class StageFetcher:
         the whole-file path must take over: skip the coordinator when it served bad bytes."""
         book = job.book
         entry = book.latest.by_path().get(item.path) if book is not None else None
-        if book is None or entry is None:
+        if book is None or entry is None or not worth_chunking(entry):
             return None, False
         sink = await open_chunk_sink_waiting(
             self.node,
