@@ -84,8 +84,10 @@ async def _transfers(package: Path, work: Path, label: str, runs: int) -> list[f
     """MB/s of ``runs`` verified fetches of ``BIG_LAYER`` (after one warm-up)."""
     root = work / f"link-lab-{label}"
     shutil.rmtree(root, ignore_errors=True)
-    coordinator: dict[str, Any] = {"memory_budget": "1GiB"}
-    worker: dict[str, Any] = {"memory_budget": "16GiB"}  # the planner gives it the big layer
+    # Calibration off: the memory planner places by budget, and the worker states the larger
+    # one, so it gets the big layer (the cost planner would place it by compute speed).
+    coordinator: dict[str, Any] = {"memory_budget": "1GiB", "calibration": "off"}
+    worker: dict[str, Any] = {"memory_budget": "16GiB", "calibration": "off"}
     if label == "upload":  # the coordinator dials the worker: bytes go dialer -> listener
         port = _free_port()
         worker.update(listen=f"127.0.0.1:{port}", peers=[])

@@ -131,7 +131,11 @@ async def _transfer_runs(package: Path, work: Path, spec: LinkSpec, runs: int) -
         transfer="open",
         root=root,
         timeout_s=600,
-        node_overrides={0: {"memory_budget": "1GiB"}, 1: {"memory_budget": "16GiB"}},
+        # (calibration off: the memory planner places by budget; the cost planner would not)
+        node_overrides={
+            0: {"memory_budget": "1GiB", "calibration": "off"},
+            1: {"memory_budget": "16GiB", "calibration": "off"},
+        },
         links=LinkTable(spec),
     )
     rates: list[float] = []
