@@ -23,7 +23,7 @@ from meshxfer import (
 )
 from test_transfer_mesh import TARGET, misbehaving, required_of
 
-from mesh_node.transfer.swarm import ask_sources
+from mesh_node.transfer.swarm import ask_sources, speaks_swarm
 from protocol import constants as pc
 from skippy.constants import MANIFEST_NAME
 from skippy.transfer.chunks import MIN_CHUNK_BYTES
@@ -56,6 +56,9 @@ async def _swarm(n, tmp_path, hp, *, holder_server=ArtifactServer):  # type: ign
     hid = holder.node.node_id
     await wait_for(lambda: (r := coord.node.topology.active.reports.get(hid)) is not None
                    and r.state == "ready", 20)
+    # W learns H by gossip: start its fetch only once it is linked to H and has H's hello,
+    # or H is not yet a usable source and the coordinator alone serves (seen in the suite).
+    await wait_for(lambda: speaks_swarm(worker.node, hid), 20)
     await n.start(worker.service.run)
     await wait_for(lambda: coord.node.topology.active.all_ready, 20)
     return coord, holder, worker, pkg, active.topology
@@ -149,7 +152,12 @@ async def test_a_holder_serving_a_corrupted_chunk_is_dropped_and_the_file_instal
         rec = records(worker)[TARGET]
         assert rec["source"] == "peer" and rec["verified"] and rec["fallback"] is None
         assert rec["dropped_sources"] == [{"node_id": hid, "code": "chunk_digest_mismatch"}]
-        assert rec["served_by"] == [{"node_id": cid, "bytes": _item(pkg, TARGET).size}]
+        # Every byte installed was served by someone, the coordinator served what the dropped
+        # holder did not; the holder may have served a good chunk before its bad one (the
+        # order in which the two sources take chunks is not fixed).
+        served = {s["node_id"]: s["bytes"] for s in rec["served_by"]}
+        assert sum(served.values()) == _item(pkg, TARGET).size
+        assert served[cid] > 0 and served.get(hid, 0) < _item(pkg, TARGET).size
         counters = worker.node.transfers.counters
         assert counters.chunk_failures == 1 and counters.dropped_sources == 1
         status = worker.node.status()["transfers"]["counters"]
