@@ -181,11 +181,14 @@ def test_status_page_of_a_three_node_lab_in_chromium(tmp_path, browser, hub_pack
         assert all(s.text.startswith("✓ S") and "iB" in s.text for s in stages)
         assert all(s.size["width"] > 0 for s in stages)
         # Completed transfers: artifacts this coordinator served to its workers, verified.
-        done = browser.find_elements(
-            "css selector", "#transfers-rows tr[data-state=done][data-direction=serve]"
+        # Read in one script: the live update may re-render the rows between two calls.
+        done = browser.execute_script(
+            "return [...document.querySelectorAll("
+            "'#transfers-rows tr[data-state=done][data-direction=serve]')]"
+            ".map(r => [r.innerText, r.dataset.path])"
         )
-        assert done and all("✓ sha256" in r.text and "↑ to" in r.text for r in done)
-        served = {r.get_attribute("data-path") for r in done}
+        assert done and all("✓ sha256" in text and "↑ to" in text for text, _ in done)
+        served = {path for _, path in done}
         assert "model-package.json" in served
         assert "ready" in browser.find_element("id", "transfers-stage").text
         assert not browser.find_element("id", "serving").is_displayed()  # issue #10's data
