@@ -43,6 +43,7 @@ from mesh_node.errors import (
 from mesh_node.identity import short_id
 from mesh_node.link import MeshStream
 from mesh_node.transfer.cache_budget import CacheBudget
+from mesh_node.transfer.pace import RateDeadline
 from mesh_node.transfer.records import StageFetch, TransferLog, TransferRecord
 from mesh_node.transfer.serve import PEER_BUSY
 from mesh_node.transfer.swarm import (
@@ -643,21 +644,12 @@ class StageFetcher:
         ``batch`` holds what was received but not yet handed on."""
         idle = self.node.timeouts.idle_s
         min_rate = self.node.settings.security.min_transfer_bytes_per_s
-        # One cancel scope per response, its deadline pushed on as bytes arrive (a scope per
-        # receive costs more than the bytes it guards: ~20k receives per GiB). It is pushed
-        # on only while the peer keeps ``min_transfer_bytes_per_s`` since the last push: a
-        # trickle under ``idle_timeout_s`` cannot postpone the hub forever (issue #19).
-        mark_time, mark_bytes, received = trio.current_time(), 0, 0
-        with trio.CancelScope(deadline=trio.current_time() + idle) as scope:
+        guard = RateDeadline(idle, min_rate)  # a trickle cannot postpone the hub (issue #19)
+        with guard.scope:
             while True:
                 # Every record received so far, as views (no copy, one call per batch).
                 views = await stream.receive_views()
-                received += sum(len(v) for v in views)
-                now = trio.current_time()
-                due = now + 0.75 * idle > scope.deadline
-                if due and received - mark_bytes >= min_rate * (now - mark_time):
-                    scope.deadline = now + idle
-                    mark_time, mark_bytes = now, received
+                guard.received(views)
                 if not views:
                     reader.eof()  # raises artifact_wire_truncated: the response did not end
                     raise ArtifactWireError(
@@ -676,10 +668,10 @@ class StageFetcher:
                             if batch.size:
                                 await batches.send(batch.take())
                             return
-        if received > mark_bytes:  # bytes came, just too few of them
+        if guard.since_mark:  # bytes came, just too few of them
             stream.reset("too_slow", "under the minimum transfer rate")
             raise TransferTooSlow(
-                f"the peer sent {received - mark_bytes} bytes in {idle:g} s, under "
+                f"the peer sent {guard.since_mark} bytes in {idle:g} s, under "
                 f"{min_rate} bytes/s"
             )
         stream.reset("stalled", "no bytes within the idle timeout")

@@ -40,6 +40,7 @@ from mesh_node.errors import MeshError
 from mesh_node.identity import short_id
 from mesh_node.link import MeshStream
 from mesh_node.peers import InboundStream
+from mesh_node.transfer.pace import RateDeadline
 from mesh_node.transfer.policy import node_policy, peer_facts
 from mesh_node.transfer.records import TransferLog, TransferRecord
 from mesh_node.transfer.serve import PEER_BUSY
@@ -507,16 +508,11 @@ class SwarmFetch:
         trickle is dropped like a stall."""
         idle = self.node.timeouts.idle_s
         min_rate = self.node.settings.security.min_transfer_bytes_per_s
-        mark_time, mark_bytes, received = trio.current_time(), 0, 0
-        with trio.CancelScope(deadline=trio.current_time() + idle) as scope:
+        guard = RateDeadline(idle, min_rate)
+        with guard.scope:
             while not reader.done:
                 views = await stream.receive_views()
-                received += sum(len(v) for v in views)
-                now = trio.current_time()
-                due = now + 0.75 * idle > scope.deadline
-                if due and received - mark_bytes >= min_rate * (now - mark_time):
-                    scope.deadline = now + idle
-                    mark_time, mark_bytes = now, received
+                guard.received(views)
                 if not views:
                     reader.eof()
                 for view in views:
@@ -526,7 +522,7 @@ class SwarmFetch:
                         elif isinstance(event, BodyData):
                             out.append(event.data)  # a view of immutable bytes: no copy
             return
-        if received > mark_bytes:
+        if guard.since_mark:
             stream.reset("too_slow", "under the minimum transfer rate")
             raise SwarmTooSlow(f"{short_id(source)} sent under {min_rate} bytes/s")
         stream.reset("stalled", "no bytes within the idle timeout")
