@@ -298,8 +298,16 @@ async def budgeted_websocket(
     except BaseExceptionGroup as group:
         # The WebSocket's reader task raises a refusal (429, 503) inside the nursery: the
         # caller sees it as open_websocket_url raised it, not wrapped in a group.
-        if len(group.exceptions) == 1 and isinstance(group.exceptions[0], Exception):
-            raise group.exceptions[0] from None
+        cancelled, errors = group.split(trio.Cancelled)
+        if cancelled is not None:
+            # An outer scope is cancelling us (a node shutting down) while the link also
+            # failed: the cancellation wins. Raised with the error, the group escaped the
+            # dial loop's error handling and crashed the node's shutdown (seen in CI).
+            raise cancelled from None
+        if errors is not None and len(errors.exceptions) == 1:
+            only = errors.exceptions[0]
+            if isinstance(only, Exception):
+                raise only from None
         raise
     finally:
         with trio.CancelScope(shield=True):

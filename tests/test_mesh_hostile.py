@@ -336,3 +336,34 @@ async def test_a_dialer_survives_peers_that_hang_up_or_speak_garbage(tmp_path):
         assert {p.node_id for p in dialer.peers(connected_only=True)} >= {victim.node_id}
         assert "cd" * 32 not in {p.node_id for p in dialer.peers()}
         await assert_good_link_alive(victim, good)
+
+
+async def test_a_link_failing_while_its_node_shuts_down_ends_as_a_cancellation():
+    """A dial whose link fails (here: ConnectionClosed) at the moment its node is cancelled
+    must leave as a cancellation, which the node's shutdown absorbs; as a group of the error
+    and a Cancelled it escaped the dial loop's error handling and crashed the shutdown (a
+    CI failure of the dialer test above)."""
+    from trio_websocket import CloseReason, serve_websocket
+
+    from mesh_node.budget import PeerMemory
+    from mesh_node.transport import budgeted_websocket
+
+    async def silent(request) -> None:
+        await request.accept()
+        await trio.sleep_forever()
+
+    async with trio.open_nursery() as n:
+        server = await n.start(
+            lambda task_status: serve_websocket(
+                silent, "127.0.0.1", 0, None, task_status=task_status
+            )
+        )
+        with trio.CancelScope() as shutdown:
+            async with budgeted_websocket(
+                "127.0.0.1", server.port, PeerMemory(16 * MIB), {"disconnect_timeout": 0.2}
+            ):
+                await trio.sleep(0.05)  # the WebSocket's reader task is waiting for bytes
+                shutdown.cancel()  # the node shuts down ...
+                raise ConnectionClosed(CloseReason(1000, None))  # ... as the link fails
+        assert shutdown.cancelled_caught
+        n.cancel_scope.cancel()
