@@ -6,11 +6,15 @@ holds one of the cores, the kernel preempts one of a 2-thread graph's threads an
 spins at every barrier until it runs again: decode fell to 0.29x of its quiet speed beside one
 busy-loop process, in llama.cpp too, while one thread keeps one core's full speed (GOTCHAS
 "OpenMP, threads and contention"; figures in docs/performance.md). So an adaptive stage
-samples the machine's busy time (``/proc/stat``) minus its own process's CPU time over the
-last window and uses only the cores the others leave free (at least one).
+gives up a thread when its own threads queue for a CPU (their run-queue wait,
+``/proc/self/task/*/schedstat``: nanosecond-precise, so a few decode steps decide, and blind
+to other processes that leave it a core), and takes it back when the machine's busy time
+(``/proc/stat``) minus its own over a longer window leaves a core free. A pause between steps
+restarts at the cap: the first version decided from one window since its last step, which in
+the bench spanned the busy phase before a quiet one and kept a quiet stage at one thread.
 
-The decision (``threads_for``) and the measurement (``others_busy``) are pure; ``ThreadGovernor``
-is the thin shell that reads the clocks, at most once per ``interval_s``.
+The decisions (``threads_for``, ``next_threads``) and the measurements (``others_busy``,
+``waited``) are pure; ``ThreadGovernor`` is the thin shell that reads the clocks.
 """
 
 from __future__ import annotations
@@ -26,6 +30,14 @@ from typing import Final
 FREE_CORE_SLACK: Final = 0.25
 SAMPLE_INTERVAL_S: Final = 0.5
 PROC_STAT: Final = "/proc/stat"
+TASK_DIR: Final = "/proc/self/task"
+# Our threads' run-queue wait, in cores' worth over a short window, from which a thread is
+# given up: quiet, a stage's threads wait ~0; beside one busy process a 2-thread graph's
+# threads wait about half the time (measured: docs/performance.md, issue #25).
+WAIT_DOWN_CORES: Final = 0.2
+SHORT_WINDOW_S: Final = 0.05
+# A pause between step graphs after which the windows restart (at the cap).
+STALE_GAP_S: Final = 0.25
 
 
 @dataclass(frozen=True)
@@ -63,6 +75,11 @@ def parse_proc_stat(text: str, ticks_per_s: float) -> float:
     return (sum(values) - idle) / ticks_per_s
 
 
+def _read_text(path: str) -> str:
+    with open(path) as f:
+        return f.read(256)
+
+
 def sample_cpu() -> CpuSample | None:
     """The clocks now, or None where ``/proc/stat`` cannot be read (not Linux)."""
     try:
@@ -74,9 +91,57 @@ def sample_cpu() -> CpuSample | None:
     return CpuSample(time.monotonic(), busy, t.user + t.system)
 
 
+def own_threads_waited_s(read: Callable[[str], str] = _read_text) -> dict[int, float] | None:
+    """Seconds each thread of this process has spent runnable but waiting for a CPU
+    (``/proc/self/task/<tid>/schedstat``, second field, ns), by thread id; None where it
+    cannot be read. Precise to the nanosecond, so a window of a few decode steps is enough."""
+    try:
+        tids = os.listdir(TASK_DIR)
+    except OSError:
+        return None
+    out: dict[int, float] = {}
+    for tid in tids:
+        try:
+            out[int(tid)] = int(read(f"{TASK_DIR}/{tid}/schedstat").split()[1]) / 1e9
+        except (OSError, ValueError, IndexError):
+            continue  # a thread that ended between the listing and the read
+    return out
+
+
+def waited(a: dict[int, float], b: dict[int, float], span_s: float) -> float:
+    """Cores' worth of run-queue wait of the threads alive at both readings over ``span_s``."""
+    if span_s <= 0:
+        return 0.0
+    return sum(max(0.0, b[t] - a[t]) for t in b.keys() & a.keys()) / span_s
+
+
+def next_threads(
+    current: int, cap: int, cores: int, *, waited_cores: float | None, others: float | None
+) -> int:
+    """The thread count after a window, with hysteresis between two signals:
+
+    - down, from ``waited_cores`` (a short window): our own threads queued for a CPU, i.e. the
+      kernel preempts them and every barrier stalls. This reads only our threads' harm, so the
+      bench's other processes, our idle helpers or our own barrier spin never count;
+    - up, from ``others`` (a long window, ``others_busy``): at fewer threads our threads no
+      longer queue, so only the cores other processes leave free can say a thread may return.
+    ``None`` means that window is not complete yet: no change from it."""
+    if waited_cores is not None and current > 1 and waited_cores >= WAIT_DOWN_CORES:
+        free = threads_for(cap, cores, others) if others is not None else current - 1
+        return max(1, min(current - 1, free))
+    if others is not None and current < cap:
+        return max(current, threads_for(cap, cores, others))
+    return current
+
+
 class ThreadGovernor:
-    """The thread count for the next graph: re-decided at most every ``interval_s`` from the
-    window since the last decision. Without ``/proc/stat`` it keeps ``cap``."""
+    """The thread count for the next step graph. Samples at most every ``short_s``: our threads'
+    run-queue wait over the last short window may lower the count; the machine's busy time minus
+    ours over a window of ``interval_s`` may raise it. A pause longer than ``stale_s`` between
+    steps (the stage idle, or other work in this process) restarts both windows at the cap: what
+    the machine did while the stage was idle says little about now, and the short window lowers
+    the count again within a few steps if a neighbour is still there. Without ``/proc`` it keeps
+    ``cap``."""
 
     def __init__(
         self,
@@ -84,25 +149,54 @@ class ThreadGovernor:
         cores: int,
         *,
         interval_s: float = SAMPLE_INTERVAL_S,
+        short_s: float = SHORT_WINDOW_S,
+        stale_s: float = STALE_GAP_S,
         sample: Callable[[], CpuSample | None] = sample_cpu,
+        waits: Callable[[], dict[int, float] | None] = own_threads_waited_s,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.cap, self.cores, self.interval_s = cap, cores, interval_s
-        self._sample, self._clock = sample, clock
-        self._last = sample()
+        self.cap, self.cores = cap, cores
+        self.interval_s, self.short_s, self.stale_s = interval_s, short_s, stale_s
+        self._sample, self._waits, self._clock = sample, waits, clock
         self.current = cap
+        self._last_call = clock()
+        self._restart(self._last_call)
+
+    def _restart(self, now: float) -> None:
+        self._long = self._sample()
+        self._short: tuple[float, dict[int, float]] | None = None
+        w = self._waits()
+        if w is not None:
+            self._short = (now, w)
 
     def threads(self) -> int:
-        last = self._last
-        if last is None:
+        now = self._clock()
+        gap, self._last_call = now - self._last_call, now
+        if gap > self.stale_s:
+            self.current = self.cap
+            self._restart(now)
             return self.current
-        if self._clock() - last.wall_s < self.interval_s:
+        waited_cores: float | None = None
+        if self._short is not None and now - self._short[0] >= self.short_s:
+            w = self._waits()
+            if w is not None:
+                waited_cores = waited(self._short[1], w, now - self._short[0])
+                self._short = (now, w)
+        others: float | None = None
+        long = self._long
+        if long is not None and now - long.wall_s >= self.interval_s:
+            s = self._sample()
+            if s is not None:
+                others = others_busy(long, s)
+                self._long = s
+        if waited_cores is None and others is None:
             return self.current
-        now = self._sample()
-        if now is None:
-            return self.current
-        self._last = now
-        self.current = threads_for(self.cap, self.cores, others_busy(last, now))
+        n = next_threads(
+            self.current, self.cap, self.cores, waited_cores=waited_cores, others=others
+        )
+        if n < self.current:
+            self._long = self._sample()  # going up needs a whole window seen at the new count
+        self.current = n
         return self.current
 
 
