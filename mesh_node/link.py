@@ -22,6 +22,7 @@ from trio_websocket import ConnectionClosed, WebSocketConnection
 from mesh_node.budget import PeerMemory
 from mesh_node.errors import LinkClosed, StreamRefused, StreamReset, StreamStalled
 from mesh_node.transport import BudgetedStream
+from mesh_node.ws_frames import DirectSender
 from protocol import constants as pc
 from protocol import streams as ev
 from protocol.errors import ProtocolError
@@ -377,6 +378,9 @@ class Link:
         self._ping_sent: dict[int, float] = {}
         self._ping_seq = 0
         self._write_in_flight = False
+        # Issue #25: messages framed here and written straight to the socket (None: through
+        # trio-websocket's send_message; mesh_node/ws_frames.py says why and when).
+        self._direct = DirectSender.attach(ws)
 
     # --- lifecycle ---------------------------------------------------------------------------
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -621,17 +625,21 @@ class Link:
                 if not records:
                     await trio.lowlevel.checkpoint()
                     continue
-                message = self.channel.seal(records)
+                parts = self.channel.seal_parts(records)
+                size = sum(map(len, parts))
                 # Between seal (nonces used) and a complete send, a cancelled write would leave
                 # a gap the peer rightly rejects: no goodbye may follow an interrupted write.
                 self._write_in_flight = True
                 with trio.move_on_after(self.timeouts.idle_s) as scope:
-                    await self.ws.send_message(message)
+                    if self._direct is not None:
+                        await self._direct.send(parts, size)
+                    else:
+                        await self.ws.send_message(b"".join(parts))
                 self._write_in_flight = False
                 if scope.cancelled_caught:
                     self.close("peer_not_reading", "a write stalled past the idle timeout")
                     return
-                self.bytes_sent += len(message)
+                self.bytes_sent += size
         except (ConnectionClosed, trio.BrokenResourceError):
             self.close("connection_closed", "the peer closed the connection")
         except ProtocolError as exc:

@@ -79,6 +79,11 @@ class SecureChannel:
         self.cipher = cipher
 
     def seal(self, plaintexts: list[bytes]) -> bytes:
+        return b"".join(self.seal_parts(plaintexts))
+
+    def seal_parts(self, plaintexts: list[bytes]) -> list[bytes]:
+        """The message's pieces (record length, ciphertext, ...), unjoined: a writer that
+        frames the message itself joins them once, with its frame header in front."""
         parts: list[bytes] = []
         for pt in plaintexts:
             if len(pt) > c.MAX_RECORD_PLAINTEXT:
@@ -88,7 +93,7 @@ class SecureChannel:
             ct = self._enc.encrypt_with_ad(None, pt)
             parts.append(f.record_prefix(len(ct)))
             parts.append(ct)
-        return b"".join(parts)
+        return parts
 
     def open(self, message: bytes) -> list[bytes]:
         out = []

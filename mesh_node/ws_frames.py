@@ -1,0 +1,117 @@
+"""Binary WebSocket messages of a link, framed here and written straight to the connection's
+stream (issue #25 item 4: the link near the machine).
+
+trio-websocket sends a message through wsproto, which copies a 1 MiB payload five times on
+its way to the socket (``bytearray(payload)``, ``header + payload``, ``bytearray(...)`` and two
+``data += ...`` into fresh ``bytes``) and, on the dialer's side, masks it in pure Python
+(~1.8 ms/MiB measured). A link's writer already joins its Noise records into one buffer, so it
+joins the frame header in front of them in the same pass, masks (dialer only) in place with
+numpy, and writes that buffer under trio-websocket's own send lock. The bytes on the wire are
+exactly the RFC 6455 binary frame wsproto would write (FIN, no RSV bits, no extensions are
+negotiated on links), so nothing is versioned: a peer cannot tell the difference.
+
+This reaches into trio-websocket's connection (its stream, send lock, close reason and wsproto
+state). ``DirectSender.attach`` checks that all of it is there and that no extension was
+negotiated, and returns None otherwise: the link then sends through ``send_message``.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from typing import Any, Final
+
+import numpy as np
+import trio
+from trio_websocket import ConnectionClosed, WebSocketConnection
+from wsproto.connection import ConnectionState
+
+# RFC 6455 section 5.2: FIN + opcode 2 (binary); payload length 7 bits, 126 + u16 or 127 + u64.
+_FIN_BINARY: Final = 0x82
+_MASK_BIT: Final = 0x80
+_U16: Final = struct.Struct(">H")
+_U64: Final = struct.Struct(">Q")
+MASK_KEY_BYTES: Final = 4
+
+
+def frame_header(payload_len: int, mask_key: bytes | None = None) -> bytes:
+    """The header of one unfragmented binary frame of ``payload_len`` bytes (RFC 6455 5.2),
+    with the masking key appended when the frame is masked (a client's frames, 5.3)."""
+    if payload_len < 0:
+        raise ValueError("a negative payload length")
+    mask = _MASK_BIT if mask_key is not None else 0
+    if payload_len <= 125:
+        head = bytes((_FIN_BINARY, mask | payload_len))
+    elif payload_len <= 0xFFFF:
+        head = bytes((_FIN_BINARY, mask | 126)) + _U16.pack(payload_len)
+    else:
+        head = bytes((_FIN_BINARY, mask | 127)) + _U64.pack(payload_len)
+    if mask_key is None:
+        return head
+    if len(mask_key) != MASK_KEY_BYTES:
+        raise ValueError("a masking key is 4 bytes")
+    return head + mask_key
+
+
+def mask_in_place(buf: bytearray, start: int, key: bytes) -> None:
+    """XOR ``buf[start:]`` with the repeated 4-byte ``key`` (RFC 6455 5.3; its own inverse)."""
+    n = len(buf) - start
+    words = n // 4
+    if words:
+        view = np.frombuffer(buf, dtype=np.uint8, count=words * 4, offset=start).view(np.uint32)
+        view ^= np.frombuffer(key, dtype=np.uint32)[0]
+    for i in range(words * 4, n):
+        buf[start + i] ^= key[i % 4]
+
+
+def frame(parts: list[bytes], payload_len: int, *, masked: bool) -> bytearray:
+    """One binary frame carrying ``parts`` joined (``payload_len`` bytes in all)."""
+    key = os.urandom(MASK_KEY_BYTES) if masked else None
+    head = frame_header(payload_len, key)
+    buf = bytearray().join([head, *parts])
+    if key is not None:
+        mask_in_place(buf, len(head), key)
+    return buf
+
+
+class DirectSender:
+    """Writes a link's binary messages as whole frames on ``ws``'s stream (see the module)."""
+
+    def __init__(self, ws: Any) -> None:
+        self._ws = ws
+        self.masked: bool = bool(ws.is_client)
+
+    @classmethod
+    def attach(cls, ws: WebSocketConnection) -> DirectSender | None:
+        """A sender for ``ws``, or None where its internals are not what this was written for
+        (another trio-websocket version, or an extension that would change the frames)."""
+        raw: Any = ws
+        try:
+            proto = raw._wsproto.connection._proto
+            ok = (
+                hasattr(raw, "_stream")
+                and hasattr(raw, "_stream_lock")
+                and hasattr(raw, "_close_reason")
+                and hasattr(raw, "_abort_web_socket")
+                and not proto.extensions
+                and isinstance(raw.is_client, bool)
+            )
+        except AttributeError:
+            return None
+        return cls(ws) if ok else None
+
+    async def send(self, parts: list[bytes], payload_len: int) -> None:
+        """Send ``parts`` as one binary message; raises what ``send_message`` would."""
+        ws = self._ws
+        if ws._close_reason:
+            raise ConnectionClosed(ws._close_reason)
+        if ws._wsproto.state is not ConnectionState.OPEN:  # closing: let wsproto say so
+            await ws.send_message(b"".join(parts))
+            return
+        data = frame(parts, payload_len, masked=self.masked)
+        async with ws._stream_lock:
+            try:
+                await ws._stream.send_all(data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                await ws._abort_web_socket()
+                raise ConnectionClosed(ws._close_reason) from None
