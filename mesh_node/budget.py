@@ -204,7 +204,7 @@ class PeerMemory:
         queued behind another stranger."""
         if key in self._trusted:
             return False
-        return await self.turns.turn(rest=self.under_pressure())
+        return await self.turns.turn(rest=self.under_pressure(), key=key)
 
     def _add(self, key: int, nbytes: int) -> None:
         held = self._held[key] + nbytes

@@ -40,11 +40,12 @@ class Turnstile:
         self._queue = trio.lowlevel.ParkingLot()
         self._busy = False  # a waiter was admitted and others may be queued behind it
         self._run_since: float | None = None  # trio clock: turns in a row since then
+        self._waiting_keys: dict[int, int] = {}  # account -> its tasks waiting
         self.admitted = 0
         self.queued = 0  # admissions that had to wait behind another
         self.rests = 0
 
-    async def turn(self, *, rest: bool = False) -> bool:
+    async def turn(self, *, rest: bool = False, key: int = 0) -> bool:
         """Wait for this task's turn (always a checkpoint): at most one admission per batch
         of the scheduler while others wait; with ``rest``, after ``SLICE_S`` of turns in a
         row, a pause of ``REST_S`` first. True if it queued behind another."""
@@ -53,8 +54,16 @@ class Turnstile:
             if queued:
                 self.queued += 1
                 holding = False
-                await self._queue.park()  # woken by the one admitted before (a batch earlier)
-                holding = True  # the turn is ours: it must be passed on, even if cancelled
+                self._waiting_keys[key] = self._waiting_keys.get(key, 0) + 1
+                try:
+                    await self._queue.park()  # woken by the one admitted a batch earlier
+                    holding = True  # the turn is ours: passed on even if cancelled now
+                finally:
+                    left = self._waiting_keys[key] - 1
+                    if left:
+                        self._waiting_keys[key] = left
+                    else:
+                        del self._waiting_keys[key]
             else:
                 self._busy = holding = True
                 self._run_since = trio.current_time()
@@ -84,3 +93,10 @@ class Turnstile:
     @property
     def waiting(self) -> int:
         return int(self._queue.statistics().tasks_waiting)
+
+    def others_waiting(self, key: int) -> bool:
+        """Another account than ``key`` has a task waiting (one peer's own pipeline, its
+        transport read, link reader and stream reader, does not count)."""
+        return len(self._waiting_keys) > 1 or (
+            len(self._waiting_keys) == 1 and key not in self._waiting_keys
+        )

@@ -158,17 +158,26 @@ async def test_untrusted_reads_are_small_while_other_strangers_wait_and_trusted_
         stream.established(trusted=False)
         assert stream._read_size() == transport_module.READ_BYTES  # a lone stranger
 
-        async def busy_stranger() -> None:
+        async def busy(key: int) -> None:
             for _ in range(50):
-                await budget.turns.turn()
+                await budget.turns.turn(key=key)
 
-        async with trio.open_nursery() as nursery:
-            for _ in range(3):
-                nursery.start_soon(busy_stranger)
+        async def until_queued() -> None:
             for _ in range(10):
                 await trio.lowlevel.checkpoint()
                 if budget.turns.waiting:
-                    break
+                    return
+
+        async with trio.open_nursery() as nursery:  # the peer's own pipeline queues
+            for _ in range(3):
+                nursery.start_soon(busy, stream.key)
+            await until_queued()
+            assert budget.turns.waiting > 0
+            assert stream._read_size() == transport_module.READ_BYTES
+        async with trio.open_nursery() as nursery:  # other strangers queue
+            for key in (1, 2, 3):
+                nursery.start_soon(busy, key)
+            await until_queued()
             assert budget.turns.waiting > 0
             assert stream._read_size() == transport_module.SMALL_READ_BYTES
             stream.set_trusted(True)
