@@ -29,6 +29,8 @@ from typing import Final
 
 import trio
 
+from mesh_node.turns import Turnstile
+
 MIB: Final = 1024 * 1024
 # A whole stream message (1 MiB + its prefix) and the WebSocket message completing it.
 FLOOR_BYTES: Final = 4 * MIB
@@ -59,6 +61,7 @@ class PeerMemory:
         self._freed_since_wake = 0
         self._paced_until = 0.0  # trio clock
         self.paced = 0
+        self.turns = Turnstile()
 
     # --- accounts -----------------------------------------------------------------------------
     def open(self, key: int, *, trusted: bool = False) -> None:
@@ -191,6 +194,18 @@ class PeerMemory:
         self.paced += 1
         await trio.sleep(self._paced_until - now)
 
+    async def take_turn(self, key: int) -> bool:
+        """An untrusted account's next work item (a read, a message, a stream handler's
+        step) waits its turn: one stranger's item per batch of the scheduler
+        (``mesh_node.turns``), so a trusted link is served between two of them however many
+        strangers are busy; under pressure (a flood) strangers also rest half of the time
+        (``Turnstile.turn(rest=True)``). Alone, a stranger waits one scheduler pass (a
+        checkpoint); trusted accounts return at once, without a checkpoint. True if it
+        queued behind another stranger."""
+        if key in self._trusted:
+            return False
+        return await self.turns.turn(rest=self.under_pressure(), key=key)
+
     def _add(self, key: int, nbytes: int) -> None:
         held = self._held[key] + nbytes
         self._held[key] = held
@@ -229,4 +244,6 @@ class PeerMemory:
             "stalls": self.stalls,
             "preempted": self.preempted,
             "paced": self.paced,
+            "turns_queued": self.turns.queued,
+            "turns_rested": self.turns.rests,
         }

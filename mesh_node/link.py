@@ -196,7 +196,7 @@ class MeshStream(trio.abc.HalfCloseableStream):
         data = self._take_chunks(RECEIVE_SOME_BYTES if max_bytes is None else max_bytes)
         self._give(len(data))
         self._grant(len(data))
-        await trio.lowlevel.checkpoint()
+        await self._link.take_turn()
         return data
 
     def _take_chunks(self, most: int) -> bytes:
@@ -232,7 +232,7 @@ class MeshStream(trio.abc.HalfCloseableStream):
         nbytes = sum(len(v) for v in views)
         self._give(nbytes)
         self._grant(nbytes)
-        await trio.lowlevel.checkpoint()
+        await self._link.take_turn()
         return views
 
     async def _wait_readable(self) -> bool:
@@ -505,10 +505,12 @@ class Link:
                     raise ProtocolError("malformed_record", "a text WebSocket message")
                 self.last_received = trio.current_time()
                 self.bytes_received += len(message)
-                for plaintext in self.channel.open(message):
+                await self._yield_to_others(per_record=False)  # before the work, not after
+                for i, plaintext in enumerate(self.channel.open(message)):
+                    if i:
+                        await self._yield_to_others(per_record=True)
                     for event in self.mux.receive(plaintext):
                         self._dispatch(event)
-                    await self._yield_to_others()
                 if self.mux.has_output():
                     self.wake_writer()
         except trio.BrokenResourceError:
@@ -521,13 +523,27 @@ class Link:
             log.warning("link %s: protocol violation: %s", self.node_id[:12], exc)
             self.close(exc.code, exc.message)
 
-    async def _yield_to_others(self) -> None:
-        """While strangers press on the budget (a flood), an untrusted peer's message is
-        handled one record per turn of the event loop, so that many of them delay an honest
-        link by records, not by whole 1 MiB messages (issue #19: honest-link RTT)."""
+    async def _yield_to_others(self, *, per_record: bool) -> None:
+        """An untrusted peer's message is handled in its turn (``PeerMemory.take_turn``: one
+        stranger's item per batch of the scheduler), and while strangers press on the budget
+        (a flood) one record per turn, so that many of them delay an honest link by about
+        one record, not by a batch of everyone's messages (issue #19: honest-link RTT).
+        Trusted peers never wait."""
         transport = self.transport
-        if transport is not None and not transport.trusted and transport.budget.under_pressure():
+        if transport is None or transport.trusted:
+            return
+        if per_record and not transport.budget.under_pressure():
+            return
+        await transport.budget.take_turn(transport.key)
+
+    async def take_turn(self) -> None:
+        """A checkpoint; for an untrusted peer, its turn (``_yield_to_others``): where a
+        stream's reader hands data to its handler."""
+        transport = self.transport
+        if transport is None or transport.trusted:
             await trio.lowlevel.checkpoint()
+        else:
+            await transport.budget.take_turn(transport.key)
 
     def _dispatch(self, event: ev.Event) -> None:
         if isinstance(event, ev.DataReceived):
@@ -599,6 +615,8 @@ class Link:
         except (LinkClosed, StreamReset, StreamRefused, StreamStalled) as exc:
             log.info("link %s stream %d ended: %s", self.node_id[:12], stream.stream_id, exc)
         except trio.TooSlowError:  # a peer that went quiet: expected, one line, no traceback
+            # A flood's streams time out together: a stranger's is reset in its turn.
+            await self._yield_to_others(per_record=False)
             log.warning(
                 "link %s stream %d: the peer sent nothing in time; stream reset",
                 self.node_id[:12],

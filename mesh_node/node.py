@@ -30,7 +30,6 @@ from trio_websocket import (
     WebSocketRequest,
 )
 
-from mesh_node import allocator
 from mesh_node.budget import PeerMemory
 from mesh_node.cipher_support import local_ciphers
 from mesh_node.errors import PeerUnavailable
@@ -44,6 +43,7 @@ from mesh_node.link import (
     secure_handshake,
     websocket_options,
 )
+from mesh_node.memory_release import MemoryReleaser
 from mesh_node.metrics import NodeMetrics
 from mesh_node.peers import (
     AuthenticatedPeer,
@@ -241,6 +241,7 @@ class MeshNode:
         self._handlers: dict[tuple[str, int, int], SubprotocolHandler] = {}
         self._subscribers: list[trio.MemorySendChannel[NodeEvent]] = []
         self._dialing: set[str] = set()  # addresses with a dial loop
+        self._memory_release = MemoryReleaser()
         self._handshake_slots = trio.CapacityLimiter(MAX_PENDING_HANDSHAKES)
         self._pending_by_address: dict[str, int] = {}
         self._transports = AcceptedTransports()  # accepted, not yet seen by _accept
@@ -466,6 +467,7 @@ class MeshNode:
             for address in self.settings.peers:
                 self._start_dialing(address, persistent=True)
             nursery.start_soon(self.topology.watch)
+            nursery.start_soon(self._memory_release.run)
             self._started_at = trio.current_time()
             self.started.set()
             task_status.started(f"{self.listen_url}#{self.node_id}")
@@ -698,7 +700,7 @@ class MeshNode:
                 link.wake_writer()
         finally:
             if link.budget_peak >= TRIM_AFTER_BYTES:
-                allocator.release_free_memory()
+                self._memory_release.request()  # one trim for links closing together
             member.bytes_received += link.bytes_received
             member.bytes_sent += link.bytes_sent
             if member.link is link:

@@ -13,6 +13,7 @@ import trio
 
 from mesh_node.calibration import compute_cost, load_or_calibrate
 from mesh_node.control import serve_control
+from mesh_node.gc_pauses import freeze_startup_heap
 from mesh_node.identity import LocalIdentity
 from mesh_node.node import MeshNode
 from mesh_node.packages import package_identity
@@ -157,6 +158,7 @@ async def _run_node(
                 lines.append(f"status-page {url}")
             if serve is not None:
                 lines.append(f"api {await serving.start(serve)}")
+            freeze_startup_heap()  # issue #19: no full GC walks the start-up heap again
             # `listening` only once every check passed (package, HTTP port): a wrapper that
             # waits for it knows the node started.
             sys.stdout.write("".join(f"{line}\n" for line in [f"listening {address}", *lines]))
