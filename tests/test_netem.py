@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 import trio
+import trio.testing
 
 from mesh_node.lab.netem import (
     DelayLine,
@@ -21,6 +22,8 @@ from mesh_node.lab.netem import (
     parse_duration,
     parse_probability,
     parse_rate,
+    sleep_target,
+    wait_until,
 )
 from skippy.errors import UsageError
 
@@ -78,6 +81,28 @@ def test_schedule_serialises_at_the_rate_and_adds_half_the_rtt() -> None:
     assert first.arrive_s == pytest.approx(10.12)  # + 20 ms one way
     later = line.schedule(1000, now=20.0, not_before=second.arrive_s)  # idle link: no backlog
     assert later.depart_s == pytest.approx(20.001)
+
+
+def test_the_timer_sleeps_only_to_just_before_a_deadline_it_could_overshoot() -> None:
+    # epoll sleeps whole milliseconds, rounded up: a timed sleep stops TIMER_SLACK_S short.
+    assert sleep_target(10.0, 10.02, slack_s=0.0015) == pytest.approx(10.0185)
+    assert sleep_target(10.0, 10.001, slack_s=0.0015) is None  # too close: yield instead
+    assert sleep_target(10.0, 9.0, slack_s=0.0015) is None  # overdue
+
+
+async def test_wait_until_is_never_early_on_the_real_clock() -> None:
+    for delay in (0.0, 0.0005, 0.004):  # no sleep, only yielding, sleep then yielding
+        deadline = trio.current_time() + delay
+        await wait_until(deadline)
+        assert trio.current_time() >= deadline
+
+
+async def test_wait_until_under_a_mock_clock_lands_on_the_deadline(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    deadline = trio.current_time() + 0.02
+    await wait_until(deadline)  # a yield loop would never see virtual time move
+    assert trio.current_time() == pytest.approx(deadline)
 
 
 def test_jitter_never_reorders_and_stays_in_its_band() -> None:
