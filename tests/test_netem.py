@@ -17,6 +17,7 @@ from mesh_node.lab.netem import (
     LinkSpec,
     LinkTable,
     Netem,
+    due_count,
     link_table_from_toml,
     open_netem,
     parse_duration,
@@ -88,6 +89,14 @@ def test_the_timer_sleeps_only_to_just_before_a_deadline_it_could_overshoot() ->
     assert sleep_target(10.0, 10.02, slack_s=0.0015) == pytest.approx(10.0185)
     assert sleep_target(10.0, 10.001, slack_s=0.0015) is None  # too close: yield instead
     assert sleep_target(10.0, 9.0, slack_s=0.0015) is None  # overdue
+
+
+def test_chunks_due_together_leave_in_one_write_in_order() -> None:
+    queue = [(1.0, 100), (1.5, 100), (2.0, 100), (9.0, 100)]
+    assert due_count(queue, now=2.0, max_bytes=1000) == 3  # the last is not due yet
+    assert due_count(queue, now=2.0, max_bytes=250) == 2  # the write's size cap
+    assert due_count(queue, now=0.5, max_bytes=50) == 1  # the one waited for always goes
+    assert due_count([(1.0, 100), (1.0, 0), (1.0, 100)], now=5.0, max_bytes=1000) == 1  # EOF
 
 
 async def test_wait_until_is_never_early_on_the_real_clock() -> None:
