@@ -202,7 +202,13 @@ def _transfer_rows(ctx: BenchContext) -> list[Row]:
 
 
 def rows(ctx: BenchContext) -> list[Row]:
-    return _window_rows(ctx) + _transfer_rows(ctx) + _serve_rows(ctx) + _failover_rows(ctx)
+    return (
+        _relay_rows(ctx)
+        + _window_rows(ctx)
+        + _transfer_rows(ctx)
+        + _serve_rows(ctx)
+        + _failover_rows(ctx)
+    )
 
 
 # --- the failover stall at 20 ms RTT -----------------------------------------------------------
@@ -359,3 +365,94 @@ def _window_rows(ctx: BenchContext) -> list[Row]:
          f"{statistics.median(grown) / statistics.median(fixed):.2f}x; a fixed 4 MiB window "
          f"caps it at {cap:.0f} MB/s"),
     ]
+
+
+# --- the emulator's own accuracy: what a relay adds over its configured delay ------------------
+RELAY_RTTS_S = (0.0, 0.01)
+RELAY_PINGS = 300
+_ECHO = """
+import functools, trio
+async def handler(s):
+    try:
+        while data := await s.receive_some(65536):
+            await s.send_all(data)
+    except trio.BrokenResourceError:
+        pass
+async def main():
+    async with trio.open_nursery() as n:
+        serve = functools.partial(trio.serve_tcp, handler, 0, host="127.0.0.1")
+        (listener,) = await n.start(serve)
+        print(listener.socket.getsockname()[1], flush=True)
+trio.run(main)
+"""
+_PINGER = """
+import json, socket, sys, time
+s = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+msg, out = b"x" * 2560, []  # one gemma3 decode frame's activations
+for _ in range(int(sys.argv[2])):
+    t = time.perf_counter()
+    s.sendall(msg)
+    got = 0
+    while got < len(msg):
+        got += len(s.recv(65536))
+    out.append(time.perf_counter() - t)
+    time.sleep(0.005)
+print(json.dumps(out))
+"""
+
+
+def _pings(port: int) -> list[float]:
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", _PINGER, str(port), str(RELAY_PINGS)],
+        capture_output=True, text=True, check=True,
+    )
+    return list(json.loads(out.stdout))
+
+
+async def _relayed(port: int, rtt_s: float) -> tuple[list[float], list[float]]:
+    from mesh_node.lab.netem import open_netem
+
+    async with open_netem(LinkTable(LinkSpec(rtt_s=rtt_s))) as netem:
+        netem.set_target("b", lambda: ("127.0.0.1", port))
+        relay_port = int((await netem.route("a", "b")).rsplit(":", 1)[1])
+        pings = await trio.to_thread.run_sync(_pings, relay_port)
+        late = [e.sent_s - e.arrive_s for e in netem.events if e.kind == "chunk"]
+    return pings, late
+
+
+def _relay_rows(ctx: BenchContext) -> list[Row]:
+    """Ping-pong of 2.5 KiB frames to an echo process, direct and through one relay (this
+    process) at each configured RTT: the relay's excess over direct + configured, per one-way
+    pass, and its own log's lateness (written minus due)."""
+    import subprocess
+    import sys
+
+    echo = subprocess.Popen([sys.executable, "-c", _ECHO], stdout=subprocess.PIPE, text=True)
+    try:
+        assert echo.stdout is not None
+        port = int(echo.stdout.readline())
+        direct = statistics.median(_pings(port))
+        out: list[Row] = []
+        for rtt in RELAY_RTTS_S:
+            pings, late = trio.run(_relayed, port, rtt)
+            excess = sorted((p - direct - rtt) / 2 for p in pings)
+            late.sort()
+            out.append(
+                ("wan relay", f"added latency per one-way pass over its configured "
+                 f"{rtt * 500:g} ms ({RELAY_PINGS} ping-pongs of 2.5 KiB)",
+                 f"{1000 * excess[len(excess) // 2]:.2f} ms median, "
+                 f"{1000 * excess[len(excess) // 10]:.2f} p10, "
+                 f"{1000 * excess[9 * len(excess) // 10]:.2f} p90",
+                 f"written after due (its log): {1000 * late[len(late) // 2]:.2f} ms median, "
+                 f"{1000 * late[9 * len(late) // 10]:.2f} p90; direct round trip "
+                 f"{direct * 1000:.2f} ms"),
+            )
+        return out
+    finally:
+        echo.kill()
+        echo.wait()
