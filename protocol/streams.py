@@ -117,7 +117,7 @@ class _Stream:
     recv_window: int  # bytes the peer may still send before we grant more
     unacked: int = 0  # consumed by the application, not yet granted back
     window: int = 0  # the receive window we aim for (issue #21: grows with the BDP)
-    granted_at: float | None = None  # when the last window update was due (the caller's clock)
+    granted_at: float | None = None  # when the last window update was due, or reading began
     queued: deque[memoryview] = field(default_factory=deque)
     queued_bytes: int = 0
     fin_queued: bool = False
@@ -247,6 +247,10 @@ class Multiplexer:
         window = s.window or self.limits.stream_window_bytes
         # Grant when half the window is consumed: few updates, and the sender never idles.
         if s.unacked < window // 2:
+            if s.granted_at is None and now_s is not None:
+                # Reading began: the first update compares with this (QUIC: the stream's
+                # start), so a long link's window grows one round trip sooner.
+                s.granted_at = now_s
             return False
         grant = s.unacked
         if now_s is not None and rtt_s is not None:

@@ -10,17 +10,21 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 import trio
+import trio.testing
 
 from mesh_node.lab.netem import (
     DelayLine,
     LinkSpec,
     LinkTable,
     Netem,
+    due_count,
     link_table_from_toml,
     open_netem,
     parse_duration,
     parse_probability,
     parse_rate,
+    sleep_target,
+    wait_until,
 )
 from skippy.errors import UsageError
 
@@ -78,6 +82,36 @@ def test_schedule_serialises_at_the_rate_and_adds_half_the_rtt() -> None:
     assert first.arrive_s == pytest.approx(10.12)  # + 20 ms one way
     later = line.schedule(1000, now=20.0, not_before=second.arrive_s)  # idle link: no backlog
     assert later.depart_s == pytest.approx(20.001)
+
+
+def test_the_timer_sleeps_only_to_just_before_a_deadline_it_could_overshoot() -> None:
+    # epoll sleeps whole milliseconds, rounded up: a timed sleep stops TIMER_SLACK_S short.
+    assert sleep_target(10.0, 10.02, slack_s=0.0015) == pytest.approx(10.0185)
+    assert sleep_target(10.0, 10.001, slack_s=0.0015) is None  # too close: yield instead
+    assert sleep_target(10.0, 9.0, slack_s=0.0015) is None  # overdue
+
+
+def test_chunks_due_together_leave_in_one_write_in_order() -> None:
+    queue = [(1.0, 100), (1.5, 100), (2.0, 100), (9.0, 100)]
+    assert due_count(queue, now=2.0, max_bytes=1000) == 3  # the last is not due yet
+    assert due_count(queue, now=2.0, max_bytes=250) == 2  # the write's size cap
+    assert due_count(queue, now=0.5, max_bytes=50) == 1  # the one waited for always goes
+    assert due_count([(1.0, 100), (1.0, 0), (1.0, 100)], now=5.0, max_bytes=1000) == 1  # EOF
+
+
+async def test_wait_until_is_never_early_on_the_real_clock() -> None:
+    for delay in (0.0, 0.0005, 0.004):  # no sleep, only yielding, sleep then yielding
+        deadline = trio.current_time() + delay
+        await wait_until(deadline)
+        assert trio.current_time() >= deadline
+
+
+async def test_wait_until_under_a_mock_clock_lands_on_the_deadline(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    deadline = trio.current_time() + 0.02
+    await wait_until(deadline)  # a yield loop would never see virtual time move
+    assert trio.current_time() == pytest.approx(deadline)
 
 
 def test_jitter_never_reorders_and_stays_in_its_band() -> None:

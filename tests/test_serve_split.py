@@ -68,6 +68,7 @@ class Recorder:
         self.stage = stage
         self.descriptor = stage.descriptor
         self.calls: list[tuple[str, int, np.ndarray, Any]] = []
+        self.decodes = 0
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.stage, name)
@@ -80,6 +81,7 @@ class Recorder:
     def decode(self, session: str, position: int, inputs: Any, **kw: Any) -> Any:
         out = self.stage.decode(session, position, inputs, **kw)
         self.calls.append((session, position, np.array(inputs), out))
+        self.decodes += 1
         return out
 
 
@@ -133,6 +135,10 @@ async def generate(server: SplitServer, ids: list[int], n: int) -> list[int]:
     return out
 
 
+def _index(host: StageHost) -> int:
+    return host.loaded.assignment.stage_index if host.loaded else 0
+
+
 def _record(sp: Split) -> list[Recorder]:
     """Wrap each node's loaded stage, in stage order (the route's stage 0 is the same
     object)."""
@@ -155,6 +161,10 @@ async def test_split_equals_whole_at_every_boundary_and_position(
         got = await generate(sp.server, IDS, 12)
         # every stage ran its small decode steps on its event loop (no thread hand-off)
         assert all(h.inline_steps > 0 for h in sp.hosts)
+        # the decode-step counters (the WAN bench's per-token compute) count exactly them
+        for host, rec in zip(sorted(sp.hosts, key=_index), recs, strict=True):
+            assert host.steps == rec.decodes > 0
+            assert 0 < host.step_busy_s <= host.busy_s
     # every activation row that crossed a boundary arrived bit for bit as the upstream stage
     # produced it, call by call (prefill chunks, then one-token decodes)
     for up, down in itertools.pairwise(recs):

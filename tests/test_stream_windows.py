@@ -43,6 +43,20 @@ def test_a_window_that_limits_a_long_link_doubles_up_to_the_cap() -> None:
     assert sum(len(e.data) for e in pump(a, b) if isinstance(e, ev.DataReceived)) == 1024 * KIB
 
 
+def test_a_reader_that_keeps_up_from_its_first_read_grows_the_window_at_the_first_update() -> None:
+    # The bytes arrive a piece at a time (a long link at its rate): half the window read
+    # within two round trips of the first read already shows the window is the bottleneck.
+    a, b, sid = opened_pair(LIMITS)
+    rtt = 0.05
+    a.send_data(sid, b"x" * (256 * KIB))
+    pump(a, b)
+    for i in range(4):  # 4 x 32 KiB = half the window, 10 ms apart
+        b.consumed(sid, 32 * KIB, now_s=i * 0.01, rtt_s=rtt)
+    assert b.receive_window(sid) == 512 * KIB
+    pump(b, a)
+    assert a.send_capacity(sid) == 512 * KIB - 128 * KIB  # 128 KiB still unread in flight
+
+
 def test_a_reader_slower_than_two_round_trips_per_half_window_never_grows_it() -> None:
     a, b, sid = opened_pair(LIMITS)
     for i in range(6):

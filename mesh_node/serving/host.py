@@ -124,6 +124,10 @@ class StageHost:
         self.rss_before_load: int | None = None  # KiB, the process just before its stage loaded
         self.calls = 0
         self.step_s = 0.0  # recent one-position step time (s), for the inline choice
+        # Issue #21: one-position (decode) steps alone, so a per-token compute figure is not
+        # diluted by prefill chunks (the WAN bench's model t_token reads these).
+        self.steps = 0
+        self.step_busy_s = 0.0
         self.inline_steps = 0
         node.register_subprotocol(pc.KIND_TRANSPORT, self._handle)
 
@@ -225,6 +229,8 @@ class StageHost:
                 if step:  # a moving average, so one slow step does not move every later one
                     self.step_s += STEP_SMOOTHING * (elapsed - self.step_s)
                     self.inline_steps += inline
+                    self.steps += 1
+                    self.step_busy_s += elapsed
 
     def status(self) -> dict[str, Any] | None:
         """This node's stage for the status document (``stage`` section), or None."""
@@ -247,6 +253,8 @@ class StageHost:
             "compute_calls": self.calls,
             "compute_busy_s": round(self.busy_s, 4),
             "inline_steps": self.inline_steps,
+            "decode_steps": self.steps,
+            "decode_busy_s": round(self.step_busy_s, 6),
             "hops": hop_summary(self.hops),
         }
 
