@@ -181,15 +181,18 @@ async def test_split_equals_whole_at_every_boundary_and_position(
     assert got == sampled
 
 
+@pytest.mark.parametrize("stages", [3, 1])
 async def test_concurrent_requests_have_their_own_sessions(
-    packages: dict[str, Path], tmp_path: Path
+    packages: dict[str, Path], tmp_path: Path, stages: int
 ) -> None:
+    """Each request gets its own session and the tokens it gets alone, while its decode steps
+    run batched with the others' (one graph per step: issue #22 item 6), split and whole."""
     pkg = packages["llama"]
     prompts = [IDS, IDS[:7], [3, 1, 4, 1, 5, 9, 2, 6]]
     with chain("ggml", pkg, ["0..6"], SERVING_CONFIG) as whole:
         whole.tokenizer = LlamaTokenizer(pkg / "shared" / "metadata.gguf")  # stops at EOS
         want = [list(whole.generate(p, max_tokens=10).tokens) for p in prompts]
-    async with split(tmp_path, pkg) as sp:
+    async with split(tmp_path, pkg, stages) as sp:
         got: list[list[int]] = [[], [], []]
 
         async def one(i: int) -> None:
@@ -199,6 +202,7 @@ async def test_concurrent_requests_have_their_own_sessions(
             for i in range(3):
                 nursery.start_soon(one, i)
         assert got == want
+        assert all(h.batches > 0 for h in sp.hosts)  # every stage ran batched steps
         # every stage frees every session (FREE travels down the chain after the answer)
         await wait_for(
             lambda: all(h.loaded is not None and not h.loaded.stage.sessions for h in sp.hosts)
@@ -248,9 +252,7 @@ async def test_bad_frames_are_refused_without_disturbing_other_sessions(
             + t.HEADER.pack(t.VERSION, t.Kind.ACTIVATIONS, 0, 0, 1, 77, 0, 1000, width, 0),
             # a frame for a session this stream did not begin
             "unknown_session": begin
-            + t.encode_activations(
-                1, 78, phase=t.Phase.PREFILL, start=0, activations=good_rows
-            ),
+            + t.encode_activations(1, 78, phase=t.Phase.PREFILL, start=0, activations=good_rows),
             # activations before any BEGIN
             "unknown_session ": t.encode_activations(
                 1, 79, phase=t.Phase.PREFILL, start=0, activations=good_rows
@@ -343,7 +345,10 @@ async def test_a_begin_to_a_node_without_a_stage_is_refused_as_stage_not_ready(
         route = sp.server.route
         assert route is not None
         begin = t.encode_begin(
-            1, 5, width=route.stage0.facts.width, sampling=t.Sampling(),
+            1,
+            5,
+            width=route.stage0.facts.width,
+            sampling=t.Sampling(),
             topology_id=route.topology_id,
         )
         stream = await coord.open_stream(bare.node_id, pc.KIND_TRANSPORT)
