@@ -252,7 +252,9 @@ async def test_bad_frames_are_refused_without_disturbing_other_sessions(
             + t.HEADER.pack(t.VERSION, t.Kind.ACTIVATIONS, 0, 0, 1, 77, 0, 1000, width, 0),
             # a frame for a session this stream did not begin
             "unknown_session": begin
-            + t.encode_activations(1, 78, phase=t.Phase.PREFILL, start=0, activations=good_rows),
+            + t.encode_activations(
+                1, 78, phase=t.Phase.PREFILL, start=0, activations=good_rows
+            ),
             # activations before any BEGIN
             "unknown_session ": t.encode_activations(
                 1, 79, phase=t.Phase.PREFILL, start=0, activations=good_rows
@@ -345,10 +347,7 @@ async def test_a_begin_to_a_node_without_a_stage_is_refused_as_stage_not_ready(
         route = sp.server.route
         assert route is not None
         begin = t.encode_begin(
-            1,
-            5,
-            width=route.stage0.facts.width,
-            sampling=t.Sampling(),
+            1, 5, width=route.stage0.facts.width, sampling=t.Sampling(),
             topology_id=route.topology_id,
         )
         stream = await coord.open_stream(bare.node_id, pc.KIND_TRANSPORT)
