@@ -56,7 +56,7 @@ STEP_SMOOTHING = 0.2
 # recently (their next frame is on its way), never for a lone session.
 BATCH_WINDOW_S = 0.002
 # A session that has not stepped for this long is not waited for (it prefills, or it ended).
-DECODER_IDLE_S = 0.5
+DECODER_IDLE_S = 2.0
 
 
 def transport_limits(settings: ServingSettings) -> t.TransportLimits:
@@ -309,13 +309,17 @@ class StageHost:
         batch = sorted((q for q in self._queued if q.stage is stage), key=lambda q: q.step.session)
         self._queued = [q for q in self._queued if q.stage is not stage]
 
+        ran_batched = False
+
         def run() -> None:
+            nonlocal ran_batched
             for q in batch:
                 drop_rejected(stage, q.step.session, q.step.position)
             try:  # alone: exactly decode
                 outs = stage.decode_batch([q.step for q in batch]) if len(batch) > 1 else None
             except SkippyError:
                 outs = None
+            ran_batched = outs is not None
             for i, q in enumerate(batch):
                 try:
                     if outs is not None:
@@ -337,7 +341,7 @@ class StageHost:
         now = time.perf_counter()
         for q in batch:
             self._decoders[q.step.session] = now
-        if len(batch) > 1:
+        if ran_batched:
             self.batches += 1
             self.batched_steps += len(batch)
 
