@@ -52,9 +52,13 @@ ReturnHandler = Callable[[InboundStream, FrameReader, t.Frame], Awaitable[None]]
 INLINE_STEP_MAX_S = 0.025
 STEP_SMOOTHING = 0.2
 # Continuous batching (issue #22 item 6): a decode step runs with every other session's step
-# queued by the time the stage is free; it waits at most this long for sessions that stepped
-# recently (their next frame is on its way), never for a lone session.
+# queued by the time the stage is free; it waits for sessions that stepped recently (their next
+# frame is on its way), never for a lone session: at least BATCH_WINDOW_S, up to this share of
+# a recent step's time (a batch member costs a fraction of a step; a step run without it costs
+# it a whole one), at most BATCH_WINDOW_MAX_S.
 BATCH_WINDOW_S = 0.002
+BATCH_WINDOW_SHARE = 0.5
+BATCH_WINDOW_MAX_S = 0.05
 # A session that has not stepped for this long is not waited for (it prefills, or it ended).
 DECODER_IDLE_S = 2.0
 
@@ -282,10 +286,12 @@ class StageHost:
         return item.output
 
     async def _wait_for_company(self, item: _QueuedStep) -> None:
-        """Up to ``BATCH_WINDOW_S`` for the sessions that stepped recently to queue theirs."""
+        """A short while (see ``BATCH_WINDOW_S``) for the sessions that stepped recently to
+        queue theirs."""
         name = item.step.session
         now = time.perf_counter()
-        deadline = trio.current_time() + BATCH_WINDOW_S
+        window = min(max(BATCH_WINDOW_S, BATCH_WINDOW_SHARE * self.step_s), BATCH_WINDOW_MAX_S)
+        deadline = trio.current_time() + window
         while not item.done:
             queued = {q.step.session for q in self._queued}
             waiting = [
