@@ -22,7 +22,7 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import trio
@@ -122,6 +122,7 @@ class _QueuedStep:
     output: StageOutput | None = None
     error: BaseException | None = None
     done: bool = False
+    wake: trio.Event = field(default_factory=trio.Event)  # done, or asked to lead a batch
 
 
 class SessionRefused(SkippyError):
@@ -148,6 +149,7 @@ class StageHost:
         self.inline_steps = 0
         self._queued: list[_QueuedStep] = []  # decode steps waiting for the stage
         self._queue_grew = trio.Event()
+        self._leader: _QueuedStep | None = None  # the step gathering or running a batch
         self._decoders: dict[str, float] = {}  # session -> when its last decode step ran
         self.batches = 0  # decode batches of two or more sessions
         self.batched_steps = 0  # the steps they held
@@ -272,18 +274,35 @@ class StageHost:
         self._queued.append(item)
         self._queue_grew.set()
         try:
-            await self._wait_for_company(item)
-            if not item.done:
-                async with self._lock:
-                    if not item.done:  # else an earlier holder of the lock ran it in its batch
-                        await self._run_batch(stage)
+            while not item.done:
+                if self._leader is not None:  # a batch is being gathered or run: ours next
+                    await item.wake.wait()
+                    item.wake = trio.Event()
+                    continue
+                # Lead the next batch. It waits for company with the stage free, so the
+                # sessions of the batch that just ended join this one (else two cohorts would
+                # alternate, each waiting while the other computes).
+                self._leader = item
+                try:
+                    await self._wait_for_company(item)
+                    async with self._lock:
+                        await self._run_batch(item.stage)
+                finally:
+                    self._leader = None
+                    self._hand_over()
         finally:
             if item in self._queued:  # cancelled before any batch took it
                 self._queued.remove(item)
+                self._hand_over()
         if item.error is not None:
             raise item.error
         assert item.output is not None  # done without an error: set by _run_batch
         return item.output
+
+    def _hand_over(self) -> None:
+        """The oldest queued step leads the next batch (when no one leads)."""
+        if self._leader is None and self._queued:
+            self._queued[0].wake.set()
 
     async def _wait_for_company(self, item: _QueuedStep) -> None:
         """A short while (see ``BATCH_WINDOW_S``) for the sessions that stepped recently to
@@ -344,9 +363,11 @@ class StageHost:
                 if not q.done:
                     q.error = SessionRefused("the decode batch failed", code="stage_failed")
                     q.done = True
+                q.wake.set()  # here, not in run(): it may be a worker thread
         now = time.perf_counter()
         for q in batch:
             self._decoders[q.step.session] = now
+        log.debug("decode batch: %s", ",".join(q.step.session for q in batch))
         if ran_batched:
             self.batches += 1
             self.batched_steps += len(batch)
