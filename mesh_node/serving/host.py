@@ -11,7 +11,9 @@ activation frames, then FREE. The reader acknowledges each frame as it takes it 
 and queues it; the compute task runs the stage (one call at a time per stage, in a worker
 thread: ggml releases the GIL) and forwards the output: activations to the next stage, or,
 on the final stage, the sampled token straight back to stage 0 on a return stream. The
-session's KV cache lives only here and is freed when the session ends in any way (FREE, end
+session's decode steps are batched with the other sessions' (``StageHost.decode``: one
+graph for every step queued when the stage is free, issue #22 item 6). The session's KV cache
+lives only here and is freed when the session ends in any way (FREE, end
 of stream, a reset, a refusal), which then travels on down the chain. A refused frame resets
 only its own stream: other sessions never notice.
 """
