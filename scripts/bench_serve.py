@@ -11,7 +11,9 @@ by request, so machine noise hits both:
   per hop (median over the run);
 - prefill overlap: the stages' summed compute time during the 512-token prefills over their
   wall time (> 1: stage i+1 computed while stage i did, the chunked prefill's pipelining);
-- 4 concurrent requests: aggregate decode tok/s vs one request;
+- 4 concurrent requests: aggregate decode tok/s vs one request, 1 stage and split (each stage
+  batches the sessions' decode steps into one graph: issue #22 item 6, target >= 2x); both
+  rates are completion tokens over the wall time of the request(s), taken in turn per run;
 - peak RSS per stage process (VmHWM) vs its artifact bytes + KV of its sessions.
 
 Every stage runs ggml with 2 threads (the machine's cores; the stages of a split mostly take
@@ -102,10 +104,14 @@ def rows(ctx: BenchContext) -> list[Row]:
                     wall += p["timings"]["prefill_s"]
                     busy0 += _busy(cluster) - before
         overlap = busy0 / wall if wall else float("nan")
-        # concurrency: 4 requests at once vs one, on the split
-        one = _complete(split.api, prompt, DECODE_TOKENS)
-        one_rate = (one["usage"]["completion_tokens"] - 1) / one["timings"]["decode_s"]
-        agg = _concurrent(split.api, prompt)
+        # concurrency: 4 requests at once vs one, whole and split, in turn per run
+        ones: dict[str, list[float]] = {"single": [], "split": []}
+        aggs: dict[str, list[float]] = {"single": [], "split": []}
+        for _ in range(ctx.runs):
+            for name, cluster in (("single", single), ("split", split)):
+                ones[name].append(_concurrent(cluster.api, prompt, 1))
+                aggs[name].append(_concurrent(cluster.api, prompt, CONCURRENT))
+        batched = {name: _batched(c) for name, c in (("single", single), ("split", split))}
         hops = _hops(split)
         rss = _rss(split)
     ratio_dec = statistics.median(dec["split"]) / statistics.median(dec["single"])
@@ -127,9 +133,15 @@ def rows(ctx: BenchContext) -> list[Row]:
          "> 1: stages computed chunks concurrently"),
         (MODEL, "serve: per-hop decode frame round trip (to its early ack)",
          "; ".join(f"{k}: {v}" for k, v in hops.items()), "ms, median"),
-        (MODEL, f"serve: {CONCURRENT} concurrent requests, aggregate decode tok/s",
-         f"{agg:.1f}", f"{agg / one_rate:.2f}x one request ({one_rate:.1f})"),
     ]
+    for name, label in (("single", "1 stage"), ("split", "3-node split")):
+        one_rate, agg = statistics.median(ones[name]), statistics.median(aggs[name])
+        out.append(
+            (MODEL, f"serve: {CONCURRENT} concurrent requests, aggregate decode tok/s, {label}",
+             spread(aggs[name], fmt="{:.1f}"),
+             f"{agg / one_rate:.2f}x one request ({spread(ones[name], fmt='{:.1f}')}; "
+             f"target >= 2x); {batched[name]} over all stages")
+        )
     for name, (peak, rise, budget) in rss.items():
         out.append(
             (MODEL, f"serve: peak RSS, {name}: process / rise over the node before loading",
@@ -190,13 +202,24 @@ def _rss(cluster: Any) -> dict[str, tuple[float, float, float]]:
     return dict(sorted(out.items()))
 
 
-def _concurrent(api: str, prompt: str) -> float:
+def _batched(cluster: Any) -> str:
+    """Decode steps run in batches of two or more, and those batches, over every stage."""
+    steps = batches = 0
+    for proc in cluster.procs:
+        stage = _status_of(cluster, proc.name).get("stage") or {}
+        steps += int(stage.get("batched_decode_steps") or 0)
+        batches += int(stage.get("decode_batches") or 0)
+    return f"{steps} steps in {batches} batched graphs"
+
+
+def _concurrent(api: str, prompt: str, n: int) -> float:
+    """Completion tokens per second of wall time for ``n`` requests at once."""
     results: list[dict[str, Any]] = []
 
     def one() -> None:
         results.append(_complete(api, prompt, DECODE_TOKENS))
 
-    threads = [threading.Thread(target=one) for _ in range(CONCURRENT)]
+    threads = [threading.Thread(target=one) for _ in range(n)]
     start = time.perf_counter()
     for th in threads:
         th.start()

@@ -38,6 +38,7 @@ from mesh_node.serving.pipeline import GenerationParams, ServerBusy, SplitServer
 from mesh_node.serving.service import stage_services
 from protocol import constants as pc
 from skippy.config import ServingSettings, read_environment
+from skippy.errors import SkippyError
 from skippy.runtime.stage import StageConfig
 from skippy.runtime.tokenizer import LlamaTokenizer
 from skippy.stage import transport as t
@@ -191,15 +192,18 @@ async def test_split_equals_whole_at_every_boundary_and_position(
     assert got == sampled
 
 
+@pytest.mark.parametrize("stages", [3, 1])
 async def test_concurrent_requests_have_their_own_sessions(
-    packages: dict[str, Path], tmp_path: Path
+    packages: dict[str, Path], tmp_path: Path, stages: int
 ) -> None:
+    """Each request gets its own session and the tokens it gets alone, while its decode steps
+    run batched with the others' (one graph per step: issue #22 item 6), split and whole."""
     pkg = packages["llama"]
     prompts = [IDS, IDS[:7], [3, 1, 4, 1, 5, 9, 2, 6]]
     with chain("ggml", pkg, ["0..6"], SERVING_CONFIG) as whole:
         whole.tokenizer = LlamaTokenizer(pkg / "shared" / "metadata.gguf")  # stops at EOS
         want = [list(whole.generate(p, max_tokens=10).tokens) for p in prompts]
-    async with split(tmp_path, pkg) as sp:
+    async with split(tmp_path, pkg, stages) as sp:
         got: list[list[int]] = [[], [], []]
 
         async def one(i: int) -> None:
@@ -209,6 +213,7 @@ async def test_concurrent_requests_have_their_own_sessions(
             for i in range(3):
                 nursery.start_soon(one, i)
         assert got == want
+        assert all(h.batches > 0 for h in sp.hosts)  # every stage ran batched steps
         # every stage frees every session (FREE travels down the chain after the answer)
         await wait_for(
             lambda: all(h.loaded is not None and not h.loaded.stage.sessions for h in sp.hosts)
@@ -227,6 +232,56 @@ async def test_concurrent_requests_have_their_own_sessions(
             for i in range(5):
                 nursery.start_soon(busy, i)
         assert sorted(outcomes) == ["busy", "ok", "ok", "ok", "ok"]
+
+
+class BatchCounter:
+    """A stage that counts decode_batch calls (and their refusals), delegating to the real one."""
+
+    def __init__(self, stage: Any) -> None:
+        self.stage = stage
+        self.descriptor = stage.descriptor
+        self.batches: list[tuple[int, str | None]] = []  # (steps, refusal code)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stage, name)
+
+    def decode_batch(self, steps: Any) -> Any:
+        try:
+            out = self.stage.decode_batch(steps)
+        except SkippyError as exc:
+            self.batches.append((len(steps), exc.code))
+            raise
+        self.batches.append((len(steps), None))
+        return out
+
+
+async def test_a_refused_step_in_a_batch_fails_only_its_own_session(
+    packages: dict[str, Path], tmp_path: Path
+) -> None:
+    """Two sessions' decode steps queued together: one at a wrong position refuses the batch,
+    which then runs its steps alone; the good session gets the output of its own decode."""
+    host = StageHost(MeshNode(settings(tmp_path, "n0", serving=SERVING), identity()), SERVING)
+    with chain("ggml", packages["llama"], ["0..6"], SERVING_CONFIG) as ch:
+        stage = BatchCounter(ch.stages[0])
+        stage.prefill("a", 0, np.array(IDS[:4]))
+        stage.prefill("b", 0, np.array(IDS[:3]))
+        results: dict[str, Any] = {}
+
+        async def step(name: str, position: int) -> None:
+            try:
+                results[name] = await host.decode(stage, name, position, np.array([5]), None)
+            except SkippyError as exc:
+                results[name] = exc.code
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(step, "a", 4)
+            nursery.start_soon(step, "b", 7)  # b holds 3 positions
+        stage.truncate("a", 4)
+        alone = stage.decode("a", 4, np.array([5]))
+    assert stage.batches == [(2, "position_mismatch")]
+    assert results["b"] == "position_mismatch"
+    assert np.array_equal(results["a"].logits, alone.logits)
+    assert host.batches == 0
 
 
 async def test_bad_frames_are_refused_without_disturbing_other_sessions(

@@ -277,12 +277,14 @@ class Generator:
                                 stage, name, params.sampling, step.start, x, list(step.tokens)
                             )
                         drop_rejected(stage, name, step.start)
-                        if decode:
-                            return stage.decode(name, step.start, x, sampler=sampler)
                         return stage.prefill(name, step.start, x, sampler=sampler)
 
-                    try:
-                        output = await self.host.compute(run, step=decode)
+                    try:  # a decode step is batched with other sessions' (issue #22 item 6)
+                        output: Any = await (
+                            self.host.decode(stage, name, step.start, x, sampler)
+                            if decode
+                            else self.host.compute(run)
+                        )
                     except SkippyError as exc:  # this node's own stage refused: ours, not theirs
                         raise GenerationFailed(
                             f"stage 0 refused the request: {exc.message}",

@@ -11,7 +11,9 @@ activation frames, then FREE. The reader acknowledges each frame as it takes it 
 and queues it; the compute task runs the stage (one call at a time per stage, in a worker
 thread: ggml releases the GIL) and forwards the output: activations to the next stage, or,
 on the final stage, the sampled token straight back to stage 0 on a return stream. The
-session's KV cache lives only here and is freed when the session ends in any way (FREE, end
+session's decode steps are batched with the other sessions' (``StageHost.decode``: one
+graph for every step queued when the stage is free, issue #22 item 6). The session's KV cache
+lives only here and is freed when the session ends in any way (FREE, end
 of stream, a reset, a refusal), which then travels on down the chain. A refused frame resets
 only its own stream: other sessions never notice.
 """
@@ -22,7 +24,7 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import trio
@@ -39,7 +41,7 @@ from skippy.package.topology import SplitTopology, StageAssignment
 from skippy.runtime.boundary import StageLoad
 from skippy.runtime.sampling import Sampler, SamplingParams
 from skippy.runtime.speculation import accept_draft
-from skippy.runtime.stage import Stage, StageConfig
+from skippy.runtime.stage import DecodeStep, Stage, StageConfig, StageOutput
 from skippy.stage import transport as t
 from skippy.stage.descriptor import RuntimeFacts
 
@@ -51,6 +53,16 @@ ReturnHandler = Callable[[InboundStream, FrameReader, t.Frame], Awaitable[None]]
 # acks, keepalives) too long, so it goes back to a worker thread.
 INLINE_STEP_MAX_S = 0.025
 STEP_SMOOTHING = 0.2
+# Continuous batching (issue #22 item 6): a decode step runs with every other session's step
+# queued by the time the stage is free; it waits for sessions that stepped recently (their next
+# frame is on its way), never for a lone session: at least BATCH_WINDOW_S, up to this share of
+# a recent step's time (a batch member costs a fraction of a step; a step run without it costs
+# it a whole one), at most BATCH_WINDOW_MAX_S.
+BATCH_WINDOW_S = 0.002
+BATCH_WINDOW_SHARE = 0.5
+BATCH_WINDOW_MAX_S = 0.05
+# A session that has not stepped for this long is not waited for (it prefills, or it ended).
+DECODER_IDLE_S = 2.0
 
 
 def transport_limits(settings: ServingSettings) -> t.TransportLimits:
@@ -103,6 +115,18 @@ class LoadedStage:
         return self.assignment.stage_index == len(self.topology.stages) - 1
 
 
+@dataclass
+class _QueuedStep:
+    """One session's decode step waiting for the next batch, and then its outcome."""
+
+    stage: Stage
+    step: DecodeStep
+    output: StageOutput | None = None
+    error: BaseException | None = None
+    done: bool = False
+    wake: trio.Event = field(default_factory=trio.Event)  # done, or asked to lead a batch
+
+
 class SessionRefused(SkippyError):
     """A chain stream this node will not serve (not from the upstream stage, stale topology,
     no stage loaded)."""
@@ -129,6 +153,12 @@ class StageHost:
         self.steps = 0
         self.step_busy_s = 0.0
         self.inline_steps = 0
+        self._queued: list[_QueuedStep] = []  # decode steps waiting for the stage
+        self._queue_grew = trio.Event()
+        self._leader: _QueuedStep | None = None  # the step gathering or running a batch
+        self._decoders: dict[str, float] = {}  # session -> when its last decode step ran
+        self.batches = 0  # decode batches of two or more sessions
+        self.batched_steps = 0  # the steps they held
         node.register_subprotocol(pc.KIND_TRANSPORT, self._handle)
 
     # --- loading ------------------------------------------------------------------------------
@@ -216,21 +246,139 @@ class StageHost:
         ~0.4-1 ms per stage per token (issue #25), and a few milliseconds of blocked loop
         delay nothing this stage could run meanwhile (its calls are serialized anyway)."""
         async with self._lock:
-            start = time.perf_counter()
-            inline = step and self.step_s <= INLINE_STEP_MAX_S
-            try:
-                if inline:
-                    return fn()
-                return await trio.to_thread.run_sync(fn)
-            finally:
-                elapsed = time.perf_counter() - start
-                self.busy_s += elapsed
-                self.calls += 1
-                if step:  # a moving average, so one slow step does not move every later one
-                    self.step_s += STEP_SMOOTHING * (elapsed - self.step_s)
-                    self.inline_steps += inline
-                    self.steps += 1
-                    self.step_busy_s += elapsed
+            return await self._timed(fn, step=step)
+
+    async def _timed(self, fn: Callable[[], T], *, step: bool) -> T:
+        """``compute``'s body, the lock held."""
+        start = time.perf_counter()
+        inline = step and self.step_s <= INLINE_STEP_MAX_S
+        try:
+            if inline:
+                return fn()
+            return await trio.to_thread.run_sync(fn)
+        finally:
+            elapsed = time.perf_counter() - start
+            self.busy_s += elapsed
+            self.calls += 1
+            if step:  # a moving average, so one slow step does not move every later one
+                self.step_s += STEP_SMOOTHING * (elapsed - self.step_s)
+                self.inline_steps += inline
+                self.steps += 1  # one graph run (a batch of sessions' steps is one)
+                self.step_busy_s += elapsed
+
+    async def decode(
+        self,
+        stage: Stage,
+        name: str,
+        position: int,
+        inputs: Any,
+        sampler: Sampler | None,
+    ) -> StageOutput:
+        """One session's decode step (``stage.decode``), batched with the other sessions' steps
+        queued when the stage becomes free: one ``decode_batch`` graph for all of them
+        (continuous batching; each output equals its own decode bit for bit). Positions a
+        rejected verify window left are dropped first (``drop_rejected``)."""
+        item = _QueuedStep(stage, DecodeStep(name, position, inputs, sampler))
+        self._queued.append(item)
+        self._queue_grew.set()
+        try:
+            while not item.done:
+                if self._leader is not None:  # a batch is being gathered or run: ours next
+                    await item.wake.wait()
+                    item.wake = trio.Event()
+                    continue
+                # Lead the next batch. It waits for company with the stage free, so the
+                # sessions of the batch that just ended join this one (else two cohorts would
+                # alternate, each waiting while the other computes).
+                self._leader = item
+                try:
+                    await self._wait_for_company(item)
+                    async with self._lock:
+                        await self._run_batch(item.stage)
+                finally:
+                    self._leader = None
+                    self._hand_over()
+        finally:
+            if item in self._queued:  # cancelled before any batch took it
+                self._queued.remove(item)
+                self._hand_over()
+        if item.error is not None:
+            raise item.error
+        assert item.output is not None  # done without an error: set by _run_batch
+        return item.output
+
+    def _hand_over(self) -> None:
+        """The oldest queued step leads the next batch (when no one leads)."""
+        if self._leader is None and self._queued:
+            self._queued[0].wake.set()
+
+    async def _wait_for_company(self, item: _QueuedStep) -> None:
+        """A short while (see ``BATCH_WINDOW_S``) for the sessions that stepped recently to
+        queue theirs."""
+        name = item.step.session
+        now = time.perf_counter()
+        window = min(max(BATCH_WINDOW_S, BATCH_WINDOW_SHARE * self.step_s), BATCH_WINDOW_MAX_S)
+        deadline = trio.current_time() + window
+        while not item.done:
+            queued = {q.step.session for q in self._queued}
+            waiting = [
+                s
+                for s, t0 in self._decoders.items()
+                if s != name and s not in queued and now - t0 < DECODER_IDLE_S
+            ]
+            if not waiting or not self._queued:
+                return
+            if self._queue_grew.is_set():  # one event shared by every waiter
+                self._queue_grew = trio.Event()
+            with trio.move_on_at(deadline) as scope:
+                await self._queue_grew.wait()
+            if scope.cancelled_caught:
+                return
+
+    async def _run_batch(self, stage: Stage) -> None:
+        """Run every step queued for ``stage`` (the lock held) as one batch, in session order
+        (a steady set of sessions reuses its batched graph); a refusal of the batch runs the
+        steps alone, so each session gets its own outcome."""
+        batch = sorted((q for q in self._queued if q.stage is stage), key=lambda q: q.step.session)
+        self._queued = [q for q in self._queued if q.stage is not stage]
+
+        ran_batched = False
+
+        def run() -> None:
+            nonlocal ran_batched
+            for q in batch:
+                drop_rejected(stage, q.step.session, q.step.position)
+            try:  # alone: exactly decode
+                outs = stage.decode_batch([q.step for q in batch]) if len(batch) > 1 else None
+            except SkippyError:
+                outs = None
+            ran_batched = outs is not None
+            for i, q in enumerate(batch):
+                try:
+                    if outs is not None:
+                        q.output = outs[i]
+                    else:
+                        s = q.step
+                        q.output = stage.decode(s.session, s.position, s.inputs, sampler=s.sampler)
+                except SkippyError as exc:
+                    q.error = exc
+                q.done = True
+
+        try:
+            await self._timed(run, step=True)
+        finally:
+            for q in batch:  # a failure outside the stage's refusals reaches every waiter
+                if not q.done:
+                    q.error = SessionRefused("the decode batch failed", code="stage_failed")
+                    q.done = True
+                q.wake.set()  # here, not in run(): it may be a worker thread
+        now = time.perf_counter()
+        for q in batch:
+            self._decoders[q.step.session] = now
+        log.debug("decode batch: %s", ",".join(q.step.session for q in batch))
+        if ran_batched:
+            self.batches += 1
+            self.batched_steps += len(batch)
 
     def status(self) -> dict[str, Any] | None:
         """This node's stage for the status document (``stage`` section), or None."""
@@ -255,10 +403,13 @@ class StageHost:
             "inline_steps": self.inline_steps,
             "decode_steps": self.steps,
             "decode_busy_s": round(self.step_busy_s, 6),
+            "decode_batches": self.batches,
+            "batched_decode_steps": self.batched_steps,
             "hops": hop_summary(self.hops),
         }
 
     async def free(self, stage: Stage, name: str) -> None:
+        self._decoders.pop(name, None)
         with trio.CancelScope(shield=True):
             async with self._lock:
                 stage.free(name)
@@ -445,11 +596,12 @@ class StageHost:
 
                 def run(f: t.Frame = frame, x: Any = x, s: Sampler | None = sampler) -> Any:
                     drop_rejected(stage, name, f.start)
-                    if f.phase is t.Phase.DECODE:
-                        return stage.decode(name, f.start, x, sampler=s)
                     return stage.prefill(name, f.start, x, sampler=s)
 
-                result = await self.compute(run, step=frame.phase is t.Phase.DECODE)
+                if frame.phase is t.Phase.DECODE:  # batched with the other sessions' steps
+                    result: Any = await self.decode(stage, name, frame.start, x, sampler)
+                else:
+                    result = await self.compute(run)
                 if sender is not None:
                     await sender.send_activations(
                         t.encode_activations(
@@ -560,5 +712,3 @@ def hop_summary(hops: dict[str, HopStats]) -> dict[str, Any]:
         }
         for node, h in hops.items()
     }
-
-

@@ -196,6 +196,7 @@ def type_traits(g: Ggml, type: int) -> GgmlTypeTraits:
         raise GgmlCallFailed(f"ggml_get_type_traits({type}) returned NULL")
     return GgmlTypeTraits.from_address(ptr)
 
+
 # --- the declaration decorator ----------------------------------------------------------------
 _F = TypeVar("_F", bound=Callable[..., Any])
 _SIGNATURE = "__ggml_signature__"
@@ -309,6 +310,8 @@ class Ggml:
     def ggml_cpy(self, ctx: int, a: int, b: int) -> int: ...
     @_c(_ptr, _ptr, _ptr, _ptr)
     def ggml_get_rows(self, ctx: int, a: int, b: int) -> int: ...
+    @_c(_ptr, _ptr, _ptr, _ptr, c_int)
+    def ggml_concat(self, ctx: int, a: int, b: int, dim: int) -> int: ...
     @_c(_ptr, _ptr, _ptr, _ptr, _ptr)
     def ggml_set_rows(self, ctx: int, a: int, b: int, c: int) -> int: ...
 

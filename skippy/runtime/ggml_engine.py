@@ -46,6 +46,10 @@ RUNTIME_VERSION: Final = f"skippy-stage/{STAGE_API_VERSION} ggml/{ggml.GGML_VERS
 # context runs out of room, so this errs large.
 _TENSORS_PER_LAYER: Final = 64
 _TENSORS_FIXED: Final = 64
+_TENSORS_PER_MEMBER: Final = 32  # a batched decode graph's per-session attention, per layer
+# Batched decode graphs kept per stage (one per recent set of sessions: sessions joining and
+# leaving make new sets; a steady batch reuses its graph every step).
+BATCH_GRAPHS_KEPT: Final = 4
 # YaRN parameters that disable YaRN (ggml.h, ggml_rope_ext); llama.cpp passes these values
 # when the model has no YaRN scaling.
 _EXT_FACTOR, _ATTN_FACTOR, _BETA_FAST, _BETA_SLOW = 0.0, 1.0, 32.0, 1.0
@@ -125,6 +129,53 @@ class _DecodeGraph:
         self.n_kv = n_kv
 
 
+@dataclass
+class _BatchMember:
+    """One session's part of a batched decode graph: its cache slots, masks and KV length."""
+
+    kv: _KvCache
+    slots: _KvSlots
+    masks: dict[int | None, int]
+    k_buf: npt.NDArray[np.int64]
+    v_base: npt.NDArray[np.int64]
+    v_buf: npt.NDArray[np.int64]
+    mask_buf: npt.NDArray[np.float32]
+    n_kv: int = 0
+
+    def resize(self, n_kv: int) -> None:
+        if n_kv == self.n_kv:
+            return
+        for t, dim, contiguous in self.slots.resizable:
+            t.ne[dim] = n_kv
+            if contiguous:
+                nb = t.nb
+                nb[1] = nb[0] * t.ne[0]
+                nb[2] = nb[1] * t.ne[1]
+                nb[3] = nb[2] * t.ne[2]
+        self.n_kv = n_kv
+
+
+@dataclass
+class _BatchGraph:
+    """One decode step of several sessions (issue #22 item 6), built once for a set of
+    sessions and reused while that set stays the same. Linear layers see the batch as
+    ``[width, 1, B]`` (one column per session in dim 2, broadcasting the weight): ggml's CPU
+    matmul then keeps its per-row vec-dot path (the GEMV of a one-session decode, llamafile's
+    GEMM takes over only for ``ne1 >= 2``), so each session's column is computed by the very
+    kernel calls of its own decode, bit for bit, while each 16-row block of a weight is read
+    once for the whole batch. Attention runs per session on its own KV views, as
+    ``_DecodeGraph`` does."""
+
+    ctx: int
+    galloc: int
+    graph: int
+    members: list[_BatchMember]
+    tokens: int  # I32 [B] ids (stage 0) or F32 [width, 1, B] activations
+    pos: int  # I32 [B]
+    result_view: npt.NDArray[np.float32]  # [B, cols] in the graph's compute buffer
+    pos_buf: npt.NDArray[np.int32]
+
+
 @dataclass(frozen=True)
 class _LayerWeights:
     attn_norm: int
@@ -175,6 +226,8 @@ class GgmlStage(StageBase[_KvCache]):
             else None
         )
         self._galloc = _ok(g.ggml_gallocr_new(g.ggml_backend_cpu_buffer_type()), "gallocr")
+        # batched decode graphs by their sessions' caches (in batch order), newest last
+        self._batch_graphs: dict[tuple[int, ...], _BatchGraph] = {}
         n_graph = _TENSORS_PER_LAYER * len(self.layers) + _TENSORS_FIXED
         self._graph_size = max(ggml.GGML_DEFAULT_GRAPH_SIZE, n_graph)
         self._graph_mem = g.ggml_tensor_overhead() * 2 * self._graph_size + (
@@ -277,6 +330,8 @@ class GgmlStage(StageBase[_KvCache]):
         return _KvCache(ctx, buffer, k, v, g.ggml_backend_buffer_get_size(buffer))
 
     def _release(self, state: _KvCache) -> None:
+        for key in [k for k in self._batch_graphs if id(state) in k]:  # they view its cache
+            self._free_batch_graph(self._batch_graphs.pop(key))
         if state.decode is not None:
             self._free_decode_graph(state.decode)
             state.decode = None
@@ -285,6 +340,9 @@ class GgmlStage(StageBase[_KvCache]):
 
     def _close_engine(self) -> None:
         g = self.g
+        for bg in self._batch_graphs.values():
+            self._free_batch_graph(bg)
+        self._batch_graphs = {}
         if self._galloc:
             g.ggml_gallocr_free(self._galloc)
             self._galloc = 0
@@ -482,6 +540,201 @@ class GgmlStage(StageBase[_KvCache]):
             mask_buf=np.zeros(n_ctx, dtype=np.float32),
         )
 
+    # --- several sessions' decode steps in one graph (issue #22 item 6) ----------------------
+    def _decode_many(
+        self,
+        states: list[_KvCache],
+        positions: list[int],
+        inputs: list[npt.NDArray[Any]],
+        greedy: list[bool],
+    ) -> list[tuple[npt.NDArray[np.float32] | None, int | None]]:
+        if not self.reuse_decode_graph or len(states) < 2:
+            return super()._decode_many(states, positions, inputs, greedy)
+        key = tuple(id(s) for s in states)
+        bg = self._batch_graphs.pop(key, None)
+        if bg is None:
+            while len(self._batch_graphs) >= BATCH_GRAPHS_KEPT:
+                self._free_batch_graph(self._batch_graphs.pop(next(iter(self._batch_graphs))))
+            bg = self._build_batch_graph(states)
+        self._batch_graphs[key] = bg  # newest last
+        g = self.g
+        bg.pos_buf[:] = positions
+        g.ggml_backend_tensor_set(bg.pos, bg.pos_buf.ctypes.data, 0, bg.pos_buf.nbytes)
+        x = np.ascontiguousarray(np.concatenate(inputs))
+        g.ggml_backend_tensor_set(bg.tokens, x.ctypes.data, 0, x.nbytes)
+        for m, position in zip(bg.members, positions, strict=True):
+            n_kv = position + 1
+            m.resize(n_kv)
+            m.k_buf[0] = position
+            np.add(m.v_base, position, out=m.v_buf)
+            g.ggml_backend_tensor_set(m.slots.k_rows, m.k_buf.ctypes.data, 0, 8)
+            g.ggml_backend_tensor_set(m.slots.v_rows, m.v_buf.ctypes.data, 0, m.v_buf.nbytes)
+            for window, mask in m.masks.items():  # as _decode_one
+                mb = m.mask_buf[:n_kv]
+                mb[:] = 0.0
+                if window is not None and n_kv > window:
+                    mb[: n_kv - window] = -np.inf
+                g.ggml_backend_tensor_set(mask, mb.ctypes.data, 0, 4 * n_kv)
+        self._compute(bg.graph, step=True)
+        out: list[tuple[npt.NDArray[np.float32] | None, int | None]] = []
+        for i, gr in enumerate(greedy):
+            row = bg.result_view[i]
+            # first maximum: the sampler's rule, as _decode_one
+            out.append((None, int(np.argmax(row))) if gr else (row.reshape(1, -1).copy(), None))
+        return out
+
+    def _build_batch_graph(self, states: list[_KvCache]) -> _BatchGraph:
+        g, spec, n_ctx, b = self.g, self.spec, self.config.n_ctx, len(states)
+        size = max(
+            ggml.GGML_DEFAULT_GRAPH_SIZE,
+            (_TENSORS_PER_LAYER + _TENSORS_PER_MEMBER * b) * len(self.layers) + _TENSORS_FIXED,
+        )
+        mem = g.ggml_tensor_overhead() * 2 * size + g.ggml_graph_overhead_custom(size, False)
+        ctx = _ok(g.ggml_init(GgmlInitParams(mem_size=mem, mem_buffer=None, no_alloc=True)), "init")
+        galloc = 0
+        try:
+            gf = _ok(g.ggml_new_graph_custom(ctx, size, False), "ggml_new_graph")
+
+            def input_tensor(t: int | None) -> int:
+                t = _ok(t, "ggml_new_tensor")
+                g.ggml_set_input(t)
+                return t
+
+            if self.layers.owns_input:
+                tokens = input_tensor(g.ggml_new_tensor_1d(ctx, GgmlType.I32, b))
+                x = g.ggml_get_rows(ctx, self._tensors["token_embd.weight"], tokens)
+                if spec.embed_scale is not None:
+                    x = g.ggml_scale(ctx, x, spec.embed_scale)
+                x = g.ggml_reshape_3d(ctx, x, spec.width, 1, b)
+            else:
+                tokens = x = input_tensor(g.ggml_new_tensor_3d(ctx, GgmlType.F32, spec.width, 1, b))
+            pos = input_tensor(g.ggml_new_tensor_1d(ctx, GgmlType.I32, b))
+            members = []
+            for kv in states:
+                slots = _KvSlots(
+                    k_rows=input_tensor(g.ggml_new_tensor_1d(ctx, GgmlType.I64, 1)),
+                    v_rows=input_tensor(g.ggml_new_tensor_1d(ctx, GgmlType.I64, spec.kv_dim)),
+                )
+                masks = {}
+                for window in self._windows():
+                    masks[window] = input_tensor(g.ggml_new_tensor_2d(ctx, GgmlType.F32, n_ctx, 1))
+                    slots.add(masks[window], 0, True)
+                members.append(
+                    _BatchMember(
+                        kv=kv,
+                        slots=slots,
+                        masks=masks,
+                        k_buf=np.zeros(1, dtype=np.int64),
+                        v_base=np.arange(spec.kv_dim, dtype=np.int64) * n_ctx,
+                        v_buf=np.zeros(spec.kv_dim, dtype=np.int64),
+                        mask_buf=np.zeros(n_ctx, dtype=np.float32),
+                    )
+                )
+            for il in self.layers:
+                x = self._batch_layer_graph(ctx, gf, il, x, pos, members)
+            final = self.layers.owns_output
+            result = self._head(ctx, x) if final else x
+            g.ggml_set_output(result)
+            g.ggml_build_forward_expand(gf, result)
+            galloc = _ok(g.ggml_gallocr_new(g.ggml_backend_cpu_buffer_type()), "gallocr")
+            if not g.ggml_gallocr_alloc_graph(galloc, gf):
+                raise ggml.GgmlCallFailed("ggml_gallocr_alloc_graph failed (out of memory?)")
+            cols = (self.vocab or 0) if final else spec.width
+            data = _ok(g.ggml_get_data(result), "batch graph output")
+            view = np.ctypeslib.as_array((ctypes.c_float * (cols * b)).from_address(data))
+        except BaseException:
+            if galloc:
+                g.ggml_gallocr_free(galloc)
+            g.ggml_free(ctx)
+            raise
+        return _BatchGraph(
+            ctx=ctx,
+            galloc=galloc,
+            graph=gf,
+            members=members,
+            tokens=tokens,
+            pos=pos,
+            result_view=view.reshape(b, cols),
+            pos_buf=np.zeros(b, dtype=np.int32),
+        )
+
+    def _batch_layer_graph(
+        self, ctx: int, gf: int, il: int, x: int, pos: int, members: list[_BatchMember]
+    ) -> int:
+        """One block over x ``[width, 1, B]``: the ops of ``_layer_graph`` for one position,
+        the linear layers over the whole batch, attention per session (its own KV)."""
+        g, spec, w = self.g, self.spec, self._layer_weights[il]
+        hd, n_ctx, b = spec.head_dim, self.config.n_ctx, len(members)
+        f16_row = g.ggml_row_size(GgmlType.F16, spec.kv_dim)
+        h = self._norm(ctx, x, w.attn_norm)
+        q = self._linear(ctx, w.q, h, w.q_bias)  # [q_dim, 1, B]
+        k = self._linear(ctx, w.k, h, w.k_bias)
+        v = self._linear(ctx, w.v, h, w.v_bias)  # [kv_dim, 1, B]
+        q = g.ggml_reshape_3d(ctx, q, hd, spec.n_head, b)  # [hd, n_head, B]
+        k = g.ggml_reshape_3d(ctx, k, hd, spec.n_head_kv, b)
+        if w.q_norm is not None and w.k_norm is not None:
+            q = self._norm(ctx, q, w.q_norm)
+            k = self._norm(ctx, k, w.k_norm)
+        freq_factors = self._tensors.get(ROPE_FREQS_TENSOR)
+        rope = (
+            hd,
+            self._rope_mode,
+            spec.context_length,
+            spec.rope_base_for(il),
+            spec.rope_scale_for(il),
+        )
+        yarn = (_EXT_FACTOR, _ATTN_FACTOR, _BETA_FAST, _BETA_SLOW)
+        q = g.ggml_rope_ext(ctx, q, pos, freq_factors, *rope, *yarn)  # position i per column
+        k = g.ggml_rope_ext(ctx, k, pos, freq_factors, *rope, *yarn)
+        kq_scale = spec.attn_scale
+        if spec.scale_q_before_attention:
+            q, kq_scale = g.ggml_scale(ctx, q, spec.attn_scale), 1.0
+        window = spec.sliding_window if spec.is_swa(il) else None
+        o: int | None = None
+        for i, m in enumerate(members):
+            kv, slots = m.kv, m.slots
+            k_row = g.ggml_view_2d(ctx, k, spec.kv_dim, 1, 4 * spec.kv_dim, 4 * spec.kv_dim * i)
+            g.ggml_build_forward_expand(gf, g.ggml_set_rows(ctx, kv.k[il], k_row, slots.k_rows))
+            v_all = g.ggml_reshape_2d(ctx, kv.v[il], 1, n_ctx * spec.kv_dim)
+            v_col = g.ggml_view_2d(ctx, v, 1, spec.kv_dim, 4, 4 * spec.kv_dim * i)
+            g.ggml_build_forward_expand(gf, g.ggml_set_rows(ctx, v_all, v_col, slots.v_rows))
+            keys = g.ggml_view_3d(ctx, kv.k[il], hd, n_ctx, spec.n_head_kv, f16_row, 2 * hd, 0)
+            values = g.ggml_view_3d(
+                ctx, kv.v[il], n_ctx, hd, spec.n_head_kv, 2 * n_ctx, 2 * n_ctx * hd, 0
+            )
+            q_i = g.ggml_view_3d(
+                ctx, q, hd, spec.n_head, 1, 4 * hd, 4 * spec.q_dim, 4 * spec.q_dim * i
+            )
+            qp = g.ggml_permute(ctx, q_i, 0, 2, 1, 3)  # [hd, 1, n_head]
+            scores = g.ggml_mul_mat(ctx, keys, qp)  # [n_kv, 1, n_head]
+            kq = g.ggml_soft_max_ext(ctx, scores, m.masks[window], kq_scale, 0.0)
+            slots.add(keys, 1, False)
+            slots.add(values, 0, False)
+            slots.add(scores, 0, True)
+            slots.add(kq, 0, True)
+            kqv = g.ggml_mul_mat(ctx, values, kq)  # [hd, 1, n_head]
+            o_i = g.ggml_cont_2d(ctx, g.ggml_permute(ctx, kqv, 0, 2, 1, 3), spec.q_dim, 1)
+            o = o_i if o is None else g.ggml_concat(ctx, o, o_i, 2)  # [q_dim, 1, i + 1]
+        o = self._linear(ctx, w.o, _ok(o, "attention"), w.o_bias)
+        if w.post_attn_norm is not None:
+            o = self._norm(ctx, o, w.post_attn_norm)
+        x = g.ggml_add(ctx, o, x)
+        h = self._norm(ctx, x, w.ffn_norm)
+        gate = g.ggml_mul_mat(ctx, w.gate, h)
+        up = g.ggml_mul_mat(ctx, w.up, h)
+        if spec.activation == "gelu_tanh":
+            a = g.ggml_geglu_split(ctx, gate, up)
+        else:
+            a = g.ggml_swiglu_split(ctx, gate, up)
+        f = g.ggml_mul_mat(ctx, w.down, a)
+        if w.post_ffw_norm is not None:
+            f = self._norm(ctx, f, w.post_ffw_norm)
+        return g.ggml_add(ctx, f, x)
+
+    def _free_batch_graph(self, bg: _BatchGraph) -> None:
+        self.g.ggml_gallocr_free(bg.galloc)
+        self.g.ggml_free(bg.ctx)
+
     def _free_decode_graph(self, dg: _DecodeGraph) -> None:
         self.g.ggml_gallocr_free(dg.galloc)
         self.g.ggml_free(dg.ctx)
@@ -614,11 +867,14 @@ class GgmlStage(StageBase[_KvCache]):
         return 2 * 2 * len(self.layers) * self.spec.kv_dim * self.config.n_ctx
 
     def compute_buffer_bytes(self) -> int:
-        """The shared graph allocator's buffer plus each session's decode graph's own."""
+        """The shared graph allocator's buffer plus each session's decode graph's own and
+        each kept batched decode graph's."""
         if not self._galloc:
             return 0
         size = int(self.g.ggml_gallocr_get_buffer_size(self._galloc, 0))
         for s in self._sessions.values():
             if s.state.decode is not None:
                 size += int(self.g.ggml_gallocr_get_buffer_size(s.state.decode.galloc, 0))
+        for bg in self._batch_graphs.values():
+            size += int(self.g.ggml_gallocr_get_buffer_size(bg.galloc, 0))
         return size

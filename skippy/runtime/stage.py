@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import re
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Final, Generic, Literal, Protocol, TypeVar, runtime_checkable
@@ -152,6 +153,17 @@ class StageOutput:
     token: int | None = None
 
 
+@dataclass(frozen=True)
+class DecodeStep:
+    """One session's one-position decode step inside ``decode_batch``: as the arguments of
+    ``decode`` (``inputs``: one token id, or one activation row)."""
+
+    session: str
+    position: int
+    inputs: npt.NDArray[Any]
+    sampler: Sampler | None = None
+
+
 @runtime_checkable
 class Stage(Protocol):
     """What a pipeline (in one process, or across a mesh link) calls on a stage."""
@@ -178,6 +190,8 @@ class Stage(Protocol):
     ) -> StageOutput: ...
 
     def decode_steps(self, session: str, start: int, inputs: npt.NDArray[Any]) -> StageOutput: ...
+
+    def decode_batch(self, steps: Sequence[DecodeStep]) -> list[StageOutput]: ...
 
     def session_length(self, session: str) -> int: ...
 
@@ -286,6 +300,21 @@ class StageBase(ABC, Generic[S]):
         and the engine took the argmax itself (the first maximum, as ``Sampler``). The
         default runs ``_forward`` and leaves sampling to the caller."""
         return self._forward(state, position, inputs, 1), None
+
+    def _decode_many(
+        self,
+        states: list[S],
+        positions: list[int],
+        inputs: list[npt.NDArray[Any]],
+        greedy: list[bool],
+    ) -> list[tuple[npt.NDArray[np.float32] | None, int | None]]:
+        """Several sessions' one-position steps (distinct sessions, checked): what
+        ``_decode_one`` returns for each, in order. The default runs them one by one; an
+        engine may run them in one graph if each result equals its ``_decode_one``."""
+        return [
+            self._decode_one(s, p, x, greedy=g)
+            for s, p, x, g in zip(states, positions, inputs, greedy, strict=True)
+        ]
 
     @abstractmethod
     def _release(self, state: S) -> None: ...
@@ -424,6 +453,41 @@ class StageBase(ABC, Generic[S]):
         if out is None:  # the engine chose the token: no logits crossed into Python
             return StageOutput(token=token)
         return self._output(out, sampler)
+
+    def decode_batch(self, steps: Sequence[DecodeStep]) -> list[StageOutput]:
+        """Several sessions' ``decode`` steps at once (continuous batching, issue #22 item 6):
+        the outputs, in order, equal each step's own ``decode`` bit for bit (the ggml engine
+        runs them in one graph: one pass over the weights for the whole batch). Every step is
+        checked before any runs; a refusal of one refuses the call (the caller may then run
+        the steps alone to tell whose it was)."""
+        self._loaded()
+        if len(steps) == 1:  # alone: exactly decode
+            one = steps[0]
+            return [self.decode(one.session, one.position, one.inputs, sampler=one.sampler)]
+        names = [s.session for s in steps]
+        if len(set(names)) != len(names):
+            raise stage_usage("a decode batch names a session twice", "bad_stage_input")
+        xs = []
+        for step in steps:
+            x = self.check_inputs(step.inputs)
+            if x.shape[0] != 1:
+                raise stage_usage(f"decode takes one position, got {x.shape[0]}", "bad_stage_input")
+            self._check_session_id(step.session)
+            xs.append(x)
+        sessions = [self._session_for(s.session, s.position, 1) for s in steps]
+        greedy = [
+            s.sampler is not None and s.sampler.params.greedy and self.layers.owns_output
+            for s in steps
+        ]
+        results = self._decode_many(
+            [s.state for s in sessions], [s.position for s in steps], xs, greedy
+        )
+        outs = []
+        for step, sess, (out, token) in zip(steps, sessions, results, strict=True):
+            sess.length = step.position + 1
+            alone = StageOutput(token=token) if out is None else self._output(out, step.sampler)
+            outs.append(alone)
+        return outs
 
     def decode_steps(self, session: str, start: int, inputs: npt.NDArray[Any]) -> StageOutput:
         """Each of ``inputs`` as its own one-position ``decode`` step, from ``start`` on, and
