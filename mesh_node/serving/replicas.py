@@ -38,6 +38,7 @@ from mesh_node.topology import TopologyService
 from skippy.config import ServingSettings
 from skippy.errors import SkippyError
 from skippy.package.plan import ModelSizes
+from skippy.package.ranges import LayerRange
 from skippy.runtime.tokenizer import LlamaTokenizer
 from skippy.serving.replicas import ReplicaLoad, choose_replica, peers_needed
 
@@ -85,9 +86,15 @@ class ReplicaSet:
                 manager.topology.exclude = partial(self._held_by_others, k)
                 if k:  # one tokenizer: stage 0 (and its metadata) is the same loaded stage
                     manager.shared_tokenizer = partial(getattr, self.managers[0], "tokenizer")
+                    manager.first_layers = self._first_layers  # so the same layers, too
         self.outstanding = [0] * replicas  # tokens still to process, per replica
         self.in_flight = [0] * replicas
         self.requests_total = [0] * replicas
+
+    def _first_layers(self) -> LayerRange | None:
+        """Replica 0's stage 0 layers, once it has a plan (every replica shares that stage)."""
+        active = self.managers[0].topology.active
+        return None if active is None else active.topology.stages[0].layers
 
     def _held_by_others(self, k: int) -> set[str]:
         held: set[str] = set()
