@@ -64,11 +64,10 @@ from skippy.errors import TopologyError
 from skippy.package.cost_plan import topology_from_candidate
 from skippy.package.heal import heal_topology
 from skippy.package.plan import ModelSizes
-from skippy.package.ranges import LayerRange
 from skippy.package.topology import (
     NodeCapacity,
     SplitTopology,
-    pin_first_stage,
+    plan_like,
     plan_topology,
     replace_node,
 )
@@ -272,11 +271,11 @@ class TopologyService:
         stages: int | None = None,
         run_id: str | None = None,
         first_node: str | None = None,
-        first_layers: LayerRange | None = None,
+        like: SplitTopology | None = None,
     ) -> ActiveTopology:
         """Plan over the capable peers, sign, send to every worker and collect their acks.
-        ``first_node`` pins stage 0 (a serving coordinator holds it, issue #10);
-        ``first_layers`` its layers (a replica shares replica 0's loaded stage 0, #23)."""
+        ``first_node`` pins stage 0 (a serving coordinator holds it, issue #10); ``like``:
+        replica 0's plan, whose layer ranges a replica takes (issue #23, ``plan_like``)."""
         request = _PlanRequest(
             package_ref,
             manifest_sha256,
@@ -315,8 +314,8 @@ class TopologyService:
                     first_node=first_node,
                 )
             planned = topology
-            if first_layers is not None:
-                topology = pin_first_stage(topology, first_layers)
+            if like is not None:
+                topology = plan_like(topology, like, capable, sizes)
         except TopologyError as exc:
             raise _refused(exc) from None
         prediction: dict[str, Any] | None = (

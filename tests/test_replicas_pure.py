@@ -16,6 +16,7 @@ from skippy.package.topology import (
     NodeCapacity,
     SplitTopology,
     pin_first_stage,
+    plan_like,
     plan_topology,
 )
 from skippy.serving.replicas import (
@@ -90,6 +91,28 @@ def test_a_replica_planned_with_other_cuts_is_pinned_to_the_shared_stage_0() -> 
     assert pinned.stages[2] == b.stages[2] and pin_first_stage(pinned, first) is pinned
     with pytest.raises(TopologyError):  # stage 1 would be empty
         pin_first_stage(b, LayerRange(0, 5, 6))
+
+
+def test_a_replica_takes_replica_0s_layer_ranges_when_its_nodes_can_hold_them() -> None:
+    capable = [NodeCapacity(COORD, 10_000), *(node(i) for i in range(4))]
+    a, b = plan_replicas(capable, 2, 3)
+    shifted = SplitTopology(
+        topology_id="topo-b", run_id="run-b", package_ref="pkg", manifest_sha256="0" * 64,
+        layer_count=6,
+        stages=tuple(
+            dataclasses.replace(s, layers=LayerRange(r[0], r[1], 6))
+            for s, r in zip(b.stages, [(0, 1), (1, 4), (4, 6)], strict=True)
+        ),
+    )
+    same = plan_like(shifted, a, capable, SIZES)
+    assert [s.layers for s in same.stages] == [s.layers for s in a.stages]
+    assert [s.node_id for s in same.stages] == [s.node_id for s in shifted.stages]
+    # a node too small for its copied range: only stage 0 is shared
+    small = [c if c.node_id != shifted.stages[2].node_id else NodeCapacity(c.node_id, 1)
+             for c in capable]
+    only_first = plan_like(shifted, a, small, SIZES)
+    assert only_first.stages[0].layers == a.stages[0].layers
+    assert only_first.stages[2].layers == shifted.stages[2].layers
 
 
 def test_a_replica_cannot_take_another_replicas_peers() -> None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 from functools import partial
-from typing import Any
+from typing import Any, Final
 
 import trio
 
@@ -38,11 +38,15 @@ from mesh_node.topology import TopologyService
 from skippy.config import ServingSettings
 from skippy.errors import SkippyError
 from skippy.package.plan import ModelSizes
-from skippy.package.ranges import LayerRange
+from skippy.package.topology import SplitTopology
 from skippy.runtime.tokenizer import LlamaTokenizer
 from skippy.serving.replicas import ReplicaLoad, choose_replica, peers_needed
 
 log = logging.getLogger("mesh_node.serving.replicas")
+
+# With swarm transfer, the other replicas wait for replica 0 to be ready, at most this part of
+# ``serving.ready_timeout_s`` (then they are planned anyway, fetching beside it).
+FIRST_REPLICA_WAIT_FRACTION: Final = 0.5
 
 
 class ReplicaSet:
@@ -62,6 +66,8 @@ class ReplicaSet:
     ) -> None:
         self.node = node
         self.stages = stages
+        self.settings = settings
+        self._started = 0.0  # trio clock, set by ``run``
         self.managers: list[RouteManager] = []
         main = node.topology
         for k in range(replicas):
@@ -86,15 +92,27 @@ class ReplicaSet:
                 manager.topology.exclude = partial(self._held_by_others, k)
                 if k:  # one tokenizer: stage 0 (and its metadata) is the same loaded stage
                     manager.shared_tokenizer = partial(getattr, self.managers[0], "tokenizer")
-                    manager.first_layers = self._first_layers  # so the same layers, too
+                    manager.plan_like = self._plan_for  # and the same layer ranges
         self.outstanding = [0] * replicas  # tokens still to process, per replica
         self.in_flight = [0] * replicas
         self.requests_total = [0] * replicas
 
-    def _first_layers(self) -> LayerRange | None:
-        """Replica 0's stage 0 layers, once it has a plan (every replica shares that stage)."""
-        active = self.managers[0].topology.active
-        return None if active is None else active.topology.stages[0].layers
+    def _plan_for(self) -> SplitTopology | None:
+        """Replica 0's plan, for another replica to copy its layer ranges; None while that
+        replica should wait. With swarm transfer on, it waits until replica 0 is ready (at
+        most ``FIRST_REPLICA_WAIT_FRACTION`` of ``ready_timeout_s``): replica 0's stage
+        nodes then hold every file the others need and serve them beside the coordinator
+        (``mesh_node.transfer.swarm``), rather than all replicas sharing its uplink at once;
+        replica 0 also serves sooner."""
+        first = self.managers[0]
+        active = first.topology.active
+        if active is None:
+            return None
+        if self.node.settings.swarm_transfer and first.route is None:
+            waited = trio.current_time() - self._started
+            if waited < self.settings.ready_timeout_s * FIRST_REPLICA_WAIT_FRACTION:
+                return None
+        return active.topology
 
     def _held_by_others(self, k: int) -> set[str]:
         held: set[str] = set()
@@ -208,6 +226,7 @@ class ReplicaSet:
                 self.stages,
                 peers_needed(len(self.managers), self.stages),
             )
+        self._started = trio.current_time()
         async with trio.open_nursery() as nursery:
             for manager in self.managers:
                 await nursery.start(manager.run)

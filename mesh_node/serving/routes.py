@@ -46,7 +46,6 @@ from skippy.config import ServingSettings
 from skippy.errors import EXIT_USAGE, SkippyError
 from skippy.package.heal import missing_nodes
 from skippy.package.plan import ModelSizes
-from skippy.package.ranges import LayerRange
 from skippy.package.topology import SplitTopology
 from skippy.runtime.tokenizer import LlamaTokenizer
 from skippy.stage.descriptor import runtime_problem
@@ -85,9 +84,9 @@ class RouteManager:
         self.topology: TopologyService = topology if topology is not None else node.topology
         self.replica = replica
         self.shared_tokenizer: Callable[[], LlamaTokenizer | None] | None = None
-        # Replicas (issue #23): replica 0's stage 0 layers, which this replica shares (None
-        # until replica 0 has a plan); unset for replica 0 and a single split.
-        self.first_layers: Callable[[], LayerRange | None] | None = None
+        # Replicas (issue #23): replica 0's plan, whose layer ranges this replica takes (None
+        # while this replica waits for it: ``ReplicaSet._plan_for``); unset for replica 0.
+        self.plan_like: Callable[[], SplitTopology | None] | None = None
         self.host = host
         self.settings = settings
         self.package_ref = package_ref
@@ -267,11 +266,11 @@ class RouteManager:
                 f"waiting for {want - have} more capable peer(s) ({have} of {want} linked)"
             )
             return
-        pin = None
-        if self.first_layers is not None:
-            pin = self.first_layers()
-            if pin is None:
-                self.reason = "waiting for replica 0's plan (the replicas share its stage 0)"
+        like = None
+        if self.plan_like is not None:
+            like = self.plan_like()
+            if like is None:
+                self.reason = "waiting for replica 0 (its stages, once ready, serve this one's)"
                 return
         if not self._may_try():
             return
@@ -283,7 +282,7 @@ class RouteManager:
                 sizes=self.sizes,
                 stages=self.stages,
                 first_node=self.node.node_id,
-                first_layers=pin,
+                like=like,
             )
         except TopologyRefused as exc:
             self._wait_for(exc, None)

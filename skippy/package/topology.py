@@ -368,6 +368,34 @@ def pin_first_stage(topology: SplitTopology, first: LayerRange) -> SplitTopology
     )
 
 
+def plan_like(
+    topology: SplitTopology,
+    like: SplitTopology,
+    nodes: Sequence[NodeCapacity],
+    sizes: ModelSizes,
+) -> SplitTopology:
+    """A replica's plan with replica 0's layer ranges (issue #23 item 1): the same stages on
+    other nodes, so every stage's files have a second holder (replica 0's node) a swarm
+    fetch can use, and stage 0 is the coordinator's loaded one. When the stage counts differ
+    or a node cannot hold its copied range, only stage 0 is pinned (``pin_first_stage``)."""
+    if len(like.stages) == len(topology.stages):
+        budget = {n.node_id: n.memory_budget_bytes for n in nodes}
+        copied = tuple(
+            StageAssignment(s.node_id, s.stage_id, s.stage_index, r.layers)
+            for s, r in zip(topology.stages, like.stages, strict=True)
+        )
+        if all(sizes.stage_bytes(s.layers) <= budget.get(s.node_id, 0) for s in copied):
+            return SplitTopology(
+                topology_id=topology.topology_id,
+                run_id=topology.run_id,
+                package_ref=topology.package_ref,
+                manifest_sha256=topology.manifest_sha256,
+                layer_count=topology.layer_count,
+                stages=copied,
+            )
+    return pin_first_stage(topology, like.stages[0].layers)
+
+
 def replace_node(
     topology: SplitTopology,
     lost: str,
