@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 from functools import partial
-from typing import Any, Final
+from typing import Any
 
 import trio
 
@@ -43,10 +43,6 @@ from skippy.runtime.tokenizer import LlamaTokenizer
 from skippy.serving.replicas import ReplicaLoad, choose_replica, peers_needed
 
 log = logging.getLogger("mesh_node.serving.replicas")
-
-# With swarm transfer, the other replicas wait for replica 0 to be ready, at most this part of
-# ``serving.ready_timeout_s`` (then they are planned anyway, fetching beside it).
-FIRST_REPLICA_WAIT_FRACTION: Final = 0.5
 
 
 class ReplicaSet:
@@ -66,8 +62,6 @@ class ReplicaSet:
     ) -> None:
         self.node = node
         self.stages = stages
-        self.settings = settings
-        self._started = 0.0  # trio clock, set by ``run``
         self.managers: list[RouteManager] = []
         main = node.topology
         for k in range(replicas):
@@ -98,21 +92,12 @@ class ReplicaSet:
         self.requests_total = [0] * replicas
 
     def _plan_for(self) -> SplitTopology | None:
-        """Replica 0's plan, for another replica to copy its layer ranges; None while that
-        replica should wait. With swarm transfer on, it waits until replica 0 is ready (at
-        most ``FIRST_REPLICA_WAIT_FRACTION`` of ``ready_timeout_s``): replica 0's stage
-        nodes then hold every file the others need and serve them beside the coordinator
-        (``mesh_node.transfer.swarm``), rather than all replicas sharing its uplink at once;
-        replica 0 also serves sooner."""
-        first = self.managers[0]
-        active = first.topology.active
-        if active is None:
-            return None
-        if self.node.settings.swarm_transfer and first.route is None:
-            waited = trio.current_time() - self._started
-            if waited < self.settings.ready_timeout_s * FIRST_REPLICA_WAIT_FRACTION:
-                return None
-        return active.topology
+        """Replica 0's plan, for another replica to copy its layer ranges (None until it has
+        one). Replicas are planned at once: a replica's nodes cannot serve another replica's
+        (each holder authorizes requesters of its own topology only), so waiting for replica
+        0 would only delay the others."""
+        active = self.managers[0].topology.active
+        return None if active is None else active.topology
 
     def _held_by_others(self, k: int) -> set[str]:
         held: set[str] = set()
@@ -226,7 +211,6 @@ class ReplicaSet:
                 self.stages,
                 peers_needed(len(self.managers), self.stages),
             )
-        self._started = trio.current_time()
         async with trio.open_nursery() as nursery:
             for manager in self.managers:
                 await nursery.start(manager.run)

@@ -85,7 +85,7 @@ class RouteManager:
         self.replica = replica
         self.shared_tokenizer: Callable[[], LlamaTokenizer | None] | None = None
         # Replicas (issue #23): replica 0's plan, whose layer ranges this replica takes (None
-        # while this replica waits for it: ``ReplicaSet._plan_for``); unset for replica 0.
+        # until it has one: ``ReplicaSet._plan_for``); unset for replica 0.
         self.plan_like: Callable[[], SplitTopology | None] | None = None
         self.host = host
         self.settings = settings
@@ -270,7 +270,7 @@ class RouteManager:
         if self.plan_like is not None:
             like = self.plan_like()
             if like is None:
-                self.reason = "waiting for replica 0 (its stages, once ready, serve this one's)"
+                self.reason = "waiting for replica 0's plan (the replicas share its stages)"
                 return
         if not self._may_try():
             return

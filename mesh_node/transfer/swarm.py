@@ -185,7 +185,10 @@ class SourcesHandler:
 
     async def _answer(self, inbound: InboundStream, request: ArtifactRequest) -> bytes | None:
         node = self.node
-        active = node.topology.active
+        # The requester's replica's topology (issue #23 item 1), as the artifact server does:
+        # with ``active`` alone a second replica's workers got no list and fetched every
+        # file whole from this node (seen in ``mesh-node lab --nodes 7 --replicas 2``).
+        active = node.topology.active_for(inbound.peer.node_id)
         policy = node_policy(node.settings, node.identity, node.wall_clock())
         if active is None or active.role != "coordinator":
             decision = refuse("no_active_topology", "this node coordinates no topology")
