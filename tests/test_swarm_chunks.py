@@ -337,3 +337,4 @@ def test_only_an_artifact_with_several_holders_is_fetched_chunk_by_chunk():
     two = ArtifactSources("a.gguf", "c" * 64, CB + 1, one.digests, ("a" * 64, "b" * 64))
     assert not worth_chunking(one)  # the coordinator alone: the whole-file stream resumes exactly
     assert worth_chunking(two)
+    assert worth_chunking(one, min_holders=1)  # swarm_min_holders = 1 (the overhead bench)

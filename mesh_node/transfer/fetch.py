@@ -594,7 +594,8 @@ class StageFetcher:
         # ready since the stage's first list makes this file worth chunking.
         latest = await book.refreshed() if book is not None else None
         entry = latest.by_path().get(item.path) if latest is not None else None
-        if book is None or entry is None or not worth_chunking(entry):
+        min_holders = self.node.settings.swarm_min_holders
+        if book is None or entry is None or not worth_chunking(entry, min_holders):
             return None, False
         sink = await open_chunk_sink_waiting(
             self.node,
