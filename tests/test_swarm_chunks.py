@@ -120,6 +120,14 @@ def test_the_end_game_duplicates_a_chunk_in_flight_and_the_first_verified_copy_w
     assert s.complete and s.take() is None and not s.in_flight
 
 
+def test_the_end_game_copies_only_a_straggler_the_oldest_first():
+    s = ChunkScheduler(2)
+    assert s.take(now=10.0) == 0 and s.take(now=11.0) == 1
+    assert s.take_duplicate(now=11.5, min_age_s=1.0) == 0  # in flight 1.5 s
+    assert s.take_duplicate(now=11.5, min_age_s=1.0) is None  # chunk 1: only 0.5 s
+    assert s.take_duplicate(now=12.0, min_age_s=1.0) == 1
+
+
 # --- the source list -------------------------------------------------------------------
 def _topology() -> SplitTopology:
     ids = [bytes([i]) * 32 for i in (1, 2, 3)]

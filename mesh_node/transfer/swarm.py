@@ -101,6 +101,8 @@ MAX_IN_FLIGHT: Final = 8  # chunks of one artifact requested at once, over all i
 CHUNK_BUDGET_FRACTION: Final = 0.5
 CHUNK_ACCOUNT: Final = -23  # the budget account (links use positive ``id()`` keys)
 _RESERVE_POLL_S: Final = 0.02
+# End-game: a chunk in flight this long is a straggler another idle source may fetch too.
+ENDGAME_AFTER_S: Final = 1.0
 _SKIP_COORDINATOR: Final = frozenset(
     {"chunk_digest_mismatch", "peer_artifact_mismatch", "transfer_too_slow"}
 )
@@ -446,7 +448,11 @@ class SwarmFetch:
                 if sum(self._busy.values()) >= MAX_IN_FLIGHT or self._busy[holder] >= PER_SOURCE:
                     continue
                 self._busy[holder] += 1
-                nursery.start_soon(self._source, holder, sink, sched)
+                # Its first chunk is taken here, in round-robin order (trio starts tasks in
+                # no set order: a holder's tasks could otherwise take every chunk of a
+                # small file before another holder's first task runs).
+                first = sched.take(trio.current_time())
+                nursery.start_soon(self._source, holder, sink, sched, first)
         for holder in [h for h, n in self._busy.items() if n <= 0]:
             del self._busy[holder]
 
@@ -464,22 +470,28 @@ class SwarmFetch:
         if source == self.coordinator_id and why in _SKIP_COORDINATOR:
             self.coordinator_dropped = True
 
-    async def _source(self, source: str, sink: ChunkSink, sched: ChunkScheduler) -> None:
+    async def _source(
+        self, source: str, sink: ChunkSink, sched: ChunkScheduler, first: int | None = None
+    ) -> None:
         try:
             while not sched.complete and source not in self.dropped:
-                index = sched.take()
-                if index is None:  # end-game: help with a chunk another source still has
+                now = trio.current_time()
+                index, first = (first, None) if first is not None else (sched.take(now), None)
+                if index is None:  # end-game: help with a chunk another source is slow with
                     mine = [i for i, by in self._fetching.items() if source in by]
-                    index = sched.take_duplicate(mine)
+                    index = sched.take_duplicate(mine, now, ENDGAME_AFTER_S)
                     if index is not None:
                         self.rec.endgame_chunks += 1
                 if index is None:  # the rest is in flight elsewhere: wait for a change
-                    await self._changed.wait()
+                    with trio.move_on_after(ENDGAME_AFTER_S):
+                        await self._changed.wait()
                     continue
                 if not await self._one_chunk(source, sink, sched, index):
                     return
                 self._wake()
         finally:
+            if first is not None:  # never asked for (dropped or done first): back in line
+                sched.failed(first)
             self._busy[source] -= 1
             if self._busy[source] <= 0:
                 del self._busy[source]

@@ -210,6 +210,7 @@ class ChunkScheduler:
         self.count = count
         self.done: set[int] = {i for i in done if 0 <= i < count}
         self.in_flight: Counter[int] = Counter()  # chunk -> copies being fetched
+        self._taken_at: dict[int, float] = {}  # chunk -> when its first copy was asked for
         self._pending: deque[int] = deque(i for i in range(count) if i not in self.done)
 
     @property
@@ -221,26 +222,34 @@ class ChunkScheduler:
         """Chunks nobody is fetching yet."""
         return len(self._pending)
 
-    def take(self) -> int | None:
-        """The next chunk to fetch, or None when every chunk is done or in flight."""
+    def take(self, now: float = 0.0) -> int | None:
+        """The next chunk to fetch, or None when every chunk is done or in flight. ``now``
+        (any clock) dates the copy for ``take_duplicate``."""
         while self._pending:
             index = self._pending.popleft()
             if index in self.done or self.in_flight[index]:
                 continue  # finished (or taken again) meanwhile by a duplicate copy
             self.in_flight[index] += 1
+            self._taken_at[index] = now
             return index
         return None
 
-    def take_duplicate(self, busy: Iterable[int] = ()) -> int | None:
-        """End-game: a chunk in flight with exactly one copy and not in ``busy`` (the caller's
-        own chunks), the lowest first; None while chunks still wait for a first copy."""
+    def take_duplicate(
+        self, busy: Iterable[int] = (), now: float = 0.0, min_age_s: float = 0.0
+    ) -> int | None:
+        """End-game: a chunk in flight with exactly one copy, taken at least ``min_age_s``
+        before ``now`` (a straggler, not a copy just asked for) and not in ``busy`` (the
+        caller's own chunks), the oldest first; None while chunks still wait for a first copy."""
         if self._pending:
             return None
         mine = set(busy)
-        for index in sorted(self.in_flight):
-            if self.in_flight[index] == 1 and index not in mine:
-                self.in_flight[index] += 1
-                return index
+        for index in sorted(self.in_flight, key=lambda i: (self._taken_at.get(i, 0.0), i)):
+            if self.in_flight[index] != 1 or index in mine:
+                continue
+            if now - self._taken_at.get(index, 0.0) < min_age_s:
+                break  # the oldest copy is too young: so is every other
+            self.in_flight[index] += 1
+            return index
         return None
 
     def finished(self, index: int) -> bool:
