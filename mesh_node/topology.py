@@ -64,7 +64,13 @@ from skippy.errors import TopologyError
 from skippy.package.cost_plan import topology_from_candidate
 from skippy.package.heal import heal_topology
 from skippy.package.plan import ModelSizes
-from skippy.package.topology import NodeCapacity, SplitTopology, plan_topology, replace_node
+from skippy.package.topology import (
+    NodeCapacity,
+    SplitTopology,
+    plan_like,
+    plan_topology,
+    replace_node,
+)
 from skippy.stage.descriptor import RuntimeFacts, StageDescriptor, admission_problem
 
 log = logging.getLogger("mesh_node.topology")
@@ -265,9 +271,11 @@ class TopologyService:
         stages: int | None = None,
         run_id: str | None = None,
         first_node: str | None = None,
+        like: SplitTopology | None = None,
     ) -> ActiveTopology:
         """Plan over the capable peers, sign, send to every worker and collect their acks.
-        ``first_node`` pins stage 0 (a serving coordinator holds it, issue #10)."""
+        ``first_node`` pins stage 0 (a serving coordinator holds it, issue #10); ``like``:
+        replica 0's plan, whose layer ranges a replica takes (issue #23, ``plan_like``)."""
         request = _PlanRequest(
             package_ref,
             manifest_sha256,
@@ -305,9 +313,16 @@ class TopologyService:
                     stages=stages,
                     first_node=first_node,
                 )
+            planned = topology
+            if like is not None:
+                topology = plan_like(topology, like, capable, sizes)
         except TopologyError as exc:
             raise _refused(exc) from None
-        prediction = choice.prediction() if choice is not None else memory_plan_reason(inputs)
+        prediction: dict[str, Any] | None = (
+            choice.prediction() if choice is not None else memory_plan_reason(inputs)
+        )
+        if topology is not planned:  # stage 0 moved: predict what is sent
+            prediction = self._repredict(topology, sizes)
         return await self._distribute(topology, sizes, prediction)
 
     def cost_inputs(self, capable: list[NodeCapacity], sizes: ModelSizes) -> CostInputs:

@@ -178,6 +178,7 @@ NODE_KEYS = frozenset(
         "artifact_transfer",
         "artifact_serve_bytes_per_s",
         "swarm_transfer",  # issue #23
+        "swarm_min_holders",  # issue #23
         "memory_budget",
         "heartbeat_interval_s",
         "peer_loss_timeout_s",
@@ -559,6 +560,9 @@ class NodeSettings:
     # Issue #23: serve chunk ranges and (coordinating) signed swarm source lists beside
     # artifact-transfer; false keeps the whole-file, coordinator-only path.
     swarm_transfer: bool = True
+    # Issue #23: a file is fetched chunk by chunk only with at least this many holders (1: also
+    # from the coordinator alone, which the chunk-overhead bench row measures).
+    swarm_min_holders: int = 2
     heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S
     peer_loss_timeout_s: float = DEFAULT_PEER_LOSS_TIMEOUT_S
     idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S
@@ -711,6 +715,7 @@ def node_settings(config: NodeConfig, env: Environment | None = None) -> NodeSet
             raw.get("artifact_serve_bytes_per_s", 0), "artifact_serve_bytes_per_s"
         ),
         swarm_transfer=_swarm_transfer(raw),
+        swarm_min_holders=_swarm_min_holders(raw),
         heartbeat_interval_s=heartbeat,
         peer_loss_timeout_s=peer_loss,
         idle_timeout_s=_seconds(raw, "idle_timeout_s", DEFAULT_IDLE_TIMEOUT_S),
@@ -742,6 +747,14 @@ def _swarm_transfer(raw: Mapping[str, Any]) -> bool:
     value = raw.get("swarm_transfer", True)
     if not isinstance(value, bool):
         raise _bad("swarm_transfer", "expected true or false", value)
+    return value
+
+
+def _swarm_min_holders(raw: Mapping[str, Any]) -> int:
+    """``swarm_min_holders = N`` (issue #23; default 2, at least 1)."""
+    value = raw.get("swarm_min_holders", 2)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise _bad("swarm_min_holders", "expected an integer >= 1", value)
     return value
 
 

@@ -220,3 +220,20 @@ def test_swarm_transfer_is_on_by_default_and_must_be_a_boolean(tmp_path):
     with pytest.raises(SkippyError) as e:
         load_node_settings(_node_toml(tmp_path, 'identity = "k"\nswarm_transfer = "yes"\n'), env)
     assert "swarm_transfer" in e.value.message
+
+
+def test_swarm_min_holders_defaults_to_two_and_must_be_a_positive_integer(tmp_path):
+    """Issue #23: a file is fetched in chunks only with this many holders (1: the bench's
+    chunk-overhead row chunks from the coordinator alone)."""
+    from skippy.config import load_node_settings
+    from skippy.errors import SkippyError
+
+    env = read_environment({})
+    assert load_node_settings(_node_toml(tmp_path, 'identity = "k"\n'), env).swarm_min_holders == 2
+    one = _node_toml(tmp_path, 'identity = "k"\nswarm_min_holders = 1\n')
+    assert load_node_settings(one, env).swarm_min_holders == 1
+    for bad in ("0", "true", '"2"'):
+        toml = _node_toml(tmp_path, f'identity = "k"\nswarm_min_holders = {bad}\n')
+        with pytest.raises(SkippyError) as e:
+            load_node_settings(toml, env)
+        assert "swarm_min_holders" in e.value.message

@@ -3,13 +3,22 @@ disjoint peers, the least-outstanding-tokens chooser, the replica count's usage 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from skippy.config import serving_settings
-from skippy.errors import UsageError
+from skippy.errors import TopologyError, UsageError
 from skippy.package.heal import heal_topology
 from skippy.package.plan import ModelSizes
-from skippy.package.topology import NodeCapacity, SplitTopology, plan_topology
+from skippy.package.ranges import LayerRange
+from skippy.package.topology import (
+    NodeCapacity,
+    SplitTopology,
+    pin_first_stage,
+    plan_like,
+    plan_topology,
+)
 from skippy.serving.replicas import (
     ReplicaLoad,
     check_replicas,
@@ -57,6 +66,53 @@ def test_replicas_are_planned_over_disjoint_peers_with_stage_0_on_the_coordinato
     assert not workers_a & workers_b
     # Equal budgets: the same layer ranges, so both replicas share the coordinator's stage 0.
     assert [s.layers for s in a.stages] == [s.layers for s in b.stages]
+
+
+def test_a_replica_planned_with_other_cuts_is_pinned_to_the_shared_stage_0() -> None:
+    """The cost planner can cut a replica's stage 0 elsewhere (its workers' speeds): seen in
+    ``mesh-node lab --nodes 7 --replicas 2`` (0..4 against replica 0's 0..3, never ready)."""
+    capable = [NodeCapacity(COORD, 10_000), *(node(i) for i in range(4))]
+    a, _ = plan_replicas(capable, 2, 3)
+    first = a.stages[0].layers
+    other = a.stages[0].layers.stop + 1
+    b = SplitTopology(
+        topology_id="topo-b", run_id="run-b", package_ref="pkg", manifest_sha256="0" * 64,
+        layer_count=6,
+        stages=tuple(
+            dataclasses.replace(s, layers=LayerRange(r[0], r[1], 6))
+            for s, r in zip(a.stages, [(0, other), (other, 5), (5, 6)], strict=True)
+        ),
+    )
+    pinned = pin_first_stage(b, first)
+    assert pinned.stages[0].layers == first and pinned.stages[1].layers == LayerRange(
+        first.stop, 5, 6
+    )
+    assert [s.node_id for s in pinned.stages] == [s.node_id for s in b.stages]
+    assert pinned.stages[2] == b.stages[2] and pin_first_stage(pinned, first) is pinned
+    with pytest.raises(TopologyError):  # stage 1 would be empty
+        pin_first_stage(b, LayerRange(0, 5, 6))
+
+
+def test_a_replica_takes_replica_0s_layer_ranges_when_its_nodes_can_hold_them() -> None:
+    capable = [NodeCapacity(COORD, 10_000), *(node(i) for i in range(4))]
+    a, b = plan_replicas(capable, 2, 3)
+    shifted = SplitTopology(
+        topology_id="topo-b", run_id="run-b", package_ref="pkg", manifest_sha256="0" * 64,
+        layer_count=6,
+        stages=tuple(
+            dataclasses.replace(s, layers=LayerRange(r[0], r[1], 6))
+            for s, r in zip(b.stages, [(0, 1), (1, 4), (4, 6)], strict=True)
+        ),
+    )
+    same = plan_like(shifted, a, capable, SIZES)
+    assert [s.layers for s in same.stages] == [s.layers for s in a.stages]
+    assert [s.node_id for s in same.stages] == [s.node_id for s in shifted.stages]
+    # a node too small for its copied range: only stage 0 is shared
+    small = [c if c.node_id != shifted.stages[2].node_id else NodeCapacity(c.node_id, 1)
+             for c in capable]
+    only_first = plan_like(shifted, a, small, SIZES)
+    assert only_first.stages[0].layers == a.stages[0].layers
+    assert only_first.stages[2].layers == shifted.stages[2].layers
 
 
 def test_a_replica_cannot_take_another_replicas_peers() -> None:

@@ -100,6 +100,34 @@ def test_the_scheduler_hands_each_chunk_once_and_a_failed_one_first_again():
     assert s.complete and s.waiting == 0
 
 
+def test_the_end_game_duplicates_a_chunk_in_flight_and_the_first_verified_copy_wins():
+    s = ChunkScheduler(3)
+    assert [s.take(), s.take()] == [0, 1]
+    assert s.take_duplicate() is None  # chunk 2 still waits for a first copy
+    assert s.take() == 2 and s.take() is None
+    assert s.take_duplicate(busy=[0]) == 1  # not the caller's own chunk
+    assert s.take_duplicate(busy=[0]) == 2
+    assert s.take_duplicate() == 0
+    assert s.take_duplicate() is None  # one duplicate per chunk at a time
+    assert s.finished(1) is True and s.finished(1) is False  # the slower copy does not count
+    s.failed(2)  # one copy of 2 failed, the other is still in flight: not queued again
+    assert s.take() is None and s.in_flight[2] == 1
+    s.failed(2)  # now both did: first in line
+    assert s.take() == 2
+    for i in (0, 2):
+        assert s.finished(i)
+    s.failed(0)  # a late failure of a verified chunk's other copy changes nothing
+    assert s.complete and s.take() is None and not s.in_flight
+
+
+def test_the_end_game_copies_only_a_straggler_the_oldest_first():
+    s = ChunkScheduler(2)
+    assert s.take(now=10.0) == 0 and s.take(now=11.0) == 1
+    assert s.take_duplicate(now=11.5, min_age_s=1.0) == 0  # in flight 1.5 s
+    assert s.take_duplicate(now=11.5, min_age_s=1.0) is None  # chunk 1: only 0.5 s
+    assert s.take_duplicate(now=12.0, min_age_s=1.0) == 1
+
+
 # --- the source list -------------------------------------------------------------------
 def _topology() -> SplitTopology:
     ids = [bytes([i]) * 32 for i in (1, 2, 3)]
@@ -317,3 +345,4 @@ def test_only_an_artifact_with_several_holders_is_fetched_chunk_by_chunk():
     two = ArtifactSources("a.gguf", "c" * 64, CB + 1, one.digests, ("a" * 64, "b" * 64))
     assert not worth_chunking(one)  # the coordinator alone: the whole-file stream resumes exactly
     assert worth_chunking(two)
+    assert worth_chunking(one, min_holders=1)  # swarm_min_holders = 1 (the overhead bench)

@@ -97,11 +97,15 @@ async def test_a_worker_fetches_a_file_from_two_holders_at_once_and_only_what_it
         size = _item(pkg, SHARED).size
         assert sum(served.values()) == size and rec["dropped_sources"] == []
         assert sha256_of(snapshot_files(worker, pkg.ref)[SHARED]) == _item(pkg, SHARED).sha256
-        # what the holder served went to the worker and was counted there
-        assert holder.node.transfers.counters.served_bytes == sum(
+        # what the holder served went to the worker and was counted there (beyond it, at
+        # most the end-game copies that lost to another source's copy)
+        credited = sum(
             s["bytes"] for r in records(worker).values() for s in r["served_by"]
             if s["node_id"] == hid
         )
+        endgame = sum(r["endgame_chunks"] for r in records(worker).values())
+        served_by_holder = holder.node.transfers.counters.served_bytes
+        assert credited <= served_by_holder <= credited + endgame * MIN_CHUNK_BYTES
         # W's own files came only from the coordinator (H's stage does not hold them)
         required = required_of(worker, pkg, topology)
         h_required = required_of(holder, pkg, topology)

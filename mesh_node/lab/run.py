@@ -450,12 +450,40 @@ async def experiment(lab: Lab) -> dict[str, Any]:
             api, options.prompt, max_tokens=options.max_tokens, timeout_s=options.timeout_s
         )
         report["prompt"] = prompt_report(completion, await lab.cluster.statuses())
+        if options.replicas > 1:
+            await across_replicas(lab, report, api)
         report["predicted_vs_measured"] = predicted_vs_measured(
             report.get("plan"), report["prompt"]
         )
         if lab.netem is not None:  # issue #21: the links' bytes include the completion's
             report["links"] = lab.netem.report()
     return report
+
+
+async def across_replicas(lab: Lab, report: dict[str, Any], api: str) -> None:
+    """Issue #23's done-when: the prompt again, ``2 x replicas`` times at once, so the
+    least-outstanding-tokens chooser spreads them; the report's ``replicas`` then show each
+    one's ``requests_total``, and a replica that served none is a problem."""
+    from mesh_node.serving.report import complete
+
+    options = lab.options
+    prompt = options.prompt or ""
+    async with trio.open_nursery() as nursery:
+        for _ in range(2 * options.replicas):
+            nursery.start_soon(
+                partial(
+                    complete, api, prompt, max_tokens=options.max_tokens,
+                    timeout_s=options.timeout_s,
+                )
+            )
+    status = await lab.cluster.coordinator.status()
+    replicas = (status.get("serving") or {}).get("replicas") or []
+    if replicas:
+        report["replicas"] = replicas
+    idle = [r["replica"] for r in replicas if not r.get("requests_total")]
+    if idle:
+        report["problems"].append(f"replicas {idle} served no request")
+        report["ok"] = False
 
 
 def publish_revision(lab_hub: FakeHub, directory: Path, root: Path, layer: int) -> str:

@@ -38,6 +38,7 @@ from mesh_node.topology import TopologyService
 from skippy.config import ServingSettings
 from skippy.errors import SkippyError
 from skippy.package.plan import ModelSizes
+from skippy.package.topology import SplitTopology
 from skippy.runtime.tokenizer import LlamaTokenizer
 from skippy.serving.replicas import ReplicaLoad, choose_replica, peers_needed
 
@@ -85,9 +86,18 @@ class ReplicaSet:
                 manager.topology.exclude = partial(self._held_by_others, k)
                 if k:  # one tokenizer: stage 0 (and its metadata) is the same loaded stage
                     manager.shared_tokenizer = partial(getattr, self.managers[0], "tokenizer")
+                    manager.plan_like = self._plan_for  # and the same layer ranges
         self.outstanding = [0] * replicas  # tokens still to process, per replica
         self.in_flight = [0] * replicas
         self.requests_total = [0] * replicas
+
+    def _plan_for(self) -> SplitTopology | None:
+        """Replica 0's plan, for another replica to copy its layer ranges (None until it has
+        one). Replicas are planned at once: a replica's nodes cannot serve another replica's
+        (each holder authorizes requesters of its own topology only), so waiting for replica
+        0 would only delay the others."""
+        active = self.managers[0].topology.active
+        return None if active is None else active.topology
 
     def _held_by_others(self, k: int) -> set[str]:
         held: set[str] = set()

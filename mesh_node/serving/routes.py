@@ -84,6 +84,9 @@ class RouteManager:
         self.topology: TopologyService = topology if topology is not None else node.topology
         self.replica = replica
         self.shared_tokenizer: Callable[[], LlamaTokenizer | None] | None = None
+        # Replicas (issue #23): replica 0's plan, whose layer ranges this replica takes (None
+        # until it has one: ``ReplicaSet._plan_for``); unset for replica 0.
+        self.plan_like: Callable[[], SplitTopology | None] | None = None
         self.host = host
         self.settings = settings
         self.package_ref = package_ref
@@ -263,6 +266,12 @@ class RouteManager:
                 f"waiting for {want - have} more capable peer(s) ({have} of {want} linked)"
             )
             return
+        like = None
+        if self.plan_like is not None:
+            like = self.plan_like()
+            if like is None:
+                self.reason = "waiting for replica 0's plan (the replicas share its stages)"
+                return
         if not self._may_try():
             return
         self.reason = "planning the split"
@@ -273,6 +282,7 @@ class RouteManager:
                 sizes=self.sizes,
                 stages=self.stages,
                 first_node=self.node.node_id,
+                like=like,
             )
         except TopologyRefused as exc:
             self._wait_for(exc, None)

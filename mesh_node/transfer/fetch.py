@@ -590,8 +590,12 @@ class StageFetcher:
         """Chunks from every listed holder (``mesh_node.transfer.swarm``). (None, skip) when
         the whole-file path must take over: skip the coordinator when it served bad bytes."""
         book = job.book
-        entry = book.latest.by_path().get(item.path) if book is not None else None
-        if book is None or entry is None or not worth_chunking(entry):
+        # The latest list (asked again at most every ``refresh_s``): a holder that became
+        # ready since the stage's first list makes this file worth chunking.
+        latest = await book.refreshed() if book is not None else None
+        entry = latest.by_path().get(item.path) if latest is not None else None
+        min_holders = self.node.settings.swarm_min_holders
+        if book is None or entry is None or not worth_chunking(entry, min_holders):
             return None, False
         sink = await open_chunk_sink_waiting(
             self.node,

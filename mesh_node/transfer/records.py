@@ -45,6 +45,9 @@ class TransferRecord:
     # the sources dropped (node id -> the code of what they did wrong).
     served_by: dict[str, int] = field(default_factory=dict)
     dropped: dict[str, str] = field(default_factory=dict)
+    # End-game copies: chunks asked from a second source while the first was still sending
+    # (only the first verified copy counts in ``served_by``; the other's bytes are waste).
+    endgame_chunks: int = 0
     _clock_start: float = field(default_factory=time.monotonic, repr=False)
     _clock_end: float | None = field(default=None, repr=False)
 
@@ -91,6 +94,7 @@ class TransferRecord:
             "dropped_sources": [
                 {"node_id": k, "code": v} for k, v in sorted(self.dropped.items())
             ],
+            "endgame_chunks": self.endgame_chunks,
         }
 
 

@@ -89,10 +89,20 @@ log = logging.getLogger("mesh_node.transfer.swarm")
 
 REFRESH_S: Final = 1.0  # how often a running swarm fetch asks for new holders
 MAX_SOURCES: Final = 4  # sources used at once for one artifact
-# Chunk requests in flight per source: the next request overlaps the previous chunk's check
-# and write (one at a time left the link idle for both: ~50% slower than a whole file).
-PER_SOURCE: Final = 2
-MAX_IN_FLIGHT: Final = 4  # chunks of one artifact in memory at once, over all its sources
+# Chunk requests in flight per source: while one chunk is checked and written the others keep
+# the link busy (each is its own stream with its own 4 MiB window; one at a time left the link
+# idle for both: ~50% slower than a whole file, two at a time still ~30%).
+PER_SOURCE: Final = 4
+MAX_IN_FLIGHT: Final = 8  # chunks of one artifact requested at once, over all its sources
+# Received chunks wait in memory until they are checked and written: that memory is taken from
+# the node's peer-memory budget (``mesh_node.budget.PeerMemory``, issue #19) under one trusted
+# account for every swarm fetch of the node, and all of them together hold at most this part
+# of the budget (the links need the rest to keep receiving).
+CHUNK_BUDGET_FRACTION: Final = 0.5
+CHUNK_ACCOUNT: Final = -23  # the budget account (links use positive ``id()`` keys)
+_RESERVE_POLL_S: Final = 0.02
+# End-game: a chunk in flight this long is a straggler another idle source may fetch too.
+ENDGAME_AFTER_S: Final = 1.0
 _SKIP_COORDINATOR: Final = frozenset(
     {"chunk_digest_mismatch", "peer_artifact_mismatch", "transfer_too_slow"}
 )
@@ -177,7 +187,10 @@ class SourcesHandler:
 
     async def _answer(self, inbound: InboundStream, request: ArtifactRequest) -> bytes | None:
         node = self.node
-        active = node.topology.active
+        # The requester's replica's topology (issue #23 item 1), as the artifact server does:
+        # with ``active`` alone a second replica's workers got no list and fetched every
+        # file whole from this node (seen in ``mesh-node lab --nodes 7 --replicas 2``).
+        active = node.topology.active_for(inbound.peer.node_id)
         policy = node_policy(node.settings, node.identity, node.wall_clock())
         if active is None or active.role != "coordinator":
             decision = refuse("no_active_topology", "this node coordinates no topology")
@@ -330,6 +343,31 @@ class SwarmFailed(MeshError):
     code = "swarm_sources_exhausted"
 
 
+class ChunkMemory:
+    """Chunk buffers of this node's swarm fetches, taken from its peer-memory budget."""
+
+    def __init__(self, node: MeshNode) -> None:
+        self.budget = node.peer_memory
+        self.budget.open(CHUNK_ACCOUNT, trusted=True)  # once per node (open is idempotent)
+        self.cap = int(self.budget.budget_bytes * CHUNK_BUDGET_FRACTION)
+
+    async def reserve(self, nbytes: int) -> None:
+        """Wait until ``nbytes`` fit (a chunk is requested only then); ``SwarmFailed`` when
+        a chunk could never fit (a budget smaller than two chunks: fetch files whole)."""
+        if nbytes > self.cap:
+            raise SwarmFailed(f"a {nbytes}-byte chunk exceeds the chunk budget ({self.cap})")
+        budget = self.budget
+        while True:
+            held = budget.held(CHUNK_ACCOUNT)
+            if held + nbytes <= self.cap and nbytes <= budget.room(CHUNK_ACCOUNT):
+                budget.take(CHUNK_ACCOUNT, nbytes)
+                return
+            await trio.sleep(_RESERVE_POLL_S)  # bytes are given back as chunks are written
+
+    def release(self, nbytes: int) -> None:
+        self.budget.give(CHUNK_ACCOUNT, nbytes)
+
+
 # --- the worker: one artifact from many sources -------------------------------------------
 class SwarmFetch:
     """One artifact, chunk by chunk, from every usable holder at once."""
@@ -361,6 +399,9 @@ class SwarmFetch:
         self.coordinator_dropped = False
         self._busy: Counter[str] = Counter()  # holder -> its tasks (PER_SOURCE each)
         self._changed = trio.Event()
+        self._memory = ChunkMemory(node)
+        # chunk -> source -> the cancel scope of that source's copy (two in the end-game)
+        self._fetching: dict[int, dict[str, trio.CancelScope]] = {}
 
     def _entry(self, sources: SourceList) -> ArtifactSources | None:
         return sources.by_path().get(self.item.path)
@@ -407,7 +448,11 @@ class SwarmFetch:
                 if sum(self._busy.values()) >= MAX_IN_FLIGHT or self._busy[holder] >= PER_SOURCE:
                     continue
                 self._busy[holder] += 1
-                nursery.start_soon(self._source, holder, sink, sched)
+                # Its first chunk is taken here, in round-robin order (trio starts tasks in
+                # no set order: a holder's tasks could otherwise take every chunk of a
+                # small file before another holder's first task runs).
+                first = sched.take(trio.current_time())
+                nursery.start_soon(self._source, holder, sink, sched, first)
         for holder in [h for h, n in self._busy.items() if n <= 0]:
             del self._busy[holder]
 
@@ -425,55 +470,86 @@ class SwarmFetch:
         if source == self.coordinator_id and why in _SKIP_COORDINATOR:
             self.coordinator_dropped = True
 
-    async def _source(self, source: str, sink: ChunkSink, sched: ChunkScheduler) -> None:
+    async def _source(
+        self, source: str, sink: ChunkSink, sched: ChunkScheduler, first: int | None = None
+    ) -> None:
         try:
             while not sched.complete and source not in self.dropped:
-                index = sched.take()
+                now = trio.current_time()
+                index, first = (first, None) if first is not None else (sched.take(now), None)
+                if index is None:  # end-game: help with a chunk another source is slow with
+                    mine = [i for i, by in self._fetching.items() if source in by]
+                    index = sched.take_duplicate(mine, now, ENDGAME_AFTER_S)
+                    if index is not None:
+                        self.rec.endgame_chunks += 1
                 if index is None:  # the rest is in flight elsewhere: wait for a change
-                    await self._changed.wait()
+                    with trio.move_on_after(ENDGAME_AFTER_S):
+                        await self._changed.wait()
                     continue
-                try:
-                    data = await self._get_chunk(source, sink, index)
-                    await trio.to_thread.run_sync(sink.write_chunk_parts, index, data)
-                except IntegrityError as exc:
-                    sched.failed(index)
-                    if exc.code == "chunk_digest_mismatch":
-                        self.records.counters.chunk_failures += 1
-                        self.records.counters.verification_failures += 1
-                    log.warning(
-                        "%s from %s: %s; dropping that source",
-                        self.item.path,
-                        short_id(source),
-                        exc,
-                    )
-                    self._drop(source, exc.code)
+                if not await self._one_chunk(source, sink, sched, index):
                     return
-                except TransferRefused as exc:
-                    sched.failed(index)
-                    if exc.actual == PEER_BUSY:  # no slot now: it may have one later
-                        await trio.sleep(min(1.0, self.node.timeouts.idle_s))
-                        continue
-                    log.info("%s: %s refused", self.item.path, short_id(source))
-                    self._drop(source, exc.code)
-                    return
-                except (SkippyError, MeshError, ProtocolError) as exc:
-                    sched.failed(index)
-                    log.info(
-                        "%s from %s: %s; not asking it again", self.item.path, short_id(source), exc
-                    )
-                    self._drop(source, exc.code)
-                    return
-                sched.finished(index)
-                n = sink.spans[index].length
-                self.rec.served_by[source] = self.rec.served_by.get(source, 0) + n
-                self.rec.bytes_done = sink.offset
-                self.records.counters.fetched_bytes["peer"] += n
                 self._wake()
         finally:
+            if first is not None:  # never asked for (dropped or done first): back in line
+                sched.failed(first)
             self._busy[source] -= 1
             if self._busy[source] <= 0:
                 del self._busy[source]
             self._wake()
+
+    async def _one_chunk(
+        self, source: str, sink: ChunkSink, sched: ChunkScheduler, index: int
+    ) -> bool:
+        """Chunk ``index`` from ``source``, checked and written; False: stop using it."""
+        n = sink.spans[index].length
+        await self._memory.reserve(n)
+        try:
+            with trio.CancelScope() as scope:
+                self._fetching.setdefault(index, {})[source] = scope
+                data = await self._get_chunk(source, sink, index)
+                wrote = await trio.to_thread.run_sync(sink.write_chunk_parts, index, data)
+        except IntegrityError as exc:
+            sched.failed(index)
+            if exc.code == "chunk_digest_mismatch":
+                self.records.counters.chunk_failures += 1
+                self.records.counters.verification_failures += 1
+            log.warning(
+                "%s from %s: %s; dropping that source", self.item.path, short_id(source), exc
+            )
+            self._drop(source, exc.code)
+            return False
+        except TransferRefused as exc:
+            sched.failed(index)
+            if exc.actual == PEER_BUSY:  # no slot now: it may have one later
+                await trio.sleep(min(1.0, self.node.timeouts.idle_s))
+                return True
+            log.info("%s: %s refused", self.item.path, short_id(source))
+            self._drop(source, exc.code)
+            return False
+        except (SkippyError, MeshError, ProtocolError) as exc:
+            sched.failed(index)
+            if index in sched.done:  # the other copy won meanwhile: this source is not at fault
+                return True
+            log.info("%s from %s: %s; not asking it again", self.item.path, short_id(source), exc)
+            self._drop(source, exc.code)
+            return False
+        finally:
+            self._memory.release(n)
+            by = self._fetching.get(index, {})
+            by.pop(source, None)
+            if not by:
+                self._fetching.pop(index, None)
+        if scope.cancelled_caught:  # the other copy of this chunk was verified first
+            sched.failed(index)  # releases this copy (the chunk is done)
+            return True
+        sched.finished(index)
+        for other in self._fetching.get(index, {}).values():
+            other.cancel()  # first verified copy wins: stop receiving the slower one
+        if wrote:
+            self.rec.served_by[source] = self.rec.served_by.get(source, 0) + n
+            self.rec.bytes_done = sink.offset
+            self.records.counters.fetched_bytes["peer"] += n
+        return True
 
     async def _get_chunk(self, source: str, sink: ChunkSink, index: int) -> list[memoryview]:
         span = sink.spans[index]
@@ -493,7 +569,6 @@ class SwarmFetch:
             reader = ResponseReader(span.start, span.length)
             await self._read_chunk(stream, reader, sink, out, source)
         return out  # views of the received records, handed to the sink as they are
-
 
     async def _read_chunk(
         self,

@@ -335,6 +335,67 @@ def plan_topology(
     raise first_failure
 
 
+def pin_first_stage(topology: SplitTopology, first: LayerRange) -> SplitTopology:
+    """``topology`` with stage 0 holding exactly ``first`` (replicas share the coordinator's
+    loaded stage 0, issue #23 item 1: each replica's planner may cut stage 0 differently,
+    e.g. the cost planner weighting its own workers' speeds). Only the boundary between
+    stages 0 and 1 moves; every stage keeps its node. A ``TopologyError`` when stage 1 would
+    be left empty (the caller then cannot share stage 0 with this plan)."""
+    stages = topology.stages
+    head = stages[0].layers
+    if (head.start, head.stop) == (first.start, first.stop) or len(stages) < 2:
+        return topology
+    second = stages[1].layers
+    if first.start != 0 or not first.stop < second.stop:
+        raise TopologyError(
+            f"stage 0 cannot hold layers {first} in a plan whose stage 1 ends at {second.stop}",
+            code="topology_coverage",
+        )
+    n = topology.layer_count
+    moved = (
+        StageAssignment(stages[0].node_id, stages[0].stage_id, 0, LayerRange(0, first.stop, n)),
+        StageAssignment(
+            stages[1].node_id, stages[1].stage_id, 1, LayerRange(first.stop, second.stop, n)
+        ),
+    )
+    return SplitTopology(
+        topology_id=topology.topology_id,
+        run_id=topology.run_id,
+        package_ref=topology.package_ref,
+        manifest_sha256=topology.manifest_sha256,
+        layer_count=n,
+        stages=(*moved, *stages[2:]),
+    )
+
+
+def plan_like(
+    topology: SplitTopology,
+    like: SplitTopology,
+    nodes: Sequence[NodeCapacity],
+    sizes: ModelSizes,
+) -> SplitTopology:
+    """A replica's plan with replica 0's layer ranges (issue #23 item 1): the same stages on
+    other nodes, so every stage's files have a second holder (replica 0's node) a swarm
+    fetch can use, and stage 0 is the coordinator's loaded one. When the stage counts differ
+    or a node cannot hold its copied range, only stage 0 is pinned (``pin_first_stage``)."""
+    if len(like.stages) == len(topology.stages):
+        budget = {n.node_id: n.memory_budget_bytes for n in nodes}
+        copied = tuple(
+            StageAssignment(s.node_id, s.stage_id, s.stage_index, r.layers)
+            for s, r in zip(topology.stages, like.stages, strict=True)
+        )
+        if all(sizes.stage_bytes(s.layers) <= budget.get(s.node_id, 0) for s in copied):
+            return SplitTopology(
+                topology_id=topology.topology_id,
+                run_id=topology.run_id,
+                package_ref=topology.package_ref,
+                manifest_sha256=topology.manifest_sha256,
+                layer_count=topology.layer_count,
+                stages=copied,
+            )
+    return pin_first_stage(topology, like.stages[0].layers)
+
+
 def replace_node(
     topology: SplitTopology,
     lost: str,

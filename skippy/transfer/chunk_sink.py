@@ -129,13 +129,15 @@ class ChunkSink(ArtifactSink):
     def complete(self) -> bool:
         return len(self.verified) == len(self.spans)
 
-    def write_chunk(self, index: int, data: bytes | bytearray | memoryview) -> None:
-        """Check chunk ``index`` against its digest, then write it at its offset."""
-        self.write_chunk_parts(index, [memoryview(data)])
+    def write_chunk(self, index: int, data: bytes | bytearray | memoryview) -> bool:
+        """Check chunk ``index`` against its digest, then write it at its offset; False when
+        it was already in place (an end-game duplicate: the first verified copy won)."""
+        return self.write_chunk_parts(index, [memoryview(data)])
 
-    def write_chunk_parts(self, index: int, parts: Sequence[memoryview]) -> None:
+    def write_chunk_parts(self, index: int, parts: Sequence[memoryview]) -> bool:
         """``write_chunk`` for a chunk received as pieces (views of the stream's records:
-        hashed and written as they are, never joined into one copy)."""
+        hashed and written as they are, never joined into one copy). Two verified copies of
+        one chunk hold the same bytes, so writing both at once is harmless."""
         self._expect_receiving()
         if self._fd is None or not 0 <= index < len(self.spans):
             raise UsageError(f"no chunk {index} to write", code="sink_order")
@@ -151,7 +153,7 @@ class ChunkSink(ArtifactSink):
                 path=self.item.path,
             )
         if index in self.verified:
-            return
+            return False
         pos = span.start
         for part in parts:
             view = part
@@ -159,10 +161,13 @@ class ChunkSink(ArtifactSink):
                 written = os.pwrite(self._fd, view, pos)
                 view, pos = view[written:], pos + written
         with self._order:
+            if index in self.verified:  # the other copy finished while this one was written
+                return False
             self.verified.add(index)
             self.offset += span.length
             self.received_bytes += span.length
             self._advance(index, parts)
+        return True
 
     def _advance(self, index: int, parts: Sequence[memoryview]) -> None:
         """Feed the whole-file hash every verified chunk that now continues its prefix:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -198,13 +198,19 @@ def verified_chunks(fd: int, spans: tuple[ChunkSpan, ...], digests: tuple[bytes,
 
 class ChunkScheduler:
     """Which chunk a source fetches next (pure). Chunks already verified are never handed
-    out; a chunk is with at most one source at a time; ``failed`` puts it first in line for
-    whichever source asks next (the caller stops asking the source that failed it)."""
+    out; ``take`` hands a chunk to one source at a time; ``failed`` puts it first in line for
+    whichever source asks next (the caller stops asking the source that failed it).
+
+    End-game (``take_duplicate``): once nothing is left to hand out, a source with nothing to
+    do may fetch a chunk another source still has in flight, so one slow source cannot hold
+    the whole file back; the first verified copy wins (``finished``), the other is cancelled
+    or dropped by the caller. A chunk is duplicated at most once at a time."""
 
     def __init__(self, count: int, done: Iterable[int] = ()) -> None:
         self.count = count
         self.done: set[int] = {i for i in done if 0 <= i < count}
-        self.in_flight: set[int] = set()
+        self.in_flight: Counter[int] = Counter()  # chunk -> copies being fetched
+        self._taken_at: dict[int, float] = {}  # chunk -> when its first copy was asked for
         self._pending: deque[int] = deque(i for i in range(count) if i not in self.done)
 
     @property
@@ -216,20 +222,53 @@ class ChunkScheduler:
         """Chunks nobody is fetching yet."""
         return len(self._pending)
 
-    def take(self) -> int | None:
-        """The next chunk to fetch, or None when every chunk is done or in flight."""
-        if not self._pending:
-            return None
-        index = self._pending.popleft()
-        self.in_flight.add(index)
-        return index
+    def take(self, now: float = 0.0) -> int | None:
+        """The next chunk to fetch, or None when every chunk is done or in flight. ``now``
+        (any clock) dates the copy for ``take_duplicate``."""
+        while self._pending:
+            index = self._pending.popleft()
+            if index in self.done or self.in_flight[index]:
+                continue  # finished (or taken again) meanwhile by a duplicate copy
+            self.in_flight[index] += 1
+            self._taken_at[index] = now
+            return index
+        return None
 
-    def finished(self, index: int) -> None:
-        self.in_flight.discard(index)
+    def take_duplicate(
+        self, busy: Iterable[int] = (), now: float = 0.0, min_age_s: float = 0.0
+    ) -> int | None:
+        """End-game: a chunk in flight with exactly one copy, taken at least ``min_age_s``
+        before ``now`` (a straggler, not a copy just asked for) and not in ``busy`` (the
+        caller's own chunks), the oldest first; None while chunks still wait for a first copy."""
+        if self._pending:
+            return None
+        mine = set(busy)
+        for index in sorted(self.in_flight, key=lambda i: (self._taken_at.get(i, 0.0), i)):
+            if self.in_flight[index] != 1 or index in mine:
+                continue
+            if now - self._taken_at.get(index, 0.0) < min_age_s:
+                break  # the oldest copy is too young: so is every other
+            self.in_flight[index] += 1
+            return index
+        return None
+
+    def finished(self, index: int) -> bool:
+        """A copy of ``index`` was verified; True for the first (the one that counts)."""
+        self._release(index)
+        if index in self.done:
+            return False
         self.done.add(index)
+        return True
 
     def failed(self, index: int) -> None:
-        """The chunk came back wrong or not at all: first in line again."""
-        if index in self.in_flight:
-            self.in_flight.discard(index)
+        """A copy came back wrong or not at all: first in line again, unless another copy is
+        still in flight or one was already verified."""
+        self._release(index)
+        if index not in self.done and not self.in_flight[index]:
             self._pending.appendleft(index)
+
+    def _release(self, index: int) -> None:
+        if self.in_flight[index] > 1:
+            self.in_flight[index] -= 1
+        else:
+            self.in_flight.pop(index, None)
