@@ -22,7 +22,6 @@ import pytest
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
 
-from pkgtools import make_package  # noqa: E402
 from stagetools import all_logits, chain, llama_logits, split_ranges  # noqa: E402
 
 from skippy.cli import main  # noqa: E402
@@ -56,17 +55,13 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def gemma_pkg(gemma_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("stage_real") / "gemma"
-    make_package(gemma_gguf, out, model_id="google/gemma-3-270m-GGUF:Q4_K_M")
-    return out
+def gemma_pkg(gemma_package: Path) -> Path:
+    return gemma_package  # tests/conftest.py: written once per session
 
 
 @pytest.fixture(scope="module")
-def smol_pkg(smollm_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("stage_real") / "smol"
-    make_package(smollm_gguf, out, model_id="HuggingFaceTB/SmolLM2-135M-Instruct-GGUF:Q4_1")
-    return out
+def smol_pkg(smollm_package: Path) -> Path:
+    return smollm_package  # tests/conftest.py: written once per session
 
 
 @pytest.fixture(scope="module")
