@@ -95,6 +95,17 @@ def _ghosts(cluster: Cluster) -> list[str]:
     return found
 
 
+def _settled_ghosts(cluster: Cluster, *, settle_s: float) -> list[str]:
+    """The ghosts still there once links had ``settle_s`` to settle: none as soon as a look
+    finds none (a link that a kill left half-open takes up to a heartbeat or two to go)."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        ghosts = _ghosts(cluster)
+        if not ghosts or time.monotonic() >= deadline:
+            return ghosts
+        time.sleep(0.2)
+
+
 def soak(
     root: Path,
     package: Path,
@@ -165,8 +176,7 @@ def soak(
             th.join(timeout=320)
         result.seconds = time.monotonic() - t_start
         wait_ready(cluster.api, 120)  # it heals after the last kill too
-        time.sleep(2.0)  # let links settle before looking for ghosts
+        result.ghosts = _settled_ghosts(cluster, settle_s=2.0)
         result.end = _facts(cluster)
-        result.ghosts = _ghosts(cluster)
         result.failovers = int(cluster.status()["serving"]["failovers_total"])
         return result
