@@ -188,6 +188,19 @@ def gemma_gguf() -> Path:
     return _cached_gemma(MODEL_CACHE_DIR / GEMMA_NAME)
 
 
+GEMMA_MODEL_ID = "google/gemma-3-270m-GGUF:Q4_K_M"
+
+
+@pytest.fixture(scope="session")
+def gemma_package(gemma_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """gemma3-270m as a layer package (`make_package`, model id ``GEMMA_MODEL_ID``), written
+    once per session (~4-11 s and 253 MB each time). Read it only: a test that changes a
+    package, or tests the writing itself, makes its own."""
+    out = tmp_path_factory.mktemp("gemma_package") / "gemma-3-270m-layers"
+    make_package(gemma_gguf, out, model_id=GEMMA_MODEL_ID)
+    return out
+
+
 # --- the second real model -------------------------------------------------------------------
 SMOLLM_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM_BYTES = 98_362_432
@@ -207,6 +220,18 @@ def smollm_gguf() -> Path:
     if not path.is_file() or path.stat().st_size != SMOLLM_BYTES:
         pytest.skip(f"{path} is missing or not {SMOLLM_BYTES} bytes")
     return path
+
+
+SMOLLM_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct-GGUF:Q4_1"
+
+
+@pytest.fixture(scope="session")
+def smollm_package(smollm_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2 as a layer package (model id ``SMOLLM_MODEL_ID``), written once per session.
+    Read it only, like ``gemma_package``."""
+    out = tmp_path_factory.mktemp("smollm_package") / "smol"
+    make_package(smollm_gguf, out, model_id=SMOLLM_MODEL_ID)
+    return out
 # --- a synthetic package on a lab hub (mesh transfer tests) -------------------------------------
 @dataclass(frozen=True)
 class HubPackage:

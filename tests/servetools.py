@@ -20,6 +20,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import trio
+
+from mesh_node import control
+from mesh_node.cli import STATUS_TIMEOUT_S
+from mesh_node.identity import node_id_of, write_private_key
+from skippy.config import load_node_settings
+
 FAST_TOML = """
 heartbeat_interval_s = 0.2
 peer_loss_timeout_s = 2.0
@@ -73,13 +80,9 @@ def _pump(stream: object, sink: queue.Queue[str] | list[str]) -> None:
 
 
 def _keygen(path: Path) -> str:
-    out = subprocess.run(
-        [sys.executable, "-m", "mesh_node", "keygen", str(path)],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return out.stdout.strip()
+    # What `mesh-node keygen` does, in this process: a `python -m mesh_node` start-up costs
+    # ~0.3-1 s per node (the CLI itself is tested in tests/test_mesh_processes.py).
+    return node_id_of(write_private_key(path))
 
 
 @dataclass
@@ -123,15 +126,14 @@ class Cluster:
         return next(p for p in self.procs if p.address.endswith("#" + node_id))
 
     def status(self, name: str = "coord") -> dict[str, Any]:
-        """A node's status document (`mesh-node status --json`), the coordinator's default."""
-        out = subprocess.run(
-            [sys.executable, "-m", "mesh_node", "status", "--json", "--config",
-             str(self.root / f"{name}.toml")],
-            capture_output=True,
-            text=True,
-            check=True,
+        """A node's status document (what `mesh-node status --json` prints), the coordinator's
+        default: the same control request, sent from this process (a CLI start-up per read
+        cost ~0.3-1 s; the command itself is tested in tests/test_mesh_processes.py)."""
+        settings = load_node_settings(self.root / f"{name}.toml")
+        response = trio.run(
+            control.request, settings.control_socket, {"op": "status"}, STATUS_TIMEOUT_S
         )
-        return dict(json.loads(out.stdout))
+        return dict(response["status"])
 
     def stop(self) -> None:
         for p in self.procs:

@@ -64,9 +64,8 @@ def big_package(tmp_path_factory) -> Path:  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.slow
-def test_done_when_gemma3_on_three_nodes_every_worker_part_from_the_peer(gemma_gguf, tmp_path):
-    pkg = tmp_path / "gemma-3-270m-layers"
-    make_package(gemma_gguf, pkg, model_id="google/gemma-3-270m-GGUF:Q4_K_M")
+def test_done_when_gemma3_on_three_nodes_every_worker_part_from_the_peer(gemma_package):
+    pkg = gemma_package  # tests/conftest.py: "gemma-3-270m-layers", written once per session
     code, report = lab_cli("--nodes", "3", "--package", str(pkg))
     assert code == 0 and report["ok"], report["problems"]
     workers = worker_rows(report)

@@ -23,7 +23,6 @@ llama_cpp = pytest.importorskip(
     "llama_cpp", reason="llama-cpp-python is not installed (pip install 'skippy-mesh[llama]')"
 )
 
-from pkgtools import make_package  # noqa: E402
 
 from skippy.cli import main  # noqa: E402
 from skippy.config import read_environment  # noqa: E402
@@ -62,10 +61,8 @@ CONFIG = LlamaRuntimeConfig(n_ctx=512, n_threads=2)
 
 # --- fixtures: one package, one split-set load, one original load --------------------------------
 @pytest.fixture(scope="module")
-def gemma_pkg(gemma_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("llama_runtime") / "pkg"
-    make_package(gemma_gguf, out, model_id=MODEL_ID)
-    return out
+def gemma_pkg(gemma_package: Path) -> Path:
+    return gemma_package  # tests/conftest.py: written once per session, with MODEL_ID
 
 
 @pytest.fixture(scope="module")

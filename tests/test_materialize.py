@@ -222,10 +222,8 @@ def test_cli_materialize(cli, pkg: LoadedPackage, tmp_path: Path, capsys) -> Non
 
 
 @pytest.fixture(scope="module")
-def gemma_pkg(gemma_gguf: Path, tmp_path_factory) -> LoadedPackage:
-    root = tmp_path_factory.mktemp("gemma") / "pkg"
-    make_package(gemma_gguf, root, model_id="google/gemma-3-270m-GGUF:Q4_K_M")
-    return load_package(root)
+def gemma_pkg(gemma_package: Path) -> LoadedPackage:
+    return load_package(gemma_package)  # tests/conftest.py: written once per session
 
 
 @pytest.mark.slow

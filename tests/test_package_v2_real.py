@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from pkgtools import make_package
 
 from skippy.cli import main
 from skippy.produce.write_package import local_provenance
@@ -24,10 +23,9 @@ PROMPT = "The capital of France is"
 
 
 @pytest.fixture(scope="module")
-def gemma_pair(gemma_gguf, tmp_path_factory) -> tuple[Path, Path]:
+def gemma_pair(gemma_gguf, gemma_package, tmp_path_factory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("gemma-v1-v2")
-    v1, v2 = root / "gemma-v1", root / "gemma-v2"
-    make_package(gemma_gguf, v1, model_id=MODEL_ID)
+    v1, v2 = gemma_package, root / "gemma-v2"  # v1: tests/conftest.py, once per session
     prov = local_provenance(
         model_id=MODEL_ID, source_repo=None, source_revision="0123abc", source_file=gemma_gguf.name
     )

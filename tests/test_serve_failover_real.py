@@ -18,7 +18,6 @@ pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
 pytest.importorskip("openai", reason="the openai client is a dev dependency")
 
 import openai
-from pkgtools import make_package
 from servetools import split_cluster, wait_ready
 
 pytestmark = [pytest.mark.llama, pytest.mark.slow]
@@ -27,10 +26,9 @@ N = 120
 
 
 def test_killing_the_middle_or_final_stage_mid_stream_keeps_the_text(
-    gemma_gguf: Path, tmp_path: Path
+    gemma_package: Path, tmp_path: Path
 ) -> None:
-    pkg = tmp_path / "gemma"
-    make_package(gemma_gguf, pkg, model_id="google/gemma-3-270m-GGUF:Q4_K_M")
+    pkg = gemma_package
     with split_cluster(tmp_path, pkg, workers=2, stages=3, spares=2, n_ctx=512) as cluster:
         wait_ready(cluster.api, 240)
         client = openai.OpenAI(base_url=cluster.api, api_key="unused", max_retries=0, timeout=300)

@@ -26,7 +26,6 @@ pytest.importorskip("openai", reason="the openai client is a dev dependency")
 import itertools
 
 import openai
-from pkgtools import make_package
 from stagetools import chain
 
 from skippy.runtime.tokenizer import LlamaTokenizer
@@ -43,12 +42,9 @@ def _single_stage(pkg: Path, layers: int, ids: list[int], n: int) -> str:
         return ch.generate(ids, max_tokens=n).text
 
 
-def test_lab_prompt_on_a_gemma_split_equals_the_single_stage_run(
-    gemma_gguf: Path, tmp_path: Path
-) -> None:
+def test_lab_prompt_on_a_gemma_split_equals_the_single_stage_run(gemma_package: Path) -> None:
     """`mesh-node lab --nodes 3 --package <gemma3> --prompt ... --max-tokens 16 --json`."""
-    pkg = tmp_path / "gemma"
-    make_package(gemma_gguf, pkg, model_id="google/gemma-3-270m-GGUF:Q4_K_M")
+    pkg = gemma_package
     with LlamaTokenizer(pkg / "shared" / "metadata.gguf") as tok:
         ids = tok.tokenize(PROMPT)
     want = _single_stage(pkg, 18, ids, 16)
@@ -72,14 +68,13 @@ def test_lab_prompt_on_a_gemma_split_equals_the_single_stage_run(
 
 
 def test_openai_client_streams_a_chat_completion_from_lab_serve(
-    smollm_gguf: Path, tmp_path: Path
+    smollm_package: Path, tmp_path: Path
 ) -> None:
     """`mesh-node lab --nodes 3 --package <SmolLM2> --serve`: the official openai client
     streams a chat completion from the split; the streamed text equals the non-streamed one
     and the single stage's greedy continuation of the same templated prompt; Ctrl-C ends the
     lab and its nodes."""
-    pkg = tmp_path / "smol"
-    make_package(smollm_gguf, pkg, model_id="HuggingFaceTB/SmolLM2-135M-Instruct-GGUF:Q4_1")
+    pkg = smollm_package
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     template = ChatTemplate.from_metadata(pkg / "shared" / "metadata.gguf")
     assert template is not None

@@ -22,7 +22,6 @@ import pytest
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
 
-from pkgtools import make_package  # noqa: E402
 from stagetools import all_logits, chain, llama_logits, split_ranges  # noqa: E402
 
 from skippy.cli import main  # noqa: E402
@@ -56,22 +55,24 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def gemma_pkg(gemma_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("stage_real") / "gemma"
-    make_package(gemma_gguf, out, model_id="google/gemma-3-270m-GGUF:Q4_K_M")
-    return out
+def gemma_pkg(gemma_package: Path) -> Path:
+    return gemma_package  # tests/conftest.py: written once per session
 
 
 @pytest.fixture(scope="module")
-def smol_pkg(smollm_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("stage_real") / "smol"
-    make_package(smollm_gguf, out, model_id="HuggingFaceTB/SmolLM2-135M-Instruct-GGUF:Q4_1")
-    return out
+def smol_pkg(smollm_package: Path) -> Path:
+    return smollm_package  # tests/conftest.py: written once per session
 
 
 @pytest.fixture(scope="module")
 def gemma_whole(gemma_pkg: Path) -> np.ndarray:
     return all_logits("ggml", gemma_pkg, ["0..18"], GEMMA_IDS)
+
+
+@pytest.fixture(scope="module")
+def gemma_llama_no_repack(gemma_gguf: Path) -> np.ndarray:
+    """llama.cpp's logits of GEMMA_IDS without repacking: two tests compare with them."""
+    return llama_logits(gemma_gguf, GEMMA_IDS, repack=False)
 
 
 @pytest.fixture(scope="module")
@@ -132,8 +133,10 @@ def test_tokenization_equals_llama_cpp(
 
 
 # --- gemma3-270m ----------------------------------------------------------------------------------
-def test_gemma_ggml_equals_llama_cpp_without_repacking(gemma_gguf: Path, gemma_whole) -> None:
-    ref = llama_logits(gemma_gguf, GEMMA_IDS, repack=False)
+def test_gemma_ggml_equals_llama_cpp_without_repacking(
+    gemma_whole: np.ndarray, gemma_llama_no_repack: np.ndarray
+) -> None:
+    ref = gemma_llama_no_repack
     assert gemma_whole.shape == (len(GEMMA_IDS), 262144)
     assert np.array_equal(gemma_whole, ref)
 
@@ -187,11 +190,11 @@ def test_gemma_split_equals_whole(gemma_pkg: Path, gemma_whole) -> None:
         assert np.array_equal(all_logits("ggml", gemma_pkg, ranges, GEMMA_IDS), gemma_whole), ranges
 
 
-def test_gemma_numpy_oracle(gemma_pkg: Path, gemma_gguf: Path) -> None:
+def test_gemma_numpy_oracle(gemma_pkg: Path, gemma_llama_no_repack: np.ndarray) -> None:
     """The f32 reference: llama.cpp's top-5, logits within the measured tolerance, and split ==
     whole (three stages) bit for bit in its own engine."""
     whole = all_logits("numpy", gemma_pkg, ["0..18"], GEMMA_IDS)
-    ref = llama_logits(gemma_gguf, GEMMA_IDS, repack=False)
+    ref = gemma_llama_no_repack
     assert [int(i) for i in np.argsort(-whole[-1])[:5]] == GEMMA_TOP5
     assert float(np.abs(whole - ref).max()) <= GEMMA_NUMPY_TOLERANCE
     split = all_logits("numpy", gemma_pkg, ["0..6", "6..12", "12..18"], GEMMA_IDS)

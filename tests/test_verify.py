@@ -192,9 +192,8 @@ def test_containment_root_for_hub_style_symlinks(pkg: LoadedPackage, tmp_path: P
 
 
 @pytest.mark.slow
-def test_gemma_full_stage_cold_then_warm(gemma_gguf: Path, tmp_path: Path) -> None:
-    make_package(gemma_gguf, tmp_path / "pkg", model_id="google/gemma-3-270m-GGUF:Q4_K_M")
-    p = load_package(tmp_path / "pkg")
+def test_gemma_full_stage_cold_then_warm(gemma_package: Path, tmp_path: Path) -> None:
+    p = load_package(gemma_package)
     cache = VerifyCache(tmp_path / "vcache")
     sel = full(p)
     cold = verify(p, cache)
