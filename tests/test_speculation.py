@@ -21,6 +21,9 @@ from stagetools import chain
 from skippy.errors import UsageError
 from skippy.generation import SpeculativePlan
 from skippy.generation.proposers import (
+    MAX_BACKOFF_PROPOSALS,
+    BackoffProposer,
+    DraftBackoff,
     NgramCacheProposer,
     NgramSuffixProposer,
     VerifyWindow,
@@ -133,6 +136,69 @@ def test_ngram_cache_drafts_only_seen_continuations(history: list[int], lo: int,
         context.append(token)
 
 
+# --- back-off after unhelpful drafts -------------------------------------------------------------
+def test_backoff_skips_doubling_proposals_after_unhelpful_drafts_and_resets_on_a_hit() -> None:
+    b = DraftBackoff(max_skip=4)
+    skips = []
+    for _ in range(4):
+        b.outcome(False)
+        skips.append(b.skip)
+        while not b.take():
+            pass
+    assert skips == [1, 2, 4, 4]  # doubling, capped
+    assert b.take()  # the skips are used up: the next proposal may draft
+    b.outcome(True)
+    b.outcome(False)
+    assert b.skip == 1  # a helpful draft reset the doubling
+
+
+class AlwaysWrong:
+    """A proposer whose every draft is rejected: it drafts ``-1`` tokens, never committed."""
+
+    def __init__(self) -> None:
+        self.asked = 0
+
+    def extend(self, tokens: object) -> None:
+        pass
+
+    def propose(self, limit: int) -> list[int]:
+        self.asked += 1
+        return [-1] * limit
+
+
+def test_a_proposer_that_is_always_wrong_drafts_rarely() -> None:
+    """The non-repetitive worst case: every match a coincidence. Over 400 steps the wrapped
+    proposer drafts only when its back-off allows (1 + 2 + 4 + ... + 32, then every 33rd)."""
+    inner = AlwaysWrong()
+    p = BackoffProposer(inner)
+    drafts = 0
+    for step in range(400):
+        draft = p.propose(4)
+        drafts += bool(draft)
+        p.extend([step])  # the target's own token: never the drafted -1
+    assert drafts == inner.asked
+    assert drafts <= 6 + (400 - 63) // (MAX_BACKOFF_PROPOSALS + 1) + 1
+    assert drafts >= 400 // (MAX_BACKOFF_PROPOSALS + 1)  # it keeps trying, rarely
+
+
+def test_a_proposer_whose_drafts_are_accepted_never_backs_off() -> None:
+    history = [1, 2, 3, 4, 5] * 4
+    p = make_proposer(suffix(3, 8), history)
+    for i in range(40):
+        draft = p.propose(3)
+        assert draft  # a periodic history always matches, and every draft is right
+        p.extend(draft[:1] if i % 2 else draft)  # partly or fully accepted: helpful either way
+
+
+def test_a_rejected_draft_pauses_drafting_even_where_a_match_exists() -> None:
+    p = make_proposer(suffix(3, 8), [7, 8, 9, 1, 7, 8, 9])
+    assert p.propose(2) == [1, 7]
+    p.extend([5])  # the target committed 5, not the drafted 1: nothing accepted
+    p.extend([7, 8, 9])  # (7, 8, 9) matches again...
+    assert p.propose(2) == []  # ...but this proposal is skipped: a plain decode step
+    assert p.propose(2) == [5, 7]  # then drafting resumes (the latest continuation)
+
+
 # --- the verify window and acceptance ------------------------------------------------------------
 def test_fixed_window_never_moves_and_adaptive_backs_off() -> None:
     fixed = VerifyWindow(WindowPolicy(mode="fixed", initial_window=3, min_window=1, max_window=6))
@@ -145,9 +211,11 @@ def test_fixed_window_never_moves_and_adaptive_backs_off() -> None:
     assert w.size == 6  # grew after full acceptances, capped at max_window
     w.update(6, 1)
     assert w.size == 3
+    w.update(3, 2)
+    assert w.size == 2  # halved after a partial acceptance, not below min_window
+    w.update(4, 4)
     w.update(3, 0)
-    w.update(2, 0)
-    assert w.size == 2  # backed off, not below min_window
+    assert w.size == 2  # nothing accepted: straight down to min_window
     w.update(0, 0)
     assert w.size == 2  # no draft: nothing learned
 

@@ -16,7 +16,17 @@ only the accepted prefix (``skippy.runtime.speculation``).
 
 Both return at most ``max_proposal_tokens`` tokens (and at most the caller's ``limit``).
 ``VerifyWindow`` sizes each draft: ``fixed`` keeps ``initial_window``; ``adaptive`` grows by
-one after a fully accepted draft and halves (not below ``min_window``) after a rejection.
+one after a fully accepted draft, halves (not below ``min_window``) after a partial one and
+drops to ``min_window`` when nothing was accepted.
+
+Back-off: on text that does not repeat, an N-gram match is a coincidence and its draft is
+rejected; each rejected draft costs the verify pass its drafted positions (and, split, a
+wider frame) for no token. ``make_proposer`` therefore wraps every proposer in
+``BackoffProposer``: after a draft of which nothing was accepted it skips the next proposals
+(1, 2, 4, ... up to ``MAX_BACKOFF_PROPOSALS`` after consecutive unhelpful drafts; any accepted
+draft resets it), so such a workload decodes one token per pass with a few percent of waste
+at most (spec: the layers "may bound ... cooldown", ``tail_backoff_proposals``). A skipped
+or matchless proposal is ``[]``, and an empty draft is a plain decode step: no verify window.
 """
 
 from __future__ import annotations
@@ -31,6 +41,10 @@ from skippy.generation.schema import NgramSource, WindowPolicy
 # occurrences of its seed (the most recent ones): bounds a draft's cost on long, repetitive
 # histories, where the most recent occurrences are also the likeliest to continue alike.
 MAX_SUFFIX_CANDIDATES: Final = 64
+# The longest back-off after consecutive unhelpful drafts, in skipped proposals (one plain
+# decode step each): at most one wasted draft per 33 steps on text that never repeats, and
+# a workload that turns repetitive again is drafted for within 32 tokens.
+MAX_BACKOFF_PROPOSALS: Final = 32
 
 
 class Proposer(Protocol):
@@ -136,13 +150,64 @@ class NgramSuffixProposer:
         return self.history[end : end + budget]
 
 
+class DraftBackoff:
+    """Pure back-off state: how many proposals to skip after unhelpful drafts (module doc)."""
+
+    def __init__(self, max_skip: int = MAX_BACKOFF_PROPOSALS) -> None:
+        self.max_skip = max_skip
+        self.skip = 0  # proposals still to skip
+        self._next = 1  # the skip after the next unhelpful draft
+
+    def outcome(self, helpful: bool) -> None:
+        """A draft's fate: at least one token accepted (helpful) or none."""
+        if helpful:
+            self._next = 1
+        else:
+            self.skip = self._next
+            self._next = min(self.max_skip, 2 * self._next)
+
+    def take(self) -> bool:
+        """Whether this proposal may draft (consumes one skip if not)."""
+        if self.skip > 0:
+            self.skip -= 1
+            return False
+        return True
+
+
+class BackoffProposer:
+    """A proposer that stops drafting for a while after its drafts are rejected outright.
+
+    It learns each draft's fate from the committed tokens themselves: the first token
+    committed after a draft equals the draft's first token iff the target accepted at least
+    one drafted token (verification commits the accepted prefix, then its own token)."""
+
+    def __init__(self, inner: Proposer, backoff: DraftBackoff | None = None) -> None:
+        self.inner = inner
+        self.backoff = backoff or DraftBackoff()
+        self._draft: list[int] = []  # the last draft, until its first committed token
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        batch = [int(t) for t in tokens]
+        if self._draft and batch:
+            self.backoff.outcome(batch[0] == self._draft[0])
+            self._draft = []
+        self.inner.extend(batch)
+
+    def propose(self, limit: int) -> list[int]:
+        if limit <= 0 or not self.backoff.take():
+            return []
+        self._draft = self.inner.propose(limit)
+        return list(self._draft)
+
+
 def make_proposer(source: NgramSource, history: Iterable[int] = ()) -> Proposer:
-    """A fresh request-local proposer for ``source``, fed ``history`` (the prompt)."""
-    proposer: Proposer = (
+    """A fresh request-local proposer for ``source``, fed ``history`` (the prompt), with the
+    back-off after unhelpful drafts (module doc)."""
+    inner: Proposer = (
         NgramCacheProposer(source) if source.type == v.NGRAM_CACHE else NgramSuffixProposer(source)
     )
-    proposer.extend(history)
-    return proposer
+    inner.extend(history)
+    return BackoffProposer(inner)
 
 
 class VerifyWindow:
@@ -157,11 +222,15 @@ class VerifyWindow:
         return self.policy.mode == v.WINDOW_ADAPTIVE
 
     def update(self, proposed: int, accepted: int) -> None:
-        """After a verify pass: grow after a full acceptance, back off after a rejection."""
+        """After a verify pass: grow after a full acceptance, halve after a partial one, and
+        drop to ``min_window`` when nothing was accepted (a coincidental match: the next
+        draft is likely no better, so it should cost as little as possible)."""
         if not self.adaptive or proposed == 0:
             return
         p = self.policy
         if accepted >= proposed:
             self.size = min(p.max_window, self.size + 1)
+        elif accepted == 0:
+            self.size = p.min_window
         else:
             self.size = max(p.min_window, self.size // 2)
