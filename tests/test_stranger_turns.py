@@ -60,6 +60,35 @@ async def test_waiting_strangers_are_admitted_one_per_scheduler_batch_in_order()
     assert sorted(firsts) == list(range(20))  # first come, first served: each once a round
 
 
+async def test_turns_go_round_the_accounts_so_a_flooding_one_does_not_starve_another():
+    """An account with 50 queued tasks (an attacker's stream handlers) is one queue: a second
+    account's task that queues after all of them is admitted after one of them, not fifty."""
+    turns = Turnstile()
+    order: list[str] = []
+    arrived: list[str] = []
+    admitted_before: dict[str, int] = {}
+
+    async def task(name: str, key: int) -> None:
+        arrived.append(name)
+        admitted_before[name] = len(order)
+        await turns.turn(key=key)
+        order.append(name)
+
+    async with trio.open_nursery() as nursery:
+        for i in range(50):
+            nursery.start_soon(task, f"flood{i}", 1)
+        while len(arrived) < 50:  # a scheduler batch or two: the flood queues
+            await trio.lowlevel.checkpoint()
+        assert turns.waiting >= 40
+        nursery.start_soon(task, "honest", 2)
+    assert len(order) == 51
+    # It queued behind 40-odd of the flood's tasks, and is admitted after at most two more
+    # of them (the one admitted as it queued, the one woken then), not after all of them.
+    assert order.index("honest") <= admitted_before["honest"] + 2
+    floods = [n for n in order if n != "honest"]
+    assert floods == [n for n in arrived if n != "honest"]  # an account's: first come first
+
+
 async def test_a_trusted_account_never_waits_behind_queued_strangers():
     batches = await _with_batches()
     budget = PeerMemory(64 * MIB)
