@@ -115,18 +115,22 @@ class _DecodeGraph:
     n_kv: int = 0
 
     def resize(self, n_kv: int) -> None:
-        """Set the KV length of every attention tensor (views keep their strides; contiguous
-        results get the strides of their new shape)."""
-        if n_kv == self.n_kv:
-            return
-        for t, dim, contiguous in self.slots.resizable:
-            t.ne[dim] = n_kv
-            if contiguous:
-                nb = t.nb
-                nb[1] = nb[0] * t.ne[0]
-                nb[2] = nb[1] * t.ne[1]
-                nb[3] = nb[2] * t.ne[2]
-        self.n_kv = n_kv
+        """Set the KV length of every attention tensor (``_resize_slots``)."""
+        if n_kv != self.n_kv:
+            _resize_slots(self.slots, n_kv)
+            self.n_kv = n_kv
+
+
+def _resize_slots(slots: _KvSlots, n_kv: int) -> None:
+    """Set the KV length of every attention tensor of ``slots`` (views keep their strides;
+    contiguous results get the strides of their new shape)."""
+    for t, dim, contiguous in slots.resizable:
+        t.ne[dim] = n_kv
+        if contiguous:
+            nb = t.nb
+            nb[1] = nb[0] * t.ne[0]
+            nb[2] = nb[1] * t.ne[1]
+            nb[3] = nb[2] * t.ne[2]
 
 
 @dataclass
@@ -143,16 +147,10 @@ class _BatchMember:
     n_kv: int = 0
 
     def resize(self, n_kv: int) -> None:
-        if n_kv == self.n_kv:
-            return
-        for t, dim, contiguous in self.slots.resizable:
-            t.ne[dim] = n_kv
-            if contiguous:
-                nb = t.nb
-                nb[1] = nb[0] * t.ne[0]
-                nb[2] = nb[1] * t.ne[1]
-                nb[3] = nb[2] * t.ne[2]
-        self.n_kv = n_kv
+        """Set the KV length of every attention tensor (``_resize_slots``)."""
+        if n_kv != self.n_kv:
+            _resize_slots(self.slots, n_kv)
+            self.n_kv = n_kv
 
 
 @dataclass
