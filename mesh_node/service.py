@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from mesh_node.calibration import compute_cost, load_or_calibrate
+from mesh_node.compute import run_compute
 from mesh_node.control import serve_control
 from mesh_node.gc_pauses import freeze_startup_heap
 from mesh_node.identity import LocalIdentity
@@ -140,8 +141,9 @@ async def _run_node(
     make_data_dir(settings.data_dir)
     node = MeshNode(settings, identity)
     # Issue #21: measured (or read from data_dir's cache) before the first link, so every
-    # hello carries it; in a thread, since it runs the stage runtime for a moment.
-    node.compute = compute_cost(await trio.to_thread.run_sync(load_or_calibrate, settings))
+    # hello carries it; on the compute thread (every later stage call's thread too:
+    # skippy.runtime.compute_thread), since it runs the stage runtime for a moment.
+    node.compute = compute_cost(await run_compute(lambda: load_or_calibrate(settings)))
     host, artifacts = stage_services(node, read_environment())
     serving = Serving(node, host, extra_routes=routes)
     # SIGHUP (the terminal went away) shuts down as cleanly as SIGTERM: no reload exists.

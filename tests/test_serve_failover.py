@@ -74,7 +74,7 @@ class Member:
 
 class Recorder:
     """Stage 0's stage, recording each call's shape per session (delegates to the real one);
-    ``hook`` runs in the worker thread after each call."""
+    ``hook`` runs on the compute thread after each call."""
 
     def __init__(self, stage: Any) -> None:
         self.stage = stage
@@ -227,7 +227,8 @@ async def test_every_kill_point_continues_exactly(
                 v.scope.cancel()
 
             if k == 0:  # during the prefill: after stage 0's first chunk
-                rec.hook = lambda: trio.from_thread.run_sync(kill)
+                token = trio.lowlevel.current_trio_token()  # the hook runs on the compute thread
+                rec.hook = lambda t=token: trio.from_thread.run_sync(kill, trio_token=t)
 
             async def on_token(count: int, k: int = k, kill: Any = kill) -> None:
                 if count == k:

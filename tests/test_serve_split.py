@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import itertools
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ from mesh_node.serving.service import stage_services
 from protocol import constants as pc
 from skippy.config import ServingSettings, read_environment
 from skippy.errors import SkippyError
+from skippy.runtime.compute_thread import compute_thread
 from skippy.runtime.stage import StageConfig
 from skippy.runtime.tokenizer import LlamaTokenizer
 from skippy.stage import transport as t
@@ -70,17 +72,20 @@ class Recorder:
         self.descriptor = stage.descriptor
         self.calls: list[tuple[str, int, np.ndarray, Any]] = []
         self.decodes = 0
+        self.threads: set[str] = set()  # the threads the stage's calls ran on
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.stage, name)
 
     def prefill(self, session: str, start: int, inputs: Any, **kw: Any) -> Any:
         out = self.stage.prefill(session, start, inputs, **kw)
+        self.threads.add(threading.current_thread().name)
         self.calls.append((session, start, np.array(inputs), out))
         return out
 
     def decode(self, session: str, position: int, inputs: Any, **kw: Any) -> Any:
         out = self.stage.decode(session, position, inputs, **kw)
+        self.threads.add(threading.current_thread().name)
         self.calls.append((session, position, np.array(inputs), out))
         self.decodes += 1
         return out
@@ -160,8 +165,9 @@ async def test_split_equals_whole_at_every_boundary_and_position(
     async with split(tmp_path, pkg) as sp:
         recs = _record(sp)
         got = await generate(sp.server, IDS, 12)
-        # every stage ran its small decode steps on its event loop (no thread hand-off)
-        assert all(h.inline_steps > 0 for h in sp.hosts)
+        # every stage call, prefill and decode, ran on the one compute thread (a second
+        # thread running graphs would give libgomp a second pool: skippy.runtime.compute_thread)
+        assert {name for rec in recs for name in rec.threads} == {compute_thread().name}
         # the decode-step counters (the WAN bench's per-token compute) count exactly them
         for host, rec in zip(sorted(sp.hosts, key=_index), recs, strict=True):
             assert host.steps == rec.decodes > 0

@@ -8,8 +8,8 @@ kept when a new topology arrives (a failover moves only the lost stage).
 
 A chain stream (from the previous stage's node only) carries one session: BEGIN, then
 activation frames, then FREE. The reader acknowledges each frame as it takes it (early ack)
-and queues it; the compute task runs the stage (one call at a time per stage, in a worker
-thread: ggml releases the GIL) and forwards the output: activations to the next stage, or,
+and queues it; the compute task runs the stage (one call at a time per stage, on the process's
+compute thread: ggml releases the GIL) and forwards the output: activations to the next stage, or,
 on the final stage, the sampled token straight back to stage 0 on a return stream. The
 session's decode steps are batched with the other sessions' (``StageHost.decode``: one
 graph for every step queued when the stage is free, issue #22 item 6). The session's KV cache
@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 
 import trio
 
+from mesh_node.compute import run_compute
 from mesh_node.errors import StreamReset, skippy_error_in
 from mesh_node.link import MeshStream
 from mesh_node.node import MeshNode
@@ -48,10 +49,6 @@ from skippy.stage.descriptor import RuntimeFacts
 log = logging.getLogger("mesh_node.serving")
 T = TypeVar("T")
 ReturnHandler = Callable[[InboundStream, FrameReader, t.Frame], Awaitable[None]]
-# A decode step runs on the event loop (no thread hand-off) while steps take at most this long:
-# a 6-layer gemma3 stage takes ~3-8 ms here; a much slower stage would hold the loop (HTTP,
-# acks, keepalives) too long, so it goes back to a worker thread.
-INLINE_STEP_MAX_S = 0.025
 STEP_SMOOTHING = 0.2
 # Continuous batching (issue #22 item 6): a decode step runs with every other session's step
 # queued by the time the stage is free; it waits for sessions that stepped recently (their next
@@ -147,12 +144,11 @@ class StageHost:
         self.busy_s = 0.0  # time spent in stage calls (compute), for the overlap figure
         self.rss_before_load: int | None = None  # KiB, the process just before its stage loaded
         self.calls = 0
-        self.step_s = 0.0  # recent one-position step time (s), for the inline choice
+        self.step_s = 0.0  # recent one-position step time (s), for the batching window
         # Issue #21: one-position (decode) steps alone, so a per-token compute figure is not
         # diluted by prefill chunks (the WAN bench's model t_token reads these).
         self.steps = 0
         self.step_busy_s = 0.0
-        self.inline_steps = 0
         self._queued: list[_QueuedStep] = []  # decode steps waiting for the stage
         self._queue_grew = trio.Event()
         self._leader: _QueuedStep | None = None  # the step gathering or running a batch
@@ -225,9 +221,9 @@ class StageHost:
         async with self._lock:
             if self.loaded is not None:
                 old, self.loaded = self.loaded, None
-                await trio.to_thread.run_sync(old.stage.close)
+                await run_compute(old.stage.close)
             self.rss_before_load = _vm_kib("VmRSS")
-            stage = await trio.to_thread.run_sync(open_)
+            stage = await run_compute(open_)
             self.loaded = LoadedStage(
                 topology, assignment, load, stage, runtime_facts(stage), artifact_bytes
             )
@@ -240,29 +236,33 @@ class StageHost:
         return self.loaded
 
     async def compute(self, fn: Callable[[], T], *, step: bool = False) -> T:
-        """Run one stage call, one at a time: in a worker thread (ggml releases the GIL), or,
-        for a one-position ``step`` (decode) while such steps take at most
-        ``INLINE_STEP_MAX_S``, right here on the event loop: the two thread hand-offs cost
-        ~0.4-1 ms per stage per token (issue #25), and a few milliseconds of blocked loop
-        delay nothing this stage could run meanwhile (its calls are serialized anyway)."""
+        """Run one stage call, one at a time, on the process's compute thread (ggml releases
+        the GIL). Always that thread, never the event loop or trio's worker threads: a
+        second thread running graphs gives libgomp a second pool, and the process's barriers
+        then spin too briefly (``skippy.runtime.compute_thread``)."""
         async with self._lock:
             return await self._timed(fn, step=step)
 
     async def _timed(self, fn: Callable[[], T], *, step: bool) -> T:
-        """``compute``'s body, the lock held."""
-        start = time.perf_counter()
-        inline = step and self.step_s <= INLINE_STEP_MAX_S
-        try:
-            if inline:
+        """``compute``'s body, the lock held. The time counted is the call's own, taken on
+        the compute thread: the hand-offs are the route's cost, not the stage's."""
+        elapsed = 0.0
+
+        def timed() -> T:
+            nonlocal elapsed
+            start = time.perf_counter()
+            try:
                 return fn()
-            return await trio.to_thread.run_sync(fn)
+            finally:
+                elapsed = time.perf_counter() - start
+
+        try:
+            return await run_compute(timed)
         finally:
-            elapsed = time.perf_counter() - start
             self.busy_s += elapsed
             self.calls += 1
             if step:  # a moving average, so one slow step does not move every later one
                 self.step_s += STEP_SMOOTHING * (elapsed - self.step_s)
-                self.inline_steps += inline
                 self.steps += 1  # one graph run (a batch of sessions' steps is one)
                 self.step_busy_s += elapsed
 
@@ -371,7 +371,7 @@ class StageHost:
                 if not q.done:
                     q.error = SessionRefused("the decode batch failed", code="stage_failed")
                     q.done = True
-                q.wake.set()  # here, not in run(): it may be a worker thread
+                q.wake.set()  # here, not in run(): that runs on the compute thread
         now = time.perf_counter()
         for q in batch:
             self._decoders[q.step.session] = now
@@ -400,7 +400,6 @@ class StageHost:
             "peak_rss_kib": _vm_kib("VmHWM"),
             "compute_calls": self.calls,
             "compute_busy_s": round(self.busy_s, 4),
-            "inline_steps": self.inline_steps,
             "decode_steps": self.steps,
             "decode_busy_s": round(self.step_busy_s, 6),
             "decode_batches": self.batches,
@@ -419,7 +418,7 @@ class StageHost:
             async with self._lock:
                 if self.loaded is not None:
                     loaded, self.loaded = self.loaded, None
-                    await trio.to_thread.run_sync(loaded.stage.close)
+                    await run_compute(loaded.stage.close)
 
     # --- the transport handler ---------------------------------------------------------------
     async def _handle(self, inbound: InboundStream) -> None:
