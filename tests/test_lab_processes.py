@@ -126,13 +126,15 @@ async def propose(lab: Lab) -> dict[str, Any]:
 async def worker_stage(lab: Lab, topology_id: str, states: tuple[str, ...]) -> dict[str, Any]:
     """The worker's status once its stage for ``topology_id`` is in one of ``states``."""
     worker = lab.cluster.nodes[1]
-    with trio.fail_after(60):
+    status: dict[str, Any] = {}
+    with trio.move_on_after(60):
         while True:
             status = await worker.status()
             stage = status["transfers"]["stage"] or {}
             if stage.get("topology_id") == topology_id and stage.get("state") in states:
                 return status
             await trio.sleep(0.05)
+    raise AssertionError(f"the worker's stage not {states} within 60 s: {status.get('transfers')}")
 
 
 def fetches(status: dict[str, Any]) -> list[dict[str, Any]]:

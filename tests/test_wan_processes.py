@@ -119,12 +119,17 @@ async def test_a_transfer_cut_by_a_partition_resumes_from_its_partial(big_packag
         assert lab.netem is not None
         worker = lab.cluster.nodes[1]
         topology = await propose(lab)
-        with trio.fail_after(60):  # until the worker holds part of an artifact
-            while not any(
-                r["direction"] == "fetch" and 0 < r["bytes_done"] < (r["total"] or 0)
-                for r in (await worker.status())["transfers"]["active"]
-            ):
+        last: dict[str, object] = {}
+        with trio.move_on_after(60) as waited:  # until the worker holds part of an artifact
+            while True:
+                last = (await worker.status())["transfers"]
+                if any(
+                    r["direction"] == "fetch" and 0 < r["bytes_done"] < (r["total"] or 0)
+                    for r in last["active"]
+                ):
+                    break
                 await trio.sleep(0.02)
+        assert not waited.cancelled_caught, f"no partial artifact within 60 s: {last}"
         lab.netem.partition("n1", mode="reset")
         await trio.sleep(1.0)
         lab.netem.heal("n1")

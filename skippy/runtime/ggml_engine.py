@@ -661,32 +661,11 @@ class GgmlStage(StageBase[_KvCache]):
     ) -> int:
         """One block over x ``[width, 1, B]``: the ops of ``_layer_graph`` for one position,
         the linear layers over the whole batch, attention per session (its own KV)."""
-        g, spec, w = self.g, self.spec, self._layer_weights[il]
-        hd, n_ctx, b = spec.head_dim, self.config.n_ctx, len(members)
+        g, spec = self.g, self.spec
+        hd, n_ctx = spec.head_dim, self.config.n_ctx
         f16_row = g.ggml_row_size(GgmlType.F16, spec.kv_dim)
-        h = self._norm(ctx, x, w.attn_norm)
-        q = self._linear(ctx, w.q, h, w.q_bias)  # [q_dim, 1, B]
-        k = self._linear(ctx, w.k, h, w.k_bias)
-        v = self._linear(ctx, w.v, h, w.v_bias)  # [kv_dim, 1, B]
-        q = g.ggml_reshape_3d(ctx, q, hd, spec.n_head, b)  # [hd, n_head, B]
-        k = g.ggml_reshape_3d(ctx, k, hd, spec.n_head_kv, b)
-        if w.q_norm is not None and w.k_norm is not None:
-            q = self._norm(ctx, q, w.q_norm)
-            k = self._norm(ctx, k, w.k_norm)
-        freq_factors = self._tensors.get(ROPE_FREQS_TENSOR)
-        rope = (
-            hd,
-            self._rope_mode,
-            spec.context_length,
-            spec.rope_base_for(il),
-            spec.rope_scale_for(il),
-        )
-        yarn = (_EXT_FACTOR, _ATTN_FACTOR, _BETA_FAST, _BETA_SLOW)
-        q = g.ggml_rope_ext(ctx, q, pos, freq_factors, *rope, *yarn)  # position i per column
-        k = g.ggml_rope_ext(ctx, k, pos, freq_factors, *rope, *yarn)
-        kq_scale = spec.attn_scale
-        if spec.scale_q_before_attention:
-            q, kq_scale = g.ggml_scale(ctx, q, spec.attn_scale), 1.0
+        # [hd, n_head, B] / [hd, n_head_kv, B] / [kv_dim, 1, B]: position i per column
+        q, k, v, kq_scale = self._qkv(ctx, il, x, pos, len(members))
         window = spec.sliding_window if spec.is_swa(il) else None
         o: int | None = None
         for i, m in enumerate(members):
@@ -713,21 +692,7 @@ class GgmlStage(StageBase[_KvCache]):
             kqv = g.ggml_mul_mat(ctx, values, kq)  # [hd, 1, n_head]
             o_i = g.ggml_cont_2d(ctx, g.ggml_permute(ctx, kqv, 0, 2, 1, 3), spec.q_dim, 1)
             o = o_i if o is None else g.ggml_concat(ctx, o, o_i, 2)  # [q_dim, 1, i + 1]
-        o = self._linear(ctx, w.o, _ok(o, "attention"), w.o_bias)
-        if w.post_attn_norm is not None:
-            o = self._norm(ctx, o, w.post_attn_norm)
-        x = g.ggml_add(ctx, o, x)
-        h = self._norm(ctx, x, w.ffn_norm)
-        gate = g.ggml_mul_mat(ctx, w.gate, h)
-        up = g.ggml_mul_mat(ctx, w.up, h)
-        if spec.activation == "gelu_tanh":
-            a = g.ggml_geglu_split(ctx, gate, up)
-        else:
-            a = g.ggml_swiglu_split(ctx, gate, up)
-        f = g.ggml_mul_mat(ctx, w.down, a)
-        if w.post_ffw_norm is not None:
-            f = self._norm(ctx, f, w.post_ffw_norm)
-        return g.ggml_add(ctx, f, x)
+        return self._attn_out_and_ffn(ctx, il, _ok(o, "attention"), x)
 
     def _free_batch_graph(self, bg: _BatchGraph) -> None:
         self.g.ggml_gallocr_free(bg.galloc)
@@ -773,27 +738,10 @@ class GgmlStage(StageBase[_KvCache]):
         for the final layer, or None when no logits are wanted from this chunk). With
         ``slots`` (the reused decode graph, n = 1) K and V are written at the rows the slots'
         inputs name and attention reads views of the whole context, resized before each run."""
-        g, spec, w = self.g, self.spec, self._layer_weights[il]
+        g, spec = self.g, self.spec
         hd, n_ctx = spec.head_dim, self.config.n_ctx
         f16_row = g.ggml_row_size(GgmlType.F16, spec.kv_dim)
-        h = self._norm(ctx, x, w.attn_norm)
-        q = self._linear(ctx, w.q, h, w.q_bias)
-        k = self._linear(ctx, w.k, h, w.k_bias)
-        v = self._linear(ctx, w.v, h, w.v_bias)
-        q = g.ggml_reshape_3d(ctx, q, hd, spec.n_head, n)  # [hd, n_head, n]
-        k = g.ggml_reshape_3d(ctx, k, hd, spec.n_head_kv, n)
-        if w.q_norm is not None and w.k_norm is not None:
-            q = self._norm(ctx, q, w.q_norm)
-            k = self._norm(ctx, k, w.k_norm)
-        freq_factors = self._tensors.get(ROPE_FREQS_TENSOR)
-        base, scale = spec.rope_base_for(il), spec.rope_scale_for(il)
-        rope = (hd, self._rope_mode, spec.context_length, base, scale)
-        yarn = (_EXT_FACTOR, _ATTN_FACTOR, _BETA_FAST, _BETA_SLOW)
-        q = g.ggml_rope_ext(ctx, q, pos, freq_factors, *rope, *yarn)
-        k = g.ggml_rope_ext(ctx, k, pos, freq_factors, *rope, *yarn)
-        kq_scale = spec.attn_scale
-        if spec.scale_q_before_attention:
-            q, kq_scale = g.ggml_scale(ctx, q, spec.attn_scale), 1.0
+        q, k, v, kq_scale = self._qkv(ctx, il, x, pos, n)  # [hd, n_head, n], ...
         # write this chunk's K and V into the session cache (before the attention reads it:
         # nodes run in the order they were added)
         if slots is None:
@@ -834,6 +782,38 @@ class GgmlStage(StageBase[_KvCache]):
             skip = n - out_rows
             o = g.ggml_view_2d(ctx, o, spec.q_dim, out_rows, 4 * spec.q_dim, 4 * spec.q_dim * skip)
             x = g.ggml_view_2d(ctx, x, spec.width, out_rows, 4 * spec.width, 4 * spec.width * skip)
+        return self._attn_out_and_ffn(ctx, il, o, x)
+
+    def _qkv(self, ctx: int, il: int, x: int, pos: int, n: int) -> tuple[int, int, int, float]:
+        """A block's start over x ``[width, n]`` (or ``[width, 1, n]``, a batch): the attention
+        norm, Q/K/V (Q and K as ``[hd, heads, n]``, with their norms where the model has
+        them), RoPE at ``pos``, and the attention scale (folded into Q where the model says)."""
+        g, spec, w = self.g, self.spec, self._layer_weights[il]
+        hd = spec.head_dim
+        h = self._norm(ctx, x, w.attn_norm)
+        q = self._linear(ctx, w.q, h, w.q_bias)
+        k = self._linear(ctx, w.k, h, w.k_bias)
+        v = self._linear(ctx, w.v, h, w.v_bias)
+        q = g.ggml_reshape_3d(ctx, q, hd, spec.n_head, n)
+        k = g.ggml_reshape_3d(ctx, k, hd, spec.n_head_kv, n)
+        if w.q_norm is not None and w.k_norm is not None:
+            q = self._norm(ctx, q, w.q_norm)
+            k = self._norm(ctx, k, w.k_norm)
+        freq_factors = self._tensors.get(ROPE_FREQS_TENSOR)
+        base, scale = spec.rope_base_for(il), spec.rope_scale_for(il)
+        rope = (hd, self._rope_mode, spec.context_length, base, scale)
+        yarn = (_EXT_FACTOR, _ATTN_FACTOR, _BETA_FAST, _BETA_SLOW)
+        q = g.ggml_rope_ext(ctx, q, pos, freq_factors, *rope, *yarn)
+        k = g.ggml_rope_ext(ctx, k, pos, freq_factors, *rope, *yarn)
+        kq_scale = spec.attn_scale
+        if spec.scale_q_before_attention:
+            q, kq_scale = g.ggml_scale(ctx, q, spec.attn_scale), 1.0
+        return q, k, v, kq_scale
+
+    def _attn_out_and_ffn(self, ctx: int, il: int, o: int, x: int) -> int:
+        """A block's end: the attention output ``o`` projected (and normed where the model
+        has a post-attention norm) onto the residual ``x``, then the feed-forward block."""
+        g, spec, w = self.g, self.spec, self._layer_weights[il]
         o = self._linear(ctx, w.o, o, w.o_bias)
         if w.post_attn_norm is not None:
             o = self._norm(ctx, o, w.post_attn_norm)
