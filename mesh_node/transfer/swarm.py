@@ -465,6 +465,10 @@ class SwarmFetch:
             and speaks_swarm(self.node, h)
             and may_ask(self.node, h, self.coordinator_id)
         ][:MAX_SOURCES]
+        # The coordinator last: it is every worker's source, the other holders serve only
+        # their counterparts, so a file of one chunk (most layer files) goes to a peer and the
+        # coordinator's uplink is left for what only it holds (issue #23, docs/performance.md).
+        usable.sort(key=lambda h: h == self.coordinator_id)
         # Round robin: every holder gets its first task before any gets a second, and at
         # most MAX_IN_FLIGHT chunks of this file are in memory at once.
         for _ in range(PER_SOURCE):
