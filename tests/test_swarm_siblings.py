@@ -172,3 +172,13 @@ def test_another_replica_waits_for_replica_0_only_while_its_nodes_would_serve_th
     assert not waits_for_first(first_ready=False, waited_s=1.0, siblings_serve=False)
     # a replica 0 that does not come up holds nobody back for long
     assert not waits_for_first(first_ready=False, waited_s=STAGGER_MAX_S, siblings_serve=True)
+
+
+def test_a_holder_asks_about_a_sibling_only_for_its_own_package_and_revision():
+    from skippy.transfer.siblings import names_own_revision
+
+    own = _split("t0", (9, 1), 4)
+    assert names_own_revision(own, REF, "b" * 64)
+    assert not names_own_revision(own, REF, "e" * 64)  # another revision
+    assert not names_own_revision(own, "hf://acme/other@" + "a" * 40, "b" * 64)
+    assert not names_own_revision(own, "not a ref", "b" * 64)

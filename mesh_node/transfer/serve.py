@@ -32,7 +32,7 @@ from skippy.errors import SkippyError
 from skippy.package.topology import SplitTopology
 from skippy.transfer.authorize import PEER_UNAVAILABLE
 from skippy.transfer.errors import ArtifactWireError
-from skippy.transfer.policy import NodePolicy
+from skippy.transfer.policy import NodePolicy, peer_refusal
 from skippy.transfer.serve import ArtifactServer, ServeOutcome, refuse_malformed
 from skippy.transfer.wire import ArtifactRequest, ArtifactResponse, RequestReader, encode_response
 
@@ -205,7 +205,11 @@ class ArtifactHandler:
     ) -> None:
         active = self.node.topology.active_for(inbound.peer.node_id)  # a replica's (#23)
         topology = active.topology if active is not None else None
-        if active is not None and request.topology_id != active.topology.topology_id:
+        if (
+            active is not None
+            and request.topology_id != active.topology.topology_id
+            and peer_refusal(policy, peer_facts(inbound.peer)) is None  # else refused anyway
+        ):
             # Issue #23: a sibling replica's node, under that replica's topology as this
             # node's coordinator signed it (``mesh_node.transfer.siblings``); else refused
             # against this node's own topology, as before.

@@ -34,7 +34,7 @@ from protocol.messages import TopologyOffer, decode_control_message
 from skippy.errors import SkippyError
 from skippy.package.topology import SplitTopology
 from skippy.transfer.errors import ArtifactWireError
-from skippy.transfer.siblings import sibling_refusal, vouch
+from skippy.transfer.siblings import names_own_revision, sibling_refusal, vouch
 from skippy.transfer.wire import (
     ArtifactRequest,
     ArtifactResponse,
@@ -153,6 +153,8 @@ class SiblingBook:
         the coordinator or this node does not serve siblings)."""
         if own.role != "worker" or not speaks_siblings(self.node, own.coordinator_id):
             return None
+        if not names_own_revision(own.topology, request.package_ref, request.manifest_sha256):
+            return None  # never a sibling: nothing to ask
         key = request.topology_id
         now = trio.current_time()
         entry = self._entries.get(key)

@@ -48,6 +48,16 @@ def sibling_refusal(own: SplitTopology, candidate: SplitTopology) -> tuple[str, 
     return None
 
 
+def names_own_revision(own: SplitTopology, package_ref: str, manifest_sha256: str) -> bool:
+    """A request naming another topology may be a sibling's only when it names ``own``'s
+    package and revision: the holder asks its coordinator about nothing else."""
+    try:
+        same = parse_hf_package_ref(own.package_ref) == parse_hf_package_ref(package_ref)
+    except UsageError:
+        return False
+    return same and manifest_sha256 == own.manifest_sha256
+
+
 def vouch(
     topologies: Sequence[SplitTopology],
     asker_id: str,
