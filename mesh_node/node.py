@@ -136,6 +136,7 @@ def advertised_features(
         bits.add(pc.BIT_ARTIFACT_TRANSFER)
         if settings.swarm_transfer:  # issue #23: chunk ranges and source lists
             bits.add(pc.BIT_SWARM_TRANSFER)
+            bits.add(pc.BIT_SIBLING_SERVE)  # and serving sibling replicas' stages
     return {pc.FEATURE_SKIPPY_STAGE: tuple(sorted(bits))}
 
 

@@ -66,8 +66,17 @@ KIND_ARTIFACT_TRANSFER: Final = 0x03
 # Issue #23: a stage's signed source list, asked of the coordinator (only when it advertises
 # BIT_SWARM_TRANSFER).
 KIND_SWARM_SOURCES: Final = 0x04
+# Issue #23: a holder asks its coordinator for a sibling replica's signed topology (only when
+# the coordinator advertises BIT_SIBLING_SERVE).
+KIND_SIBLING_TOPOLOGY: Final = 0x05
 SKIPPY_STAGE_KINDS: Final = frozenset(
-    {KIND_CONTROL, KIND_TRANSPORT, KIND_ARTIFACT_TRANSFER, KIND_SWARM_SOURCES}
+    {
+        KIND_CONTROL,
+        KIND_TRANSPORT,
+        KIND_ARTIFACT_TRANSFER,
+        KIND_SWARM_SOURCES,
+        KIND_SIBLING_TOPOLOGY,
+    }
 )
 
 # --- features --------------------------------------------------------------------------------
@@ -83,6 +92,9 @@ BIT_VERIFY_WINDOW: Final = "verify-window"  # issue #22: transport phase verify 
 # Issue #23: chunk-range requests (``length``) and kind 0x04 source lists; a serving node
 # advertises it beside ``artifact-transfer``. Without it a peer gets whole-file requests only.
 BIT_SWARM_TRANSFER: Final = "swarm-transfer"
+# Issue #23: serving across sibling replicas of one coordinator (kind 0x05; source lists that
+# name a sibling replica's ready nodes). Advertised beside swarm-transfer.
+BIT_SIBLING_SERVE: Final = "sibling-serve"
 STAGE_BUNDLE: Final = frozenset({BIT_CONTROL, BIT_STATUS, BIT_CONTENT_IDENTITY})
 
 # --- message generations -----------------------------------------------------------------------

@@ -168,3 +168,65 @@ async def test_a_holder_serving_a_corrupted_chunk_is_dropped_and_the_file_instal
         assert status["chunk_failures"] == 1 and status["dropped_sources"] == 1
         assert sha256_of(snapshot_files(worker, pkg.ref)[TARGET]) == _item(pkg, TARGET).sha256
         n.cancel_scope.cancel()
+
+
+async def test_a_sibling_replicas_ready_node_serves_a_worker_and_a_stranger_is_refused(
+    tmp_path, hub_package
+):
+    """Two replicas of one coordinator (as ``mesh_node.serving.replicas`` builds them): replica
+    0's ready node H serves replica 1's worker W under W's topology, which H learns from the
+    coordinator (kind 0x05); a node holding no stage in that topology is refused by H."""
+    from mesh_node.topology import TopologyService
+
+    owner = Ed25519PrivateKey.generate()
+    async with trio.open_nursery() as n:
+        coord = await start_member(n, tmp_path, "coord", owner, hub=hub_package.hub,
+                                   artifact_transfer="open")
+        coord.service.sources.chunk_bytes = MIN_CHUNK_BYTES
+        pkg = import_into(coord, hub_package)
+        holder = await start_member(n, tmp_path, "h", owner, hub=hub_package.hub,
+                                    peers=(coord.node,), artifact_transfer="open")
+        import_into(holder, hub_package)
+        worker = await start_member(n, tmp_path, "w", owner, hub=None, offline=True,
+                                    peers=(coord.node,), artifact_transfer="open",
+                                    run_service=False)
+        stranger = await start_member(n, tmp_path, "x", owner, hub=None, offline=True,
+                                      peers=(coord.node,), artifact_transfer="open",
+                                      run_service=False)
+        await wait_connected([coord, holder, worker, stranger])
+        cid, hid, wid = coord.node.node_id, holder.node.node_id, worker.node.node_id
+        main = coord.node.topology
+        sibling = TopologyService(coord.node, epochs=main.epochs)
+        main.siblings.append(sibling)
+        main.exclude = lambda: {wid, stranger.node.node_id}
+        sibling.exclude = lambda: {hid, stranger.node.node_id}
+        await propose(coord, pkg, include_self=False, stages=1)
+        await wait_for(lambda: main.active.all_ready, 20)  # H found its stage in its cache
+        await wait_for(lambda: speaks_swarm(worker.node, hid), 20)
+        await n.start(worker.service.run)
+        t1 = (await sibling.propose(
+            package_ref=pkg.ref, manifest_sha256=pkg.manifest_sha256,
+            sizes=main.active.sizes, include_self=False, stages=1,  # type: ignore[union-attr]
+        )).topology
+        assert t1.stage_of(wid) is not None and t1.stage_of(hid) is None
+        await wait_for(lambda: sibling.active.all_ready, 30)  # type: ignore[union-attr]
+        recs = records(worker)
+        from_holder = {p: s["bytes"] for p, r in recs.items() for s in r["served_by"]
+                       if s["node_id"] == hid}
+        assert from_holder and all(r["verified"] for r in recs.values()), recs
+        assert holder.node.transfers.counters.served_bytes >= sum(from_holder.values())
+        for path, rec in recs.items():
+            assert {s["node_id"] for s in rec["served_by"]} <= {cid, hid}
+            if path != MANIFEST_NAME:
+                got = sha256_of(snapshot_files(worker, pkg.ref)[path])
+                assert got == _item(pkg, path).sha256
+        # a node with no stage in T1, naming T1, is refused by the sibling holder
+        stage = t1.stage_of(wid)
+        assert stage is not None
+        forged = request_for(_item(pkg, SHARED), t1, stage, bytes.fromhex(stranger.node.node_id),
+                             offset=0)
+        assert not (await _ask(stranger, hid, forged)).accepted
+        # and W itself is served by H under T1 (the holder's answer, not only the record)
+        mine = request_for(_item(pkg, SHARED), t1, stage, bytes.fromhex(wid), offset=0)
+        assert (await _ask(worker, hid, mine)).accepted
+        n.cancel_scope.cancel()

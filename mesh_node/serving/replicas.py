@@ -35,12 +35,18 @@ from mesh_node.serving.generator import Route, route_level
 from mesh_node.serving.host import StageHost
 from mesh_node.serving.routes import RouteManager, SplitNotReady
 from mesh_node.topology import TopologyService
+from mesh_node.transfer.siblings import speaks_siblings
 from skippy.config import ServingSettings
 from skippy.errors import SkippyError
 from skippy.package.plan import ModelSizes
 from skippy.package.topology import SplitTopology
 from skippy.runtime.tokenizer import LlamaTokenizer
-from skippy.serving.replicas import ReplicaLoad, choose_replica, peers_needed
+from skippy.serving.replicas import (
+    ReplicaLoad,
+    choose_replica,
+    peers_needed,
+    waits_for_first,
+)
 
 log = logging.getLogger("mesh_node.serving.replicas")
 
@@ -90,14 +96,28 @@ class ReplicaSet:
         self.outstanding = [0] * replicas  # tokens still to process, per replica
         self.in_flight = [0] * replicas
         self.requests_total = [0] * replicas
+        self._first_planned_at: float | None = None  # trio clock: replica 0's plan seen
 
     def _plan_for(self) -> SplitTopology | None:
         """Replica 0's plan, for another replica to copy its layer ranges (None until it has
-        one). Replicas are planned at once: a replica's nodes cannot serve another replica's
-        (each holder authorizes requesters of its own topology only), so waiting for replica
-        0 would only delay the others."""
+        one, and, when every capable peer serves sibling replicas, until replica 0 is ready
+        or ``STAGGER_MAX_S`` passed: its nodes then serve the others' files,
+        ``skippy.serving.replicas.waits_for_first``)."""
         active = self.managers[0].topology.active
-        return None if active is None else active.topology
+        if active is None:
+            self._first_planned_at = None
+            return None
+        now = trio.current_time()
+        if self._first_planned_at is None:
+            self._first_planned_at = now
+        capable = [c.node_id for c in self.node.topology.capable_nodes(False)]
+        if waits_for_first(
+            first_ready=active.all_ready,
+            waited_s=now - self._first_planned_at,
+            siblings_serve=bool(capable) and all(speaks_siblings(self.node, n) for n in capable),
+        ):
+            return None
+        return active.topology
 
     def _held_by_others(self, k: int) -> set[str]:
         held: set[str] = set()

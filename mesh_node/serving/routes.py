@@ -270,7 +270,10 @@ class RouteManager:
         if self.plan_like is not None:
             like = self.plan_like()
             if like is None:
-                self.reason = "waiting for replica 0's plan (the replicas share its stages)"
+                self.reason = (
+                    "waiting for replica 0's plan, or for replica 0 to be ready (the replicas "
+                    "share its stages, and its nodes serve theirs)"
+                )
                 return
         if not self._may_try():
             return

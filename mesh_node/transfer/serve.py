@@ -27,11 +27,12 @@ from mesh_node.link import MeshStream
 from mesh_node.peers import InboundStream
 from mesh_node.transfer.policy import node_policy, peer_facts
 from mesh_node.transfer.records import TransferLog
+from mesh_node.transfer.siblings import SiblingBook
 from skippy.errors import SkippyError
 from skippy.package.topology import SplitTopology
 from skippy.transfer.authorize import PEER_UNAVAILABLE
 from skippy.transfer.errors import ArtifactWireError
-from skippy.transfer.policy import NodePolicy
+from skippy.transfer.policy import NodePolicy, peer_refusal
 from skippy.transfer.serve import ArtifactServer, ServeOutcome, refuse_malformed
 from skippy.transfer.wire import ArtifactRequest, ArtifactResponse, RequestReader, encode_response
 
@@ -93,6 +94,7 @@ class ArtifactHandler:
         self.rate = RateLimit(node.settings.artifact_serve_bytes_per_s)
         self._link_slots: dict[str, trio.CapacityLimiter] = {}
         self._warm: dict[str, trio.Event] = {}
+        self.siblings = SiblingBook(node)
 
     # --- warming ----------------------------------------------------------------------------
     async def warm(self, topology: SplitTopology) -> None:
@@ -203,6 +205,17 @@ class ArtifactHandler:
     ) -> None:
         active = self.node.topology.active_for(inbound.peer.node_id)  # a replica's (#23)
         topology = active.topology if active is not None else None
+        if (
+            active is not None
+            and request.topology_id != active.topology.topology_id
+            and peer_refusal(policy, peer_facts(inbound.peer)) is None  # else refused anyway
+        ):
+            # Issue #23: a sibling replica's node, under that replica's topology as this
+            # node's coordinator signed it (``mesh_node.transfer.siblings``); else refused
+            # against this node's own topology, as before.
+            sibling = await self.siblings.lookup(active, request)
+            if sibling is not None:
+                topology = sibling
         if active is not None and active.role == "coordinator" and policy.mode != "disabled":
             await self.warm(active.topology)
         outcome = await trio.to_thread.run_sync(

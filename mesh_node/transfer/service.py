@@ -28,6 +28,7 @@ from mesh_node.topology import ActiveTopology
 from mesh_node.transfer.fetch import StageFetcher, StageResult
 from mesh_node.transfer.policy import node_policy
 from mesh_node.transfer.serve import ArtifactHandler
+from mesh_node.transfer.siblings import SiblingTopologyHandler
 from mesh_node.transfer.swarm import SourcesHandler
 from protocol import constants as pc
 from protocol.errors import ProtocolError
@@ -72,6 +73,10 @@ class ArtifactService:
             node.register_subprotocol(pc.KIND_ARTIFACT_TRANSFER, self.handler)
             if node.settings.swarm_transfer:
                 node.register_subprotocol(pc.KIND_SWARM_SOURCES, self.sources)
+                # and sibling replicas' topologies for their holders (issue #23)
+                node.register_subprotocol(
+                    pc.KIND_SIBLING_TOPOLOGY, SiblingTopologyHandler(node)
+                )
         self.result: StageResult | None = None
         self.ready_hook: ReadyHook | None = None
         self._nursery: trio.Nursery | None = None

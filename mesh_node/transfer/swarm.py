@@ -44,6 +44,7 @@ from mesh_node.transfer.pace import RateDeadline
 from mesh_node.transfer.policy import node_policy, peer_facts
 from mesh_node.transfer.records import TransferLog, TransferRecord
 from mesh_node.transfer.serve import PEER_BUSY
+from mesh_node.transfer.siblings import sibling_topologies, speaks_siblings
 from protocol import constants as pc
 from protocol.certificates import sign_domain, verify_domain
 from protocol.errors import ProtocolError
@@ -214,6 +215,17 @@ class SourcesHandler:
         ready = [nid for nid, r in active.reports.items() if r.state == "ready"]
         servers = {s.node_id for s in topology.stages if speaks_swarm(node, s.node_id)}
         servers.add(node.node_id)  # this node serves (the handler is registered only then)
+        # Issue #23: the sibling replicas' ready nodes, when the requester takes them and
+        # they serve siblings (each asks this node for the requester's topology).
+        siblings: list[tuple[SplitTopology, list[str]]] = []
+        if speaks_siblings(node, inbound.peer.node_id):
+            for other in sibling_topologies(node, topology):
+                siblings.append(
+                    (other.topology, [n for n, r in other.reports.items() if r.state == "ready"])
+                )
+                servers |= {
+                    s.node_id for s in other.topology.stages if speaks_siblings(node, s.node_id)
+                }
         digests = await trio.to_thread.run_sync(
             self._digests, topology, manifest, request.requester_hex
         )
@@ -226,6 +238,7 @@ class SourcesHandler:
             servers=servers,
             digests=digests,
             chunk_bytes=self.chunk_bytes,
+            siblings=siblings,
         )
         signature = sign_domain(
             node.identity.key, pc.SIG_DOMAIN_SWARM_SOURCES, sources.signed_bytes()
@@ -294,7 +307,14 @@ async def ask_sources(
     if header is None or not header.accepted:
         raise IntegrityError("the coordinator gave no source list", code="source_list_refused")
     required = required_set(manifest, topology, node.node_id)
-    return checked_source_list(bytes(body), topology, required, node.node_id, coordinator_id)
+    return checked_source_list(
+        bytes(body),
+        topology,
+        required,
+        node.node_id,
+        coordinator_id,
+        siblings_ok=speaks_siblings(node, coordinator_id),
+    )
 
 
 def checked_source_list(
@@ -303,6 +323,8 @@ def checked_source_list(
     required: Mapping[str, tuple[str, int]],
     requester_id: str,
     coordinator_id: str,
+    *,
+    siblings_ok: bool = False,
 ) -> SourceList:
     """A source list's bytes -> the list, only when the topology's coordinator signed it and
     it is for this requester's stage (``check_source_list``); pure."""
@@ -314,7 +336,9 @@ def checked_source_list(
             "the source list's signature does not verify against the coordinator",
             code="source_list_signature",
         )
-    return check_source_list(sources, topology, required, requester_id, coordinator_id)
+    return check_source_list(
+        sources, topology, required, requester_id, coordinator_id, siblings_ok=siblings_ok
+    )
 
 
 @dataclass
@@ -441,6 +465,10 @@ class SwarmFetch:
             and speaks_swarm(self.node, h)
             and may_ask(self.node, h, self.coordinator_id)
         ][:MAX_SOURCES]
+        # The coordinator last: it is every worker's source, the other holders serve only
+        # their counterparts, so a file of one chunk (most layer files) goes to a peer and the
+        # coordinator's uplink is left for what only it holds (issue #23, docs/performance.md).
+        usable.sort(key=lambda h: h == self.coordinator_id)
         # Round robin: every holder gets its first task before any gets a second, and at
         # most MAX_IN_FLIGHT chunks of this file are in memory at once.
         for _ in range(PER_SOURCE):

@@ -9,12 +9,14 @@ so the replicas' worker sets are disjoint.
 - ``free_for``: the capable nodes a replica may plan over (those no other replica holds).
 - ``choose_replica``: which ready replica takes a request (least outstanding tokens).
 - ``check_replicas``: the replica count against the stage count (a usage error).
+- ``waits_for_first``: whether another replica waits for replica 0 to be ready first.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Final
 
 from skippy.config import MAX_REPLICAS
 from skippy.errors import UsageError
@@ -73,3 +75,21 @@ def check_replicas(replicas: int, stages: int | None) -> None:
             remediation=f"add --stages S; {replicas} replicas of S stages need "
             f"{replicas} x (S - 1) capable peers",
         )
+
+
+# Issue #23: how long another replica waits for replica 0 to be ready before it is planned
+# anyway (its nodes then fetch from the coordinator alone, as without siblings).
+STAGGER_MAX_S: Final = 60.0
+
+
+def waits_for_first(
+    *, first_ready: bool, waited_s: float, siblings_serve: bool, max_s: float = STAGGER_MAX_S
+) -> bool:
+    """Whether a replica other than 0 waits before it is planned. Replica 0's ready nodes hold
+    every file the others need and serve them across replicas (``sibling-serve``), so
+    replica 1's nodes then fetch from the coordinator *and* their counterparts instead of all
+    six workers sharing the coordinator's uplink at once (docs/performance.md "Swarm
+    fetch"). Without sibling serving on every capable peer waiting only delays, so it does
+    not; nor beyond ``max_s`` (a replica 0 that cannot come up holds nobody back)."""
+    return siblings_serve and not first_ready and waited_s < max_s
+

@@ -35,6 +35,7 @@ from skippy.transfer.chunks import (
 )
 from skippy.transfer.errors import ArtifactWireError
 from skippy.transfer.required import stage_refs
+from skippy.transfer.siblings import sibling_refusal
 
 SOURCES_GEN: Final = 1
 MAX_SOURCE_LIST_BYTES: Final = 4 * 1024 * 1024  # digests of ~100 GB at 8 MiB chunks
@@ -131,13 +132,18 @@ def plan_sources(
     servers: Iterable[str],
     digests: Mapping[str, tuple[bytes, ...]],
     chunk_bytes: int,
+    siblings: Iterable[tuple[SplitTopology, Iterable[str]]] = (),
 ) -> SourceList:
     """The list for ``requester_id``'s stage (the coordinator's decision). ``ready``: the
     stage nodes whose ready report was accepted; ``servers``: the members that serve swarm
     requests (the coordinator among them when it does); ``digests``: by artifact SHA-256 (a
     file without digests is left out: the worker fetches it whole, coordinator then hub).
     A holder is a server that is the coordinator (first) or reported ready with a stage
-    needing that file; the requester is never its own holder; only members appear."""
+    needing that file; the requester is never its own holder; only members appear.
+    ``siblings`` (issue #23): this coordinator's other replicas' topologies with their ready
+    nodes; those that are siblings of ``topology`` (``skippy.transfer.siblings``: same
+    package and revision) add their ready servers as holders, after the members (a
+    requester's own replica first). Pass them only when the requester takes such holders."""
     stage = topology.stage_of(requester_id)
     if stage is None:
         raise IntegrityError(
@@ -145,14 +151,15 @@ def plan_sources(
             code="requester_not_in_topology",
         )
     serving = set(servers)
-    held: dict[str, set[str]] = {}
-    for other in topology.stages:
-        if other.node_id == requester_id or other.node_id not in serving:
+    held = _holders(manifest, topology, set(ready) & serving, requester_id)
+    outside: dict[str, set[str]] = {}
+    members = {s.node_id for s in topology.stages}
+    for sibling, sibling_ready in siblings:
+        if sibling_refusal(topology, sibling) is not None:
             continue
-        if other.node_id not in set(ready):
-            continue
-        for ref in stage_refs(manifest, other.layers):
-            held.setdefault(ref.path, set()).add(other.node_id)
+        found = _holders(manifest, sibling, set(sibling_ready) & serving, requester_id)
+        for path, nodes in found.items():
+            outside.setdefault(path, set()).update(nodes - members)
     first = [coordinator_id] if coordinator_id in serving and coordinator_id != requester_id else []
     entries = []
     for ref in stage_refs(manifest, stage.layers):
@@ -160,7 +167,8 @@ def plan_sources(
         if sha not in digests:  # the coordinator has no verified copy: fetched whole
             continue
         others = sorted(held.get(ref.path, set()) - {coordinator_id})
-        holders = tuple([*first, *others][:MAX_HOLDERS])
+        far = sorted(outside.get(ref.path, set()) - {coordinator_id})
+        holders = tuple([*first, *others, *far][:MAX_HOLDERS])
         entries.append(
             ArtifactSources(ref.path, sha, ref.artifact.artifact_bytes, digests[sha], holders)
         )
@@ -173,6 +181,19 @@ def plan_sources(
         check_chunk_bytes(chunk_bytes),
         tuple(entries),
     )
+
+
+def _holders(
+    manifest: PackageManifest, topology: SplitTopology, ready: set[str], requester_id: str
+) -> dict[str, set[str]]:
+    """Path -> the ``ready`` stage nodes of ``topology`` whose stage needs it."""
+    held: dict[str, set[str]] = {}
+    for other in topology.stages:
+        if other.node_id == requester_id or other.node_id not in ready:
+            continue
+        for ref in stage_refs(manifest, other.layers):
+            held.setdefault(ref.path, set()).add(other.node_id)
+    return held
 
 
 def required_set(manifest: PackageManifest, topology: SplitTopology, node_id: str) -> dict[
@@ -293,13 +314,20 @@ def check_source_list(
     required: Mapping[str, tuple[str, int]],
     requester_id: str,
     coordinator_id: str,
+    *,
+    siblings_ok: bool = False,
 ) -> SourceList:
     """The requester's checks (after the signature): the list is for this topology, run,
     manifest, requester and its stage; it names only artifacts of that stage, with the
     manifest's size and SHA-256; holders are members (the coordinator or a stage node) other
     than the requester. ``required``: the stage's required set from the verified manifest,
     path -> (SHA-256, size) (``required_set``). Raises ``IntegrityError``
-    (``source_list_mismatch``)."""
+    (``source_list_mismatch``). ``siblings_ok`` (issue #23: both this node and the
+    coordinator advertise ``sibling-serve``): holders outside the topology are taken on the
+    coordinator's signature, as nodes of its sibling replicas (the requester cannot see
+    those topologies; each such holder authorizes the requester against the sibling topology
+    it gets from the same coordinator, and every chunk is checked against the signed
+    digests)."""
 
     def bad(why: str) -> IntegrityError:
         return IntegrityError(f"the source list {why}", code="source_list_mismatch")
@@ -324,7 +352,7 @@ def check_source_list(
             raise bad(f"declares {entry.path} unlike the manifest")
         if any(len(d) != DIGEST_BYTES for d in entry.digests):
             raise bad(f"has a malformed digest for {entry.path}")
-        strangers = set(entry.holders) - members
+        strangers = set() if siblings_ok else set(entry.holders) - members
         if strangers or requester_id in entry.holders:
             raise bad(f"names a holder of {entry.path} outside the topology")
     return sources
