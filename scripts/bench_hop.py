@@ -115,22 +115,25 @@ async def _serve_mesh() -> None:
 
 
 # --- clients (child process) ------------------------------------------------------------------
-async def _ws_client(port: int, rounds: int) -> list[float]:
+async def _ws_client(port: int, rounds: int) -> dict[str, Any]:
     from trio_websocket import open_websocket_url
 
     frame = os.urandom(FRAME_BYTES)
     out: list[float] = []
     async with open_websocket_url(f"ws://127.0.0.1:{port}", **_ws_opts()) as ws:
+        cpu = time.process_time()
         for i in range(WARMUP + rounds):
             t0 = time.perf_counter()
             await ws.send_message(frame)
             await ws.get_message()
+            if i == WARMUP - 1:
+                cpu = time.process_time()
             if i >= WARMUP:
                 out.append(time.perf_counter() - t0)
-    return out
+    return {"rtts": out, "cpu_s": time.process_time() - cpu}
 
 
-async def _mesh_client(address: str, rounds: int) -> list[float]:
+async def _mesh_client(address: str, rounds: int) -> dict[str, Any]:
     import tempfile
 
     from bench_mesh import _settings
@@ -147,16 +150,20 @@ async def _mesh_client(address: str, rounds: int) -> list[float]:
             while node.peer(server_id) is None:
                 await trio.sleep(0.01)
             stream = await node.open_stream(server_id, 1, name=HOP_PROTOCOL, major=1)
+            cpu = time.process_time()
             for i in range(WARMUP + rounds):
                 t0 = time.perf_counter()
                 await stream.send_all(frame)
                 if len(await _read_frame(stream, FRAME_BYTES)) != FRAME_BYTES:
                     raise RuntimeError("the echo ended early")
+                if i == WARMUP - 1:
+                    cpu = time.process_time()
                 if i >= WARMUP:
                     out.append(time.perf_counter() - t0)
+            cpu = time.process_time() - cpu
             await stream.aclose()
             nursery.cancel_scope.cancel()
-    return out
+    return {"rtts": out, "cpu_s": cpu}
 
 
 def _child_env(kind: str, base: str | None) -> dict[str, str]:
@@ -181,7 +188,8 @@ def _server(kind: str, base: str | None) -> tuple[subprocess.Popen[str], str]:
     return proc, proc.stdout.readline().strip()
 
 
-def _client(kind: str, where: str, rounds: int, base: str | None) -> list[float]:
+def _client(kind: str, where: str, rounds: int, base: str | None) -> dict[str, Any]:
+    """One client run in a child: {"rtts": round trips (s), "cpu_s": its CPU over them}."""
     out = subprocess.run(
         [
             sys.executable,
@@ -198,7 +206,8 @@ def _client(kind: str, where: str, rounds: int, base: str | None) -> list[float]
         text=True,
         env=_child_env(kind, base),
     ).stdout
-    return [float(x) for x in json.loads(out)]
+    result: dict[str, Any] = json.loads(out)
+    return result
 
 
 def _owner_hex() -> str:
@@ -220,7 +229,8 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def measure(runs: int, rounds: int = ROUNDS) -> dict[str, list[dict[str, float]]]:
-    """kind -> per run {p10, median, p90} of the one-way latency (s), kinds interleaved."""
+    """kind -> per run {p10, median, p90} of the one-way latency and the client's CPU per
+    frame (s), kinds interleaved."""
     base = os.environ.get(BASE_ENV) or None
     kinds: dict[str, str | None] = {"ws": None, "mesh": None, "mesh-stranger": None}
     if base:
@@ -231,12 +241,15 @@ def measure(runs: int, rounds: int = ROUNDS) -> dict[str, list[dict[str, float]]
     try:
         for _ in range(runs):
             for kind, tree in kinds.items():
-                one_way = [rtt / 2 for rtt in _client(kind, servers[kind][1], rounds, tree)]
+                got = _client(kind, servers[kind][1], rounds, tree)
+                one_way = [rtt / 2 for rtt in got["rtts"]]
                 out[kind].append(
                     {
                         "p10": _pct(one_way, 0.10),
                         "median": statistics.median(one_way),
                         "p90": _pct(one_way, 0.90),
+                        # one send and one receive per round trip in the client
+                        "cpu_per_frame": got["cpu_s"] / rounds / 2,
                     }
                 )
     finally:
@@ -262,7 +275,11 @@ def rows(ctx: BenchContext) -> list[Row]:
         p10 = [r["p10"] for r in per_run]
         p90 = [r["p90"] for r in per_run]
         us = {"unit": 1e6, "fmt": "{:.0f}"}
-        note = f"p10 {spread(p10, **us)} µs, p90 {spread(p90, **us)} µs"
+        cpu = [r["cpu_per_frame"] for r in per_run]
+        note = (
+            f"p10 {spread(p10, **us)} µs, p90 {spread(p90, **us)} µs; "
+            f"client CPU per frame (one send + one receive, halved) {spread(cpu, **us)} µs"
+        )
         if kind != "ws":
             excess = [a - b for a, b in zip(median, ws_median, strict=True)]
             note += f"; +{spread(excess, unit=1e6, fmt='{:.0f}')} µs over raw (per-run pairs)"
