@@ -116,3 +116,49 @@ async def test_a_readable_socket_is_read_at_once_and_a_reset_is_a_broken_resourc
             stream._receive_now(1024)
     finally:
         await stream.aclose()
+
+
+async def test_a_small_send_leaves_before_send_all_returns_and_bulk_keeps_its_order(tmp_path):
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+    from meshtools import identity, settings, wait_for, with_peers
+
+    from mesh_node.node import MeshNode
+    from mesh_node.peers import InboundStream
+    from protocol import constants as pc
+
+    got = bytearray()
+
+    async def sink(inbound: InboundStream) -> None:
+        while data := await inbound.stream.receive_some():
+            got.extend(data)
+
+    owner = Ed25519PrivateKey.generate()
+    slow = {"heartbeat_interval_s": 30.0, "peer_loss_timeout_s": 60.0}  # no pings meanwhile
+    async with trio.open_nursery() as n:
+        a = MeshNode(settings(tmp_path, "a", **slow), identity(owner))
+        await n.start(a.run)
+        b = MeshNode(with_peers(settings(tmp_path, "b", **slow), a), identity(owner))
+        await n.start(b.run)
+        a.register_subprotocol(pc.KIND_ARTIFACT_TRANSFER, sink)
+        await wait_for(lambda: len(b.peers()) == 1 and b.peers()[0].peer.trusted)
+        stream = await b.open_stream(a.node_id, pc.KIND_ARTIFACT_TRANSFER)
+        await wait_for(lambda: b.peers()[0].bytes_sent > 0)
+        frame = bytes(range(256)) * 10  # a decode frame's size (2.5 KiB)
+        sent: list[bytes] = []
+        for i in range(3):
+            # The link is idle again once the peer has everything (the bulk before is out).
+            await wait_for(lambda: len(got) == sum(map(len, sent)))
+            before = b.peers()[0].bytes_sent
+            await stream.send_all(frame)
+            # Sealed and written by this task: no writer pass before send_all returned.
+            assert b.peers()[0].bytes_sent - before >= len(frame)
+            sent.append(frame)
+            bulk = bytes([i]) * (1 << 20)  # through the writer task, between small sends
+            await stream.send_all(bulk)
+            sent.append(bulk)
+        await stream.send_eof()
+        want = b"".join(sent)
+        await wait_for(lambda: len(got) >= len(want))
+        assert bytes(got) == want
+        await stream.aclose()
+        n.cancel_scope.cancel()
