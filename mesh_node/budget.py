@@ -159,6 +159,17 @@ class PeerMemory:
         self._add(key, nbytes)
         return True
 
+    def take_some_now(self, key: int, want: int) -> int:
+        """``take_some`` without waiting: the bytes reserved (1..``want``), 0 if the account
+        closed, -1 if there is no room now (then ``take_some`` waits, or makes room)."""
+        if key not in self._held:
+            return 0
+        got = min(want, self.room(key))
+        if got <= 0:
+            return -1
+        self._add(key, got)
+        return got
+
     async def take_some(self, key: int, want: int) -> int:
         """Reserve between 1 and ``want`` bytes for ``key``, waiting until there is room (a
         transport read: the bytes stay in the kernel meanwhile). 0 if the account closed."""

@@ -36,6 +36,9 @@ log = logging.getLogger("mesh_node.link")
 _PING = struct.Struct(">Q")
 # What one ``receive_some()`` without a limit returns at most: several records' worth.
 RECEIVE_SOME_BYTES = 1024 * 1024
+# A ``send_all`` of at most this much onto an idle link is written by the sending task itself
+# (``Link.send_now``); larger ones (bulk) go through the writer task, as before.
+SEND_NOW_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -162,6 +165,8 @@ class MeshStream(trio.abc.HalfCloseableStream):
             raise trio.BusyResourceError("another task is sending on this stream")
         self._sending = True
         try:
+            # A small send onto an idle link leaves from this task (``Link.send_now``).
+            idle = len(data) <= SEND_NOW_BYTES and not self._link.mux.has_output()
             view = memoryview(data)
             while view:
                 self._check_open()
@@ -180,7 +185,11 @@ class MeshStream(trio.abc.HalfCloseableStream):
                 # Queued until the writer sends it: copy unless the caller's buffer is
                 # immutable (after send_all returns, the caller may reuse a bytearray).
                 mux.send_data(self.stream_id, chunk if isinstance(data, bytes) else bytes(chunk))
-                self._link.wake_writer()
+                if idle:
+                    idle = False
+                    self._link.send_now()
+                else:
+                    self._link.wake_writer()
             await trio.lowlevel.checkpoint()
         finally:
             self._sending = False
@@ -190,13 +199,14 @@ class MeshStream(trio.abc.HalfCloseableStream):
             await self._writable.park()
 
     async def receive_some(self, max_bytes: int | None = None) -> bytes:
-        if not await self._wait_readable():
+        readable, parked = await self._wait_readable()
+        if not readable:
             await trio.lowlevel.checkpoint()
             return b""
         data = self._take_chunks(RECEIVE_SOME_BYTES if max_bytes is None else max_bytes)
         self._give(len(data))
         self._grant(len(data))
-        await self._link.take_turn()
+        await self._link.take_turn(parked=parked)
         return data
 
     def _take_chunks(self, most: int) -> bytes:
@@ -224,7 +234,8 @@ class MeshStream(trio.abc.HalfCloseableStream):
         """Every chunk received so far, as read-only views into the decrypted records (no
         copy; at least one, waiting if need be), or ``[]`` at the peer's end of stream. One
         call per batch instead of one per 64 KiB record: the bulk receiver's interface."""
-        if not await self._wait_readable():
+        readable, parked = await self._wait_readable()
+        if not readable:
             await trio.lowlevel.checkpoint()
             return []
         views = [memoryview(chunk) for chunk in self._chunks]
@@ -232,20 +243,23 @@ class MeshStream(trio.abc.HalfCloseableStream):
         nbytes = sum(len(v) for v in views)
         self._give(nbytes)
         self._grant(nbytes)
-        await self._link.take_turn()
+        await self._link.take_turn(parked=parked)
         return views
 
-    async def _wait_readable(self) -> bool:
-        """Until a chunk is buffered (True) or the peer ended the stream (False)."""
+    async def _wait_readable(self) -> tuple[bool, bool]:
+        """Until a chunk is buffered (True) or the peer ended the stream (False); and
+        whether this task parked for it (a checkpoint already taken)."""
+        parked = False
         while not self._chunks:
             if self._error is not None:
                 raise self._error
             if self._eof:
-                return False
+                return False, parked
             if self._closed:
                 raise trio.ClosedResourceError("stream closed")
             await self._readable.park()
-        return True
+            parked = True
+        return True, parked
 
     def _grant(self, nbytes: int) -> None:
         """Give ``nbytes`` of credit back; the writer wakes only when an update is due."""
@@ -453,6 +467,43 @@ class Link:
     def wake_writer(self) -> None:
         self._output.unpark_all()
 
+    def send_now(self) -> None:
+        """Seal and write what the multiplexer has queued from this task, without a
+        scheduler pass (``DirectSender.send_now``), when the writer is idle and the socket
+        free; else (or for what the kernel did not take) wake the writer. Issues #21/#25:
+        a decode frame leaves when it is queued. The records are sealed in the order the
+        writer would seal them, so nonces and bytes on the wire are the same."""
+        direct = self._direct
+        if (
+            direct is None
+            or self._write_in_flight
+            or self.close_reason is not None
+            or not direct.can_send_now()
+        ):
+            self.wake_writer()
+            return
+        records: list[bytes] = []
+        while len(records) < self.limits.max_records_per_message:
+            record = self.mux.next_record()
+            if record is None:
+                break
+            records.append(record)
+        if not records:
+            return
+        try:
+            parts = self.channel.seal_parts(records)
+        except ProtocolError as exc:
+            self.close(exc.code, exc.message)
+            return
+        size = sum(map(len, parts))
+        self.bytes_sent += size
+        if not direct.send_now(parts, size):
+            # Sealed but not all written: nothing else (not even a goodbye) may go first.
+            self._write_in_flight = True
+            self.wake_writer()
+        elif self.mux.has_output():
+            self.wake_writer()
+
     def forget_stream(self, stream_id: int) -> None:
         self._streams.pop(stream_id, None)
         self._inbound.pop(stream_id, None)
@@ -536,12 +587,15 @@ class Link:
             return
         await transport.budget.take_turn(transport.key)
 
-    async def take_turn(self) -> None:
+    async def take_turn(self, *, parked: bool = False) -> None:
         """A checkpoint; for an untrusted peer, its turn (``_yield_to_others``): where a
-        stream's reader hands data to its handler."""
+        stream's reader hands data to its handler. A trusted peer's reader that ``parked``
+        for the data has had its checkpoint (issues #21/#25: one scheduler pass less per
+        frame); a stranger's always waits its turn."""
         transport = self.transport
         if transport is None or transport.trusted:
-            await trio.lowlevel.checkpoint()
+            if not parked:
+                await trio.lowlevel.checkpoint()
         else:
             await transport.budget.take_turn(transport.key)
 
@@ -632,8 +686,17 @@ class Link:
     async def _writer(self) -> None:
         try:
             while True:
-                while not self.mux.has_output():
+                direct = self._direct
+                while not self.mux.has_output() and (direct is None or direct.unsent is None):
                     await self._output.park()
+                if direct is not None and direct.unsent is not None:
+                    # The rest of a message ``send_now`` began (``_write_in_flight`` is set).
+                    with trio.move_on_after(self.timeouts.idle_s) as scope:
+                        await direct.flush()
+                    if scope.cancelled_caught:
+                        self.close("peer_not_reading", "a write stalled past the idle timeout")
+                        return
+                    self._write_in_flight = False
                 records: list[bytes] = []
                 while len(records) < self.limits.max_records_per_message:
                     record = self.mux.next_record()

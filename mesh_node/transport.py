@@ -18,6 +18,7 @@ pings only over-counts itself (its own share shrinks until its link closes).
 
 from __future__ import annotations
 
+import errno
 import math
 import socket
 from collections.abc import AsyncIterator, Callable
@@ -74,6 +75,9 @@ class BudgetedStream(trio.abc.HalfCloseableStream):
         self.trusted = False
         self._in_head, self._head_tail = True, b""
         self.waited_at = -math.inf  # trio clock: the last time a read waited for room
+        # The non-blocking socket under trio's (``_receive_now``; None: trio's reads only).
+        raw = getattr(inner.socket, "_sock", None)
+        self._sock: socket.socket | None = raw if isinstance(raw, socket.socket) else None
         try:
             host, port, *_ = inner.socket.getpeername()
             self.peer_address, self.peer_port = str(host), int(port)
@@ -128,7 +132,9 @@ class BudgetedStream(trio.abc.HalfCloseableStream):
         if self.inner.socket.fileno() < 0:  # closed under us (epoll refuses fd -1)
             raise trio.ClosedResourceError("the connection is closed")
         await trio.lowlevel.wait_readable(self.inner.socket)
-        reserved = -1
+        # Room now (the usual case) is taken without a second scheduler pass: the wait was
+        # the checkpoint (issues #21/#25: the per-hop cost of a small frame).
+        reserved = self.budget.take_some_now(self.key, want)
         while reserved < 0:
             with trio.move_on_after(STALL_POLL_S):
                 reserved = await self.budget.take_some(self.key, want)
@@ -146,7 +152,9 @@ class BudgetedStream(trio.abc.HalfCloseableStream):
         try:
             if not self.trusted and await self.budget.take_turn(self.key):
                 self.waited_at = trio.current_time()  # queued behind strangers: not silence
-            data = await self.inner.receive_some(reserved)
+            data = self._receive_now(reserved)
+            if data is None:
+                data = await self.inner.receive_some(reserved)
         except BaseException:
             self.budget.give(self.key, reserved)
             raise
@@ -155,6 +163,21 @@ class BudgetedStream(trio.abc.HalfCloseableStream):
         self.held += len(data) - http
         await self.budget.pace(self.key, len(data))
         return data
+
+    def _receive_now(self, max_bytes: int) -> bytes | None:
+        """What the socket holds (the wait above said it is readable), read without the
+        scheduler pass trio's ``receive_some`` takes after its read; None if nothing is there
+        after all (then trio's read waits). Errors as trio's stream reports them."""
+        if self._sock is None:
+            return None
+        try:
+            return self._sock.recv(max_bytes)
+        except BlockingIOError:
+            return None
+        except OSError as exc:
+            if exc.errno in (errno.EBADF, errno.ENOTSOCK):
+                raise trio.ClosedResourceError("the connection is closed") from None
+            raise trio.BrokenResourceError(f"socket connection broken: {exc}") from exc
 
     def _http_head_bytes(self, data: bytes) -> int:
         """How many of ``data``'s bytes belong to the upgrade's HTTP head (the request, or

@@ -13,11 +13,20 @@ negotiated on links), so nothing is versioned: a peer cannot tell the difference
 This reaches into trio-websocket's connection (its stream, send lock, close reason and wsproto
 state). ``DirectSender.attach`` checks that all of it is there and that no extension was
 negotiated, and returns None otherwise: the link then sends through ``send_message``.
+
+``send_now`` (issues #21/#25: the per-hop cost of a decode frame) writes a message without a
+scheduler pass: when nobody holds the send lock and nothing is left over, one non-blocking
+``send`` on the socket from the calling task, so a small frame leaves when its sender queues
+it instead of after the link's writer task has been woken, taken the lock and written (two
+or three passes of trio's scheduler, ~30 µs of Python each). What the kernel does not take
+at once is kept (``unsent``) and written by the link's writer before anything else, so the
+byte stream is exactly what ``send`` would have written, in the same order.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import struct
 from typing import Any, Final
 
@@ -80,6 +89,10 @@ class DirectSender:
     def __init__(self, ws: Any) -> None:
         self._ws = ws
         self.masked: bool = bool(ws.is_client)
+        # The connection's socket for ``send_now`` (None: only ``send``, through trio).
+        self._sock = _raw_socket(ws._stream)
+        # The tail of a message ``send_now`` began: written first by ``send``/``flush``.
+        self.unsent: memoryview | None = None
 
     @classmethod
     def attach(cls, ws: WebSocketConnection) -> DirectSender | None:
@@ -100,8 +113,51 @@ class DirectSender:
             return None
         return cls(ws) if ok else None
 
+    def can_send_now(self) -> bool:
+        """``send_now`` may write: nobody is sending on the connection (the lock is free and
+        nothing is left over), and it is open."""
+        ws = self._ws
+        return (
+            self._sock is not None
+            and self.unsent is None
+            and not ws._stream_lock.locked()
+            and not ws._close_reason
+            and ws._wsproto.state is ConnectionState.OPEN
+        )
+
+    def send_now(self, parts: list[bytes], payload_len: int) -> bool:
+        """Write ``parts`` as one binary message from this task, without waiting (callers
+        check ``can_send_now`` first, in the same scheduler step). True if the kernel took
+        all of it; else the rest is ``unsent`` and the caller has ``flush`` called (a
+        broken connection is reported there, by trio's own send)."""
+        if self._sock is None or self.unsent is not None:
+            raise RuntimeError("send_now without can_send_now in the same scheduler step")
+        data = frame(parts, payload_len, masked=self.masked)
+        try:
+            sent = self._sock.send(data)
+        except OSError:  # full (BlockingIOError) or broken: ``flush`` retries and reports
+            sent = 0
+        if sent == len(data):
+            return True
+        self.unsent = memoryview(data)[sent:]
+        return False
+
+    async def flush(self) -> None:
+        """Write what ``send_now`` left over; raises what ``send_message`` would."""
+        if self.unsent is None:
+            return
+        ws = self._ws
+        async with ws._stream_lock:
+            try:
+                await ws._stream.send_all(self.unsent)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                await ws._abort_web_socket()
+                raise ConnectionClosed(ws._close_reason) from None
+            self.unsent = None
+
     async def send(self, parts: list[bytes], payload_len: int) -> None:
         """Send ``parts`` as one binary message; raises what ``send_message`` would."""
+        await self.flush()
         ws = self._ws
         if ws._close_reason:
             raise ConnectionClosed(ws._close_reason)
@@ -115,3 +171,13 @@ class DirectSender:
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 await ws._abort_web_socket()
                 raise ConnectionClosed(ws._close_reason) from None
+
+
+def _raw_socket(stream: Any) -> socket.socket | None:
+    """The non-blocking socket under a trio ``SocketStream`` (or a ``BudgetedStream`` over
+    one, ``mesh_node.transport``), or None for any other stream."""
+    inner = getattr(stream, "inner", stream)
+    if not isinstance(inner, trio.SocketStream):
+        return None
+    sock = getattr(inner.socket, "_sock", None)
+    return sock if isinstance(sock, socket.socket) else None
