@@ -6,11 +6,16 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import trio
+from meshtools import identity, settings
 
 from mesh_node.compute import run_compute
+from mesh_node.node import MeshNode
+from mesh_node.serving.host import StageHost
+from skippy.config import ServingSettings
 from skippy.runtime.compute_thread import ComputeThread, compute_thread
 
 
@@ -51,3 +56,22 @@ async def test_a_cancelled_caller_waits_for_its_call_and_is_cancelled_after_it()
 def test_call_from_the_compute_thread_itself_runs_directly() -> None:
     ct = ComputeThread("test-compute")
     assert ct.call(lambda: ct.call(lambda: threading.current_thread().name)) == "test-compute"
+
+
+async def test_a_stage_hosts_calls_run_where_one_openmp_pool_can_form(tmp_path: Path) -> None:
+    """A multi-threaded stage's calls all run on the compute thread (a short decode step
+    blocks the loop for it); a single-threaded stage's short decode steps run on the loop
+    itself; long calls (prefill) always on the compute thread."""
+    host = StageHost(MeshNode(settings(tmp_path, "n0"), identity()), ServingSettings())
+    here, compute = threading.current_thread().name, compute_thread().name
+
+    def where() -> str:
+        return threading.current_thread().name
+
+    for threads, decode_thread in ((2, compute), (1, here)):
+        host.stage_threads = threads
+        assert await host.compute(where, step=True) == decode_thread
+        assert await host.compute(where) == compute  # a prefill chunk
+    host.step_s = 1.0  # a slow stage's steps no longer block the loop
+    assert await host.compute(where, step=True) == compute
+    assert host.blocking_steps == 2 and host.steps == 3

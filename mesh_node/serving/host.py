@@ -7,15 +7,16 @@ runtime facts for the ready report. A stage already loaded for the same manifest
 kept when a new topology arrives (a failover moves only the lost stage).
 
 A chain stream (from the previous stage's node only) carries one session: BEGIN, then
-activation frames, then FREE. The reader acknowledges each frame as it takes it (early ack)
-and queues it; the compute task runs the stage (one call at a time per stage, on the process's
-compute thread: ggml releases the GIL) and forwards the output: activations to the next stage, or,
-on the final stage, the sampled token straight back to stage 0 on a return stream. The
-session's decode steps are batched with the other sessions' (``StageHost.decode``: one
-graph for every step queued when the stage is free, issue #22 item 6). The session's KV cache
-lives only here and is freed when the session ends in any way (FREE, end
-of stream, a reset, a refusal), which then travels on down the chain. A refused frame resets
-only its own stream: other sessions never notice.
+activation frames, then FREE. The reader acknowledges each prefill frame as it takes it (early
+ack) and queues it (a decode frame is acknowledged once its output is on its way); the compute
+task runs the stage (one call at a time per stage, on the process's compute thread, or for a
+short decode step of a single-threaded stage on the loop) and forwards the output: activations
+to the next stage, or, on the final stage, the sampled token straight back to stage 0 on a
+return stream. The session's decode steps are batched with the other sessions'
+(``StageHost.decode``: one graph for every step queued when the stage is free, issue #22
+item 6). The session's KV cache lives only here and is freed when the session ends in any
+way (FREE, end of stream, a reset, a refusal), which then travels on down the chain. A
+refused frame resets only its own stream: other sessions never notice.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from skippy.config import ServingSettings
 from skippy.errors import SkippyError
 from skippy.package.topology import SplitTopology, StageAssignment
 from skippy.runtime.boundary import StageLoad
+from skippy.runtime.compute_thread import compute_thread
 from skippy.runtime.sampling import Sampler, SamplingParams
 from skippy.runtime.speculation import accept_draft
 from skippy.runtime.stage import DecodeStep, Stage, StageConfig, StageOutput
@@ -49,6 +51,11 @@ from skippy.stage.descriptor import RuntimeFacts
 log = logging.getLogger("mesh_node.serving")
 T = TypeVar("T")
 ReturnHandler = Callable[[InboundStream, FrameReader, t.Frame], Awaitable[None]]
+# A decode step this short blocks the event loop for its length (its result then needs no
+# wake-up of the loop through trio, ~250 us here against ~110 for a thread's plain wake-up; a
+# single-threaded stage runs it right on the loop, no hand-off at all). A few milliseconds of
+# blocked loop delay nothing this stage could run meanwhile: its calls are serialized anyway.
+INLINE_STEP_MAX_S = 0.025
 STEP_SMOOTHING = 0.2
 # Continuous batching (issue #22 item 6): a decode step runs with every other session's step
 # queued by the time the stage is free; it waits for sessions that stepped recently (their next
@@ -124,6 +131,28 @@ class _QueuedStep:
     wake: trio.Event = field(default_factory=trio.Event)  # done, or asked to lead a batch
 
 
+@dataclass(frozen=True)
+class _Work:
+    """A frame for the compute loop, with its ack when that is sent after the frame's output
+    (decode frames) rather than by the reader on arrival."""
+
+    frame: t.Frame
+    late_ack: bytes | None
+
+
+class _Acks:
+    """A session's acks to its upstream, sent by the reader (on arrival) and by the compute
+    loop (after a decode step's output): one at a time on the stream."""
+
+    def __init__(self, stream: MeshStream) -> None:
+        self.stream = stream
+        self._lock = trio.Lock()
+
+    async def send(self, ack: bytes) -> None:
+        async with self._lock:
+            await self.stream.send_all(ack)
+
+
 class SessionRefused(SkippyError):
     """A chain stream this node will not serve (not from the upstream stage, stale topology,
     no stage loaded)."""
@@ -145,6 +174,8 @@ class StageHost:
         self.rss_before_load: int | None = None  # KiB, the process just before its stage loaded
         self.calls = 0
         self.step_s = 0.0  # recent one-position step time (s), for the batching window
+        self.stage_threads = 0  # the loaded stage's thread cap (1: it never starts OpenMP)
+        self.blocking_steps = 0  # decode steps the loop waited for without trio's wake-up
         # Issue #21: one-position (decode) steps alone, so a per-token compute figure is not
         # diluted by prefill chunks (the WAN bench's model t_token reads these).
         self.steps = 0
@@ -224,6 +255,7 @@ class StageHost:
                 await run_compute(old.stage.close)
             self.rss_before_load = _vm_kib("VmRSS")
             stage = await run_compute(open_)
+            self.stage_threads = config.n_threads
             self.loaded = LoadedStage(
                 topology, assignment, load, stage, runtime_facts(stage), artifact_bytes
             )
@@ -237,15 +269,17 @@ class StageHost:
 
     async def compute(self, fn: Callable[[], T], *, step: bool = False) -> T:
         """Run one stage call, one at a time, on the process's compute thread (ggml releases
-        the GIL). Always that thread, never the event loop or trio's worker threads: a
-        second thread running graphs gives libgomp a second pool, and the process's barriers
-        then spin too briefly (``skippy.runtime.compute_thread``)."""
+        the GIL). That thread, never trio's worker threads, and the event loop only for a
+        single-threaded stage: a second thread running multi-threaded graphs gives libgomp a
+        second pool, and the process's barriers then spin too briefly
+        (``skippy.runtime.compute_thread``). A short decode ``step`` blocks the loop instead
+        of awaiting (``INLINE_STEP_MAX_S``)."""
         async with self._lock:
             return await self._timed(fn, step=step)
 
     async def _timed(self, fn: Callable[[], T], *, step: bool) -> T:
-        """``compute``'s body, the lock held. The time counted is the call's own, taken on
-        the compute thread: the hand-offs are the route's cost, not the stage's."""
+        """``compute``'s body, the lock held. The time counted is the call's own, taken
+        where it ran: the hand-offs are the route's cost, not the stage's."""
         elapsed = 0.0
 
         def timed() -> T:
@@ -257,6 +291,11 @@ class StageHost:
                 elapsed = time.perf_counter() - start
 
         try:
+            if step and self.step_s <= INLINE_STEP_MAX_S:
+                self.blocking_steps += 1
+                if self.stage_threads == 1:  # ggml runs a 1-thread graph without OpenMP
+                    return timed()
+                return compute_thread().call(timed)
             return await run_compute(timed)
         finally:
             self.busy_s += elapsed
@@ -400,6 +439,7 @@ class StageHost:
             "peak_rss_kib": _vm_kib("VmHWM"),
             "compute_calls": self.calls,
             "compute_busy_s": round(self.busy_s, 4),
+            "blocking_decode_steps": self.blocking_steps,
             "decode_steps": self.steps,
             "decode_busy_s": round(self.step_busy_s, 6),
             "decode_batches": self.batches,
@@ -492,16 +532,15 @@ class StageHost:
                         topology_id=topology_id,
                     )
                 )
-            work_send, work_recv = trio.open_memory_channel[t.Frame](
-                self.limits.max_inflight_frames
-            )
+            work_send, work_recv = trio.open_memory_channel[_Work](self.limits.max_inflight_frames)
+            acks = _Acks(inbound.stream)
             async with trio.open_nursery() as nursery:
                 if sender is not None:
                     nursery.start_soon(sender.read_acks)
                 else:
                     nursery.start_soon(_drain, out)
                 nursery.start_soon(
-                    self._compute_loop, loaded, name, sampling, work_recv, sender, out, begin
+                    self._compute_loop, loaded, name, sampling, work_recv, sender, out, begin, acks
                 )
                 async with work_send:
                     while True:
@@ -515,15 +554,16 @@ class StageHost:
                             frame.request_id, frame.session_id, start=frame.start, count=frame.count
                         )
                         if frame.phase is t.Phase.DECODE:
-                            # A decode step may run on this loop (StageHost.compute): ack
-                            # first, or the ack would wait for the compute.
-                            await inbound.stream.send_all(ack)
-                            await work_send.send(frame)
+                            # Acknowledged once its output is on its way: the upstream sends
+                            # a session's next decode frame only after the token came round,
+                            # so the ack is never waited for, and sending it first (~0.2 ms)
+                            # would delay every stage's step on every token.
+                            await work_send.send(_Work(frame, ack))
                         else:
                             # To the compute thread first, then the ack: the ack's encryption
                             # and send overlap the stage's compute instead of delaying its start.
-                            await work_send.send(frame)
-                            await inbound.stream.send_all(ack)
+                            await work_send.send(_Work(frame, None))
+                            await acks.send(ack)
         except (SkippyError, BaseExceptionGroup) as caught:
             # A runtime refusal (context, non-finite activations...), a downstream failure:
             # this session ends; the upstream hears why.
@@ -577,52 +617,70 @@ class StageHost:
         loaded: LoadedStage,
         name: str,
         sampling: t.Sampling,
-        frames: trio.MemoryReceiveChannel[t.Frame],
+        frames: trio.MemoryReceiveChannel[_Work],
         sender: ChainSender | None,
         out: MeshStream,
         begin: t.Frame,
+        acks: _Acks,
     ) -> None:
-        stage = loaded.stage
         async with frames:
-            async for frame in frames:
-                x = frame.activations()  # a read-only view of the received bytes: no copy
-                sample = bool(frame.flags & t.Flag.SAMPLE) and loaded.is_final
-                end = frame.start + frame.count
-                sampler = sampler_at(sampling, end) if sample else None
-                if frame.phase is t.Phase.VERIFY:
-                    await self._verify(loaded, name, sampling, frame, x, sender, out)
-                    continue
-
-                def run(f: t.Frame = frame, x: Any = x, s: Sampler | None = sampler) -> Any:
-                    drop_rejected(stage, name, f.start)
-                    return stage.prefill(name, f.start, x, sampler=s)
-
-                if frame.phase is t.Phase.DECODE:  # batched with the other sessions' steps
-                    result: Any = await self.decode(stage, name, frame.start, x, sampler)
-                else:
-                    result = await self.compute(run)
-                if sender is not None:
-                    await sender.send_activations(
-                        t.encode_activations(
-                            frame.request_id,
-                            frame.session_id,
-                            phase=frame.phase,
-                            start=frame.start,
-                            activations=result.activations,
-                            flags=frame.flags,
-                        ),
-                        decode=frame.phase is t.Phase.DECODE,
-                    )
-                elif sample:
-                    await out.send_all(
-                        t.encode_tokens(
-                            frame.request_id, frame.session_id, start=end, tokens=[result.token]
-                        )
-                    )
+            async for work in frames:
+                try:
+                    await self._step(loaded, name, sampling, work.frame, sender, out)
+                finally:  # a decode frame's ack: once its output is on its way (or it failed)
+                    if work.late_ack is not None:
+                        with trio.CancelScope(shield=True), trio.move_on_after(1.0):
+                            await acks.send(work.late_ack)
         # The session ended upstream: free it downstream too, and end our side.
         if sender is not None:
             await sender.send(t.encode_free(begin.request_id, begin.session_id))
         await out.send_eof()
+
+    async def _step(
+        self,
+        loaded: LoadedStage,
+        name: str,
+        sampling: t.Sampling,
+        frame: t.Frame,
+        sender: ChainSender | None,
+        out: MeshStream,
+    ) -> None:
+        """One frame through this stage: computed, and its output sent on."""
+        stage = loaded.stage
+        x = frame.activations()  # a read-only view of the received bytes: no copy
+        sample = bool(frame.flags & t.Flag.SAMPLE) and loaded.is_final
+        end = frame.start + frame.count
+        sampler = sampler_at(sampling, end) if sample else None
+        if frame.phase is t.Phase.VERIFY:
+            await self._verify(loaded, name, sampling, frame, x, sender, out)
+            return
+
+        def run(f: t.Frame = frame, x: Any = x, s: Sampler | None = sampler) -> Any:
+            drop_rejected(stage, name, f.start)
+            return stage.prefill(name, f.start, x, sampler=s)
+
+        if frame.phase is t.Phase.DECODE:  # batched with the other sessions' steps
+            result: Any = await self.decode(stage, name, frame.start, x, sampler)
+        else:
+            result = await self.compute(run)
+        if sender is not None:
+            await sender.send_activations(
+                t.encode_activations(
+                    frame.request_id,
+                    frame.session_id,
+                    phase=frame.phase,
+                    start=frame.start,
+                    activations=result.activations,
+                    flags=frame.flags,
+                ),
+                decode=frame.phase is t.Phase.DECODE,
+            )
+        elif sample:
+            await out.send_all(
+                t.encode_tokens(
+                    frame.request_id, frame.session_id, start=end, tokens=[result.token]
+                )
+            )
 
 
 def drop_rejected(stage: Stage, name: str, start: int) -> None:
