@@ -7,8 +7,9 @@ by request, so machine noise hits both:
 
 - decode tok/s (32 greedy tokens) and prefill tok/s (a 512-token prompt), split / single;
 - time to first token (the 512-token prompt);
-- per-hop activation latency: the round trip of a one-token decode frame to its early ack,
-  per hop (median over the run);
+- per-hop decode round trip: a one-token decode frame to its ack, which the receiving stage
+  sends once the step's output is on its way (so it includes that stage's step), per hop
+  (median over the run);
 - prefill overlap: the stages' summed compute time during the 512-token prefills over their
   wall time (> 1: stage i+1 computed while stage i did, the chunked prefill's pipelining);
 - 4 concurrent requests: aggregate decode tok/s vs one request, 1 stage and split (each stage
@@ -131,7 +132,7 @@ def rows(ctx: BenchContext) -> list[Row]:
          "ms"),
         (MODEL, "serve: prefill overlap (stage compute / wall)", f"{overlap:.2f}",
          "> 1: stages computed chunks concurrently"),
-        (MODEL, "serve: per-hop decode frame round trip (to its early ack)",
+        (MODEL, "serve: per-hop decode frame round trip (to its ack: after the next stage's step)",
          "; ".join(f"{k}: {v}" for k, v in hops.items()), "ms, median"),
     ]
     for name, label in (("single", "1 stage"), ("split", "3-node split")):

@@ -2,9 +2,11 @@
 
 ``FrameReader`` turns a stream's bytes into frames (the decoder refuses anything malformed);
 ``ChainSender`` sends a session's frames downstream with at most ``max_inflight`` frames not
-yet acknowledged (early acknowledgement: the receiver acks a frame when it takes it, before
-computing it, so the sender computes the next chunk while this one crosses the link), and
-measures each acknowledged frame's round trip (the per-hop latency figure).
+yet acknowledged (early acknowledgement of prefill chunks: the receiver acks a chunk when it
+takes it, before computing it, so the sender computes the next chunk while this one crosses the
+link; a decode frame is acked once its output is on its way, since a session's next decode
+frame waits for the token anyway), and measures each acknowledged frame's round trip (the
+per-hop figure: for a decode frame it includes the receiving stage's step).
 """
 
 from __future__ import annotations
