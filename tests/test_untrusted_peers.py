@@ -589,11 +589,13 @@ async def test_32_hostile_links_cannot_exceed_the_node_budget_and_release_it_whe
         peak: list[int] = []
         payload = struct.pack(">I", MIB) + b"x" * (MIB - 1)
 
+        settled: list[int] = []  # attackers done sending (or dropped by the victim)
+
         async def attacker(done: trio.Event) -> None:
             try:
                 await attack_once(done)
             except* (ConnectionClosed, trio.BrokenResourceError):
-                pass  # the victim may drop a link that does not read its replies
+                settled.append(1)  # the victim may drop a link that does not read its replies
             finally:
                 peak.append(victim.peer_memory.total)
 
@@ -613,13 +615,15 @@ async def test_32_hostile_links_cannot_exceed_the_node_budget_and_release_it_whe
                         if mux.send_capacity(sid) >= len(payload):
                             mux.send_data(sid, payload)
                     await flush(ws, channel, mux)
+                settled.append(1)
                 await done.wait()
 
         done = trio.Event()
         async with trio.open_nursery() as attack:
             for _ in range(8):  # 8 links x 8 streams x ~1 MiB = 64 MiB attempted
                 attack.start_soon(attacker, done)
-            await trio.sleep(4)  # streams opened, sends under way or pushed back
+            # every attacker's streams opened and its sends made or pushed back (bounded above)
+            await wait_for(lambda: len(settled) >= 8, timeout_s=20)
             assert victim.peer_memory.peak > budget // 4  # the attack did hold memory
             assert victim.peer_memory.peak <= budget
             # Strangers hold at most half of it; the attack hit that (reads waited for room,
