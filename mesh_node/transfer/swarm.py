@@ -14,7 +14,8 @@ Worker (``SwarmFetch``): the list's signature is checked against the topology's 
 the list against the verified manifest and topology (``check_source_list``), then one task
 per source takes chunks from a shared ``ChunkScheduler`` and asks that source for each as a
 range request on a kind 0x03 stream (the source's own ``authorize`` applies in full: a node
-outside the topology, or on another revision, refuses). Every chunk is checked against its
+outside the topology, or on another revision, refuses); a source advertising ``chunk-runs``
+is asked for runs of chunks in a row, one range request per run (``_RunReceiver``). Every chunk is checked against its
 digest before it is written at its offset (``ChunkSink``); a source that serves a wrong
 chunk is dropped (logged, ``chunk_failures`` / ``dropped_sources`` counted, named in the
 record) and the chunk goes to another source. The list is asked again every
