@@ -15,10 +15,10 @@ the list against the verified manifest and topology (``check_source_list``), the
 per source takes chunks from a shared ``ChunkScheduler`` and asks that source for each as a
 range request on a kind 0x03 stream (the source's own ``authorize`` applies in full: a node
 outside the topology, or on another revision, refuses); a source advertising ``chunk-runs``
-is asked for runs of chunks in a row, one range request per run (``_RunReceiver``). Every chunk is checked against its
-digest before it is written at its offset (``ChunkSink``); a source that serves a wrong
-chunk is dropped (logged, ``chunk_failures`` / ``dropped_sources`` counted, named in the
-record) and the chunk goes to another source. The list is asked again every
+is asked for runs of chunks in a row, one range request per run (``_RunReceiver``). Every
+chunk is checked against its digest before it is written at its offset (``ChunkSink``); a
+source that serves a wrong chunk is dropped (logged, ``chunk_failures`` / ``dropped_sources``
+counted, named in the record) and the chunk goes to another source. The list is asked again every
 ``refresh_s`` while chunks remain, so holders that become ready meanwhile join. The whole
 file is hashed before the install; when no source is left the caller falls back to the
 whole-file path (coordinator, then hub).
@@ -742,57 +742,87 @@ class SwarmFetch:
 
 class _RunReceiver:
     """One run's response split at chunk boundaries: each chunk's bytes (views of the
-    stream's records, never joined) are checked and written as soon as they are complete.
-    Memory: one chunk at a time in the chunk budget, taken when its first byte is due and
-    given back once it is written (the stream's flow control bounds what else queues)."""
+    stream's records, never joined) are checked and written as soon as they are complete, by
+    a second task on a thread, so the stream keeps being read (and granting credit) while
+    the disk and the digests work. Memory: at most two chunks in the chunk budget, the one
+    being received (taken when its first byte is due) and the one being written (given back
+    once it is); the stream's flow control bounds what else queues."""
 
     def __init__(
         self, fetch: SwarmFetch, source: str, sink: ChunkSink, sched: ChunkScheduler, run: list[int]
     ) -> None:
         self.fetch, self.source, self.sink, self.sched = fetch, source, sink, sched
-        self.left = list(run)  # chunks not yet verified from this run, in order
+        self.run = list(run)
+        self.left = list(run)  # chunks not yet verified from this run
+        self._next = 0  # the run's chunk being received
         self._parts: list[memoryview] = []
         self._have = 0
-        self._held = 0  # bytes of the chunk budget this run holds now
+        self._held = 0  # chunk-budget bytes of the chunk being received
 
     async def receive(self) -> None:
-        fetch, spans = self.fetch, self.sink.spans
-        start = spans[self.left[0]].start
-        length = spans[self.left[-1]].stop - start
+        spans = self.sink.spans
+        start = spans[self.run[0]].start
+        length = spans[self.run[-1]].stop - start
         await self._reserve()
-        stream = await fetch._run_request(self.source, start, length)
-        async with stream:
-            reader = ResponseReader(start, length)
-            idle = fetch.node.timeouts.idle_s
-            guard = RateDeadline(idle, fetch.node.settings.security.min_transfer_bytes_per_s)
-            with guard.scope:
-                while not reader.done:
-                    views = await stream.receive_views()
-                    guard.received(views)
-                    if not views:
-                        reader.eof()
-                    for view in views:
-                        for event in reader.feed(view):
-                            if isinstance(event, ResponseHeader):
-                                self.sink.accept(event.response)
-                            elif isinstance(event, BodyData):
-                                waited = await self._take(event.data)
-                                guard.scope.deadline += waited  # our wait, not the source's
-                        if self.left and all(i in self.sched.done for i in self.left):
-                            return  # end-game copies verified the rest: stop this stream
-                return
-            if guard.since_mark:
-                stream.reset("too_slow", "under the minimum transfer rate")
-                raise SwarmTooSlow(f"{short_id(self.source)} sent too slowly")
-            stream.reset("stalled", "no bytes within the idle timeout")
-            raise SwarmStalled(f"{short_id(self.source)} sent nothing for {idle:g} s")
+        stream = await self.fetch._run_request(self.source, start, length)
+        send, recv = trio.open_memory_channel[tuple[int, list[memoryview], int]](0)
+        wrote_failure: list[SkippyError | OSError] = []
+        read_failure: SkippyError | ProtocolError | None = None
+        async with stream, trio.open_nursery() as nursery:
+            nursery.start_soon(self._write_chunks, recv, wrote_failure)
+            async with send:
+                try:
+                    await self._read(stream, ResponseReader(start, length), send)
+                except trio.BrokenResourceError:  # the writer stopped: its error says why
+                    pass
+                except (SkippyError, ProtocolError) as exc:
+                    read_failure = exc
+        # Every chunk handed to the writer is checked and written (or its failure kept).
+        if wrote_failure:
+            raise wrote_failure[0]
+        if read_failure is not None:
+            raise read_failure
 
-    async def _take(self, data: memoryview) -> float:
-        """Body bytes: cut at chunk ends, each complete chunk checked and written. Returns
-        the seconds spent waiting for chunk memory."""
+    async def _read(
+        self,
+        stream: MeshStream,
+        reader: ResponseReader,
+        send: trio.MemorySendChannel[tuple[int, list[memoryview], int]],
+    ) -> None:
+        """As ``SwarmFetch._read_chunk``: one deadline, pushed on only while the source keeps
+        ``min_transfer_bytes_per_s``; time spent waiting for the writer or for chunk memory
+        is ours, not the source's, and is added back."""
+        idle = self.fetch.node.timeouts.idle_s
+        guard = RateDeadline(idle, self.fetch.node.settings.security.min_transfer_bytes_per_s)
+        with guard.scope:
+            while not reader.done:
+                views = await stream.receive_views()
+                guard.received(views)
+                if not views:
+                    reader.eof()
+                for view in views:
+                    for event in reader.feed(view):
+                        if isinstance(event, ResponseHeader):
+                            self.sink.accept(event.response)
+                        elif isinstance(event, BodyData):
+                            guard.scope.deadline += await self._take(event.data, send)
+                if all(i in self.sched.done for i in self.run[self._next :]):
+                    return  # end-game copies verified the rest: stop this stream
+            return
+        if guard.since_mark:
+            stream.reset("too_slow", "under the minimum transfer rate")
+            raise SwarmTooSlow(f"{short_id(self.source)} sent too slowly")
+        stream.reset("stalled", "no bytes within the idle timeout")
+        raise SwarmStalled(f"{short_id(self.source)} sent nothing for {idle:g} s")
+
+    async def _take(
+        self, data: memoryview, send: trio.MemorySendChannel[tuple[int, list[memoryview], int]]
+    ) -> float:
+        """Body bytes, cut at chunk ends; each complete chunk goes to the writer with its
+        memory. Returns the seconds spent waiting on the writer or for chunk memory."""
         waited = 0.0
         while data:
-            index = self.left[0]
+            index = self.run[self._next]
             span = self.sink.spans[index]
             piece = data[: span.length - self._have]
             data = data[len(piece) :]
@@ -800,28 +830,44 @@ class _RunReceiver:
             self._have += len(piece)
             if self._have < span.length:
                 continue
-            parts, self._parts, self._have = self._parts, [], 0
-            wrote = await trio.to_thread.run_sync(self.sink.write_chunk_parts, index, parts)
-            self.left.pop(0)
-            self.fetch._verified(self.source, self.sink, self.sched, index, wrote)
-            self.fetch._wake()
-            self._release()
-            if self.left:
-                began = trio.current_time()
+            began = trio.current_time()
+            parts, held = self._parts, self._held
+            self._parts, self._have, self._held = [], 0, 0
+            try:
+                await send.send((index, parts, held))  # the writer owns its memory now
+            except BaseException:
+                self.fetch._memory.release(held)
+                raise
+            self._next += 1
+            if self._next < len(self.run):
                 await self._reserve()
-                waited += trio.current_time() - began
-                self.sched.touch(self.left[0], trio.current_time())
+                self.sched.touch(self.run[self._next], trio.current_time())
+            waited += trio.current_time() - began
         return waited
 
+    async def _write_chunks(
+        self,
+        chunks: trio.MemoryReceiveChannel[tuple[int, list[memoryview], int]],
+        failure: list[SkippyError | OSError],
+    ) -> None:
+        fetch = self.fetch
+        async with chunks:
+            async for index, parts, held in chunks:
+                try:
+                    wrote = await trio.to_thread.run_sync(self.sink.write_chunk_parts, index, parts)
+                except (SkippyError, OSError) as exc:
+                    failure.append(exc)  # closing ``chunks`` tells the reader to stop
+                    return
+                finally:
+                    fetch._memory.release(held)
+                self.left.remove(index)
+                fetch._verified(self.source, self.sink, self.sched, index, wrote)
+                fetch._wake()
+
     async def _reserve(self) -> None:
-        n = self.sink.spans[self.left[0]].length
+        n = self.sink.spans[self.run[self._next]].length
         await self.fetch._memory.reserve(n)
         self._held = n
-
-    def _release(self) -> None:
-        if self._held:
-            self.fetch._memory.release(self._held)
-            self._held = 0
 
     def give_back(self) -> None:
         """The chunks this run did not verify back in line, its memory back to the budget
@@ -829,7 +875,9 @@ class _RunReceiver:
         for index in self.left:
             self.sched.failed(index)
         self.left = []
-        self._release()
+        if self._held:
+            self.fetch._memory.release(self._held)
+            self._held = 0
 
 
 class SwarmStalled(MeshError):
