@@ -137,6 +137,7 @@ def advertised_features(
         if settings.swarm_transfer:  # issue #23: chunk ranges and source lists
             bits.add(pc.BIT_SWARM_TRANSFER)
             bits.add(pc.BIT_SIBLING_SERVE)  # and serving sibling replicas' stages
+            bits.add(pc.BIT_CHUNK_RUNS)  # and runs of chunks on one stream
     return {pc.FEATURE_SKIPPY_STAGE: tuple(sorted(bits))}
 
 

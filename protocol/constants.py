@@ -95,6 +95,9 @@ BIT_SWARM_TRANSFER: Final = "swarm-transfer"
 # Issue #23: serving across sibling replicas of one coordinator (kind 0x05; source lists that
 # name a sibling replica's ready nodes). Advertised beside swarm-transfer.
 BIT_SIBLING_SERVE: Final = "sibling-serve"
+# Issue #23: one range request may span a run of several chunks (one stream, one authorization,
+# its bytes verified chunk by chunk as they arrive); without it a peer gets one chunk a request.
+BIT_CHUNK_RUNS: Final = "chunk-runs"
 STAGE_BUNDLE: Final = frozenset({BIT_CONTROL, BIT_STATUS, BIT_CONTENT_IDENTITY})
 
 # --- message generations -----------------------------------------------------------------------

@@ -77,6 +77,7 @@ async def test_every_advertisement_and_gossip_message_carries_only_allowed_field
                         pc.BIT_ARTIFACT_TRANSFER,
                         pc.BIT_SWARM_TRANSFER,
                         pc.BIT_SIBLING_SERVE,
+                        pc.BIT_CHUNK_RUNS,
                         pc.BIT_VERIFY_WINDOW,
                     ]
                 )
@@ -126,7 +127,12 @@ async def test_advertisements_carry_only_the_feature_bit_while_artifacts_move(
                 bits = set(message.features[pc.FEATURE_SKIPPY_STAGE])
                 assert set(message.features) == {pc.FEATURE_SKIPPY_STAGE}
                 assert bits == set(pc.STAGE_BUNDLE) | {pc.BIT_VERIFY_WINDOW} | (
-                    {pc.BIT_ARTIFACT_TRANSFER, pc.BIT_SWARM_TRANSFER, pc.BIT_SIBLING_SERVE}
+                    {
+                        pc.BIT_ARTIFACT_TRANSFER,
+                        pc.BIT_SWARM_TRANSFER,
+                        pc.BIT_SIBLING_SERVE,
+                        pc.BIT_CHUNK_RUNS,
+                    }
                     if other is coord.node
                     else set()
                 )

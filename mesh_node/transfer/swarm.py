@@ -14,10 +14,11 @@ Worker (``SwarmFetch``): the list's signature is checked against the topology's 
 the list against the verified manifest and topology (``check_source_list``), then one task
 per source takes chunks from a shared ``ChunkScheduler`` and asks that source for each as a
 range request on a kind 0x03 stream (the source's own ``authorize`` applies in full: a node
-outside the topology, or on another revision, refuses). Every chunk is checked against its
-digest before it is written at its offset (``ChunkSink``); a source that serves a wrong
-chunk is dropped (logged, ``chunk_failures`` / ``dropped_sources`` counted, named in the
-record) and the chunk goes to another source. The list is asked again every
+outside the topology, or on another revision, refuses); a source advertising ``chunk-runs``
+is asked for runs of chunks in a row, one range request per run (``_RunReceiver``). Every
+chunk is checked against its digest before it is written at its offset (``ChunkSink``); a
+source that serves a wrong chunk is dropped (logged, ``chunk_failures`` / ``dropped_sources``
+counted, named in the record) and the chunk goes to another source. The list is asked again every
 ``refresh_s`` while chunks remain, so holders that become ready meanwhile join. The whole
 file is hashed before the install; when no source is left the caller falls back to the
 whole-file path (coordinator, then hub).
@@ -55,7 +56,7 @@ from skippy.package.manifest import PackageManifest
 from skippy.package.topology import SplitTopology, StageAssignment
 from skippy.transfer.authorize import authorize, refuse
 from skippy.transfer.chunk_sink import ChunkSink, open_chunk_sink
-from skippy.transfer.chunks import CHUNK_BYTES, ChunkDigestStore, ChunkScheduler
+from skippy.transfer.chunks import CHUNK_BYTES, ChunkDigestStore, ChunkScheduler, run_length
 from skippy.transfer.errors import ArtifactWireError, InstallBusy, TransferRefused
 from skippy.transfer.fetch_plan import FetchItem, manifest_item, request_for
 from skippy.transfer.hubcache import LoadedManifest, RepoCache
@@ -95,6 +96,12 @@ MAX_SOURCES: Final = 4  # sources used at once for one artifact
 # idle for both: ~50% slower than a whole file, two at a time still ~30%).
 PER_SOURCE: Final = 4
 MAX_IN_FLIGHT: Final = 8  # chunks of one artifact requested at once, over all its sources
+# A holder that advertises ``chunk-runs`` gets runs of chunks in a row, one range request per
+# run (one request, authorization and stream, whose window grows, per run instead of per
+# chunk), each chunk checked as its bytes arrive. Two streams per such holder: while one run's
+# request is answered the other keeps the link busy.
+RUN_CHUNKS: Final = 8  # chunks in one run at most (64 MiB at the default 8 MiB)
+RUN_STREAMS: Final = 2  # runs in flight per holder
 # Received chunks wait in memory until they are checked and written: that memory is taken from
 # the node's peer-memory budget (``mesh_node.budget.PeerMemory``, issue #19) under one trusted
 # account for every swarm fetch of the node, and all of them together hold at most this part
@@ -108,6 +115,7 @@ _SKIP_COORDINATOR: Final = frozenset(
     {"chunk_digest_mismatch", "peer_artifact_mismatch", "transfer_too_slow"}
 )
 SWARM_BITS: Final = frozenset({pc.BIT_ARTIFACT_TRANSFER, pc.BIT_SWARM_TRANSFER})
+RUN_BITS: Final = SWARM_BITS | {pc.BIT_CHUNK_RUNS}
 
 
 def may_ask(node: MeshNode, holder_id: str, coordinator_id: str) -> bool:
@@ -134,6 +142,15 @@ def speaks_swarm(node: MeshNode, node_id: str) -> bool:
         info is not None
         and info.connected
         and info.has_features(pc.FEATURE_SKIPPY_STAGE, SWARM_BITS)
+    )
+
+
+def speaks_runs(node: MeshNode, node_id: str) -> bool:
+    """``node_id`` serves a run of chunks on one range request (``chunk-runs``); else one
+    chunk a request, as before."""
+    info = node.peer(node_id)
+    return (
+        info is not None and info.connected and info.has_features(pc.FEATURE_SKIPPY_STAGE, RUN_BITS)
     )
 
 
@@ -421,11 +438,13 @@ class SwarmFetch:
         self.dropped: set[str] = set()
         self.coordinator_id = ""  # set by ``run``
         self.coordinator_dropped = False
-        self._busy: Counter[str] = Counter()  # holder -> its tasks (PER_SOURCE each)
+        self._busy: Counter[str] = Counter()  # holder -> its tasks (streams_for each)
+        self._runs: dict[str, bool] = {}  # holder -> it takes runs (fixed once asked)
         self._changed = trio.Event()
         self._memory = ChunkMemory(node)
-        # chunk -> source -> the cancel scope of that source's copy (two in the end-game)
-        self._fetching: dict[int, dict[str, trio.CancelScope]] = {}
+        # chunk -> source -> the cancel scope of that source's copy (two in the end-game);
+        # None for a chunk of a run (its stream carries other chunks: never cancelled for one)
+        self._fetching: dict[int, dict[str, trio.CancelScope | None]] = {}
 
     def _entry(self, sources: SourceList) -> ArtifactSources | None:
         return sources.by_path().get(self.item.path)
@@ -469,20 +488,33 @@ class SwarmFetch:
         # their counterparts, so a file of one chunk (most layer files) goes to a peer and the
         # coordinator's uplink is left for what only it holds (issue #23, docs/performance.md).
         usable.sort(key=lambda h: h == self.coordinator_id)
+        for holder in usable:
+            self._runs.setdefault(holder, speaks_runs(self.node, holder))
+        streams = sum(self._streams_for(h) for h in usable)
         # Round robin: every holder gets its first task before any gets a second, and at
-        # most MAX_IN_FLIGHT chunks of this file are in memory at once.
+        # most MAX_IN_FLIGHT chunks of this file are in memory at once (a run's stream holds
+        # one chunk at a time: ``_one_run``).
         for _ in range(PER_SOURCE):
             for holder in usable:
-                if sum(self._busy.values()) >= MAX_IN_FLIGHT or self._busy[holder] >= PER_SOURCE:
+                most = self._streams_for(holder)
+                if sum(self._busy.values()) >= MAX_IN_FLIGHT or self._busy[holder] >= most:
                     continue
                 self._busy[holder] += 1
-                # Its first chunk is taken here, in round-robin order (trio starts tasks in
+                # Its first chunks are taken here, in round-robin order (trio starts tasks in
                 # no set order: a holder's tasks could otherwise take every chunk of a
                 # small file before another holder's first task runs).
-                first = sched.take(trio.current_time())
+                first = self._take(sched, holder, streams)
                 nursery.start_soon(self._source, holder, sink, sched, first)
         for holder in [h for h, n in self._busy.items() if n <= 0]:
             del self._busy[holder]
+
+    def _streams_for(self, holder: str) -> int:
+        return RUN_STREAMS if self._runs.get(holder) else PER_SOURCE
+
+    def _take(self, sched: ChunkScheduler, holder: str, streams: int) -> list[int]:
+        """The next chunks for ``holder``: a run when it takes runs (``run_length``)."""
+        most = run_length(sched.waiting, streams, RUN_CHUNKS) if self._runs.get(holder) else 1
+        return sched.take_run(most, trio.current_time())
 
     def _wake(self) -> None:
         self._changed.set()
@@ -499,12 +531,22 @@ class SwarmFetch:
             self.coordinator_dropped = True
 
     async def _source(
-        self, source: str, sink: ChunkSink, sched: ChunkScheduler, first: int | None = None
+        self, source: str, sink: ChunkSink, sched: ChunkScheduler, first: list[int] | None = None
     ) -> None:
         try:
             while not sched.complete and source not in self.dropped:
                 now = trio.current_time()
-                index, first = (first, None) if first is not None else (sched.take(now), None)
+                if first:
+                    run, first = first, None
+                else:
+                    streams = max(1, sum(self._busy.values()))
+                    run = self._take(sched, source, streams)
+                if len(run) > 1:
+                    if not await self._one_run(source, sink, sched, run):
+                        return
+                    self._wake()
+                    continue
+                index = run[0] if run else None
                 if index is None:  # end-game: help with a chunk another source is slow with
                     mine = [i for i, by in self._fetching.items() if source in by]
                     index = sched.take_duplicate(mine, now, ENDGAME_AFTER_S)
@@ -518,8 +560,8 @@ class SwarmFetch:
                     return
                 self._wake()
         finally:
-            if first is not None:  # never asked for (dropped or done first): back in line
-                sched.failed(first)
+            for index in first or ():  # never asked for (dropped or done first): back in line
+                sched.failed(index)
             self._busy[source] -= 1
             if self._busy[source] <= 0:
                 del self._busy[source]
@@ -570,14 +612,80 @@ class SwarmFetch:
         if scope.cancelled_caught:  # the other copy of this chunk was verified first
             sched.failed(index)  # releases this copy (the chunk is done)
             return True
+        self._verified(source, sink, sched, index, wrote)
+        return True
+
+    def _verified(
+        self, source: str, sink: ChunkSink, sched: ChunkScheduler, index: int, wrote: bool
+    ) -> None:
         sched.finished(index)
         for other in self._fetching.get(index, {}).values():
-            other.cancel()  # first verified copy wins: stop receiving the slower one
+            if other is not None:
+                other.cancel()  # first verified copy wins: stop receiving the slower one
         if wrote:
+            n = sink.spans[index].length
             self.rec.served_by[source] = self.rec.served_by.get(source, 0) + n
             self.rec.bytes_done = sink.offset
             self.records.counters.fetched_bytes["peer"] += n
+
+    async def _one_run(
+        self, source: str, sink: ChunkSink, sched: ChunkScheduler, run: list[int]
+    ) -> bool:
+        """Chunks ``run`` (in a row) from ``source`` on one range request, each checked and
+        written as its bytes arrive (``_RunReceiver``); False: stop using the source. A bad
+        chunk drops the source there (the chunks before it stay verified, it and the rest go
+        back in line); so does a stream that stops."""
+        for index in run:
+            self._fetching.setdefault(index, {})[source] = None
+        receiver = _RunReceiver(self, source, sink, sched, run)
+        try:
+            await receiver.receive()
+        except IntegrityError as exc:
+            if exc.code == "chunk_digest_mismatch":
+                self.records.counters.chunk_failures += 1
+                self.records.counters.verification_failures += 1
+            log.warning(
+                "%s from %s: %s; dropping that source", self.item.path, short_id(source), exc
+            )
+            self._drop(source, exc.code)
+            return False
+        except TransferRefused as exc:
+            if exc.actual == PEER_BUSY:  # no slot now: it may have one later
+                receiver.give_back()
+                await trio.sleep(min(1.0, self.node.timeouts.idle_s))
+                return True
+            log.info("%s: %s refused", self.item.path, short_id(source))
+            self._drop(source, exc.code)
+            return False
+        except SwarmFailed:  # a chunk larger than the chunk budget: the whole-file path
+            raise
+        except (SkippyError, MeshError, ProtocolError) as exc:
+            if all(i in sched.done for i in receiver.left):  # others finished them meanwhile
+                return True
+            log.info("%s from %s: %s; not asking it again", self.item.path, short_id(source), exc)
+            self._drop(source, exc.code)
+            return False
+        finally:
+            receiver.give_back()
+            for index in run:
+                by = self._fetching.get(index, {})
+                by.pop(source, None)
+                if not by:
+                    self._fetching.pop(index, None)
         return True
+
+    async def _run_request(self, source: str, start: int, length: int) -> MeshStream:
+        request = request_for(
+            self.item, self.topology, self.stage, bytes.fromhex(self.node.node_id), offset=start
+        )
+        stream = await self.node.open_stream(source, pc.KIND_ARTIFACT_TRANSFER)
+        try:
+            await stream.send_all(encode_request(dataclasses.replace(request, length=length)))
+            await stream.send_eof()
+        except BaseException:
+            await stream.aclose()
+            raise
+        return stream
 
     async def _get_chunk(self, source: str, sink: ChunkSink, index: int) -> list[memoryview]:
         span = sink.spans[index]
@@ -630,6 +738,146 @@ class SwarmFetch:
             raise SwarmTooSlow(f"{short_id(source)} sent under {min_rate} bytes/s")
         stream.reset("stalled", "no bytes within the idle timeout")
         raise SwarmStalled(f"{short_id(source)} sent nothing for {idle:g} s")
+
+
+class _RunReceiver:
+    """One run's response split at chunk boundaries: each chunk's bytes (views of the
+    stream's records, never joined) are checked and written as soon as they are complete, by
+    a second task on a thread, so the stream keeps being read (and granting credit) while
+    the disk and the digests work. Memory: at most two chunks in the chunk budget, the one
+    being received (taken when its first byte is due) and the one being written (given back
+    once it is); the stream's flow control bounds what else queues."""
+
+    def __init__(
+        self, fetch: SwarmFetch, source: str, sink: ChunkSink, sched: ChunkScheduler, run: list[int]
+    ) -> None:
+        self.fetch, self.source, self.sink, self.sched = fetch, source, sink, sched
+        self.run = list(run)
+        self.left = list(run)  # chunks not yet verified from this run
+        self._next = 0  # the run's chunk being received
+        self._parts: list[memoryview] = []
+        self._have = 0
+        self._held = 0  # chunk-budget bytes of the chunk being received
+
+    async def receive(self) -> None:
+        spans = self.sink.spans
+        start = spans[self.run[0]].start
+        length = spans[self.run[-1]].stop - start
+        await self._reserve()
+        stream = await self.fetch._run_request(self.source, start, length)
+        send, recv = trio.open_memory_channel[tuple[int, list[memoryview], int]](0)
+        wrote_failure: list[SkippyError | OSError] = []
+        read_failure: SkippyError | ProtocolError | None = None
+        async with stream, trio.open_nursery() as nursery:
+            nursery.start_soon(self._write_chunks, recv, wrote_failure)
+            async with send:
+                try:
+                    await self._read(stream, ResponseReader(start, length), send)
+                except trio.BrokenResourceError:  # the writer stopped: its error says why
+                    pass
+                except (SkippyError, ProtocolError) as exc:
+                    read_failure = exc
+        # Every chunk handed to the writer is checked and written (or its failure kept).
+        if wrote_failure:
+            raise wrote_failure[0]
+        if read_failure is not None:
+            raise read_failure
+
+    async def _read(
+        self,
+        stream: MeshStream,
+        reader: ResponseReader,
+        send: trio.MemorySendChannel[tuple[int, list[memoryview], int]],
+    ) -> None:
+        """As ``SwarmFetch._read_chunk``: one deadline, pushed on only while the source keeps
+        ``min_transfer_bytes_per_s``; time spent waiting for the writer or for chunk memory
+        is ours, not the source's, and is added back."""
+        idle = self.fetch.node.timeouts.idle_s
+        guard = RateDeadline(idle, self.fetch.node.settings.security.min_transfer_bytes_per_s)
+        with guard.scope:
+            while not reader.done:
+                views = await stream.receive_views()
+                guard.received(views)
+                if not views:
+                    reader.eof()
+                for view in views:
+                    for event in reader.feed(view):
+                        if isinstance(event, ResponseHeader):
+                            self.sink.accept(event.response)
+                        elif isinstance(event, BodyData):
+                            guard.scope.deadline += await self._take(event.data, send)
+                if all(i in self.sched.done for i in self.run[self._next :]):
+                    return  # end-game copies verified the rest: stop this stream
+            return
+        if guard.since_mark:
+            stream.reset("too_slow", "under the minimum transfer rate")
+            raise SwarmTooSlow(f"{short_id(self.source)} sent too slowly")
+        stream.reset("stalled", "no bytes within the idle timeout")
+        raise SwarmStalled(f"{short_id(self.source)} sent nothing for {idle:g} s")
+
+    async def _take(
+        self, data: memoryview, send: trio.MemorySendChannel[tuple[int, list[memoryview], int]]
+    ) -> float:
+        """Body bytes, cut at chunk ends; each complete chunk goes to the writer with its
+        memory. Returns the seconds spent waiting on the writer or for chunk memory."""
+        waited = 0.0
+        while data:
+            index = self.run[self._next]
+            span = self.sink.spans[index]
+            piece = data[: span.length - self._have]
+            data = data[len(piece) :]
+            self._parts.append(piece)
+            self._have += len(piece)
+            if self._have < span.length:
+                continue
+            began = trio.current_time()
+            parts, held = self._parts, self._held
+            self._parts, self._have, self._held = [], 0, 0
+            try:
+                await send.send((index, parts, held))  # the writer owns its memory now
+            except BaseException:
+                self.fetch._memory.release(held)
+                raise
+            self._next += 1
+            if self._next < len(self.run):
+                await self._reserve()
+                self.sched.touch(self.run[self._next], trio.current_time())
+            waited += trio.current_time() - began
+        return waited
+
+    async def _write_chunks(
+        self,
+        chunks: trio.MemoryReceiveChannel[tuple[int, list[memoryview], int]],
+        failure: list[SkippyError | OSError],
+    ) -> None:
+        fetch = self.fetch
+        async with chunks:
+            async for index, parts, held in chunks:
+                try:
+                    wrote = await trio.to_thread.run_sync(self.sink.write_chunk_parts, index, parts)
+                except (SkippyError, OSError) as exc:
+                    failure.append(exc)  # closing ``chunks`` tells the reader to stop
+                    return
+                finally:
+                    fetch._memory.release(held)
+                self.left.remove(index)
+                fetch._verified(self.source, self.sink, self.sched, index, wrote)
+                fetch._wake()
+
+    async def _reserve(self) -> None:
+        n = self.sink.spans[self.run[self._next]].length
+        await self.fetch._memory.reserve(n)
+        self._held = n
+
+    def give_back(self) -> None:
+        """The chunks this run did not verify back in line, its memory back to the budget
+        (idempotent)."""
+        for index in self.left:
+            self.sched.failed(index)
+        self.left = []
+        if self._held:
+            self.fetch._memory.release(self._held)
+            self._held = 0
 
 
 class SwarmStalled(MeshError):

@@ -234,6 +234,30 @@ class ChunkScheduler:
             return index
         return None
 
+    def take_run(self, most: int, now: float = 0.0) -> list[int]:
+        """Up to ``most`` chunks in a row (one range request, issue #23): the next chunk to
+        fetch, then the chunks that follow it while they are next in line; [] as ``take``
+        gives None."""
+        first = self.take(now)
+        if first is None:
+            return []
+        run = [first]
+        while len(run) < most and self._pending and self._pending[0] == run[-1] + 1:
+            index = self._pending[0]
+            if index in self.done or self.in_flight[index]:
+                break
+            self._pending.popleft()
+            self.in_flight[index] += 1
+            self._taken_at[index] = now
+            run.append(index)
+        return run
+
+    def touch(self, index: int, now: float) -> None:
+        """A run reached chunk ``index``: its copy's age (for ``take_duplicate``) starts now,
+        not when the run was asked for, so a run's later chunks are not stragglers early."""
+        if index in self._taken_at:
+            self._taken_at[index] = now
+
     def take_duplicate(
         self, busy: Iterable[int] = (), now: float = 0.0, min_age_s: float = 0.0
     ) -> int | None:
@@ -272,3 +296,14 @@ class ChunkScheduler:
             self.in_flight[index] -= 1
         else:
             self.in_flight.pop(index, None)
+
+
+def run_length(waiting: int, streams: int, most: int) -> int:
+    """How many chunks in a row one stream asks for (issue #23): enough that per-request costs
+    (a request, an authorization, a stream whose window starts small) are paid once per run,
+    few enough that the waiting chunks still spread over every stream (``streams`` of them,
+    over every holder: each gets its share; the runs shrink as the file's end nears, which
+    keeps the end-game's stragglers small), at most ``most`` (1: one chunk a request)."""
+    if most <= 1 or streams <= 0:
+        return 1
+    return max(1, min(most, -(-waiting // streams)))
