@@ -625,12 +625,9 @@ class StageHost:
     ) -> None:
         async with frames:
             async for work in frames:
-                try:
-                    await self._step(loaded, name, sampling, work.frame, sender, out)
-                finally:  # a decode frame's ack: once its output is on its way (or it failed)
-                    if work.late_ack is not None:
-                        with trio.CancelScope(shield=True), trio.move_on_after(1.0):
-                            await acks.send(work.late_ack)
+                await self._step(loaded, name, sampling, work.frame, sender, out)
+                if work.late_ack is not None:  # a decode frame's: once its output is on its way
+                    await acks.send(work.late_ack)
         # The session ended upstream: free it downstream too, and end our side.
         if sender is not None:
             await sender.send(t.encode_free(begin.request_id, begin.session_id))
