@@ -287,3 +287,12 @@ async def test_loss_drops_the_whole_connection() -> None:
         nursery.cancel_scope.cancel()
     assert netem.counts["drop"] == 1
     assert not list(netem.chunks("a", "b"))
+
+
+async def test_wait_until_sleeps_on_a_timerfd_where_linux_has_one() -> None:
+    # the relay's core stays free while it waits: no yield loop before the frame is due
+    from mesh_node.lab.netem import _timerfd_wait
+
+    deadline = trio.current_time() + 0.01
+    assert await _timerfd_wait(deadline)
+    assert trio.current_time() >= deadline - 1e-4  # fired at the deadline, not before it
