@@ -467,6 +467,16 @@ class Link:
     def wake_writer(self) -> None:
         self._output.unpark_all()
 
+    def _next_records(self) -> list[bytes]:
+        """The multiplexer's queued records, as many as one WebSocket message carries."""
+        records: list[bytes] = []
+        while len(records) < self.limits.max_records_per_message:
+            record = self.mux.next_record()
+            if record is None:
+                break
+            records.append(record)
+        return records
+
     def send_now(self) -> None:
         """Seal and write what the multiplexer has queued from this task, without a
         scheduler pass (``DirectSender.send_now``), when the writer is idle and the socket
@@ -482,12 +492,7 @@ class Link:
         ):
             self.wake_writer()
             return
-        records: list[bytes] = []
-        while len(records) < self.limits.max_records_per_message:
-            record = self.mux.next_record()
-            if record is None:
-                break
-            records.append(record)
+        records = self._next_records()
         if not records:
             return
         try:
@@ -697,12 +702,7 @@ class Link:
                         self.close("peer_not_reading", "a write stalled past the idle timeout")
                         return
                     self._write_in_flight = False
-                records: list[bytes] = []
-                while len(records) < self.limits.max_records_per_message:
-                    record = self.mux.next_record()
-                    if record is None:
-                        break
-                    records.append(record)
+                records = self._next_records()
                 if not records:
                     await trio.lowlevel.checkpoint()
                     continue

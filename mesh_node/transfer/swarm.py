@@ -567,6 +567,14 @@ class SwarmFetch:
                 del self._busy[source]
             self._wake()
 
+    def _bad_bytes(self, source: str, exc: IntegrityError) -> None:
+        """``source`` served bytes that failed their check: counted, logged, dropped."""
+        if exc.code == "chunk_digest_mismatch":
+            self.records.counters.chunk_failures += 1
+            self.records.counters.verification_failures += 1
+        log.warning("%s from %s: %s; dropping that source", self.item.path, short_id(source), exc)
+        self._drop(source, exc.code)
+
     async def _one_chunk(
         self, source: str, sink: ChunkSink, sched: ChunkScheduler, index: int
     ) -> bool:
@@ -580,13 +588,7 @@ class SwarmFetch:
                 wrote = await trio.to_thread.run_sync(sink.write_chunk_parts, index, data)
         except IntegrityError as exc:
             sched.failed(index)
-            if exc.code == "chunk_digest_mismatch":
-                self.records.counters.chunk_failures += 1
-                self.records.counters.verification_failures += 1
-            log.warning(
-                "%s from %s: %s; dropping that source", self.item.path, short_id(source), exc
-            )
-            self._drop(source, exc.code)
+            self._bad_bytes(source, exc)
             return False
         except TransferRefused as exc:
             sched.failed(index)
@@ -641,13 +643,7 @@ class SwarmFetch:
         try:
             await receiver.receive()
         except IntegrityError as exc:
-            if exc.code == "chunk_digest_mismatch":
-                self.records.counters.chunk_failures += 1
-                self.records.counters.verification_failures += 1
-            log.warning(
-                "%s from %s: %s; dropping that source", self.item.path, short_id(source), exc
-            )
-            self._drop(source, exc.code)
+            self._bad_bytes(source, exc)
             return False
         except TransferRefused as exc:
             if exc.actual == PEER_BUSY:  # no slot now: it may have one later
