@@ -33,7 +33,7 @@ import logging
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, NoReturn
 
 import trio
 
@@ -729,11 +729,17 @@ class SwarmFetch:
                         elif isinstance(event, BodyData):
                             out.append(event.data)  # a view of immutable bytes: no copy
             return
-        if guard.since_mark:
-            stream.reset("too_slow", "under the minimum transfer rate")
-            raise SwarmTooSlow(f"{short_id(source)} sent under {min_rate} bytes/s")
-        stream.reset("stalled", "no bytes within the idle timeout")
-        raise SwarmStalled(f"{short_id(source)} sent nothing for {idle:g} s")
+        _gave_up(stream, guard, source)
+
+
+def _gave_up(stream: MeshStream, guard: RateDeadline, source: str) -> NoReturn:
+    """A response read whose deadline passed: reset the stream and say why (a trickle under
+    the minimum rate, or a stall)."""
+    if guard.since_mark:
+        stream.reset("too_slow", "under the minimum transfer rate")
+        raise SwarmTooSlow(f"{short_id(source)} sent under {guard.min_bytes_per_s} bytes/s")
+    stream.reset("stalled", "no bytes within the idle timeout")
+    raise SwarmStalled(f"{short_id(source)} sent nothing for {guard.idle_s:g} s")
 
 
 class _RunReceiver:
@@ -805,11 +811,7 @@ class _RunReceiver:
                 if all(i in self.sched.done for i in self.run[self._next :]):
                     return  # end-game copies verified the rest: stop this stream
             return
-        if guard.since_mark:
-            stream.reset("too_slow", "under the minimum transfer rate")
-            raise SwarmTooSlow(f"{short_id(self.source)} sent too slowly")
-        stream.reset("stalled", "no bytes within the idle timeout")
-        raise SwarmStalled(f"{short_id(self.source)} sent nothing for {idle:g} s")
+        _gave_up(stream, guard, self.source)
 
     async def _take(
         self, data: memoryview, send: trio.MemorySendChannel[tuple[int, list[memoryview], int]]

@@ -89,8 +89,58 @@ class _KvSlots:
         self.resizable.append((tensor_struct(tensor), dim, contiguous))
 
 
-@dataclass
-class _DecodeGraph:
+@dataclass(kw_only=True)
+class _SessionInputs:
+    """One session's part of a decode graph, alone (``_DecodeGraph``) or batched
+    (``_BatchMember``): the inputs naming the cache rows its K and V are written at and its
+    attention masks, the host buffers behind them, and the KV length its attention tensors
+    are sized to."""
+
+    slots: _KvSlots
+    masks: dict[int | None, int]  # F32 [n_ctx, 1] each, resized to [n_kv, 1]
+    k_buf: npt.NDArray[np.int64]
+    v_base: npt.NDArray[np.int64]
+    v_buf: npt.NDArray[np.int64]
+    mask_buf: npt.NDArray[np.float32]
+    n_kv: int = 0
+
+    @staticmethod
+    def buffers(kv_dim: int, n_ctx: int) -> dict[str, Any]:
+        """Fresh host buffers for a session's inputs (keyword arguments)."""
+        v_base = np.arange(kv_dim, dtype=np.int64) * n_ctx
+        return {
+            "k_buf": np.zeros(1, dtype=np.int64),
+            "v_base": v_base,
+            "v_buf": v_base.copy(),
+            "mask_buf": np.zeros(n_ctx, dtype=np.float32),
+        }
+
+    def resize(self, n_kv: int) -> None:
+        """Set the KV length of every attention tensor (``_resize_slots``)."""
+        if n_kv != self.n_kv:
+            _resize_slots(self.slots, n_kv)
+            self.n_kv = n_kv
+
+    def set_position(self, g: ggml.Ggml, position: int) -> None:
+        """Point the graph at ``position``: the KV length, the cache rows K and V are written
+        at, and each mask (query ``position`` sees every key up to it, minus those outside
+        its window)."""
+        n_kv = position + 1
+        self.resize(n_kv)
+        self.k_buf[0] = position
+        np.add(self.v_base, position, out=self.v_buf)
+        g.ggml_backend_tensor_set(self.slots.k_rows, self.k_buf.ctypes.data, 0, 8)
+        g.ggml_backend_tensor_set(self.slots.v_rows, self.v_buf.ctypes.data, 0, self.v_buf.nbytes)
+        for window, mask in self.masks.items():
+            m = self.mask_buf[:n_kv]
+            m[:] = 0.0
+            if window is not None and n_kv > window:
+                m[: n_kv - window] = -np.inf
+            g.ggml_backend_tensor_set(mask, m.ctypes.data, 0, 4 * n_kv)
+
+
+@dataclass(kw_only=True)
+class _DecodeGraph(_SessionInputs):
     """One session's one-position graph, built once at the full context and run per token:
     only its inputs and the KV length of its attention tensors change between runs, so each
     run computes exactly what a freshly built graph for that position computes (same ops,
@@ -100,25 +150,12 @@ class _DecodeGraph:
     ctx: int
     galloc: int
     graph: int
-    slots: _KvSlots
     tokens: int  # I32 [1] ids (stage 0) or F32 [width, 1] activations
     pos: int  # I32 [1]
-    masks: dict[int | None, int]  # F32 [n_ctx, 1] each, resized to [n_kv, 1]
     result: int  # activations [width, 1] or logits [vocab, 1]
     # the result's bytes in the graph's own compute buffer (fixed while the graph lives)
     result_view: npt.NDArray[np.float32]
     pos_buf: npt.NDArray[np.int32]
-    k_buf: npt.NDArray[np.int64]
-    v_base: npt.NDArray[np.int64]
-    v_buf: npt.NDArray[np.int64]
-    mask_buf: npt.NDArray[np.float32]
-    n_kv: int = 0
-
-    def resize(self, n_kv: int) -> None:
-        """Set the KV length of every attention tensor (``_resize_slots``)."""
-        if n_kv != self.n_kv:
-            _resize_slots(self.slots, n_kv)
-            self.n_kv = n_kv
 
 
 def _resize_slots(slots: _KvSlots, n_kv: int) -> None:
@@ -133,24 +170,11 @@ def _resize_slots(slots: _KvSlots, n_kv: int) -> None:
             nb[3] = nb[2] * t.ne[2]
 
 
-@dataclass
-class _BatchMember:
-    """One session's part of a batched decode graph: its cache slots, masks and KV length."""
+@dataclass(kw_only=True)
+class _BatchMember(_SessionInputs):
+    """One session's part of a batched decode graph: its cache, slots, masks and KV length."""
 
     kv: _KvCache
-    slots: _KvSlots
-    masks: dict[int | None, int]
-    k_buf: npt.NDArray[np.int64]
-    v_base: npt.NDArray[np.int64]
-    v_buf: npt.NDArray[np.int64]
-    mask_buf: npt.NDArray[np.float32]
-    n_kv: int = 0
-
-    def resize(self, n_kv: int) -> None:
-        """Set the KV length of every attention tensor (``_resize_slots``)."""
-        if n_kv != self.n_kv:
-            _resize_slots(self.slots, n_kv)
-            self.n_kv = n_kv
 
 
 @dataclass
@@ -443,22 +467,11 @@ class GgmlStage(StageBase[_KvCache]):
         dg = state.decode
         if dg is None:
             dg = state.decode = self._build_decode_graph(state)
-        g, n_kv = self.g, position + 1
-        dg.resize(n_kv)
+        g = self.g
+        dg.set_position(g, position)
         dg.pos_buf[0] = position
-        dg.k_buf[0] = position
-        np.add(dg.v_base, position, out=dg.v_buf)
         g.ggml_backend_tensor_set(dg.tokens, inputs.ctypes.data, 0, inputs.nbytes)
         g.ggml_backend_tensor_set(dg.pos, dg.pos_buf.ctypes.data, 0, 4)
-        g.ggml_backend_tensor_set(dg.slots.k_rows, dg.k_buf.ctypes.data, 0, 8)
-        g.ggml_backend_tensor_set(dg.slots.v_rows, dg.v_buf.ctypes.data, 0, dg.v_buf.nbytes)
-        for window, mask in dg.masks.items():
-            # query `position` sees every key up to it, minus those outside its window
-            m = dg.mask_buf[:n_kv]
-            m[:] = 0.0
-            if window is not None and n_kv > window:
-                m[: n_kv - window] = -np.inf
-            g.ggml_backend_tensor_set(mask, m.ctypes.data, 0, 4 * n_kv)
         self._compute(dg.graph, step=True)
         if greedy and self.layers.owns_output:
             # The argmax over the logits where ggml left them: no copy, and numpy's first
@@ -520,7 +533,6 @@ class GgmlStage(StageBase[_KvCache]):
                 g.ggml_gallocr_free(galloc)
             g.ggml_free(ctx)
             raise
-        v_base = np.arange(spec.kv_dim, dtype=np.int64) * n_ctx
         return _DecodeGraph(
             ctx=ctx,
             galloc=galloc,
@@ -532,10 +544,7 @@ class GgmlStage(StageBase[_KvCache]):
             result=result,
             result_view=view,
             pos_buf=np.zeros(1, dtype=np.int32),
-            k_buf=np.zeros(1, dtype=np.int64),
-            v_base=v_base,
-            v_buf=v_base.copy(),
-            mask_buf=np.zeros(n_ctx, dtype=np.float32),
+            **_SessionInputs.buffers(spec.kv_dim, n_ctx),
         )
 
     # --- several sessions' decode steps in one graph (issue #22 item 6) ----------------------
@@ -561,18 +570,7 @@ class GgmlStage(StageBase[_KvCache]):
         x = np.ascontiguousarray(np.concatenate(inputs))
         g.ggml_backend_tensor_set(bg.tokens, x.ctypes.data, 0, x.nbytes)
         for m, position in zip(bg.members, positions, strict=True):
-            n_kv = position + 1
-            m.resize(n_kv)
-            m.k_buf[0] = position
-            np.add(m.v_base, position, out=m.v_buf)
-            g.ggml_backend_tensor_set(m.slots.k_rows, m.k_buf.ctypes.data, 0, 8)
-            g.ggml_backend_tensor_set(m.slots.v_rows, m.v_buf.ctypes.data, 0, m.v_buf.nbytes)
-            for window, mask in m.masks.items():  # as _decode_one
-                mb = m.mask_buf[:n_kv]
-                mb[:] = 0.0
-                if window is not None and n_kv > window:
-                    mb[: n_kv - window] = -np.inf
-                g.ggml_backend_tensor_set(mask, mb.ctypes.data, 0, 4 * n_kv)
+            m.set_position(g, position)
         self._compute(bg.graph, step=True)
         out: list[tuple[npt.NDArray[np.float32] | None, int | None]] = []
         for i, gr in enumerate(greedy):
@@ -622,10 +620,7 @@ class GgmlStage(StageBase[_KvCache]):
                         kv=kv,
                         slots=slots,
                         masks=masks,
-                        k_buf=np.zeros(1, dtype=np.int64),
-                        v_base=np.arange(spec.kv_dim, dtype=np.int64) * n_ctx,
-                        v_buf=np.zeros(spec.kv_dim, dtype=np.int64),
-                        mask_buf=np.zeros(n_ctx, dtype=np.float32),
+                        **_SessionInputs.buffers(spec.kv_dim, n_ctx),
                     )
                 )
             for il in self.layers:
