@@ -7,7 +7,8 @@ are read in chunks aligned to the tensor's start, so a chunk of tensor ``T`` is 
 on both sides, keyed ``(T, chunk index)``. Whichever pass reaches a chunk first parks its
 buffer in a ``Rendezvous``; the second compares against it (a ``memcmp``) and hands the buffer
 back (chunks up to 1 MiB are copied into a recycled 1 MiB buffer instead, so small tensors
-do not pin 4 MiB buffers). No byte is read twice, and the two passes stay close.
+do not pin 4 MiB buffers, and chunks up to 64 KiB into a copy of their own size, so norms and
+biases do not pin 1 MiB each). No byte is read twice, and the two passes stay close.
 
 Memory is bounded by a pool of parked buffers (``PARK_BUDGET_BYTES``). When it is empty the
 source pass leaves a marker instead (the package pass then re-reads those source bytes; the
@@ -34,6 +35,11 @@ PARK_BUDGET_BYTES = 64 * 1024 * 1024  # peak RSS target of validate-package is 2
 # handing over a 4 MiB one (most layer tensors are smaller than a chunk). Recycling matters:
 # fresh buffers of this size come from mmap, and their page faults cost more than the copy.
 _SMALL_CHUNK = CHUNK_BYTES // 4
+# A chunk up to this size is parked as an exact-size copy, counted at its size and freed after
+# its meeting: it comes from malloc's heap (below glibc's 128 KiB mmap threshold), so it costs
+# no page faults, and a model's many tiny tensors (norms: a few KiB) no longer take 1 MiB of
+# the budget each; with that they could exhaust it when one pass ran far ahead (seen under load).
+_TINY_CHUNK = 64 * 1024
 
 OnBytes = Callable[[int], None]
 Key = tuple[str, int]  # (tensor name, chunk index)
@@ -45,7 +51,7 @@ class _Parked:
     n: int
     fd: int
     offset: int
-    small: bool  # ``buf`` is a recycled small buffer (else a 4 MiB one)
+    pool: str  # "big": a recycled 4 MiB buffer, "small": a recycled 1 MiB one, "tiny": a copy
 
 
 @dataclass
@@ -62,7 +68,7 @@ class Rendezvous:
     _parked: dict[Key, _Parked] = field(default_factory=dict)
     _free: list[bytearray] = field(default_factory=list)
     _free_small: list[bytearray] = field(default_factory=list)
-    _held: int = 0  # bytes of buffers allocated for parking (they are recycled, never freed)
+    _held: int = 0  # bytes allocated for parking (buffers are recycled; tiny copies are freed)
     _source_done: bool = False
     _positions_known: threading.Event = field(default_factory=threading.Event)
 
@@ -85,17 +91,23 @@ class Rendezvous:
     def _park(self, key: Key, buf: bytearray, n: int, fd: int, offset: int) -> bytearray | None:
         """With the lock held: park ``buf[:n]`` for the other pass and return the buffer to
         read the next chunk into, or None when the budget has no room (nothing parked)."""
+        if n <= _TINY_CHUNK:
+            if self._held + n > self.budget_bytes:
+                return None
+            self._held += n
+            self._parked[key] = _Parked(bytearray(memoryview(buf)[:n]), n, fd, offset, "tiny")
+            return buf
         if n <= _SMALL_CHUNK:
             small = self._allocate(self._free_small, _SMALL_CHUNK)
             if small is None:
                 return None
             memoryview(small)[:n] = memoryview(buf)[:n]
-            self._parked[key] = _Parked(small, n, fd, offset, True)
+            self._parked[key] = _Parked(small, n, fd, offset, "small")
             return buf
         fresh = self._allocate(self._free, CHUNK_BYTES)
         if fresh is None:
             return None
-        self._parked[key] = _Parked(buf, n, fd, offset, False)
+        self._parked[key] = _Parked(buf, n, fd, offset, "big")
         return fresh
 
     def _allocate(self, free: list[bytearray], size: int) -> bytearray | None:
@@ -114,7 +126,7 @@ class Rendezvous:
             if other is None:
                 nxt = self._park(key, buf, n, fd, offset)
                 if nxt is None:  # no room: a marker; the package pass re-reads these bytes
-                    self._parked[key] = _Parked(None, n, fd, offset, False)
+                    self._parked[key] = _Parked(None, n, fd, offset, "big")
                 self._cond.notify_all()  # a package pass waiting at ``key`` can go on
                 return nxt if nxt is not None else buf
         if other.buf is None:  # the package pass never leaves markers (its files close early)
@@ -153,8 +165,10 @@ class Rendezvous:
 
     def _release(self, parked: _Parked) -> None:
         with self._cond:
-            if parked.buf is not None:
-                (self._free_small if parked.small else self._free).append(parked.buf)
+            if parked.pool == "tiny":
+                self._held -= parked.n
+            elif parked.buf is not None:
+                (self._free_small if parked.pool == "small" else self._free).append(parked.buf)
             self._cond.notify_all()
 
     def _record(self, name: str, same: bool) -> None:
