@@ -111,7 +111,11 @@ class Mesh:
 
     async def start(self, name: str, ident: LocalIdentity | None = None) -> Member:
         ident = ident or identity()
-        s = settings(self.tmp, name, serving=SERVING)
+        # Every node of this mesh shares the test's one process and loop: a stall of the
+        # process (a loaded CI machine) reaches them all at once, and 0.6 s (``FAST``) made
+        # three live nodes "lost" together, once. A kill closes its links, so the loss is seen
+        # at once; the timeout only judges silent links.
+        s = settings(self.tmp, name, serving=SERVING, peer_loss_timeout_s=2.0)
         if self.coordinator is not None:
             from dataclasses import replace
 

@@ -35,8 +35,7 @@ from starlette.middleware import Middleware
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
-from starlette.routing import BaseRoute, Mount, Route
-from starlette.staticfiles import StaticFiles
+from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mesh_node.http.guard import Guard, GuardPolicy
@@ -48,6 +47,16 @@ PUSH_INTERVAL_S = 1.0  # the page's live update period
 EVENT_SETTLE_S = 0.2  # after a node event, wait this long so a burst becomes one push
 MAX_EVENT_STREAMS = 32  # open pages at once; beyond, 503 (the page then polls)
 STATIC_PACKAGE = ("mesh_node.http", "static")
+# The page's assets, served from memory (read once, a few KiB). Not starlette's StaticFiles:
+# its FileResponse under hypercorn's ASGI 2.1 waits for ``http.disconnect`` after the body,
+# so a ``Connection: close`` request was answered and then held open until the client gave
+# up (measured: 15 s, the test client's timeout), and a keep-alive connection could carry no
+# second request meanwhile.
+STATIC_TYPES = {
+    ".js": "text/javascript; charset=utf-8",
+    ".css": "text/css; charset=utf-8",
+    ".html": "text/html; charset=utf-8",
+}
 OWN_PATHS = ("/", "/api/status", "/api/events", "/metrics", "/static", "/health")
 Health = Callable[[], tuple[int, dict[str, Any]]]  # (status, document) of /health
 SECURITY_HEADERS = [
@@ -88,13 +97,19 @@ def build_app(
             path == own or (own != "/" and path.startswith(own + "/")) for own in OWN_PATHS
         ):
             raise UsageError(f"route {path} would shadow the status page's own", code="bad_route")
-    index_html = resources.files(STATIC_PACKAGE[0]).joinpath(STATIC_PACKAGE[1], "index.html")
-    page = index_html.read_bytes()
+    assets = _static_assets()
+    page = assets["index.html"][0]
     registry = node_registry(node.status, node.metrics)
     streams = _Slots(MAX_EVENT_STREAMS)
 
     async def index(request: Request) -> Response:
         return Response(page, media_type="text/html; charset=utf-8")
+
+    async def static(request: Request) -> Response:
+        found = assets.get(str(request.path_params["name"]))  # a name of ours, never a path
+        if found is None:
+            return PlainTextResponse("Not Found", status_code=404)
+        return Response(found[0], media_type=found[1])
 
     async def api_status(request: Request) -> Response:
         return JSONResponse(public_status(node.status()))
@@ -119,12 +134,12 @@ def build_app(
         Route("/api/events", api_events, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/health", health_check, methods=["GET"]),
+        Route("/static/{name}", static, methods=["GET"]),
     ]
     return Starlette(
         routes=[
             *own,
             *routes,
-            Mount("/static", StaticFiles(packages=[STATIC_PACKAGE]), name="static"),
         ],
         middleware=[
             Middleware(Guard, policy=policy or GuardPolicy()),
@@ -133,6 +148,17 @@ def build_app(
         ],
         exception_handlers={HTTPException: _http_error},
     )
+
+
+def _static_assets() -> dict[str, tuple[bytes, str]]:
+    """Every file of the package's static directory: name -> (bytes, media type)."""
+    folder = resources.files(STATIC_PACKAGE[0]).joinpath(STATIC_PACKAGE[1])
+    out: dict[str, tuple[bytes, str]] = {}
+    for entry in folder.iterdir():
+        media = STATIC_TYPES.get("." + entry.name.rsplit(".", 1)[-1])
+        if entry.is_file() and media is not None:
+            out[entry.name] = (entry.read_bytes(), media)
+    return out
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
