@@ -26,8 +26,8 @@ def test_a_short_soak_of_kills_and_restarts(tmp_path: Path) -> None:
     result = soak(
         tmp_path / "soak",
         tmp_path / "pkg",
-        duration_s=12,
-        kill_every_s=(3.0, 6.0),
+        duration_s=8,
+        kill_every_s=(2.0, 4.0),
         prompt=IDS,
         max_tokens=48,
         warmup_s=2.0,
