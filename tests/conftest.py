@@ -192,11 +192,9 @@ def hp_models(tmp_path_factory: pytest.TempPathFactory) -> HighPrecisionModels:
         bf16=synth_gguf.high_precision(root / "model-bf16.gguf", dtype="BF16"),
         tied=synth_gguf.high_precision(root / "model-tied.gguf", tied=True),
         imatrix=synth_gguf.imatrix(f32, root / "imatrix.gguf"),
-        moe=(
-            moe := synth_gguf.high_precision(
-                root / "moe-f16.gguf", dtype="F16", n_layers=4, ff=512, n_experts=8
-            )
-        ),
+        moe=(moe := synth_gguf.high_precision(
+            root / "moe-f16.gguf", dtype="F16", n_layers=4, ff=512, n_experts=8
+        )),
         moe_imatrix=synth_gguf.imatrix(moe, root / "moe-imatrix.gguf"),
     )
 
@@ -274,8 +272,6 @@ def smollm_package(smollm_gguf: Path, tmp_path_factory: pytest.TempPathFactory) 
     out = tmp_path_factory.mktemp("smollm_package") / "smol"
     make_package(smollm_gguf, out, model_id=SMOLLM_MODEL_ID)
     return out
-
-
 # --- a synthetic package on a lab hub (mesh transfer tests) -------------------------------------
 @dataclass(frozen=True)
 class HubPackage:
@@ -295,3 +291,5 @@ def hub_package(
     make_package(synth_dir.gemma, pkg, projectors=(synth_dir.projector,))
     with running_hub() as hub:
         yield HubPackage(pkg, hub, publish_directory(hub, pkg))
+
+

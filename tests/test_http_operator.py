@@ -73,18 +73,8 @@ def serve_alone(
     cluster = Cluster(root)
     proc = cluster.start(
         "coord",
-        [
-            "serve",
-            "--package",
-            str(pkg),
-            "--stages",
-            "1",
-            "--http",
-            "127.0.0.1:0",
-            "--model-name",
-            "tiny",
-            *args,
-        ],
+        ["serve", "--package", str(pkg), "--stages", "1", "--http", "127.0.0.1:0",
+         "--model-name", "tiny", *args],
         node_toml(root, "coord", **kw) + extra_toml,
     )
     proc.address = proc.wait_line("listening ")
@@ -199,11 +189,7 @@ def test_keys_the_openai_client_and_what_stays_open(keyed: Cluster) -> None:
     assert c.models.retrieve("tiny").id == "tiny"  # GET /v1/models/{id}
     done = c.completions.create(model="tiny", prompt=IDS, max_tokens=8, temperature=0)
     streamed = client(api, OTHER_KEY).completions.create(  # the file's second key works too
-        model="tiny",
-        prompt=IDS,
-        max_tokens=8,
-        temperature=0,
-        stream=True,
+        model="tiny", prompt=IDS, max_tokens=8, temperature=0, stream=True,
         stream_options={"include_usage": True},
     )
     chunks = list(streamed)
@@ -237,21 +223,9 @@ def test_a_key_file_others_can_read_is_refused(tmp_path: Path, tiny_pkg: Path) -
     keys = write_keys(tmp_path / "keys.txt", KEY, mode=0o644)
     (tmp_path / "n.toml").write_text(node_toml(tmp_path, "n"))
     out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "mesh_node",
-            "run",
-            "--config",
-            str(tmp_path / "n.toml"),
-            "--http",
-            "127.0.0.1:0",
-            "--api-key-file",
-            str(keys),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
+        [sys.executable, "-m", "mesh_node", "run", "--config", str(tmp_path / "n.toml"),
+         "--http", "127.0.0.1:0", "--api-key-file", str(keys)],
+        capture_output=True, text=True, timeout=60,
     )
     assert out.returncode == 2 and "error [key_file_permissions]" in out.stderr, out.stderr
     assert "chmod 600" in out.stderr and "Traceback" not in out.stderr and KEY not in out.stderr
@@ -622,12 +596,8 @@ def test_access_log_lines_with_request_ids_and_no_secrets(keyed: Cluster) -> Non
     generated = headers_of(response)["x-request-id"]
     assert re.fullmatch(r"[0-9a-f]{16}", generated)
     text = json.dumps({"prompt": secret_prompt, "max_tokens": 1}).encode()
-    raw(
-        api,
-        http_request(
-            "POST", "/v1/completions", api, text, {**bearer(), "Content-Type": "application/json"}
-        ),
-    )
+    raw(api, http_request("POST", "/v1/completions", api, text, {**bearer(), "Content-Type":
+                                                                "application/json"}))
     log = keyed.proc("coord").log
     deadline = time.monotonic() + 10
     while not any(generated in line for line in log):
@@ -635,16 +605,8 @@ def test_access_log_lines_with_request_ids_and_no_secrets(keyed: Cluster) -> Non
         time.sleep(0.1)
     (line,) = [line for line in log if "req-abc.123" in line]
     assert "logger=mesh_node.http.access" in line
-    for field in (
-        "method=POST",
-        'path=\\"/v1/completions\\"',
-        "status=200",
-        "tokens_in=12",
-        "tokens_out=3",
-        "client=127.0.0.1:",
-        "duration_ms=",
-        "bytes_out=",
-    ):
+    for field in ("method=POST", 'path=\\"/v1/completions\\"', "status=200", "tokens_in=12",
+                  "tokens_out=3", "client=127.0.0.1:", "duration_ms=", "bytes_out="):
         assert field in line, (field, line)
     joined = "\n".join(log)
     assert KEY not in joined and OTHER_KEY not in joined and secret_prompt not in joined
@@ -654,7 +616,9 @@ def test_access_log_lines_with_request_ids_and_no_secrets(keyed: Cluster) -> Non
 def test_sigterm_ends_open_streams_with_an_error_event(tmp_path: Path, tiny_pkg: Path) -> None:
     """No grace (``shutdown_grace_s = 0``): the open stream is ended at once, with a final
     SSE error event and [DONE], not a bare connection error; the node exits 0."""
-    cluster, proc = serve_alone(tmp_path, tiny_pkg, "[http]\nshutdown_grace_s = 0\n", n_ctx=2048)
+    cluster, proc = serve_alone(
+        tmp_path, tiny_pkg, "[http]\nshutdown_grace_s = 0\n", n_ctx=2048
+    )
     try:
         wait_ready(cluster.api)
         host, port = host_port(cluster.api)
@@ -663,13 +627,8 @@ def test_sigterm_ends_open_streams_with_an_error_event(tmp_path: Path, tiny_pkg:
         ).encode()
         with socket.create_connection((host, port), timeout=30) as s:
             s.sendall(
-                http_request(
-                    "POST",
-                    "/v1/completions",
-                    cluster.api,
-                    body,
-                    {"Content-Type": "application/json"},
-                )
+                http_request("POST", "/v1/completions", cluster.api, body,
+                             {"Content-Type": "application/json"})
             )
             received = s.recv(65536)
             assert received.startswith(b"HTTP/1.1 200")
@@ -705,13 +664,8 @@ def test_a_failure_of_ours_is_an_error_outcome_and_a_final_sse_event(
         ).encode()
         with socket.create_connection((host, port), timeout=60) as s:
             s.sendall(
-                http_request(
-                    "POST",
-                    "/v1/completions",
-                    cluster.api,
-                    body,
-                    {"Content-Type": "application/json"},
-                )
+                http_request("POST", "/v1/completions", cluster.api, body,
+                             {"Content-Type": "application/json"})
             )
             received = s.recv(65536)
             while received.count(b"data: ") < 2:
@@ -725,11 +679,12 @@ def test_a_failure_of_ours_is_an_error_outcome_and_a_final_sse_event(
         assert "error" in final and final["error"]["type"] == "service_unavailable", final
         outcomes = {}
         response, _ = raw(cluster.api, http_request("GET", "/metrics", cluster.api))
-        for family in text_string_to_metric_families(response.split(b"\r\n\r\n", 1)[1].decode()):
+        for family in text_string_to_metric_families(
+            response.split(b"\r\n\r\n", 1)[1].decode()
+        ):
             if family.name == "mesh_node_requests":
                 outcomes = {
-                    s.labels["outcome"]: s.value
-                    for s in family.samples
+                    s.labels["outcome"]: s.value for s in family.samples
                     if s.name.endswith("_total")
                 }
         assert outcomes["error"] == 1 and outcomes["cancelled"] == 0, outcomes

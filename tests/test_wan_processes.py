@@ -26,24 +26,16 @@ TIMEOUTS = {
 }
 
 
-def test_the_lab_cli_runs_over_emulated_links_and_reports_them(tiny_package, tmp_path, monkeypatch):
+def test_the_lab_cli_runs_over_emulated_links_and_reports_them(
+    tiny_package, tmp_path, monkeypatch
+):
     # Calibrated nodes (issue #21 section 3): the lab's split is planned by cost.
     monkeypatch.setenv("MESH_NODE_CALIBRATION", "auto")
     lab_file = tmp_path / "links.toml"
     lab_file.write_text('[[links.pair]]\na = 1\nb = 2\nlatency = "40ms"\nrate = "50Mbit"\n')
     code, report = lab_cli(
-        "--nodes",
-        "3",
-        "--package",
-        str(tiny_package),
-        "--transfer",
-        "open",
-        "--link-latency",
-        "20ms",
-        "--link-jitter",
-        "2ms",
-        "--links",
-        str(lab_file),
+        "--nodes", "3", "--package", str(tiny_package), "--transfer", "open",
+        "--link-latency", "20ms", "--link-jitter", "2ms", "--links", str(lab_file),
     )
     assert code == 0 and report["ok"], report["problems"]
     links = {(x["a"], x["b"]): x for x in report["links"]["links"]}
@@ -72,14 +64,8 @@ def test_bad_link_flags_are_usage_errors(tiny_package):
 
 def _options(package: Path, root: Path, links: LinkTable, **kw: Any) -> LabOptions:
     return LabOptions(
-        nodes=kw.pop("nodes", 3),
-        package=str(package),
-        transfer="open",
-        root=root / "lab",
-        node_config={**TIMEOUTS, **kw.pop("node_config", {})},
-        timeout_s=60,
-        links=links,
-        **kw,
+        nodes=kw.pop("nodes", 3), package=str(package), transfer="open", root=root / "lab",
+        node_config={**TIMEOUTS, **kw.pop("node_config", {})}, timeout_s=60, links=links, **kw,
     )
 
 
@@ -127,7 +113,9 @@ async def test_a_partition_longer_than_peer_loss_degrades_and_the_links_heal(
 
 async def test_a_transfer_cut_by_a_partition_resumes_from_its_partial(big_package, tmp_path):
     links = LinkTable(LinkSpec(rtt_s=0.01, rate_bytes_per_s=8e6))  # ~4 s for the package
-    opts = _options(big_package, tmp_path, links, nodes=2, node_env={1: {"HF_HUB_OFFLINE": "1"}})
+    opts = _options(
+        big_package, tmp_path, links, nodes=2, node_env={1: {"HF_HUB_OFFLINE": "1"}}
+    )
     async with open_lab(opts) as lab:
         assert lab.netem is not None
         worker = lab.cluster.nodes[1]
@@ -194,23 +182,10 @@ async def test_topology_dry_run_ranks_candidates_by_measured_links_and_sends_not
         await trio.sleep(2 * TIMEOUTS["heartbeat_interval_s"])  # RTTs measured
         out = await trio.to_thread.run_sync(
             lambda: subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "mesh_node",
-                    "topology",
-                    "--config",
-                    str(coordinator.config_path),
-                    "--package",
-                    lab.package.ref,
-                    "--stages",
-                    "2",
-                    "--dry-run",
-                    "--json",
-                ],
-                capture_output=True,
-                text=True,
-                env=lab.cluster.environment(coordinator),
+                [sys.executable, "-m", "mesh_node", "topology", "--config",
+                 str(coordinator.config_path), "--package", lab.package.ref, "--stages", "2",
+                 "--dry-run", "--json"],
+                capture_output=True, text=True, env=lab.cluster.environment(coordinator),
                 timeout=120,
             )
         )
