@@ -34,7 +34,7 @@ from stagetools import chain
 from mesh_node.errors import StreamReset
 from mesh_node.node import MeshNode
 from mesh_node.service import _package_facts
-from mesh_node.serving.host import StageHost
+from mesh_node.serving.host import StageHost, accept_window
 from mesh_node.serving.pipeline import GenerationParams, ServerBusy, SplitServer
 from mesh_node.serving.service import stage_services
 from protocol import constants as pc
@@ -292,6 +292,54 @@ async def test_a_refused_step_in_a_batch_fails_only_its_own_session(
     assert host.batches == 0
 
 
+async def test_a_verify_window_joins_the_decode_batches_position_by_position(
+    packages: dict[str, Path], tmp_path: Path
+) -> None:
+    """Session a's 3-position verify window and session b's decode step, queued together:
+    a's first position runs in one graph with b's step, its other two alone; every output
+    equals the session's own steps run alone (a's window by ``decode_steps``)."""
+    host = StageHost(MeshNode(settings(tmp_path, "n0", serving=SERVING), identity()), SERVING)
+    with chain("ggml", packages["llama"], ["0..6"], SERVING_CONFIG) as ch:
+        stage = BatchCounter(ch.stages[0])
+        stage.prefill("a", 0, np.array(IDS[:4]))
+        stage.prefill("b", 0, np.array(IDS[:3]))
+        window = [7, 9, 11]
+        results: dict[str, Any] = {}
+
+        async def verify() -> None:
+            results["a"] = await host.verify(stage, "a", t.Sampling(), 4, np.array(window), window)
+
+        async def decode() -> None:
+            results["b"] = await host.decode(stage, "b", 3, np.array([5]), None)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(verify)
+            nursery.start_soon(decode)
+        assert stage.batches == [(2, None)]
+        assert (host.batches, host.batched_steps, host.batched_window_steps) == (1, 2, 1)
+        stage.truncate("a", 4)
+        stage.truncate("b", 3)
+        alone_a = stage.decode_steps("a", 4, np.array(window)).logits
+        alone_b = stage.decode("b", 3, np.array([5])).logits
+    _, committed = results["a"]
+    assert committed == accept_window(t.Sampling(), 4, alone_a, window)
+    assert np.array_equal(results["b"].logits, alone_b)
+
+
+async def test_a_verify_window_past_the_context_is_refused_before_it_runs(
+    packages: dict[str, Path], tmp_path: Path
+) -> None:
+    host = StageHost(MeshNode(settings(tmp_path, "n0", serving=SERVING), identity()), SERVING)
+    with chain("ggml", packages["llama"], ["0..6"], SERVING_CONFIG) as ch:
+        stage = ch.stages[0]
+        n_ctx = SERVING_CONFIG.n_ctx
+        stage.prefill("a", 0, np.array([IDS[i % len(IDS)] for i in range(n_ctx - 2)]))
+        with pytest.raises(SkippyError) as err:
+            await host.verify(stage, "a", t.Sampling(), n_ctx - 2, np.array([1, 2, 3]), [1, 2, 3])
+        assert err.value.code == "context_full"
+        assert stage.session_length("a") == n_ctx - 2  # no position of the window ran
+
+
 async def test_bad_frames_are_refused_without_disturbing_other_sessions(
     packages: dict[str, Path], tmp_path: Path
 ) -> None:
@@ -515,6 +563,36 @@ async def test_speculative_windows_across_the_split_give_plain_decodings_tokens(
         await wait_for(
             lambda: all(h.loaded is not None and not h.loaded.stage.sessions for h in sp.hosts)
         )
+
+
+async def test_concurrent_speculating_requests_batch_their_windows_and_keep_their_tokens(
+    packages: dict[str, Path], tmp_path: Path
+) -> None:
+    """Three speculating requests at once over the split: each gets plain decoding's tokens,
+    and verify-window positions ran in batched graphs with other sessions' steps (whether a
+    window meets another session's step is up to timing: up to 3 rounds, each checked)."""
+    pkg = packages["llama"]
+    prompts = [[5, 9, 17, 33, 5, 9, 17, 33, 5, 9, 17], [3, 1, 3, 1, 3, 1, 3], IDS]
+    async with split(tmp_path, pkg, stages=3) as sp:
+
+        async def run_all() -> list[list[int]]:
+            got: list[list[int]] = [[], [], []]
+
+            async def one(i: int) -> None:
+                got[i] = await generate(sp.server, prompts[i], 16)
+
+            async with trio.open_nursery() as nursery:
+                for i in range(3):
+                    nursery.start_soon(one, i)
+            return got
+
+        plain = await run_all()
+        sp.server.generator.speculative = _ngram_plan()
+        for _ in range(3):
+            assert await run_all() == plain
+            if sum(h.batched_window_steps for h in sp.hosts) > 0:
+                break
+        assert sum(h.batched_window_steps for h in sp.hosts) > 0
 
 
 def test_serve_resolves_the_packages_declared_strategy(synth_dir, tmp_path: Path) -> None:

@@ -42,7 +42,6 @@ from mesh_node.serving.host import (
     StageHost,
     drop_rejected,
     sampler_at,
-    verify_window,
 )
 from mesh_node.serving.links import ChainSender, FrameReader, HopStats
 from protocol import constants as pc
@@ -272,19 +271,19 @@ class Generator:
                     verify = step.phase == "verify"
 
                     def run() -> Any:
-                        if verify:  # a speculative window: exact one-position steps
-                            return verify_window(
-                                stage, name, params.sampling, step.start, x, list(step.tokens)
-                            )
                         drop_rejected(stage, name, step.start)
                         return stage.prefill(name, step.start, x, sampler=sampler)
 
-                    try:  # a decode step is batched with other sessions' (issue #22 item 6)
-                        output: Any = await (
-                            self.host.decode(stage, name, step.start, x, sampler)
-                            if decode
-                            else self.host.compute(run)
-                        )
+                    try:  # decode steps and verify windows are batched with other sessions'
+                        output: Any
+                        if decode:  # (issue #22 item 6)
+                            output = await self.host.decode(stage, name, step.start, x, sampler)
+                        elif verify:  # a speculative window: exact one-position steps
+                            output = await self.host.verify(
+                                stage, name, params.sampling, step.start, x, list(step.tokens)
+                            )
+                        else:
+                            output = await self.host.compute(run)
                     except SkippyError as exc:  # this node's own stage refused: ours, not theirs
                         raise GenerationFailed(
                             f"stage 0 refused the request: {exc.message}",

@@ -28,6 +28,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import numpy as np
 import trio
 
 from mesh_node.compute import run_compute
@@ -44,7 +45,7 @@ from skippy.runtime.boundary import StageLoad
 from skippy.runtime.compute_thread import compute_thread
 from skippy.runtime.sampling import Sampler, SamplingParams
 from skippy.runtime.speculation import accept_draft
-from skippy.runtime.stage import DecodeStep, Stage, StageConfig, StageOutput
+from skippy.runtime.stage import DecodeStep, Stage, StageConfig, StageOutput, stage_usage
 from skippy.stage import transport as t
 from skippy.stage.descriptor import RuntimeFacts
 
@@ -121,14 +122,19 @@ class LoadedStage:
 
 @dataclass
 class _QueuedStep:
-    """One session's decode step waiting for the next batch, and then its outcome."""
+    """One session's one-position steps waiting for the next batch (one for a decode step,
+    a verify window's positions in order), and then their outcomes."""
 
     stage: Stage
-    step: DecodeStep
-    output: StageOutput | None = None
+    steps: tuple[DecodeStep, ...]
+    outputs: list[StageOutput] = field(default_factory=list)
     error: BaseException | None = None
     done: bool = False
     wake: trio.Event = field(default_factory=trio.Event)  # done, or asked to lead a batch
+
+    @property
+    def session(self) -> str:
+        return self.steps[0].session
 
 
 @dataclass(frozen=True)
@@ -186,6 +192,7 @@ class StageHost:
         self._decoders: dict[str, float] = {}  # session -> when its last decode step ran
         self.batches = 0  # decode batches of two or more sessions
         self.batched_steps = 0  # the steps they held
+        self.batched_window_steps = 0  # of those, verify windows' positions
         node.register_subprotocol(pc.KIND_TRANSPORT, self._handle)
 
     # --- loading ------------------------------------------------------------------------------
@@ -277,9 +284,11 @@ class StageHost:
         async with self._lock:
             return await self._timed(fn, step=step)
 
-    async def _timed(self, fn: Callable[[], T], *, step: bool) -> T:
+    async def _timed(self, fn: Callable[[], T], *, step: bool, graphs: int = 1) -> T:
         """``compute``'s body, the lock held. The time counted is the call's own, taken
-        where it ran: the hand-offs are the route's cost, not the stage's."""
+        where it ran: the hand-offs are the route's cost, not the stage's. A ``step`` call
+        runs ``graphs`` one-position graphs one after the other (a verify window's), each
+        counted as a step."""
         elapsed = 0.0
 
         def timed() -> T:
@@ -291,7 +300,7 @@ class StageHost:
                 elapsed = time.perf_counter() - start
 
         try:
-            if step and self.step_s <= INLINE_STEP_MAX_S:
+            if step and self.step_s * graphs <= INLINE_STEP_MAX_S:
                 self.blocking_steps += 1
                 if self.stage_threads == 1:  # ggml runs a 1-thread graph without OpenMP
                     return timed()
@@ -301,8 +310,8 @@ class StageHost:
             self.busy_s += elapsed
             self.calls += 1
             if step:  # a moving average, so one slow step does not move every later one
-                self.step_s += STEP_SMOOTHING * (elapsed - self.step_s)
-                self.steps += 1  # one graph run (a batch of sessions' steps is one)
+                self.step_s += STEP_SMOOTHING * (elapsed / graphs - self.step_s)
+                self.steps += graphs  # graph runs (a batch of sessions' steps is one)
                 self.step_busy_s += elapsed
 
     async def decode(
@@ -317,7 +326,29 @@ class StageHost:
         queued when the stage becomes free: one ``decode_batch`` graph for all of them
         (continuous batching; each output equals its own decode bit for bit). Positions a
         rejected verify window left are dropped first (``drop_rejected``)."""
-        item = _QueuedStep(stage, DecodeStep(name, position, inputs, sampler))
+        item = _QueuedStep(stage, (DecodeStep(name, position, inputs, sampler),))
+        return (await self._queue(item))[0]
+
+    async def verify(
+        self, stage: Stage, name: str, sampling: t.Sampling, start: int, x: Any, window: list[int]
+    ) -> tuple[Any, list[int] | None]:
+        """One verify window (``verify_window``'s outcome) as exact one-position steps that
+        join the decode batches: position j of this window in one graph with the other
+        sessions' steps queued meanwhile (their decode steps, their windows' position j), so
+        concurrent speculating sessions share their weight reads as plain decoding does
+        (issue #22 item 6). A window that cannot fit the context is refused before any step."""
+        rows = np.asarray(x)
+        steps = tuple(
+            DecodeStep(name, start + i, rows[i : i + 1], None) for i in range(rows.shape[0])
+        )
+        outs = await self._queue(_QueuedStep(stage, steps))
+        if outs[-1].logits is None:
+            return np.concatenate([o.activations for o in outs if o.activations is not None]), None
+        logits = np.concatenate([o.logits for o in outs if o.logits is not None])
+        return None, accept_window(sampling, start, logits, window)
+
+    async def _queue(self, item: _QueuedStep) -> list[StageOutput]:
+        """Queue ``item`` for the next batch (leading it when no one leads); its outputs."""
         self._queued.append(item)
         self._queue_grew.set()
         try:
@@ -343,8 +374,8 @@ class StageHost:
                 self._hand_over()
         if item.error is not None:
             raise item.error
-        assert item.output is not None  # done without an error: set by _run_batch
-        return item.output
+        assert len(item.outputs) == len(item.steps)  # done without an error: _run_batch
+        return item.outputs
 
     def _hand_over(self) -> None:
         """The oldest queued step leads the next batch (when no one leads)."""
@@ -354,12 +385,12 @@ class StageHost:
     async def _wait_for_company(self, item: _QueuedStep) -> None:
         """A short while (see ``BATCH_WINDOW_S``) for the sessions that stepped recently to
         queue theirs."""
-        name = item.step.session
+        name = item.session
         now = time.perf_counter()
         window = min(max(BATCH_WINDOW_S, BATCH_WINDOW_SHARE * self.step_s), BATCH_WINDOW_MAX_S)
         deadline = trio.current_time() + window
         while not item.done:
-            queued = {q.step.session for q in self._queued}
+            queued = {q.session for q in self._queued}
             waiting = [
                 s
                 for s, t0 in self._decoders.items()
@@ -375,36 +406,50 @@ class StageHost:
                 return
 
     async def _run_batch(self, stage: Stage) -> None:
-        """Run every step queued for ``stage`` (the lock held) as one batch, in session order
-        (a steady set of sessions reuses its batched graph); a refusal of the batch runs the
-        steps alone, so each session gets its own outcome."""
-        batch = sorted((q for q in self._queued if q.stage is stage), key=lambda q: q.step.session)
+        """Run every step queued for ``stage`` (the lock held) as batches, in session order
+        (a steady set of sessions reuses its batched graph): the first position of every
+        queued item in one graph, then the second of those that have one (verify windows),
+        and so on, all in one compute call. A refusal of a batch runs its steps alone, so
+        each session gets its own outcome; a session refused at a position stops there."""
+        batch = sorted((q for q in self._queued if q.stage is stage), key=lambda q: q.session)
         self._queued = [q for q in self._queued if q.stage is not stage]
-
-        ran_batched = False
+        graphs = max(len(q.steps) for q in batch)
+        counts = [0, 0, 0]  # batched graphs of 2+ steps, the steps they held, window steps
 
         def run() -> None:
-            nonlocal ran_batched
             for q in batch:
-                drop_rejected(stage, q.step.session, q.step.position)
-            try:  # alone: exactly decode
-                outs = stage.decode_batch([q.step for q in batch]) if len(batch) > 1 else None
-            except SkippyError:
-                outs = None
-            ran_batched = outs is not None
-            for i, q in enumerate(batch):
-                try:
-                    if outs is not None:
-                        q.output = outs[i]
-                    else:
-                        s = q.step
-                        q.output = stage.decode(s.session, s.position, s.inputs, sampler=s.sampler)
-                except SkippyError as exc:
-                    q.error = exc
+                first = q.steps[0]
+                drop_rejected(stage, first.session, first.position)
+                if len(q.steps) > 1 and first.position + len(q.steps) > stage.descriptor.n_ctx:
+                    q.error = window_too_long(first.session, first.position, len(q.steps), stage)
+            for j in range(graphs):
+                live = [q for q in batch if q.error is None and j < len(q.steps)]
+                if not live:
+                    break
+                try:  # alone: exactly decode
+                    outs = stage.decode_batch([q.steps[j] for q in live]) if len(live) > 1 else None
+                except SkippyError:
+                    outs = None
+                if outs is not None:
+                    counts[0] += 1
+                    counts[1] += len(live)
+                    counts[2] += sum(len(q.steps) > 1 for q in live)
+                for i, q in enumerate(live):
+                    try:
+                        if outs is not None:
+                            q.outputs.append(outs[i])
+                        else:
+                            s = q.steps[j]
+                            q.outputs.append(
+                                stage.decode(s.session, s.position, s.inputs, sampler=s.sampler)
+                            )
+                    except SkippyError as exc:
+                        q.error = exc
+            for q in batch:
                 q.done = True
 
         try:
-            await self._timed(run, step=True)
+            await self._timed(run, step=True, graphs=graphs)
         finally:
             for q in batch:  # a failure outside the stage's refusals reaches every waiter
                 if not q.done:
@@ -413,11 +458,11 @@ class StageHost:
                 q.wake.set()  # here, not in run(): that runs on the compute thread
         now = time.perf_counter()
         for q in batch:
-            self._decoders[q.step.session] = now
-        log.debug("decode batch: %s", ",".join(q.step.session for q in batch))
-        if ran_batched:
-            self.batches += 1
-            self.batched_steps += len(batch)
+            self._decoders[q.session] = now
+        log.debug("decode batch: %s", ",".join(q.session for q in batch))
+        self.batches += counts[0]
+        self.batched_steps += counts[1]
+        self.batched_window_steps += counts[2]
 
     def status(self) -> dict[str, Any] | None:
         """This node's stage for the status document (``stage`` section), or None."""
@@ -444,6 +489,7 @@ class StageHost:
             "decode_busy_s": round(self.step_busy_s, 6),
             "decode_batches": self.batches,
             "batched_decode_steps": self.batched_steps,
+            "batched_verify_steps": self.batched_window_steps,
             "hops": hop_summary(self.hops),
         }
 
@@ -593,9 +639,7 @@ class StageHost:
     ) -> None:
         """One verify window: pass its rows on, or (final stage) return the committed tokens."""
         window = frame.tokens()
-        rows, tokens = await self.compute(
-            lambda: verify_window(loaded.stage, name, sampling, frame.start, x, window)
-        )
+        rows, tokens = await self.verify(loaded.stage, name, sampling, frame.start, x, window)
         if sender is not None:
             data = t.encode_verify(
                 frame.request_id,
@@ -687,22 +731,27 @@ def drop_rejected(stage: Stage, name: str, start: int) -> None:
         stage.truncate(name, start)
 
 
-def verify_window(
-    stage: Stage, name: str, sampling: t.Sampling, start: int, x: Any, window: list[int]
-) -> tuple[Any, list[int] | None]:
-    """Run a verify window through ``stage`` with exact one-position steps (plain decoding's
-    graphs: issue #22); a final stage also accepts it: the committed tokens (the accepted
-    drafts, then the target's own), each drawn like plain decoding's token at its position."""
-    drop_rejected(stage, name, start)
-    out = stage.decode_steps(name, start, x)
-    if out.logits is None:
-        return out.activations, None
+def accept_window(sampling: t.Sampling, start: int, logits: Any, window: list[int]) -> list[int]:
+    """A final stage's verdict on a verify window: the committed tokens (the accepted drafts,
+    then the target's own), each drawn like plain decoding's token at its position."""
     positions = iter(range(start + 1, start + len(window) + 1))
 
     def sample(row: Any) -> int:
         return sampler_at(sampling, next(positions)).sample(row)
 
-    return None, accept_draft(out.logits, window[1:], sample)
+    return accept_draft(logits, window[1:], sample)
+
+
+def window_too_long(session: str, start: int, n: int, stage: Stage) -> SkippyError:
+    """``decode_steps``'s refusal of a window past the context, before any of it runs."""
+    n_ctx = stage.descriptor.n_ctx
+    return stage_usage(
+        f"session {session!r} would reach {start + n} positions; the context holds {n_ctx}",
+        "context_full",
+        expected=n_ctx,
+        actual=start + n,
+        remediation="raise the context with --n-ctx, or free the session",
+    )
 
 
 def stage_threads(configured: int | None, cores: int, co_located: int) -> int:
