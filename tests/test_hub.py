@@ -16,12 +16,12 @@ from hubfaults import Fault, FaultyHub, running_hub
 
 from mesh_node.lab.hub import write_tree
 from skippy.config import HubPolicy
+from skippy.consume.cache_layout import repo_cache_root, repo_folder_name
 from skippy.consume.hub import (
     HubError,
     OfflineCacheMiss,
     download_file,
     download_many,
-    repo_cache_root,
     resolve_revision,
 )
 from skippy.errors import EXIT_USAGE, ArtifactMissing, SkippyError, UnsafePath, UsageError
@@ -328,3 +328,21 @@ def test_no_request_leaves_for_the_agent_registry(hub: FaultyHub, tmp_path: Path
     paths = [p for _, p, _ in hub.request_log()]
     assert any("model-package.json" in p for p in paths)
     assert not [p for p in paths if "agent-harnesses" in p]
+
+
+@pytest.mark.parametrize("repo_id", [REPO, "meshllm/gemma-3-270m-Q4_K_M-layers", "solo"])
+def test_the_cache_layout_is_huggingface_hubs(repo_id: str) -> None:
+    from huggingface_hub.file_download import repo_folder_name as theirs
+
+    assert repo_folder_name(repo_id) == theirs(repo_id=repo_id, repo_type="model")
+
+
+def test_a_node_starts_without_importing_the_hub_client() -> None:
+    """The hub client (~0.3 s of imports) loads when a node first falls back to the hub."""
+    code = (
+        "import sys, mesh_node.service, mesh_node.cli; "
+        "print(sorted(m for m in ('huggingface_hub.hf_api', 'huggingface_hub.file_download') "
+        "if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -21,6 +21,7 @@ from typing import Final
 from mesh_node.lab.hub import FakeHub
 from skippy.constants import MANIFEST_NAME, ROLE_LAYER
 from skippy.consume import hub
+from skippy.consume.cache_layout import repo_cache_root
 from skippy.consume.preflight import load_package
 from skippy.consume.verify import VerifyCache, check_refs
 from skippy.package.manifest import PackageManifest
@@ -67,7 +68,7 @@ def import_package(
     manifest_file = hub.download_file(
         ref, commit, MANIFEST_NAME, endpoint=endpoint, cache_dir=cache_dir
     )
-    root = hub.repo_cache_root(cache_dir, ref.repo_id)
+    root = repo_cache_root(cache_dir, ref.repo_id)
     pinned = str(ref.at(commit))
     pkg = load_package(manifest_file.parent, containment_root=root, origin=pinned, from_hub=True)
     artifacts = list(pkg.manifest.artifacts())

@@ -28,7 +28,7 @@ import logging
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import trio
 
@@ -69,7 +69,6 @@ from skippy.transfer.authorize import PEER_DISABLED, PEER_UNAVAILABLE
 from skippy.transfer.delta import link_from_revisions
 from skippy.transfer.disk import cache_usage, evict_partials, stage_disk_problem
 from skippy.transfer.errors import ArtifactWireError, InstallBusy, PartialChanged, TransferRefused
-from skippy.transfer.fallback import fetch_from_hub
 from skippy.transfer.fetch_plan import FetchItem, manifest_item, plan_fetch, request_for
 from skippy.transfer.hubcache import RepoCache, load_held_manifest, verified_file, verified_present
 from skippy.transfer.required import stage_refs
@@ -686,7 +685,7 @@ class StageFetcher:
         rec.fallback = reason
         log.info("%s from the hub (%s)", item.path, reason)
         fetch = functools.partial(
-            fetch_from_hub,
+            _fetch_from_hub,
             job.cache,
             item,
             manifest_sha256=job.topology.manifest_sha256,
@@ -706,6 +705,16 @@ class StageFetcher:
         self.records.counters.fetched_bytes["hub"] += size
         await trio.to_thread.run_sync(_drop_partials, job.cache, item)
         return path
+
+
+def _fetch_from_hub(*args: Any, **kw: Any) -> Path:
+    """``skippy.transfer.fallback.fetch_from_hub``, imported on first use, on the worker
+    thread that runs it: the hub client costs ~0.3 s of imports, which a node that never
+    falls back to the hub (most) should not pay at start-up, nor its event loop later."""
+    from skippy.transfer.fallback import fetch_from_hub
+
+    path: Path = fetch_from_hub(*args, **kw)
+    return path
 
 
 class _Batch:

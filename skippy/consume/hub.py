@@ -29,11 +29,11 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
     RevisionResolutionError,
 )
-from huggingface_hub.file_download import repo_folder_name
 from huggingface_hub.utils.tqdm import disable_progress_bars, enable_progress_bars
 
 from skippy import progress
 from skippy.config import HubPolicy
+from skippy.consume.cache_layout import repo_cache_root
 from skippy.consume.hub_policy import HubGaveUp, install
 from skippy.errors import EXIT_USAGE, ArtifactMissing, SkippyError, UnsafePath, UsageError
 from skippy.package.refs import COMMIT_SHA_RE, HfPackageRef
@@ -47,7 +47,6 @@ constants.HF_HUB_DISABLE_TELEMETRY = True
 
 logger = logging.getLogger(__name__)
 
-_REPO_TYPE: Final = "model"
 
 # Everything huggingface_hub (and the httpx2 client under it) raises for a failed lookup or
 # download. OSError covers its offline/connection errors and size-check failures, and disk
@@ -91,18 +90,6 @@ class OfflineCacheMiss(ArtifactMissing):
 
     def to_dict(self) -> dict[str, Any]:
         return {**super().to_dict(), "missing": list(self.missing)}
-
-
-def repo_cache_root(cache_dir: Path | str | None, repo_id: str) -> Path:
-    """The repo's ``models--ns--name`` folder.
-
-    Snapshot files are symlinks into ``blobs/``, so containment checks for cached files must
-    resolve against this folder, not against ``snapshots/<commit>``. ``None`` keeps
-    huggingface_hub's own default for library callers; our commands always pass the cache
-    ``skippy.config`` resolved, so the environment is read in one place.
-    """
-    base = Path(cache_dir) if cache_dir is not None else Path(constants.HF_HUB_CACHE)
-    return base.expanduser().resolve() / repo_folder_name(repo_id=repo_id, repo_type=_REPO_TYPE)
 
 
 def resolve_revision(

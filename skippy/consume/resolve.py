@@ -23,6 +23,7 @@ from typing import Any
 from skippy.config import Environment
 from skippy.constants import MANIFEST_NAME
 from skippy.consume import hub
+from skippy.consume.cache_layout import repo_cache_root
 from skippy.consume.preflight import LoadedPackage, PreparedStage, load_package, prepare_stage
 from skippy.consume.verify import VerifyCache
 from skippy.errors import InputUnreadable, IntegrityError, PackageInvalid, UnsafePath
@@ -86,13 +87,13 @@ def open_package(ref: PackageRef, env: Environment) -> LoadedPackage:
     commit = hub.resolve_revision(ref, **_hub_kwargs(env))
     manifest_file = hub.download_file(ref, commit, MANIFEST_NAME, **_hub_kwargs(env))
     carrier = _v2_carrier_path(
-        manifest_file.parent, hub.repo_cache_root(env.hf_cache_dir, ref.repo_id)
+        manifest_file.parent, repo_cache_root(env.hf_cache_dir, ref.repo_id)
     )
     if carrier is not None:  # package v2: the root and the carrier first (notes §3.3)
         hub.download_file(ref, commit, carrier, **_hub_kwargs(env))
     return load_package(
         manifest_file.parent,
-        containment_root=hub.repo_cache_root(env.hf_cache_dir, ref.repo_id),
+        containment_root=repo_cache_root(env.hf_cache_dir, ref.repo_id),
         origin=str(ref.at(commit)),
         from_hub=True,
     )

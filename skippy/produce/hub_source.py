@@ -16,6 +16,7 @@ from pathlib import Path, PurePosixPath
 from skippy.config import Environment
 from skippy.constants import MODEL_COORDINATE_RE, SHA256_HEX_RE, SPLIT_SHARD_RE
 from skippy.consume import hub
+from skippy.consume.cache_layout import repo_cache_root
 from skippy.errors import IntegrityError, UsageError
 from skippy.hashing import sha256_files
 from skippy.package.refs import HfPackageRef
@@ -221,7 +222,7 @@ def fetch_model_source(
     local = hub.download_many(
         ref, commit, files, endpoint=endpoint, cache_dir=cache_dir, offline=offline, policy=policy
     )
-    _verify_lfs_digests(local, hub.repo_cache_root(cache_dir, repo_id))
+    _verify_lfs_digests(local, repo_cache_root(cache_dir, repo_id))
     return HubModelSource(
         first_shard=local[files[0]],
         provenance=Provenance(

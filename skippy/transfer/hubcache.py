@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from skippy.constants import MANIFEST_MAX_BYTES, MANIFEST_NAME
-from skippy.consume.hub import repo_cache_root
+from skippy.consume.cache_layout import repo_cache_root
 from skippy.consume.verify import FileStamp, Status, VerifyCache, cache_key, check_refs
 from skippy.errors import (
     ArtifactMissing,
