@@ -66,8 +66,13 @@ class ChainSender:
         await self.stream.send_all(data)
 
     async def send_activations(self, data: bytes, *, decode: bool) -> None:
-        """An activations frame: waits for a free in-flight slot first."""
-        await self._slots.acquire()
+        """An activations frame: waits for a free in-flight slot first. A free slot is
+        taken without a scheduler pass (``acquire`` always yields), so a decode frame goes
+        out before the loop runs other tasks; ``send_all`` yields once it is written."""
+        try:
+            self._slots.acquire_nowait()
+        except trio.WouldBlock:
+            await self._slots.acquire()
         self._sent.append((trio.current_time(), decode))
         await self.stream.send_all(data)
         self.stats.frames += 1
