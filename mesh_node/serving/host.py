@@ -332,7 +332,8 @@ class StageHost:
     async def verify(
         self, stage: Stage, name: str, sampling: t.Sampling, start: int, x: Any, window: list[int]
     ) -> tuple[Any, list[int] | None]:
-        """One verify window (``verify_window``'s outcome) as exact one-position steps that
+        """One verify window: its activation rows for the next stage, or (final stage)
+        the committed tokens (``accept_window``), from exact one-position steps that
         join the decode batches: position j of this window in one graph with the other
         sessions' steps queued meanwhile (their decode steps, their windows' position j), so
         concurrent speculating sessions share their weight reads as plain decoding does
