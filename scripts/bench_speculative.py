@@ -18,10 +18,10 @@ acceptance (accepted / proposed drafted tokens), the verify windows (mean and wi
 and whether the tokens equal plain decoding's.
 
 Then serving: a 3-node lab split (``mesh-node lab``'s processes, every link through the lab's
-userspace relay) of a gemma3 package declaring ngram-suffix as its default, served once with
-``[speculative] strategy = "disabled"`` and once with ``auto`` (the package's ngram-suffix, as
-verify windows), at 0 and 20 ms RTT: decode tok/s on both workloads, the coordinator's
-speculative counters per workload, and whether the texts equal plain serving's.
+userspace relay) of each model as a package declaring ngram-suffix as its default, served
+once with ``[speculative] strategy = "disabled"`` and once with ``auto`` (the package's
+ngram-suffix, as verify windows), at 0 and 20 ms RTT: decode tok/s on both workloads, the
+coordinator's speculative counters per workload, and whether the texts equal plain serving's.
 """
 
 from __future__ import annotations
@@ -131,18 +131,20 @@ def _child(*args: str) -> dict[str, Any]:
     return result
 
 
-def _spec_package(ctx: BenchContext) -> Path:
-    """gemma3-270m as a package declaring ngram-suffix (adaptive window) as its default."""
+def _spec_package(ctx: BenchContext, model: str) -> Path:
+    """``model`` (gemma3-270m or SmolLM2) as a package declaring ngram-suffix (adaptive
+    window) as its default."""
     from skippy.constants import MANIFEST_NAME
     from skippy.produce.write_package import WriteOptions, local_provenance, write_package
 
-    pkg = ctx.work / "pkg-gemma3-ngram-suffix"
+    src = ctx.gemma if model == "gemma3" else smollm_gguf()
+    pkg = ctx.work / f"pkg-{model}-ngram-suffix"
     if not (pkg / MANIFEST_NAME).exists():
         prov = local_provenance(
             model_id="bench/model-GGUF:Q",
             source_repo=None,
             source_revision="r",
-            source_file=ctx.gemma.name,
+            source_file=src.name,
         )
         opts = WriteOptions(
             out_dir=pkg,
@@ -151,11 +153,11 @@ def _spec_package(ctx: BenchContext) -> Path:
             speculative=(SUFFIX_DECLARATION,),
             speculative_default="ngram-suffix",
         )
-        write_package(ctx.gemma, opts)
+        write_package(src, opts)
     return pkg
 
 
-async def _wan_lab(ctx: BenchContext, pkg: Path, strategy: str) -> dict[int, Any]:
+async def _wan_lab(ctx: BenchContext, model: str, pkg: Path, strategy: str) -> dict[int, Any]:
     """Decode tok/s through a 3-node lab split at each RTT, serving with ``strategy``."""
     import shutil
 
@@ -166,7 +168,7 @@ async def _wan_lab(ctx: BenchContext, pkg: Path, strategy: str) -> dict[int, Any
     from mesh_node.lab.netem import LinkSpec, LinkTable
     from mesh_node.lab.run import LAB_NODE_CONFIG, LabOptions, open_lab
 
-    root = ctx.work / f"spec-wan-{strategy}"
+    root = ctx.work / f"spec-wan-{model}-{strategy}"
     shutil.rmtree(root, ignore_errors=True)
     config = {**LAB_NODE_CONFIG, "speculative": {"strategy": strategy}}
     options = LabOptions(
@@ -198,7 +200,7 @@ async def _wan_lab(ctx: BenchContext, pkg: Path, strategy: str) -> dict[int, Any
                 rates, texts = [], []
                 for _ in range(ctx.runs):
                     tokens, decode_s, run_texts = 0, 0.0, []
-                    for prompt in workload("gemma3", name):
+                    for prompt in workload(model, name):
                         d = await trio.to_thread.run_sync(_complete, api, prompt, WAN_TOKENS)
                         tokens += d["usage"]["completion_tokens"] - 1
                         decode_s += d["timings"]["decode_s"]
@@ -212,12 +214,18 @@ async def _wan_lab(ctx: BenchContext, pkg: Path, strategy: str) -> dict[int, Any
 
 
 def wan_rows(ctx: BenchContext) -> list[Row]:
-    """Serve across a 3-node lab split at emulated RTTs: plain vs ngram-suffix windows."""
+    """Serve across a 3-node lab split at emulated RTTs: plain vs ngram-suffix windows, for
+    each model (SPEC_SERVE_MODELS: a comma-separated subset, default both)."""
+    wanted = os.environ.get("SPEC_SERVE_MODELS", "gemma3,smollm2").split(",")
+    return [row for model in SPLITS if model in wanted for row in _wan_model_rows(ctx, model)]
+
+
+def _wan_model_rows(ctx: BenchContext, model: str) -> list[Row]:
     import trio
 
-    pkg = _spec_package(ctx)
-    plain = trio.run(_wan_lab, ctx, pkg, "disabled")
-    spec = trio.run(_wan_lab, ctx, pkg, "auto")
+    pkg = _spec_package(ctx, model)
+    plain = trio.run(_wan_lab, ctx, model, pkg, "disabled")
+    spec = trio.run(_wan_lab, ctx, model, pkg, "auto")
     out: list[Row] = []
     for rtt_ms in WAN_RTTS_MS:
         for name in WORKLOADS:
@@ -231,7 +239,7 @@ def wan_rows(ctx: BenchContext) -> list[Row]:
             mean = f"{proposed / passes:.1f}" if passes else "-"
             out.append(
                 (
-                    "gemma3",
+                    model,
                     f"serve 3-node lab split, {rtt_ms} ms RTT, {name}: decode plain / "
                     "ngram-suffix windows",
                     f"{spread(p, fmt='{:.1f}')} / {spread(s, fmt='{:.1f}')} tok/s",
