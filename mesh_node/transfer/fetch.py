@@ -74,7 +74,7 @@ from skippy.transfer.errors import ArtifactWireError, InstallBusy, PartialChange
 from skippy.transfer.fallback import fetch_from_hub
 from skippy.transfer.fetch_plan import FetchItem, manifest_item, plan_fetch, request_for
 from skippy.transfer.hubcache import RepoCache, load_held_manifest, verified_file, verified_present
-from skippy.transfer.partials import fetch_order
+from skippy.transfer.partials import stage_file_order
 from skippy.transfer.required import stage_refs
 from skippy.transfer.sink import ArtifactSink, open_sink
 from skippy.transfer.sources import worth_chunking
@@ -99,6 +99,9 @@ PEER_ATTEMPTS: Final = 3  # asks of the coordinator per artifact before the hub
 WRITE_BATCH_BYTES: Final = 2 * 1024 * 1024  # received bytes handed to the sink per thread call
 WRITE_QUEUE: Final = 4  # batches between the stream reader and the disk writer
 LOCK_POLL_S: Final = 0.05
+# Issue #23 ``partial-serve``: the others' share of a stage's files starts this long after
+# the stage's own (their first have-reports, with what they fetch, are in by then).
+DEFER_S: Final = 1.0
 # Failures after which asking the same peer again may work (the sink keeps the partial).
 _RETRY: Final = (
     PeerUnavailable,
@@ -292,12 +295,14 @@ class StageFetcher:
                 revision = linked[ref.path].revision.short if ref.path in linked else None
                 self.records.found_in_cache(ref.path, ref.artifact.artifact_bytes, revision)
         failures: list[SkippyError] = []
-        queue = deque(self._fetch_order(job, list(plan.fetch)))
+        order, deferred = self._fetch_order(job, manifest, list(plan.fetch))
+        queue = deque(order)
+        not_before = trio.current_time() + DEFER_S
         async with trio.open_nursery() as nursery:
             # Workers taking files in order (trio starts tasks in no set order; the order
             # matters when counterparts exchange partials: ``_fetch_order``).
             for _ in range(min(CONCURRENCY, len(queue))):
-                nursery.start_soon(self._fetch_queue, job, queue, failures)
+                nursery.start_soon(self._fetch_queue, job, queue, failures, deferred, not_before)
         if failures:
             raise failures[0]
         load = await trio.to_thread.run_sync(self._stage_load, cache, topology, stage)
@@ -306,22 +311,43 @@ class StageFetcher:
         return StageResult(topology, stage, load, StageDescriptor.for_stage(topology, stage, refs))
 
     async def _fetch_queue(
-        self, job: _Job, queue: deque[FetchItem], failures: list[SkippyError]
+        self,
+        job: _Job,
+        queue: deque[FetchItem],
+        failures: list[SkippyError],
+        deferred: set[str],
+        not_before: float,
     ) -> None:
         while queue:
-            await self._fetch_collecting(job, queue.popleft(), failures)
+            item = queue.popleft()
+            if item.path in deferred:  # the others' share: once their reports are in
+                await trio.sleep_until(not_before)
+            await self._fetch_collecting(job, item, failures)
 
-    def _fetch_order(self, job: _Job, items: list[FetchItem]) -> list[FetchItem]:
+    def _fetch_order(
+        self, job: _Job, manifest: PackageManifest, items: list[FetchItem]
+    ) -> tuple[list[FetchItem], set[str]]:
         """``plan_fetch``'s order (largest first); while counterparts exchange partials
-        (issue #23), the files of several chunks first (their chunks are exchanged in
-        opposite orders anyway), then the one-chunk files in this node's own order among
-        its counterparts, so each fetches from the coordinator what the other gets last."""
+        (issue #23), ``skippy.transfer.partials.stage_file_order``: the files of several
+        chunks first, then this node's share of the one-chunk files, then the others'
+        (deferred), so each asks the coordinator for what the others get last. A file
+        other worker stages need too is first fetched by rank 0 of the lowest of them."""
         latest = job.book.latest if job.book is not None else None
         if latest is None or not latest.partial or latest.ranks <= 1:
-            return items
-        big = [i for i in items if (i.size or 0) > latest.chunk_bytes]
-        small = sorted((i for i in items if (i.size or 0) <= latest.chunk_bytes), key=_path)
-        return big + [small[k] for k in fetch_order(len(small), latest.rank, latest.ranks)]
+            return items, set()
+        workers = [s for s in job.topology.stages if s.node_id != job.coordinator_id]
+        needed = {s.stage_index: {r.path for r in stage_refs(manifest, s.layers)} for s in workers}
+        shared: dict[str, bool] = {}
+        for item in items:
+            by = sorted(i for i, paths in needed.items() if item.path in paths)
+            if len(by) > 1:
+                shared[item.path] = by[0] == job.stage.stage_index and latest.rank == 0
+        big = [i.path for i in items if (i.size or 0) > latest.chunk_bytes]
+        order, deferred = stage_file_order(
+            [i.path for i in items], big=big, shared=shared, rank=latest.rank, ranks=latest.ranks
+        )
+        by_path = {i.path: i for i in items}
+        return [by_path[p] for p in order], deferred
 
     async def _fetch_collecting(
         self, job: _Job, item: FetchItem, failures: list[SkippyError]
@@ -784,10 +810,6 @@ class _Batch:
     def take(self) -> list[memoryview]:
         parts, self.parts, self.size = self.parts, [], 0
         return parts
-
-
-def _path(item: FetchItem) -> str:
-    return item.path
 
 
 def _write_parts(sink: ArtifactSink, parts: list[memoryview]) -> None:

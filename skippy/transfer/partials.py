@@ -55,6 +55,38 @@ def fetch_order(count: int, rank: int, ranks: int) -> list[int]:
     return items[start:] + items[:start]
 
 
+def stage_file_order(
+    paths: Iterable[str],
+    *,
+    big: Iterable[str],
+    shared: Mapping[str, bool],
+    rank: int,
+    ranks: int,
+) -> tuple[list[str], set[str]]:
+    """The order in which counterpart ``rank`` of ``ranks`` fetches its stage's files, and
+    which of them it starts only once the others' first reports are in (``deferred``).
+
+    ``big``: files of several chunks, first and never deferred (their chunks are fetched
+    in opposite orders). The one-chunk files are split into shares (by path): this node's
+    share first, in its own order, then the others' (deferred: by then the coordinator
+    lists what the others fetch, and this node waits for it instead of asking the
+    coordinator for the same bytes). ``shared``: files other stages need too (the
+    metadata), path -> whether this node is the one that fetches it first (they go
+    with its share; for every other node they come last, deferred)."""
+    items = list(paths)
+    heavy = [p for p in items if p in set(big)]
+    owned = [p for p in items if p in shared and shared[p] and p not in heavy]
+    later = [p for p in items if p in shared and not shared[p] and p not in heavy]
+    small = sorted(p for p in items if p not in shared and p not in heavy)
+    n = len(small)
+    order = [small[k] for k in fetch_order(n, rank, ranks)]
+    mine = [p for p in order if (small.index(p) * ranks // n if n else 0) == rank]
+    theirs = [p for p in order if p not in mine]
+    if ranks <= 1:
+        return [*heavy, *owned, *order, *later], set()
+    return [*heavy, *owned, *mine, *theirs, *later], set(theirs) | set(later)
+
+
 def pack_bitmap(indices: Iterable[int], count: int) -> bytes:
     out = bytearray((count + 7) // 8)
     for i in indices:
