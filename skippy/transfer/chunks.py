@@ -18,6 +18,7 @@ import hashlib
 import os
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -31,6 +32,7 @@ MAX_CHUNK_BYTES: Final = 64 * 1024 * 1024  # a chunk is held in memory while it 
 MAX_CHUNKS: Final = 1 << 16  # per artifact: bounds a digest list (2 MiB at most)
 DIGEST_BYTES: Final = 32
 _READ_BYTES: Final = 1024 * 1024
+PROVEN_THREADS: Final = 2  # threads hashing a proven file's chunks (this machine: 2 cores)
 
 
 def check_chunk_bytes(chunk_bytes: object) -> int:
@@ -110,7 +112,9 @@ def digest_chunks(
     bring-up the coordinator computes these while every worker waits), so only its size is
     checked here, and the file is hashed once, not twice."""
     spans = chunk_spans(size, chunk_bytes)
-    whole = _NoHash() if proven else hashlib.sha256()
+    if proven:
+        return _digest_proven(path, spans, size)
+    whole = hashlib.sha256()
     digests: list[bytes] = []
     with open(path, "rb", buffering=0) as f:
         for span in spans:
@@ -134,7 +138,7 @@ def digest_chunks(
             raise IntegrityError(
                 f"{path.name} is longer than {size} bytes", code="artifact_size_mismatch"
             )
-    if not proven and whole.hexdigest() != sha256:
+    if whole.hexdigest() != sha256:
         raise IntegrityError(
             f"{path.name} hashes to {whole.hexdigest()}, not {sha256}",
             code="artifact_sha256_mismatch",
@@ -144,14 +148,33 @@ def digest_chunks(
     return tuple(digests)
 
 
-class _NoHash:
-    """``digest_chunks``' whole-file hash when the file is proven already."""
+def _digest_proven(path: Path, spans: tuple[ChunkSpan, ...], size: int) -> tuple[bytes, ...]:
+    """The chunks' digests of a proven file, ``PROVEN_THREADS`` chunks at a time (each chunk
+    on its own: hashlib releases the GIL, so two cores hash twice as fast)."""
+    with open(path, "rb", buffering=0) as f:
+        fd = f.fileno()
+        if os.fstat(fd).st_size != size:
+            raise IntegrityError(
+                f"{path.name} is not {size} bytes", code="artifact_size_mismatch", expected=size
+            )
 
-    def update(self, data: bytes) -> None:
-        pass
+        def one(span: ChunkSpan) -> bytes:
+            part = hashlib.sha256()
+            pos = span.start
+            while pos < span.stop:
+                data = os.pread(fd, min(span.stop - pos, _READ_BYTES), pos)
+                if not data:
+                    raise IntegrityError(
+                        f"{path.name} ended inside chunk {span.index}",
+                        code="artifact_size_mismatch",
+                        expected=size,
+                    )
+                part.update(data)
+                pos += len(data)
+            return part.digest()
 
-    def hexdigest(self) -> str:
-        return ""
+        with ThreadPoolExecutor(PROVEN_THREADS) as pool:
+            return tuple(pool.map(one, spans))
 
 
 class ChunkDigestStore:
