@@ -6,6 +6,7 @@ file, only chunks it verified)."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import shutil
 
@@ -21,9 +22,16 @@ from transfer_tools import (
 
 from mesh_node.transfer.partials import PartialRegistry
 from mesh_node.transfer.swarm import allowed_from_coordinator
+from skippy.errors import IntegrityError
 from skippy.serving.replicas import waits_for_first
 from skippy.transfer.chunk_sink import open_chunk_sink
-from skippy.transfer.chunks import MIN_CHUNK_BYTES, ChunkScheduler, chunk_digest, chunk_spans
+from skippy.transfer.chunks import (
+    MIN_CHUNK_BYTES,
+    ChunkScheduler,
+    chunk_digest,
+    chunk_spans,
+    digest_chunks,
+)
 from skippy.transfer.errors import ArtifactWireError
 from skippy.transfer.fetch_plan import request_for
 from skippy.transfer.hubcache import RepoCache, load_held_manifest
@@ -267,3 +275,15 @@ def test_a_partial_holder_serves_only_chunks_it_verified_under_the_usual_authori
         assert ask(1).body is None
     finally:
         sink.abort()
+
+
+def test_a_proven_files_digests_equal_the_full_passes_and_a_wrong_size_is_refused(tmp_path):
+    data = os.urandom(5 * CB + 11)
+    path = tmp_path / "f.bin"
+    path.write_bytes(data)
+    sha = hashlib.sha256(data).hexdigest()
+    full = digest_chunks(path, size=len(data), sha256=sha, chunk_bytes=CB)
+    assert digest_chunks(path, size=len(data), sha256=sha, chunk_bytes=CB, proven=True) == full
+    with pytest.raises(IntegrityError) as e:
+        digest_chunks(path, size=len(data) + 1, sha256=sha, chunk_bytes=CB, proven=True)
+    assert e.value.code == "artifact_size_mismatch"
