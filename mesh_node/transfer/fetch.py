@@ -298,17 +298,32 @@ class StageFetcher:
         order, deferred = self._fetch_order(job, manifest, list(plan.fetch))
         queue = deque(order)
         not_before = trio.current_time() + DEFER_S
-        async with trio.open_nursery() as nursery:
-            # Workers taking files in order (trio starts tasks in no set order; the order
-            # matters when counterparts exchange partials: ``_fetch_order``).
-            for _ in range(min(CONCURRENCY, len(queue))):
-                nursery.start_soon(self._fetch_queue, job, queue, failures, deferred, not_before)
+        async with trio.open_nursery() as outer:
+            if job.book is not None and job.book.latest.partial and job.book.latest.ranks > 1:
+                outer.start_soon(self._report_loop, job.book)
+            async with trio.open_nursery() as nursery:
+                # Workers taking files in order (trio starts tasks in no set order; the order
+                # matters when counterparts exchange partials: ``_fetch_order``).
+                for _ in range(min(CONCURRENCY, len(queue))):
+                    nursery.start_soon(
+                        self._fetch_queue, job, queue, failures, deferred, not_before
+                    )
+            outer.cancel_scope.cancel()
         if failures:
             raise failures[0]
         load = await trio.to_thread.run_sync(self._stage_load, cache, topology, stage)
         await trio.to_thread.run_sync(self.cache_budget.touch, cache.snapshot_dir)
         self._in_use = cache.snapshot_dir
         return StageResult(topology, stage, load, StageDescriptor.for_stage(topology, stage, refs))
+
+    async def _report_loop(self, book: SourceBook) -> None:
+        """Issue #23 ``partial-serve``: ask for the list (and so report this node's chunks)
+        every ``refresh_s`` for as long as the stage's files are fetched, also while no file
+        of it is being received (a counterpart waiting for a file this node finished would
+        otherwise hear of it only from a later fetch's refresh)."""
+        while True:
+            await book.refreshed()
+            await trio.sleep(book.refresh_s)
 
     async def _fetch_queue(
         self,
