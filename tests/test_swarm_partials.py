@@ -21,7 +21,7 @@ from transfer_tools import (
 )
 
 from mesh_node.transfer.partials import PartialRegistry
-from mesh_node.transfer.swarm import allowed_from_coordinator
+from mesh_node.transfer.swarm import allowed_from_coordinator, honoured_busy
 from skippy.errors import IntegrityError
 from skippy.serving.replicas import waits_for_first
 from skippy.transfer.chunk_sink import open_chunk_sink
@@ -98,6 +98,13 @@ def test_the_coordinator_is_asked_only_for_chunks_no_counterpart_has_or_fetches(
     assert [i for i in range(6) if allow(i)] == [0, 1, 5]
     assert not allowed_from_coordinator([None])(0)  # a whole copy in use: stragglers only
     assert all(allowed_from_coordinator([])(i) for i in range(3))
+
+
+def test_a_holder_claiming_chunks_it_never_verifies_holds_nobody_back_for_long():
+    busy = frozenset({1, 2})
+    assert honoured_busy(busy, {1: 10.0, 2: 14.0}, now=14.9, wait_s=5.0) == {1, 2}
+    assert honoured_busy(busy, {1: 10.0, 2: 14.0}, now=15.5, wait_s=5.0) == {2}
+    assert honoured_busy(busy, {}, now=15.0, wait_s=5.0) == {1, 2}  # first seen now
 
 
 def test_replicas_come_up_at_once_when_every_peer_serves_partials():

@@ -131,6 +131,7 @@ ENDGAME_AFTER_S: Final = 1.0
 # exchange chunks (one chunk a request), so what it still has in flight when a counterpart
 # verifies the same chunk is small.
 PARTIAL_COORDINATOR_STREAMS: Final = 2
+BUSY_WAIT_S: Final = 5.0  # a chunk another holder fetches is waited for this long at most
 _SKIP_COORDINATOR: Final = frozenset(
     {"chunk_digest_mismatch", "peer_artifact_mismatch", "transfer_too_slow"}
 )
@@ -149,6 +150,16 @@ def allowed_from_coordinator(
         return lambda _index: False
     held = frozenset().union(*[h for h in others if h is not None], *(busy or []))
     return lambda index: index not in held
+
+
+def honoured_busy(
+    busy: frozenset[int], first_seen: Mapping[int, float], now: float, wait_s: float = BUSY_WAIT_S
+) -> frozenset[int]:
+    """The chunks a holder says it is fetching that a fetch still waits for rather than ask
+    the coordinator (pure): those first listed as such less than ``wait_s`` ago. A holder
+    that keeps claiming chunks it never verifies (slow, stuck or lying: it is only a peer's
+    word) holds nobody back for longer."""
+    return frozenset(i for i in busy if now - first_seen.get(i, now) < wait_s)
 
 
 def may_ask(node: MeshNode, holder_id: str, coordinator_id: str) -> bool:
@@ -612,6 +623,8 @@ class SwarmFetch:
         self.rank = (latest.rank, latest.ranks)
         self._have: dict[str, frozenset[int] | None] = {}
         self._peer_busy: dict[str, frozenset[int]] = {}  # holder -> chunks it was fetching
+        # (holder, chunk) -> when it was first listed as fetching it (``honoured_busy``)
+        self._busy_seen: dict[tuple[str, int], float] = {}
         self._sched: ChunkScheduler | None = None
 
     def busy_chunks(self) -> frozenset[int]:
@@ -655,6 +668,9 @@ class SwarmFetch:
         for holder in entry.holders:
             self._have[holder] = entry.chunks_of(holder)
             self._peer_busy[holder] = entry.busy_of(holder)
+            now = trio.current_time()
+            for index in self._peer_busy[holder]:
+                self._busy_seen.setdefault((holder, index), now)
         self._wake()  # tasks waiting for chunks a holder did not have look again
         usable = [
             h
@@ -712,7 +728,14 @@ class SwarmFetch:
         others = [h for h in self._busy if h != holder and h not in self.dropped]
         return allowed_from_coordinator(
             [self._have.get(h) for h in others],
-            [self._peer_busy.get(h, frozenset()) for h in others],
+            [
+                honoured_busy(
+                    self._peer_busy.get(h, frozenset()),
+                    {i: t for (n, i), t in self._busy_seen.items() if n == h},
+                    trio.current_time(),
+                )
+                for h in others
+            ],
         )
 
     def _wake(self) -> None:
@@ -768,6 +791,18 @@ class SwarmFetch:
                 del self._busy[source]
             self._wake()
 
+    def _forget_partial(self, source: str, chunks: list[int]) -> bool:
+        """A partial holder refused chunks it was listed with: not dropped (it may be
+        installing the file: between its partial and the installed file a range is refused
+        for a moment), the chunks are taken off its list here until the next list says
+        otherwise. False for a whole-file holder (dropped, as before)."""
+        have = self._have.get(source)
+        if have is None:
+            return False
+        log.info("%s: partial holder %s refused; asking others", self.item.path, short_id(source))
+        self._have[source] = have - set(chunks)
+        return True
+
     def _bad_bytes(self, source: str, exc: IntegrityError) -> None:
         """``source`` served bytes that failed their check: counted, logged, dropped."""
         if exc.code == "chunk_digest_mismatch":
@@ -795,6 +830,8 @@ class SwarmFetch:
             sched.failed(index)
             if exc.actual == PEER_BUSY:  # no slot now: it may have one later
                 await trio.sleep(min(1.0, self.node.timeouts.idle_s))
+                return True
+            if self._forget_partial(source, [index]):
                 return True
             log.info("%s: %s refused", self.item.path, short_id(source))
             self._drop(source, exc.code)
@@ -850,6 +887,8 @@ class SwarmFetch:
             if exc.actual == PEER_BUSY:  # no slot now: it may have one later
                 receiver.give_back()
                 await trio.sleep(min(1.0, self.node.timeouts.idle_s))
+                return True
+            if self._forget_partial(source, run):
                 return True
             log.info("%s: %s refused", self.item.path, short_id(source))
             self._drop(source, exc.code)
