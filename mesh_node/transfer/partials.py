@@ -35,8 +35,10 @@ PARTIAL_REFRESH_S: Final = 0.25
 
 
 def speaks_partials(node: MeshNode, node_id: str) -> bool:
-    """This node and the linked ``node_id`` both serve verified chunks of partials."""
-    if not node.settings.swarm_transfer:
+    """This node and the linked ``node_id`` both serve verified chunks of partials (both
+    advertise the bit: a node that does not serve sends no have-report, and a coordinator
+    reads one only from a node that advertises it)."""
+    if pc.BIT_PARTIAL_SERVE not in node.features.get(pc.FEATURE_SKIPPY_STAGE, ()):
         return False
     info = node.peer(node_id)
     return (

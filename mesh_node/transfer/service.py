@@ -115,8 +115,6 @@ class ArtifactService:
             return
         if self.serving and active.role == "coordinator":
             self._nursery.start_soon(self.handler.warm, active.topology)
-            if self.node.settings.swarm_transfer:  # issue #23: the source lists' digests
-                self._nursery.start_soon(self.sources.prepare, active.topology)
         if active.topology.stage_of(self.node.node_id) is not None:
             self._job = trio.CancelScope()
             self._nursery.start_soon(self._fetch_and_report, active, self._job)

@@ -405,20 +405,6 @@ class SourcesHandler:
                 log.info("no chunk digests for %s: %s", ref.path, exc)
         return out
 
-    async def prepare(self, topology: SplitTopology) -> None:
-        """The topology's chunk digests, largest file first, as soon as it is active (in the
-        background, beside the serving warm-up): at bring-up every replica's last stages
-        ask for the embeddings' list at once, and computing it then held them back."""
-        held = await trio.to_thread.run_sync(self.server.held, topology)
-        if not isinstance(held, LoadedManifest):
-            return
-        refs = sorted(held.held.manifest.artifacts(), key=lambda r: -r.artifact.artifact_bytes)
-        for ref in refs:
-            try:
-                await trio.to_thread.run_sync(self._digests_of, topology, ref)
-            except (SkippyError, OSError) as exc:  # a request for it logs and refuses
-                log.info("no chunk digests for %s yet: %s", ref.path, exc)
-
     def _digests_of(self, topology: SplitTopology, ref: ArtifactRef) -> tuple[bytes, ...]:
         """One file's digests, computed once however many ask at once (thread: the stage
         nodes of every replica ask together at bring-up, and each computation reads the
