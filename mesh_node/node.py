@@ -138,6 +138,7 @@ def advertised_features(
             bits.add(pc.BIT_SWARM_TRANSFER)
             bits.add(pc.BIT_SIBLING_SERVE)  # and serving sibling replicas' stages
             bits.add(pc.BIT_CHUNK_RUNS)  # and runs of chunks on one stream
+            bits.add(pc.BIT_PARTIAL_SERVE)  # and verified chunks of its partials
     return {pc.FEATURE_SKIPPY_STAGE: tuple(sorted(bits))}
 
 

@@ -98,6 +98,9 @@ BIT_SIBLING_SERVE: Final = "sibling-serve"
 # Issue #23: one range request may span a run of several chunks (one stream, one authorization,
 # its bytes verified chunk by chunk as they arrive); without it a peer gets one chunk a request.
 BIT_CHUNK_RUNS: Final = "chunk-runs"
+# Issue #23: serving verified chunks of a partial (have-reports after a source request, source
+# lists with fetch orders and per-holder chunks); without it a node serves installed files only.
+BIT_PARTIAL_SERVE: Final = "partial-serve"
 STAGE_BUNDLE: Final = frozenset({BIT_CONTROL, BIT_STATUS, BIT_CONTENT_IDENTITY})
 
 # --- message generations -----------------------------------------------------------------------

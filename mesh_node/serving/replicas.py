@@ -35,6 +35,7 @@ from mesh_node.serving.generator import Route, route_level
 from mesh_node.serving.host import StageHost
 from mesh_node.serving.routes import RouteManager, SplitNotReady
 from mesh_node.topology import TopologyService
+from mesh_node.transfer.partials import speaks_partials
 from mesh_node.transfer.siblings import speaks_siblings
 from skippy.config import ServingSettings
 from skippy.errors import SkippyError
@@ -115,6 +116,7 @@ class ReplicaSet:
             first_ready=active.all_ready,
             waited_s=now - self._first_planned_at,
             siblings_serve=bool(capable) and all(speaks_siblings(self.node, n) for n in capable),
+            partials_serve=bool(capable) and all(speaks_partials(self.node, n) for n in capable),
         ):
             return None
         return active.topology

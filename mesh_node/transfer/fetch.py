@@ -26,6 +26,7 @@ import dataclasses
 import functools
 import logging
 import shutil
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
@@ -44,6 +45,7 @@ from mesh_node.identity import short_id
 from mesh_node.link import MeshStream
 from mesh_node.transfer.cache_budget import CacheBudget
 from mesh_node.transfer.pace import RateDeadline
+from mesh_node.transfer.partials import PARTIAL_REFRESH_S, PartialRegistry
 from mesh_node.transfer.records import StageFetch, TransferLog, TransferRecord
 from mesh_node.transfer.serve import PEER_BUSY
 from mesh_node.transfer.swarm import (
@@ -62,7 +64,7 @@ from skippy.config import Environment
 from skippy.constants import MANIFEST_NAME
 from skippy.consume.verify import VerifyCache
 from skippy.errors import IntegrityError, ManifestError, SkippyError
-from skippy.package.manifest import PackageManifest
+from skippy.package.manifest import ArtifactRef, PackageManifest
 from skippy.package.topology import SplitTopology, StageAssignment
 from skippy.stage.descriptor import StageDescriptor
 from skippy.transfer.authorize import PEER_DISABLED, PEER_UNAVAILABLE
@@ -71,6 +73,7 @@ from skippy.transfer.disk import cache_usage, evict_partials, stage_disk_problem
 from skippy.transfer.errors import ArtifactWireError, InstallBusy, PartialChanged, TransferRefused
 from skippy.transfer.fetch_plan import FetchItem, manifest_item, plan_fetch, request_for
 from skippy.transfer.hubcache import RepoCache, load_held_manifest, verified_file, verified_present
+from skippy.transfer.partials import stage_file_order
 from skippy.transfer.required import stage_refs
 from skippy.transfer.sink import ArtifactSink, open_sink
 from skippy.transfer.sources import worth_chunking
@@ -95,6 +98,9 @@ PEER_ATTEMPTS: Final = 3  # asks of the coordinator per artifact before the hub
 WRITE_BATCH_BYTES: Final = 2 * 1024 * 1024  # received bytes handed to the sink per thread call
 WRITE_QUEUE: Final = 4  # batches between the stream reader and the disk writer
 LOCK_POLL_S: Final = 0.05
+# Issue #23 ``partial-serve``: the others' share of a stage's files starts this long after
+# the stage's own (their first have-reports, with what they fetch, are in by then).
+DEFER_S: Final = 1.0
 # Failures after which asking the same peer again may work (the sink keeps the partial).
 _RETRY: Final = (
     PeerUnavailable,
@@ -142,6 +148,16 @@ class _Job:
     coordinator_id: str
     cache: RepoCache
     book: SourceBook | None = None  # issue #23: the stage's swarm sources, when offered
+    report: _Report = dataclasses.field(default_factory=lambda: _Report())
+
+
+@dataclass
+class _Report:
+    """Issue #23 ``partial-serve``: what this stage fetch tells the coordinator it holds."""
+
+    refs: tuple[ArtifactRef, ...] = ()
+    whole: set[str] = dataclasses.field(default_factory=set)  # installed and verified
+    chunk_bytes: int | None = None  # the coordinator's (from its first list)
 
 
 class StageFetcher:
@@ -168,6 +184,8 @@ class StageFetcher:
             settings.hub_cache_dir, settings.data_dir, settings.security
         )
         self._in_use: Path | None = None  # the last ready stage's snapshot (it may be running)
+        # Issue #23: set (by ``ArtifactService``) when this node serves its partials' chunks.
+        self.partials: PartialRegistry | None = None
 
     # --- a stage ----------------------------------------------------------------------------
     async def fetch_stage(self, active: ActiveTopology) -> StageResult:
@@ -267,6 +285,8 @@ class StageFetcher:
         await trio.to_thread.run_sync(
             self._check_disk, plan.bytes_required, plan.bytes_to_fetch, needed
         )
+        job.report.refs = tuple(refs)
+        job.report.whole.update(present)
         if plan.fetch:
             job = dataclasses.replace(job, book=await self._swarm_book(job, manifest))
         for ref in plan.required:
@@ -274,15 +294,74 @@ class StageFetcher:
                 revision = linked[ref.path].revision.short if ref.path in linked else None
                 self.records.found_in_cache(ref.path, ref.artifact.artifact_bytes, revision)
         failures: list[SkippyError] = []
-        async with trio.open_nursery() as nursery:
-            for item in plan.fetch:
-                nursery.start_soon(self._fetch_collecting, job, item, failures)
+        order, deferred = self._fetch_order(job, manifest, list(plan.fetch))
+        queue = deque(order)
+        not_before = trio.current_time() + DEFER_S
+        async with trio.open_nursery() as outer:
+            if job.book is not None and job.book.latest.partial and job.book.latest.ranks > 1:
+                outer.start_soon(self._report_loop, job.book)
+            async with trio.open_nursery() as nursery:
+                # Workers taking files in order (trio starts tasks in no set order; the order
+                # matters when counterparts exchange partials: ``_fetch_order``).
+                for _ in range(min(CONCURRENCY, len(queue))):
+                    nursery.start_soon(
+                        self._fetch_queue, job, queue, failures, deferred, not_before
+                    )
+            outer.cancel_scope.cancel()
         if failures:
             raise failures[0]
         load = await trio.to_thread.run_sync(self._stage_load, cache, topology, stage)
         await trio.to_thread.run_sync(self.cache_budget.touch, cache.snapshot_dir)
         self._in_use = cache.snapshot_dir
         return StageResult(topology, stage, load, StageDescriptor.for_stage(topology, stage, refs))
+
+    async def _report_loop(self, book: SourceBook) -> None:
+        """Issue #23 ``partial-serve``: ask for the list (and so report this node's chunks)
+        every ``refresh_s`` for as long as the stage's files are fetched, also while no file
+        of it is being received (a counterpart waiting for a file this node finished would
+        otherwise hear of it only from a later fetch's refresh)."""
+        while True:
+            await book.refreshed()
+            await trio.sleep(book.refresh_s)
+
+    async def _fetch_queue(
+        self,
+        job: _Job,
+        queue: deque[FetchItem],
+        failures: list[SkippyError],
+        deferred: set[str],
+        not_before: float,
+    ) -> None:
+        while queue:
+            item = queue.popleft()
+            if item.path in deferred:  # the others' share: once their reports are in
+                await trio.sleep_until(not_before)
+            await self._fetch_collecting(job, item, failures)
+
+    def _fetch_order(
+        self, job: _Job, manifest: PackageManifest, items: list[FetchItem]
+    ) -> tuple[list[FetchItem], set[str]]:
+        """``plan_fetch``'s order (largest first); while counterparts exchange partials
+        (issue #23), ``skippy.transfer.partials.stage_file_order``: the files of several
+        chunks first, then this node's share of the one-chunk files, then the others'
+        (deferred), so each asks the coordinator for what the others get last. A file
+        other worker stages need too is first fetched by rank 0 of the lowest of them."""
+        latest = job.book.latest if job.book is not None else None
+        if latest is None or not latest.partial or latest.ranks <= 1:
+            return items, set()
+        workers = [s for s in job.topology.stages if s.node_id != job.coordinator_id]
+        needed = {s.stage_index: {r.path for r in stage_refs(manifest, s.layers)} for s in workers}
+        shared: dict[str, bool] = {}
+        for item in items:
+            by = sorted(i for i, paths in needed.items() if item.path in paths)
+            if len(by) > 1:
+                shared[item.path] = by[0] == job.stage.stage_index and latest.rank == 0
+        big = [i.path for i in items if (i.size or 0) > latest.chunk_bytes]
+        order, deferred = stage_file_order(
+            [i.path for i in items], big=big, shared=shared, rank=latest.rank, ranks=latest.ranks
+        )
+        by_path = {i.path: i for i in items}
+        return [by_path[p] for p in order], deferred
 
     async def _fetch_collecting(
         self, job: _Job, item: FetchItem, failures: list[SkippyError]
@@ -291,6 +370,7 @@ class StageFetcher:
         async with self._slots:
             try:
                 await self._fetch(job, item)
+                job.report.whole.add(item.path)
             except SkippyError as exc:
                 failures.append(exc)
             except OSError as exc:
@@ -498,7 +578,8 @@ class StageFetcher:
     async def _from_peer(self, job: _Job, item: FetchItem, rec: TransferRecord) -> Path:
         sink = await self._open_sink(job, item)
         try:
-            if sink.present and sink.installed is not None:
+            # ``installed``: a complete verified partial was found and installed on opening
+            if sink.state in ("present", "installed") and sink.installed is not None:
                 return self._from_cache(sink.installed, rec)
             rec.restart("peer", peer_id=job.coordinator_id, offset=sink.offset)
             request = request_for(
@@ -573,15 +654,27 @@ class StageFetcher:
         coordinator = job.coordinator_id
         if not speaks_swarm(self.node, coordinator):
             return None
+        have = functools.partial(self._have_report, job.report)
         ask = functools.partial(
-            ask_sources, self.node, coordinator, job.topology, job.stage, manifest
+            ask_sources, self.node, coordinator, job.topology, job.stage, manifest, have
         )
         try:
             latest = await ask()
         except (SkippyError, MeshError, ProtocolError, trio.TooSlowError) as exc:
             log.info("no swarm source list from %s: %s", short_id(coordinator), exc)
             return None
-        return SourceBook(ask, latest, refresh_s=self.swarm_refresh_s)
+        job.report.chunk_bytes = latest.chunk_bytes
+        refresh_s = self.swarm_refresh_s
+        if latest.partial and latest.ranks > 1:  # issue #23: report and look often
+            refresh_s = min(refresh_s, PARTIAL_REFRESH_S)
+        return SourceBook(ask, latest, refresh_s=refresh_s)
+
+    def _have_report(self, report: _Report) -> tuple[dict[str, bytes], dict[str, bytes]]:
+        """This stage's verified chunks per file, and those being fetched (issue #23
+        ``partial-serve``); nothing before the coordinator's chunk size is known."""
+        if self.partials is None or report.chunk_bytes is None:
+            return {}, {}
+        return self.partials.have(report.refs, report.whole, report.chunk_bytes)
 
     async def _from_swarm(
         self, job: _Job, item: FetchItem, rec: TransferRecord
@@ -594,6 +687,10 @@ class StageFetcher:
         latest = await book.refreshed() if book is not None else None
         entry = latest.by_path().get(item.path) if latest is not None else None
         min_holders = self.node.settings.swarm_min_holders
+        if latest is not None and latest.partial and latest.ranks > 1:
+            # Issue #23: chunks even from one holder, so this node's partial can serve its
+            # counterparts as it grows (only a chunk sink verifies chunk by chunk).
+            min_holders = 1
         if book is None or entry is None or not worth_chunking(entry, min_holders):
             return None, False
         sink = await open_chunk_sink_waiting(
@@ -607,15 +704,22 @@ class StageFetcher:
             poll_s=LOCK_POLL_S,
         )
         try:
-            if sink.present and sink.installed is not None:
+            # ``installed``: a complete verified partial was found and installed on opening
+            if sink.state in ("present", "installed") and sink.installed is not None:
                 return self._from_cache(sink.installed, rec), False
             rec.restart("peer", offset=sink.offset)
             swarm = SwarmFetch(
                 self.node, self.records, job.cache, job.topology, job.stage, item, rec, book,
                 verify_cache=self.verify_cache,
             )
+            if self.partials is not None:
+                self.partials.add(sink, swarm.busy_chunks)
             try:
-                await swarm.run(sink, job.coordinator_id)
+                try:
+                    await swarm.run(sink, job.coordinator_id)
+                finally:  # before the sink is finished or cut: no range is opened after
+                    if self.partials is not None:
+                        self.partials.remove(sink)
                 path: Path = await trio.to_thread.run_sync(sink.finish)
                 if rec.served_by:  # ``peer_id``: the node that served most (all: ``served_by``)
                     rec.peer_id = max(rec.served_by, key=rec.served_by.__getitem__)
@@ -674,8 +778,7 @@ class StageFetcher:
         if guard.since_mark:  # bytes came, just too few of them
             stream.reset("too_slow", "under the minimum transfer rate")
             raise TransferTooSlow(
-                f"the peer sent {guard.since_mark} bytes in {idle:g} s, under "
-                f"{min_rate} bytes/s"
+                f"the peer sent {guard.since_mark} bytes in {idle:g} s, under {min_rate} bytes/s"
             )
         stream.reset("stalled", "no bytes within the idle timeout")
         raise StreamStalled(f"the peer sent nothing for {idle:g} s")
@@ -754,7 +857,6 @@ def _drop_partials(cache: RepoCache, item: FetchItem) -> None:
                     partial.unlink()
     except LockBusy:
         pass
-
 
 
 def _is_local_package(ref: str) -> bool:

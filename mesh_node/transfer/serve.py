@@ -27,7 +27,7 @@ from mesh_node.link import MeshStream
 from mesh_node.peers import InboundStream
 from mesh_node.transfer.policy import node_policy, peer_facts
 from mesh_node.transfer.records import TransferLog
-from mesh_node.transfer.siblings import SiblingBook
+from mesh_node.transfer.siblings import SiblingBook, coordinated
 from skippy.errors import SkippyError
 from skippy.package.topology import SplitTopology
 from skippy.transfer.authorize import PEER_UNAVAILABLE
@@ -106,7 +106,10 @@ class ArtifactHandler:
             await done.wait()
             return
         done = self._warm[tid] = trio.Event()
-        for old in [k for k in self._warm if k != tid]:
+        # Forget other topologies, but not the replicas this node coordinates (issue #23):
+        # their requests alternate, and each forgotten warm-up held them back again.
+        current = {a.topology.topology_id for a in coordinated(self.node)}
+        for old in [k for k in self._warm if k != tid and k not in current]:
             self._warm.pop(old).set()
         try:
             report = await trio.to_thread.run_sync(self.server.warm, topology)

@@ -26,6 +26,7 @@ from mesh_node.errors import MeshError
 from mesh_node.node import MeshNode
 from mesh_node.topology import ActiveTopology
 from mesh_node.transfer.fetch import StageFetcher, StageResult
+from mesh_node.transfer.partials import PartialRegistry
 from mesh_node.transfer.policy import node_policy
 from mesh_node.transfer.serve import ArtifactHandler
 from mesh_node.transfer.siblings import SiblingTopologyHandler
@@ -72,6 +73,11 @@ class ArtifactService:
         if self.serving:
             node.register_subprotocol(pc.KIND_ARTIFACT_TRANSFER, self.handler)
             if node.settings.swarm_transfer:
+                # Issue #23: the verified chunks of this node's partials, served to peers
+                # that advertise partial-serve and reported to its coordinator.
+                partials = PartialRegistry()
+                self.fetcher.partials = partials
+                self.server.partials = partials.open_range
                 node.register_subprotocol(pc.KIND_SWARM_SOURCES, self.sources)
                 # and sibling replicas' topologies for their holders (issue #23)
                 node.register_subprotocol(

@@ -26,10 +26,12 @@ whole-file path (coordinator, then hub).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
 import logging
+import threading
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -42,24 +44,38 @@ from mesh_node.identity import short_id
 from mesh_node.link import MeshStream
 from mesh_node.peers import InboundStream
 from mesh_node.transfer.pace import RateDeadline
+from mesh_node.transfer.partials import speaks_partials
 from mesh_node.transfer.policy import node_policy, peer_facts
 from mesh_node.transfer.records import TransferLog, TransferRecord
 from mesh_node.transfer.serve import PEER_BUSY
-from mesh_node.transfer.siblings import sibling_topologies, speaks_siblings
+from mesh_node.transfer.siblings import coordinated, sibling_topologies, speaks_siblings
 from protocol import constants as pc
 from protocol.certificates import sign_domain, verify_domain
 from protocol.errors import ProtocolError
 from skippy.constants import MANIFEST_NAME
-from skippy.consume.verify import VerifyCache
+from skippy.consume.verify import FileStamp, VerifyCache
 from skippy.errors import IntegrityError, SkippyError
-from skippy.package.manifest import PackageManifest
+from skippy.package.manifest import ArtifactRef, PackageManifest
 from skippy.package.topology import SplitTopology, StageAssignment
 from skippy.transfer.authorize import authorize, refuse
 from skippy.transfer.chunk_sink import ChunkSink, open_chunk_sink
-from skippy.transfer.chunks import CHUNK_BYTES, ChunkDigestStore, ChunkScheduler, run_length
+from skippy.transfer.chunks import (
+    CHUNK_BYTES,
+    ChunkDigestStore,
+    ChunkScheduler,
+    digest_chunks,
+    run_length,
+)
 from skippy.transfer.errors import ArtifactWireError, InstallBusy, TransferRefused
 from skippy.transfer.fetch_plan import FetchItem, manifest_item, request_for
 from skippy.transfer.hubcache import LoadedManifest, RepoCache
+from skippy.transfer.partials import (
+    MAX_HAVE_BYTES,
+    check_have,
+    decode_have,
+    encode_have,
+    fetch_order,
+)
 from skippy.transfer.policy import peer_refusal
 from skippy.transfer.required import stage_refs
 from skippy.transfer.serve import ArtifactServer
@@ -111,11 +127,39 @@ CHUNK_ACCOUNT: Final = -23  # the budget account (links use positive ``id()`` ke
 _RESERVE_POLL_S: Final = 0.02
 # End-game: a chunk in flight this long is a straggler another idle source may fetch too.
 ENDGAME_AFTER_S: Final = 1.0
+# Issue #23 ``partial-serve``: streams to the coordinator per file while counterparts
+# exchange chunks (one chunk a request), so what it still has in flight when a counterpart
+# verifies the same chunk is small.
+PARTIAL_COORDINATOR_STREAMS: Final = 2
+BUSY_WAIT_S: Final = 5.0  # a chunk another holder fetches is waited for this long at most
 _SKIP_COORDINATOR: Final = frozenset(
     {"chunk_digest_mismatch", "peer_artifact_mismatch", "transfer_too_slow"}
 )
 SWARM_BITS: Final = frozenset({pc.BIT_ARTIFACT_TRANSFER, pc.BIT_SWARM_TRANSFER})
 RUN_BITS: Final = SWARM_BITS | {pc.BIT_CHUNK_RUNS}
+
+
+def allowed_from_coordinator(
+    others: list[frozenset[int] | None], busy: list[frozenset[int]] | None = None
+) -> Callable[[int], bool]:
+    """The chunks a fetch asks the coordinator for while counterparts exchange partials
+    (pure): none that another holder in use has (``others``: each one's listed chunks, None
+    for a whole copy, which leaves the coordinator only the end-game's stragglers) or was
+    fetching at its last report (``busy``: it will have them soon, from the coordinator)."""
+    if any(h is None for h in others):
+        return lambda _index: False
+    held = frozenset().union(*[h for h in others if h is not None], *(busy or []))
+    return lambda index: index not in held
+
+
+def honoured_busy(
+    busy: frozenset[int], first_seen: Mapping[int, float], now: float, wait_s: float = BUSY_WAIT_S
+) -> frozenset[int]:
+    """The chunks a holder says it is fetching that a fetch still waits for rather than ask
+    the coordinator (pure): those first listed as such less than ``wait_s`` ago. A holder
+    that keeps claiming chunks it never verifies (slow, stuck or lying: it is only a peer's
+    word) holds nobody back for longer."""
+    return frozenset(i for i in busy if now - first_seen.get(i, now) < wait_s)
 
 
 def may_ask(node: MeshNode, holder_id: str, coordinator_id: str) -> bool:
@@ -155,6 +199,21 @@ def speaks_runs(node: MeshNode, node_id: str) -> bool:
 
 
 # --- the coordinator: source lists --------------------------------------------------------
+# A holder's "being fetched" chunks count (others wait for them) only from a report this
+# recent: a holder that stopped reporting (gone, stuck) holds nobody back for longer.
+BUSY_FRESH_S: Final = 2.0
+
+
+@dataclass(frozen=True)
+class Holding:
+    """One node's last have-report (issue #23 ``partial-serve``): path -> chunks verified,
+    path -> chunks being fetched, and when it came (trio clock)."""
+
+    have: dict[str, frozenset[int]]
+    busy: dict[str, frozenset[int]]
+    at: float
+
+
 class SourcesHandler:
     """``node.register_subprotocol(KIND_SWARM_SOURCES, handler)``: one list per stream."""
 
@@ -172,24 +231,34 @@ class SourcesHandler:
         self.records = records
         self.digests = digests
         self.chunk_bytes = chunk_bytes  # the coordinator chooses; tests use small chunks
+        # Issue #23 ``partial-serve``: (topology id, node) -> path -> the chunks that node
+        # reported verified (its have-reports, after its source requests); only the
+        # coordinator's current topologies are kept.
+        self.holdings: dict[tuple[str, str], Holding] = {}
+        self._digest_locks: dict[str, threading.Lock] = {}  # by artifact SHA-256
+        self._locks_lock = threading.Lock()
 
     async def __call__(self, inbound: InboundStream) -> None:
         stream = inbound.stream
         timeout = self.node.timeouts.handshake_s
-        reader = RequestReader()
+        reports = speaks_partials(self.node, inbound.peer.node_id)
+        reader = RequestReader(MAX_HAVE_BYTES if reports else 0)
         try:
             with trio.fail_after(timeout):
                 request = None
-                while request is None:
+                while request is None or reports:  # a reporter's stream: to its end
                     data = await stream.receive_some()
                     if not data:
                         reader.eof()
+                        break
                     request = reader.feed(data)
         except (ArtifactWireError, trio.TooSlowError) as exc:
             stream.reset("malformed", f"no valid source request: {type(exc).__name__}")
             return
+        if request is None:
+            return
         try:
-            body = await self._answer(inbound, request)
+            body = await self._answer(inbound, request, reader.trailer)
         except (SkippyError, OSError) as exc:  # a clear log line, a refusal, no crash
             log.warning("source list for %s failed: %s", short_id(inbound.peer.node_id), exc)
             body = None
@@ -203,7 +272,9 @@ class SourcesHandler:
                 )
             await stream.send_eof()
 
-    async def _answer(self, inbound: InboundStream, request: ArtifactRequest) -> bytes | None:
+    async def _answer(
+        self, inbound: InboundStream, request: ArtifactRequest, report: bytes | None = None
+    ) -> bytes | None:
         node = self.node
         # The requester's replica's topology (issue #23 item 1), as the artifact server does:
         # with ``active`` alone a second replica's workers got no list and fetched every
@@ -243,6 +314,14 @@ class SourcesHandler:
                 servers |= {
                     s.node_id for s in other.topology.stages if speaks_siblings(node, s.node_id)
                 }
+        partial_holders: dict[str, dict[str, frozenset[int]]] | None = None
+        busy_holders: dict[str, dict[str, frozenset[int]]] | None = None
+        rank: tuple[int, int] | None = None
+        if speaks_partials(node, inbound.peer.node_id):
+            self._record_have(topology, manifest, request.requester_hex, report)
+            family = [topology, *(s for s, _ in siblings)]
+            partial_holders, busy_holders = self._partial_holders(family, servers)
+            rank = _rank(topology, family)
         digests = await trio.to_thread.run_sync(
             self._digests, topology, manifest, request.requester_hex
         )
@@ -256,11 +335,58 @@ class SourcesHandler:
             digests=digests,
             chunk_bytes=self.chunk_bytes,
             siblings=siblings,
+            partial_holders=partial_holders,
+            busy_holders=busy_holders,
+            rank=rank,
         )
         signature = sign_domain(
             node.identity.key, pc.SIG_DOMAIN_SWARM_SOURCES, sources.signed_bytes()
         )
         return encode_source_list(sources, signature)
+
+    def _record_have(
+        self,
+        topology: SplitTopology,
+        manifest: PackageManifest,
+        requester: str,
+        report: bytes | None,
+    ) -> None:
+        """Keep the requester's have-report (its own words on its own stage's files; a
+        report that names anything else is ignored whole, with a log line)."""
+        current = {a.topology.topology_id for a in coordinated(self.node)}
+        for key in [k for k in self.holdings if k[0] not in current]:
+            del self.holdings[key]  # a topology this node no longer runs
+        if report is None:
+            return
+        required = required_set(manifest, topology, requester)
+        try:
+            have, busy = decode_have(report)
+            held = Holding(
+                check_have(have, required, self.chunk_bytes),
+                check_have(busy, required, self.chunk_bytes),
+                trio.current_time(),
+            )
+        except (ArtifactWireError, SkippyError) as exc:
+            log.info("ignored a have-report from %s: %s", short_id(requester), exc)
+            return
+        self.holdings[(topology.topology_id, requester)] = held
+
+    def _partial_holders(
+        self, family: list[SplitTopology], servers: set[str]
+    ) -> tuple[dict[str, dict[str, frozenset[int]]], dict[str, dict[str, frozenset[int]]]]:
+        """Node -> its reported chunks (verified; being fetched, from a fresh report only),
+        for the members of ``family`` (the requester's topology and its siblings) that
+        serve partials."""
+        members = {t.topology_id: {s.node_id for s in t.stages} for t in family}
+        have: dict[str, dict[str, frozenset[int]]] = {}
+        busy: dict[str, dict[str, frozenset[int]]] = {}
+        now = trio.current_time()
+        for (tid, nid), held in self.holdings.items():
+            if nid in members.get(tid, ()) and nid in servers and speaks_partials(self.node, nid):
+                have[nid] = held.have
+                if now - held.at <= BUSY_FRESH_S:
+                    busy[nid] = held.busy
+        return have, busy
 
     def _digests(
         self, topology: SplitTopology, manifest: PackageManifest, requester: str
@@ -270,20 +396,45 @@ class SourcesHandler:
         stage = topology.stage_of(requester)
         if stage is None:
             return {}
-        cache = RepoCache.for_ref(self.server.hub_cache_dir, topology.package_ref)
         out: dict[str, tuple[bytes, ...]] = {}
         for ref in stage_refs(manifest, stage.layers):
             sha = ref.artifact.sha256.lower()
             try:
-                out[sha] = self.digests.digests_for(
-                    cache.snapshot_path(ref.path),
-                    size=ref.artifact.artifact_bytes,
-                    sha256=sha,
-                    chunk_bytes=self.chunk_bytes,
-                )
+                out[sha] = self._digests_of(topology, ref)
             except (SkippyError, OSError) as exc:  # not held here, or not verified: unlisted
                 log.info("no chunk digests for %s: %s", ref.path, exc)
         return out
+
+    def _digests_of(self, topology: SplitTopology, ref: ArtifactRef) -> tuple[bytes, ...]:
+        """One file's digests, computed once however many ask at once (thread: the stage
+        nodes of every replica ask together at bring-up, and each computation reads the
+        whole file, 178 MB for gemma3's embeddings), from the file the serving warm-up
+        verified (hashed once, not a second time for the whole-file proof), kept only
+        when the file did not change while it was read."""
+        sha = ref.artifact.sha256.lower()
+        with self._locks_lock:
+            lock = self._digest_locks.setdefault(sha, threading.Lock())
+        with lock:
+            size = ref.artifact.artifact_bytes
+            known = self.digests.get(sha, size, self.chunk_bytes)
+            if known is not None:
+                return known
+            path, stamp = self.server.verified_path(topology, ref)
+            digests = digest_chunks(
+                path, size=size, sha256=sha, chunk_bytes=self.chunk_bytes, proven=True
+            )
+            if FileStamp.of(path.stat()) != stamp:
+                raise IntegrityError(f"{ref.path} changed while its chunks were hashed")
+            with contextlib.suppress(OSError):  # storing only saves work next time
+                self.digests.put(sha, self.chunk_bytes, digests)
+            return digests
+
+
+def _rank(topology: SplitTopology, family: list[SplitTopology]) -> tuple[int, int]:
+    """``topology``'s place among the sibling replicas (by topology id, the same for every
+    counterpart) and their number: the fetch order its nodes get."""
+    ids = sorted({t.topology_id for t in family})
+    return ids.index(topology.topology_id), len(ids)
 
 
 # --- the worker: asking for the list ------------------------------------------------------
@@ -293,18 +444,24 @@ async def ask_sources(
     topology: SplitTopology,
     stage: StageAssignment,
     manifest: PackageManifest,
+    have: Callable[[], tuple[Mapping[str, bytes], Mapping[str, bytes]]] | None = None,
 ) -> SourceList:
     """The coordinator's signed list for this node's stage, checked; a ``SkippyError`` or
-    ``MeshError`` when there is none to trust."""
+    ``MeshError`` when there is none to trust. ``have`` (issue #23 ``partial-serve``, both
+    ends advertising it): this node's verified chunks per file, in the coordinator's chunk
+    size (the last list's), sent after the request."""
     request = request_for(
         manifest_item(topology), topology, stage, bytes.fromhex(node.node_id), offset=0
     )
     timeouts = node.timeouts
     body = bytearray()
+    report = b""
+    if have is not None and speaks_partials(node, coordinator_id):
+        report = encode_have(*have())
     with trio.fail_after(timeouts.handshake_s + timeouts.idle_s):
         stream = await node.open_stream(coordinator_id, pc.KIND_SWARM_SOURCES)
         async with stream:
-            await stream.send_all(encode_request(request))
+            await stream.send_all(encode_request(request) + report)
             await stream.send_eof()
             reader = ResponseReader(0)
             header: ArtifactResponse | None = None
@@ -445,18 +602,35 @@ class SwarmFetch:
         # chunk -> source -> the cancel scope of that source's copy (two in the end-game);
         # None for a chunk of a run (its stream carries other chunks: never cancelled for one)
         self._fetching: dict[int, dict[str, trio.CancelScope | None]] = {}
+        # Issue #23 ``partial-serve``: counterparts exchange what each verified; this fetch's
+        # order among them, and per holder the chunks it was listed with (None: all).
+        latest = book.latest
+        self.partial = latest.partial and latest.ranks > 1
+        self.rank = (latest.rank, latest.ranks)
+        self._have: dict[str, frozenset[int] | None] = {}
+        self._peer_busy: dict[str, frozenset[int]] = {}  # holder -> chunks it was fetching
+        # (holder, chunk) -> when it was first listed as fetching it (``honoured_busy``)
+        self._busy_seen: dict[tuple[str, int], float] = {}
+        self._sched: ChunkScheduler | None = None
+
+    def busy_chunks(self) -> frozenset[int]:
+        """The chunks asked for and not verified yet (this node's have-report)."""
+        sched = self._sched
+        return frozenset(sched.in_flight) if sched is not None else frozenset()
 
     def _entry(self, sources: SourceList) -> ArtifactSources | None:
         return sources.by_path().get(self.item.path)
 
     async def run(self, sink: ChunkSink, coordinator_id: str) -> None:
         """Until every chunk is verified in ``sink``; ``SwarmFailed`` when no source is left."""
-        sched = ChunkScheduler(len(sink.spans), sink.verified)
+        count = len(sink.spans)
+        sched = ChunkScheduler(count, sink.verified, order=fetch_order(count, *self.rank))
+        self._sched = sched
         self.coordinator_id = coordinator_id
         async with trio.open_nursery() as nursery:
             self._start_sources(nursery, sink, sched, self.book.latest)
-            if not self._busy and not sched.complete:
-                raise SwarmFailed(f"no usable source for {self.item.path}")
+            # No usable source: the SwarmFailed below (raised here it would leave the
+            # nursery wrapped in an exception group, which the caller does not catch).
             while not sched.complete and self._busy:
                 with trio.move_on_after(self.book.refresh_s):
                     await self._changed.wait()
@@ -477,6 +651,13 @@ class SwarmFetch:
         entry = self._entry(sources)
         if entry is None:
             return
+        for holder in entry.holders:
+            self._have[holder] = entry.chunks_of(holder)
+            self._peer_busy[holder] = entry.busy_of(holder)
+            now = trio.current_time()
+            for index in self._peer_busy[holder]:
+                self._busy_seen.setdefault((holder, index), now)
+        self._wake()  # tasks waiting for chunks a holder did not have look again
         usable = [
             h
             for h in entry.holders
@@ -509,12 +690,39 @@ class SwarmFetch:
             del self._busy[holder]
 
     def _streams_for(self, holder: str) -> int:
+        if self.partial and holder == self.coordinator_id:
+            return PARTIAL_COORDINATOR_STREAMS
         return RUN_STREAMS if self._runs.get(holder) else PER_SOURCE
 
     def _take(self, sched: ChunkScheduler, holder: str, streams: int) -> list[int]:
         """The next chunks for ``holder``: a run when it takes runs (``run_length``)."""
         most = run_length(sched.waiting, streams, RUN_CHUNKS) if self._runs.get(holder) else 1
-        return sched.take_run(most, trio.current_time())
+        if self.partial and holder == self.coordinator_id:
+            most = 1  # little in flight from it: a counterpart may verify the next ones first
+        return sched.take_run(most, trio.current_time(), self._allow(holder))
+
+    def _allow(self, holder: str) -> Callable[[int], bool] | None:
+        """Which chunks ``holder`` is asked for (issue #23 ``partial-serve``): a partial
+        holder only those it was listed with; the coordinator, while counterparts exchange,
+        only those no other holder in use has (its uplink then carries each distinct chunk
+        about once; ``allowed_from_coordinator``)."""
+        if holder != self.coordinator_id:
+            have = self._have.get(holder)
+            return None if have is None else have.__contains__
+        if not self.partial:
+            return None
+        others = [h for h in self._busy if h != holder and h not in self.dropped]
+        return allowed_from_coordinator(
+            [self._have.get(h) for h in others],
+            [
+                honoured_busy(
+                    self._peer_busy.get(h, frozenset()),
+                    {i: t for (n, i), t in self._busy_seen.items() if n == h},
+                    trio.current_time(),
+                )
+                for h in others
+            ],
+        )
 
     def _wake(self) -> None:
         self._changed.set()
@@ -549,7 +757,9 @@ class SwarmFetch:
                 index = run[0] if run else None
                 if index is None:  # end-game: help with a chunk another source is slow with
                     mine = [i for i, by in self._fetching.items() if source in by]
-                    index = sched.take_duplicate(mine, now, ENDGAME_AFTER_S)
+                    # Only what a partial holder has; the coordinator helps any straggler.
+                    allow = self._allow(source) if source != self.coordinator_id else None
+                    index = sched.take_duplicate(mine, now, ENDGAME_AFTER_S, allow)
                     if index is not None:
                         self.rec.endgame_chunks += 1
                 if index is None:  # the rest is in flight elsewhere: wait for a change
@@ -566,6 +776,18 @@ class SwarmFetch:
             if self._busy[source] <= 0:
                 del self._busy[source]
             self._wake()
+
+    def _forget_partial(self, source: str, chunks: list[int]) -> bool:
+        """A partial holder refused chunks it was listed with: not dropped (it may be
+        installing the file: between its partial and the installed file a range is refused
+        for a moment), the chunks are taken off its list here until the next list says
+        otherwise. False for a whole-file holder (dropped, as before)."""
+        have = self._have.get(source)
+        if have is None:
+            return False
+        log.info("%s: partial holder %s refused; asking others", self.item.path, short_id(source))
+        self._have[source] = have - set(chunks)
+        return True
 
     def _bad_bytes(self, source: str, exc: IntegrityError) -> None:
         """``source`` served bytes that failed their check: counted, logged, dropped."""
@@ -594,6 +816,8 @@ class SwarmFetch:
             sched.failed(index)
             if exc.actual == PEER_BUSY:  # no slot now: it may have one later
                 await trio.sleep(min(1.0, self.node.timeouts.idle_s))
+                return True
+            if self._forget_partial(source, [index]):
                 return True
             log.info("%s: %s refused", self.item.path, short_id(source))
             self._drop(source, exc.code)
@@ -649,6 +873,8 @@ class SwarmFetch:
             if exc.actual == PEER_BUSY:  # no slot now: it may have one later
                 receiver.give_back()
                 await trio.sleep(min(1.0, self.node.timeouts.idle_s))
+                return True
+            if self._forget_partial(source, run):
                 return True
             log.info("%s: %s refused", self.item.path, short_id(source))
             self._drop(source, exc.code)

@@ -83,13 +83,24 @@ STAGGER_MAX_S: Final = 60.0
 
 
 def waits_for_first(
-    *, first_ready: bool, waited_s: float, siblings_serve: bool, max_s: float = STAGGER_MAX_S
+    *,
+    first_ready: bool,
+    waited_s: float,
+    siblings_serve: bool,
+    max_s: float = STAGGER_MAX_S,
+    partials_serve: bool = False,
 ) -> bool:
     """Whether a replica other than 0 waits before it is planned. Replica 0's ready nodes hold
     every file the others need and serve them across replicas (``sibling-serve``), so
     replica 1's nodes then fetch from the coordinator *and* their counterparts instead of all
     six workers sharing the coordinator's uplink at once (docs/performance.md "Swarm
     fetch"). Without sibling serving on every capable peer waiting only delays, so it does
-    not; nor beyond ``max_s`` (a replica 0 that cannot come up holds nobody back)."""
+    not; nor beyond ``max_s`` (a replica 0 that cannot come up holds nobody back). With
+    ``partials_serve`` (every capable peer serves verified chunks of its partials) nobody
+    waits: the replicas come up at once and counterparts exchange what each verified, so
+    the coordinator's uplink carries each distinct byte about once
+    (``skippy.transfer.partials``)."""
+    if partials_serve:
+        return False
     return siblings_serve and not first_ready and waited_s < max_s
 

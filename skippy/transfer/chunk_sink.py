@@ -36,6 +36,7 @@ from skippy.transfer.chunks import ChunkSpan, chunk_spans, verified_chunks
 from skippy.transfer.errors import InstallBusy, PartialChanged
 from skippy.transfer.fetch_plan import FetchItem
 from skippy.transfer.hubcache import RepoCache
+from skippy.transfer.partials import covered
 from skippy.transfer.sink import ArtifactSink, _identity
 
 log = logging.getLogger(__name__)
@@ -188,6 +189,25 @@ class ChunkSink(ArtifactSink):
                     )
                 self._whole.update(got)
             self._hashed += 1
+
+    def verified_now(self) -> frozenset[int]:
+        """The verified chunks as of now. Not under ``_order``: a writer holds it while it
+        hashes the prefix (a whole file read back, for chunks that came out of order), and
+        the event loop asks this; copying a set of ints is one step under the GIL."""
+        return frozenset(self.verified)
+
+    def open_verified(self, start: int, stop: int) -> int | None:
+        """A new read descriptor of the partial when ``[start, stop)`` is a run of chunks that
+        were each checked against their signed digest and written (issue #23: a partial
+        holder serves only those, ``skippy.transfer.partials.covered``); None otherwise. The
+        caller keeps ``finish``/``abort`` from running meanwhile (they close the partial); a
+        chunk is in ``verified`` only once it is written, so no lock is needed here."""
+        fd = self._fd
+        if fd is None or self.state != "receiving":
+            return None
+        if not covered(self.verified_now(), self.spans, start, stop):
+            return None
+        return os.dup(fd)
 
     def finish(self) -> Path:
         """Every chunk verified: check the whole-file SHA-256, install, return the path."""

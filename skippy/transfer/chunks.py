@@ -17,7 +17,8 @@ import contextlib
 import hashlib
 import os
 from collections import Counter, deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -31,6 +32,7 @@ MAX_CHUNK_BYTES: Final = 64 * 1024 * 1024  # a chunk is held in memory while it 
 MAX_CHUNKS: Final = 1 << 16  # per artifact: bounds a digest list (2 MiB at most)
 DIGEST_BYTES: Final = 32
 _READ_BYTES: Final = 1024 * 1024
+PROVEN_THREADS: Final = 2  # threads hashing a proven file's chunks (this machine: 2 cores)
 
 
 def check_chunk_bytes(chunk_bytes: object) -> int:
@@ -101,10 +103,17 @@ def unpack_digests(blob: bytes, count: int) -> tuple[bytes, ...]:
     return tuple(blob[i : i + DIGEST_BYTES] for i in range(0, len(blob), DIGEST_BYTES))
 
 
-def digest_chunks(path: Path, *, size: int, sha256: str, chunk_bytes: int) -> tuple[bytes, ...]:
+def digest_chunks(
+    path: Path, *, size: int, sha256: str, chunk_bytes: int, proven: bool = False
+) -> tuple[bytes, ...]:
     """One read of ``path``: the per-chunk digests, returned only when the whole file is
-    ``size`` bytes and hashes to ``sha256`` (the digests vouch for nothing else)."""
+    ``size`` bytes and hashes to ``sha256`` (the digests vouch for nothing else). ``proven``:
+    the caller verified this very file already (its verification record, issue #23: at
+    bring-up the coordinator computes these while every worker waits), so only its size is
+    checked here, and the file is hashed once, not twice."""
     spans = chunk_spans(size, chunk_bytes)
+    if proven:
+        return _digest_proven(path, spans, size)
     whole = hashlib.sha256()
     digests: list[bytes] = []
     with open(path, "rb", buffering=0) as f:
@@ -137,6 +146,35 @@ def digest_chunks(path: Path, *, size: int, sha256: str, chunk_bytes: int) -> tu
             actual=whole.hexdigest(),
         )
     return tuple(digests)
+
+
+def _digest_proven(path: Path, spans: tuple[ChunkSpan, ...], size: int) -> tuple[bytes, ...]:
+    """The chunks' digests of a proven file, ``PROVEN_THREADS`` chunks at a time (each chunk
+    on its own: hashlib releases the GIL, so two cores hash twice as fast)."""
+    with open(path, "rb", buffering=0) as f:
+        fd = f.fileno()
+        if os.fstat(fd).st_size != size:
+            raise IntegrityError(
+                f"{path.name} is not {size} bytes", code="artifact_size_mismatch", expected=size
+            )
+
+        def one(span: ChunkSpan) -> bytes:
+            part = hashlib.sha256()
+            pos = span.start
+            while pos < span.stop:
+                data = os.pread(fd, min(span.stop - pos, _READ_BYTES), pos)
+                if not data:
+                    raise IntegrityError(
+                        f"{path.name} ended inside chunk {span.index}",
+                        code="artifact_size_mismatch",
+                        expected=size,
+                    )
+                part.update(data)
+                pos += len(data)
+            return part.digest()
+
+        with ThreadPoolExecutor(PROVEN_THREADS) as pool:
+            return tuple(pool.map(one, spans))
 
 
 class ChunkDigestStore:
@@ -206,12 +244,17 @@ class ChunkScheduler:
     the whole file back; the first verified copy wins (``finished``), the other is cancelled
     or dropped by the caller. A chunk is duplicated at most once at a time."""
 
-    def __init__(self, count: int, done: Iterable[int] = ()) -> None:
+    def __init__(
+        self, count: int, done: Iterable[int] = (), order: Iterable[int] | None = None
+    ) -> None:
         self.count = count
         self.done: set[int] = {i for i in done if 0 <= i < count}
         self.in_flight: Counter[int] = Counter()  # chunk -> copies being fetched
         self._taken_at: dict[int, float] = {}  # chunk -> when its first copy was asked for
-        self._pending: deque[int] = deque(i for i in range(count) if i not in self.done)
+        # ``order`` (issue #23 ``partial-serve``): this fetch's own order, so counterparts
+        # fetching the same file start at opposite ends (``skippy.transfer.partials``).
+        seq = range(count) if order is None else order
+        self._pending: deque[int] = deque(i for i in seq if 0 <= i < count and i not in self.done)
 
     @property
     def complete(self) -> bool:
@@ -222,29 +265,39 @@ class ChunkScheduler:
         """Chunks nobody is fetching yet."""
         return len(self._pending)
 
-    def take(self, now: float = 0.0) -> int | None:
+    def take(self, now: float = 0.0, allow: Callable[[int], bool] | None = None) -> int | None:
         """The next chunk to fetch, or None when every chunk is done or in flight. ``now``
-        (any clock) dates the copy for ``take_duplicate``."""
-        while self._pending:
-            index = self._pending.popleft()
+        (any clock) dates the copy for ``take_duplicate``. ``allow`` (issue #23: a partial
+        holder has only some chunks; the coordinator leaves those others hold): the first
+        waiting chunk it allows, the others keep their places."""
+        while self._pending and (self._pending[0] in self.done or self.in_flight[self._pending[0]]):
+            self._pending.popleft()  # finished (or taken again) meanwhile by a duplicate copy
+        for index in self._pending:
             if index in self.done or self.in_flight[index]:
-                continue  # finished (or taken again) meanwhile by a duplicate copy
+                continue
+            if allow is not None and not allow(index):
+                continue
+            self._pending.remove(index)
             self.in_flight[index] += 1
             self._taken_at[index] = now
             return index
         return None
 
-    def take_run(self, most: int, now: float = 0.0) -> list[int]:
+    def take_run(
+        self, most: int, now: float = 0.0, allow: Callable[[int], bool] | None = None
+    ) -> list[int]:
         """Up to ``most`` chunks in a row (one range request, issue #23): the next chunk to
-        fetch, then the chunks that follow it while they are next in line; [] as ``take``
-        gives None."""
-        first = self.take(now)
+        fetch, then the chunks that follow it while they are next in line (and ``allow``ed);
+        [] as ``take`` gives None."""
+        first = self.take(now, allow)
         if first is None:
             return []
         run = [first]
         while len(run) < most and self._pending and self._pending[0] == run[-1] + 1:
             index = self._pending[0]
             if index in self.done or self.in_flight[index]:
+                break
+            if allow is not None and not allow(index):
                 break
             self._pending.popleft()
             self.in_flight[index] += 1
@@ -259,7 +312,11 @@ class ChunkScheduler:
             self._taken_at[index] = now
 
     def take_duplicate(
-        self, busy: Iterable[int] = (), now: float = 0.0, min_age_s: float = 0.0
+        self,
+        busy: Iterable[int] = (),
+        now: float = 0.0,
+        min_age_s: float = 0.0,
+        allow: Callable[[int], bool] | None = None,
     ) -> int | None:
         """End-game: a chunk in flight with exactly one copy, taken at least ``min_age_s``
         before ``now`` (a straggler, not a copy just asked for) and not in ``busy`` (the
@@ -269,6 +326,8 @@ class ChunkScheduler:
         mine = set(busy)
         for index in sorted(self.in_flight, key=lambda i: (self._taken_at.get(i, 0.0), i)):
             if self.in_flight[index] != 1 or index in mine:
+                continue
+            if allow is not None and not allow(index):
                 continue
             if now - self._taken_at.get(index, 0.0) < min_age_s:
                 break  # the oldest copy is too young: so is every other

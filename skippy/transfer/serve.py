@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, Protocol
@@ -158,6 +159,11 @@ def refuse_malformed(policy: NodePolicy, error: ArtifactWireError) -> ServeOutco
     return _refused(refuse("malformed_request", error.message, peer_message=message))
 
 
+# Issue #23 ``partial-serve``: (artifact SHA-256, start, stop) -> a body of chunks this node
+# verified in a partial it is still receiving, or None (``mesh_node.transfer.partials``).
+PartialOpener = Callable[[str, int, int], "Body | None"]
+
+
 @dataclass
 class _Held:
     stamp: FileStamp | None
@@ -173,6 +179,9 @@ class ArtifactServer:
         self.verify_cache = verify_cache
         self._lock = threading.Lock()
         self._held: dict[tuple[str, str], _Held] = {}
+        # Issue #23: the node's partials being received (``mesh_node.transfer.partials``);
+        # only peers that were listed as a holder's counterparts ask for such ranges.
+        self.partials: PartialOpener | None = None
 
     # --- the manifest ---------------------------------------------------------------------
     def held(self, topology: SplitTopology) -> LoadedManifest | ManifestProblem:
@@ -210,6 +219,22 @@ class ArtifactServer:
         report.raise_for_mismatch()
         return report
 
+    def verified_path(self, topology: SplitTopology, ref: ArtifactRef) -> tuple[Path, FileStamp]:
+        """``ref``'s file in this node's cache, verified (its record, else hashed now) and
+        its stamp then (issue #23: chunk digests computed from it need not hash it again;
+        the caller checks the stamp after reading). Raises what is wrong with it."""
+        cache = RepoCache.for_ref(self.hub_cache_dir, topology.package_ref)
+        path, st = stat_artifact(cache.snapshot_dir, ref, containment_root=cache.repo_root)
+        report = check_refs(
+            cache.snapshot_dir,
+            [ref],
+            manifest_sha256=topology.manifest_sha256,
+            cache=self.verify_cache,
+            containment_root=cache.repo_root,
+        )
+        report.raise_for_mismatch()
+        return path, FileStamp.of(st)
+
     # --- one request ----------------------------------------------------------------------
     def serve(
         self,
@@ -219,7 +244,10 @@ class ArtifactServer:
         request: ArtifactRequest,
     ) -> ServeOutcome:
         """Decide ``request`` and, when allowed, open what to stream. Never raises for
-        anything the peer or the disk did: every problem is a refusal with its reason."""
+        anything the peer or the disk did: every problem is a refusal with its reason.
+        With ``partials`` set (issue #23 ``partial-serve``), a range of a file not installed
+        here yet is served from the verified chunks of its partial, after the same
+        authorization, when it has every chunk of the range."""
         held: LoadedManifest | ManifestProblem | None = None
         if topology is not None and policy.mode != "disabled":
             held = self.held(topology)
@@ -244,10 +272,17 @@ class ArtifactServer:
             request.offset,
             _end(request, decision.artifact.artifact.artifact_bytes),
         )
+        ref = decision.artifact
+        if isinstance(opened, Decision) and opened.reason == "artifact_missing":
+            chunks = _from_partial(self.partials, request, ref.artifact.sha256.lower())
+            if chunks is not None:
+                response = ArtifactResponse.accept(
+                    ref.artifact.artifact_bytes, ref.artifact.sha256.lower()
+                )
+                return ServeOutcome(decision, response, chunks)
         if isinstance(opened, Decision):
             log.warning("artifact check failed: %s", opened.to_log())
             return _refused(opened)
-        ref = decision.artifact
         return ServeOutcome(
             decision,
             ArtifactResponse.accept(ref.artifact.artifact_bytes, ref.artifact.sha256.lower()),
@@ -320,6 +355,16 @@ def _open_verified(
             "artifact_changed", f"{ref.path} changed after it was verified", stage=decision.stage
         )
     return FileBody(fd, offset, st.st_size if end is None else min(end, st.st_size))
+
+
+def _from_partial(
+    partial: PartialOpener | None, request: ArtifactRequest, sha256: str
+) -> Body | None:
+    """A range request's verified chunks from a partial (only ranges: a whole-file request
+    wants bytes a partial does not have)."""
+    if partial is None or request.length is None:
+        return None
+    return partial(sha256, request.offset, request.offset + request.length)
 
 
 def _end(request: ArtifactRequest, size: int) -> int | None:

@@ -34,6 +34,7 @@ from skippy.transfer.chunks import (
     unpack_digests,
 )
 from skippy.transfer.errors import ArtifactWireError
+from skippy.transfer.partials import pack_bitmap, unpack_bitmap
 from skippy.transfer.required import stage_refs
 from skippy.transfer.siblings import sibling_refusal
 
@@ -55,6 +56,12 @@ _LIST_KEYS: Final = frozenset(
     }
 )
 _ENTRY_KEYS: Final = frozenset({"path", "sha256", "size", "digests", "holders"})
+# Issue #23 ``partial-serve`` (``skippy.transfer.partials``): sent only to a requester that
+# advertises it (older decoders take exactly the keys above): the requester's fetch order
+# among its counterparts, and per holder the chunks it holds (nil: every chunk).
+_PARTIAL_LIST_KEYS: Final = frozenset({"rank", "ranks"})
+_PARTIAL_ENTRY_KEYS: Final = frozenset({"have", "busy"})
+MAX_RANKS: Final = 64
 
 
 @dataclass(frozen=True)
@@ -67,6 +74,24 @@ class ArtifactSources:
     size: int
     digests: tuple[bytes, ...]
     holders: tuple[str, ...]
+    # Issue #23 ``partial-serve``: per holder (aligned with ``holders``) the chunks it has
+    # verified, None for a holder of the whole file; empty: every holder holds it whole.
+    have: tuple[frozenset[int] | None, ...] = ()
+    # and the chunks it was fetching at its last report (aligned too; empty: none)
+    busy: tuple[frozenset[int], ...] = ()
+
+    def chunks_of(self, holder: str) -> frozenset[int] | None:
+        """The chunks ``holder`` is listed with (None: all of them)."""
+        if not self.have or holder not in self.holders:
+            return None
+        return self.have[self.holders.index(holder)]
+
+    def busy_of(self, holder: str) -> frozenset[int]:
+        """The chunks ``holder`` was fetching (a fetch waits for them rather than asking the
+        coordinator for the same bytes)."""
+        if not self.busy or holder not in self.holders:
+            return frozenset()
+        return self.busy[self.holders.index(holder)]
 
 
 def worth_chunking(entry: ArtifactSources, min_holders: int = 2) -> bool:
@@ -91,34 +116,51 @@ class SourceList:
     requester_id: str  # hex, as the topology spells node ids
     chunk_bytes: int
     artifacts: tuple[ArtifactSources, ...]
+    # Issue #23 ``partial-serve``: this requester's fetch order among the counterparts that
+    # need the same files (``skippy.transfer.partials.fetch_order``); ``partial`` says the
+    # list carries these fields (and each entry's ``have``) on the wire.
+    rank: int = 0
+    ranks: int = 1
+    partial: bool = False
 
     def by_path(self) -> dict[str, ArtifactSources]:
         return {a.path: a for a in self.artifacts}
 
     def signed_bytes(self) -> bytes:
         """The canonical bytes the coordinator signs (msgpack, fixed key order)."""
-        packed: bytes = msgpack.packb(
-            {
-                "gen": SOURCES_GEN,
-                "topology_id": self.topology_id,
-                "run_id": self.run_id,
-                "manifest_sha256": self.manifest_sha256,
-                "stage_id": self.stage_id,
-                "requester_id": bytes.fromhex(self.requester_id),
-                "chunk_bytes": self.chunk_bytes,
-                "artifacts": [
-                    {
-                        "path": a.path,
-                        "sha256": a.sha256,
-                        "size": a.size,
-                        "digests": pack_digests(a.digests),
-                        "holders": [bytes.fromhex(h) for h in a.holders],
-                    }
-                    for a in self.artifacts
-                ],
-            },
-            use_bin_type=True,
-        )
+        entries = []
+        for a in self.artifacts:
+            entry: dict[str, Any] = {
+                "path": a.path,
+                "sha256": a.sha256,
+                "size": a.size,
+                "digests": pack_digests(a.digests),
+                "holders": [bytes.fromhex(h) for h in a.holders],
+            }
+            if self.partial:
+                count = chunk_count(a.size, self.chunk_bytes)
+                entry["have"] = [
+                    None if c is None else pack_bitmap(c, count)
+                    for c in (a.have or (None,) * len(a.holders))
+                ]
+                entry["busy"] = [
+                    pack_bitmap(b, count) if b else None
+                    for b in (a.busy or (frozenset(),) * len(a.holders))
+                ]
+            entries.append(entry)
+        body: dict[str, Any] = {
+            "gen": SOURCES_GEN,
+            "topology_id": self.topology_id,
+            "run_id": self.run_id,
+            "manifest_sha256": self.manifest_sha256,
+            "stage_id": self.stage_id,
+            "requester_id": bytes.fromhex(self.requester_id),
+            "chunk_bytes": self.chunk_bytes,
+            "artifacts": entries,
+        }
+        if self.partial:
+            body["rank"], body["ranks"] = self.rank, self.ranks
+        packed: bytes = msgpack.packb(body, use_bin_type=True)
         return packed
 
 
@@ -133,6 +175,9 @@ def plan_sources(
     digests: Mapping[str, tuple[bytes, ...]],
     chunk_bytes: int,
     siblings: Iterable[tuple[SplitTopology, Iterable[str]]] = (),
+    partial_holders: Mapping[str, Mapping[str, frozenset[int]]] | None = None,
+    rank: tuple[int, int] | None = None,
+    busy_holders: Mapping[str, Mapping[str, frozenset[int]]] | None = None,
 ) -> SourceList:
     """The list for ``requester_id``'s stage (the coordinator's decision). ``ready``: the
     stage nodes whose ready report was accepted; ``servers``: the members that serve swarm
@@ -143,7 +188,15 @@ def plan_sources(
     ``siblings`` (issue #23): this coordinator's other replicas' topologies with their ready
     nodes; those that are siblings of ``topology`` (``skippy.transfer.siblings``: same
     package and revision) add their ready servers as holders, after the members (a
-    requester's own replica first). Pass them only when the requester takes such holders."""
+    requester's own replica first). Pass them only when the requester takes such holders.
+
+    ``partial_holders``, ``busy_holders`` and ``rank`` (issue #23 ``partial-serve``; pass
+    them only when the requester advertises it, the list then carries them): node -> path ->
+    the chunks it reported verified (``skippy.transfer.partials.check_have``; the caller
+    keeps only servers of this topology or a sibling), and those it was fetching at a fresh
+    report; such a node is listed after the whole-file holders with both sets (even before
+    it verified a chunk: a fetch then waits for it rather than ask the coordinator for the
+    same bytes); ``rank`` = (this requester's rank, counterparts) for its fetch order."""
     stage = topology.stage_of(requester_id)
     if stage is None:
         raise IntegrityError(
@@ -168,10 +221,32 @@ def plan_sources(
             continue
         others = sorted(held.get(ref.path, set()) - {coordinator_id})
         far = sorted(outside.get(ref.path, set()) - {coordinator_id})
-        holders = tuple([*first, *others, *far][:MAX_HOLDERS])
-        entries.append(
-            ArtifactSources(ref.path, sha, ref.artifact.artifact_bytes, digests[sha], holders)
+        whole = [*first, *others, *far]
+        partial_of = partial_holders or {}
+        busy_of = busy_holders or {}
+        partial = sorted(
+            n
+            for n in set(partial_of) | set(busy_of)
+            if (ref.path in partial_of.get(n, {}) or ref.path in busy_of.get(n, {}))
+            and n not in whole
+            and n not in (requester_id, coordinator_id)
         )
+        holders = tuple([*whole, *partial][:MAX_HOLDERS])
+        have: tuple[frozenset[int] | None, ...] = ()
+        busy: tuple[frozenset[int], ...] = ()
+        if partial_holders is not None:
+            have = tuple(
+                None if h in whole else partial_of.get(h, {}).get(ref.path, frozenset())
+                for h in holders
+            )
+            busy = tuple(busy_of.get(h, {}).get(ref.path, frozenset()) for h in holders)
+        entries.append(
+            ArtifactSources(
+                ref.path, sha, ref.artifact.artifact_bytes, digests[sha], holders, have, busy
+            )
+        )
+    ranked = rank is not None or partial_holders is not None
+    own_rank, ranks = rank if rank is not None else (0, 1)
     return SourceList(
         topology.topology_id,
         topology.run_id,
@@ -180,6 +255,9 @@ def plan_sources(
         requester_id,
         check_chunk_bytes(chunk_bytes),
         tuple(entries),
+        rank=own_rank,
+        ranks=ranks,
+        partial=ranked,
     )
 
 
@@ -260,9 +338,16 @@ def decode_source_list(payload: bytes) -> tuple[SourceList, bytes, bytes]:
     signature = _field(outer, "signature", bytes)
     if len(signature) != SIGNATURE_BYTES:
         raise _bad("the signature must be 64 bytes")
-    data = _unpack(signed, len(_LIST_KEYS))
-    if not isinstance(data, dict) or set(data) != _LIST_KEYS or data["gen"] != SOURCES_GEN:
+    data = _unpack(signed, len(_LIST_KEYS | _PARTIAL_LIST_KEYS))
+    if not isinstance(data, dict) or data.get("gen") != SOURCES_GEN:
         raise _bad(f"the signed list must have exactly the keys {sorted(_LIST_KEYS)}")
+    partial = set(data) == _LIST_KEYS | _PARTIAL_LIST_KEYS
+    if set(data) != _LIST_KEYS and not partial:
+        raise _bad(f"the signed list must have exactly the keys {sorted(_LIST_KEYS)}")
+    rank, ranks = (_field(data, "rank", int), _field(data, "ranks", int)) if partial else (0, 1)
+    if not 0 <= rank < ranks <= MAX_RANKS:
+        raise _bad("a source list's rank must be in 0..ranks-1, ranks in 1..64")
+    entry_keys = _ENTRY_KEYS | _PARTIAL_ENTRY_KEYS if partial else _ENTRY_KEYS
     requester = _field(data, "requester_id", bytes)
     chunk_bytes = _field(data, "chunk_bytes", int)
     try:
@@ -272,8 +357,8 @@ def decode_source_list(payload: bytes) -> tuple[SourceList, bytes, bytes]:
     raw_entries = _field(data, "artifacts", list)
     entries = []
     for raw in raw_entries:
-        if not isinstance(raw, dict) or set(raw) != _ENTRY_KEYS:
-            raise _bad(f"an artifact entry must have exactly the keys {sorted(_ENTRY_KEYS)}")
+        if not isinstance(raw, dict) or set(raw) != entry_keys:
+            raise _bad(f"an artifact entry must have exactly the keys {sorted(entry_keys)}")
         size = _field(raw, "size", int)
         holders = _field(raw, "holders", list)
         if size <= 0 or len(holders) > MAX_HOLDERS:
@@ -285,6 +370,12 @@ def decode_source_list(payload: bytes) -> tuple[SourceList, bytes, bytes]:
             digests = unpack_digests(blob, chunk_count(size, chunk_bytes))
         except IntegrityError as exc:
             raise _bad(exc.message) from None
+        have: tuple[frozenset[int] | None, ...] = ()
+        busy: tuple[frozenset[int], ...] = ()
+        if partial:
+            have = _have_field(raw, "have", len(holders), len(digests))
+            raw_busy = _have_field(raw, "busy", len(holders), len(digests))
+            busy = tuple(b or frozenset() for b in raw_busy)
         entries.append(
             ArtifactSources(
                 _field(raw, "path", str),
@@ -292,6 +383,8 @@ def decode_source_list(payload: bytes) -> tuple[SourceList, bytes, bytes]:
                 size,
                 digests,
                 tuple(h.hex() for h in holders),
+                have,
+                busy,
             )
         )
     if len(requester) != 32:
@@ -304,8 +397,32 @@ def decode_source_list(payload: bytes) -> tuple[SourceList, bytes, bytes]:
         requester.hex(),
         chunk_bytes,
         tuple(entries),
+        rank=rank,
+        ranks=ranks,
+        partial=partial,
     )
     return sources, signed, signature
+
+
+def _have_field(
+    raw: Mapping[str, Any], key: str, holders: int, chunks: int
+) -> tuple[frozenset[int] | None, ...]:
+    """An entry's ``have`` or ``busy``: one bitmap (or nil) per holder."""
+    have = _field(raw, key, list)
+    if len(have) != holders:
+        raise _bad(f"an artifact entry's {key} must name one bitmap per holder")
+    out: list[frozenset[int] | None] = []
+    for blob in have:
+        if blob is None:
+            out.append(None)
+            continue
+        if not isinstance(blob, bytes):
+            raise _bad("a holder's chunks must be a bitmap")
+        try:
+            out.append(unpack_bitmap(blob, chunks))
+        except ArtifactWireError as exc:
+            raise _bad(exc.message) from None
+    return tuple(out)
 
 
 def check_source_list(

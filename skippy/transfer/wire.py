@@ -438,30 +438,48 @@ class _FrameBuffer:
 
 class RequestReader:
     """Server side: feed the stream's bytes until ``feed`` returns the request. The requester
-    sends nothing after its request, so any further byte is an error."""
+    sends nothing after its request, so any further byte is an error; unless
+    ``trailer_limit`` (issue #23: a have-report after a source request, only from a peer
+    that advertises ``partial-serve``): then one more frame of at most that many bytes may
+    follow (``trailer``, complete once the stream ends)."""
 
-    def __init__(self) -> None:
+    def __init__(self, trailer_limit: int = 0) -> None:
         self._frame = _FrameBuffer(MAX_REQUEST_BYTES)
+        self._trailer = _FrameBuffer(trailer_limit) if trailer_limit > 0 else None
+        self._trailer_started = False
         self.request: ArtifactRequest | None = None
+        self.trailer: bytes | None = None
 
     def feed(self, data: bytes | bytearray | memoryview) -> ArtifactRequest | None:
         view = memoryview(data)
         if self.request is not None:
-            if len(view):
-                raise _bad("artifact_wire_malformed", "bytes after the request")
+            self._after(view)
             return self.request
         payload, rest = self._frame.feed(view)
         if payload is None:
             return None
-        if len(rest):
-            raise _bad("artifact_wire_malformed", "bytes after the request")
         self.request = decode_request(payload)
+        self._after(rest)
         return self.request
 
+    def _after(self, view: memoryview) -> None:
+        if not len(view):
+            return
+        if self._trailer is None or self.trailer is not None:
+            raise _bad("artifact_wire_malformed", "bytes after the request")
+        self._trailer_started = True
+        payload, rest = self._trailer.feed(view)
+        if payload is not None:
+            self.trailer = payload
+            if len(rest):
+                raise _bad("artifact_wire_malformed", "bytes after the request's trailer")
+
     def eof(self) -> None:
-        """The stream ended: an error unless the whole request arrived."""
+        """The stream ended: an error unless the whole request (and a trailer begun) arrived."""
         if self.request is None:
             raise _bad("artifact_wire_truncated", "the stream ended inside the request")
+        if self._trailer_started and self.trailer is None:
+            raise _bad("artifact_wire_truncated", "the stream ended inside the trailer")
 
 
 @dataclass(frozen=True)
@@ -550,4 +568,3 @@ class ResponseReader:
         if not self.done:
             due = "the header" if self.response is None else f"{self.remaining} body bytes"
             raise _bad("artifact_wire_truncated", f"the stream ended with {due} still due")
-
