@@ -78,6 +78,7 @@ async def test_every_advertisement_and_gossip_message_carries_only_allowed_field
                         pc.BIT_SWARM_TRANSFER,
                         pc.BIT_SIBLING_SERVE,
                         pc.BIT_CHUNK_RUNS,
+                        pc.BIT_PARTIAL_SERVE,
                         pc.BIT_VERIFY_WINDOW,
                     ]
                 )
@@ -132,6 +133,7 @@ async def test_advertisements_carry_only_the_feature_bit_while_artifacts_move(
                         pc.BIT_SWARM_TRANSFER,
                         pc.BIT_SIBLING_SERVE,
                         pc.BIT_CHUNK_RUNS,
+                        pc.BIT_PARTIAL_SERVE,
                     }
                     if other is coord.node
                     else set()
