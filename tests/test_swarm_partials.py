@@ -10,6 +10,7 @@ import hashlib
 import os
 import shutil
 
+import msgpack
 import pytest
 from transfer_tools import (
     OWNER,
@@ -145,6 +146,9 @@ def test_a_have_report_is_kept_only_for_the_reporters_own_stage_files():
         check_have({"a": b"\x01\x00"}, required, CB)  # 3 chunks: one byte
     with pytest.raises(ArtifactWireError):
         decode_have(b"\x81\xa3gen\x01")  # no have, no busy
+    twice = msgpack.packb({"gen": 1, "have": {}, "busy": {}})[1:]  # the map's entries
+    with pytest.raises(ArtifactWireError):  # a map of 4 entries naming "gen" twice
+        decode_have(b"\x84" + twice + b"\xa3gen\x01")
 
 
 def test_a_have_report_follows_a_request_only_where_a_trailer_is_allowed():

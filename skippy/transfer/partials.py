@@ -131,6 +131,15 @@ def _bad(message: str) -> ArtifactWireError:
     return ArtifactWireError(message, code="have_report_malformed")
 
 
+def _no_duplicate_keys(pairs: list[tuple[object, object]]) -> dict[object, object]:
+    out: dict[object, object] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _bad("a have-report names a key twice")
+        out[key] = value
+    return out
+
+
 def encode_have(have: Mapping[str, bytes], busy: Mapping[str, bytes] | None = None) -> bytes:
     """The report frame: path -> bitmap (``pack_bitmap``) of the chunks verified, and of
     those being fetched now (``busy``: a counterpart waits for them rather than asking the
@@ -142,18 +151,23 @@ def encode_have(have: Mapping[str, bytes], busy: Mapping[str, bytes] | None = No
 
 def decode_have(payload: bytes) -> tuple[dict[str, bytes], dict[str, bytes]]:
     """A report frame's payload -> (have, busy): path -> bitmap (shape only; ``check_have``
-    binds each)."""
+    binds each). A key given twice is refused, as by every other wire map (``wire``)."""
+    if len(payload) > MAX_HAVE_BYTES:
+        raise _bad(f"a have-report of {len(payload)} bytes is over {MAX_HAVE_BYTES}")
     try:
         data = msgpack.unpackb(
             payload,
             raw=False,
             strict_map_key=True,
+            object_pairs_hook=_no_duplicate_keys,
             max_str_len=MAX_HAVE_BYTES,
             max_bin_len=MAX_HAVE_BYTES,
             max_array_len=0,
             max_map_len=MAX_HAVE_FILES,
             max_ext_len=0,
         )
+    except ArtifactWireError:
+        raise
     except (ValueError, TypeError, OverflowError) as exc:
         raise _bad(f"a have-report is not valid msgpack: {exc}") from None
     if (
