@@ -34,7 +34,7 @@ import msgpack
 
 from skippy.transfer.chunks import ChunkSpan, chunk_count
 from skippy.transfer.errors import ArtifactWireError
-from skippy.transfer.wire import frame
+from skippy.transfer.wire import frame, no_duplicate_keys
 
 HAVE_GEN: Final = 1
 MAX_HAVE_BYTES: Final = 64 * 1024  # a stage's bitmaps: far below this for any real package
@@ -131,15 +131,6 @@ def _bad(message: str) -> ArtifactWireError:
     return ArtifactWireError(message, code="have_report_malformed")
 
 
-def _no_duplicate_keys(pairs: list[tuple[object, object]]) -> dict[object, object]:
-    out: dict[object, object] = {}
-    for key, value in pairs:
-        if key in out:
-            raise _bad("a have-report names a key twice")
-        out[key] = value
-    return out
-
-
 def encode_have(have: Mapping[str, bytes], busy: Mapping[str, bytes] | None = None) -> bytes:
     """The report frame: path -> bitmap (``pack_bitmap``) of the chunks verified, and of
     those being fetched now (``busy``: a counterpart waits for them rather than asking the
@@ -159,15 +150,15 @@ def decode_have(payload: bytes) -> tuple[dict[str, bytes], dict[str, bytes]]:
             payload,
             raw=False,
             strict_map_key=True,
-            object_pairs_hook=_no_duplicate_keys,
+            object_pairs_hook=no_duplicate_keys,
             max_str_len=MAX_HAVE_BYTES,
             max_bin_len=MAX_HAVE_BYTES,
             max_array_len=0,
             max_map_len=MAX_HAVE_FILES,
             max_ext_len=0,
         )
-    except ArtifactWireError:
-        raise
+    except ArtifactWireError as exc:  # the wire's own map checks (a key given twice)
+        raise _bad(f"a have-report: {exc.message}") from None
     except (ValueError, TypeError, OverflowError) as exc:
         raise _bad(f"a have-report is not valid msgpack: {exc}") from None
     if (

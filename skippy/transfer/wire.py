@@ -347,7 +347,8 @@ def encode_response(response: ArtifactResponse) -> bytes:
     return frame(msgpack.packb(response.to_wire(), use_bin_type=True), MAX_RESPONSE_BYTES)
 
 
-def _no_duplicates(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
+def no_duplicate_keys(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
+    """msgpack's ``object_pairs_hook`` for every wire map: a key given twice is malformed."""
     out: dict[Any, Any] = {}
     for key, value in pairs:
         if key in out:
@@ -366,7 +367,7 @@ def _unpack_map(
             payload,
             raw=False,
             strict_map_key=True,
-            object_pairs_hook=_no_duplicates,
+            object_pairs_hook=no_duplicate_keys,
             max_str_len=limit,
             max_bin_len=limit,
             max_array_len=16,
