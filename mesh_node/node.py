@@ -311,6 +311,16 @@ class MeshNode:
         m = self._members.get(node_id)
         return self._info(m, trio.current_time()) if m is not None and m.hello else None
 
+    def speaks(self, node_id: str, bits: frozenset[str]) -> bool:
+        """``node_id`` is linked now and its Hello advertised every skippy-stage bit of
+        ``bits`` (a wire behaviour both ends must know before it is used)."""
+        info = self.peer(node_id)
+        return (
+            info is not None
+            and info.connected
+            and info.has_features(pc.FEATURE_SKIPPY_STAGE, bits)
+        )
+
     @asynccontextmanager
     async def subscribe(self) -> AsyncIterator[trio.MemoryReceiveChannel[NodeEvent]]:
         """Node events (``PeerUp``, ``PeerDown``, ``TopologyChanged``) from now on. A

@@ -40,12 +40,7 @@ def speaks_partials(node: MeshNode, node_id: str) -> bool:
     reads one only from a node that advertises it)."""
     if pc.BIT_PARTIAL_SERVE not in node.features.get(pc.FEATURE_SKIPPY_STAGE, ()):
         return False
-    info = node.peer(node_id)
-    return (
-        info is not None
-        and info.connected
-        and info.has_features(pc.FEATURE_SKIPPY_STAGE, PARTIAL_BITS)
-    )
+    return node.speaks(node_id, PARTIAL_BITS)
 
 
 class PartialRegistry:

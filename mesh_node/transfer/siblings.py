@@ -62,14 +62,7 @@ SIBLING_BITS: Final = frozenset(
 
 def speaks_siblings(node: MeshNode, node_id: str) -> bool:
     """This node and the linked ``node_id`` both serve across sibling replicas."""
-    if not node.settings.swarm_transfer:
-        return False
-    info = node.peer(node_id)
-    return (
-        info is not None
-        and info.connected
-        and info.has_features(pc.FEATURE_SKIPPY_STAGE, SIBLING_BITS)
-    )
+    return node.settings.swarm_transfer and node.speaks(node_id, SIBLING_BITS)
 
 
 def coordinated(node: MeshNode) -> list[ActiveTopology]:

@@ -179,23 +179,13 @@ def may_ask(node: MeshNode, holder_id: str, coordinator_id: str) -> bool:
 
 def speaks_swarm(node: MeshNode, node_id: str) -> bool:
     """``node_id`` (not this node) is linked and advertises serving with chunk ranges."""
-    if node_id == node.node_id:
-        return False
-    info = node.peer(node_id)
-    return (
-        info is not None
-        and info.connected
-        and info.has_features(pc.FEATURE_SKIPPY_STAGE, SWARM_BITS)
-    )
+    return node_id != node.node_id and node.speaks(node_id, SWARM_BITS)
 
 
 def speaks_runs(node: MeshNode, node_id: str) -> bool:
     """``node_id`` serves a run of chunks on one range request (``chunk-runs``); else one
     chunk a request, as before."""
-    info = node.peer(node_id)
-    return (
-        info is not None and info.connected and info.has_features(pc.FEATURE_SKIPPY_STAGE, RUN_BITS)
-    )
+    return node.speaks(node_id, RUN_BITS)
 
 
 # --- the coordinator: source lists --------------------------------------------------------
