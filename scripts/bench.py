@@ -39,6 +39,7 @@ SECTIONS: dict[str, str] = {
     "adversary": "bench_adversary",  # issue #19: hostile peers against one `mesh-node run`
     "speculative": "bench_speculative",  # issue #22: n-gram speculation, exact vs batched verify
     "swarm": "bench_swarm",  # issue #23: swarm fetch vs coordinator-only, chunk overhead
+    "batch": "bench_batch",  # issue #22 item 6: 4 sessions' decode step vs one, at the stage
 }
 
 

@@ -110,11 +110,16 @@ def test_batched_decode_equals_each_session_alone(arch: str, ranges: list[str], 
         stages = list(ch.stages)
         alone = _steps_alone(stages)
         batched = _steps_batched(stages)
-        kept = [len(st._batch_graphs) for st in stages if isinstance(st, GgmlStage)]
+        graphs = [list(st._batch_graphs.values()) for st in stages if isinstance(st, GgmlStage)]
     assert batched.keys() == alone.keys()
     for key, row in alone.items():
         assert np.array_equal(batched[key], row), key
-    assert all(k >= 1 for k in kept)  # batches really ran as batched graphs
+    assert all(len(kept) >= 1 for kept in graphs)  # batches really ran as batched graphs
+    # both layouts ran: the models mix types ggml multiplies exactly as [k, B] (Q8_0, Q4_0)
+    # with F16/BF16, whose GEMM sums differently and so stays broadcast (batch_layout)
+    kept_graphs = [bg for kept in graphs for bg in kept]
+    assert all(bg.gemm_matmuls > 0 for bg in kept_graphs)
+    assert any(bg.broadcast_matmuls > 0 for bg in kept_graphs)
 
 
 def test_batched_greedy_tokens_are_each_sessions_argmax(pkgs) -> None:

@@ -594,6 +594,13 @@ def self_test(g: Ggml) -> None:
         g.ggml_free(ctx)
 
 
+def non_null(ptr: int | None, what: str) -> int:
+    """``ptr``, or ``GgmlCallFailed`` naming the call ``what`` that returned NULL."""
+    if not ptr:
+        raise GgmlCallFailed(f"{what} returned NULL (out of memory?)")
+    return ptr
+
+
 def _checked(ptr: int | None) -> int:
     if not ptr:
         raise GgmlSelfTestFailed("a ggml call returned NULL in the self-test")
@@ -621,6 +628,7 @@ __all__ = [
     "check_version",
     "library_dir",
     "load",
+    "non_null",
     "self_test",
     "tensor_struct",
     "type_traits",

@@ -55,10 +55,7 @@ BATCH_GRAPHS_KEPT: Final = 4
 _EXT_FACTOR, _ATTN_FACTOR, _BETA_FAST, _BETA_SLOW = 0.0, 1.0, 32.0, 1.0
 
 
-def _ok(ptr: int | None, what: str) -> int:
-    if not ptr:
-        raise ggml.GgmlCallFailed(f"{what} returned NULL (out of memory?)")
-    return ptr
+_ok = ggml.non_null
 
 
 @dataclass
@@ -180,13 +177,14 @@ class _BatchMember(_SessionInputs):
 @dataclass
 class _BatchGraph:
     """One decode step of several sessions (issue #22 item 6), built once for a set of
-    sessions and reused while that set stays the same. Linear layers see the batch as
-    ``[width, 1, B]`` (one column per session in dim 2, broadcasting the weight): ggml's CPU
-    matmul then keeps its per-row vec-dot path (the GEMV of a one-session decode, llamafile's
-    GEMM takes over only for ``ne1 >= 2``), so each session's column is computed by the very
-    kernel calls of its own decode, bit for bit, while each 16-row block of a weight is read
-    once for the whole batch. Attention runs per session on its own KV views, as
-    ``_DecodeGraph`` does."""
+    sessions and reused while that set stays the same. The batch is ``[width, 1, B]``, one
+    column per session. A weight whose type this ggml multiplies exactly as a ``[k, B]``
+    matrix at this width (checked, ``skippy.runtime.batch_layout``) takes the columns as one:
+    llamafile's GEMM then loads each weight block once for several columns. Any other weight
+    is broadcast over dim 2, which keeps ggml's per-row vec-dot path (the GEMV of a
+    one-session decode), reading each 16-row block once for the batch. Either way each
+    session's column equals its own decode's bit for bit. Attention runs per session on its
+    own KV views, as ``_DecodeGraph`` does."""
 
     ctx: int
     galloc: int
@@ -196,6 +194,8 @@ class _BatchGraph:
     pos: int  # I32 [B]
     result_view: npt.NDArray[np.float32]  # [B, cols] in the graph's compute buffer
     pos_buf: npt.NDArray[np.int32]
+    gemm_matmuls: int = 0  # weight matmuls taking the batch as one [k, B] matrix
+    broadcast_matmuls: int = 0  # and those broadcast over it
 
 
 @dataclass(frozen=True)
@@ -250,6 +250,9 @@ class GgmlStage(StageBase[_KvCache]):
         self._galloc = _ok(g.ggml_gallocr_new(g.ggml_backend_cpu_buffer_type()), "gallocr")
         # batched decode graphs by their sessions' caches (in batch order), newest last
         self._batch_graphs: dict[tuple[int, ...], _BatchGraph] = {}
+        # per weight type, the batch widths multiplied as [k, B] (found at the first build)
+        self._gemm_exact: dict[int, frozenset[int]] | None = None
+        self._layouts = [0, 0]
         n_graph = _TENSORS_PER_LAYER * len(self.layers) + _TENSORS_FIXED
         self._graph_size = max(ggml.GGML_DEFAULT_GRAPH_SIZE, n_graph)
         self._graph_mem = g.ggml_tensor_overhead() * 2 * self._graph_size + (
@@ -581,6 +584,8 @@ class GgmlStage(StageBase[_KvCache]):
 
     def _build_batch_graph(self, states: list[_KvCache]) -> _BatchGraph:
         g, spec, n_ctx, b = self.g, self.spec, self.config.n_ctx, len(states)
+        self._exact_gemm_widths()  # before the graph's matmuls choose their layout (_mm)
+        self._layouts = [0, 0]  # [k, B] / broadcast matmuls of this build (_mm counts them)
         size = max(
             ggml.GGML_DEFAULT_GRAPH_SIZE,
             (_TENSORS_PER_LAYER + _TENSORS_PER_MEMBER * b) * len(self.layers) + _TENSORS_FIXED,
@@ -649,6 +654,8 @@ class GgmlStage(StageBase[_KvCache]):
             pos=pos,
             result_view=view.reshape(b, cols),
             pos_buf=np.zeros(b, dtype=np.int32),
+            gemm_matmuls=self._layouts[0],
+            broadcast_matmuls=self._layouts[1],
         )
 
     def _batch_layer_graph(
@@ -689,6 +696,50 @@ class GgmlStage(StageBase[_KvCache]):
             o = o_i if o is None else g.ggml_concat(ctx, o, o_i, 2)  # [q_dim, 1, i + 1]
         return self._attn_out_and_ffn(ctx, il, _ok(o, "attention"), x)
 
+    def _exact_gemm_widths(self) -> dict[int, frozenset[int]]:
+        """Per weight type, the batch widths whose ``[k, B]`` product this ggml computes
+        exactly as B one-column products (``skippy.runtime.batch_layout``), checked once per
+        stage on a slice of one of its own weights per type."""
+        if self._gemm_exact is None:
+            from skippy.runtime.batch_layout import exact_gemm_widths
+
+            weights: dict[int, int] = {}
+            for w in self._layer_weights.values():
+                for t in (w.q, w.k, w.v, w.o, w.gate, w.up, w.down):
+                    weights.setdefault(tensor_struct(t).type, t)
+            head = self._head_weight()
+            if self.layers.owns_output and head is not None:
+                weights.setdefault(tensor_struct(head).type, head)
+            self._gemm_exact = exact_gemm_widths(
+                self.g, weights, self.config.max_sessions, self._compute
+            )
+        return self._gemm_exact
+
+    def _mm(self, ctx: int, weight: int, x: int) -> int:
+        """``weight @ x``; over a batch's ``[k, 1, B]`` activations, as one ``[k, B]`` matrix
+        when the weight's type multiplies that way exactly at this width
+        (``_exact_gemm_widths``: ggml's GEMM then loads each weight block once for several
+        sessions' columns), else broadcast (the one-session GEMV per column). Anything else
+        (a one-session step, a prefill chunk) is multiplied as it is."""
+        g, xs = self.g, tensor_struct(x)
+        k, b = int(xs.ne[0]), int(xs.ne[2])
+        if b < 2 or xs.ne[1] != 1 or xs.ne[3] != 1 or self._gemm_exact is None:
+            return g.ggml_mul_mat(ctx, weight, x)
+        if (
+            b in self._gemm_exact.get(tensor_struct(weight).type, ())
+            and xs.type == GgmlType.F32
+            and xs.nb[1] == 4 * k  # contiguous, so the reshapes are views (ggml asserts it)
+            and xs.nb[2] == 4 * k
+        ):
+            self._layouts[0] += 1
+            y = g.ggml_mul_mat(ctx, weight, g.ggml_reshape_2d(ctx, x, k, b))
+            return g.ggml_reshape_3d(ctx, y, int(tensor_struct(y).ne[0]), 1, b)
+        self._layouts[1] += 1
+        return g.ggml_mul_mat(ctx, weight, x)
+
+    def _head_weight(self) -> int | None:
+        return self._tensors.get("output.weight", self._tensors.get("token_embd.weight"))
+
     def _free_batch_graph(self, bg: _BatchGraph) -> None:
         self.g.ggml_gallocr_free(bg.galloc)
         self.g.ggml_free(bg.ctx)
@@ -712,7 +763,7 @@ class GgmlStage(StageBase[_KvCache]):
         return g.ggml_mul(ctx, g.ggml_rms_norm(ctx, x, self.spec.rms_eps), weight)
 
     def _linear(self, ctx: int, weight: int, x: int, bias: int | None = None) -> int:
-        y = self.g.ggml_mul_mat(ctx, weight, x)
+        y = self._mm(ctx, weight, x)
         return self.g.ggml_add(ctx, y, bias) if bias is not None else y
 
     def _layer_graph(
@@ -814,13 +865,13 @@ class GgmlStage(StageBase[_KvCache]):
             o = self._norm(ctx, o, w.post_attn_norm)
         x = g.ggml_add(ctx, o, x)
         h = self._norm(ctx, x, w.ffn_norm)
-        gate = g.ggml_mul_mat(ctx, w.gate, h)
-        up = g.ggml_mul_mat(ctx, w.up, h)
+        gate = self._mm(ctx, w.gate, h)
+        up = self._mm(ctx, w.up, h)
         if spec.activation == "gelu_tanh":
             a = g.ggml_geglu_split(ctx, gate, up)
         else:
             a = g.ggml_swiglu_split(ctx, gate, up)
-        f = g.ggml_mul_mat(ctx, w.down, a)
+        f = self._mm(ctx, w.down, a)
         if w.post_ffw_norm is not None:
             f = self._norm(ctx, f, w.post_ffw_norm)
         return g.ggml_add(ctx, f, x)
@@ -828,8 +879,7 @@ class GgmlStage(StageBase[_KvCache]):
     def _head(self, ctx: int, x: int) -> int:
         g, spec = self.g, self.spec
         h = self._norm(ctx, x, self._tensors[OUTPUT_NORM_TENSOR])
-        head = self._tensors.get("output.weight", self._tensors.get("token_embd.weight"))
-        logits = g.ggml_mul_mat(ctx, _ok(head, "output head"), h)  # [vocab, rows]
+        logits = self._mm(ctx, _ok(self._head_weight(), "output head"), h)  # [vocab, rows]
         cap = spec.final_logit_softcap
         if cap:
             logits = g.ggml_scale(ctx, g.ggml_tanh(ctx, g.ggml_scale(ctx, logits, 1.0 / cap)), cap)
