@@ -97,6 +97,7 @@ MAX_PENDING_PER_ADDRESS = 8  # handshakes pending (queued or running) from one s
 NEW_LINKS_PER_S_PER_ADDRESS = 10.0  # sustained new connections per source address ...
 NEW_LINKS_BURST_PER_ADDRESS = 20  # ... after a burst of this many
 MAX_TRACKED_ADDRESSES = 4096  # rate-limit entries; the stalest is forgotten first
+CLOSE_LINKS_SLACK_S = 0.25  # close_links waits up to disconnect_s plus this for its links
 QUEUE_WAIT_S = 2.0  # the longest a connection waits for a handshake slot (then 503)
 MAX_HEARD_OF = MAX_MEMBERS  # node ids learned from gossip (bounds the topology sanity check)
 # After a link that held this much of the peer budget closes, free heap goes back to the OS.
@@ -244,6 +245,7 @@ class MeshNode:
         self._handlers: dict[tuple[str, int, int], SubprotocolHandler] = {}
         self._subscribers: list[trio.MemorySendChannel[NodeEvent]] = []
         self._dialing: set[str] = set()  # addresses with a dial loop
+        self._closing = False  # close_links ran: no new links either way
         self._memory_release = MemoryReleaser()
         self._handshake_slots = trio.CapacityLimiter(MAX_PENDING_HANDSHAKES)
         self._pending_by_address: dict[str, int] = {}
@@ -252,7 +254,12 @@ class MeshNode:
         self._heard_of: dict[str, None] = {}  # ordered set, oldest first
         # Memory held for peers, all links together (issue #19 item 3).
         self.peer_memory = PeerMemory(settings.security.peer_memory_budget_bytes)
-        self.admission = {"rejected_busy": 0, "rejected_address": 0, "evicted_untrusted": 0}
+        self.admission = {
+            "rejected_busy": 0,
+            "rejected_address": 0,
+            "evicted_untrusted": 0,
+            "rejected_closing": 0,  # connections refused after close_links (shutdown)
+        }
         self._nursery: trio.Nursery | None = None
         self.started = trio.Event()
         self._started_at: float | None = None  # trio clock, when run() began serving
@@ -501,7 +508,7 @@ class MeshNode:
         delay, failures = 0.05, 0
         cap = dial_backoff_cap_s(self.settings.heartbeat_interval_s)
         try:
-            while True:
+            while not self._closing:
                 member = self._members.get(address.node_id or "")
                 if member is not None and member.link is not None:
                     await member.disconnected.wait()  # linked (maybe by its dial): wait for loss
@@ -527,6 +534,22 @@ class MeshNode:
                 delay = min(delay * 2, cap)
         finally:
             self._dialing.discard(str(address))
+
+    async def close_links(self) -> None:
+        """Shutdown, before the node's tasks are cancelled: close every link, each saying
+        goodbye and completing its WebSocket close while both ends' readers still run, and
+        wait for them (bounded); no link is dialed or accepted afterwards. Cancelling a link
+        instead cancels its WebSocket reader too, so its close would wait the whole
+        ``disconnect_s`` for a frame nothing reads."""
+        self._closing = True
+        waits = []
+        for member in self._members.values():
+            if member.link is not None:
+                waits.append(member.disconnected)
+                member.link.close("shutdown", "the node is shutting down")
+        with trio.move_on_after(self.timeouts.disconnect_s + CLOSE_LINKS_SLACK_S):
+            for event in waits:
+                await event.wait()
 
     async def _dial(self, address: PeerAddress) -> None:
         expected = bytes.fromhex(address.node_id) if address.node_id else None
@@ -594,6 +617,10 @@ class MeshNode:
     ) -> None:
         remote = request.remote
         address = transport.peer_address if transport is not None else str(remote)
+        if self._closing:
+            self.admission["rejected_closing"] += 1
+            await request.reject(503, body=b"the node is shutting down")
+            return
         if not self._admit_address(address):
             self.admission["rejected_address"] += 1
             await request.reject(429, body=b"too many connections from this address")

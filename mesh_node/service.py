@@ -170,6 +170,7 @@ async def _run_node(
                 # open API requests drain briefly; streams end with a final error event
                 # (a second signal during it is not waited for: the drain is bounded)
                 await serving.drain()
+                await node.close_links()
                 nursery.cancel_scope.cancel()
                 break
     await host.close()

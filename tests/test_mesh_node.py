@@ -429,6 +429,30 @@ async def test_a_duplicate_pair_of_links_converges_to_one(tmp_path):
         n.cancel_scope.cancel()
 
 
+async def test_close_links_says_goodbye_completes_each_close_and_takes_no_new_link(tmp_path):
+    """Shutdown (``close_links``, before the node's tasks are cancelled): the peer hears the
+    goodbye (a peer loss with its reason, at once), gets a normal WebSocket close (code 1000,
+    not an aborted connection: both readers still ran), and its redial is refused."""
+    async with trio.open_nursery() as n:
+        a = await start(n, MeshNode(settings(tmp_path, "a"), identity()))
+        b = await start(n, MeshNode(with_peers(settings(tmp_path, "b"), a), identity()))
+        await wait_for(lambda: len(a.peers(connected_only=True)) == len(b.peers()) == 1)
+        b_side = b._members[a.node_id].link
+        assert b_side is not None
+        async with b.subscribe() as events:
+            await a.close_links()
+            assert a.peers(connected_only=True) == []  # returned once its links were down
+            with trio.fail_after(10):
+                event = await events.receive()
+            assert isinstance(event, PeerDown) and event.node_id == a.node_id
+            assert "shutting down" in event.reason
+        closed = b_side.ws.closed
+        assert closed is not None and closed.code == 1000
+        await wait_for(lambda: a.admission["rejected_closing"] >= 1)  # b dialed again
+        assert a.peers(connected_only=True) == [] and b.peers(connected_only=True) == []
+        n.cancel_scope.cancel()
+
+
 async def test_a_configured_peer_is_redialed_after_its_link_drops(tmp_path):
     async with trio.open_nursery() as n:
         a = await start(n, MeshNode(settings(tmp_path, "a"), identity()))

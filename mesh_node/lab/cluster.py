@@ -30,7 +30,7 @@ import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from mesh_node import control
-from mesh_node.errors import MeshError
+from mesh_node.errors import MeshError, first_exception, skippy_error_in
 from mesh_node.identity import (
     issue_certificate,
     node_id_of,
@@ -186,8 +186,20 @@ class LabCluster:
 
     # --- processes ----------------------------------------------------------------------------
     async def start_all(self) -> None:
-        for node in self.nodes:  # the coordinator first: the others dial its address
-            await self.start(node.index)
+        """The coordinator first (the others dial its address), then every other node at
+        once: a node's start is mostly its own imports and calibration, so starting them one
+        after another only added each one's start-up to the lab's."""
+        await self.start(self.coordinator.index)
+        try:
+            async with trio.open_nursery() as nursery:
+                for node in self.nodes:
+                    if node is not self.coordinator:
+                        nursery.start_soon(self.start, node.index)
+        except BaseExceptionGroup as group:  # raised as itself, as a sequential start would
+            found = first_exception(group, KeyboardInterrupt) or skippy_error_in(group)
+            if found is None:
+                raise
+            raise found from None
 
     async def start(self, index: int) -> LabNode:
         """Start (or restart) node ``index`` and wait until it listens."""
