@@ -22,7 +22,6 @@ from typing import Any
 
 from skippy.config import Environment
 from skippy.constants import MANIFEST_NAME
-from skippy.consume import hub
 from skippy.consume.cache_layout import repo_cache_root
 from skippy.consume.preflight import LoadedPackage, PreparedStage, load_package, prepare_stage
 from skippy.consume.verify import VerifyCache
@@ -84,6 +83,8 @@ def open_package(ref: PackageRef, env: Environment) -> LoadedPackage:
                 f"package directory {ref.path} does not exist", path=str(ref.path)
             )
         return load_package(ref.path, origin=str(ref.path))
+    from skippy.consume import hub  # huggingface_hub: ~0.5 s to import, only for hf:// refs
+
     commit = hub.resolve_revision(ref, **_hub_kwargs(env))
     manifest_file = hub.download_file(ref, commit, MANIFEST_NAME, **_hub_kwargs(env))
     carrier = _v2_carrier_path(
@@ -123,6 +124,8 @@ def fetch_selection(
     report = FetchReport(package_bytes=pkg.manifest.total_artifact_bytes())
     refs = selection.all_refs
     if isinstance(ref, HfPackageRef):
+        from skippy.consume import hub
+
         commit = pkg.root.name  # the hub cache layout: snapshots/<commit>/model-package.json
         present = {r.path for r in refs if (pkg.root / r.path).exists()}
         hub.download_many(ref, commit, [r.path for r in refs], **_hub_kwargs(env))
@@ -216,6 +219,8 @@ def _check_remote_projectors(
             ", ".join(p.path for p in others),
         )
         return
+    from skippy.consume import hub
+
     commit = pkg.root.name
     findings = []
     for proj in others:
