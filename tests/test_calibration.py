@@ -135,3 +135,33 @@ def test_the_calibration_setting_is_auto_or_off_and_the_environment_wins(tmp_pat
         node_settings(_config(tmp_path, 'calibration = "fast"'), env)
     with pytest.raises(UsageError, match="MESH_NODE_CALIBRATION"):
         node_settings(_config(tmp_path, ""), read_environment({"MESH_NODE_CALIBRATION": "1"}))
+
+
+def test_the_calibration_model_has_the_same_bytes_with_ggml_or_gguf_py_quantizing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The model a node writes at start-up is quantized by ggml when libggml loads and by
+    gguf-py otherwise; both are the reference Q8_0 rounding, so the file (and MODEL_CLASS,
+    which names it) is the same either way."""
+    import hashlib
+
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python (and its libggml) is not installed")
+    import gguf
+
+    from skippy.gguf import ggml
+    from skippy.runtime.calibration import write_calibration_model
+
+    calls = []
+    real = gguf.quants.quantize
+    monkeypatch.setattr(gguf.quants, "quantize", lambda *a: calls.append(1) or real(*a))
+    fast = write_calibration_model(tmp_path / "ggml.gguf")
+    assert calls == []  # ggml quantized every matrix
+
+    def unavailable() -> None:
+        raise ggml.GgmlUnavailable("not here", code="ggml_unavailable")
+
+    monkeypatch.setattr(ggml, "load", unavailable)
+    slow = write_calibration_model(tmp_path / "gguf-py.gguf")
+    assert calls  # gguf-py did
+    digest = [hashlib.sha256(p.read_bytes()).hexdigest() for p in (fast, slow)]
+    assert digest[0] == digest[1]

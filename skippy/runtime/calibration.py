@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Final
 
 import numpy as np
+import numpy.typing as npt
 
 from skippy.errors import UsageError
 from skippy.runtime.stage import Stage
@@ -162,9 +163,11 @@ def write_calibration_model(path: Path) -> Path:
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
 
+    quantize = _q8_0_quantizer()
+
     def matrix(name: str, rows: int, cols: int) -> None:
         w = (rng.standard_normal((rows, cols)) * 0.02).astype(np.float32)
-        data = gguf.quants.quantize(w, q8)
+        data = quantize(w)
         writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=q8)
 
     def norm(name: str) -> None:
@@ -187,6 +190,32 @@ def write_calibration_model(path: Path) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _q8_0_quantizer() -> Callable[[npt.NDArray[np.float32]], npt.NDArray[np.uint8]]:
+    """Q8_0 rows of an f32 matrix: ggml's quantizer (C; a node's start-up writes this model)
+    when libggml loads, else gguf-py's (numpy, ~4x slower here). Both are the reference
+    Q8_0 rounding and give the same bytes (tests/test_calibration.py), so the model, and
+    ``MODEL_CLASS``, do not depend on which ran."""
+    import gguf
+
+    try:
+        from skippy.gguf import ggml
+
+        g = ggml.load()
+    except (ggml.GgmlUnavailable, ggml.GgmlVersionMismatch, OSError):
+        return lambda w: np.asarray(gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0))
+    q8 = int(gguf.GGMLQuantizationType.Q8_0)
+    g.ggml_quantize_init(q8)
+
+    def quantize(w: npt.NDArray[np.float32]) -> npt.NDArray[np.uint8]:
+        rows, cols = w.shape
+        src = np.ascontiguousarray(w, dtype=np.float32)
+        out = np.empty((rows, cols // 32 * 34), dtype=np.uint8)
+        g.ggml_quantize_chunk(q8, src.ctypes.data, out.ctypes.data, 0, rows, cols, None)
+        return out
+
+    return quantize
 
 
 def layer_bytes() -> int:
