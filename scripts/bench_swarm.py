@@ -13,7 +13,7 @@ Chunk verification overhead: the embeddings (178 MB) needed by worker B of a 2-n
 the coordinator alone, no rate cap (the same sender work in both modes; a second sender would
 add its own CPU on these 2 cores). Its rate as B records it, whole-file against 8 MiB chunks
 each verified against its signed digest (``swarm_min_holders = 1`` forces chunks from one
-holder).
+holder), the two modes alternating, one fresh lab per mode and round.
 """
 
 from __future__ import annotations
@@ -142,12 +142,15 @@ def rows(ctx: BenchContext) -> list[Row]:
         for mode in ("coordinator", "swarm"):
             capped[mode].append(trio.run(lambda m=mode, k=i: _replica_run(
                 package, ctx.work, f"replicas-{m}-{k}", swarm=m == "swarm")))
-    free = {
-        mode: trio.run(lambda m=mode: _runs(package, ctx.work, f"free-{m}", ctx.runs,
-                                            swarm=m == "swarm", rate=0, holder=False,
-                                            min_holders=1))
-        for mode in ("whole", "swarm")
-    }
+    # The overhead rows alternate too: one fresh 2-node lab per mode and round, so a drift of
+    # the machine's speed hits both modes alike.
+    free: dict[str, dict[str, list[Any]]] = {"whole": {"rate": []}, "swarm": {"rate": []}}
+    for i in range(ctx.runs):
+        for mode in ("whole", "swarm"):
+            one = trio.run(lambda m=mode, k=i: _runs(package, ctx.work, f"free-{m}-{k}", 1,
+                                                     swarm=m == "swarm", rate=0, holder=False,
+                                                     min_holders=1))
+            free[mode]["rate"] += one["rate"]
     coord_t = [r["ready_s"] for r in capped["coordinator"]]
     swarm_t = [r["ready_s"] for r in capped["swarm"]]
     ratio = [s / c for s, c in zip(swarm_t, coord_t, strict=True)]  # side by side, per pair
