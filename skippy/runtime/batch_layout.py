@@ -17,10 +17,10 @@ do the same per-block products in the same order). So it is measured, not assume
 weight type of a stage, a slice of one of its real weights is multiplied by random columns in
 both forms, for every batch width up to the stage's session cap, and a width is ``[k, B]``-
 safe for that type only if every column equals its own one-column product bit for bit (the
-kernel can change with the width: Q4_K here is exact up to 4 columns, not at 8). The same operations
-in the same order give the same bits for every input; a different order shows on random data
-(a rounding difference in some of ~10^4 sums), so random inputs are a sound test of the
-kernel's order, which is what exactness depends on.
+kernel can change with the width: Q4_K and Q6_K here are exact up to 7 columns, not at 8).
+The same operations in the same order give the same bits for every input; a different order
+shows on random data (a rounding difference in some of ~10^4 sums), so random inputs are a
+sound test of the kernel's order, which is what exactness depends on.
 """
 
 from __future__ import annotations
