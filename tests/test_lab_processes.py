@@ -232,6 +232,25 @@ async def test_a_worker_restarted_after_completion_fetches_nothing(tiny_package,
         assert "fetched peer 0 hub 0" in text.stdout
 
 
+async def test_workers_take_the_coordinators_calibration_and_measure_nothing(
+    tiny_package, tmp_path
+):
+    """The lab's nodes share one machine: the workers start with the coordinator's
+    calibration (measured while it started alone), read it from their cache and advertise
+    the same figure."""
+    on = {"MESH_NODE_CALIBRATION": "auto"}  # the suite turns it off (tests/conftest.py)
+    async with open_lab(options(tiny_package, tmp_path, node_env={0: on, 1: on})) as lab:
+        cluster = lab.cluster
+        coordinator_log = cluster.coordinator.log_path.read_text()
+        assert "calibration (measured)" in coordinator_log
+        docs = await cluster.statuses()
+        for node in cluster.nodes[1:]:
+            log_text = node.log_path.read_text()
+            assert "calibration (cached)" in log_text and "calibration (measured)" not in log_text
+        computes = [d["compute"] for d in docs if d is not None]
+        assert len(computes) == len(cluster.nodes) and all(c == computes[0] for c in computes)
+
+
 async def test_serving_gives_up_at_the_deadline_with_the_cores_waiting_reason(
     tiny_package, tmp_path
 ):

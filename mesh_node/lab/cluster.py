@@ -37,6 +37,7 @@ from mesh_node.identity import (
     write_certificate,
     write_private_key,
 )
+from skippy.atomic import atomic_write_bytes
 from skippy.config import ENV_ARTIFACT_TRANSFER
 
 log = logging.getLogger("mesh_node.lab")
@@ -188,8 +189,11 @@ class LabCluster:
     async def start_all(self) -> None:
         """The coordinator first (the others dial its address), then every other node at
         once: a node's start is mostly its own imports and calibration, so starting them one
-        after another only added each one's start-up to the lab's."""
+        after another only added each one's start-up to the lab's. The nodes share this
+        machine, so the coordinator's calibration, measured while it started alone, is
+        theirs too (``share_calibration``)."""
         await self.start(self.coordinator.index)
+        await trio.to_thread.run_sync(self.share_calibration)
         try:
             async with trio.open_nursery() as nursery:
                 for node in self.nodes:
@@ -200,6 +204,24 @@ class LabCluster:
             if found is None:
                 raise
             raise found from None
+
+    def share_calibration(self) -> None:
+        """Copy the coordinator's calibration cache (issue #21) into every other node's
+        data_dir that has none, so they neither measure the machine again nor measure it
+        while the others start (several processes calibrating on the same cores at once
+        would each read slower than the machine is). A node whose calibration key differs
+        (another engine or thread count) still measures its own."""
+        from mesh_node.calibration import CACHE_NAME
+
+        source = self.coordinator.data_dir / CACHE_NAME
+        if not source.is_file():  # calibration off, or it failed: each node does its own
+            return
+        for node in self.nodes:
+            target = node.data_dir / CACHE_NAME
+            if node is self.coordinator or target.exists():
+                continue
+            node.data_dir.mkdir(parents=True, exist_ok=True)
+            atomic_write_bytes(target, source.read_bytes(), durable=False)
 
     async def start(self, index: int) -> LabNode:
         """Start (or restart) node ``index`` and wait until it listens."""
