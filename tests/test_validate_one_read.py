@@ -97,4 +97,3 @@ def test_a_source_that_fails_to_parse_stops_both_passes(wide, tmp_path):
     bad.write_bytes(b"GGUF" + b"\xff" * 64)
     with pytest.raises(GGUFFormatError):
         validate_package(bad, pkg)
-

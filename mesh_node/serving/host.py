@@ -45,7 +45,7 @@ from skippy.runtime.boundary import StageLoad
 from skippy.runtime.compute_thread import compute_thread
 from skippy.runtime.sampling import Sampler, SamplingParams
 from skippy.runtime.speculation import accept_draft
-from skippy.runtime.stage import DecodeStep, Stage, StageConfig, StageOutput, stage_usage
+from skippy.runtime.stage import DecodeStep, Stage, StageConfig, StageOutput, context_full
 from skippy.stage import transport as t
 from skippy.stage.descriptor import RuntimeFacts
 
@@ -419,10 +419,10 @@ class StageHost:
 
         def run() -> None:
             for q in batch:
-                first = q.steps[0]
+                first, reach, n_ctx = q.steps[0], q.steps[-1].position + 1, stage.descriptor.n_ctx
                 drop_rejected(stage, first.session, first.position)
-                if len(q.steps) > 1 and first.position + len(q.steps) > stage.descriptor.n_ctx:
-                    q.error = window_too_long(first.session, first.position, len(q.steps), stage)
+                if len(q.steps) > 1 and reach > n_ctx:  # a window: refused before any step
+                    q.error = context_full(first.session, reach, n_ctx)
             for j in range(graphs):
                 live = [q for q in batch if q.error is None and j < len(q.steps)]
                 if not live:
@@ -741,18 +741,6 @@ def accept_window(sampling: t.Sampling, start: int, logits: Any, window: list[in
         return sampler_at(sampling, next(positions)).sample(row)
 
     return accept_draft(logits, window[1:], sample)
-
-
-def window_too_long(session: str, start: int, n: int, stage: Stage) -> SkippyError:
-    """``decode_steps``'s refusal of a window past the context, before any of it runs."""
-    n_ctx = stage.descriptor.n_ctx
-    return stage_usage(
-        f"session {session!r} would reach {start + n} positions; the context holds {n_ctx}",
-        "context_full",
-        expected=n_ctx,
-        actual=start + n,
-        remediation="raise the context with --n-ctx, or free the session",
-    )
 
 
 def stage_threads(configured: int | None, cores: int, co_located: int) -> int:

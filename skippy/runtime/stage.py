@@ -216,6 +216,18 @@ def stage_usage(message: str, code: str, **kw: Any) -> UsageError:
     return UsageError(message, code=code, **kw)
 
 
+def context_full(session: str, reach: int, n_ctx: int) -> UsageError:
+    """The refusal of input that would take ``session`` to ``reach`` positions, past the
+    context's ``n_ctx``."""
+    return stage_usage(
+        f"session {session!r} would reach {reach} positions; the context holds {n_ctx}",
+        "context_full",
+        expected=n_ctx,
+        actual=reach,
+        remediation="raise the context with --n-ctx, or free the session",
+    )
+
+
 class StageBase(ABC, Generic[S]):
     """Input checks, sessions and chunking shared by the engines."""
 
@@ -385,14 +397,7 @@ class StageBase(ABC, Generic[S]):
                 remediation="truncate the session first to rewrite positions",
             )
         if start + n > self.config.n_ctx:
-            raise stage_usage(
-                f"session {session!r} would reach {start + n} positions; the context holds "
-                f"{self.config.n_ctx}",
-                "context_full",
-                expected=self.config.n_ctx,
-                actual=start + n,
-                remediation="raise the context with --n-ctx, or free the session",
-            )
+            raise context_full(session, start + n, self.config.n_ctx)
         if s is None:
             if len(self._sessions) >= self.config.max_sessions:
                 raise stage_usage(
