@@ -31,6 +31,7 @@ SECTIONS: dict[str, str] = {
     "transfer-mesh": "bench_transfer_mesh",
     "link": "bench_link",  # issue #25: mesh stream and verified transfer vs raw, each way
     "hop": "bench_hop",  # issues #21/#25: one 2.5 KiB decode frame's one-way latency vs raw
+    "floor": "bench_floor",  # issues #21/#25: 3 stage processes over plain sockets vs one
     "serve": "bench_serve",  # reuses the stage section's gemma3 package
     "wan": "bench_wan",  # issue #21: emulated WAN links (reuses the stage section's package)
     "threads": "bench_threads",  # issue #18: threads = "auto" on one host

@@ -89,9 +89,11 @@ class GgmlType:
 # every graph before it sleeps. A stage of a split is idle while the next stage computes on the
 # same cores, so that spin steals a core from the stage doing the work, on every token of every
 # hop. ggml's barriers inside a graph are OpenMP barriers too, so OMP_WAIT_POLICY=passive
-# (sleep at once) makes each graph ~2-3x slower; a short spin keeps the barriers fast and lets
-# an idle stage sleep within ~0.3 ms (measured: docs/performance.md, split serving).
-OPENMP_ENVIRONMENT: Final = {"GOMP_SPINCOUNT": "10000"}
+# (sleep at once) makes each graph ~2-3x slower. 4,000 pauses (~0.1 ms) keep the barriers as
+# fast as 10,000 did (one stage's decode and prefill unchanged, side by side) and let the stage
+# that just finished leave the cores sooner: a 3-node split's decode 8-14% faster
+# (docs/performance.md, "the OpenMP spin after a graph").
+OPENMP_ENVIRONMENT: Final = {"GOMP_SPINCOUNT": "4000"}
 
 
 def configure_openmp() -> None:
