@@ -58,7 +58,10 @@ class Sampler:
 
     def __init__(self, params: SamplingParams | None = None) -> None:
         self.params = params or SamplingParams()
-        self._rng = np.random.default_rng(self.params.seed)
+        # Made at the first draw: greedy never draws, and a node makes a sampler per token
+        # (seeded by the position), where a generator costs ~0.13 ms with the caches just
+        # flushed by a stage's graph, twice per token of a split (docs/performance.md).
+        self._rng: np.random.Generator | None = None
 
     def sample(self, logits: npt.NDArray[np.float32]) -> int:
         row = np.asarray(logits, dtype=np.float32).reshape(-1)
@@ -81,4 +84,6 @@ class Sampler:
             # the smallest prefix whose mass reaches top_p (at least one token)
             cut = int(np.searchsorted(np.cumsum(probs), p.top_p)) + 1
             candidates, probs = candidates[:cut], probs[:cut] / probs[:cut].sum()
+        if self._rng is None:
+            self._rng = np.random.default_rng(self.params.seed)
         return int(candidates[self._rng.choice(len(candidates), p=probs)])
