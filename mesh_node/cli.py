@@ -172,15 +172,17 @@ def cmd_serve(args: argparse.Namespace) -> CommandResult:
 
 def _run_trio(fn: Callable[..., Any], *args: Any) -> Any:
     """``trio.run``, with our error surfacing from inside a nursery raised as itself (the
-    CLI prints its code and message, never an exception group's traceback)."""
+    CLI prints its code and message, never an exception group's traceback). A Ctrl-C that
+    landed in a nursery comes out as ``KeyboardInterrupt`` first: the user asked to stop,
+    whatever else failed meanwhile (``main`` exits 130)."""
     import trio
 
     try:
         return trio.run(fn, *args)
     except BaseExceptionGroup as group:
-        from mesh_node.errors import skippy_error_in
+        from mesh_node.errors import first_exception, skippy_error_in
 
-        found = skippy_error_in(group)
+        found = first_exception(group, KeyboardInterrupt) or skippy_error_in(group)
         if found is None:
             raise
         raise found from None

@@ -307,6 +307,32 @@ def test_ctrl_c_stops_every_node(big_package, tmp_path):
     assert _processes_under(root) == []
 
 
+def test_a_ctrl_c_inside_a_nursery_leaves_trio_as_itself_before_any_other_error() -> None:
+    """The lab's Ctrl-C can land in any nursery (a start, the meshing wait's status calls):
+    the CLI's trio runner raises it unwrapped, ahead of an error of ours beside it, so
+    ``main`` exits 130 without a traceback (the process test above hit this in a nursery)."""
+    from mesh_node.cli import _run_trio
+
+    async def fail() -> None:  # fails as it is cancelled: both errors are in the group
+        try:
+            await trio.sleep_forever()
+        finally:
+            raise LabError("a node did not stop", code="lab_node_failed")
+
+    async def interrupted() -> None:
+        await trio.sleep(0.01)
+        raise KeyboardInterrupt
+
+    async def lab() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(interrupted)
+            async with trio.open_nursery() as inner:  # nested, as the lab's are
+                inner.start_soon(fail)
+
+    with pytest.raises(KeyboardInterrupt):
+        _run_trio(lab)
+
+
 @pytest.fixture(autouse=True)
 def _no_leftover_nodes(tmp_path: Path) -> Iterator[None]:
     yield
