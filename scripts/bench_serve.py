@@ -15,10 +15,13 @@ by request, so machine noise hits both:
 - 4 concurrent requests: aggregate decode tok/s vs one request, 1 stage and split (each stage
   batches the sessions' decode steps into one graph: issue #22 item 6, target >= 2x); both
   rates are completion tokens over the wall time of the request(s), taken in turn per run;
+  the split also as users run it by default (`threads = "auto"`: the cores shared among the
+  stages on this host, so three stages computing at once do not oversubscribe 2 cores), in
+  its own cluster after the others have stopped;
 - peak RSS per stage process (VmHWM) vs its artifact bytes + KV of its sessions.
 
 Every stage runs ggml with 2 threads (the machine's cores; the stages of a split mostly take
-turns, so each may use both).
+turns, so each may use both), except the "auto" split of the concurrency rows.
 """
 
 from __future__ import annotations
@@ -77,7 +80,7 @@ def rows(ctx: BenchContext) -> list[Row]:
     root = ctx.work / "serve"
     kw = {"budget": "4GiB", "n_ctx": N_CTX, "chunk": CHUNK, "threads": THREADS, "sessions": 4}
     shutil.rmtree(root, ignore_errors=True)  # fresh keys and node state every run
-    for sub in ("single", "split"):
+    for sub in ("single", "split", "split-auto"):
         (root / sub).mkdir(parents=True)
     with (
         split_cluster(root / "single", pkg, workers=0, stages=1, **kw) as single,
@@ -106,15 +109,18 @@ def rows(ctx: BenchContext) -> list[Row]:
                     busy0 += _busy(cluster) - before
         overlap = busy0 / wall if wall else float("nan")
         # concurrency: 4 requests at once vs one, whole and split, in turn per run
-        ones: dict[str, list[float]] = {"single": [], "split": []}
-        aggs: dict[str, list[float]] = {"single": [], "split": []}
-        for _ in range(ctx.runs):
-            for name, cluster in (("single", single), ("split", split)):
-                ones[name].append(_concurrent(cluster.api, prompt, 1))
-                aggs[name].append(_concurrent(cluster.api, prompt, CONCURRENT))
-        batched = {name: _batched(c) for name, c in (("single", single), ("split", split))}
+        clusters = (("single", single), ("split", split))
+        ones: dict[str, list[float]] = {"split_auto": []}
+        aggs: dict[str, list[float]] = {"split_auto": []}
+        batched = _concurrency(clusters, prompt, ctx.runs, ones, aggs)
         hops = _hops(split)
         rss = _rss(split)
+    # The split as users run it by default, on its own (three more idle nodes beside the
+    # clusters above would disturb their 2-thread barriers): its ratio is its own, in turn.
+    auto_kw = {**kw, "threads": '"auto"'}
+    with split_cluster(root / "split-auto", pkg, workers=2, stages=3, **auto_kw) as split_auto:
+        wait_ready(split_auto.api, 300)
+        batched |= _concurrency((("split_auto", split_auto),), prompt, ctx.runs, ones, aggs)
     ratio_dec = statistics.median(dec["split"]) / statistics.median(dec["single"])
     ratio_pre = statistics.median(pre["split"]) / statistics.median(pre["single"])
     out: list[Row] = [
@@ -135,7 +141,11 @@ def rows(ctx: BenchContext) -> list[Row]:
         (MODEL, "serve: per-hop decode frame round trip (to its ack: after the next stage's step)",
          "; ".join(f"{k}: {v}" for k, v in hops.items()), "ms, median"),
     ]
-    for name, label in (("single", "1 stage"), ("split", "3-node split")):
+    for name, label in (
+        ("single", "1 stage"),
+        ("split", "3-node split"),
+        ("split_auto", '3-node split, threads = "auto"'),
+    ):
         one_rate, agg = statistics.median(ones[name]), statistics.median(aggs[name])
         out.append(
             (MODEL, f"serve: {CONCURRENT} concurrent requests, aggregate decode tok/s, {label}",
@@ -211,6 +221,25 @@ def _batched(cluster: Any) -> str:
         steps += int(stage.get("batched_decode_steps") or 0)
         batches += int(stage.get("decode_batches") or 0)
     return f"{steps} steps in {batches} batched graphs"
+
+
+def _concurrency(
+    clusters: tuple[tuple[str, Any], ...],
+    prompt: str,
+    runs: int,
+    ones: dict[str, list[float]],
+    aggs: dict[str, list[float]],
+) -> dict[str, str]:
+    """One request, then ``CONCURRENT`` at once, per cluster in turn, ``runs`` times (into
+    ``ones`` and ``aggs``); each cluster's batched steps."""
+    for name, _ in clusters:
+        ones.setdefault(name, [])
+        aggs.setdefault(name, [])
+    for _ in range(runs):
+        for name, cluster in clusters:
+            ones[name].append(_concurrent(cluster.api, prompt, 1))
+            aggs[name].append(_concurrent(cluster.api, prompt, CONCURRENT))
+    return {name: _batched(c) for name, c in clusters}
 
 
 def _concurrent(api: str, prompt: str, n: int) -> float:
