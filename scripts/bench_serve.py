@@ -9,7 +9,7 @@ by request, so machine noise hits both:
 - time to first token (the 512-token prompt);
 - per-hop decode round trip: a one-token decode frame to its ack, which the receiving stage
   sends once the step's output is on its way (so it includes that stage's step), per hop
-  (median over the run);
+  (median of the single requests' frames, taken before the concurrent ones);
 - prefill overlap: the stages' summed compute time during the 512-token prefills over their
   wall time (> 1: stage i+1 computed while stage i did, the chunked prefill's pipelining);
 - 4 concurrent requests: aggregate decode tok/s vs one request, 1 stage and split (each stage
@@ -108,12 +108,13 @@ def rows(ctx: BenchContext) -> list[Row]:
                     wall += p["timings"]["prefill_s"]
                     busy0 += _busy(cluster) - before
         overlap = busy0 / wall if wall else float("nan")
+        # before the concurrent requests: their frames wait for each other's steps
+        hops = _hops(split)
         # concurrency: 4 requests at once vs one, whole and split, in turn per run
         clusters = (("single", single), ("split", split))
         ones: dict[str, list[float]] = {"split_auto": []}
         aggs: dict[str, list[float]] = {"split_auto": []}
         batched = _concurrency(clusters, prompt, ctx.runs, ones, aggs)
-        hops = _hops(split)
         rss = _rss(split)
     # The split as users run it by default, on its own (three more idle nodes beside the
     # clusters above would disturb their 2-thread barriers): its ratio is its own, in turn.
