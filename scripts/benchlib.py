@@ -103,15 +103,23 @@ def render(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+# Vector extensions that change which kernels win (a VM's "model name" may say only the vendor).
+_CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "avx512_vp2intersect")
+
+
 def machine() -> str:
-    cpu = "?"
+    cpu, flags = "?", ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith("model name") and cpu == "?":
                 cpu = line.split(":", 1)[1].strip()
-                break
+            elif line.startswith("flags") and not flags:
+                have = set(line.split(":", 1)[1].split())
+                flags = " ".join(f for f in _CPU_FLAGS if f in have)
     except OSError:
         pass
+    if flags:
+        cpu = f"{cpu}; {flags}"
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     return f"{os.cpu_count()} cores ({cpu}), {mem:.0f} GiB, Python {platform.python_version()}"
 
