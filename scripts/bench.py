@@ -91,8 +91,8 @@ def main() -> int:
 # touched them once, then ~4 GB/s (docs/performance.md, "A fresh VM pays for the first touch").
 # Touching free memory once, in a child that then exits, gives the sections memory the host has
 # backed. The effect fades: this VM hands idle memory back (a DAMON kdamond runs a pageout
-# scheme), so 14 GiB touched cost the full time again 8 minutes later. Bounded: at most
-# WARM_MAX_BYTES (~22 s on a fresh VM), leaving WARM_LEAVE_BYTES free.
+# scheme), so 14 GiB touched cost the full time again minutes later. Bounded: at most
+# WARM_MAX_BYTES (~23 s on a fresh VM), leaving WARM_LEAVE_BYTES free.
 WARM_MAX_BYTES = 8 * 2**30
 WARM_LEAVE_BYTES = 3 * 2**30
 
