@@ -180,9 +180,9 @@ def _run_trio(fn: Callable[..., Any], *args: Any) -> Any:
     try:
         return trio.run(fn, *args)
     except BaseExceptionGroup as group:
-        from mesh_node.errors import first_exception, skippy_error_in
+        from mesh_node.errors import surfaced
 
-        found = first_exception(group, KeyboardInterrupt) or skippy_error_in(group)
+        found = surfaced(group)
         if found is None:
             raise
         raise found from None

@@ -26,6 +26,13 @@ def skippy_error_in(exc: BaseException) -> SkippyError | None:
     return first_exception(exc, SkippyError)
 
 
+def surfaced(exc: BaseException) -> BaseException | None:
+    """What a nursery's failure means to its caller, to be raised as itself: a Ctrl-C first
+    (the user asked to stop, whatever else failed meanwhile), else our own error; ``None``
+    when neither is there (a bug: re-raise the group)."""
+    return first_exception(exc, KeyboardInterrupt) or skippy_error_in(exc)
+
+
 class MeshError(SkippyError):
     """Something on the mesh failed (a peer, a link, a stream)."""
 

@@ -30,7 +30,7 @@ import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from mesh_node import control
-from mesh_node.errors import MeshError, first_exception, skippy_error_in
+from mesh_node.errors import MeshError, surfaced
 from mesh_node.identity import (
     issue_certificate,
     node_id_of,
@@ -200,7 +200,7 @@ class LabCluster:
                     if node is not self.coordinator:
                         nursery.start_soon(self.start, node.index)
         except BaseExceptionGroup as group:  # raised as itself, as a sequential start would
-            found = first_exception(group, KeyboardInterrupt) or skippy_error_in(group)
+            found = surfaced(group)
             if found is None:
                 raise
             raise found from None
