@@ -199,9 +199,9 @@ def _q8_0_quantizer() -> Callable[[npt.NDArray[np.float32]], npt.NDArray[np.uint
     ``MODEL_CLASS``, do not depend on which ran."""
     import gguf
 
-    try:
-        from skippy.gguf import ggml
+    from skippy.gguf import ggml  # ours: loads no library until ``load``
 
+    try:
         g = ggml.load()
     except (ggml.GgmlUnavailable, ggml.GgmlVersionMismatch, OSError):
         return lambda w: np.asarray(gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0))
