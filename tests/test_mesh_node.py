@@ -4,6 +4,7 @@ gossip over five nodes, topology distribution and peer loss."""
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import trio
@@ -429,14 +430,20 @@ async def test_a_duplicate_pair_of_links_converges_to_one(tmp_path):
         n.cancel_scope.cancel()
 
 
+async def _linked_pair(n: trio.Nursery, tmp_path: Path) -> tuple[MeshNode, MeshNode]:
+    """Nodes a and b (b dials a), once both sides have each other's hello."""
+    a = await start(n, MeshNode(settings(tmp_path, "a"), identity()))
+    b = await start(n, MeshNode(with_peers(settings(tmp_path, "b"), a), identity()))
+    await wait_for(lambda: len(a.peers(connected_only=True)) == len(b.peers()) == 1)
+    return a, b
+
+
 async def test_close_links_says_goodbye_completes_each_close_and_takes_no_new_link(tmp_path):
     """Shutdown (``close_links``, before the node's tasks are cancelled): the peer hears the
     goodbye (a peer loss with its reason, at once), gets a normal WebSocket close (code 1000,
     not an aborted connection: both readers still ran), and its redial is refused."""
     async with trio.open_nursery() as n:
-        a = await start(n, MeshNode(settings(tmp_path, "a"), identity()))
-        b = await start(n, MeshNode(with_peers(settings(tmp_path, "b"), a), identity()))
-        await wait_for(lambda: len(a.peers(connected_only=True)) == len(b.peers()) == 1)
+        a, b = await _linked_pair(n, tmp_path)
         b_side = b._members[a.node_id].link
         assert b_side is not None
         async with b.subscribe() as events:
@@ -455,10 +462,8 @@ async def test_close_links_says_goodbye_completes_each_close_and_takes_no_new_li
 
 async def test_a_configured_peer_is_redialed_after_its_link_drops(tmp_path):
     async with trio.open_nursery() as n:
-        a = await start(n, MeshNode(settings(tmp_path, "a"), identity()))
-        b = await start(n, MeshNode(with_peers(settings(tmp_path, "b"), a), identity()))
         # Both sides' hellos: b must not see a's first PeerUp after subscribing below.
-        await wait_for(lambda: len(a.peers(connected_only=True)) == len(b.peers()) == 1)
+        a, b = await _linked_pair(n, tmp_path)
         first = a._members[b.node_id].link
         assert first is not None
         async with b.subscribe() as events:
