@@ -36,6 +36,8 @@ log = logging.getLogger("mesh_node.link")
 _PING = struct.Struct(">Q")
 # What one ``receive_some()`` without a limit returns at most: several records' worth.
 RECEIVE_SOME_BYTES = 1024 * 1024
+# The reset code of a stream closed before the peer's end of stream (``MeshStream.aclose``).
+CLOSED_EARLY = "closed"
 # A ``send_all`` of at most this much onto an idle link is written by the sending task itself
 # (``Link.send_now``); larger ones (bulk) go through the writer task, as before.
 SEND_NOW_BYTES = 64 * 1024
@@ -282,7 +284,7 @@ class MeshStream(trio.abc.HalfCloseableStream):
             mux = self._link.mux
             if self._error is None and mux.has_stream(self.stream_id):
                 if not self._eof:
-                    mux.reset_stream(self.stream_id, "closed", "the stream was closed early")
+                    mux.reset_stream(self.stream_id, CLOSED_EARLY, "the stream was closed early")
                 else:
                     mux.send_eof(self.stream_id)
                 self._link.wake_writer()

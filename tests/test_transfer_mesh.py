@@ -328,6 +328,54 @@ def _stage_state(member: Member) -> str | None:
     return None if stage is None else stage.state
 
 
+class _SlowEnd:
+    """Wraps a real body: the read that finds its end takes ``delay_s`` (a busy disk or
+    thread pool), so the requester holds the whole body before the server's end of stream."""
+
+    def __init__(self, inner: Body, delay_s: float) -> None:
+        self.inner, self.delay_s = inner, delay_s
+
+    def read(self, max_bytes: int = 256 * 1024) -> bytes:
+        data = self.inner.read(max_bytes)
+        if not data:
+            time.sleep(self.delay_s)  # on the serving node's worker thread
+        return data
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+async def test_a_requester_closing_after_the_whole_body_leaves_every_serve_record_done(
+    tmp_path, hub_package
+):
+    """Found in the suite: the status page listed the manifest it served as failed. The
+    requester's reader ends at the body's last byte and its close resets the stream when
+    that overtakes the server's end of stream; the server served every byte."""
+
+    class Server(ArtifactServer):
+        def serve(self, policy, peer, topology, request):  # type: ignore[no-untyped-def]
+            out = super().serve(policy, peer, topology, request)
+            if out.body is None:
+                return out
+            return dataclasses.replace(out, body=_SlowEnd(out.body, 0.3))
+
+    async with trio.open_nursery() as n:
+        coord, worker, pkg = await _pair(
+            n, tmp_path, hub_package, server_class=Server, swarm_transfer=False
+        )
+        await propose(coord, pkg)
+        await wait_for(lambda: coord.node.topology.active.all_ready, timeout_s=20)
+        fetched = records(worker)
+        assert MANIFEST_NAME in fetched
+        assert all(r["source"] == "peer" and r["verified"] for r in fetched.values())
+        await wait_for(lambda: not coord.node.transfers.active, timeout_s=10)  # the slow ends
+        recent = coord.node.status()["transfers"]["recent"]
+        served = [r for r in recent if r["direction"] == "serve"]
+        assert sorted(r["path"] for r in served) == sorted(fetched)
+        assert all(r["verified"] and r["error"] is None for r in served), served
+        n.cancel_scope.cancel()
+
+
 # --- concurrency ---------------------------------------------------------------------------------
 async def test_two_fetches_of_one_stage_on_one_node_move_each_artifact_once(
     tmp_path, hub_package

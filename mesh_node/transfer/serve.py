@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Final
 
 import trio
 
-from mesh_node.errors import MeshError, StreamStalled
+from mesh_node.errors import MeshError, StreamReset, StreamStalled
 from mesh_node.identity import short_id
-from mesh_node.link import MeshStream
+from mesh_node.link import CLOSED_EARLY, MeshStream
 from mesh_node.peers import InboundStream
 from mesh_node.transfer.policy import node_policy, peer_facts
 from mesh_node.transfer.records import TransferLog
@@ -243,6 +243,7 @@ class ArtifactHandler:
         log.info("serving %s from byte %d to %s", request.relative_path, request.offset, peer_id)
         idle = self.node.timeouts.idle_s
         error: str | None = "cancelled"
+        sent_all = False
         try:
             await self._send_within(stream, outcome.header, idle)
             chunk_bytes = self.rate.chunk_bytes(self.chunk_bytes)
@@ -254,10 +255,17 @@ class ArtifactHandler:
                 await self._send_within(stream, chunk, idle)
                 rec.bytes_done += len(chunk)
                 counters.served_bytes += len(chunk)
+            sent_all = True
             await stream.send_eof()
             with trio.move_on_after(idle):
                 await stream.receive_some()  # the requester's end of stream (or its reset)
             error = None
+        except StreamReset as exc:
+            # A requester closes its stream once it holds the whole body (its reader counts
+            # the bytes); a close that overtakes our end of stream (our last, empty read is
+            # on a thread) resets it. Every byte was sent: that is a served artifact.
+            error = None if sent_all and exc.actual == CLOSED_EARLY else exc.code
+            log.info("serving %s to %s ended: %s", request.relative_path, peer_id[:12], exc)
         except SkippyError as exc:  # our file went wrong under us: the peer keeps its partial
             error = exc.code
             if not isinstance(exc, MeshError):
