@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import threading
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -150,7 +151,14 @@ def digest_chunks(
 
 def _digest_proven(path: Path, spans: tuple[ChunkSpan, ...], size: int) -> tuple[bytes, ...]:
     """The chunks' digests of a proven file, ``PROVEN_THREADS`` chunks at a time (each chunk
-    on its own: hashlib releases the GIL, so two cores hash twice as fast)."""
+    on its own: hashlib releases the GIL, so two cores hash twice as fast).
+
+    Each chunk is read whole into its thread's buffer and hashed in one call: the GIL is
+    taken twice per chunk, not twice per MiB. Beside a thread running Python (at bring-up the
+    coordinator reads its tokenizer's vocabulary while every worker waits for these), each
+    taking waits up to the interpreter's switch interval: with 1 MiB reads the embeddings'
+    178 MB took 0.7-1.0 s here instead of 0.07 s."""
+    local = threading.local()
     with open(path, "rb", buffering=0) as f:
         fd = f.fileno()
         if os.fstat(fd).st_size != size:
@@ -159,19 +167,21 @@ def _digest_proven(path: Path, spans: tuple[ChunkSpan, ...], size: int) -> tuple
             )
 
         def one(span: ChunkSpan) -> bytes:
-            part = hashlib.sha256()
-            pos = span.start
-            while pos < span.stop:
-                data = os.pread(fd, min(span.stop - pos, _READ_BYTES), pos)
-                if not data:
+            buf: bytearray | None = getattr(local, "buf", None)
+            if buf is None or len(buf) < span.length:
+                buf = local.buf = bytearray(span.length)
+            view = memoryview(buf)[: span.length]
+            got = 0
+            while got < span.length:
+                n = os.preadv(fd, [view[got:]], span.start + got)
+                if not n:
                     raise IntegrityError(
                         f"{path.name} ended inside chunk {span.index}",
                         code="artifact_size_mismatch",
                         expected=size,
                     )
-                part.update(data)
-                pos += len(data)
-            return part.digest()
+                got += n
+            return hashlib.sha256(view).digest()
 
         with ThreadPoolExecutor(PROVEN_THREADS) as pool:
             return tuple(pool.map(one, spans))
