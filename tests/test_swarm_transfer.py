@@ -230,3 +230,39 @@ async def test_a_sibling_replicas_ready_node_serves_a_worker_and_a_stranger_is_r
         mine = request_for(_item(pkg, SHARED), t1, stage, bytes.fromhex(wid), offset=0)
         assert (await _ask(worker, hid, mine)).accepted
         n.cancel_scope.cancel()
+
+
+async def test_the_coordinator_digests_its_workers_files_when_the_topology_activates(
+    tmp_path, hub_package
+):
+    """Issue #23 bring-up: the chunk digests of every file the workers' stages need are
+    computed as the topology becomes active, before any worker asks for its source list
+    (this worker never asks: its service does not run), and none of the coordinator's own."""
+    owner = Ed25519PrivateKey.generate()
+    async with trio.open_nursery() as n:
+        coord = await start_member(
+            n, tmp_path, "coord", owner, hub=hub_package.hub, artifact_transfer="open"
+        )
+        pkg = import_into(coord, hub_package)
+        worker = await start_member(
+            n, tmp_path, "w", owner, hub=None, offline=True, peers=(coord.node,),
+            artifact_transfer="open", run_service=False,
+        )
+        await wait_connected([coord, worker])
+        active = await propose(coord, pkg, stages=2)
+        sources = coord.service.sources
+        with trio.fail_after(20):
+            await sources.prepared(active.topology.topology_id)
+        store, chunk = sources.digests, sources.chunk_bytes
+        refs = {r.path: r for r in pkg.manifest.artifacts()}
+        theirs = set(required_of(worker, pkg, active.topology))
+        ours = set(required_of(coord, pkg, active.topology)) - theirs
+        assert theirs and ours
+        for path in theirs:
+            art = refs[path].artifact
+            assert store.get(art.sha256, art.artifact_bytes, chunk) is not None, path
+        for path in ours:
+            art = refs[path].artifact
+            assert store.get(art.sha256, art.artifact_bytes, chunk) is None, path
+        assert worker.node.transfers.stage is None  # it fetched nothing, asked nothing
+        n.cancel_scope.cancel()

@@ -37,6 +37,7 @@ from protocol.messages import StageReady, TopologyAck, decode_control_message
 from skippy.config import Environment
 from skippy.consume.verify import VerifyCache
 from skippy.errors import SkippyError
+from skippy.package.topology import SplitTopology
 from skippy.stage.descriptor import StageDescriptor
 from skippy.transfer.chunks import ChunkDigestStore
 from skippy.transfer.policy import would_serve
@@ -114,10 +115,17 @@ class ArtifactService:
         if active is None or self._nursery is None:
             return
         if self.serving and active.role == "coordinator":
-            self._nursery.start_soon(self.handler.warm, active.topology)
+            self._nursery.start_soon(self._warm, active.topology)
         if active.topology.stage_of(self.node.node_id) is not None:
             self._job = trio.CancelScope()
             self._nursery.start_soon(self._fetch_and_report, active, self._job)
+
+    async def _warm(self, topology: SplitTopology) -> None:
+        """A coordinator's package verified for serving, then (swarm) its workers' chunk
+        digests computed before any worker asks (``SourcesHandler.prepare``)."""
+        await self.handler.warm(topology)
+        if self.node.settings.swarm_transfer:
+            await self.sources.prepare(topology)
 
     async def _fetch_and_report(self, active: ActiveTopology, scope: trio.CancelScope) -> None:
         topology = active.topology

@@ -227,6 +227,55 @@ class SourcesHandler:
         self.holdings: dict[tuple[str, str], Holding] = {}
         self._digest_locks: dict[str, threading.Lock] = {}  # by artifact SHA-256
         self._locks_lock = threading.Lock()
+        self._prepared: dict[str, trio.Event] = {}  # by topology id: ``prepare`` has run
+
+    async def prepare(self, topology: SplitTopology) -> None:
+        """Compute the chunk digests of every file the other stages need, as the topology
+        becomes active (single flight; a problem is logged, the requests then say it).
+
+        Every worker asks for its source list at once, ~0.1 s later; until each has one it
+        fetches nothing, and the coordinator's uplink idles. Started here, the hashing gets
+        the cores before the coordinator's own bring-up work (``prepared``)."""
+        tid = topology.topology_id
+        if tid in self._prepared:
+            return
+        done = self._prepared[tid] = trio.Event()
+        current = {a.topology.topology_id for a in coordinated(self.node)}
+        for old in [k for k in self._prepared if k != tid and k not in current]:
+            self._prepared.pop(old).set()
+        began = trio.current_time()
+        try:
+            held = await trio.to_thread.run_sync(self.server.held, topology)
+            if isinstance(held, LoadedManifest):
+                n = await trio.to_thread.run_sync(self._digest_all, topology, held.held.manifest)
+                log.info(
+                    "topology %s: chunk digests of %d files ready in %.2f s",
+                    tid, n, trio.current_time() - began,
+                )
+        except (SkippyError, OSError) as exc:
+            log.info("topology %s: chunk digests not prepared: %s", tid, exc)
+        finally:
+            done.set()
+
+    async def prepared(self, topology_id: str) -> None:
+        """Until ``prepare`` of that topology has finished (at once if it never started)."""
+        done = self._prepared.get(topology_id)
+        if done is not None:
+            await done.wait()
+
+    def _digest_all(self, topology: SplitTopology, manifest: PackageManifest) -> int:
+        """Thread: the other stages' files, each once, the largest first; how many."""
+        refs: dict[str, ArtifactRef] = {}
+        for stage in topology.stages:
+            if stage.node_id != self.node.node_id:
+                for ref in stage_refs(manifest, stage.layers):
+                    refs.setdefault(ref.artifact.sha256.lower(), ref)
+        for ref in sorted(refs.values(), key=lambda r: -r.artifact.artifact_bytes):
+            try:
+                self._digests_of(topology, ref)
+            except (SkippyError, OSError) as exc:  # not held here, or not verified: unlisted
+                log.info("no chunk digests for %s: %s", ref.path, exc)
+        return len(refs)
 
     async def __call__(self, inbound: InboundStream) -> None:
         stream = inbound.stream
