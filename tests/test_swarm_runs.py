@@ -180,3 +180,29 @@ async def test_a_run_with_a_corrupted_chunk_drops_its_holder_there_and_an_old_pe
         assert all((length or 0) <= CHUNK for _, length in coord_ranges)
         assert any(bad in _chunks(r, item.size) for r in coord_ranges)
         n.cancel_scope.cancel()
+
+
+async def test_the_source_list_is_asked_again_sooner_only_when_the_fetch_says_so(autojump_clock):
+    """``SourceBook.refreshed``: at most every ``refresh_s``; every ``every_s`` when given
+    (a fetch whose tasks all wait for a counterpart's chunks), never faster than that."""
+    asked: list[float] = []
+
+    async def ask() -> Any:
+        asked.append(trio.current_time())
+        return object()
+
+    book = SourceBook(ask, object(), refresh_s=0.25)  # type: ignore[arg-type]
+    await trio.sleep(1.0)  # the mock clock starts at 0, the time of the book's own list
+    await book.refreshed()  # the first ask
+    await trio.sleep(0.1)
+    await book.refreshed()  # 0.1 s later: the last list
+    await book.refreshed(0.05)  # a waiting fetch: asked again
+    await book.refreshed(0.05)  # at once again: not yet
+    await trio.sleep(0.05)
+    await book.refreshed(0.05)
+    await trio.sleep(0.1)
+    await book.refreshed(1.0)  # a longer wish never stretches refresh_s
+    assert [round(t - asked[0], 3) for t in asked] == [0.0, 0.1, 0.15]
+    await trio.sleep(0.15)  # refresh_s after the last ask
+    await book.refreshed(1.0)
+    assert [round(t - asked[0], 3) for t in asked] == [0.0, 0.1, 0.15, 0.4]
