@@ -21,7 +21,7 @@ from meshxfer import (
     start_member,
     wait_connected,
 )
-from test_transfer_mesh import TARGET, misbehaving, required_of
+from test_transfer_mesh import TARGET, _pair, misbehaving, required_of
 
 from mesh_node.transfer.swarm import ask_sources, speaks_swarm
 from protocol import constants as pc
@@ -238,17 +238,10 @@ async def test_the_coordinator_digests_its_workers_files_when_the_topology_activ
     """Issue #23 bring-up: the chunk digests of every file the workers' stages need are
     computed as the topology becomes active, before any worker asks for its source list
     (this worker never asks: its service does not run), and none of the coordinator's own."""
-    owner = Ed25519PrivateKey.generate()
     async with trio.open_nursery() as n:
-        coord = await start_member(
-            n, tmp_path, "coord", owner, hub=hub_package.hub, artifact_transfer="open"
+        coord, worker, pkg = await _pair(
+            n, tmp_path, hub_package, worker_hub=False, run_service=False
         )
-        pkg = import_into(coord, hub_package)
-        worker = await start_member(
-            n, tmp_path, "w", owner, hub=None, offline=True, peers=(coord.node,),
-            artifact_transfer="open", run_service=False,
-        )
-        await wait_connected([coord, worker])
         active = await propose(coord, pkg, stages=2)
         sources = coord.service.sources
         with trio.fail_after(20):
