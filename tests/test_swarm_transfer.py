@@ -7,6 +7,7 @@ worker a file its stage does not need."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -233,11 +234,13 @@ async def test_a_sibling_replicas_ready_node_serves_a_worker_and_a_stranger_is_r
 
 
 async def test_the_coordinator_digests_its_workers_files_when_the_topology_activates(
-    tmp_path, hub_package
+    tmp_path, hub_package, caplog
 ):
     """Issue #23 bring-up: the chunk digests of every file the workers' stages need are
     computed as the topology becomes active, before any worker asks for its source list
-    (this worker never asks: its service does not run), and none of the coordinator's own."""
+    (this worker never asks: its service does not run), and none of the coordinator's own;
+    the coordinator brings up its own stage only after them."""
+    caplog.set_level(logging.INFO, logger="mesh_node.transfer")
     async with trio.open_nursery() as n:
         coord, worker, pkg = await _pair(
             n, tmp_path, hub_package, worker_hub=False, run_service=False
@@ -258,4 +261,12 @@ async def test_the_coordinator_digests_its_workers_files_when_the_topology_activ
             art = refs[path].artifact
             assert store.get(art.sha256, art.artifact_bytes, chunk) is None, path
         assert worker.node.transfers.stage is None  # it fetched nothing, asked nothing
+        await wait_for(
+            lambda: (st := coord.node.transfers.stage) is not None and st.state == "ready", 20
+        )
+        tid = active.topology.topology_id
+        said = [r.getMessage() for r in caplog.records if tid in r.getMessage()]
+        digested = next(i for i, m in enumerate(said) if "chunk digests of" in m)
+        own = next(i for i, m in enumerate(said) if "fetching this node's stage" in m)
+        assert digested < own, said
         n.cancel_scope.cancel()

@@ -193,9 +193,6 @@ class StageHost:
         self.batches = 0  # decode batches of two or more sessions
         self.batched_steps = 0  # the steps they held
         self.batched_window_steps = 0  # of those, verify windows' positions
-        # Issue #23: what a coordinator awaits (bounded) before its own tokenizer loads: its
-        # workers' chunk digests (``SourcesHandler.prepared``, wired by ``stage_services``).
-        self.workers_first: Callable[[str], Awaitable[None]] | None = None
         node.register_subprotocol(pc.KIND_TRANSPORT, self._handle)
 
     # --- loading ------------------------------------------------------------------------------

@@ -52,8 +52,6 @@ from skippy.stage.descriptor import runtime_problem
 
 log = logging.getLogger("mesh_node.serving.routes")
 MAX_RETRY_S: Final = 30.0  # the longest wait between two failed tries to place the split
-# Issue #23: the longest the tokenizer load waits for the workers' chunk digests.
-WORKERS_FIRST_S: Final = 10.0
 
 
 class SplitNotReady(ServingFault):
@@ -387,16 +385,6 @@ class RouteManager:
             )
 
     # --- publishing the route ------------------------------------------------------------------
-    async def _workers_first(self, topology_id: str) -> None:
-        """Issue #23: the workers' chunk digests before this node's tokenizer. Until a worker
-        has its source list it fetches nothing, and the tokenizer load (~0.4 s of Python
-        holding the GIL, then ~0.7 s of a core for gemma3's vocabulary, measured here) held
-        those digests back ~1 s; the route needs the tokenizer only once every worker is
-        ready, seconds later."""
-        if self.host.workers_first is not None:
-            with trio.move_on_after(WORKERS_FIRST_S):
-                await self.host.workers_first(topology_id)
-
     async def _refresh(self) -> None:
         """Publish the route when every stage of the active topology is ready."""
         active = self._ours()
@@ -441,7 +429,6 @@ class RouteManager:
         if self.tokenizer is None and self.shared_tokenizer is not None:
             self.tokenizer = self.shared_tokenizer()  # replicas: replica 0's, once it has one
         if self.tokenizer is None:
-            await self._workers_first(topo.topology_id)
             self.tokenizer = await trio.to_thread.run_sync(
                 LlamaTokenizer, loaded.load.part_paths[0]
             )

@@ -57,7 +57,6 @@ def stage_services(node: MeshNode, env: Environment) -> tuple[StageHost, Artifac
         )
 
     artifacts.ready_hook = ready
-    host.workers_first = artifacts.sources.prepared
     return host, artifacts
 
 

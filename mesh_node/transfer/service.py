@@ -45,6 +45,7 @@ from skippy.transfer.serve import ArtifactServer
 
 log = logging.getLogger("mesh_node.transfer")
 REPORT_ATTEMPTS: Final = 3
+WORKERS_FIRST_S: Final = 10.0  # the longest a coordinator's own stage waits for the digests
 ReadyHook = Callable[[StageResult], Awaitable[StageDescriptor]]
 
 
@@ -115,6 +116,8 @@ class ArtifactService:
         if active is None or self._nursery is None:
             return
         if self.serving and active.role == "coordinator":
+            if self.node.settings.swarm_transfer:
+                self.sources.expect(active.topology)  # before this node's own stage waits
             self._nursery.start_soon(self._warm, active.topology)
         if active.topology.stage_of(self.node.node_id) is not None:
             self._job = trio.CancelScope()
@@ -130,6 +133,12 @@ class ArtifactService:
     async def _fetch_and_report(self, active: ActiveTopology, scope: trio.CancelScope) -> None:
         topology = active.topology
         with scope:
+            if active.role == "coordinator":
+                # Issue #23: the workers' chunk digests first (their source lists wait for
+                # them, and until then nothing moves); this stage is needed only once every
+                # worker is ready. At once without swarm transfer.
+                with trio.move_on_after(WORKERS_FIRST_S):
+                    await self.sources.prepared(topology.topology_id)
             log.info("topology %s: fetching this node's stage", topology.topology_id)
             try:
                 result = await self.fetcher.fetch_stage(active)

@@ -233,6 +233,7 @@ class SourcesHandler:
         self._digest_locks: dict[str, threading.Lock] = {}  # by artifact SHA-256
         self._locks_lock = threading.Lock()
         self._prepared: dict[str, trio.Event] = {}  # by topology id: ``prepare`` has run
+        self._preparing: set[str] = set()  # topology ids whose ``prepare`` started
 
     async def prepare(self, topology: SplitTopology) -> None:
         """Compute the chunk digests of every file the other stages need, as the topology
@@ -242,12 +243,10 @@ class SourcesHandler:
         fetches nothing, and the coordinator's uplink idles. Started here, the hashing gets
         the cores before the coordinator's own bring-up work (``prepared``)."""
         tid = topology.topology_id
-        if tid in self._prepared:
+        if tid in self._preparing:
             return
-        done = self._prepared[tid] = trio.Event()
-        current = {a.topology.topology_id for a in coordinated(self.node)}
-        for old in [k for k in self._prepared if k != tid and k not in current]:
-            self._prepared.pop(old).set()
+        self._preparing.add(tid)
+        done = self.expect(topology)
         began = trio.current_time()
         try:
             held = await trio.to_thread.run_sync(self.server.held, topology)
@@ -261,6 +260,19 @@ class SourcesHandler:
             log.info("topology %s: chunk digests not prepared: %s", tid, exc)
         finally:
             done.set()
+
+    def expect(self, topology: SplitTopology) -> trio.Event:
+        """From now on ``prepared`` waits for this topology's ``prepare`` (registered before
+        the tasks that wait for it start; forgets the topologies this node no longer runs)."""
+        tid = topology.topology_id
+        done = self._prepared.get(tid)
+        if done is None:
+            done = self._prepared[tid] = trio.Event()
+        current = {a.topology.topology_id for a in coordinated(self.node)}
+        for old in [k for k in self._prepared if k != tid and k not in current]:
+            self._prepared.pop(old).set()
+            self._preparing.discard(old)
+        return done
 
     async def prepared(self, topology_id: str) -> None:
         """Until ``prepare`` of that topology has finished (at once if it never started)."""
