@@ -22,7 +22,7 @@ from transfer_tools import (
 )
 
 from mesh_node.transfer.partials import PartialRegistry
-from mesh_node.transfer.swarm import allowed_from_coordinator, honoured_busy
+from mesh_node.transfer.swarm import allowed_from_coordinator, counterpart_next, honoured_busy
 from skippy.errors import IntegrityError
 from skippy.serving.replicas import waits_for_first
 from skippy.transfer.chunk_sink import open_chunk_sink
@@ -298,3 +298,27 @@ def test_a_proven_files_digests_equal_the_full_passes_and_a_wrong_size_is_refuse
     with pytest.raises(IntegrityError) as e:
         digest_chunks(path, size=len(data) + 1, sha256=sha, chunk_bytes=CB, proven=True)
     assert e.value.code == "artifact_size_mismatch"
+
+
+def test_a_counterpart_leaves_the_other_its_next_chunks_of_its_own_half():
+    """Two counterparts meet in the middle of a 22-chunk file (rank 0 from the front, rank 1
+    from the back): each leaves the other the next chunks the other will ask the coordinator
+    for, in the other's half only, skipping what either holds or fetches; no chunk is left
+    by both (the halves settle it) and a claimed one is never left."""
+    count = 22
+    # Rank 1 (mine: 21..11 done or in flight); rank 0 verified 0..7 and fetches 8 and 9.
+    claimed = frozenset(range(0, 10)) | frozenset(range(11, 22))
+    assert counterpart_next(count, 1, claimed) == {10}
+    # Rank 0 (mine: 0..10); rank 1 has 21..14.
+    assert counterpart_next(count, 0, frozenset(range(0, 11)) | frozenset(range(14, 22))) == {
+        13,
+        12,
+    }
+    for claimed in (frozenset(), frozenset(range(5, 17)), frozenset({10, 11})):
+        left_by_0 = counterpart_next(count, 0, claimed)
+        left_by_1 = counterpart_next(count, 1, claimed)
+        assert not left_by_0 & left_by_1
+        assert all(2 * i >= count for i in left_by_0) and all(2 * i < count for i in left_by_1)
+        assert not (left_by_0 | left_by_1) & claimed
+        assert len(left_by_0) <= 2 and len(left_by_1) <= 2
+
