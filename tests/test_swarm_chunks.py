@@ -88,23 +88,6 @@ def test_digests_come_only_from_a_file_that_hashes_whole(tmp_path):
     assert store.root == tmp_path / "cache" / "chunk-digests"
 
 
-def test_a_proven_files_digests_are_each_chunks_and_its_size_is_still_checked(tmp_path):
-    """The coordinator's path (its file verified already): one read per chunk into a reused
-    buffer, chunks on two threads; the last chunk shorter, then larger buffers reused."""
-    data = os.urandom(5 * CB + 123)
-    path = tmp_path / "a.bin"
-    path.write_bytes(data)
-    for chunk in (CB, 2 * CB):
-        digests = digest_chunks(path, size=len(data), sha256="unused", chunk_bytes=chunk,
-                                proven=True)
-        assert digests == tuple(
-            hashlib.sha256(data[i : i + chunk]).digest() for i in range(0, len(data), chunk)
-        )
-    with pytest.raises(IntegrityError) as e:
-        digest_chunks(path, size=len(data) + 1, sha256="unused", chunk_bytes=CB, proven=True)
-    assert e.value.code == "artifact_size_mismatch"
-
-
 def test_the_scheduler_hands_each_chunk_once_and_a_failed_one_first_again():
     s = ChunkScheduler(4, done=[1])
     a, b = s.take(), s.take()

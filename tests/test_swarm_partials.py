@@ -321,4 +321,3 @@ def test_a_counterpart_leaves_the_other_its_next_chunks_of_its_own_half():
         assert all(2 * i >= count for i in left_by_0) and all(2 * i < count for i in left_by_1)
         assert not (left_by_0 | left_by_1) & claimed
         assert len(left_by_0) <= 2 and len(left_by_1) <= 2
-

@@ -184,7 +184,7 @@ async def test_a_run_with_a_corrupted_chunk_drops_its_holder_there_and_an_old_pe
 
 async def test_the_source_list_is_asked_again_sooner_only_when_the_fetch_says_so(autojump_clock):
     """``SourceBook.refreshed``: at most every ``refresh_s``; every ``every_s`` when given
-    (a fetch whose tasks all wait for a counterpart's chunks), never faster than that."""
+    (a counterpart's fetch with a task waiting for the other's chunks), never faster."""
     asked: list[float] = []
 
     async def ask() -> Any:

@@ -162,12 +162,13 @@ def counterpart_next(
     count: int, rank: int, claimed: frozenset[int], k: int = PARTIAL_COORDINATOR_STREAMS
 ) -> frozenset[int]:
     """(pure) Of two counterparts fetching one file in opposite orders (``fetch_order``),
-    the chunks of *its own* half that the other one (of rank ``1 - rank``) asks the
-    coordinator for next: the first ``k`` in its order that are not ``claimed`` (held or
-    in flight at either, as this fetch knows). This fetch leaves those to it: at the meeting
-    point both took the middle chunk from the coordinator, each unaware of the other's
-    request (its report ~0.25 s old), which cost the coordinator's uplink a chunk (0.2 s at
-    40 MiB/s). The halves settle a tie: its own half's chunks are never left by their owner."""
+    the chunks the other one (rank ``1 - rank``) asks the coordinator for next, within the
+    other one's half of the file: the first ``k`` in the other's order that are not
+    ``claimed`` (held or in flight at either, as this fetch knows). This fetch (rank
+    ``rank``) leaves those to it: at the meeting point both took the middle chunk from the
+    coordinator, each unaware of the other's request (its report ~0.25 s old), which cost
+    the coordinator's uplink a chunk (0.2 s at 40 MiB/s). The halves settle a tie: no chunk
+    is left by both, and a chunk of this fetch's own half is never left."""
     other = 1 - rank
     out: list[int] = []
     for index in fetch_order(count, other, 2):
