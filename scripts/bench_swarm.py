@@ -165,6 +165,9 @@ def rows(ctx: BenchContext) -> list[Row]:
     swarm_served, swarm_peak = served("swarm")
     whole, chunked = free["whole"]["rate"], free["swarm"]["rate"]
     overhead = 1 - statistics.median(chunked) / statistics.median(whole)
+    # Per round (the two modes' labs back to back): the machine drifts ~20% within an hour
+    # here, more than the 5% the goal allows, so the pairs say more than the medians alone.
+    paired = [c / w for c, w in zip(chunked, whole, strict=True)]
     setup = f"{NODES} nodes, {REPLICAS} replicas, every node capped at {RATE // MIB} MiB/s"
     return [
         (label, f"every worker ready, coordinator only ({setup})", f"{spread(coord_t)} s", ""),
@@ -179,5 +182,6 @@ def rows(ctx: BenchContext) -> list[Row]:
          f"{spread(whole, fmt='{:.0f}')} MB/s", ""),
         (label, "embeddings to B, uncapped, from the coordinator alone: 8 MiB chunks, each "
          "verified (swarm_min_holders = 1)", f"{spread(chunked, fmt='{:.0f}')} MB/s",
-         f"{overhead * 100:+.1f}% slower than whole-file (goal <= 5%)"),
+         f"{overhead * 100:+.1f}% slower than whole-file (goal <= 5%); per round chunked / "
+         f"whole-file {spread(paired, fmt='{:.2f}')}"),
     ]
