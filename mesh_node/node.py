@@ -79,6 +79,7 @@ from protocol.link_cipher import (
 from protocol.messages import ComputeCost, Hello, PeerRecord, Peers, decode_link_message
 from skippy.config import HostPort, NodeSettings, PeerAddress, parse_peer_address
 from skippy.errors import UsageError
+from skippy.transfer import sha256_chain
 from skippy.transfer.policy import would_serve
 
 log = logging.getLogger("mesh_node.node")
@@ -133,6 +134,8 @@ def advertised_features(
     the same decision that registers the serving handler, ``mesh_node.transfer.service``)."""
     bits = set(pc.STAGE_BUNDLE)
     bits.add(pc.BIT_VERIFY_WINDOW)  # every stage host here runs verify windows (issue #22)
+    if sha256_chain.available():  # issue #23: chunks checked along a SHA-256 chain
+        bits.add(pc.BIT_CHUNK_CHAIN)
     if would_serve(node_policy(settings, identity, now_s)):
         bits.add(pc.BIT_ARTIFACT_TRANSFER)
         if settings.swarm_transfer:  # issue #23: chunk ranges and source lists

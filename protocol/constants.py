@@ -101,6 +101,11 @@ BIT_CHUNK_RUNS: Final = "chunk-runs"
 # Issue #23: serving verified chunks of a partial (have-reports after a source request, source
 # lists with fetch orders and per-holder chunks); without it a node serves installed files only.
 BIT_PARTIAL_SERVE: Final = "partial-serve"
+# Issue #23: this node checks chunks against a SHA-256 chain (each chunk from the chaining value
+# before it, the last against the artifact's SHA-256: one hash per byte, the whole file proven
+# by the chunks' checks); source lists sent to it may carry chains. A receiving capability:
+# advertised whether or not the node serves.
+BIT_CHUNK_CHAIN: Final = "chunk-chain"
 STAGE_BUNDLE: Final = frozenset({BIT_CONTROL, BIT_STATUS, BIT_CONTENT_IDENTITY})
 
 # --- message generations -----------------------------------------------------------------------

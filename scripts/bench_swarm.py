@@ -12,8 +12,9 @@ served and the largest share against the average, coordinator-only (every node
 Chunk verification overhead: the embeddings (178 MB) needed by worker B of a 2-node lab, from
 the coordinator alone, no rate cap (the same sender work in both modes; a second sender would
 add its own CPU on these 2 cores). Its rate as B records it, whole-file against 8 MiB chunks
-each verified against its signed digest (``swarm_min_holders = 1`` forces chunks from one
-holder), the two modes alternating, one fresh lab per mode and round.
+each checked on arrival along the coordinator's signed SHA-256 chain (``swarm_min_holders =
+1`` forces chunks from one holder), the two modes alternating per transfer in one lab (B
+restarted with an empty cache each time), 2 x runs transfers per mode.
 """
 
 from __future__ import annotations
@@ -47,58 +48,53 @@ async def _wait_ready(node: Any, topology_id: str) -> dict[str, Any]:
             await trio.sleep(0.05)
 
 
-async def _runs(package: Path, work: Path, label: str, runs: int, *, swarm: bool,
-                rate: int, holder: bool, min_holders: int = 2) -> dict[str, list[Any]]:
-    root = work / f"swarm-lab-{label}"
+def _abba(pairs: int) -> list[str]:
+    """The modes' order, ABBA then BAAB: a drift of the machine's speed within the run hits
+    both modes alike, and neither always goes first."""
+    out: list[str] = []
+    for i in range(pairs):
+        out += ["chunks", "whole"] if i % 2 == 0 else ["whole", "chunks"]
+    return out
+
+
+async def _interleaved(package: Path, work: Path, pairs: int) -> dict[str, list[float]]:
+    """The chunk-overhead rows: one 2-node lab, both nodes serving with chunks even from one
+    holder (``swarm_min_holders = 1``), no rate cap. Worker B fetches the embeddings from the
+    coordinator alone, whole-file (its ``swarm_transfer`` off) or in 8 MiB chunks each checked
+    against the coordinator's signed list (on), the modes alternating per transfer: B is
+    restarted with an empty cache and its config's ``swarm_transfer`` flipped each time. The
+    first transfer (chunks: the coordinator's digests are computed then) is a warm-up."""
+    root = work / "swarm-lab-overhead"
     shutil.rmtree(root, ignore_errors=True)
-    nodes = 3 if holder else 2
-    config: dict[str, Any] = {"swarm_transfer": swarm, "artifact_serve_bytes_per_s": rate,
-                              "swarm_min_holders": min_holders}
-    options = LabOptions(
-        nodes=nodes,
-        package=str(package),
-        transfer="open",
-        root=root,
-        timeout_s=600,
-        node_overrides={i: config for i in range(nodes)},
-    )
-    out: dict[str, list[Any]] = {"ready_s": [], "served": [], "rate": [], "servers": []}
+    config: dict[str, Any] = {"swarm_transfer": True, "artifact_serve_bytes_per_s": 0,
+                              "swarm_min_holders": 1}
+    options = LabOptions(nodes=2, package=str(package), transfer="open", root=root,
+                         timeout_s=600, node_overrides={0: config, 1: config})
+    out: dict[str, list[float]] = {"whole": [], "chunks": []}
     async with open_lab(options) as lab:
         cluster = lab.cluster
-        coordinator = cluster.nodes[0]
-        fresh = cluster.nodes[-1]
-        if holder:  # A holds the whole package already (its stage is found in its cache)
-            await cluster.stop(1)
-            shutil.rmtree(cluster.nodes[1].hub_cache_dir, ignore_errors=True)
-            shutil.copytree(coordinator.hub_cache_dir, cluster.nodes[1].hub_cache_dir,
-                            symlinks=True)
-            await cluster.start(1)
-        for i in range(runs + 1):
+        coordinator, fresh = cluster.nodes
+        for i, mode in enumerate(["chunks", *_abba(pairs)]):
             await cluster.stop(fresh.index)
             shutil.rmtree(fresh.hub_cache_dir, ignore_errors=True)
             shutil.rmtree(fresh.root / "cache", ignore_errors=True)
+            text = fresh.config_path.read_text()
+            on = "true" if mode == "chunks" else "false"
+            for was in ("true", "false"):
+                text = text.replace(f"swarm_transfer = {was}", f"swarm_transfer = {on}")
+            fresh.config_path.write_text(text)
             await cluster.start(fresh.index)
             await cluster.wait_meshed(60)
-            before = [((await n.status())["transfers"]["counters"]["served_bytes"])
-                      for n in cluster.nodes]
             response = await coordinator.request(
-                {"op": "topology", "package": lab.package.ref, "stages": nodes - 1,
+                {"op": "topology", "package": lab.package.ref, "stages": 1,
                  "include_self": False},
                 timeout_s=120,
             )
-            tid = response["topology"]["topology_id"]
-            status = await _wait_ready(fresh, tid)
-            if not i:  # the first run warms up
-                continue
-            stage = status["transfers"]["stage"]
-            out["ready_s"].append(stage["finished"] - stage["started"])
-            after = [((await n.status())["transfers"]["counters"]["served_bytes"])
-                     for n in cluster.nodes]
-            out["served"].append([a - b for a, b in zip(after, before, strict=True)])
+            status = await _wait_ready(fresh, response["topology"]["topology_id"])
             for rec in status["transfers"]["recent"]:
                 if rec["path"] == EMBEDDINGS and rec["direction"] == "fetch":
-                    out["rate"].append(rec["mb_per_s"])
-                    out["servers"].append(len(rec.get("served_by") or ()))
+                    if i:
+                        out[mode].append(rec["mb_per_s"])
                     break
     return out
 
@@ -142,15 +138,9 @@ def rows(ctx: BenchContext) -> list[Row]:
         for mode in ("coordinator", "swarm"):
             capped[mode].append(trio.run(lambda m=mode, k=i: _replica_run(
                 package, ctx.work, f"replicas-{m}-{k}", swarm=m == "swarm")))
-    # The overhead rows alternate too: one fresh 2-node lab per mode and round, so a drift of
-    # the machine's speed hits both modes alike.
-    free: dict[str, dict[str, list[Any]]] = {"whole": {"rate": []}, "swarm": {"rate": []}}
-    for i in range(ctx.runs):
-        for mode in ("whole", "swarm"):
-            one = trio.run(lambda m=mode, k=i: _runs(package, ctx.work, f"free-{m}-{k}", 1,
-                                                     swarm=m == "swarm", rate=0, holder=False,
-                                                     min_holders=1))
-            free[mode]["rate"] += one["rate"]
+    # The overhead rows: the modes alternate per transfer in one lab (alternating per lab,
+    # the machine's drift of ~20% within an hour here swamped a 5% goal).
+    free = trio.run(_interleaved, package, ctx.work, 2 * ctx.runs)
     coord_t = [r["ready_s"] for r in capped["coordinator"]]
     swarm_t = [r["ready_s"] for r in capped["swarm"]]
     ratio = [s / c for s, c in zip(swarm_t, coord_t, strict=True)]  # side by side, per pair
@@ -163,11 +153,9 @@ def rows(ctx: BenchContext) -> list[Row]:
 
     coord_served, coord_peak = served("coordinator")
     swarm_served, swarm_peak = served("swarm")
-    whole, chunked = free["whole"]["rate"], free["swarm"]["rate"]
+    whole, chunked = free["whole"], free["chunks"]
     overhead = 1 - statistics.median(chunked) / statistics.median(whole)
-    # Per round (the two modes' labs back to back): the machine drifts ~20% within an hour
-    # here, more than the 5% the goal allows, so the pairs say more than the medians alone.
-    paired = [c / w for c, w in zip(chunked, whole, strict=True)]
+    paired = [c / w for c, w in zip(chunked, whole, strict=True)]  # neighbours in time
     setup = f"{NODES} nodes, {REPLICAS} replicas, every node capped at {RATE // MIB} MiB/s"
     return [
         (label, f"every worker ready, coordinator only ({setup})", f"{spread(coord_t)} s", ""),
@@ -178,10 +166,12 @@ def rows(ctx: BenchContext) -> list[Row]:
         (label, "MB served per node (coordinator, then workers), swarm", swarm_served,
          f"largest / average {swarm_peak} (goal <= 1.5); embeddings from at most "
          f"{max(r['embedding_sources'] for r in capped['swarm'])} nodes"),
-        (label, "embeddings to B, uncapped, from the coordinator alone: whole-file",
+        (label, f"embeddings to B, uncapped, from the coordinator alone: whole-file "
+         f"({len(whole)} transfers, alternating with the chunked ones in one lab)",
          f"{spread(whole, fmt='{:.0f}')} MB/s", ""),
         (label, "embeddings to B, uncapped, from the coordinator alone: 8 MiB chunks, each "
-         "verified (swarm_min_holders = 1)", f"{spread(chunked, fmt='{:.0f}')} MB/s",
-         f"{overhead * 100:+.1f}% slower than whole-file (goal <= 5%); per round chunked / "
+         "checked on arrival (SHA-256 chain; swarm_min_holders = 1)",
+         f"{spread(chunked, fmt='{:.0f}')} MB/s",
+         f"{overhead * 100:+.1f}% slower than whole-file (goal <= 5%); per pair chunked / "
          f"whole-file {spread(paired, fmt='{:.2f}')}"),
     ]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+import pytest
 import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from meshtools import wait_for
@@ -24,6 +25,7 @@ from meshxfer import (
 )
 from test_transfer_mesh import TARGET, _pair, misbehaving, required_of
 
+from mesh_node.node import MeshNode
 from mesh_node.transfer.swarm import ask_sources, speaks_swarm
 from protocol import constants as pc
 from skippy.constants import MANIFEST_NAME
@@ -35,7 +37,16 @@ from skippy.transfer.wire import ArtifactResponse, ResponseHeader, ResponseReade
 SHARED = "shared/embeddings.gguf"  # both stages need it: 9024 bytes, 3 chunks of 4 KiB
 
 
-async def _swarm(n, tmp_path, hp, *, holder_server=ArtifactServer):  # type: ignore[no-untyped-def]
+class NoChainNode(MeshNode):
+    """A real node whose hello lacks ``chunk-chain``: a node from before SHA-256 chains."""
+
+    @property
+    def features(self) -> dict[str, tuple[str, ...]]:
+        bits = super().features[pc.FEATURE_SKIPPY_STAGE]
+        return {pc.FEATURE_SKIPPY_STAGE: tuple(b for b in bits if b != pc.BIT_CHUNK_CHAIN)}
+
+
+async def _swarm(n, tmp_path, hp, *, holder_server=ArtifactServer, worker_class=MeshNode):  # type: ignore[no-untyped-def]
     """A coordinator (not a stage), a holder H that already has the package (ready at once)
     and a worker W whose fetch starts only after H reported ready (so W's first source list
     names H: no race). Every node serves (``open``); chunks are the smallest allowed."""
@@ -50,7 +61,7 @@ async def _swarm(n, tmp_path, hp, *, holder_server=ArtifactServer):  # type: ign
     import_into(holder, hp)
     worker = await start_member(
         n, tmp_path, "w", owner, hub=None, offline=True, peers=(coord.node,),
-        artifact_transfer="open", run_service=False,
+        artifact_transfer="open", run_service=False, node_class=worker_class,
     )
     await wait_connected([coord, holder, worker])
     active = await propose(coord, pkg, include_self=False, stages=2)
@@ -85,11 +96,17 @@ def _item(pkg, path: str) -> FetchItem:  # type: ignore[no-untyped-def]
     return FetchItem.of({r.path: r for r in pkg.manifest.artifacts()}[path])
 
 
+@pytest.mark.parametrize("chain", [True, False], ids=["chain", "plain-digests"])
 async def test_a_worker_fetches_a_file_from_two_holders_at_once_and_only_what_its_stage_needs(
-    tmp_path, hub_package
+    tmp_path, hub_package, chain
 ):
+    """Either kind of digest list: a worker that speaks ``chunk-chain`` is sent SHA-256
+    chains, one from before them (its hello lacks the bit) plain per-chunk digests; both
+    install every file verified from both holders."""
     async with trio.open_nursery() as n:
-        coord, holder, worker, pkg, topology = await _swarm(n, tmp_path, hub_package)
+        coord, holder, worker, pkg, topology = await _swarm(
+            n, tmp_path, hub_package, worker_class=MeshNode if chain else NoChainNode
+        )
         cid, hid, wid = coord.node.node_id, holder.node.node_id, worker.node.node_id
         rec = records(worker)[SHARED]
         assert rec["source"] == "peer" and rec["verified"]
@@ -118,6 +135,9 @@ async def test_a_worker_fetches_a_file_from_two_holders_at_once_and_only_what_it
         sources = await ask_sources(worker.node, cid, topology, stage, pkg.manifest)
         assert {a.path for a in sources.artifacts} == set(required)
         assert all(set(a.holders) <= {cid, hid} for a in sources.artifacts)
+        assert sources.chain is chain
+        for a in sources.artifacts:  # a chain ends at the file's SHA-256; plain digests don't
+            assert (a.digests[-1].hex() == a.sha256) is (chain or len(a.digests) == 1)
         me = bytes.fromhex(wid)
         foreign = next(p for p in h_required if p not in required)
         refused = await _ask(
@@ -254,12 +274,14 @@ async def test_the_coordinator_digests_its_workers_files_when_the_topology_activ
         theirs = set(required_of(worker, pkg, active.topology))
         ours = set(required_of(coord, pkg, active.topology)) - theirs
         assert theirs and ours
-        for path in theirs:
+        for path in theirs:  # the worker speaks chunk-chain: chains, and no plain list
             art = refs[path].artifact
-            assert store.get(art.sha256, art.artifact_bytes, chunk) is not None, path
+            assert store.get(art.sha256, art.artifact_bytes, chunk, chain=True) is not None
+            assert store.get(art.sha256, art.artifact_bytes, chunk) is None, path
         for path in ours:
             art = refs[path].artifact
-            assert store.get(art.sha256, art.artifact_bytes, chunk) is None, path
+            for chain in (False, True):
+                assert store.get(art.sha256, art.artifact_bytes, chunk, chain=chain) is None
         assert worker.node.transfers.stage is None  # it fetched nothing, asked nothing
         await wait_for(
             lambda: (st := coord.node.transfers.stage) is not None and st.state == "ready", 20

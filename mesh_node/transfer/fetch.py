@@ -702,6 +702,7 @@ class StageFetcher:
             manifest_sha256=job.topology.manifest_sha256,
             verify_cache=self.verify_cache,
             poll_s=LOCK_POLL_S,
+            chain=book.latest.chain,
         )
         try:
             # ``installed``: a complete verified partial was found and installed on opening

@@ -63,6 +63,7 @@ from skippy.transfer.chunks import (
     CHUNK_BYTES,
     ChunkDigestStore,
     ChunkScheduler,
+    chain_fits,
     digest_chunks,
     run_length,
 )
@@ -143,6 +144,7 @@ _SKIP_COORDINATOR: Final = frozenset(
 )
 SWARM_BITS: Final = frozenset({pc.BIT_ARTIFACT_TRANSFER, pc.BIT_SWARM_TRANSFER})
 RUN_BITS: Final = SWARM_BITS | {pc.BIT_CHUNK_RUNS}
+CHAIN_BITS: Final = frozenset({pc.BIT_CHUNK_CHAIN})
 
 
 def allowed_from_coordinator(
@@ -211,6 +213,12 @@ def speaks_swarm(node: MeshNode, node_id: str) -> bool:
     return node_id != node.node_id and node.speaks(node_id, SWARM_BITS)
 
 
+def speaks_chain(node: MeshNode, node_id: str) -> bool:
+    """``node_id`` checks chunks along a SHA-256 chain (``chunk-chain``): its source lists
+    carry chains, and it hashes each byte once."""
+    return node.speaks(node_id, CHAIN_BITS)
+
+
 def speaks_runs(node: MeshNode, node_id: str) -> bool:
     """``node_id`` serves a run of chunks on one range request (``chunk-runs``); else one
     chunk a request, as before."""
@@ -254,7 +262,7 @@ class SourcesHandler:
         # reported verified (its have-reports, after its source requests); only the
         # coordinator's current topologies are kept.
         self.holdings: dict[tuple[str, str], Holding] = {}
-        self._digest_locks: dict[str, threading.Lock] = {}  # by artifact SHA-256
+        self._digest_locks: dict[tuple[str, bool], threading.Lock] = {}  # (SHA-256, chain)
         self._locks_lock = threading.Lock()
         self._prepared: dict[str, trio.Event] = {}  # by topology id: ``prepare`` has run
         self._preparing: set[str] = set()  # topology ids whose ``prepare`` started
@@ -275,7 +283,10 @@ class SourcesHandler:
         try:
             held = await trio.to_thread.run_sync(self.server.held, topology)
             if isinstance(held, LoadedManifest):
-                n = await trio.to_thread.run_sync(self._digest_all, topology, held.held.manifest)
+                kinds = {s.node_id: self._chain_for(s.node_id) for s in topology.stages}
+                n = await trio.to_thread.run_sync(
+                    self._digest_all, topology, held.held.manifest, kinds
+                )
                 log.info(
                     "topology %s: chunk digests of %d files ready in %.2f s",
                     tid, n, trio.current_time() - began,
@@ -304,18 +315,29 @@ class SourcesHandler:
         if done is not None:
             await done.wait()
 
-    def _digest_all(self, topology: SplitTopology, manifest: PackageManifest) -> int:
-        """Thread: the other stages' files, each once, the largest first; how many."""
-        refs: dict[str, ArtifactRef] = {}
+    def _chain_for(self, node_id: str) -> bool:
+        """Send ``node_id`` SHA-256 chains (it advertises ``chunk-chain`` and this node can
+        compute them for its chunk size), else plain per-chunk digests."""
+        return speaks_chain(self.node, node_id) and chain_fits(self.chunk_bytes)
+
+    def _digest_all(
+        self, topology: SplitTopology, manifest: PackageManifest, chains: dict[str, bool]
+    ) -> int:
+        """Thread: the other stages' files, each once per kind their nodes take (``chains``:
+        node -> a chain, or plain digests for a node without ``chunk-chain``), the largest
+        first; how many."""
+        refs: dict[str, tuple[ArtifactRef, set[bool]]] = {}
         for stage in topology.stages:
             if stage.node_id != self.node.node_id:
+                kind = chains.get(stage.node_id, False)
                 for ref in stage_refs(manifest, stage.layers):
-                    refs.setdefault(ref.artifact.sha256.lower(), ref)
-        for ref in sorted(refs.values(), key=lambda r: -r.artifact.artifact_bytes):
-            try:
-                self._digests_of(topology, ref)
-            except (SkippyError, OSError) as exc:  # not held here, or not verified: unlisted
-                log.info("no chunk digests for %s: %s", ref.path, exc)
+                    refs.setdefault(ref.artifact.sha256.lower(), (ref, set()))[1].add(kind)
+        for ref, kinds in sorted(refs.values(), key=lambda r: -r[0].artifact.artifact_bytes):
+            for chain in sorted(kinds, reverse=True):
+                try:
+                    self._digests_of(topology, ref, chain=chain)
+                except (SkippyError, OSError) as exc:  # not held, or not verified: unlisted
+                    log.info("no chunk digests for %s: %s", ref.path, exc)
         return len(refs)
 
     async def __call__(self, inbound: InboundStream) -> None:
@@ -402,8 +424,9 @@ class SourcesHandler:
             family = [topology, *(s for s, _ in siblings)]
             partial_holders, busy_holders = self._partial_holders(family, servers)
             rank = _rank(topology, family)
+        chain = self._chain_for(inbound.peer.node_id)
         digests = await trio.to_thread.run_sync(
-            self._digests, topology, manifest, request.requester_hex
+            self._digests, topology, manifest, request.requester_hex, chain
         )
         sources = plan_sources(
             topology,
@@ -418,6 +441,7 @@ class SourcesHandler:
             partial_holders=partial_holders,
             busy_holders=busy_holders,
             rank=rank,
+            chain=chain,
         )
         signature = sign_domain(
             node.identity.key, pc.SIG_DOMAIN_SWARM_SOURCES, sources.signed_bytes()
@@ -469,7 +493,7 @@ class SourcesHandler:
         return have, busy
 
     def _digests(
-        self, topology: SplitTopology, manifest: PackageManifest, requester: str
+        self, topology: SplitTopology, manifest: PackageManifest, requester: str, chain: bool
     ) -> dict[str, tuple[bytes, ...]]:
         """The requester's stage's chunk digests from this node's verified copies (thread); a
         file this node does not hold verified is left out (the worker fetches it whole)."""
@@ -480,33 +504,40 @@ class SourcesHandler:
         for ref in stage_refs(manifest, stage.layers):
             sha = ref.artifact.sha256.lower()
             try:
-                out[sha] = self._digests_of(topology, ref)
+                out[sha] = self._digests_of(topology, ref, chain=chain)
             except (SkippyError, OSError) as exc:  # not held here, or not verified: unlisted
                 log.info("no chunk digests for %s: %s", ref.path, exc)
         return out
 
-    def _digests_of(self, topology: SplitTopology, ref: ArtifactRef) -> tuple[bytes, ...]:
-        """One file's digests, computed once however many ask at once (thread: the stage
-        nodes of every replica ask together at bring-up, and each computation reads the
-        whole file, 178 MB for gemma3's embeddings), from the file the serving warm-up
-        verified (hashed once, not a second time for the whole-file proof), kept only
-        when the file did not change while it was read."""
+    def _digests_of(
+        self, topology: SplitTopology, ref: ArtifactRef, *, chain: bool
+    ) -> tuple[bytes, ...]:
+        """One file's digests of one kind, computed once however many ask at once (thread:
+        the stage nodes of every replica ask together at bring-up, and each computation
+        reads the whole file, 178 MB for gemma3's embeddings), from the file the serving
+        warm-up verified (hashed once, not a second time for the whole-file proof; a chain
+        proves it anyway), kept only when the file did not change while it was read."""
         sha = ref.artifact.sha256.lower()
         with self._locks_lock:
-            lock = self._digest_locks.setdefault(sha, threading.Lock())
+            lock = self._digest_locks.setdefault((sha, chain), threading.Lock())
         with lock:
             size = ref.artifact.artifact_bytes
-            known = self.digests.get(sha, size, self.chunk_bytes)
+            known = self.digests.get(sha, size, self.chunk_bytes, chain=chain)
             if known is not None:
                 return known
             path, stamp = self.server.verified_path(topology, ref)
             digests = digest_chunks(
-                path, size=size, sha256=sha, chunk_bytes=self.chunk_bytes, proven=True
+                path,
+                size=size,
+                sha256=sha,
+                chunk_bytes=self.chunk_bytes,
+                proven=True,
+                chain=chain,
             )
             if FileStamp.of(path.stat()) != stamp:
                 raise IntegrityError(f"{ref.path} changed while its chunks were hashed")
             with contextlib.suppress(OSError):  # storing only saves work next time
-                self.digests.put(sha, self.chunk_bytes, digests)
+                self.digests.put(sha, self.chunk_bytes, digests, chain=chain)
             return digests
 
 
@@ -1230,8 +1261,10 @@ async def open_chunk_sink_waiting(
     manifest_sha256: str,
     verify_cache: VerifyCache | None,
     poll_s: float,
+    chain: bool = False,
 ) -> ChunkSink:
-    """The chunk sink, waiting (cancellably) while another fetch on this node installs it."""
+    """The chunk sink, waiting (cancellably) while another fetch on this node installs it.
+    ``chain``: ``sources.digests`` is a SHA-256 chain (the list said so)."""
     opener = functools.partial(
         open_chunk_sink,
         cache,
@@ -1240,6 +1273,7 @@ async def open_chunk_sink_waiting(
         chunk_bytes=chunk_bytes,
         manifest_sha256=manifest_sha256,
         verify_cache=verify_cache,
+        chain=chain,
     )
     with trio.move_on_after(node.timeouts.idle_s):
         while True:

@@ -6,15 +6,19 @@ The same partial, lock and install as ``ArtifactSink`` (``skippy.transfer.sink``
 ``open_chunk_sink`` to ``finish``/``abort``, ``skippy.atomic.publish`` then the snapshot link
 and the verification record. What differs:
 
-- ``write_chunk(index, data)`` checks the chunk's SHA-256 first; a wrong chunk raises
+- ``write_chunk(index, data)`` checks the chunk first (``skippy.transfer.chunks.
+  chunk_matches``: its own SHA-256, or its link of the SHA-256 chain); a wrong chunk raises
   ``IntegrityError`` (``chunk_digest_mismatch``) and touches nothing (the caller asks another
   source for it). A right one is written at its offset (``os.pwrite``; chunks may arrive in
   any order and from several threads at once);
 - a resume keeps every chunk of the partial that matches its digest (a whole-file prefix
   left by ``ArtifactSink`` resumes too: its complete chunks verify);
-- ``finish`` still checks the whole file's SHA-256 before the install (spec "Peer Cache
-  Transfer": installed "only after size and SHA-256 verification"), computed over the bytes
-  written, in order, as the verified prefix grows; a mismatch deletes the partial;
+- ``finish`` checks the whole file's SHA-256 before the install (spec "Peer Cache
+  Transfer": installed "only after size and SHA-256 verification"). With a chain the chunks'
+  checks computed it already (``skippy.transfer.sha256_chain``: the last chunk's link is the
+  manifest's digest, reached from the initial value through every chunk), so no byte is
+  hashed twice; with plain digests it is computed over the bytes written, in order, as the
+  verified prefix grows. A mismatch deletes the partial;
 - ``keep_prefix_only`` cuts the partial to its verified prefix before a whole-file fallback,
   which can resume only a prefix.
 """
@@ -32,7 +36,13 @@ from pathlib import Path
 from skippy.atomic import LockBusy, exclusive_lock
 from skippy.consume.verify import VerifyCache
 from skippy.errors import IntegrityError, UsageError
-from skippy.transfer.chunks import ChunkSpan, chunk_spans, verified_chunks
+from skippy.transfer.chunks import (
+    ChunkSpan,
+    check_chain,
+    chunk_matches,
+    chunk_spans,
+    verified_chunks,
+)
 from skippy.transfer.errors import InstallBusy, PartialChanged
 from skippy.transfer.fetch_plan import FetchItem
 from skippy.transfer.hubcache import RepoCache
@@ -56,6 +66,7 @@ class ChunkSink(ArtifactSink):
         verify_cache: VerifyCache | None,
         durable: bool,
         lock: contextlib.ExitStack,
+        chain: bool = False,
     ) -> None:
         super().__init__(
             cache,
@@ -74,7 +85,10 @@ class ChunkSink(ArtifactSink):
                 code="chunk_digests_invalid",
                 path=item.path,
             )
+        if chain:
+            check_chain(digests, item.sha256, chunk_bytes)
         self.digests = digests
+        self.chain = chain
         self.verified: set[int] = set()
         self._total = item.size
         # The whole-file SHA-256, fed in chunk order as the verified prefix grows (chunks come
@@ -99,7 +113,9 @@ class ChunkSink(ArtifactSink):
                 raise PartialChanged(
                     f"partial {path.name} changed while it was opened", path=self.item.path
                 )
-            good = verified_chunks(fd, self.spans, self.digests)
+            good = verified_chunks(
+                fd, self.spans, self.digests, chain=self.chain, sha256=self.item.sha256
+            )
         except BaseException:
             os.close(fd)
             raise
@@ -143,10 +159,9 @@ class ChunkSink(ArtifactSink):
         if self._fd is None or not 0 <= index < len(self.spans):
             raise UsageError(f"no chunk {index} to write", code="sink_order")
         span = self.spans[index]
-        digest = hashlib.sha256()
-        for part in parts:
-            digest.update(part)
-        if sum(len(p) for p in parts) != span.length or digest.digest() != self.digests[index]:
+        if sum(len(p) for p in parts) != span.length or not chunk_matches(
+            self.digests, span, parts, chain=self.chain, sha256=self.item.sha256
+        ):
             raise IntegrityError(
                 f"{self.item.path}: chunk {index} (bytes {span.start}..{span.stop}) does not "
                 "match its signed digest",
@@ -172,8 +187,9 @@ class ChunkSink(ArtifactSink):
 
     def _advance(self, index: int, parts: Sequence[memoryview]) -> None:
         """Feed the whole-file hash every verified chunk that now continues its prefix:
-        ``parts`` for chunk ``index``, the partial's bytes for the others."""
-        while self._hashed < len(self.spans) and self._hashed in self.verified:
+        ``parts`` for chunk ``index``, the partial's bytes for the others (plain digests
+        only: a chain's checks are the whole-file hash)."""
+        while not self.chain and self._hashed < len(self.spans) and self._hashed in self.verified:
             span = self.spans[self._hashed]
             if self._hashed == index:
                 for part in parts:
@@ -238,10 +254,16 @@ class ChunkSink(ArtifactSink):
             raise UsageError("the partial is closed", code="sink_order")
         with self._order:
             self._advance(-1, ())
-            if self._hashed != len(self.spans):
+            if self.chain:
+                if not self.complete:
+                    raise UsageError("chunks are missing from the chain", code="sink_order")
+                digest = self.item.sha256  # the last chunk's check reached it (module doc)
+            elif self._hashed != len(self.spans):
                 raise UsageError("chunks are missing from the whole-file hash", code="sink_order")
+            else:
+                digest = self._whole.hexdigest()
             os.ftruncate(self._fd, self.item.size or 0)  # a longer stale partial ends here
-            return self._whole.hexdigest()
+            return digest
 
     def keep_prefix_only(self) -> int:
         """Cut the partial to its longest run of verified chunks from byte 0 (a whole-file
@@ -267,6 +289,7 @@ def open_chunk_sink(
     manifest_sha256: str,
     verify_cache: VerifyCache | None,
     durable: bool = False,
+    chain: bool = False,
 ) -> ChunkSink:
     """``skippy.transfer.sink.open_sink`` for a chunked transfer: the install lock (or
     ``InstallBusy``), then installed (``present``), resuming verified chunks, or fresh."""
@@ -289,6 +312,7 @@ def open_chunk_sink(
             verify_cache=verify_cache,
             durable=durable,
             lock=lock,
+            chain=chain,
         )
     except BaseException:
         lock.close()

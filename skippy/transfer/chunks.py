@@ -1,10 +1,17 @@
 """Fixed-size chunks of an artifact and their SHA-256 digests (issue #23 item 3).
 
 An artifact of ``size`` bytes is cut into ``ceil(size / chunk_bytes)`` chunks, every one
-``chunk_bytes`` long but the last. The coordinator computes one SHA-256 per chunk from its
-verified copy (``digest_chunks``, which proves the whole-file SHA-256 in the same pass) and
-keeps them in a ``ChunkDigestStore`` beside its verification records; a receiver checks every
-chunk against its digest as it arrives, and still the whole file before the install.
+``chunk_bytes`` long but the last. The coordinator computes, from its verified copy, one
+32-byte digest per chunk (``digest_chunks``, which proves the whole-file SHA-256 in the same
+pass) and keeps them in a ``ChunkDigestStore`` beside its verification records; a receiver
+checks every chunk as it arrives, and the whole file before the install. Two kinds of list:
+
+- ``chain`` (feature bit ``chunk-chain``; ``skippy.transfer.sha256_chain``): the SHA-256
+  chaining value after each chunk, the file's digest last. Each chunk is checked on its own
+  from the link before it, and once every chunk has passed the receiver has computed the
+  file's SHA-256 itself: one hash per byte;
+- plain (peers without the bit): each chunk's own SHA-256; the receiver hashes the file a
+  second time, in order, before the install.
 
 ``ChunkScheduler`` is the pure decision of which chunk a source fetches next: a shared queue
 that every source takes from (a faster source takes more), a chunk that failed goes back to
@@ -26,6 +33,7 @@ from typing import Final
 
 from skippy.atomic import atomic_write_bytes
 from skippy.errors import IntegrityError, UsageError
+from skippy.transfer import sha256_chain
 
 CHUNK_BYTES: Final = 8 * 1024 * 1024  # the default: ~31 chunks for gemma3-270m's 253 MB
 MIN_CHUNK_BYTES: Final = 4 * 1024  # small enough for the synthetic test packages
@@ -45,6 +53,24 @@ def check_chunk_bytes(chunk_bytes: object) -> int:
             code="invalid_chunk_bytes",
         )
     return chunk_bytes
+
+
+def chain_fits(chunk_bytes: int) -> bool:
+    """Chunks of this size can carry a SHA-256 chain (whole 64-byte blocks) and this process
+    can compute one (libcrypto loaded)."""
+    return chunk_bytes % sha256_chain.BLOCK_BYTES == 0 and sha256_chain.available()
+
+
+def check_chain(digests: tuple[bytes, ...], sha256: str, chunk_bytes: int) -> None:
+    """A chain list must end at the manifest's SHA-256 and cut at whole blocks
+    (``IntegrityError`` ``chunk_digests_invalid``, before a byte is asked for)."""
+    if chunk_bytes % sha256_chain.BLOCK_BYTES or not digests or digests[-1].hex() != sha256:
+        raise IntegrityError(
+            f"a chunk chain of {chunk_bytes}-byte chunks must cut at whole SHA-256 blocks and "
+            f"end at the artifact's SHA-256 {sha256}",
+            code="chunk_digests_invalid",
+            expected=sha256,
+        )
 
 
 @dataclass(frozen=True)
@@ -105,14 +131,24 @@ def unpack_digests(blob: bytes, count: int) -> tuple[bytes, ...]:
 
 
 def digest_chunks(
-    path: Path, *, size: int, sha256: str, chunk_bytes: int, proven: bool = False
+    path: Path,
+    *,
+    size: int,
+    sha256: str,
+    chunk_bytes: int,
+    proven: bool = False,
+    chain: bool = False,
 ) -> tuple[bytes, ...]:
     """One read of ``path``: the per-chunk digests, returned only when the whole file is
     ``size`` bytes and hashes to ``sha256`` (the digests vouch for nothing else). ``proven``:
     the caller verified this very file already (its verification record, issue #23: at
     bring-up the coordinator computes these while every worker waits), so only its size is
-    checked here, and the file is hashed once, not twice."""
+    checked here, and the file is hashed once, not twice. ``chain``: the SHA-256 chain
+    (``chain_fits`` first), whose last link is the whole file's digest, so it proves the file
+    in its one pass whether or not it was ``proven``."""
     spans = chunk_spans(size, chunk_bytes)
+    if chain:
+        return _digest_chain(path, spans, size, sha256)
     if proven:
         return _digest_proven(path, spans, size)
     whole = hashlib.sha256()
@@ -149,6 +185,61 @@ def digest_chunks(
     return tuple(digests)
 
 
+def _read_span(fd: int, view: memoryview, span: ChunkSpan, name: str, size: int) -> None:
+    """Fill ``view`` (``span.length`` bytes) from ``fd`` at the span's offset."""
+    got = 0
+    while got < span.length:
+        n = os.preadv(fd, [view[got:]], span.start + got)
+        if not n:
+            raise IntegrityError(
+                f"{name} ended inside chunk {span.index}",
+                code="artifact_size_mismatch",
+                expected=size,
+            )
+        got += n
+
+
+def _digest_chain(
+    path: Path, spans: tuple[ChunkSpan, ...], size: int, sha256: str
+) -> tuple[bytes, ...]:
+    """The file's SHA-256 chain: one sequential pass (each link needs the one before), the
+    next chunk read on a second thread while this one is hashed; the last link must be
+    ``sha256`` (so the file is proven by the same pass)."""
+    with open(path, "rb", buffering=0) as f:
+        fd = f.fileno()
+        if os.fstat(fd).st_size != size:
+            raise IntegrityError(
+                f"{path.name} is not {size} bytes", code="artifact_size_mismatch", expected=size
+            )
+        longest = max(span.length for span in spans)
+        bufs = [bytearray(longest), bytearray(longest)]
+
+        def read(i: int) -> memoryview:
+            view = memoryview(bufs[i % 2])[: spans[i].length]
+            _read_span(fd, view, spans[i], path.name, size)
+            return view
+
+        hasher = sha256_chain.ChainHasher()
+        links: list[bytes] = []
+        with ThreadPoolExecutor(1) as reader:
+            nxt = reader.submit(read, 0)
+            for i in range(len(spans)):
+                view = nxt.result()
+                if i + 1 < len(spans):
+                    nxt = reader.submit(read, i + 1)  # into the other buffer
+                hasher.update(view)
+                links.append(hasher.state() if i + 1 < len(spans) else hasher.digest())
+    chain = tuple(links)
+    if chain[-1].hex() != sha256:
+        raise IntegrityError(
+            f"{path.name} hashes to {chain[-1].hex()}, not {sha256}",
+            code="artifact_sha256_mismatch",
+            expected=sha256,
+            actual=chain[-1].hex(),
+        )
+    return chain
+
+
 def _digest_proven(path: Path, spans: tuple[ChunkSpan, ...], size: int) -> tuple[bytes, ...]:
     """The chunks' digests of a proven file, ``PROVEN_THREADS`` chunks at a time (each chunk
     on its own: hashlib releases the GIL, so two cores hash twice as fast).
@@ -171,16 +262,7 @@ def _digest_proven(path: Path, spans: tuple[ChunkSpan, ...], size: int) -> tuple
             if buf is None or len(buf) < span.length:
                 buf = local.buf = bytearray(span.length)
             view = memoryview(buf)[: span.length]
-            got = 0
-            while got < span.length:
-                n = os.preadv(fd, [view[got:]], span.start + got)
-                if not n:
-                    raise IntegrityError(
-                        f"{path.name} ended inside chunk {span.index}",
-                        code="artifact_size_mismatch",
-                        expected=size,
-                    )
-                got += n
+            _read_span(fd, view, span, path.name, size)
             return hashlib.sha256(view).digest()
 
         with ThreadPoolExecutor(PROVEN_THREADS) as pool:
@@ -188,9 +270,9 @@ def _digest_proven(path: Path, spans: tuple[ChunkSpan, ...], size: int) -> tuple
 
 
 class ChunkDigestStore:
-    """Digest lists by (artifact SHA-256, chunk size), one small file each. Content-addressed:
-    a list is stored only after ``digest_chunks`` proved the whole file, so it stays true
-    for every copy of that artifact (no file stamp needed)."""
+    """Digest lists by (artifact SHA-256, chunk size, kind), one small file each.
+    Content-addressed: a list is stored only after ``digest_chunks`` proved the whole file,
+    so it stays true for every copy of that artifact (no file stamp needed)."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -201,45 +283,85 @@ class ChunkDigestStore:
         ``<skippy cache>/chunk-digests``)."""
         return cls(verify_root.parent / "chunk-digests")
 
-    def _path(self, sha256: str, chunk_bytes: int) -> Path:
-        return self.root / f"{sha256}.{chunk_bytes}.sha256s"
+    def _path(self, sha256: str, chunk_bytes: int, chain: bool) -> Path:
+        return self.root / f"{sha256}.{chunk_bytes}.{'sha256chain' if chain else 'sha256s'}"
 
-    def get(self, sha256: str, size: int, chunk_bytes: int) -> tuple[bytes, ...] | None:
+    def get(
+        self, sha256: str, size: int, chunk_bytes: int, *, chain: bool = False
+    ) -> tuple[bytes, ...] | None:
         try:
-            blob = self._path(sha256, chunk_bytes).read_bytes()
+            blob = self._path(sha256, chunk_bytes, chain).read_bytes()
         except OSError:
             return None
         try:
-            return unpack_digests(blob, chunk_count(size, chunk_bytes))
+            digests = unpack_digests(blob, chunk_count(size, chunk_bytes))
+            if chain:
+                check_chain(digests, sha256, chunk_bytes)
+            return digests
         except IntegrityError:
             return None  # a stale or damaged record: computed again
 
-    def put(self, sha256: str, chunk_bytes: int, digests: tuple[bytes, ...]) -> None:
+    def put(
+        self, sha256: str, chunk_bytes: int, digests: tuple[bytes, ...], *, chain: bool = False
+    ) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
-        atomic_write_bytes(self._path(sha256, chunk_bytes), pack_digests(digests), durable=False)
+        atomic_write_bytes(
+            self._path(sha256, chunk_bytes, chain), pack_digests(digests), durable=False
+        )
 
     def digests_for(
-        self, path: Path, *, size: int, sha256: str, chunk_bytes: int
+        self, path: Path, *, size: int, sha256: str, chunk_bytes: int, chain: bool = False
     ) -> tuple[bytes, ...]:
         """The stored list, else computed from ``path`` (proven whole) and stored."""
-        cached = self.get(sha256, size, chunk_bytes)
+        cached = self.get(sha256, size, chunk_bytes, chain=chain)
         if cached is not None:
             return cached
-        digests = digest_chunks(path, size=size, sha256=sha256, chunk_bytes=chunk_bytes)
+        digests = digest_chunks(
+            path, size=size, sha256=sha256, chunk_bytes=chunk_bytes, chain=chain
+        )
         with contextlib.suppress(OSError):  # storing only saves work next time
-            self.put(sha256, chunk_bytes, digests)
+            self.put(sha256, chunk_bytes, digests, chain=chain)
         return digests
 
 
-def verified_chunks(fd: int, spans: tuple[ChunkSpan, ...], digests: tuple[bytes, ...]) -> set[int]:
+def chunk_matches(
+    digests: tuple[bytes, ...],
+    span: ChunkSpan,
+    parts: Iterable[bytes | bytearray | memoryview],
+    *,
+    chain: bool,
+    sha256: str,
+) -> bool:
+    """``parts`` (``span.length`` bytes in all) are chunk ``span.index``'s right bytes: its
+    own SHA-256 equals its digest, or, in a chain, it leads from the link before it to its
+    own (the last chunk to ``sha256``, the artifact's)."""
+    if chain:
+        whole = bytes.fromhex(sha256)
+        return sha256_chain.check_chunk(digests, span.index, span.start, parts, whole)
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(part)
+    return h.digest() == digests[span.index]
+
+
+def verified_chunks(
+    fd: int,
+    spans: tuple[ChunkSpan, ...],
+    digests: tuple[bytes, ...],
+    *,
+    chain: bool = False,
+    sha256: str = "",
+) -> set[int]:
     """Which chunks of a partial file already hold their right bytes (a resume keeps them)."""
     have = os.fstat(fd).st_size
     good: set[int] = set()
-    for span, digest in zip(spans, digests, strict=True):
+    for span in spans:
         if span.stop > have:
             break
         data = os.pread(fd, span.length, span.start)
-        if len(data) == span.length and chunk_digest(data) == digest:
+        if len(data) == span.length and chunk_matches(
+            digests, span, (data,), chain=chain, sha256=sha256
+        ):
             good.add(span.index)
     return good
 

@@ -28,6 +28,8 @@ from skippy.package.manifest import PackageManifest
 from skippy.package.topology import SplitTopology
 from skippy.transfer.chunks import (
     DIGEST_BYTES,
+    chain_fits,
+    check_chain,
     check_chunk_bytes,
     chunk_count,
     pack_digests,
@@ -61,6 +63,9 @@ _ENTRY_KEYS: Final = frozenset({"path", "sha256", "size", "digests", "holders"})
 # among its counterparts, and per holder the chunks it holds (nil: every chunk).
 _PARTIAL_LIST_KEYS: Final = frozenset({"rank", "ranks"})
 _PARTIAL_ENTRY_KEYS: Final = frozenset({"have", "busy"})
+# Issue #23 ``chunk-chain`` (``skippy.transfer.sha256_chain``): sent, as ``chain: true``, only
+# to a requester that advertises it: every entry's digests are then its SHA-256 chain.
+_CHAIN_KEY: Final = "chain"
 MAX_RANKS: Final = 64
 
 
@@ -122,6 +127,8 @@ class SourceList:
     rank: int = 0
     ranks: int = 1
     partial: bool = False
+    # Issue #23 ``chunk-chain``: the digests are SHA-256 chains (``skippy.transfer.chunks``)
+    chain: bool = False
 
     def by_path(self) -> dict[str, ArtifactSources]:
         return {a.path: a for a in self.artifacts}
@@ -160,6 +167,8 @@ class SourceList:
         }
         if self.partial:
             body["rank"], body["ranks"] = self.rank, self.ranks
+        if self.chain:
+            body[_CHAIN_KEY] = True
         packed: bytes = msgpack.packb(body, use_bin_type=True)
         return packed
 
@@ -178,6 +187,7 @@ def plan_sources(
     partial_holders: Mapping[str, Mapping[str, frozenset[int]]] | None = None,
     rank: tuple[int, int] | None = None,
     busy_holders: Mapping[str, Mapping[str, frozenset[int]]] | None = None,
+    chain: bool = False,
 ) -> SourceList:
     """The list for ``requester_id``'s stage (the coordinator's decision). ``ready``: the
     stage nodes whose ready report was accepted; ``servers``: the members that serve swarm
@@ -196,7 +206,9 @@ def plan_sources(
     keeps only servers of this topology or a sibling), and those it was fetching at a fresh
     report; such a node is listed after the whole-file holders with both sets (even before
     it verified a chunk: a fetch then waits for it rather than ask the coordinator for the
-    same bytes); ``rank`` = (this requester's rank, counterparts) for its fetch order."""
+    same bytes); ``rank`` = (this requester's rank, counterparts) for its fetch order.
+    ``chain`` (issue #23 ``chunk-chain``; only when the requester advertises it): ``digests``
+    are SHA-256 chains, and the list says so."""
     stage = topology.stage_of(requester_id)
     if stage is None:
         raise IntegrityError(
@@ -258,6 +270,7 @@ def plan_sources(
         rank=own_rank,
         ranks=ranks,
         partial=ranked,
+        chain=chain,
     )
 
 
@@ -338,11 +351,15 @@ def decode_source_list(payload: bytes) -> tuple[SourceList, bytes, bytes]:
     signature = _field(outer, "signature", bytes)
     if len(signature) != SIGNATURE_BYTES:
         raise _bad("the signature must be 64 bytes")
-    data = _unpack(signed, len(_LIST_KEYS | _PARTIAL_LIST_KEYS))
+    data = _unpack(signed, len(_LIST_KEYS | _PARTIAL_LIST_KEYS) + 1)
     if not isinstance(data, dict) or data.get("gen") != SOURCES_GEN:
         raise _bad(f"the signed list must have exactly the keys {sorted(_LIST_KEYS)}")
-    partial = set(data) == _LIST_KEYS | _PARTIAL_LIST_KEYS
-    if set(data) != _LIST_KEYS and not partial:
+    chain = _CHAIN_KEY in data
+    if chain and data[_CHAIN_KEY] is not True:
+        raise _bad("a source list's chain must be true when present")
+    keys = set(data) - {_CHAIN_KEY}
+    partial = keys == _LIST_KEYS | _PARTIAL_LIST_KEYS
+    if keys != _LIST_KEYS and not partial:
         raise _bad(f"the signed list must have exactly the keys {sorted(_LIST_KEYS)}")
     rank, ranks = (_field(data, "rank", int), _field(data, "ranks", int)) if partial else (0, 1)
     if not 0 <= rank < ranks <= MAX_RANKS:
@@ -400,6 +417,7 @@ def decode_source_list(payload: bytes) -> tuple[SourceList, bytes, bytes]:
         rank=rank,
         ranks=ranks,
         partial=partial,
+        chain=chain,
     )
     return sources, signed, signature
 
@@ -469,6 +487,15 @@ def check_source_list(
             raise bad(f"declares {entry.path} unlike the manifest")
         if any(len(d) != DIGEST_BYTES for d in entry.digests):
             raise bad(f"has a malformed digest for {entry.path}")
+        if sources.chain:
+            if not chain_fits(sources.chunk_bytes):
+                raise bad("carries chunk chains this node cannot check")
+            try:
+                check_chain(entry.digests, entry.sha256, sources.chunk_bytes)
+            except IntegrityError:
+                raise bad(
+                    f"has a chunk chain for {entry.path} that does not end at its SHA-256"
+                ) from None
         strangers = set() if siblings_ok else set(entry.holders) - members
         if strangers or requester_id in entry.holders:
             raise bad(f"names a holder of {entry.path} outside the topology")
