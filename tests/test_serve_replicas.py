@@ -161,3 +161,35 @@ def test_serve_refuses_replicas_without_a_stage_count(tiny_pkg: Path, tmp_path: 
     assert out.returncode == 2, out.stderr
     assert '"code": "usage"' in out.stdout and "Traceback" not in out.stderr
     assert "--stages" in out.stdout
+
+
+async def test_replicas_asking_at_once_load_the_tokenizer_once(
+    tiny_pkg: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every replica's route manager reaches its tokenizer at bring-up, most of them while
+    the first load still runs: one real load (llama.cpp, on a thread), shared by all."""
+    import trio
+
+    from mesh_node.serving import replicas
+
+    loads: list[Path] = []
+    real = replicas.load_tokenizer
+
+    async def counted(path: Path):  # type: ignore[no-untyped-def]
+        loads.append(path)
+        return await real(path)
+
+    monkeypatch.setattr(replicas, "load_tokenizer", counted)
+    shared = replicas.SharedTokenizer()
+    metadata = tiny_pkg / "shared" / "metadata.gguf"
+    got: list[Any] = []
+
+    async def ask() -> None:
+        got.append(await shared.load(metadata))
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(3):
+            nursery.start_soon(ask)
+    assert loads == [metadata] and len(got) == 3 and all(t is got[0] for t in got)
+    assert got[0].n_vocab > 0
+    got[0].close()

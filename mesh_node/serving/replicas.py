@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import trio
@@ -33,7 +34,7 @@ import trio
 from mesh_node.node import MeshNode
 from mesh_node.serving.generator import Route, route_level
 from mesh_node.serving.host import StageHost
-from mesh_node.serving.routes import RouteManager, SplitNotReady
+from mesh_node.serving.routes import RouteManager, SplitNotReady, load_tokenizer
 from mesh_node.topology import TopologyService
 from mesh_node.transfer.partials import speaks_partials
 from mesh_node.transfer.siblings import speaks_siblings
@@ -50,6 +51,24 @@ from skippy.serving.replicas import (
 )
 
 log = logging.getLogger("mesh_node.serving.replicas")
+
+
+
+class SharedTokenizer:
+    """One tokenizer for every replica: the first to ask loads it, the others wait for that
+    load. Each replica's route manager reached its tokenizer while replica 0's was still
+    loading and loaded its own (gemma3's: ~3 s of CPU each here, on the cores the workers'
+    transfers needed at bring-up)."""
+
+    def __init__(self) -> None:
+        self._lock = trio.Lock()
+        self._loaded: tuple[Path, LlamaTokenizer] | None = None
+
+    async def load(self, metadata_path: Path) -> LlamaTokenizer:
+        async with self._lock:
+            if self._loaded is None or self._loaded[0] != metadata_path:
+                self._loaded = (metadata_path, await load_tokenizer(metadata_path))
+            return self._loaded[1]
 
 
 class ReplicaSet:
@@ -70,6 +89,7 @@ class ReplicaSet:
         self.node = node
         self.stages = stages
         self.managers: list[RouteManager] = []
+        self._tokenizer = SharedTokenizer()
         main = node.topology
         for k in range(replicas):
             service = main if k == 0 else TopologyService(node, epochs=main.epochs)
@@ -91,8 +111,9 @@ class ReplicaSet:
         if replicas > 1:
             for k, manager in enumerate(self.managers):
                 manager.topology.exclude = partial(self._held_by_others, k)
-                if k:  # one tokenizer: stage 0 (and its metadata) is the same loaded stage
-                    manager.shared_tokenizer = partial(getattr, self.managers[0], "tokenizer")
+                # one tokenizer: stage 0 (and its metadata) is the same loaded stage
+                manager.load_tokenizer = self._tokenizer.load
+                if k:
                     manager.plan_like = self._plan_for  # and the same layer ranges
         self.outstanding = [0] * replicas  # tokens still to process, per replica
         self.in_flight = [0] * replicas

@@ -25,7 +25,8 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any, Final
 
 import trio
@@ -61,6 +62,12 @@ class SplitNotReady(ServingFault):
     exit_code = EXIT_USAGE
 
 
+
+async def load_tokenizer(metadata_path: Path) -> LlamaTokenizer:
+    """The package's tokenizer, loaded on a thread (gemma3's: ~1-3 s of CPU)."""
+    return await trio.to_thread.run_sync(LlamaTokenizer, metadata_path)
+
+
 class RouteManager:
     """The split's topology and route, kept up (see the module docstring)."""
 
@@ -83,7 +90,9 @@ class RouteManager:
         # (``mesh_node.serving.replicas``) and shares stage 0 with replica 0.
         self.topology: TopologyService = topology if topology is not None else node.topology
         self.replica = replica
-        self.shared_tokenizer: Callable[[], LlamaTokenizer | None] | None = None
+        # Loads the tokenizer from stage 0's metadata part; replicas share one load
+        # (``mesh_node.serving.replicas.SharedTokenizer``: they share stage 0).
+        self.load_tokenizer: Callable[[Path], Awaitable[LlamaTokenizer]] = load_tokenizer
         # Replicas (issue #23): replica 0's plan, whose layer ranges this replica takes (None
         # until it has one: ``ReplicaSet._plan_for``); unset for replica 0.
         self.plan_like: Callable[[], SplitTopology | None] | None = None
@@ -426,12 +435,8 @@ class RouteManager:
                 f"stage 0 failed to load ({own.code})" if failed and own else "stage 0 is loading"
             )
             return
-        if self.tokenizer is None and self.shared_tokenizer is not None:
-            self.tokenizer = self.shared_tokenizer()  # replicas: replica 0's, once it has one
         if self.tokenizer is None:
-            self.tokenizer = await trio.to_thread.run_sync(
-                LlamaTokenizer, loaded.load.part_paths[0]
-            )
+            self.tokenizer = await self.load_tokenizer(loaded.load.part_paths[0])
         self.topology.admission_expect = loaded.facts
         waiting = []
         for stage in topo.stages:
