@@ -38,6 +38,14 @@ BENCH_PROTOCOL = "bench"
 _HDR = struct.Struct(">BQ")  # direction (0 upload, 1 download), byte count
 UP, DOWN, ECHO = 0, 1, 2
 CIPHER_ENV = "SKIPPY_BENCH_MESH_CIPHER"  # "chacha": both mesh ends offer ChaCha20-Poly1305 only
+# ``wsfloor`` (bench_link, issue #25 item 4): raw trio-websocket carrying this file with only the
+# work a verified transfer cannot skip: the sender ``pread``s it and seals each 64 KiB record
+# with AES-256-GCM, the receiver opens each record, SHA-256s and writes it to a new file and
+# checks the digest at the end. No Noise framing, no multiplexer, no flow control: the most a
+# verified transfer built on trio-websocket can reach on this machine.
+FLOOR_FILE_ENV = "SKIPPY_BENCH_FLOOR_FILE"  # the file's path, then a space, then its SHA-256
+FLOOR_RECORD = 64 * 1024
+FLOOR_KEY = bytes(range(32))
 
 
 # --- servers (child process) ------------------------------------------------------------------
@@ -78,14 +86,80 @@ def _ws_opts() -> dict[str, Any]:
     return {"max_message_size": 4 * CHUNK, "receive_buffer_size": CHUNK}
 
 
-async def _serve_ws() -> None:
+class _Floor:
+    """Either end of a ``wsfloor`` transfer (see ``FLOOR_FILE_ENV``)."""
+
+    def __init__(self) -> None:
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+        path, self.sha256 = os.environ[FLOOR_FILE_ENV].rsplit(" ", 1)
+        self.path = Path(path)
+        self.size = self.path.stat().st_size
+        self.aes = AESGCM(FLOOR_KEY)
+        self.count = 0
+
+    def _nonce(self) -> bytes:
+        self.count += 1
+        return self.count.to_bytes(12, "big")
+
+    def messages(self) -> Any:
+        """The file as 1 MiB messages of sealed 64 KiB records."""
+        buf = bytearray(CHUNK)
+        view = memoryview(buf)
+        with open(self.path, "rb", buffering=0) as f:
+            for offset in range(0, self.size, CHUNK):
+                n = os.preadv(f.fileno(), [view], offset)
+                yield b"".join(
+                    self.aes.encrypt(self._nonce(), view[r : min(r + FLOOR_RECORD, n)], None)
+                    for r in range(0, n, FLOOR_RECORD)
+                )
+
+    def sink(self) -> tuple[Any, Any]:
+        """(take one message, finish: check the digest and remove the copy)."""
+        import hashlib
+        import tempfile
+
+        h = hashlib.sha256()
+        fd, out = tempfile.mkstemp(prefix=".wsfloor-", dir=self.path.parent)
+        sealed = FLOOR_RECORD + 16
+
+        def take(message: bytes) -> int:
+            view, got = memoryview(message), 0
+            for r in range(0, len(view), sealed):
+                plain = self.aes.decrypt(self._nonce(), view[r : r + sealed], None)
+                h.update(plain)
+                os.write(fd, plain)
+                got += len(plain)
+            return got
+
+        def finish() -> None:
+            os.close(fd)
+            os.unlink(out)
+            if h.hexdigest() != self.sha256:
+                raise SystemExit("wsfloor: the received file does not hash to its SHA-256")
+
+        return take, finish
+
+
+async def _serve_ws(floor: bool = False) -> None:
     from trio_websocket import ConnectionClosed, serve_websocket
 
     async def handle(request: Any) -> None:
         ws = await request.accept()
         try:
             direction, n = _HDR.unpack(await ws.get_message())
-            if direction == UP:
+            if floor and direction == UP:
+                take, finish = _Floor().sink()
+                got = 0
+                while got < n:
+                    got += take(await ws.get_message())
+                finish()
+                await ws.send_message(b"k")
+            elif floor:
+                for message in _Floor().messages():
+                    await ws.send_message(message)
+                await ws.get_message()
+            elif direction == UP:
                 got = 0
                 while got < n:
                     got += len(await ws.get_message())
@@ -183,13 +257,24 @@ async def _tcp_client(port: int, direction: int, n: int) -> float:
         return time.perf_counter() - t
 
 
-async def _ws_client(port: int, direction: int, n: int) -> float | list[float]:
+async def _ws_client(port: int, direction: int, n: int, floor: bool = False) -> float | list[float]:
     from trio_websocket import open_websocket_url
 
     async with open_websocket_url(f"ws://127.0.0.1:{port}", **_ws_opts()) as ws:
         t = time.perf_counter()
         await ws.send_message(_HDR.pack(direction, n))
-        if direction == UP:
+        if floor and direction == UP:
+            for message in _Floor().messages():
+                await ws.send_message(message)
+            await ws.get_message()
+        elif floor:
+            take, finish = _Floor().sink()
+            got = 0
+            while got < n:
+                got += take(await ws.get_message())
+            finish()
+            await ws.send_message(b"k")
+        elif direction == UP:
             block = b"u" * CHUNK
             for _ in range(n // CHUNK):
                 await ws.send_message(block)
@@ -273,8 +358,8 @@ def _client(kind: str, where: str, direction: int, n: int, tuned: bool) -> Any:
 def _run_client(kind: str, where: str, direction: int, n: int) -> float | list[float]:
     if kind == "tcp":
         return trio.run(_tcp_client, int(where), direction, n)
-    if kind == "ws":
-        return trio.run(_ws_client, int(where), direction, n)
+    if kind in ("ws", "wsfloor"):
+        return trio.run(_ws_client, int(where), direction, n, kind == "wsfloor")
     return trio.run(_mesh_client, where, direction, n)
 
 
@@ -360,7 +445,7 @@ def rows(ctx: BenchContext) -> list[Row]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("mode", choices=["serve", "client", "measure"])
-    ap.add_argument("kind", nargs="?", choices=["tcp", "ws", "mesh"])
+    ap.add_argument("kind", nargs="?", choices=["tcp", "ws", "wsfloor", "mesh"])
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--tuned", action="store_true", help="mesh-node run's allocator settings")
     ap.add_argument("--where", default="")
@@ -372,7 +457,10 @@ def main() -> None:
 
         tune_for_streaming()
     if args.mode == "serve":
-        trio.run({"tcp": _serve_tcp, "ws": _serve_ws, "mesh": _serve_mesh}[args.kind])
+        if args.kind == "wsfloor":
+            trio.run(_serve_ws, True)
+        else:
+            trio.run({"tcp": _serve_tcp, "ws": _serve_ws, "mesh": _serve_mesh}[args.kind])
     elif args.mode == "client":
         print(json.dumps(_run_client(args.kind, args.where, args.direction, args.n)))
     else:
