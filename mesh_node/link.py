@@ -23,6 +23,7 @@ from mesh_node.budget import PeerMemory
 from mesh_node.errors import LinkClosed, StreamRefused, StreamReset, StreamStalled
 from mesh_node.transport import BudgetedStream
 from mesh_node.ws_frames import DirectSender
+from mesh_node.ws_receive import FrameRefused
 from protocol import constants as pc
 from protocol import streams as ev
 from protocol.errors import ProtocolError
@@ -65,6 +66,21 @@ def websocket_options(limits: pc.Limits, timeouts: LinkTimeouts) -> dict[str, ob
     }
 
 
+async def receive_message(
+    ws: WebSocketConnection, transport: BudgetedStream | None
+) -> bytes | bytearray | memoryview | str:
+    """A link's next WebSocket message: from its stream's own frame parser when it has one
+    (``BudgetedStream.next_message``, issue #25 item 4), else from trio-websocket. Raises
+    ``ConnectionClosed`` once the connection ended (trio-websocket knows how: a close frame,
+    a broken connection) and ``ProtocolError`` for a frame the parser refused."""
+    if transport is not None and transport.tap is not None:
+        try:
+            return await transport.next_message()  # FrameRefused is a ProtocolError
+        except trio.EndOfChannel:
+            pass  # the connection ended: trio-websocket's ``get_message`` raises how
+    return await ws.get_message()
+
+
 async def secure_handshake(
     ws: WebSocketConnection,
     hs: Handshake,
@@ -76,12 +92,12 @@ async def secure_handshake(
         if hs.initiator:
             await ws.send_message(hs.start())
         while not hs.complete:
-            message = await ws.get_message()
+            message = await receive_message(ws, transport)
             if transport is not None:
                 transport.delivered(len(message))
-            if not isinstance(message, bytes):
+            if isinstance(message, str):
                 raise ProtocolError("handshake_failed", "a text message during the handshake")
-            reply = hs.receive(message)
+            reply = hs.receive(bytes(message))
             if reply is not None:
                 await ws.send_message(reply)
     assert hs.peer is not None and hs.channel is not None  # complete implies both (typing)
@@ -382,6 +398,7 @@ class Link:
         self._nursery: trio.Nursery | None = None
         self.closed = trio.Event()
         self.close_reason: tuple[str, str] | None = None
+        self._ws_close_code = 1000  # the WebSocket close frame's code (RFC 6455 7.4.1)
         self.last_received = trio.current_time()
         self.rtt_s: float | None = None
         # Issue #21: the recent samples; their minimum is the link's latency without the
@@ -427,7 +444,7 @@ class Link:
             self.closed.set()
             with trio.CancelScope(shield=True), trio.move_on_after(self.timeouts.disconnect_s):
                 await self._say_goodbye(reason)
-                await self.ws.aclose()
+                await self.ws.aclose(code=self._ws_close_code)
 
     async def _say_goodbye(self, reason: tuple[str, str]) -> None:
         """Tell the peer why we leave (best effort: the socket may be gone or stalled)."""
@@ -556,10 +573,10 @@ class Link:
     async def _reader(self) -> None:
         try:
             while True:
-                message = await self.ws.get_message()
+                message = await receive_message(self.ws, self.transport)
                 if self.transport is not None:  # out of the WebSocket: streams take their part
                     self.transport.delivered(len(message))
-                if not isinstance(message, bytes):
+                if isinstance(message, str):
                     raise ProtocolError("malformed_record", "a text WebSocket message")
                 self.last_received = trio.current_time()
                 self.bytes_received += len(message)
@@ -579,6 +596,8 @@ class Link:
             self.close("connection_closed", text or "the peer closed the connection")
         except ProtocolError as exc:
             log.warning("link %s: protocol violation: %s", self.node_id[:12], exc)
+            if isinstance(exc, FrameRefused):  # the WebSocket's own close code (1002, 1009)
+                self._ws_close_code = exc.close_code
             self.close(exc.code, exc.message)
 
     async def _yield_to_others(self, *, per_record: bool) -> None:

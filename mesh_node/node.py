@@ -480,7 +480,11 @@ class MeshNode:
                 # Every accepted connection's reads are taken from the peer-memory budget
                 # from its first byte (mesh_node.transport, issue #19).
                 listeners = await budgeted_listeners(
-                    listen.host, listen.port, self.peer_memory, self._transports
+                    listen.host,
+                    listen.port,
+                    self.peer_memory,
+                    self._transports,
+                    self.limits.max_ws_message_bytes,
                 )
             except OSError as exc:
                 raise listen_error(listen, exc) from None

@@ -14,6 +14,14 @@ Accounting is by the WebSocket frame sizes an honest peer sends (one frame per m
 trio-websocket does; the upgrade's HTTP head is not counted: h11 parses it at once), so an
 idle honest link holds exactly nothing; a peer that fragments messages or sends WebSocket
 pings only over-counts itself (its own share shrinks until its link closes).
+
+Issue #25 item 4: a link's stream parses its WebSocket frames itself (``mesh_node.ws_receive``:
+~10x less CPU per byte than wsproto). Binary messages go to the link's reader through
+``next_message`` (views of the bytes read where one read holds a frame), never through
+wsproto; what ``receive_some`` returns to trio-websocket is the upgrade's HTTP head and whole
+control frames only, so trio-websocket still answers pings and runs the closing handshake. The
+queue of messages is bounded, so a link's reader that stops taking them stops the reads
+(TCP pushes back on the peer), as trio-websocket's own one-message queue did.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ import trio
 from trio_websocket import WebSocketConnection, WebSocketServer, wrap_client_stream
 
 from mesh_node.budget import PeerMemory
+from mesh_node.ws_receive import FrameRefused, FrameTap
 
 PENDING_CAP_BYTES: Final = 64 * 1024
 # trio-websocket's receive buffer (its 4 KiB default caps loopback throughput, GOTCHAS).
@@ -38,6 +47,8 @@ READ_BYTES: Final = 1024 * 1024
 SMALL_READ_BYTES: Final = 64 * 1024
 CLOSING_READ_BYTES: Final = 4096
 STALL_POLL_S: Final = 0.25  # while a read waits for room, how often the socket is looked at
+# Messages parsed but not yet taken by the link's reader (views into reads the budget holds).
+MESSAGE_QUEUE: Final = 16
 # Linux tcp_states.h: CLOSE (reset, or both closed), CLOSE_WAIT (the peer's FIN arrived),
 # LAST_ACK.
 _TCP_PEER_GONE: Final = frozenset({7, 8, 9})
@@ -61,6 +72,7 @@ class BudgetedStream(trio.abc.HalfCloseableStream):
         *,
         server: bool,
         accepted: AcceptedTransports | None = None,
+        max_message_bytes: int | None = None,
     ) -> None:
         self.inner = inner
         self._accepted = accepted
@@ -75,6 +87,19 @@ class BudgetedStream(trio.abc.HalfCloseableStream):
         self.trusted = False
         self._in_head, self._head_tail = True, b""
         self.waited_at = -math.inf  # trio clock: the last time a read waited for room
+        # The frames, parsed here (None: every byte goes to trio-websocket, as for a stream
+        # not under a link); ``_head`` counts the HTTP head's bytes in the last read.
+        self.tap = (
+            FrameTap(server=server, max_message_bytes=max_message_bytes)
+            if max_message_bytes is not None
+            else None
+        )
+        self._head = 0
+        self._refused: FrameRefused | None = None
+        self._ended = False
+        self._send_messages, self._messages = trio.open_memory_channel[
+            bytes | bytearray | memoryview
+        ](MESSAGE_QUEUE)
         # The non-blocking socket under trio's (``_receive_now``; None: trio's reads only).
         raw = getattr(inner.socket, "_sock", None)
         self._sock: socket.socket | None = raw if isinstance(raw, socket.socket) else None
@@ -117,6 +142,67 @@ class BudgetedStream(trio.abc.HalfCloseableStream):
         self.budget.give(self.key, n)
 
     async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        """What trio-websocket reads: with the tap, the HTTP head and control frames only
+        (reading on while a read holds nothing else); its messages go to ``next_message``."""
+        tap = self.tap
+        if tap is None or self._ended:
+            if self._refused is not None:
+                return await self._drop_until_end(max_bytes)
+            return await self._read(max_bytes)
+        while True:
+            data = await self._read(max_bytes)
+            if not data:
+                self._end()
+                return b""
+            out: list[bytes | bytearray | memoryview] = [data[: self._head]] if self._head else []
+            try:
+                if self._head < len(data):
+                    for is_message, payload in tap.feed(data[self._head :]):
+                        if is_message:
+                            await self._send_messages.send(payload)
+                        else:
+                            out.append(payload)
+            except FrameRefused as exc:
+                self._refused = exc
+                self._end()
+                # The link closes (its reader raises the refusal): until the connection
+                # ends, what the peer sends is read and dropped, so that its writes finish
+                # and it reads the close frame the link sends (1002, 1009), as wsproto's
+                # refusals did, rather than a reset.
+                return await self._drop_until_end(max_bytes)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return b""  # the link's reader is gone: so is the connection
+            if tap.closed:  # a close frame: no message after it; the handshake is wsproto's
+                self._end()
+            if out:
+                return b"".join(out)
+
+    async def _drop_until_end(self, max_bytes: int | None) -> bytes:
+        """Read and drop until the connection ends (the link closing it); ``b""``."""
+        while data := await self._read(max_bytes):
+            dropped = len(data) - self._head
+            self.held -= dropped
+            self.budget.give(self.key, dropped)
+        return b""
+
+    def _end(self) -> None:
+        """No more messages: the link's reader learns why (``next_message``)."""
+        self._ended = True
+        self._send_messages.close()
+
+    async def next_message(self) -> bytes | bytearray | memoryview:
+        """The next binary message (the tap's): ``FrameRefused`` for a refused frame,
+        ``trio.EndOfChannel`` when the connection ended or closed (trio-websocket's
+        ``get_message`` then says how)."""
+        try:
+            return await self._messages.receive()
+        except trio.EndOfChannel:
+            if self._refused is not None:
+                raise self._refused from None
+            raise
+
+    async def _read(self, max_bytes: int | None) -> bytes:
+        """One read from the socket, reserved from the budget first."""
         size = self._read_size()
         want = min(max_bytes or size, size)
         if self.cap is not None:
@@ -159,6 +245,7 @@ class BudgetedStream(trio.abc.HalfCloseableStream):
             self.budget.give(self.key, reserved)
             raise
         http = self._http_head_bytes(data)  # parsed at once by h11 (bounded there): not held
+        self._head = http
         self.budget.give(self.key, reserved - len(data) + http)
         self.held += len(data) - http
         await self.budget.pace(self.key, len(data))
@@ -254,11 +341,16 @@ class BudgetedListener(trio.abc.Listener[BudgetedStream]):
     accepted (before the upgrade), and listed in ``accepted`` until the node claims it."""
 
     def __init__(
-        self, inner: trio.SocketListener, budget: PeerMemory, accepted: AcceptedTransports
+        self,
+        inner: trio.SocketListener,
+        budget: PeerMemory,
+        accepted: AcceptedTransports,
+        max_message_bytes: int | None = None,
     ) -> None:
         self.inner = inner
         self.budget = budget
         self.accepted = accepted
+        self.max_message_bytes = max_message_bytes  # the tap's limit (None: no tap)
 
     @property
     def port(self) -> int:
@@ -266,7 +358,13 @@ class BudgetedListener(trio.abc.Listener[BudgetedStream]):
 
     async def accept(self) -> BudgetedStream:
         inner = await self.inner.accept()
-        stream = BudgetedStream(inner, self.budget, server=True, accepted=self.accepted)
+        stream = BudgetedStream(
+            inner,
+            self.budget,
+            server=True,
+            accepted=self.accepted,
+            max_message_bytes=self.max_message_bytes,
+        )
         self.accepted.add(stream)
         return stream
 
@@ -275,10 +373,16 @@ class BudgetedListener(trio.abc.Listener[BudgetedStream]):
 
 
 async def budgeted_listeners(
-    host: str, port: int, budget: PeerMemory, accepted: AcceptedTransports
+    host: str,
+    port: int,
+    budget: PeerMemory,
+    accepted: AcceptedTransports,
+    max_message_bytes: int | None = None,
 ) -> list[BudgetedListener]:
     listeners = await trio.open_tcp_listeners(port, host=host)
-    return [BudgetedListener(listener, budget, accepted) for listener in listeners]
+    return [
+        BudgetedListener(listener, budget, accepted, max_message_bytes) for listener in listeners
+    ]
 
 
 def websocket_server(
@@ -308,7 +412,10 @@ async def budgeted_websocket(
     }
     with trio.fail_after(connect_s):
         sock = await trio.open_tcp_stream(host, port)
-    stream = BudgetedStream(sock, budget, server=False)
+    limit = opts.get("max_message_size")
+    stream = BudgetedStream(
+        sock, budget, server=False, max_message_bytes=limit if isinstance(limit, int) else None
+    )
     stream.claim()
     try:
         async with trio.open_nursery() as nursery:

@@ -66,7 +66,9 @@ def decode_frames(plaintext: bytes, limits: c.Limits = c.DEFAULT_LIMITS) -> list
 
 
 # --- records: u16 length | Noise ciphertext, 1..N per WebSocket message --------------------------
-def split_records(message: bytes, limits: c.Limits = c.DEFAULT_LIMITS) -> list[memoryview]:
+def split_records(
+    message: bytes | bytearray | memoryview, limits: c.Limits = c.DEFAULT_LIMITS
+) -> list[memoryview]:
     """The ciphertext records of one WebSocket message (bounded count and sizes)."""
     if len(message) > limits.max_ws_message_bytes:
         raise ProtocolError(

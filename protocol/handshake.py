@@ -95,7 +95,7 @@ class SecureChannel:
             parts.append(ct)
         return parts
 
-    def open(self, message: bytes) -> list[bytes]:
+    def open(self, message: bytes | bytearray | memoryview) -> list[bytes]:
         out = []
         for record in f.split_records(message, self.limits):
             try:
