@@ -442,6 +442,8 @@ class Link:
             if self.budget is not None:
                 self.budget_peak = self.budget.close(self.budget_key)
             self.closed.set()
+            if self.transport is not None:  # nobody reads messages now: the close still runs
+                self.transport.stop_messages()
             with trio.CancelScope(shield=True), trio.move_on_after(self.timeouts.disconnect_s):
                 await self._say_goodbye(reason)
                 await self.ws.aclose(code=self._ws_close_code)

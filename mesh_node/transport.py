@@ -97,6 +97,7 @@ class BudgetedStream(trio.abc.HalfCloseableStream):
         self._head = 0
         self._refused: FrameRefused | None = None
         self._ended = False
+        self._dropping = False  # the link's reader is gone: messages are dropped, not queued
         self._send_messages, self._messages = trio.open_memory_channel[
             bytes | bytearray | memoryview
         ](MESSAGE_QUEUE)
@@ -158,10 +159,15 @@ class BudgetedStream(trio.abc.HalfCloseableStream):
             try:
                 if self._head < len(data):
                     for is_message, payload in tap.feed(data[self._head :]):
-                        if is_message:
-                            await self._send_messages.send(payload)
-                        else:
+                        if not is_message:
                             out.append(payload)
+                        elif not self._dropping:
+                            try:
+                                await self._send_messages.send(payload)
+                            except trio.BrokenResourceError:  # ``stop_messages`` meanwhile
+                                self.delivered(len(payload))
+                        else:
+                            self.delivered(len(payload))
             except FrameRefused as exc:
                 self._refused = exc
                 self._end()
@@ -170,8 +176,6 @@ class BudgetedStream(trio.abc.HalfCloseableStream):
                 # and it reads the close frame the link sends (1002, 1009), as wsproto's
                 # refusals did, rather than a reset.
                 return await self._drop_until_end(max_bytes)
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                return b""  # the link's reader is gone: so is the connection
             if tap.closed:  # a close frame: no message after it; the handshake is wsproto's
                 self._end()
             if out:
@@ -184,6 +188,19 @@ class BudgetedStream(trio.abc.HalfCloseableStream):
             self.held -= dropped
             self.budget.give(self.key, dropped)
         return b""
+
+    def stop_messages(self) -> None:
+        """The link's reader is done: messages still queued or arriving are dropped (their
+        bytes given back), control frames still pass, so the closing handshake completes
+        however much the peer had sent."""
+        self._dropping = True
+        while True:
+            try:
+                payload = self._messages.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                break
+            self.delivered(len(payload))
+        self._messages.close()
 
     def _end(self) -> None:
         """No more messages: the link's reader learns why (``next_message``)."""
@@ -203,6 +220,7 @@ class BudgetedStream(trio.abc.HalfCloseableStream):
 
     async def _read(self, max_bytes: int | None) -> bytes:
         """One read from the socket, reserved from the budget first."""
+        self._head = 0  # set again below when the read holds the upgrade's HTTP head
         size = self._read_size()
         want = min(max_bytes or size, size)
         if self.cap is not None:

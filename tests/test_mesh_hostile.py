@@ -371,3 +371,41 @@ async def test_a_link_failing_while_its_node_shuts_down_ends_as_a_cancellation()
                 raise ConnectionClosed(CloseReason(1000, None))  # ... as the link fails
         assert shutdown.cancelled_caught
         n.cancel_scope.cancel()
+
+
+async def test_a_fragmented_message_with_a_ping_between_its_frames_is_taken_and_answered(tmp_path):
+    """Issue #25 item 4: the node parses its links' WebSocket frames itself
+    (``mesh_node.ws_receive``). A peer may fragment a message and send control frames
+    between its fragments (RFC 6455 5.4): the node takes the message (its mux ping is
+    answered) and trio-websocket still answers the WebSocket ping."""
+    from mesh_node.ws_frames import frame_header, mask_in_place
+    from protocol import streams as ev
+
+    def masked(b0: int, payload: bytes) -> bytes:
+        key = b"\x11\x22\x33\x44"
+        head = bytearray(frame_header(len(payload), key))
+        head[0] = b0
+        body = bytearray(payload)
+        mask_in_place(body, 0, key)
+        return bytes(head) + bytes(body)
+
+    key = Ed25519PrivateKey.generate()
+    async with pair(tmp_path) as (victim, good, _), raw_peer(victim, key) as (ws, channel, mux):
+        await wait_for(lambda: link_to(victim, key) is not None)
+        mux.ping(b"frag-pin")
+        message = channel.seal([mux.next_record() or b""])
+        half = len(message) // 2
+        ws_ping = masked(0x89, b"ws-ping")
+        stream = ws._stream  # the client's own socket stream: frames written as they are
+        await stream.send_all(
+            masked(0x02, message[:half]) + ws_ping + masked(0x80, message[half:])
+        )
+        with trio.fail_after(5):
+            pongs = []
+            while not pongs:
+                for plaintext in channel.open(await ws.get_message()):
+                    pongs += [e for e in mux.receive(plaintext) if isinstance(e, ev.PongReceived)]
+        assert pongs[0].opaque == b"frag-pin"
+        with trio.fail_after(5):
+            await ws.ping(b"after")  # trio-websocket's own ping and pong, through the node's tap
+        await assert_good_link_alive(victim, good)

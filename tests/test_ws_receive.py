@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from wsproto import ConnectionType
 from wsproto.connection import Connection
-from wsproto.events import BytesMessage, CloseConnection, Ping, Pong, TextMessage
+from wsproto.events import BytesMessage, CloseConnection, Ping, Pong
 
 from mesh_node.ws_frames import frame_header, mask_in_place
 from mesh_node.ws_receive import CLOSE_TOO_BIG, FrameRefused, FrameTap
