@@ -141,6 +141,21 @@ class _Floor:
         return take, finish
 
 
+async def _floor_send(ws: Any) -> None:
+    """The floor file to the other end, as sealed messages."""
+    for message in _Floor().messages():
+        await ws.send_message(message)
+
+
+async def _floor_receive(ws: Any, n: int) -> None:
+    """The floor file from the other end: opened, hashed, written and checked."""
+    take, finish = _Floor().sink()
+    got = 0
+    while got < n:
+        got += take(await ws.get_message())
+    finish()
+
+
 async def _serve_ws(floor: bool = False) -> None:
     from trio_websocket import ConnectionClosed, serve_websocket
 
@@ -149,15 +164,10 @@ async def _serve_ws(floor: bool = False) -> None:
         try:
             direction, n = _HDR.unpack(await ws.get_message())
             if floor and direction == UP:
-                take, finish = _Floor().sink()
-                got = 0
-                while got < n:
-                    got += take(await ws.get_message())
-                finish()
+                await _floor_receive(ws, n)
                 await ws.send_message(b"k")
             elif floor:
-                for message in _Floor().messages():
-                    await ws.send_message(message)
+                await _floor_send(ws)
                 await ws.get_message()
             elif direction == UP:
                 got = 0
@@ -264,15 +274,10 @@ async def _ws_client(port: int, direction: int, n: int, floor: bool = False) -> 
         t = time.perf_counter()
         await ws.send_message(_HDR.pack(direction, n))
         if floor and direction == UP:
-            for message in _Floor().messages():
-                await ws.send_message(message)
+            await _floor_send(ws)
             await ws.get_message()
         elif floor:
-            take, finish = _Floor().sink()
-            got = 0
-            while got < n:
-                got += take(await ws.get_message())
-            finish()
+            await _floor_receive(ws, n)
             await ws.send_message(b"k")
         elif direction == UP:
             block = b"u" * CHUNK
