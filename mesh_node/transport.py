@@ -95,6 +95,7 @@ class BudgetedStream(trio.abc.HalfCloseableStream):
             else None
         )
         self._head = 0
+        self._held_by_read = 0  # what the last read added to ``held``
         self._refused: FrameRefused | None = None
         self._ended = False
         self._dropping = False  # the link's reader is gone: messages are dropped, not queued
@@ -171,6 +172,8 @@ class BudgetedStream(trio.abc.HalfCloseableStream):
             except FrameRefused as exc:
                 self._refused = exc
                 self._end()
+                if out:  # what came before the refused frame (the head, control frames)
+                    return b"".join(out)
                 # The link closes (its reader raises the refusal): until the connection
                 # ends, what the peer sends is read and dropped, so that its writes finish
                 # and it reads the close frame the link sends (1002, 1009), as wsproto's
@@ -183,10 +186,9 @@ class BudgetedStream(trio.abc.HalfCloseableStream):
 
     async def _drop_until_end(self, max_bytes: int | None) -> bytes:
         """Read and drop until the connection ends (the link closing it); ``b""``."""
-        while data := await self._read(max_bytes):
-            dropped = len(data) - self._head
-            self.held -= dropped
-            self.budget.give(self.key, dropped)
+        while await self._read(max_bytes):
+            self.held -= self._held_by_read
+            self.budget.give(self.key, self._held_by_read)
         return b""
 
     def stop_messages(self) -> None:
@@ -221,6 +223,7 @@ class BudgetedStream(trio.abc.HalfCloseableStream):
     async def _read(self, max_bytes: int | None) -> bytes:
         """One read from the socket, reserved from the budget first."""
         self._head = 0  # set again below when the read holds the upgrade's HTTP head
+        self._held_by_read = 0
         size = self._read_size()
         want = min(max_bytes or size, size)
         if self.cap is not None:
@@ -266,6 +269,7 @@ class BudgetedStream(trio.abc.HalfCloseableStream):
         self._head = http
         self.budget.give(self.key, reserved - len(data) + http)
         self.held += len(data) - http
+        self._held_by_read = len(data) - http
         await self.budget.pace(self.key, len(data))
         return data
 

@@ -181,3 +181,40 @@ def test_a_read_full_of_tiny_frames_is_parsed_one_at_a_time():
     first = next(items)
     assert first == (True, memoryview(b""))
     assert sum(1 for _ in items) == 49_999
+
+
+async def test_after_a_refused_frame_the_transport_drops_the_rest_and_holds_none_of_it():
+    """A link's stream (``BudgetedStream``) over a real socket pair: the HTTP head goes to
+    trio-websocket, an oversize frame is refused at its header (the link's reader hears
+    why), and everything the peer sends afterwards is read and dropped, its budget given
+    back, until the peer closes."""
+    import trio
+
+    from mesh_node.budget import PeerMemory
+    from mesh_node.transport import BudgetedStream
+
+    budget = PeerMemory(4 << 20)
+    ours, theirs = trio.socket.socketpair()
+    stream = BudgetedStream(trio.SocketStream(ours), budget, server=True, max_message_bytes=LIMIT)
+    stream.established(trusted=True)
+    head = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"
+    peer = trio.SocketStream(theirs)
+    await peer.send_all(head + _frame(0x82, b"", masked=True, length=LIMIT + 1)[:14])
+    assert await stream.receive_some() == head  # the head is trio-websocket's
+    held = stream.held  # the refused frame's header: given back when the connection closes
+
+    async def flood() -> None:
+        for _ in range(20):
+            await peer.send_all(b"\x00" * 65536)
+        await peer.aclose()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(flood)
+        with trio.fail_after(10):
+            assert await stream.receive_some() == b""  # dropped to the end, then the end
+    with pytest.raises(FrameRefused) as e:
+        await stream.next_message()
+    assert e.value.code == "ws_message_too_big"
+    assert stream.held == held == budget.held(stream.key) <= 14  # none of the 1.25 MiB after it
+    await stream.aclose()
+    assert budget.held(stream.key) == 0
