@@ -47,6 +47,9 @@ OP_PING: Final = 0x9
 OP_PONG: Final = 0xA
 _CONTROL: Final = frozenset({OP_CLOSE, OP_PING, OP_PONG})
 MAX_CONTROL_PAYLOAD: Final = 125
+# A frame's piece in one read smaller than this is copied rather than kept as a view of the
+# read: a view's own object (~180 bytes) must not outweigh the bytes it stands for.
+MIN_VIEW_BYTES: Final = 4096
 _U16: Final = struct.Struct(">H")
 _U64: Final = struct.Struct(">Q")
 CLOSE_PROTOCOL_ERROR: Final = 1002  # RFC 6455 section 7.4.1
@@ -115,12 +118,17 @@ class FrameTap:
         self.server = server
         self.max_message_bytes = max_message_bytes
         self.closed = False  # a close frame went by: later bytes pass through unparsed
-        self._tail = bytearray()  # an incomplete header, or a control frame's bytes so far
+        self._tail = bytearray()  # an incomplete header
         self._header: _Header | None = None  # the frame whose payload is arriving
-        self._parts: list[memoryview] = []  # its payload so far (views of the reads)
+        # Its payload so far (``_keep``): pieces of at least MIN_VIEW_BYTES as views of the
+        # reads, smaller ones copied together; and a fragmented message's payload so far, in
+        # one buffer. So what a peer makes this end hold is about its payload's bytes, however
+        # finely it cuts its frames or trickles its TCP segments (a view is ~180 bytes of
+        # Python object, a 1-byte read's included).
+        self._parts: list[memoryview | bytearray] = []
         self._got = 0
-        self._message: list[memoryview | bytearray] = []  # a fragmented message's frames
-        self._message_bytes = 0
+        self._message = bytearray()
+        self._in_message = False
 
     def feed(self, data: bytes) -> Iterator[tuple[bool, bytes | bytearray | memoryview]]:
         """Parse ``data`` (the next bytes read), lazily: (True, a binary message's payload) or
@@ -154,7 +162,7 @@ class FrameTap:
             assert header is not None
             take = min(len(view) - at, header.length - self._got)
             if take:
-                self._parts.append(view[at : at + take])
+                self._keep(view[at : at + take], take == header.length)
                 self._got += take
                 at += take
             if self._got == header.length:
@@ -178,17 +186,28 @@ class FrameTap:
         op = header.opcode
         if op == OP_TEXT:
             raise FrameRefused("malformed_record", "a text WebSocket message")
-        if op == OP_CONTINUATION and not self._message:
+        if op == OP_CONTINUATION and not self._in_message:
             raise FrameRefused("ws_protocol", "a WebSocket continuation frame with no message")
-        if op == OP_BINARY and self._message:
+        if op == OP_BINARY and self._in_message:
             raise FrameRefused("ws_protocol", "a WebSocket message began inside another")
-        if op not in _CONTROL and self._message_bytes + header.length > self.max_message_bytes:
+        if op not in _CONTROL and len(self._message) + header.length > self.max_message_bytes:
             raise FrameRefused(
                 "ws_message_too_big",
                 f"a WebSocket message over {self.max_message_bytes} bytes",
                 CLOSE_TOO_BIG,
             )
         self._header, self._parts, self._got = header, [], 0
+
+    def _keep(self, piece: memoryview, whole: bool) -> None:
+        """One read's part of the frame's payload (``whole``: all of it, so it is not kept
+        past this read's parse)."""
+        parts = self._parts
+        if whole or len(piece) >= MIN_VIEW_BYTES:
+            parts.append(piece)
+        elif parts and isinstance(parts[-1], bytearray):
+            parts[-1] += piece
+        else:
+            parts.append(bytearray(piece))
 
     def _finish(self, header: _Header) -> tuple[bool, bytes | bytearray | memoryview] | None:
         """The frame is complete: a control frame's bytes, a message, or None (a fragment)."""
@@ -202,16 +221,15 @@ class FrameTap:
             payload = bytearray().join(parts)
             mask_in_place(payload, 0, header.mask_key)
         elif len(parts) == 1:
-            payload = parts[0]  # a view of the read: no copy
+            payload = parts[0]  # a view of the read (no copy), or the small pieces' copy
         else:
             payload = b"".join(parts)
-        if not header.fin or self._message:
-            self._message.append(payload if isinstance(payload, bytearray) else memoryview(payload))
-            self._message_bytes += header.length
+        if not header.fin or self._in_message:
+            self._message += payload
+            self._in_message = not header.fin
             if not header.fin:
                 return None
-            payload = b"".join(self._message)
-            self._message, self._message_bytes = [], 0
+            payload, self._message = self._message, bytearray()
         return True, payload
 
 

@@ -218,3 +218,54 @@ async def test_after_a_refused_frame_the_transport_drops_the_rest_and_holds_none
     assert stream.held == held == budget.held(stream.key) <= 14  # none of the 1.25 MiB after it
     await stream.aclose()
     assert budget.held(stream.key) == 0
+
+
+def _held_by(feed_all) -> int:  # type: ignore[no-untyped-def]
+    """The Python memory still allocated after ``feed_all()`` ran (tracemalloc)."""
+    import gc
+    import tracemalloc
+
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        keep = feed_all()
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    del keep
+    return held
+
+
+def test_a_message_cut_into_empty_fragments_costs_its_payload_not_its_frame_count():
+    """A peer's fragments cost it wire bytes, not this end's memory: 50,000 empty
+    continuation frames (300 KB on the wire) leave the tap holding nothing for them."""
+    empty = _frame(0x00, b"", masked=True)
+    wire = _frame(0x02, b"", masked=True) + empty * 50_000
+    tap = FrameTap(server=True, max_message_bytes=LIMIT)
+
+    def feed_all() -> FrameTap:
+        for at in range(0, len(wire), 65536):
+            assert list(tap.feed(wire[at : at + 65536])) == []  # the message is not done
+        return tap
+
+    assert _held_by(feed_all) < 16 * 1024
+    assert list(tap.feed(_frame(0x80, b"end", masked=True))) == [(True, bytearray(b"end"))]
+
+
+def test_a_frame_trickled_a_byte_per_read_costs_its_payload_not_its_read_count():
+    """A frame whose payload comes one byte per read (a peer trickling TCP segments) is held
+    as its bytes, not as one object per read: ~64 KiB for a 64 KiB payload."""
+    payload = os.urandom(LIMIT)
+    wire = _frame(0x82, payload, masked=False)
+    tap = FrameTap(server=False, max_message_bytes=LIMIT)
+    pieces = [wire[i : i + 1] for i in range(len(wire) - 1)]  # all but the last byte
+
+    def feed_all() -> FrameTap:
+        for piece in pieces:
+            assert list(tap.feed(piece)) == []
+        return tap
+
+    assert _held_by(feed_all) < 2 * LIMIT
+    assert [(m, bytes(p)) for m, p in tap.feed(wire[-1:])] == [(True, payload)]
