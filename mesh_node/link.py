@@ -22,7 +22,7 @@ from trio_websocket import ConnectionClosed, WebSocketConnection
 from mesh_node.budget import PeerMemory
 from mesh_node.errors import LinkClosed, StreamRefused, StreamReset, StreamStalled
 from mesh_node.transport import BudgetedStream
-from mesh_node.ws_frames import DirectSender
+from mesh_node.ws_frames import DirectSender, sealed_frame
 from mesh_node.ws_receive import FrameRefused
 from protocol import constants as pc
 from protocol import streams as ev
@@ -517,13 +517,12 @@ class Link:
         if not records:
             return
         try:
-            parts = self.channel.seal_parts(records)
+            data, size = sealed_frame(self.channel, records, masked=direct.masked)
         except ProtocolError as exc:
             self.close(exc.code, exc.message)
             return
-        size = sum(map(len, parts))
         self.bytes_sent += size
-        if not direct.send_now(parts, size):
+        if not direct.send_now(data):
             # Sealed but not all written: nothing else (not even a goodbye) may go first.
             self._write_in_flight = True
             self.wake_writer()
@@ -729,16 +728,20 @@ class Link:
                 if not records:
                     await trio.lowlevel.checkpoint()
                     continue
-                parts = self.channel.seal_parts(records)
-                size = sum(map(len, parts))
+                direct = self._direct
+                if direct is not None:
+                    data, size = sealed_frame(self.channel, records, masked=direct.masked)
+                else:
+                    payload = self.channel.seal(records)
+                    size = len(payload)
                 # Between seal (nonces used) and a complete send, a cancelled write would leave
                 # a gap the peer rightly rejects: no goodbye may follow an interrupted write.
                 self._write_in_flight = True
                 with trio.move_on_after(self.timeouts.idle_s) as scope:
-                    if self._direct is not None:
-                        await self._direct.send(parts, size)
+                    if direct is not None:
+                        await direct.send(data)
                     else:
-                        await self.ws.send_message(b"".join(parts))
+                        await self.ws.send_message(payload)
                 self._write_in_flight = False
                 if scope.cancelled_caught:
                     self.close("peer_not_reading", "a write stalled past the idle timeout")

@@ -35,6 +35,8 @@ import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection
 from wsproto.connection import ConnectionState
 
+from protocol.handshake import SecureChannel
+
 # RFC 6455 section 5.2: FIN + opcode 2 (binary); payload length 7 bits, 126 + u16 or 127 + u64.
 _FIN_BINARY: Final = 0x82
 _MASK_BIT: Final = 0x80
@@ -83,6 +85,23 @@ def frame(parts: list[bytes], payload_len: int, *, masked: bool) -> bytearray:
     return buf
 
 
+def sealed_frame(
+    channel: SecureChannel, records: list[bytes], *, masked: bool
+) -> tuple[bytearray, int]:
+    """One binary frame carrying ``records`` sealed by ``channel``, encrypted straight into
+    the frame's buffer (``SecureChannel.seal_into``: no ciphertext allocated, nothing joined);
+    with its payload's size. ``frame_too_large`` before any nonce is used."""
+    size = channel.sealed_size(records)
+    key = os.urandom(MASK_KEY_BYTES) if masked else None
+    head = frame_header(size, key)
+    buf = bytearray(len(head) + size)
+    buf[: len(head)] = head
+    channel.seal_into(records, buf, len(head))
+    if key is not None:
+        mask_in_place(buf, len(head), key)
+    return buf, size
+
+
 class DirectSender:
     """Writes a link's binary messages as whole frames on ``ws``'s stream (see the module)."""
 
@@ -125,14 +144,14 @@ class DirectSender:
             and ws._wsproto.state is ConnectionState.OPEN
         )
 
-    def send_now(self, parts: list[bytes], payload_len: int) -> bool:
-        """Write ``parts`` as one binary message from this task, without waiting (callers
-        check ``can_send_now`` first, in the same scheduler step). True if the kernel took
-        all of it; else the rest is ``unsent`` and the caller has ``flush`` called (a
-        broken connection is reported there, by trio's own send)."""
+    def send_now(self, data: bytearray) -> bool:
+        """Write ``data``, one whole frame (``frame``, ``sealed_frame``, masked as
+        ``self.masked`` says), from this task, without waiting (callers check
+        ``can_send_now`` first, in the same scheduler step). True if the kernel took all of
+        it; else the rest is ``unsent`` and the caller has ``flush`` called (a broken
+        connection is reported there, by trio's own send)."""
         if self._sock is None or self.unsent is not None:
             raise RuntimeError("send_now without can_send_now in the same scheduler step")
-        data = frame(parts, payload_len, masked=self.masked)
         try:
             sent = self._sock.send(data)
         except OSError:  # full (BlockingIOError) or broken: ``flush`` retries and reports
@@ -155,16 +174,18 @@ class DirectSender:
                 raise ConnectionClosed(ws._close_reason) from None
             self.unsent = None
 
-    async def send(self, parts: list[bytes], payload_len: int) -> None:
-        """Send ``parts`` as one binary message; raises what ``send_message`` would."""
+    async def send(self, data: bytearray) -> None:
+        """Send ``data``, one whole frame (as ``send_now``); raises what ``send_message``
+        would."""
         await self.flush()
         ws = self._ws
         if ws._close_reason:
             raise ConnectionClosed(ws._close_reason)
-        if ws._wsproto.state is not ConnectionState.OPEN:  # closing: let wsproto say so
-            await ws.send_message(b"".join(parts))
+        if ws._wsproto.state is not ConnectionState.OPEN:
+            # Closing: let trio-websocket and wsproto say so (wsproto sends no message in any
+            # state but OPEN, so what is passed never reaches the wire).
+            await ws.send_message(b"")
             return
-        data = frame(parts, payload_len, masked=self.masked)
         async with ws._stream_lock:
             try:
                 await ws._stream.send_all(data)

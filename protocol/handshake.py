@@ -29,6 +29,7 @@ from cryptography.hazmat.primitives.serialization import (
     PublicFormat,
 )
 from noise.connection import Keypair, NoiseConnection
+from noise.constants import MAX_NONCE
 from noise.exceptions import (
     NoiseHandshakeError,
     NoiseInvalidMessage,
@@ -77,23 +78,52 @@ class SecureChannel:
         self._dec = decrypt
         self.limits = limits
         self.cipher = cipher
+        self._aead, self._nonce = _in_place_encryption(encrypt)
 
     def seal(self, plaintexts: list[bytes]) -> bytes:
-        return b"".join(self.seal_parts(plaintexts))
-
-    def seal_parts(self, plaintexts: list[bytes]) -> list[bytes]:
-        """The message's pieces (record length, ciphertext, ...), unjoined: a writer that
-        frames the message itself joins them once, with its frame header in front."""
+        """One WebSocket message: each record's length, then its ciphertext."""
+        self.sealed_size(plaintexts)  # every record's size checked before a nonce is used
         parts: list[bytes] = []
+        for pt in plaintexts:
+            ct = self._enc.encrypt_with_ad(None, pt)
+            parts.append(f.record_prefix(len(ct)))
+            parts.append(ct)
+        return b"".join(parts)
+
+    def sealed_size(self, plaintexts: list[bytes]) -> int:
+        """The bytes ``seal`` makes of ``plaintexts``; ``frame_too_large`` for a record over
+        the Noise maximum (nothing is encrypted then)."""
+        size = 0
         for pt in plaintexts:
             if len(pt) > c.MAX_RECORD_PLAINTEXT:
                 raise ProtocolError(
                     "frame_too_large", "a record exceeds the Noise maximum", fatal=False
                 )
-            ct = self._enc.encrypt_with_ad(None, pt)
-            parts.append(f.record_prefix(len(ct)))
-            parts.append(ct)
-        return parts
+            size += c.RECORD_LENGTH_BYTES + len(pt) + c.NOISE_TAG_BYTES
+        return size
+
+    def seal_into(self, plaintexts: list[bytes], buf: bytearray, at: int) -> int:
+        """``seal``'s bytes written into ``buf`` from ``at`` (``sealed_size`` of them; the
+        end is returned): each ciphertext encrypted straight into its place where the AEAD
+        can (cryptography's ``encrypt_into``), so a writer that frames the message itself
+        allocates and joins no ciphertext (issue #25 item 4: ~0.25 of ~1.15 ms/MiB of the
+        sender's sealing here). The nonces are the Noise cipher state's own, in order."""
+        self.sealed_size(plaintexts)
+        view = memoryview(buf)
+        state, aead = self._enc, self._aead
+        for pt in plaintexts:
+            n = len(pt) + c.NOISE_TAG_BYTES
+            view[at : at + c.RECORD_LENGTH_BYTES] = f.record_prefix(n)
+            at += c.RECORD_LENGTH_BYTES
+            if aead is None:
+                view[at : at + n] = state.encrypt_with_ad(None, pt)
+            else:  # CipherState.encrypt_with_ad's own steps (Noise section 5.1)
+                if state.n >= MAX_NONCE:
+                    raise NoiseMaxNonceError("Nonce has depleted!")
+                aead.encrypt_into(self._nonce(state.n), pt, None, view[at : at + n])
+                state.n += 1
+            at += n
+        return at
 
     def open(self, message: bytes | bytearray | memoryview) -> list[bytes]:
         out = []
@@ -106,6 +136,21 @@ class SecureChannel:
                     "a record failed authentication (tampered, replayed or reordered)",
                 ) from None
         return out
+
+
+def _in_place_encryption(state: Any) -> tuple[Any, Any]:
+    """The AEAD object and nonce format under a noiseprotocol ``CipherState`` when the AEAD
+    can encrypt into a caller's buffer (cryptography >= 44's ``encrypt_into``), else
+    (None, None): ``seal_into`` then copies ``encrypt_with_ad``'s output. noiseprotocol 0.3
+    keeps them as ``state.cipher.cipher`` and ``state.cipher.format_nonce``."""
+    wrapper = getattr(state, "cipher", None)
+    aead = getattr(wrapper, "cipher", None)
+    nonce = getattr(wrapper, "format_nonce", None)
+    if aead is None or nonce is None or not hasattr(aead, "encrypt_into"):
+        return None, None
+    if not isinstance(getattr(state, "n", None), int):
+        return None, None
+    return aead, nonce
 
 
 class Handshake:

@@ -15,7 +15,7 @@ from trio_websocket import open_websocket_url, serve_websocket
 
 from mesh_node.budget import PeerMemory
 from mesh_node.transport import BudgetedStream
-from mesh_node.ws_frames import DirectSender
+from mesh_node.ws_frames import DirectSender, frame
 
 BIG = 32 << 20  # more than one non-blocking send() on loopback takes (socket buffers)
 
@@ -43,16 +43,17 @@ async def test_send_now_writes_whole_messages_and_flush_completes_a_refused_tail
         async with open_websocket_url(f"ws://127.0.0.1:{server.port}/") as ws:
             sender = DirectSender.attach(ws)
             assert sender is not None and sender.can_send_now()
-            assert sender.send_now([b"small-", b"one"], 9)  # the kernel took all of it
+            # the kernel took all of it
+            assert sender.send_now(frame([b"small-", b"one"], 9, masked=True))
             assert sender.unsent is None
-            assert not sender.send_now([big[: BIG // 2], big[BIG // 2 :]], BIG)
+            assert not sender.send_now(frame([big[: BIG // 2], big[BIG // 2 :]], BIG, masked=True))
             assert sender.unsent is not None and 0 < len(sender.unsent) < BIG
             # Nothing may start before the tail is out, from this task or any other.
             assert not sender.can_send_now()
             read.set()
             await sender.flush()
             assert sender.unsent is None and sender.can_send_now()
-            assert sender.send_now([b"after"], 5)
+            assert sender.send_now(frame([b"after"], 5, masked=True))
             assert await ws.get_message() == b"done"
         nursery.cancel_scope.cancel()
     assert got == [b"small-one", big, b"after"]

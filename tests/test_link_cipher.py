@@ -4,6 +4,8 @@ loopback; and a stream reader that takes many records per call."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -93,6 +95,33 @@ def test_an_aes_gcm_channel_round_trips_and_detects_tampering():
     with pytest.raises(ProtocolError) as err:
         r2.channel.open(bytes(sealed))
     assert err.value.code == "decrypt_failed"
+
+
+@pytest.mark.parametrize("in_place", [True, False], ids=["encrypt-into", "copied"])
+@pytest.mark.parametrize("cipher", [AES, CHACHA])
+def test_records_sealed_into_a_frame_buffer_open_in_order_with_sealed_ones(cipher, in_place):
+    """``seal_into`` (what a link's writer frames: ciphertexts encrypted into the frame's
+    buffer) is ``seal``'s message: the peer opens it, the nonces run on across both, and a
+    record over the Noise maximum is refused before anything is encrypted."""
+    i = Handshake(initiator=True, identity=Ed25519PrivateKey.generate(), cipher=cipher)
+    r = Handshake(initiator=False, identity=Ed25519PrivateKey.generate(), cipher=cipher)
+    _handshake(i, r)
+    assert i.channel is not None and r.channel is not None
+    ch = i.channel
+    assert ch._aead is not None  # cryptography >= 44: the in-place path is there
+    if not in_place:  # an AEAD without encrypt_into: encrypt_with_ad's output copied in
+        ch._aead = ch._nonce = None
+    records = [b"a" * 70, b"", os.urandom(pc.MAX_RECORD_PLAINTEXT)]
+    buf = bytearray(b"HEAD") + bytearray(ch.sealed_size(records))
+    assert ch.seal_into(records, buf, 4) == len(buf) and buf[:4] == b"HEAD"
+    assert r.channel.open(bytes(buf[4:])) == records
+    assert r.channel.open(ch.seal([b"next"])) == [b"next"]  # the nonces ran on in order
+    with pytest.raises(ProtocolError) as err:
+        ch.seal_into([b"x", b"y" * (pc.MAX_RECORD_PLAINTEXT + 1)], bytearray(1 << 17), 0)
+    assert err.value.code == "frame_too_large"
+    after = bytearray(ch.sealed_size([b"after"]))
+    ch.seal_into([b"after"], after, 0)
+    assert r.channel.open(bytes(after)) == [b"after"]  # the refusal used no nonce
 
 
 def test_ends_that_disagree_on_the_cipher_fail_the_handshake():

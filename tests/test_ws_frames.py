@@ -62,7 +62,7 @@ async def test_a_real_trio_websocket_pair_attaches_and_carries_frames_both_ways(
         got.append(await ws.get_message())  # the client's masked frame
         sender = DirectSender.attach(ws)
         assert sender is not None and not sender.masked
-        await sender.send([b"down", b"-" * 70000], 70004)
+        await sender.send(frame([b"down", b"-" * 70000], 70004, masked=False))
         await ws.get_message()
 
     async with trio.open_nursery() as nursery:
@@ -71,7 +71,7 @@ async def test_a_real_trio_websocket_pair_attaches_and_carries_frames_both_ways(
         async with open_websocket_url(f"ws://127.0.0.1:{port}/") as ws:
             sender = DirectSender.attach(ws)
             assert sender is not None and sender.masked
-            await sender.send([b"up", b"+" * 300], 302)
+            await sender.send(frame([b"up", b"+" * 300], 302, masked=True))
             assert await ws.get_message() == b"down" + b"-" * 70000
             await ws.send_message(b"done")
         nursery.cancel_scope.cancel()
