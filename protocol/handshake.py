@@ -140,7 +140,7 @@ class SecureChannel:
 
 def _in_place_encryption(state: Any) -> tuple[Any, Any]:
     """The AEAD object and nonce format under a noiseprotocol ``CipherState`` when the AEAD
-    can encrypt into a caller's buffer (cryptography >= 44's ``encrypt_into``), else
+    can encrypt into a caller's buffer (``encrypt_into``, in recent cryptography releases), else
     (None, None): ``seal_into`` then copies ``encrypt_with_ad``'s output. noiseprotocol 0.3
     keeps them as ``state.cipher.cipher`` and ``state.cipher.format_nonce``."""
     wrapper = getattr(state, "cipher", None)
