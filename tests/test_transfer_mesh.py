@@ -43,6 +43,7 @@ from skippy.atomic import find_partials
 from skippy.constants import MANIFEST_MAX_BYTES, MANIFEST_NAME
 from skippy.package.ranges import LayerRange
 from skippy.package.topology import SplitTopology, StageAssignment
+from skippy.transfer.authorize import PEER_UNAVAILABLE
 from skippy.transfer.fetch_plan import FetchItem, request_for
 from skippy.transfer.hubcache import RepoCache
 from skippy.transfer.required import stage_refs
@@ -442,6 +443,33 @@ async def test_requests_beyond_the_per_link_bound_wait_for_a_slot(tmp_path, hub_
         assert len(full) + len(busy) == len(answers) == 2 * PER_LINK - 2
         assert counters.served_requests == len(full)
         assert counters.refusals["server_busy"] == len(busy)
+        n.cancel_scope.cancel()
+
+
+async def test_a_refusal_reaches_a_requester_whose_end_of_stream_comes_late(tmp_path, hub_package):
+    """The server answers once the requester's end of stream is in (``read_request``). A
+    refusal sent before it, by a handler that then returned, had its stream reset on close,
+    which cleared what the requester had buffered of it: the requester heard "closed early",
+    not why. Here the requester sends its end 0.3 s after its request, then reads."""
+    async with trio.open_nursery() as n:
+        coord, worker, pkg = await _pair(n, tmp_path, hub_package, run_service=False)
+        active = await propose(coord, pkg)
+        stage = active.topology.stage_of(worker.node.node_id)
+        ref = next(iter(required_of(worker, pkg, active.topology).values()))
+        me = bytes.fromhex(worker.node.node_id)
+        wanted = request_for(FetchItem.of(ref), active.topology, stage, me)
+        request = encode_request(dataclasses.replace(wanted, relative_path="layers/none.gguf"))
+        stream = await worker.node.open_stream(coord.node.node_id, pc.KIND_ARTIFACT_TRANSFER)
+        async with stream:
+            await stream.send_all(request)
+            await trio.sleep(0.3)
+            await stream.send_eof()
+            data = b""
+            with trio.fail_after(30):
+                while chunk := await stream.receive_some():
+                    data += chunk
+        assert PEER_UNAVAILABLE.encode() in data
+        assert coord.node.transfers.counters.refusals["undeclared_path"] == 1
         n.cancel_scope.cancel()
 
 

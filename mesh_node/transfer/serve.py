@@ -27,6 +27,7 @@ from mesh_node.link import CLOSED_EARLY, MeshStream
 from mesh_node.peers import InboundStream
 from mesh_node.transfer.policy import node_policy, peer_facts
 from mesh_node.transfer.records import TransferLog
+from mesh_node.transfer.requests import read_request
 from mesh_node.transfer.siblings import SiblingBook, coordinated
 from skippy.errors import SkippyError
 from skippy.package.topology import SplitTopology
@@ -155,17 +156,8 @@ class ArtifactHandler:
     async def _read_request(
         self, stream: MeshStream, policy: NodePolicy
     ) -> ArtifactRequest | ServeOutcome | None:
-        reader = RequestReader()
-        timeout = self.node.timeouts.handshake_s
         try:
-            with trio.fail_after(timeout):
-                while True:
-                    data = await stream.receive_some()
-                    if not data:
-                        reader.eof()  # raises: the stream ended inside the request
-                    request = reader.feed(data)
-                    if request is not None:
-                        return request
+            return await read_request(stream, RequestReader(), self.node.timeouts.handshake_s)
         except ArtifactWireError as exc:
             return refuse_malformed(policy, exc)
         except trio.TooSlowError:

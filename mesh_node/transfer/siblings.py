@@ -28,6 +28,7 @@ from mesh_node.errors import MeshError
 from mesh_node.identity import short_id
 from mesh_node.peers import InboundStream
 from mesh_node.topology import ActiveTopology, topology_signature_valid
+from mesh_node.transfer.requests import read_request
 from protocol import constants as pc
 from protocol.errors import ProtocolError
 from protocol.messages import TopologyOffer, decode_control_message
@@ -86,15 +87,8 @@ class SiblingTopologyHandler:
 
     async def __call__(self, inbound: InboundStream) -> None:
         stream = inbound.stream
-        reader = RequestReader()
         try:
-            with trio.fail_after(self.node.timeouts.handshake_s):
-                request = None
-                while request is None:
-                    data = await stream.receive_some()
-                    if not data:
-                        reader.eof()
-                    request = reader.feed(data)
+            request = await read_request(stream, RequestReader(), self.node.timeouts.handshake_s)
         except (ArtifactWireError, trio.TooSlowError) as exc:
             stream.reset("malformed", f"no valid sibling request: {type(exc).__name__}")
             return

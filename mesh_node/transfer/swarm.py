@@ -47,6 +47,7 @@ from mesh_node.transfer.pace import RateDeadline
 from mesh_node.transfer.partials import speaks_partials
 from mesh_node.transfer.policy import node_policy, peer_facts
 from mesh_node.transfer.records import TransferLog, TransferRecord
+from mesh_node.transfer.requests import read_request
 from mesh_node.transfer.serve import PEER_BUSY
 from mesh_node.transfer.siblings import coordinated, sibling_topologies, speaks_siblings
 from protocol import constants as pc
@@ -346,18 +347,9 @@ class SourcesHandler:
         reports = speaks_partials(self.node, inbound.peer.node_id)
         reader = RequestReader(MAX_HAVE_BYTES if reports else 0)
         try:
-            with trio.fail_after(timeout):
-                request = None
-                while request is None or reports:  # a reporter's stream: to its end
-                    data = await stream.receive_some()
-                    if not data:
-                        reader.eof()
-                        break
-                    request = reader.feed(data)
+            request = await read_request(stream, reader, timeout)
         except (ArtifactWireError, trio.TooSlowError) as exc:
             stream.reset("malformed", f"no valid source request: {type(exc).__name__}")
-            return
-        if request is None:
             return
         try:
             body = await self._answer(inbound, request, reader.trailer)
