@@ -28,6 +28,7 @@ from __future__ import annotations
 import os
 import socket
 import struct
+from collections.abc import Callable
 from typing import Any, Final
 
 import numpy as np
@@ -75,14 +76,31 @@ def mask_in_place(buf: bytearray, start: int, key: bytes) -> None:
         buf[start + i] ^= key[i % 4]
 
 
-def frame(parts: list[bytes], payload_len: int, *, masked: bool) -> bytearray:
-    """One binary frame carrying ``parts`` joined (``payload_len`` bytes in all)."""
+def _frame_with(
+    payload_len: int, masked: bool, write: Callable[[bytearray, int], object]
+) -> bytearray:
+    """One binary frame of ``payload_len`` bytes in one buffer: its header, then the payload
+    ``write(buf, at)`` puts at ``at``, masked in place for a client's frame."""
     key = os.urandom(MASK_KEY_BYTES) if masked else None
     head = frame_header(payload_len, key)
-    buf = bytearray().join([head, *parts])
+    buf = bytearray(len(head) + payload_len)
+    buf[: len(head)] = head
+    write(buf, len(head))
     if key is not None:
         mask_in_place(buf, len(head), key)
     return buf
+
+
+def frame(parts: list[bytes], payload_len: int, *, masked: bool) -> bytearray:
+    """One binary frame carrying ``parts`` joined (``payload_len`` bytes in all)."""
+
+    def write(buf: bytearray, at: int) -> None:
+        view = memoryview(buf)
+        for part in parts:
+            view[at : at + len(part)] = part
+            at += len(part)
+
+    return _frame_with(payload_len, masked, write)
 
 
 def sealed_frame(
@@ -92,14 +110,7 @@ def sealed_frame(
     the frame's buffer (``SecureChannel.seal_into``: no ciphertext allocated, nothing joined);
     with its payload's size. ``frame_too_large`` before any nonce is used."""
     size = channel.sealed_size(records)
-    key = os.urandom(MASK_KEY_BYTES) if masked else None
-    head = frame_header(size, key)
-    buf = bytearray(len(head) + size)
-    buf[: len(head)] = head
-    channel.seal_into(records, buf, len(head))
-    if key is not None:
-        mask_in_place(buf, len(head), key)
-    return buf, size
+    return _frame_with(size, masked, lambda buf, at: channel.seal_into(records, buf, at)), size
 
 
 class DirectSender:

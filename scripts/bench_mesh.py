@@ -115,7 +115,8 @@ class _Floor:
                 )
 
     def sink(self) -> tuple[Any, Any]:
-        """(take one message, finish: check the digest and remove the copy)."""
+        """(take one message, finish(complete): remove the copy, then, if ``complete``, check
+        the digest). ``finish`` runs whatever happened, so no copy is left behind."""
         import hashlib
         import tempfile
 
@@ -132,10 +133,10 @@ class _Floor:
                 got += len(plain)
             return got
 
-        def finish() -> None:
+        def finish(complete: bool) -> None:
             os.close(fd)
             os.unlink(out)
-            if h.hexdigest() != self.sha256:
+            if complete and h.hexdigest() != self.sha256:
                 raise SystemExit("wsfloor: the received file does not hash to its SHA-256")
 
         return take, finish
@@ -151,9 +152,11 @@ async def _floor_receive(ws: Any, n: int) -> None:
     """The floor file from the other end: opened, hashed, written and checked."""
     take, finish = _Floor().sink()
     got = 0
-    while got < n:
-        got += take(await ws.get_message())
-    finish()
+    try:
+        while got < n:
+            got += take(await ws.get_message())
+    finally:
+        finish(got >= n)
 
 
 async def _serve_ws(floor: bool = False) -> None:

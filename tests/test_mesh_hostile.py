@@ -377,7 +377,8 @@ async def test_a_fragmented_message_with_a_ping_between_its_frames_is_taken_and_
     """Issue #25 item 4: the node parses its links' WebSocket frames itself
     (``mesh_node.ws_receive``). A peer may fragment a message and send control frames
     between its fragments (RFC 6455 5.4): the node takes the message (its mux ping is
-    answered) and trio-websocket still answers the WebSocket ping."""
+    answered), and the link's WebSocket pings are still answered after it (control frames
+    go on to trio-websocket)."""
     from mesh_node.ws_frames import frame_header, mask_in_place
     from protocol import streams as ev
 
