@@ -26,13 +26,21 @@ from meshxfer import (
 from test_transfer_mesh import TARGET, _pair, misbehaving, required_of
 
 from mesh_node.node import MeshNode
+from mesh_node.transfer.requests import read_request
 from mesh_node.transfer.swarm import ask_sources, speaks_swarm
 from protocol import constants as pc
 from skippy.constants import MANIFEST_NAME
 from skippy.transfer.chunks import MIN_CHUNK_BYTES
 from skippy.transfer.fetch_plan import FetchItem, request_for
 from skippy.transfer.serve import ArtifactServer
-from skippy.transfer.wire import ArtifactResponse, ResponseHeader, ResponseReader, encode_request
+from skippy.transfer.wire import (
+    ArtifactResponse,
+    RequestReader,
+    ResponseHeader,
+    ResponseReader,
+    encode_request,
+    encode_response,
+)
 
 SHARED = "shared/embeddings.gguf"  # both stages need it: 9024 bytes, 3 chunks of 4 KiB
 
@@ -191,46 +199,54 @@ async def test_a_holder_serving_a_corrupted_chunk_is_dropped_and_the_file_instal
         n.cancel_scope.cancel()
 
 
-async def test_a_sibling_replicas_ready_node_serves_a_worker_and_a_stranger_is_refused(
-    tmp_path, hub_package
-):
-    """Two replicas of one coordinator (as ``mesh_node.serving.replicas`` builds them): replica
-    0's ready node H serves replica 1's worker W under W's topology, which H learns from the
-    coordinator (kind 0x05); a node holding no stage in that topology is refused by H."""
+async def _replicas(n, tmp_path, hp):  # type: ignore[no-untyped-def]
+    """Two replicas of one coordinator (as ``mesh_node.serving.replicas`` builds them), both
+    ready: replica 0's node H (ready from its cache), replica 1's worker W (served by H
+    under W's topology T1, which H learns from the coordinator, kind 0x05) and a stranger X
+    holding no stage. Returns (coord, H, W, X, pkg, T1)."""
     from mesh_node.topology import TopologyService
 
     owner = Ed25519PrivateKey.generate()
+    coord = await start_member(n, tmp_path, "coord", owner, hub=hp.hub, artifact_transfer="open")
+    coord.service.sources.chunk_bytes = MIN_CHUNK_BYTES
+    pkg = import_into(coord, hp)
+    holder = await start_member(n, tmp_path, "h", owner, hub=hp.hub, peers=(coord.node,),
+                                artifact_transfer="open")
+    import_into(holder, hp)
+    worker = await start_member(n, tmp_path, "w", owner, hub=None, offline=True,
+                                peers=(coord.node,), artifact_transfer="open", run_service=False)
+    stranger = await start_member(n, tmp_path, "x", owner, hub=None, offline=True,
+                                  peers=(coord.node,), artifact_transfer="open",
+                                  run_service=False)
+    await wait_connected([coord, holder, worker, stranger])
+    hid, wid = holder.node.node_id, worker.node.node_id
+    main = coord.node.topology
+    sibling = TopologyService(coord.node, epochs=main.epochs)
+    main.siblings.append(sibling)
+    main.exclude = lambda: {wid, stranger.node.node_id}
+    sibling.exclude = lambda: {hid, stranger.node.node_id}
+    await propose(coord, pkg, include_self=False, stages=1)
+    await wait_for(lambda: main.active.all_ready, 20)  # H found its stage in its cache
+    await wait_for(lambda: speaks_swarm(worker.node, hid), 20)
+    await n.start(worker.service.run)
+    t1 = (await sibling.propose(
+        package_ref=pkg.ref, manifest_sha256=pkg.manifest_sha256,
+        sizes=main.active.sizes, include_self=False, stages=1,  # type: ignore[union-attr]
+    )).topology
+    assert t1.stage_of(wid) is not None and t1.stage_of(hid) is None
+    await wait_for(lambda: sibling.active.all_ready, 30)  # type: ignore[union-attr]
+    return coord, holder, worker, stranger, pkg, t1
+
+
+async def test_a_sibling_replicas_ready_node_serves_a_worker_and_a_stranger_is_refused(
+    tmp_path, hub_package
+):
+    """Replica 0's ready node H serves replica 1's worker W under W's topology, which H
+    learns from the coordinator (kind 0x05); a node holding no stage in that topology is
+    refused by H."""
     async with trio.open_nursery() as n:
-        coord = await start_member(n, tmp_path, "coord", owner, hub=hub_package.hub,
-                                   artifact_transfer="open")
-        coord.service.sources.chunk_bytes = MIN_CHUNK_BYTES
-        pkg = import_into(coord, hub_package)
-        holder = await start_member(n, tmp_path, "h", owner, hub=hub_package.hub,
-                                    peers=(coord.node,), artifact_transfer="open")
-        import_into(holder, hub_package)
-        worker = await start_member(n, tmp_path, "w", owner, hub=None, offline=True,
-                                    peers=(coord.node,), artifact_transfer="open",
-                                    run_service=False)
-        stranger = await start_member(n, tmp_path, "x", owner, hub=None, offline=True,
-                                      peers=(coord.node,), artifact_transfer="open",
-                                      run_service=False)
-        await wait_connected([coord, holder, worker, stranger])
+        coord, holder, worker, stranger, pkg, t1 = await _replicas(n, tmp_path, hub_package)
         cid, hid, wid = coord.node.node_id, holder.node.node_id, worker.node.node_id
-        main = coord.node.topology
-        sibling = TopologyService(coord.node, epochs=main.epochs)
-        main.siblings.append(sibling)
-        main.exclude = lambda: {wid, stranger.node.node_id}
-        sibling.exclude = lambda: {hid, stranger.node.node_id}
-        await propose(coord, pkg, include_self=False, stages=1)
-        await wait_for(lambda: main.active.all_ready, 20)  # H found its stage in its cache
-        await wait_for(lambda: speaks_swarm(worker.node, hid), 20)
-        await n.start(worker.service.run)
-        t1 = (await sibling.propose(
-            package_ref=pkg.ref, manifest_sha256=pkg.manifest_sha256,
-            sizes=main.active.sizes, include_self=False, stages=1,  # type: ignore[union-attr]
-        )).topology
-        assert t1.stage_of(wid) is not None and t1.stage_of(hid) is None
-        await wait_for(lambda: sibling.active.all_ready, 30)  # type: ignore[union-attr]
         recs = records(worker)
         from_holder = {p: s["bytes"] for p, r in recs.items() for s in r["served_by"]
                        if s["node_id"] == hid}
@@ -250,6 +266,52 @@ async def test_a_sibling_replicas_ready_node_serves_a_worker_and_a_stranger_is_r
         # and W itself is served by H under T1 (the holder's answer, not only the record)
         mine = request_for(_item(pkg, SHARED), t1, stage, bytes.fromhex(wid), offset=0)
         assert (await _ask(worker, hid, mine)).accepted
+        n.cancel_scope.cancel()
+
+
+async def test_a_sibling_question_that_got_no_answer_is_asked_again_soon(tmp_path, hub_package):
+    """A holder whose question about a sibling topology went unanswered (the coordinator's
+    stream was reset) asks again after ``RETRY_TTL_S`` and then serves; a refusal is
+    remembered for ``MISS_TTL_S``. Before, one lost answer made the holder refuse that
+    replica's chunk requests for the full ``MISS_TTL_S``."""
+    from mesh_node.transfer.siblings import MISS_TTL_S, RETRY_TTL_S
+
+    async with trio.open_nursery() as n:
+        coord, holder, worker, _, pkg, t1 = await _replicas(n, tmp_path, hub_package)
+        hid, wid = holder.node.node_id, worker.node.node_id
+        key = (pc.SKIPPY_STAGE, pc.SKIPPY_STAGE_MAJOR, pc.KIND_SIBLING_TOPOLOGY)
+        real = coord.node._handlers[key]
+        lost = [0]
+
+        async def loses_first(inbound):  # type: ignore[no-untyped-def]
+            if not lost[0]:
+                lost[0] += 1
+                inbound.stream.reset("test", "this answer is lost")
+                return
+            await real(inbound)
+
+        coord.node._handlers[key] = loses_first
+        holder.service.handler.siblings._entries.clear()  # H asks again for T1
+        stage = t1.stage_of(wid)
+        assert stage is not None
+        mine = request_for(_item(pkg, SHARED), t1, stage, bytes.fromhex(wid), offset=0)
+        assert not (await _ask(worker, hid, mine)).accepted  # the answer was lost
+        assert lost[0] == 1
+        await trio.sleep(RETRY_TTL_S + 0.1)
+        assert RETRY_TTL_S + 0.1 < MISS_TTL_S
+        assert (await _ask(worker, hid, mine)).accepted  # asked again, answered, served
+        # a refusal is an answer: remembered for MISS_TTL_S, not asked again soon
+        async def refuses(inbound):  # type: ignore[no-untyped-def]
+            await read_request(inbound.stream, RequestReader(), 5.0)
+            await inbound.stream.send_all(encode_response(ArtifactResponse.refusal("unavailable")))
+            await inbound.stream.send_eof()
+
+        holder.service.handler.siblings._entries.clear()
+        coord.node._handlers[key] = refuses
+        assert not (await _ask(worker, hid, mine)).accepted
+        coord.node._handlers[key] = real
+        await trio.sleep(RETRY_TTL_S + 0.1)
+        assert not (await _ask(worker, hid, mine)).accepted  # still the remembered refusal
         n.cancel_scope.cancel()
 
 

@@ -2,12 +2,14 @@
 
 A holder (a worker of replica 0) gets a chunk request naming replica 1's topology, which it
 never accepted. It asks *its own* coordinator for that topology (``SiblingBook.lookup``, one
-question per topology id, answers cached for ``SIBLING_TTL_S``); the coordinator answers only
-a node holding a stage in one of its active topologies, and only with one of its *current*
-topologies that is a sibling of the asker's (``SiblingTopologyHandler``). The holder checks
-the signature against its coordinator's node id and the sibling rules
-(``skippy.transfer.siblings.sibling_refusal``: same package and revision), then authorizes the
-request against that topology exactly as against its own (``ArtifactHandler``). Nothing is
+question per topology id: answers cached for ``SIBLING_TTL_S``, a refusal for ``MISS_TTL_S``,
+a question that got no answer, the link or the stream having failed, for ``RETRY_TTL_S``);
+the coordinator answers only a node holding a stage in one of its active topologies, and
+only with one of its *current* topologies that is a sibling of the asker's
+(``SiblingTopologyHandler``). The holder checks the signature against its coordinator's node
+id and the sibling rules (``skippy.transfer.siblings.sibling_refusal``: same package and
+revision), then authorizes the request against that topology exactly as against its own
+(``ArtifactHandler``). Nothing is
 gossiped: a node learns a sibling topology only when one of its members asks it for a file.
 
 Wire: the question is the requester's ``ArtifactRequest`` as the holder received it (the
@@ -54,6 +56,11 @@ log = logging.getLogger("mesh_node.transfer.siblings")
 
 SIBLING_TTL_S: Final = 30.0  # a learned sibling topology is asked for again after this
 MISS_TTL_S: Final = 5.0  # a topology id the coordinator would not vouch for, remembered
+# A question that got no answer (the link to the coordinator or the stream failed, or it
+# timed out) says nothing about the topology: asked again this soon. When it was remembered
+# for MISS_TTL_S, one lost answer made this holder refuse a sibling replica's chunk requests
+# for 5 s (seen at a 7-node bring-up: 19 refusals in 1.5 s).
+RETRY_TTL_S: Final = 0.5
 MAX_SIBLINGS: Final = 16  # topologies remembered per node (hits and misses)
 MAX_OFFER_BYTES: Final = 1024 * 1024
 SIBLING_BITS: Final = frozenset(
@@ -121,6 +128,15 @@ class SiblingTopologyHandler:
 
 
 # --- the holder ---------------------------------------------------------------------------
+def unanswered(exc: BaseException) -> bool:
+    """A failed sibling question that got no answer at all: the link or the stream failed
+    (``MeshError``: reset, closed, peer gone), it timed out, or the answer was cut short. A
+    refusal, a malformed answer or a bad signature is an answer (remembered longer)."""
+    if isinstance(exc, ArtifactWireError):
+        return exc.code == "artifact_wire_truncated"
+    return isinstance(exc, (MeshError, trio.TooSlowError))
+
+
 @dataclass
 class _Entry:
     topology: SplitTopology | None  # None: the coordinator would not vouch for it
@@ -151,9 +167,11 @@ class SiblingBook:
         entry = _Entry(None, now + MISS_TTL_S, trio.Event())
         self._remember(key, entry)
         try:
-            found = await self._ask(own, request)
+            found, lost = await self._ask(own, request)
             if found is not None:
                 entry.topology, entry.expires_at = found, trio.current_time() + SIBLING_TTL_S
+            elif lost:
+                entry.expires_at = trio.current_time() + RETRY_TTL_S
         finally:
             entry.done.set()
         return self._usable(own, entry.topology)
@@ -173,30 +191,33 @@ class SiblingBook:
             ]:
                 del self._entries[old]
 
-    async def _ask(self, own: ActiveTopology, request: ArtifactRequest) -> SplitTopology | None:
+    async def _ask(
+        self, own: ActiveTopology, request: ArtifactRequest
+    ) -> tuple[SplitTopology | None, bool]:
+        """(the checked sibling topology or None, whether the question went unanswered)."""
         coordinator = own.coordinator_id
         try:
             body = await self._fetch(coordinator, request)
             if body is None:
-                return None
+                return None, False
             offer = decode_control_message(body, self.node.limits)
             if not isinstance(offer, TopologyOffer):
                 raise ArtifactWireError("not a topology", code="sibling_malformed")
             topology = SplitTopology.from_dict(offer.topology)
         except (SkippyError, MeshError, ProtocolError, trio.TooSlowError) as exc:
             log.info("no sibling topology from %s: %s", short_id(coordinator), exc)
-            return None
+            return None, unanswered(exc)
         if not topology_signature_valid(topology, coordinator, offer.signature):
             log.warning("a sibling topology from %s does not verify", short_id(coordinator))
-            return None
+            return None, False
         refusal = sibling_refusal(own.topology, topology)
         if refusal is not None or topology.topology_id != request.topology_id:
             log.warning("%s sent no sibling topology: %s", short_id(coordinator), refusal)
-            return None
+            return None, False
         log.info(
             "learned sibling topology %s from %s", topology.topology_id, short_id(coordinator)
         )
-        return topology
+        return topology, False
 
     async def _fetch(self, coordinator: str, request: ArtifactRequest) -> bytes | None:
         timeouts = self.node.timeouts
