@@ -120,6 +120,9 @@ class MeshStream(trio.abc.HalfCloseableStream):
         self._eof = False
         self._closed = False
         self._error: Exception | None = None
+        # The peer reset the stream after its end of stream: this side may send no more, and
+        # still reads what came, to the end (``_on_reset``).
+        self._send_error: Exception | None = None
         self._readable = trio.lowlevel.ParkingLot()
         self._writable = trio.lowlevel.ParkingLot()
         self._accepted = trio.Event()
@@ -159,6 +162,18 @@ class MeshStream(trio.abc.HalfCloseableStream):
     def _on_end(self) -> None:
         self._eof = True
         self._readable.unpark_all()
+
+    def _on_reset(self, error: Exception) -> None:
+        """The peer reset the stream. After the peer's end of stream what it sent stays
+        readable, to the end, and only this side's sending fails: a peer that finished its
+        answer and closed before reading this side's end (``finish_then_reset``). Before it,
+        both directions fail and the unread data is dropped."""
+        if self._eof and self._error is None:
+            if self._send_error is None:
+                self._send_error = error
+            self._writable.unpark_all()
+            return
+        self._fail(error)
 
     def _fail(self, error: Exception) -> None:
         if self._error is None:
@@ -213,7 +228,11 @@ class MeshStream(trio.abc.HalfCloseableStream):
             self._sending = False
 
     async def wait_send_all_might_not_block(self) -> None:
-        while self._error is None and self._link.mux.send_capacity(self.stream_id) == 0:
+        while (
+            self._error is None
+            and self._send_error is None
+            and self._link.mux.send_capacity(self.stream_id) == 0
+        ):
             await self._writable.park()
 
     async def receive_some(self, max_bytes: int | None = None) -> bytes:
@@ -287,6 +306,9 @@ class MeshStream(trio.abc.HalfCloseableStream):
             self._link.wake_writer()
 
     async def send_eof(self) -> None:
+        if self._send_error is not None and self._error is None and not self._closed:
+            await trio.lowlevel.checkpoint()  # the peer reads no more: nothing left to end
+            return
         self._check_open()
         self._link.mux.send_eof(self.stream_id)
         self._link.wake_writer()
@@ -300,7 +322,11 @@ class MeshStream(trio.abc.HalfCloseableStream):
             mux = self._link.mux
             if self._error is None and mux.has_stream(self.stream_id):
                 if not self._eof:
-                    mux.reset_stream(self.stream_id, CLOSED_EARLY, "the stream was closed early")
+                    # This side's answer (its queued data and FIN) still goes out when it
+                    # ended its side; the RESET follows it (``finish_then_reset``).
+                    why = "the stream was closed early"
+                    if not mux.finish_then_reset(self.stream_id, CLOSED_EARLY, why):
+                        mux.reset_stream(self.stream_id, CLOSED_EARLY, why)
                 else:
                     mux.send_eof(self.stream_id)
                 self._link.wake_writer()
@@ -348,10 +374,13 @@ class MeshStream(trio.abc.HalfCloseableStream):
                 self._give(-grown)
 
     def _check_open(self) -> None:
+        """Before sending: the stream is neither failed nor closed, and the peer still reads."""
         if self._error is not None:
             raise self._error
         if self._closed:
             raise trio.ClosedResourceError("stream closed")
+        if self._send_error is not None:
+            raise self._send_error
 
 
 StreamHandler = Callable[[MeshStream], Awaitable[None]]
@@ -650,9 +679,11 @@ class Link:
         elif isinstance(event, ev.StreamReset):
             stream = self._streams.pop(event.stream_id, None)
             if stream is not None:
-                accepted = stream._accepted.is_set()
-                cls = StreamReset if accepted else StreamRefused
-                stream._fail(cls(f"{event.code}: {event.reason}", actual=event.code))
+                why = f"{event.code}: {event.reason}"
+                if stream._accepted.is_set():
+                    stream._on_reset(StreamReset(why, actual=event.code))
+                else:
+                    stream._fail(StreamRefused(why, actual=event.code))
         elif isinstance(event, ev.StreamOpenRefused):
             log.info("link %s: refused a stream: %s", self.node_id[:12], event.code)
         elif isinstance(event, ev.PongReceived):

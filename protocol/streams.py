@@ -123,6 +123,8 @@ class _Stream:
     fin_queued: bool = False
     fin_sent: bool = False
     fin_received: bool = False
+    # ``finish_then_reset``: the RESET frame to send right after this side's FIN
+    reset_after_fin: bytes | None = None
 
 
 class Multiplexer:
@@ -216,6 +218,27 @@ class Multiplexer:
         s.fin_queued = True
         self._ready[stream_id] = None
 
+    def finish_then_reset(self, stream_id: int, code: str, reason: str) -> bool:
+        """Close a stream whose FIN this side queued before the peer's end: what is queued
+        and the FIN go out first, then a RESET (this side reads no more; the peer may stop
+        sending). A RESET alone goes out ahead of queued data and drops it, and a receiver
+        discards what it buffered: a handler that answered and closed before its requester's
+        end of stream lost its answer. False, with nothing done (the caller resets), unless
+        the FIN is queued. Nothing is ever queued past the peer's credit (``send_data``), so
+        the stream ends with the writer's next records whatever the peer does."""
+        s = self._streams.get(stream_id)
+        if s is None or s.state is not StreamState.OPEN or not s.fin_queued:
+            return False
+        if s.fin_sent:  # everything is out already: the RESET can go at once
+            self.reset_stream(stream_id, code, reason)
+            return True
+        s.reset_after_fin = f.encode_frame(
+            c.FRAME_RESET, stream_id, f.encode_reason(code, reason, self.limits)
+        )
+        self._window_due.pop(stream_id, None)  # nothing more is read: no credit is granted
+        self._ready[stream_id] = None
+        return True
+
     def reset_stream(self, stream_id: int, code: str, reason: str) -> None:
         if self._streams.pop(stream_id, None) is None:
             return
@@ -241,8 +264,8 @@ class Multiplexer:
         the bottleneck, so it doubles (up to ``Limits.stream_window_max_bytes``) and the
         update carries the extra credit. A reader that falls behind never grows it."""
         s = self._streams.get(stream_id)
-        if s is None or s.fin_received:
-            return False  # nothing more will arrive: no credit needed
+        if s is None or s.fin_received or s.reset_after_fin is not None:
+            return False  # nothing more will arrive, or be read: no credit needed
         s.unacked += nbytes
         window = s.window or self.limits.stream_window_bytes
         # Grant when half the window is consumed: few updates, and the sender never idles.
@@ -339,7 +362,12 @@ class Multiplexer:
                 s.fin_sent = True
                 parts.append(f.frame_header(c.FRAME_CLOSE, sid, 0))
                 size += c.FRAME_HEADER_BYTES
-                self._maybe_forget(s)
+                if s.reset_after_fin is not None:  # ``finish_then_reset``: the RESET next
+                    del self._streams[sid]
+                    self._window_due.pop(sid, None)
+                    self._queue_control(s.reset_after_fin)
+                else:
+                    self._maybe_forget(s)
             elif self._sendable(sid):
                 self._ready[sid] = None
         if not parts:

@@ -11,7 +11,7 @@ import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from meshtools import address_of, identity, settings, wait_for, with_peers
 
-from mesh_node.errors import PeerUnavailable, StreamRefused
+from mesh_node.errors import PeerUnavailable, StreamRefused, StreamReset
 from mesh_node.node import MeshNode
 from mesh_node.peers import InboundStream, PeerDown, PeerUp, TopologyChanged
 from mesh_node.topology import topology_signature_valid
@@ -169,6 +169,46 @@ async def test_registered_handler_gets_the_authenticated_peer_and_a_flow_control
         (inbound,) = seen
         assert inbound.peer.node_id == b.node_id and inbound.peer.trusted
         assert (inbound.name, inbound.major, inbound.kind) == ("skippy-stage", 2, 0x03)
+        n.cancel_scope.cancel()
+
+
+async def test_an_answer_reaches_a_requester_whose_end_of_stream_comes_after_the_handler_returned(
+    tmp_path,
+):
+    """A handler that answers (data and its end of stream) and returns before the requester
+    ended its side: the answer is sent before the reset that closing such a stream sends,
+    and the requester reads all of it and a clean end (its own later end of stream is a
+    no-op; more data raises). Before, the reset went ahead of the queued answer and the
+    requester's buffered part was dropped: it heard "closed early"."""
+    answer = b"a" * 100_000 + b"end"
+    returned = trio.Event()
+
+    async def answer_at_once(inbound: InboundStream) -> None:
+        await inbound.stream.receive_some()  # the request, not the requester's end
+        await inbound.stream.send_all(answer)
+        await inbound.stream.send_eof()
+        returned.set()
+
+    async with trio.open_nursery() as n:
+        a = await start(n, MeshNode(settings(tmp_path, "a"), identity()))
+        b = await start(n, MeshNode(with_peers(settings(tmp_path, "b"), a), identity()))
+        a.register_subprotocol(pc.KIND_ARTIFACT_TRANSFER, answer_at_once)
+        await wait_for(lambda: len(b.peers()) == 1)
+        stream = await b.open_stream(a.node_id, pc.KIND_ARTIFACT_TRANSFER)
+        await stream.send_all(b"request")
+        with trio.fail_after(5):
+            await returned.wait()
+        await trio.sleep(0.2)  # the handler's stream is closed: its reset is on the wire
+        await stream.send_eof()  # the peer reads no more: a no-op, not an error
+        got = b""
+        with trio.fail_after(5):
+            while data := await stream.receive_some():
+                got += data
+        assert got == answer
+        with pytest.raises(StreamReset):
+            await stream.send_all(b"more")
+        await stream.aclose()
+        assert b.peers()[0].connected
         n.cancel_scope.cancel()
 
 

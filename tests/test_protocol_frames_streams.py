@@ -108,6 +108,49 @@ def test_open_accept_data_and_half_close():
     assert not a.has_stream(sid) and not b.has_stream(sid)  # both ends closed: forgotten
 
 
+def test_a_stream_finished_then_reset_sends_its_data_and_fin_before_the_reset():
+    """``finish_then_reset``: a side that queued its answer and FIN and then closes before
+    the peer's end sends the answer, the FIN, and only then the RESET (a RESET alone goes
+    ahead of queued data and drops it: ``reset_stream``, checked last)."""
+    a, b, sid = opened_pair()
+    b.send_data(sid, b"answer")
+    b.send_eof(sid)
+    assert b.finish_then_reset(sid, "closed_early", "the stream was closed early")
+    assert b.consumed(sid, 10) is False  # it reads no more: no credit is granted
+    events = pump(b, a)
+    assert events == [
+        ev.DataReceived(sid, b"answer"),
+        ev.StreamEnded(sid),
+        ev.StreamReset(sid, "closed_early", "the stream was closed early"),
+    ]
+    assert not a.has_stream(sid) and not b.has_stream(sid)
+    # not taken without a FIN queued (the caller then resets)
+    _a1, b1, sid1 = opened_pair()
+    b1.send_data(sid1, b"half an answer")
+    assert not b1.finish_then_reset(sid1, "closed_early", "")
+    assert b1.has_stream(sid1)
+    # a whole window queued, then the FIN: all of it goes, then the RESET
+    a2, b2, sid2 = opened_pair(c.Limits(stream_window_bytes=1000))
+    b2.send_data(sid2, b"x" * 1000)
+    b2.send_eof(sid2)
+    assert b2.finish_then_reset(sid2, "closed_early", "")
+    events = pump(b2, a2)
+    assert sum(len(e.data) for e in events if isinstance(e, ev.DataReceived)) == 1000
+    assert events[-2:] == [ev.StreamEnded(sid2), ev.StreamReset(sid2, "closed_early", "")]
+    # after the FIN went out, the RESET goes at once
+    a3, b3, sid3 = opened_pair()
+    b3.send_eof(sid3)
+    assert pump(b3, a3) == [ev.StreamEnded(sid3)]
+    assert b3.finish_then_reset(sid3, "closed_early", "")
+    assert pump(b3, a3) == [ev.StreamReset(sid3, "closed_early", "")]
+    # a plain reset: the RESET goes first and the queued data never leaves
+    a4, b4, sid4 = opened_pair()
+    b4.send_data(sid4, b"answer")
+    b4.send_eof(sid4)
+    b4.reset_stream(sid4, "closed_early", "")
+    assert pump(b4, a4) == [ev.StreamReset(sid4, "closed_early", "")]
+
+
 def test_sender_never_exceeds_credit_and_consumption_grants_more():
     limits = c.Limits(stream_window_bytes=256 * 1024)
     a, b, sid = opened_pair(limits)

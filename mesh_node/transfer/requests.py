@@ -8,7 +8,10 @@ finished, and ``MeshStream.aclose`` resets such a stream, which drops whatever o
 the link had not written yet and clears what the requester had buffered of it. Seen at
 bring-up of `mesh-node lab --nodes 7 --replicas 2`: a coordinator's sibling-topology answers
 lost as "closed early", after which the holder refused that replica's chunk requests for
-``siblings.MISS_TTL_S`` (19 refusals in 1.5 s in one run).
+``siblings.MISS_TTL_S`` (19 refusals in 1.5 s in one run). Closing such a stream now sends
+the answer before the reset (``Multiplexer.finish_then_reset``), but a requester running
+older code still drops what it buffered when the reset comes: reading to the end keeps the
+answer for both.
 """
 
 from __future__ import annotations
