@@ -180,7 +180,7 @@ def test_draft_model_strategy_is_planned() -> None:
     ("pkg", "name"),
     [
         (PKG, "mtp-suffix"),  # "A named package strategy cannot be invented outside its package"
-        (PKG, "ngram-cache"),  # a stable id, but this package does not declare it
+        (PKG, "ngram"),  # not a stable id: the package would have to declare it
         (NO_SPEC_PACKAGE, "mtp-cache"),
         (None, "mtp-cache"),  # plain GGUF: no package strategies at all
     ],
@@ -190,6 +190,73 @@ def test_undeclared_named_strategy_is_an_error(pkg: GenerationSpec | None, name:
         plan(pkg, cli=settings(strategy=name))
     assert info.value.code == "undeclared_speculative_strategy"
     assert name in info.value.message
+
+
+# --- N-gram strategies chosen at serve time for any package -------------------------------------
+@pytest.mark.parametrize(
+    ("pkg", "kind", "bounds"),
+    [
+        (NO_SPEC_PACKAGE, "ngram-suffix", (3, 16, 8)),
+        (NO_SPEC_PACKAGE, "ngram-cache", (2, 4, 8)),
+        (PKG, "ngram-suffix", (3, 16, 8)),  # declares other strategies, not this one
+        (MENU, "ngram-suffix", (3, 16, 8)),
+    ],
+    ids=["no-speculation-suffix", "no-speculation-cache", "declares-others", "menu-suffix"],
+)
+def test_a_package_that_does_not_declare_an_ngram_strategy_is_served_the_runtimes(
+    pkg: GenerationSpec, kind: str, bounds: tuple[int, int, int]
+) -> None:
+    """An N-gram proposer reads only the request's tokens: any package may be served with
+    one; bounds the operator does not set are the runtime's, the window adaptive 4 (1..8)."""
+    p = plan(pkg, cli=settings(strategy=kind))
+    assert (p.mode, p.strategy_id, p.requested_source) == (kind, kind, "cli")
+    assert p.ngram == NgramSource(kind, *bounds)
+    assert p.ngram.history_scope == "request"
+    assert p.window is not None
+    assert (p.window.mode, p.window.initial_window, p.window.min_window) == ("adaptive", 4, 1)
+    assert (p.window.max_window, p.window.pipeline_depth) == (8, 1)
+    assert any(f"declares no {kind} strategy" in n and "runtime's" in n for n in p.notes)
+
+
+def test_operator_bounds_replace_the_runtimes_for_an_undeclared_ngram_strategy() -> None:
+    config = {"speculative": {"strategy": "ngram-suffix", "ngram_max": 32, "max_window": 2}}
+    p = plan(NO_SPEC_PACKAGE, config=config)
+    assert p.requested_source == "global" and p.ngram == NgramSource("ngram-suffix", 3, 32, 8)
+    assert p.window is not None and (p.window.initial_window, p.window.max_window) == (2, 2)
+    given = settings(strategy="ngram-cache", ngram_min=1, ngram_max=3, max_proposal_tokens=5)
+    p = plan(NO_SPEC_PACKAGE, cli=given)
+    assert p.ngram == NgramSource("ngram-cache", 1, 3, 5)
+    assert not any("runtime's" in n for n in p.notes)  # nothing was filled in
+
+
+@pytest.mark.parametrize(
+    ("bounds", "hint"),
+    [
+        ({"strategy": "ngram-cache", "ngram_max": 5}, "ngram_min 2"),  # llama.cpp's window is 4
+        ({"strategy": "ngram-suffix", "ngram_min": 20}, "ngram_max 16"),
+        ({"strategy": "ngram-suffix", "ngram_min": 2, "ngram_max": 8}, "max_proposal_tokens 8"),
+    ],
+)
+def test_bad_operator_bounds_for_an_undeclared_ngram_strategy_say_which_were_defaults(
+    bounds: dict[str, Any], hint: str
+) -> None:
+    with pytest.raises(UsageError) as info:
+        plan(NO_SPEC_PACKAGE, cli=settings(**bounds))
+    assert info.value.code == "invalid_speculative_bound"
+    assert f"the runtime's defaults: {hint}" in info.value.message
+
+
+def test_a_declared_ngram_strategy_wins_over_the_runtimes_and_is_only_tightened() -> None:
+    p = plan(MENU, cli=settings(strategy="ngram-cache"))
+    assert p.ngram == NgramSource("ngram-cache", 2, 4, 10)  # the package's, not (2, 4, 8)
+    assert p.window is not None and (p.window.max_window, p.window.pipeline_depth) == (6, 2)
+    assert not any("declares no" in n for n in p.notes)
+    assert plan(MENU, cli=settings(strategy="ngram-cache", max_proposal_tokens=6)).ngram == (
+        NgramSource("ngram-cache", 2, 4, 6)
+    )
+    with pytest.raises(UsageError) as info:  # the conflict: wider than the declaration
+        plan(MENU, cli=settings(strategy="ngram-cache", max_proposal_tokens=16))
+    assert info.value.code == "speculative_bound_widened"
 
 
 def test_selecting_an_unrecognised_strategy_type_is_an_error() -> None:

@@ -602,7 +602,8 @@ async def test_concurrent_speculating_requests_batch_their_windows_and_keep_thei
 
 def test_serve_resolves_the_packages_declared_strategy(synth_dir, tmp_path: Path) -> None:
     """mesh-node serve's plan: --speculative-strategy, then the config, against the package's
-    declared strategies (skippy's resolver); an undeclared one is refused."""
+    declared strategies (skippy's resolver); an undeclared one is refused, except an N-gram
+    strategy, which needs nothing from the package."""
     from mesh_node.packages import package_speculation
     from skippy.errors import UsageError
     from skippy.generation import load_speculative_overrides
@@ -617,5 +618,9 @@ def test_serve_resolves_the_packages_declared_strategy(synth_dir, tmp_path: Path
     assert package_speculation(node, str(pkg), overrides, None).mode == "disabled"
     assert package_speculation(node, str(pkg), overrides, "auto").mode == "ngram-suffix"
     with pytest.raises(UsageError) as err:
-        package_speculation(node, str(pkg), None, "ngram-cache")
+        package_speculation(node, str(pkg), None, "mtp-cache")
     assert err.value.code == "undeclared_speculative_strategy"
+    # an N-gram strategy it does not declare: the request-local proposer, runtime bounds
+    plan = package_speculation(node, str(pkg), None, "ngram-cache")
+    assert plan.mode == "ngram-cache" and plan.ngram is not None
+    assert (plan.ngram.ngram_min, plan.ngram.ngram_max) == (2, 4)

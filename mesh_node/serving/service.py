@@ -90,7 +90,12 @@ def log_serving_speculation(plan: SpeculativePlan) -> None:
     if not plan.enabled:
         return
     if plan.mode in EXECUTABLE_MODES:
-        log.info("speculative decoding %s (%s), exact verify windows", plan.strategy_id, plan.mode)
+        log.info(
+            "speculative decoding %s (%s), exact verify windows%s",
+            plan.strategy_id,
+            plan.mode,
+            "".join(f"; {note}" for note in plan.notes),
+        )
         return
     record = {
         "requested": plan.requested,

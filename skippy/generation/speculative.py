@@ -5,14 +5,18 @@ Spec "Speculative Decoding": operators choose ``auto`` (package/runtime default)
 declares, through ``speculative.strategy`` in config.toml (global, then per model entry) and
 ``--speculative-strategy`` for one serve invocation; precedence is CLI, model entry, global.
 Operators may tighten bounds, never widen them beyond the package's values; for a plain GGUF
-they may select a request-local ngram-cache or ngram-suffix proposer with valid bounds. The
+they may select a request-local ngram-cache or ngram-suffix proposer with valid bounds. An
+N-gram proposer reads only the request's own tokens, so ``ngram-cache`` / ``ngram-suffix``
+may be chosen for any layer package too: a package that declares that strategy id is served
+its declaration (operators only tighten it), one that does not gets the request-local
+proposer with the operator's bounds, else the runtime's (``RUNTIME_NGRAM_BOUNDS``). The
 result is a ``SpeculativePlan``; the runtime boundary receives it and does not re-resolve it.
 
 TOML shape read by ``load_speculative_overrides`` (the file itself is parsed elsewhere)::
 
     [speculative]                 # global defaults
-    strategy = "auto"             # auto | mtp | disabled | <package strategy id>
-                                  # | ngram-cache | ngram-suffix (plain GGUF only)
+    strategy = "auto"             # auto | mtp | disabled | ngram-cache | ngram-suffix
+                                  # | <package strategy id>
     ngram_max = 3                 # optional bounds, see SpeculativeSettings
 
     [[models]]                    # per model entry, selected by name
@@ -456,10 +460,21 @@ def _force_mtp(sd: SpeculativeDecoding | None) -> SpeculativeStrategy | None:
     return SpeculativeStrategy(id=v.STRATEGY_MTP, type=v.NATIVE_MTP, source=sources[0][1])
 
 
-def _generic_ngram_plan(kind: str, merged: _Merged, notes: list[str]) -> SpeculativePlan:
-    """A request-local N-gram plan for a plain GGUF, built only from operator bounds."""
+def _generic_ngram_plan(
+    kind: str, merged: _Merged, notes: list[str], *, package: bool
+) -> SpeculativePlan:
+    """A request-local N-gram plan that no package declares, built from operator bounds.
+
+    A plain GGUF needs all three bounds from the operator (spec: "by supplying valid N-gram
+    bounds") and keeps the legacy verify window of 1. A layer package that does not declare
+    ``kind`` gets the runtime's bounds (``RUNTIME_NGRAM_BOUNDS``) for those the operator does
+    not set, and an adaptive window whose ``max_window`` / ``pipeline_depth`` the operator may
+    set: an N-gram proposer reads only the request's own tokens, nothing of the package."""
     required = (v.NGRAM_MIN, v.NGRAM_MAX, v.MAX_PROPOSAL_TOKENS)
-    missing = [n for n in required if n not in merged.bounds]
+    b = _Bounds(merged)
+    given = {n: b.get(n) for n in required}
+    defaults: Mapping[str, int] = v.RUNTIME_NGRAM_BOUNDS[kind] if package else {}
+    missing = [n for n in required if given[n] is None and n not in defaults]
     if missing:
         raise _error(
             v.C_NGRAM_BOUNDS_REQUIRED,
@@ -467,19 +482,32 @@ def _generic_ngram_plan(kind: str, merged: _Merged, notes: list[str]) -> Specula
             "[speculative] or the model entry",
             path=missing[0],
         )
-    b = _Bounds(merged)
-    lo, hi, mpt = (b.get(n) for n in required)
+    values: dict[str, int] = {}
+    for n in required:
+        value = given[n]
+        values[n] = value if value is not None else defaults[n]
+    lo, hi, mpt = (values[n] for n in required)
+    filled = [f"{n} {values[n]}" for n in required if given[n] is None]
     problems = ngram_problems(kind, lo, hi, mpt, v.HISTORY_SCOPE_REQUEST)
     if problems:
         code, fld, message = problems[0]
+        if filled:
+            message += f" (the runtime's defaults: {', '.join(filled)})"
         raise _error(v.C_INVALID_OPERATOR_BOUND, message, path=fld, remediation=f"rule: {code}")
     ngram = NgramSource(
         type=v.NGRAM_CACHE if kind == v.NGRAM_CACHE else v.NGRAM_SUFFIX,
-        ngram_min=int(lo or 0),
-        ngram_max=int(hi or 0),
-        max_proposal_tokens=int(mpt or 0),
+        ngram_min=lo,
+        ngram_max=hi,
+        max_proposal_tokens=mpt,
     )
-    window = _tighten_window(WindowPolicy(), b)
+    if package:
+        notes.append(
+            f"the package declares no {kind} strategy: a request-local {kind} proposer"
+            + (f" with the runtime's {', '.join(filled)}" if filled else "")
+        )
+        window = _runtime_window(b)
+    else:
+        window = _tighten_window(WindowPolicy(), b)
     return SpeculativePlan(
         mode=ngram.type,
         requested=kind,
@@ -488,6 +516,19 @@ def _generic_ngram_plan(kind: str, merged: _Merged, notes: list[str]) -> Specula
         ngram=ngram,
         window=window,
         notes=tuple(notes + b.unused_notes()),
+    )
+
+
+def _runtime_window(b: _Bounds) -> WindowPolicy:
+    """The runtime's adaptive verify window, with the operator's ``max_window`` and
+    ``pipeline_depth`` in place of its own (no package value to tighten)."""
+    hi = b.get(v.CFG_MAX_WINDOW) or v.RUNTIME_WINDOW_MAX
+    return WindowPolicy(
+        mode=v.WINDOW_ADAPTIVE,
+        initial_window=min(v.RUNTIME_WINDOW_INITIAL, hi),
+        min_window=min(v.RUNTIME_WINDOW_MIN, hi),
+        max_window=hi,
+        pipeline_depth=b.get(v.CFG_PIPELINE_DEPTH) or v.LEGACY_WINDOW,
     )
 
 
@@ -537,8 +578,9 @@ def resolve_speculative_plan(
     (the package's ``model_id``) selects the model entry, and a note says when the config has
     entries with speculative settings but none is ``model``; ``cli`` carries
     ``--speculative-strategy`` (and any CLI bounds).
-    Raises ``SpeculativeConfigError`` (a UsageError) for an undeclared strategy, a forced
-    ``mtp`` without a native MTP source, widened bounds, or invalid plain-GGUF N-gram bounds.
+    Raises ``SpeculativeConfigError`` (a UsageError) for an undeclared strategy (other than
+    ``ngram-cache`` / ``ngram-suffix``), a forced ``mtp`` without a native MTP source, widened
+    bounds, or invalid N-gram bounds.
     """
     overrides = overrides or SpeculativeOverrides()
     merged = _merge(overrides, model, cli)
@@ -562,7 +604,7 @@ def resolve_speculative_plan(
             notes.append("plain GGUF: no package speculation default; speculation disabled")
             return _disabled(merged, requested, None, notes)
         if requested in v.NGRAM_TYPES:
-            return _generic_ngram_plan(requested, merged, notes)
+            return _generic_ngram_plan(requested, merged, notes, package=False)
         if requested == v.STRATEGY_MTP:
             raise _error(
                 v.C_MTP_UNAVAILABLE,
@@ -593,6 +635,8 @@ def resolve_speculative_plan(
             )
         return _plan_from_strategy(strategy, merged, requested, default, notes)
     if sd is None or requested not in sd.strategies:
+        if requested in v.NGRAM_TYPES:  # needs nothing from the package (module docstring)
+            return _generic_ngram_plan(requested, merged, notes, package=True)
         declared = ", ".join(sorted(sd.strategies)) if sd is not None else "none"
         raise _error(
             v.C_UNDECLARED_STRATEGY,
@@ -600,6 +644,7 @@ def resolve_speculative_plan(
             f"the selected package (declared: {declared}); a named strategy cannot be invented "
             "outside its package",
             path=v.CFG_STRATEGY,
-            remediation="use auto, mtp, disabled or a declared strategy id",
+            remediation="use auto, disabled, mtp, ngram-cache, ngram-suffix or a declared "
+            "strategy id",
         )
     return _plan_from_strategy(sd.strategies[requested], merged, requested, default, notes)

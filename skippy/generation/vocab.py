@@ -188,6 +188,19 @@ STRATEGY_DISABLED: Final = "disabled"  # runtime/operator baseline, never a pack
 STRATEGY_AUTO: Final = "auto"
 LEGACY_STRATEGY_ALIASES: Final = {"native-mtp-n1": STRATEGY_MTP}
 
+# A layer package that does not declare the ngram-cache / ngram-suffix strategy an operator
+# asks for is served a request-local plan with these bounds, for each one the operator does
+# not set: ngram-suffix as measured on gemma3-270m and SmolLM2-135M (docs/generation.md,
+# "Executing N-gram speculation"), ngram-cache within llama.cpp's match window of 4 (the
+# spec's example range), with an adaptive verify window of 4 drafts (1..8).
+RUNTIME_NGRAM_BOUNDS: Final = {
+    NGRAM_CACHE: {NGRAM_MIN: 2, NGRAM_MAX: 4, MAX_PROPOSAL_TOKENS: 8},
+    NGRAM_SUFFIX: {NGRAM_MIN: 3, NGRAM_MAX: 16, MAX_PROPOSAL_TOKENS: 8},
+}
+RUNTIME_WINDOW_INITIAL: Final = 4
+RUNTIME_WINDOW_MIN: Final = 1
+RUNTIME_WINDOW_MAX: Final = 8
+
 # --- GGUF evidence the writer reads (llama.cpp gguf-py naming) ------------------------------------
 NEXTN_PREDICT_LAYERS_KEY: Final = "nextn_predict_layers"  # "<arch>.nextn_predict_layers"
 INDEXER_TOP_K_KEY: Final = "attention.indexer.top_k"  # "<arch>.attention.indexer.top_k"
