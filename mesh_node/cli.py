@@ -22,6 +22,11 @@ from skippy.errors import EXIT_OK, EXIT_USAGE, SkippyError, UsageError
 PROG = "mesh-node"
 STATUS_TIMEOUT_S = 5.0
 TOPOLOGY_TIMEOUT_S = 120.0
+SPECULATIVE_HELP = (
+    "speculative decoding: auto (the package's default), disabled, ngram-cache or ngram-suffix "
+    "(any package: request-local drafts, verified exactly), mtp, or a strategy id the package "
+    "declares"
+)
 
 
 class _LineFormatter(logging.Formatter):
@@ -302,6 +307,7 @@ def cmd_lab(args: argparse.Namespace) -> CommandResult:
         stages=args.stages,
         revision_change=args.revision_change,
         replicas=args.replicas,
+        speculative_strategy=args.speculative_strategy,
     )
 
     def render(report: dict[str, Any]) -> str:
@@ -431,9 +437,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-name", default=None, help="the model id the API answers to")
     p.add_argument(
         "--speculative-strategy",
+        "--speculative",
         metavar="S",
-        help="auto, mtp, disabled, or a strategy id the package declares (overrides the "
-        "config's [speculative]); ngram-cache / ngram-suffix run as verify windows",
+        help=SPECULATIVE_HELP + " (overrides the config's [speculative])",
     )
     p = add("status", cmd_status, "ask the running node for its status")
     p.add_argument("--config", required=True)
@@ -555,6 +561,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="with --serve/--prompt: R pipelines over disjoint workers (R x (S - 1) workers; "
         "default S: an equal share of the workers per replica)",
+    )
+    p.add_argument(
+        "--speculative-strategy",
+        "--speculative",
+        metavar="S",
+        help="with --serve/--prompt: " + SPECULATIVE_HELP + "; the report shows the strategy "
+        "and its drafted and accepted tokens",
     )
     return parser
 

@@ -9,6 +9,7 @@ from skippy.config import NodeSettings, read_environment
 
 if TYPE_CHECKING:
     from skippy.generation import SpeculativeOverrides, SpeculativePlan
+    from skippy.package.manifest import PackageManifest
 
 
 def package_identity(settings: NodeSettings, text: str) -> tuple[str, str, Any, str]:
@@ -36,19 +37,29 @@ def package_speculation(
     overrides: SpeculativeOverrides | None,
     strategy: str | None,
 ) -> SpeculativePlan:
-    """The speculation plan for serving the package at ``pinned`` (spec "Speculative
-    Decoding"): ``--speculative-strategy``, then the config's model entry, then its global
-    ``[speculative]`` table, resolved against the package's declared strategies."""
+    """The speculation plan for serving the package at ``pinned`` (``manifest_speculation``)."""
     from skippy.consume.resolve import open_package
-    from skippy.generation import SpeculativeSettings, parse_generation, resolve_speculative_plan
     from skippy.package.refs import parse_package_ref
-    from skippy.package.v2_view import ManifestV2
 
     env = replace(read_environment(), hf_cache_dir=settings.hub_cache_dir)
     m = open_package(parse_package_ref(pinned), env).manifest
+    return manifest_speculation(m, overrides, strategy)
+
+
+def manifest_speculation(
+    manifest: PackageManifest, overrides: SpeculativeOverrides | None, strategy: str | None
+) -> SpeculativePlan:
+    """The speculation plan for serving the package of ``manifest`` (spec "Speculative
+    Decoding"): ``--speculative-strategy``, then the config's model entry, then its global
+    ``[speculative]`` table, resolved against the package's declared strategies; ngram-cache
+    and ngram-suffix need no declaration. A ``SpeculativeConfigError`` (exit 2) otherwise."""
+    from skippy.generation import SpeculativeSettings, parse_generation, resolve_speculative_plan
+    from skippy.package.v2_view import ManifestV2
+
+    m = manifest
     package = parse_generation(
         m.speculative_block() if isinstance(m, ManifestV2) else m.generation,
         layer_count=m.layer_count,
     )
-    cli = SpeculativeSettings(strategy=strategy) if strategy else None
+    cli = SpeculativeSettings(strategy=strategy) if strategy is not None else None
     return resolve_speculative_plan(package=package, overrides=overrides, model=m.model_id, cli=cli)

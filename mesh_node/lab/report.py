@@ -11,10 +11,13 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from skippy.constants import MANIFEST_NAME, ROLE_LAYER
 from skippy.package.artifact_ref import ArtifactRef
+
+if TYPE_CHECKING:
+    from skippy.generation import SpeculativePlan
 
 
 @dataclass(frozen=True)
@@ -263,6 +266,63 @@ def predicted_vs_measured(
     }
 
 
+def speculative_report(plan: SpeculativePlan, serving: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The speculation a serving lab runs: the resolved plan (what was asked and where, the
+    strategy, its N-gram bounds and window, the resolver's notes), whether the coordinator
+    executes it (``speculative_strategy`` in its serving status: other plans decode plainly),
+    and its acceptance so far from the coordinator's counters: drafted tokens, accepted ones,
+    their rate and the verify windows that carried them."""
+    serving = serving or {}
+    counters = serving.get("speculative") or {}
+    drafted, accepted = int(counters.get("proposed", 0)), int(counters.get("accepted", 0))
+    doc = plan.to_dict()
+    return {
+        "requested": plan.requested,
+        "source": plan.requested_source,
+        "strategy": plan.strategy_id,
+        "mode": plan.mode,
+        "executed": serving.get("speculative_strategy") is not None,
+        "ngram": doc["ngram"],
+        "window": doc["window"],
+        "notes": doc["notes"],
+        "drafted": drafted,
+        "accepted": accepted,
+        "acceptance": round(accepted / drafted, 4) if drafted else None,
+        "verify_windows": int(counters.get("verify_passes", 0)),
+    }
+
+
+def render_speculative(sp: Mapping[str, Any] | None) -> list[str]:
+    """One line for the lab's speculation (``speculative_report``), then the plan's notes."""
+    if not sp:
+        return []
+    asked = f"{sp['source']}: {sp['requested']}"
+    if sp["mode"] == "disabled":
+        return [f"speculative: disabled ({asked})"]
+    parts = []
+    if sp["ngram"]:
+        g = sp["ngram"]
+        parts.append(
+            f"n-gram {g['ngram_min']}..{g['ngram_max']}, up to {g['max_proposal_tokens']} drafts"
+        )
+    if sp["window"]:
+        w = sp["window"]
+        parts.append(
+            f"{w['default']} window {w['initial_window']} ({w['min_window']}..{w['max_window']})"
+        )
+    head = f"speculative: {sp['strategy']} ({asked}; {', '.join(parts)})"
+    if not sp["executed"]:
+        line = f"{head}: not executed here, plain decoding"
+    elif sp["drafted"]:
+        line = (
+            f"{head}: {sp['accepted']} of {sp['drafted']} drafted tokens accepted "
+            f"({sp['acceptance']:.0%}) in {sp['verify_windows']} verify windows"
+        )
+    else:
+        line = f"{head}: no drafted tokens yet"
+    return [line, *(f"  note: {n}" for n in sp["notes"])]
+
+
 def render_plan(doc: Mapping[str, Any]) -> list[str]:
     """Issue #21: which planner placed the split, its prediction and why it won; after a
     prompt, predicted beside measured."""
@@ -421,6 +481,7 @@ def render_report(doc: Mapping[str, Any]) -> str:
     lines += render_links(doc.get("links"))
     lines += render_revision_change(doc.get("revision_change"), doc.get("first_revision"))
     lines += render_plan(doc)
+    lines += render_speculative(doc.get("speculative"))
     refusals = doc["coordinator"]["refusals"]
     lines.append(
         "coordinator refusals: "

@@ -42,10 +42,12 @@ from mesh_node.lab.package import (
     revise_directory,
 )
 from mesh_node.lab.report import CacheCheck, NodeFacts, build_report, revision_change
+from mesh_node.packages import manifest_speculation
 from skippy.config import ArtifactTransfer, read_environment
 from skippy.constants import MANIFEST_NAME
 from skippy.consume.verify import VerifyCache
 from skippy.errors import UsageError
+from skippy.generation import SpeculativePlan
 from skippy.package.ranges import LayerRange
 from skippy.package.refs import LocalPackageRef, parse_package_ref
 from skippy.transfer.hubcache import RepoCache
@@ -83,6 +85,7 @@ class LabOptions:
     stages: int | None = None  # issue #18: serve over this many stages (the rest are spares)
     revision_change: int | None = None  # issue #23: then split a second revision, this layer
     replicas: int = 1  # issue #23 item 1: serve R pipelines over disjoint workers
+    speculative_strategy: str | None = None  # serve with this strategy (None: auto)
 
     @property
     def serve_stages(self) -> int:
@@ -107,6 +110,8 @@ class LabOptions:
                     code="usage",
                     remediation=f"use --nodes {need + 1} or more",
                 )
+        if self.speculative_strategy is not None and self.prompt is None and not self.serve:
+            raise UsageError("--speculative-strategy needs --prompt or --serve", code="usage")
         if self.stages is not None and not 1 <= self.stages <= self.nodes:
             raise UsageError(
                 f"--stages must be 1..{self.nodes} (--nodes), not {self.stages}", code="usage"
@@ -145,6 +150,7 @@ class Lab:
     netem: Netem | None = None  # issue #21: the emulated links (partition, heal, event log)
     revision: LabPackage | None = None  # issue #23: the second revision (one layer changed)
     replicas: list[dict[str, Any]] = field(default_factory=list)  # issue #23: once serving
+    speculative: SpeculativePlan | None = None  # the plan the coordinator serves with
 
     async def split(self) -> dict[str, Any]:
         """Plan the split on the coordinator, wait for every stage, check, report."""
@@ -184,6 +190,7 @@ class Lab:
                 "package": self.package.ref,
                 "stages": self.options.serve_stages,
                 "replicas": self.options.replicas,
+                "speculative_strategy": self.options.speculative_strategy,
             },
             timeout_s=self.options.timeout_s,
         )
@@ -377,6 +384,11 @@ async def open_lab(options: LabOptions) -> AsyncIterator[Lab]:
             )
 
         package = await trio.to_thread.run_sync(load)
+        speculative = None
+        if options.prompt is not None or options.serve:
+            # Before any node starts, so that a strategy the package cannot serve is a usage
+            # error at once; the coordinator (no [speculative] table) resolves the same plan.
+            speculative = manifest_speculation(package.manifest, None, options.speculative_strategy)
         revision = None
         if revision_text is not None:
             revision = await trio.to_thread.run_sync(
@@ -397,7 +409,7 @@ async def open_lab(options: LabOptions) -> AsyncIterator[Lab]:
                 await cluster.start_all()
                 await cluster.wait_meshed(MESH_TIMEOUT_S)
                 url = lab_hub.url if lab_hub else None
-                yield Lab(options, cluster, package, url, netem, revision)
+                yield Lab(options, cluster, package, url, netem, revision, speculative=speculative)
             finally:
                 await cluster.aclose()
     finally:
@@ -431,9 +443,10 @@ def _listening_at(node: LabNode) -> tuple[str, int] | None:
 
 async def experiment(lab: Lab) -> dict[str, Any]:
     """The lab's experiment: the split and its transfer report; with ``prompt`` or ``serve``
-    (issue #10) the coordinator serves the split, the report gains ``api`` and, with
-    ``prompt``, ``prompt`` (one greedy completion through the split)."""
-    from mesh_node.lab.report import predicted_vs_measured
+    (issue #10) the coordinator serves the split, the report gains ``api``, ``speculative``
+    (the strategy served with and its acceptance) and, with ``prompt``, ``prompt`` (one
+    greedy completion through the split)."""
+    from mesh_node.lab.report import predicted_vs_measured, speculative_report
     from mesh_node.serving.report import complete, prompt_report
 
     options = lab.options
@@ -450,6 +463,10 @@ async def experiment(lab: Lab) -> dict[str, Any]:
             api, options.prompt, max_tokens=options.max_tokens, timeout_s=options.timeout_s
         )
         report["prompt"] = prompt_report(completion, await lab.cluster.statuses())
+    if lab.speculative is not None:  # the prompt's drafts (before the replicas' requests)
+        serving = (await lab.cluster.coordinator.status()).get("serving")
+        report["speculative"] = speculative_report(lab.speculative, serving)
+    if options.prompt is not None:
         if options.replicas > 1:
             await across_replicas(lab, report, api)
         report["predicted_vs_measured"] = predicted_vs_measured(
