@@ -443,7 +443,7 @@ def _listening_at(node: LabNode) -> tuple[str, int] | None:
 
 async def experiment(lab: Lab) -> dict[str, Any]:
     """The lab's experiment: the split and its transfer report; with ``prompt`` or ``serve``
-    (issue #10) the coordinator serves the split, the report gains ``api``, ``speculative``
+    the coordinator serves the split, the report gains ``api``, ``speculative``
     (the strategy served with and its acceptance) and, with ``prompt``, ``prompt`` (one
     greedy completion through the split)."""
     from mesh_node.lab.report import predicted_vs_measured, speculative_report
