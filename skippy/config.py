@@ -415,13 +415,14 @@ def http_settings(
     raw = raw or {}
     _refuse_unknown_keys(raw, "http", HTTP_KEYS)
 
-    def path(key: str) -> Path | None:
+    def path(key: str, *, resolve: bool = True) -> Path | None:
         value = raw.get(key)
         if value is None:
             return None
         if not isinstance(value, str) or not value.strip():
             raise _bad(f"http.{key}", "expected a path", value)
-        return (base / Path(value).expanduser()).resolve()
+        joined = base / Path(value).expanduser()
+        return joined.resolve() if resolve else Path(os.path.abspath(joined))
 
     def count(key: str, default: int) -> int:
         value = raw.get(key, default)
@@ -458,7 +459,8 @@ def http_settings(
     if isinstance(grace, bool) or not isinstance(grace, int | float) or not 0 <= grace <= 600:
         raise _bad("http.shutdown_grace_s", "expected seconds in 0..600", grace)
     return HttpSettings(
-        api_key_file=path("api_key_file"),
+        # Not resolved: the key file's reader refuses a symbolic link rather than follow it.
+        api_key_file=path("api_key_file", resolve=False),
         shutdown_grace_s=float(grace),
         api_key=api_key,
         access_log=access_log,
