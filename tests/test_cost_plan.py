@@ -12,7 +12,13 @@ from test_wan_links import relayed_mesh
 from mesh_node.lab.netem import LinkSpec, LinkTable
 from protocol.messages import ComputeCost
 from skippy.errors import TopologyError
-from skippy.package.cost_plan import LinkCosts, NodeCost, plan_by_cost, speed_weighted_counts
+from skippy.package.cost_plan import (
+    LinkCosts,
+    NodeCost,
+    plan_by_cost,
+    speed_weighted_counts,
+    why_behind,
+)
 from skippy.package.plan import ModelSizes
 
 SIZES = ModelSizes(layer_bytes=(100,) * 12, metadata_bytes=10, embeddings_bytes=50, output_bytes=50)
@@ -193,6 +199,36 @@ def test_the_report_shows_the_plan_and_predicted_beside_measured_decode() -> Non
         "planner": "memory",
     }
     assert render_plan({"plan": memory}) == ["plan: memory planner; 2 uncalibrated"]
+
+
+def test_the_runner_up_says_why_it_lost_even_when_it_predicts_the_same() -> None:
+    """Equal nodes and links (a lab): the runner-up is the same split in another order and
+    predicts exactly the winner's time; the plan and the lab's line say it is a tie and
+    which rule broke it. A slower runner-up says by how much."""
+    from mesh_node.cost_inputs import CostChoice, CostInputs
+    from mesh_node.lab.report import render_plan
+
+    a, b, c = ids(3)
+    nodes = tuple(NodeCost(n, WHOLE, 1 * MS) for n in (a, b, c))
+    links = LinkCosts(default_s=5 * MS)
+    ranked = plan_by_cost(SIZES, nodes, links, stages=3)
+    plan = CostChoice(ranked[0], tuple(ranked), CostInputs(nodes, links, ())).prediction()
+    assert plan["runner_up"]["predicted_ms_per_token"] == plan["predicted_ms_per_token"]
+    assert plan["runner_up_why"] == (
+        "the same nodes in another order, as fast as the chosen split (6 candidates tie): "
+        "a tie goes to the node ids in stage order"
+    )
+    line = next(x for x in render_plan({"plan": plan}) if "runner-up" in x)
+    assert line == f"  runner-up: 27.00 ms/token over 3 stage(s) ({plan['runner_up_why']})"
+    # no hop costs anything: one stage and two stages tie; fewer stages win the tie
+    ranked = plan_by_cost(SIZES, nodes[:2], LinkCosts(), stages=None)
+    assert [len(x.nodes) for x in ranked[:3]] == [1, 1, 2]
+    assert why_behind(ranked[0], ranked[2], ranked).endswith("a tie goes to fewer stages")
+    assert why_behind(ranked[0], ranked[1], ranked).startswith("other nodes, as fast")
+    # a slower runner-up: by how much
+    slow = (NodeCost(a, WHOLE, 1 * MS), NodeCost(b, WHOLE, 1.5 * MS))
+    ranked = plan_by_cost(SIZES, slow, LinkCosts(), stages=1)
+    assert why_behind(ranked[0], ranked[1], ranked) == "6 ms/token slower"  # 12 x 0.5 ms
 
 
 def test_inputs_scale_calibrations_to_the_package_and_a_healed_split_is_re_predicted() -> None:

@@ -51,6 +51,26 @@ def test_key_files_comments_modes_and_the_environment(tmp_path: Path):
     assert env.api_key == "sk-secret" and "sk-secret" not in repr(env)
 
 
+def test_a_key_file_must_be_a_regular_file_of_its_own(tmp_path: Path):
+    """A symbolic link is refused, not followed (its target's mode is not the one checked),
+    from the config file as from the command line; so is a directory."""
+    real = tmp_path / "real-keys"
+    real.write_text("sk-file\n")
+    real.chmod(0o600)
+    (tmp_path / "keys.txt").symlink_to(real)
+    (tmp_path / "k").write_text("")
+    cfg = tmp_path / "node.toml"
+    cfg.write_text('identity = "k"\n[http]\napi_key_file = "keys.txt"\n')
+    settings = load_node_settings(cfg, read_environment({})).http_settings
+    assert settings.api_key_file == tmp_path / "keys.txt"  # the name given, not its target
+    with pytest.raises(ApiKeyError) as err:
+        load_api_keys(settings)
+    assert err.value.code == "invalid_api_key_file" and "symbolic link" in err.value.message
+    assert err.value.remediation is not None and str(real) in err.value.remediation
+    with pytest.raises(ApiKeyError, match=r"not a regular file \(a directory\)"):
+        load_api_keys(HttpSettings(api_key_file=tmp_path))
+
+
 @pytest.mark.parametrize(
     ("method", "path", "headers", "status", "code"),
     [

@@ -232,6 +232,29 @@ def test_a_key_file_others_can_read_is_refused(tmp_path: Path, tiny_pkg: Path) -
     assert out.stdout == ""  # refused before the node started
 
 
+@pytest.mark.parametrize("kind", ["symlink", "fifo"])
+def test_a_key_file_that_is_a_link_or_a_fifo_is_refused_at_once(tmp_path: Path, kind: str) -> None:
+    """`--api-key-file` naming a symbolic link (to a good 0600 file) or a FIFO: exit 2 with
+    the key file's error before the node starts. Before, the link was resolved and followed,
+    and the FIFO's open waited for a writer: start-up hung without a word."""
+    keys = tmp_path / "keys.txt"
+    if kind == "symlink":
+        os.symlink(write_keys(tmp_path / "real-keys.txt", KEY), keys)
+    else:
+        os.mkfifo(keys, 0o600)
+    (tmp_path / "n.toml").write_text(node_toml(tmp_path, "n"))
+    out = subprocess.run(
+        [sys.executable, "-m", "mesh_node", "run", "--config", str(tmp_path / "n.toml"),
+         "--http", "127.0.0.1:0", "--api-key-file", str(keys)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 2 and "error [invalid_api_key_file]" in out.stderr, out.stderr
+    said = "is a symbolic link" if kind == "symlink" else "is not a regular file (a FIFO)"
+    assert said in out.stderr and "hint: " in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr and KEY not in out.stderr
+    assert out.stdout == ""  # refused before the node started
+
+
 def test_tls_with_a_self_signed_certificate_and_the_environment_key(
     tmp_path: Path, tiny_pkg: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

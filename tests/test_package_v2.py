@@ -520,6 +520,48 @@ def test_fetch_downloads_exactly_a_v2_stages_artifacts(v2pkg, monkeypatch, capsy
     assert doc["fetch"]["bytes_downloaded"] < doc["fetch"]["package_bytes"]
 
 
+def _inspect(capsys: pytest.CaptureFixture[str], path: Path) -> tuple[int, dict[str, Any]]:
+    code = main(["inspect", str(path), "--json"])
+    return code, json.loads(capsys.readouterr().out)
+
+
+def test_inspect_reads_width_tied_embeddings_and_parts_from_the_carrier(
+    synth_dir, v2pkg, pkg, capsys
+):
+    """What a v2 root leaves to its carrier (the width, whether embeddings are tied, each
+    part's tensors) is read from it, and agrees with the source GGUF's own inspect."""
+    _, source = _inspect(capsys, synth_dir.gemma)
+    assert source["tied_embeddings"] is True and source["activation_width"]  # gemma-like
+    assert _inspect(capsys, v2pkg)[0] == 0
+    _, doc = _inspect(capsys, v2pkg)
+    assert doc["activation_width"] == source["activation_width"]
+    assert doc["tied_embeddings"] is True and doc["carrier_read"] is True
+    assert set(doc["shared"]) >= {"metadata", "common"}
+    assert {e["layer_index"] for e in doc["layers"]} == set(range(doc["layer_count"]))
+    parts = [*doc["shared"].values(), *doc["layers"]]
+    assert sum(a["tensor_count"] for a in parts) == source["tensor_count"]
+    assert sum(a["tensor_bytes"] for a in parts) == source["tensor_bytes"]
+    assert main(["inspect", str(v2pkg)]) == 0
+    text = capsys.readouterr().out
+    assert f"width: {source['activation_width']}  tied embeddings: yes" in text
+    # a folder without the carrier (a hub snapshot holding only the root): unknown, said so
+    (pkg / METADATA_PATH).unlink()
+    _, bare = _inspect(capsys, pkg)
+    assert bare["activation_width"] is None and bare["tied_embeddings"] is None
+    assert bare["carrier_read"] is False and len(bare["layers"]) == len(doc["layers"])
+    assert main(["inspect", str(pkg)]) == 0
+    text = capsys.readouterr().out
+    assert "width: unknown  tied embeddings: unknown" in text and "metadata carrier" in text
+
+
+def test_inspect_of_a_truncated_carrier_is_the_packages_error(pkg, capsys):
+    carrier = pkg / METADATA_PATH
+    carrier.write_bytes(carrier.read_bytes()[:-1])
+    code, doc = _inspect(capsys, pkg)
+    assert code == 1 and doc["ok"] is False
+    assert doc["error"]["code"] == "artifact_size_mismatch"
+
+
 def test_dump_root_round_trips(v2pkg):
     raw = (v2pkg / MANIFEST_NAME).read_bytes()
     m = parse_manifest(raw)

@@ -47,6 +47,21 @@ def test_v2_verifies_source_complete(gemma_gguf, gemma_pair, capsys):
     assert report["checked_tensors"] == 236 and report["checked_source_files"] == 1
 
 
+def test_v2_inspect_says_what_v1_says_of_gemma3(gemma_pair, capsys):
+    """Width and tied embeddings live in v2's carrier, not its root: inspect reads them."""
+    docs = []
+    for pkg in gemma_pair:
+        assert main(["inspect", str(pkg), "--json"]) == 0
+        docs.append(json.loads(capsys.readouterr().out))
+    v1, v2 = docs
+    assert (v2["activation_width"], v2["tied_embeddings"]) == (640, True)
+    assert (v1["activation_width"], v1["tied_embeddings"]) == (640, True)
+    assert [e["layer_index"] for e in v2["layers"]] == list(range(18))
+    assert sum(e["tensor_count"] for e in v2["layers"]) == sum(
+        e["tensor_count"] for e in v1["layers"]
+    )
+
+
 @pytest.mark.parametrize(
     "engine_args", [("--stages", "3", "--engine", "ggml"), ("--engine", "llama")]
 )

@@ -52,7 +52,8 @@ def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     if CHROMIUM is None or CHROMEDRIVER is None:
         pytest.skip(
             "needs Debian's chromium and chromium-driver (/usr/bin/chromium, "
-            "/usr/bin/chromedriver); scripts/_setup.sh installs them with apt-get as root"
+            "/usr/bin/chromedriver); scripts/test installs them with apt-get as root in CI, "
+            "or when asked (SKIPPY_INSTALL_BROWSER=1)"
         )
     from selenium import webdriver
     from selenium.webdriver.chrome.options import Options

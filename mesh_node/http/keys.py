@@ -8,8 +8,10 @@ default; a public bind warns). A key is never logged, shown or put in an error m
 
 from __future__ import annotations
 
+import errno
 import hmac
 import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
@@ -73,14 +75,34 @@ def parse_key_lines(text: str, source: str) -> list[str]:
 
 
 def read_key_file(path: Path) -> list[str]:
+    """The keys of ``path``, which must be a regular file of its own, readable by its owner
+    only: a symbolic link (whose target's mode is not the rule's to check) and a FIFO or
+    device (whose open or read would block start-up, or never end) are refused."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        # O_NONBLOCK: opening a FIFO for reading waits for a writer; the node must not hang.
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as exc:
+        if exc.errno == errno.ELOOP and os.path.islink(path):
+            raise ApiKeyError(
+                f"the API key file {path} is a symbolic link: an API key file is read only "
+                "from a regular file of its own",
+                path=str(path),
+                remediation=f"name the file itself ({os.path.realpath(path)})",
+            ) from None
         raise ApiKeyError(
             f"cannot open the API key file {path}: {exc.strerror}", path=str(path)
         ) from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise ApiKeyError(
+            f"the API key file {path} is not a regular file ({_file_kind(st.st_mode)}): "
+            "reading it could block the node's start or never end",
+            path=str(path),
+            remediation="write the keys to a regular file, mode 0600",
+        )
     with os.fdopen(fd, "rb") as f:
-        check_private_mode(os.fstat(f.fileno()), path, "an API key file")
+        check_private_mode(st, path, "an API key file")
         data = f.read(MAX_KEY_FILE_BYTES + 1)
     if len(data) > MAX_KEY_FILE_BYTES:
         raise ApiKeyError(f"{path} is larger than {MAX_KEY_FILE_BYTES} bytes", path=str(path))
@@ -96,6 +118,13 @@ def read_key_file(path: Path) -> list[str]:
             remediation="one key per line (# starts a comment)",
         )
     return keys
+
+
+def _file_kind(mode: int) -> str:
+    kinds = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"),
+             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+             (stat.S_ISSOCK, "a socket"))  # fmt: skip
+    return next((name for test, name in kinds if test(mode)), "a special file")
 
 
 def load_api_keys(settings: HttpSettings) -> ApiKeys:

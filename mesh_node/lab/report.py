@@ -340,9 +340,10 @@ def render_plan(doc: Mapping[str, Any]) -> list[str]:
         )
         if plan.get("runner_up"):
             r = plan["runner_up"]
+            why = plan.get("runner_up_why")
             lines.append(
                 f"  runner-up: {r['predicted_ms_per_token']:.2f} ms/token over "
-                f"{len(r['nodes'])} stage(s)"
+                f"{len(r['nodes'])} stage(s)" + (f" ({why})" if why else "")
             )
         lines += [f"  {k}: {v}" for k, v in (plan.get("assumptions") or {}).items()]
     else:

@@ -1,5 +1,7 @@
-"""The node's hub-cache budget (issue #23 item 5): use vs budget, LRU eviction before a
-stage's fetch, and the counters ``mesh-node status`` and ``/metrics`` show.
+"""The node's hub-cache budget: use vs budget, LRU eviction before a stage's fetch, and the
+counters ``mesh-node status`` and ``/metrics`` show. ``cache_budget = "auto"`` (the default)
+is resolved by ``start`` from the disk (``skippy.transfer.disk.auto_cache_budget``) and said
+in the node's log, like a configured budget or none.
 
 The decisions are ``skippy.transfer.evict.plan_eviction`` (what to delete) and
 ``skippy.transfer.disk.stage_disk_problem`` (whether the fetch may go ahead: the existing
@@ -13,13 +15,15 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import time
 from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
 from skippy.config import SecuritySettings
-from skippy.transfer.disk import cache_usage
+from skippy.progress import human_bytes
+from skippy.transfer.disk import auto_cache_budget, cache_usage
 from skippy.transfer.evict import evict, plan_eviction, scan_blobs
 from skippy.transfer.recency import RecencyIndex, blob_key
 
@@ -30,12 +34,46 @@ INDEX_NAME = "cache-recency.json"  # in the node's data_dir, beside (not in) the
 class CacheBudget:
     def __init__(self, hub_cache_dir: Path, data_dir: Path, security: SecuritySettings) -> None:
         self.root = hub_cache_dir
-        self.budget_bytes = security.cache_budget_bytes
+        setting = security.cache_budget_bytes
+        self.auto = not isinstance(setting, int)
+        # an automatic budget is 0 (none) until ``start`` derives it
+        self.budget_bytes: int = setting if isinstance(setting, int) else 0
         self.index = RecencyIndex(data_dir / INDEX_NAME)
         self.used_bytes: int | None = None  # None until first measured
         self.evicted_blobs = 0
         self.evicted_bytes = 0
         self.refusals = 0  # fetches refused because eviction could not make room (the caller)
+
+    def start(self) -> str:
+        """Measure the cache, derive the budget from the disk when it is automatic, and log
+        which budget holds and why (thread). Returns the line logged."""
+        used = self.refresh()
+        if self.auto:
+            disk = shutil.disk_usage(_existing(self.root))
+            auto = auto_cache_budget(
+                disk_total_bytes=disk.total, disk_free_bytes=disk.free, cache_used_bytes=used
+            )
+            self.budget_bytes = auto.budget_bytes
+            line = (
+                f"hub cache budget {human_bytes(self.budget_bytes)} ({self.budget_bytes} bytes, "
+                f"cache_budget = auto: {auto.explain()}); {used} bytes in use; least recently "
+                "used blobs no stage needs are evicted beyond it ([security] cache_budget sets "
+                "it, 0 for none)"
+            )
+            log.info("%s", line)
+        elif self.budget_bytes:
+            line = (
+                f"hub cache budget {human_bytes(self.budget_bytes)} ({self.budget_bytes} bytes, "
+                f"[security] cache_budget); {used} bytes in use"
+            )
+            log.info("%s", line)
+        else:
+            line = (
+                f"hub cache budget: none ([security] cache_budget = 0): the cache ({used} bytes "
+                "now) grows until the disk is full"
+            )
+            log.warning("%s", line)
+        return line
 
     def refresh(self) -> int:
         self.used_bytes = cache_usage(self.root)
@@ -92,11 +130,21 @@ class CacheBudget:
         self.refresh()
 
     def status(self) -> dict[str, Any]:
-        """The status document's ``cache`` section (``budget_bytes`` 0: no budget)."""
+        """The status document's ``cache`` section (``budget_bytes`` 0: no budget;
+        ``budget_auto``: derived from the disk)."""
         return {
             "used_bytes": self.used_bytes,
             "budget_bytes": self.budget_bytes,
+            "budget_auto": self.auto,
             "evicted_blobs": self.evicted_blobs,
             "evicted_bytes": self.evicted_bytes,
             "refusals": self.refusals,
         }
+
+
+def _existing(path: Path) -> Path:
+    """``path`` or its nearest existing parent: the filesystem the cache will be on."""
+    for candidate in (path, *path.parents):
+        if candidate.exists():
+            return candidate
+    return path

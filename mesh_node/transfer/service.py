@@ -93,7 +93,7 @@ class ArtifactService:
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Follow the node's topology until cancelled."""
-        await trio.to_thread.run_sync(self.fetcher.cache_budget.refresh)
+        await trio.to_thread.run_sync(self.fetcher.cache_budget.start)
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             task_status.started()

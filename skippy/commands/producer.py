@@ -202,8 +202,8 @@ def _source_and_provenance(args: argparse.Namespace) -> tuple[Path, Provenance]:
     return hub_source.first_shard, hub_source.provenance
 
 
-def _yes_no(flag: bool) -> str:
-    return "yes" if flag else "no"
+def _yes_no(flag: bool | None) -> str:
+    return "unknown" if flag is None else "yes" if flag else "no"
 
 
 def _known(value: object, unit: str = "") -> str:
@@ -332,11 +332,17 @@ def _package_lines(data: dict[str, Any]) -> list[str]:
     ]
     if data.get("schema_version") == 2:
         lines.insert(1, f"  schema 2, package_id {data['package_id']}")
+        if not data["carrier_read"]:
+            lines.append(
+                "  (width, tied embeddings and tensors are in the metadata carrier, which this "
+                "folder does not hold)"
+            )
         width = max(len(field_text(a["path"])) for a in data["artifacts"])
         for a in data["artifacts"]:
             label = a["role"] if a["layer_index"] is None else f"layer {a['layer_index']}"
+            count = "" if a["tensor_count"] is None else f"{a['tensor_count']:>5} tensors "
             lines.append(
-                f"  {label:<11} {field_text(a['path']):<{width}} "
+                f"  {label:<11} {field_text(a['path']):<{width}} {count}"
                 f"{human_bytes(a['artifact_bytes']):>10}"
             )
         return lines

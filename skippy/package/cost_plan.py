@@ -173,6 +173,32 @@ def topology_from_candidate(
     )
 
 
+def rank_key(c: Candidate) -> tuple[bool, float, int, tuple[str, ...]]:
+    """The candidates' order: fitting first, then by predicted time per token; a tie goes
+    to fewer stages, then to the node ids in stage order."""
+    return (not c.fits, round(c.predicted_s, 9), len(c.nodes), c.nodes)
+
+
+def why_behind(chosen: Candidate, other: Candidate, ranked: Sequence[Candidate]) -> str:
+    """Why ``other`` ranks after ``chosen`` (pure): how much slower it is predicted to be,
+    or, for a tie, how many candidates tie and which rule broke it."""
+    a, b = rank_key(chosen), rank_key(other)
+    if b[1] > a[1]:
+        return f"{(other.predicted_s - chosen.predicted_s) * 1000:.3g} ms/token slower"
+    tied = sum(1 for c in ranked if c.fits and rank_key(c)[1] == a[1])
+    what = (
+        "the same nodes in another order"
+        if set(other.nodes) == set(chosen.nodes)
+        else "other nodes"
+    )
+    rule = (
+        "a tie goes to fewer stages"
+        if b[2] > a[2]
+        else "a tie goes to the node ids in stage order"
+    )
+    return f"{what}, as fast as the chosen split ({tied} candidates tie): {rule}"
+
+
 def plan_by_cost(
     sizes: ModelSizes,
     nodes: Sequence[NodeCost],
@@ -216,7 +242,7 @@ def plan_by_cost(
         else:
             orders = itertools.permutations(nodes, k)
         out += [evaluate(sizes, order, links) for order in orders]
-    out.sort(key=lambda c: (not c.fits, round(c.predicted_s, 9), len(c.nodes), c.nodes))
+    out.sort(key=rank_key)
     return out
 
 
@@ -227,6 +253,8 @@ __all__ = [
     "evaluate",
     "plan_by_cost",
     "predict",
+    "rank_key",
     "speed_weighted_counts",
     "topology_from_candidate",
+    "why_behind",
 ]

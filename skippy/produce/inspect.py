@@ -21,6 +21,9 @@ from skippy.constants import (
     KEY_MATERIALIZED_LAYER_COUNT,
     KEY_MATERIALIZED_LAYER_START,
     KEY_MATERIALIZED_LAYER_STOP,
+    ROLE_COMMON,
+    ROLE_LAYER,
+    ROLE_METADATA,
     arch_key,
 )
 from skippy.gguf.constants import ggml_type_name
@@ -120,9 +123,35 @@ def inspect_gguf(path: Path) -> dict[str, Any]:
         }
 
 
+def _read_carrier(package_dir: Path, m: ManifestV2) -> tuple[ManifestV2, int | None, bool]:
+    """The v2 manifest with the tensor catalog its metadata carrier resolves to, the
+    carrier's ``{arch}.embedding_length``, and whether the carrier was there to read. A
+    carrier not fetched yet leaves both unknown; one that breaks a rule is the package's
+    error (``ManifestError``), as in every other reader of it."""
+    from skippy.errors import ArtifactMissing
+    from skippy.package.artifacts import stat_artifact
+    from skippy.package.v2_carrier import open_carrier, resolve_carrier
+
+    if m.root.metadata_artifact is None:  # an invalid root: the carrier is not named
+        return m, None, False
+    try:
+        path, _ = stat_artifact(package_dir, m.metadata_ref())
+    except ArtifactMissing as exc:
+        if exc.code != "missing_artifact":
+            raise
+        return m, None, False
+    with open_carrier(path) as g:
+        return m.with_catalog(resolve_carrier(m.root, g)), arch_int(g, "embedding_length"), True
+
+
 def _inspect_v2(package_dir: Path, m: ManifestV2) -> dict[str, Any]:
-    """A v2 root's summary: the same keys as a v1 package's where they mean the same, the
-    artifact catalog (with each file's role) in place of ``shared``/``layers``."""
+    """A v2 root's summary: the same keys as a v1 package's, with what only its metadata
+    carrier says (width, tied embeddings, each part's tensors) read from the carrier when
+    the package holds it (else ``null``); ``shared`` keyed by artifact id (the carrier,
+    the common group's parts), ``layers`` one entry per layer part; and the artifact
+    catalog with each file's role."""
+    m, width, has_carrier = _read_carrier(package_dir, m)
+    refs = list(m.artifacts())
     src = m.root.source_model
     return {
         "kind": "package",
@@ -137,22 +166,32 @@ def _inspect_v2(package_dir: Path, m: ManifestV2) -> dict[str, Any]:
             "sha256": src.sha256,
         },
         "layer_count": m.layer_count,
-        "activation_width": None,
-        "tied_embeddings": m.tied_embeddings,
+        "activation_width": width,
+        "tied_embeddings": m.tied_embeddings if has_carrier else None,
+        "carrier_read": has_carrier,
         "skippy_abi_version": m.skippy_abi_version,
         "created_at_unix_secs": m.created_at_unix_secs,
         "total_bytes": m.total_artifact_bytes(),
-        "shared": {},
-        "layers": [],
+        "shared": {
+            m.artifact_id_of(r.path): r.artifact.to_dict()
+            for r in refs
+            if r.role in (ROLE_METADATA, ROLE_COMMON)
+        },
+        "layers": [
+            {"layer_index": r.layer_index, **r.artifact.to_dict()}
+            for r in refs
+            if r.role == ROLE_LAYER
+        ],
         "artifacts": [
             {
                 "role": r.role,
                 "layer_index": r.layer_index,
                 "path": r.path,
+                "tensor_count": r.artifact.tensor_count if has_carrier else None,
                 "artifact_bytes": r.artifact.artifact_bytes,
                 "sha256": r.artifact.sha256,
             }
-            for r in m.artifacts()
+            for r in refs
         ],
         "projectors": [p.to_dict() for p in m.projectors],
         "generation": m.generation,

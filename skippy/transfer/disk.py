@@ -7,6 +7,8 @@
 - ``evict_partials``: partials of failed or abandoned fetches stay for a resume, but all
   partials of the hub cache together are capped; the oldest (by modification time) go first,
   never one whose artifact another fetch is installing right now (its lock is held).
+- ``auto_cache_budget`` (pure): the hub-cache budget a node takes from its disk when
+  ``cache_budget = "auto"`` (the default), so a cache that nobody sized still stops growing.
 """
 
 from __future__ import annotations
@@ -14,11 +16,49 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Final
 
 from skippy.atomic import LockBusy, exclusive_lock
 
 PARTIAL_SUFFIX = ".part"
+GIB: Final = 1024**3
+AUTO_CACHE_SHARE: Final = 0.5  # at most half the filesystem holding the cache
+AUTO_CACHE_RESERVE_SHARE: Final = 0.1  # left free for everything else on that filesystem,
+AUTO_CACHE_RESERVE_MAX_BYTES: Final = 10 * GIB  # but never more than this
+AUTO_CACHE_MIN_BYTES: Final = 1 * GIB  # a nearly full disk: the free-space check refuses
+
+
+@dataclass(frozen=True)
+class AutoCacheBudget:
+    """The derived budget and the figures it came from (the node's start-up line)."""
+
+    budget_bytes: int
+    disk_total_bytes: int
+    disk_free_bytes: int
+    cache_used_bytes: int
+    reserve_bytes: int
+
+    def explain(self) -> str:
+        return (
+            f"the least of half the filesystem ({self.disk_total_bytes // 2} of "
+            f"{self.disk_total_bytes} bytes) and the cache's {self.cache_used_bytes} bytes plus "
+            f"the {self.disk_free_bytes} free, less a reserve of {self.reserve_bytes}; at least "
+            f"{AUTO_CACHE_MIN_BYTES}"
+        )
+
+
+def auto_cache_budget(
+    *, disk_total_bytes: int, disk_free_bytes: int, cache_used_bytes: int
+) -> AutoCacheBudget:
+    """``min(half the filesystem, cache + free space - reserve)``, at least 1 GiB; the reserve
+    is a tenth of the filesystem, at most 10 GiB. The cache's own bytes count as room, so a
+    node restarted with a full cache derives the same budget as before it filled."""
+    reserve = min(int(disk_total_bytes * AUTO_CACHE_RESERVE_SHARE), AUTO_CACHE_RESERVE_MAX_BYTES)
+    room = cache_used_bytes + disk_free_bytes - reserve
+    budget = max(AUTO_CACHE_MIN_BYTES, min(int(disk_total_bytes * AUTO_CACHE_SHARE), room))
+    return AutoCacheBudget(budget, disk_total_bytes, disk_free_bytes, cache_used_bytes, reserve)
 
 
 def stage_disk_problem(
