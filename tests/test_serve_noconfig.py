@@ -26,7 +26,7 @@ pytest.importorskip("openai", reason="the openai client is a dev dependency")
 import openai
 import synth_gguf
 from pkgtools import make_package
-from servetools import Proc, _pump, http, wait_ready
+from servetools import Proc, _pump, http, node_toml, wait_ready
 from stagetools import chain, stage_loads
 
 from mesh_node.identity import (
@@ -232,14 +232,42 @@ def _status_serving(data: Path) -> dict[str, object]:
 def test_asking_to_split_an_uncovered_family_is_a_coded_usage_error(
     uncovered_pkg: Path, tmp_path: Path
 ) -> None:
+    (tmp_path / "coord.toml").write_text(node_toml(tmp_path, "coord"))
     out = subprocess.run(
         [sys.executable, "-m", "mesh_node", "serve", "--package", str(uncovered_pkg),
-         "--stages", "2", "--data-dir", str(tmp_path / "node"), "--http", "127.0.0.1:0",
-         "--listen", "127.0.0.1:0", "--json"],
+         "--stages", "2", "--config", str(tmp_path / "coord.toml"), "--http", "127.0.0.1:0",
+         "--json"],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=60,
     )
     assert out.returncode == 2, out.stderr
     assert '"code": "split_unsupported"' in out.stdout and "Traceback" not in out.stderr
     assert "exaone is not supported by the stage runtime" in out.stdout
+
+
+def test_serving_engine_llama_serves_a_covered_family_whole(tiny_pkg: Path, tmp_path: Path) -> None:
+    from skippy.runtime.llama_cpp import LlamaRuntimeConfig, LlamaStageRuntime
+
+    (load,) = stage_loads(tiny_pkg, ["0..4"])
+    with LlamaStageRuntime(LlamaRuntimeConfig(n_ctx=64, n_threads=1)) as ref:
+        ref.load(load)
+        expected = ref.detokenize(list(ref.generate(IDS, max_tokens=N).tokens))
+    # the [serving] table is the last one node_toml writes
+    (tmp_path / "coord.toml").write_text(node_toml(tmp_path, "coord") + 'engine = "llama"\n')
+    coord = _serve(
+        ["--package", str(tiny_pkg), "--config", str(tmp_path / "coord.toml"), "--http",
+         "127.0.0.1:0"]
+    )
+    try:
+        coord.wait_line("listening ")
+        api = coord.wait_line("api ")
+        wait_ready(api)
+        assert _complete(api) == expected
+        health = http("GET", api.removesuffix("/v1") + "/health")[1]
+        assert health["engine"] == (
+            'engine: llama.cpp (one node; split placement refused: [serving] engine = "llama" '
+            "runs the whole model in llama.cpp)"
+        )
+    finally:
+        _stop(coord)

@@ -97,6 +97,9 @@ class LlamaStage:
             params.n_batch = params.n_ubatch = self._n_batch
             params.n_seq_max = config.max_sessions
             params.n_threads = params.n_threads_batch = config.n_threads
+            # As skippy.runtime.llama_cpp's Llama (llama-cpp-python's default): the same
+            # attention kernels, so `run --engine llama` and serving give the same tokens.
+            params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
             self._ctx = lib.llama_init_from_model(self._model, params)
             if not self._ctx:
                 raise load_failed(load, "llama.cpp could not create a context")
