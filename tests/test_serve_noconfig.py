@@ -271,3 +271,36 @@ def test_serving_engine_llama_serves_a_covered_family_whole(tiny_pkg: Path, tmp_
         )
     finally:
         _stop(coord)
+
+
+@pytest.mark.slow
+def test_gemma3_served_whole_by_llama_cpp_answers_text_as_run_engine_llama(
+    gemma_package: Path, tmp_path: Path
+) -> None:
+    """A real model and a text prompt through the llama engine: the openai client gets
+    `skippy-model-package run --engine llama`'s greedy text, token for token."""
+    from skippy.runtime.llama_cpp import LlamaRuntimeConfig, LlamaStageRuntime
+
+    prompt = "The capital of France is"
+    (load,) = stage_loads(gemma_package, ["0..18"])
+    with LlamaStageRuntime(LlamaRuntimeConfig(n_ctx=256, n_threads=1)) as ref:
+        ref.load(load)
+        want = ref.generate(ref.tokenize(prompt), max_tokens=16).text
+    assert want.startswith(" the capital of the country of France")  # GOTCHAS' greedy text
+    toml = node_toml(tmp_path, "coord", budget="4GiB") + 'engine = "llama"\n'
+    (tmp_path / "coord.toml").write_text(toml)
+    coord = _serve(
+        ["--package", str(gemma_package), "--config", str(tmp_path / "coord.toml"), "--http",
+         "127.0.0.1:0"]
+    )
+    try:
+        coord.wait_line("listening ", timeout_s=120)
+        api = coord.wait_line("api ", timeout_s=120)
+        wait_ready(api, timeout_s=180)
+        client = openai.OpenAI(base_url=api, api_key="unused", max_retries=0, timeout=120)
+        done = client.completions.create(
+            model=client.models.list().data[0].id, prompt=prompt, max_tokens=16, temperature=0
+        )
+        assert done.choices[0].text == want
+    finally:
+        _stop(coord)
