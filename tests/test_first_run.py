@@ -82,3 +82,13 @@ def test_unusable_data_dirs_and_readable_keys_are_refused(tmp_path):
     (tmp_path / "d" / "node.key").chmod(0o644)
     with pytest.raises(KeyFilePermissions):
         prepare_default_node(tmp_path / "d")
+
+
+def test_cli_data_dir_goes_with_no_config_and_status_names_the_missing_node(tmp_path, capsys):
+    from mesh_node.cli import main
+
+    code = main(["serve", "--config", "x.toml", "--data-dir", str(tmp_path), "--package", "p"])
+    assert code == 2 and "--data-dir is for serving without --config" in capsys.readouterr().err
+    code = main(["status", "--data-dir", str(tmp_path / "none"), "--json"])
+    out = capsys.readouterr().out
+    assert code == 2 and '"code": "usage"' in out and str(tmp_path / "none" / "node.toml") in out
