@@ -81,6 +81,9 @@ def load_or_calibrate(settings: NodeSettings) -> Calibration | None:
     calibration is off or cannot run here."""
     if not settings.calibrate:
         return None
+    if settings.serving.engine == "llama":  # whole models on this node: nothing to plan
+        log.info("calibration skipped: [serving] engine = llama serves whole models only")
+        return None
     engine, threads = settings.serving.engine, calibration_threads(settings)
     path = settings.data_dir / CACHE_NAME
     records = read_cache(path)

@@ -100,13 +100,58 @@ def cmd_owner_sign(args: argparse.Namespace) -> CommandResult:
     return CommandResult(data, text)
 
 
-def _node_settings(args: argparse.Namespace) -> tuple[Any, Any]:
-    """The node's settings with the command line's --http/--http-public applied, its identity;
-    warnings printed."""
-    from mesh_node.identity import load_local_identity
-    from skippy.config import load_node_settings, parse_http_bind
+def _default_data_dir(args: argparse.Namespace) -> Path:
+    from skippy.config import read_environment
 
-    settings = load_node_settings(Path(args.config))
+    data_dir = getattr(args, "data_dir", None)
+    return Path(data_dir) if data_dir else read_environment().node_data_dir
+
+
+def _serve_config(args: argparse.Namespace) -> Path:
+    """``--config``, or without it the node of the data directory (``--data-dir``, default
+    XDG's), created there on first use; what was created or reused is said on stderr."""
+    if args.config is not None:
+        if args.data_dir is not None:
+            raise UsageError(
+                "--data-dir is for serving without --config (the config's data_dir decides)",
+                code="usage",
+            )
+        return Path(args.config)
+    from mesh_node.first_run import prepare_default_node
+
+    node = prepare_default_node(_default_data_dir(args))
+    for note in node.notes:
+        sys.stderr.write(f"{note}\n")
+    return node.config_path
+
+
+def _existing_config(args: argparse.Namespace) -> Path:
+    """``--config``, or the node.toml that `mesh-node serve` without --config created."""
+    from skippy.config import NODE_TOML_NAME
+
+    if args.config is not None:
+        return Path(args.config)
+    path = _default_data_dir(args) / NODE_TOML_NAME
+    if not path.is_file():
+        raise UsageError(
+            f"no --config given, and {path} does not exist",
+            code="usage",
+            path=str(path),
+            remediation="pass --config node.toml (or --data-dir of a `mesh-node serve` without "
+            "--config)",
+        )
+    return path
+
+
+def _node_settings(args: argparse.Namespace, config: Path | None = None) -> tuple[Any, Any]:
+    """The node's settings with the command line's --http/--http-public/--listen applied, its
+    identity; warnings printed."""
+    from mesh_node.identity import load_local_identity
+    from skippy.config import load_node_settings, parse_host_port, parse_http_bind
+
+    settings = load_node_settings(config if config is not None else Path(args.config))
+    if getattr(args, "listen", None) is not None:
+        settings = replace(settings, listen=parse_host_port(args.listen, "--listen"))
     if args.http is not None or args.http_public:
         settings = replace(
             settings,
@@ -152,7 +197,13 @@ def cmd_serve(args: argparse.Namespace) -> CommandResult:
 
     if args.stages is not None and args.stages < 1:
         raise UsageError("--stages must be at least 1", code="usage")
-    settings, identity = _node_settings(args)
+    config = _serve_config(args)
+    settings, identity = _node_settings(args, config)
+    if args.config is None and _is_loopback(settings.listen.host):
+        sys.stderr.write(
+            f"peers may join on {settings.listen} (loopback: this machine only); "
+            "--listen 0.0.0.0:PORT lets other machines join\n"
+        )
     assert settings.http is not None  # --http has a default (typing)
     replicas = args.replicas if args.replicas is not None else settings.serving.replicas
     check_replicas(replicas, args.stages)
@@ -164,7 +215,7 @@ def cmd_serve(args: argparse.Namespace) -> CommandResult:
         http=settings.http,
         model_name=args.model_name,
         # issue #22: [speculative] and model entries of the same config, and the CLI's choice
-        speculative=load_node_config(Path(args.config)).speculative,
+        speculative=load_node_config(config).speculative,
         speculative_strategy=args.speculative_strategy,
         replicas=args.replicas,
     )
@@ -174,6 +225,15 @@ def cmd_serve(args: argparse.Namespace) -> CommandResult:
 
     _run_trio(main)
     return CommandResult({"ok": True}, "")
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def _run_trio(fn: Callable[..., Any], *args: Any) -> Any:
@@ -201,7 +261,7 @@ def cmd_status(args: argparse.Namespace) -> CommandResult:
     from mesh_node.peers import render_status
     from skippy.config import load_node_settings
 
-    settings = load_node_settings(Path(args.config))
+    settings = load_node_settings(_existing_config(args))
     response = trio.run(
         control.request, settings.control_socket, {"op": "status"}, STATUS_TIMEOUT_S
     )
@@ -403,13 +463,35 @@ def build_parser() -> argparse.ArgumentParser:
         "run a node that coordinates a split of PACKAGE (stage 0 here) and serves an "
         "OpenAI-compatible API beside its status page",
     )
-    p.add_argument("--config", required=True)
-    p.add_argument("--package", required=True, help="hf://ns/repo@rev or a package directory")
+    p.add_argument(
+        "--config",
+        help="the node TOML (default: the node in --data-dir, created there on first run)",
+    )
+    p.add_argument(
+        "--data-dir",
+        metavar="DIR",
+        help="without --config: where the node's keys, owner certificate and node.toml live, "
+        "created on first run (default $XDG_DATA_HOME/mesh-node, else "
+        "~/.local/share/mesh-node)",
+    )
+    p.add_argument(
+        "--listen",
+        metavar="HOST:PORT",
+        help="where peers dial this node (config: listen; without --config 127.0.0.1:7000, "
+        "this machine only: 0.0.0.0:7000 lets other machines join)",
+    )
+    p.add_argument(
+        "--package",
+        required=True,
+        help="hf://ns/repo@rev or a package directory (a .gguf file: package it first, "
+        "skippy-model-package write)",
+    )
     p.add_argument(
         "--stages",
         type=int,
         default=None,
-        help="number of stages; waits for that many - 1 capable peers (default: all connected)",
+        help="number of stages; waits for that many - 1 capable peers (default: all connected; "
+        "a model the stage runtime does not cover is served whole on this node by llama.cpp)",
     )
     p.add_argument(
         "--replicas",
@@ -443,7 +525,13 @@ def build_parser() -> argparse.ArgumentParser:
         help=SPECULATIVE_HELP + " (overrides the config's [speculative])",
     )
     p = add("status", cmd_status, "ask the running node for its status")
-    p.add_argument("--config", required=True)
+    p.add_argument("--config", help="the node TOML (default: the node in --data-dir)")
+    p.add_argument(
+        "--data-dir",
+        metavar="DIR",
+        help="without --config: the folder of a `mesh-node serve` without --config (default "
+        "$XDG_DATA_HOME/mesh-node, else ~/.local/share/mesh-node)",
+    )
     p = add(
         "topology",
         cmd_topology,

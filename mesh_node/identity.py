@@ -114,10 +114,12 @@ def issue_certificate(
     return OwnerCertificate.issue(owner_key, node, now - 60, now + days * 86400)
 
 
-def write_certificate(path: Path, cert: OwnerCertificate) -> None:
-    if path.exists():
+def write_certificate(path: Path, cert: OwnerCertificate, *, replace: bool = False) -> None:
+    """Write ``cert`` (never over an existing file unless ``replace``: a renewal)."""
+    if path.exists() and not replace:
         raise OutputExists(f"{path} already exists; refusing to replace it", path=str(path))
     with atomic_install(path, durable=True) as f:
+        os.fchmod(f.fileno(), 0o600)
         f.write((json.dumps(cert.to_dict(), indent=2) + "\n").encode())
 
 

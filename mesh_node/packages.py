@@ -10,6 +10,7 @@ from skippy.config import NodeSettings, read_environment
 if TYPE_CHECKING:
     from skippy.generation import SpeculativeOverrides, SpeculativePlan
     from skippy.package.manifest import PackageManifest
+    from skippy.serving.engine_choice import EngineChoice
 
 
 def package_identity(settings: NodeSettings, text: str) -> tuple[str, str, Any, str]:
@@ -63,3 +64,29 @@ def manifest_speculation(
     )
     cli = SpeculativeSettings(strategy=strategy) if strategy is not None else None
     return resolve_speculative_plan(package=package, overrides=overrides, model=m.model_id, cli=cli)
+
+
+def package_engine(settings: NodeSettings, pinned: str) -> EngineChoice:
+    """Which engine serves the package at ``pinned`` on this node, from its metadata part
+    (brought to local disk first for an hf:// package: stage 0 needs it anyway), and whether
+    it may be split (``skippy.serving.engine_choice``)."""
+    from skippy.consume.resolve import fetch_selection, open_package
+    from skippy.gguf.reader import open_gguf
+    from skippy.package.ranges import LayerRange
+    from skippy.package.refs import parse_package_ref
+    from skippy.package.select import StageSelection
+    from skippy.paths import resolve_under
+    from skippy.runtime.weights import read_model_kv
+    from skippy.serving.engine_choice import choose_engine, family_of, stage_runtime_problem
+
+    env = replace(read_environment(), hf_cache_dir=settings.hub_cache_dir)
+    ref = parse_package_ref(pinned)
+    pkg = open_package(ref, env)
+    m = pkg.manifest
+    metadata = next(iter(m.artifacts()))  # the metadata part (v1) or carrier (v2) comes first
+    everything = LayerRange(0, m.layer_count, m.layer_count)
+    fetch_selection(pkg, ref, StageSelection(m, everything, (metadata,), None), env)
+    path = resolve_under(pkg.root, metadata.path, containment_root=pkg.containment_root)
+    with open_gguf(path, header_only=True) as g:
+        kv = read_model_kv(g)
+    return choose_engine(settings.serving.engine, family_of(kv), stage_runtime_problem(kv))

@@ -13,6 +13,7 @@ Kinds (importable functions, and a CLI: ``python scripts/synth_gguf.py KIND OUT 
     qwen3_like(path, *, n_layers=4, width=64, ff=256, vocab=128, seed=0, alignment=None)
     qwen2_like(path, *, n_layers=4, width=64, ff=256, vocab=128, seed=0, alignment=None)
     nextn_like(path, *, n_layers=4, width=64, ff=256, vocab=128, seed=0, arch="glm4moe")
+    uncovered_like(path, *, arch="exaone", <llama_like options>)
     split_set(directory, stem, *, n_shards=2, metadata_only_first=False, <llama_like options>)
     projector(path, *, seed=0)
     big(path, target_bytes, *, seed=0)
@@ -518,6 +519,27 @@ def nextn_like(
     kvs = _llama_kvs(arch, "synth nextn-like", d, nextn_layers=1)
     tensors = _llama_tensors(d, nextn_layers=1)
     return _write_model(Path(path), arch, kvs, tensors, seed, alignment)
+
+
+# --- a family the stage runtime does not cover (the one-node llama.cpp serving path) -------------
+def uncovered_like(
+    path: str | Path,
+    *,
+    arch: str = "exaone",
+    n_layers: int = 4,
+    width: int = 64,
+    ff: int = 256,
+    vocab: int = 128,
+    seed: int = 0,
+    alignment: int | None = None,
+) -> Path:
+    """llama_like's tensors and hyperparameters under ``arch``, an architecture the stage
+    runtime (skippy.runtime.model) refuses and llama.cpp runs: its exaone builder reads
+    exactly llama's tensor names and keys (rope_freqs included)."""
+    _check_dims(width, ff, n_layers, vocab)
+    d = _Dims(n_layers, width, ff, vocab)
+    kvs = _llama_kvs(arch, f"synth {arch}-like", d)
+    return _write_model(Path(path), arch, kvs, _llama_tensors(d), seed, alignment)
 
 
 def split_set(

@@ -26,6 +26,8 @@ ENV_HF_CACHE_LEGACY = "HUGGINGFACE_HUB_CACHE"
 ENV_HF_CACHE = "HF_HUB_CACHE"
 ENV_HF_HOME = "HF_HOME"
 ENV_XDG_CACHE = "XDG_CACHE_HOME"
+ENV_XDG_DATA = "XDG_DATA_HOME"  # the default data directory of `mesh-node serve` (no --config)
+DATA_DIR_NAME = "mesh-node"
 ENV_API_KEY = "MESH_NODE_API_KEY"  # one HTTP API key (mesh_node.http.keys; HttpSettings)
 ENV_CALIBRATION = "MESH_NODE_CALIBRATION"  # issue #21: auto | off (wins over the TOML key)
 
@@ -105,6 +107,11 @@ class Environment:
     # HF_HOME/hub, then $XDG_CACHE_HOME/huggingface/hub) and passed to every hub call.
     hf_cache_dir: Path = field(default_factory=lambda: Path.home() / ".cache/huggingface/hub")
     skippy_cache_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "skippy")
+    # Where `mesh-node serve` without --config keeps its node (XDG: $XDG_DATA_HOME/mesh-node,
+    # else ~/.local/share/mesh-node).
+    node_data_dir: Path = field(
+        default_factory=lambda: Path.home() / ".local" / "share" / DATA_DIR_NAME
+    )
     hub_policy: HubPolicy = field(default_factory=HubPolicy)
     # MESH_NODE_API_KEY: a secret, kept out of repr (and so out of any log of this object).
     api_key: str | None = field(default=None, repr=False)
@@ -137,7 +144,9 @@ def read_environment(environ: Mapping[str, str] | None = None) -> Environment:
         raw = env[ENV_ARTIFACT_TRANSFER]
         transfer, warning = parse_artifact_transfer(raw, ENV_ARTIFACT_TRANSFER)
         warnings += [warning] if warning else []
-    xdg = env.get(ENV_XDG_CACHE) or str(Path(env.get("HOME", str(Path.home()))) / ".cache")
+    home = Path(env.get("HOME", str(Path.home())))
+    xdg = env.get(ENV_XDG_CACHE) or str(home / ".cache")
+    data_home = Path(env.get(ENV_XDG_DATA) or str(home / ".local" / "share"))
     hf_home = env.get(ENV_HF_HOME) or str(Path(xdg) / "huggingface")
     hf_cache = env.get(ENV_HF_CACHE) or env.get(ENV_HF_CACHE_LEGACY) or str(Path(hf_home) / "hub")
     return Environment(
@@ -151,6 +160,7 @@ def read_environment(environ: Mapping[str, str] | None = None) -> Environment:
         ),
         hf_cache_dir=Path(hf_cache).expanduser(),
         skippy_cache_dir=Path(xdg) / "skippy",
+        node_data_dir=data_home.expanduser() / DATA_DIR_NAME,
         hub_policy=_hub_policy(env),
         api_key=env.get(ENV_API_KEY, "").strip() or None,
         calibration=env.get(ENV_CALIBRATION, "").strip().lower() or None,
@@ -294,7 +304,9 @@ class ServingSettings:
     """``[serving]`` of the node TOML: how this node runs its stage of a split and, on a
     coordinator, how it admits requests. Every wait has a timeout (issue #10 section 4)."""
 
-    engine: str = "ggml"  # the stage runtime engine (ggml; numpy is the f32 oracle)
+    # The stage runtime engine (ggml; numpy is the f32 oracle), or llama: the whole model in
+    # llama.cpp on this node alone (also chosen for a family the stage runtime does not cover).
+    engine: str = "ggml"
     n_ctx: int = 2048  # positions per session (prompt + completion); bounds KV memory
     # CPU threads of this node's stage; None ("auto", the default): this machine's cores
     # divided among the stages of the split that run on it (peers' host fingerprints).
@@ -337,8 +349,8 @@ def serving_settings(raw: object) -> ServingSettings:
         default = getattr(base, key)
         name = f"serving.{key}"
         if key == "engine":
-            if value not in ("ggml", "numpy"):
-                raise _bad(name, "expected ggml or numpy", value)
+            if value not in ("ggml", "numpy", "llama"):
+                raise _bad(name, "expected ggml, numpy or llama", value)
             values[key] = value
         elif key == "threads" and value == "auto":
             values[key] = None
@@ -794,6 +806,26 @@ def parse_dial_via(value: object) -> dict[str, PeerAddress]:
             raise _bad("dial_via", "an address's #<node-id> must be its key", address)
         out[node_id] = PeerAddress(parsed.host, parsed.port, node_id)
     return out
+
+
+# --- the node `mesh-node serve` creates when it has no --config (mesh_node.first_run) -------------
+NODE_TOML_NAME = "node.toml"
+DEFAULT_SERVE_LISTEN = "127.0.0.1:7000"
+
+
+def default_node_toml(identity: str, certificate: str, listen: str = DEFAULT_SERVE_LISTEN) -> str:
+    """The ``node.toml`` a first ``mesh-node serve`` writes into its data directory: paths
+    relative to it, peers dialling in on loopback only, every other key at its default."""
+    return (
+        "# Written by `mesh-node serve` on its first run in this folder; it reads this file\n"
+        "# (and so may you: mesh-node run/status --config THIS_FILE). Keys: docs/mesh-node.md.\n"
+        f'identity = "{identity}"\n'
+        f'certificate = "{certificate}"\n'
+        'data_dir = "."\n'
+        "# Where peers dial this node: loopback only. \"0.0.0.0:7000\" (or --listen) lets other\n"
+        "# machines join; they need a certificate of this node's owner (owner.key here).\n"
+        f'listen = "{listen}"\n'
+    )
 
 
 def load_node_settings(path: Path, env: Environment | None = None) -> NodeSettings:

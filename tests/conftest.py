@@ -26,7 +26,7 @@ MODEL_CACHE_DIR = REPO_ROOT / ".work" / "models"  # gitignored
 GEMMA_NAME = "gemma-3-270m-q4_k_m.gguf"
 GEMMA_BYTES = 253_113_024
 
-_ISOLATED_ENV = ("HOME", "HF_HOME", "HF_HUB_CACHE", "XDG_CACHE_HOME")
+_ISOLATED_ENV = ("HOME", "HF_HOME", "HF_HUB_CACHE", "XDG_CACHE_HOME", "XDG_DATA_HOME")
 _session_home: Path | None = None
 
 
@@ -36,6 +36,7 @@ def _point_env_at(root: Path) -> dict[str, str]:
         "HF_HOME": str(root / "hf_home"),
         "HF_HUB_CACHE": str(root / "hf_home" / "hub"),
         "XDG_CACHE_HOME": str(root / "xdg_cache"),
+        "XDG_DATA_HOME": str(root / "xdg_data"),  # `mesh-node serve` without --config
         # The hub policy's retries, with waits of milliseconds: a failing hub costs a test
         # three quick attempts (tests/test_hub_policy.py checks the policy itself).
         "SKIPPY_HUB_ATTEMPTS": "3",
@@ -115,7 +116,8 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 @pytest.fixture(autouse=True)
 def isolated_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Every test gets its own HOME, HF_HOME, HF_HUB_CACHE and XDG_CACHE_HOME under tmp_path."""
+    """Every test gets its own HOME, HF_HOME, HF_HUB_CACHE, XDG_CACHE_HOME and XDG_DATA_HOME
+    under tmp_path."""
     root = tmp_path / "_isolated"
     for name, value in _point_env_at(root).items():
         monkeypatch.setenv(name, value)

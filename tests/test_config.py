@@ -237,3 +237,30 @@ def test_swarm_min_holders_defaults_to_two_and_must_be_a_positive_integer(tmp_pa
         with pytest.raises(SkippyError) as e:
             load_node_settings(toml, env)
         assert "swarm_min_holders" in e.value.message
+
+
+def test_serving_engine_llama_is_accepted_and_others_are_named():
+    from skippy.config import serving_settings
+
+    assert serving_settings({"engine": "llama"}).engine == "llama"
+    with pytest.raises(UsageError) as err:
+        serving_settings({"engine": "vllm"})
+    assert err.value.code == "invalid_config" and "llama" in err.value.message
+
+
+def test_the_default_node_data_dir_follows_xdg():
+    env = read_environment({"HOME": "/h"})
+    assert env.node_data_dir == Path("/h/.local/share/mesh-node")
+    env = read_environment({"HOME": "/h", "XDG_DATA_HOME": "/x/data"})
+    assert env.node_data_dir == Path("/x/data/mesh-node")
+
+
+def test_the_first_run_node_toml_is_read_by_the_one_reader(tmp_path):
+    from skippy.config import default_node_toml, load_node_settings
+
+    (tmp_path / "node.toml").write_text(default_node_toml("node.key", "node.cert"))
+    settings = load_node_settings(tmp_path / "node.toml")
+    root = tmp_path.resolve()
+    assert settings.identity_path == root / "node.key"
+    assert settings.certificate_path == root / "node.cert"
+    assert settings.data_dir == root and str(settings.listen) == "127.0.0.1:7000"

@@ -170,6 +170,9 @@ class StageHost:
     def __init__(self, node: MeshNode, settings: ServingSettings) -> None:
         self.node = node
         self.settings = settings
+        # [serving] engine, unless serving chose llama.cpp for a model the stage runtime does
+        # not cover (mesh_node.serving.service: one node, the whole model).
+        self.engine = settings.engine
         self.limits = transport_limits(settings)
         self.loaded: LoadedStage | None = None
         self.return_handler: ReturnHandler | None = None
@@ -248,7 +251,7 @@ class StageHost:
 
         def open_() -> Stage:
             return open_stage(
-                self.settings.engine,
+                self.engine,
                 load,
                 config,
                 package_ref=topology.package_ref,

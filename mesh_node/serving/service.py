@@ -30,6 +30,7 @@ from mesh_node.transfer.service import ArtifactService
 from skippy.config import Environment, HostPort
 from skippy.errors import UsageError
 from skippy.generation import SpeculativeOverrides, SpeculativePlan
+from skippy.serving.engine_choice import EngineChoice
 
 log = logging.getLogger("mesh_node.http")
 RETRY_AFTER_STARTING_S = 5  # /health while the split forms
@@ -151,6 +152,7 @@ class Serving:
         self.http_url: str | None = None  # the node's HTTP app, once it listens
         self._nursery: trio.Nursery | None = None
         self.starting = False  # start() is bringing a split up (before ``server`` exists)
+        self.engine: EngineChoice | None = None  # the served package's engine, once known
 
     def routes(self) -> list[BaseRoute]:
         """Other components' routes and the OpenAI routes (503 until this node serves)."""
@@ -206,6 +208,12 @@ class Serving:
     def health(self) -> tuple[int, dict[str, Any]]:
         """``/health``: 200 when this node can serve what it is for (a plain node: it runs;
         a serving coordinator: its route is ready), else 503 with the state and why."""
+        code, body = self._health()
+        if self.engine is not None:
+            body["engine"] = self.engine.label
+        return code, body
+
+    def _health(self) -> tuple[int, dict[str, Any]]:
         if self._api is not None and self._api.closing:
             return 503, {"status": "shutting_down", "reason": "the node is shutting down"}
         server = self.server
@@ -235,6 +243,26 @@ class Serving:
             **replicas,
         }
 
+    async def _refuse_splits(self, engine: EngineChoice) -> None:
+        """A model served whole is never split: each capable peer that joins is told no, in
+        the log, with the code and the reason (the status document's ``engine`` says it too)."""
+        from mesh_node.peers import PeerUp
+
+        told: set[str] = set()
+        async with self.node.subscribe() as events:
+            async for event in events:
+                if not isinstance(event, PeerUp) or event.peer.node_id in told:
+                    continue
+                capable = {c.node_id for c in self.node.topology.capable_nodes(False)}
+                if event.peer.node_id in capable:
+                    told.add(event.peer.node_id)
+                    log.warning(
+                        "peer %s joined; split placement refused [%s]: %s",
+                        event.peer.node_id[:12],
+                        engine.code,
+                        engine.split_refused,
+                    )
+
     async def drain(self) -> None:
         """Shutdown: the API refuses new requests and ends open streams cleanly."""
         if self._api is not None:
@@ -242,8 +270,9 @@ class Serving:
 
     async def start(self, options: ServeOptions) -> str:
         """Coordinate a split of the package; return the API's base URL (``.../v1``)."""
-        from mesh_node.packages import package_identity, package_speculation
+        from mesh_node.packages import package_engine, package_identity, package_speculation
         from mesh_node.serving.pipeline import SplitServer
+        from skippy.serving.engine_choice import check_split
 
         if self.server is not None:
             raise UsageError("this node already serves a model", code="already_serving")
@@ -260,6 +289,12 @@ class Serving:
             ref, sha, sizes, model_id = await trio.to_thread.run_sync(
                 package_identity, self.node.settings, options.package
             )
+            engine = await trio.to_thread.run_sync(package_engine, self.node.settings, ref)
+            check_split(engine, options.stages)
+            stages = 1 if engine.one_node else options.stages
+            self.host.engine = engine.engine
+            self.engine = engine
+            (log.warning if engine.one_node else log.info)("%s", engine.label)
             plan = await trio.to_thread.run_sync(
                 package_speculation,
                 self.node.settings,
@@ -278,14 +313,20 @@ class Serving:
                 manifest_sha256=sha,
                 sizes=sizes,
                 model_name=options.model_name or model_id,
-                stages=options.stages,
+                stages=stages,
                 speculative=plan,
                 replicas=replicas,
             )
             await self._nursery.start(server.run)
             self.server = server
+            if engine.one_node:
+                self._nursery.start_soon(self._refuse_splits, engine)
         finally:
             self.starting = False
-        self.node.status_sections["serving"] = server.status
+
+        def status() -> dict[str, Any]:
+            return {**server.status(), "engine": engine.to_dict()}
+
+        self.node.status_sections["serving"] = status
         assert self.http_url is not None  # started above (typing)
         return self.http_url.rstrip("/") + "/v1"

@@ -22,7 +22,7 @@ from skippy.runtime.stage import Stage, StageConfig, StageOutput
 from skippy.runtime.tokenizer import LlamaTokenizer
 
 DEFAULT_SESSION = "run"
-ENGINES = ("ggml", "numpy")
+ENGINES = ("ggml", "numpy", "llama")
 
 
 def check_generation_request(tokens: Sequence[int], max_tokens: int, n_ctx: int) -> list[int]:
@@ -64,6 +64,10 @@ def open_stage(
         from skippy.runtime.numpy_engine import NumpyStage
 
         return NumpyStage(load, config, **kw)
+    if engine == "llama":  # a whole model in llama.cpp (one node, any family it runs)
+        from skippy.runtime.llama_stage import LlamaStage
+
+        return LlamaStage(load, config, **kw)
     raise UsageError(
         f"unknown stage engine {engine!r} (known: {', '.join(ENGINES)})", code="usage"
     )

@@ -35,12 +35,13 @@ exit 2). llama.cpp's own log lines are forwarded to the ``skippy.llama_cpp`` log
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType, TracebackType
@@ -118,6 +119,36 @@ def require_full_range(layers: LayerRange) -> None:
         )
 
 
+@contextlib.contextmanager
+def model_file(stage: StageLoad, link_parent: Path | None = None) -> Iterator[Path]:
+    """The path llama.cpp opens for a whole-range stage, valid inside the block: the first
+    link of a split set (package v1) or one composed file (package v2, ``v2_parts``), in a
+    private folder removed afterwards (llama.cpp's mappings keep the files open)."""
+    link_dir = Path(tempfile.mkdtemp(prefix=".skippy-split-", dir=link_parent))
+    try:
+        if stage.schema_version == 2:  # not a split set: one derived file (v2_parts)
+            from skippy.runtime.v2_parts import compose_parts
+
+            first = link_dir / "model.gguf"
+            compose_parts(stage.part_paths, first)
+        else:
+            first = link_split_set(stage.part_paths, link_dir)
+        yield first
+    finally:
+        for link in link_dir.iterdir():
+            link.unlink()
+        link_dir.rmdir()
+
+
+def load_failed(stage: StageLoad, why: str) -> RuntimeLoadError:
+    return RuntimeLoadError(
+        f"llama.cpp could not load the {len(stage.part_paths)}-part split set of "
+        f"{stage.model_id} layers {stage.layers}: {why}",
+        remediation="run validate-package on the package; rerun with -v for "
+        "llama.cpp's own log",
+    )
+
+
 # --- llama.cpp import and log forwarding ----------------------------------------------------------
 # ggml_log_level: 1 DEBUG, 2 INFO, 3 WARN, 4 ERROR, 5 CONT (continues the previous line).
 # llama.cpp warnings are about its own choices (e.g. "using full-size SWA cache"): shown with -v.
@@ -190,16 +221,8 @@ class LlamaStageRuntime:
             )
         log_speculation_fallback(stage, log, "the llama-cpp-python runtime")
         self.close()
-        link_dir = Path(tempfile.mkdtemp(prefix=".skippy-split-", dir=self.config.link_parent))
         t0 = time.perf_counter()
-        try:
-            if stage.schema_version == 2:  # not a split set: one derived file (v2_parts)
-                from skippy.runtime.v2_parts import compose_parts
-
-                first = link_dir / "model.gguf"
-                compose_parts(stage.part_paths, first)
-            else:
-                first = link_split_set(stage.part_paths, link_dir)
+        with model_file(stage, self.config.link_parent) as first:
             try:
                 self._llm = self._lib.llama.Llama(
                     model_path=str(first),
@@ -211,16 +234,7 @@ class LlamaStageRuntime:
                     verbose=False,
                 )
             except ValueError as exc:
-                raise RuntimeLoadError(
-                    f"llama.cpp could not load the {len(stage.part_paths)}-part split set of "
-                    f"{stage.model_id} layers {stage.layers}: {exc}",
-                    remediation="run validate-package on the package; rerun with -v for "
-                    "llama.cpp's own log",
-                ) from exc
-        finally:
-            for link in link_dir.iterdir():
-                link.unlink()
-            link_dir.rmdir()
+                raise load_failed(stage, str(exc)) from exc
         self.load_s = time.perf_counter() - t0
         self.stage = stage
         log.info(

@@ -228,6 +228,25 @@ def context_full(session: str, reach: int, n_ctx: int) -> UsageError:
     )
 
 
+def check_token_ids(arr: npt.NDArray[Any], vocab: int, layers: LayerRange) -> npt.NDArray[Any]:
+    """A stage 0's input: a non-empty 1-D array of ids inside the vocabulary, as int32."""
+    if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+        raise stage_usage(
+            f"stage {layers} takes a 1-D array of token ids, got {arr.dtype} {arr.shape}",
+            "bad_stage_input",
+        )
+    if arr.size == 0:
+        raise stage_usage("no tokens to process", "empty_prompt")
+    bad = (arr < 0) | (arr >= vocab)
+    if bad.any():
+        raise stage_usage(
+            f"token id {int(arr[bad][0])} is outside the vocabulary 0..{vocab - 1}",
+            "token_out_of_range",
+            actual=int(arr[bad][0]),
+        )
+    return np.ascontiguousarray(arr, dtype=np.int32)
+
+
 class StageBase(ABC, Generic[S]):
     """Input checks, sessions and chunking shared by the engines."""
 
@@ -344,23 +363,7 @@ class StageBase(ABC, Generic[S]):
         """Token ids (stage 0) or f32 activations (other stages), as the engine wants them."""
         arr = np.asarray(inputs)
         if self.layers.owns_input:
-            if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
-                raise stage_usage(
-                    f"stage {self.layers} takes a 1-D array of token ids, got "
-                    f"{arr.dtype} {arr.shape}",
-                    "bad_stage_input",
-                )
-            if arr.size == 0:
-                raise stage_usage("no tokens to process", "empty_prompt")
-            vocab = self.vocab or 0
-            bad = (arr < 0) | (arr >= vocab)
-            if bad.any():
-                raise stage_usage(
-                    f"token id {int(arr[bad][0])} is outside the vocabulary 0..{vocab - 1}",
-                    "token_out_of_range",
-                    actual=int(arr[bad][0]),
-                )
-            return np.ascontiguousarray(arr, dtype=np.int32)
+            return check_token_ids(arr, self.vocab or 0, self.layers)
         width = self.spec.width
         if arr.dtype != np.float32 or arr.ndim != 2 or arr.shape[1] != width:
             raise stage_usage(
