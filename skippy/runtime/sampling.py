@@ -24,7 +24,6 @@ plain ``argmax`` (the first maximum), which the engine may take itself (``plain_
 from __future__ import annotations
 
 import math
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final
@@ -160,14 +159,16 @@ def apply_logit_bias(
 ) -> npt.NDArray[np.float64]:
     """``row`` with each ``(token, bias)`` added; a token outside the row is refused."""
     out = row.copy()
-    for token, value in bias:
-        if token >= out.size:
-            raise UsageError(
-                f"logit_bias names token {token}; the vocabulary has {out.size}",
-                code="token_out_of_range",
-            )
-        out[token] += value
-    return out
+    if not bias:
+        return out
+    ids = np.fromiter((token for token, _ in bias), dtype=np.int64, count=len(bias))
+    if int(ids.max()) >= out.size:
+        raise UsageError(
+            f"logit_bias names token {int(ids.max())}; the vocabulary has {out.size}",
+            code="token_out_of_range",
+        )
+    out[ids] += np.fromiter((value for _, value in bias), dtype=np.float64, count=len(bias))
+    return out  # ids are distinct (SamplingParams): one addition each
 
 
 def apply_penalties(
@@ -182,12 +183,12 @@ def apply_penalties(
     ``repeat`` divides a positive logit and multiplies a non-positive one, then
     ``count * frequency + presence`` is subtracted."""
     out = row.copy()
-    for token, count in Counter(history).items():
-        if not 0 <= token < out.size:
-            continue  # a token id the model cannot produce has no logit to penalize
-        value = out[token]
-        value = value * repeat if value <= 0 else value / repeat
-        out[token] = value - (count * frequency + presence)
+    ids, counts = np.unique(np.asarray(history, dtype=np.int64), return_counts=True)
+    keep = (ids >= 0) & (ids < out.size)  # an id the model cannot produce has no logit
+    ids, counts = ids[keep], counts[keep]
+    values = out[ids]
+    values = np.where(values <= 0, values * repeat, values / repeat)
+    out[ids] = values - (counts * frequency + presence)
     return out
 
 
@@ -272,9 +273,9 @@ def shaped_logits(
 
 def candidates(row: npt.NDArray[np.float64], params: SamplingParams) -> Candidates:
     """Steps 3-6 on a shaped row: the survivors, largest logit first."""
-    cands = top_k((np.arange(row.size), row), params.top_k)
-    cands = typical(by_logit(cands), params.typical_p)
-    cands = by_logit(cands)
+    cands = by_logit(top_k((np.arange(row.size), row), params.top_k))
+    if params.typical_p < 1.0:  # it reorders them
+        cands = by_logit(typical(cands, params.typical_p))
     cands = top_p(cands, params.top_p)
     return min_p(cands, params.min_p)
 
