@@ -134,6 +134,7 @@ def advertised_features(
     the same decision that registers the serving handler, ``mesh_node.transfer.service``)."""
     bits = set(pc.STAGE_BUNDLE)
     bits.add(pc.BIT_VERIFY_WINDOW)  # every stage host here runs verify windows (issue #22)
+    bits.add(pc.BIT_SAMPLING_CONTROLS)  # and reads every sampling control of a session
     if sha256_chain.available():  # issue #23: chunks checked along a SHA-256 chain
         bits.add(pc.BIT_CHUNK_CHAIN)
     if would_serve(node_policy(settings, identity, now_s)):

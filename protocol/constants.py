@@ -89,6 +89,9 @@ BIT_ARTIFACT_TRANSFER: Final = "artifact-transfer"
 # WebSocket subprotocol the dialer offers and the listener selects (protocol/link_cipher.py).
 WS_SUBPROTOCOL_AESGCM: Final = "skippy-mesh-aesgcm"
 BIT_VERIFY_WINDOW: Final = "verify-window"  # issue #22: transport phase verify (speculation)
+# The transport's sampling controls: a BEGIN with flag CONTROLS (min_p, typical_p, penalties,
+# logit bias) and activations frames with flag IDS (the token ids the penalties read).
+BIT_SAMPLING_CONTROLS: Final = "sampling-controls"
 # Issue #23: chunk-range requests (``length``) and kind 0x04 source lists; a serving node
 # advertises it beside ``artifact-transfer``. Without it a peer gets whole-file requests only.
 BIT_SWARM_TRANSFER: Final = "swarm-transfer"

@@ -206,8 +206,25 @@ def _shapes(n_tokens: int) -> list[tuple[str, int, int]]:
     [
         (t.Sampling(), range(N)),  # greedy: every kill point
         (t.Sampling(temperature=0.9, top_k=20, seed=7), (0, N // 2)),  # seeded: two of them
+        # every sampling control: the penalties read the replayed tokens before each position
+        (
+            t.Sampling(
+                temperature=0.9,
+                top_k=20,
+                min_p=0.02,
+                typical_p=0.97,
+                repeat_penalty=1.4,
+                presence_penalty=0.3,
+                frequency_penalty=0.2,
+                repeat_last_n=6,
+                logit_bias=((5, 1.0), (9, -100.0)),
+                seed=7,
+            ),
+            (0, N // 2),
+        ),
+        (t.Sampling(repeat_penalty=1.8, repeat_last_n=4, logit_bias=((3, 2.0),)), (N - 2,)),
     ],
-    ids=["greedy", "seeded"],
+    ids=["greedy", "seeded", "controls", "greedy-controls"],
 )
 async def test_every_kill_point_continues_exactly(
     sampling: t.Sampling, kill_points: range | tuple[int, ...], tiny_pkg: Path, tmp_path: Path

@@ -132,6 +132,88 @@ def test_openai_client_against_a_three_stage_split(tiny_pkg: Path, tmp_path: Pat
         assert report["decode_tokens_per_s"] and "stage 2: layers" in render_prompt_report(report)
 
 
+def test_the_openai_client_sampling_controls_through_a_split(
+    tiny_pkg: Path, tmp_path: Path
+) -> None:
+    """What llama.cpp, ollama and vLLM users send, through the real `openai` client (the
+    non-OpenAI fields in ``extra_body``) to a 3-stage split: penalties, logit bias, top-k,
+    min-p and typical-p are honoured (greedy: the in-process chain's tokens with the same
+    controls, not plain greedy's; seeded: reproducible, streamed or not); fields at their
+    neutral default are accepted; what is not implemented, or unknown, is refused."""
+    from skippy.runtime.sampling import SamplingParams
+
+    with split_cluster(tmp_path, tiny_pkg, workers=2, stages=3) as cluster:
+        wait_ready(cluster.api)
+        client = _client(cluster.api)
+        plain = client.completions.create(model="tiny", prompt=IDS, max_tokens=12, temperature=0)
+        assert plain.choices[0].text == _detok(tiny_pkg, _greedy(tiny_pkg, IDS, 12))
+        greedy = client.completions.create(
+            model="tiny",
+            prompt=IDS,
+            max_tokens=12,
+            temperature=0,
+            presence_penalty=0.5,
+            frequency_penalty=0.25,
+            logit_bias={"3": 1.5, "44": -100},
+            extra_body={"repeat_penalty": 1.6, "repeat_last_n": 8, "top_k": 30, "min_p": 0.02},
+        )
+        controls = SamplingParams(
+            presence_penalty=0.5,
+            frequency_penalty=0.25,
+            logit_bias=((3, 1.5), (44, -100.0)),
+            repeat_penalty=1.6,
+            repeat_last_n=8,
+            top_k=30,
+            min_p=0.02,
+        )
+        with chain("ggml", tiny_pkg, ["0..6"]) as ch:
+            want = list(ch.generate(IDS, max_tokens=12, sampling=controls).tokens)
+        assert greedy.choices[0].text == _detok(tiny_pkg, want) != plain.choices[0].text
+        seeded = {
+            "model": "tiny",
+            "prompt": IDS,
+            "max_tokens": 12,
+            "temperature": 0.9,
+            "top_p": 0.95,
+            "seed": 5,
+            "frequency_penalty": 0.4,
+            "logit_bias": {"9": -100},
+            "extra_body": {"typical_p": 0.97, "min_p": 0.02, "repeat_penalty": 1.2},
+        }
+        a = client.completions.create(**seeded).choices[0].text  # type: ignore[call-overload]
+        b = client.completions.create(**seeded).choices[0].text  # type: ignore[call-overload]
+        streamed = client.completions.create(**seeded, stream=True)  # type: ignore[call-overload]
+        assert a == b == "".join(c.choices[0].text for c in streamed)
+        # clients that send the neutral defaults
+        neutral = client.completions.create(
+            model="tiny",
+            prompt=IDS,
+            max_tokens=12,
+            temperature=0,
+            logit_bias={},
+            n=1,
+            presence_penalty=0,
+            extra_body={"response_format": {"type": "text"}, "tools": [], "mirostat": 0},
+        )
+        assert neutral.choices[0].text == plain.choices[0].text
+        for extra, param in (
+            ({"mirostat": 2}, "mirostat"),
+            ({"response_format": {"type": "json_object"}}, "response_format"),
+            ({"frobnicate": True}, "frobnicate"),
+        ):
+            with pytest.raises(openai.BadRequestError) as err:
+                client.completions.create(
+                    model="tiny", prompt=IDS, max_tokens=2, extra_body=extra
+                )
+            assert err.value.body["code"] == "unsupported_parameter"
+            assert err.value.body["param"] == param
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(
+                model="tiny", prompt=IDS, max_tokens=2, logit_bias={"1000000": 1}
+            )
+        assert err.value.body["code"] == "token_out_of_range"
+
+
 def test_a_killed_stage_is_replaced_and_the_generation_continues(
     tiny_pkg: Path, tmp_path: Path
 ) -> None:

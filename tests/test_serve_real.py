@@ -28,6 +28,7 @@ import itertools
 import openai
 from stagetools import chain
 
+from skippy.runtime.sampling import SamplingParams
 from skippy.runtime.tokenizer import LlamaTokenizer
 from skippy.serving.chat import ChatTemplate
 
@@ -36,10 +37,12 @@ pytestmark = [pytest.mark.llama, pytest.mark.slow]
 PROMPT = "The capital of France is"
 
 
-def _single_stage(pkg: Path, layers: int, ids: list[int], n: int) -> str:
+def _single_stage(
+    pkg: Path, layers: int, ids: list[int], n: int, sampling: SamplingParams | None = None
+) -> str:
     with chain("ggml", pkg, [f"0..{layers}"]) as ch:
         ch.tokenizer = LlamaTokenizer(pkg / "shared" / "metadata.gguf")
-        return ch.generate(ids, max_tokens=n).text
+        return ch.generate(ids, max_tokens=n, sampling=sampling).text
 
 
 def test_lab_prompt_on_a_gemma_split_equals_the_single_stage_run(gemma_package: Path) -> None:
@@ -81,6 +84,10 @@ def test_openai_client_streams_a_chat_completion_from_lab_serve(
     with LlamaTokenizer(pkg / "shared" / "metadata.gguf") as tok:
         ids = tok.tokenize(template.render(messages), add_special=False, parse_special=True)
     want = _single_stage(pkg, 30, ids, 24)
+    # penalties sent the way a llama.cpp user sends them (repeat_penalty in extra_body)
+    penalties = SamplingParams(frequency_penalty=1.0, presence_penalty=0.5, repeat_penalty=1.3)
+    want_penalized = _single_stage(pkg, 30, ids, 24, penalties)
+    assert want_penalized != want
     lab = subprocess.Popen(
         [sys.executable, "-m", "mesh_node", "lab", "--nodes", "3", "--package", str(pkg),
          "--serve", "--json", "--timeout", "300", "--dir", str(tmp_path / "lab")],
@@ -117,6 +124,28 @@ def test_openai_client_streams_a_chat_completion_from_lab_serve(
         # (this 135M model answers "L'Étoile, la Marseillaise, ..."; llama.cpp's own chat
         # completion of the same messages starts the same way)
         assert whole.choices[0].message.content == text == want
+        # what chat clients send at its default is accepted and changes nothing
+        neutral = client.chat.completions.create(
+            model=model,
+            messages=messages,
+            max_tokens=24,
+            temperature=0,
+            n=1,
+            logit_bias={},
+            tools=[],
+            response_format={"type": "text"},
+        )
+        assert neutral.choices[0].message.content == want
+        penalized = client.chat.completions.create(
+            model=model,
+            messages=messages,
+            max_tokens=24,
+            temperature=0,
+            frequency_penalty=1.0,
+            presence_penalty=0.5,
+            extra_body={"repeat_penalty": 1.3},
+        )
+        assert penalized.choices[0].message.content == want_penalized
     finally:
         lab.send_signal(signal.SIGINT)
         out, _ = lab.communicate(timeout=60)

@@ -433,6 +433,104 @@ async def test_a_one_stage_route_samples_on_the_coordinator(
         assert await generate(sp.server, IDS, 10) == want
 
 
+# greedy with penalties and a bias (they move the argmax: the final stage needs the logits),
+# and seeded sampling with every control
+CONTROLLED = (
+    t.Sampling(
+        repeat_penalty=1.6,
+        presence_penalty=0.5,
+        frequency_penalty=0.25,
+        repeat_last_n=8,
+        logit_bias=((3, 1.5), (44, -100.0)),
+    ),
+    t.Sampling(
+        temperature=0.9,
+        top_k=30,
+        top_p=0.95,
+        min_p=0.02,
+        typical_p=0.97,
+        repeat_penalty=1.3,
+        frequency_penalty=0.3,
+        repeat_last_n=128,  # the whole context
+        logit_bias=((9, -100.0), (17, 2.0)),
+        seed=5,
+    ),
+)
+
+
+def _without_bit(node: MeshNode, node_id: str, bit: str) -> Any:
+    """``node.peer`` as if ``node_id`` did not advertise ``bit`` (an older version)."""
+    from dataclasses import replace
+
+    real_peer = node.peer
+
+    def peer(other: str) -> Any:
+        info = real_peer(other)
+        if info is None or other != node_id:
+            return info
+        kept = tuple(b for b in info.features[pc.FEATURE_SKIPPY_STAGE] if b != bit)
+        return replace(info, features={pc.FEATURE_SKIPPY_STAGE: kept})
+
+    return peer
+
+
+async def test_sampling_controls_give_the_same_tokens_on_one_stage_and_on_a_split(
+    packages: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Penalties, logit bias, min-p and typical-p: the same tokens through a 3-stage split
+    (the final stage reads the tokens before each position from the frames' ids) as on one
+    stage (the coordinator samples), and greedy ones equal the in-process chain's (one
+    sampler that accepts each token), which differ from plain greedy. A node without the
+    sampling-controls bit gets no such session: the request is refused, naming it."""
+    from mesh_node.serving.generator import BadGenerationRequest
+    from skippy.runtime.sampling import Sampler
+
+    pkg = packages["llama"]
+    n = 16
+    with chain("ggml", pkg, ["0..6"], SERVING_CONFIG) as whole:
+        whole.tokenizer = LlamaTokenizer(pkg / "shared" / "metadata.gguf")
+        plain = list(whole.generate(IDS, max_tokens=n).tokens)
+        want = list(whole.generate(IDS, max_tokens=n, sampling=CONTROLLED[0]).tokens)
+        first = whole.logits(IDS)
+    assert want != plain and 44 not in want
+    assert want[0] == Sampler(CONTROLLED[0], IDS).sample(first)
+
+    async def run(sp: Split, sampling: t.Sampling) -> list[int]:
+        out: list[int] = []
+
+        async def emit(token: int) -> bool:
+            out.append(token)
+            return False
+
+        await sp.server.generate(IDS, GenerationParams(max_tokens=n, sampling=sampling), emit)
+        return out
+
+    got: dict[int, list[list[int]]] = {}
+    for stages in (3, 1):
+        async with split(tmp_path / f"s{stages}", pkg, stages=stages) as sp:
+            got[stages] = [await run(sp, sampling) for sampling in CONTROLLED]
+            assert await run(sp, CONTROLLED[1]) == got[stages][1]  # seeded: reproducible
+            if stages == 3:
+                last = sp.server.route.node_ids[-1] if sp.server.route else ""
+                monkeypatch.setattr(
+                    sp.nodes[0], "peer", _without_bit(sp.nodes[0], last, pc.BIT_SAMPLING_CONTROLS)
+                )
+                with pytest.raises(BadGenerationRequest) as err:
+                    await run(sp, CONTROLLED[0])
+                assert err.value.code == "unsupported_parameter"
+                assert last[:12] in err.value.message
+                assert await run(sp, t.Sampling()) == plain  # plain requests still run there
+                monkeypatch.undo()
+            await wait_for(
+                lambda sp=sp: all(
+                    h.loaded is not None and not h.loaded.stage.sessions for h in sp.hosts
+                )
+            )
+    assert got[3] == got[1]
+    assert got[3][0] == want
+    assert 9 not in got[3][1] and len(got[3][1]) == n
+
+
 async def test_a_cancelled_request_frees_its_session_along_the_chain(
     packages: dict[str, Path], tmp_path: Path
 ) -> None:
@@ -514,7 +612,11 @@ async def test_speculative_windows_across_the_split_give_plain_decodings_tokens(
         async def emit_none(token: int) -> bool:
             return False
 
-        for sampling in (t.Sampling(), t.Sampling(temperature=0.9, top_k=20, seed=11)):
+        for sampling in (
+            t.Sampling(),
+            t.Sampling(temperature=0.9, top_k=20, seed=11),
+            *CONTROLLED,  # the penalties read each window's drafts before their position
+        ):
             params = GenerationParams(max_tokens=24, sampling=sampling)
             runs = []
             for plan in (None, _ngram_plan()):
@@ -529,7 +631,7 @@ async def test_speculative_windows_across_the_split_give_plain_decodings_tokens(
                 assert result.tokens == out
                 runs.append(result)
             plain, spec = runs
-            if sampling.temperature == 0:
+            if sampling == t.Sampling():
                 greedy_plain = plain.tokens
             assert spec.tokens == plain.tokens and spec.stop_reason == plain.stop_reason
             assert plain.verify_passes == 0 and spec.verify_passes > 0

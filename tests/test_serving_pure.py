@@ -16,12 +16,15 @@ from skippy.errors import TopologyError, UsageError
 from skippy.package.plan import ModelSizes
 from skippy.package.ranges import LayerRange
 from skippy.package.topology import NodeCapacity, plan_topology, replace_node
+from skippy.runtime.sampling import SamplingParams
 from skippy.serving.chat import ChatTemplate, ChatTemplateError
 from skippy.serving.openai import ApiError, parse_request
+from skippy.serving.replay import tokens_before
 from skippy.serving.text import TextStream
 from skippy.stage.descriptor import RuntimeFacts, StageDescriptor, runtime_problem
 
 A, B, C, D = ("a" * 64, "b" * 64, "c" * 64, "d" * 64)
+MESSAGES = [{"role": "user", "content": "hi"}]
 
 
 # --- requests ------------------------------------------------------------------------------------
@@ -81,6 +84,138 @@ def test_chat_request_checks_messages() -> None:
             max_tokens_limit=100,
         )
     assert err.value.code == "unsupported_parameter"
+
+
+def test_every_sampling_field_is_parsed() -> None:
+    """temperature, top_p, top_k, min_p, typical_p, the penalties, repeat_last_n, logit_bias
+    and seed reach the sampler's parameters (the seed beside them: the API draws one when it
+    is absent)."""
+    body = {
+        "prompt": "hi",
+        "temperature": 0.5,
+        "top_p": 0.9,
+        "top_k": 7,
+        "min_p": 0.05,
+        "typical_p": 0.8,
+        "repeat_penalty": 1.2,
+        "repeat_last_n": 16,
+        "presence_penalty": 0.5,
+        "frequency_penalty": -0.5,
+        "logit_bias": {"50": -100, "3": 2.5},
+        "seed": -4,
+        "user": "someone",
+    }
+    r = parse_request(body, "completion", max_tokens_limit=100, vocab=64)
+    assert r.sampling == SamplingParams(
+        temperature=0.5,
+        top_p=0.9,
+        top_k=7,
+        min_p=0.05,
+        typical_p=0.8,
+        repeat_penalty=1.2,
+        repeat_last_n=16,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        logit_bias=((3, 2.5), (50, -100.0)),
+    )
+    assert r.seed == -4
+    # -1: llama.cpp's "the whole context"; top_k -1 is off (vLLM's); the defaults
+    r = parse_request(
+        {"prompt": "hi", "repeat_last_n": -1, "top_k": -1}, "completion", max_tokens_limit=100
+    )
+    assert (r.sampling.repeat_last_n, r.sampling.top_k, r.seed) == (100, 0, None)
+    assert r.sampling == SamplingParams(temperature=1.0, repeat_last_n=100)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"logit_bias": {}},
+        {"response_format": {"type": "text"}},
+        {"tools": []},
+        {"tools": [], "tool_choice": "none", "parallel_tool_calls": True},
+        {"functions": [], "function_call": "auto"},
+        {"n": 1, "best_of": 1, "echo": False, "logprobs": False, "top_logprobs": 0},
+        {"suffix": "", "store": False, "metadata": {}, "service_tier": "auto"},
+        {"mirostat": 0, "mirostat_tau": 5, "mirostat_eta": 0.1, "tfs_z": 1},
+        {"repetition_penalty": 1.0, "ignore_eos": False, "n_probs": 0, "min_tokens": 0},
+        {"presence_penalty": 0, "frequency_penalty": 0.0, "logprobs": None, "tools": None},
+    ],
+)
+def test_fields_at_their_neutral_default_are_accepted(extra: dict[str, object]) -> None:
+    for kind, base in (("completion", {"prompt": "hi"}), ("chat", {"messages": MESSAGES})):
+        r = parse_request({**base, **extra}, kind, max_tokens_limit=100)  # type: ignore[arg-type]
+        assert r.sampling == SamplingParams(temperature=1.0)
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"mirostat": 2}, "mirostat"),
+        ({"mirostat_tau": 3.0}, "mirostat_tau"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"logprobs": True}, "logprobs"),
+        ({"n": True}, "n"),  # a boolean is not the number 1
+        ({"echo": 0}, "echo"),
+        ({"ignore_eos": True}, "ignore_eos"),
+        ({"repetition_penalty": 1.1}, "repetition_penalty"),
+        ({"dry_multiplier": 0.8}, "dry_multiplier"),
+        ({"frobnicate": 1}, "frobnicate"),
+        ({"cache_prompt": True}, "cache_prompt"),
+    ],
+)
+def test_unimplemented_and_unknown_fields_are_refused(extra: dict[str, object], param: str) -> None:
+    for kind, base in (("completion", {"prompt": "hi"}), ("chat", {"messages": MESSAGES})):
+        with pytest.raises(ApiError) as err:
+            parse_request({**base, **extra}, kind, max_tokens_limit=100)  # type: ignore[arg-type]
+        assert (err.value.code, err.value.param, err.value.status) == (
+            "unsupported_parameter",
+            param,
+            400,
+        )
+    # a key of the other endpoint is unknown here
+    with pytest.raises(ApiError) as err:
+        parse_request({"messages": MESSAGES, "prompt": "x"}, "chat", max_tokens_limit=100)
+    assert (err.value.code, err.value.param) == ("unsupported_parameter", "prompt")
+
+
+@pytest.mark.parametrize(
+    ("extra", "code", "param"),
+    [
+        ({"logit_bias": {"abc": 1}}, "invalid_value", "logit_bias"),
+        ({"logit_bias": {"-1": 1}}, "invalid_value", "logit_bias"),
+        ({"logit_bias": {"3": 101}}, "invalid_value", "logit_bias"),
+        ({"logit_bias": {"3": True}}, "invalid_value", "logit_bias"),
+        ({"logit_bias": {"3": "1"}}, "invalid_value", "logit_bias"),
+        ({"logit_bias": [[3, 1]]}, "invalid_value", "logit_bias"),
+        ({"logit_bias": {str(i): 1 for i in range(1025)}}, "invalid_value", "logit_bias"),
+        ({"logit_bias": {"64": 1}}, "token_out_of_range", "logit_bias"),
+        ({"repeat_penalty": 0}, "invalid_value", "repeat_penalty"),
+        ({"repeat_penalty": 11}, "invalid_value", "repeat_penalty"),
+        ({"presence_penalty": 2.5}, "invalid_value", "presence_penalty"),
+        ({"frequency_penalty": "x"}, "invalid_value", "frequency_penalty"),
+        ({"min_p": 1.5}, "invalid_value", "min_p"),
+        ({"typical_p": -0.5}, "invalid_value", "typical_p"),
+        ({"repeat_last_n": -2}, "invalid_value", "repeat_last_n"),
+        ({"top_k": -2}, "invalid_value", "top_k"),
+        ({"user": 3}, "invalid_value", "user"),
+    ],
+)
+def test_bad_sampling_values_are_refused(extra: dict[str, object], code: str, param: str) -> None:
+    with pytest.raises(ApiError) as err:
+        parse_request({"prompt": "hi", **extra}, "completion", max_tokens_limit=100, vocab=64)
+    assert (err.value.code, err.value.param, err.value.status) == (code, param, 400)
+
+
+@pytest.mark.parametrize("n", [0, 1, 3, 64])
+def test_tokens_before_a_position_span_the_prompt_and_the_generated_tokens(n: int) -> None:
+    prompt, generated = [10, 11, 12, 13], [20, 21, 22]
+    sequence = prompt + generated
+    for position in range(len(sequence) + 1):
+        want = sequence[max(0, position - n) : position] if n else []
+        assert tokens_before(prompt, generated, position, n) == want
 
 
 # --- streamed text -------------------------------------------------------------------------------

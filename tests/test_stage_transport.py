@@ -117,7 +117,8 @@ def test_a_mutated_header_is_refused_or_means_the_same_size(field: str, value: i
         return
     for f in frames:
         if f.kind is t.Kind.ACTIVATIONS:
-            assert f.width == WIDTH and len(f.payload) == f.count * WIDTH * 4
+            ids = 4 * f.count if f.carries_ids else 0  # flag IDS: the rows' token ids follow
+            assert f.width == WIDTH and len(f.payload) == f.count * WIDTH * 4 + ids
             assert 1 <= f.count <= 64
         elif f.kind is t.Kind.TOKENS:
             assert len(f.payload) == 4 * f.count
@@ -276,3 +277,150 @@ def test_after_a_verify_window_the_next_frame_may_rewind_into_it_only() -> None:
     with pytest.raises(t.TransportError) as err:
         s.accept(frame(15, 1, False))  # only right after a verify window
     assert err.value.code == "transport_position"
+
+
+# --- sampling controls: BEGIN with CONTROLS, activations with IDS --------------------------------
+CONTROLS = t.Sampling(
+    temperature=0.8,
+    top_p=0.95,
+    top_k=40,
+    seed=99,
+    min_p=0.05,
+    typical_p=0.9,
+    repeat_penalty=1.1,
+    presence_penalty=0.5,
+    frequency_penalty=-0.25,
+    repeat_last_n=32,
+    logit_bias=((0, -100.0), (17, 2.5), (262143, 0.125)),
+)
+
+
+@given(cuts=st.lists(st.integers(0, 10_000), max_size=12))
+@settings(max_examples=100)
+def test_a_session_with_controls_and_token_ids_decodes_in_any_chunking(cuts: list[int]) -> None:
+    rows = np.arange(5 * WIDTH, dtype=np.float32).reshape(5, WIDTH)
+    data = b"".join(
+        (
+            t.encode_begin(7, 9, width=WIDTH, sampling=CONTROLS, topology_id="topo-abc"),
+            t.encode_activations(
+                7, 9, phase=t.Phase.PREFILL, start=0, activations=rows[:4], tokens=[1, 2, 3, 4]
+            ),
+            t.encode_activations(
+                7, 9, phase=t.Phase.DECODE, start=4, activations=rows[4:], flags=t.Flag.SAMPLE,
+                tokens=[262143],
+            ),
+            t.encode_free(7, 9),
+        )
+    )
+    frames = _decode_in_pieces(data, cuts)
+    assert frames[0].begin() == (CONTROLS, "topo-abc")
+    assert frames[0].flags == t.Flag.CONTROLS and frames[0].count == 3
+    assert [f.tokens() for f in frames[1:3]] == [[1, 2, 3, 4], [262143]]
+    assert np.array_equal(np.concatenate([f.activations() for f in frames[1:3]]), rows)
+    assert frames[2].flags == t.Flag.SAMPLE | t.Flag.IDS
+    session = t.SessionInbound(max_positions=64)
+    for f in frames:
+        session.accept(f)
+    assert session.ids_required and session.freed
+
+
+def test_a_begin_without_controls_is_the_frame_every_version_reads() -> None:
+    """Only controls beyond temperature, top-k, top-p and the seed change the BEGIN: a plain
+    request's sessions stay readable by nodes without the sampling-controls bit."""
+    plain = t.encode_begin(1, 2, width=WIDTH, sampling=SAMPLING, topology_id="x")
+    assert len(plain) == t.HEADER_BYTES + t.BEGIN_PAYLOAD_BYTES
+    assert t.HEADER.unpack_from(plain)[3] == 0  # no flags
+    assert len(t.encode_begin(1, 2, width=WIDTH, sampling=CONTROLS, topology_id="x")) == (
+        t.HEADER_BYTES + t.BEGIN_PAYLOAD_BYTES + 48 + 3 * 12
+    )
+
+
+def test_bad_controls_and_misplaced_flags_are_refused() -> None:
+    good = t.encode_begin(1, 2, width=WIDTH, sampling=CONTROLS, topology_id="x")
+    controls_at = t.HEADER_BYTES + t.BEGIN_PAYLOAD_BYTES
+    unsorted = bytearray(good)  # the second entry's id below the first's
+    struct.pack_into("<I", unsorted, controls_at + 48 + 12, 0)
+    penalty = bytearray(good)
+    struct.pack_into("<d", penalty, controls_at + 16, 0.0)  # repeat_penalty 0
+    reserved = bytearray(good)
+    struct.pack_into("<I", reserved, controls_at + 44, 1)
+    for bad in (unsorted, penalty, reserved):
+        with pytest.raises(t.TransportError) as err:
+            t.FrameDecoder(width=WIDTH).feed(bytes(bad))
+        assert err.value.code == "transport_bad_begin"
+    head = list(t.HEADER.unpack_from(good))
+    head[7] = 1025  # more logit-bias entries than any request may have
+    with pytest.raises(t.TransportError) as err:
+        t.FrameDecoder(width=WIDTH).feed(t.HEADER.pack(*head))
+    assert err.value.code == "transport_bad_count"
+    head[3], head[7] = 0, 3  # entries without the CONTROLS flag
+    with pytest.raises(t.TransportError) as err:
+        t.FrameDecoder(width=WIDTH).feed(t.HEADER.pack(*head))
+    assert err.value.code == "transport_bad_count"
+    one = np.zeros((1, WIDTH), np.float32)
+    for kind, phase, flags in (
+        (t.Kind.ACTIVATIONS, t.Phase.PREFILL, t.Flag.CONTROLS),
+        (t.Kind.ACTIVATIONS, t.Phase.VERIFY, t.Flag.SAMPLE | t.Flag.IDS),
+        (t.Kind.BEGIN, t.Phase.PREFILL, t.Flag.IDS),
+        (t.Kind.TOKENS, t.Phase.PREFILL, t.Flag.IDS),
+    ):
+        width = 0 if kind is t.Kind.TOKENS else WIDTH
+        head = t.HEADER.pack(t.VERSION, kind, phase, flags, 1, 2, 0, 1, width, 0)
+        with pytest.raises(t.TransportError) as err:
+            t.FrameDecoder(width=width).feed(head)
+        assert err.value.code == "transport_bad_flags", (kind, flags)
+    with pytest.raises(t.TransportError):  # one id per row
+        t.encode_activations(1, 2, phase=t.Phase.PREFILL, start=0, activations=one, tokens=[])
+    with pytest.raises(t.TransportError):  # flag IDS without the ids
+        t.encode_activations(
+            1, 2, phase=t.Phase.PREFILL, start=0, activations=one, flags=t.Flag.IDS
+        )
+
+
+def test_a_penalized_session_needs_every_frames_token_ids() -> None:
+    dec = t.FrameDecoder(width=WIDTH)
+    s = t.SessionInbound(max_positions=64)
+    s.accept(dec.feed(t.encode_begin(1, 5, width=WIDTH, sampling=CONTROLS, topology_id="x"))[0])
+    acts = np.zeros((2, WIDTH), np.float32)
+    bare = t.encode_activations(1, 5, phase=t.Phase.PREFILL, start=0, activations=acts)
+    with pytest.raises(t.TransportError) as err:
+        s.accept(dec.feed(bare)[0])
+    assert err.value.code == "transport_missing_ids"
+    dec = t.FrameDecoder(width=WIDTH)
+    s = t.SessionInbound(max_positions=64)
+    plain = t.Sampling(temperature=0.5, min_p=0.1)  # controls, but no penalties: no ids needed
+    s.accept(dec.feed(t.encode_begin(1, 5, width=WIDTH, sampling=plain, topology_id="x"))[0])
+    s.accept(dec.feed(bare)[0])
+
+
+def test_session_tokens_give_the_penalty_window_and_follow_a_rewind() -> None:
+    dec = t.FrameDecoder(width=WIDTH)
+
+    def frame(start: int, ids: list[int], verify: bool = False) -> t.Frame:
+        acts = np.zeros((len(ids), WIDTH), np.float32)
+        data = (
+            t.encode_verify(1, 5, start=start, activations=acts, tokens=ids)
+            if verify
+            else t.encode_activations(
+                1, 5, phase=t.Phase.PREFILL, start=start, activations=acts, tokens=ids
+            )
+        )
+        return dec.feed(data)[0]
+
+    tokens = t.SessionTokens.of(t.Sampling(repeat_penalty=1.2, repeat_last_n=3))
+    tokens.take(frame(0, [10, 11, 12, 13]))
+    assert tokens.before(4) == [11, 12, 13] and tokens.before(2) == [10, 11]
+    tokens.take(frame(4, [14, 15, 16], verify=True))  # a window: 14 committed, drafts 15, 16
+    assert tokens.before(6) == [13, 14, 15]
+    tokens.take(frame(5, [20]))  # draft 15 was rejected: the next frame starts there
+    assert tokens.ids == [10, 11, 12, 13, 14, 20] and tokens.before(6) == [13, 14, 20]
+    with pytest.raises(t.TransportError) as err:
+        tokens.before(7)
+    assert err.value.code == "transport_missing_ids"
+    with pytest.raises(t.TransportError) as err:
+        tokens.take(frame(9, [1]))  # a gap
+    assert err.value.code == "transport_missing_ids"
+    off = t.SessionTokens.of(t.Sampling(logit_bias=((1, 1.0),)))  # nothing reads the tokens
+    off.take(frame(0, [1, 2]))
+    assert off.ids == [] and off.before(2) == []
+

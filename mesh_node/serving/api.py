@@ -17,6 +17,7 @@ import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import Any, Final
 
 import trio
@@ -41,7 +42,6 @@ from skippy.errors import SkippyError
 from skippy.serving.chat import ChatTemplate
 from skippy.serving.openai import ApiError, CompletionRequest, parse_request
 from skippy.serving.text import TextStream
-from skippy.stage.transport import Sampling
 
 log = logging.getLogger("mesh_node.serving.api")
 DRAIN_FLUSH_S: Final = 1.0  # then the cancelled ones write their final event within this
@@ -233,7 +233,13 @@ class OpenAIApi:
             del data
             route = server._check_ready()
             n_ctx = route.stage0.facts.n_ctx
-            req = parse_request(body, kind, max_tokens_limit=n_ctx)
+            tok = server.tokenizer
+            req = parse_request(
+                body,
+                kind,
+                max_tokens_limit=n_ctx,
+                vocab=tok.n_vocab if tok is not None else route.stage0.facts.vocab or None,
+            )
             if req.model is not None and req.model != server.model_name:
                 raise ApiError(
                     f"the model {req.model!r} is not served here (this split serves "
@@ -251,15 +257,10 @@ class OpenAIApi:
             return _error_response(err)
         if access is not None:
             access.tokens_in = len(ids)
+        seed = req.seed if req.seed is not None else secrets.randbits(62)
         params = GenerationParams(
             max_tokens=req.max_tokens,
-            sampling=Sampling(
-                temperature=req.sampling.temperature,
-                top_p=req.sampling.top_p,
-                top_k=req.sampling.top_k,
-                seed=(req.sampling.seed if req.sampling.seed is not None else secrets.randbits(62))
-                % (1 << 63),
-            ),
+            sampling=replace(req.sampling, seed=seed % (1 << 63)),
         )
         ident = ("chatcmpl-" if kind == "chat" else "cmpl-") + secrets.token_hex(12)
         if req.stream:

@@ -51,7 +51,7 @@ from skippy.generation import SpeculativePlan
 from skippy.generation.proposers import Proposer, VerifyWindow, make_proposer
 from skippy.runtime.speculation import EXECUTABLE_MODES
 from skippy.runtime.tokenizer import LlamaTokenizer
-from skippy.serving.replay import Step, schedule
+from skippy.serving.replay import Step, schedule, tokens_before
 from skippy.stage import transport as t
 
 log = logging.getLogger("mesh_node.serving.generator")
@@ -238,6 +238,14 @@ class Generator:
         )
         window = VerifyWindow(plan.window) if plan and plan.window else None
         frame_cap = self.host.limits.tokens_per_frame(loaded.facts.width)
+        sampling = params.sampling
+        self._check_controls(route, sampling)
+        # the tokens the penalties read before a position (every attempt: the same)
+        last_n = sampling.repeat_last_n if sampling.penalized else 0
+
+        def before(position: int) -> list[int]:
+            return tokens_before(prompt, result.tokens, position, last_n)
+
         self._sessions[session_id] = _Session(
             session_id, request_id, route.node_ids[-1], send_tokens
         )
@@ -266,7 +274,9 @@ class Generator:
 
                 async def forward(step: Step) -> None:
                     x = np.asarray(step.tokens, dtype=np.int64)
-                    sampler = sampler_at(params.sampling, step.end) if step.sample else None
+                    sampler = (
+                        sampler_at(sampling, step.end, before(step.end)) if step.sample else None
+                    )
                     decode = step.phase == "decode"
                     verify = step.phase == "verify"
 
@@ -280,7 +290,13 @@ class Generator:
                             output = await self.host.decode(stage, name, step.start, x, sampler)
                         elif verify:  # a speculative window: exact one-position steps
                             output = await self.host.verify(
-                                stage, name, params.sampling, step.start, x, list(step.tokens)
+                                stage,
+                                name,
+                                sampling,
+                                step.start,
+                                x,
+                                list(step.tokens),
+                                before(step.start),
                             )
                         else:
                             output = await self.host.compute(run)
@@ -319,6 +335,8 @@ class Generator:
                         start=step.start,
                         activations=output.activations,
                         flags=t.Flag.SAMPLE if step.sample else t.Flag.NONE,
+                        # the final stage's penalties read them
+                        tokens=step.tokens if last_n else None,
                     )
                     try:
                         await sender.send_activations(frame, decode=decode)
@@ -398,6 +416,24 @@ class Generator:
             if out is not None:
                 with trio.CancelScope(shield=True), trio.move_on_after(1.0):
                     await out.aclose()
+
+    def _check_controls(self, route: Route, sampling: t.Sampling) -> None:
+        """Sampling controls beyond temperature, top-k, top-p and the seed need every other
+        node of the route to read them (feature bit ``sampling-controls``): a node of an older
+        version would refuse the session's frames, so the request is refused first, naming
+        it."""
+        if not sampling.controls:
+            return
+        bit = frozenset({pc.BIT_SAMPLING_CONTROLS})
+        for node_id in route.node_ids[1:]:
+            info = self.node.peer(node_id)
+            if info is None or not info.has_features(pc.FEATURE_SKIPPY_STAGE, bit):
+                raise BadGenerationRequest(
+                    f"node {node_id[:12]} of this split does not implement min_p, typical_p, "
+                    "penalties or logit_bias (an older version): upgrade it, or send the "
+                    "request without them",
+                    code="unsupported_parameter",
+                )
 
     def _route_verifies(self, route: Route) -> bool:
         """Every other node of the route takes verify windows (feature bit, issue #22)."""

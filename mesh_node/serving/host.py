@@ -24,8 +24,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import numpy as np
@@ -43,7 +43,7 @@ from skippy.errors import SkippyError
 from skippy.package.topology import SplitTopology, StageAssignment
 from skippy.runtime.boundary import StageLoad
 from skippy.runtime.compute_thread import compute_thread
-from skippy.runtime.sampling import Sampler, SamplingParams
+from skippy.runtime.sampling import Sampler
 from skippy.runtime.speculation import accept_draft
 from skippy.runtime.stage import DecodeStep, Stage, StageConfig, StageOutput, context_full
 from skippy.stage import transport as t
@@ -77,16 +77,13 @@ def transport_limits(settings: ServingSettings) -> t.TransportLimits:
     )
 
 
-def sampler_at(sampling: t.Sampling, position: int) -> Sampler:
+def sampler_at(sampling: t.Sampling, position: int, before: Sequence[int] = ()) -> Sampler:
     """The sampler for the token at ``position``: seeded by (seed, position), so a replay after
-    a failover draws the same tokens as the undisturbed run would have (greedy ignores it)."""
-    params = SamplingParams(
-        temperature=sampling.temperature,
-        top_k=sampling.top_k,
-        top_p=sampling.top_p,
-        seed=(sampling.seed * 1_000_003 + position) % (1 << 63),
-    )
-    return Sampler(params)
+    a failover draws the same tokens as the undisturbed run would have (greedy ignores it);
+    ``before``: the tokens before ``position`` that the penalties read (at least the last
+    ``repeat_last_n``), the same on every attempt."""
+    params = replace(sampling, seed=(sampling.seed * 1_000_003 + position) % (1 << 63))
+    return Sampler(params, history=before)
 
 
 def runtime_facts(stage: Stage) -> RuntimeFacts:
@@ -333,7 +330,14 @@ class StageHost:
         return (await self._queue(item))[0]
 
     async def verify(
-        self, stage: Stage, name: str, sampling: t.Sampling, start: int, x: Any, window: list[int]
+        self,
+        stage: Stage,
+        name: str,
+        sampling: t.Sampling,
+        start: int,
+        x: Any,
+        window: list[int],
+        before: Sequence[int] = (),
     ) -> tuple[Any, list[int] | None]:
         """One verify window: its activation rows for the next stage, or (final stage)
         the committed tokens (``accept_window``), from exact one-position steps that
@@ -349,7 +353,7 @@ class StageHost:
         if outs[-1].logits is None:
             return np.concatenate([o.activations for o in outs if o.activations is not None]), None
         logits = np.concatenate([o.logits for o in outs if o.logits is not None])
-        return None, accept_window(sampling, start, logits, window)
+        return None, accept_window(sampling, start, logits, window, before)
 
     async def _queue(self, item: _QueuedStep) -> list[StageOutput]:
         """Queue ``item`` for the next batch (leading it when no one leads); its outputs."""
@@ -584,13 +588,22 @@ class StageHost:
                 )
             work_send, work_recv = trio.open_memory_channel[_Work](self.limits.max_inflight_frames)
             acks = _Acks(inbound.stream)
+            tokens = t.SessionTokens.of(sampling) if loaded.is_final else t.SessionTokens()
             async with trio.open_nursery() as nursery:
                 if sender is not None:
                     nursery.start_soon(sender.read_acks)
                 else:
                     nursery.start_soon(_drain, out)
                 nursery.start_soon(
-                    self._compute_loop, loaded, name, sampling, work_recv, sender, out, begin, acks
+                    self._compute_loop,
+                    loaded,
+                    name,
+                    (sampling, tokens),
+                    work_recv,
+                    sender,
+                    out,
+                    begin,
+                    acks,
                 )
                 async with work_send:
                     while True:
@@ -640,10 +653,14 @@ class StageHost:
         x: Any,
         sender: ChainSender | None,
         out: MeshStream,
+        before: list[int],
     ) -> None:
-        """One verify window: pass its rows on, or (final stage) return the committed tokens."""
+        """One verify window: pass its rows on, or (final stage) return the committed tokens
+        (``before``: the tokens before the window that the penalties read)."""
         window = frame.tokens()
-        rows, tokens = await self.verify(loaded.stage, name, sampling, frame.start, x, window)
+        rows, tokens = await self.verify(
+            loaded.stage, name, sampling, frame.start, x, window, before
+        )
         if sender is not None:
             data = t.encode_verify(
                 frame.request_id,
@@ -664,7 +681,7 @@ class StageHost:
         self,
         loaded: LoadedStage,
         name: str,
-        sampling: t.Sampling,
+        session: tuple[t.Sampling, t.SessionTokens],
         frames: trio.MemoryReceiveChannel[_Work],
         sender: ChainSender | None,
         out: MeshStream,
@@ -673,7 +690,7 @@ class StageHost:
     ) -> None:
         async with frames:
             async for work in frames:
-                await self._step(loaded, name, sampling, work.frame, sender, out)
+                await self._step(loaded, name, session, work.frame, sender, out)
                 if work.late_ack is not None:  # a decode frame's: once its output is on its way
                     await acks.send(work.late_ack)
         # The session ended upstream: free it downstream too, and end our side.
@@ -685,20 +702,25 @@ class StageHost:
         self,
         loaded: LoadedStage,
         name: str,
-        sampling: t.Sampling,
+        session: tuple[t.Sampling, t.SessionTokens],
         frame: t.Frame,
         sender: ChainSender | None,
         out: MeshStream,
     ) -> None:
-        """One frame through this stage: computed, and its output sent on."""
+        """One frame through this stage: computed, and its output sent on (with its token
+        ids when it carries them). ``session``: its sampling, and (final stage) the token ids
+        its frames carried, which the penalties read."""
+        sampling, tokens = session
         stage = loaded.stage
         x = frame.activations()  # a read-only view of the received bytes: no copy
         sample = bool(frame.flags & t.Flag.SAMPLE) and loaded.is_final
         end = frame.start + frame.count
-        sampler = sampler_at(sampling, end) if sample else None
+        tokens.take(frame)
         if frame.phase is t.Phase.VERIFY:
-            await self._verify(loaded, name, sampling, frame, x, sender, out)
+            before = tokens.before(frame.start) if loaded.is_final else []
+            await self._verify(loaded, name, sampling, frame, x, sender, out, before)
             return
+        sampler = sampler_at(sampling, end, tokens.before(end)) if sample else None
 
         def run(f: t.Frame = frame, x: Any = x, s: Sampler | None = sampler) -> Any:
             drop_rejected(stage, name, f.start)
@@ -717,6 +739,7 @@ class StageHost:
                     start=frame.start,
                     activations=result.activations,
                     flags=frame.flags,
+                    tokens=frame.tokens() if frame.carries_ids else None,
                 ),
                 decode=frame.phase is t.Phase.DECODE,
             )
@@ -735,13 +758,22 @@ def drop_rejected(stage: Stage, name: str, start: int) -> None:
         stage.truncate(name, start)
 
 
-def accept_window(sampling: t.Sampling, start: int, logits: Any, window: list[int]) -> list[int]:
+def accept_window(
+    sampling: t.Sampling,
+    start: int,
+    logits: Any,
+    window: list[int],
+    before: Sequence[int] = (),
+) -> list[int]:
     """A final stage's verdict on a verify window: the committed tokens (the accepted drafts,
-    then the target's own), each drawn like plain decoding's token at its position."""
-    positions = iter(range(start + 1, start + len(window) + 1))
+    then the target's own), each drawn like plain decoding's token at its position, its
+    penalties reading ``before`` (the tokens before ``start``) and the window's tokens up to
+    that position (the drafts are the tokens there while they are accepted)."""
+    positions = iter(range(1, len(window) + 1))
 
     def sample(row: Any) -> int:
-        return sampler_at(sampling, next(positions)).sample(row)
+        i = next(positions)
+        return sampler_at(sampling, start + i, [*before, *window[:i]]).sample(row)
 
     return accept_draft(logits, window[1:], sample)
 

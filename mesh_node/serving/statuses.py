@@ -34,6 +34,7 @@ CLIENT_CODES: Final[dict[str, str]] = {
     "token_out_of_range": "token_out_of_range",
     "chat_template_missing": "chat_template_missing",
     "chat_template_error": "chat_template_error",
+    "unsupported_parameter": "unsupported_parameter",  # e.g. a control an older node lacks
 }
 # SplitNotReady codes that mean "forming": worth retrying soon
 FORMING_CODES: Final = frozenset({"split_not_ready"})

@@ -204,7 +204,7 @@ class StageChain:
     ) -> Generation:
         """A completion from a fresh session (greedy unless ``sampling`` says otherwise)."""
         ids = check_generation_request(tokens, max_tokens, self.n_ctx)
-        sampler = Sampler(sampling)
+        sampler = Sampler(sampling, history=ids)
         tok = self.tokenizer
         out: list[int] = []
         stop: StopReason = "length"
@@ -222,6 +222,7 @@ class StageChain:
                     stop = "eos"
                     break
                 out.append(token)
+                sampler.accept(token)
                 if len(out) >= max_tokens:
                     break
                 if position >= self.n_ctx:

@@ -123,7 +123,7 @@ def generate_speculative(
             code="speculation_unsupported",
         )
     ids = check_generation_request(tokens, max_tokens, chain.n_ctx)
-    sampler = Sampler(sampling)
+    sampler = Sampler(sampling, history=ids)
     proposer = make_proposer(plan.ngram, ids)
     window = VerifyWindow(plan.window)
     tok = chain.tokenizer
@@ -146,6 +146,7 @@ def generate_speculative(
                     stop, done = "eos", True
                     break
                 out.append(token)
+                sampler.accept(token)
                 proposer.extend((token,))
                 if len(out) >= max_tokens:
                     done = True
@@ -166,7 +167,14 @@ def generate_speculative(
             result = chain.verify(session, position, [pending, *draft], exact=exact)
             if result.logits is None:
                 raise UsageError("the last stage returned no logits", code="stage_mismatch")
-            emitted = list(accept_draft(result.logits, draft, sampler.sample))
+            window_tokens: list[int] = []  # a row's penalties see the window's tokens before it
+
+            def sample(row: Any, before: list[int] = window_tokens) -> int:
+                token = sampler.sample(row, after=before)
+                before.append(token)
+                return token
+
+            emitted = list(accept_draft(result.logits, draft, sample))
             n_ok = len(emitted) - 1
             position += n_ok + 1
             chain.truncate(session, position)

@@ -144,9 +144,9 @@ class AdmissionDescriptor:
 class StageOutput:
     """``activations`` ``[tokens x width]`` f32 from a non-final stage; ``logits``
     ``[rows x vocab]`` f32 from the final stage (the last position, or every position with
-    ``all_logits``), and ``token`` when a sampler chose one. A greedy ``decode`` may return the
-    token alone (logits None: the engine took the argmax); decode without a sampler for
-    logits."""
+    ``all_logits``), and ``token`` when a sampler chose one. A plain greedy ``decode`` (no
+    bias, penalties or typical-p) may return the token alone (logits None: the engine took the
+    argmax); decode without a sampler for logits."""
 
     activations: npt.NDArray[np.float32] | None = None
     logits: npt.NDArray[np.float32] | None = None
@@ -455,7 +455,7 @@ class StageBase(ABC, Generic[S]):
         if x.shape[0] != 1:
             raise stage_usage(f"decode takes one position, got {x.shape[0]}", "bad_stage_input")
         s = self._session_for(session, position, 1)
-        greedy = sampler is not None and sampler.params.greedy and self.layers.owns_output
+        greedy = sampler is not None and sampler.params.plain_greedy and self.layers.owns_output
         out, token = self._decode_one(s.state, position, x, greedy=greedy)
         s.length = position + 1
         if out is None:  # the engine chose the token: no logits crossed into Python
@@ -484,7 +484,7 @@ class StageBase(ABC, Generic[S]):
             xs.append(x)
         sessions = [self._session_for(s.session, s.position, 1) for s in steps]
         greedy = [
-            s.sampler is not None and s.sampler.params.greedy and self.layers.owns_output
+            s.sampler is not None and s.sampler.params.plain_greedy and self.layers.owns_output
             for s in steps
         ]
         results = self._decode_many(

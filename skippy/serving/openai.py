@@ -1,12 +1,17 @@
 """The OpenAI-compatible request schema (pure): a JSON body in, a checked request out.
 
 ``/v1/completions`` and ``/v1/chat/completions`` with ``max_tokens`` (chat also
-``max_completion_tokens``), ``temperature``, ``top_p``, ``top_k`` (an extension, as in
-llama.cpp's server and vLLM), ``seed``, ``stop`` (a string or up to 4), ``stream``. Values
-are checked and a violation is an ``ApiError`` naming the parameter (HTTP 400, OpenAI's error
-body). Parameters this server does not implement are refused when set to anything but their
-neutral value (``n`` > 1, ``logprobs``, ``echo``, penalties, tools...), never silently
-ignored; unknown keys are ignored, as OpenAI's clients send new ones.
+``max_completion_tokens``), the sampling controls (``temperature``, ``top_p``,
+``presence_penalty``, ``frequency_penalty``, ``logit_bias``, ``seed``, and llama.cpp's
+``top_k``, ``min_p``, ``typical_p``, ``repeat_penalty``, ``repeat_last_n``: see
+``skippy.runtime.sampling`` for what each does, in llama.cpp's order), ``stop`` (a string or
+up to 4), ``stream``, ``stream_options``, ``user``. Values are checked and a violation is an
+``ApiError`` naming the parameter (HTTP 400, OpenAI's error body).
+
+Every other key is refused (``unsupported_parameter``), never silently ignored: the ones this
+server does not implement are accepted only at their neutral value (``NEUTRAL``: ``n: 1``,
+``tools: []``, ``response_format: {"type": "text"}``, ``mirostat: 0``...), since clients send
+those by default, and an unknown key is refused whatever its value.
 """
 
 from __future__ import annotations
@@ -18,6 +23,15 @@ from dataclasses import dataclass
 from typing import Any, Final, Literal
 
 from skippy.errors import SkippyError
+from skippy.runtime.sampling import (
+    DEFAULT_REPEAT_LAST_N,
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_TOKENS,
+    MAX_PRESENCE_FREQUENCY,
+    MAX_REPEAT_LAST_N,
+    MAX_REPEAT_PENALTY,
+    SamplingParams,
+)
 
 MAX_STOP: Final = 4
 MAX_STOP_CHARS: Final = 256
@@ -26,20 +40,62 @@ DEFAULT_COMPLETION_TOKENS: Final = 16  # OpenAI's default for /v1/completions
 DEFAULT_CHAT_TOKENS: Final = 512  # OpenAI has none (until the context fills); ours is bounded
 MAX_SEED: Final = (1 << 63) - 1
 ROLES: Final = frozenset({"system", "user", "assistant", "developer"})
-# Parameters we do not implement, with the value that means "off".
-_NEUTRAL: Final[dict[str, Any]] = {
-    "n": 1,
-    "best_of": 1,
-    "echo": False,
-    "logprobs": None,
-    "top_logprobs": None,
-    "suffix": None,
-    "presence_penalty": 0,
-    "frequency_penalty": 0,
-    "logit_bias": None,
-    "tools": None,
-    "functions": None,
-    "response_format": None,
+# The parameters this server honours, per endpoint.
+HONOURED: Final = frozenset(
+    {
+        "model",
+        "max_tokens",
+        "max_completion_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "typical_p",
+        "repeat_penalty",
+        "repeat_last_n",
+        "presence_penalty",
+        "frequency_penalty",
+        "logit_bias",
+        "seed",
+        "stop",
+        "stream",
+        "stream_options",
+        "user",  # the end user's id: OpenAI's abuse-monitoring metadata, no effect on output
+    }
+)
+ENDPOINT_KEYS: Final = {"completion": frozenset({"prompt"}), "chat": frozenset({"messages"})}
+# Parameters we do not implement, with the values that mean "off" (null always does). Tool
+# choices are neutral here because no tools can be given.
+NEUTRAL: Final[dict[str, tuple[Any, ...]]] = {
+    "n": (1,),
+    "best_of": (1,),
+    "echo": (False,),
+    "logprobs": (False,),
+    "top_logprobs": (0,),
+    "suffix": ("",),
+    "tools": ([],),
+    "functions": ([],),
+    "tool_choice": ("none", "auto"),
+    "function_call": ("none", "auto"),
+    "parallel_tool_calls": (True, False),
+    "response_format": ({"type": "text"},),
+    "store": (False,),
+    "metadata": ({},),
+    "service_tier": ("auto", "default"),
+    "modalities": (["text"],),
+    # llama.cpp's and vLLM's samplers we do not run, at their defaults
+    "mirostat": (0,),
+    "mirostat_tau": (5.0,),
+    "mirostat_eta": (0.1,),
+    "tfs_z": (1.0,),
+    "dry_multiplier": (0.0,),
+    "xtc_probability": (0.0,),
+    "top_n_sigma": (-1.0,),
+    "dynatemp_range": (0.0,),
+    "n_probs": (0,),
+    "ignore_eos": (False,),
+    "repetition_penalty": (1.0,),  # vLLM's, over the whole context: ours is repeat_penalty
+    "min_tokens": (0,),
 }
 
 
@@ -109,21 +165,14 @@ def _depth_within(doc: Any, max_depth: int) -> bool:
 
 
 @dataclass(frozen=True)
-class SamplingRequest:
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int | None
-
-
-@dataclass(frozen=True)
 class CompletionRequest:
     kind: Literal["completion", "chat"]
     model: str | None
     prompt: str | tuple[int, ...] | None  # completion: text or token ids
     messages: tuple[dict[str, str], ...] | None  # chat
     max_tokens: int
-    sampling: SamplingRequest
+    sampling: SamplingParams  # its seed is 0: ``seed`` is the request's
+    seed: int | None
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool  # stream_options.include_usage
@@ -170,15 +219,95 @@ def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
     return tuple(items)
 
 
-def _unsupported(body: Mapping[str, Any]) -> None:
-    for key, neutral in _NEUTRAL.items():
-        value = body.get(key)
-        if value is not None and value != neutral and not (neutral is None and value is False):
+def _same(value: Any, neutral: Any) -> bool:
+    """JSON equality that tells booleans from numbers (``n: true`` is not ``n: 1``)."""
+    if isinstance(value, bool) or isinstance(neutral, bool):
+        return type(value) is type(neutral) and value == neutral
+    return bool(value == neutral)
+
+
+def _unsupported(body: Mapping[str, Any], kind: Literal["completion", "chat"]) -> None:
+    """Refuse every key that is neither honoured nor at a neutral value."""
+    known = HONOURED | ENDPOINT_KEYS[kind]
+    for key, value in body.items():
+        if key in known or value is None:
+            continue
+        neutral = NEUTRAL.get(key)
+        if neutral is None:
+            endpoint = "/v1/completions" if kind == "completion" else "/v1/chat/completions"
             raise ApiError(
-                f"{key}={value!r} is not supported by this server",
+                f"{key!r} is not a parameter {endpoint} implements here; leave it out "
+                "(docs/serving.md lists the parameters)",
                 code="unsupported_parameter",
                 param=key,
             )
+        if not any(_same(value, n) for n in neutral):
+            shown = " or ".join(json.dumps(n) for n in neutral)
+            raise ApiError(
+                f"{key}={json.dumps(value)[:80]} is not supported by this server; it accepts "
+                f"only {shown} (the default) or leaving it out",
+                code="unsupported_parameter",
+                param=key,
+            )
+
+
+def _logit_bias(body: Mapping[str, Any], vocab: int | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``{"token id": bias}`` (-100..100), as (id, bias) pairs, ids ascending."""
+    value = body.get("logit_bias")
+    if value is None:
+        return ()
+    if not isinstance(value, Mapping) or len(value) > MAX_LOGIT_BIAS_TOKENS:
+        raise _bad(
+            f"logit_bias must be an object of at most {MAX_LOGIT_BIAS_TOKENS} token ids "
+            "(as strings) to biases",
+            "logit_bias",
+        )
+    out = {}
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 10):
+            raise _bad(f"logit_bias key {key!r} is not a token id", "logit_bias")
+        token = int(key)
+        if vocab is not None and token >= vocab:
+            raise _bad(
+                f"logit_bias names token {token}; the vocabulary has {vocab}",
+                "logit_bias",
+                "token_out_of_range",
+            )
+        if (
+            isinstance(bias, bool)
+            or not isinstance(bias, int | float)
+            or not math.isfinite(bias)
+            or abs(bias) > MAX_LOGIT_BIAS
+        ):
+            raise _bad(
+                f"logit_bias for token {token} must be a number between -100 and 100",
+                "logit_bias",
+            )
+        out[token] = float(bias)
+    return tuple(sorted(out.items()))
+
+
+def _sampling(body: Mapping[str, Any], n_ctx: int, vocab: int | None) -> SamplingParams:
+    top_k = _integer(body, "top_k", 0, -1, 1 << 20) or 0
+    repeat_penalty = _number(body, "repeat_penalty", 1.0, 0.0, MAX_REPEAT_PENALTY)
+    if repeat_penalty == 0.0:
+        raise _bad("repeat_penalty must be greater than 0 (1 is off)", "repeat_penalty")
+    last_n = _integer(body, "repeat_last_n", None, -1, MAX_REPEAT_LAST_N)
+    pf = MAX_PRESENCE_FREQUENCY
+    return SamplingParams(
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0) or 1.0,
+        top_k=max(top_k, 0),  # -1 is off too (vLLM's)
+        min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
+        typical_p=_number(body, "typical_p", 1.0, 0.0, 1.0),
+        repeat_penalty=repeat_penalty,
+        presence_penalty=_number(body, "presence_penalty", 0.0, -pf, pf),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -pf, pf),
+        repeat_last_n=(
+            DEFAULT_REPEAT_LAST_N if last_n is None else n_ctx if last_n == -1 else last_n
+        ),  # -1: the whole context (llama.cpp's)
+        logit_bias=_logit_bias(body, vocab),
+    )
 
 
 def _content(message: Mapping[str, Any], i: int) -> str:
@@ -203,12 +332,17 @@ def _content(message: Mapping[str, Any], i: int) -> str:
 
 
 def parse_request(
-    body: object, kind: Literal["completion", "chat"], *, max_tokens_limit: int
+    body: object,
+    kind: Literal["completion", "chat"],
+    *,
+    max_tokens_limit: int,
+    vocab: int | None = None,
 ) -> CompletionRequest:
-    """Check a decoded JSON body; ``max_tokens_limit`` is the context (prompt + completion)."""
+    """Check a decoded JSON body; ``max_tokens_limit`` is the context (prompt + completion),
+    ``vocab`` the vocabulary's size (``logit_bias`` names tokens below it)."""
     if not isinstance(body, Mapping):
         raise _bad("the request body must be a JSON object", "body", "invalid_json")
-    _unsupported(body)
+    _unsupported(body, kind)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise _bad("model must be a string", "model")
@@ -256,19 +390,17 @@ def parse_request(
     options = body.get("stream_options") or {}
     if not isinstance(options, Mapping):
         raise _bad("stream_options must be an object", "stream_options")
-    sampling = SamplingRequest(
-        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0) or 1.0,
-        top_k=_integer(body, "top_k", 0, 0, 1 << 20) or 0,
-        seed=_integer(body, "seed", None, -(1 << 63), MAX_SEED),
-    )
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise _bad("user must be a string", "user")
     return CompletionRequest(
         kind=kind,
         model=model,
         prompt=prompt,
         messages=messages,
         max_tokens=max_tokens,
-        sampling=sampling,
+        sampling=_sampling(body, max_tokens_limit, vocab),
+        seed=_integer(body, "seed", None, -(1 << 63), MAX_SEED),
         stop=_stop(body),
         stream=stream,
         include_usage=bool(options.get("include_usage", False)),

@@ -57,3 +57,16 @@ def schedule(prompt: Sequence[int], generated: Sequence[int], chunk: int) -> lis
     last = steps[-1]
     steps[-1] = Step(last.phase, last.start, last.tokens, True)
     return steps
+
+
+def tokens_before(
+    prompt: Sequence[int], generated: Sequence[int], position: int, n: int
+) -> list[int]:
+    """The last ``n`` committed tokens at positions before ``position`` (the prompt's, then
+    the generated ones'): what the penalties read when sampling for ``position``."""
+    lo, split = max(0, position - n), len(prompt)
+    if n <= 0 or position <= 0:
+        return []
+    head = list(prompt[lo : min(position, split)])
+    tail = list(generated[max(0, lo - split) : max(0, position - split)])
+    return head + tail

@@ -12,12 +12,19 @@ header alone::
     version u8 | kind u8 | phase u8 | flags u8 | request_id u64 | session_id u64 |
     start u32 | count u32 | width u32 | reserved u32 (0)
 
-    BEGIN        count 0, width = the link's activation width; payload BEGIN_PAYLOAD:
+    BEGIN        width = the link's activation width; payload BEGIN_PAYLOAD:
                  temperature f64 | top_p f64 | top_k u32 | reserved u32 | seed u64 |
-                 topology_id 128 bytes ASCII, NUL-padded
+                 topology_id 128 bytes ASCII, NUL-padded; count 0, or with flag CONTROLS
+                 (only to a peer advertising ``sampling-controls``) then CONTROLS_FIXED:
+                 min_p f64 | typical_p f64 | repeat_penalty f64 | presence_penalty f64 |
+                 frequency_penalty f64 | repeat_last_n u32 | reserved u32, and count
+                 logit-bias entries: token u32 | bias f64
     ACTIVATIONS  count tokens at positions start..start+count, payload raw LE f32
                  [count x width]; phase prefill (any count) or decode (count 1); flag SAMPLE:
-                 the final stage samples a token after this frame's last row
+                 the final stage samples a token after this frame's last row; flag IDS: the
+                 rows are followed by the count token ids (u32) they are the activations of
+                 (a session whose penalties read the tokens before each sampled position
+                 sends every frame so; every stage passes them on)
     ACK          the receiver has taken the frame at ``start`` (early acknowledgement: sent
                  on receipt, before computing it); no payload
                  phase verify (issue #22, only to a peer advertising ``verify-window``):
@@ -40,7 +47,6 @@ it, so other sessions never notice.
 
 from __future__ import annotations
 
-import math
 import re
 import struct
 from collections.abc import Sequence
@@ -51,7 +57,8 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
-from skippy.errors import SkippyError
+from skippy.errors import SkippyError, UsageError
+from skippy.runtime.sampling import MAX_LOGIT_BIAS_TOKENS, SamplingParams
 
 VERSION: Final = 1
 HEADER: Final = struct.Struct("<BBBBQQIIII")
@@ -59,6 +66,8 @@ HEADER_BYTES: Final = HEADER.size  # 40
 _BEGIN_FIXED: Final = struct.Struct("<ddIIQ")
 TOPOLOGY_ID_BYTES: Final = 128
 BEGIN_PAYLOAD_BYTES: Final = _BEGIN_FIXED.size + TOPOLOGY_ID_BYTES  # 160
+_CONTROLS_FIXED: Final = struct.Struct("<dddddII")  # 48 bytes
+_BIAS_ENTRY: Final = struct.Struct("<Id")  # 12 bytes
 F32_BYTES: Final = 4
 TOKEN_BYTES: Final = 4
 MAX_U32: Final = 0xFFFFFFFF
@@ -95,9 +104,14 @@ class Phase(IntEnum):
 class Flag(IntFlag):
     NONE = 0
     SAMPLE = 1  # the final stage samples a token after this frame's last row
+    IDS = 2  # ACTIVATIONS: the rows' token ids follow them (feature bit sampling-controls)
+    CONTROLS = 4  # BEGIN: the sampling controls and logit bias follow (sampling-controls)
 
 
-KNOWN_FLAGS: Final = int(Flag.SAMPLE)
+KNOWN_FLAGS: Final = int(Flag.SAMPLE | Flag.IDS | Flag.CONTROLS)
+# What the final stage samples with: the request's values and seed (``sampler_at`` derives
+# each position's generator seed from it).
+Sampling = SamplingParams
 
 
 @dataclass(frozen=True)
@@ -118,16 +132,6 @@ class TransportLimits:
     def tokens_per_frame(self, width: int) -> int:
         """The most activation rows one frame may carry at ``width``."""
         return max(1, min(self.max_frame_tokens, self.max_frame_bytes // (width * F32_BYTES)))
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """What the final stage samples with (``skippy.runtime.sampling.SamplingParams`` values)."""
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
 
 
 @dataclass(frozen=True)
@@ -152,19 +156,25 @@ class Frame:
         return rows.reshape(self.count, self.width)
 
     def tokens(self) -> list[int]:
-        """The token ids of a TOKENS frame, or the window's ids of a verify frame."""
-        if self.kind is Kind.ACTIVATIONS and self.phase is Phase.VERIFY:
+        """The token ids of a TOKENS frame, or the rows' ids of a verify frame or of an
+        activations frame with flag IDS."""
+        if self.kind is Kind.ACTIVATIONS and self.carries_ids:
             rows = self.count * self.width * F32_BYTES
             return [int(t) for t in np.frombuffer(self.payload, dtype="<u4", offset=rows)]
         if self.kind is not Kind.TOKENS:
             raise TransportError("not a tokens frame", code="transport_wrong_kind")
         return [int(t) for t in np.frombuffer(self.payload, dtype="<u4")]
 
+    @property
+    def carries_ids(self) -> bool:
+        """An activations frame whose rows' token ids follow them."""
+        return self.phase is Phase.VERIFY or bool(self.flags & Flag.IDS)
+
     def begin(self) -> tuple[Sampling, str]:
         """(sampling, topology id) of a BEGIN frame."""
         if self.kind is not Kind.BEGIN:
             raise TransportError("not a begin frame", code="transport_wrong_kind")
-        return _check_begin(bytes(self.payload))
+        return _check_begin(bytes(self.payload), self.count)
 
 
 # --- encoding ----------------------------------------------------------------------------------
@@ -196,13 +206,35 @@ def _header(
 def encode_begin(
     request_id: int, session_id: int, *, width: int, sampling: Sampling, topology_id: str
 ) -> bytes:
+    """A session's first frame. Sampling controls beyond temperature, top-k, top-p and the
+    seed (``Sampling.controls``) add the CONTROLS block; without them the frame is the one
+    every version reads."""
     raw_id = topology_id.encode("ascii")
     if not _TOPOLOGY_ID_RE.match(raw_id):
         raise TransportError(f"topology id {topology_id!r} is not valid", code="transport_range")
     body = _BEGIN_FIXED.pack(
         sampling.temperature, sampling.top_p, sampling.top_k, 0, sampling.seed
     ) + raw_id.ljust(TOPOLOGY_ID_BYTES, b"\0")
-    return _header(Kind.BEGIN, request_id, session_id, width=width) + body
+    if not sampling.controls:
+        return _header(Kind.BEGIN, request_id, session_id, width=width) + body
+    controls = _CONTROLS_FIXED.pack(
+        sampling.min_p,
+        sampling.typical_p,
+        sampling.repeat_penalty,
+        sampling.presence_penalty,
+        sampling.frequency_penalty,
+        sampling.repeat_last_n,
+        0,
+    ) + b"".join(_BIAS_ENTRY.pack(token, bias) for token, bias in sampling.logit_bias)
+    head = _header(
+        Kind.BEGIN,
+        request_id,
+        session_id,
+        flags=Flag.CONTROLS,
+        count=len(sampling.logit_bias),
+        width=width,
+    )
+    return head + body + controls
 
 
 def encode_activations(
@@ -213,11 +245,21 @@ def encode_activations(
     start: int,
     activations: npt.NDArray[np.float32],
     flags: Flag = Flag.NONE,
+    tokens: Sequence[int] | None = None,
 ) -> bytes:
+    """An activations frame; with ``tokens`` (one id per row) flag IDS and the ids after the
+    rows (a verify window always carries them: ``encode_verify``)."""
     rows = np.ascontiguousarray(activations, dtype="<f4")
     if rows.ndim != 2 or rows.shape[0] == 0:
         raise TransportError("activations must be [tokens x width]", code="transport_range")
     count, width = int(rows.shape[0]), int(rows.shape[1])
+    ids = b""
+    if tokens is not None:
+        ids = _token_ids(tokens, count)
+        if phase is not Phase.VERIFY:
+            flags |= Flag.IDS
+    elif flags & Flag.IDS or phase is Phase.VERIFY:
+        raise TransportError("this frame needs its rows' token ids", code="transport_range")
     head = _header(
         Kind.ACTIVATIONS,
         request_id,
@@ -228,7 +270,18 @@ def encode_activations(
         count=count,
         width=width,
     )
-    return b"".join((head, rows.data.cast("B")))  # one copy of the rows
+    return b"".join((head, rows.data.cast("B"), ids))  # one copy of the rows
+
+
+def _token_ids(tokens: Sequence[int], rows: int) -> bytes:
+    ids = np.asarray(list(tokens), dtype=np.int64)
+    if ids.size != rows:
+        raise TransportError(
+            "a frame's token ids are one per activation row", code="transport_range"
+        )
+    if (ids < 0).any() or (ids > MAX_U32).any():
+        raise TransportError("token ids must be u32 values", code="transport_range")
+    return ids.astype("<u4").tobytes()
 
 
 def encode_verify(
@@ -241,23 +294,15 @@ def encode_verify(
 ) -> bytes:
     """A verify window: activations ``[count x width]`` for positions ``start..start+count``
     and the window's ``count`` token ids (the committed token, then the drafts)."""
-    ids = np.asarray(list(tokens), dtype=np.int64)
-    rows = np.ascontiguousarray(activations, dtype="<f4")
-    if rows.ndim != 2 or ids.size != rows.shape[0]:
-        raise TransportError(
-            "a verify window needs one token id per activation row", code="transport_range"
-        )
-    if (ids < 0).any() or (ids > MAX_U32).any():
-        raise TransportError("token ids must be u32 values", code="transport_range")
-    head = encode_activations(
+    return encode_activations(
         request_id,
         session_id,
         phase=Phase.VERIFY,
         start=start,
-        activations=rows,
+        activations=activations,
         flags=Flag.SAMPLE,
+        tokens=tokens,
     )
-    return head + ids.astype("<u4").tobytes()
 
 
 def encode_ack(request_id: int, session_id: int, *, start: int, count: int) -> bytes:
@@ -363,6 +408,10 @@ class FrameDecoder:
             raise _refuse("transport_bad_flags", "unknown flags or non-zero reserved field")
         kind = Kind(kind)
         lim = self.limits
+        if flags & Flag.IDS and (kind is not Kind.ACTIVATIONS or phase == Phase.VERIFY):
+            raise _refuse("transport_bad_flags", f"flag IDS on a {kind.name} frame")
+        if flags & Flag.CONTROLS and kind is not Kind.BEGIN:
+            raise _refuse("transport_bad_flags", f"flag CONTROLS on a {kind.name} frame")
         if kind is Kind.ACTIVATIONS:
             if width != self.width or self.width == 0:
                 raise _refuse(
@@ -381,8 +430,8 @@ class FrameDecoder:
                     actual=count,
                 )
             size = count * self.width * F32_BYTES
-            if phase == Phase.VERIFY:
-                size += count * TOKEN_BYTES  # the window's token ids after the rows
+            if phase == Phase.VERIFY or flags & Flag.IDS:
+                size += count * TOKEN_BYTES  # the rows' token ids after them
             if size > lim.max_frame_bytes:
                 raise _refuse(
                     "transport_frame_too_large",
@@ -396,14 +445,24 @@ class FrameDecoder:
                 raise _refuse("transport_bad_count", f"{count} token ids of width {width}")
             return count * TOKEN_BYTES
         if kind is Kind.BEGIN:
-            if count != 0 or width != self.width:
+            if width != self.width:
                 raise _refuse(
                     "transport_width_mismatch",
                     f"a session of width {width}; this stage takes width {self.width}",
                     expected=self.width,
                     actual=width,
                 )
-            return BEGIN_PAYLOAD_BYTES
+            if not flags & Flag.CONTROLS:
+                if count != 0:
+                    raise _refuse("transport_bad_count", "a BEGIN without controls has count 0")
+                return BEGIN_PAYLOAD_BYTES
+            if count > MAX_LOGIT_BIAS_TOKENS:
+                raise _refuse(
+                    "transport_bad_count",
+                    f"{count} logit-bias entries (at most {MAX_LOGIT_BIAS_TOKENS})",
+                    actual=count,
+                )
+            return BEGIN_PAYLOAD_BYTES + _CONTROLS_FIXED.size + count * _BIAS_ENTRY.size
         if kind is not Kind.ACK and (count != 0 or width != 0):
             raise _refuse("transport_bad_count", f"a {kind.name} frame carries no tokens")
         return 0
@@ -412,23 +471,53 @@ class FrameDecoder:
         _v, kind, phase, flags, rid, sid, start, count, width, _r = head
         frame = Frame(Kind(kind), rid, sid, Phase(phase), Flag(flags), start, count, width, payload)
         if frame.kind is Kind.BEGIN:
-            _check_begin(bytes(payload))
+            _check_begin(bytes(payload), count)
         return frame
 
 
-def _check_begin(payload: bytes) -> tuple[Sampling, str]:
+def _check_begin(payload: bytes, count: int) -> tuple[Sampling, str]:
+    """(sampling, topology id) of a BEGIN payload; ``count`` logit-bias entries follow the
+    controls block when the payload is longer than the fixed part."""
     temperature, top_p, top_k, reserved, seed = _BEGIN_FIXED.unpack_from(payload)
-    raw = payload[_BEGIN_FIXED.size :]
+    raw = payload[_BEGIN_FIXED.size : BEGIN_PAYLOAD_BYTES]
     tid = raw.rstrip(b"\0")
     if reserved != 0 or b"\0" in tid or not _TOPOLOGY_ID_RE.match(tid):
         raise _refuse("transport_bad_begin", "a begin frame with a malformed topology id")
-    if not (math.isfinite(temperature) and 0.0 <= temperature <= 100.0):
-        raise _refuse("transport_bad_begin", f"temperature {temperature} outside 0..100")
-    if not (math.isfinite(top_p) and 0.0 < top_p <= 1.0):
-        raise _refuse("transport_bad_begin", f"top_p {top_p} outside (0, 1]")
-    if seed >= 1 << 63:
-        raise _refuse("transport_bad_begin", "seed outside 0..2^63-1")
-    return Sampling(temperature, top_p, top_k, seed), tid.decode("ascii")
+    base = Sampling()
+    min_p, typical_p, repeat, presence, frequency, last_n = (
+        base.min_p,
+        base.typical_p,
+        base.repeat_penalty,
+        base.presence_penalty,
+        base.frequency_penalty,
+        base.repeat_last_n,
+    )
+    bias: list[tuple[int, float]] = []
+    if len(payload) > BEGIN_PAYLOAD_BYTES:
+        min_p, typical_p, repeat, presence, frequency, last_n, reserved = (
+            _CONTROLS_FIXED.unpack_from(payload, BEGIN_PAYLOAD_BYTES)
+        )
+        if reserved != 0:
+            raise _refuse("transport_bad_begin", "a begin frame with a non-zero reserved field")
+        at = BEGIN_PAYLOAD_BYTES + _CONTROLS_FIXED.size
+        bias = [_BIAS_ENTRY.unpack_from(payload, at + i * _BIAS_ENTRY.size) for i in range(count)]
+    try:
+        sampling = Sampling(
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            min_p=min_p,
+            typical_p=typical_p,
+            repeat_penalty=repeat,
+            presence_penalty=presence,
+            frequency_penalty=frequency,
+            repeat_last_n=last_n,
+            logit_bias=tuple(bias),
+        )
+    except UsageError as exc:  # the values' own checks (ranges, bias ids ascending)
+        raise _refuse("transport_bad_begin", f"a begin frame's sampling: {exc.message}") from None
+    return sampling, tid.decode("ascii")
 
 
 # --- a session's frames in order (pure) ----------------------------------------------------------
@@ -437,7 +526,9 @@ class SessionInbound:
     """The order rules of one inbound chain stream: exactly one BEGIN first, then ACTIVATIONS
     of that session at contiguous positions, then FREE (or the end of the stream). Anything
     else is refused (``unknown_session``, ``transport_out_of_order``, ``transport_position``).
-    ``max_positions`` is the receiving stage's context (``n_ctx``)."""
+    A session whose sampling has penalties needs its token ids in every activations frame
+    (``transport_missing_ids``). ``max_positions`` is the receiving stage's context
+    (``n_ctx``)."""
 
     max_positions: int
     session_id: int | None = None
@@ -446,6 +537,7 @@ class SessionInbound:
     freed: bool = False
     # after a verify window at s with count c: the next frame may start in s+1..s+c
     rewind_floor: int | None = None
+    ids_required: bool = False  # the BEGIN's penalties read the tokens before each position
 
     def accept(self, frame: Frame) -> None:
         if self.freed:
@@ -454,6 +546,7 @@ class SessionInbound:
             if self.session_id is not None:
                 raise _refuse("transport_out_of_order", "a second begin on one stream")
             self.session_id, self.request_id = frame.session_id, frame.request_id
+            self.ids_required = frame.begin()[0].penalized
             return
         if self.session_id is None or frame.session_id != self.session_id:
             raise _refuse(
@@ -482,6 +575,12 @@ class SessionInbound:
                 expected=self.position,
                 actual=frame.start,
             )
+        if self.ids_required and not frame.carries_ids:
+            raise _refuse(
+                "transport_missing_ids",
+                "this session's penalties read its tokens: every activations frame carries "
+                "their ids (flag IDS)",
+            )
         if frame.start + frame.count > self.max_positions:
             raise _refuse(
                 "context_full",
@@ -492,6 +591,45 @@ class SessionInbound:
             )
         self.position = frame.start + frame.count
         self.rewind_floor = frame.start + 1 if frame.phase is Phase.VERIFY else None
+
+
+@dataclass
+class SessionTokens:
+    """A session's token ids by position, as its frames carried them (flag IDS, verify
+    windows), recorded in the order the stage computes the frames: what the penalties read
+    before a sampled position (``window``: the last ``repeat_last_n``; 0 records nothing). A
+    frame that starts inside what is recorded (the next frame after a verify window) replaces
+    the positions from its start on."""
+
+    window: int = 0
+    ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, sampling: Sampling) -> SessionTokens:
+        return cls(sampling.repeat_last_n if sampling.penalized else 0)
+
+    def take(self, frame: Frame) -> None:
+        if not self.window:
+            return
+        if not frame.carries_ids or frame.start > len(self.ids):
+            raise _refuse(
+                "transport_missing_ids",
+                f"a frame at position {frame.start} without the token ids the penalties read",
+            )
+        del self.ids[frame.start :]
+        self.ids.extend(frame.tokens())
+
+    def before(self, position: int) -> list[int]:
+        """The last ``window`` ids before ``position`` (all of them recorded)."""
+        if not self.window:
+            return []
+        if position > len(self.ids):
+            raise _refuse(
+                "transport_missing_ids",
+                f"sampling at position {position} needs the token ids before it; the session "
+                f"has {len(self.ids)}",
+            )
+        return self.ids[max(0, position - self.window) : position]
 
 
 def session_name(session_id: int) -> str:
