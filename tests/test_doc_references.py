@@ -22,6 +22,8 @@ OUTSIDE = [
     re.compile(r"\b" + "GOT" + r"CHAS\b"),
     re.compile(r"\b[Nn]otes " + "§"),
     re.compile("package-v2-" + "notes"),
+    re.compile(r"\b" + "STY" + r"LE( \d|\.md)"),
+    re.compile("design " + "card"),
 ]
 # ``spec "A"`` or ``spec "A" and "B"``; a long quotation of spec text is not a heading.
 SPEC_CITE = re.compile(r'\b[Ss]pec,? "([^"\n]+)"(?: and "([^"\n]+)")?')

@@ -1,4 +1,4 @@
-"""The one ctypes binding to ggml (STYLE 16: foreign functions declared once).
+"""The one ctypes binding to ggml: every foreign function it uses is declared once, here.
 
 Which library: the ``libggml-base.so`` / ``libggml-cpu.so`` that the pinned
 llama-cpp-python wheel ships in ``llama_cpp/lib/`` (ggml 0.25.3, llama.cpp commit 0c1e570;
