@@ -55,7 +55,7 @@ class LinkTimeouts:
 
 def websocket_options(limits: pc.Limits, timeouts: LinkTimeouts) -> dict[str, object]:
     """trio-websocket settings for both ends: a 1 MiB receive buffer (its 4 KiB default caps
-    loopback at ~107 MB/s, GOTCHAS), messages bounded by the protocol's record batch, one
+    loopback at ~107 MB/s, runtime-facts.md), messages bounded by the protocol's record batch, one
     queued message, short connect/close waits."""
     return {
         "message_queue_size": 1,

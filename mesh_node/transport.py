@@ -41,7 +41,7 @@ from mesh_node.budget import PeerMemory
 from mesh_node.ws_receive import FrameRefused, FrameTap
 
 PENDING_CAP_BYTES: Final = 64 * 1024
-# trio-websocket's receive buffer (its 4 KiB default caps loopback throughput, GOTCHAS).
+# trio-websocket's receive buffer (its 4 KiB default caps loopback throughput, runtime-facts.md).
 READ_BYTES: Final = 1024 * 1024
 # Before the handshake, and for untrusted peers while strangers press on the budget.
 SMALL_READ_BYTES: Final = 64 * 1024

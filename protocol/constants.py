@@ -1,6 +1,6 @@
 """The protocol's vocabulary: frame and stream types, subprotocol names, feature names, limits.
 
-Nothing else in ``protocol/`` or ``mesh_node/`` spells these as literals (STYLE 1). Every limit
+Nothing else in ``protocol/`` or ``mesh_node/`` spells these as literals. Every limit
 is enforced on receive (see ``Limits``) and has a test that exceeds it.
 """
 

@@ -4,7 +4,7 @@
 chose it in the WebSocket upgrade (``protocol.link_cipher``; the ``noiseprotocol`` package
 does all of it: no home-made crypto). Each
 side's X25519 static key is fresh per link; its long-term Ed25519 identity signs that static key
-inside the encrypted handshake payload (STYLE 17), so the peer id is derived from a key that
+inside the encrypted handshake payload (as in libp2p), so the peer id is derived from a key that
 proved itself, never claimed. The payload may carry the node's owner certificate.
 
 Messages: (1) initiator -> e (empty payload); (2) responder -> e, ee, s, es + its identity;

@@ -2,7 +2,7 @@
 
 Feed it each record's plaintext (``receive``) and get events; call the stream methods and pull
 plaintext records to encrypt (``next_record``). Per-stream credit flow control as in yamux
-(STYLE 18): each side may send a stream at most the receive window its peer granted; the reader
+(and h2): each side may send a stream at most the receive window its peer granted; the reader
 grants credit back as its application consumes (``consumed``). Outbound control frames (accept,
 window updates, resets, pings, link messages) always go out before any data, so bulk streams
 never delay heartbeats or credit. Every queue is bounded: data by the peer's credit, control by

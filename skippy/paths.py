@@ -72,7 +72,7 @@ def resolve_under(root: Path, rel: str, *, containment_root: Path | None = None)
     """Join a checked relative path to ``root`` and prove the real file stays inside.
 
     ``containment_root`` defaults to ``root``. For the hub cache, pass the repo's cache folder
-    (``models--ns--name``): snapshot files are symlinks into its ``blobs/`` (GOTCHAS).
+    (``models--ns--name``): snapshot files are symlinks into its ``blobs/`` (docs/runtime-facts.md).
     """
     check_relative_path(rel)
     joined = root / PurePosixPath(rel)

@@ -49,8 +49,8 @@ def _point_env_at(root: Path) -> dict[str, str]:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    # huggingface_hub reads HF_HOME / HF_HUB_CACHE once, at import time (GOTCHAS), which may
-    # happen during collection, before any fixture runs. Point them at a throwaway directory
+    # huggingface_hub reads HF_HOME / HF_HUB_CACHE once, at import time (runtime-facts.md), which
+    # may happen during collection, before any fixture runs. Point them at a throwaway directory
     # for the whole session so even import-time reads never see the real home or cache.
     global _session_home
     _session_home = Path(tempfile.mkdtemp(prefix="skippy-test-home-"))

@@ -1,4 +1,5 @@
-"""Examples quoted verbatim from ../shared/spec/layer-package-repos.md, shared by tests."""
+"""Examples quoted verbatim from the upstream layer package spec, shared by tests:
+https://github.com/Mesh-LLM/mesh-llm/blob/main/docs/specs/layer-package-repos.md"""
 
 from __future__ import annotations
 

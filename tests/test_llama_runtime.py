@@ -1,7 +1,7 @@
 """The runtime boundary and the llama.cpp full-range runtime.
 
 Split-equals-whole: gemma3-270m's package, loaded in place as a split set, must give logits
-bit-identical to the original GGUF and the same greedy tokens (golden ids from GOTCHAS). Each
+bit-identical to the original GGUF and the same greedy tokens (golden ids in runtime-facts.md). Each
 model is loaded once per module.
 """
 

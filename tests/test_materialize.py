@@ -254,4 +254,4 @@ def test_llama_cpp_runs_the_gemma_materialization(gemma_pkg, tmp_path: Path) -> 
     prompt = "The capital of France is"
     assert model.tokenize(prompt.encode(), add_bos=True) == [2, 818, 5279, 529, 7001, 563]
     text = model.create_completion(prompt, max_tokens=8, temperature=0)["choices"][0]["text"]
-    assert text.startswith(" the capital of the country of France")  # GOTCHAS golden output
+    assert text.startswith(" the capital of the country of France")  # golden: runtime-facts.md

@@ -39,7 +39,7 @@ SMOL_IDS = [504, 3575, 282, 4649, 314]
 SMOL_TOP5 = [7042, 260, 4528, 1315, 5145]
 # |ggml engine - llama.cpp default| on gemma3-270m for PROMPT, measured: 0 at positions 0-1,
 # then at most 0.50 (llama.cpp repacks Q4_K weights for other kernels; without repacking the
-# two are bit-identical). GOTCHAS: llama.cpp's own f16-vs-f32 KV runs differ by ~1.1.
+# two are bit-identical). docs/runtime-facts.md: llama.cpp's own f16-vs-f32 KV runs differ by ~1.1.
 GEMMA_REPACK_TOLERANCE = 0.75
 # |numpy f32 oracle - llama.cpp (no repack)| on the same prompt, measured: at most 1.33 over all
 # positions, 0.83 at the last (ggml rounds activations to Q8 for quantized matmuls).

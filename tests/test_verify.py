@@ -168,7 +168,7 @@ def test_size_mismatch_missing_and_escaping_files(pkg: LoadedPackage, tmp_path: 
 
 
 def test_containment_root_for_hub_style_symlinks(pkg: LoadedPackage, tmp_path: Path) -> None:
-    """A hub snapshot is a tree of symlinks into the repo's blobs/ (GOTCHAS): the package
+    """A hub snapshot is a tree of symlinks into the repo's blobs/ (runtime-facts.md): the package
     root alone would call every file an escape; the repo cache folder contains them."""
     repo = tmp_path / "models--ns--name"
     blobs, snap = repo / "blobs", repo / "snapshots" / "abc"

@@ -1,6 +1,6 @@
 """Emulated WAN links for labs, tests and benchmarks (issue #21 section 1): a userspace relay.
 
-This kernel has no netem (GOTCHAS), so delay and jitter need a userspace link. ``Netem`` runs
+This kernel has no netem (runtime-facts.md): delay and jitter need a userspace link. ``Netem`` runs
 one TCP relay per ordered pair of nodes (``route(src, dst)``: the address ``src`` dials to
 reach ``dst``) on loopback; a node is pointed at its relays through its ``dial_via`` table
 (``skippy.config``), so every link, configured or learned by gossip, crosses one relay. Each

@@ -7,7 +7,7 @@ with jitter or follow the server's ``Retry-After``, and after the last try one
 ``HubGaveUp`` naming the endpoint, the attempts and the last answer. ``next_step`` is the pure
 decision; the transport only applies it.
 
-huggingface_hub has retry loops of its own (~23 s on a failing HEAD, GOTCHAS). ``HubGaveUp`` is
+huggingface_hub retries on its own (~23 s on a failing HEAD, runtime-facts.md). ``HubGaveUp`` is
 a ``TransportError`` but none of the kinds those loops retry (timeouts, network and protocol
 errors), so after our last try nobody tries again; it still counts as "the hub cannot be
 reached" where huggingface_hub falls back to a cached revision. One layer is left to it on

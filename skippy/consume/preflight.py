@@ -121,7 +121,7 @@ class LoadedPackage:
     manifest: PackageManifest
     manifest_sha256: str
     # For hub snapshots: the repo cache folder every file must resolve inside (its files are
-    # symlinks into blobs/, GOTCHAS); None for a plain local directory.
+    # symlinks into blobs/, docs/runtime-facts.md); None for a plain local directory.
     containment_root: Path | None = None
     origin: str = ""  # what the user named: a directory or an hf:// reference
     from_hub: bool = False
@@ -171,7 +171,7 @@ def resolve_v2_catalog(
     root: Path, m: ManifestV2, *, containment_root: Path | None = None
 ) -> tuple[ManifestV2, Finding | None]:
     """Read the v2 metadata carrier (path gate, presence, declared size) and attach the
-    tensor catalog it resolves to (notes §3.1 step 2-4); a problem comes back as a finding
+    tensor catalog it resolves to (spec "v2 loading"); a problem comes back as a finding
     and the manifest without a catalog."""
     if m.root.metadata_artifact is None:  # invalid_metadata_artifact: a check_root finding
         return m, None
@@ -446,7 +446,7 @@ def preflight_package(
         def names_of(index: int) -> Collection[str]:
             return layer_names.get(index, ())
 
-        # v2: its speculative_decoding block has v1's shape (notes §1.9) and gets v1's rules;
+        # v2: its speculative_decoding block has v1's shape and rules (spec "v2 generation");
         # request_defaults is carried as given (its profile rules are not checked: docs/cli.md)
         generation = m.speculative_block() if isinstance(m, ManifestV2) else m.generation
         if generation is not None:

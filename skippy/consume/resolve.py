@@ -90,7 +90,7 @@ def open_package(ref: PackageRef, env: Environment) -> LoadedPackage:
     carrier = _v2_carrier_path(
         manifest_file.parent, repo_cache_root(env.hf_cache_dir, ref.repo_id)
     )
-    if carrier is not None:  # package v2: the root and the carrier first (notes §3.3)
+    if carrier is not None:  # package v2: the root and the carrier first (spec "v2 fetching")
         hub.download_file(ref, commit, carrier, **_hub_kwargs(env))
     return load_package(
         manifest_file.parent,
@@ -244,7 +244,7 @@ def _check_remote_projectors(
 
 
 def _evict_from_hub_cache(pkg: LoadedPackage, rel: str) -> None:
-    """huggingface_hub checks sizes only (GOTCHAS) and would serve a corrupt blob forever:
+    """huggingface_hub checks sizes only (runtime-facts.md) and would serve a corrupt blob forever:
     drop the snapshot link and its blob so the next fetch downloads it again."""
     link = pkg.root / rel
     with contextlib.suppress(OSError, UnsafePath):

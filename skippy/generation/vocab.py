@@ -1,7 +1,7 @@
 """Vocabulary of package generation defaults.
 
 Spec sections: "Generation Defaults", "Execution Policy", "Policy Resolution", "Speculative
-Decoding" (../shared/spec/layer-package-repos.md). Field names, path values, profile names,
+Decoding" (docs/layer-packages.md). Field names, path values, profile names,
 tensor-name patterns and finding codes live here and nowhere else in ``skippy.generation``.
 """
 

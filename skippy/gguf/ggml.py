@@ -1,8 +1,8 @@
-"""The one ctypes binding to ggml (STYLE 16: foreign functions declared once).
+"""The one ctypes binding to ggml: every foreign function it uses is declared once, here.
 
 Which library: the ``libggml-base.so`` / ``libggml-cpu.so`` that the pinned
 llama-cpp-python wheel ships in ``llama_cpp/lib/`` (ggml 0.25.3, llama.cpp commit 0c1e570;
-GOTCHAS "Stage runtime: ggml through ctypes"). The wheel also ships the C headers
+docs/runtime-facts.md "ggml through ctypes"). The wheel also ships the C headers
 (``site-packages/include/ggml*.h``); every declaration below is copied from them.
 
 ggml has no stable ABI: an op's argument list changes between llama.cpp versions

@@ -103,8 +103,8 @@ def part_directory_findings(
     catalog: TensorCatalog, artifact_id: str, path: str, tensors: Iterable[object]
 ) -> list[Finding]:
     """A v2 payload part's own GGUF directory against the carrier's locators: the same
-    tensors, each at the same absolute offset with the same length, type and dims (notes
-    §2.7: "storage record equal to the emitted directory"). ``tensors``: the part's
+    tensors, each at the same absolute offset with the same length, type and dims (spec
+    "v2 verify": the storage record equals the emitted directory). ``tensors``: the part's
     ``TensorInfo`` list."""
     from skippy.gguf.reader import TensorInfo
 

@@ -38,7 +38,7 @@ class NodeCost:
     memory_budget_bytes: int
     decode_s_per_layer: float  # seconds per layer per token (a calibration run, issue #21)
     # Seconds per token for the output head (logits) when this node holds the last stage:
-    # on gemma3-270m the 262144-row head costs more than all 18 layers (GOTCHAS).
+    # on gemma3-270m the 262144-row head costs more than all 18 layers (docs/runtime-facts.md).
     head_s: float = 0.0
 
     def __post_init__(self) -> None:

@@ -1,4 +1,4 @@
-"""The one half-open layer range type (STYLE 6: never two loose ints, never inclusive ends)."""
+"""The one half-open layer range type: never two loose ints, never inclusive ends."""
 
 from __future__ import annotations
 

@@ -133,7 +133,7 @@ def stage_tensor_names(m: PackageManifest, layers: LayerRange) -> set[str] | Non
 
 
 def _select_v2(m: ManifestV2, layers: LayerRange) -> list[ArtifactRef]:
-    """Package v2 (notes §3.2): the carrier plus every artifact holding a tensor the stage
+    """Package v2 (spec "v2 stages"): the carrier plus every artifact holding a tensor the stage
     needs. Upstream derives the tensor set from the compute graph with a native planner; we
     know our architectures' tensor roles, so the set is the layer ordinals plus the boundary
     tensors (``_needs``). Without the carrier resolved (a peer's bare manifest) the rule is

@@ -1,6 +1,6 @@
 """The package-v2 metadata carrier (``shared/metadata.gguf``) resolved into the tensor catalog.
 
-Notes §1.4 and §1.5: the carrier is a GGUF with no payload whose tensor directory lists every
+Spec "v2 carrier": the carrier is a GGUF with no payload whose tensor directory lists every
 source tensor and whose typed locator arrays say where each one's bytes live (payload part
 index, absolute offset, stored length, alignment). ``resolve_carrier`` checks every rule and
 fails closed with one coded ``ManifestError`` per violation (upstream's validation-code names
@@ -35,8 +35,8 @@ _UNSIGNED = frozenset({ValueType.UINT8, ValueType.UINT16, ValueType.UINT32, Valu
 
 
 def layer_ordinal(path: str) -> int | None:
-    """``layers/layer-NNNNN.gguf`` or ``layers/layer-NNNNN-partMM.gguf`` -> N (notes §1.4;
-    §6.2: the part form maps to its layer too)."""
+    """``layers/layer-NNNNN.gguf`` or ``layers/layer-NNNNN-partMM.gguf`` -> N
+    (spec "v2 carrier": the part form maps to its layer too)."""
     m = V2_LAYER_PATH_RE.match(path)
     return int(m.group(1)) if m else None
 
@@ -63,7 +63,8 @@ def _typed_array(g: GGUFFile, key: str, n: int) -> list[int]:
 
 
 def resolve_carrier(root: PackageRootV2, carrier: GGUFFile) -> TensorCatalog:
-    """The catalog the carrier describes, after every check of notes §1.4 and §1.5.
+    """The catalog the carrier describes, after every check of spec "v2 carrier"
+    and "v2 catalog".
     ``carrier`` must be opened with ``header_only=True``."""
     meta = root.metadata_artifact
     where = meta.path if meta is not None else None

@@ -2,8 +2,8 @@
 objects, a strict parser that refuses unknown fields at every level, the semantic checks as
 findings, and the canonical ``package_id``.
 
-Notes (../shared/spec/package-v2-notes.md) §1.2 give the closed shape (upstream's
-``PackageRoot`` with ``deny_unknown_fields``), §1.3 the identity rule and §1.5 the validation
+docs/layer-packages.md "v2 root" gives the closed shape (upstream's ``PackageRoot`` with
+``deny_unknown_fields``), "v2 id" the identity rule and "v2 catalog" the validation
 codes, whose names are reused here (``package_identity_mismatch``, ``duplicate_artifact``,
 ``invalid_identifier``, ...). Parsing raises ``ManifestError`` for what cannot be read as a v2
 root at all (wrong types, unknown or missing fields); ``check_root`` reports every other rule.
@@ -34,7 +34,7 @@ from skippy.findings import Finding
 from skippy.paths import is_safe_relative_path
 from skippy.text import unsafe_char
 
-# Publisher metadata roles in upstream's enum declaration order (the sort order, notes §1.3).
+# Publisher metadata roles in upstream's enum declaration order (the sort order, spec "v2 id").
 PUBLISHER_ROLES: Final = (
     "model_config",
     "generation_config",
@@ -70,7 +70,7 @@ class V2SourceModel:
     files: tuple[V2SourceFile, ...] = ()
 
     def canonical(self, *, sort: bool) -> dict[str, Any]:
-        """Struct order; ``None`` optionals and an empty ``files`` omitted (notes §1.3)."""
+        """Struct order; ``None`` optionals and an empty ``files`` omitted (spec "v2 id")."""
         out: dict[str, Any] = {
             "sha256": self.sha256,
             "metadata_artifact_id": self.metadata_artifact_id,
@@ -178,7 +178,7 @@ class PackageRootV2:
             return None
 
     def payload_artifacts(self) -> list[CatalogArtifact]:
-        """What the carrier's ``tensor_part`` indexes (notes §1.4, §6.1): every catalog entry
+        """What the carrier's ``tensor_part`` indexes (spec "v2 carrier"): every catalog entry
         but the carrier, the sidecars and publisher metadata, sorted by id (byte-wise)."""
         skip = {self.source_model.metadata_artifact_id}
         skip |= {s.artifact_id for s in self.sidecars}
@@ -188,8 +188,8 @@ class PackageRootV2:
         )
 
     def canonical(self, *, for_identity: bool) -> dict[str, Any]:
-        """The root in struct order (notes §1.2); ``for_identity`` zeroes the id and the
-        timestamp and sorts every list as upstream's ``computed_package_id`` does (§1.3)."""
+        """The root in struct order (spec "v2 root"); ``for_identity`` zeroes the id and the
+        timestamp and sorts every list as upstream's ``computed_package_id`` does ("v2 id")."""
         entries = (
             sorted(self.artifacts, key=lambda a: a.id) if for_identity else list(self.artifacts)
         )
@@ -233,7 +233,7 @@ class PackageRootV2:
 # --- canonical JSON (serde_json's compact output) -------------------------------------------------
 def _float_text(x: float) -> str:
     """serde_json (ryu) spelling of a float: like Python's repr for ordinary values, but an
-    exponent has no ``+`` and no leading zeros (``1e-5``, not ``1e-05``; notes §1.3 pitfall 3)."""
+    exponent has no ``+`` and no leading zeros (``1e-5``, not ``1e-05``; spec "v2 id")."""
     if not math.isfinite(x):
         raise ManifestError("generation holds a non-finite number", code="invalid_generation_value")
     text = repr(x)
@@ -271,8 +271,8 @@ def compact_json(value: Any) -> bytes:
     return _encode(value).encode("utf-8")
 
 
-# Field order of the typed generation structures (notes §1.9), for the canonical form. Maps
-# (``proposers``, ``strategies``, ``profiles``) are BTreeMaps: sorted keys.
+# Field order of the typed generation structures (spec "v2 generation"), for the canonical form.
+# Maps (``proposers``, ``strategies``, ``profiles``) are BTreeMaps: sorted keys.
 _GENERATION_ORDER: Final = ("request_defaults", "speculative_decoding")
 _SPECULATIVE_ORDER: Final = ("default", "proposers", "strategies")
 _STRATEGY_ORDER: Final = (
@@ -411,7 +411,7 @@ class _Closed:
         if key not in self.data:
             return None
         v = self.data[key]
-        if not isinstance(v, dict):  # never written as null (notes §1.2 row 11)
+        if not isinstance(v, dict):  # never written as null (spec "v2 root")
             raise ManifestError(f"{self._p(key)} must be a JSON object", path=self._p(key))
         return v
 
@@ -523,7 +523,7 @@ def parse_root(data: Mapping[str, Any]) -> PackageRootV2:
         _parse_publisher_defaults(defaults)
     generation = top.obj_("generation")
     if generation is not None:
-        _Closed(generation, "generation", _GENERATION_ORDER)  # policy/thresholds refused (§1.9)
+        _Closed(generation, "generation", _GENERATION_ORDER)  # refuses policy/thresholds
     fmt = top.str_("format")
     layer_count = top.int_("layer_count", 1 << 32)
     return PackageRootV2(
@@ -560,7 +560,7 @@ def _parse_publisher_defaults(d: Mapping[str, Any]) -> None:
         vo.str_("json_path")
 
 
-# --- semantic checks (notes §1.2, §1.5: upstream's ValidationCode names) ---------------------
+# --- semantic checks (spec "v2 root", "v2 catalog": upstream's ValidationCode names) ------
 def check_root(root: PackageRootV2) -> list[Finding]:
     """Every rule of the v2 root that parsing does not enforce, as findings; the carrier's
     rules live in ``skippy.package.v2_carrier``."""

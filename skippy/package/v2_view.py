@@ -83,7 +83,7 @@ class ManifestV2:
         return self.root.source_model
 
     def speculative_block(self) -> Mapping[str, Any] | None:
-        """The part of ``generation`` the v1 speculative machinery reads (notes §1.9: the
+        """The part of ``generation`` the v1 speculative machinery reads (spec "v2 generation": the
         same ``speculative_decoding`` shape; ``request_defaults`` is v2's own)."""
         gen = self.root.generation
         if gen is None or "speculative_decoding" not in gen:

@@ -1,4 +1,4 @@
-"""The publisher's after-artifact hook (notes §2.4), for both schema versions.
+"""The publisher's after-artifact hook (spec "v2 hook"), for both schema versions.
 
 ``--after-artifact-command CMD`` runs CMD (split like a shell would, but no shell) after each
 artifact is written and verified, with ``SKIPPY_PACKAGE_ARTIFACT_PATH`` (absolute) and

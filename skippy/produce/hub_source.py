@@ -166,7 +166,7 @@ def _complete_set(chosen: list[str], what: str) -> list[str]:
 
 
 def _verify_lfs_digests(local: dict[str, Path], repo_root: Path) -> None:
-    """huggingface_hub checks sizes only (GOTCHAS); an LFS blob is named by its SHA-256, so
+    """huggingface_hub checks sizes only (runtime-facts.md); an LFS blob is named by its SHA-256, so
     each downloaded shard can be proven before it becomes a package's provenance. A corrupt
     shard is evicted from the cache (the next attempt downloads it again) and refused."""
     names = list(local)

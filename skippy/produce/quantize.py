@@ -326,7 +326,7 @@ def open_package_source(root: Path) -> PackageSource:
     """Check the package like a consumer (spec "Consumer Validation": manifest, paths, sizes,
     and every fragment's SHA-256) before any of its bytes is trusted."""
     pkg = load_package(root)
-    if not isinstance(pkg.manifest, Manifest):  # v2 preserves source bytes (notes §1.10)
+    if not isinstance(pkg.manifest, Manifest):  # v2 preserves source bytes (spec "v2 transforms")
         raise ManifestError(
             f"{root} is a schema-version-2 package; skippy-quantize reads schema-1 packages "
             "(v2 never transforms: quantize the source, then package it)",

@@ -1,4 +1,5 @@
-"""verify-package-v2: prove a package-v2 package source-complete against its source (notes §2.7).
+"""verify-package-v2: prove a package-v2 package source-complete against its source
+(spec "v2 verify").
 
 Read-only. The root's rules, every artifact's size and SHA-256, the carrier resolved into the
 catalog; then against an inventory built from the source files alone (never from the package):
@@ -47,7 +48,7 @@ class VerificationReport:
     findings: list[Finding] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
-        """Upstream's ``VerificationReport`` (notes §2.7), exactly these keys."""
+        """Upstream's ``VerificationReport`` (spec "v2 verify"), exactly these keys."""
         return {
             "package_id": self.package_id,
             "source_completeness_verified": not errors_only(self.findings),

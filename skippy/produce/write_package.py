@@ -230,7 +230,7 @@ class WriteOptions:
     # hashed and the provenance is copied verbatim.
     source_shards: tuple[Path, ...] | None = None
     source_model: SourceModel | None = None
-    # The publisher's workflow (issue #24, notes §2.4-2.5): a command run after each artifact
+    # The publisher's workflow (spec "v2 hook"): a command run after each artifact
     # is written (it may upload and delete it), and reuse of artifacts already present after
     # proving their bytes are what the source gives.
     hook: ArtifactHook | None = None

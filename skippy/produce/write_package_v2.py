@@ -1,12 +1,12 @@
 """write-package --schema 2: a package-v2 ("source-complete") package from a source GGUF.
 
-Notes §2.3, in order: refuse an existing ``model-package.json``; plan the payload groups
-(§1.6: every non-layer tensor in ``common``, one group per layer, names sorted, split into
-``-partNN`` past ``--max-artifact-bytes``); write each payload part (§1.7: the source KV copied
+Spec "v2 writer", in order: refuse an existing ``model-package.json``; plan the payload groups
+("v2 parts": every non-layer tensor in ``common``, one group per layer, names sorted, split into
+``-partNN`` past ``--max-artifact-bytes``); write each payload part (the source KV copied
 raw minus ``split.*``, tensors in sorted-name order, bytes verbatim, no trailing padding), or
 with ``--resume-existing-artifacts`` reuse an existing one whose bytes equal what the source
-would give; run the after-artifact hook; build the metadata carrier (§1.4) from the plan (not
-from the parts, which a hook may have uploaded and deleted), re-resolve it through the reader
+would give; run the after-artifact hook; build the metadata carrier ("v2 carrier") from the plan
+(not from the parts, which a hook may have uploaded and deleted), re-resolve it through the reader
 the consumers use; copy projectors (sidecars); compute ``package_id`` and write the root last,
 atomically.
 """
@@ -91,7 +91,7 @@ class PayloadPlan:
 
 
 def _split(tensors: list[SourceTensor], max_bytes: int) -> list[list[SourceTensor]]:
-    """Notes §1.6 ``split_oversized_group``: one part when the stored bytes fit; otherwise
+    """Spec "v2 parts", ``split_oversized_group``: one part when the stored bytes fit; otherwise
     greedy over the sorted names, a part closed before the tensor that would overflow it (a
     tensor larger than the budget stays whole in its own part)."""
     if sum(t.info.nbytes for t in tensors) <= max_bytes:
@@ -110,7 +110,7 @@ def _split(tensors: list[SourceTensor], max_bytes: int) -> list[list[SourceTenso
 def plan_payloads(
     tensors: Sequence[SourceTensor], layer_count: int, max_bytes: int
 ) -> list[PayloadPlan]:
-    """Pure: common first, then layers ascending (notes §1.6)."""
+    """Pure: common first, then layers ascending (spec "v2 parts")."""
     groups: dict[int | None, list[SourceTensor]] = {}
     for t in tensors:
         layer = owner_of(t.info.name).layer_index
@@ -177,8 +177,8 @@ class WriteResultV2:
 
 
 def normalized_kv_records(src: SourceModelFiles) -> list[bytes]:
-    """Notes §1.4/§1.7: the source KV records raw, ``split.*`` removed, ``general.alignment``
-    added (u32) when the source lacks it."""
+    """Spec "v2 carrier", "v2 parts": the source KV records raw, ``split.*`` removed,
+    ``general.alignment`` added (u32) when the source lacks it."""
     records = [src.head.raw_field(f.key) for f in src.kv_fields()]
     if KEY_ALIGNMENT not in src.head.fields:
         records.append(encode_kv(KEY_ALIGNMENT, ValueType.UINT32, src.alignment))
@@ -192,7 +192,7 @@ def _carrier_bytes(
     part_headers: dict[str, int],
 ) -> bytes:
     """The carrier: normalized KV + the seven locator keys, the source's tensor directory
-    (dense offsets, so ggml's reader would accept it, notes §1.4), and no payload."""
+    (dense offsets, so ggml's reader would accept it, spec "v2 carrier"), and no payload."""
     order = sorted(plans, key=lambda p: p.id.encode("utf-8"))
     index = {p.id: i for i, p in enumerate(order)}
     where: dict[str, tuple[int, int]] = {}
@@ -368,7 +368,7 @@ def _write_package_v2(source: Path, opts: WriteOptionsV2) -> WriteResultV2:
             opts.created_at_unix_secs if opts.created_at_unix_secs is not None else int(time.time())
         ),
     ).with_identity()
-    # Re-resolve the carrier through the consumers' reader (notes §2.3 step 7) before the hook
+    # Re-resolve the carrier through the consumers' reader (spec "v2 writer") before the hook
     # may take it away: the catalog must hold every source tensor at the planned place.
     catalog = read_catalog(root, dest)
     if catalog.names() != {t.info.name for t in src.tensors}:

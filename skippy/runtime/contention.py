@@ -4,7 +4,7 @@ keep this machine's cores busy (issue #25 item 1).
 ggml's CPU backend meets its threads at an OpenMP barrier after every op. When another process
 holds one of the cores, the kernel preempts one of a 2-thread graph's threads and the other
 spins at every barrier until it runs again: decode fell to 0.29x of its quiet speed beside one
-busy-loop process, in llama.cpp too, while one thread keeps one core's full speed (GOTCHAS
+busy-loop process, in llama.cpp too, while one thread keeps one core's full speed (runtime-facts.md
 "OpenMP, threads and contention"; figures in docs/performance.md). So an adaptive stage
 gives up a thread when its own threads queue for a CPU (their run-queue wait,
 ``/proc/self/task/*/schedstat``: nanosecond-precise, so a few decode steps decide, and blind

@@ -7,7 +7,7 @@ layer range, exactly which tensors the stage's parts must contain, with their GG
 these and nothing else, so an architecture detail lives in one place.
 
 Supported: ``llama`` (incl. ``rope_freqs``), ``qwen2`` (q/k/v biases), ``qwen3`` (per-head
-q/k RMS norms) and ``gemma3`` (GOTCHAS "gemma3-270m"): embeddings scaled by sqrt(width);
+q/k RMS norms) and ``gemma3`` (docs/runtime-facts.md): embeddings scaled by sqrt(width);
 norm weights already include Gemma's +1; per-head q/k norms; NEOX RoPE over the head;
 sliding-window layers (``layer % 6 != 5`` or the file's pattern key) with base
 ``rope.freq_base_swa`` (default 10000) and global layers with ``rope.freq_base``;

@@ -2,7 +2,7 @@
 
 llama.cpp aborts the whole process (an uncaught ``std::out_of_range``) when a SentencePiece
 vocabulary has no token for a character and no byte-fallback token for one of its bytes
-(GOTCHAS; our tiny synthetic models). A mesh node tokenizes prompts from remote users, so
+(runtime-facts.md; our tiny synthetic models). A mesh node tokenizes prompts from remote users, so
 every text passes ``guarded_bytes`` first:
 
 * the text must be valid Unicode (a lone surrogate, e.g. from undecodable command-line

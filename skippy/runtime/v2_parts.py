@@ -1,13 +1,13 @@
 """A package-v2 stage as one GGUF for stock llama.cpp (issue #24).
 
 Upstream's patched llama.cpp loads a metadata carrier plus ordered payload parts directly
-(notes §3.3); stock llama.cpp (llama-cpp-python 0.3.36) cannot: v2 parts carry no ``split.*``
-keys, so they are not a split set. ``compose_parts`` therefore writes one derived GGUF from the
-parts, the way upstream's loader resolves them: metadata from the carrier (minus its seven
-``skippy.package.*`` locator keys), each tensor of the carrier's directory taken by name from
-the payload part whose own header holds it, bytes copied verbatim. The file is derived cache
-(spec "Layer Selection"): it lives in the runtime's private temporary folder and is deleted as
-soon as llama.cpp has mapped it.
+(spec "v2 fetching"); stock llama.cpp (llama-cpp-python 0.3.36) cannot: v2 parts carry no
+``split.*`` keys, so they are not a split set. ``compose_parts`` therefore writes one derived
+GGUF from the parts, the way upstream's loader resolves them: metadata from the carrier (minus
+its seven ``skippy.package.*`` locator keys), each tensor of the carrier's directory taken by
+name from the payload part whose own header holds it, bytes copied verbatim. The file is
+derived cache (spec "Layer Selection"): it lives in the runtime's private temporary folder and
+is deleted as soon as llama.cpp has mapped it.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@
 against the plan of ``skippy.runtime.model`` for this layer range: the part that holds it
 owns it (spec "Repository Layout"), the name is expected, the shape is exact, the type is one
 the engines run, and its data is 32-byte aligned in the file (ggml aborts the process on a
-misaligned buffer: GOTCHAS). Only then are the files mapped read-only. Nothing here calls
+misaligned buffer: runtime-facts.md). Only then are the files mapped read-only. Nothing here calls
 ggml; the engines receive addresses and byte views of tensors that passed every check, so a
 hostile or corrupt fragment becomes a coded error, never a native abort.
 """
@@ -201,7 +201,7 @@ def _collect(
         for t in g.tensors:
             owner = owner_of(t.name)
             owner_role, layer = owner.role, owner.layer_index
-            # A v2 common part holds every non-layer tensor (notes §1.6).
+            # A v2 common part holds every non-layer tensor (spec "v2 parts").
             common_ok = role == ROLE_COMMON and layer is None
             if not common_ok and (
                 owner_role != role or (role == ROLE_LAYER and layer not in stage.layers)

@@ -5,10 +5,10 @@ so far) are fed through the stages, for the first attempt and for a replay after
 alike: the prompt in chunks of ``chunk`` tokens (``PREFILL``), then each generated token as a
 one-token ``DECODE`` step at its own position. The engine's batched prefill of positions
 p..q and its one-token decodes of the same positions are not bit-identical (measured:
-docs/GOTCHAS, "The ggml engine's batched prefill..."), so a replay that prefilled what was
+docs/runtime-facts.md, "The stage engine's numerics"), so a replay that prefilled what was
 decoded one token at a time would diverge from the undisturbed run; recomputing exactly the
-calls that ran, in the same shapes, reaches the same KV state bit for bit (STYLE 21: "replays
-recompute exactly what ran").
+calls that ran, in the same shapes, reaches the same KV state bit for bit: replays
+recompute exactly what ran.
 
 Only the last step samples: its output is the next token (after the prompt alone, the first
 token; after ``k`` generated tokens, token ``k``). The sampler of a step is seeded by the

@@ -3,8 +3,8 @@ to the hub for that artifact; never install a partial or unverified file").
 
 huggingface_hub downloads it into the same cache the peer sink fills (its own hidden
 ``.incomplete`` file and rename, under the same per-blob lock file), and checks only the size
-(GOTCHAS), so the SHA-256 is proven here before the file counts as present; a corrupt copy is
-evicted at once so the next attempt downloads it again.
+(runtime-facts.md), so the SHA-256 is proven here before the file counts as present; a corrupt
+copy is evicted at once so the next attempt downloads it again.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """One pinned package inside a Hugging Face hub cache, as peer transfer reads and fills it.
 
-The layout is huggingface_hub's own (GOTCHAS): ``models--ns--name/{blobs/<etag>,
+The layout is huggingface_hub's own (docs/runtime-facts.md): ``models--ns--name/{blobs/<etag>,
 refs/<branch>, snapshots/<commit>/<path> -> ../../blobs/<etag>}``. Peer transfer names a
 received blob by its SHA-256, which is what the Hub's ETag is for an LFS file, so a later
 ``hf_hub_download`` of the same file finds the blob, and takes the same lock

@@ -8,7 +8,7 @@ when the stage owns layer 0; its own layers; output when it owns the last layer;
 for the final stage of a tied-embedding package; the default projector for stage 0). This
 module only asks it, once per choice a stage may make.
 
-Schema 2 (issue #24): the rule is notes §3.2's required set, the carrier plus every artifact
+Schema 2: the rule is spec "v2 stages", the required set: the carrier plus every artifact
 holding one of the stage's tensors. A node authorizing or planning from a bare root (its
 carrier not resolved) gets the path-derived superset: the carrier, every common part and the
 stage's layer parts, so a worker never asks for more than a server allows.
