@@ -286,7 +286,7 @@ def test_gemma3_served_whole_by_llama_cpp_answers_text_as_run_engine_llama(
     with LlamaStageRuntime(LlamaRuntimeConfig(n_ctx=256, n_threads=1)) as ref:
         ref.load(load)
         want = ref.generate(ref.tokenize(prompt), max_tokens=16).text
-    assert want.startswith(" the capital of the country of France")  # GOTCHAS' greedy text
+    assert want.startswith(" the capital of the country of France")  # golden: runtime-facts.md
     toml = node_toml(tmp_path, "coord", budget="4GiB") + 'engine = "llama"\n'
     (tmp_path / "coord.toml").write_text(toml)
     coord = _serve(
