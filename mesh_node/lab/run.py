@@ -48,6 +48,7 @@ from skippy.consume.verify import VerifyCache
 from skippy.errors import UsageError
 from skippy.package.ranges import LayerRange
 from skippy.package.refs import LocalPackageRef, parse_package_ref
+from skippy.serving.failures import classify_failure
 from skippy.transfer.hubcache import RepoCache
 from skippy.transfer.required import stage_refs
 
@@ -196,6 +197,11 @@ class Lab:
             if serving.get("state") == "ready" and all(r["state"] == "ready" for r in replicas):
                 self.replicas = list(replicas)
                 return api, dict(status["topology"]), time.monotonic() - t0
+            if serving.get("state") == "failed":  # for good: no point waiting for the deadline
+                raise LabError(
+                    f"the split failed: {serving.get('reason')}",
+                    code=str(serving.get("code")),
+                )
             # The serving core never gives up by itself (it waits like a service, issue #18
             # item 3: ``ready``, ``waiting`` or ``not_ready``); the lab does, at its deadline,
             # with what the core says it waits for.
@@ -251,13 +257,16 @@ class Lab:
 
     async def _wait_stages(self, topology: Mapping[str, Any], deadline: float) -> bool:
         """Until every stage node's fetch ended (ready or failed) and its report was answered,
-        or a stage node is down; False at the deadline."""
+        or a stage node is down, or one stage failed for good (the others cannot make the
+        split whole); False at the deadline."""
         tid = topology["topology_id"]
         nodes = {n.node_id: n for n in self.cluster.nodes}
         wanted = [nodes[s["node_id"]] for s in topology["stages"] if s["node_id"] in nodes]
         while time.monotonic() < deadline:
             statuses = await self.cluster.statuses()
             if all(_stage_done(statuses[n.index], tid) or not n.running for n in wanted):
+                return True
+            if any(_stage_failed_for_good(statuses[n.index], tid) for n in wanted):
                 return True
             await trio.sleep(POLL_S)
         return False
@@ -299,6 +308,15 @@ def _stage_done(status: Mapping[str, Any] | None, topology_id: str) -> bool:
         stage.get("topology_id") == topology_id
         and stage.get("state") in ("ready", "failed")
         and stage.get("report") is not None
+    )
+
+
+def _stage_failed_for_good(status: Mapping[str, Any] | None, topology_id: str) -> bool:
+    stage = ((status or {}).get("transfers") or {}).get("stage") or {}
+    return (
+        _stage_done(status, topology_id)
+        and stage.get("state") == "failed"
+        and classify_failure(stage.get("error")) == "permanent"
     )
 
 

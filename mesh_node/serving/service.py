@@ -215,6 +215,16 @@ class Serving:
         replicas = server.replicas.health()  # issue #23: each replica, when more than one
         if server.route is not None:
             return 200, {"status": "ok", **replicas}
+        failed = server.replicas.failed  # for good (a stage's model or package): no Retry-After
+        if failed is not None:
+            from mesh_node.http.view import redact_paths
+
+            return 503, {
+                "status": "failed",
+                "reason": redact_paths(failed.message),  # a stage's words may quote its paths
+                "code": failed.code,
+                **replicas,
+            }
         waiting = server.replicas.waiting  # the split cannot be placed now (e.g. no capable peer)
         if waiting is not None:
             return 503, {
