@@ -332,6 +332,8 @@ def node_specs(options: LabOptions, hub_url: str | None) -> list[NodeSpec]:
     specs = []
     threads = max(1, (os.cpu_count() or 1) // options.nodes)
     first_foreign = options.nodes - options.foreign_owners
+    # The coordinator of a serving lab: its /health is not ok before its route is ready.
+    serves = options.prompt is not None or options.serve
     for i in range(options.nodes):
         env = {"HF_ENDPOINT": hub_url} if hub_url else {}
         env.update(options.node_env.get(i, {}))
@@ -340,7 +342,7 @@ def node_specs(options: LabOptions, hub_url: str | None) -> list[NodeSpec]:
                 name=f"n{i}",
                 owner="foreign" if i >= first_foreign else "primary",
                 config={
-                    "serving": {"threads": threads},
+                    "serving": {"threads": threads, "expect_serve": serves and i == 0},
                     # A lab mixes owners on purpose (foreign workers): the lab setting, which
                     # each node states in its log at start (issue #19).
                     "security": {"accept_topologies_from": "any", "place_stages_on": "any"},

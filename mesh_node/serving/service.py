@@ -136,10 +136,18 @@ class Serving:
     """This node as a serving coordinator, at most once."""
 
     def __init__(
-        self, node: MeshNode, host: StageHost, *, extra_routes: Sequence[BaseRoute] = ()
+        self,
+        node: MeshNode,
+        host: StageHost,
+        *,
+        extra_routes: Sequence[BaseRoute] = (),
+        expected: bool = False,
     ) -> None:
         self.node = node
         self.host = host
+        # This node is for serving (`mesh-node serve`, or ``[serving] expect_serve``): until it
+        # serves, /health is not ``ok`` (a completion would be refused).
+        self.expected = expected or node.settings.serving.expect_serve
         self.extra_routes = tuple(extra_routes)  # other components' routes (the one app)
         self.server: SplitServer | None = None
         self._api: OpenAIApi | None = None
@@ -200,15 +208,17 @@ class Serving:
 
     def health(self) -> tuple[int, dict[str, Any]]:
         """``/health``: 200 when this node can serve what it is for (a plain node: it runs;
-        a serving coordinator: its route is ready), else 503 with the state and why."""
+        a node for serving: a completion would be served), else 503 with the state and why."""
         if self._api is not None and self._api.closing:
             return 503, {"status": "shutting_down", "reason": "the node is shutting down"}
         server = self.server
         if server is None:
-            if self.starting:
+            if self.starting or self.expected:
                 return 503, {
                     "status": "loading",
-                    "reason": "reading the package to serve",
+                    "reason": "reading the package to serve"
+                    if self.starting
+                    else "this node is to serve a model and has not been asked to yet",
                     "retry_after_s": RETRY_AFTER_STARTING_S,
                 }
             return 200, {"status": "ok"}
