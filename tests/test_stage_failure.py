@@ -123,6 +123,20 @@ def test_an_unsupported_family_fails_a_lab_bring_up_at_once_with_its_code(
     assert "within 120 s" not in error["message"]
 
 
+def test_a_lab_split_reports_a_stage_the_runtime_refused_as_failed(phi3_pkg: Path) -> None:
+    # The stage was fetched and verified, then its load refused: today's report said "ready,
+    # accepted" and ok (the fetch's record was never told of the load's failure).
+    out = subprocess.run(
+        [*MESH, "lab", "--nodes", "2", "--package", str(phi3_pkg), "--timeout", "120", "--json"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert "Traceback" not in out.stderr, out.stderr[-2000:]
+    report = json.loads(out.stdout)
+    assert out.returncode == 1 and not report["ok"], report["problems"]
+    assert any(f"({CODE})" in p for p in report["problems"]), report["problems"]
+    assert all(row["state"] != "ready" for row in report["nodes"] if row["role"] != "spare")
+
+
 # --- serve ----------------------------------------------------------------------------------------
 def test_serve_says_failed_with_the_stages_code_and_plans_again_when_a_peer_joins(
     phi3_pkg: Path, tmp_path: Path

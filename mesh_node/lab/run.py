@@ -168,10 +168,10 @@ class Lab:
             for node, ack in topology["acks"].items()
             if ack != "accepted"
         ]
-        timed_out = not await self._wait_stages(topology, t0 + self.options.timeout_s)
+        problem = await self._wait_stages(topology, t0 + self.options.timeout_s)
         seconds = time.monotonic() - t0
-        if timed_out:
-            problems.append(f"the split was not ready within {self.options.timeout_s:g} s")
+        if problem is not None:
+            problems.append(problem)
         return await self.report(topology, seconds, problems)
 
     async def start_serving(self) -> tuple[str, dict[str, Any], float]:
@@ -255,21 +255,26 @@ class Lab:
             report["replicas"] = self.replicas
         return report
 
-    async def _wait_stages(self, topology: Mapping[str, Any], deadline: float) -> bool:
+    async def _wait_stages(self, topology: Mapping[str, Any], deadline: float) -> str | None:
         """Until every stage node's fetch ended (ready or failed) and its report was answered,
-        or a stage node is down, or one stage failed for good (the others cannot make the
-        split whole); False at the deadline."""
+        or a stage node is down (None), or one stage failed for good: the others cannot make
+        the split whole (the problem, with its code); at the deadline, the problem."""
         tid = topology["topology_id"]
         nodes = {n.node_id: n for n in self.cluster.nodes}
         wanted = [nodes[s["node_id"]] for s in topology["stages"] if s["node_id"] in nodes]
         while time.monotonic() < deadline:
             statuses = await self.cluster.statuses()
             if all(_stage_done(statuses[n.index], tid) or not n.running for n in wanted):
-                return True
-            if any(_stage_failed_for_good(statuses[n.index], tid) for n in wanted):
-                return True
+                return None
+            for n in wanted:
+                if _stage_failed_for_good(statuses[n.index], tid):
+                    stage = (statuses[n.index] or {})["transfers"]["stage"]
+                    return (
+                        f"stage {stage['stage_index']} (node {n.node_id[:12]}) failed for good "
+                        f"({stage['error']}): the lab did not wait for the other stages"
+                    )
             await trio.sleep(POLL_S)
-        return False
+        return f"the split was not ready within {self.options.timeout_s:g} s"
 
     def check_cache(self, node: LabNode, stage: Mapping[str, Any]) -> CacheCheck:
         """The worker's snapshot of the package, checked by the lab: exactly the stage's

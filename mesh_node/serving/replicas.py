@@ -227,6 +227,9 @@ class ReplicaSet:
         out = self.managers[0].status()
         if len(self.managers) > 1:
             ready = self.route is not None
+            if not ready and out["state"] == "failed" and self.failed is None:
+                # replica 0 failed for good, another may still become ready
+                out["state"], out["code"] = "not_ready", "split_not_ready"
             out["state"] = "ready" if ready else out["state"]
             out["reason"] = None if ready else self.reason
             out["code"] = None if ready else out["code"]

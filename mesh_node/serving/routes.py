@@ -244,6 +244,7 @@ class RouteManager:
                     return
                 log.info("a capable peer joined: planning the failed split again")
                 self.failed = None
+                self._retry_at = 0.0  # a new peer is a reason to try now, whatever waited before
                 self._notify()
                 await self._bring_up()
             elif active is None:

@@ -150,13 +150,12 @@ class ArtifactService:
                     descriptor = await self.ready_hook(result)
             except SkippyError as exc:
                 log.warning("topology %s: stage not ready: %s", topology.topology_id, exc)
+                self._mark_failed(topology.topology_id, exc.code)  # the load's, after the fetch
                 await self._report_failure(active, exc.code, failure_message(exc))
                 return
             except Exception:  # a bug here must not take the node down (as a link's handler)
                 log.exception("topology %s: fetching the stage failed", topology.topology_id)
-                state = self.records.stage
-                if state is not None and state.topology_id == topology.topology_id:
-                    state.state, state.error = "failed", "internal_error"
+                self._mark_failed(topology.topology_id, "internal_error")
                 await self._report_failure(active, "internal_error")
                 return
             self.result = result
@@ -173,6 +172,13 @@ class ArtifactService:
                     topology.topology_id, result.stage.stage_id, True, descriptor.to_dict()
                 ),
             )
+
+    def _mark_failed(self, topology_id: str, code: str) -> None:
+        """The stage's record says failed, with ``code``: a fetch that failed set it already;
+        a stage fetched, then refused by the ready hook (the runtime's load), was "ready"."""
+        state = self.records.stage
+        if state is not None and state.topology_id == topology_id:
+            state.state, state.error = "failed", code
 
     async def _report_failure(
         self, active: ActiveTopology, code: str, message: str = GENERIC_FAILURE
