@@ -203,8 +203,9 @@ class Lab:
                     code=str(serving.get("code")),
                 )
             # The serving core never gives up by itself (it waits like a service, issue #18
-            # item 3: ``ready``, ``waiting`` or ``not_ready``); the lab does, at its deadline,
-            # with what the core says it waits for.
+            # item 3: ``ready``, ``waiting`` or ``not_ready``) unless a stage failed for good
+            # (``failed``, above); the lab does, at its deadline, with what the core says it
+            # waits for.
             if time.monotonic() > deadline:
                 raise LabError(
                     f"the split did not become ready within {self.options.timeout_s:g} s: "

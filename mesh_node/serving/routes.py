@@ -186,8 +186,8 @@ class RouteManager:
     def check_ready(self) -> Route:
         if self.route is not None:
             return self.route
-        if self.failed is not None:
-            raise self.failed
+        if self.failed is not None:  # a new instance: one raised each time would grow its traceback
+            raise SplitFailed(self.failed.message, code=self.failed.code)
         if self.waiting is not None:
             raise SplitNotReady(self.waiting.message, code=self.waiting.code)
         raise SplitNotReady(f"the split is not ready: {self.reason}")

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from mesh_node.http.view import redact_paths
 from mesh_node.node import MeshNode
 from mesh_node.serving.host import StageHost
 from mesh_node.transfer.service import ArtifactService
@@ -227,8 +228,6 @@ class Serving:
             return 200, {"status": "ok", **replicas}
         failed = server.replicas.failed  # for good (a stage's model or package): no Retry-After
         if failed is not None:
-            from mesh_node.http.view import redact_paths
-
             return 503, {
                 "status": "failed",
                 "reason": redact_paths(failed.message),  # a stage's words may quote its paths
