@@ -219,7 +219,7 @@ class Serving:
                     "status": "loading",
                     "reason": "reading the package to serve"
                     if self.starting
-                    else "this node is to serve a model and has not been asked to yet",
+                    else "this node is to serve a model; its split has not started yet",
                     "retry_after_s": RETRY_AFTER_STARTING_S,
                 }
             return 200, {"status": "ok"}
