@@ -10,6 +10,7 @@ from typing import Any
 from mesh_node.link import MeshStream
 from protocol.certificates import OwnerStatus
 from protocol.messages import ComputeCost
+from skippy.progress import human_bytes
 from skippy.text import escape
 
 
@@ -164,7 +165,8 @@ def render_status(doc: Mapping[str, Any]) -> str:
         f"listen   {doc['listen']}",
         f"owner    {doc['owner_id'] or '-'} ({doc['owner_status']})",
         f"features {features or '-'}",
-        f"memory   {doc['memory_budget']} bytes; artifact transfer {doc['artifact_transfer']}",
+        f"memory   {human_bytes(doc['memory_budget'])} budget; artifact transfer "
+        f"{doc['artifact_transfer']}",
         f"peers    {len(doc['peers'])}",
     ]
     for p in doc["peers"]:
@@ -232,7 +234,8 @@ def render_serving(serving: Mapping[str, Any]) -> list[str]:
     if state == "ready":
         head += f" ({serving.get('stages')} stage(s), topology {serving.get('topology_id')})"
     else:
-        head += f" [{serving.get('code')}]: {serving.get('reason')}"
+        # a failed stage's reason is its node's words
+        head += f" [{peer_text(serving.get('code'))}]: {peer_text(serving.get('reason'))}"
     requests = serving.get("requests") or {}
     done = ", ".join(f"{k} {v}" for k, v in sorted(requests.items())) if requests else "none"
     speed = serving.get("decode_tokens_per_s")
@@ -254,7 +257,11 @@ def render_serving(serving: Mapping[str, Any]) -> list[str]:
     replicas = serving.get("replicas") or []
     if len(replicas) > 1:  # issue #23 item 1: one line per replica
         for r in replicas:
-            why = "" if r.get("state") == "ready" else f" [{r.get('code')}]: {r.get('reason')}"
+            why = (
+                ""
+                if r.get("state") == "ready"
+                else f" [{peer_text(r.get('code'))}]: {peer_text(r.get('reason'))}"
+            )
             lines.append(
                 f"  replica {r.get('replica')} {r.get('state')}{why}; nodes "
                 + (", ".join(peer_text(str(n))[:12] for n in r.get("nodes") or []) or "-")

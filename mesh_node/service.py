@@ -145,7 +145,7 @@ async def _run_node(
     # skippy.runtime.compute_thread), since it runs the stage runtime for a moment.
     node.compute = compute_cost(await run_compute(lambda: load_or_calibrate(settings)))
     host, artifacts = stage_services(node, read_environment())
-    serving = Serving(node, host, extra_routes=routes)
+    serving = Serving(node, host, extra_routes=routes, expected=serve is not None)
     # SIGHUP (the terminal went away) shuts down as cleanly as SIGTERM: no reload exists.
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as signals:
         async with trio.open_nursery() as nursery:

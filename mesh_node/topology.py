@@ -157,16 +157,19 @@ class ActiveTopology:
 @dataclass(frozen=True)
 class StageReport:
     """What the coordinator knows of one stage node: ``ready`` (descriptor checked),
-    ``failed`` (the node said so; ``code``), or ``rejected`` (the descriptor did not match)."""
+    ``failed`` (the node said so; ``code``, and ``message`` when it said why), or
+    ``rejected`` (the descriptor did not match)."""
 
     state: Literal["ready", "failed", "rejected"]
     code: str | None = None
     descriptor: StageDescriptor | None = None
+    message: str | None = None  # a peer's words: escape them before showing them on a terminal
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "state": self.state,
             "code": self.code,
+            "message": self.message,
             "artifact_bytes": None if self.descriptor is None else self.descriptor.artifact_bytes,
         }
 
@@ -585,7 +588,7 @@ class TopologyService:
         if stage is None or stage.stage_id != report.stage_id:
             return TopologyAck(tid, False, "not_in_topology", "the reporter holds no such stage")
         if not report.ready:
-            result = StageReport("failed", report.code or "stage_failed")
+            result = StageReport("failed", report.code or "stage_failed", message=report.message)
         else:
             try:
                 descriptor = StageDescriptor.from_dict(report.descriptor)

@@ -8,7 +8,8 @@ as ``llama_like`` holds exactly the same tensors, split over several files.
 
 Kinds (importable functions, and a CLI: ``python scripts/synth_gguf.py KIND OUT [--options]``):
 
-    llama_like(path, *, n_layers=4, width=64, ff=256, vocab=128, seed=0, alignment=None)
+    llama_like(path, *, n_layers=4, width=64, ff=256, vocab=128, seed=0, alignment=None,
+               arch="llama")
     gemma_like(path, *, n_layers=4, width=64, ff=256, vocab=128, seed=0, alignment=None)
     qwen3_like(path, *, n_layers=4, width=64, ff=256, vocab=128, seed=0, alignment=None)
     qwen2_like(path, *, n_layers=4, width=64, ff=256, vocab=128, seed=0, alignment=None)
@@ -410,17 +411,28 @@ def llama_like(
     seed: int = 0,
     alignment: int | None = None,
     zero_head: bool = False,
+    arch: str = "llama",
+    f16_norm_layer: int | None = None,
 ) -> Path:
     """A llama-architecture model: full hyperparameter set, small tokenizer, mixed types.
-    ``zero_head``: an all-zero ``output.weight``, so every logit is 0 (a tie everywhere)."""
+    ``zero_head``: an all-zero ``output.weight``, so every logit is 0 (a tie everywhere).
+    ``arch``: the same tensors and hyperparameters under another architecture name (e.g.
+    ``phi3``: a family the stage runtime refuses, for its refusal paths).
+    ``f16_norm_layer``: that layer's ``attn_norm`` stored as F16, a type the stage runtime
+    refuses for a norm: a model whose metadata passes and whose one layer cannot load."""
     _check_dims(width, ff, n_layers, vocab)
     d = _Dims(n_layers, width, ff, vocab)
-    kvs = _llama_kvs("llama", "synth llama-like", d)
+    kvs = _llama_kvs(arch, f"synth {arch}-like", d)
+    odd_norm = f"blk.{f16_norm_layer}.attn_norm.weight"
     tensors = [
-        replace(t, zero=True) if zero_head and t.name == "output.weight" else t
+        replace(t, zero=True)
+        if zero_head and t.name == "output.weight"
+        else replace(t, qtype=Q.F16)
+        if t.name == odd_norm
+        else t
         for t in _llama_tensors(d)
     ]
-    return _write_model(Path(path), "llama", kvs, tensors, seed, alignment)
+    return _write_model(Path(path), arch, kvs, tensors, seed, alignment)
 
 
 def gemma_like(

@@ -294,6 +294,7 @@ SERVING_KEYS = frozenset(
         "ready_timeout_s",
         "queue_timeout_s",
         "replicas",  # issue #23 item 1
+        "expect_serve",
     }
 )
 MAX_REPLICAS = 64  # [serving] replicas: independent pipelines of one package (issue #23)
@@ -322,6 +323,10 @@ class ServingSettings:
     queue_timeout_s: float = 300.0  # a queued request gets a slot within this, else 429
     # Coordinator (issue #23 item 1): independent pipelines of the package over disjoint peers.
     replicas: int = 1
+    # A `mesh-node run` node that will be told to serve (the control operation ``serve``, as
+    # the lab's coordinator): /health says ``loading``, not ``ok``, until a completion would be
+    # served. `mesh-node serve` implies it.
+    expect_serve: bool = False
 
 
 def _refuse_unknown_keys(raw: Mapping[str, Any], table: str, known: frozenset[str]) -> None:
@@ -362,6 +367,10 @@ def serving_settings(raw: object) -> ServingSettings:
             isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_REPLICAS
         ):
             raise _bad(name, f"expected an integer in 1..{MAX_REPLICAS}", value)
+        elif key == "expect_serve":
+            if not isinstance(value, bool):
+                raise _bad(name, "expected true or false", value)
+            values[key] = value
         elif key == "max_frame_bytes":
             values[key] = parse_size(value, name)
             if values[key] < 1024:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import synth_gguf
 
-from skippy.errors import UsageError
+from skippy.errors import ModelError, UsageError
 from skippy.gguf.reader import open_gguf
 from skippy.runtime.weights import read_model_kv
 from skippy.serving.engine_choice import (
@@ -41,10 +41,11 @@ def test_an_uncovered_family_is_served_whole_by_llama_cpp(tmp_path):
     )
     check_split(choice, None)
     check_split(choice, 1)
-    with pytest.raises(UsageError) as err:
+    with pytest.raises(ModelError) as err:  # the model cannot be split: exit 1
         check_split(choice, 2)
-    assert err.value.code == "split_unsupported" and err.value.actual == 2
-    assert "exaone is not supported" in err.value.message
+    assert err.value.code == "unsupported_architecture" and err.value.actual == 2
+    assert "'exaone' is not supported" in err.value.message
+    assert "without --stages" in (err.value.remediation or "")
 
 
 def test_a_refusal_other_than_the_architecture_is_named(tmp_path, synth_dir):

@@ -148,3 +148,10 @@ def test_status_text_has_the_serving_section() -> None:
         {**doc, "serving": ready}
     )
     assert "serving" not in render_status(doc)
+    # memory in human units (the raw bytes stay in --json); a failed stage's reason, a
+    # peer's words, cannot forge a line
+    text = render_status({**doc, "memory_budget": 8 * 2**30})
+    assert "memory   8.0 GiB budget;" in text and str(8 * 2**30) not in text
+    failed = {**waiting, "state": "failed", "code": "unsupported_architecture"}
+    text = render_status({**doc, "serving": {**failed, "reason": "stage 1: no\nforged line"}})
+    assert "serving  tiny failed [unsupported_architecture]: stage 1: no\\x0aforged line" in text

@@ -3,16 +3,20 @@ item 7), with real processes and a synthetic model: once ready it prints one JSO
 with per node its id, role, stage, layers, pid and config; a worker killed with SIGKILL
 mid-stream leaves the greedy completion exactly the undisturbed one (the spare takes its
 stage); the killed node, started again with `mesh-node run --config <its config>`, links
-back as the new spare; Ctrl-C ends the lab with exit 130 and every node stopped."""
+back as the new spare; Ctrl-C ends the lab with exit 130 and every node stopped. Its /health
+is ok only once a completion would be served."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -139,3 +143,54 @@ def test_a_serving_lab_can_be_operated_on(tmp_path: Path) -> None:
         lab.wait(timeout=60)
     assert lab.returncode == 130
     assert not any(_alive(n["pid"]) for n in nodes)
+
+
+def test_a_serving_labs_health_is_ok_only_once_a_completion_is_served(tmp_path: Path) -> None:
+    """The coordinator's page (and /health) listens before the split is asked for: until the
+    route is ready /health is 503 loading, so its first ok is followed by a served completion.
+    (It said ok from the moment it listened, seconds before /v1 served.)"""
+    src = synth_gguf.llama_like(tmp_path / "llama.gguf", n_layers=4)
+    make_package(src, tmp_path / "pkg")
+    with socket.socket() as s:  # a free port, so /health is watched from the moment it listens
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    lab = subprocess.Popen(
+        [sys.executable, "-m", "mesh_node", "lab", "--nodes", "2", "--serve", "--package",
+         str(tmp_path / "pkg"), "--timeout", "120", "--http", f"127.0.0.1:{port}"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, "OPENBLAS_NUM_THREADS": "1"},
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        seen: list[object] = []
+        deadline = time.monotonic() + 120
+        while True:
+            assert time.monotonic() < deadline and lab.poll() is None, seen[-5:]
+            try:
+                status, doc = _http(base + "/health")
+            except OSError:  # not listening yet
+                time.sleep(0.02)
+                continue
+            seen.append(doc["status"])
+            if status == 200:
+                break
+            assert status == 503 and doc["status"] == "loading", doc
+            time.sleep(0.02)
+        assert seen[0] == "loading", seen[:5]  # listening before the split was asked for
+        status, doc = _http(base + "/v1/completions", {"prompt": [1, 5], "max_tokens": 1})
+        assert status == 200, doc
+    finally:
+        lab.send_signal(signal.SIGINT)
+        lab.wait(timeout=60)
+
+
+def _http(url: str, body: object = None) -> tuple[int, dict[str, object]]:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, dict(json.loads(r.read()))
+    except urllib.error.HTTPError as e:
+        return e.code, dict(json.loads(e.read()))

@@ -229,7 +229,7 @@ def _status_serving(data: Path) -> dict[str, object]:
     return dict(json.loads(out.stdout)["serving"])
 
 
-def test_asking_to_split_an_uncovered_family_is_a_coded_usage_error(
+def test_asking_to_split_an_uncovered_family_is_refused_with_the_runtimes_code(
     uncovered_pkg: Path, tmp_path: Path
 ) -> None:
     (tmp_path / "coord.toml").write_text(node_toml(tmp_path, "coord"))
@@ -241,9 +241,9 @@ def test_asking_to_split_an_uncovered_family_is_a_coded_usage_error(
         text=True,
         timeout=60,
     )
-    assert out.returncode == 2, out.stderr
-    assert '"code": "split_unsupported"' in out.stdout and "Traceback" not in out.stderr
-    assert "exaone is not supported by the stage runtime" in out.stdout
+    assert out.returncode == 1, out.stderr
+    assert '"code": "unsupported_architecture"' in out.stdout and "Traceback" not in out.stderr
+    assert "cannot split this model over 2 stages" in out.stdout and "'exaone'" in out.stdout
 
 
 def test_serving_engine_llama_serves_a_covered_family_whole(tiny_pkg: Path, tmp_path: Path) -> None:

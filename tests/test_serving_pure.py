@@ -267,6 +267,10 @@ def test_serving_config() -> None:
     for bad in ({"bogus": 1}, {"n_ctx": 0}, {"engine": "torch"}, {"token_timeout_s": -1}):
         with pytest.raises(UsageError):
             serving_settings(bad)
+    assert serving_settings({"expect_serve": True}).expect_serve
+    assert not ServingSettings().expect_serve
+    with pytest.raises(UsageError, match=r"serving\.expect_serve"):
+        serving_settings({"expect_serve": 1})
 
 
 # --- admission descriptor ------------------------------------------------------------------------

@@ -280,6 +280,21 @@ def test_unsupported_architecture_package(synth_dir, tmp_path: Path) -> None:
     assert e.value.code == "unsupported_architecture" and e.value.exit_code == 2
 
 
+def test_the_moe_refusal_says_what_is_supported_and_what_to_do(
+    load: StageLoad, tmp_path: Path
+) -> None:
+    def experts(kvs: list, ts: list[Tensor]) -> tuple[list, list[Tensor], dict[str, Any]]:
+        return _set_kv(kvs, "llama.expert_count", 8), ts, {}
+
+    moe = _hostile(load, tmp_path, 0, experts)
+    with pytest.raises(SkippyError) as e:
+        open_stage("ggml", moe, StageConfig(n_ctx=16, n_threads=1))
+    assert e.value.code == "unsupported_architecture"
+    assert "dense llama, qwen2, qwen3, gemma3" in e.value.message, e.value.message
+    hint = e.value.remediation or ""
+    assert "llama.cpp" in hint and "--engine llama" in hint, hint
+
+
 def test_run_on_a_fragment_corrupted_in_place_exits_with_json(pkg: Path, tmp_path: Path) -> None:
     """Same size, unverified: the layer header now claims attn_q is 64 x 32. The runtime
     refuses it with a code in a real child process (an abort would be exit -6 and no JSON)."""

@@ -92,10 +92,13 @@ def test_the_coordinator_records_reports_of_its_own_topology_only(tmp_path) -> N
     failed = StageReady("topo-1", "stage-0", False, None, "not_in_offline_cache", "it failed")
     assert report(A, failed) == (True, None)
     assert service.active.reports[A].state == "failed"
+    assert service.active.reports[A].message == "it failed"  # why, as the node said it
     assert report(B, ready) == (True, None)
     assert report(A, StageReady("topo-1", "stage-0", True, dataclasses.replace(
         GOOD, stage_index=0, layers=LayerRange(0, 3, 6)).to_dict())) == (True, None)
     assert service.active.all_ready
     doc = service.status()
     assert doc is not None and doc["all_ready"]
-    assert doc["ready"][B] == {"state": "ready", "code": None, "artifact_bytes": 1234}
+    assert doc["ready"][B] == {
+        "state": "ready", "code": None, "message": None, "artifact_bytes": 1234
+    }

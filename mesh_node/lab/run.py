@@ -50,6 +50,7 @@ from skippy.errors import UsageError
 from skippy.generation import SpeculativePlan
 from skippy.package.ranges import LayerRange
 from skippy.package.refs import LocalPackageRef, parse_package_ref
+from skippy.serving.failures import classify_failure
 from skippy.transfer.hubcache import RepoCache
 from skippy.transfer.required import stage_refs
 
@@ -173,10 +174,10 @@ class Lab:
             for node, ack in topology["acks"].items()
             if ack != "accepted"
         ]
-        timed_out = not await self._wait_stages(topology, t0 + self.options.timeout_s)
+        problem = await self._wait_stages(topology, t0 + self.options.timeout_s)
         seconds = time.monotonic() - t0
-        if timed_out:
-            problems.append(f"the split was not ready within {self.options.timeout_s:g} s")
+        if problem is not None:
+            problems.append(problem)
         return await self.report(topology, seconds, problems)
 
     async def start_serving(self) -> tuple[str, dict[str, Any], float]:
@@ -203,9 +204,15 @@ class Lab:
             if serving.get("state") == "ready" and all(r["state"] == "ready" for r in replicas):
                 self.replicas = list(replicas)
                 return api, dict(status["topology"]), time.monotonic() - t0
+            if serving.get("state") == "failed":  # for good: no point waiting for the deadline
+                raise LabError(
+                    f"the split failed: {serving.get('reason')}",
+                    code=str(serving.get("code")),
+                )
             # The serving core never gives up by itself (it waits like a service, issue #18
-            # item 3: ``ready``, ``waiting`` or ``not_ready``); the lab does, at its deadline,
-            # with what the core says it waits for.
+            # item 3: ``ready``, ``waiting`` or ``not_ready``) unless a stage failed for good
+            # (``failed``, above); the lab does, at its deadline, with what the core says it
+            # waits for.
             if time.monotonic() > deadline:
                 raise LabError(
                     f"the split did not become ready within {self.options.timeout_s:g} s: "
@@ -256,18 +263,26 @@ class Lab:
             report["replicas"] = self.replicas
         return report
 
-    async def _wait_stages(self, topology: Mapping[str, Any], deadline: float) -> bool:
+    async def _wait_stages(self, topology: Mapping[str, Any], deadline: float) -> str | None:
         """Until every stage node's fetch ended (ready or failed) and its report was answered,
-        or a stage node is down; False at the deadline."""
+        or a stage node is down (None), or one stage failed for good: the others cannot make
+        the split whole (the problem, with its code); at the deadline, the problem."""
         tid = topology["topology_id"]
         nodes = {n.node_id: n for n in self.cluster.nodes}
         wanted = [nodes[s["node_id"]] for s in topology["stages"] if s["node_id"] in nodes]
         while time.monotonic() < deadline:
             statuses = await self.cluster.statuses()
             if all(_stage_done(statuses[n.index], tid) or not n.running for n in wanted):
-                return True
+                return None
+            for n in wanted:
+                if _stage_failed_for_good(statuses[n.index], tid):
+                    stage = (statuses[n.index] or {})["transfers"]["stage"]
+                    return (
+                        f"stage {stage['stage_index']} (node {n.node_id[:12]}) failed for good "
+                        f"({stage['error']}): the lab did not wait for the other stages"
+                    )
             await trio.sleep(POLL_S)
-        return False
+        return f"the split was not ready within {self.options.timeout_s:g} s"
 
     def check_cache(self, node: LabNode, stage: Mapping[str, Any]) -> CacheCheck:
         """The worker's snapshot of the package, checked by the lab: exactly the stage's
@@ -309,6 +324,15 @@ def _stage_done(status: Mapping[str, Any] | None, topology_id: str) -> bool:
     )
 
 
+def _stage_failed_for_good(status: Mapping[str, Any] | None, topology_id: str) -> bool:
+    stage = ((status or {}).get("transfers") or {}).get("stage") or {}
+    return (
+        _stage_done(status, topology_id)
+        and stage.get("state") == "failed"
+        and classify_failure(stage.get("error")) == "permanent"
+    )
+
+
 def _sha256(path: Path) -> str:
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
@@ -321,6 +345,8 @@ def node_specs(options: LabOptions, hub_url: str | None) -> list[NodeSpec]:
     specs = []
     threads = max(1, (os.cpu_count() or 1) // options.nodes)
     first_foreign = options.nodes - options.foreign_owners
+    # The coordinator of a serving lab: its /health is not ok before its route is ready.
+    serves = options.prompt is not None or options.serve
     for i in range(options.nodes):
         env = {"HF_ENDPOINT": hub_url} if hub_url else {}
         env.update(options.node_env.get(i, {}))
@@ -329,7 +355,7 @@ def node_specs(options: LabOptions, hub_url: str | None) -> list[NodeSpec]:
                 name=f"n{i}",
                 owner="foreign" if i >= first_foreign else "primary",
                 config={
-                    "serving": {"threads": threads},
+                    "serving": {"threads": threads, "expect_serve": serves and i == 0},
                     # A lab mixes owners on purpose (foreign workers): the lab setting, which
                     # each node states in its log at start (issue #19).
                     "security": {"accept_topologies_from": "any", "place_stages_on": "any"},

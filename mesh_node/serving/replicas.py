@@ -34,7 +34,7 @@ import trio
 from mesh_node.node import MeshNode
 from mesh_node.serving.generator import Route, route_level
 from mesh_node.serving.host import StageHost
-from mesh_node.serving.routes import RouteManager, SplitNotReady, load_tokenizer
+from mesh_node.serving.routes import RouteManager, SplitFailed, SplitNotReady, load_tokenizer
 from mesh_node.topology import TopologyService
 from mesh_node.transfer.partials import speaks_partials
 from mesh_node.transfer.siblings import speaks_siblings
@@ -172,6 +172,14 @@ class ReplicaSet:
         return next((m.tokenizer for m in self.managers if m.tokenizer is not None), None)
 
     @property
+    def failed(self) -> SplitFailed | None:
+        """Replica 0's failure, when every replica failed for good (none can become ready
+        before a capable peer joins)."""
+        if self.route is not None or any(m.failed is None for m in self.managers):
+            return None
+        return self.managers[0].failed
+
+    @property
     def waiting(self) -> SkippyError | None:
         """Why no replica can be placed now, when none is ready and replica 0 waits."""
         if self.route is not None:
@@ -205,6 +213,9 @@ class ReplicaSet:
             return route
         if len(self.managers) == 1:
             return self.managers[0].check_ready()
+        failed = self.failed
+        if failed is not None:
+            raise SplitFailed(f"no replica is ready: {self.reason}", code=failed.code)
         waiting = self.waiting
         if waiting is not None:
             raise SplitNotReady(f"no replica is ready: {self.reason}", code=waiting.code)
@@ -216,6 +227,9 @@ class ReplicaSet:
         out = self.managers[0].status()
         if len(self.managers) > 1:
             ready = self.route is not None
+            if not ready and out["state"] == "failed" and self.failed is None:
+                # replica 0 failed for good, another may still become ready
+                out["state"], out["code"] = "not_ready", "split_not_ready"
             out["state"] = "ready" if ready else out["state"]
             out["reason"] = None if ready else self.reason
             out["code"] = None if ready else out["code"]

@@ -18,6 +18,13 @@
   ``no_capable_peer``, naming the node it waits for) until the node comes back with the same
   id or a capable peer joins, and is then planned in again (``TopologyService.heal``), checked
   on every membership event and every heartbeat interval, with a backoff when a try fails.
+- **Failed stages.** A stage node that reports its stage failed says why with a code
+  (``skippy.serving.failures.classify_failure``). A permanent failure (a model family the stage
+  runtime does not run, an invalid package, a plan that does not fit) fails the split at once:
+  ``SplitFailed`` with the stage's code and reason (the 503's body, ``/health`` ``failed``,
+  the status's ``state``), and the split is planned again only when a capable peer joins. A
+  transient one (a fetch that failed, a peer that did not answer) re-plans the same nodes
+  after a backoff.
 
 ``generator.Generator`` asks it for routes (``RouteSource``).
 """
@@ -44,11 +51,12 @@ from mesh_node.serving.host import StageHost
 from mesh_node.serving.state import SplitState, load_state, save_state
 from mesh_node.topology import ActiveTopology, StageReport, TopologyService
 from skippy.config import ServingSettings
-from skippy.errors import EXIT_USAGE, SkippyError
+from skippy.errors import EXIT_INVALID, EXIT_USAGE, SkippyError
 from skippy.package.heal import missing_nodes
 from skippy.package.plan import ModelSizes
 from skippy.package.topology import SplitTopology
 from skippy.runtime.tokenizer import LlamaTokenizer
+from skippy.serving.failures import classify_failure
 from skippy.stage.descriptor import runtime_problem
 
 log = logging.getLogger("mesh_node.serving.routes")
@@ -61,6 +69,13 @@ class SplitNotReady(ServingFault):
     code = "split_not_ready"
     exit_code = EXIT_USAGE
 
+
+class SplitFailed(SplitNotReady):
+    """A stage cannot be brought up for a reason that trying again cannot fix (HTTP 503, no
+    Retry-After); the code is the stage's own (``unsupported_architecture``...)."""
+
+    code = "split_failed"
+    exit_code = EXIT_INVALID  # the model or package is the problem
 
 
 async def load_tokenizer(metadata_path: Path) -> LlamaTokenizer:
@@ -105,6 +120,10 @@ class RouteManager:
         self.route: Route | None = None
         self.reason = "the split is starting"
         self.waiting: SkippyError | None = None  # why the split cannot be placed now
+        # A stage failed for good: set until a capable peer joins (then planned again).
+        self.failed: SplitFailed | None = None
+        self._failed_among: frozenset[str] = frozenset()  # the capable nodes when it failed
+        self._stage_retries = 0  # transient stage failures since the route was last ready
         self.tokenizer: LlamaTokenizer | None = None
         self.restored: str | None = None  # the run id re-formed after a restart
         self._changed = trio.Event()
@@ -123,6 +142,7 @@ class RouteManager:
         self.route = route
         if route is not None:
             self.waiting = None
+            self._stage_retries = 0
             self._not_ready_since, self._warned = None, False
         elif self._not_ready_since is None:
             self._not_ready_since = trio.current_time()
@@ -141,12 +161,23 @@ class RouteManager:
         """The run this coordinator waits to re-form after a restart (its nodes are taken)."""
         return None if self._restore_from is None else self._restore_from.topology
 
+    @property
+    def blocked(self) -> SkippyError | None:
+        """Why the split cannot form now: it failed, or it waits (``None``: it is forming)."""
+        return self.failed if self.failed is not None else self.waiting
+
     def status(self) -> dict[str, Any]:
-        route = self.route
+        route, blocked = self.route, self.blocked
+        if route is not None:
+            state = "ready"
+        elif self.failed is not None:
+            state = "failed"
+        else:
+            state = "waiting" if self.waiting else "not_ready"
         return {
-            "state": "ready" if route else ("waiting" if self.waiting else "not_ready"),
-            "reason": None if route else (self.waiting.message if self.waiting else self.reason),
-            "code": None if route else (self.waiting.code if self.waiting else "split_not_ready"),
+            "state": state,
+            "reason": None if route else (blocked.message if blocked else self.reason),
+            "code": None if route else (blocked.code if blocked else "split_not_ready"),
             "topology_id": route.topology_id if route else None,
             "stages": len(route.node_ids) if route else None,
             "restored_run": self.restored,
@@ -155,6 +186,8 @@ class RouteManager:
     def check_ready(self) -> Route:
         if self.route is not None:
             return self.route
+        if self.failed is not None:  # a new instance: one raised each time would grow its traceback
+            raise SplitFailed(self.failed.message, code=self.failed.code)
         if self.waiting is not None:
             raise SplitNotReady(self.waiting.message, code=self.waiting.code)
         raise SplitNotReady(f"the split is not ready: {self.reason}")
@@ -206,17 +239,87 @@ class RouteManager:
         publish the route when it is ready, warn once when it has not been for too long."""
         try:
             active = self._ours()
-            if active is None:
+            if self.failed is not None:
+                if not self._capable_joined():
+                    return
+                log.info("a capable peer joined: planning the failed split again")
+                self.failed = None
+                self._retry_at = 0.0  # a new peer is a reason to try now, whatever waited before
+                self._notify()
+                await self._bring_up()
+            elif active is None:
                 await self._bring_up()
             else:
                 capable = {c.node_id for c in self.topology.capable_nodes(True)}
                 gone = missing_nodes(active.topology, capable)
                 back = self._relinked(active.topology.topology_id, gone)
+                if await self._stage_failed(active):
+                    return
                 if gone or back or active.state != "active":
                     await self._heal(active, gone)
             await self._refresh()
         finally:
             self._warn_if_slow()
+
+    def _capable_joined(self) -> bool:
+        capable = {c.node_id for c in self.topology.capable_nodes(False)}
+        return bool(capable - self._failed_among)
+
+    async def _stage_failed(self, active: ActiveTopology) -> bool:
+        """A stage of ``active`` reported failed: a permanent failure fails the split (True);
+        a transient one is planned again over the same nodes after a backoff (True until
+        then). False when no stage failed."""
+        failed = [
+            (s, r)
+            for s in active.topology.stages
+            if (r := active.reports.get(s.node_id)) is not None and r.state == "failed"
+        ]
+        if not failed:
+            return False
+        permanent = [(s, r) for s, r in failed if classify_failure(r.code) == "permanent"]
+        if permanent:
+            stage, report = permanent[0]
+            self._fail(stage.stage_index, stage.node_id, report.code, report.message)
+            return True
+        if not self._may_try():
+            return True
+        stage, report = failed[0]
+        self._stage_retries += 1
+        log.warning(
+            "stage %d (node %s) failed (%s): planning it again",
+            stage.stage_index,
+            stage.node_id[:12],
+            report.code,
+        )
+        self._retry_s = min(MAX_RETRY_S, 0.5 * 2 ** (self._stage_retries - 1))
+        self._retry_at = trio.current_time() + self._retry_s
+        self._set_route(None, f"stage {stage.stage_index} failed ({report.code}): retrying")
+        try:
+            healed = await self.topology.heal()
+        except TopologyRefused as exc:
+            self._wait_for(exc, None)
+            return True
+        self.waiting = None
+        self._persist(healed)
+        self.reason = f"waiting for {len(healed.topology.stages)} stage(s) to be ready"
+        return True
+
+    def _fail(self, index: int, node_id: str, code: str | None, why: str | None) -> None:
+        """The split failed for good (see the module docstring): say so, with the stage's
+        code and reason, until a capable peer joins."""
+        where = "this node" if node_id == self.node.node_id else f"node {node_id[:12]}"
+        reason = why or "no reason given"
+        self.failed = SplitFailed(
+            f"stage {index} ({where}) cannot be brought up: {reason}",
+            code=code or "stage_failed",
+        )
+        self._failed_among = frozenset(c.node_id for c in self.topology.capable_nodes(False))
+        self._set_route(None, self.failed.message)
+        log.error(
+            "the split failed: %s [%s]; it is planned again when a capable peer joins",
+            self.failed.message,
+            self.failed.code,
+        )
 
     def _relinked(self, topology_id: str, gone: list[str]) -> set[str]:
         """Stage nodes seen unlinked under this topology and linked again. A link that broke
@@ -483,8 +586,9 @@ class RouteManager:
         self.wake()
         with trio.move_on_after(self.settings.failover_timeout_s):
             while True:
-                if self.waiting is not None:
-                    raise GenerationFailed(self.waiting.message, code=self.waiting.code)
+                blocked = self.blocked
+                if blocked is not None:
+                    raise GenerationFailed(blocked.message, code=blocked.code)
                 route = self.route
                 if route is not None and route.topology_id != broken.topology_id:
                     return route

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from mesh_node.http.view import redact_paths
 from mesh_node.node import MeshNode
 from mesh_node.serving.host import StageHost
 from mesh_node.transfer.service import ArtifactService
@@ -142,10 +143,18 @@ class Serving:
     """This node as a serving coordinator, at most once."""
 
     def __init__(
-        self, node: MeshNode, host: StageHost, *, extra_routes: Sequence[BaseRoute] = ()
+        self,
+        node: MeshNode,
+        host: StageHost,
+        *,
+        extra_routes: Sequence[BaseRoute] = (),
+        expected: bool = False,
     ) -> None:
         self.node = node
         self.host = host
+        # This node is for serving (`mesh-node serve`, or ``[serving] expect_serve``): until it
+        # serves, /health is not ``ok`` (a completion would be refused).
+        self.expected = expected or node.settings.serving.expect_serve
         self.extra_routes = tuple(extra_routes)  # other components' routes (the one app)
         self.server: SplitServer | None = None
         self._api: OpenAIApi | None = None
@@ -207,7 +216,7 @@ class Serving:
 
     def health(self) -> tuple[int, dict[str, Any]]:
         """``/health``: 200 when this node can serve what it is for (a plain node: it runs;
-        a serving coordinator: its route is ready), else 503 with the state and why."""
+        a node for serving: a completion would be served), else 503 with the state and why."""
         code, body = self._health()
         if self.engine is not None:
             body["engine"] = self.engine.label
@@ -218,16 +227,26 @@ class Serving:
             return 503, {"status": "shutting_down", "reason": "the node is shutting down"}
         server = self.server
         if server is None:
-            if self.starting:
+            if self.starting or self.expected:
                 return 503, {
                     "status": "loading",
-                    "reason": "reading the package to serve",
+                    "reason": "reading the package to serve"
+                    if self.starting
+                    else "this node is to serve a model; its split has not started yet",
                     "retry_after_s": RETRY_AFTER_STARTING_S,
                 }
             return 200, {"status": "ok"}
         replicas = server.replicas.health()  # issue #23: each replica, when more than one
         if server.route is not None:
             return 200, {"status": "ok", **replicas}
+        failed = server.replicas.failed  # for good (a stage's model or package): no Retry-After
+        if failed is not None:
+            return 503, {
+                "status": "failed",
+                "reason": redact_paths(failed.message),  # a stage's words may quote its paths
+                "code": failed.code,
+                **replicas,
+            }
         waiting = server.replicas.waiting  # the split cannot be placed now (e.g. no capable peer)
         if waiting is not None:
             return 503, {

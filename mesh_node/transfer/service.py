@@ -38,6 +38,7 @@ from skippy.config import Environment
 from skippy.consume.verify import VerifyCache
 from skippy.errors import SkippyError
 from skippy.package.topology import SplitTopology
+from skippy.serving.failures import classify_failure
 from skippy.stage.descriptor import StageDescriptor
 from skippy.transfer.chunks import ChunkDigestStore
 from skippy.transfer.policy import would_serve
@@ -47,6 +48,8 @@ log = logging.getLogger("mesh_node.transfer")
 REPORT_ATTEMPTS: Final = 3
 WORKERS_FIRST_S: Final = 10.0  # the longest a coordinator's own stage waits for the digests
 ReadyHook = Callable[[StageResult], Awaitable[StageDescriptor]]
+GENERIC_FAILURE: Final = "stage failed"
+MAX_FAILURE_MESSAGE: Final = 4 * pc.DEFAULT_LIMITS.max_reason_chars  # StageReady's bound
 
 
 class ArtifactService:
@@ -147,13 +150,12 @@ class ArtifactService:
                     descriptor = await self.ready_hook(result)
             except SkippyError as exc:
                 log.warning("topology %s: stage not ready: %s", topology.topology_id, exc)
-                await self._report_failure(active, exc.code)
+                self._mark_failed(topology.topology_id, exc.code)  # the load's, after the fetch
+                await self._report_failure(active, exc.code, failure_message(exc))
                 return
             except Exception:  # a bug here must not take the node down (as a link's handler)
                 log.exception("topology %s: fetching the stage failed", topology.topology_id)
-                state = self.records.stage
-                if state is not None and state.topology_id == topology.topology_id:
-                    state.state, state.error = "failed", "internal_error"
+                self._mark_failed(topology.topology_id, "internal_error")
                 await self._report_failure(active, "internal_error")
                 return
             self.result = result
@@ -171,10 +173,19 @@ class ArtifactService:
                 ),
             )
 
-    async def _report_failure(self, active: ActiveTopology, code: str) -> None:
+    def _mark_failed(self, topology_id: str, code: str) -> None:
+        """The stage's record says failed, with ``code``: a fetch that failed set it already;
+        a stage fetched, then refused by the ready hook (the runtime's load), was "ready"."""
+        state = self.records.stage
+        if state is not None and state.topology_id == topology_id:
+            state.state, state.error = "failed", code
+
+    async def _report_failure(
+        self, active: ActiveTopology, code: str, message: str = GENERIC_FAILURE
+    ) -> None:
         stage_id = _stage_id(active, self.node.node_id)
         tid = active.topology.topology_id
-        await self._report(active, StageReady(tid, stage_id, False, None, code, "stage failed"))
+        await self._report(active, StageReady(tid, stage_id, False, None, code, message))
 
     async def _report(self, active: ActiveTopology, report: StageReady) -> None:
         answer = await self._send_report(active, report)
@@ -206,6 +217,17 @@ class ArtifactService:
                 log.info("ready report to %s failed: %s", coordinator[:12], exc)
                 await self.fetcher.wait_for_link(coordinator)
         return "unreachable"
+
+
+def failure_message(exc: SkippyError) -> str:
+    """What a failed stage's report says beside its code. A permanent failure's own words
+    (the model's or package's facts, and the hint), so the coordinator can say why without
+    the worker's log; any other failure only that it failed: its text may name this node's
+    local paths."""
+    if classify_failure(exc.code) != "permanent":
+        return GENERIC_FAILURE
+    text = exc.message + (f"; hint: {exc.remediation}" if exc.remediation else "")
+    return text[:MAX_FAILURE_MESSAGE]
 
 
 def _answer(ack: TopologyAck) -> str:

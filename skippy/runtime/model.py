@@ -34,6 +34,10 @@ from skippy.package.ranges import LayerRange
 from skippy.runtime.boundary import StageUnsupported
 
 ARCHITECTURES: Final = ("llama", "qwen2", "qwen3", "gemma3")
+# What to do with a model the stage runtime refuses: llama.cpp runs it whole, on one node.
+LLAMA_HINT: Final = (
+    "run the whole model on one node with llama.cpp: skippy-model-package run REF --engine llama"
+)
 RopeStyle = Literal["normal", "neox"]  # pairs (2i, 2i+1) | pairs (i, i + d/2)
 Activation = Literal["silu", "gelu_tanh"]
 
@@ -214,14 +218,16 @@ def _spec_from_kv(kv: Mapping[str, Any]) -> ModelSpec:
             f"(supported: {', '.join(ARCHITECTURES)})",
             code="unsupported_architecture",
             actual=str(arch),
-            remediation="run a whole-range stage of this model with --engine llama",
+            remediation=LLAMA_HINT,
         )
     a = f"{arch}."
     if kv.get(a + "expert_count", 0):
         raise StageUnsupported(
-            f"{arch} with experts (MoE) is not supported by the stage runtime",
+            f"{arch} with experts (MoE) is not supported by the stage runtime (it runs dense "
+            f"{', '.join(ARCHITECTURES)} models)",
             code="unsupported_architecture",
             actual=f"{arch} (MoE)",
+            remediation=LLAMA_HINT + "; a split needs a dense model",
         )
     n_layer = _int(kv, a + "block_count", 1, MAX_LAYERS)
     width = _int(kv, a + "embedding_length", 1, MAX_WIDTH)

@@ -14,11 +14,11 @@ code and a reason that the log, ``/health`` and the status document all show.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 from skippy.constants import KEY_ARCHITECTURE
-from skippy.errors import UsageError
+from skippy.errors import ModelError, UsageError
 from skippy.runtime.boundary import StageUnsupported
 
 LLAMA_ENGINE: Final = "llama"
@@ -37,6 +37,8 @@ class EngineChoice:
     family: str
     split_refused: str | None = None
     code: str | None = None
+    # The stage runtime's own refusal (its code, words and hint), when that is the reason.
+    problem: StageUnsupported | None = field(default=None, compare=False, repr=False)
 
     @property
     def one_node(self) -> bool:
@@ -95,17 +97,36 @@ def choose_engine(
     reason = f"{what} is not supported by the stage runtime"
     if problem.code != "unsupported_architecture":
         reason = f"{family} is not supported by the stage runtime ({problem.message})"
-    return EngineChoice(LLAMA_ENGINE, family, reason, FAMILY_UNSUPPORTED)
+    return EngineChoice(LLAMA_ENGINE, family, reason, FAMILY_UNSUPPORTED, problem)
 
 
 def check_split(choice: EngineChoice, stages: int | None) -> None:
-    """More than one stage of a model the choice serves whole is a usage error."""
-    if choice.one_node and stages is not None and stages > 1:
-        raise UsageError(
-            f"cannot split this model over {stages} stages: {choice.split_refused}",
-            code=SPLIT_UNSUPPORTED,
+    """More than one stage of a model the choice serves whole is refused at once: a family
+    the stage runtime does not cover with the runtime's own code, words and hint (exit 1, as
+    the model cannot be split: a lab fails its bring-up with it), ``engine = "llama"`` as a
+    usage error (exit 2)."""
+    if not (choice.one_node and stages is not None and stages > 1):
+        return
+    if choice.problem is not None:
+        raise ModelError(
+            f"cannot split this model over {stages} stages: {choice.problem.message}",
+            code=choice.problem.code,
             expected=1,
             actual=stages,
-            remediation="serve it without --stages (one node, llama.cpp)"
-            + ("" if choice.code == FAMILY_UNSUPPORTED else ', or set [serving] engine = "ggml"'),
+            remediation="; ".join(
+                hint
+                for hint in (
+                    choice.problem.remediation,
+                    "mesh-node serve without --stages serves it whole on one node (llama.cpp)",
+                )
+                if hint
+            ),
         )
+    raise UsageError(
+        f"cannot split this model over {stages} stages: {choice.split_refused}",
+        code=SPLIT_UNSUPPORTED,
+        expected=1,
+        actual=stages,
+        remediation='serve it without --stages (one node, llama.cpp), or set [serving] '
+        'engine = "ggml"',
+    )
