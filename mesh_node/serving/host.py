@@ -4,7 +4,9 @@ Every node (``mesh-node run`` and ``mesh-node serve``) has one ``StageHost``. Wh
 holds a stage of the active topology, its parts are brought in (issue #8's fetch, or a local
 package) and ``load`` opens them in the stage runtime (``skippy.runtime``), returning the
 runtime facts for the ready report. A stage already loaded for the same manifest and layers is
-kept when a new topology arrives (a failover moves only the lost stage).
+kept when a new topology arrives (a failover moves only the lost stage). A stage replaced by
+another (a split that grew) stays open while a route or a session still ``hold``s it: requests
+in flight finish on the route they started on, and the last ``release`` closes it.
 
 A chain stream (from the previous stage's node only) carries one session: BEGIN, then
 activation frames, then FREE. The reader acknowledges each prefill frame as it takes it (early
@@ -110,6 +112,7 @@ class LoadedStage:
     stage: Stage
     facts: RuntimeFacts
     artifact_bytes: int
+    users: int = 0  # holders (a published route, sessions): a replaced stage waits for them
 
     @property
     def key(self) -> tuple[str | None, int, int]:
@@ -175,6 +178,7 @@ class StageHost:
         self.engine = settings.engine
         self.limits = transport_limits(settings)
         self.loaded: LoadedStage | None = None
+        self.retired: list[LoadedStage] = []  # replaced, still held (closed on the last release)
         self.return_handler: ReturnHandler | None = None
         self.hops: dict[str, HopStats] = {}  # per downstream node id
         self._lock = trio.Lock()  # a stage is not thread-safe: one call at a time
@@ -262,7 +266,16 @@ class StageHost:
         async with self._lock:
             if self.loaded is not None:
                 old, self.loaded = self.loaded, None
-                await run_compute(old.stage.close)
+                if old.users:
+                    self.retired.append(old)
+                    log.info(
+                        "stage %s of topology %s stays open for %d holder(s) until they end",
+                        old.load.layers,
+                        old.topology.topology_id,
+                        old.users,
+                    )
+                else:
+                    await run_compute(old.stage.close)
             self.rss_before_load = _vm_kib("VmRSS")
             stage = await run_compute(open_)
             self.stage_threads = config.n_threads
@@ -276,6 +289,25 @@ class StageHost:
             topology.topology_id,
         )
         return self.loaded
+
+    def hold(self, loaded: LoadedStage) -> None:
+        """``loaded`` stays open until ``release``d, even once another stage replaces it."""
+        loaded.users += 1
+
+    async def release(self, loaded: LoadedStage) -> None:
+        """Undo one ``hold``; the last holder of a replaced stage closes it."""
+        loaded.users -= 1
+        if loaded.users > 0 or not any(r is loaded for r in self.retired):
+            return
+        self.retired = [r for r in self.retired if r is not loaded]
+        with trio.CancelScope(shield=True):
+            async with self._lock:
+                await run_compute(loaded.stage.close)
+        log.info(
+            "stage %s of topology %s closed: its last holder ended",
+            loaded.load.layers,
+            loaded.topology.topology_id,
+        )
 
     async def compute(self, fn: Callable[[], T], *, step: bool = False) -> T:
         """Run one stage call, one at a time, on the process's compute thread (ggml releases
@@ -506,8 +538,9 @@ class StageHost:
     async def close(self) -> None:
         with trio.CancelScope(shield=True):
             async with self._lock:
-                if self.loaded is not None:
-                    loaded, self.loaded = self.loaded, None
+                stages = [*self.retired, *([self.loaded] if self.loaded is not None else [])]
+                self.loaded, self.retired = None, []
+                for loaded in stages:
                     await run_compute(loaded.stage.close)
 
     # --- the transport handler ---------------------------------------------------------------
@@ -562,6 +595,7 @@ class StageHost:
         name = t.session_name(begin.session_id)
         target = topo.stages[0 if loaded.is_final else index + 1].node_id
         self.sessions += 1
+        self.hold(loaded)
         out: MeshStream | None = None
         try:
             with trio.fail_after(self.node.timeouts.handshake_s):
@@ -627,6 +661,7 @@ class StageHost:
         finally:
             self.sessions -= 1
             await self.free(loaded.stage, name)
+            await self.release(loaded)
             if out is not None:
                 with trio.CancelScope(shield=True), trio.move_on_after(1.0):
                     await out.aclose()

@@ -18,6 +18,11 @@
   ``no_capable_peer``, naming the node it waits for) until the node comes back with the same
   id or a capable peer joins, and is then planned in again (``TopologyService.heal``), checked
   on every membership event and every heartbeat interval, with a backoff when a try fails.
+- **Growing.** With no fixed stage count, a capable peer that joins a serving split makes this
+  node plan again over the nodes linked now; a plan with more stages is proposed while the
+  old route keeps serving (``skippy.package.grow`` decides, and bounds the churn). The route
+  switches once the new topology is ready; requests in flight finish on the old route, whose
+  stage 0 stays open while they hold it (``StageHost.hold``).
 
 ``generator.Generator`` asks it for routes (``RouteSource``).
 """
@@ -40,11 +45,12 @@ from mesh_node.serving.generator import (
     ServingFault,
     route_level,
 )
-from mesh_node.serving.host import StageHost
+from mesh_node.serving.host import LoadedStage, StageHost
 from mesh_node.serving.state import SplitState, load_state, save_state
 from mesh_node.topology import ActiveTopology, StageReport, TopologyService
 from skippy.config import ServingSettings
 from skippy.errors import EXIT_USAGE, SkippyError
+from skippy.package.grow import grow_check, grows, growth_summary
 from skippy.package.heal import missing_nodes
 from skippy.package.plan import ModelSizes
 from skippy.package.topology import SplitTopology
@@ -83,6 +89,7 @@ class RouteManager:
         stages: int | None = None,
         topology: TopologyService | None = None,
         replica: int = 0,
+        replicas: int = 1,
     ) -> None:
         self.node = node
         # Replicas (issue #23 item 1): replica 0 is the node's own topology service and
@@ -90,6 +97,7 @@ class RouteManager:
         # (``mesh_node.serving.replicas``) and shares stage 0 with replica 0.
         self.topology: TopologyService = topology if topology is not None else node.topology
         self.replica = replica
+        self.replicas = replicas
         # Loads the tokenizer from stage 0's metadata part; replicas share one load
         # (``mesh_node.serving.replicas.SharedTokenizer``: they share stage 0).
         self.load_tokenizer: Callable[[Path], Awaitable[LlamaTokenizer]] = load_tokenizer
@@ -117,6 +125,12 @@ class RouteManager:
         self._saved: str | None = None  # topology id last persisted
         # Stage nodes of the active topology (by its id) seen unlinked by a step; see _relinked.
         self._unlinked: tuple[str, set[str]] = ("", set())
+        self._pinned: LoadedStage | None = None  # the published route's stage 0, held open
+        # Growing (skippy.package.grow): the capable nodes and time of the last grow plan, and
+        # the last grow (its summary and topology id; "loading", then "serving").
+        self._grow_members: frozenset[str] | None = None
+        self._grow_at: float | None = None
+        self.growth: dict[str, Any] | None = None
 
     # --- state ---------------------------------------------------------------------------------
     def _set_route(self, route: Route | None, reason: str = "") -> None:
@@ -150,6 +164,7 @@ class RouteManager:
             "topology_id": route.topology_id if route else None,
             "stages": len(route.node_ids) if route else None,
             "restored_run": self.restored,
+            "growth": self.growth,
         }
 
     def check_ready(self) -> Route:
@@ -214,9 +229,69 @@ class RouteManager:
                 back = self._relinked(active.topology.topology_id, gone)
                 if gone or back or active.state != "active":
                     await self._heal(active, gone)
+                else:
+                    await self._grow(active, capable)
             await self._refresh()
+            await self._pin_route()
         finally:
             self._warn_if_slow()
+
+    async def _grow(self, active: ActiveTopology, capable: set[str]) -> None:
+        """Plan again when capable peers joined a split of no fixed stage count; propose the
+        plan if it has more stages (``skippy.package.grow``). The old route serves until the
+        new topology is ready (``_refresh`` then switches)."""
+        tid = active.topology.topology_id
+        serving = self.route is not None and self.route.topology_id == tid
+        growth = self.growth
+        if growth and growth["state"] == "loading" and serving and growth["topology_id"] == tid:
+            growth["state"] = "serving"
+            log.info("split grown: %s (topology %s)", growth["summary"], tid)
+        now = trio.current_time()
+        check = grow_check(
+            active.topology,
+            capable,
+            stages=self.stages,
+            replicas=self.replicas,
+            serving=serving,
+            last_members=self._grow_members,
+            since_last_s=None if self._grow_at is None else now - self._grow_at,
+        )
+        if not check.plan:
+            return
+        self._grow_members, self._grow_at = frozenset(capable), now
+        try:
+            planned, prediction = self.topology.plan_again(self.stages)
+        except TopologyRefused as exc:
+            log.info("no grow (%s): the plan failed: %s", check.reason, exc.message)
+            return
+        if not grows(active.topology, planned):
+            log.info(
+                "no grow (%s): the planner keeps %d stage(s)", check.reason, len(planned.stages)
+            )
+            return
+        summary = growth_summary(active.topology, planned)
+        log.info("split growing: %s; the route switches when every stage is ready", summary)
+        grown = await self.topology.offer(planned, prediction)
+        self.growth = {
+            "summary": summary,
+            "from_stages": len(active.topology.stages),
+            "to_stages": len(planned.stages),
+            "topology_id": grown.topology.topology_id,
+            "state": "loading",
+        }
+        self._placed(grown)
+
+    async def _pin_route(self) -> None:
+        """Hold the published route's stage 0 open (a grow loads a new one beside it), and
+        release the one the route no longer uses."""
+        stage0 = self.route.stage0 if self.route is not None else None
+        if stage0 is self._pinned:
+            return
+        old, self._pinned = self._pinned, stage0
+        if stage0 is not None:
+            self.host.hold(stage0)
+        if old is not None:
+            await self.host.release(old)
 
     def _relinked(self, topology_id: str, gone: list[str]) -> set[str]:
         """Stage nodes seen unlinked under this topology and linked again. A link that broke
@@ -469,7 +544,7 @@ class RouteManager:
         # The topology service sees the same event; mark it degraded now, whichever
         # subscriber runs first, so the lost route is never published again.
         self.topology.on_peer_down(node_id)
-        if self.route is not None:
+        if self.route is not None and node_id in self.route.node_ids:
             self._set_route(None, f"stage {stage.stage_index} (node {node_id[:12]}) was lost")
         log.warning("stage %d lost with node %s", stage.stage_index, node_id[:12])
 
