@@ -4,8 +4,9 @@
 once; a `mesh-node run` node of the same owner (certified with the owner key the first run
 made) joins later, and the coordinator grows the split to two stages with no command: the
 status says so, the worker holds the second stage, and the greedy text is the single stage's.
-Streamed requests sent back to back through the whole switch all finish with that text.
-Prompts are token ids (the synthetic vocabulary cannot encode most text).
+Streamed requests sent back to back through the whole switch all finish with that text; the
+same when a configured split of two stages grows to three. Prompts are token ids (the
+synthetic vocabulary cannot encode most text).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import openai
 import synth_gguf
 import trio
 from pkgtools import make_package
-from servetools import Proc, _pump, wait_ready
+from servetools import Cluster, Proc, _pump, node_toml, wait_ready
 from stagetools import chain
 
 from mesh_node import control
@@ -212,3 +213,58 @@ def test_a_single_node_serve_grows_into_a_split_when_a_peer_of_its_owner_joins(
         if worker is not None:
             _stop(worker)
         _stop(coord)
+
+
+def _wait_grown(cluster: Cluster, stages: int, timeout_s: float = 90.0) -> dict[str, Any]:
+    """The coordinator's serving status once its route has ``stages`` stages after a grow."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        serving = cluster.status()["serving"]
+        growth = serving.get("growth") or {}
+        if serving["stages"] == stages and growth.get("state") == "serving":
+            return dict(serving)
+        assert time.monotonic() < deadline, (serving, cluster.proc("coord").log[-15:])
+        time.sleep(0.2)
+
+
+def test_a_two_stage_split_grows_to_three_under_streamed_requests(
+    tiny_pkg: Path, tmp_path: Path
+) -> None:
+    # The worker whose layers change keeps its replaced stage for the old route's sessions
+    # until the route moves on: the streams sent while the third node loads finish with the
+    # same text (tests/test_serve_grow_links.py holds that load back to check it exactly).
+    cluster = Cluster(tmp_path)
+    try:
+        coord = cluster.start(
+            "coord",
+            ["serve", "--package", str(tiny_pkg), "--http", "127.0.0.1:0", "--model-name", "t"],
+            node_toml(tmp_path, "coord"),
+        )
+        cluster.coordinator_address = coord.address = coord.wait_line("listening ")
+        cluster.api = coord.wait_line("api ")
+        wait_ready(cluster.api)
+        one = _complete(cluster.api)
+        w0 = cluster.add_worker("w0")
+        _wait_grown(cluster, 2)
+        assert _complete(cluster.api) == one
+        with _Streams(cluster.api) as streams:
+            deadline = time.monotonic() + 60
+            while not streams.done:
+                assert time.monotonic() < deadline, coord.log[-15:]
+                time.sleep(0.05)
+            w1 = cluster.add_worker("w1")
+            serving = _wait_grown(cluster, 3)
+            grown_at = time.monotonic()
+            while not any(t > grown_at for t, _ in streams.done):
+                assert time.monotonic() < grown_at + 60, streams.done[-3:]
+                time.sleep(0.05)
+        assert serving["growth"]["summary"].startswith("2 -> 3 stages, node ")
+        nodes = [s["node_id"] for s in cluster.status()["topology"]["stages"]]
+        assert sorted(nodes[1:]) == sorted(p.address.rsplit("#", 1)[1] for p in (w0, w1))
+        outcomes = [o for _, o in streams.done]
+        assert outcomes == [one] * len(outcomes), outcomes
+        assert _complete(cluster.api) == one
+        lost = [line for line in coord.log if "lost its route" in line]
+        print(f"2 -> 3 stages: {len(outcomes)} streams, {len(lost)} failovers", lost[:3])
+    finally:
+        cluster.stop()

@@ -22,7 +22,8 @@
   node plan again over the nodes linked now; a plan with more stages is proposed while the
   old route keeps serving (``skippy.package.grow`` decides, and bounds the churn). The route
   switches once the new topology is ready; requests in flight finish on the old route, whose
-  stage 0 stays open while they hold it (``StageHost.hold``).
+  stages stay open while they are held or until the route moves on (``StageHost.hold``,
+  ``StageHost.supersede``).
 
 ``generator.Generator`` asks it for routes (``RouteSource``).
 """
@@ -290,6 +291,8 @@ class RouteManager:
         old, self._pinned = self._pinned, stage0
         if stage0 is not None:
             self.host.hold(stage0)
+            if stage0 is self.host.loaded:
+                await self.host.supersede()
         if old is not None:
             await self.host.release(old)
 
@@ -565,7 +568,11 @@ class RouteManager:
                     return route
                 if route is not None and (
                     not route_level(cause)
-                    or (trio.current_time() - start > grace and self._route_connected(route))
+                    or (
+                        trio.current_time() - start > grace
+                        and self._route_connected(route)
+                        and not self._superseded(route)
+                    )
                 ):
                     # The route still stands with every node linked: no node was lost, the
                     # failure was the stage's. (A node that is down is being replaced.)
@@ -578,6 +585,12 @@ class RouteManager:
             f"no route within {self.settings.failover_timeout_s:g} s: {self.reason}",
             code="failover_timeout",
         )
+
+    def _superseded(self, route: Route) -> bool:
+        """A newer topology (a grow) is loading beside ``route``: a stage that moved on may
+        refuse it meanwhile; the request waits for the new route."""
+        active = self._ours()
+        return active is not None and active.topology.topology_id != route.topology_id
 
     def _route_connected(self, route: Route) -> bool:
         linked = self._linked()
