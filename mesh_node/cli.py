@@ -490,7 +490,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--stages",
         type=int,
         default=None,
-        help="number of stages; waits for that many - 1 capable peers (default: all connected; "
+        help="number of stages; waits for that many - 1 capable peers, further peers are "
+        "spares (default: all connected, and capable peers that join later grow the split; "
         "a model the stage runtime does not cover is served whole on this node by llama.cpp)",
     )
     p.add_argument(

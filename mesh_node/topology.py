@@ -17,7 +17,7 @@ import logging
 import uuid
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol
 
 import trio
@@ -289,44 +289,75 @@ class TopologyService:
             first_node,
         )
         self._last_request = request
-        capable = self.capable_nodes(include_self)
+        topology, prediction = self._plan(request, like)
+        return await self._distribute(topology, sizes, prediction)
+
+    def _plan(
+        self, r: _PlanRequest, like: SplitTopology | None = None
+    ) -> tuple[SplitTopology, dict[str, Any] | None]:
+        """``r`` planned over the capable nodes linked now (a new topology id), and the
+        planner's record; ``TopologyRefused`` when it cannot be placed."""
+        capable = self.capable_nodes(r.include_self)
         topology_id = f"topo-{uuid.uuid4().hex[:16]}"
         # Issue #21: with every capable node calibrated, the cost planner decides (stage
         # count, nodes, order, speed-weighted ranges); else the byte-balanced memory plan.
-        inputs = self.cost_inputs(capable, sizes)
+        inputs = self.cost_inputs(capable, r.sizes)
         try:
-            choice = cost_choice(inputs, sizes, stages=stages, first_node=first_node)
+            choice = cost_choice(inputs, r.sizes, stages=r.stages, first_node=r.first_node)
             if choice is not None:
                 topology = topology_from_candidate(
                     choice.chosen,
-                    sizes,
+                    r.sizes,
                     topology_id=topology_id,
-                    run_id=request.run_id,
-                    package_ref=package_ref,
-                    manifest_sha256=manifest_sha256,
+                    run_id=r.run_id,
+                    package_ref=r.package_ref,
+                    manifest_sha256=r.manifest_sha256,
                 )
             else:
                 topology = plan_topology(
-                    sizes,
+                    r.sizes,
                     capable,
                     topology_id=topology_id,
-                    run_id=request.run_id,
-                    package_ref=package_ref,
-                    manifest_sha256=manifest_sha256,
-                    stages=stages,
-                    first_node=first_node,
+                    run_id=r.run_id,
+                    package_ref=r.package_ref,
+                    manifest_sha256=r.manifest_sha256,
+                    stages=r.stages,
+                    first_node=r.first_node,
                 )
             planned = topology
             if like is not None:
-                topology = plan_like(topology, like, capable, sizes)
+                topology = plan_like(topology, like, capable, r.sizes)
         except TopologyError as exc:
             raise _refused(exc) from None
         prediction: dict[str, Any] | None = (
             choice.prediction() if choice is not None else memory_plan_reason(inputs)
         )
         if topology is not planned:  # stage 0 moved: predict what is sent
-            prediction = self._repredict(topology, sizes)
-        return await self._distribute(topology, sizes, prediction)
+            prediction = self._repredict(topology, r.sizes)
+        return topology, prediction
+
+    def plan_again(self, stages: int | None) -> tuple[SplitTopology, dict[str, Any] | None]:
+        """The last request (package, run, stage 0's node) planned again with ``stages`` over
+        the capable nodes linked now, and the planner's record, sent to no one: a serving
+        coordinator compares it with the active topology before growing the split
+        (``skippy.package.grow``) and then ``offer``s it."""
+        r = self._last_request
+        if r is None:
+            raise TopologyRefused(
+                "nothing to re-plan: no topology was proposed", code="no_topology"
+            )
+        return self._plan(replace(r, stages=stages))
+
+    async def offer(
+        self, topology: SplitTopology, prediction: dict[str, Any] | None
+    ) -> ActiveTopology:
+        """Sign and send a topology ``plan_again`` made: the new active topology."""
+        r = self._last_request
+        if r is None:
+            raise TopologyRefused(
+                "nothing to re-plan: no topology was proposed", code="no_topology"
+            )
+        return await self._distribute(topology, r.sizes, prediction)
 
     def cost_inputs(self, capable: list[NodeCapacity], sizes: ModelSizes) -> CostInputs:
         """What the cost planner knows now (``mesh_node.cost_inputs.gather``)."""

@@ -249,6 +249,7 @@ class Generator:
         self._sessions[session_id] = _Session(
             session_id, request_id, route.node_ids[-1], send_tokens
         )
+        self.host.hold(loaded)  # a grown split's new stage 0 does not close this one under us
         out: MeshStream | None = None
         sender: ChainSender | None = None
         try:
@@ -413,6 +414,7 @@ class Generator:
         finally:
             self._sessions.pop(session_id, None)
             await self.host.free(stage, name)
+            await self.host.release(loaded)
             if out is not None:
                 with trio.CancelScope(shield=True), trio.move_on_after(1.0):
                     await out.aclose()

@@ -4,7 +4,12 @@ Every node (``mesh-node run`` and ``mesh-node serve``) has one ``StageHost``. Wh
 holds a stage of the active topology, its parts are brought in (issue #8's fetch, or a local
 package) and ``load`` opens them in the stage runtime (``skippy.runtime``), returning the
 runtime facts for the ready report. A stage already loaded for the same manifest and layers is
-kept when a new topology arrives (a failover moves only the lost stage).
+kept when a new topology arrives (a failover moves only the lost stage). A stage replaced by
+another (a split that grew) stays open while a route or a session ``hold``s it, and one that
+served sessions within ``RETIRED_KEEP_S`` also takes new sessions of its own topology until
+the route moves on (``supersede``: the first session of the new topology, or the coordinator
+publishing its new route); then its last ``release`` closes it. So the old route serves
+while the new topology loads, and requests finish on the route they started on.
 
 A chain stream (from the previous stage's node only) carries one session: BEGIN, then
 activation frames, then FREE. The reader acknowledges each prefill frame as it takes it (early
@@ -22,6 +27,7 @@ refused frame resets only its own stream: other sessions never notice.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -68,6 +74,8 @@ BATCH_WINDOW_SHARE = 0.5
 BATCH_WINDOW_MAX_S = 0.05
 # A session that has not stepped for this long is not waited for (it prefills, or it ended).
 DECODER_IDLE_S = 2.0
+# A replaced stage that was held this recently serves its route until the route moves on.
+RETIRED_KEEP_S = 30.0
 
 
 def transport_limits(settings: ServingSettings) -> t.TransportLimits:
@@ -107,6 +115,9 @@ class LoadedStage:
     stage: Stage
     facts: RuntimeFacts
     artifact_bytes: int
+    users: int = 0  # holders (a published route, sessions): a replaced stage waits for them
+    held_at: float = -math.inf  # trio clock of the last hold
+    superseded: bool = False  # replaced and its route moved on: closed on its last release
 
     @property
     def key(self) -> tuple[str | None, int, int]:
@@ -172,6 +183,7 @@ class StageHost:
         self.engine = settings.engine
         self.limits = transport_limits(settings)
         self.loaded: LoadedStage | None = None
+        self.retired: list[LoadedStage] = []  # replaced stages still open (see the docstring)
         self.return_handler: ReturnHandler | None = None
         self.hops: dict[str, HopStats] = {}  # per downstream node id
         self._lock = trio.Lock()  # a stage is not thread-safe: one call at a time
@@ -259,7 +271,7 @@ class StageHost:
         async with self._lock:
             if self.loaded is not None:
                 old, self.loaded = self.loaded, None
-                await run_compute(old.stage.close)
+                await self._retire(old)
             self.rss_before_load = _vm_kib("VmRSS")
             stage = await run_compute(open_)
             self.stage_threads = config.n_threads
@@ -273,6 +285,61 @@ class StageHost:
             topology.topology_id,
         )
         return self.loaded
+
+    async def _retire(self, old: LoadedStage) -> None:
+        """``old`` was replaced (the lock held): kept open while held or recently used, else
+        closed. Stages replaced before it now serve only their holders."""
+        for r in self.retired:
+            r.superseded = True
+        idle = [r for r in self.retired if not r.users]
+        self.retired = [r for r in self.retired if r.users]
+        if old.users or trio.current_time() - old.held_at < RETIRED_KEEP_S:
+            self.retired.append(old)
+            log.info(
+                "stage %s stays open for topology %s (%d holder(s)) until its route moves on",
+                old.load.layers,
+                old.topology.topology_id,
+                old.users,
+            )
+        else:
+            idle.append(old)
+        for r in idle:
+            await run_compute(r.stage.close)
+
+    async def supersede(self) -> None:
+        """The route moved on to the loaded stage: replaced stages take no new session and
+        close once their holders end."""
+        if not self.retired:
+            return
+        for r in self.retired:
+            r.superseded = True
+        idle = [r for r in self.retired if not r.users]
+        self.retired = [r for r in self.retired if r.users]
+        for r in idle:
+            await self._close_retired(r)
+
+    def hold(self, loaded: LoadedStage) -> None:
+        """``loaded`` stays open until ``release``d, even once another stage replaces it."""
+        loaded.users += 1
+        loaded.held_at = trio.current_time()
+
+    async def release(self, loaded: LoadedStage) -> None:
+        """Undo one ``hold``; the last holder of a superseded stage closes it."""
+        loaded.users -= 1
+        if loaded.users or not loaded.superseded or not any(r is loaded for r in self.retired):
+            return
+        self.retired = [r for r in self.retired if r is not loaded]
+        await self._close_retired(loaded)
+
+    async def _close_retired(self, loaded: LoadedStage) -> None:
+        with trio.CancelScope(shield=True):
+            async with self._lock:
+                await run_compute(loaded.stage.close)
+        log.info(
+            "stage %s of topology %s closed: the route moved on",
+            loaded.load.layers,
+            loaded.topology.topology_id,
+        )
 
     async def compute(self, fn: Callable[[], T], *, step: bool = False) -> T:
         """Run one stage call, one at a time, on the process's compute thread (ggml releases
@@ -510,14 +577,17 @@ class StageHost:
     async def close(self) -> None:
         with trio.CancelScope(shield=True):
             async with self._lock:
-                if self.loaded is not None:
-                    loaded, self.loaded = self.loaded, None
+                stages = [*self.retired, *([self.loaded] if self.loaded is not None else [])]
+                self.loaded, self.retired = None, []
+                for loaded in stages:
                     await run_compute(loaded.stage.close)
 
     # --- the transport handler ---------------------------------------------------------------
     async def _handle(self, inbound: InboundStream) -> None:
         stream = inbound.stream
-        width = self.loaded.facts.width if self.loaded is not None else 0
+        # a replaced stage's width while the new one loads (one model: the same width)
+        ref = self.loaded or (self.retired[-1] if self.retired else None)
+        width = ref.facts.width if ref is not None else 0
         reader = FrameReader(stream, t.FrameDecoder(width=width, limits=self.limits))
         try:
             with trio.fail_after(self.node.timeouts.handshake_s):
@@ -545,17 +615,29 @@ class StageHost:
             log.info("refused a transport stream from %s: %s", inbound.peer.node_id[:12], exc)
             stream.reset(exc.code, exc.message[:200])
 
+    def stage_for(self, topology_id: str) -> LoadedStage | None:
+        """The stage that serves sessions of ``topology_id``: the loaded one, or a replaced
+        one whose route has not moved on yet."""
+        if self.loaded is not None and self.loaded.topology.topology_id == topology_id:
+            return self.loaded
+        for r in self.retired:
+            if r.topology.topology_id == topology_id and not r.superseded:
+                return r
+        return None
+
     async def _chain(self, inbound: InboundStream, reader: FrameReader, begin: t.Frame) -> None:
-        loaded = self.loaded
-        if loaded is None:
-            raise SessionRefused("no stage is loaded on this node", code="stage_not_ready")
-        topo, index = loaded.topology, loaded.assignment.stage_index
         sampling, topology_id = begin.begin()
-        if topology_id != topo.topology_id:
+        loaded = self.stage_for(topology_id)
+        if loaded is None:
+            current = self.loaded
+            if current is None:
+                raise SessionRefused("no stage is loaded on this node", code="stage_not_ready")
             raise SessionRefused(
-                f"topology {topology_id} is not the one this stage serves ({topo.topology_id})",
+                f"topology {topology_id} is not the one this stage serves "
+                f"({current.topology.topology_id})",
                 code="stale_topology",
             )
+        topo, index = loaded.topology, loaded.assignment.stage_index
         if index == 0 or inbound.peer.node_id != topo.stages[index - 1].node_id:
             raise SessionRefused(
                 "only the previous stage's node may send activations to this stage",
@@ -566,8 +648,11 @@ class StageHost:
         name = t.session_name(begin.session_id)
         target = topo.stages[0 if loaded.is_final else index + 1].node_id
         self.sessions += 1
+        self.hold(loaded)
         out: MeshStream | None = None
         try:
+            if loaded is self.loaded:
+                await self.supersede()  # the route moved on to this stage
             with trio.fail_after(self.node.timeouts.handshake_s):
                 out = await self.node.open_stream(target, pc.KIND_TRANSPORT)
             if loaded.is_final:
@@ -640,6 +725,7 @@ class StageHost:
         finally:
             self.sessions -= 1
             await self.free(loaded.stage, name)
+            await self.release(loaded)
             if out is not None:
                 with trio.CancelScope(shield=True), trio.move_on_after(1.0):
                     await out.aclose()

@@ -106,6 +106,7 @@ class ReplicaSet:
                     stages=stages,
                     topology=service,
                     replica=k,
+                    replicas=replicas,
                 )
             )
         if replicas > 1:

@@ -25,6 +25,12 @@
   the status's ``state``), and the split is planned again only when a capable peer joins. A
   transient one (a fetch that failed, a peer that did not answer) re-plans the same nodes
   after a backoff.
+- **Growing.** With no fixed stage count, a capable peer that joins a serving split makes this
+  node plan again over the nodes linked now; a plan with more stages is proposed while the
+  old route keeps serving (``skippy.package.grow`` decides, and bounds the churn). The route
+  switches once the new topology is ready; requests in flight finish on the old route, whose
+  stages stay open while they are held or until the route moves on (``StageHost.hold``,
+  ``StageHost.supersede``).
 
 ``generator.Generator`` asks it for routes (``RouteSource``).
 """
@@ -47,11 +53,12 @@ from mesh_node.serving.generator import (
     ServingFault,
     route_level,
 )
-from mesh_node.serving.host import StageHost
+from mesh_node.serving.host import LoadedStage, StageHost
 from mesh_node.serving.state import SplitState, load_state, save_state
 from mesh_node.topology import ActiveTopology, StageReport, TopologyService
 from skippy.config import ServingSettings
 from skippy.errors import EXIT_INVALID, EXIT_USAGE, SkippyError
+from skippy.package.grow import grow_check, grows, growth_summary
 from skippy.package.heal import missing_nodes
 from skippy.package.plan import ModelSizes
 from skippy.package.topology import SplitTopology
@@ -98,6 +105,7 @@ class RouteManager:
         stages: int | None = None,
         topology: TopologyService | None = None,
         replica: int = 0,
+        replicas: int = 1,
     ) -> None:
         self.node = node
         # Replicas (issue #23 item 1): replica 0 is the node's own topology service and
@@ -105,6 +113,7 @@ class RouteManager:
         # (``mesh_node.serving.replicas``) and shares stage 0 with replica 0.
         self.topology: TopologyService = topology if topology is not None else node.topology
         self.replica = replica
+        self.replicas = replicas
         # Loads the tokenizer from stage 0's metadata part; replicas share one load
         # (``mesh_node.serving.replicas.SharedTokenizer``: they share stage 0).
         self.load_tokenizer: Callable[[Path], Awaitable[LlamaTokenizer]] = load_tokenizer
@@ -136,6 +145,12 @@ class RouteManager:
         self._saved: str | None = None  # topology id last persisted
         # Stage nodes of the active topology (by its id) seen unlinked by a step; see _relinked.
         self._unlinked: tuple[str, set[str]] = ("", set())
+        self._pinned: LoadedStage | None = None  # the published route's stage 0, held open
+        # Growing (skippy.package.grow): the capable nodes and time of the last grow plan, and
+        # the last grow (its summary and topology id; "loading", then "serving").
+        self._grow_members: frozenset[str] | None = None
+        self._grow_at: float | None = None
+        self.growth: dict[str, Any] | None = None
 
     # --- state ---------------------------------------------------------------------------------
     def _set_route(self, route: Route | None, reason: str = "") -> None:
@@ -181,6 +196,7 @@ class RouteManager:
             "topology_id": route.topology_id if route else None,
             "stages": len(route.node_ids) if route else None,
             "restored_run": self.restored,
+            "growth": self.growth,
         }
 
     def check_ready(self) -> Route:
@@ -257,7 +273,10 @@ class RouteManager:
                     return
                 if gone or back or active.state != "active":
                     await self._heal(active, gone)
+                else:
+                    await self._grow(active, capable)
             await self._refresh()
+            await self._pin_route()
         finally:
             self._warn_if_slow()
 
@@ -276,6 +295,8 @@ class RouteManager:
         ]
         if not failed:
             return False
+        if self.route is not None and self.route.topology_id != active.topology.topology_id:
+            return self._grow_failed(active, failed[0][0], failed[0][1])
         permanent = [(s, r) for s, r in failed if classify_failure(r.code) == "permanent"]
         if permanent:
             stage, report = permanent[0]
@@ -320,6 +341,80 @@ class RouteManager:
             self.failed.message,
             self.failed.code,
         )
+    def _grow_failed(self, active: ActiveTopology, stage: Any, report: StageReport) -> bool:
+        """A stage of a grown topology failed while the old route still serves: keep serving
+        on the old route (the grow is not tried again until the membership changes)."""
+        growth = self.growth
+        if growth is not None and growth.get("state") == "loading":
+            growth["state"] = "failed"
+            growth["reason"] = f"stage {stage.stage_index} failed ({report.code})"
+            log.warning(
+                "the grown topology %s failed: stage %d (node %s) [%s]; serving on the old route",
+                active.topology.topology_id,
+                stage.stage_index,
+                stage.node_id[:12],
+                report.code,
+            )
+        return True
+
+    async def _grow(self, active: ActiveTopology, capable: set[str]) -> None:
+        """Plan again when capable peers joined a split of no fixed stage count; propose the
+        plan if it has more stages (``skippy.package.grow``). The old route serves until the
+        new topology is ready (``_refresh`` then switches)."""
+        tid = active.topology.topology_id
+        serving = self.route is not None and self.route.topology_id == tid
+        growth = self.growth
+        if growth and growth["state"] == "loading" and serving and growth["topology_id"] == tid:
+            growth["state"] = "serving"
+            log.info("split grown: %s (topology %s)", growth["summary"], tid)
+        now = trio.current_time()
+        check = grow_check(
+            active.topology,
+            capable,
+            stages=self.stages,
+            replicas=self.replicas,
+            serving=serving,
+            last_members=self._grow_members,
+            since_last_s=None if self._grow_at is None else now - self._grow_at,
+        )
+        if not check.plan:
+            return
+        self._grow_members, self._grow_at = frozenset(capable), now
+        try:
+            planned, prediction = self.topology.plan_again(self.stages)
+        except TopologyRefused as exc:
+            log.info("no grow (%s): the plan failed: %s", check.reason, exc.message)
+            return
+        if not grows(active.topology, planned):
+            log.info(
+                "no grow (%s): the planner keeps %d stage(s)", check.reason, len(planned.stages)
+            )
+            return
+        summary = growth_summary(active.topology, planned)
+        log.info("split growing: %s; the route switches when every stage is ready", summary)
+        grown = await self.topology.offer(planned, prediction)
+        self.growth = {
+            "summary": summary,
+            "from_stages": len(active.topology.stages),
+            "to_stages": len(planned.stages),
+            "topology_id": grown.topology.topology_id,
+            "state": "loading",
+        }
+        self._placed(grown)
+
+    async def _pin_route(self) -> None:
+        """Hold the published route's stage 0 open (a grow loads a new one beside it), and
+        release the one the route no longer uses."""
+        stage0 = self.route.stage0 if self.route is not None else None
+        if stage0 is self._pinned:
+            return
+        old, self._pinned = self._pinned, stage0
+        if stage0 is not None:
+            self.host.hold(stage0)
+            if stage0 is self.host.loaded:
+                await self.host.supersede()
+        if old is not None:
+            await self.host.release(old)
 
     def _relinked(self, topology_id: str, gone: list[str]) -> set[str]:
         """Stage nodes seen unlinked under this topology and linked again. A link that broke
@@ -572,7 +667,7 @@ class RouteManager:
         # The topology service sees the same event; mark it degraded now, whichever
         # subscriber runs first, so the lost route is never published again.
         self.topology.on_peer_down(node_id)
-        if self.route is not None:
+        if self.route is not None and node_id in self.route.node_ids:
             self._set_route(None, f"stage {stage.stage_index} (node {node_id[:12]}) was lost")
         log.warning("stage %d lost with node %s", stage.stage_index, node_id[:12])
 
@@ -594,7 +689,11 @@ class RouteManager:
                     return route
                 if route is not None and (
                     not route_level(cause)
-                    or (trio.current_time() - start > grace and self._route_connected(route))
+                    or (
+                        trio.current_time() - start > grace
+                        and self._route_connected(route)
+                        and not self._superseded(route)
+                    )
                 ):
                     # The route still stands with every node linked: no node was lost, the
                     # failure was the stage's. (A node that is down is being replaced.)
@@ -607,6 +706,12 @@ class RouteManager:
             f"no route within {self.settings.failover_timeout_s:g} s: {self.reason}",
             code="failover_timeout",
         )
+
+    def _superseded(self, route: Route) -> bool:
+        """A newer topology (a grow) is loading beside ``route``: a stage that moved on may
+        refuse it meanwhile; the request waits for the new route."""
+        active = self._ours()
+        return active is not None and active.topology.topology_id != route.topology_id
 
     def _route_connected(self, route: Route) -> bool:
         linked = self._linked()
