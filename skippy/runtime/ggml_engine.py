@@ -548,7 +548,7 @@ class GgmlStage(StageBase[_KvCache]):
             last = self.layers.stop - 1
             for il in self.layers:
                 rows = 1 if final and il == last else None
-                y = self._layer_graph(ctx, gf, il, x, pos, masks, kv, 0, 1, rows, slots)
+                y = self._layer_graph(ctx, gf, il, x, pos, masks, kv, 0, 1, rows, slots, n_kv=cells)
                 x = _ok(y, "decode layer")
             result = self._head(ctx, x) if final else x
             g.ggml_set_output(result)
@@ -810,15 +810,15 @@ class GgmlStage(StageBase[_KvCache]):
         slots: _KvSlots | None = None,
         *,
         pad: int = 0,
-        n_kv: int | None = None,
+        n_kv: int,
     ) -> int | None:
         """One transformer block over x ``[width, rows]`` (``rows = pad + n``: ``pad`` leading
         copies of the first row, whose K/V are not written); returns ``[width, rows]``, or
         for the final layer ``[width, out_rows]`` (the last rows, kept after the attention
         output projection as llama.cpp keeps them) or None when no logits are wanted from
         this chunk. Attention views ``n_kv`` cells. With ``slots`` (the reused decode graph,
-        n = 1) K and V are written at the rows the slots' inputs name and attention views
-        every cell, resized before each run."""
+        n = 1, ``n_kv`` every cell) K and V are written at the rows the slots' inputs name and
+        the attention tensors are resized to the position's KV length before each run."""
         g, spec = self.g, self.spec
         hd, cells, rows = spec.head_dim, self._kv_cells, pad + n
         f16_row = g.ggml_row_size(GgmlType.F16, spec.kv_dim)
@@ -841,7 +841,6 @@ class GgmlStage(StageBase[_KvCache]):
             g.ggml_build_forward_expand(gf, g.ggml_set_rows(ctx, v_all, v_col, slots.v_rows))
         if out_rows == 0:
             return None
-        n_kv = cells if slots is not None or n_kv is None else n_kv
         keys = g.ggml_view_3d(
             ctx, kv.k[il], hd, n_kv, spec.n_head_kv, f16_row, 2 * hd, 0
         )  # [hd, n_kv, n_head_kv]
@@ -897,9 +896,8 @@ class GgmlStage(StageBase[_KvCache]):
         columns as in llama.cpp, which picks their kernel)."""
         g, spec, w = self.g, self.spec, self._layer_weights[il]
         o = self._linear(ctx, w.o, o, w.o_bias)
-        rows = int(tensor_struct(o).ne[1])
-        if keep is not None and keep < rows:
-            skip = rows - keep
+        skip = 0 if keep is None else int(tensor_struct(o).ne[1]) - keep
+        if keep is not None and skip > 0:
             o = g.ggml_view_2d(ctx, o, spec.width, keep, 4 * spec.width, 4 * spec.width * skip)
             x = g.ggml_view_2d(ctx, x, spec.width, keep, 4 * spec.width, 4 * spec.width * skip)
         if w.post_attn_norm is not None:
