@@ -7,7 +7,7 @@ K-quant matmuls). The ggml engine prefills the same prompt in chunks of 1, 7, 8,
 512 rows and must give both bit for bit, for prompts of 1 to 1,000 tokens, on synthetic
 models that cover every kernel family (32-block quants, K-quants, F16, BF16, F32 weights; a
 sliding window shorter than the prompt), then decode on across the KV view's 256-cell step.
-SmolLM2-135M (the issue's model) checks the same on a real long prompt.
+SmolLM2-135M (the issue's model) and gemma3-270m check the same on real long prompts.
 """
 
 from __future__ import annotations
@@ -158,3 +158,18 @@ def test_smollm_long_prompt_chunked_as_serving_and_run_equals_llama_cpp(
         with chain("ggml", smollm_package, ["0..15", "15..30"], cfg) as ch:
             got = ch.logits(ids, all_positions=True)
         assert np.array_equal(got, ref), (chunk, np.abs(got - ref).max())
+
+
+@pytest.mark.slow
+def test_gemma_long_prompt_in_serving_chunks_equals_llama_cpp(
+    gemma_package: Path, gemma_gguf: Path
+) -> None:
+    """gemma3-270m (Q4_K and Q6_K matrices, sliding and global layers): 300 positions in
+    128-row chunks over two stages equal llama.cpp's one batch (before: up to 1.86 apart; in
+    one 512-row chunk 4.08)."""
+    ids = _ids(300, 262144)
+    ref = llama_logits(gemma_gguf, ids, repack=False)
+    cfg = StageConfig(n_ctx=512, n_batch=128, n_threads=1)
+    with chain("ggml", gemma_package, ["0..9", "9..18"], cfg) as ch:
+        got = ch.logits(ids, all_positions=True)
+    assert np.array_equal(got, ref), np.abs(got - ref).max()
