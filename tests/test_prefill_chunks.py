@@ -108,6 +108,28 @@ def test_decode_after_a_chunked_prefill_crosses_the_kv_step_like_llama_cpp(
     assert np.array_equal(np.stack(rows), ref)
 
 
+@pytest.mark.parametrize("calls", [(128, 3), (8, 1, 1, 120, 1)])
+@pytest.mark.parametrize("name", ["quants", "f32"])
+def test_a_prompt_sent_in_several_prefill_calls_equals_one_batch(
+    models: dict[str, Model], name: str, calls: tuple[int, ...]
+) -> None:
+    """Serving sends a prompt to a stage as prefill calls of its prefill_chunk, the last one
+    short: each call's logits rows equal llama.cpp's one batch of the whole prompt."""
+    m = models[name]
+    ids = _ids(sum(calls), m.vocab)
+    ref = llama_logits(m.gguf, ids, repack=False, n_ctx=N_CTX)
+    cfg = StageConfig(n_ctx=N_CTX, n_threads=1)
+    rows = []
+    with chain("ggml", m.pkg, [f"0..{m.layers // 2}", f"{m.layers // 2}..{m.layers}"], cfg) as ch:
+        start = 0
+        for n in calls:
+            out = ch.prefill("s", ids[start : start + n], start=start, all_logits=True).logits
+            assert out is not None
+            rows.append(out)
+            start += n
+    assert np.array_equal(np.concatenate(rows), ref)
+
+
 def test_the_shapes_follow_llama_cpp() -> None:
     """The cells a context holds and attention views (llama.cpp pads both to 256), and the
     rows a prefill chunk computes."""
