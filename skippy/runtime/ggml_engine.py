@@ -511,7 +511,7 @@ class GgmlStage(StageBase[_KvCache]):
         return dg.result_view.reshape(1, -1).copy(), None
 
     def _build_decode_graph(self, kv: _KvCache) -> _DecodeGraph:
-        """The one-position graph of ``kv``'s session at the full context (see _DecodeGraph),
+        """The one-position graph of ``kv``'s session over every cell (see _DecodeGraph),
         with its own allocator: the shared one re-plans for every prefill graph, which would
         move this graph's intermediate tensors."""
         g, spec, cells = self.g, self.spec, self._kv_cells
