@@ -26,6 +26,26 @@ from skippy.runtime.boundary import StageLoad
 from skippy.runtime.chain import StageChain, open_stage
 from skippy.runtime.stage import StageConfig
 
+# A 232-token SmolLM2 prompt (longer than serving's 128-row prefill chunk). Before the engine's
+# prefill followed llama.cpp's shapes, its greedy continuation here was ". He brought it to the
+# fire, ..." through the stage runtime and ". It was a great fire, ..." through llama.cpp.
+SMOL_LONG_PROMPT = (
+    "Long ago, in a valley between two rivers, there was a small city built of wood and stone. "
+    "Its people were farmers, weavers and traders, and every autumn they carried their grain to "
+    "the market square to sell it to merchants who came from the coast. The winters were cold "
+    "and long, so each family kept a stack of dry logs beside the door and a clay pot of embers "
+    "that never went out. The elders told the children that the first fire had been a gift, "
+    "carried down from the mountains by a shepherd who had seen lightning strike an old oak "
+    "tree. He brought a burning branch home in a bowl of wet clay, and from that branch every "
+    "hearth in the valley was lit. For many generations the people guarded the flame carefully, "
+    "and they made laws about how it could be shared. A family that let its embers die had to "
+    "ask a neighbour for a coal, and in return it owed that neighbour a day of work at harvest "
+    "time. The children learned the rules before they learned to read. Then one dry summer, "
+    "when the rivers ran low and the wind blew hard from the east, a spark escaped from the "
+    "baker's oven"
+)
+SMOL_LONG_GREEDY_16 = ". It was a great fire, and it burned for many days, but it"
+
 
 def stage_loads(pkg: Path, ranges: Sequence[str], *, verify: bool = False) -> list[StageLoad]:
     """The consumer path: resolve, select, check (and verify) each range's parts."""

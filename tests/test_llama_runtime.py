@@ -307,9 +307,9 @@ def cli() -> Any:
 
 
 def test_run_json(cli: Any, gemma_pkg: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    rc = cli("run", gemma_pkg, "--prompt", PROMPT, "--max-tokens", 8, "--json")
+    rc = cli("run", gemma_pkg, "--engine", "llama", "--prompt", PROMPT, "--max-tokens", 8, "--json")
     out = json.loads(capsys.readouterr().out)
-    assert rc == 0
+    assert rc == 0 and out["engine"] == "llama"
     assert out["prompt_tokens"] == PROMPT_IDS
     assert len(out["tokens"]) == 8 and out["tokens"][0] == TOP5[0]
     assert GREEDY_16.startswith(out["completion"])
@@ -320,9 +320,10 @@ def test_run_json(cli: Any, gemma_pkg: Path, capsys: pytest.CaptureFixture[str])
 
 
 def test_run_text(cli: Any, gemma_pkg: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli("run", gemma_pkg, "--prompt", PROMPT, "--max-tokens", 16) == 0
+    assert cli("run", gemma_pkg, "--engine", "llama", "--prompt", PROMPT, "--max-tokens", 16) == 0
     out = capsys.readouterr().out
     assert out.startswith(PROMPT + GREEDY_16)
+    assert "engine llama, 1 stage (0..18)" in out
     assert "tok/s" in out
 
 

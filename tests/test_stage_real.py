@@ -3,8 +3,9 @@
 gemma3-270m (SentencePiece, gemma3) and SmolLM2-135M (GPT-2 BPE, llama): tokenization equals
 llama.cpp's; the ggml engine's logits equal llama.cpp's bit for bit when llama.cpp runs without
 weight repacking, and stay within a measured tolerance of its default (repacked Q4_K kernels);
-golden top-5 and greedy continuations; split == whole at several boundaries; `run --engine
-ggml` and `--stages 3` print llama.cpp's greedy continuation.
+golden top-5 and greedy continuations; split == whole at several boundaries; `run` (the
+stage runtime by default), `--stages 3` and `--engine llama` print llama.cpp's greedy
+continuation, also of a prompt longer than a prefill chunk.
 """
 
 from __future__ import annotations
@@ -22,7 +23,14 @@ import pytest
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
 
-from stagetools import all_logits, chain, llama_logits, split_ranges  # noqa: E402
+from stagetools import (  # noqa: E402
+    SMOL_LONG_GREEDY_16,
+    SMOL_LONG_PROMPT,
+    all_logits,
+    chain,
+    llama_logits,
+    split_ranges,
+)
 
 from skippy.cli import main  # noqa: E402
 from skippy.runtime.chain import StageChain  # noqa: E402
@@ -254,6 +262,24 @@ def test_run_three_stages_prints_the_same(
     assert stages[-1]["output"] == "logits" and stages[-1]["vocab"] == 262144
     assert all(s["manifest_sha256"] == data["manifest_sha256"] for s in stages)
     assert data["sha256_verified"] is True and data["parts"] == 18 + 3 * 1 + 2 + 1
+
+
+def test_run_one_stage_two_stages_and_llama_cpp_agree_on_a_long_prompt(
+    smol_pkg: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`run` with one stage is the stage runtime, as a split is; on a 232-token prompt it,
+    `--stages 3` and `--engine llama` print the same greedy continuation (before: llama.cpp
+    by default, and the stage runtime's prefill drifted from it by up to 1.7 logits, which
+    flipped the continuation here)."""
+    texts = []
+    prompt = ["--prompt", SMOL_LONG_PROMPT, "--max-tokens", "16", "--json"]
+    for args in ([], ["--stages", "3"], ["--engine", "llama"]):
+        rc, out = _run(capsys, "run", smol_pkg, *prompt, *args)
+        data = json.loads(out)
+        assert rc == 0 and len(data["prompt_tokens"]) == 232
+        assert data["engine"] == ("llama" if "--engine" in args else "ggml")
+        texts.append(data["completion"])
+    assert texts == [SMOL_LONG_GREEDY_16] * 3
 
 
 @pytest.mark.parametrize(

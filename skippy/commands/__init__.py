@@ -36,7 +36,7 @@ COMMANDS: dict[str, CommandInfo] = {
     "fetch": CommandInfo(_CONSUMER, "download and verify only the parts a stage needs"),
     "materialize": CommandInfo(_CONSUMER, "compose a stage's parts into one GGUF (a cache)"),
     "run": CommandInfo(
-        "skippy.commands.runtime", "load a package stage with llama.cpp and generate greedily"
+        "skippy.commands.runtime", "load a package's stages and generate from a prompt"
     ),
     "policy": CommandInfo(
         "skippy.commands.policy", "explain the execution path chosen for a request phase"

@@ -1,8 +1,9 @@
 """Runtime commands: ``run REF --prompt TEXT`` loads verified stages and generates.
 
-Engines: ``llama`` (llama.cpp on one whole-range stage), ``ggml`` (the stage runtime,
-``skippy.runtime.ggml_engine``) and ``numpy`` (its f32 reference); ``--stages N`` runs the
-model as N chained stages in this process, each loaded only from its own selection.
+Engines: ``ggml`` (the stage runtime, ``skippy.runtime.ggml_engine``; the default, for one
+stage as for N, so one stage and a split compute the same way), ``numpy`` (its f32 reference)
+and ``llama`` (llama.cpp on one whole-range stage); ``--stages N`` runs the model as N chained
+stages in this process, each loaded only from its own selection.
 
 The order is: refuse a bad command line (sizes, an empty or undecodable prompt, an engine
 that cannot do what was asked) and load the engine's library; read the manifest once
@@ -53,8 +54,8 @@ DEFAULT_THREADS = 2
 def register(sub: Any) -> None:
     p = sub.add_parser(
         "run",
-        help="load a package and generate: llama.cpp on the whole range, or the stage runtime "
-        "on N chained stages",
+        help="load a package and generate with the stage runtime on N chained stages (default "
+        "1), or with llama.cpp on the whole range",
     )
     p.add_argument("ref", help="a package directory, or hf://namespace/repo[@revision]")
     p.add_argument("--prompt", required=True, help="the prompt text")
@@ -81,8 +82,8 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--engine",
         choices=ENGINES,
-        help="ggml (the stage runtime), numpy (its f32 reference, slow) or llama (llama.cpp, "
-        "one whole-range stage); default: llama for one stage, ggml for --stages > 1",
+        help="ggml (the stage runtime, the default: one stage computes as a split does), numpy "
+        "(its f32 reference, slow) or llama (llama.cpp, one whole-range stage, greedy only)",
     )
     p.add_argument(
         "--n-ctx",
@@ -102,7 +103,7 @@ def register(sub: Any) -> None:
         "--temperature",
         type=float,
         default=0.0,
-        help="sampling temperature; 0 is greedy (default 0; ggml and numpy engines)",
+        help="sampling temperature; 0 is greedy (default 0; the llama engine is greedy only)",
     )
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: off)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass to keep (1.0: off)")
@@ -246,7 +247,7 @@ def cmd_run(args: argparse.Namespace) -> CommandResult:
     from skippy.package.plan import even_ranges
     from skippy.runtime.boundary import StageLoad
 
-    engine = args.engine or ("llama" if args.stages == 1 else "ggml")
+    engine = args.engine or "ggml"
     sampling = _sampling(args)
     _check_args(args, engine, sampling)
     env = read_environment()

@@ -9,10 +9,15 @@ activations to Q8 for them, as llama.cpp does).
 Per call, one graph: embeddings (stage 0) or the incoming activations, then each layer
 (RMS norm, q/k/v, optional q/k norms, RoPE, the session's F16 KV cache, masked softmax
 attention, output projection, gated FFN), then for the final stage the output norm and
-head over only the rows whose logits are wanted. The op sequence mirrors llama.cpp's graph
+head over only the rows whose logits are wanted (kept after the last layer's attention
+output projection, as llama.cpp's ``inp_out_ids``). The op sequence mirrors llama.cpp's graph
 builders for these architectures (``src/models/{llama,qwen2,qwen3,gemma3}.cpp``) with the
 non-flash attention path and the V cache stored transposed, as llama.cpp uses them through
-llama-cpp-python by default. Graphs are allocated by one ``ggml_gallocr`` per stage.
+llama-cpp-python by default, and so do the shapes (``skippy.runtime.graph_shapes``): the
+cache holds the context padded to 256 cells, attention views it padded to a multiple of 256
+(the empty cells masked), and a prefill chunk computes at least 8 rows, so a position's
+logits do not depend on how its prompt was chunked. Graphs are allocated by one
+``ggml_gallocr`` per stage.
 
 Every value that reaches ggml has been checked in Python first (``StageBase.check_inputs``,
 ``StageWeights``): ggml aborts the process on a failed assertion.
@@ -21,6 +26,7 @@ Every value that reaches ggml has been checked in Python first (``StageBase.chec
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -38,6 +44,7 @@ from skippy.gguf.ggml import (
 )
 from skippy.runtime.boundary import RuntimeLoadError
 from skippy.runtime.contention import ThreadGovernor, machine_cores
+from skippy.runtime.graph_shapes import kv_length, prefill_rows
 from skippy.runtime.model import OUTPUT_NORM_TENSOR, ROPE_FREQS_TENSOR, attention_mask
 from skippy.runtime.stage import STAGE_API_VERSION, StageBase
 
@@ -61,8 +68,9 @@ _ok = ggml.non_null
 @dataclass
 class _KvCache:
     """One session's K and V for each of the stage's layers, in one backend buffer.
-    K of a layer: [kv_dim, n_ctx] F16 (one row per position); V: [n_ctx, kv_dim] F16
-    (transposed, so attention multiplies it without a copy)."""
+    K of a layer: [kv_dim, cells] F16 (one row per position); V: [cells, kv_dim] F16
+    (transposed, so attention multiplies it without a copy). ``cells`` is the context padded
+    as llama.cpp pads it (``kv_length(n_ctx)``)."""
 
     ctx: int
     buffer: int
@@ -75,11 +83,11 @@ class _KvCache:
 @dataclass
 class _KvSlots:
     """How a reused decode graph writes and reads the cache: K/V rows by index (inputs, so
-    the position is data, not graph shape), attention views built at the full context, and
-    the tensors whose KV length is set before each run (``_DecodeGraph.resize``)."""
+    the position is data, not graph shape), attention views built over every cell, and the
+    tensors whose KV length is set before each run (``_SessionInputs.resize``)."""
 
     k_rows: int  # I64 [1]: the position
-    v_rows: int  # I64 [kv_dim]: d * n_ctx + position (V is stored transposed)
+    v_rows: int  # I64 [kv_dim]: d * cells + position (V is stored transposed)
     resizable: list[tuple[GgmlTensorStruct, int, bool]] = field(default_factory=list)
 
     def add(self, tensor: int, dim: int, contiguous: bool) -> None:
@@ -94,7 +102,7 @@ class _SessionInputs:
     are sized to."""
 
     slots: _KvSlots
-    masks: dict[int | None, int]  # F32 [n_ctx, 1] each, resized to [n_kv, 1]
+    masks: dict[int | None, int]  # F32 [cells, 1] each, resized to [n_kv, 1]
     k_buf: npt.NDArray[np.int64]
     v_base: npt.NDArray[np.int64]
     v_buf: npt.NDArray[np.int64]
@@ -102,14 +110,14 @@ class _SessionInputs:
     n_kv: int = 0
 
     @staticmethod
-    def buffers(kv_dim: int, n_ctx: int) -> dict[str, Any]:
+    def buffers(kv_dim: int, cells: int) -> dict[str, Any]:
         """Fresh host buffers for a session's inputs (keyword arguments)."""
-        v_base = np.arange(kv_dim, dtype=np.int64) * n_ctx
+        v_base = np.arange(kv_dim, dtype=np.int64) * cells
         return {
             "k_buf": np.zeros(1, dtype=np.int64),
             "v_base": v_base,
             "v_buf": v_base.copy(),
-            "mask_buf": np.zeros(n_ctx, dtype=np.float32),
+            "mask_buf": np.zeros(cells, dtype=np.float32),
         }
 
     def resize(self, n_kv: int) -> None:
@@ -119,10 +127,10 @@ class _SessionInputs:
             self.n_kv = n_kv
 
     def set_position(self, g: ggml.Ggml, position: int) -> None:
-        """Point the graph at ``position``: the KV length, the cache rows K and V are written
-        at, and each mask (query ``position`` sees every key up to it, minus those outside
-        its window)."""
-        n_kv = position + 1
+        """Point the graph at ``position``: the KV length (padded as llama.cpp pads it), the
+        cache rows K and V are written at, and each mask (query ``position`` sees every key
+        up to it, minus those outside its window; the cells after it are empty)."""
+        n_kv = kv_length(position + 1)
         self.resize(n_kv)
         self.k_buf[0] = position
         np.add(self.v_base, position, out=self.v_buf)
@@ -130,19 +138,19 @@ class _SessionInputs:
         g.ggml_backend_tensor_set(self.slots.v_rows, self.v_buf.ctypes.data, 0, self.v_buf.nbytes)
         for window, mask in self.masks.items():
             m = self.mask_buf[:n_kv]
-            m[:] = 0.0
-            if window is not None and n_kv > window:
-                m[: n_kv - window] = -np.inf
+            m[: position + 1] = 0.0
+            m[position + 1 :] = -np.inf
+            if window is not None and position + 1 > window:
+                m[: position + 1 - window] = -np.inf
             g.ggml_backend_tensor_set(mask, m.ctypes.data, 0, 4 * n_kv)
 
 
 @dataclass(kw_only=True)
 class _DecodeGraph(_SessionInputs):
-    """One session's one-position graph, built once at the full context and run per token:
-    only its inputs and the KV length of its attention tensors change between runs, so each
-    run computes exactly what a freshly built graph for that position computes (same ops,
-    same shapes, same kernels: bit-identical, which padding the KV views would not be: the
-    soft_max and F16 dot-product kernels sum a row's tail differently by length)."""
+    """One session's one-position graph, built once over every cell and run per token: only
+    its inputs and the KV length of its attention tensors change between runs (the length
+    moves in steps of 256, ``kv_length``), so each run computes exactly what a freshly built
+    graph for that position computes (same ops, same shapes, same kernels: bit-identical)."""
 
     ctx: int
     galloc: int
@@ -255,6 +263,7 @@ class GgmlStage(StageBase[_KvCache]):
         self._layouts = [0, 0]
         n_graph = _TENSORS_PER_LAYER * len(self.layers) + _TENSORS_FIXED
         self._graph_size = max(ggml.GGML_DEFAULT_GRAPH_SIZE, n_graph)
+        self._kv_cells = kv_length(self.config.n_ctx)  # a session's cache, as llama.cpp pads it
         self._graph_mem = g.ggml_tensor_overhead() * 2 * self._graph_size + (
             g.ggml_graph_overhead_custom(self._graph_size, False)
         )
@@ -328,7 +337,7 @@ class GgmlStage(StageBase[_KvCache]):
 
     # --- sessions --------------------------------------------------------------------------------
     def _new_session(self) -> _KvCache:
-        g, spec, n_ctx = self.g, self.spec, self.config.n_ctx
+        g, spec, cells = self.g, self.spec, self._kv_cells
         params = GgmlInitParams(
             mem_size=g.ggml_tensor_overhead() * (2 * len(self.layers) + 1),
             mem_buffer=None,
@@ -337,11 +346,11 @@ class GgmlStage(StageBase[_KvCache]):
         ctx = _ok(g.ggml_init(params), "ggml_init")
         try:
             k = {
-                il: _ok(g.ggml_new_tensor_2d(ctx, GgmlType.F16, spec.kv_dim, n_ctx), "k")
+                il: _ok(g.ggml_new_tensor_2d(ctx, GgmlType.F16, spec.kv_dim, cells), "k")
                 for il in self.layers
             }
             v = {
-                il: _ok(g.ggml_new_tensor_2d(ctx, GgmlType.F16, n_ctx, spec.kv_dim), "v")
+                il: _ok(g.ggml_new_tensor_2d(ctx, GgmlType.F16, cells, spec.kv_dim), "v")
                 for il in self.layers
             }
             buffer = _ok(
@@ -396,11 +405,24 @@ class GgmlStage(StageBase[_KvCache]):
         if status != ggml.GGML_STATUS_SUCCESS:
             raise ggml.GgmlCallFailed(f"ggml_backend_graph_compute returned status {status}")
 
+    def _chunk_rows(self, n: int, end: int) -> int:
+        return prefill_rows(n, end)
+
     def _forward(
-        self, state: _KvCache, start: int, inputs: npt.NDArray[Any], out_rows: int
+        self,
+        state: _KvCache,
+        start: int,
+        inputs: npt.NDArray[Any],
+        out_rows: int,
+        *,
+        rows: int | None = None,
     ) -> npt.NDArray[np.float32]:
         g, spec = self.g, self.spec
         n = int(inputs.shape[0])
+        rows = n if rows is None else rows
+        pad = rows - n  # leading copies of the first row: the graph's shape, not its result
+        if pad:
+            inputs = np.ascontiguousarray(np.concatenate([np.repeat(inputs[:1], pad, 0), inputs]))
         ctx = _ok(
             g.ggml_init(GgmlInitParams(mem_size=self._graph_mem, mem_buffer=None, no_alloc=True)),
             "ggml_init",
@@ -416,28 +438,33 @@ class GgmlStage(StageBase[_KvCache]):
                 return t
 
             if self.layers.owns_input:
-                ids = input_tensor(g.ggml_new_tensor_1d(ctx, GgmlType.I32, n), inputs)
+                ids = input_tensor(g.ggml_new_tensor_1d(ctx, GgmlType.I32, rows), inputs)
                 x = g.ggml_get_rows(ctx, self._tensors["token_embd.weight"], ids)
                 if spec.embed_scale is not None:
                     x = g.ggml_scale(ctx, x, spec.embed_scale)
             else:
-                x = input_tensor(g.ggml_new_tensor_2d(ctx, GgmlType.F32, spec.width, n), inputs)
-            positions = np.arange(start, start + n, dtype=np.int32)
-            pos = input_tensor(g.ggml_new_tensor_1d(ctx, GgmlType.I32, n), positions)
-            n_kv = start + n
-            masks = {
-                window: input_tensor(
-                    g.ggml_new_tensor_2d(ctx, GgmlType.F32, n_kv, n),
-                    attention_mask(start, n, window),
-                )
-                for window in self._windows()
-            }
+                x = input_tensor(g.ggml_new_tensor_2d(ctx, GgmlType.F32, spec.width, rows), inputs)
+            positions = np.arange(start - pad, start + n, dtype=np.int32).clip(start)
+            pos = input_tensor(g.ggml_new_tensor_1d(ctx, GgmlType.I32, rows), positions)
+            n_kv = kv_length(start + n)  # the cells in use, padded as llama.cpp views them
             final = self.layers.owns_output
             last = self.layers.stop - 1
+            # the layers that attend: a final stage that wants no logits only writes its last
+            # layer's K/V (an input no node reads has no buffer to be set)
+            attending = [il for il in self.layers if not (final and il == last and not out_rows)]
+            masks = {}
+            for window in self._windows(attending):
+                mask = attention_mask(start, n, window, n_kv=n_kv)
+                if pad:
+                    mask = np.ascontiguousarray(np.concatenate([np.repeat(mask[:1], pad, 0), mask]))
+                t = g.ggml_new_tensor_2d(ctx, GgmlType.F32, n_kv, rows)
+                masks[window] = input_tensor(t, mask)
             result: int | None = x
             for il in self.layers:
-                rows = out_rows if final and il == last else None
-                result = self._layer_graph(ctx, gf, il, x, pos, masks, state, start, n, rows)
+                keep = out_rows if final and il == last else None
+                result = self._layer_graph(
+                    ctx, gf, il, x, pos, masks, state, start, n, keep, pad=pad, n_kv=n_kv
+                )
                 if result is None:  # final stage, no logits wanted: K/V written, done
                     break
                 x = result
@@ -456,7 +483,8 @@ class GgmlStage(StageBase[_KvCache]):
             cols = (self.vocab or 0) if final else spec.width
             rows_out = out_rows if final else n
             out = np.empty((rows_out, cols), dtype=np.float32)
-            g.ggml_backend_tensor_get(result, out.ctypes.data, 0, out.nbytes)
+            skip = 0 if final else pad  # a non-final stage returns its real rows only
+            g.ggml_backend_tensor_get(result, out.ctypes.data, 4 * cols * skip, out.nbytes)
             return out
         finally:
             g.ggml_free(ctx)
@@ -483,10 +511,10 @@ class GgmlStage(StageBase[_KvCache]):
         return dg.result_view.reshape(1, -1).copy(), None
 
     def _build_decode_graph(self, kv: _KvCache) -> _DecodeGraph:
-        """The one-position graph of ``kv``'s session at the full context (see _DecodeGraph),
+        """The one-position graph of ``kv``'s session over every cell (see _DecodeGraph),
         with its own allocator: the shared one re-plans for every prefill graph, which would
         move this graph's intermediate tensors."""
-        g, spec, n_ctx = self.g, self.spec, self.config.n_ctx
+        g, spec, cells = self.g, self.spec, self._kv_cells
         ctx = _ok(
             g.ggml_init(GgmlInitParams(mem_size=self._graph_mem, mem_buffer=None, no_alloc=True)),
             "ggml_init",
@@ -514,13 +542,13 @@ class GgmlStage(StageBase[_KvCache]):
             )
             masks = {}
             for window in self._windows():
-                masks[window] = input_tensor(g.ggml_new_tensor_2d(ctx, GgmlType.F32, n_ctx, 1))
+                masks[window] = input_tensor(g.ggml_new_tensor_2d(ctx, GgmlType.F32, cells, 1))
                 slots.add(masks[window], 0, True)
             final = self.layers.owns_output
             last = self.layers.stop - 1
             for il in self.layers:
                 rows = 1 if final and il == last else None
-                y = self._layer_graph(ctx, gf, il, x, pos, masks, kv, 0, 1, rows, slots)
+                y = self._layer_graph(ctx, gf, il, x, pos, masks, kv, 0, 1, rows, slots, n_kv=cells)
                 x = _ok(y, "decode layer")
             result = self._head(ctx, x) if final else x
             g.ggml_set_output(result)
@@ -547,7 +575,7 @@ class GgmlStage(StageBase[_KvCache]):
             result=result,
             result_view=view,
             pos_buf=np.zeros(1, dtype=np.int32),
-            **_SessionInputs.buffers(spec.kv_dim, n_ctx),
+            **_SessionInputs.buffers(spec.kv_dim, cells),
         )
 
     # --- several sessions' decode steps in one graph (issue #22 item 6) ----------------------
@@ -583,7 +611,7 @@ class GgmlStage(StageBase[_KvCache]):
         return out
 
     def _build_batch_graph(self, states: list[_KvCache]) -> _BatchGraph:
-        g, spec, n_ctx, b = self.g, self.spec, self.config.n_ctx, len(states)
+        g, spec, cells, b = self.g, self.spec, self._kv_cells, len(states)
         self._exact_gemm_widths()  # before the graph's matmuls choose their layout (_mm)
         self._layouts = [0, 0]  # [k, B] / broadcast matmuls of this build (_mm counts them)
         size = max(
@@ -618,14 +646,14 @@ class GgmlStage(StageBase[_KvCache]):
                 )
                 masks = {}
                 for window in self._windows():
-                    masks[window] = input_tensor(g.ggml_new_tensor_2d(ctx, GgmlType.F32, n_ctx, 1))
+                    masks[window] = input_tensor(g.ggml_new_tensor_2d(ctx, GgmlType.F32, cells, 1))
                     slots.add(masks[window], 0, True)
                 members.append(
                     _BatchMember(
                         kv=kv,
                         slots=slots,
                         masks=masks,
-                        **_SessionInputs.buffers(spec.kv_dim, n_ctx),
+                        **_SessionInputs.buffers(spec.kv_dim, cells),
                     )
                 )
             for il in self.layers:
@@ -664,7 +692,7 @@ class GgmlStage(StageBase[_KvCache]):
         """One block over x ``[width, 1, B]``: the ops of ``_layer_graph`` for one position,
         the linear layers over the whole batch, attention per session (its own KV)."""
         g, spec = self.g, self.spec
-        hd, n_ctx = spec.head_dim, self.config.n_ctx
+        hd, cells = spec.head_dim, self._kv_cells
         f16_row = g.ggml_row_size(GgmlType.F16, spec.kv_dim)
         # [hd, n_head, B] / [hd, n_head_kv, B] / [kv_dim, 1, B]: position i per column
         q, k, v, kq_scale = self._qkv(ctx, il, x, pos, len(members))
@@ -674,12 +702,12 @@ class GgmlStage(StageBase[_KvCache]):
             kv, slots = m.kv, m.slots
             k_row = g.ggml_view_2d(ctx, k, spec.kv_dim, 1, 4 * spec.kv_dim, 4 * spec.kv_dim * i)
             g.ggml_build_forward_expand(gf, g.ggml_set_rows(ctx, kv.k[il], k_row, slots.k_rows))
-            v_all = g.ggml_reshape_2d(ctx, kv.v[il], 1, n_ctx * spec.kv_dim)
+            v_all = g.ggml_reshape_2d(ctx, kv.v[il], 1, cells * spec.kv_dim)
             v_col = g.ggml_view_2d(ctx, v, 1, spec.kv_dim, 4, 4 * spec.kv_dim * i)
             g.ggml_build_forward_expand(gf, g.ggml_set_rows(ctx, v_all, v_col, slots.v_rows))
-            keys = g.ggml_view_3d(ctx, kv.k[il], hd, n_ctx, spec.n_head_kv, f16_row, 2 * hd, 0)
+            keys = g.ggml_view_3d(ctx, kv.k[il], hd, cells, spec.n_head_kv, f16_row, 2 * hd, 0)
             values = g.ggml_view_3d(
-                ctx, kv.v[il], n_ctx, hd, spec.n_head_kv, 2 * n_ctx, 2 * n_ctx * hd, 0
+                ctx, kv.v[il], cells, hd, spec.n_head_kv, 2 * cells, 2 * cells * hd, 0
             )
             q_i = g.ggml_view_3d(
                 ctx, q, hd, spec.n_head, 1, 4 * hd, 4 * spec.q_dim, 4 * spec.q_dim * i
@@ -748,11 +776,12 @@ class GgmlStage(StageBase[_KvCache]):
         self.g.ggml_gallocr_free(dg.galloc)
         self.g.ggml_free(dg.ctx)
 
-    def _windows(self) -> list[int | None]:
-        """The attention masks this stage's layers use: None = full causal, N = sliding."""
+    def _windows(self, layers: Iterable[int] | None = None) -> list[int | None]:
+        """The attention masks ``layers`` (default: this stage's) use: None = full causal,
+        N = sliding."""
         spec = self.spec
         windows: list[int | None] = []
-        for il in self.layers:
+        for il in self.layers if layers is None else layers:
             w = spec.sliding_window if spec.is_swa(il) else None
             if w not in windows:
                 windows.append(w)
@@ -779,40 +808,47 @@ class GgmlStage(StageBase[_KvCache]):
         n: int,
         out_rows: int | None,
         slots: _KvSlots | None = None,
+        *,
+        pad: int = 0,
+        n_kv: int,
     ) -> int | None:
-        """One transformer block over x [width, n]; returns [width, n] (or [width, out_rows]
-        for the final layer, or None when no logits are wanted from this chunk). With
-        ``slots`` (the reused decode graph, n = 1) K and V are written at the rows the slots'
-        inputs name and attention reads views of the whole context, resized before each run."""
+        """One transformer block over x ``[width, rows]`` (``rows = pad + n``: ``pad`` leading
+        copies of the first row, whose K/V are not written); returns ``[width, rows]``, or
+        for the final layer ``[width, out_rows]`` (the last rows, kept after the attention
+        output projection as llama.cpp keeps them) or None when no logits are wanted from
+        this chunk. Attention views ``n_kv`` cells. With ``slots`` (the reused decode graph,
+        n = 1, ``n_kv`` every cell) K and V are written at the rows the slots' inputs name and
+        the attention tensors are resized to the position's KV length before each run."""
         g, spec = self.g, self.spec
-        hd, n_ctx = spec.head_dim, self.config.n_ctx
+        hd, cells, rows = spec.head_dim, self._kv_cells, pad + n
         f16_row = g.ggml_row_size(GgmlType.F16, spec.kv_dim)
-        q, k, v, kq_scale = self._qkv(ctx, il, x, pos, n)  # [hd, n_head, n], ...
+        q, k, v, kq_scale = self._qkv(ctx, il, x, pos, rows)  # [hd, n_head, rows], ...
         # write this chunk's K and V into the session cache (before the attention reads it:
         # nodes run in the order they were added)
         if slots is None:
+            k_src = g.ggml_view_1d(ctx, k, n * spec.kv_dim, 4 * spec.kv_dim * pad)
             k_dst = g.ggml_view_1d(ctx, kv.k[il], n * spec.kv_dim, f16_row * start)
-            g.ggml_build_forward_expand(gf, g.ggml_cpy(ctx, k, k_dst))
-            v_t = g.ggml_transpose(ctx, g.ggml_reshape_2d(ctx, v, spec.kv_dim, n))  # [n, kv_dim]
-            v_dst = g.ggml_view_2d(ctx, kv.v[il], n, spec.kv_dim, 2 * n_ctx, 2 * start)
+            g.ggml_build_forward_expand(gf, g.ggml_cpy(ctx, k_src, k_dst))
+            v_src = g.ggml_view_2d(ctx, v, spec.kv_dim, n, 4 * spec.kv_dim, 4 * spec.kv_dim * pad)
+            v_t = g.ggml_transpose(ctx, v_src)  # [n, kv_dim]
+            v_dst = g.ggml_view_2d(ctx, kv.v[il], n, spec.kv_dim, 2 * cells, 2 * start)
             g.ggml_build_forward_expand(gf, g.ggml_cpy(ctx, v_t, v_dst))
         else:  # the same f32 -> f16 conversion, at rows given as data
             k_row = g.ggml_reshape_2d(ctx, k, spec.kv_dim, 1)
             g.ggml_build_forward_expand(gf, g.ggml_set_rows(ctx, kv.k[il], k_row, slots.k_rows))
-            v_all = g.ggml_reshape_2d(ctx, kv.v[il], 1, n_ctx * spec.kv_dim)
+            v_all = g.ggml_reshape_2d(ctx, kv.v[il], 1, cells * spec.kv_dim)
             v_col = g.ggml_reshape_2d(ctx, v, 1, spec.kv_dim)
             g.ggml_build_forward_expand(gf, g.ggml_set_rows(ctx, v_all, v_col, slots.v_rows))
         if out_rows == 0:
             return None
-        n_kv = start + n if slots is None else n_ctx
         keys = g.ggml_view_3d(
             ctx, kv.k[il], hd, n_kv, spec.n_head_kv, f16_row, 2 * hd, 0
         )  # [hd, n_kv, n_head_kv]
         values = g.ggml_view_3d(
-            ctx, kv.v[il], n_kv, hd, spec.n_head_kv, 2 * n_ctx, 2 * n_ctx * hd, 0
+            ctx, kv.v[il], n_kv, hd, spec.n_head_kv, 2 * cells, 2 * cells * hd, 0
         )  # [n_kv, hd, n_head_kv]
-        qp = g.ggml_permute(ctx, q, 0, 2, 1, 3)  # [hd, n, n_head]
-        kq = g.ggml_mul_mat(ctx, keys, qp)  # [n_kv, n, n_head]
+        qp = g.ggml_permute(ctx, q, 0, 2, 1, 3)  # [hd, rows, n_head]
+        kq = g.ggml_mul_mat(ctx, keys, qp)  # [n_kv, rows, n_head]
         window = spec.sliding_window if spec.is_swa(il) else None
         scores = kq
         kq = g.ggml_soft_max_ext(ctx, kq, masks[window], kq_scale, 0.0)
@@ -821,14 +857,10 @@ class GgmlStage(StageBase[_KvCache]):
             slots.add(values, 0, False)
             slots.add(scores, 0, True)
             slots.add(kq, 0, True)
-        kqv = g.ggml_mul_mat(ctx, values, kq)  # [hd, n, n_head]
-        o = g.ggml_permute(ctx, kqv, 0, 2, 1, 3)  # [hd, n_head, n]
-        o = g.ggml_cont_2d(ctx, o, spec.q_dim, n)
-        if out_rows is not None and out_rows < n:  # final layer: only the rows with logits
-            skip = n - out_rows
-            o = g.ggml_view_2d(ctx, o, spec.q_dim, out_rows, 4 * spec.q_dim, 4 * spec.q_dim * skip)
-            x = g.ggml_view_2d(ctx, x, spec.width, out_rows, 4 * spec.width, 4 * spec.width * skip)
-        return self._attn_out_and_ffn(ctx, il, o, x)
+        kqv = g.ggml_mul_mat(ctx, values, kq)  # [hd, rows, n_head]
+        o = g.ggml_permute(ctx, kqv, 0, 2, 1, 3)  # [hd, n_head, rows]
+        o = g.ggml_cont_2d(ctx, o, spec.q_dim, rows)
+        return self._attn_out_and_ffn(ctx, il, o, x, keep=out_rows)
 
     def _qkv(self, ctx: int, il: int, x: int, pos: int, n: int) -> tuple[int, int, int, float]:
         """A block's start over x ``[width, n]`` (or ``[width, 1, n]``, a batch): the attention
@@ -856,11 +888,18 @@ class GgmlStage(StageBase[_KvCache]):
             q, kq_scale = g.ggml_scale(ctx, q, spec.attn_scale), 1.0
         return q, k, v, kq_scale
 
-    def _attn_out_and_ffn(self, ctx: int, il: int, o: int, x: int) -> int:
+    def _attn_out_and_ffn(self, ctx: int, il: int, o: int, x: int, keep: int | None = None) -> int:
         """A block's end: the attention output ``o`` projected (and normed where the model
-        has a post-attention norm) onto the residual ``x``, then the feed-forward block."""
+        has a post-attention norm) onto the residual ``x``, then the feed-forward block; with
+        ``keep``, over only the last ``keep`` rows after the projection (llama.cpp's
+        ``inp_out_ids`` on its last layer: the feed-forward's matmuls then have as many
+        columns as in llama.cpp, which picks their kernel)."""
         g, spec, w = self.g, self.spec, self._layer_weights[il]
         o = self._linear(ctx, w.o, o, w.o_bias)
+        skip = 0 if keep is None else int(tensor_struct(o).ne[1]) - keep
+        if keep is not None and skip > 0:
+            o = g.ggml_view_2d(ctx, o, spec.width, keep, 4 * spec.width, 4 * spec.width * skip)
+            x = g.ggml_view_2d(ctx, x, spec.width, keep, 4 * spec.width, 4 * spec.width * skip)
         if w.post_attn_norm is not None:
             o = self._norm(ctx, o, w.post_attn_norm)
         x = g.ggml_add(ctx, o, x)
@@ -887,7 +926,7 @@ class GgmlStage(StageBase[_KvCache]):
 
     # --- introspection -----------------------------------------------------------------------
     def kv_bytes_per_session(self) -> int:
-        return 2 * 2 * len(self.layers) * self.spec.kv_dim * self.config.n_ctx
+        return 2 * 2 * len(self.layers) * self.spec.kv_dim * self._kv_cells
 
     def compute_buffer_bytes(self) -> int:
         """The shared graph allocator's buffer plus each session's decode graph's own and

@@ -372,11 +372,14 @@ def stage_tensors(
     return out
 
 
-def attention_mask(start: int, n: int, window: int | None) -> npt.NDArray[np.float32]:
-    """[n x start+n] additive mask: query i (position start+i) sees key j iff j <= start+i
-    and, for a sliding layer, start+i - j < window (llama.cpp's LLAMA_SWA_TYPE_STANDARD)."""
+def attention_mask(
+    start: int, n: int, window: int | None, *, n_kv: int | None = None
+) -> npt.NDArray[np.float32]:
+    """[n x n_kv] additive mask (``n_kv`` defaults to start+n; more keys are cells not yet
+    written, masked): query i (position start+i) sees key j iff j <= start+i and, for a
+    sliding layer, start+i - j < window (llama.cpp's LLAMA_SWA_TYPE_STANDARD)."""
     q = np.arange(start, start + n, dtype=np.int64)[:, None]
-    k = np.arange(start + n, dtype=np.int64)[None, :]
+    k = np.arange(start + n if n_kv is None else n_kv, dtype=np.int64)[None, :]
     visible = k <= q
     if window is not None:
         visible &= (q - k) < window

@@ -137,7 +137,17 @@ class NumpyStage(StageBase[_NpKv]):
     def _close_engine(self) -> None:
         self._w = {}
 
-    def _forward(self, state: _NpKv, start: int, inputs: npt.NDArray[Any], out_rows: int) -> Array:
+    def _forward(
+        self,
+        state: _NpKv,
+        start: int,
+        inputs: npt.NDArray[Any],
+        out_rows: int,
+        *,
+        rows: int | None = None,
+    ) -> Array:
+        # rows is always n here (the default _chunk_rows): numpy's f32 sums do not depend on
+        # how many rows a chunk has, so it never pads
         spec = self.spec
         x: Array
         if self.layers.owns_input:

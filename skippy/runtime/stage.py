@@ -317,12 +317,25 @@ class StageBase(ABC, Generic[S]):
 
     @abstractmethod
     def _forward(
-        self, state: S, start: int, inputs: npt.NDArray[Any], out_rows: int
+        self,
+        state: S,
+        start: int,
+        inputs: npt.NDArray[Any],
+        out_rows: int,
+        *,
+        rows: int | None = None,
     ) -> npt.NDArray[np.float32]:
         """Run ``inputs`` (checked: int32 ids or f32 activations) at positions
-        ``start..start+n``, writing the session's KV cache. Returns activations ``[n x width]``
-        for a non-final stage, or logits of the last ``out_rows`` positions (``0 <= out_rows
-        <= n``; with 0 the final stage only writes its KV cache)."""
+        ``start..start+n``, writing the session's KV cache, as a graph of ``rows`` rows
+        (``_chunk_rows``; None: n): the first ``rows - n`` are copies of the first input
+        that write no KV. Returns activations ``[n x width]`` for a non-final stage, or
+        logits of the last ``out_rows`` computed rows (``0 <= out_rows <= rows``; with 0 the
+        final stage only writes its KV cache)."""
+
+    def _chunk_rows(self, n: int, end: int) -> int:
+        """The rows ``_forward`` computes for a prefill chunk of ``n`` rows of a call that
+        ends at position ``end`` (an engine whose results depend on the row count pads)."""
+        return n
 
     def _decode_one(
         self, state: S, position: int, inputs: npt.NDArray[Any], *, greedy: bool
@@ -432,11 +445,15 @@ class StageBase(ABC, Generic[S]):
         for lo in range(0, n, step):
             chunk = x[lo : lo + step]
             last = lo + step >= n
-            # logits rows wanted from this chunk (0: only its KV cache matters)
-            rows = len(chunk) if all_logits else (1 if last else 0)
-            out = self._forward(s.state, start + lo, chunk, rows)
+            rows = self._chunk_rows(len(chunk), start + n)
+            # logits rows wanted from this chunk (0: only its KV cache matters); with every
+            # row's, the padding rows' too, as a chunk of that many real rows computes them
+            out_rows = rows if all_logits else (1 if last else 0)
+            out = self._forward(s.state, start + lo, chunk, out_rows, rows=rows)
+            if all_logits and self.layers.owns_output:
+                out = out[rows - len(chunk) :]
             s.length = start + lo + len(chunk)
-            if not self.layers.owns_output or rows > 0:
+            if not self.layers.owns_output or out_rows > 0:
                 outs.append(out)
         result = np.concatenate(outs) if len(outs) > 1 else outs[0]
         return self._output(result, sampler)
