@@ -346,6 +346,7 @@ async def open_lab(options: LabOptions) -> AsyncIterator[Lab]:
         if any(root.iterdir()):
             raise UsageError(f"lab folder {root} is not empty", code="output_exists")
     lab_hub: FakeHub | None = None
+    cluster: LabCluster | None = None
     try:
         ref = parse_package_ref(options.package)
         revision_text = None
@@ -401,6 +402,8 @@ async def open_lab(options: LabOptions) -> AsyncIterator[Lab]:
             finally:
                 await cluster.aclose()
     finally:
+        if cluster is not None:  # also when it never started (its lock is let go)
+            await cluster.aclose()
         if lab_hub is not None:
             lab_hub.stop()
         if not options.keep:
@@ -540,11 +543,25 @@ LAB_ENV: Final = ("XDG_CACHE_HOME", "HF_HOME", "HF_HUB_CACHE", "HF_ENDPOINT")
 
 
 async def run_lab(options: LabOptions) -> dict[str, Any]:
-    """The whole experiment: bring the lab up, split (and serve), report, tear down."""
-    async with open_lab(options) as lab:
-        report = await experiment(lab)
-        report["root"] = str(lab.cluster.root) if options.keep else None
-        return report
+    """The whole experiment: bring the lab up, split (and serve), report, tear down. A
+    signal at any point tears it down and raises ``Interrupted``; the coordinator's exit, a
+    ``LabError`` (``mesh_node.lab.lifetime``)."""
+    from mesh_node.lab.lifetime import interrupted, run_until_signal, supervised
+
+    reports: list[dict[str, Any]] = []
+    root: list[Path] = []
+
+    async def body() -> None:
+        async with open_lab(options) as lab:
+            root.append(lab.cluster.root)
+            report = await supervised(lab.cluster, partial(experiment, lab))
+            report["root"] = str(lab.cluster.root) if options.keep else None
+            reports.append(report)
+
+    signum = await run_until_signal(body)
+    if signum is not None:
+        raise interrupted(signum, options.keep, root[0] if root else options.root)
+    return reports[0]
 
 
 __all__ = ["Lab", "LabError", "LabOptions", "experiment", "node_specs", "open_lab", "run_lab"]
