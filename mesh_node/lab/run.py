@@ -41,7 +41,14 @@ from mesh_node.lab.package import (
     publish_directory,
     revise_directory,
 )
-from mesh_node.lab.report import CacheCheck, NodeFacts, build_report, revision_change
+from mesh_node.lab.report import (
+    CacheCheck,
+    NodeFacts,
+    build_report,
+    peer_bytes_fetched,
+    replica_of,
+    revision_change,
+)
 from skippy.config import ArtifactTransfer, read_environment
 from skippy.constants import MANIFEST_NAME
 from skippy.consume.verify import VerifyCache
@@ -145,10 +152,13 @@ class Lab:
     netem: Netem | None = None  # issue #21: the emulated links (partition, heal, event log)
     revision: LabPackage | None = None  # issue #23: the second revision (one layer changed)
     replicas: list[dict[str, Any]] = field(default_factory=list)  # issue #23: once serving
+    # Each node's peer-fetched counter when the split was sent: the report counts from it.
+    peer_bytes_before: dict[str, int] = field(default_factory=dict)
 
     async def split(self) -> dict[str, Any]:
         """Plan the split on the coordinator, wait for every stage, check, report."""
         coordinator = self.cluster.coordinator
+        await self.mark_peer_bytes()
         t0 = time.monotonic()
         response = await coordinator.request(
             {
@@ -177,6 +187,7 @@ class Lab:
         """Make the coordinator serve the package over every node (issue #10); wait until
         its route is ready. Returns the API's base URL, the topology and the seconds taken."""
         coordinator = self.cluster.coordinator
+        await self.mark_peer_bytes()
         t0 = time.monotonic()
         response = await coordinator.request(
             {
@@ -207,6 +218,15 @@ class Lab:
                 )
             await trio.sleep(POLL_S)
 
+    async def mark_peer_bytes(self) -> None:
+        """Remember every node's peer-fetched counter: what the next split receives is the
+        difference (a lab that splits twice, or whose nodes fetched before, counts only it)."""
+        statuses = await self.cluster.statuses()
+        self.peer_bytes_before = {
+            node.node_id: peer_bytes_fetched(status)
+            for node, status in zip(self.cluster.nodes, statuses, strict=True)
+        }
+
     async def report(
         self, topology: dict[str, Any], seconds: float, problems: list[str]
     ) -> dict[str, Any]:
@@ -233,6 +253,8 @@ class Lab:
                     stage,
                     status,
                     check,
+                    replica=replica_of(node.node_id, self.replicas),
+                    peer_bytes_before=self.peer_bytes_before.get(node.node_id, 0),
                 )
             )
         report = build_report(
@@ -436,7 +458,7 @@ async def experiment(lab: Lab) -> dict[str, Any]:
     """The lab's experiment: the split and its transfer report; with ``prompt`` or ``serve``
     (issue #10) the coordinator serves the split, the report gains ``api`` and, with
     ``prompt``, ``prompt`` (one greedy completion through the split)."""
-    from mesh_node.lab.report import predicted_vs_measured
+    from mesh_node.lab.report import predicted_vs_measured, serving_replica
     from mesh_node.serving.report import complete, prompt_report
 
     options = lab.options
@@ -452,7 +474,12 @@ async def experiment(lab: Lab) -> dict[str, Any]:
         completion = await complete(
             api, options.prompt, max_tokens=options.max_tokens, timeout_s=options.timeout_s
         )
-        report["prompt"] = prompt_report(completion, await lab.cluster.statuses())
+        statuses = await lab.cluster.statuses()
+        report["prompt"] = prompt_report(completion, statuses)
+        replicas_now = ((statuses[0] or {}).get("serving") or {}).get("replicas") or []
+        report["prompt"]["replica"] = serving_replica(lab.replicas, replicas_now)
+        for row in report["prompt"]["nodes"]:
+            row["replica"] = replica_of(row["node_id"] or "", replicas_now)
         if options.replicas > 1:
             await across_replicas(lab, report, api)
         report["predicted_vs_measured"] = predicted_vs_measured(
