@@ -410,7 +410,7 @@ def render_report(doc: Mapping[str, Any]) -> str:
         f"{doc['transfer']}{foreign}",
         "",
     ]
-    # Replicas (issue #23): a column says whose stage each node holds (the coordinator's
+    # With replicas, a column says whose stage each node holds (the coordinator's
     # stage 0 is every replica's).
     replicas = bool(doc.get("replicas"))
     head = ("node", "role", "owner", "replica") if replicas else ("node", "role", "owner")
