@@ -4,9 +4,10 @@ A signal (SIGINT, SIGTERM, SIGHUP) cancels the run wherever it is, bring-up incl
 ``finally`` on the way out runs (``open_lab`` stops every node and removes its folder), then
 the command exits 128 + the signal (130, 143, 129). The receiver is opened explicitly, so a
 lab started in the background by a shell, which inherits SIGINT ignored, still stops on
-``kill -INT``. The coordinator's exit ends the run too (``supervised``): nothing the lab does
-can go on without it. What no handler can catch, the lab's own SIGKILL, the nodes notice by
-themselves (their lifeline, ``mesh_node.lifeline``).
+``kill -INT`` (an ignored SIGHUP stays ignored: ``nohup`` asked for that). The coordinator's
+exit ends the run too (``supervised``): nothing the lab does can go on without it. What no
+handler can catch, the lab's own SIGKILL, the nodes notice by themselves (their lifeline,
+``mesh_node.lifeline``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from skippy.errors import Interrupted
 T = TypeVar("T")
 log = logging.getLogger("mesh_node.lab")
 
-SIGNALS: Final = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+SIGNALS: Final = (signal.SIGINT, signal.SIGTERM)
 WATCH_S: Final = 0.5  # how often the lab looks at its nodes' processes
 
 
@@ -34,7 +35,9 @@ async def run_until_signal(body: Callable[[], Awaitable[None]]) -> int | None:
     Signals that come while ``body`` is torn down wait for the teardown, which is bounded
     (``LabCluster.stop``)."""
     stopped_by: list[int] = []
-    with trio.open_signal_receiver(*SIGNALS) as signals:
+    # SIGHUP (the terminal went away) too, unless it is ignored: `nohup` asked for that.
+    hangup = () if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN else (signal.SIGHUP,)
+    with trio.open_signal_receiver(*SIGNALS, *hangup) as signals:
         try:
             async with trio.open_nursery() as nursery:
 
