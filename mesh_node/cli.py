@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from skippy.errors import EXIT_OK, EXIT_USAGE, SkippyError, UsageError
+from skippy.errors import EXIT_OK, EXIT_USAGE, Interrupted, SkippyError, UsageError
 
 PROG = "mesh-node"
 STATUS_TIMEOUT_S = 5.0
@@ -390,8 +390,11 @@ def cmd_lab(args: argparse.Namespace) -> CommandResult:
         out.write(f"status-page {url}\n")
         out.flush()
 
+    printed: list[dict[str, Any]] = []
+
     def on_report(report: dict[str, Any]) -> None:
         # The report once ready: the one JSON document on stdout under --json (issue #18)
+        printed.append(report)
         print(json.dumps(report, indent=2, default=str) if args.json else render(report))
         sys.stdout.flush()
         if report.get("api"):
@@ -400,9 +403,17 @@ def cmd_lab(args: argparse.Namespace) -> CommandResult:
         out.flush()
 
     http = args.http or "127.0.0.1:0"
-    report = _run_trio(
-        lambda: run_lab_with_page(options, http, on_page=on_page, on_report=on_report)
-    )
+    try:
+        report = _run_trio(
+            lambda: run_lab_with_page(options, http, on_page=on_page, on_report=on_report)
+        )
+    except SkippyError as err:
+        if not printed:
+            raise
+        # After its report (stdout's one document), the lab's end is told on stderr only
+        # (its coordinator exited).
+        sys.stderr.write(f"error [{err.code}]: {err.message}\n")
+        return CommandResult(printed[0], "", exit_code=err.exit_code, printed=True)
     return CommandResult(report, "", exit_code=0 if report["ok"] else 1, printed=True)
 
 
@@ -688,6 +699,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.stderr.write(f"error [{err.code}]: {err.message}\n")
             if err.remediation:
                 sys.stderr.write(f"hint: {err.remediation}\n")
+        return err.exit_code
+    except Interrupted as err:  # a signal the command handled: it cleaned up, then said so
+        if as_json:
+            print(json.dumps({"ok": False, "error": err.to_dict()}, indent=2))
+        else:
+            sys.stderr.write(f"error [{err.code}]: {err.message}\n")
         return err.exit_code
     except KeyboardInterrupt:
         sys.stderr.write("interrupted\n")

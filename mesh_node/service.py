@@ -5,12 +5,13 @@ from __future__ import annotations
 import logging
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import trio
 
+from mesh_node import lifeline
 from mesh_node.calibration import compute_cost, load_or_calibrate
 from mesh_node.compute import run_compute
 from mesh_node.control import serve_control
@@ -125,6 +126,29 @@ def make_data_dir(path: Path) -> None:
         ) from None
 
 
+async def _stop_reason(signals: AsyncIterator[int], settings: NodeSettings) -> str:
+    """What ends the node: a signal's name, or why it stops by itself (its data_dir removed,
+    its lab gone: ``mesh_node.lifeline``)."""
+    reason = ""
+    async with trio.open_nursery() as nursery:
+
+        async def on_signal() -> None:
+            nonlocal reason
+            async for signum in signals:
+                reason = signal.Signals(signum).name
+                break
+            nursery.cancel_scope.cancel()
+
+        async def on_lifeline() -> None:
+            nonlocal reason
+            reason = await lifeline.wait_for_reason(settings.data_dir, settings.lab_lock)
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(on_signal)
+        nursery.start_soon(on_lifeline)
+    return reason
+
+
 def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
     out: list[BaseException] = []
     for exc in group.exceptions:
@@ -165,13 +189,11 @@ async def _run_node(
             # waits for it knows the node started.
             sys.stdout.write("".join(f"{line}\n" for line in [f"listening {address}", *lines]))
             sys.stdout.flush()
-            async for signum in signals:
-                log.info("%s: shutting down", signal.Signals(signum).name)
-                # open API requests drain briefly; streams end with a final error event
-                # (a second signal during it is not waited for: the drain is bounded)
-                await serving.drain()
-                await node.close_links()
-                nursery.cancel_scope.cancel()
-                break
+            log.info("%s: shutting down", await _stop_reason(signals, settings))
+            # open API requests drain briefly; streams end with a final error event
+            # (a second signal during it is not waited for: the drain is bounded)
+            await serving.drain()
+            await node.close_links()
+            nursery.cancel_scope.cancel()
     await host.close()
     log.info("stopped")

@@ -202,6 +202,7 @@ NODE_KEYS = frozenset(
         "models",
         "dial_via",  # issue #21: {node id = "ws://HOST:PORT"}: where to dial a given peer
         "calibration",  # issue #21: auto | off: calibrate the stage runtime, advertise it
+        "lab_lock",  # the lab's lifeline: the node stops once nothing holds this file's lock
     }
 )
 
@@ -623,6 +624,9 @@ class NodeSettings:
     # Issue #21: ``mesh-node run`` calibrates the stage runtime (cached in data_dir) and
     # advertises it in its hello, for cost-aware planning; ``calibration = "off"`` skips it.
     calibrate: bool = True
+    # ``mesh-node lab`` holds this file's lock while it runs; the node stops once nobody does
+    # (``mesh_node.lifeline``). None: a node on its own.
+    lab_lock: Path | None = None
 
     @property
     def hub_cache_dir(self) -> Path:
@@ -770,6 +774,7 @@ def node_settings(config: NodeConfig, env: Environment | None = None) -> NodeSet
         http_settings=http_settings(http_table, base, env.api_key),
         security=security_settings(raw.get("security")),
         calibrate=_calibration(env.calibration, raw.get("calibration", "auto")),
+        lab_lock=path_of("lab_lock"),
     )
 
 

@@ -124,10 +124,12 @@ class Interrupted(KeyboardInterrupt):
 
     code = "interrupted"
 
-    def __init__(self, signum: int, name: str) -> None:
+    def __init__(
+        self, signum: int, name: str, cleaned: str = "partial files were removed"
+    ) -> None:
         super().__init__(f"interrupted by {name}")
         self.signum = signum
-        self.message = f"interrupted by {name}; partial files were removed"
+        self.message = f"interrupted by {name}; {cleaned}"
         self.exit_code = 128 + signum
         self.remediation: str | None = None
 

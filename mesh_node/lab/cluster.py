@@ -11,6 +11,11 @@ Extension points: ``NodeSpec.config`` (extra TOML keys, e.g. issue #12's ``http`
 ``NodeSpec.run_args`` (appended to ``mesh-node run``, e.g. ``--http 127.0.0.1:PORT``) and
 ``NodeSpec.env``. A started node's address is written back into its config, so ``restart``
 brings it up where its peers dial it.
+
+The cluster holds ``root/lab.lock`` locked from its construction to ``aclose`` and writes it
+into every config (``lab_lock``): a node stops by itself once nothing holds it, so no node
+outlives the process that runs the cluster, however that process ends
+(``mesh_node.lifeline``). Nodes run in their own process groups, stopped by the cluster only.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from typing import Any, Final
 import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from mesh_node import control
+from mesh_node import control, lifeline
 from mesh_node.errors import MeshError, surfaced
 from mesh_node.identity import (
     issue_certificate,
@@ -46,6 +51,7 @@ START_TIMEOUT_S: Final = 60.0  # interpreter start + imports on a loaded 2-core 
 STOP_TIMEOUT_S: Final = 15.0
 CONTROL_TIMEOUT_S: Final = 10.0
 POLL_S: Final = 0.1
+LOCK_NAME: Final = "lab.lock"  # in the lab's root: the nodes' lifeline
 
 
 class LabError(MeshError):
@@ -134,6 +140,14 @@ class LabCluster:
         self.python = python
         self._owners: dict[str, Ed25519PrivateKey] = {}
         self.nodes = [self._prepare(i, spec) for i, spec in enumerate(specs)]
+        # The nodes' lifeline (``mesh_node.lifeline``): held from here until ``aclose``, and
+        # by the kernel only as long as this process lives, so the nodes stop with the lab
+        # whatever ends it (a SIGKILL too), and so does a node restarted from its config.
+        self._lifeline: int | None = lifeline.hold(self.lock_path)
+
+    @property
+    def lock_path(self) -> Path:
+        return self.root / LOCK_NAME
 
     @property
     def coordinator(self) -> LabNode:
@@ -170,6 +184,7 @@ class LabCluster:
         if node is not first and first.url is not None:
             values["peers"] = [first.url]
         values.update(node.spec.config)
+        values["lab_lock"] = str(self.lock_path)
         node.config_path.write_text(_toml(values))
 
     def environment(self, node: LabNode) -> dict[str, str]:
@@ -239,6 +254,10 @@ class LabCluster:
                 stdout=out,
                 stderr=err,
                 env=self.environment(node),
+                # Its own process group: a terminal's Ctrl-C (or `timeout`'s signal to its
+                # group) reaches the lab alone, which stops the nodes in order; the lifeline
+                # covers the lab's own death.
+                process_group=0,
             )
         with trio.move_on_after(START_TIMEOUT_S):
             while True:
@@ -285,11 +304,15 @@ class LabCluster:
         return proc.returncode
 
     async def aclose(self) -> None:
-        """Stop every node (shielded: also on Ctrl-C and on cancellation)."""
+        """Stop every node (shielded: also on Ctrl-C and on cancellation), then let go of
+        the lifeline (a node that outlived its stop, or was started by hand, stops too)."""
         with trio.CancelScope(shield=True):
             async with trio.open_nursery() as nursery:
                 for node in self.nodes:
                     nursery.start_soon(self.stop, node.index)
+        if self._lifeline is not None:
+            os.close(self._lifeline)
+            self._lifeline = None
 
     # --- waiting --------------------------------------------------------------------------------
     async def statuses(self) -> list[dict[str, Any] | None]:

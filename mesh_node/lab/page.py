@@ -3,7 +3,8 @@
 
 The coordinator runs with ``--http``; its page address is announced as soon as it listens (so
 the split can be watched while artifacts move), the report follows, and the lab stays up
-until SIGINT or SIGTERM (at any point), then is torn down like any lab.
+until SIGINT or SIGTERM (at any point) or its coordinator's exit, then is torn down like any
+lab (``mesh_node.lab.lifetime``).
 """
 
 from __future__ import annotations
@@ -12,11 +13,13 @@ import dataclasses
 import math
 import signal
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Final
 
 import trio
 
 from mesh_node.lab.cluster import LabError, LabNode
+from mesh_node.lab.lifetime import interrupted, run_until_signal, supervised
 from mesh_node.lab.run import LabOptions, experiment, open_lab
 
 PAGE_PREFIX: Final = "status-page "  # the line `mesh-node run --http` prints when serving
@@ -54,28 +57,29 @@ async def run_lab_with_page(
 
     options = dataclasses.replace(options, run_args=run_args)
     reports: list[dict[str, Any]] = []  # the report, once made (a signal may come first)
-    stopped_by: list[int] = []
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(_cancel_on_signal, nursery.cancel_scope, stopped_by)
-        async with open_lab(options) as lab:  # stops every node even when cancelled
-            url = await page_url(lab.cluster.coordinator)
-            on_page(url)
-            report = await experiment(lab)
-            report["status_page"] = url
-            report["root"] = str(lab.cluster.root) if options.keep else None
-            reports.append(report)
-            on_report(report)
-            await trio.sleep(math.inf)  # until SIGINT/SIGTERM cancels the nursery
-    if not reports or (options.serve and stopped_by == [signal.SIGINT]):
+    root: list[Path] = []
+
+    async def body() -> None:
+        async with open_lab(options) as lab:  # stops every node, however the body ends
+            root.append(lab.cluster.root)
+
+            async def until_stopped() -> None:
+                url = await page_url(lab.cluster.coordinator)
+                on_page(url)
+                report = await experiment(lab)
+                report["status_page"] = url
+                report["root"] = str(lab.cluster.root) if options.keep else None
+                reports.append(report)
+                on_report(report)
+                await trio.sleep(math.inf)  # until a signal, or the coordinator's exit
+
+            await supervised(lab.cluster, until_stopped)
+
+    signum = await run_until_signal(body)
+    if signum is None or not reports:
+        raise interrupted(signum or signal.SIGINT, options.keep, root[0] if root else None)
+    if options.serve and signum == signal.SIGINT:
         # Ctrl-C of a serving lab (issue #18): exit 130 like a plain lab's; the report was
         # printed when it was made. A page-only lab (--http) exits 0 on a good report.
         raise KeyboardInterrupt
     return reports[0]
-
-
-async def _cancel_on_signal(scope: trio.CancelScope, stopped_by: list[int]) -> None:
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async for signum in signals:
-            stopped_by.append(signum)
-            scope.cancel()
-            return

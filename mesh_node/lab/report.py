@@ -51,6 +51,37 @@ class NodeFacts:
     status: Mapping[str, Any] | None  # its status document at the end (None: not answering)
     check: CacheCheck | None = None  # workers only
     problems: list[str] = field(default_factory=list)
+    replica: int | None = None  # serving replicas: the one whose stage it holds
+    peer_bytes_before: int = 0  # its peer-fetched counter when the split was sent
+
+
+def peer_bytes_fetched(status: Mapping[str, Any] | None) -> int:
+    """Every byte a node received from peers since it started, kept or not (its counter)."""
+    counters = ((status or {}).get("transfers") or {}).get("counters") or {}
+    return int((counters.get("fetched_bytes") or {}).get("peer") or 0)
+
+
+def replica_of(node_id: str, replicas: Sequence[Mapping[str, Any]]) -> int | None:
+    """The replica whose worker ``node_id`` is (``None``: the coordinator, which holds stage
+    0 of every replica, a spare, or a lab that serves no replicas)."""
+    for r in replicas:
+        if node_id in list(r.get("nodes") or [])[1:]:
+            return int(r["replica"])
+    return None
+
+
+def serving_replica(
+    before: Sequence[Mapping[str, Any]], after: Sequence[Mapping[str, Any]]
+) -> int | None:
+    """The replica that took one request, from each replica's ``requests_total`` before and
+    after it (``None`` unless exactly one grew: a request replayed on a second replica)."""
+    counts = {int(r["replica"]): int(r.get("requests_total") or 0) for r in before}
+    grew = [
+        int(r["replica"])
+        for r in after
+        if int(r.get("requests_total") or 0) > counts.get(int(r["replica"]), 0)
+    ]
+    return grew[0] if len(grew) == 1 else None
 
 
 def _latest_fetches(status: Mapping[str, Any] | None) -> dict[str, Mapping[str, Any]]:
@@ -114,6 +145,10 @@ def node_report(facts: NodeFacts, topology_id: str) -> dict[str, Any]:
         "artifacts": artifacts,
         # issue #23: what this node sent to its peers (a swarm spreads it over the holders)
         "served_bytes": ((transfers.get("counters") or {}).get("served_bytes") or 0),
+        # every byte it received from peers for this split, also those it did not keep (a
+        # transfer a dropped link cut short and the hub then sent whole, duplicate chunks)
+        "peer_bytes_received": max(0, peer_bytes_fetched(status) - facts.peer_bytes_before),
+        "replica": facts.replica,
     }
     if facts.check is not None:
         out.update(
@@ -156,6 +191,7 @@ def build_report(
         for source in ("peer", "hub", "cache")
     }
     moved = totals["peer"] + totals["hub"]
+    received = sum(r["peer_bytes_received"] for r in rows if r["role"] == "worker")
     coordinator = next((n for n in nodes if n.role == "coordinator"), None)
     counters = (
         ((coordinator.status or {}).get("transfers") or {}).get("counters", {})
@@ -174,6 +210,8 @@ def build_report(
             "peer_bytes": totals["peer"],
             "hub_bytes": totals["hub"],
             "cache_bytes": totals["cache"],
+            # received from peers but not kept: the links carried it, the files did not
+            "peer_bytes_discarded": max(0, received - totals["peer"]),
             "mb_per_s": round(moved / seconds / 1e6, 1) if seconds > 0 and moved else None,
         },
         "coordinator": {
@@ -433,14 +471,22 @@ def render_report(doc: Mapping[str, Any]) -> str:
         f"{doc['transfer']}{foreign}",
         "",
     ]
-    nodes = [("node", "role", "owner", "stage", "layers", "state", "report")]
+    # With replicas, a column says whose stage each node holds (the coordinator's
+    # stage 0 is every replica's).
+    replicas = bool(doc.get("replicas"))
+    head = ("node", "role", "owner", "replica") if replicas else ("node", "role", "owner")
+    nodes: list[tuple[str, ...]] = [(*head, "stage", "layers", "state", "report")]
     for n in _by_stage(doc["nodes"]):
         layers = "-" if n["layer_start"] is None else f"{n['layer_start']}..{n['layer_end']}"
+        replica = n.get("replica")
+        if replica is None:
+            replica = "all" if n["role"] == "coordinator" else "-"
         nodes.append(
             (
                 n["node_id"][:12],
                 n["role"],
                 n["owner"],
+                *((str(replica),) if replicas else ()),
                 "-" if n["stage_index"] is None else str(n["stage_index"]),
                 layers,
                 n["state"] or "-",
@@ -450,7 +496,11 @@ def render_report(doc: Mapping[str, Any]) -> str:
     lines += [*_table(nodes), ""]
     for r in doc.get("replicas") or []:  # issue #23 item 1
         workers = ", ".join(n[:12] for n in r["nodes"][1:]) or "-"
-        lines.append(f"replica {r['replica']}: {r['state']}, workers {workers}")
+        served = r.get("requests_total")
+        lines.append(
+            f"replica {r['replica']}: {r['state']}, workers {workers}"
+            + ("" if served is None else f", {served} request(s)")
+        )
     if doc.get("replicas"):
         lines.append("")
     arts = [("node", "artifact", "bytes", "source", "verified", "why not from the peer")]
@@ -479,6 +529,11 @@ def render_report(doc: Mapping[str, Any]) -> str:
         f"workers received: peer {human_bytes(t['peer_bytes'])}, hub {human_bytes(t['hub_bytes'])}"
         f", already cached {human_bytes(t['cache_bytes'])}; {doc['seconds']:.2f} s{rate}"
     )
+    if t.get("peer_bytes_discarded"):
+        lines.append(
+            f"  and {human_bytes(t['peer_bytes_discarded'])} from peers that were not kept "
+            "(transfers cut short, then fetched again; chunks received twice)"
+        )
     lines += render_links(doc.get("links"))
     lines += render_revision_change(doc.get("revision_change"), doc.get("first_revision"))
     lines += render_plan(doc)

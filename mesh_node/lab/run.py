@@ -41,7 +41,14 @@ from mesh_node.lab.package import (
     publish_directory,
     revise_directory,
 )
-from mesh_node.lab.report import CacheCheck, NodeFacts, build_report, revision_change
+from mesh_node.lab.report import (
+    CacheCheck,
+    NodeFacts,
+    build_report,
+    peer_bytes_fetched,
+    replica_of,
+    revision_change,
+)
 from mesh_node.packages import manifest_speculation
 from skippy.config import ArtifactTransfer, read_environment
 from skippy.constants import MANIFEST_NAME
@@ -152,10 +159,13 @@ class Lab:
     revision: LabPackage | None = None  # issue #23: the second revision (one layer changed)
     replicas: list[dict[str, Any]] = field(default_factory=list)  # issue #23: once serving
     speculative: SpeculativePlan | None = None  # the plan the coordinator serves with
+    # Each node's peer-fetched counter when the split was sent: the report counts from it.
+    peer_bytes_before: dict[str, int] = field(default_factory=dict)
 
     async def split(self) -> dict[str, Any]:
         """Plan the split on the coordinator, wait for every stage, check, report."""
         coordinator = self.cluster.coordinator
+        await self.mark_peer_bytes()
         t0 = time.monotonic()
         response = await coordinator.request(
             {
@@ -184,6 +194,7 @@ class Lab:
         """Make the coordinator serve the package over every node (issue #10); wait until
         its route is ready. Returns the API's base URL, the topology and the seconds taken."""
         coordinator = self.cluster.coordinator
+        await self.mark_peer_bytes()
         t0 = time.monotonic()
         response = await coordinator.request(
             {
@@ -221,6 +232,15 @@ class Lab:
                 )
             await trio.sleep(POLL_S)
 
+    async def mark_peer_bytes(self) -> None:
+        """Remember every node's peer-fetched counter: what the next split receives is the
+        difference (a lab that splits twice, or whose nodes fetched before, counts only it)."""
+        statuses = await self.cluster.statuses()
+        self.peer_bytes_before = {
+            node.node_id: peer_bytes_fetched(status)
+            for node, status in zip(self.cluster.nodes, statuses, strict=True)
+        }
+
     async def report(
         self, topology: dict[str, Any], seconds: float, problems: list[str]
     ) -> dict[str, Any]:
@@ -247,6 +267,8 @@ class Lab:
                     stage,
                     status,
                     check,
+                    replica=replica_of(node.node_id, self.replicas),
+                    peer_bytes_before=self.peer_bytes_before.get(node.node_id, 0),
                 )
             )
         report = build_report(
@@ -269,7 +291,14 @@ class Lab:
         the split whole (the problem, with its code); at the deadline, the problem."""
         tid = topology["topology_id"]
         nodes = {n.node_id: n for n in self.cluster.nodes}
-        wanted = [nodes[s["node_id"]] for s in topology["stages"] if s["node_id"] in nodes]
+        # A worker that did not accept the topology (refused, or its ack lost with its link)
+        # will never report its stage: the split's problems already name it.
+        acks = topology.get("acks", {})
+        wanted = [
+            nodes[s["node_id"]]
+            for s in topology["stages"]
+            if s["node_id"] in nodes and acks.get(s["node_id"], "accepted") == "accepted"
+        ]
         while time.monotonic() < deadline:
             statuses = await self.cluster.statuses()
             if all(_stage_done(statuses[n.index], tid) or not n.running for n in wanted):
@@ -379,6 +408,7 @@ async def open_lab(options: LabOptions) -> AsyncIterator[Lab]:
         if any(root.iterdir()):
             raise UsageError(f"lab folder {root} is not empty", code="output_exists")
     lab_hub: FakeHub | None = None
+    cluster: LabCluster | None = None
     try:
         ref = parse_package_ref(options.package)
         revision_text = None
@@ -439,6 +469,8 @@ async def open_lab(options: LabOptions) -> AsyncIterator[Lab]:
             finally:
                 await cluster.aclose()
     finally:
+        if cluster is not None:  # also when it never started (its lock is let go)
+            await cluster.aclose()
         if lab_hub is not None:
             lab_hub.stop()
         if not options.keep:
@@ -472,7 +504,7 @@ async def experiment(lab: Lab) -> dict[str, Any]:
     the coordinator serves the split, the report gains ``api``, ``speculative``
     (the strategy served with and its acceptance) and, with ``prompt``, ``prompt`` (one
     greedy completion through the split)."""
-    from mesh_node.lab.report import predicted_vs_measured, speculative_report
+    from mesh_node.lab.report import predicted_vs_measured, serving_replica, speculative_report
     from mesh_node.serving.report import complete, prompt_report
 
     options = lab.options
@@ -488,7 +520,12 @@ async def experiment(lab: Lab) -> dict[str, Any]:
         completion = await complete(
             api, options.prompt, max_tokens=options.max_tokens, timeout_s=options.timeout_s
         )
-        report["prompt"] = prompt_report(completion, await lab.cluster.statuses())
+        statuses = await lab.cluster.statuses()
+        report["prompt"] = prompt_report(completion, statuses)
+        replicas_now = ((statuses[0] or {}).get("serving") or {}).get("replicas") or []
+        report["prompt"]["replica"] = serving_replica(lab.replicas, replicas_now)
+        for row in report["prompt"]["nodes"]:
+            row["replica"] = replica_of(row["node_id"] or "", replicas_now)
     if lab.speculative is not None:  # the prompt's drafts (before the replicas' requests)
         serving = (await lab.cluster.coordinator.status()).get("serving")
         report["speculative"] = speculative_report(lab.speculative, serving)
@@ -583,11 +620,25 @@ LAB_ENV: Final = ("XDG_CACHE_HOME", "HF_HOME", "HF_HUB_CACHE", "HF_ENDPOINT")
 
 
 async def run_lab(options: LabOptions) -> dict[str, Any]:
-    """The whole experiment: bring the lab up, split (and serve), report, tear down."""
-    async with open_lab(options) as lab:
-        report = await experiment(lab)
-        report["root"] = str(lab.cluster.root) if options.keep else None
-        return report
+    """The whole experiment: bring the lab up, split (and serve), report, tear down. A
+    signal at any point tears it down and raises ``Interrupted``; the coordinator's exit, a
+    ``LabError`` (``mesh_node.lab.lifetime``)."""
+    from mesh_node.lab.lifetime import interrupted, run_until_signal, supervised
+
+    reports: list[dict[str, Any]] = []
+    root: list[Path] = []
+
+    async def body() -> None:
+        async with open_lab(options) as lab:
+            root.append(lab.cluster.root)
+            report = await supervised(lab.cluster, partial(experiment, lab))
+            report["root"] = str(lab.cluster.root) if options.keep else None
+            reports.append(report)
+
+    signum = await run_until_signal(body)
+    if signum is not None:
+        raise interrupted(signum, options.keep, root[0] if root else options.root)
+    return reports[0]
 
 
 __all__ = ["Lab", "LabError", "LabOptions", "experiment", "node_specs", "open_lab", "run_lab"]

@@ -89,9 +89,15 @@ def render_prompt_report(doc: dict[str, Any]) -> str:
         f"{rate(doc['decode_tokens_per_s'])} tok/s, first token "
         f"{1000 * (doc['time_to_first_token_s'] or 0):.0f} ms",
     ]
+    # Replicas (the lab's ``replica`` keys): which one served, and each worker's.
+    several = len({n.get("replica") for n in doc["nodes"] if n.get("replica") is not None}) > 1
+    if several:
+        served = doc.get("replica")
+        lines.append(f"replica  {'?' if served is None else served} served this completion")
     for n in doc["nodes"]:
+        tag = f" (replica {n['replica']})" if several and n.get("replica") is not None else ""
         lines.append(
-            f"  stage {n['stage_index']}: layers {n['layer_start']}..{n['layer_end']} on "
+            f"  stage {n['stage_index']}{tag}: layers {n['layer_start']}..{n['layer_end']} on "
             f"{(n['node_id'] or '?')[:12]}, {n['artifact_bytes'] / 2**20:.1f} MiB held, peak RSS "
             f"{n['peak_rss_bytes'] / 2**20:.0f} MiB"
         )
