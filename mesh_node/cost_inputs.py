@@ -3,8 +3,13 @@ running coordinator, and the plan it makes for real.
 
 - Compute: each capable node's calibration (``ComputeCost`` from its hello; this node's own
   from ``mesh_node.calibration``), seconds per layer per token measured on layers of
-  ``layer_bytes`` bytes, scaled to the package's mean layer bytes (decode is bound by reading
-  the weights, so time per layer follows its bytes).
+  ``layer_bytes`` bytes, scaled to the package's mean layer *active* bytes: decode is bound
+  by reading the weights, so time per layer follows the bytes a token reads. For a dense
+  model that is every byte; a mixture of experts reads its dense tensors and only
+  ``expert_used_count`` of ``expert_count`` routed experts (``skippy.package.experts``), so
+  its layers are predicted from those bytes, not from what they hold. The calibration model
+  is dense: this assumes a routed expert's bytes cost what a dense matrix's bytes cost
+  (ggml's ``mul_mat_id`` reads each selected expert's rows once, as ``mul_mat`` does).
   The output head is weighed the same way on the node holding the last stage.
 - Links: the one-way latency of every link this node measured: half the least of its last
   heartbeat RTTs (``Link.rtt_min_s``; one sample can carry a loaded peer's delay). A
@@ -53,8 +58,8 @@ class CostInputs:
 
     def assumptions(self) -> dict[str, str]:
         compute = (
-            "calibrated: each node's hello (seconds per layer per token, scaled to this "
-            "package's layer bytes)"
+            "calibrated: each node's hello (seconds per layer per token, scaled to the "
+            "bytes a token reads of this package's layers: its active bytes)"
             if not self.uncalibrated
             else f"{len(self.uncalibrated)} node(s) uncalibrated: assumed "
             f"{UNCALIBRATED_S_PER_LAYER * 1000:g} ms per layer per token"
@@ -67,8 +72,9 @@ class CostInputs:
 
 
 def per_layer_s(compute: ComputeCost, sizes: ModelSizes) -> float:
-    """A node's decode seconds per layer per token for ``sizes``' layers."""
-    mean = sum(sizes.layer_bytes) / max(1, sizes.layer_count)
+    """A node's decode seconds per layer per token for ``sizes``' layers: the calibrated
+    figure scaled to the mean bytes a token reads of a layer (its active bytes)."""
+    mean = sum(sizes.active_bytes) / max(1, sizes.layer_count)
     return compute.decode_s_per_layer * max(mean, 1.0) / compute.layer_bytes
 
 

@@ -17,7 +17,7 @@ def package_identity(settings: NodeSettings, text: str) -> tuple[str, str, Any, 
     """(pinned package ref, manifest SHA-256, per-artifact sizes, model id)."""
     from skippy.consume.resolve import open_package
     from skippy.package.refs import HfPackageRef, parse_package_ref
-    from skippy.produce.sizes import sizes_from_manifest
+    from skippy.produce.sizes import sizes_from_package
 
     ref = parse_package_ref(text)
     env = replace(read_environment(), hf_cache_dir=settings.hub_cache_dir)
@@ -29,7 +29,10 @@ def package_identity(settings: NodeSettings, text: str) -> tuple[str, str, Any, 
         if isinstance(ref, HfPackageRef)
         else str(pkg.root.resolve())
     )
-    return pinned, pkg.manifest_sha256, sizes_from_manifest(pkg.manifest), pkg.manifest.model_id
+    # A mixture of experts' active bytes come from its headers when they are here (a local
+    # package, a fetched hub snapshot); otherwise the plan counts every byte as read.
+    sizes = sizes_from_package(pkg.root, pkg.manifest, containment_root=pkg.containment_root)
+    return pinned, pkg.manifest_sha256, sizes, pkg.manifest.model_id
 
 
 def package_speculation(

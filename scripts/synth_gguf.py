@@ -58,6 +58,7 @@ __all__ = [
     "imatrix",
     "llama_like",
     "main",
+    "moe_like",
     "nextn_like",
     "projector",
     "qwen2_like",
@@ -552,6 +553,94 @@ def uncovered_like(
     d = _Dims(n_layers, width, ff, vocab)
     kvs = _llama_kvs(arch, f"synth {arch}-like", d)
     return _write_model(Path(path), arch, kvs, _llama_tensors(d), seed, alignment)
+
+
+# --- a mixture of experts, for size accounting and MoE validation -----------------------------
+def moe_like(
+    path: str | Path,
+    *,
+    experts: int = 4,
+    used: int = 2,
+    n_layers: int = 2,
+    width: int = 64,
+    expert_ff: int = 64,
+    vocab: int = 64,
+    dense_layers: int = 0,
+    shared_ff: int = 0,
+    seed: int = 0,
+    meta_experts: int | None = None,
+    omit_expert_count: bool = False,
+    meta_expert_ff: int | None = None,
+    router_shape: tuple[int, ...] | None = None,
+    expert_dim: int | None = None,
+) -> Path:
+    """A qwen3moe-shaped mixture of experts, for size accounting and MoE validation tests
+    only (not a model to run: a richer generator of runnable MoE families lives elsewhere).
+
+    Each layer: qwen3 attention (per-head q/k norms), a router ``ffn_gate_inp`` (F32,
+    ``[width, experts]``) and routed experts ``ffn_{gate,up,down}_exps`` (rank 3, experts
+    last; Q8_0, F16 and Q4_0 so their bytes differ). ``dense_layers``: the first N layers
+    have a dense FFN instead (``ffn_{gate,up,down}``, ``expert_ff`` wide); ``shared_ff`` > 0
+    adds shared experts ``ffn_{gate,up,down}_shexp``. Metadata: ``expert_count`` =
+    ``meta_experts`` (default ``experts``; left out with ``omit_expert_count``),
+    ``expert_used_count`` = ``used``, ``expert_feed_forward_length`` = ``meta_expert_ff``
+    (default ``expert_ff``). Malformed variants: ``router_shape`` (GGUF order) and
+    ``expert_dim`` (the experts dimension every expert tensor is written with)."""
+    head_dim = 16
+    _check_dims(width, expert_ff, n_layers, vocab, head_dim)
+    d = _Dims(n_layers, width, expert_ff, vocab, head_dim=head_dim)
+    w, hd, e = width, head_dim, experts if expert_dim is None else expert_dim
+    q, kv = d.n_head * hd, d.n_head_kv * hd
+    tensors = [
+        _Tensor("token_embd.weight", (w, vocab), Q.Q8_0),
+        _Tensor("output_norm.weight", (w,), Q.F32, norm=True),
+        _Tensor("output.weight", (w, vocab), Q.Q8_0),
+    ]
+    for i in range(n_layers):
+        p = f"blk.{i}."
+        tensors += [
+            _Tensor(p + "attn_norm.weight", (w,), Q.F32, norm=True),
+            _Tensor(p + "attn_q.weight", (w, q), Q.Q8_0),
+            _Tensor(p + "attn_k.weight", (w, kv), Q.Q8_0),
+            _Tensor(p + "attn_v.weight", (w, kv), Q.Q8_0),
+            _Tensor(p + "attn_output.weight", (q, w), Q.Q8_0),
+            _Tensor(p + "attn_q_norm.weight", (hd,), Q.F32, norm=True),
+            _Tensor(p + "attn_k_norm.weight", (hd,), Q.F32, norm=True),
+            _Tensor(p + "ffn_norm.weight", (w,), Q.F32, norm=True),
+        ]
+        if i < dense_layers:
+            tensors += [
+                _Tensor(p + "ffn_gate.weight", (w, expert_ff), Q.Q8_0),
+                _Tensor(p + "ffn_up.weight", (w, expert_ff), Q.F16),
+                _Tensor(p + "ffn_down.weight", (expert_ff, w), Q.Q4_0),
+            ]
+            continue
+        tensors += [
+            _Tensor(p + "ffn_gate_inp.weight", router_shape or (w, experts), Q.F32),
+            _Tensor(p + "ffn_gate_exps.weight", (w, expert_ff, e), Q.Q8_0),
+            _Tensor(p + "ffn_up_exps.weight", (w, expert_ff, e), Q.F16),
+            _Tensor(p + "ffn_down_exps.weight", (expert_ff, w, e), Q.Q4_0),
+        ]
+        if shared_ff:
+            tensors += [
+                _Tensor(p + "ffn_gate_shexp.weight", (w, shared_ff), Q.Q8_0),
+                _Tensor(p + "ffn_up_shexp.weight", (w, shared_ff), Q.Q8_0),
+                _Tensor(p + "ffn_down_shexp.weight", (shared_ff, w), Q.Q8_0),
+            ]
+    a = "qwen3moe."
+    kvs = _llama_kvs("qwen3moe", "synth qwen3moe-like", d)
+    kvs += [
+        (a + "attention.key_length", hd, V.UINT32, None),
+        (a + "attention.value_length", hd, V.UINT32, None),
+        (a + "expert_used_count", used, V.UINT32, None),
+        (a + "expert_feed_forward_length", meta_expert_ff or expert_ff, V.UINT32, None),
+    ]
+    if not omit_expert_count:
+        count = experts if meta_experts is None else meta_experts
+        kvs.append((a + "expert_count", count, V.UINT32, None))
+    if shared_ff:
+        kvs.append((a + "expert_shared_feed_forward_length", shared_ff, V.UINT32, None))
+    return _write_model(Path(path), "qwen3moe", kvs, tensors, seed, None)
 
 
 def split_set(

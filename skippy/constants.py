@@ -107,6 +107,18 @@ def arch_key(arch: str, name: str) -> str:
     return f"{arch}.{name}"
 
 
+# --- mixture of experts (gguf-py's Keys.LLM and TENSOR_NAMES; tests/test_experts.py checks) ------
+# Per-architecture keys, each ``arch_key(arch, name)``.
+EXPERT_COUNT_KEY: Final = "expert_count"
+EXPERT_USED_COUNT_KEY: Final = "expert_used_count"
+EXPERT_FF_LENGTH_KEY: Final = "expert_feed_forward_length"
+EMBEDDING_LENGTH_KEY: Final = "embedding_length"
+# Routed experts: one tensor holds every expert's matrix, the experts along its last GGUF
+# dimension (ne2 of a weight, ne1 of a bias). ``gate_up`` is the fused gate and up projection.
+EXPERT_TENSOR_KINDS: Final = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_up_exps")
+ROUTER_TENSOR_KIND: Final = "ffn_gate_inp"  # (width, expert_count): one logit per expert
+
+
 # --- environment (read only through skippy.config) ----------------------------------------------
 ENV_VERIFY_PACKAGE_SHA: Final = "SKIPPY_VERIFY_PACKAGE_SHA"
 

@@ -284,7 +284,9 @@ def test_the_moe_refusal_says_what_is_supported_and_what_to_do(
     load: StageLoad, tmp_path: Path
 ) -> None:
     def experts(kvs: list, ts: list[Tensor]) -> tuple[list, list[Tensor], dict[str, Any]]:
-        return _set_kv(kvs, "llama.expert_count", 8), ts, {}
+        # Well-formed MoE keys (8 experts, 2 per token): malformed ones have their own codes.
+        kvs = _set_kv(kvs, "llama.expert_count", 8)
+        return _set_kv(kvs, "llama.expert_used_count", 2), ts, {}
 
     moe = _hostile(load, tmp_path, 0, experts)
     with pytest.raises(SkippyError) as e:

@@ -319,6 +319,26 @@ def cmd_verify_v2(args: argparse.Namespace) -> CommandResult:
     return CommandResult(data=data, text=json.dumps(data))
 
 
+def _model_lines(data: dict[str, Any]) -> list[str]:
+    """inspect's lines on a whole model: the stage runtime's verdict, experts, parameters."""
+    lines = []
+    rt = data.get("stage_runtime")
+    if rt is not None:
+        verdict = "yes" if rt["runs"] else f"no ({rt['code']}: {field_text(rt['reason'])})"
+        lines.append(f"  stage runtime: {verdict}")
+    ex = data.get("experts")
+    if ex is not None:
+        moe = f"{ex['expert_count']} ({ex['expert_used_count']} used per token)"
+        lines.append(f"  experts: {moe if ex['moe'] else 'none'}")
+    params = data.get("parameters")
+    if params is not None:
+        lines.append(
+            f"  parameters: total {params['total']:,}, active per token "
+            f"{params['active_per_token']:,}"
+        )
+    return lines
+
+
 def _package_lines(data: dict[str, Any]) -> list[str]:
     src = data["source_model"]
     lines = [
@@ -329,6 +349,7 @@ def _package_lines(data: dict[str, Any]) -> list[str]:
         f"tied embeddings: {_yes_no(data['tied_embeddings'])}  "
         f"ABI: {_known(data['skippy_abi_version'] or None)}",
         f"  total: {human_bytes(data['total_bytes'])}",
+        *_model_lines(data),
     ]
     if data.get("schema_version") == 2:
         lines.insert(1, f"  schema 2, package_id {data['package_id']}")
@@ -381,6 +402,7 @@ def _gguf_lines(data: dict[str, Any]) -> list[str]:
         f"{field_text(name)}: {', '.join(what)}",
         f"  {data['tensor_count']} tensors, {human_bytes(data['tensor_bytes'])}, "
         f"{data['kv_count']} KV pairs",
+        *_model_lines(data),
     ]
     if data["tensors"]:
         width = max(40, *(len(field_text(t["name"])) for t in data["tensors"]))
@@ -396,23 +418,24 @@ def _gguf_lines(data: dict[str, Any]) -> list[str]:
 
 def cmd_inspect(args: argparse.Namespace) -> CommandResult:
     from skippy.produce.inspect import inspect_gguf, inspect_package
+    from skippy.runtime.support import support_verdict
 
     path: Path = args.path
     if path.is_dir():
-        data = inspect_package(path)
+        data = inspect_package(path, verdict=support_verdict)
         return CommandResult(data=data, text="\n".join(_package_lines(data)))
-    data = inspect_gguf(require_file(path, "GGUF"))
+    data = inspect_gguf(require_file(path, "GGUF"), verdict=support_verdict)
     return CommandResult(data=data, text="\n".join(_gguf_lines(data)))
 
 
 def cmd_plan(args: argparse.Namespace) -> CommandResult:
     from skippy.package.plan import plan_stages
     from skippy.produce.inspect import read_manifest
-    from skippy.produce.sizes import sizes_from_manifest, sizes_from_source
+    from skippy.produce.sizes import sizes_from_package, sizes_from_source
 
     path: Path = args.path
     if path.is_dir():
-        sizes, key = sizes_from_manifest(read_manifest(path)), "package"
+        sizes, key = sizes_from_package(path, read_manifest(path)), "package"
     else:
         sizes, key = sizes_from_source(require_file(path, "GGUF")), "source"
     stages = plan_stages(sizes, args.stages, args.balance)
@@ -425,7 +448,12 @@ def cmd_plan(args: argparse.Namespace) -> CommandResult:
     }
     noun = "stage" if len(stages) == 1 else "stages"
     lines = [f"{len(stages)} {noun} over {sizes.layer_count} layers (balance: {args.balance})"]
-    lines.append(f"  {'stage':>5}  {'layers':<13} {'count':>5}  {'bytes':>10}  holds")
+    active = f"  {'active':>10}" if sizes.moe else ""
+    if sizes.moe:
+        lines.append(
+            "  mixture of experts: a stage holds all its bytes; a token reads its active bytes"
+        )
+    lines.append(f"  {'stage':>5}  {'layers':<13} {'count':>5}  {'bytes':>10}{active}  holds")
     for s in stages:
         d = s.to_dict()
         held = [
@@ -433,9 +461,10 @@ def cmd_plan(args: argparse.Namespace) -> CommandResult:
             for name, on in (("embeddings", d["holds_embeddings"]), ("output", d["owns_output"]))
             if on
         ]
+        read = f"  {human_bytes(d['active_bytes']):>10}" if sizes.moe else ""
         lines.append(
             f"  {s.index:>5}  {s.layers!s:<13} {len(s.layers):>5}  "
-            f"{human_bytes(s.bytes):>10}  {', '.join(['metadata', *held])}"
+            f"{human_bytes(s.bytes):>10}{read}  {', '.join(['metadata', *held])}"
         )
     return CommandResult(data=data, text="\n".join(lines))
 

@@ -8,11 +8,16 @@ and stays the default; this module ranks alternatives by predicted decode time p
             + sum over hops of the one-way latency (stage i -> i+1, and the last stage back
               to stage 0, which holds the sampler)
 
-subject to memory (each stage's bytes within its node's budget). Every stage count, node
-choice and order is a candidate (exhaustively up to ``MAX_EXHAUSTIVE_NODES`` nodes); each
-stage's layer count is proportional to its node's speed, so a faster node takes a heavier
-range. ``plan_by_cost`` returns every candidate, best first, each with its prediction and,
-when it does not fit, why: what ``mesh-node topology --dry-run --json`` is meant to print.
+subject to memory (each stage's bytes within its node's budget). A stage's "layers" are
+counted by the bytes a token reads (``ModelSizes.layer_weight``: its active bytes over the
+mean layer's): its layer count for a dense model of equal layers; for a mixture of experts
+only the share of the routed experts a token uses counts, so a MoE stage is predicted faster
+than a dense stage of the same bytes, while its memory is still all of its bytes. Every
+stage count, node choice and order is a candidate (exhaustively up to
+``MAX_EXHAUSTIVE_NODES`` nodes); each stage's layer count is proportional to its node's
+speed, so a faster node takes a heavier range. ``plan_by_cost`` returns every candidate, best
+first, each with its prediction and, when it does not fit, why: what ``mesh-node topology
+--dry-run --json`` is meant to print.
 """
 
 from __future__ import annotations
@@ -67,6 +72,8 @@ class Candidate:
     compute_s: float
     hops_s: float
     problem: str | None = None  # why it does not fit (None: it fits)
+    stage_bytes: tuple[int, ...] = ()  # what each stage holds (its memory)
+    stage_active_bytes: tuple[int, ...] = ()  # what each stage reads per token (its time)
 
     @property
     def predicted_s(self) -> float:
@@ -85,6 +92,8 @@ class Candidate:
             "hops_ms": round(self.hops_s * 1000, 3),
             "fits": self.fits,
             "problem": self.problem,
+            "stage_bytes": list(self.stage_bytes),
+            "stage_active_bytes": list(self.stage_active_bytes),
         }
 
 
@@ -126,8 +135,9 @@ def predict(
 ) -> Candidate:
     """The prediction for a given assignment (``order[i]`` runs ``ranges[i]``): what a
     planned candidate gets, and what a healed or restored topology is re-predicted with."""
-    counts = [len(r) for r in ranges]
-    compute = sum(c * n.decode_s_per_layer for c, n in zip(counts, order, strict=True))
+    compute = sum(
+        sizes.layer_weight(r) * n.decode_s_per_layer for r, n in zip(ranges, order, strict=True)
+    )
     compute += order[-1].head_s if order else 0.0
     ids = [n.node_id for n in order]
     hops = 0.0
@@ -143,7 +153,15 @@ def predict(
                 f"{r} ({need} bytes, budget {n.memory_budget_bytes})"
             )
             break
-    return Candidate(tuple(ids), tuple(ranges), compute, hops, problem)
+    return Candidate(
+        tuple(ids),
+        tuple(ranges),
+        compute,
+        hops,
+        problem,
+        tuple(sizes.stage_bytes(r) for r in ranges),
+        tuple(sizes.stage_active_bytes(r) for r in ranges),
+    )
 
 
 def topology_from_candidate(

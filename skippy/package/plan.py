@@ -25,10 +25,44 @@ class ModelSizes:
     embeddings_bytes: int
     output_bytes: int
     tied_embeddings: bool = False
+    # Bytes a token reads per layer: less than ``layer_bytes`` where a mixture of experts
+    # routes each token to some experts (``skippy.package.experts``); empty: every byte.
+    layer_active_bytes: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        active = self.layer_active_bytes
+        if active and (
+            len(active) != len(self.layer_bytes)
+            or any(not 0 <= a <= b for a, b in zip(active, self.layer_bytes, strict=True))
+        ):
+            raise UsageError(
+                "each layer's active bytes must be within 0..its bytes",
+                code="invalid_model_sizes",
+            )
 
     @property
     def layer_count(self) -> int:
         return len(self.layer_bytes)
+
+    @property
+    def active_bytes(self) -> tuple[int, ...]:
+        return self.layer_active_bytes or self.layer_bytes
+
+    @property
+    def moe(self) -> bool:
+        return self.active_bytes != self.layer_bytes
+
+    def stage_active_bytes(self, r: LayerRange) -> int:
+        """``stage_bytes`` with each layer counted by what a token reads of it."""
+        layers = self.layer_bytes[r.start : r.stop]
+        return self.stage_bytes(r) - sum(layers) + sum(self.active_bytes[r.start : r.stop])
+
+    def layer_weight(self, r: LayerRange) -> float:
+        """``r``'s decode work in mean layers: its active bytes over the mean layer's (its
+        layer count when every layer reads the same bytes)."""
+        active = self.active_bytes
+        mean = sum(active) / max(1, len(active))
+        return sum(active[r.start : r.stop]) / mean if mean > 0 else float(len(r))
 
     def stage_bytes(self, r: LayerRange) -> int:
         total = self.metadata_bytes + sum(self.layer_bytes[r.start : r.stop])
@@ -45,6 +79,7 @@ class StagePlan:
     layers: LayerRange
     bytes: int
     tied_embeddings: bool = False
+    active_bytes: int | None = None  # what a token reads (None: every byte)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -58,6 +93,8 @@ class StagePlan:
             "holds_embeddings": self.layers.owns_input
             or (self.layers.owns_output and self.tied_embeddings),
             "total_bytes": self.bytes,
+            # Decode reads this much per token: less than total_bytes for a mixture of experts.
+            "active_bytes": self.bytes if self.active_bytes is None else self.active_bytes,
         }
 
 
@@ -127,5 +164,8 @@ def plan_stages(sizes: ModelSizes, stages: int, balance: Balance = "layers") -> 
         else even_ranges(sizes.layer_count, stages)
     )
     return [
-        StagePlan(i, r, sizes.stage_bytes(r), sizes.tied_embeddings) for i, r in enumerate(ranges)
+        StagePlan(
+            i, r, sizes.stage_bytes(r), sizes.tied_embeddings, sizes.stage_active_bytes(r)
+        )
+        for i, r in enumerate(ranges)
     ]

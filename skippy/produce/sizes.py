@@ -3,6 +3,7 @@ as write-package would write it (issue #11)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from skippy.constants import (
@@ -15,12 +16,14 @@ from skippy.constants import (
 )
 from skippy.errors import ModelError
 from skippy.gguf.writer import fragment_bytes
+from skippy.package.experts import active_layer_bytes
 from skippy.package.manifest import PackageManifest
 from skippy.package.ownership import has_tied_embeddings
 from skippy.package.plan import ModelSizes
 from skippy.package.v2_view import ManifestV2
 from skippy.produce.fragments import plan_fragments
 from skippy.produce.inspect import arch_int
+from skippy.produce.model_experts import package_experts, source_experts
 from skippy.produce.source import SourceModelFiles
 
 
@@ -87,10 +90,25 @@ def sizes_from_source(path: Path) -> ModelSizes:
             )
             for plan in plans
         }
+        layers = tuple(size[(ROLE_LAYER, i)] for i in range(n))
+        experts = source_experts(src)
         return ModelSizes(
-            layer_bytes=tuple(size[(ROLE_LAYER, i)] for i in range(n)),
+            layer_bytes=layers,
             metadata_bytes=size[(ROLE_METADATA, None)],
             embeddings_bytes=size[(ROLE_EMBEDDINGS, None)],
             output_bytes=size[(ROLE_OUTPUT, None)],
             tied_embeddings=has_tied_embeddings(t.info.name for t in src.tensors),
+            layer_active_bytes=active_layer_bytes(layers, experts) if experts.moe else (),
         )
+
+
+def sizes_from_package(
+    package_dir: Path, m: PackageManifest, *, containment_root: Path | None = None
+) -> ModelSizes:
+    """``sizes_from_manifest`` with each layer's active bytes (a mixture of experts) read from
+    the package's own headers; every byte counts as active when they are not all here."""
+    sizes = sizes_from_manifest(m)
+    experts = package_experts(package_dir, m, containment_root=containment_root)
+    if experts is None or not experts.moe:
+        return sizes
+    return replace(sizes, layer_active_bytes=active_layer_bytes(sizes.layer_bytes, experts))

@@ -94,6 +94,7 @@ from skippy.package.ownership import has_tied_embeddings, highest_layer_index
 from skippy.paths import check_relative_path, is_safe_relative_path, resolve_under
 from skippy.produce.artifact_hook import ArtifactHook, run_hooks
 from skippy.produce.fragments import FragmentPlan, plan_fragments
+from skippy.produce.model_experts import source_experts
 from skippy.produce.package_readme import render_readme
 from skippy.produce.source import SourceModelFiles, SourceTensor, shard_paths
 from skippy.progress import OnBytes, byte_bar
@@ -546,6 +547,7 @@ def _study_source(
             expected=layer_count,
             actual=None if highest is None else highest + 1,
         )
+    source_experts(src)  # malformed MoE metadata or expert tensors: refused before writing
     kv_records = [(f.key, src.head.raw_field(f.key)) for f in src.kv_fields()]
     if transform is not None:
         transform.prepare(src)

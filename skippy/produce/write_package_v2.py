@@ -66,6 +66,7 @@ from skippy.package.v2_root import (
     check_root,
 )
 from skippy.produce.artifact_hook import ArtifactHook
+from skippy.produce.model_experts import source_experts
 from skippy.produce.source import SourceModelFiles, SourceTensor, shard_paths
 from skippy.produce.write_package import (
     Provenance,
@@ -310,6 +311,7 @@ def _write_package_v2(source: Path, opts: WriteOptionsV2) -> WriteResultV2:
     reused: list[str] = []
     with SourceModelFiles(source) as src:
         layer_count = _layer_count(src)
+        source_experts(src)  # malformed MoE metadata or expert tensors: refused before writing
         plans = plan_payloads(src.tensors, layer_count, opts.max_artifact_bytes)
         kv = normalized_kv_records(src)
         files = tuple(

@@ -39,6 +39,7 @@ from skippy.constants import (
 from skippy.errors import ModelError
 from skippy.gguf.constants import GGML_TYPES
 from skippy.gguf.reader import GGUFFile, TensorInfo, open_gguf
+from skippy.package.experts import summarize
 from skippy.package.ownership import owner_of
 from skippy.package.ranges import LayerRange
 from skippy.runtime.boundary import StageLoad, StageUnsupported
@@ -339,6 +340,10 @@ def _open_stage(stage: StageLoad) -> StageWeights:
         if stage.part_roles[0] != ROLE_METADATA:  # StageLoad guarantees it; keep it explicit
             raise ModelError("the first part is not the metadata part", code="invalid_stage_load")
         kv = read_model_kv(files[0])
+        # Malformed MoE metadata or expert tensors: a coded error here, before any family
+        # check and long before ggml (which would abort on a wrong expert shape).
+        skip = 1 if stage.schema_version == 2 else 0  # the carrier's directory holds no bytes
+        summarize(kv, [t for g in files[skip:] for t in g.tensors], whole_model=False)
         spec = ModelSpec.from_metadata(kv)
         if spec.n_layer != stage.layers.layer_count:
             raise _fragment_error(

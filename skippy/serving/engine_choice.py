@@ -19,6 +19,7 @@ from typing import Any, Final
 
 from skippy.constants import KEY_ARCHITECTURE
 from skippy.errors import ModelError, UsageError
+from skippy.package.experts import check_metadata
 from skippy.runtime.boundary import StageUnsupported
 
 LLAMA_ENGINE: Final = "llama"
@@ -69,9 +70,11 @@ def family_of(kv: Mapping[str, Any]) -> str:
 def stage_runtime_problem(kv: Mapping[str, Any]) -> StageUnsupported | None:
     """The stage runtime's own refusal of this model's metadata (its architecture, experts,
     RoPE scaling, a hyperparameter shape), or None when it runs it. Metadata that is wrong
-    for a family it does cover raises, as loading would."""
+    for a family it does cover raises, as loading would; so do malformed MoE keys
+    (``skippy.package.experts.check_metadata``: a ``moe_*`` code), whatever the family."""
     from skippy.runtime.model import ModelSpec
 
+    check_metadata(kv)
     try:
         ModelSpec.from_metadata(kv)
     except StageUnsupported as exc:
