@@ -42,7 +42,7 @@ import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Final
+from typing import Any
 
 import gguf
 import numpy as np
@@ -746,18 +746,13 @@ _BIG_WIDTHS = (256, 512, 1024, 2048, 4096)
 _PATTERN_BYTES = 1 << 20
 
 
-_BIG_HEAD_DIM: Final = 64
-
-
 def _big_layer(i: int, w: int, ff: int) -> list[_Tensor]:
     p = f"blk.{i}."
-    # K and V as the metadata's grouped heads need them, so the stage runtime loads the model
-    kv = _Dims(1, w, ff, 1, head_dim=_BIG_HEAD_DIM).n_head_kv * _BIG_HEAD_DIM
     return [
         _Tensor(p + "attn_norm.weight", (w,), Q.F32, norm=True),
         _Tensor(p + "attn_q.weight", (w, w), Q.Q8_0),
-        _Tensor(p + "attn_k.weight", (w, kv), Q.Q8_0),
-        _Tensor(p + "attn_v.weight", (w, kv), Q.Q8_0),
+        _Tensor(p + "attn_k.weight", (w, w), Q.Q8_0),
+        _Tensor(p + "attn_v.weight", (w, w), Q.Q8_0),
         _Tensor(p + "attn_output.weight", (w, w), Q.Q8_0),
         _Tensor(p + "ffn_norm.weight", (w,), Q.F32, norm=True),
         _Tensor(p + "ffn_gate.weight", (w, ff), Q.Q4_K),
@@ -779,7 +774,7 @@ def _big_plan(target_bytes: int) -> tuple[_Dims, list[_Tensor]]:
     n_layers = max(1, (target_bytes - min_vocab * per_token) // per_layer)
     # The tokenizer section costs ~17 bytes per token in the header; keep it out of the budget.
     vocab = max(min_vocab, (target_bytes - n_layers * per_layer - 64 * 1024) // (per_token + 17))
-    d = _Dims(n_layers, width, ff, vocab, head_dim=_BIG_HEAD_DIM)
+    d = _Dims(n_layers, width, ff, vocab, head_dim=64)
     tensors = [
         _Tensor("token_embd.weight", (width, vocab), Q.Q8_0),
         _Tensor("output_norm.weight", (width,), Q.F32, norm=True),
@@ -818,7 +813,9 @@ def _stream_tensor(out: Any, seed: int, index: int, t: _Tensor, patterns: dict[Q
 
 
 def big(path: str | Path, target_bytes: int, *, seed: int = 0) -> Path:
-    """A llama-like model of about ``target_bytes``, streamed to disk in ~1 MiB pieces.
+    """A llama-like model of about ``target_bytes``, streamed to disk in ~1 MiB pieces: test
+    data for transfers, not a model to run (its K and V are full width, which its grouped
+    heads do not match: the stage runtime refuses it with ``fragment_tensor_shape``).
 
     The header comes from ``GGUFWriter`` (tensor infos only); the payload is a seeded block
     pattern per type (valid fp16 scales, not zeros), cycled with a per-tensor start. Memory stays

@@ -28,9 +28,10 @@ WAIT_S = 90.0  # bounds for a loaded 2-core machine; none of them is a speed ass
 
 @pytest.fixture(scope="module")
 def slow_package(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """~32 MiB: at the lab's --serve-rate 1MB its split takes ~30 s, so a signal lands in it."""
+    """~30 MiB: at the lab's --serve-rate 1MB its split takes ~30 s, so a signal lands in it.
+    A model the stage runtime loads: a lab fails a stage it cannot load at once."""
     root = tmp_path_factory.mktemp("lab-signals")
-    source = synth_gguf.big(root / "big.gguf", 32 << 20)
+    source = synth_gguf.llama_like(root / "slow.gguf", n_layers=10, width=512, ff=2048)
     make_package(source, root / "big-layers", model_id="acme/big-GGUF:Q8_0")
     return root / "big-layers"
 
