@@ -3,7 +3,8 @@
 For every family x dtype: llama.cpp loads the file and reports the hyperparameters the spec
 meant (no silent default); every key written reads back in llama.cpp with the value written;
 a 320-token id prompt gives finite, varied logits at every position, bit-identical across
-two runs and whether the prompt goes in as one batch or in chunks of 64. Each family-specific
+two runs and whether the prompt goes in as one batch or in chunks of 64; in every MoE layer
+llama.cpp's router sends some of those tokens to every expert. Each family-specific
 key is shown to be used: the same model with that one value changed gives other logits
 (a sliding window changes only the positions past it).
 
@@ -231,6 +232,25 @@ def test_moe_kquant_chunks_equal_one_batch_without_the_tiled_kernel(models: Mode
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == dict.fromkeys(paths, True)
+
+
+@pytest.mark.parametrize(
+    "case", [(f.name, dt) for f in synth.FAMILIES if f.moe for dt in synth.DTYPES], ids=_case_id
+)
+def test_routing_reaches_every_expert_in_every_layer(models: Models, case: tuple[str, str]) -> None:
+    """llama.cpp's own top-k choices over the long prompt, read from its graph."""
+    name, dtype = case
+    moe = synth.family(name).moe
+    assert moe is not None
+    with LlamaOracle(models.path(name, dtype), n_threads=THREADS) as o:
+        choices = o.expert_choices(LONG, n_batch=len(LONG))
+    assert sorted(choices) == list(range(synth.family(name).n_layers))
+    for layer, chosen in choices.items():
+        assert chosen.shape == (len(LONG), moe.n_expert_used)
+        counts = np.bincount(chosen.reshape(-1), minlength=moe.n_expert)
+        assert counts.min() >= 1, (
+            f"layer {layer}: experts never chosen {np.flatnonzero(counts == 0)}"
+        )
 
 
 def test_llama_logits_is_the_oracle_in_one_call(models: Models) -> None:

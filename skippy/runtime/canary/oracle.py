@@ -23,10 +23,12 @@ import numpy as np
 import numpy.typing as npt
 
 from skippy.errors import SkippyError, UsageError
+from skippy.gguf.ggml import tensor_struct
 from skippy.runtime.boundary import RuntimeLoadError
 from skippy.runtime.llama_cpp import import_llama
 
 META_BUF_BYTES = 4096
+TOPK_TENSOR = "ffn_moe_topk-"  # build_moe_ffn's selected experts, named per layer
 
 
 class OracleFailed(SkippyError, RuntimeError):
@@ -97,6 +99,36 @@ class LlamaOracle:
             "n_vocab": self.n_vocab,
         }
 
+    # --- routing ----------------------------------------------------------------------------------
+    def expert_choices(
+        self, token_ids: Sequence[int], *, n_batch: int
+    ) -> dict[int, npt.NDArray[np.int32]]:
+        """Layer -> (tokens, experts used) ids of the experts llama.cpp routed each token to,
+        read from its ``ffn_moe_topk-<layer>`` tensors through the graph's eval callback."""
+        chosen: dict[int, list[npt.NDArray[np.int32]]] = {}
+
+        def observe(tensor: int, ask: bool, _user_data: Any) -> bool:
+            t = tensor_struct(tensor)
+            name = t.name.decode("ascii", "replace")
+            if not name.startswith(TOPK_TENSOR):
+                return not ask  # ask: "do you want this one?"; otherwise: "go on?"
+            if ask:
+                return True
+            n_used, n_tokens = int(t.ne[0]), int(t.ne[1])
+            rows = [
+                np.ctypeslib.as_array(
+                    ctypes.cast(t.data + j * t.nb[1], ctypes.POINTER(ctypes.c_int32)),
+                    shape=(n_used,),
+                ).copy()
+                for j in range(n_tokens)
+            ]
+            chosen.setdefault(int(name[len(TOPK_TENSOR) :]), []).extend(rows)
+            return True
+
+        callback = self._lib.ggml_backend_sched_eval_callback(observe)
+        self.logits(token_ids, n_batch=n_batch, eval_callback=callback)
+        return {layer: np.stack(rows) for layer, rows in sorted(chosen.items())}
+
     # --- logits -----------------------------------------------------------------------------------
     def logits(
         self,
@@ -105,9 +137,11 @@ class LlamaOracle:
         n_batch: int,
         n_ctx: int | None = None,
         prefill: int | None = None,
+        eval_callback: Any = None,
     ) -> npt.NDArray[np.float32]:
         """(positions, vocab) float32: every position's logits (see the module doc for
-        ``prefill``, whose first row is the prefill's last position)."""
+        ``prefill``, whose first row is the prefill's last position). ``eval_callback``: a
+        ``ggml_backend_sched_eval_callback`` that sees the graph's tensors as they compute."""
         ids = [int(t) for t in token_ids]
         bad = [t for t in ids if not 0 <= t < self.n_vocab]
         if not ids or bad or n_batch < 1:
@@ -124,6 +158,8 @@ class LlamaOracle:
         cparams.n_batch = cparams.n_ubatch = n_batch
         cparams.n_threads = cparams.n_threads_batch = self.n_threads
         cparams.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_DISABLED  # as llama-cpp-python does
+        if eval_callback is not None:
+            cparams.cb_eval = eval_callback
         ctx = lib.llama_init_from_model(model, cparams)
         if not ctx:
             raise OracleFailed(f"llama.cpp could not create a context for {self.path}")

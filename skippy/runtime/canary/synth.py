@@ -15,15 +15,18 @@ feature off (gemma2's soft-capping, granite's multipliers).
 Values. Each tensor's values depend only on ``(seed, tensor name)``, so the F32, F16, Q8_0
 and Q4_K files of a family are the same network at four precisions. Matrices are normal with
 standard deviation ``1/sqrt(fan-in)`` (ne0), which keeps activations near unit scale through
-the layers; norm weights are ``1 + 0.1 N``; biases ``0.1 N``.
+the layers; untied token embeddings are unit normal, so each token's own identity stays a
+large part of the residual stream; norm weights are ``1 + 0.1 N``; biases ``0.1 N``.
 
-Routing spreads over the experts because the router (``ffn_gate_inp``) is drawn with
-``ROUTER_STD_FAN_IN / sqrt(width)``: its inputs are RMS-normed (unit scale), so a token's
-router logits have a standard deviation of about ``ROUTER_STD_FAN_IN`` (2). Top-k is then
-decided by clear margins (the selection matters: swapping experts changes the output), yet
-it differs from token to token, because the hidden states do; with k of E experts picked per
-token, an expert is missed by all of 300 tokens with probability about ``(1 - k/E) ** 300``
-(< 1e-17 for k=2, E=16) if tokens routed independently.
+Routing spreads over the experts. The router (``ffn_gate_inp``) is drawn with standard
+deviation ``ROUTER_STD_FAN_IN / sqrt(width)``: its inputs are RMS-normed, so a token's router
+logits have a standard deviation of about ``ROUTER_STD_FAN_IN`` (2) and top-k is decided by
+clear margins; the choice varies from token to token because the hidden states keep their
+token's embedding. Measured with llama.cpp's own top-k (``LlamaOracle.expert_choices``) over
+the 320-token prompt: every expert of every layer of every MoE family gets at least 5 tokens
+(phimoe, 16 experts top-2, the sparsest); with embeddings at the matrices' 1/sqrt(width)
+scale, context averaging dominated the residual stream by layer 3 and qwen3moe, olmoe and
+phimoe left experts unused there.
 
 Quantization follows llama.cpp's quantizer: 1-D tensors (norms, biases, the shared expert's
 gate vector) and routers stay F32; every other matrix takes the file's type, except that the
@@ -57,7 +60,7 @@ Q = gguf.GGMLQuantizationType
 
 DTYPES: tuple[str, ...] = ("F32", "F16", "Q8_0", "Q4_K")
 Dtype = Literal["F32", "F16", "Q8_0", "Q4_K"]
-Role = Literal["matrix", "norm", "bias", "router", "vector"]
+Role = Literal["matrix", "embedding", "norm", "bias", "router", "vector"]
 
 ROUTER_STD_FAN_IN = 2.0
 _FILE_TYPES: dict[str, gguf.LlamaFileType] = {
@@ -206,11 +209,13 @@ def _norm(tensor: gguf.MODEL_TENSOR, size: str = "embd") -> TensorSpec:
     return TensorSpec(tensor, (size,), "norm")
 
 
-EMBD = _t(T.TOKEN_EMBD, "embd", "vocab")
+EMBD = _t(T.TOKEN_EMBD, "embd", "vocab", role="embedding")
 OUT_NORM = _norm(T.OUTPUT_NORM)
 OUTPUT = _t(T.OUTPUT, "embd", "vocab")
 UNTIED = (EMBD, OUT_NORM, OUTPUT)
-TIED = (EMBD, OUT_NORM)
+# Tied embeddings are also the output head, so they keep a matrix's 1/sqrt(width) scale (the
+# gemmas multiply them by sqrt(width) on the way in, which makes them unit-scale there).
+TIED = (_t(T.TOKEN_EMBD, "embd", "vocab"), OUT_NORM)
 
 ATTN = (
     _t(T.ATTN_Q, "embd", "q"),
@@ -586,6 +591,8 @@ def tensor_values(seed: int, t: PlannedTensor) -> npt.NDArray[np.float32]:
     """The tensor's real values (numpy order), seeded by ``(seed, name)`` alone."""
     rng = np.random.default_rng([seed, zlib.crc32(t.name.encode())])
     values = rng.standard_normal(tuple(reversed(t.shape)), dtype=np.float32)
+    if t.role == "embedding":
+        return values
     if t.role == "norm":
         return 1.0 + np.float32(0.1) * values
     if t.role == "bias":
