@@ -125,7 +125,7 @@ def test_bad_requests_are_usage_errors(tmp_path: Path) -> None:
     with pytest.raises(UsageError) as exc:
         synth.write_model(synth.family("llama"), tmp_path / "m.gguf", dtype="Q4_K", dims=odd)
     assert exc.value.code == "invalid_synth_dims"
-    assert list(tmp_path.iterdir()) == []  # nothing half-written
+    assert list(tmp_path.iterdir()) == []  # refused before anything is written
 
 
 def test_same_values_at_every_precision(models: Models) -> None:

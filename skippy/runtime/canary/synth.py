@@ -479,8 +479,8 @@ SPECIALS = ("<unk>", "<s>", "</s>", "<|endoftext|>")
 
 
 def tokenizer_metadata(vocab: int) -> dict[str, MetadataValue]:
-    """A SentencePiece-style ("llama") vocabulary of ``vocab`` pieces: three control tokens
-    and ``▁w<i>`` words. Callers feed token ids, never text."""
+    """A SentencePiece-style ("llama") vocabulary of ``vocab`` pieces: ``SPECIALS`` (unknown,
+    then control tokens) and ``▁w<i>`` words. Callers feed token ids, never text."""
     words = vocab - len(SPECIALS)
     tokens = [*SPECIALS, *(f"▁w{i}" for i in range(words))]
     return {
@@ -616,7 +616,11 @@ def quantize(values: npt.NDArray[np.float32], qtype: Q) -> npt.NDArray[np.uint8]
         int(qtype), src.ctypes.data, out.ctypes.data, 0, src.size // n, n, None
     )
     if size != out.nbytes or not g.ggml_validate_row_data(int(qtype), out.ctypes.data, size):
-        raise UsageError(f"ggml could not quantize {src.shape} to {qtype.name}")
+        raise UsageError(
+            f"ggml could not quantize {src.shape} to {qtype.name}: it wrote {size} bytes "
+            f"of {out.nbytes}, or rows it does not accept",
+            code="synth_quantize_failed",
+        )
     return out
 
 
