@@ -5,15 +5,15 @@ threads on an oversubscribed CPU run ~30x slower (measured: 0.65 s per gemma tok
 7). Results do not depend on the thread count (each output row is one thread's dot products).
 
 ``llama_logits`` is the independent reference: llama.cpp through llama-cpp-python's low-level
-API, every position's logits from one batch. ``repack=False`` loads the model without ggml's
-CPU weight repacking (``use_extra_bufts = false``): llama.cpp then runs the same kernels on the
-same bytes as our ggml engine, so the two must agree bit for bit; with repacking (llama.cpp's
-default) Q4_0/Q4_K weights are re-laid-out for other kernels and logits differ slightly.
+API (the canary's oracle, ``skippy.runtime.canary.oracle``), every position's logits from one
+batch. ``repack=False`` loads the model without ggml's CPU weight repacking
+(``use_extra_bufts = false``): llama.cpp then runs the same kernels on the same bytes as our
+ggml engine, so the two must agree bit for bit; with repacking (llama.cpp's default)
+Q4_0/Q4_K weights are re-laid-out for other kernels and logits differ slightly.
 """
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -23,6 +23,7 @@ from skippy.config import read_environment
 from skippy.constants import ENV_VERIFY_PACKAGE_SHA
 from skippy.consume.resolve import resolve_stage
 from skippy.runtime.boundary import StageLoad
+from skippy.runtime.canary.oracle import llama_logits as oracle_logits
 from skippy.runtime.chain import StageChain, open_stage
 from skippy.runtime.stage import StageConfig
 
@@ -104,51 +105,13 @@ def llama_logits(
     """llama.cpp's logits at every position of ``ids`` (one batch), shape (n, vocab); with
     ``prefill`` k, the first k positions as one batch and the rest one token per
     ``llama_decode`` (as a generation decodes), shape (n - k + 1, vocab): the prefill's last
-    row, then each decoded position's."""
-    from skippy.runtime.llama_cpp import import_llama
-
-    lib = import_llama()
-    mparams = lib.llama_model_default_params()
-    mparams.use_extra_bufts = repack
-    model_p = lib.llama_model_load_from_file(str(model).encode(), mparams)
-    assert model_p, f"llama.cpp could not load {model}"
-    cparams = lib.llama_context_default_params()
-    cparams.n_ctx = n_ctx
-    cparams.n_batch = cparams.n_ubatch = max(len(ids), 1)
-    cparams.n_threads = cparams.n_threads_batch = threads
-    cparams.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_DISABLED  # as llama-cpp-python does
-    ctx = lib.llama_init_from_model(model_p, cparams)
-    assert ctx
-    batch = lib.llama_batch_init(len(ids), 0, 1)
-    n_vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(model_p))
-
-    def run(lo: int, hi: int, wanted: range) -> list[np.ndarray]:
-        batch.n_tokens = hi - lo
-        for i in range(lo, hi):
-            j = i - lo
-            batch.token[j] = ids[i]
-            batch.pos[j] = i
-            batch.n_seq_id[j] = 1
-            batch.seq_id[j][0] = 0
-            batch.logits[j] = i in wanted
-        assert lib.llama_decode(ctx, batch) == 0
-        return [
-            np.ctypeslib.as_array(
-                ctypes.cast(lib.llama_get_logits_ith(ctx, i - lo), ctypes.POINTER(ctypes.c_float)),
-                shape=(n_vocab,),
-            ).copy()
-            for i in wanted
-        ]
-
-    try:
-        if prefill is None:
-            rows = run(0, len(ids), range(len(ids)))
-        else:
-            rows = run(0, prefill, range(prefill - 1, prefill))
-            for i in range(prefill, len(ids)):
-                rows += run(i, i + 1, range(i, i + 1))
-    finally:
-        lib.llama_batch_free(batch)
-        lib.llama_free(ctx)
-        lib.llama_model_free(model_p)
-    return np.stack(rows)
+    row, then each decoded position's. The canary's oracle, with repacking on by default."""
+    return oracle_logits(
+        model,
+        ids,
+        n_batch=max(len(ids), 1),
+        n_threads=threads,
+        repack=repack,
+        n_ctx=n_ctx,
+        prefill=prefill,
+    )

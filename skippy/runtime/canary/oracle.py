@@ -1,0 +1,231 @@
+"""llama.cpp as the canary's oracle: every position's logits for a list of token ids.
+
+Through llama-cpp-python's low-level API with the settings under which our ggml engine must
+equal llama.cpp bit for bit: no CPU weight repacking (``use_extra_bufts = false``: repacked
+Q4_0/Q4_K weights run other kernels), flash attention off (as llama-cpp-python's ``Llama``
+sets it), logits requested for every position. A fresh context per call, so no KV-cache
+state is shared between runs; the model stays loaded for the oracle's lifetime.
+
+``n_batch`` splits the prompt into ``llama_decode`` calls of that many tokens (the logical
+and the physical batch both); ``prefill=k`` instead decodes the first ``k`` tokens as one
+batch, keeps only its last row, then decodes one token per call, as a generation does.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from skippy.errors import SkippyError, UsageError
+from skippy.gguf.ggml import tensor_struct
+from skippy.runtime.boundary import RuntimeLoadError
+from skippy.runtime.llama_cpp import import_llama
+
+META_BUF_BYTES = 4096
+TOPK_TENSOR = "ffn_moe_topk-"  # build_moe_ffn's selected experts, named per layer
+
+
+class OracleFailed(SkippyError, RuntimeError):
+    """llama.cpp refused to decode a batch."""
+
+    code = "oracle_failed"
+
+
+class LlamaOracle:
+    """One model loaded in llama.cpp; ``logits`` runs a prompt in a fresh context."""
+
+    def __init__(self, path: Path, *, n_threads: int = 1, repack: bool = False) -> None:
+        if n_threads < 1:
+            raise UsageError("n_threads must be at least 1", code="invalid_runtime_config")
+        self.path = Path(path)
+        self.n_threads = n_threads
+        self._lib = import_llama()
+        lib = self._lib
+        mparams = lib.llama_model_default_params()
+        mparams.use_extra_bufts = repack
+        self._model = lib.llama_model_load_from_file(str(self.path).encode(), mparams)
+        if not self._model:
+            raise RuntimeLoadError(
+                f"llama.cpp could not load {self.path}",
+                path=str(self.path),
+                remediation="rerun with logging at DEBUG for llama.cpp's own reason",
+            )
+        self.n_vocab = int(lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self._model)))
+
+    def __enter__(self) -> LlamaOracle:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        model, self._model = self._model, None
+        if model:
+            self._lib.llama_model_free(model)
+
+    def _loaded(self) -> Any:
+        if not self._model:
+            raise UsageError("the oracle's model is closed", code="oracle_closed")
+        return self._model
+
+    # --- what llama.cpp made of the file ----------------------------------------------------------
+    def meta(self, key: str) -> str | None:
+        """The metadata value llama.cpp holds for ``key`` as text, or None when it has none."""
+        buf = ctypes.create_string_buffer(META_BUF_BYTES)
+        n = self._lib.llama_model_meta_val_str(self._loaded(), key.encode(), buf, len(buf))
+        return None if n < 0 else buf.value.decode("utf-8", "replace")
+
+    def hparams(self) -> dict[str, int]:
+        """The hyperparameters llama.cpp reports after its loader ran."""
+        lib, m = self._lib, self._loaded()
+        return {
+            "n_layer": int(lib.llama_model_n_layer(m)),
+            "n_embd": int(lib.llama_model_n_embd(m)),
+            "n_head": int(lib.llama_model_n_head(m)),
+            "n_head_kv": int(lib.llama_model_n_head_kv(m)),
+            "n_ctx_train": int(lib.llama_model_n_ctx_train(m)),
+            "n_swa": int(lib.llama_model_n_swa(m)),
+            "n_vocab": self.n_vocab,
+        }
+
+    # --- routing ----------------------------------------------------------------------------------
+    def expert_choices(
+        self, token_ids: Sequence[int], *, n_batch: int
+    ) -> dict[int, npt.NDArray[np.int32]]:
+        """Layer -> (tokens, experts used) ids of the experts llama.cpp routed each token to,
+        read from its ``ffn_moe_topk-<layer>`` tensors through the graph's eval callback."""
+        chosen: dict[int, list[npt.NDArray[np.int32]]] = {}
+
+        def observe(tensor: int, ask: bool, _user_data: Any) -> bool:
+            t = tensor_struct(tensor)
+            name = t.name.decode("ascii", "replace")
+            if not name.startswith(TOPK_TENSOR):
+                return not ask  # ask: "do you want this one?"; otherwise: "go on?"
+            if ask:
+                return True
+            n_used, n_tokens = int(t.ne[0]), int(t.ne[1])
+            rows = [
+                np.ctypeslib.as_array(
+                    ctypes.cast(t.data + j * t.nb[1], ctypes.POINTER(ctypes.c_int32)),
+                    shape=(n_used,),
+                ).copy()
+                for j in range(n_tokens)
+            ]
+            chosen.setdefault(int(name[len(TOPK_TENSOR) :]), []).extend(rows)
+            return True
+
+        callback = self._lib.ggml_backend_sched_eval_callback(observe)
+        self.logits(token_ids, n_batch=n_batch, eval_callback=callback)
+        return {layer: np.stack(rows) for layer, rows in sorted(chosen.items())}
+
+    # --- logits -----------------------------------------------------------------------------------
+    def logits(
+        self,
+        token_ids: Sequence[int],
+        *,
+        n_batch: int,
+        n_ctx: int | None = None,
+        prefill: int | None = None,
+        eval_callback: Any = None,
+    ) -> npt.NDArray[np.float32]:
+        """(positions, vocab) float32: every position's logits (see the module doc for
+        ``prefill``, whose first row is the prefill's last position). ``eval_callback``: a
+        ``ggml_backend_sched_eval_callback`` that sees the graph's tensors as they compute."""
+        ids = [int(t) for t in token_ids]
+        bad = [t for t in ids if not 0 <= t < self.n_vocab]
+        if not ids or bad or n_batch < 1:
+            raise UsageError(
+                f"need 1+ token ids inside 0..{self.n_vocab - 1} and n_batch >= 1 "
+                f"(got {len(ids)} ids, first bad {bad[:1]}, n_batch {n_batch})",
+                code="invalid_oracle_prompt",
+            )
+        if prefill is not None and not 1 <= prefill <= len(ids):
+            raise UsageError(f"prefill must be 1..{len(ids)}", code="invalid_oracle_prompt")
+        lib, model = self._lib, self._loaded()
+        cparams = lib.llama_context_default_params()
+        cparams.n_ctx = n_ctx or max(512, len(ids))
+        cparams.n_batch = cparams.n_ubatch = n_batch
+        cparams.n_threads = cparams.n_threads_batch = self.n_threads
+        cparams.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_DISABLED  # as llama-cpp-python does
+        if eval_callback is not None:
+            cparams.cb_eval = eval_callback
+        ctx = lib.llama_init_from_model(model, cparams)
+        if not ctx:
+            raise OracleFailed(f"llama.cpp could not create a context for {self.path}")
+        batch = lib.llama_batch_init(max(n_batch, 1), 0, 1)
+        try:
+            if prefill is None:
+                return np.stack(
+                    [
+                        row
+                        for lo in range(0, len(ids), n_batch)
+                        for row in self._decode(
+                            ctx, batch, ids, lo, min(lo + n_batch, len(ids)), all_rows=True
+                        )
+                    ]
+                )
+            if prefill > n_batch:
+                raise UsageError("prefill must fit in n_batch", code="invalid_oracle_prompt")
+            rows = self._decode(ctx, batch, ids, 0, prefill, all_rows=False)
+            for i in range(prefill, len(ids)):
+                rows += self._decode(ctx, batch, ids, i, i + 1, all_rows=True)
+            return np.stack(rows)
+        finally:
+            lib.llama_batch_free(batch)
+            lib.llama_free(ctx)
+
+    def _decode(
+        self, ctx: Any, batch: Any, ids: Sequence[int], lo: int, hi: int, *, all_rows: bool
+    ) -> list[npt.NDArray[np.float32]]:
+        """Decode positions ``lo..hi`` as one batch; the logits of every row (``all_rows``)
+        or of the last row only."""
+        lib = self._lib
+        batch.n_tokens = hi - lo
+        for j, i in enumerate(range(lo, hi)):
+            batch.token[j] = ids[i]
+            batch.pos[j] = i
+            batch.n_seq_id[j] = 1
+            batch.seq_id[j][0] = 0
+            batch.logits[j] = all_rows or i == hi - 1
+        status = lib.llama_decode(ctx, batch)
+        if status != 0:
+            raise OracleFailed(
+                f"llama_decode returned {status} for positions {lo}..{hi} of {self.path}"
+            )
+        wanted = range(hi - lo) if all_rows else range(hi - lo - 1, hi - lo)
+        return [
+            np.ctypeslib.as_array(
+                ctypes.cast(lib.llama_get_logits_ith(ctx, j), ctypes.POINTER(ctypes.c_float)),
+                shape=(self.n_vocab,),
+            ).copy()
+            for j in wanted
+        ]
+
+
+def llama_logits(
+    path: Path,
+    token_ids: Sequence[int],
+    *,
+    n_batch: int,
+    n_threads: int = 1,
+    repack: bool = False,
+    n_ctx: int | None = None,
+    prefill: int | None = None,
+) -> npt.NDArray[np.float32]:
+    """llama.cpp's logits at every position of ``token_ids`` (one load, one context)."""
+    with LlamaOracle(path, n_threads=n_threads, repack=repack) as oracle:
+        return oracle.logits(token_ids, n_batch=n_batch, n_ctx=n_ctx, prefill=prefill)
+
+
+__all__ = ["LlamaOracle", "OracleFailed", "llama_logits"]
