@@ -2,7 +2,7 @@
 
 ``StageWeights.open(stage)`` reads each selected part with the bounded GGUF reader
 (``skippy.gguf.reader``: offsets, sizes, overlaps, alignment), then checks every tensor
-against the plan of ``skippy.runtime.model`` for this layer range: the part that holds it
+against its family's plan for this layer range (``skippy.runtime.families``): the part that holds it
 owns it (spec "Repository Layout"), the name is expected, the shape is exact, the type is one
 the engines run, and its data is 32-byte aligned in the file (ggml aborts the process on a
 misaligned buffer: runtime-facts.md). Only then are the files mapped read-only. Nothing here calls
@@ -42,14 +42,8 @@ from skippy.gguf.reader import GGUFFile, TensorInfo, open_gguf
 from skippy.package.ownership import owner_of
 from skippy.package.ranges import LayerRange
 from skippy.runtime.boundary import StageLoad, StageUnsupported
-from skippy.runtime.model import (
-    MAX_VOCAB,
-    ModelSpec,
-    TensorSpec,
-    describe_allowed,
-    stage_tensors,
-    type_name,
-)
+from skippy.runtime.families import stage_tensors
+from skippy.runtime.model import MAX_VOCAB, ModelSpec, TensorSpec, describe_allowed, type_name
 
 # ggml's CPU backend needs every tensor it reads 32-byte aligned (TENSOR_ALIGNMENT).
 DATA_ALIGNMENT = 32
