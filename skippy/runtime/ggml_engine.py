@@ -351,12 +351,16 @@ class GgmlStage(StageBase[_KvCache]):
         # per weight type, the batch widths multiplied as [k, B] (found at the first build)
         self._gemm_exact: dict[int, frozenset[int]] | None = None
         self._layouts = [0, 0]
-        n_graph = _TENSORS_PER_LAYER * len(self.layers) + _TENSORS_FIXED
+        n_graph = self._tensors_per_layer() * len(self.layers) + _TENSORS_FIXED
         self._graph_size = max(ggml.GGML_DEFAULT_GRAPH_SIZE, n_graph)
         self._kv_cells = kv_length(self.config.n_ctx)  # a session's cache, as llama.cpp pads it
         self._graph_mem = g.ggml_tensor_overhead() * 2 * self._graph_size + (
             g.ggml_graph_overhead_custom(self._graph_size, False)
         )
+
+    def _tensors_per_layer(self) -> int:
+        # a MoE layer sums its experts' outputs through a view and an add per expert used
+        return _TENSORS_PER_LAYER + 4 * self.spec.n_expert_used
 
     @property
     def threads_now(self) -> int:
@@ -670,7 +674,8 @@ class GgmlStage(StageBase[_KvCache]):
         self._layouts = [0, 0]  # [k, B] / broadcast matmuls of this build (_mm counts them)
         size = max(
             ggml.GGML_DEFAULT_GRAPH_SIZE,
-            (_TENSORS_PER_LAYER + _TENSORS_PER_MEMBER * b) * len(self.layers) + _TENSORS_FIXED,
+            (self._tensors_per_layer() + _TENSORS_PER_MEMBER * b) * len(self.layers)
+            + _TENSORS_FIXED,
         )
         mem = g.ggml_tensor_overhead() * 2 * size + g.ggml_graph_overhead_custom(size, False)
         ctx, gf = self._new_graph(mem, size)

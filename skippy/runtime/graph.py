@@ -28,6 +28,8 @@ from skippy.runtime.model import ModelSpec
 # when the model has no YaRN scaling.
 _EXT_FACTOR, _ATTN_FACTOR, _BETA_FAST, _BETA_SLOW = 0.0, 1.0, 32.0, 1.0
 GatedActivation = Literal["silu", "gelu"]
+# the least sum of a token's expert weights divided by (F16's smallest normal: llama.cpp)
+_MIN_WEIGHT_SUM = 6.103515625e-5
 
 
 class LayerWeights:
@@ -166,6 +168,67 @@ class GraphBuilder:
         else:
             a = g.ggml_swiglu_split(self.ctx, a_gate, a_up)
         return self.mm(down, a)
+
+    def moe_ffn(
+        self,
+        x: int,
+        gate_inp: int,
+        up_exps: int,
+        gate_exps: int,
+        down_exps: int,
+        *,
+        n_expert_used: int,
+        norm_weights: bool,
+    ) -> int:
+        """A mixture of experts with softmax gating (llama.cpp's ``build_moe_ffn`` as qwen3moe
+        calls it: LLM_FFN_SILU, LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX). Each token's router
+        probabilities pick its ``n_expert_used`` experts (``ggml_argsort_top_k``: ordered,
+        unlike ``ggml_top_k``), their probabilities are the weights (normalised to sum 1 when
+        ``norm_weights``), each picked expert's SiLU-gated FFN runs through
+        ``ggml_mul_mat_id`` and the weighted outputs are summed in the experts' order. Every
+        step is per token, so a token's output does not depend on the others in the batch
+        (the router goes through the engine's matmul: per column in a batch)."""
+        g, ctx = self.g, self.ctx
+        ne = tensor_struct(x).ne
+        n_embd, n_tokens, batched = int(ne[0]), int(ne[1]) * int(ne[2]), int(ne[2]) > 1
+        logits = self.mm(gate_inp, x)  # [n_expert, n_tokens] ([n_expert, 1, B] in a batch)
+        n_expert = int(tensor_struct(logits).ne[0])
+        if batched:
+            logits = g.ggml_reshape_2d(ctx, logits, n_expert, n_tokens)
+        probs = g.ggml_soft_max(ctx, logits)  # [n_expert, n_tokens]
+        selected = g.ggml_argsort_top_k(ctx, probs, n_expert_used)  # [n_used, n_tokens] I32
+        probs = g.ggml_reshape_3d(ctx, probs, 1, n_expert, n_tokens)
+        weights = g.ggml_get_rows(ctx, probs, selected)  # [1, n_used, n_tokens]
+        if norm_weights:
+            weights = g.ggml_reshape_2d(ctx, weights, n_expert_used, n_tokens)
+            total = g.ggml_sum_rows(ctx, weights)  # [1, n_tokens]
+            # no division by zero: at least F16's smallest normal, as llama.cpp clamps it
+            total = g.ggml_clamp(ctx, total, _MIN_WEIGHT_SUM, float("inf"))
+            weights = g.ggml_div(ctx, weights, total)  # [n_used, n_tokens]
+            weights = g.ggml_reshape_3d(ctx, weights, 1, n_expert_used, n_tokens)
+        g.ggml_build_forward_expand(self.gf, weights)
+        cur = g.ggml_reshape_3d(ctx, x, n_embd, 1, n_tokens)
+        up = g.ggml_mul_mat_id(ctx, up_exps, cur, selected)  # [n_ff_exp, n_used, n_tokens]
+        gate = g.ggml_mul_mat_id(ctx, gate_exps, cur, selected)
+        act = g.ggml_swiglu_split(ctx, gate, up)
+        experts = g.ggml_mul_mat_id(ctx, down_exps, act, selected)  # [n_embd, n_used, n_tok]
+        experts = g.ggml_mul(ctx, experts, weights)
+        g.ggml_build_forward_expand(self.gf, experts)
+        es = tensor_struct(experts)
+        nb1, nb2 = int(es.nb[1]), int(es.nb[2])
+        views = []
+        for i in range(n_expert_used):  # the views ordered before the adds, as llama.cpp
+            views.append(g.ggml_view_2d(ctx, experts, n_embd, n_tokens, nb2, i * nb1))
+            g.ggml_build_forward_expand(self.gf, views[-1])
+        out = views[0]
+        for view in views[1:]:
+            out = g.ggml_add(ctx, out, view)
+            g.ggml_build_forward_expand(self.gf, out)
+        if n_expert_used == 1:
+            out = g.ggml_cont(ctx, out)  # not a strided view
+        if batched:
+            out = g.ggml_reshape_3d(ctx, out, n_embd, 1, n_tokens)
+        return out
 
     # --- the output head ----------------------------------------------------------------------
     def head(self, x: int, norm: int, weight: int) -> int:

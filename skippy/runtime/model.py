@@ -62,6 +62,7 @@ MAX_FF: Final = 1 << 20
 MAX_VOCAB: Final = 1 << 24
 MAX_LAYERS: Final = 1 << 16
 MAX_CONTEXT: Final = 1 << 24
+MAX_EXPERTS: Final = 1024  # llama.cpp's LLAMA_MAX_EXPERTS
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,6 +89,11 @@ class ModelSpec:
     embed_scale: float | None  # gemma3: sqrt(width)
     activation: Activation
     final_logit_softcap: float | None
+    # a mixture-of-experts FFN (0: dense): experts per layer, experts each token uses, and
+    # each expert's hidden width
+    n_expert: int = 0
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
 
     @property
     def q_dim(self) -> int:
@@ -124,6 +130,8 @@ class ModelSpec:
             "head_dim": self.head_dim,
             "n_ff": self.n_ff,
             "sliding_window": self.sliding_window,
+            "n_expert": self.n_expert,
+            "n_expert_used": self.n_expert_used,
         }
 
 

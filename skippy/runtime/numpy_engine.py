@@ -111,6 +111,27 @@ def attention(
     return out
 
 
+def moe_ffn(
+    h: Array,  # (n, width)
+    router: Array,  # (n_expert, width)
+    gate: Array,  # (n_expert, ff, width)
+    up: Array,  # (n_expert, ff, width)
+    down: Array,  # (n_expert, width, ff)
+    n_used: int,
+) -> Array:
+    """Softmax gating, each token's ``n_used`` most probable experts, their probabilities
+    normalised to sum 1, the weighted sum of their SiLU-gated FFNs (qwen3moe)."""
+    probs = softmax((h @ router.T).astype(F32))  # (n, n_expert)
+    out = np.zeros_like(h)
+    for t in range(h.shape[0]):
+        picked = np.argsort(-probs[t], kind="stable")[:n_used]
+        weights = probs[t, picked] / max(probs[t, picked].sum(), F32(6.103515625e-5))
+        for e, wt in zip(picked, weights, strict=True):
+            a = silu(gate[e] @ h[t]) * (up[e] @ h[t])  # (ff,)
+            out[t] += F32(wt) * (down[e] @ a)
+    return out
+
+
 @dataclass
 class _NpKv:
     k: dict[int, Array]  # layer -> (n_ctx, h_kv, d)
@@ -223,12 +244,16 @@ class NumpyStage(StageBase[_NpKv]):
         x = x + o
         # feed-forward: (n, width) -> (n, width)
         h = rms_norm(x, w[name(T.FFN_NORM)], spec.rms_eps)
-        gate = h @ w[name(T.FFN_GATE)].T
-        up = h @ w[name(T.FFN_UP)].T
-        act = gelu_tanh(gate) if spec.activation == "gelu_tanh" else silu(gate)
-        f = norm_if_any(T.FFN_POST_NORM, (act * up) @ w[name(T.FFN_DOWN)].T)
+        if spec.n_expert:
+            exps = (w[name(T.FFN_GATE_EXP)], w[name(T.FFN_UP_EXP)], w[name(T.FFN_DOWN_EXP)])
+            f = moe_ffn(h, w[name(T.FFN_GATE_INP)], *exps, spec.n_expert_used)
+        else:
+            gate = h @ w[name(T.FFN_GATE)].T
+            up = h @ w[name(T.FFN_UP)].T
+            act = gelu_tanh(gate) if spec.activation == "gelu_tanh" else silu(gate)
+            f = norm_if_any(T.FFN_POST_NORM, (act * up) @ w[name(T.FFN_DOWN)].T)
         out: Array = (x + f).astype(F32)
         return out
 
 
-__all__ = ["NumpyStage", "attention", "dequantize", "rope"]
+__all__ = ["NumpyStage", "attention", "dequantize", "moe_ffn", "rope"]

@@ -14,12 +14,12 @@ from typing import Any, Final
 from skippy.constants import KEY_ARCHITECTURE
 from skippy.package.ranges import LayerRange
 from skippy.runtime.boundary import StageUnsupported
-from skippy.runtime.families import gemma3, llama, qwen2, qwen3
+from skippy.runtime.families import gemma3, llama, qwen2, qwen3, qwen3moe
 from skippy.runtime.families.base import Family, T, tensor
 from skippy.runtime.model import LLAMA_HINT, ModelSpec, TensorSpec
 
 FAMILIES: Final[Mapping[str, Family]] = {
-    f.arch: f for f in (llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, gemma3.FAMILY)
+    f.arch: f for f in (llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, gemma3.FAMILY, qwen3moe.FAMILY)
 }
 
 

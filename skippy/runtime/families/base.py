@@ -187,9 +187,10 @@ def refuse_experts(kv: Mapping[str, Any], arch: str) -> None:
         )
 
 
-def read_decoder(kv: Mapping[str, Any], arch: str) -> dict[str, Any]:
+def read_decoder(kv: Mapping[str, Any], arch: str, *, dense_ffn: bool = True) -> dict[str, Any]:
     """The hyperparameters of a decoder-only transformer every family here shares, as
-    ``ModelSpec`` keyword arguments (a family adds or overrides its own)."""
+    ``ModelSpec`` keyword arguments (a family adds or overrides its own). Without
+    ``dense_ffn`` (a MoE family) the dense FFN width may be absent (0)."""
     a = f"{arch}."
     n_layer = read_int(kv, a + "block_count", 1, MAX_LAYERS)
     width = read_int(kv, a + "embedding_length", 1, MAX_WIDTH)
@@ -230,7 +231,9 @@ def read_decoder(kv: Mapping[str, Any], arch: str) -> dict[str, Any]:
         "n_head": n_head,
         "n_head_kv": n_head_kv,
         "head_dim": head_dim,
-        "n_ff": read_int(kv, a + "feed_forward_length", 1, MAX_FF),
+        "n_ff": read_int(kv, a + "feed_forward_length", 1, MAX_FF)
+        if dense_ffn
+        else read_int(kv, a + "feed_forward_length", 0, MAX_FF, default=0),
         "rms_eps": eps,
         "context_length": context_length,
         "rope_style": "neox",
