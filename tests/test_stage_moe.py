@@ -25,8 +25,8 @@ from stagetools import chain, llama_logits
 from test_stage_batch import _steps_alone, _steps_batched
 
 from skippy.errors import SkippyError
+from skippy.runtime.families import spec_from_metadata
 from skippy.runtime.ggml_engine import GgmlStage
-from skippy.runtime.model import ModelSpec
 from skippy.runtime.stage import StageConfig
 
 pytestmark = pytest.mark.llama
@@ -190,7 +190,7 @@ BAD: dict[str, tuple[dict[str, Any], str]] = {
 def test_malformed_expert_metadata_is_a_coded_error(case: str) -> None:
     changes, code = BAD[case]
     with pytest.raises(SkippyError) as e:
-        ModelSpec.from_metadata(_kv(**changes))
+        spec_from_metadata(_kv(**changes))
     assert e.value.code == code, e.value.message
 
 

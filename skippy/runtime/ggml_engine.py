@@ -38,10 +38,10 @@ from skippy.gguf.ggml import GgmlInitParams, GgmlTensorStruct, GgmlType, tensor_
 from skippy.runtime.backend import CpuBackend
 from skippy.runtime.boundary import StageNotLoaded
 from skippy.runtime.families import family_of
-from skippy.runtime.families.base import T, tensor_name
+from skippy.runtime.families.base import T
 from skippy.runtime.graph import Attention, GraphBuilder, LayerWeights
 from skippy.runtime.graph_shapes import kv_length, prefill_rows
-from skippy.runtime.model import ModelSpec, attention_mask
+from skippy.runtime.model import ModelSpec, attention_mask, tensor_name
 from skippy.runtime.stage import STAGE_API_VERSION, StageBase
 
 RUNTIME_VERSION: Final = f"skippy-stage/{STAGE_API_VERSION} ggml/{ggml.GGML_VERSION}"

@@ -22,7 +22,7 @@ from gguf import MODEL_TENSOR
 
 from skippy.gguf import ggml
 from skippy.gguf.ggml import GGML_ROPE_TYPE_NEOX, GGML_ROPE_TYPE_NORMAL, tensor_struct
-from skippy.runtime.model import ModelSpec
+from skippy.runtime.model import ModelSpec, tensor_name
 
 # YaRN parameters that disable YaRN (ggml.h, ggml_rope_ext); llama.cpp passes these values
 # when the model has no YaRN scaling.
@@ -41,8 +41,6 @@ class LayerWeights:
         self._tensors = tensors
 
     def _name(self, t: MODEL_TENSOR, suffix: str) -> str:
-        from skippy.runtime.families.base import tensor_name
-
         return tensor_name(t, self.il, suffix)
 
     def __getitem__(self, t: MODEL_TENSOR) -> int:

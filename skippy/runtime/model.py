@@ -4,20 +4,21 @@
 context limit, RoPE, sliding windows, scales); each family (``skippy.runtime.families``) builds
 it from the GGUF KV of a package's ``shared/metadata.gguf``, bounds-checked, with coded errors.
 ``TensorSpec`` is one entry of a stage's tensor plan (GGUF shape, ne0 first, and the types
-allowed); the families say which tensors a layer range holds
-(``skippy.runtime.families.stage_tensors``). Anything a family does not run (another
+allowed; named by ``tensor_name``, from gguf-py); the families say which tensors a layer range
+holds (``skippy.runtime.families.stage_tensors``). Anything a family does not run (another
 architecture, YaRN scaling, an unknown tensor) is refused with a code, never run
 approximately.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
 import numpy as np
 import numpy.typing as npt
+from gguf import MODEL_TENSOR, TENSOR_NAMES
 
 from skippy.gguf.constants import GGML_TYPES, ggml_type_name
 
@@ -113,13 +114,6 @@ class ModelSpec:
         # llama.cpp: sliding layers keep scale 1.0; scaling applies to global ones.
         return 1.0 if self.is_swa(layer) else self.rope_scale
 
-    @classmethod
-    def from_metadata(cls, kv: Mapping[str, Any]) -> ModelSpec:
-        """The spec read by the model's family (``unsupported_architecture`` for others)."""
-        from skippy.runtime.families import spec_from_metadata
-
-        return spec_from_metadata(kv)
-
     def to_dict(self) -> dict[str, Any]:
         return {
             "arch": self.arch,
@@ -137,6 +131,13 @@ class ModelSpec:
 
 # --- the tensors a stage holds ----------------------------------------------------------------
 Kind = Literal["matrix", "vector"]
+
+
+def tensor_name(tensor: MODEL_TENSOR, layer: int | None = None, suffix: str = "weight") -> str:
+    """gguf-py's name of ``tensor`` (with the block id for a layer's), e.g.
+    ``blk.3.attn_q.weight``: the one way the runtime spells a tensor name."""
+    base = TENSOR_NAMES[tensor]
+    return f"{base.format(bid=layer) if layer is not None else base}.{suffix}"
 
 
 @dataclass(frozen=True)

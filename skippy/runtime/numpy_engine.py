@@ -6,8 +6,8 @@ matmuls), the KV cache is f32, RoPE angles are computed in float64, and every su
 few lines of numpy. It shares with the ggml engine only what defines the model
 (``ModelSpec``, read by the model's family, and the checked weights: a layer's optional
 tensors, such as biases and extra norms, apply where the family's plan put them) and the stage
-API (``StageBase``). Slow (every
-weight dequantized at load: gemma3-270m needs ~1.75 GB) and meant for tests and
+API (``StageBase``). A MoE layer (``ModelSpec.n_expert``) runs its experts token by token.
+Slow (every weight dequantized at load: gemma3-270m needs ~1.75 GB) and meant for tests and
 ``run --engine numpy``.
 """
 
@@ -20,8 +20,8 @@ import numpy as np
 import numpy.typing as npt
 from gguf import MODEL_TENSOR
 
-from skippy.runtime.families.base import T, tensor_name
-from skippy.runtime.model import attention_mask
+from skippy.runtime.families.base import T
+from skippy.runtime.model import attention_mask, tensor_name
 from skippy.runtime.stage import STAGE_API_VERSION, StageBase
 from skippy.runtime.weights import StageWeights, WeightRef
 

@@ -2,10 +2,11 @@
 
 ``StageWeights.open(stage)`` reads each selected part with the bounded GGUF reader
 (``skippy.gguf.reader``: offsets, sizes, overlaps, alignment), then checks every tensor
-against its family's plan for this layer range (``skippy.runtime.families``): the part that holds it
-owns it (spec "Repository Layout"), the name is expected, the shape is exact, the type is one
-the engines run, and its data is 32-byte aligned in the file (ggml aborts the process on a
-misaligned buffer: runtime-facts.md). Only then are the files mapped read-only. Nothing here calls
+against its family's plan for this layer range (``skippy.runtime.families``): the part that
+holds it owns it (spec "Repository Layout"), the name is expected, the shape is exact, the
+type is one the engines run, and its data is 32-byte aligned in the file (ggml aborts the
+process on a misaligned buffer: runtime-facts.md). Only then are the files mapped read-only.
+Nothing here calls
 ggml; the engines receive addresses and byte views of tensors that passed every check, so a
 hostile or corrupt fragment becomes a coded error, never a native abort.
 """
@@ -42,7 +43,7 @@ from skippy.gguf.reader import GGUFFile, TensorInfo, open_gguf
 from skippy.package.ownership import owner_of
 from skippy.package.ranges import LayerRange
 from skippy.runtime.boundary import StageLoad, StageUnsupported
-from skippy.runtime.families import stage_tensors
+from skippy.runtime.families import spec_from_metadata, stage_tensors
 from skippy.runtime.model import MAX_VOCAB, ModelSpec, TensorSpec, describe_allowed, type_name
 
 # ggml's CPU backend needs every tensor it reads 32-byte aligned (TENSOR_ALIGNMENT).
@@ -333,7 +334,7 @@ def _open_stage(stage: StageLoad) -> StageWeights:
         if stage.part_roles[0] != ROLE_METADATA:  # StageLoad guarantees it; keep it explicit
             raise ModelError("the first part is not the metadata part", code="invalid_stage_load")
         kv = read_model_kv(files[0])
-        spec = ModelSpec.from_metadata(kv)
+        spec = spec_from_metadata(kv)
         if spec.n_layer != stage.layers.layer_count:
             raise _fragment_error(
                 f"the metadata says {spec.n_layer} layers; the stage is {stage.layers} of "

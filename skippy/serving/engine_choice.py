@@ -70,10 +70,10 @@ def stage_runtime_problem(kv: Mapping[str, Any]) -> StageUnsupported | None:
     """The stage runtime's own refusal of this model's metadata (its architecture, experts,
     RoPE scaling, a hyperparameter shape), or None when it runs it. Metadata that is wrong
     for a family it does cover raises, as loading would."""
-    from skippy.runtime.model import ModelSpec
+    from skippy.runtime.families import spec_from_metadata
 
     try:
-        ModelSpec.from_metadata(kv)
+        spec_from_metadata(kv)
     except StageUnsupported as exc:
         return exc
     return None

@@ -43,8 +43,20 @@ def family_of(arch: object) -> Family:
 
 def spec_from_metadata(kv: Mapping[str, Any]) -> ModelSpec:
     """The model's hyperparameters, read by its family (``unsupported_architecture`` for a
-    family the runtime does not have)."""
-    return family_of(kv.get(KEY_ARCHITECTURE)).read(kv)
+    family the runtime does not have, and for experts in a dense family's file, such as a
+    Mixtral-style llama: its builder has no MoE block)."""
+    family = family_of(kv.get(KEY_ARCHITECTURE))
+    if not family.moe and kv.get(f"{family.arch}.expert_count", 0):
+        dense = ", ".join(a for a, f in FAMILIES.items() if not f.moe)
+        moe = ", ".join(a for a, f in FAMILIES.items() if f.moe)
+        raise StageUnsupported(
+            f"{family.arch} with experts (MoE) is not supported by the stage runtime (it runs "
+            f"dense {dense} models, and MoE {moe} models)",
+            code="unsupported_architecture",
+            actual=f"{family.arch} (MoE)",
+            remediation=LLAMA_HINT + "; a split needs a model of a family the runtime runs",
+        )
+    return family.read(kv)
 
 
 def stage_tensors(

@@ -14,14 +14,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from gguf import MODEL_TENSOR, TENSOR_NAMES
+from gguf import MODEL_TENSOR
 
 from skippy.errors import ModelError
 from skippy.runtime.boundary import StageUnsupported
+from skippy.runtime.graph import GraphBuilder, LayerWeights
 from skippy.runtime.model import (
-    LLAMA_HINT,
     MAX_CONTEXT,
     MAX_FF,
     MAX_HEAD_DIM,
@@ -31,19 +31,10 @@ from skippy.runtime.model import (
     Kind,
     ModelSpec,
     TensorSpec,
+    tensor_name,
 )
 
-if TYPE_CHECKING:
-    from skippy.runtime.graph import GraphBuilder, LayerWeights
-
 T = MODEL_TENSOR
-
-
-def tensor_name(tensor: MODEL_TENSOR, layer: int | None = None, suffix: str = "weight") -> str:
-    """gguf-py's name of ``tensor`` (with the block id for a layer's), e.g.
-    ``blk.3.attn_q.weight``."""
-    base = TENSOR_NAMES[tensor]
-    return f"{base.format(bid=layer) if layer is not None else base}.{suffix}"
 
 
 def tensor(
@@ -96,7 +87,7 @@ def dense_ffn_tensors(spec: ModelSpec, il: int) -> list[TensorSpec]:
 
 LayerTensors = Callable[[ModelSpec, int], list[TensorSpec]]
 ModelTensors = Callable[[ModelSpec], list[TensorSpec]]
-BuildLayer = Callable[["GraphBuilder", "LayerWeights", int, int], int]  # (b, w, il, x) -> x
+BuildLayer = Callable[[GraphBuilder, LayerWeights, int, int], int]  # (b, w, il, x) -> x
 
 
 def no_model_tensors(spec: ModelSpec) -> list[TensorSpec]:
@@ -168,23 +159,6 @@ def _rope_scale(kv: Mapping[str, Any], arch: str) -> float:
         actual=str(kind),
         remediation="run this model with --engine llama",
     )
-
-
-def refuse_experts(kv: Mapping[str, Any], arch: str) -> None:
-    """A dense family's file that declares experts (e.g. a Mixtral-style llama) is refused:
-    its builder has no MoE block."""
-    if kv.get(f"{arch}.expert_count", 0):
-        from skippy.runtime.families import FAMILIES
-
-        dense = ", ".join(a for a, f in FAMILIES.items() if not f.moe)
-        moe = ", ".join(a for a, f in FAMILIES.items() if f.moe)
-        raise StageUnsupported(
-            f"{arch} with experts (MoE) is not supported by the stage runtime (it runs dense "
-            f"{dense} models" + (f", and MoE {moe} models)" if moe else ")"),
-            code="unsupported_architecture",
-            actual=f"{arch} (MoE)",
-            remediation=LLAMA_HINT + "; a split needs a model of a family the runtime runs",
-        )
 
 
 def read_decoder(kv: Mapping[str, Any], arch: str, *, dense_ffn: bool = True) -> dict[str, Any]:

@@ -20,7 +20,6 @@ from skippy.runtime.families.base import (
     read_decoder,
     read_float,
     read_int,
-    refuse_experts,
     tensor,
 )
 from skippy.runtime.graph import GraphBuilder, LayerWeights
@@ -48,7 +47,6 @@ def _swa_layers(kv: Mapping[str, Any], n_layer: int) -> frozenset[int]:
 
 
 def read(kv: Mapping[str, Any]) -> ModelSpec:
-    refuse_experts(kv, ARCH)
     d = read_decoder(kv, ARCH)
     a = f"{ARCH}."
     if kv.get(a + "attention.sliding_window"):

@@ -13,7 +13,6 @@ from skippy.runtime.families.base import (
     dense_ffn_tensors,
     qkv_bias_tensors,
     read_decoder,
-    refuse_experts,
     tensor,
 )
 from skippy.runtime.graph import GraphBuilder, LayerWeights
@@ -23,7 +22,6 @@ ARCH = "llama"
 
 
 def read(kv: Mapping[str, Any]) -> ModelSpec:
-    refuse_experts(kv, ARCH)
     return ModelSpec(**{**read_decoder(kv, ARCH), "rope_style": "normal"})
 
 

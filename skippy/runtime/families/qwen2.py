@@ -13,7 +13,6 @@ from skippy.runtime.families.base import (
     dense_ffn_tensors,
     qkv_bias_tensors,
     read_decoder,
-    refuse_experts,
 )
 from skippy.runtime.graph import GraphBuilder, LayerWeights
 from skippy.runtime.model import ModelSpec, TensorSpec
@@ -22,7 +21,6 @@ ARCH = "qwen2"
 
 
 def read(kv: Mapping[str, Any]) -> ModelSpec:
-    refuse_experts(kv, ARCH)
     return ModelSpec(**read_decoder(kv, ARCH))
 
 
