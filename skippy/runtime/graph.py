@@ -39,15 +39,20 @@ class LayerWeights:
     def __init__(self, il: int, tensors: Mapping[str, int]) -> None:
         self.il = il
         self._tensors = tensors
-
-    def _name(self, t: MODEL_TENSOR, suffix: str) -> str:
-        return tensor_name(t, self.il, suffix)
+        # (kind, suffix) -> tensor or None: a graph build looks each up without formatting
+        self._by_kind: dict[tuple[MODEL_TENSOR, str], int | None] = {}
 
     def __getitem__(self, t: MODEL_TENSOR) -> int:
-        return self._tensors[self._name(t, "weight")]
+        found = self.get(t)
+        if found is None:
+            raise KeyError(tensor_name(t, self.il))
+        return found
 
     def get(self, t: MODEL_TENSOR, suffix: str = "weight") -> int | None:
-        return self._tensors.get(self._name(t, suffix))
+        key = (t, suffix)
+        if key not in self._by_kind:
+            self._by_kind[key] = self._tensors.get(tensor_name(t, self.il, suffix))
+        return self._by_kind[key]
 
     def matrices(self) -> list[int]:
         """The layer's weight matrices (rank 2: what a batch's matmuls multiply)."""
