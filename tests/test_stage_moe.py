@@ -154,6 +154,24 @@ def test_expert_tensors_are_the_mapped_fragment_bytes(
         assert st.g.ggml_get_data(st._tensors[name]) == weights.address(name)
 
 
+def test_the_numpy_reference_runs_the_experts_split_or_whole(
+    models: dict[str, tuple[Path, Path]],
+) -> None:
+    """The f32 oracle computes the same MoE on its own: split equals whole bit for bit, and
+    its next tokens are ggml's at nearly every position (Q8 activations move a near tie)."""
+    _, pkg = models["f16"]
+    ids = _ids(100)
+    cfg = StageConfig(n_ctx=N_CTX, n_threads=1)
+    with chain("numpy", pkg, ["0..4"], cfg) as ch:
+        whole = ch.logits(ids, all_positions=True)
+    with chain("numpy", pkg, ["0..1", "1..4"], cfg) as ch:
+        split = ch.logits(ids, all_positions=True)
+    with chain("ggml", pkg, ["0..4"], cfg) as ch:
+        ggml = ch.logits(ids, all_positions=True)
+    assert np.array_equal(split, whole)
+    assert (whole.argmax(axis=1) == ggml.argmax(axis=1)).mean() >= 0.95
+
+
 # --- malformed expert metadata --------------------------------------------------------------------
 def _kv(**changes: Any) -> dict[str, Any]:
     kv: dict[str, Any] = {
