@@ -1,5 +1,5 @@
-"""What every family module is made of: tensor names from gguf-py, the metadata readers, and
-the ``Family`` value the registry hands out (pure: no ggml, no files).
+"""What every family module is made of: tensor plan entries named from gguf-py, the metadata
+readers, and the ``Family`` value the registry hands out (pure: no ggml, no files).
 
 A family module (``llama.py``, ``gemma3.py``...) reads its hyperparameters once from the GGUF
 KV into the family-independent ``ModelSpec`` (bounds-checked, coded errors), says which
