@@ -42,7 +42,7 @@ def llama_pkg(synth_dir, tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _weights_by_type(st: GgmlStage) -> dict[int, int]:
     out: dict[int, int] = {}
     for w in st._layer_weights.values():
-        for t in (w.q, w.k, w.v, w.o, w.gate, w.up, w.down):
+        for t in w.matrices():
             out.setdefault(tensor_struct(t).type, t)
     return out
 

@@ -1,23 +1,23 @@
-"""The ggml stage engine: a layer range's forward pass as ggml graphs on the CPU backend.
+"""The ggml stage engine: a layer range's forward pass as ggml graphs.
 
-Weights are the package's own fragment bytes: every part with tensors is mapped read-only
-(``skippy.runtime.weights``) and handed to ggml with ``ggml_backend_cpu_buffer_from_ptr``;
-each weight tensor is placed at its offset with ``ggml_backend_tensor_alloc``. Nothing is
-copied or converted (quantized matmuls run on the quantized bytes; ggml quantizes the
-activations to Q8 for them, as llama.cpp does).
+Where the graphs run and where the weights live is the backend's business
+(``skippy.runtime.backend``: today the CPU backend over the package's mapped fragment bytes,
+no copy). What a layer computes is its family's (``skippy.runtime.families``: one
+``build_layer`` per family over the helpers of ``skippy.runtime.graph``). This module owns the
+sessions' graphs: each session's F16 KV cache, and one graph path, ``_build``, that serves
+every graph the stage makes: a prefill chunk (fresh per call), a session's one-position decode
+graph (built once over every cell, reused per token) and a batch of sessions' decode steps
+(built once per set of sessions). The three differ only in their inputs and in how attention
+writes and reads the caches (``_ChunkAttention``, ``_SlotAttention``, ``_BatchAttention``).
 
-Per call, one graph: embeddings (stage 0) or the incoming activations, then each layer
-(RMS norm, q/k/v, optional q/k norms, RoPE, the session's F16 KV cache, masked softmax
-attention, output projection, gated FFN), then for the final stage the output norm and
-head over only the rows whose logits are wanted (kept after the last layer's attention
-output projection, as llama.cpp's ``inp_out_ids``). The op sequence mirrors llama.cpp's graph
-builders for these architectures (``src/models/{llama,qwen2,qwen3,gemma3}.cpp``) with the
-non-flash attention path and the V cache stored transposed, as llama.cpp uses them through
-llama-cpp-python by default, and so do the shapes (``skippy.runtime.graph_shapes``): the
-cache holds the context padded to 256 cells, attention views it padded to a multiple of 256
-(the empty cells masked), and a prefill chunk computes at least 8 rows, so a position's
-logits do not depend on how its prompt was chunked. Graphs are allocated by one
-``ggml_gallocr`` per stage.
+Per graph: embeddings (stage 0) or the incoming activations, then each layer, then for the
+final stage the output norm and head over only the rows whose logits are wanted (kept after
+the last layer's attention output projection, as llama.cpp's ``inp_out_ids``). The op
+sequence mirrors llama.cpp's graph builders with the non-flash attention path and the V cache
+stored transposed, as llama.cpp uses them through llama-cpp-python by default, and so do the
+shapes (``skippy.runtime.graph_shapes``): the cache holds the context padded to 256 cells,
+attention views it padded to a multiple of 256 (the empty cells masked), and a prefill chunk
+computes at least 8 rows, so a position's logits do not depend on how its prompt was chunked.
 
 Every value that reaches ggml has been checked in Python first (``StageBase.check_inputs``,
 ``StageWeights``): ggml aborts the process on a failed assertion.
@@ -34,18 +34,14 @@ import numpy as np
 import numpy.typing as npt
 
 from skippy.gguf import ggml
-from skippy.gguf.ggml import (
-    GGML_ROPE_TYPE_NEOX,
-    GGML_ROPE_TYPE_NORMAL,
-    GgmlInitParams,
-    GgmlTensorStruct,
-    GgmlType,
-    tensor_struct,
-)
-from skippy.runtime.boundary import RuntimeLoadError
-from skippy.runtime.contention import ThreadGovernor, machine_cores
+from skippy.gguf.ggml import GgmlInitParams, GgmlTensorStruct, GgmlType, tensor_struct
+from skippy.runtime.backend import CpuBackend
+from skippy.runtime.boundary import StageNotLoaded
+from skippy.runtime.families import family_of
+from skippy.runtime.families.base import T
+from skippy.runtime.graph import Attention, GraphBuilder, LayerWeights
 from skippy.runtime.graph_shapes import kv_length, prefill_rows
-from skippy.runtime.model import OUTPUT_NORM_TENSOR, ROPE_FREQS_TENSOR, attention_mask
+from skippy.runtime.model import ModelSpec, attention_mask, tensor_name
 from skippy.runtime.stage import STAGE_API_VERSION, StageBase
 
 RUNTIME_VERSION: Final = f"skippy-stage/{STAGE_API_VERSION} ggml/{ggml.GGML_VERSION}"
@@ -57,9 +53,6 @@ _TENSORS_PER_MEMBER: Final = 32  # a batched decode graph's per-session attentio
 # Batched decode graphs kept per stage (one per recent set of sessions: sessions joining and
 # leaving make new sets; a steady batch reuses its graph every step).
 BATCH_GRAPHS_KEPT: Final = 4
-# YaRN parameters that disable YaRN (ggml.h, ggml_rope_ext); llama.cpp passes these values
-# when the model has no YaRN scaling.
-_EXT_FACTOR, _ATTN_FACTOR, _BETA_FAST, _BETA_SLOW = 0.0, 1.0, 32.0, 1.0
 
 
 _ok = ggml.non_null
@@ -77,6 +70,7 @@ class _KvCache:
     k: dict[int, int]
     v: dict[int, int]
     nbytes: int
+    cells: int
     decode: _DecodeGraph | None = None  # built at the session's first decode
 
 
@@ -184,7 +178,7 @@ class _BatchMember(_SessionInputs):
 
 @dataclass
 class _BatchGraph:
-    """One decode step of several sessions (issue #22 item 6), built once for a set of
+    """One decode step of several sessions, built once for a set of
     sessions and reused while that set stays the same. The batch is ``[width, 1, B]``, one
     column per session. A weight whose type this ggml multiplies exactly as a ``[k, B]``
     matrix at this width (checked, ``skippy.runtime.batch_layout``) takes the columns as one:
@@ -206,29 +200,129 @@ class _BatchGraph:
     broadcast_matmuls: int = 0  # and those broadcast over it
 
 
-@dataclass(frozen=True)
-class _LayerWeights:
-    attn_norm: int
-    q: int
-    k: int
-    v: int
-    o: int
-    ffn_norm: int
-    gate: int
-    up: int
-    down: int
-    q_bias: int | None
-    k_bias: int | None
-    v_bias: int | None
-    o_bias: int | None
-    q_norm: int | None
-    k_norm: int | None
-    post_attn_norm: int | None
-    post_ffw_norm: int | None
+# --- attention over the sessions' caches: how each kind of graph writes and reads K/V ---------
+def _attend(
+    b: GraphBuilder,
+    kv: _KvCache,
+    il: int,
+    q: int,
+    mask: int,
+    kq_scale: float,
+    n_kv: int,
+    rows: int,
+    slots: _KvSlots | None,
+) -> int:
+    """softmax(K^T Q * scale + mask) V over the first ``n_kv`` cells of ``kv``'s layer
+    ``il`` for Q ``[hd, n_head, rows]``: ``[q_dim, rows]``. With ``slots`` the attention
+    tensors are registered to be resized to the position's KV length before each run."""
+    g, ctx, spec = b.g, b.ctx, b.spec
+    hd, cells = spec.head_dim, kv.cells
+    f16_row = g.ggml_row_size(GgmlType.F16, spec.kv_dim)
+    keys = g.ggml_view_3d(
+        ctx, kv.k[il], hd, n_kv, spec.n_head_kv, f16_row, 2 * hd, 0
+    )  # [hd, n_kv, n_head_kv]
+    values = g.ggml_view_3d(
+        ctx, kv.v[il], n_kv, hd, spec.n_head_kv, 2 * cells, 2 * cells * hd, 0
+    )  # [n_kv, hd, n_head_kv]
+    qp = g.ggml_permute(ctx, q, 0, 2, 1, 3)  # [hd, rows, n_head]
+    scores = g.ggml_mul_mat(ctx, keys, qp)  # [n_kv, rows, n_head]
+    kq = g.ggml_soft_max_ext(ctx, scores, mask, kq_scale, 0.0)
+    if slots is not None:
+        slots.add(keys, 1, False)
+        slots.add(values, 0, False)
+        slots.add(scores, 0, True)
+        slots.add(kq, 0, True)
+    kqv = g.ggml_mul_mat(ctx, values, kq)  # [hd, rows, n_head]
+    o = g.ggml_permute(ctx, kqv, 0, 2, 1, 3)  # [hd, n_head, rows]
+    return g.ggml_cont_2d(ctx, o, spec.q_dim, rows)
+
+
+@dataclass
+class _ChunkAttention:
+    """A prefill chunk (or a decode step in a fresh graph): positions ``start..start+n`` at
+    the last ``n`` of the graph's ``pad + n`` rows (the ``pad`` leading copies' K/V are not
+    written), attention over ``n_kv`` cells."""
+
+    kv: _KvCache
+    masks: dict[int | None, int]
+    start: int
+    n: int
+    pad: int
+    n_kv: int
+
+    def __call__(self, b: GraphBuilder, il: int, q: int, k: int, v: int, kq_scale: float) -> int:
+        g, ctx, spec, kv = b.g, b.ctx, b.spec, self.kv
+        n, pad, kv_dim = self.n, self.pad, spec.kv_dim
+        f16_row = g.ggml_row_size(GgmlType.F16, kv_dim)
+        # write this chunk's K and V into the session cache (before the attention reads it:
+        # nodes run in the order they were added)
+        k_src = g.ggml_view_1d(ctx, k, n * kv_dim, 4 * kv_dim * pad)
+        k_dst = g.ggml_view_1d(ctx, kv.k[il], n * kv_dim, f16_row * self.start)
+        g.ggml_build_forward_expand(b.gf, g.ggml_cpy(ctx, k_src, k_dst))
+        v_src = g.ggml_view_2d(ctx, v, kv_dim, n, 4 * kv_dim, 4 * kv_dim * pad)
+        v_t = g.ggml_transpose(ctx, v_src)  # [n, kv_dim]
+        v_dst = g.ggml_view_2d(ctx, kv.v[il], n, kv_dim, 2 * kv.cells, 2 * self.start)
+        g.ggml_build_forward_expand(b.gf, g.ggml_cpy(ctx, v_t, v_dst))
+        mask = self.masks[_window(spec, il)]
+        return _attend(b, kv, il, q, mask, kq_scale, self.n_kv, pad + n, None)
+
+
+def _write_rows(b: GraphBuilder, kv: _KvCache, il: int, k: int, v: int, slots: _KvSlots) -> None:
+    """One position's K ``[kv_dim, 1]`` and V ``[1, kv_dim]`` written into the cache at the
+    rows the slots' inputs name (the same f32 -> f16 conversion as a chunk's copy)."""
+    g, ctx = b.g, b.ctx
+    g.ggml_build_forward_expand(b.gf, g.ggml_set_rows(ctx, kv.k[il], k, slots.k_rows))
+    v_all = g.ggml_reshape_2d(ctx, kv.v[il], 1, kv.cells * b.spec.kv_dim)
+    g.ggml_build_forward_expand(b.gf, g.ggml_set_rows(ctx, v_all, v, slots.v_rows))
+
+
+@dataclass
+class _SlotAttention:
+    """A session's reused decode graph: one position, written at rows given as data, the
+    attention built over every cell and resized before each run (``_SessionInputs``)."""
+
+    kv: _KvCache
+    slots: _KvSlots
+    masks: dict[int | None, int]
+
+    def __call__(self, b: GraphBuilder, il: int, q: int, k: int, v: int, kq_scale: float) -> int:
+        g, ctx, kv_dim, slots = b.g, b.ctx, b.spec.kv_dim, self.slots
+        k_row = g.ggml_reshape_2d(ctx, k, kv_dim, 1)
+        _write_rows(b, self.kv, il, k_row, g.ggml_reshape_2d(ctx, v, 1, kv_dim), slots)
+        mask = self.masks[_window(b.spec, il)]
+        return _attend(b, self.kv, il, q, mask, kq_scale, self.kv.cells, 1, slots)
+
+
+@dataclass
+class _BatchAttention:
+    """Several sessions' decode steps, one per column of ``[.., 1, B]``: each column's K/V
+    written into its own session's cache and attended over it, as ``_SlotAttention`` does
+    for one session; the columns' outputs joined back into ``[q_dim, 1, B]``."""
+
+    members: list[_BatchMember]
+
+    def __call__(self, b: GraphBuilder, il: int, q: int, k: int, v: int, kq_scale: float) -> int:
+        g, ctx, spec = b.g, b.ctx, b.spec
+        kv_dim, q_dim, hd = spec.kv_dim, spec.q_dim, spec.head_dim
+        o: int | None = None
+        for i, m in enumerate(self.members):
+            k_row = g.ggml_view_2d(ctx, k, kv_dim, 1, 4 * kv_dim, 4 * kv_dim * i)
+            v_col = g.ggml_view_2d(ctx, v, 1, kv_dim, 4, 4 * kv_dim * i)
+            _write_rows(b, m.kv, il, k_row, v_col, m.slots)
+            q_i = g.ggml_view_3d(ctx, q, hd, spec.n_head, 1, 4 * hd, 4 * q_dim, 4 * q_dim * i)
+            mask = m.masks[_window(spec, il)]
+            o_i = _attend(b, m.kv, il, q_i, mask, kq_scale, m.kv.cells, 1, m.slots)
+            o = o_i if o is None else g.ggml_concat(ctx, o, o_i, 2)  # [q_dim, 1, i + 1]
+        return _ok(o, "attention")
+
+
+def _window(spec: ModelSpec, il: int) -> int | None:
+    """The attention mask a layer uses: None = full causal, N = a sliding window of N."""
+    return spec.sliding_window if spec.is_swa(il) else None
 
 
 class GgmlStage(StageBase[_KvCache]):
-    """A stage computed by ggml on the CPU backend (see the module doc)."""
+    """A stage computed by ggml (see the module doc)."""
 
     engine = "ggml"
     runtime_version = RUNTIME_VERSION
@@ -238,102 +332,44 @@ class GgmlStage(StageBase[_KvCache]):
 
     def _prepare(self) -> None:
         self.g = ggml.load()  # first: a missing or mismatched ggml is refused before any I/O
-        self._wctx: int | None = None
-        self._buffers: list[int] = []
-        self._backend = 0  # 0: none (a NULL pointer)
+        self._backend: CpuBackend | None = None
         self._galloc = 0
 
     def _setup(self) -> None:
-        g = self.g
-        self._tensors = self._place_weights()
-        self._layer_weights = {il: self._layer(il) for il in self.layers}
-        self._backend = _ok(g.ggml_backend_cpu_init(), "ggml_backend_cpu_init")
-        g.ggml_backend_cpu_set_n_threads(self._backend, self.config.n_threads)
-        self.threads_now = self.config.n_threads
-        self._governor = (
-            ThreadGovernor(self.config.n_threads, machine_cores())
-            if self.config.adaptive_threads and self.config.n_threads > 1
-            else None
+        g, spec = self.g, self.spec
+        self._family = family_of(spec.arch)
+        self._backend = CpuBackend(
+            g,
+            self.config.n_threads,
+            adaptive=self.config.adaptive_threads,
         )
-        self._galloc = _ok(g.ggml_gallocr_new(g.ggml_backend_cpu_buffer_type()), "gallocr")
+        self._tensors = self._backend.place_weights(self._loaded())
+        self._layer_weights = {il: self._layer(il) for il in self.layers}
+        self._galloc = _ok(g.ggml_gallocr_new(self._backend.buffer_type()), "gallocr")
         # batched decode graphs by their sessions' caches (in batch order), newest last
         self._batch_graphs: dict[tuple[int, ...], _BatchGraph] = {}
         # per weight type, the batch widths multiplied as [k, B] (found at the first build)
         self._gemm_exact: dict[int, frozenset[int]] | None = None
         self._layouts = [0, 0]
-        n_graph = _TENSORS_PER_LAYER * len(self.layers) + _TENSORS_FIXED
+        n_graph = self._tensors_per_layer() * len(self.layers) + _TENSORS_FIXED
         self._graph_size = max(ggml.GGML_DEFAULT_GRAPH_SIZE, n_graph)
         self._kv_cells = kv_length(self.config.n_ctx)  # a session's cache, as llama.cpp pads it
         self._graph_mem = g.ggml_tensor_overhead() * 2 * self._graph_size + (
             g.ggml_graph_overhead_custom(self._graph_size, False)
         )
-        self._rope_mode = (
-            GGML_ROPE_TYPE_NORMAL if self.spec.rope_style == "normal" else GGML_ROPE_TYPE_NEOX
-        )
 
-    # --- loading ---------------------------------------------------------------------------------
-    def _place_weights(self) -> dict[str, int]:
-        """One no-alloc ggml tensor per checked weight, placed at its bytes in the mapping."""
-        g, w = self.g, self._loaded()
-        refs = list(w)
-        params = GgmlInitParams(
-            mem_size=g.ggml_tensor_overhead() * (len(refs) + 1), mem_buffer=None, no_alloc=True
-        )
-        self._wctx = _ok(g.ggml_init(params), "ggml_init")
-        for part in w.parts_with_tensors():
-            base, size = w.part_span(part)
-            if base % ggml.TENSOR_ALIGNMENT:  # a mapping starts on a page; keep it explicit
-                raise RuntimeLoadError(f"part {part} is mapped at a misaligned address")
-            self._buffers.append(
-                _ok(g.ggml_backend_cpu_buffer_from_ptr(base, size), "buffer_from_ptr")
-            )
-        buffer_of = dict(zip(w.parts_with_tensors(), self._buffers, strict=True))
-        tensors: dict[str, int] = {}
-        for r in refs:
-            shape = r.shape
-            if len(shape) == 1:
-                t = g.ggml_new_tensor_1d(self._wctx, r.ggml_type, shape[0])
-            elif len(shape) == 2:
-                t = g.ggml_new_tensor_2d(self._wctx, r.ggml_type, shape[0], shape[1])
-            else:  # the model plan only has vectors and matrices
-                raise RuntimeLoadError(f"{r.name}: unexpected rank {len(shape)}")
-            t = _ok(t, "ggml_new_tensor")
-            if g.ggml_nbytes(t) != r.nbytes:  # ggml and our reader must agree on the size
-                raise RuntimeLoadError(
-                    f"{r.name}: ggml sizes it {g.ggml_nbytes(t)} bytes, the file {r.nbytes}",
-                    code="fragment_tensor_shape",
-                )
-            status = g.ggml_backend_tensor_alloc(buffer_of[r.part], t, w.address(r.name))
-            if status != ggml.GGML_STATUS_SUCCESS:
-                raise RuntimeLoadError(f"{r.name}: ggml_backend_tensor_alloc status {status}")
-            tensors[r.name] = t
-        return tensors
+    def _tensors_per_layer(self) -> int:
+        # a MoE layer sums its experts' outputs through a view and an add per expert used
+        return _TENSORS_PER_LAYER + 4 * self.spec.n_expert_used
 
-    def _layer(self, il: int) -> _LayerWeights:
-        t, p = self._tensors, f"blk.{il}."
+    @property
+    def threads_now(self) -> int:
+        """The threads the last graph ran on (the thread governor may lower them)."""
+        return self._backend.threads_now if self._backend is not None else self.config.n_threads
 
-        def opt(name: str) -> int | None:
-            return t.get(p + name)
-
-        return _LayerWeights(
-            attn_norm=t[p + "attn_norm.weight"],
-            q=t[p + "attn_q.weight"],
-            k=t[p + "attn_k.weight"],
-            v=t[p + "attn_v.weight"],
-            o=t[p + "attn_output.weight"],
-            ffn_norm=t[p + "ffn_norm.weight"],
-            gate=t[p + "ffn_gate.weight"],
-            up=t[p + "ffn_up.weight"],
-            down=t[p + "ffn_down.weight"],
-            q_bias=opt("attn_q.bias"),
-            k_bias=opt("attn_k.bias"),
-            v_bias=opt("attn_v.bias"),
-            o_bias=opt("attn_output.bias"),
-            q_norm=opt("attn_q_norm.weight"),
-            k_norm=opt("attn_k_norm.weight"),
-            post_attn_norm=opt("post_attention_norm.weight"),
-            post_ffw_norm=opt("post_ffw_norm.weight"),
-        )
+    def _layer(self, il: int) -> LayerWeights:
+        names = [s.name for s in self._family.layer_tensors(self.spec, il)]
+        return LayerWeights(il, {n: self._tensors[n] for n in names if n in self._tensors})
 
     # --- sessions --------------------------------------------------------------------------------
     def _new_session(self) -> _KvCache:
@@ -354,14 +390,14 @@ class GgmlStage(StageBase[_KvCache]):
                 for il in self.layers
             }
             buffer = _ok(
-                g.ggml_backend_alloc_ctx_tensors_from_buft(ctx, g.ggml_backend_cpu_buffer_type()),
+                g.ggml_backend_alloc_ctx_tensors_from_buft(ctx, self._buffer_type()),
                 "KV cache allocation",
             )
         except BaseException:
             g.ggml_free(ctx)
             raise
         g.ggml_backend_buffer_clear(buffer, 0)
-        return _KvCache(ctx, buffer, k, v, g.ggml_backend_buffer_get_size(buffer))
+        return _KvCache(ctx, buffer, k, v, g.ggml_backend_buffer_get_size(buffer), cells)
 
     def _release(self, state: _KvCache) -> None:
         for key in [k for k in self._batch_graphs if id(state) in k]:  # they view its cache
@@ -374,36 +410,80 @@ class GgmlStage(StageBase[_KvCache]):
 
     def _close_engine(self) -> None:
         g = self.g
-        for bg in self._batch_graphs.values():
+        for bg in getattr(self, "_batch_graphs", {}).values():
             self._free_batch_graph(bg)
         self._batch_graphs = {}
         if self._galloc:
             g.ggml_gallocr_free(self._galloc)
             self._galloc = 0
-        if self._backend:
-            g.ggml_backend_free(self._backend)
-            self._backend = 0
-        for b in self._buffers:
-            g.ggml_backend_buffer_free(b)
-        self._buffers = []
-        if self._wctx:
-            g.ggml_free(self._wctx)
-            self._wctx = None
+        if self._backend is not None:
+            self._backend.close()
+            self._backend = None
 
-    # --- the forward pass ------------------------------------------------------------------------
+    # --- the one graph path ----------------------------------------------------------------------
+    def _cpu(self) -> CpuBackend:
+        if self._backend is None:
+            raise StageNotLoaded("the stage's backend is closed")
+        return self._backend
+
+    def _buffer_type(self) -> int:
+        return self._cpu().buffer_type()
+
     def _compute(self, graph: int, *, step: bool = False) -> None:
-        """Run a graph. An adaptive stage runs a one-position ``step`` on the threads the
-        governor allows now (a small graph is all barriers: one preempted thread stalls the
-        rest at every op) and everything else on the cap (a prefill's big matmuls still gain
-        from a second thread beside a busy neighbour: docs/performance.md, issue #25)."""
-        if self._governor is not None:
-            n = self._governor.threads() if step else self.config.n_threads
-            if n != self.threads_now:
-                self.g.ggml_backend_cpu_set_n_threads(self._backend, n)
-                self.threads_now = n
-        status = self.g.ggml_backend_graph_compute(self._backend, graph)
-        if status != ggml.GGML_STATUS_SUCCESS:
-            raise ggml.GgmlCallFailed(f"ggml_backend_graph_compute returned status {status}")
+        """Run a graph on the backend (a one-position ``step`` on the governor's threads)."""
+        self._cpu().compute(graph, step=step)
+
+    def _new_graph(self, mem: int, size: int) -> tuple[int, int]:
+        g = self.g
+        ctx = _ok(g.ggml_init(GgmlInitParams(mem_size=mem, mem_buffer=None, no_alloc=True)), "init")
+        try:
+            return ctx, _ok(g.ggml_new_graph_custom(ctx, size, False), "ggml_new_graph")
+        except BaseException:
+            g.ggml_free(ctx)
+            raise
+
+    def _input(self, t: int | None) -> int:
+        t = _ok(t, "ggml_new_tensor")
+        self.g.ggml_set_input(t)
+        return t
+
+    def _embed(self, ctx: int, ids: int) -> int:
+        """The token embeddings of ``ids`` (scaled where the model scales them)."""
+        g, scale = self.g, self.spec.embed_scale
+        x = g.ggml_get_rows(ctx, self._tensors[tensor_name(T.TOKEN_EMBD)], ids)
+        return g.ggml_scale(ctx, x, scale) if scale is not None else x
+
+    def _build(
+        self,
+        ctx: int,
+        gf: int,
+        x: int,
+        pos: int,
+        rows: int,
+        attend: Attention,
+        keep: int | None,
+    ) -> int:
+        """Every layer of the stage over ``x`` (its family's ``build_layer``), then for the
+        final stage the output head: the graph's result (not yet expanded)."""
+        b = GraphBuilder(
+            g=self.g,
+            ctx=ctx,
+            gf=gf,
+            spec=self.spec,
+            pos=pos,
+            rows=rows,
+            mm=lambda weight, a: self._mm(ctx, weight, a),
+            attend=attend,
+            last_layer=self.layers.stop - 1,
+            keep=keep if self.layers.owns_output else None,
+            freq_factors=self._tensors.get(tensor_name(T.ROPE_FREQS)),
+        )
+        for il in self.layers:
+            x = self._family.build_layer(b, self._layer_weights[il], il, x)
+        if not self.layers.owns_output:
+            return x
+        norm = self._tensors[tensor_name(T.OUTPUT_NORM)]
+        return b.head(x, norm, _ok(self._head_weight(), "output head"))
 
     def _chunk_rows(self, n: int, end: int) -> int:
         return prefill_rows(n, end)
@@ -423,62 +503,44 @@ class GgmlStage(StageBase[_KvCache]):
         pad = rows - n  # leading copies of the first row: the graph's shape, not its result
         if pad:
             inputs = np.ascontiguousarray(np.concatenate([np.repeat(inputs[:1], pad, 0), inputs]))
-        ctx = _ok(
-            g.ggml_init(GgmlInitParams(mem_size=self._graph_mem, mem_buffer=None, no_alloc=True)),
-            "ggml_init",
-        )
+        ctx, gf = self._new_graph(self._graph_mem, self._graph_size)
         try:
-            gf = _ok(g.ggml_new_graph_custom(ctx, self._graph_size, False), "ggml_new_graph")
             feeds: list[tuple[int, npt.NDArray[Any]]] = []
 
-            def input_tensor(t: int | None, data: npt.NDArray[Any]) -> int:
-                t = _ok(t, "ggml_new_tensor")
-                g.ggml_set_input(t)
+            def fed(t: int | None, data: npt.NDArray[Any]) -> int:
+                t = self._input(t)
                 feeds.append((t, data))
                 return t
 
             if self.layers.owns_input:
-                ids = input_tensor(g.ggml_new_tensor_1d(ctx, GgmlType.I32, rows), inputs)
-                x = g.ggml_get_rows(ctx, self._tensors["token_embd.weight"], ids)
-                if spec.embed_scale is not None:
-                    x = g.ggml_scale(ctx, x, spec.embed_scale)
+                x = self._embed(ctx, fed(g.ggml_new_tensor_1d(ctx, GgmlType.I32, rows), inputs))
             else:
-                x = input_tensor(g.ggml_new_tensor_2d(ctx, GgmlType.F32, spec.width, rows), inputs)
+                x = fed(g.ggml_new_tensor_2d(ctx, GgmlType.F32, spec.width, rows), inputs)
             positions = np.arange(start - pad, start + n, dtype=np.int32).clip(start)
-            pos = input_tensor(g.ggml_new_tensor_1d(ctx, GgmlType.I32, rows), positions)
+            pos = fed(g.ggml_new_tensor_1d(ctx, GgmlType.I32, rows), positions)
             n_kv = kv_length(start + n)  # the cells in use, padded as llama.cpp views them
-            final = self.layers.owns_output
-            last = self.layers.stop - 1
-            # the layers that attend: a final stage that wants no logits only writes its last
-            # layer's K/V (an input no node reads has no buffer to be set)
-            attending = [il for il in self.layers if not (final and il == last and not out_rows)]
             masks = {}
-            for window in self._windows(attending):
+            for window in self._windows():
                 mask = attention_mask(start, n, window, n_kv=n_kv)
                 if pad:
                     mask = np.ascontiguousarray(np.concatenate([np.repeat(mask[:1], pad, 0), mask]))
-                t = g.ggml_new_tensor_2d(ctx, GgmlType.F32, n_kv, rows)
-                masks[window] = input_tensor(t, mask)
-            result: int | None = x
-            for il in self.layers:
-                keep = out_rows if final and il == last else None
-                result = self._layer_graph(
-                    ctx, gf, il, x, pos, masks, state, start, n, keep, pad=pad, n_kv=n_kv
-                )
-                if result is None:  # final stage, no logits wanted: K/V written, done
-                    break
-                x = result
-            if final and result is not None:
-                result = self._head(ctx, result)
-            if result is not None:
+                masks[window] = fed(g.ggml_new_tensor_2d(ctx, GgmlType.F32, n_kv, rows), mask)
+            attend = _ChunkAttention(state, masks, start, n, pad, n_kv)
+            result = self._build(ctx, gf, x, pos, rows, attend, out_rows)
+            final = self.layers.owns_output
+            # a final stage that wants no logits only writes its K/V: the layers' cache
+            # writes are in the graph, the rest is never expanded into it
+            wanted = not (final and out_rows == 0)
+            if wanted:
                 g.ggml_set_output(result)
                 g.ggml_build_forward_expand(gf, result)
             if not g.ggml_gallocr_alloc_graph(self._galloc, gf):
                 raise ggml.GgmlCallFailed("ggml_gallocr_alloc_graph failed (out of memory?)")
             for t, data in feeds:
-                g.ggml_backend_tensor_set(t, data.ctypes.data, 0, data.nbytes)
+                if g.ggml_get_data(t) is not None:  # an input no node reads has no buffer
+                    g.ggml_backend_tensor_set(t, data.ctypes.data, 0, data.nbytes)
             self._compute(gf)
-            if result is None:
+            if not wanted:
                 return np.empty((0, self.vocab or 0), dtype=np.float32)
             cols = (self.vocab or 0) if final else spec.width
             rows_out = out_rows if final else n
@@ -489,7 +551,7 @@ class GgmlStage(StageBase[_KvCache]):
         finally:
             g.ggml_free(ctx)
 
-    # --- one position: the reused decode graph and the head on ggml (issue #25 item 2) -------
+    # --- one position: the reused decode graph and the head on ggml ------------------------------
     def _decode_one(
         self, state: _KvCache, position: int, inputs: npt.NDArray[Any], *, greedy: bool
     ) -> tuple[npt.NDArray[np.float32] | None, int | None]:
@@ -510,58 +572,54 @@ class GgmlStage(StageBase[_KvCache]):
             return None, int(np.argmax(dg.result_view))
         return dg.result_view.reshape(1, -1).copy(), None
 
-    def _build_decode_graph(self, kv: _KvCache) -> _DecodeGraph:
-        """The one-position graph of ``kv``'s session over every cell (see _DecodeGraph),
-        with its own allocator: the shared one re-plans for every prefill graph, which would
-        move this graph's intermediate tensors."""
+    def _session_inputs(self, ctx: int) -> tuple[_KvSlots, dict[int | None, int]]:
+        """A session's inputs in a reused graph: the K/V rows to write and one mask per
+        window, over every cell (resized per run)."""
         g, spec, cells = self.g, self.spec, self._kv_cells
-        ctx = _ok(
-            g.ggml_init(GgmlInitParams(mem_size=self._graph_mem, mem_buffer=None, no_alloc=True)),
-            "ggml_init",
+        slots = _KvSlots(
+            k_rows=self._input(g.ggml_new_tensor_1d(ctx, GgmlType.I64, 1)),
+            v_rows=self._input(g.ggml_new_tensor_1d(ctx, GgmlType.I64, spec.kv_dim)),
         )
-        galloc = 0
+        masks = {}
+        for window in self._windows():
+            masks[window] = self._input(g.ggml_new_tensor_2d(ctx, GgmlType.F32, cells, 1))
+            slots.add(masks[window], 0, True)
+        return slots, masks
+
+    def _finish_graph(self, ctx: int, gf: int, result: int, n: int) -> tuple[int, Any]:
+        """Expand a reused graph's result and give it its own allocator (the shared one
+        re-plans for every prefill graph, which would move this graph's tensors): the
+        allocator and a view of the result's ``n`` rows in its compute buffer."""
+        g = self.g
+        g.ggml_set_output(result)
+        g.ggml_build_forward_expand(gf, result)
+        galloc = _ok(g.ggml_gallocr_new(self._buffer_type()), "gallocr")
         try:
-            gf = _ok(g.ggml_new_graph_custom(ctx, self._graph_size, False), "ggml_new_graph")
-
-            def input_tensor(t: int | None) -> int:
-                t = _ok(t, "ggml_new_tensor")
-                g.ggml_set_input(t)
-                return t
-
-            if self.layers.owns_input:
-                tokens = input_tensor(g.ggml_new_tensor_1d(ctx, GgmlType.I32, 1))
-                x = g.ggml_get_rows(ctx, self._tensors["token_embd.weight"], tokens)
-                if spec.embed_scale is not None:
-                    x = g.ggml_scale(ctx, x, spec.embed_scale)
-            else:
-                tokens = x = input_tensor(g.ggml_new_tensor_2d(ctx, GgmlType.F32, spec.width, 1))
-            pos = input_tensor(g.ggml_new_tensor_1d(ctx, GgmlType.I32, 1))
-            slots = _KvSlots(
-                k_rows=input_tensor(g.ggml_new_tensor_1d(ctx, GgmlType.I64, 1)),
-                v_rows=input_tensor(g.ggml_new_tensor_1d(ctx, GgmlType.I64, spec.kv_dim)),
-            )
-            masks = {}
-            for window in self._windows():
-                masks[window] = input_tensor(g.ggml_new_tensor_2d(ctx, GgmlType.F32, cells, 1))
-                slots.add(masks[window], 0, True)
-            final = self.layers.owns_output
-            last = self.layers.stop - 1
-            for il in self.layers:
-                rows = 1 if final and il == last else None
-                y = self._layer_graph(ctx, gf, il, x, pos, masks, kv, 0, 1, rows, slots, n_kv=cells)
-                x = _ok(y, "decode layer")
-            result = self._head(ctx, x) if final else x
-            g.ggml_set_output(result)
-            g.ggml_build_forward_expand(gf, result)
-            galloc = _ok(g.ggml_gallocr_new(g.ggml_backend_cpu_buffer_type()), "gallocr")
             if not g.ggml_gallocr_alloc_graph(galloc, gf):
                 raise ggml.GgmlCallFailed("ggml_gallocr_alloc_graph failed (out of memory?)")
-            cols = (self.vocab or 0) if final else spec.width
-            data = _ok(g.ggml_get_data(result), "decode graph output")
-            view = np.ctypeslib.as_array((ctypes.c_float * cols).from_address(data))
+            cols = (self.vocab or 0) if self.layers.owns_output else self.spec.width
+            data = _ok(g.ggml_get_data(result), "graph output")
+            view = np.ctypeslib.as_array((ctypes.c_float * (cols * n)).from_address(data))
         except BaseException:
-            if galloc:
-                g.ggml_gallocr_free(galloc)
+            g.ggml_gallocr_free(galloc)
+            raise
+        return galloc, view if n == 1 else view.reshape(n, cols)
+
+    def _build_decode_graph(self, kv: _KvCache) -> _DecodeGraph:
+        """The one-position graph of ``kv``'s session over every cell (see _DecodeGraph)."""
+        g, spec = self.g, self.spec
+        ctx, gf = self._new_graph(self._graph_mem, self._graph_size)
+        try:
+            if self.layers.owns_input:
+                tokens = self._input(g.ggml_new_tensor_1d(ctx, GgmlType.I32, 1))
+                x = self._embed(ctx, tokens)
+            else:
+                tokens = x = self._input(g.ggml_new_tensor_2d(ctx, GgmlType.F32, spec.width, 1))
+            pos = self._input(g.ggml_new_tensor_1d(ctx, GgmlType.I32, 1))
+            slots, masks = self._session_inputs(ctx)
+            result = self._build(ctx, gf, x, pos, 1, _SlotAttention(kv, slots, masks), 1)
+            galloc, view = self._finish_graph(ctx, gf, result, 1)
+        except BaseException:
             g.ggml_free(ctx)
             raise
         return _DecodeGraph(
@@ -575,10 +633,10 @@ class GgmlStage(StageBase[_KvCache]):
             result=result,
             result_view=view,
             pos_buf=np.zeros(1, dtype=np.int32),
-            **_SessionInputs.buffers(spec.kv_dim, cells),
+            **_SessionInputs.buffers(spec.kv_dim, self._kv_cells),
         )
 
-    # --- several sessions' decode steps in one graph (issue #22 item 6) ----------------------
+    # --- several sessions' decode steps in one graph ---------------------------------------------
     def _decode_many(
         self,
         states: list[_KvCache],
@@ -611,66 +669,37 @@ class GgmlStage(StageBase[_KvCache]):
         return out
 
     def _build_batch_graph(self, states: list[_KvCache]) -> _BatchGraph:
-        g, spec, cells, b = self.g, self.spec, self._kv_cells, len(states)
+        g, spec, b = self.g, self.spec, len(states)
         self._exact_gemm_widths()  # before the graph's matmuls choose their layout (_mm)
         self._layouts = [0, 0]  # [k, B] / broadcast matmuls of this build (_mm counts them)
         size = max(
             ggml.GGML_DEFAULT_GRAPH_SIZE,
-            (_TENSORS_PER_LAYER + _TENSORS_PER_MEMBER * b) * len(self.layers) + _TENSORS_FIXED,
+            (self._tensors_per_layer() + _TENSORS_PER_MEMBER * b) * len(self.layers)
+            + _TENSORS_FIXED,
         )
         mem = g.ggml_tensor_overhead() * 2 * size + g.ggml_graph_overhead_custom(size, False)
-        ctx = _ok(g.ggml_init(GgmlInitParams(mem_size=mem, mem_buffer=None, no_alloc=True)), "init")
-        galloc = 0
+        ctx, gf = self._new_graph(mem, size)
         try:
-            gf = _ok(g.ggml_new_graph_custom(ctx, size, False), "ggml_new_graph")
-
-            def input_tensor(t: int | None) -> int:
-                t = _ok(t, "ggml_new_tensor")
-                g.ggml_set_input(t)
-                return t
-
             if self.layers.owns_input:
-                tokens = input_tensor(g.ggml_new_tensor_1d(ctx, GgmlType.I32, b))
-                x = g.ggml_get_rows(ctx, self._tensors["token_embd.weight"], tokens)
-                if spec.embed_scale is not None:
-                    x = g.ggml_scale(ctx, x, spec.embed_scale)
-                x = g.ggml_reshape_3d(ctx, x, spec.width, 1, b)
+                tokens = self._input(g.ggml_new_tensor_1d(ctx, GgmlType.I32, b))
+                x = g.ggml_reshape_3d(ctx, self._embed(ctx, tokens), spec.width, 1, b)
             else:
-                tokens = x = input_tensor(g.ggml_new_tensor_3d(ctx, GgmlType.F32, spec.width, 1, b))
-            pos = input_tensor(g.ggml_new_tensor_1d(ctx, GgmlType.I32, b))
+                tokens = x = self._input(g.ggml_new_tensor_3d(ctx, GgmlType.F32, spec.width, 1, b))
+            pos = self._input(g.ggml_new_tensor_1d(ctx, GgmlType.I32, b))
             members = []
             for kv in states:
-                slots = _KvSlots(
-                    k_rows=input_tensor(g.ggml_new_tensor_1d(ctx, GgmlType.I64, 1)),
-                    v_rows=input_tensor(g.ggml_new_tensor_1d(ctx, GgmlType.I64, spec.kv_dim)),
-                )
-                masks = {}
-                for window in self._windows():
-                    masks[window] = input_tensor(g.ggml_new_tensor_2d(ctx, GgmlType.F32, cells, 1))
-                    slots.add(masks[window], 0, True)
+                slots, masks = self._session_inputs(ctx)
                 members.append(
                     _BatchMember(
                         kv=kv,
                         slots=slots,
                         masks=masks,
-                        **_SessionInputs.buffers(spec.kv_dim, cells),
+                        **_SessionInputs.buffers(spec.kv_dim, self._kv_cells),
                     )
                 )
-            for il in self.layers:
-                x = self._batch_layer_graph(ctx, gf, il, x, pos, members)
-            final = self.layers.owns_output
-            result = self._head(ctx, x) if final else x
-            g.ggml_set_output(result)
-            g.ggml_build_forward_expand(gf, result)
-            galloc = _ok(g.ggml_gallocr_new(g.ggml_backend_cpu_buffer_type()), "gallocr")
-            if not g.ggml_gallocr_alloc_graph(galloc, gf):
-                raise ggml.GgmlCallFailed("ggml_gallocr_alloc_graph failed (out of memory?)")
-            cols = (self.vocab or 0) if final else spec.width
-            data = _ok(g.ggml_get_data(result), "batch graph output")
-            view = np.ctypeslib.as_array((ctypes.c_float * (cols * b)).from_address(data))
+            result = self._build(ctx, gf, x, pos, b, _BatchAttention(members), None)
+            galloc, view = self._finish_graph(ctx, gf, result, b)
         except BaseException:
-            if galloc:
-                g.ggml_gallocr_free(galloc)
             g.ggml_free(ctx)
             raise
         return _BatchGraph(
@@ -680,49 +709,11 @@ class GgmlStage(StageBase[_KvCache]):
             members=members,
             tokens=tokens,
             pos=pos,
-            result_view=view.reshape(b, cols),
+            result_view=view,
             pos_buf=np.zeros(b, dtype=np.int32),
             gemm_matmuls=self._layouts[0],
             broadcast_matmuls=self._layouts[1],
         )
-
-    def _batch_layer_graph(
-        self, ctx: int, gf: int, il: int, x: int, pos: int, members: list[_BatchMember]
-    ) -> int:
-        """One block over x ``[width, 1, B]``: the ops of ``_layer_graph`` for one position,
-        the linear layers over the whole batch, attention per session (its own KV)."""
-        g, spec = self.g, self.spec
-        hd, cells = spec.head_dim, self._kv_cells
-        f16_row = g.ggml_row_size(GgmlType.F16, spec.kv_dim)
-        # [hd, n_head, B] / [hd, n_head_kv, B] / [kv_dim, 1, B]: position i per column
-        q, k, v, kq_scale = self._qkv(ctx, il, x, pos, len(members))
-        window = spec.sliding_window if spec.is_swa(il) else None
-        o: int | None = None
-        for i, m in enumerate(members):
-            kv, slots = m.kv, m.slots
-            k_row = g.ggml_view_2d(ctx, k, spec.kv_dim, 1, 4 * spec.kv_dim, 4 * spec.kv_dim * i)
-            g.ggml_build_forward_expand(gf, g.ggml_set_rows(ctx, kv.k[il], k_row, slots.k_rows))
-            v_all = g.ggml_reshape_2d(ctx, kv.v[il], 1, cells * spec.kv_dim)
-            v_col = g.ggml_view_2d(ctx, v, 1, spec.kv_dim, 4, 4 * spec.kv_dim * i)
-            g.ggml_build_forward_expand(gf, g.ggml_set_rows(ctx, v_all, v_col, slots.v_rows))
-            keys = g.ggml_view_3d(ctx, kv.k[il], hd, cells, spec.n_head_kv, f16_row, 2 * hd, 0)
-            values = g.ggml_view_3d(
-                ctx, kv.v[il], cells, hd, spec.n_head_kv, 2 * cells, 2 * cells * hd, 0
-            )
-            q_i = g.ggml_view_3d(
-                ctx, q, hd, spec.n_head, 1, 4 * hd, 4 * spec.q_dim, 4 * spec.q_dim * i
-            )
-            qp = g.ggml_permute(ctx, q_i, 0, 2, 1, 3)  # [hd, 1, n_head]
-            scores = g.ggml_mul_mat(ctx, keys, qp)  # [n_kv, 1, n_head]
-            kq = g.ggml_soft_max_ext(ctx, scores, m.masks[window], kq_scale, 0.0)
-            slots.add(keys, 1, False)
-            slots.add(values, 0, False)
-            slots.add(scores, 0, True)
-            slots.add(kq, 0, True)
-            kqv = g.ggml_mul_mat(ctx, values, kq)  # [hd, 1, n_head]
-            o_i = g.ggml_cont_2d(ctx, g.ggml_permute(ctx, kqv, 0, 2, 1, 3), spec.q_dim, 1)
-            o = o_i if o is None else g.ggml_concat(ctx, o, o_i, 2)  # [q_dim, 1, i + 1]
-        return self._attn_out_and_ffn(ctx, il, _ok(o, "attention"), x)
 
     def _exact_gemm_widths(self) -> dict[int, frozenset[int]]:
         """Per weight type, the batch widths whose ``[k, B]`` product this ggml computes
@@ -733,7 +724,7 @@ class GgmlStage(StageBase[_KvCache]):
 
             weights: dict[int, int] = {}
             for w in self._layer_weights.values():
-                for t in (w.q, w.k, w.v, w.o, w.gate, w.up, w.down):
+                for t in w.matrices():
                     weights.setdefault(tensor_struct(t).type, t)
             head = self._head_weight()
             if self.layers.owns_output and head is not None:
@@ -766,7 +757,8 @@ class GgmlStage(StageBase[_KvCache]):
         return g.ggml_mul_mat(ctx, weight, x)
 
     def _head_weight(self) -> int | None:
-        return self._tensors.get("output.weight", self._tensors.get("token_embd.weight"))
+        t = self._tensors
+        return t.get(tensor_name(T.OUTPUT), t.get(tensor_name(T.TOKEN_EMBD)))
 
     def _free_batch_graph(self, bg: _BatchGraph) -> None:
         self.g.ggml_gallocr_free(bg.galloc)
@@ -779,150 +771,12 @@ class GgmlStage(StageBase[_KvCache]):
     def _windows(self, layers: Iterable[int] | None = None) -> list[int | None]:
         """The attention masks ``layers`` (default: this stage's) use: None = full causal,
         N = sliding."""
-        spec = self.spec
         windows: list[int | None] = []
         for il in self.layers if layers is None else layers:
-            w = spec.sliding_window if spec.is_swa(il) else None
+            w = _window(self.spec, il)
             if w not in windows:
                 windows.append(w)
         return windows
-
-    def _norm(self, ctx: int, x: int, weight: int) -> int:
-        g = self.g
-        return g.ggml_mul(ctx, g.ggml_rms_norm(ctx, x, self.spec.rms_eps), weight)
-
-    def _linear(self, ctx: int, weight: int, x: int, bias: int | None = None) -> int:
-        y = self._mm(ctx, weight, x)
-        return self.g.ggml_add(ctx, y, bias) if bias is not None else y
-
-    def _layer_graph(
-        self,
-        ctx: int,
-        gf: int,
-        il: int,
-        x: int,
-        pos: int,
-        masks: dict[int | None, int],
-        kv: _KvCache,
-        start: int,
-        n: int,
-        out_rows: int | None,
-        slots: _KvSlots | None = None,
-        *,
-        pad: int = 0,
-        n_kv: int,
-    ) -> int | None:
-        """One transformer block over x ``[width, rows]`` (``rows = pad + n``: ``pad`` leading
-        copies of the first row, whose K/V are not written); returns ``[width, rows]``, or
-        for the final layer ``[width, out_rows]`` (the last rows, kept after the attention
-        output projection as llama.cpp keeps them) or None when no logits are wanted from
-        this chunk. Attention views ``n_kv`` cells. With ``slots`` (the reused decode graph,
-        n = 1, ``n_kv`` every cell) K and V are written at the rows the slots' inputs name and
-        the attention tensors are resized to the position's KV length before each run."""
-        g, spec = self.g, self.spec
-        hd, cells, rows = spec.head_dim, self._kv_cells, pad + n
-        f16_row = g.ggml_row_size(GgmlType.F16, spec.kv_dim)
-        q, k, v, kq_scale = self._qkv(ctx, il, x, pos, rows)  # [hd, n_head, rows], ...
-        # write this chunk's K and V into the session cache (before the attention reads it:
-        # nodes run in the order they were added)
-        if slots is None:
-            k_src = g.ggml_view_1d(ctx, k, n * spec.kv_dim, 4 * spec.kv_dim * pad)
-            k_dst = g.ggml_view_1d(ctx, kv.k[il], n * spec.kv_dim, f16_row * start)
-            g.ggml_build_forward_expand(gf, g.ggml_cpy(ctx, k_src, k_dst))
-            v_src = g.ggml_view_2d(ctx, v, spec.kv_dim, n, 4 * spec.kv_dim, 4 * spec.kv_dim * pad)
-            v_t = g.ggml_transpose(ctx, v_src)  # [n, kv_dim]
-            v_dst = g.ggml_view_2d(ctx, kv.v[il], n, spec.kv_dim, 2 * cells, 2 * start)
-            g.ggml_build_forward_expand(gf, g.ggml_cpy(ctx, v_t, v_dst))
-        else:  # the same f32 -> f16 conversion, at rows given as data
-            k_row = g.ggml_reshape_2d(ctx, k, spec.kv_dim, 1)
-            g.ggml_build_forward_expand(gf, g.ggml_set_rows(ctx, kv.k[il], k_row, slots.k_rows))
-            v_all = g.ggml_reshape_2d(ctx, kv.v[il], 1, cells * spec.kv_dim)
-            v_col = g.ggml_reshape_2d(ctx, v, 1, spec.kv_dim)
-            g.ggml_build_forward_expand(gf, g.ggml_set_rows(ctx, v_all, v_col, slots.v_rows))
-        if out_rows == 0:
-            return None
-        keys = g.ggml_view_3d(
-            ctx, kv.k[il], hd, n_kv, spec.n_head_kv, f16_row, 2 * hd, 0
-        )  # [hd, n_kv, n_head_kv]
-        values = g.ggml_view_3d(
-            ctx, kv.v[il], n_kv, hd, spec.n_head_kv, 2 * cells, 2 * cells * hd, 0
-        )  # [n_kv, hd, n_head_kv]
-        qp = g.ggml_permute(ctx, q, 0, 2, 1, 3)  # [hd, rows, n_head]
-        kq = g.ggml_mul_mat(ctx, keys, qp)  # [n_kv, rows, n_head]
-        window = spec.sliding_window if spec.is_swa(il) else None
-        scores = kq
-        kq = g.ggml_soft_max_ext(ctx, kq, masks[window], kq_scale, 0.0)
-        if slots is not None:
-            slots.add(keys, 1, False)
-            slots.add(values, 0, False)
-            slots.add(scores, 0, True)
-            slots.add(kq, 0, True)
-        kqv = g.ggml_mul_mat(ctx, values, kq)  # [hd, rows, n_head]
-        o = g.ggml_permute(ctx, kqv, 0, 2, 1, 3)  # [hd, n_head, rows]
-        o = g.ggml_cont_2d(ctx, o, spec.q_dim, rows)
-        return self._attn_out_and_ffn(ctx, il, o, x, keep=out_rows)
-
-    def _qkv(self, ctx: int, il: int, x: int, pos: int, n: int) -> tuple[int, int, int, float]:
-        """A block's start over x ``[width, n]`` (or ``[width, 1, n]``, a batch): the attention
-        norm, Q/K/V (Q and K as ``[hd, heads, n]``, with their norms where the model has
-        them), RoPE at ``pos``, and the attention scale (folded into Q where the model says)."""
-        g, spec, w = self.g, self.spec, self._layer_weights[il]
-        hd = spec.head_dim
-        h = self._norm(ctx, x, w.attn_norm)
-        q = self._linear(ctx, w.q, h, w.q_bias)
-        k = self._linear(ctx, w.k, h, w.k_bias)
-        v = self._linear(ctx, w.v, h, w.v_bias)
-        q = g.ggml_reshape_3d(ctx, q, hd, spec.n_head, n)
-        k = g.ggml_reshape_3d(ctx, k, hd, spec.n_head_kv, n)
-        if w.q_norm is not None and w.k_norm is not None:
-            q = self._norm(ctx, q, w.q_norm)
-            k = self._norm(ctx, k, w.k_norm)
-        freq_factors = self._tensors.get(ROPE_FREQS_TENSOR)
-        base, scale = spec.rope_base_for(il), spec.rope_scale_for(il)
-        rope = (hd, self._rope_mode, spec.context_length, base, scale)
-        yarn = (_EXT_FACTOR, _ATTN_FACTOR, _BETA_FAST, _BETA_SLOW)
-        q = g.ggml_rope_ext(ctx, q, pos, freq_factors, *rope, *yarn)
-        k = g.ggml_rope_ext(ctx, k, pos, freq_factors, *rope, *yarn)
-        kq_scale = spec.attn_scale
-        if spec.scale_q_before_attention:
-            q, kq_scale = g.ggml_scale(ctx, q, spec.attn_scale), 1.0
-        return q, k, v, kq_scale
-
-    def _attn_out_and_ffn(self, ctx: int, il: int, o: int, x: int, keep: int | None = None) -> int:
-        """A block's end: the attention output ``o`` projected (and normed where the model
-        has a post-attention norm) onto the residual ``x``, then the feed-forward block; with
-        ``keep``, over only the last ``keep`` rows after the projection (llama.cpp's
-        ``inp_out_ids`` on its last layer: the feed-forward's matmuls then have as many
-        columns as in llama.cpp, which picks their kernel)."""
-        g, spec, w = self.g, self.spec, self._layer_weights[il]
-        o = self._linear(ctx, w.o, o, w.o_bias)
-        skip = 0 if keep is None else int(tensor_struct(o).ne[1]) - keep
-        if keep is not None and skip > 0:
-            o = g.ggml_view_2d(ctx, o, spec.width, keep, 4 * spec.width, 4 * spec.width * skip)
-            x = g.ggml_view_2d(ctx, x, spec.width, keep, 4 * spec.width, 4 * spec.width * skip)
-        if w.post_attn_norm is not None:
-            o = self._norm(ctx, o, w.post_attn_norm)
-        x = g.ggml_add(ctx, o, x)
-        h = self._norm(ctx, x, w.ffn_norm)
-        gate = self._mm(ctx, w.gate, h)
-        up = self._mm(ctx, w.up, h)
-        if spec.activation == "gelu_tanh":
-            a = g.ggml_geglu_split(ctx, gate, up)
-        else:
-            a = g.ggml_swiglu_split(ctx, gate, up)
-        f = self._mm(ctx, w.down, a)
-        if w.post_ffw_norm is not None:
-            f = self._norm(ctx, f, w.post_ffw_norm)
-        return g.ggml_add(ctx, f, x)
-
-    def _head(self, ctx: int, x: int) -> int:
-        g, spec = self.g, self.spec
-        h = self._norm(ctx, x, self._tensors[OUTPUT_NORM_TENSOR])
-        logits = self._mm(ctx, _ok(self._head_weight(), "output head"), h)  # [vocab, rows]
-        cap = spec.final_logit_softcap
-        if cap:
-            logits = g.ggml_scale(ctx, g.ggml_tanh(ctx, g.ggml_scale(ctx, logits, 1.0 / cap)), cap)
-        return logits
 
     # --- introspection -----------------------------------------------------------------------
     def kv_bytes_per_session(self) -> int:

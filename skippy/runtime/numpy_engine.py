@@ -4,8 +4,10 @@ Independent of ggml on purpose: weights are dequantized with gguf-py (``gguf.qua
 reference llama.cpp's own Python tools use), activations stay f32 (no Q8 rounding before
 matmuls), the KV cache is f32, RoPE angles are computed in float64, and every sublayer is a
 few lines of numpy. It shares with the ggml engine only what defines the model
-(``ModelSpec`` and the checked weights) and the stage API (``StageBase``). Slow (every
-weight dequantized at load: gemma3-270m needs ~1.75 GB) and meant for tests and
+(``ModelSpec``, read by the model's family, and the checked weights: a layer's optional
+tensors, such as biases and extra norms, apply where the family's plan put them) and the stage
+API (``StageBase``). A MoE layer (``ModelSpec.n_expert``) runs its experts token by token.
+Slow (every weight dequantized at load: gemma3-270m needs ~1.75 GB) and meant for tests and
 ``run --engine numpy``.
 """
 
@@ -16,8 +18,10 @@ from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
+from gguf import MODEL_TENSOR
 
-from skippy.runtime.model import OUTPUT_NORM_TENSOR, ROPE_FREQS_TENSOR, attention_mask
+from skippy.runtime.families.base import T
+from skippy.runtime.model import attention_mask, tensor_name
 from skippy.runtime.stage import STAGE_API_VERSION, StageBase
 from skippy.runtime.weights import StageWeights, WeightRef
 
@@ -107,6 +111,27 @@ def attention(
     return out
 
 
+def moe_ffn(
+    h: Array,  # (n, width)
+    router: Array,  # (n_expert, width)
+    gate: Array,  # (n_expert, ff, width)
+    up: Array,  # (n_expert, ff, width)
+    down: Array,  # (n_expert, width, ff)
+    n_used: int,
+) -> Array:
+    """Softmax gating, each token's ``n_used`` most probable experts, their probabilities
+    normalised to sum 1, the weighted sum of their SiLU-gated FFNs (qwen3moe)."""
+    probs = softmax((h @ router.T).astype(F32))  # (n, n_expert)
+    out = np.zeros_like(h)
+    for t in range(h.shape[0]):
+        picked = np.argsort(-probs[t], kind="stable")[:n_used]
+        weights = probs[t, picked] / max(probs[t, picked].sum(), F32(6.103515625e-5))
+        for e, wt in zip(picked, weights, strict=True):
+            a = silu(gate[e] @ h[t]) * (up[e] @ h[t])  # (ff,)
+            out[t] += F32(wt) * (down[e] @ a)
+    return out
+
+
 @dataclass
 class _NpKv:
     k: dict[int, Array]  # layer -> (n_ctx, h_kv, d)
@@ -151,7 +176,7 @@ class NumpyStage(StageBase[_NpKv]):
         spec = self.spec
         x: Array
         if self.layers.owns_input:
-            x = self._w["token_embd.weight"][inputs].astype(F32)  # (n, width)
+            x = self._w[tensor_name(T.TOKEN_EMBD)][inputs].astype(F32)  # (n, width)
             if spec.embed_scale is not None:
                 x = x * F32(spec.embed_scale)
         else:
@@ -164,8 +189,9 @@ class NumpyStage(StageBase[_NpKv]):
             return x
         if out_rows == 0:
             return np.empty((0, self.vocab or 0), dtype=F32)
-        h = rms_norm(x[n - out_rows :], self._w[OUTPUT_NORM_TENSOR], spec.rms_eps)
-        head = self._w["output.weight" if "output.weight" in self._w else "token_embd.weight"]
+        h = rms_norm(x[n - out_rows :], self._w[tensor_name(T.OUTPUT_NORM)], spec.rms_eps)
+        untied = tensor_name(T.OUTPUT)
+        head = self._w[untied if untied in self._w else tensor_name(T.TOKEN_EMBD)]
         logits: Array = (h @ head.T).astype(F32)  # (rows, vocab)
         if spec.final_logit_softcap:
             cap = F32(spec.final_logit_softcap)
@@ -175,27 +201,33 @@ class NumpyStage(StageBase[_NpKv]):
     def _block(
         self, il: int, x: Array, positions: npt.NDArray[np.int64], kv: _NpKv, start: int
     ) -> Array:
-        spec, w, p = self.spec, self._w, f"blk.{il}."
+        spec, w = self.spec, self._w
         n, hd = x.shape[0], spec.head_dim
 
-        def linear(name: str, h: Array) -> Array:
-            y: Array = h @ w[p + name + ".weight"].T
-            bias = w.get(p + name + ".bias")
+        def name(t: MODEL_TENSOR, suffix: str = "weight") -> str:
+            return tensor_name(t, il, suffix)
+
+        def linear(t: MODEL_TENSOR, h: Array) -> Array:
+            y: Array = h @ w[name(t)].T
+            bias = w.get(name(t, "bias"))
             return y + bias if bias is not None else y
 
+        def norm_if_any(t: MODEL_TENSOR, h: Array) -> Array:
+            weight = w.get(name(t))
+            return h if weight is None else rms_norm(h, weight, spec.rms_eps)
+
         # attention: (n, width) -> (n, width)
-        h = rms_norm(x, w[p + "attn_norm.weight"], spec.rms_eps)
-        q = linear("attn_q", h).reshape(n, spec.n_head, hd)
-        k = linear("attn_k", h).reshape(n, spec.n_head_kv, hd)
-        v = linear("attn_v", h).reshape(n, spec.n_head_kv, hd)
-        if spec.qk_norm:
-            q = rms_norm(q, w[p + "attn_q_norm.weight"], spec.rms_eps)
-            k = rms_norm(k, w[p + "attn_k_norm.weight"], spec.rms_eps)
+        h = rms_norm(x, w[name(T.ATTN_NORM)], spec.rms_eps)
+        q = linear(T.ATTN_Q, h).reshape(n, spec.n_head, hd)
+        k = linear(T.ATTN_K, h).reshape(n, spec.n_head_kv, hd)
+        v = linear(T.ATTN_V, h).reshape(n, spec.n_head_kv, hd)
+        q = norm_if_any(T.ATTN_Q_NORM, q)
+        k = norm_if_any(T.ATTN_K_NORM, k)
         rope_args: dict[str, Any] = {
             "base": spec.rope_base_for(il),
             "scale": spec.rope_scale_for(il),
             "style": spec.rope_style,
-            "freq_factors": w.get(ROPE_FREQS_TENSOR),
+            "freq_factors": w.get(tensor_name(T.ROPE_FREQS)),
         }
         q = rope(q, positions, **rope_args)
         k = rope(k, positions, **rope_args)
@@ -208,20 +240,20 @@ class NumpyStage(StageBase[_NpKv]):
         window = spec.sliding_window if spec.is_swa(il) else None
         mask = attention_mask(start, n, window)
         o = attention(q, kv.k[il][:n_kv], kv.v[il][:n_kv], mask, scale)
-        o = linear("attn_output", o.reshape(n, spec.q_dim))
-        if spec.post_norms:
-            o = rms_norm(o, w[p + "post_attention_norm.weight"], spec.rms_eps)
+        o = norm_if_any(T.ATTN_POST_NORM, linear(T.ATTN_OUT, o.reshape(n, spec.q_dim)))
         x = x + o
         # feed-forward: (n, width) -> (n, width)
-        h = rms_norm(x, w[p + "ffn_norm.weight"], spec.rms_eps)
-        gate = h @ w[p + "ffn_gate.weight"].T
-        up = h @ w[p + "ffn_up.weight"].T
-        act = gelu_tanh(gate) if spec.activation == "gelu_tanh" else silu(gate)
-        f = (act * up) @ w[p + "ffn_down.weight"].T
-        if spec.post_norms:
-            f = rms_norm(f, w[p + "post_ffw_norm.weight"], spec.rms_eps)
+        h = rms_norm(x, w[name(T.FFN_NORM)], spec.rms_eps)
+        if spec.n_expert:
+            exps = (w[name(T.FFN_GATE_EXP)], w[name(T.FFN_UP_EXP)], w[name(T.FFN_DOWN_EXP)])
+            f = moe_ffn(h, w[name(T.FFN_GATE_INP)], *exps, spec.n_expert_used)
+        else:
+            gate = h @ w[name(T.FFN_GATE)].T
+            up = h @ w[name(T.FFN_UP)].T
+            act = gelu_tanh(gate) if spec.activation == "gelu_tanh" else silu(gate)
+            f = norm_if_any(T.FFN_POST_NORM, (act * up) @ w[name(T.FFN_DOWN)].T)
         out: Array = (x + f).astype(F32)
         return out
 
 
-__all__ = ["NumpyStage", "attention", "dequantize", "rope"]
+__all__ = ["NumpyStage", "attention", "dequantize", "moe_ffn", "rope"]

@@ -1,10 +1,10 @@
 """Which model families the stage runtime runs, answered without loading it: what ``inspect``
 shows (the runtime's own modules import numpy, which ``inspect`` must not pay for).
 
-``skippy.runtime.model`` stays the authority: ``ModelSpec.from_metadata`` decides when a stage
-loads, hyperparameters included. This table answers for the family and its experts only, and
-tests/test_experts.py checks it against ``ModelSpec.from_metadata`` on real files of every
-family, so the two cannot drift apart silently.
+``skippy.runtime.families`` stays the authority: ``spec_from_metadata`` decides when a stage
+loads, hyperparameters included. This table answers for the family and its experts only; the
+registry refuses to import when its families and this table disagree, and
+tests/test_experts.py checks the verdicts against ``spec_from_metadata`` on real files.
 """
 
 from __future__ import annotations
@@ -14,10 +14,9 @@ from typing import Any, Final
 
 from skippy.package.experts import check_metadata
 
-STAGE_FAMILIES: Final = ("llama", "qwen2", "qwen3", "gemma3")  # == model.ARCHITECTURES
-# Families whose mixture-of-experts form the stage runtime runs too (none yet: such a model is
-# served whole by llama.cpp).
-STAGE_MOE_FAMILIES: Final[tuple[str, ...]] = ()
+STAGE_FAMILIES: Final = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe")  # == the registry's
+# The families that are mixtures of experts (a dense family's file with experts is refused).
+STAGE_MOE_FAMILIES: Final[tuple[str, ...]] = ("qwen3moe",)
 UNSUPPORTED: Final = "unsupported_architecture"  # the runtime's own code for both refusals
 
 

@@ -2,10 +2,11 @@
 
 ``StageWeights.open(stage)`` reads each selected part with the bounded GGUF reader
 (``skippy.gguf.reader``: offsets, sizes, overlaps, alignment), then checks every tensor
-against the plan of ``skippy.runtime.model`` for this layer range: the part that holds it
-owns it (spec "Repository Layout"), the name is expected, the shape is exact, the type is one
-the engines run, and its data is 32-byte aligned in the file (ggml aborts the process on a
-misaligned buffer: runtime-facts.md). Only then are the files mapped read-only. Nothing here calls
+against its family's plan for this layer range (``skippy.runtime.families``): the part that
+holds it owns it (spec "Repository Layout"), the name is expected, the shape is exact, the
+type is one the engines run, and its data is 32-byte aligned in the file (ggml aborts the
+process on a misaligned buffer: runtime-facts.md). Only then are the files mapped read-only.
+Nothing here calls
 ggml; the engines receive addresses and byte views of tensors that passed every check, so a
 hostile or corrupt fragment becomes a coded error, never a native abort.
 """
@@ -43,14 +44,8 @@ from skippy.package.experts import summarize
 from skippy.package.ownership import owner_of
 from skippy.package.ranges import LayerRange
 from skippy.runtime.boundary import StageLoad, StageUnsupported
-from skippy.runtime.model import (
-    MAX_VOCAB,
-    ModelSpec,
-    TensorSpec,
-    describe_allowed,
-    stage_tensors,
-    type_name,
-)
+from skippy.runtime.families import spec_from_metadata, stage_tensors
+from skippy.runtime.model import MAX_VOCAB, ModelSpec, TensorSpec, describe_allowed, type_name
 
 # ggml's CPU backend needs every tensor it reads 32-byte aligned (TENSOR_ALIGNMENT).
 DATA_ALIGNMENT = 32
@@ -344,7 +339,7 @@ def _open_stage(stage: StageLoad) -> StageWeights:
         # check and long before ggml (which would abort on a wrong expert shape).
         skip = 1 if stage.schema_version == 2 else 0  # the carrier's directory holds no bytes
         summarize(kv, [t for g in files[skip:] for t in g.tensors], whole_model=False)
-        spec = ModelSpec.from_metadata(kv)
+        spec = spec_from_metadata(kv)
         if spec.n_layer != stage.layers.layer_count:
             raise _fragment_error(
                 f"the metadata says {spec.n_layer} layers; the stage is {stage.layers} of "

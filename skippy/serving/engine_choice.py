@@ -72,11 +72,11 @@ def stage_runtime_problem(kv: Mapping[str, Any]) -> StageUnsupported | None:
     RoPE scaling, a hyperparameter shape), or None when it runs it. Metadata that is wrong
     for a family it does cover raises, as loading would; so do malformed MoE keys
     (``skippy.package.experts.check_metadata``: a ``moe_*`` code), whatever the family."""
-    from skippy.runtime.model import ModelSpec
+    from skippy.runtime.families import spec_from_metadata
 
     check_metadata(kv)
     try:
-        ModelSpec.from_metadata(kv)
+        spec_from_metadata(kv)
     except StageUnsupported as exc:
         return exc
     return None

@@ -1,0 +1,85 @@
+"""The model families the stage runtime runs: llama.cpp's architecture name -> its module.
+
+This table is the only place an architecture name maps to code. Adding a family is one module
+beside these (a metadata reader into ``ModelSpec``, a tensor plan named from gguf-py, a
+``build_layer`` over ``skippy.runtime.graph``'s helpers, exported as ``FAMILY``), one row
+here, and its canary entry (docs/architecture.md, "Adding a model family").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Final
+
+from skippy.constants import KEY_ARCHITECTURE
+from skippy.package.ranges import LayerRange
+from skippy.runtime.boundary import StageUnsupported
+from skippy.runtime.families import gemma3, llama, qwen2, qwen3, qwen3moe
+from skippy.runtime.families.base import Family, T, tensor
+from skippy.runtime.model import LLAMA_HINT, ModelSpec, TensorSpec
+from skippy.runtime.support import STAGE_FAMILIES, STAGE_MOE_FAMILIES
+
+FAMILIES: Final[Mapping[str, Family]] = {
+    f.arch: f for f in (llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, gemma3.FAMILY, qwen3moe.FAMILY)
+}
+# ``inspect`` answers from skippy.runtime.support's table without importing the runtime: the
+# two must name the same families (a new family is added to both, or nothing imports).
+if set(FAMILIES) != set(STAGE_FAMILIES) or {a for a, f in FAMILIES.items() if f.moe} != set(
+    STAGE_MOE_FAMILIES
+):
+    raise RuntimeError("skippy.runtime.support's family table disagrees with the registry")
+
+
+def supported() -> tuple[str, ...]:
+    """The architecture names the stage runtime runs, for messages and docs."""
+    return tuple(FAMILIES)
+
+
+def family_of(arch: object) -> Family:
+    family = FAMILIES.get(arch) if isinstance(arch, str) else None
+    if family is None:
+        raise StageUnsupported(
+            f"architecture {arch!r} is not supported by the stage runtime "
+            f"(supported: {', '.join(supported())})",
+            code="unsupported_architecture",
+            actual=str(arch),
+            remediation=LLAMA_HINT,
+        )
+    return family
+
+
+def spec_from_metadata(kv: Mapping[str, Any]) -> ModelSpec:
+    """The model's hyperparameters, read by its family (``unsupported_architecture`` for a
+    family the runtime does not have, and for experts in a dense family's file, such as a
+    Mixtral-style llama: its builder has no MoE block)."""
+    family = family_of(kv.get(KEY_ARCHITECTURE))
+    if not family.moe and kv.get(f"{family.arch}.expert_count", 0):
+        dense = ", ".join(a for a, f in FAMILIES.items() if not f.moe)
+        moe = ", ".join(a for a, f in FAMILIES.items() if f.moe)
+        raise StageUnsupported(
+            f"{family.arch} with experts (MoE) is not supported by the stage runtime (it runs "
+            f"dense {dense} models, and MoE {moe} models)",
+            code="unsupported_architecture",
+            actual=f"{family.arch} (MoE)",
+            remediation=LLAMA_HINT + "; a split needs a model of a family the runtime runs",
+        )
+    return family.read(kv)
+
+
+def stage_tensors(
+    spec: ModelSpec, layers: LayerRange, *, vocab: int | None, tied: bool
+) -> list[TensorSpec]:
+    """Every tensor a stage over ``layers`` may hold. ``vocab`` is the embedding row count
+    (known once the embeddings or output part is open); ``tied``: logits through the token
+    embeddings."""
+    family = family_of(spec.arch)
+    out = family.model_tensors(spec)
+    if vocab is not None and (layers.owns_input or (layers.owns_output and tied)):
+        out.append(tensor(T.TOKEN_EMBD, None, (spec.width, vocab), "matrix"))
+    for il in layers:
+        out += family.layer_tensors(spec, il)
+    if layers.owns_output:
+        out.append(tensor(T.OUTPUT_NORM, None, (spec.width,), "vector"))
+        if vocab is not None and not tied:
+            out.append(tensor(T.OUTPUT, None, (spec.width, vocab), "matrix"))
+    return out

@@ -1,0 +1,224 @@
+"""What every family module is made of: tensor plan entries named from gguf-py, the metadata
+readers, and the ``Family`` value the registry hands out (pure: no ggml, no files).
+
+A family module (``llama.py``, ``gemma3.py``...) reads its hyperparameters once from the GGUF
+KV into the family-independent ``ModelSpec`` (bounds-checked, coded errors), says which
+tensors a layer holds (names from gguf-py's ``MODEL_TENSOR``/``TENSOR_NAMES``, never spelled
+by hand), and composes one layer's graph from the helpers of ``skippy.runtime.graph``. The
+readers below are the keys most families share (llama.cpp's ``load_hparams`` reads the same
+``{arch}.*`` keys for all of them).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from gguf import MODEL_TENSOR
+
+from skippy.errors import ModelError
+from skippy.runtime.boundary import StageUnsupported
+from skippy.runtime.graph import GraphBuilder, LayerWeights
+from skippy.runtime.model import (
+    MAX_CONTEXT,
+    MAX_FF,
+    MAX_HEAD_DIM,
+    MAX_HEADS,
+    MAX_LAYERS,
+    MAX_WIDTH,
+    Kind,
+    ModelSpec,
+    TensorSpec,
+    tensor_name,
+)
+
+T = MODEL_TENSOR
+
+
+def tensor(
+    t: MODEL_TENSOR,
+    layer: int | None,
+    shape: tuple[int, ...],
+    kind: Kind,
+    required: bool = True,
+    suffix: str = "weight",
+) -> TensorSpec:
+    return TensorSpec(tensor_name(t, layer, suffix), shape, kind, required)
+
+
+def attention_tensors(spec: ModelSpec, il: int) -> list[TensorSpec]:
+    """The attention block every family here has: its norm, Q/K/V and the output projection."""
+    w, q, kv = spec.width, spec.q_dim, spec.kv_dim
+    return [
+        tensor(T.ATTN_NORM, il, (w,), "vector"),
+        tensor(T.ATTN_Q, il, (w, q), "matrix"),
+        tensor(T.ATTN_K, il, (w, kv), "matrix"),
+        tensor(T.ATTN_V, il, (w, kv), "matrix"),
+        tensor(T.ATTN_OUT, il, (q, w), "matrix"),
+    ]
+
+
+def qkv_bias_tensors(spec: ModelSpec, il: int, *, required: bool) -> list[TensorSpec]:
+    q, kv = spec.q_dim, spec.kv_dim
+    return [
+        tensor(T.ATTN_Q, il, (q,), "vector", required, "bias"),
+        tensor(T.ATTN_K, il, (kv,), "vector", required, "bias"),
+        tensor(T.ATTN_V, il, (kv,), "vector", required, "bias"),
+    ]
+
+
+def qk_norm_tensors(spec: ModelSpec, il: int) -> list[TensorSpec]:
+    hd = spec.head_dim
+    return [tensor(T.ATTN_Q_NORM, il, (hd,), "vector"), tensor(T.ATTN_K_NORM, il, (hd,), "vector")]
+
+
+def dense_ffn_tensors(spec: ModelSpec, il: int) -> list[TensorSpec]:
+    """The gated feed-forward block: its norm, gate, up and down."""
+    w, ff = spec.width, spec.n_ff
+    return [
+        tensor(T.FFN_NORM, il, (w,), "vector"),
+        tensor(T.FFN_GATE, il, (w, ff), "matrix"),
+        tensor(T.FFN_UP, il, (w, ff), "matrix"),
+        tensor(T.FFN_DOWN, il, (ff, w), "matrix"),
+    ]
+
+
+LayerTensors = Callable[[ModelSpec, int], list[TensorSpec]]
+ModelTensors = Callable[[ModelSpec], list[TensorSpec]]
+BuildLayer = Callable[[GraphBuilder, LayerWeights, int, int], int]  # (b, w, il, x) -> x
+
+
+def no_model_tensors(spec: ModelSpec) -> list[TensorSpec]:
+    return []
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family: llama.cpp's architecture name, its metadata reader, its tensor plan
+    (per layer, plus model-wide tensors besides embeddings, output norm and head) and its
+    layer builder."""
+
+    arch: str
+    read: Callable[[Mapping[str, Any]], ModelSpec]
+    layer_tensors: LayerTensors
+    build_layer: BuildLayer
+    model_tensors: ModelTensors = no_model_tensors
+    moe: bool = False  # its layers route tokens to experts
+
+
+# --- reading the metadata ---------------------------------------------------------------------
+def bad(message: str, key: str | None = None) -> ModelError:
+    return ModelError(message, code="invalid_hyperparameters", actual=key)
+
+
+def read_int(kv: Mapping[str, Any], key: str, lo: int, hi: int, default: int | None = None) -> int:
+    value = kv.get(key, default)
+    if value is None:
+        raise ModelError(
+            f"the model metadata has no {key}", code="missing_hyperparameter", actual=key
+        )
+    if isinstance(value, bool) or not isinstance(value, int):
+        # e.g. a per-layer array of head counts: a shape this runtime does not run
+        raise StageUnsupported(
+            f"{key} is {type(value).__name__} {str(value)[:40]}; the stage runtime needs one "
+            "integer",
+            code="unsupported_hyperparameter",
+            actual=key,
+        )
+    if not lo <= value <= hi:
+        raise bad(f"{key} = {value} is outside {lo}..{hi}", key)
+    return value
+
+
+def read_float(kv: Mapping[str, Any], key: str, default: float | None = None) -> float:
+    value = kv.get(key, default)
+    if value is None:
+        raise ModelError(
+            f"the model metadata has no {key}", code="missing_hyperparameter", actual=key
+        )
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise bad(f"{key} = {value!r} is not a finite number", key)
+    return float(value)
+
+
+def _rope_scale(kv: Mapping[str, Any], arch: str) -> float:
+    kind = kv.get(f"{arch}.rope.scaling.type", "none")
+    if kind in ("none", None):
+        factor = kv.get(f"{arch}.rope.scale_linear")  # the older spelling of linear scaling
+        return 1.0 / read_float(kv, f"{arch}.rope.scale_linear") if factor else 1.0
+    if kind == "linear":
+        factor = read_float(kv, f"{arch}.rope.scaling.factor")
+        if factor <= 0:
+            raise bad(f"{arch}.rope.scaling.factor must be positive", arch)
+        return 1.0 / factor
+    raise StageUnsupported(
+        f"RoPE scaling {kind!r} is not implemented by the stage runtime (only none and linear)",
+        code="unsupported_rope_scaling",
+        actual=str(kind),
+        remediation="run this model with --engine llama",
+    )
+
+
+def read_decoder(kv: Mapping[str, Any], arch: str, *, dense_ffn: bool = True) -> dict[str, Any]:
+    """The hyperparameters of a decoder-only transformer every family here shares, as
+    ``ModelSpec`` keyword arguments (a family adds or overrides its own). Without
+    ``dense_ffn`` (a MoE family) the dense FFN width may be absent (0)."""
+    a = f"{arch}."
+    n_layer = read_int(kv, a + "block_count", 1, MAX_LAYERS)
+    width = read_int(kv, a + "embedding_length", 1, MAX_WIDTH)
+    n_head = read_int(kv, a + "attention.head_count", 1, MAX_HEADS)
+    n_head_kv = read_int(kv, a + "attention.head_count_kv", 1, n_head, default=n_head)
+    if n_head % n_head_kv:
+        raise bad(f"head_count {n_head} is not a multiple of head_count_kv {n_head_kv}", arch)
+    default_hd = width // n_head if width % n_head == 0 else None
+    head_dim = read_int(kv, a + "attention.key_length", 2, MAX_HEAD_DIM, default=default_hd)
+    v_dim = read_int(kv, a + "attention.value_length", 2, MAX_HEAD_DIM, default=head_dim)
+    rope_dims = read_int(kv, a + "rope.dimension_count", 2, MAX_HEAD_DIM, default=head_dim)
+    if v_dim != head_dim or rope_dims != head_dim or head_dim % 2:
+        raise StageUnsupported(
+            f"head dims k={head_dim} v={v_dim} rope={rope_dims}: the stage runtime needs one "
+            "even head dimension, rotated whole",
+            code="unsupported_hyperparameter",
+            actual=arch,
+        )
+    eps = read_float(kv, a + "attention.layer_norm_rms_epsilon")
+    if not 0 < eps < 1:
+        raise bad(f"rms epsilon {eps} is outside (0, 1)", arch)
+    context_length = read_int(kv, a + "context_length", 1, MAX_CONTEXT, default=MAX_CONTEXT)
+    rope_base = read_float(kv, a + "rope.freq_base", 10000.0)
+    if rope_base <= 0:
+        raise bad("rope.freq_base must be positive", arch)
+    softcap = kv.get(a + "final_logit_softcapping")
+    softcap_value = read_float(kv, a + "final_logit_softcapping") if softcap else None
+    if kv.get(a + "attn_logit_softcapping"):
+        raise StageUnsupported(
+            "attention logit soft-capping is not implemented by the stage runtime",
+            code="unsupported_hyperparameter",
+            actual=arch,
+        )
+    return {
+        "arch": arch,
+        "n_layer": n_layer,
+        "width": width,
+        "n_head": n_head,
+        "n_head_kv": n_head_kv,
+        "head_dim": head_dim,
+        "n_ff": read_int(kv, a + "feed_forward_length", 1, MAX_FF)
+        if dense_ffn
+        else read_int(kv, a + "feed_forward_length", 0, MAX_FF, default=0),
+        "rms_eps": eps,
+        "context_length": context_length,
+        "rope_style": "neox",
+        "rope_base": rope_base,
+        "rope_base_swa": rope_base,
+        "rope_scale": _rope_scale(kv, arch),
+        "sliding_window": None,
+        "swa_layers": frozenset(),
+        "attn_scale": 1.0 / math.sqrt(head_dim),  # llama.cpp's default kq_scale
+        "scale_q_before_attention": False,
+        "embed_scale": None,
+        "activation": "silu",
+        "final_logit_softcap": softcap_value,
+    }

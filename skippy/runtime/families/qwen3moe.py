@@ -1,0 +1,76 @@
+"""qwen3moe (llama.cpp ``src/models/qwen3moe.cpp``): qwen3's attention (per-head Q/K norms,
+NEOX RoPE) and a mixture-of-experts FFN in every layer: a router over ``expert_count``
+experts, the ``expert_used_count`` most probable per token, their weights normalised
+(``graph.GraphBuilder.moe_ffn``), no shared expert."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from skippy.runtime.families.base import (
+    Family,
+    T,
+    attention_tensors,
+    bad,
+    qk_norm_tensors,
+    read_decoder,
+    read_int,
+    tensor,
+)
+from skippy.runtime.families.qwen3 import attention_block
+from skippy.runtime.graph import GraphBuilder, LayerWeights
+from skippy.runtime.model import MAX_EXPERTS, MAX_FF, ModelSpec, TensorSpec
+
+ARCH = "qwen3moe"
+
+
+def read(kv: Mapping[str, Any]) -> ModelSpec:
+    """The qwen3 hyperparameters plus the experts', checked before anything reaches ggml
+    (llama.cpp refuses a qwen3moe without experts or without experts used)."""
+    d = read_decoder(kv, ARCH, dense_ffn=False)
+    a = f"{ARCH}."
+    n_expert = read_int(kv, a + "expert_count", 1, MAX_EXPERTS)
+    n_used = kv.get(a + "expert_used_count")
+    if isinstance(n_used, int) and not isinstance(n_used, bool) and n_used > n_expert:
+        raise bad(
+            f"{a}expert_used_count = {n_used} is more than {a}expert_count = {n_expert}: a "
+            "token cannot use more experts than the layer has (is the metadata corrupt?)",
+            a + "expert_used_count",
+        )
+    n_used = read_int(kv, a + "expert_used_count", 1, n_expert)
+    # llama.cpp: without the key, each expert is n_ff / n_expert_used wide
+    default_ff = d["n_ff"] // n_used if d["n_ff"] >= n_used else None
+    n_ff_exp = read_int(kv, a + "expert_feed_forward_length", 1, MAX_FF, default=default_ff)
+    return ModelSpec(**{**d, "n_expert": n_expert, "n_expert_used": n_used, "n_ff_exp": n_ff_exp})
+
+
+def layer_tensors(spec: ModelSpec, il: int) -> list[TensorSpec]:
+    w, ff, e = spec.width, spec.n_ff_exp, spec.n_expert
+    return [
+        *attention_tensors(spec, il),
+        *qk_norm_tensors(spec, il),
+        tensor(T.FFN_NORM, il, (w,), "vector"),
+        tensor(T.FFN_GATE_INP, il, (w, e), "matrix"),
+        tensor(T.FFN_GATE_EXP, il, (w, ff, e), "matrix"),
+        tensor(T.FFN_UP_EXP, il, (w, ff, e), "matrix"),
+        tensor(T.FFN_DOWN_EXP, il, (ff, w, e), "matrix"),
+    ]
+
+
+def build_layer(b: GraphBuilder, w: LayerWeights, il: int, x: int) -> int:
+    o, x = b.last_rows(il, attention_block(b, w, il, x), x)
+    x = b.add(o, x)
+    f = b.moe_ffn(
+        b.norm(x, w[T.FFN_NORM]),
+        w[T.FFN_GATE_INP],
+        w[T.FFN_UP_EXP],
+        w[T.FFN_GATE_EXP],
+        w[T.FFN_DOWN_EXP],
+        n_expert_used=b.spec.n_expert_used,
+        norm_weights=True,
+    )
+    return b.add(f, x)
+
+
+FAMILY = Family(ARCH, read, layer_tensors, build_layer, moe=True)

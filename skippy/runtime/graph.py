@@ -1,0 +1,245 @@
+"""Shared graph helpers: the sublayers every family composes (llama.cpp's ``llama-graph``).
+
+A family's ``build_layer(b, w, il, x)`` is a short composition of these: ``b.norm``,
+``b.linear``, ``b.qkv``, ``b.rope``, ``b.attention`` (over the session's KV cache: the engine
+plugs in how K/V are written and read for a prefill chunk, a reused decode graph or a batch
+of sessions), ``b.last_rows`` (llama.cpp's ``inp_out_ids`` on the final layer), the dense
+``b.ffn`` and the MoE ``b.moe_ffn``. One builder serves every graph the engine makes, so a
+family is written once. The helpers only add ggml ops to the graph under construction; they
+never compute, allocate or read host memory.
+
+Shapes (ggml order, ne0 first): x ``[width, rows]`` for a prefill chunk or a decode step,
+``[width, 1, B]`` for a batch of B sessions' decode steps; Q/K ``[head_dim, heads, rows]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+from gguf import MODEL_TENSOR
+
+from skippy.gguf import ggml
+from skippy.gguf.ggml import GGML_ROPE_TYPE_NEOX, GGML_ROPE_TYPE_NORMAL, tensor_struct
+from skippy.runtime.model import ModelSpec, tensor_name
+
+# YaRN parameters that disable YaRN (ggml.h, ggml_rope_ext); llama.cpp passes these values
+# when the model has no YaRN scaling.
+_EXT_FACTOR, _ATTN_FACTOR, _BETA_FAST, _BETA_SLOW = 0.0, 1.0, 32.0, 1.0
+GatedActivation = Literal["silu", "gelu"]
+# the least sum of a token's expert weights divided by (F16's smallest normal: llama.cpp)
+_MIN_WEIGHT_SUM = 6.103515625e-5
+
+
+class LayerWeights:
+    """One layer's weight tensors (ggml pointers, by name: only the layer's own), looked up
+    by gguf-py's tensor kind."""
+
+    def __init__(self, il: int, tensors: Mapping[str, int]) -> None:
+        self.il = il
+        self._tensors = tensors
+        # (kind, suffix) -> tensor or None: a graph build looks each up without formatting
+        self._by_kind: dict[tuple[MODEL_TENSOR, str], int | None] = {}
+
+    def __getitem__(self, t: MODEL_TENSOR) -> int:
+        found = self.get(t)
+        if found is None:
+            raise KeyError(tensor_name(t, self.il))
+        return found
+
+    def get(self, t: MODEL_TENSOR, suffix: str = "weight") -> int | None:
+        key = (t, suffix)
+        if key not in self._by_kind:
+            self._by_kind[key] = self._tensors.get(tensor_name(t, self.il, suffix))
+        return self._by_kind[key]
+
+    def matrices(self) -> list[int]:
+        """The layer's weight matrices (rank 2: what a batch's matmuls multiply)."""
+        out = []
+        for t in self._tensors.values():
+            ne = tensor_struct(t).ne
+            if ne[1] > 1 and ne[2] == 1:
+                out.append(t)
+        return out
+
+
+class Attention(Protocol):
+    """Attention of one layer over the session's KV cache: writes this graph's K and V into
+    the cache, then returns softmax(K^T Q * scale + mask) V as ``[q_dim, rows]`` (or
+    ``[q_dim, 1, B]``), before the output projection."""
+
+    def __call__(
+        self, b: GraphBuilder, il: int, q: int, k: int, v: int, kq_scale: float
+    ) -> int: ...
+
+
+@dataclass
+class GraphBuilder:
+    """One graph under construction: the context its ops live in, the model, the positions
+    input, the engine's matmul (its batch layout) and attention, and how many rows the final
+    layer keeps (None: all; the helpers never see the engine's sessions or buffers)."""
+
+    g: ggml.Ggml
+    ctx: int
+    gf: int
+    spec: ModelSpec
+    pos: int  # I32 [rows]
+    rows: int  # the columns of x (B for a batch)
+    mm: Callable[[int, int], int]  # weight @ x
+    attend: Attention
+    last_layer: int
+    keep: int | None = None
+    freq_factors: int | None = None
+
+    # --- basic ops ----------------------------------------------------------------------------
+    def add(self, a: int, b: int) -> int:
+        return self.g.ggml_add(self.ctx, a, b)
+
+    def scale(self, a: int, s: float) -> int:
+        return self.g.ggml_scale(self.ctx, a, s)
+
+    def norm(self, x: int, weight: int) -> int:
+        """RMS norm over ne0, times ``weight`` (llama.cpp's ``build_norm``, LLM_NORM_RMS)."""
+        g = self.g
+        return g.ggml_mul(self.ctx, g.ggml_rms_norm(self.ctx, x, self.spec.rms_eps), weight)
+
+    def linear(self, weight: int, x: int, bias: int | None = None) -> int:
+        y = self.mm(weight, x)
+        return self.g.ggml_add(self.ctx, y, bias) if bias is not None else y
+
+    # --- attention ----------------------------------------------------------------------------
+    def qkv(self, w: LayerWeights, h: int) -> tuple[int, int, int]:
+        """Q, K ``[head_dim, heads, rows]`` and V ``[kv_dim, rows]`` from the normed input,
+        with the biases the layer has."""
+        g, spec, T = self.g, self.spec, MODEL_TENSOR
+        q = self.linear(w[T.ATTN_Q], h, w.get(T.ATTN_Q, "bias"))
+        k = self.linear(w[T.ATTN_K], h, w.get(T.ATTN_K, "bias"))
+        v = self.linear(w[T.ATTN_V], h, w.get(T.ATTN_V, "bias"))
+        q = g.ggml_reshape_3d(self.ctx, q, spec.head_dim, spec.n_head, self.rows)
+        k = g.ggml_reshape_3d(self.ctx, k, spec.head_dim, spec.n_head_kv, self.rows)
+        return q, k, v
+
+    def rope(self, x: int, il: int) -> int:
+        """RoPE at the graph's positions, with the layer's base and scale (sliding layers have
+        their own) and the model's frequency factors, in the model's pair style."""
+        spec = self.spec
+        mode = GGML_ROPE_TYPE_NORMAL if spec.rope_style == "normal" else GGML_ROPE_TYPE_NEOX
+        return self.g.ggml_rope_ext(
+            self.ctx,
+            x,
+            self.pos,
+            self.freq_factors,
+            spec.head_dim,
+            mode,
+            spec.context_length,
+            spec.rope_base_for(il),
+            spec.rope_scale_for(il),
+            _EXT_FACTOR,
+            _ATTN_FACTOR,
+            _BETA_FAST,
+            _BETA_SLOW,
+        )
+
+    def attention(self, il: int, q: int, k: int, v: int, kq_scale: float) -> int:
+        """Attention over the session's cache (the layer's mask: causal, or its sliding
+        window), ``[q_dim, rows]``."""
+        return self.attend(self, il, q, k, v, kq_scale)
+
+    def last_rows(self, il: int, o: int, x: int) -> tuple[int, int]:
+        """On the final layer, only the rows whose logits are wanted, taken after the
+        attention output projection (llama.cpp's ``inp_out_ids``: the feed-forward's matmuls
+        then have as many columns as llama.cpp's, which picks their kernel)."""
+        if il != self.last_layer or self.keep is None:
+            return o, x
+        skip = int(tensor_struct(o).ne[1]) - self.keep
+        if skip <= 0:
+            return o, x
+        g, w, keep = self.g, self.spec.width, self.keep
+        o = g.ggml_view_2d(self.ctx, o, w, keep, 4 * w, 4 * w * skip)
+        x = g.ggml_view_2d(self.ctx, x, w, keep, 4 * w, 4 * w * skip)
+        return o, x
+
+    # --- feed-forward -------------------------------------------------------------------------
+    def ffn(self, x: int, gate: int, up: int, down: int, act: GatedActivation) -> int:
+        """A gated feed-forward: down(act(gate x) * up x) (llama.cpp's ``build_ffn`` with
+        LLM_FFN_PAR and SILU or GELU)."""
+        g = self.g
+        a_gate, a_up = self.mm(gate, x), self.mm(up, x)
+        if act == "gelu":
+            a = g.ggml_geglu_split(self.ctx, a_gate, a_up)
+        else:
+            a = g.ggml_swiglu_split(self.ctx, a_gate, a_up)
+        return self.mm(down, a)
+
+    def moe_ffn(
+        self,
+        x: int,
+        gate_inp: int,
+        up_exps: int,
+        gate_exps: int,
+        down_exps: int,
+        *,
+        n_expert_used: int,
+        norm_weights: bool,
+    ) -> int:
+        """A mixture of experts with softmax gating (llama.cpp's ``build_moe_ffn`` as qwen3moe
+        calls it: LLM_FFN_SILU, LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX). Each token's router
+        probabilities pick its ``n_expert_used`` experts (``ggml_argsort_top_k``: ordered,
+        unlike ``ggml_top_k``), their probabilities are the weights (normalised to sum 1 when
+        ``norm_weights``), each picked expert's SiLU-gated FFN runs through
+        ``ggml_mul_mat_id`` and the weighted outputs are summed in the experts' order. Every
+        step is per token, so a token's output does not depend on the others in the batch
+        (the router goes through the engine's matmul: per column in a batch)."""
+        g, ctx = self.g, self.ctx
+        ne = tensor_struct(x).ne
+        n_embd, n_tokens, batched = int(ne[0]), int(ne[1]) * int(ne[2]), int(ne[2]) > 1
+        logits = self.mm(gate_inp, x)  # [n_expert, n_tokens] ([n_expert, 1, B] in a batch)
+        n_expert = int(tensor_struct(logits).ne[0])
+        if batched:
+            logits = g.ggml_reshape_2d(ctx, logits, n_expert, n_tokens)
+        probs = g.ggml_soft_max(ctx, logits)  # [n_expert, n_tokens]
+        selected = g.ggml_argsort_top_k(ctx, probs, n_expert_used)  # [n_used, n_tokens] I32
+        probs = g.ggml_reshape_3d(ctx, probs, 1, n_expert, n_tokens)
+        weights = g.ggml_get_rows(ctx, probs, selected)  # [1, n_used, n_tokens]
+        if norm_weights:
+            weights = g.ggml_reshape_2d(ctx, weights, n_expert_used, n_tokens)
+            total = g.ggml_sum_rows(ctx, weights)  # [1, n_tokens]
+            # no division by zero: at least F16's smallest normal, as llama.cpp clamps it
+            total = g.ggml_clamp(ctx, total, _MIN_WEIGHT_SUM, float("inf"))
+            weights = g.ggml_div(ctx, weights, total)  # [n_used, n_tokens]
+            weights = g.ggml_reshape_3d(ctx, weights, 1, n_expert_used, n_tokens)
+        g.ggml_build_forward_expand(self.gf, weights)
+        cur = g.ggml_reshape_3d(ctx, x, n_embd, 1, n_tokens)
+        up = g.ggml_mul_mat_id(ctx, up_exps, cur, selected)  # [n_ff_exp, n_used, n_tokens]
+        gate = g.ggml_mul_mat_id(ctx, gate_exps, cur, selected)
+        act = g.ggml_swiglu_split(ctx, gate, up)
+        experts = g.ggml_mul_mat_id(ctx, down_exps, act, selected)  # [n_embd, n_used, n_tok]
+        experts = g.ggml_mul(ctx, experts, weights)
+        g.ggml_build_forward_expand(self.gf, experts)
+        es = tensor_struct(experts)
+        nb1, nb2 = int(es.nb[1]), int(es.nb[2])
+        views = []
+        for i in range(n_expert_used):  # the views ordered before the adds, as llama.cpp
+            views.append(g.ggml_view_2d(ctx, experts, n_embd, n_tokens, nb2, i * nb1))
+            g.ggml_build_forward_expand(self.gf, views[-1])
+        out = views[0]
+        for view in views[1:]:
+            out = g.ggml_add(ctx, out, view)
+            g.ggml_build_forward_expand(self.gf, out)
+        if n_expert_used == 1:
+            out = g.ggml_cont(ctx, out)  # not a strided view
+        if batched:
+            out = g.ggml_reshape_3d(ctx, out, n_embd, 1, n_tokens)
+        return out
+
+    # --- the output head ----------------------------------------------------------------------
+    def head(self, x: int, norm: int, weight: int) -> int:
+        """The output norm and head: logits ``[vocab, rows]``, soft-capped where the model
+        says (tanh(z / cap) * cap)."""
+        logits = self.mm(weight, self.norm(x, norm))
+        cap = self.spec.final_logit_softcap
+        if cap:
+            g = self.g
+            logits = self.scale(g.ggml_tanh(self.ctx, self.scale(logits, 1.0 / cap)), cap)
+        return logits
