@@ -5,13 +5,21 @@ partition that resumes from its partial. Reduced scale: short timeouts, small pa
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 from typing import Any
 
 import pytest
 import trio
-from test_lab_processes import big_package, fetches, lab_cli, propose, tiny_package, worker_stage
+from test_lab_processes import (
+    big_package,
+    fetches,
+    lab_cli,
+    partial_artifacts,
+    propose,
+    tiny_package,
+    transferred,
+    worker_stage,
+)
 
 from mesh_node.lab.netem import LinkSpec, LinkTable
 from mesh_node.lab.run import Lab, LabOptions, open_lab
@@ -120,21 +128,10 @@ async def test_a_transfer_cut_by_a_partition_resumes_from_its_partial(big_packag
         assert lab.netem is not None
         worker = lab.cluster.nodes[1]
         topology = await propose(lab)
-        # Until the worker holds part of an artifact on disk: a hidden partial with some but
-        # not all of its bytes (a status row's bytes_done counts bytes received, which are
-        # written in batches of up to 2 MiB: a cut before the first write leaves nothing to
-        # resume from, seen once in CI).
-        refs = lab.package.manifest.artifacts()
-        sizes = {r.artifact.sha256.lower(): r.artifact.artifact_bytes for r in refs}
-
+        # Until the worker holds part of an artifact on disk (partial_artifacts; a cut before
+        # the first write leaves nothing to resume from, seen once in CI).
         def partials() -> list[tuple[str, int]]:
-            found = []
-            for p in worker.hub_cache_dir.rglob("blobs/.*.part"):
-                with contextlib.suppress(FileNotFoundError):
-                    size = p.stat().st_size
-                    if 0 < size < sizes.get(p.name.split(".")[1], 0):
-                        found.append((p.name, size))
-            return found
+            return partial_artifacts(lab, worker)
 
         # A cut can come too late: the worker may already hold the rest of the artifact whose
         # partial it saw (received, not yet written). Then nothing is left to resume, and the
@@ -155,7 +152,7 @@ async def test_a_transfer_cut_by_a_partition_resumes_from_its_partial(big_packag
                 break
         assert left, "three cuts each came after the artifact in flight was received"
         done = await worker_stage(lab, topology["topology_id"], ("ready", "failed"))
-        assert done["transfers"]["stage"]["state"] == "ready", done["transfers"]["stage"]
+        assert transferred(done["transfers"]["stage"]), done["transfers"]["stage"]
         resumed = [r for r in fetches(done) if r["source"] == "peer" and r["resumed_from"] > 0]
         rows = [(r["path"], r["source"], r["resumed_from"], r["error"]) for r in fetches(done)]
         assert resumed, rows
