@@ -109,16 +109,22 @@ class GraphBuilder:
         return self.g.ggml_add(self.ctx, y, bias) if bias is not None else y
 
     # --- attention ----------------------------------------------------------------------------
-    def qkv(self, w: LayerWeights, h: int) -> tuple[int, int, int]:
+    def qkv(self, w: LayerWeights, h: int, *, split_heads: bool = True) -> tuple[int, int, int]:
         """Q, K ``[head_dim, heads, rows]`` and V ``[kv_dim, rows]`` from the normed input,
-        with the biases the layer has."""
-        g, spec, T = self.g, self.spec, MODEL_TENSOR
+        with the biases the layer has. Without ``split_heads`` Q and K stay whole projections
+        ``[q_dim, rows]`` / ``[kv_dim, rows]`` (for a norm over all heads; ``heads`` then
+        splits them)."""
+        T = MODEL_TENSOR
         q = self.linear(w[T.ATTN_Q], h, w.get(T.ATTN_Q, "bias"))
         k = self.linear(w[T.ATTN_K], h, w.get(T.ATTN_K, "bias"))
         v = self.linear(w[T.ATTN_V], h, w.get(T.ATTN_V, "bias"))
-        q = g.ggml_reshape_3d(self.ctx, q, spec.head_dim, spec.n_head, self.rows)
-        k = g.ggml_reshape_3d(self.ctx, k, spec.head_dim, spec.n_head_kv, self.rows)
+        if split_heads:
+            q, k = self.heads(q, self.spec.n_head), self.heads(k, self.spec.n_head_kv)
         return q, k, v
+
+    def heads(self, x: int, n_heads: int) -> int:
+        """A whole projection ``[n_heads * head_dim, rows]`` as ``[head_dim, n_heads, rows]``."""
+        return self.g.ggml_reshape_3d(self.ctx, x, self.spec.head_dim, n_heads, self.rows)
 
     def rope(self, x: int, il: int) -> int:
         """RoPE at the graph's positions, with the layer's base and scale (sliding layers have

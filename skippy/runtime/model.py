@@ -95,6 +95,8 @@ class ModelSpec:
     n_expert: int = 0
     n_expert_used: int = 0
     n_ff_exp: int = 0
+    # layers whose Q and K are not rotated (smollm3: every 4th)
+    nope_layers: frozenset[int] = frozenset()
 
     @property
     def q_dim(self) -> int:
@@ -106,6 +108,9 @@ class ModelSpec:
 
     def is_swa(self, layer: int) -> bool:
         return layer in self.swa_layers
+
+    def uses_rope(self, layer: int) -> bool:
+        return layer not in self.nope_layers
 
     def rope_base_for(self, layer: int) -> float:
         return self.rope_base_swa if self.is_swa(layer) else self.rope_base

@@ -216,21 +216,28 @@ class NumpyStage(StageBase[_NpKv]):
             weight = w.get(name(t))
             return h if weight is None else rms_norm(h, weight, spec.rms_eps)
 
-        # attention: (n, width) -> (n, width)
-        h = rms_norm(x, w[name(T.ATTN_NORM)], spec.rms_eps)
-        q = linear(T.ATTN_Q, h).reshape(n, spec.n_head, hd)
-        k = linear(T.ATTN_K, h).reshape(n, spec.n_head_kv, hd)
+        def heads(t: MODEL_TENSOR, proj: Array, n_heads: int) -> Array:
+            # a Q/K norm over one head (gemma3, qwen3) or over the whole projection (olmo2)
+            weight = w.get(name(t))
+            if weight is not None and weight.shape[-1] != hd:
+                proj = rms_norm(proj, weight, spec.rms_eps)
+                return proj.reshape(n, n_heads, hd)
+            return norm_if_any(t, proj.reshape(n, n_heads, hd))
+
+        # attention: (n, width) -> (n, width); olmo2 has no norm before it
+        h = norm_if_any(T.ATTN_NORM, x)
+        q = heads(T.ATTN_Q_NORM, linear(T.ATTN_Q, h), spec.n_head)
+        k = heads(T.ATTN_K_NORM, linear(T.ATTN_K, h), spec.n_head_kv)
         v = linear(T.ATTN_V, h).reshape(n, spec.n_head_kv, hd)
-        q = norm_if_any(T.ATTN_Q_NORM, q)
-        k = norm_if_any(T.ATTN_K_NORM, k)
         rope_args: dict[str, Any] = {
             "base": spec.rope_base_for(il),
             "scale": spec.rope_scale_for(il),
             "style": spec.rope_style,
             "freq_factors": w.get(tensor_name(T.ROPE_FREQS)),
         }
-        q = rope(q, positions, **rope_args)
-        k = rope(k, positions, **rope_args)
+        if spec.uses_rope(il):
+            q = rope(q, positions, **rope_args)
+            k = rope(k, positions, **rope_args)
         scale = spec.attn_scale
         if spec.scale_q_before_attention:
             q, scale = q * F32(spec.attn_scale), 1.0
@@ -243,7 +250,7 @@ class NumpyStage(StageBase[_NpKv]):
         o = norm_if_any(T.ATTN_POST_NORM, linear(T.ATTN_OUT, o.reshape(n, spec.q_dim)))
         x = x + o
         # feed-forward: (n, width) -> (n, width)
-        h = rms_norm(x, w[name(T.FFN_NORM)], spec.rms_eps)
+        h = norm_if_any(T.FFN_NORM, x)
         if spec.n_expert:
             exps = (w[name(T.FFN_GATE_EXP)], w[name(T.FFN_UP_EXP)], w[name(T.FFN_DOWN_EXP)])
             f = moe_ffn(h, w[name(T.FFN_GATE_INP)], *exps, spec.n_expert_used)

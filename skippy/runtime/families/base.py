@@ -161,6 +161,21 @@ def _rope_scale(kv: Mapping[str, Any], arch: str) -> float:
     )
 
 
+def swa_layers(kv: Mapping[str, Any], arch: str, n_layer: int, period: int) -> frozenset[int]:
+    """The sliding-window layers (llama.cpp's ``load_swa_pattern``): the file's pattern key
+    when present (an int period N: layer i slides unless i % N == N - 1; or one bool per
+    layer), else the family's default ``period``."""
+    key = f"{arch}.attention.sliding_window_pattern"
+    pattern = kv.get(key, period)
+    if isinstance(pattern, list):
+        if len(pattern) != n_layer or not all(isinstance(p, bool) for p in pattern):
+            raise bad(f"{key} must hold one bool per layer ({n_layer})", key)
+        return frozenset(i for i, p in enumerate(pattern) if p)
+    if isinstance(pattern, bool) or not isinstance(pattern, int) or not 1 <= pattern <= MAX_LAYERS:
+        raise bad(f"{key} = {pattern!r} is not a period in 1..{MAX_LAYERS}", key)
+    return frozenset(i for i in range(n_layer) if i % pattern < pattern - 1)
+
+
 def read_decoder(kv: Mapping[str, Any], arch: str, *, dense_ffn: bool = True) -> dict[str, Any]:
     """The hyperparameters of a decoder-only transformer every family here shares, as
     ``ModelSpec`` keyword arguments (a family adds or overrides its own). Without
