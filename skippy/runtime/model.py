@@ -95,6 +95,10 @@ class ModelSpec:
     n_expert: int = 0
     n_expert_used: int = 0
     n_ff_exp: int = 0
+    # granite's multipliers: each residual branch's output before its add, and the logits
+    # (None: unscaled)
+    residual_scale: float | None = None
+    logit_scale: float | None = None
 
     @property
     def q_dim(self) -> int:
