@@ -293,7 +293,7 @@ def test_inspect_s_support_table_answers_as_the_stage_runtime_does(synth_dir, tm
     """``skippy.runtime.support`` (no numpy, for inspect) against ``spec_from_metadata``
     (through ``stage_runtime_problem``) on a file of every family, dense and MoE."""
     from skippy.gguf.reader import open_gguf
-    from skippy.runtime.canary.synth import family, write_model
+    from skippy.runtime.canary import synth
     from skippy.runtime.support import STAGE_FAMILIES, support_verdict
     from skippy.runtime.weights import read_model_kv
 
@@ -307,9 +307,13 @@ def test_inspect_s_support_table_answers_as_the_stage_runtime_does(synth_dir, tm
         synth_gguf.llama_like(tmp_path / "phi3.gguf", arch="phi3"),
         synth_gguf.moe_like(tmp_path / "qwen3moe.gguf"),
         synth_gguf.high_precision(tmp_path / "mixtral.gguf", n_layers=2, n_experts=4),
+        *(
+            synth.write_model(synth.family(name), tmp_path / f"{name}.gguf", dtype="F16")
+            for name in ("granite", "granitemoe", "phimoe")
+        ),
     ]
     for name in ("olmo2", "smollm3"):  # the canary's models of the newer families
-        files.append(write_model(family(name), tmp_path / f"{name}.gguf", dtype="F32"))
+        files.append(synth.write_model(synth.family(name), tmp_path / f"{name}.gguf", dtype="F32"))
     runs = set()
     for path in files:
         with open_gguf(path) as g:

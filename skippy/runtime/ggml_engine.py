@@ -482,8 +482,14 @@ class GgmlStage(StageBase[_KvCache]):
             x = self._family.build_layer(b, self._layer_weights[il], il, x)
         if not self.layers.owns_output:
             return x
-        norm = self._tensors[tensor_name(T.OUTPUT_NORM)]
-        return b.head(x, norm, _ok(self._head_weight(), "output head"))
+        t = self._tensors
+        return b.head(
+            x,
+            t[tensor_name(T.OUTPUT_NORM)],
+            _ok(self._head_weight(), "output head"),
+            norm_bias=t.get(tensor_name(T.OUTPUT_NORM, None, "bias")),
+            bias=t.get(tensor_name(T.OUTPUT, None, "bias")),
+        )
 
     def _chunk_rows(self, n: int, end: int) -> int:
         return prefill_rows(n, end)

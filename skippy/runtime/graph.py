@@ -99,10 +99,12 @@ class GraphBuilder:
     def scale(self, a: int, s: float) -> int:
         return self.g.ggml_scale(self.ctx, a, s)
 
-    def norm(self, x: int, weight: int) -> int:
-        """RMS norm over ne0, times ``weight`` (llama.cpp's ``build_norm``, LLM_NORM_RMS)."""
+    def norm(self, x: int, weight: int, bias: int | None = None) -> int:
+        """RMS norm over ne0, times ``weight``, plus ``bias`` where the model has one
+        (llama.cpp's ``build_norm``, LLM_NORM_RMS)."""
         g = self.g
-        return g.ggml_mul(self.ctx, g.ggml_rms_norm(self.ctx, x, self.spec.rms_eps), weight)
+        y = g.ggml_mul(self.ctx, g.ggml_rms_norm(self.ctx, x, self.spec.rms_eps), weight)
+        return g.ggml_add(self.ctx, y, bias) if bias is not None else y
 
     def linear(self, weight: int, x: int, bias: int | None = None) -> int:
         y = self.mm(weight, x)
@@ -240,10 +242,21 @@ class GraphBuilder:
         return out
 
     # --- the output head ----------------------------------------------------------------------
-    def head(self, x: int, norm: int, weight: int) -> int:
-        """The output norm and head: logits ``[vocab, rows]``, soft-capped where the model
-        says (tanh(z / cap) * cap)."""
-        logits = self.mm(weight, self.norm(x, norm))
+    def head(
+        self,
+        x: int,
+        norm: int,
+        weight: int,
+        *,
+        norm_bias: int | None = None,
+        bias: int | None = None,
+    ) -> int:
+        """The output norm and head: logits ``[vocab, rows]``, with the biases the model has,
+        times its logit scale (granite) and soft-capped (tanh(z / cap) * cap) where the model
+        says."""
+        logits = self.linear(weight, self.norm(x, norm, norm_bias), bias)
+        if self.spec.logit_scale is not None:
+            logits = self.scale(logits, self.spec.logit_scale)
         cap = self.spec.final_logit_softcap
         if cap:
             g = self.g

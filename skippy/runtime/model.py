@@ -97,6 +97,10 @@ class ModelSpec:
     n_ff_exp: int = 0
     # layers whose Q and K are not rotated (smollm3: every 4th)
     nope_layers: frozenset[int] = frozenset()
+    # granite's multipliers: each residual branch's output before its add, and the logits
+    # (None: unscaled)
+    residual_scale: float | None = None
+    logit_scale: float | None = None
 
     @property
     def q_dim(self) -> int:

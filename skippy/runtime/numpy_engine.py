@@ -77,6 +77,10 @@ def rope(
     return np.concatenate([x0 * cos - x1 * sin, x0 * sin + x1 * cos], axis=-1)
 
 
+def _plus(x: Array, bias: Array | None) -> Array:
+    return x + bias if bias is not None else x
+
+
 def softmax(z: Array) -> Array:
     z = z - np.max(z, axis=-1, keepdims=True)
     e = np.exp(z)
@@ -190,9 +194,13 @@ class NumpyStage(StageBase[_NpKv]):
         if out_rows == 0:
             return np.empty((0, self.vocab or 0), dtype=F32)
         h = rms_norm(x[n - out_rows :], self._w[tensor_name(T.OUTPUT_NORM)], spec.rms_eps)
+        h = _plus(h, self._w.get(tensor_name(T.OUTPUT_NORM, None, "bias")))
         untied = tensor_name(T.OUTPUT)
         head = self._w[untied if untied in self._w else tensor_name(T.TOKEN_EMBD)]
-        logits: Array = (h @ head.T).astype(F32)  # (rows, vocab)
+        logits: Array = _plus(h @ head.T, self._w.get(tensor_name(T.OUTPUT, None, "bias")))
+        logits = logits.astype(F32)  # (rows, vocab)
+        if spec.logit_scale is not None:
+            logits = logits * F32(spec.logit_scale)
         if spec.final_logit_softcap:
             cap = F32(spec.final_logit_softcap)
             logits = np.tanh(logits / cap) * cap
@@ -216,6 +224,10 @@ class NumpyStage(StageBase[_NpKv]):
             weight = w.get(name(t))
             return h if weight is None else rms_norm(h, weight, spec.rms_eps)
 
+        def residual(branch: Array) -> Array:  # granite scales each branch before its add
+            rs = spec.residual_scale
+            return branch * F32(rs) if rs is not None else branch
+
         def heads(t: MODEL_TENSOR, proj: Array, n_heads: int) -> Array:
             # a Q/K norm over one head (gemma3, qwen3) or over the whole projection (olmo2)
             weight = w.get(name(t))
@@ -224,8 +236,8 @@ class NumpyStage(StageBase[_NpKv]):
                 return proj.reshape(n, n_heads, hd)
             return norm_if_any(t, proj.reshape(n, n_heads, hd))
 
-        # attention: (n, width) -> (n, width); olmo2 has no norm before it
-        h = norm_if_any(T.ATTN_NORM, x)
+        # attention: (n, width) -> (n, width); olmo2 has no norm before it, phimoe's has a bias
+        h = _plus(norm_if_any(T.ATTN_NORM, x), w.get(name(T.ATTN_NORM, "bias")))
         q = heads(T.ATTN_Q_NORM, linear(T.ATTN_Q, h), spec.n_head)
         k = heads(T.ATTN_K_NORM, linear(T.ATTN_K, h), spec.n_head_kv)
         v = linear(T.ATTN_V, h).reshape(n, spec.n_head_kv, hd)
@@ -248,9 +260,9 @@ class NumpyStage(StageBase[_NpKv]):
         mask = attention_mask(start, n, window)
         o = attention(q, kv.k[il][:n_kv], kv.v[il][:n_kv], mask, scale)
         o = norm_if_any(T.ATTN_POST_NORM, linear(T.ATTN_OUT, o.reshape(n, spec.q_dim)))
-        x = x + o
+        x = x + residual(o)
         # feed-forward: (n, width) -> (n, width)
-        h = norm_if_any(T.FFN_NORM, x)
+        h = _plus(norm_if_any(T.FFN_NORM, x), w.get(name(T.FFN_NORM, "bias")))
         if spec.n_expert:
             exps = (w[name(T.FFN_GATE_EXP)], w[name(T.FFN_UP_EXP)], w[name(T.FFN_DOWN_EXP)])
             f = moe_ffn(h, w[name(T.FFN_GATE_INP)], *exps, spec.n_expert_used)
@@ -259,7 +271,7 @@ class NumpyStage(StageBase[_NpKv]):
             up = h @ w[name(T.FFN_UP)].T
             act = gelu_tanh(gate) if spec.activation == "gelu_tanh" else silu(gate)
             f = norm_if_any(T.FFN_POST_NORM, (act * up) @ w[name(T.FFN_DOWN)].T)
-        out: Array = (x + f).astype(F32)
+        out: Array = (x + residual(f)).astype(F32)
         return out
 
 

@@ -22,9 +22,12 @@ STAGE_FAMILIES: Final = (  # == the registry's
     "qwen3moe",
     "olmo2",
     "smollm3",
+    "granite",
+    "granitemoe",
+    "phimoe",
 )
 # The families that are mixtures of experts (a dense family's file with experts is refused).
-STAGE_MOE_FAMILIES: Final[tuple[str, ...]] = ("qwen3moe",)
+STAGE_MOE_FAMILIES: Final[tuple[str, ...]] = ("qwen3moe", "granitemoe", "phimoe")
 UNSUPPORTED: Final = "unsupported_architecture"  # the runtime's own code for both refusals
 
 

@@ -14,7 +14,18 @@ from typing import Any, Final
 from skippy.constants import KEY_ARCHITECTURE
 from skippy.package.ranges import LayerRange
 from skippy.runtime.boundary import StageUnsupported
-from skippy.runtime.families import gemma3, llama, olmo2, qwen2, qwen3, qwen3moe, smollm3
+from skippy.runtime.families import (
+    gemma3,
+    granite,
+    granitemoe,
+    llama,
+    olmo2,
+    phimoe,
+    qwen2,
+    qwen3,
+    qwen3moe,
+    smollm3,
+)
 from skippy.runtime.families.base import Family, T, tensor
 from skippy.runtime.model import LLAMA_HINT, ModelSpec, TensorSpec
 from skippy.runtime.support import STAGE_FAMILIES, STAGE_MOE_FAMILIES
@@ -29,6 +40,9 @@ FAMILIES: Final[Mapping[str, Family]] = {
         qwen3moe.FAMILY,
         olmo2.FAMILY,
         smollm3.FAMILY,
+        granite.FAMILY,
+        granitemoe.FAMILY,
+        phimoe.FAMILY,
     )
 }
 # ``inspect`` answers from skippy.runtime.support's table without importing the runtime: the
@@ -89,6 +103,10 @@ def stage_tensors(
         out += family.layer_tensors(spec, il)
     if layers.owns_output:
         out.append(tensor(T.OUTPUT_NORM, None, (spec.width,), "vector"))
+        if family.output_biases:
+            out.append(tensor(T.OUTPUT_NORM, None, (spec.width,), "vector", suffix="bias"))
         if vocab is not None and not tied:
             out.append(tensor(T.OUTPUT, None, (spec.width, vocab), "matrix"))
+            if family.output_biases:
+                out.append(tensor(T.OUTPUT, None, (vocab,), "vector", suffix="bias"))
     return out

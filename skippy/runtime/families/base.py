@@ -23,6 +23,7 @@ from skippy.runtime.boundary import StageUnsupported
 from skippy.runtime.graph import GraphBuilder, LayerWeights
 from skippy.runtime.model import (
     MAX_CONTEXT,
+    MAX_EXPERTS,
     MAX_FF,
     MAX_HEAD_DIM,
     MAX_HEADS,
@@ -106,6 +107,7 @@ class Family:
     build_layer: BuildLayer
     model_tensors: ModelTensors = no_model_tensors
     moe: bool = False  # its layers route tokens to experts
+    output_biases: bool = False  # output_norm.bias and output.bias (phimoe)
 
 
 # --- reading the metadata ---------------------------------------------------------------------
@@ -141,6 +143,21 @@ def read_float(kv: Mapping[str, Any], key: str, default: float | None = None) ->
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise bad(f"{key} = {value!r} is not a finite number", key)
     return float(value)
+
+
+def read_experts(kv: Mapping[str, Any], arch: str) -> tuple[int, int]:
+    """``expert_count`` and ``expert_used_count``, checked before anything reaches ggml
+    (llama.cpp refuses a MoE model without experts or without experts used)."""
+    a = f"{arch}."
+    n_expert = read_int(kv, a + "expert_count", 1, MAX_EXPERTS)
+    n_used = kv.get(a + "expert_used_count")
+    if isinstance(n_used, int) and not isinstance(n_used, bool) and n_used > n_expert:
+        raise bad(
+            f"{a}expert_used_count = {n_used} is more than {a}expert_count = {n_expert}: a "
+            "token cannot use more experts than the layer has (is the metadata corrupt?)",
+            a + "expert_used_count",
+        )
+    return n_expert, read_int(kv, a + "expert_used_count", 1, n_expert)
 
 
 def _rope_scale(kv: Mapping[str, Any], arch: str) -> float:

@@ -12,15 +12,15 @@ from skippy.runtime.families.base import (
     Family,
     T,
     attention_tensors,
-    bad,
     qk_norm_tensors,
     read_decoder,
+    read_experts,
     read_int,
     tensor,
 )
 from skippy.runtime.families.qwen3 import attention_block
 from skippy.runtime.graph import GraphBuilder, LayerWeights
-from skippy.runtime.model import MAX_EXPERTS, MAX_FF, ModelSpec, TensorSpec
+from skippy.runtime.model import MAX_FF, ModelSpec, TensorSpec
 
 ARCH = "qwen3moe"
 
@@ -30,15 +30,7 @@ def read(kv: Mapping[str, Any]) -> ModelSpec:
     (llama.cpp refuses a qwen3moe without experts or without experts used)."""
     d = read_decoder(kv, ARCH, dense_ffn=False)
     a = f"{ARCH}."
-    n_expert = read_int(kv, a + "expert_count", 1, MAX_EXPERTS)
-    n_used = kv.get(a + "expert_used_count")
-    if isinstance(n_used, int) and not isinstance(n_used, bool) and n_used > n_expert:
-        raise bad(
-            f"{a}expert_used_count = {n_used} is more than {a}expert_count = {n_expert}: a "
-            "token cannot use more experts than the layer has (is the metadata corrupt?)",
-            a + "expert_used_count",
-        )
-    n_used = read_int(kv, a + "expert_used_count", 1, n_expert)
+    n_expert, n_used = read_experts(kv, ARCH)
     # llama.cpp: without the key, each expert is n_ff / n_expert_used wide
     default_ff = d["n_ff"] // n_used if d["n_ff"] >= n_used else None
     n_ff_exp = read_int(kv, a + "expert_feed_forward_length", 1, MAX_FF, default=default_ff)
