@@ -26,6 +26,7 @@ from skippy.produce.sizes import sizes_from_source
 from skippy.produce.write_package import WriteOptions, local_provenance, write_package
 from skippy.produce.write_package_v2 import WriteOptionsV2, write_package_v2
 from skippy.runtime.boundary import StageLoad
+from skippy.runtime.canary import synth
 from skippy.runtime.weights import StageWeights
 from skippy.serving.engine_choice import stage_runtime_problem
 
@@ -306,6 +307,10 @@ def test_inspect_s_support_table_answers_as_the_stage_runtime_does(synth_dir, tm
         synth_gguf.llama_like(tmp_path / "phi3.gguf", arch="phi3"),
         synth_gguf.moe_like(tmp_path / "qwen3moe.gguf"),
         synth_gguf.high_precision(tmp_path / "mixtral.gguf", n_layers=2, n_experts=4),
+        *(
+            synth.write_model(synth.family(name), tmp_path / f"{name}.gguf", dtype="F16")
+            for name in ("qwen2moe", "olmoe")
+        ),
     ]
     runs = set()
     for path in files:

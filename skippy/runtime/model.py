@@ -95,6 +95,10 @@ class ModelSpec:
     n_expert: int = 0
     n_expert_used: int = 0
     n_ff_exp: int = 0
+    # the picked experts' weights normalised to sum 1 (qwen3moe, Mixtral; not qwen2moe, olmoe)
+    expert_weights_norm: bool = True
+    # a shared expert every token runs beside the routed ones (qwen2moe; 0: none): its width
+    n_ff_shexp: int = 0
 
     @property
     def q_dim(self) -> int:

@@ -14,9 +14,18 @@ from typing import Any, Final
 
 from skippy.package.experts import check_metadata
 
-STAGE_FAMILIES: Final = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe")  # == the registry's
-# The families that are mixtures of experts (a dense family's file with experts is refused).
-STAGE_MOE_FAMILIES: Final[tuple[str, ...]] = ("qwen3moe",)
+STAGE_FAMILIES: Final = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "gemma3",
+    "qwen3moe",
+    "qwen2moe",
+    "olmoe",
+)  # == the registry's
+# The families whose files may hold experts (llama: Mixtral; a file with experts of any
+# other family is refused).
+STAGE_MOE_FAMILIES: Final[tuple[str, ...]] = ("llama", "qwen3moe", "qwen2moe", "olmoe")
 UNSUPPORTED: Final = "unsupported_architecture"  # the runtime's own code for both refusals
 
 
