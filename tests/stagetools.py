@@ -115,3 +115,23 @@ def llama_logits(
         n_ctx=n_ctx,
         prefill=prefill,
     )
+
+
+def numpy_reference_agrees(family: str, root: Path, *, n: int = 64) -> tuple[float, float]:
+    """A canary family's synthetic F16 model run by the numpy reference (the f32 oracle):
+    asserts that two stages give one stage's logits bit for bit and returns (the share of
+    positions whose next token is llama.cpp's, the largest logit difference from it)."""
+    from skippy.runtime.canary import check, synth
+
+    spec = synth.family(family)
+    model, pkg = check.package_model(spec, "F16", root)
+    ids = synth.long_prompt(n, vocab=spec.dims().vocab)
+    cfg = StageConfig(n_ctx=check.N_CTX, n_threads=1)
+    with chain("numpy", pkg, ["0..4"], cfg) as ch:
+        whole = ch.logits(ids, all_positions=True)
+    with chain("numpy", pkg, ["0..1", "1..4"], cfg) as ch:
+        split = ch.logits(ids, all_positions=True)
+    assert np.array_equal(split, whole)
+    ref = check.oracle(model, ids)
+    agree = float((whole.argmax(axis=1) == ref.argmax(axis=1)).mean())
+    return agree, check.max_difference(whole, ref)

@@ -26,6 +26,7 @@ from skippy.produce.sizes import sizes_from_source
 from skippy.produce.write_package import WriteOptions, local_provenance, write_package
 from skippy.produce.write_package_v2 import WriteOptionsV2, write_package_v2
 from skippy.runtime.boundary import StageLoad
+from skippy.runtime.canary import synth
 from skippy.runtime.weights import StageWeights
 from skippy.serving.engine_choice import stage_runtime_problem
 
@@ -293,7 +294,6 @@ def test_inspect_s_support_table_answers_as_the_stage_runtime_does(synth_dir, tm
     """``skippy.runtime.support`` (no numpy, for inspect) against ``spec_from_metadata``
     (through ``stage_runtime_problem``) on a file of every family, dense and MoE."""
     from skippy.gguf.reader import open_gguf
-    from skippy.runtime.canary import synth
     from skippy.runtime.support import STAGE_FAMILIES, support_verdict
     from skippy.runtime.weights import read_model_kv
 
@@ -309,7 +309,7 @@ def test_inspect_s_support_table_answers_as_the_stage_runtime_does(synth_dir, tm
         synth_gguf.high_precision(tmp_path / "mixtral.gguf", n_layers=2, n_experts=4),
         *(
             synth.write_model(synth.family(name), tmp_path / f"{name}.gguf", dtype="F16")
-            for name in ("granite", "granitemoe", "phimoe")
+            for name in ("granite", "granitemoe", "phimoe", "qwen2moe", "olmoe")
         ),
     ]
     for name in ("olmo2", "smollm3"):  # the canary's models of the newer families

@@ -284,14 +284,18 @@ def test_the_moe_refusal_says_what_is_supported_and_what_to_do(
     load: StageLoad, tmp_path: Path
 ) -> None:
     def experts(kvs: list, ts: list[Tensor]) -> tuple[list, list[Tensor], dict[str, Any]]:
-        # Well-formed MoE keys (8 experts, 2 per token): malformed ones have their own codes.
-        kvs = _set_kv(kvs, "llama.expert_count", 8)
-        return _set_kv(kvs, "llama.expert_used_count", 2), ts, {}
+        # A qwen2 (whose builder has no MoE block, unlike llama's) with well-formed MoE keys
+        # (8 experts, 2 per token): malformed ones have their own codes.
+        kvs = [(k.replace("llama.", "qwen2.", 1), *rest) for k, *rest in kvs]
+        kvs = _set_kv(kvs, "general.architecture", "qwen2", V.STRING)
+        kvs = _set_kv(kvs, "qwen2.expert_count", 8)
+        return _set_kv(kvs, "qwen2.expert_used_count", 2), ts, {}
 
     moe = _hostile(load, tmp_path, 0, experts)
     with pytest.raises(SkippyError) as e:
         open_stage("ggml", moe, StageConfig(n_ctx=16, n_threads=1))
     assert e.value.code == "unsupported_architecture"
+    assert e.value.message.startswith("qwen2 with experts (MoE)"), e.value.message
     assert "dense llama, qwen2, qwen3, gemma3" in e.value.message, e.value.message
     hint = e.value.remediation or ""
     assert "llama.cpp" in hint and "--engine llama" in hint, hint

@@ -111,15 +111,25 @@ class GraphBuilder:
         return self.g.ggml_add(self.ctx, y, bias) if bias is not None else y
 
     # --- attention ----------------------------------------------------------------------------
-    def qkv(self, w: LayerWeights, h: int, *, split_heads: bool = True) -> tuple[int, int, int]:
+    def qkv(
+        self,
+        w: LayerWeights,
+        h: int,
+        *,
+        split_heads: bool = True,
+        proj_norms: tuple[int, int] | None = None,
+    ) -> tuple[int, int, int]:
         """Q, K ``[head_dim, heads, rows]`` and V ``[kv_dim, rows]`` from the normed input,
-        with the biases the layer has. Without ``split_heads`` Q and K stay whole projections
-        ``[q_dim, rows]`` / ``[kv_dim, rows]`` (for a norm over all heads; ``heads`` then
-        splits them)."""
+        with the biases the layer has; ``proj_norms`` (Q's, K's): RMS norms over the whole
+        Q and K projections, before they are split into heads (olmoe). Without
+        ``split_heads`` Q and K stay whole projections ``[q_dim, rows]`` / ``[kv_dim, rows]``
+        (for a norm over all heads; ``heads`` then splits them)."""
         T = MODEL_TENSOR
         q = self.linear(w[T.ATTN_Q], h, w.get(T.ATTN_Q, "bias"))
         k = self.linear(w[T.ATTN_K], h, w.get(T.ATTN_K, "bias"))
         v = self.linear(w[T.ATTN_V], h, w.get(T.ATTN_V, "bias"))
+        if proj_norms is not None:
+            q, k = self.norm(q, proj_norms[0]), self.norm(k, proj_norms[1])
         if split_heads:
             q, k = self.heads(q, self.spec.n_head), self.heads(k, self.spec.n_head_kv)
         return q, k, v
@@ -240,6 +250,15 @@ class GraphBuilder:
         if batched:
             out = g.ggml_reshape_3d(ctx, out, n_embd, 1, n_tokens)
         return out
+
+    def shared_expert(self, x: int, gate_inp: int, gate: int, up: int, down: int) -> int:
+        """A shared expert every token runs, scaled by its own sigmoid gate: ffn(x) *
+        sigmoid(gate_inp . x) (llama.cpp's qwen2moe, which computes the sigmoid as
+        silu(z) / z: the same bits only that way)."""
+        g, ctx = self.g, self.ctx
+        z = self.mm(gate_inp, x)  # [1, rows] ([1, 1, B] in a batch)
+        s = g.ggml_div(ctx, g.ggml_silu(ctx, z), z)
+        return g.ggml_mul(ctx, self.ffn(x, gate, up, down, "silu"), s)
 
     # --- the output head ----------------------------------------------------------------------
     def head(

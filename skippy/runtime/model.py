@@ -101,6 +101,10 @@ class ModelSpec:
     # (None: unscaled)
     residual_scale: float | None = None
     logit_scale: float | None = None
+    # the picked experts' weights normalised to sum 1 (qwen3moe, Mixtral; not qwen2moe, olmoe)
+    expert_weights_norm: bool = True
+    # a shared expert every token runs beside the routed ones (qwen2moe; 0: none): its width
+    n_ff_shexp: int = 0
 
     @property
     def q_dim(self) -> int:

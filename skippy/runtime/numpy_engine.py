@@ -122,14 +122,18 @@ def moe_ffn(
     up: Array,  # (n_expert, ff, width)
     down: Array,  # (n_expert, width, ff)
     n_used: int,
+    normalise: bool = True,
 ) -> Array:
     """Softmax gating, each token's ``n_used`` most probable experts, their probabilities
-    normalised to sum 1, the weighted sum of their SiLU-gated FFNs (qwen3moe)."""
+    (normalised to sum 1 when ``normalise``: qwen3moe, Mixtral) the weights of the sum of
+    their SiLU-gated FFNs."""
     probs = softmax((h @ router.T).astype(F32))  # (n, n_expert)
     out = np.zeros_like(h)
     for t in range(h.shape[0]):
         picked = np.argsort(-probs[t], kind="stable")[:n_used]
-        weights = probs[t, picked] / max(probs[t, picked].sum(), F32(6.103515625e-5))
+        weights = probs[t, picked]
+        if normalise:
+            weights = weights / max(weights.sum(), F32(6.103515625e-5))
         for e, wt in zip(picked, weights, strict=True):
             a = silu(gate[e] @ h[t]) * (up[e] @ h[t])  # (ff,)
             out[t] += F32(wt) * (down[e] @ a)
@@ -265,7 +269,13 @@ class NumpyStage(StageBase[_NpKv]):
         h = _plus(norm_if_any(T.FFN_NORM, x), w.get(name(T.FFN_NORM, "bias")))
         if spec.n_expert:
             exps = (w[name(T.FFN_GATE_EXP)], w[name(T.FFN_UP_EXP)], w[name(T.FFN_DOWN_EXP)])
-            f = moe_ffn(h, w[name(T.FFN_GATE_INP)], *exps, spec.n_expert_used)
+            router = w[name(T.FFN_GATE_INP)]
+            f = moe_ffn(h, router, *exps, spec.n_expert_used, spec.expert_weights_norm)
+            if spec.n_ff_shexp:  # the shared expert, behind its own sigmoid gate (qwen2moe)
+                z = h @ w[name(T.FFN_GATE_INP_SHEXP)]  # (n,)
+                a = silu(h @ w[name(T.FFN_GATE_SHEXP)].T) * (h @ w[name(T.FFN_UP_SHEXP)].T)
+                shared = (a @ w[name(T.FFN_DOWN_SHEXP)].T) / (1 + np.exp(-z))[:, None]
+                f = f + shared.astype(F32)
         else:
             gate = h @ w[name(T.FFN_GATE)].T
             up = h @ w[name(T.FFN_UP)].T

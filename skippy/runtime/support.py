@@ -25,9 +25,19 @@ STAGE_FAMILIES: Final = (  # == the registry's
     "granite",
     "granitemoe",
     "phimoe",
+    "qwen2moe",
+    "olmoe",
 )
-# The families that are mixtures of experts (a dense family's file with experts is refused).
-STAGE_MOE_FAMILIES: Final[tuple[str, ...]] = ("qwen3moe", "granitemoe", "phimoe")
+# The families whose files may hold experts (llama: Mixtral; a file with experts of any
+# other family is refused).
+STAGE_MOE_FAMILIES: Final[tuple[str, ...]] = (
+    "llama",
+    "qwen3moe",
+    "qwen2moe",
+    "olmoe",
+    "granitemoe",
+    "phimoe",
+)
 UNSUPPORTED: Final = "unsupported_architecture"  # the runtime's own code for both refusals
 
 

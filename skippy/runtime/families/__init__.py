@@ -20,8 +20,10 @@ from skippy.runtime.families import (
     granitemoe,
     llama,
     olmo2,
+    olmoe,
     phimoe,
     qwen2,
+    qwen2moe,
     qwen3,
     qwen3moe,
     smollm3,
@@ -43,13 +45,15 @@ FAMILIES: Final[Mapping[str, Family]] = {
         granite.FAMILY,
         granitemoe.FAMILY,
         phimoe.FAMILY,
+        qwen2moe.FAMILY,
+        olmoe.FAMILY,
     )
 }
 # ``inspect`` answers from skippy.runtime.support's table without importing the runtime: the
 # two must name the same families (a new family is added to both, or nothing imports).
-if set(FAMILIES) != set(STAGE_FAMILIES) or {a for a, f in FAMILIES.items() if f.moe} != set(
-    STAGE_MOE_FAMILIES
-):
+if set(FAMILIES) != set(STAGE_FAMILIES) or {
+    a for a, f in FAMILIES.items() if f.may_have_experts
+} != set(STAGE_MOE_FAMILIES):
     raise RuntimeError("skippy.runtime.support's family table disagrees with the registry")
 
 
@@ -73,12 +77,12 @@ def family_of(arch: object) -> Family:
 
 def spec_from_metadata(kv: Mapping[str, Any]) -> ModelSpec:
     """The model's hyperparameters, read by its family (``unsupported_architecture`` for a
-    family the runtime does not have, and for experts in a dense family's file, such as a
-    Mixtral-style llama: its builder has no MoE block)."""
+    family the runtime does not have, and for experts in the file of a family whose builder
+    has no MoE block; llama's takes them: Mixtral)."""
     family = family_of(kv.get(KEY_ARCHITECTURE))
-    if not family.moe and kv.get(f"{family.arch}.expert_count", 0):
+    if not family.may_have_experts and kv.get(f"{family.arch}.expert_count", 0):
         dense = ", ".join(a for a, f in FAMILIES.items() if not f.moe)
-        moe = ", ".join(a for a, f in FAMILIES.items() if f.moe)
+        moe = ", ".join(a for a, f in FAMILIES.items() if f.may_have_experts)
         raise StageUnsupported(
             f"{family.arch} with experts (MoE) is not supported by the stage runtime (it runs "
             f"dense {dense} models, and MoE {moe} models)",

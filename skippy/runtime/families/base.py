@@ -86,6 +86,17 @@ def dense_ffn_tensors(spec: ModelSpec, il: int) -> list[TensorSpec]:
     ]
 
 
+def expert_tensors(spec: ModelSpec, il: int) -> list[TensorSpec]:
+    """A mixture-of-experts layer's router and its stacked experts' gate, up and down."""
+    w, ff, e = spec.width, spec.n_ff_exp, spec.n_expert
+    return [
+        tensor(T.FFN_GATE_INP, il, (w, e), "matrix"),
+        tensor(T.FFN_GATE_EXP, il, (w, ff, e), "matrix"),
+        tensor(T.FFN_UP_EXP, il, (w, ff, e), "matrix"),
+        tensor(T.FFN_DOWN_EXP, il, (ff, w, e), "matrix"),
+    ]
+
+
 LayerTensors = Callable[[ModelSpec, int], list[TensorSpec]]
 ModelTensors = Callable[[ModelSpec], list[TensorSpec]]
 BuildLayer = Callable[[GraphBuilder, LayerWeights, int, int], int]  # (b, w, il, x) -> x
@@ -108,6 +119,13 @@ class Family:
     model_tensors: ModelTensors = no_model_tensors
     moe: bool = False  # its layers route tokens to experts
     output_biases: bool = False  # output_norm.bias and output.bias (phimoe)
+    # its layers route tokens to experts when the file has them (expert_count > 0), else run
+    # the dense FFN: llama, whose builder takes Mixtral's experts
+    moe_optional: bool = False
+
+    @property
+    def may_have_experts(self) -> bool:
+        return self.moe or self.moe_optional
 
 
 # --- reading the metadata ---------------------------------------------------------------------
@@ -143,21 +161,6 @@ def read_float(kv: Mapping[str, Any], key: str, default: float | None = None) ->
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise bad(f"{key} = {value!r} is not a finite number", key)
     return float(value)
-
-
-def read_experts(kv: Mapping[str, Any], arch: str) -> tuple[int, int]:
-    """``expert_count`` and ``expert_used_count``, checked before anything reaches ggml
-    (llama.cpp refuses a MoE model without experts or without experts used)."""
-    a = f"{arch}."
-    n_expert = read_int(kv, a + "expert_count", 1, MAX_EXPERTS)
-    n_used = kv.get(a + "expert_used_count")
-    if isinstance(n_used, int) and not isinstance(n_used, bool) and n_used > n_expert:
-        raise bad(
-            f"{a}expert_used_count = {n_used} is more than {a}expert_count = {n_expert}: a "
-            "token cannot use more experts than the layer has (is the metadata corrupt?)",
-            a + "expert_used_count",
-        )
-    return n_expert, read_int(kv, a + "expert_used_count", 1, n_expert)
 
 
 def _rope_scale(kv: Mapping[str, Any], arch: str) -> float:
@@ -254,3 +257,29 @@ def read_decoder(kv: Mapping[str, Any], arch: str, *, dense_ffn: bool = True) ->
         "activation": "silu",
         "final_logit_softcap": softcap_value,
     }
+
+
+def read_experts(
+    kv: Mapping[str, Any], arch: str, n_ff: int, *, own_width: bool
+) -> dict[str, int]:
+    """The experts' hyperparameters as ``ModelSpec`` keyword arguments, checked before
+    anything reaches ggml (llama.cpp asserts on a file without experts, without experts used
+    or using more than it has). Each expert is ``expert_feed_forward_length`` wide when
+    ``own_width`` (default ``n_ff / expert_used_count``, as llama.cpp), else ``n_ff`` (the
+    dense FFN width is the experts': llama's Mixtral, olmoe)."""
+    a = f"{arch}."
+    n_expert = read_int(kv, a + "expert_count", 1, MAX_EXPERTS)
+    n_used = kv.get(a + "expert_used_count")
+    if isinstance(n_used, int) and not isinstance(n_used, bool) and n_used > n_expert:
+        raise bad(
+            f"{a}expert_used_count = {n_used} is more than {a}expert_count = {n_expert}: a "
+            "token cannot use more experts than the layer has (is the metadata corrupt?)",
+            a + "expert_used_count",
+        )
+    n_used = read_int(kv, a + "expert_used_count", 1, n_expert)
+    if own_width:
+        default_ff = n_ff // n_used if n_ff >= n_used else None
+        n_ff_exp = read_int(kv, a + "expert_feed_forward_length", 1, MAX_FF, default=default_ff)
+    else:
+        n_ff_exp = n_ff
+    return {"n_expert": n_expert, "n_expert_used": n_used, "n_ff_exp": n_ff_exp}

@@ -38,9 +38,8 @@ def read(kv: Mapping[str, Any]) -> ModelSpec:
             actual=shared,
             remediation="run this model with --engine llama",
         )
-    n_expert, n_used = read_experts(kv, ARCH)
     # llama.cpp sizes granitemoe's experts by feed_forward_length
-    return ModelSpec(**{**d, "n_expert": n_expert, "n_expert_used": n_used, "n_ff_exp": d["n_ff"]})
+    return ModelSpec(**{**d, **read_experts(kv, ARCH, d["n_ff"], own_width=False)})
 
 
 def layer_tensors(spec: ModelSpec, il: int) -> list[TensorSpec]:

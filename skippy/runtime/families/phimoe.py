@@ -29,16 +29,14 @@ ARCH = "phimoe"
 
 def read(kv: Mapping[str, Any]) -> ModelSpec:
     d = read_decoder(kv, ARCH)
-    n_expert, n_used = read_experts(kv, ARCH)
     return ModelSpec(
         **{
             **d,
             # llama.cpp scales Q by 1.0f / sqrtf(head_dim), in single precision
             "attn_scale": float(np.float32(1.0) / np.sqrt(np.float32(d["head_dim"]))),
             "scale_q_before_attention": True,
-            "n_expert": n_expert,
-            "n_expert_used": n_used,
-            "n_ff_exp": d["n_ff"],  # llama.cpp sizes phimoe's experts by feed_forward_length
+            # llama.cpp sizes phimoe's experts by feed_forward_length
+            **read_experts(kv, ARCH, d["n_ff"], own_width=False),
         }
     )
 

@@ -12,41 +12,31 @@ from skippy.runtime.families.base import (
     Family,
     T,
     attention_tensors,
+    expert_tensors,
     qk_norm_tensors,
     read_decoder,
     read_experts,
-    read_int,
     tensor,
 )
 from skippy.runtime.families.qwen3 import attention_block
 from skippy.runtime.graph import GraphBuilder, LayerWeights
-from skippy.runtime.model import MAX_FF, ModelSpec, TensorSpec
+from skippy.runtime.model import ModelSpec, TensorSpec
 
 ARCH = "qwen3moe"
 
 
 def read(kv: Mapping[str, Any]) -> ModelSpec:
-    """The qwen3 hyperparameters plus the experts', checked before anything reaches ggml
-    (llama.cpp refuses a qwen3moe without experts or without experts used)."""
+    """The qwen3 hyperparameters plus the experts' (``read_experts``)."""
     d = read_decoder(kv, ARCH, dense_ffn=False)
-    a = f"{ARCH}."
-    n_expert, n_used = read_experts(kv, ARCH)
-    # llama.cpp: without the key, each expert is n_ff / n_expert_used wide
-    default_ff = d["n_ff"] // n_used if d["n_ff"] >= n_used else None
-    n_ff_exp = read_int(kv, a + "expert_feed_forward_length", 1, MAX_FF, default=default_ff)
-    return ModelSpec(**{**d, "n_expert": n_expert, "n_expert_used": n_used, "n_ff_exp": n_ff_exp})
+    return ModelSpec(**{**d, **read_experts(kv, ARCH, d["n_ff"], own_width=True)})
 
 
 def layer_tensors(spec: ModelSpec, il: int) -> list[TensorSpec]:
-    w, ff, e = spec.width, spec.n_ff_exp, spec.n_expert
     return [
         *attention_tensors(spec, il),
         *qk_norm_tensors(spec, il),
-        tensor(T.FFN_NORM, il, (w,), "vector"),
-        tensor(T.FFN_GATE_INP, il, (w, e), "matrix"),
-        tensor(T.FFN_GATE_EXP, il, (w, ff, e), "matrix"),
-        tensor(T.FFN_UP_EXP, il, (w, ff, e), "matrix"),
-        tensor(T.FFN_DOWN_EXP, il, (ff, w, e), "matrix"),
+        tensor(T.FFN_NORM, il, (spec.width,), "vector"),
+        *expert_tensors(spec, il),
     ]
 
 
