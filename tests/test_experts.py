@@ -293,6 +293,7 @@ def test_inspect_s_support_table_answers_as_the_stage_runtime_does(synth_dir, tm
     """``skippy.runtime.support`` (no numpy, for inspect) against ``spec_from_metadata``
     (through ``stage_runtime_problem``) on a file of every family, dense and MoE."""
     from skippy.gguf.reader import open_gguf
+    from skippy.runtime.canary import synth
     from skippy.runtime.support import STAGE_FAMILIES, support_verdict
     from skippy.runtime.weights import read_model_kv
 
@@ -303,9 +304,14 @@ def test_inspect_s_support_table_answers_as_the_stage_runtime_does(synth_dir, tm
         synth_gguf.qwen2_like(tmp_path / "qwen2.gguf"),
         synth_gguf.qwen3_like(tmp_path / "qwen3.gguf"),
         synth_gguf.uncovered_like(tmp_path / "exaone.gguf"),
-        synth_gguf.llama_like(tmp_path / "phi3.gguf", arch="phi3"),
+        synth_gguf.llama_like(tmp_path / "baichuan.gguf", arch="baichuan"),
         synth_gguf.moe_like(tmp_path / "qwen3moe.gguf"),
         synth_gguf.high_precision(tmp_path / "mixtral.gguf", n_layers=2, n_experts=4),
+        # the canary's model of every family llama.cpp runs (those the runtime has and not)
+        *(
+            synth.write_model(f, tmp_path / f"canary-{f.name}.gguf", dtype="F16")
+            for f in synth.FAMILIES
+        ),
     ]
     runs = set()
     for path in files:

@@ -212,7 +212,8 @@ def _attend(
     rows: int,
     slots: _KvSlots | None,
 ) -> int:
-    """softmax(K^T Q * scale + mask) V over the first ``n_kv`` cells of ``kv``'s layer
+    """softmax(K^T Q * scale + mask) V (the scores soft-capped first where the model says)
+    over the first ``n_kv`` cells of ``kv``'s layer
     ``il`` for Q ``[hd, n_head, rows]``: ``[q_dim, rows]``. With ``slots`` the attention
     tensors are registered to be resized to the position's KV length before each run."""
     g, ctx, spec = b.g, b.ctx, b.spec
@@ -226,11 +227,18 @@ def _attend(
     )  # [n_kv, hd, n_head_kv]
     qp = g.ggml_permute(ctx, q, 0, 2, 1, 3)  # [hd, rows, n_head]
     scores = g.ggml_mul_mat(ctx, keys, qp)  # [n_kv, rows, n_head]
-    kq = g.ggml_soft_max_ext(ctx, scores, mask, kq_scale, 0.0)
+    capped = [scores]
+    cap = spec.attn_softcap
+    if cap:  # tanh(s / cap) * cap, before the softmax's scale and mask (llama.cpp's order)
+        capped.append(g.ggml_scale(ctx, capped[-1], 1.0 / cap))
+        capped.append(g.ggml_tanh(ctx, capped[-1]))
+        capped.append(g.ggml_scale(ctx, capped[-1], cap))
+    kq = g.ggml_soft_max_ext(ctx, capped[-1], mask, kq_scale, 0.0)
     if slots is not None:
         slots.add(keys, 1, False)
         slots.add(values, 0, False)
-        slots.add(scores, 0, True)
+        for t in capped:
+            slots.add(t, 0, True)
         slots.add(kq, 0, True)
     kqv = g.ggml_mul_mat(ctx, values, kq)  # [hd, rows, n_head]
     o = g.ggml_permute(ctx, kqv, 0, 2, 1, 3)  # [hd, n_head, rows]

@@ -90,6 +90,8 @@ class ModelSpec:
     embed_scale: float | None  # gemma3: sqrt(width)
     activation: Activation
     final_logit_softcap: float | None
+    # attention scores soft-capped before the softmax (gemma2: tanh(s / cap) * cap)
+    attn_softcap: float | None = None
     # a mixture-of-experts FFN (0: dense): experts per layer, experts each token uses, and
     # each expert's hidden width
     n_expert: int = 0

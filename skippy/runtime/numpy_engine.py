@@ -100,12 +100,17 @@ def attention(
     values: Array,  # (n_kv, h_kv, d)
     mask: Array,  # (n, n_kv) additive
     scale: float,
+    softcap: float | None = None,
 ) -> Array:
-    """Grouped-query attention: query head i reads KV head i // (h / h_kv)."""
+    """Grouped-query attention: query head i reads KV head i // (h / h_kv); with
+    ``softcap`` the raw scores become tanh(s / cap) * cap first."""
     group = q.shape[1] // keys.shape[1]
     k = np.repeat(keys, group, axis=1)  # (n_kv, h, d)
     v = np.repeat(values, group, axis=1)
-    scores = np.einsum("qhd,khd->hqk", q, k, dtype=F32) * F32(scale) + mask[None]
+    raw = np.einsum("qhd,khd->hqk", q, k, dtype=F32)
+    if softcap:
+        raw = np.tanh(raw / F32(softcap)) * F32(softcap)
+    scores = raw * F32(scale) + mask[None]
     probs = softmax(scores.astype(F32))  # (h, n, n_kv)
     out: Array = np.einsum("hqk,khd->qhd", probs, v, dtype=F32)  # (n, h, d)
     return out
@@ -239,7 +244,7 @@ class NumpyStage(StageBase[_NpKv]):
         n_kv = start + n
         window = spec.sliding_window if spec.is_swa(il) else None
         mask = attention_mask(start, n, window)
-        o = attention(q, kv.k[il][:n_kv], kv.v[il][:n_kv], mask, scale)
+        o = attention(q, kv.k[il][:n_kv], kv.v[il][:n_kv], mask, scale, spec.attn_softcap)
         o = norm_if_any(T.ATTN_POST_NORM, linear(T.ATTN_OUT, o.reshape(n, spec.q_dim)))
         x = x + o
         # feed-forward: (n, width) -> (n, width)

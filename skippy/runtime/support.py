@@ -14,7 +14,14 @@ from typing import Any, Final
 
 from skippy.package.experts import check_metadata
 
-STAGE_FAMILIES: Final = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe")  # == the registry's
+STAGE_FAMILIES: Final = (  # == the registry's
+    "llama",
+    "qwen2",
+    "qwen3",
+    "gemma3",
+    "qwen3moe",
+    "gemma2",
+)
 # The families that are mixtures of experts (a dense family's file with experts is refused).
 STAGE_MOE_FAMILIES: Final[tuple[str, ...]] = ("qwen3moe",)
 UNSUPPORTED: Final = "unsupported_architecture"  # the runtime's own code for both refusals

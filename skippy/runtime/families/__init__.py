@@ -14,13 +14,21 @@ from typing import Any, Final
 from skippy.constants import KEY_ARCHITECTURE
 from skippy.package.ranges import LayerRange
 from skippy.runtime.boundary import StageUnsupported
-from skippy.runtime.families import gemma3, llama, qwen2, qwen3, qwen3moe
+from skippy.runtime.families import gemma2, gemma3, llama, qwen2, qwen3, qwen3moe
 from skippy.runtime.families.base import Family, T, tensor
 from skippy.runtime.model import LLAMA_HINT, ModelSpec, TensorSpec
 from skippy.runtime.support import STAGE_FAMILIES, STAGE_MOE_FAMILIES
 
 FAMILIES: Final[Mapping[str, Family]] = {
-    f.arch: f for f in (llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, gemma3.FAMILY, qwen3moe.FAMILY)
+    f.arch: f
+    for f in (
+        llama.FAMILY,
+        qwen2.FAMILY,
+        qwen3.FAMILY,
+        gemma3.FAMILY,
+        qwen3moe.FAMILY,
+        gemma2.FAMILY,
+    )
 }
 # ``inspect`` answers from skippy.runtime.support's table without importing the runtime: the
 # two must name the same families (a new family is added to both, or nothing imports).

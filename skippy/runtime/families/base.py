@@ -35,6 +35,7 @@ from skippy.runtime.model import (
 )
 
 T = MODEL_TENSOR
+ATTN_SOFTCAP = 50.0  # llama.cpp's default attention logit soft-cap (f_attn_logit_softcapping)
 
 
 def tensor(
@@ -161,10 +162,30 @@ def _rope_scale(kv: Mapping[str, Any], arch: str) -> float:
     )
 
 
-def read_decoder(kv: Mapping[str, Any], arch: str, *, dense_ffn: bool = True) -> dict[str, Any]:
+def read_swa_layers(
+    kv: Mapping[str, Any], arch: str, n_layer: int, period: int
+) -> frozenset[int]:
+    """The sliding-window layers: the file's pattern key when present (an int period N:
+    layer i slides unless i % N == N - 1; or one bool per layer), else the family's default
+    ``period`` (llama.cpp's ``load_swa_pattern``)."""
+    key = f"{arch}.attention.sliding_window_pattern"
+    pattern = kv.get(key, period)
+    if isinstance(pattern, list):
+        if len(pattern) != n_layer or not all(isinstance(p, bool) for p in pattern):
+            raise bad(f"{key} must hold one bool per layer ({n_layer})", key)
+        return frozenset(i for i, p in enumerate(pattern) if p)
+    if isinstance(pattern, bool) or not isinstance(pattern, int) or not 1 <= pattern <= MAX_LAYERS:
+        raise bad(f"{key} = {pattern!r} is not a period in 1..{MAX_LAYERS}", key)
+    return frozenset(i for i in range(n_layer) if i % pattern < pattern - 1)
+
+
+def read_decoder(
+    kv: Mapping[str, Any], arch: str, *, dense_ffn: bool = True, attn_softcap: bool = False
+) -> dict[str, Any]:
     """The hyperparameters of a decoder-only transformer every family here shares, as
     ``ModelSpec`` keyword arguments (a family adds or overrides its own). Without
-    ``dense_ffn`` (a MoE family) the dense FFN width may be absent (0)."""
+    ``dense_ffn`` (a MoE family) the dense FFN width may be absent (0). A family whose
+    attention soft-caps its scores (``attn_softcap``) gets the file's cap (else refused)."""
     a = f"{arch}."
     n_layer = read_int(kv, a + "block_count", 1, MAX_LAYERS)
     width = read_int(kv, a + "embedding_length", 1, MAX_WIDTH)
@@ -190,9 +211,14 @@ def read_decoder(kv: Mapping[str, Any], arch: str, *, dense_ffn: bool = True) ->
     rope_base = read_float(kv, a + "rope.freq_base", 10000.0)
     if rope_base <= 0:
         raise bad("rope.freq_base must be positive", arch)
+    extra: dict[str, Any] = {}
     softcap = kv.get(a + "final_logit_softcapping")
     softcap_value = read_float(kv, a + "final_logit_softcapping") if softcap else None
-    if kv.get(a + "attn_logit_softcapping"):
+    if attn_softcap:
+        extra["attn_softcap"] = read_float(kv, a + "attn_logit_softcapping", ATTN_SOFTCAP)
+        if extra["attn_softcap"] <= 0:
+            raise bad(f"{a}attn_logit_softcapping must be positive", arch)
+    elif kv.get(a + "attn_logit_softcapping"):
         raise StageUnsupported(
             "attention logit soft-capping is not implemented by the stage runtime",
             code="unsupported_hyperparameter",
@@ -221,4 +247,5 @@ def read_decoder(kv: Mapping[str, Any], arch: str, *, dense_ffn: bool = True) ->
         "embed_scale": None,
         "activation": "silu",
         "final_logit_softcap": softcap_value,
+        **extra,
     }

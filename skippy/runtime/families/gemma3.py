@@ -14,16 +14,16 @@ from skippy.runtime.families.base import (
     Family,
     T,
     attention_tensors,
-    bad,
     dense_ffn_tensors,
     qk_norm_tensors,
     read_decoder,
     read_float,
     read_int,
+    read_swa_layers,
     tensor,
 )
 from skippy.runtime.graph import GraphBuilder, LayerWeights
-from skippy.runtime.model import MAX_CONTEXT, MAX_LAYERS, ModelSpec, TensorSpec
+from skippy.runtime.model import MAX_CONTEXT, ModelSpec, TensorSpec
 
 ARCH = "gemma3"
 # llama.cpp's default period of the sliding-window pattern (load_swa_pattern(ml, 6))
@@ -31,27 +31,12 @@ SWA_PERIOD = 6
 N_LAYER_27B = 62  # gemma3 27B scales attention by 1/sqrt(n_embd/n_head) (llama.cpp)
 
 
-def _swa_layers(kv: Mapping[str, Any], n_layer: int) -> frozenset[int]:
-    """The sliding-window layers: the file's pattern key when present (an int period N:
-    layer i slides unless i % N == N - 1; or one bool per layer), else period 6 (global
-    layers 5, 11, 17 of gemma3-270m)."""
-    key = f"{ARCH}.attention.sliding_window_pattern"
-    pattern = kv.get(key, SWA_PERIOD)
-    if isinstance(pattern, list):
-        if len(pattern) != n_layer or not all(isinstance(p, bool) for p in pattern):
-            raise bad(f"{key} must hold one bool per layer ({n_layer})", key)
-        return frozenset(i for i, p in enumerate(pattern) if p)
-    if isinstance(pattern, bool) or not isinstance(pattern, int) or not 1 <= pattern <= MAX_LAYERS:
-        raise bad(f"{key} = {pattern!r} is not a period in 1..{MAX_LAYERS}", key)
-    return frozenset(i for i in range(n_layer) if i % pattern < pattern - 1)
-
-
 def read(kv: Mapping[str, Any]) -> ModelSpec:
     d = read_decoder(kv, ARCH)
     a = f"{ARCH}."
     if kv.get(a + "attention.sliding_window"):
         d["sliding_window"] = read_int(kv, a + "attention.sliding_window", 1, MAX_CONTEXT)
-        d["swa_layers"] = _swa_layers(kv, d["n_layer"])
+        d["swa_layers"] = read_swa_layers(kv, ARCH, d["n_layer"], SWA_PERIOD)
     d["rope_base_swa"] = read_float(kv, a + "rope.freq_base_swa", 10000.0)
     scale_dim = d["width"] / d["n_head"] if d["n_layer"] == N_LAYER_27B else d["head_dim"]
     d["attn_scale"] = 1.0 / math.sqrt(scale_dim)
