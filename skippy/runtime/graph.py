@@ -113,12 +113,27 @@ class GraphBuilder:
         """Q, K ``[head_dim, heads, rows]`` and V ``[kv_dim, rows]`` from the normed input,
         with the biases the layer has."""
         g, spec, T = self.g, self.spec, MODEL_TENSOR
+        qkv = w.get(T.ATTN_QKV)
+        if qkv is not None:
+            return self._split_qkv(self.linear(qkv, h, w.get(T.ATTN_QKV, "bias")))
         q = self.linear(w[T.ATTN_Q], h, w.get(T.ATTN_Q, "bias"))
         k = self.linear(w[T.ATTN_K], h, w.get(T.ATTN_K, "bias"))
         v = self.linear(w[T.ATTN_V], h, w.get(T.ATTN_V, "bias"))
         q = g.ggml_reshape_3d(self.ctx, q, spec.head_dim, spec.n_head, self.rows)
         k = g.ggml_reshape_3d(self.ctx, k, spec.head_dim, spec.n_head_kv, self.rows)
         return q, k, v
+
+    def _split_qkv(self, qkv: int) -> tuple[int, int, int]:
+        """Q, K and V as views of a fused projection's rows ``[q_dim + 2 kv_dim, rows]``
+        (llama.cpp's ``build_qkv`` with ``wqkv``); V made contiguous for the cache writes
+        (a copy: the same values)."""
+        g, ctx, spec = self.g, self.ctx, self.spec
+        hd, q_dim, kv_dim = spec.head_dim, spec.q_dim, spec.kv_dim
+        row = 4 * (q_dim + 2 * kv_dim)  # F32 activations
+        q = g.ggml_view_3d(ctx, qkv, hd, spec.n_head, self.rows, 4 * hd, row, 0)
+        k = g.ggml_view_3d(ctx, qkv, hd, spec.n_head_kv, self.rows, 4 * hd, row, 4 * q_dim)
+        v = g.ggml_view_2d(ctx, qkv, kv_dim, self.rows, row, 4 * (q_dim + kv_dim))
+        return q, k, g.ggml_cont(ctx, v)
 
     def rope(self, x: int, il: int) -> int:
         """RoPE at the graph's positions, with the layer's base and scale (sliding layers have
@@ -161,10 +176,15 @@ class GraphBuilder:
         return o, x
 
     # --- feed-forward -------------------------------------------------------------------------
-    def ffn(self, x: int, gate: int, up: int, down: int, act: GatedActivation) -> int:
+    def ffn(self, x: int, gate: int | None, up: int, down: int, act: GatedActivation) -> int:
         """A gated feed-forward: down(act(gate x) * up x) (llama.cpp's ``build_ffn`` with
-        LLM_FFN_PAR and SILU or GELU)."""
+        LLM_FFN_PAR and SILU or GELU); without ``gate``, ``up`` holds the gate's rows then
+        the up's, and ``act`` must be SiLU (LLM_FFN_SWIGLU over one fused projection)."""
         g = self.g
+        if gate is None:
+            if act != "silu":
+                raise ValueError("a fused gate and up projection is SiLU-gated here")
+            return self.mm(down, g.ggml_swiglu(self.ctx, self.mm(up, x)))
         a_gate, a_up = self.mm(gate, x), self.mm(up, x)
         if act == "gelu":
             a = g.ggml_geglu_split(self.ctx, a_gate, a_up)

@@ -223,9 +223,13 @@ class NumpyStage(StageBase[_NpKv]):
 
         # attention: (n, width) -> (n, width)
         h = rms_norm(x, w[name(T.ATTN_NORM)], spec.rms_eps)
-        q = linear(T.ATTN_Q, h).reshape(n, spec.n_head, hd)
-        k = linear(T.ATTN_K, h).reshape(n, spec.n_head_kv, hd)
-        v = linear(T.ATTN_V, h).reshape(n, spec.n_head_kv, hd)
+        if name(T.ATTN_QKV) in w:  # one fused projection: Q, K, V side by side
+            q, k, v = np.split(linear(T.ATTN_QKV, h), [spec.q_dim, spec.q_dim + spec.kv_dim], 1)
+        else:
+            q, k, v = linear(T.ATTN_Q, h), linear(T.ATTN_K, h), linear(T.ATTN_V, h)
+        q = q.reshape(n, spec.n_head, hd)
+        k = k.reshape(n, spec.n_head_kv, hd)
+        v = v.reshape(n, spec.n_head_kv, hd)
         q = norm_if_any(T.ATTN_Q_NORM, q)
         k = norm_if_any(T.ATTN_K_NORM, k)
         rope_args: dict[str, Any] = {
@@ -253,8 +257,11 @@ class NumpyStage(StageBase[_NpKv]):
             exps = (w[name(T.FFN_GATE_EXP)], w[name(T.FFN_UP_EXP)], w[name(T.FFN_DOWN_EXP)])
             f = moe_ffn(h, w[name(T.FFN_GATE_INP)], *exps, spec.n_expert_used)
         else:
-            gate = h @ w[name(T.FFN_GATE)].T
             up = h @ w[name(T.FFN_UP)].T
+            if name(T.FFN_GATE) in w:
+                gate = h @ w[name(T.FFN_GATE)].T
+            else:  # one fused projection: the gate's rows, then the up's
+                gate, up = np.split(up, 2, axis=1)
             act = gelu_tanh(gate) if spec.activation == "gelu_tanh" else silu(gate)
             f = norm_if_any(T.FFN_POST_NORM, (act * up) @ w[name(T.FFN_DOWN)].T)
         out: Array = (x + f).astype(F32)

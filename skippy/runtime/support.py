@@ -21,6 +21,7 @@ STAGE_FAMILIES: Final = (  # == the registry's
     "gemma3",
     "qwen3moe",
     "gemma2",
+    "phi3",
 )
 # The families that are mixtures of experts (a dense family's file with experts is refused).
 STAGE_MOE_FAMILIES: Final[tuple[str, ...]] = ("qwen3moe",)
