@@ -91,6 +91,7 @@ class GraphBuilder:
     last_layer: int
     keep: int | None = None
     freq_factors: int | None = None
+    attn_temp: int | None = None  # F32 [1, 1, rows]: ModelSpec.attn_temperature's factors
 
     # --- basic ops ----------------------------------------------------------------------------
     def add(self, a: int, b: int) -> int:
@@ -138,7 +139,7 @@ class GraphBuilder:
     def rope(self, x: int, il: int) -> int:
         """RoPE at the graph's positions, with the layer's base and scale (sliding layers have
         their own) and the model's frequency factors, in the model's pair style."""
-        spec = self.spec
+        spec, yarn = self.spec, self.spec.yarn
         mode = GGML_ROPE_TYPE_NORMAL if spec.rope_style == "normal" else GGML_ROPE_TYPE_NEOX
         return self.g.ggml_rope_ext(
             self.ctx,
@@ -147,14 +148,21 @@ class GraphBuilder:
             self.freq_factors,
             spec.head_dim,
             mode,
-            spec.context_length,
+            spec.context_length if yarn is None else yarn.n_ctx_orig,
             spec.rope_base_for(il),
             spec.rope_scale_for(il),
-            _EXT_FACTOR,
-            _ATTN_FACTOR,
-            _BETA_FAST,
-            _BETA_SLOW,
+            _EXT_FACTOR if yarn is None else yarn.ext_factor,
+            _ATTN_FACTOR if yarn is None else yarn.attn_factor,
+            _BETA_FAST if yarn is None else yarn.beta_fast,
+            _BETA_SLOW if yarn is None else yarn.beta_slow,
         )
+
+    def temperature(self, q: int) -> int:
+        """Q ``[head_dim, heads, rows]`` times its position's attention temperature where the
+        model has one (the engine's ``attn_temp`` input, ``[1, 1, rows]``)."""
+        if self.attn_temp is None:
+            return q
+        return self.g.ggml_mul(self.ctx, q, self.attn_temp)
 
     def attention(self, il: int, q: int, k: int, v: int, kq_scale: float) -> int:
         """Attention over the session's cache (the layer's mask: causal, or its sliding

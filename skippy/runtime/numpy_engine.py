@@ -20,6 +20,7 @@ import numpy as np
 import numpy.typing as npt
 from gguf import MODEL_TENSOR
 
+from skippy.runtime.boundary import StageUnsupported
 from skippy.runtime.families.base import T
 from skippy.runtime.model import attention_mask, tensor_name
 from skippy.runtime.stage import STAGE_API_VERSION, StageBase
@@ -150,6 +151,16 @@ class NumpyStage(StageBase[_NpKv]):
     runtime_version = RUNTIME_VERSION
 
     def _setup(self) -> None:
+        spec = self.spec
+        if spec.yarn is not None or spec.attn_temperature is not None:
+            # the numpy rope has no YaRN ramp and the blocks no per-position Q scale
+            raise StageUnsupported(
+                f"{spec.arch} with YaRN RoPE scaling or an attention temperature is not "
+                "implemented by the numpy engine",
+                code="unsupported_hyperparameter",
+                actual=spec.arch,
+                remediation="run it with the ggml engine (the default)",
+            )
         w = self._loaded()
         self._w = {r.name: dequantize(w, r) for r in w}
 

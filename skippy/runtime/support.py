@@ -22,6 +22,7 @@ STAGE_FAMILIES: Final = (  # == the registry's
     "qwen3moe",
     "gemma2",
     "phi3",
+    "mistral3",
 )
 # The families that are mixtures of experts (a dense family's file with experts is refused).
 STAGE_MOE_FAMILIES: Final[tuple[str, ...]] = ("qwen3moe",)

@@ -14,7 +14,16 @@ from typing import Any, Final
 from skippy.constants import KEY_ARCHITECTURE
 from skippy.package.ranges import LayerRange
 from skippy.runtime.boundary import StageUnsupported
-from skippy.runtime.families import gemma2, gemma3, llama, phi3, qwen2, qwen3, qwen3moe
+from skippy.runtime.families import (
+    gemma2,
+    gemma3,
+    llama,
+    mistral3,
+    phi3,
+    qwen2,
+    qwen3,
+    qwen3moe,
+)
 from skippy.runtime.families.base import Family, T, tensor
 from skippy.runtime.model import LLAMA_HINT, ModelSpec, TensorSpec
 from skippy.runtime.support import STAGE_FAMILIES, STAGE_MOE_FAMILIES
@@ -29,6 +38,7 @@ FAMILIES: Final[Mapping[str, Family]] = {
         qwen3moe.FAMILY,
         gemma2.FAMILY,
         phi3.FAMILY,
+        mistral3.FAMILY,
     )
 }
 # ``inspect`` answers from skippy.runtime.support's table without importing the runtime: the
