@@ -62,4 +62,3 @@ def test_a_batch_of_two_sessions_decodes_as_llama_cpp_does_each(
                 rows[i].append(out.logits[-1])  # type: ignore[index]
     for i, p in enumerate(prompts):
         assert np.array_equal(np.stack(rows[i]), _reference(gguf, p)), i
-

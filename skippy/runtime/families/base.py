@@ -206,9 +206,7 @@ def _rope_scale(kv: Mapping[str, Any], arch: str, *, yarn: bool = False) -> floa
     )
 
 
-def read_swa_layers(
-    kv: Mapping[str, Any], arch: str, n_layer: int, period: int
-) -> frozenset[int]:
+def read_swa_layers(kv: Mapping[str, Any], arch: str, n_layer: int, period: int) -> frozenset[int]:
     """The sliding-window layers: the file's pattern key when present (an int period N:
     layer i slides unless i % N == N - 1; or one bool per layer), else the family's default
     ``period`` (llama.cpp's ``load_swa_pattern``)."""
