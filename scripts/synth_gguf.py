@@ -418,7 +418,7 @@ def llama_like(
     """A llama-architecture model: full hyperparameter set, small tokenizer, mixed types.
     ``zero_head``: an all-zero ``output.weight``, so every logit is 0 (a tie everywhere).
     ``arch``: the same tensors and hyperparameters under another architecture name (e.g.
-    ``phi3``: a family the stage runtime refuses, for its refusal paths).
+    ``baichuan``: a family the stage runtime refuses, for its refusal paths).
     ``f16_norm_layer``: that layer's ``attn_norm`` stored as F16, a type the stage runtime
     refuses for a norm: a model whose metadata passes and whose one layer cannot load."""
     _check_dims(width, ff, n_layers, vocab)

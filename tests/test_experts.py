@@ -304,12 +304,13 @@ def test_inspect_s_support_table_answers_as_the_stage_runtime_does(synth_dir, tm
         synth_gguf.qwen2_like(tmp_path / "qwen2.gguf"),
         synth_gguf.qwen3_like(tmp_path / "qwen3.gguf"),
         synth_gguf.uncovered_like(tmp_path / "exaone.gguf"),
-        synth_gguf.llama_like(tmp_path / "phi3.gguf", arch="phi3"),
+        synth_gguf.llama_like(tmp_path / "baichuan.gguf", arch="baichuan"),
         synth_gguf.moe_like(tmp_path / "qwen3moe.gguf"),
         synth_gguf.high_precision(tmp_path / "mixtral.gguf", n_layers=2, n_experts=4),
+        # the canary's model of every family llama.cpp runs (those the runtime has and not)
         *(
-            synth.write_model(synth.family(name), tmp_path / f"{name}.gguf", dtype="F16")
-            for name in ("granite", "granitemoe", "phimoe", "qwen2moe", "olmoe")
+            synth.write_model(f, tmp_path / f"canary-{f.name}.gguf", dtype="F16")
+            for f in synth.FAMILIES
         ),
     ]
     for name in ("olmo2", "smollm3"):  # the canary's models of the newer families

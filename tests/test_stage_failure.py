@@ -5,7 +5,7 @@ body, and plans again only when a capable peer joins); a transient one (a stage'
 for a while) is retried until the split forms.
 
 The refused family is a synthetic llama-shaped model written under the architecture name
-``phi3`` (scripts/synth_gguf.py ``llama_like(arch=...)``), packaged with ``write-package``.
+``baichuan`` (scripts/synth_gguf.py ``llama_like(arch=...)``), packaged with ``write-package``.
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ CODE = "unsupported_architecture"
 
 
 @pytest.fixture(scope="module")
-def phi3_pkg(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("phi3")
-    src = synth_gguf.llama_like(root / "phi3.gguf", arch="phi3")
-    make_package(src, root / "pkg", model_id="acme/phi3-GGUF:Q8_0")
+def refused_pkg(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("baichuan")
+    src = synth_gguf.llama_like(root / "baichuan.gguf", arch="baichuan")
+    make_package(src, root / "pkg", model_id="acme/baichuan-GGUF:Q8_0")
     return root / "pkg"
 
 
@@ -121,11 +121,11 @@ def test_fetch_and_peer_failures_are_transient(code: str | None) -> None:
 
 # --- the lab --------------------------------------------------------------------------------------
 def test_an_unsupported_family_fails_a_lab_bring_up_at_once_with_its_code(
-    phi3_pkg: Path,
+    refused_pkg: Path,
 ) -> None:
     # Today's lab waited for its whole --timeout, then said split_not_ready.
     out = subprocess.run(
-        [*MESH, "lab", "--nodes", "2", "--package", str(phi3_pkg), "--prompt", "hi",
+        [*MESH, "lab", "--nodes", "2", "--package", str(refused_pkg), "--prompt", "hi",
          "--timeout", "120", "--json"],
         capture_output=True, text=True, timeout=300,
     )
@@ -133,16 +133,16 @@ def test_an_unsupported_family_fails_a_lab_bring_up_at_once_with_its_code(
     assert out.returncode == 1, (out.returncode, out.stdout, out.stderr[-2000:])
     error = json.loads(out.stdout)["error"]
     assert error["code"] == CODE, error
-    assert "'phi3' is not supported" in error["message"]
+    assert "'baichuan' is not supported" in error["message"]
     assert "--engine llama" in error["remediation"]
     assert "within 120 s" not in error["message"]
 
 
-def test_a_lab_split_reports_a_stage_the_runtime_refused_as_failed(phi3_pkg: Path) -> None:
+def test_a_lab_split_reports_a_stage_the_runtime_refused_as_failed(refused_pkg: Path) -> None:
     # The stage was fetched and verified, then its load refused: today's report said "ready,
     # accepted" and ok (the fetch's record was never told of the load's failure).
     out = subprocess.run(
-        [*MESH, "lab", "--nodes", "2", "--package", str(phi3_pkg), "--timeout", "120", "--json"],
+        [*MESH, "lab", "--nodes", "2", "--package", str(refused_pkg), "--timeout", "120", "--json"],
         capture_output=True, text=True, timeout=300,
     )
     assert "Traceback" not in out.stderr, out.stderr[-2000:]

@@ -357,6 +357,8 @@ class Ggml:
     def ggml_swiglu_split(self, ctx: int, gate: int, up: int) -> int: ...
     @_c(_ptr, _ptr, _ptr, _ptr)
     def ggml_geglu_split(self, ctx: int, gate: int, up: int) -> int: ...
+    @_c(_ptr, _ptr, _ptr)
+    def ggml_swiglu(self, ctx: int, a: int) -> int: ...  # silu(first half) * second half
 
     # ==== mixture of experts (ggml.h; llama.cpp's build_moe_ffn uses these) ==================
     @_c(_ptr, _ptr, _ptr)

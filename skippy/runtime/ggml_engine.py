@@ -155,6 +155,7 @@ class _DecodeGraph(_SessionInputs):
     # the result's bytes in the graph's own compute buffer (fixed while the graph lives)
     result_view: npt.NDArray[np.float32]
     pos_buf: npt.NDArray[np.int32]
+    temp: int | None = None  # F32 [1, 1, 1]: the position's attention temperature, if any
 
 
 def _resize_slots(slots: _KvSlots, n_kv: int) -> None:
@@ -198,6 +199,7 @@ class _BatchGraph:
     pos_buf: npt.NDArray[np.int32]
     gemm_matmuls: int = 0  # weight matmuls taking the batch as one [k, B] matrix
     broadcast_matmuls: int = 0  # and those broadcast over it
+    temp: int | None = None  # F32 [1, 1, B]: each position's attention temperature, if any
 
 
 # --- attention over the sessions' caches: how each kind of graph writes and reads K/V ---------
@@ -212,7 +214,8 @@ def _attend(
     rows: int,
     slots: _KvSlots | None,
 ) -> int:
-    """softmax(K^T Q * scale + mask) V over the first ``n_kv`` cells of ``kv``'s layer
+    """softmax(K^T Q * scale + mask) V (the scores soft-capped first where the model says)
+    over the first ``n_kv`` cells of ``kv``'s layer
     ``il`` for Q ``[hd, n_head, rows]``: ``[q_dim, rows]``. With ``slots`` the attention
     tensors are registered to be resized to the position's KV length before each run."""
     g, ctx, spec = b.g, b.ctx, b.spec
@@ -226,11 +229,18 @@ def _attend(
     )  # [n_kv, hd, n_head_kv]
     qp = g.ggml_permute(ctx, q, 0, 2, 1, 3)  # [hd, rows, n_head]
     scores = g.ggml_mul_mat(ctx, keys, qp)  # [n_kv, rows, n_head]
-    kq = g.ggml_soft_max_ext(ctx, scores, mask, kq_scale, 0.0)
+    capped = [scores]
+    cap = spec.attn_softcap
+    if cap:  # tanh(s / cap) * cap, before the softmax's scale and mask (llama.cpp's order)
+        capped.append(g.ggml_scale(ctx, capped[-1], 1.0 / cap))
+        capped.append(g.ggml_tanh(ctx, capped[-1]))
+        capped.append(g.ggml_scale(ctx, capped[-1], cap))
+    kq = g.ggml_soft_max_ext(ctx, capped[-1], mask, kq_scale, 0.0)
     if slots is not None:
         slots.add(keys, 1, False)
         slots.add(values, 0, False)
-        slots.add(scores, 0, True)
+        for t in capped:
+            slots.add(t, 0, True)
         slots.add(kq, 0, True)
     kqv = g.ggml_mul_mat(ctx, values, kq)  # [hd, rows, n_head]
     o = g.ggml_permute(ctx, kqv, 0, 2, 1, 3)  # [hd, n_head, rows]
@@ -462,6 +472,7 @@ class GgmlStage(StageBase[_KvCache]):
         rows: int,
         attend: Attention,
         keep: int | None,
+        attn_temp: int | None = None,
     ) -> int:
         """Every layer of the stage over ``x`` (its family's ``build_layer``), then for the
         final stage the output head: the graph's result (not yet expanded)."""
@@ -477,6 +488,7 @@ class GgmlStage(StageBase[_KvCache]):
             last_layer=self.layers.stop - 1,
             keep=keep if self.layers.owns_output else None,
             freq_factors=self._tensors.get(tensor_name(T.ROPE_FREQS)),
+            attn_temp=attn_temp,
         )
         for il in self.layers:
             x = self._family.build_layer(b, self._layer_weights[il], il, x)
@@ -532,7 +544,11 @@ class GgmlStage(StageBase[_KvCache]):
                     mask = np.ascontiguousarray(np.concatenate([np.repeat(mask[:1], pad, 0), mask]))
                 masks[window] = fed(g.ggml_new_tensor_2d(ctx, GgmlType.F32, n_kv, rows), mask)
             attend = _ChunkAttention(state, masks, start, n, pad, n_kv)
-            result = self._build(ctx, gf, x, pos, rows, attend, out_rows)
+            temperature, temp = spec.attn_temperature, None
+            if temperature is not None:
+                t = g.ggml_new_tensor_3d(ctx, GgmlType.F32, 1, 1, rows)
+                temp = fed(t, temperature.factors(positions))
+            result = self._build(ctx, gf, x, pos, rows, attend, out_rows, temp)
             final = self.layers.owns_output
             # a final stage that wants no logits only writes its K/V: the layers' cache
             # writes are in the graph, the rest is never expanded into it
@@ -571,12 +587,26 @@ class GgmlStage(StageBase[_KvCache]):
         dg.pos_buf[0] = position
         g.ggml_backend_tensor_set(dg.tokens, inputs.ctypes.data, 0, inputs.nbytes)
         g.ggml_backend_tensor_set(dg.pos, dg.pos_buf.ctypes.data, 0, 4)
+        self._set_temperature(dg.temp, dg.pos_buf)
         self._compute(dg.graph, step=True)
         if greedy and self.layers.owns_output:
             # The argmax over the logits where ggml left them: no copy, and numpy's first
             # maximum is the sampler's own rule (ggml_argmax takes the last one on ties).
             return None, int(np.argmax(dg.result_view))
         return dg.result_view.reshape(1, -1).copy(), None
+
+    def _temperature_input(self, ctx: int, rows: int) -> int | None:
+        """A reused graph's attention-temperature input ``[1, 1, rows]``, where the model has
+        one (set per run from the positions: ``_set_temperature``)."""
+        if self.spec.attn_temperature is None:
+            return None
+        return self._input(self.g.ggml_new_tensor_3d(ctx, GgmlType.F32, 1, 1, rows))
+
+    def _set_temperature(self, t: int | None, positions: npt.NDArray[np.int32]) -> None:
+        temperature = self.spec.attn_temperature
+        if t is not None and temperature is not None and self.g.ggml_get_data(t) is not None:
+            f = temperature.factors(positions)
+            self.g.ggml_backend_tensor_set(t, f.ctypes.data, 0, f.nbytes)
 
     def _session_inputs(self, ctx: int) -> tuple[_KvSlots, dict[int | None, int]]:
         """A session's inputs in a reused graph: the K/V rows to write and one mask per
@@ -622,8 +652,10 @@ class GgmlStage(StageBase[_KvCache]):
             else:
                 tokens = x = self._input(g.ggml_new_tensor_2d(ctx, GgmlType.F32, spec.width, 1))
             pos = self._input(g.ggml_new_tensor_1d(ctx, GgmlType.I32, 1))
+            temp = self._temperature_input(ctx, 1)
             slots, masks = self._session_inputs(ctx)
-            result = self._build(ctx, gf, x, pos, 1, _SlotAttention(kv, slots, masks), 1)
+            attend = _SlotAttention(kv, slots, masks)
+            result = self._build(ctx, gf, x, pos, 1, attend, 1, temp)
             galloc, view = self._finish_graph(ctx, gf, result, 1)
         except BaseException:
             g.ggml_free(ctx)
@@ -639,6 +671,7 @@ class GgmlStage(StageBase[_KvCache]):
             result=result,
             result_view=view,
             pos_buf=np.zeros(1, dtype=np.int32),
+            temp=temp,
             **_SessionInputs.buffers(spec.kv_dim, self._kv_cells),
         )
 
@@ -662,6 +695,7 @@ class GgmlStage(StageBase[_KvCache]):
         g = self.g
         bg.pos_buf[:] = positions
         g.ggml_backend_tensor_set(bg.pos, bg.pos_buf.ctypes.data, 0, bg.pos_buf.nbytes)
+        self._set_temperature(bg.temp, bg.pos_buf)
         x = np.ascontiguousarray(np.concatenate(inputs))
         g.ggml_backend_tensor_set(bg.tokens, x.ctypes.data, 0, x.nbytes)
         for m, position in zip(bg.members, positions, strict=True):
@@ -692,6 +726,7 @@ class GgmlStage(StageBase[_KvCache]):
             else:
                 tokens = x = self._input(g.ggml_new_tensor_3d(ctx, GgmlType.F32, spec.width, 1, b))
             pos = self._input(g.ggml_new_tensor_1d(ctx, GgmlType.I32, b))
+            temp = self._temperature_input(ctx, b)
             members = []
             for kv in states:
                 slots, masks = self._session_inputs(ctx)
@@ -703,7 +738,7 @@ class GgmlStage(StageBase[_KvCache]):
                         **_SessionInputs.buffers(spec.kv_dim, self._kv_cells),
                     )
                 )
-            result = self._build(ctx, gf, x, pos, b, _BatchAttention(members), None)
+            result = self._build(ctx, gf, x, pos, b, _BatchAttention(members), None, temp)
             galloc, view = self._finish_graph(ctx, gf, result, b)
         except BaseException:
             g.ggml_free(ctx)
@@ -719,6 +754,7 @@ class GgmlStage(StageBase[_KvCache]):
             pos_buf=np.zeros(b, dtype=np.int32),
             gemm_matmuls=self._layouts[0],
             broadcast_matmuls=self._layouts[1],
+            temp=temp,
         )
 
     def _exact_gemm_widths(self) -> dict[int, frozenset[int]]:

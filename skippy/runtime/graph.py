@@ -91,6 +91,7 @@ class GraphBuilder:
     last_layer: int
     keep: int | None = None
     freq_factors: int | None = None
+    attn_temp: int | None = None  # F32 [1, 1, rows]: ModelSpec.attn_temperature's factors
 
     # --- basic ops ----------------------------------------------------------------------------
     def add(self, a: int, b: int) -> int:
@@ -125,6 +126,9 @@ class GraphBuilder:
         ``split_heads`` Q and K stay whole projections ``[q_dim, rows]`` / ``[kv_dim, rows]``
         (for a norm over all heads; ``heads`` then splits them)."""
         T = MODEL_TENSOR
+        qkv = w.get(T.ATTN_QKV)
+        if qkv is not None:
+            return self._split_qkv(self.linear(qkv, h, w.get(T.ATTN_QKV, "bias")))
         q = self.linear(w[T.ATTN_Q], h, w.get(T.ATTN_Q, "bias"))
         k = self.linear(w[T.ATTN_K], h, w.get(T.ATTN_K, "bias"))
         v = self.linear(w[T.ATTN_V], h, w.get(T.ATTN_V, "bias"))
@@ -138,10 +142,22 @@ class GraphBuilder:
         """A whole projection ``[n_heads * head_dim, rows]`` as ``[head_dim, n_heads, rows]``."""
         return self.g.ggml_reshape_3d(self.ctx, x, self.spec.head_dim, n_heads, self.rows)
 
+    def _split_qkv(self, qkv: int) -> tuple[int, int, int]:
+        """Q, K and V as views of a fused projection's rows ``[q_dim + 2 kv_dim, rows]``
+        (llama.cpp's ``build_qkv`` with ``wqkv``); V made contiguous for the cache writes
+        (a copy: the same values)."""
+        g, ctx, spec = self.g, self.ctx, self.spec
+        hd, q_dim, kv_dim = spec.head_dim, spec.q_dim, spec.kv_dim
+        row = 4 * (q_dim + 2 * kv_dim)  # F32 activations
+        q = g.ggml_view_3d(ctx, qkv, hd, spec.n_head, self.rows, 4 * hd, row, 0)
+        k = g.ggml_view_3d(ctx, qkv, hd, spec.n_head_kv, self.rows, 4 * hd, row, 4 * q_dim)
+        v = g.ggml_view_2d(ctx, qkv, kv_dim, self.rows, row, 4 * (q_dim + kv_dim))
+        return q, k, g.ggml_cont(ctx, v)
+
     def rope(self, x: int, il: int) -> int:
         """RoPE at the graph's positions, with the layer's base and scale (sliding layers have
         their own) and the model's frequency factors, in the model's pair style."""
-        spec = self.spec
+        spec, yarn = self.spec, self.spec.yarn
         mode = GGML_ROPE_TYPE_NORMAL if spec.rope_style == "normal" else GGML_ROPE_TYPE_NEOX
         return self.g.ggml_rope_ext(
             self.ctx,
@@ -150,14 +166,21 @@ class GraphBuilder:
             self.freq_factors,
             spec.head_dim,
             mode,
-            spec.context_length,
+            spec.context_length if yarn is None else yarn.n_ctx_orig,
             spec.rope_base_for(il),
             spec.rope_scale_for(il),
-            _EXT_FACTOR,
-            _ATTN_FACTOR,
-            _BETA_FAST,
-            _BETA_SLOW,
+            _EXT_FACTOR if yarn is None else yarn.ext_factor,
+            _ATTN_FACTOR if yarn is None else yarn.attn_factor,
+            _BETA_FAST if yarn is None else yarn.beta_fast,
+            _BETA_SLOW if yarn is None else yarn.beta_slow,
         )
+
+    def temperature(self, q: int) -> int:
+        """Q ``[head_dim, heads, rows]`` times its position's attention temperature where the
+        model has one (the engine's ``attn_temp`` input, ``[1, 1, rows]``)."""
+        if self.attn_temp is None:
+            return q
+        return self.g.ggml_mul(self.ctx, q, self.attn_temp)
 
     def attention(self, il: int, q: int, k: int, v: int, kq_scale: float) -> int:
         """Attention over the session's cache (the layer's mask: causal, or its sliding
@@ -179,10 +202,15 @@ class GraphBuilder:
         return o, x
 
     # --- feed-forward -------------------------------------------------------------------------
-    def ffn(self, x: int, gate: int, up: int, down: int, act: GatedActivation) -> int:
+    def ffn(self, x: int, gate: int | None, up: int, down: int, act: GatedActivation) -> int:
         """A gated feed-forward: down(act(gate x) * up x) (llama.cpp's ``build_ffn`` with
-        LLM_FFN_PAR and SILU or GELU)."""
+        LLM_FFN_PAR and SILU or GELU); without ``gate``, ``up`` holds the gate's rows then
+        the up's, and ``act`` must be SiLU (LLM_FFN_SWIGLU over one fused projection)."""
         g = self.g
+        if gate is None:
+            if act != "silu":
+                raise ValueError("a fused gate and up projection is SiLU-gated here")
+            return self.mm(down, g.ggml_swiglu(self.ctx, self.mm(up, x)))
         a_gate, a_up = self.mm(gate, x), self.mm(up, x)
         if act == "gelu":
             a = g.ggml_geglu_split(self.ctx, a_gate, a_up)

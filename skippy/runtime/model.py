@@ -12,6 +12,7 @@ approximately.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final, Literal
@@ -66,6 +67,36 @@ MAX_CONTEXT: Final = 1 << 24
 MAX_EXPERTS: Final = 1024  # llama.cpp's LLAMA_MAX_EXPERTS
 
 
+@dataclass(frozen=True)
+class Yarn:
+    """YaRN RoPE scaling as ``ggml_rope_ext`` takes it (the values llama.cpp's context
+    derives from the file: ``llama_context`` for ``attn_factor``)."""
+
+    ext_factor: float
+    attn_factor: float
+    beta_fast: float
+    beta_slow: float
+    n_ctx_orig: int  # the context the model was trained on before scaling
+
+
+@dataclass(frozen=True)
+class AttnTemperature:
+    """Q scaled per position before attention (llama.cpp's ``inp_attn_scale``, Llama 4 and
+    Ministral 3): log(floor((pos + offset) / floor_scale) + 1) * scale + 1."""
+
+    scale: float
+    floor_scale: int
+    offset: float = 0.0
+
+    def factors(self, positions: npt.NDArray[np.int32]) -> npt.NDArray[np.float32]:
+        """One factor per position, ``[n]`` F32, computed in llama.cpp's precisions (the
+        quotient in f32, the logarithm in f64)."""
+        f32 = np.float32
+        q = np.floor((positions.astype(f32) + f32(self.offset)) / f32(self.floor_scale))
+        scale = float(f32(self.scale))
+        return np.array([math.log(float(v) + 1.0) * scale + 1.0 for v in q], dtype=f32)
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelSpec:
     """Everything the forward pass needs to know about a model, read from its metadata."""
@@ -90,6 +121,10 @@ class ModelSpec:
     embed_scale: float | None  # gemma3: sqrt(width)
     activation: Activation
     final_logit_softcap: float | None
+    # attention scores soft-capped before the softmax (gemma2: tanh(s / cap) * cap)
+    attn_softcap: float | None = None
+    yarn: Yarn | None = None  # YaRN RoPE scaling (rope_scale is then 1 / its factor)
+    attn_temperature: AttnTemperature | None = None
     # a mixture-of-experts FFN (0: dense): experts per layer, experts each token uses, and
     # each expert's hidden width
     n_expert: int = 0

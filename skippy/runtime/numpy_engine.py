@@ -20,6 +20,7 @@ import numpy as np
 import numpy.typing as npt
 from gguf import MODEL_TENSOR
 
+from skippy.runtime.boundary import StageUnsupported
 from skippy.runtime.families.base import T
 from skippy.runtime.model import attention_mask, tensor_name
 from skippy.runtime.stage import STAGE_API_VERSION, StageBase
@@ -104,12 +105,17 @@ def attention(
     values: Array,  # (n_kv, h_kv, d)
     mask: Array,  # (n, n_kv) additive
     scale: float,
+    softcap: float | None = None,
 ) -> Array:
-    """Grouped-query attention: query head i reads KV head i // (h / h_kv)."""
+    """Grouped-query attention: query head i reads KV head i // (h / h_kv); with
+    ``softcap`` the raw scores become tanh(s / cap) * cap first."""
     group = q.shape[1] // keys.shape[1]
     k = np.repeat(keys, group, axis=1)  # (n_kv, h, d)
     v = np.repeat(values, group, axis=1)
-    scores = np.einsum("qhd,khd->hqk", q, k, dtype=F32) * F32(scale) + mask[None]
+    raw = np.einsum("qhd,khd->hqk", q, k, dtype=F32)
+    if softcap:
+        raw = np.tanh(raw / F32(softcap)) * F32(softcap)
+    scores = raw * F32(scale) + mask[None]
     probs = softmax(scores.astype(F32))  # (h, n, n_kv)
     out: Array = np.einsum("hqk,khd->qhd", probs, v, dtype=F32)  # (n, h, d)
     return out
@@ -153,6 +159,16 @@ class NumpyStage(StageBase[_NpKv]):
     runtime_version = RUNTIME_VERSION
 
     def _setup(self) -> None:
+        spec = self.spec
+        if spec.yarn is not None or spec.attn_temperature is not None:
+            # the numpy rope has no YaRN ramp and the blocks no per-position Q scale
+            raise StageUnsupported(
+                f"{spec.arch} with YaRN RoPE scaling or an attention temperature is not "
+                "implemented by the numpy engine",
+                code="unsupported_hyperparameter",
+                actual=spec.arch,
+                remediation="run it with the ggml engine (the default)",
+            )
         w = self._loaded()
         self._w = {r.name: dequantize(w, r) for r in w}
 
@@ -242,9 +258,13 @@ class NumpyStage(StageBase[_NpKv]):
 
         # attention: (n, width) -> (n, width); olmo2 has no norm before it, phimoe's has a bias
         h = _plus(norm_if_any(T.ATTN_NORM, x), w.get(name(T.ATTN_NORM, "bias")))
-        q = heads(T.ATTN_Q_NORM, linear(T.ATTN_Q, h), spec.n_head)
-        k = heads(T.ATTN_K_NORM, linear(T.ATTN_K, h), spec.n_head_kv)
-        v = linear(T.ATTN_V, h).reshape(n, spec.n_head_kv, hd)
+        if name(T.ATTN_QKV) in w:  # one fused projection: Q, K, V side by side
+            qp, kp, vp = np.split(linear(T.ATTN_QKV, h), [spec.q_dim, spec.q_dim + spec.kv_dim], 1)
+        else:
+            qp, kp, vp = linear(T.ATTN_Q, h), linear(T.ATTN_K, h), linear(T.ATTN_V, h)
+        q = heads(T.ATTN_Q_NORM, qp, spec.n_head)
+        k = heads(T.ATTN_K_NORM, kp, spec.n_head_kv)
+        v = vp.reshape(n, spec.n_head_kv, hd)
         rope_args: dict[str, Any] = {
             "base": spec.rope_base_for(il),
             "scale": spec.rope_scale_for(il),
@@ -262,7 +282,7 @@ class NumpyStage(StageBase[_NpKv]):
         n_kv = start + n
         window = spec.sliding_window if spec.is_swa(il) else None
         mask = attention_mask(start, n, window)
-        o = attention(q, kv.k[il][:n_kv], kv.v[il][:n_kv], mask, scale)
+        o = attention(q, kv.k[il][:n_kv], kv.v[il][:n_kv], mask, scale, spec.attn_softcap)
         o = norm_if_any(T.ATTN_POST_NORM, linear(T.ATTN_OUT, o.reshape(n, spec.q_dim)))
         x = x + residual(o)
         # feed-forward: (n, width) -> (n, width)
@@ -277,8 +297,11 @@ class NumpyStage(StageBase[_NpKv]):
                 shared = (a @ w[name(T.FFN_DOWN_SHEXP)].T) / (1 + np.exp(-z))[:, None]
                 f = f + shared.astype(F32)
         else:
-            gate = h @ w[name(T.FFN_GATE)].T
             up = h @ w[name(T.FFN_UP)].T
+            if name(T.FFN_GATE) in w:
+                gate = h @ w[name(T.FFN_GATE)].T
+            else:  # one fused projection: the gate's rows, then the up's
+                gate, up = np.split(up, 2, axis=1)
             act = gelu_tanh(gate) if spec.activation == "gelu_tanh" else silu(gate)
             f = norm_if_any(T.FFN_POST_NORM, (act * up) @ w[name(T.FFN_DOWN)].T)
         out: Array = (x + residual(f)).astype(F32)

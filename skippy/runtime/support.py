@@ -27,6 +27,9 @@ STAGE_FAMILIES: Final = (  # == the registry's
     "phimoe",
     "qwen2moe",
     "olmoe",
+    "gemma2",
+    "phi3",
+    "mistral3",
 )
 # The families whose files may hold experts (llama: Mixtral; a file with experts of any
 # other family is refused).

@@ -15,12 +15,15 @@ from skippy.constants import KEY_ARCHITECTURE
 from skippy.package.ranges import LayerRange
 from skippy.runtime.boundary import StageUnsupported
 from skippy.runtime.families import (
+    gemma2,
     gemma3,
     granite,
     granitemoe,
     llama,
+    mistral3,
     olmo2,
     olmoe,
+    phi3,
     phimoe,
     qwen2,
     qwen2moe,
@@ -47,6 +50,9 @@ FAMILIES: Final[Mapping[str, Family]] = {
         phimoe.FAMILY,
         qwen2moe.FAMILY,
         olmoe.FAMILY,
+        gemma2.FAMILY,
+        phi3.FAMILY,
+        mistral3.FAMILY,
     )
 }
 # ``inspect`` answers from skippy.runtime.support's table without importing the runtime: the

@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from gguf import MODEL_TENSOR
 
 from skippy.errors import ModelError
@@ -32,10 +33,12 @@ from skippy.runtime.model import (
     Kind,
     ModelSpec,
     TensorSpec,
+    Yarn,
     tensor_name,
 )
 
 T = MODEL_TENSOR
+ATTN_SOFTCAP = 50.0  # llama.cpp's default attention logit soft-cap (f_attn_logit_softcapping)
 
 
 def tensor(
@@ -163,8 +166,49 @@ def read_float(kv: Mapping[str, Any], key: str, default: float | None = None) ->
     return float(value)
 
 
-def _rope_scale(kv: Mapping[str, Any], arch: str) -> float:
+def read_yarn(kv: Mapping[str, Any], arch: str, n_ctx_train: int) -> tuple[float, Yarn]:
+    """YaRN scaling from the file: ``freq_scale`` and ggml's parameters, ``attn_factor``
+    computed in f32 as llama.cpp's context does (its mscale, then the cancelling factor)."""
+    a, f32 = f"{arch}.", np.float32
+    for key in ("rope.scaling.yarn_ext_factor", "rope.scaling.yarn_attn_factor"):
+        if a + key in kv:
+            raise StageUnsupported(
+                f"{a}{key} is not implemented by the stage runtime",
+                code="unsupported_rope_scaling",
+                actual=a + key,
+                remediation="run this model with --engine llama",
+            )
+    ropescale = read_float(kv, a + "rope.scaling.factor")
+    if ropescale <= 0:
+        raise bad(f"{a}rope.scaling.factor must be positive", a + "rope.scaling.factor")
+    freq_scale = f32(1.0) / f32(ropescale)
+    factor = f32(1.0) / freq_scale
+
+    def mscale(m: float) -> np.float32:
+        if factor <= 1:
+            return f32(1.0)
+        return f32(f32(0.1) * f32(m) * np.log(factor) + f32(1.0))
+
+    log_mul = read_float(kv, a + "rope.scaling.yarn_log_multiplier", 0.0)
+    attn = mscale(1.0) / mscale(log_mul) if log_mul != 0.0 else mscale(1.0)
+    attn = f32(attn * (f32(1.0) / (f32(1.0) + f32(0.1) * np.log(factor))))
+    attn = f32(attn * f32(read_float(kv, a + "rope.scaling.attn_factor", 1.0)))
+    yarn = Yarn(
+        ext_factor=1.0,
+        attn_factor=float(attn),
+        beta_fast=read_float(kv, a + "rope.scaling.yarn_beta_fast", 32.0),
+        beta_slow=read_float(kv, a + "rope.scaling.yarn_beta_slow", 1.0),
+        n_ctx_orig=read_int(
+            kv, a + "rope.scaling.original_context_length", 1, MAX_CONTEXT, default=n_ctx_train
+        ),
+    )
+    return float(freq_scale), yarn
+
+
+def _rope_scale(kv: Mapping[str, Any], arch: str, *, yarn: bool = False) -> float:
     kind = kv.get(f"{arch}.rope.scaling.type", "none")
+    if kind == "yarn" and yarn:
+        return 1.0  # read_decoder reads YaRN's own scale
     if kind in ("none", None):
         factor = kv.get(f"{arch}.rope.scale_linear")  # the older spelling of linear scaling
         return 1.0 / read_float(kv, f"{arch}.rope.scale_linear") if factor else 1.0
@@ -174,17 +218,18 @@ def _rope_scale(kv: Mapping[str, Any], arch: str) -> float:
             raise bad(f"{arch}.rope.scaling.factor must be positive", arch)
         return 1.0 / factor
     raise StageUnsupported(
-        f"RoPE scaling {kind!r} is not implemented by the stage runtime (only none and linear)",
+        f"RoPE scaling {kind!r} is not implemented by the stage runtime for {arch} (only "
+        f"none and linear{', and yarn' if yarn else ''})",
         code="unsupported_rope_scaling",
         actual=str(kind),
         remediation="run this model with --engine llama",
     )
 
 
-def swa_layers(kv: Mapping[str, Any], arch: str, n_layer: int, period: int) -> frozenset[int]:
-    """The sliding-window layers (llama.cpp's ``load_swa_pattern``): the file's pattern key
-    when present (an int period N: layer i slides unless i % N == N - 1; or one bool per
-    layer), else the family's default ``period``."""
+def read_swa_layers(kv: Mapping[str, Any], arch: str, n_layer: int, period: int) -> frozenset[int]:
+    """The sliding-window layers: the file's pattern key when present (an int period N:
+    layer i slides unless i % N == N - 1; or one bool per layer), else the family's default
+    ``period`` (llama.cpp's ``load_swa_pattern``)."""
     key = f"{arch}.attention.sliding_window_pattern"
     pattern = kv.get(key, period)
     if isinstance(pattern, list):
@@ -196,10 +241,19 @@ def swa_layers(kv: Mapping[str, Any], arch: str, n_layer: int, period: int) -> f
     return frozenset(i for i in range(n_layer) if i % pattern < pattern - 1)
 
 
-def read_decoder(kv: Mapping[str, Any], arch: str, *, dense_ffn: bool = True) -> dict[str, Any]:
+def read_decoder(
+    kv: Mapping[str, Any],
+    arch: str,
+    *,
+    dense_ffn: bool = True,
+    attn_softcap: bool = False,
+    yarn: bool = False,
+) -> dict[str, Any]:
     """The hyperparameters of a decoder-only transformer every family here shares, as
     ``ModelSpec`` keyword arguments (a family adds or overrides its own). Without
-    ``dense_ffn`` (a MoE family) the dense FFN width may be absent (0)."""
+    ``dense_ffn`` (a MoE family) the dense FFN width may be absent (0). A family whose
+    attention soft-caps its scores (``attn_softcap``) gets the file's cap, and one that
+    implements YaRN (``yarn``) its parameters (else both are refused)."""
     a = f"{arch}."
     n_layer = read_int(kv, a + "block_count", 1, MAX_LAYERS)
     width = read_int(kv, a + "embedding_length", 1, MAX_WIDTH)
@@ -225,9 +279,17 @@ def read_decoder(kv: Mapping[str, Any], arch: str, *, dense_ffn: bool = True) ->
     rope_base = read_float(kv, a + "rope.freq_base", 10000.0)
     if rope_base <= 0:
         raise bad("rope.freq_base must be positive", arch)
+    extra: dict[str, Any] = {}
+    rope_scale = _rope_scale(kv, arch, yarn=yarn)
+    if yarn and kv.get(a + "rope.scaling.type") == "yarn":
+        rope_scale, extra["yarn"] = read_yarn(kv, arch, context_length)
     softcap = kv.get(a + "final_logit_softcapping")
     softcap_value = read_float(kv, a + "final_logit_softcapping") if softcap else None
-    if kv.get(a + "attn_logit_softcapping"):
+    if attn_softcap:
+        extra["attn_softcap"] = read_float(kv, a + "attn_logit_softcapping", ATTN_SOFTCAP)
+        if extra["attn_softcap"] <= 0:
+            raise bad(f"{a}attn_logit_softcapping must be positive", arch)
+    elif kv.get(a + "attn_logit_softcapping"):
         raise StageUnsupported(
             "attention logit soft-capping is not implemented by the stage runtime",
             code="unsupported_hyperparameter",
@@ -248,7 +310,7 @@ def read_decoder(kv: Mapping[str, Any], arch: str, *, dense_ffn: bool = True) ->
         "rope_style": "neox",
         "rope_base": rope_base,
         "rope_base_swa": rope_base,
-        "rope_scale": _rope_scale(kv, arch),
+        "rope_scale": rope_scale,
         "sliding_window": None,
         "swa_layers": frozenset(),
         "attn_scale": 1.0 / math.sqrt(head_dim),  # llama.cpp's default kq_scale
@@ -256,6 +318,7 @@ def read_decoder(kv: Mapping[str, Any], arch: str, *, dense_ffn: bool = True) ->
         "embed_scale": None,
         "activation": "silu",
         "final_logit_softcap": softcap_value,
+        **extra,
     }
 
 

@@ -19,7 +19,7 @@ from skippy.runtime.families.base import (
     read_decoder,
     read_float,
     read_int,
-    swa_layers,
+    read_swa_layers,
     tensor,
 )
 from skippy.runtime.graph import GraphBuilder, LayerWeights
@@ -36,7 +36,7 @@ def read(kv: Mapping[str, Any]) -> ModelSpec:
     a = f"{ARCH}."
     if kv.get(a + "attention.sliding_window"):
         d["sliding_window"] = read_int(kv, a + "attention.sliding_window", 1, MAX_CONTEXT)
-        d["swa_layers"] = swa_layers(kv, ARCH, d["n_layer"], SWA_PERIOD)
+        d["swa_layers"] = read_swa_layers(kv, ARCH, d["n_layer"], SWA_PERIOD)
     d["rope_base_swa"] = read_float(kv, a + "rope.freq_base_swa", 10000.0)
     scale_dim = d["width"] / d["n_head"] if d["n_layer"] == N_LAYER_27B else d["head_dim"]
     d["attn_scale"] = 1.0 / math.sqrt(scale_dim)

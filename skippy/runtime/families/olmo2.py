@@ -17,7 +17,7 @@ from skippy.runtime.families.base import (
     qkv_bias_tensors,
     read_decoder,
     read_int,
-    swa_layers,
+    read_swa_layers,
     tensor,
 )
 from skippy.runtime.graph import GraphBuilder, LayerWeights
@@ -39,7 +39,7 @@ def read(kv: Mapping[str, Any]) -> ModelSpec:
     window = f"{ARCH}.attention.sliding_window"
     if kv.get(window):
         d["sliding_window"] = read_int(kv, window, 1, MAX_CONTEXT)
-        d["swa_layers"] = swa_layers(kv, ARCH, d["n_layer"], SWA_PERIOD)
+        d["swa_layers"] = read_swa_layers(kv, ARCH, d["n_layer"], SWA_PERIOD)
         # olmo2.cpp rotates sliding layers with the global base (read_decoder's
         # rope_base_swa; the file's rope.freq_base_swa is unused) and unscaled
     return ModelSpec(**d)
