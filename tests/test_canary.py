@@ -107,3 +107,34 @@ def test_models_md_is_generated_from_this_runs_results(rows: Rows, tmp_path: Pat
     assert models_doc.render(matrix.read_results(results)) == page
     for family in FAMILIES:
         assert f"| {family} | `{synth.family(family).arch_name}` |" in page
+
+
+def test_the_page_shows_a_failed_check_and_a_registered_family_without_results() -> None:
+    """A record that failed renders as FAILED in its family's row, never as exact; a claimed
+    family absent from the results is listed as missing rather than dropped."""
+    base = matrix.Record(
+        family="llama", arch="llama", moe=False, dtype="F16", check="logits", passed=True,
+        max_diff=0.0, bound=0.0, reason=matrix.EXACT_REASON, cases="x",
+    )  # fmt: skip
+    bad = matrix.Record(**{**base.__dict__, "dtype": "Q8_0", "passed": False, "max_diff": 0.5})
+    page = models_doc.render([base, bad])
+    row = next(line for line in page.splitlines() if line.startswith("| llama |"))
+    assert "logits (F16/Q8_0): FAILED" in row and "exact" not in row
+    for family in FAMILIES:
+        if family != "llama":
+            assert f"| {family} | " in page and "missing from these results" in page
+
+
+def test_the_generator_refuses_unreadable_results_with_usage_status(tmp_path: Path) -> None:
+    garbage = tmp_path / "results.jsonl"
+    garbage.write_text('{"family": "llama"}\n')
+    for path in (tmp_path / "absent.jsonl", garbage):
+        done = subprocess.run(
+            [sys.executable, "-m", "skippy.runtime.canary.models_doc", str(path)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert done.returncode == 2 and done.stdout == ""
+        assert "cannot read canary results" in done.stderr and "Traceback" not in done.stderr

@@ -27,7 +27,7 @@ import openai
 from skippy.runtime.canary import check, synth
 from skippy.runtime.tokenizer import LlamaTokenizer
 
-pytestmark = [pytest.mark.llama, pytest.mark.slow]
+pytestmark = pytest.mark.llama
 
 N_TOKENS = 16
 PROMPT = synth.long_prompt(40)

@@ -57,10 +57,12 @@ def _verified(records: Sequence[Record]) -> str:
     for name, rs in checks.items():
         worst = max(r.max_diff for r in rs)
         on = "/".join(sorted({r.dtype for r in rs}, key=synth.DTYPES.index))
-        if all(r.bound == float("inf") for r in rs):
+        if not all(r.passed for r in rs):
+            parts.append(f"{name} ({on}): FAILED (max {_num(worst)})")
+        elif all(r.bound == float("inf") for r in rs):
             parts.append(f"{name} ({on}): measured {_num(worst)}, not claimed")
-        elif all(r.bound == 0 for r in rs):
-            parts.append(f"{name} ({on}): exact" if worst == 0 else f"{name} ({on}): FAILED")
+        elif worst == 0:
+            parts.append(f"{name} ({on}): exact")
         else:
             bound = min(r.bound for r in rs)
             parts.append(f"{name} ({on}): max {_num(worst)} (bound {_num(bound)})")
