@@ -8,13 +8,16 @@ state is shared between runs; the model stays loaded for the oracle's lifetime.
 
 ``n_batch`` splits the prompt into ``llama_decode`` calls of that many tokens (the logical
 and the physical batch both); ``prefill=k`` instead decodes the first ``k`` tokens as one
-batch, keeps only its last row, then decodes one token per call, as a generation does.
+batch, keeps only its last row, then decodes the rest in calls of ``steps``' sizes in turn
+(``(1,)``: one token per call, as a generation does; more: as speculative verify windows do).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
-from collections.abc import Sequence
+import itertools
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -137,6 +140,7 @@ class LlamaOracle:
         n_batch: int,
         n_ctx: int | None = None,
         prefill: int | None = None,
+        steps: Sequence[int] = (1,),
         eval_callback: Any = None,
     ) -> npt.NDArray[np.float32]:
         """(positions, vocab) float32: every position's logits (see the module doc for
@@ -150,21 +154,13 @@ class LlamaOracle:
                 f"(got {len(ids)} ids, first bad {bad[:1]}, n_batch {n_batch})",
                 code="invalid_oracle_prompt",
             )
-        if prefill is not None and not 1 <= prefill <= len(ids):
-            raise UsageError(f"prefill must be 1..{len(ids)}", code="invalid_oracle_prompt")
-        lib, model = self._lib, self._loaded()
-        cparams = lib.llama_context_default_params()
-        cparams.n_ctx = n_ctx or max(512, len(ids))
-        cparams.n_batch = cparams.n_ubatch = n_batch
-        cparams.n_threads = cparams.n_threads_batch = self.n_threads
-        cparams.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_DISABLED  # as llama-cpp-python does
-        if eval_callback is not None:
-            cparams.cb_eval = eval_callback
-        ctx = lib.llama_init_from_model(model, cparams)
-        if not ctx:
-            raise OracleFailed(f"llama.cpp could not create a context for {self.path}")
-        batch = lib.llama_batch_init(max(n_batch, 1), 0, 1)
-        try:
+        if prefill is not None and not (
+            1 <= prefill <= len(ids) and steps and all(1 <= w <= n_batch for w in steps)
+        ):
+            raise UsageError(
+                f"prefill must be 1..{len(ids)} and steps 1..n_batch", code="invalid_oracle_prompt"
+            )
+        with self._context(len(ids), n_batch, n_ctx, eval_callback) as (ctx, batch):
             if prefill is None:
                 return np.stack(
                     [
@@ -178,9 +174,55 @@ class LlamaOracle:
             if prefill > n_batch:
                 raise UsageError("prefill must fit in n_batch", code="invalid_oracle_prompt")
             rows = self._decode(ctx, batch, ids, 0, prefill, all_rows=False)
-            for i in range(prefill, len(ids)):
-                rows += self._decode(ctx, batch, ids, i, i + 1, all_rows=True)
+            i, sizes = prefill, itertools.cycle(steps)
+            while i < len(ids):
+                hi = min(i + next(sizes), len(ids))
+                rows += self._decode(ctx, batch, ids, i, hi, all_rows=True)
+                i = hi
             return np.stack(rows)
+
+    def greedy(self, token_ids: Sequence[int], n_new: int, *, n_batch: int) -> list[int]:
+        """llama.cpp's greedy continuation: the prompt decoded in batches of ``n_batch``, then
+        ``n_new`` tokens, each the first maximum of the previous position's logits, decoded
+        one per call (end-of-generation tokens are not special: token ids only)."""
+        ids = [int(t) for t in token_ids]
+        if not ids or n_new < 1 or n_batch < 1 or not all(0 <= t < self.n_vocab for t in ids):
+            raise UsageError(
+                f"need 1+ token ids inside 0..{self.n_vocab - 1}, n_new >= 1 and n_batch >= 1",
+                code="invalid_oracle_prompt",
+            )
+        out: list[int] = []
+        with self._context(len(ids) + n_new, n_batch, None, None) as (ctx, batch):
+            row: npt.NDArray[np.float32] | None = None
+            for lo in range(0, len(ids), n_batch):
+                hi = min(lo + n_batch, len(ids))
+                row = self._decode(ctx, batch, ids, lo, hi, all_rows=False)[-1]
+            while row is not None and len(out) < n_new:
+                out.append(int(np.argmax(row)))
+                if len(out) < n_new:
+                    seq = ids + out
+                    row = self._decode(ctx, batch, seq, len(seq) - 1, len(seq), all_rows=True)[0]
+        return out
+
+    @contextlib.contextmanager
+    def _context(
+        self, n_tokens: int, n_batch: int, n_ctx: int | None, eval_callback: Any
+    ) -> Iterator[tuple[Any, Any]]:
+        """A fresh llama.cpp context and a batch of ``n_batch`` slots, freed afterwards."""
+        lib, model = self._lib, self._loaded()
+        cparams = lib.llama_context_default_params()
+        cparams.n_ctx = n_ctx or max(512, n_tokens)
+        cparams.n_batch = cparams.n_ubatch = n_batch
+        cparams.n_threads = cparams.n_threads_batch = self.n_threads
+        cparams.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_DISABLED  # as llama-cpp-python does
+        if eval_callback is not None:
+            cparams.cb_eval = eval_callback
+        ctx = lib.llama_init_from_model(model, cparams)
+        if not ctx:
+            raise OracleFailed(f"llama.cpp could not create a context for {self.path}")
+        batch = lib.llama_batch_init(max(n_batch, 1), 0, 1)
+        try:
+            yield ctx, batch
         finally:
             lib.llama_batch_free(batch)
             lib.llama_free(ctx)
@@ -222,10 +264,11 @@ def llama_logits(
     repack: bool = False,
     n_ctx: int | None = None,
     prefill: int | None = None,
+    steps: Sequence[int] = (1,),
 ) -> npt.NDArray[np.float32]:
     """llama.cpp's logits at every position of ``token_ids`` (one load, one context)."""
     with LlamaOracle(path, n_threads=n_threads, repack=repack) as oracle:
-        return oracle.logits(token_ids, n_batch=n_batch, n_ctx=n_ctx, prefill=prefill)
+        return oracle.logits(token_ids, n_batch=n_batch, n_ctx=n_ctx, prefill=prefill, steps=steps)
 
 
 __all__ = ["LlamaOracle", "OracleFailed", "llama_logits"]
