@@ -101,8 +101,9 @@ def render(records: Sequence[Record]) -> str:
         "",
         "## Not supported yet",
         "",
-        "llama.cpp runs these (`skippy run --engine llama`, the whole model in one process), "
-        "the stage runtime does not yet: no split across stages or nodes.",
+        "llama.cpp runs these, the stage runtime does not yet: `mesh-node serve` serves such a "
+        "model whole on one node through llama.cpp (`skippy-model-package run --engine llama` "
+        "runs it too), with no split across stages or nodes.",
         "",
         "| family | llama.cpp arch | example models | why |",
         "| --- | --- | --- | --- |",
