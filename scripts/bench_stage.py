@@ -90,7 +90,7 @@ def rows(ctx: BenchContext) -> list[Row]:
     ]:
         g1, g3, ll = speed["ggml1"][key], speed["ggml3"][key], speed["llama"][key]
         r1, med1 = _ratio(g1, ll)
-        r3, med3 = _ratio(g1, g3)  # chain / single: time single / time chain
+        r3, med3 = _ratio(g3, g1)  # chain / single speed: time single / time chain
         target = 0.9 if key == "decode" else 0.7
         out.append((m, f"{label}: llama.cpp, 2 threads", _rate(ll, n), ""))
         out.append(
