@@ -26,7 +26,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from benchlib import ROOT, BenchContext, Row, spread  # type: ignore[import-not-found]
+from benchlib import (  # type: ignore[import-not-found]
+    ROOT,
+    BenchContext,
+    Row,
+    cpu_ticks,
+    others_cores,
+    spread,
+)
 
 THREADS = 2
 N_CTX = 1024
@@ -228,22 +235,6 @@ class _Llama:
         self.lib.llama_model_free(self.model)
 
 
-def _cpu_ticks() -> tuple[int, int, float]:
-    """(the machine's busy CPU ticks, this process's own, the monotonic time)."""
-    with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:]]
-    busy = sum(fields) - fields[3] - fields[4]  # all but idle and iowait
-    with open("/proc/self/stat") as f:
-        own = f.read().rsplit(")", 1)[1].split()
-    return busy, int(own[11]) + int(own[12]), time.monotonic()  # utime + stime, all threads
-
-
-def _others_cores(a: tuple[int, int, float], b: tuple[int, int, float]) -> float:
-    """Cores' worth of CPU the machine's other processes used between two readings."""
-    hz = os.sysconf("SC_CLK_TCK")
-    return max(0.0, ((b[0] - a[0]) - (b[1] - a[1])) / hz / max(b[2] - a[2], 1e-9))
-
-
 def child_speed(pkg: str, gguf: str, runs: str) -> dict[str, Any]:
     from skippy.gguf.ggml import configure_openmp
 
@@ -321,10 +312,10 @@ def child_speed(pkg: str, gguf: str, runs: str) -> dict[str, Any]:
         # shared machine), and the order turns each round so no engine always goes first.
         order = ENGINES[r % len(ENGINES) :] + ENGINES[: r % len(ENGINES)]
         for key in keys:
-            before = _cpu_ticks()
+            before = cpu_ticks()
             for name in order:
                 result[name].setdefault(key, []).append(measure(name, key))
-            others.setdefault(key, []).append(_others_cores(before, _cpu_ticks()))
+            others.setdefault(key, []).append(others_cores(before, cpu_ticks()))
     loadavg.append(os.getloadavg()[0])
     for ch in chains.values():
         ch.close()
