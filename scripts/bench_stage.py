@@ -20,12 +20,14 @@ threads and ggml's OpenMP threads fight in one process).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -434,9 +436,9 @@ def child_speed(pkg: str, gguf: str, runs: str) -> dict[str, Any]:
         ch.free("b")
         return seconds
 
-    decoders = {
-        "fresh": lambda: decode_run(fresh_chain, False),
-        **{name: (lambda ch=ch: decode_run(ch, True)) for name, ch in chains.items()},
+    decoders: dict[str, Callable[[], float]] = {
+        "fresh": functools.partial(decode_run, fresh_chain, False),
+        **{name: functools.partial(decode_run, ch, True) for name, ch in chains.items()},
         "llama": llama_decode,
     }
     for r in range(int(runs)):
