@@ -28,6 +28,7 @@ SECTIONS: dict[str, str] = {
     "mesh": "bench_mesh",
     "quantize": "bench_quantize",
     "stage": "bench_stage",
+    "moe": "bench_moe",  # a mid-sized synthetic MoE's stage vs llama.cpp, and its 3-stage chain
     "transfer-mesh": "bench_transfer_mesh",
     "link": "bench_link",  # issue #25: mesh stream and verified transfer vs raw, each way
     "hop": "bench_hop",  # issues #21/#25: one 2.5 KiB decode frame's one-way latency vs raw

@@ -97,6 +97,24 @@ def child_peak_rss_mib(argv: list[str]) -> float:
     return peak_kib / 1024
 
 
+def cpu_ticks() -> tuple[int, int, float]:
+    """(the machine's busy CPU ticks, this process's own, the monotonic time)."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:9]]  # user .. steal (guest is in user)
+    busy = sum(fields) - fields[3] - fields[4]  # all but idle and iowait
+    with open("/proc/self/stat") as f:
+        own = f.read().rsplit(")", 1)[1].split()
+    return busy, int(own[11]) + int(own[12]), time.monotonic()  # utime + stime, all threads
+
+
+def others_cores(a: tuple[int, int, float], b: tuple[int, int, float]) -> float:
+    """Cores' worth of CPU the machine's other processes used between two ``cpu_ticks``
+    readings: with 2 OpenMP threads on 2 cores, a neighbour that takes a core stalls every
+    barrier of a graph, so a run is only comparable with runs as quiet as it."""
+    hz = os.sysconf("SC_CLK_TCK")
+    return max(0.0, ((b[0] - a[0]) - (b[1] - a[1])) / hz / max(b[2] - a[2], 1e-9))
+
+
 def render(rows: list[Row]) -> str:
     lines = ["| model | measurement | value | ratio / note |", "|---|---|---|---|"]
     lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
@@ -132,16 +150,18 @@ def gemma_package(ctx: BenchContext) -> Path:
     pkg_dir = ctx.work / "pkg-gemma3"
     if not (pkg_dir / MANIFEST_NAME).exists():
         prov = local_provenance(
-            model_id="bench/model-GGUF:Q", source_repo=None, source_revision="r",
+            model_id="bench/model-GGUF:Q",
+            source_repo=None,
+            source_revision="r",
             source_file=ctx.gemma.name,
         )
         write_package(ctx.gemma, WriteOptions(out_dir=pkg_dir, provenance=prov, overwrite=True))
     return pkg_dir
 
 
-def random_file(ctx: BenchContext, nbytes: int, name: str = "transfer-synthetic.bin") -> tuple[
-    Path, str
-]:
+def random_file(
+    ctx: BenchContext, nbytes: int, name: str = "transfer-synthetic.bin"
+) -> tuple[Path, str]:
     """``nbytes`` of random bytes (whole 64 MiB blocks; kept between runs) and their SHA-256."""
     path = ctx.work / name
     block = 64 << 20
