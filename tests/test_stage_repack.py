@@ -59,3 +59,14 @@ def test_serving_repack_key() -> None:
     with pytest.raises(UsageError) as e:
         serving_settings({"repack": "on"})
     assert "serving.repack" in str(e.value)
+
+
+def test_repacking_logs_no_line_per_tensor(root: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """ggml logs every repacked tensor at debug level on stderr; a stage's load keeps
+    stderr free of those lines."""
+    spec = synth.family("llama")
+    _, pkg = check.package_model(spec, "Q4_K", root)
+    capfd.readouterr()
+    with check.open_chain(pkg, check.Case((f"0..{spec.dims().n_layers}",), 128), repack=True):
+        pass
+    assert "repack" not in capfd.readouterr().err

@@ -29,11 +29,12 @@ ggml-cpu, then ggml). Pointers are plain ``int`` addresses (``c_void_p``); a NUL
 # mypy: disable-error-code="empty-body"
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib.util
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from ctypes import (
     c_bool,
     c_char,
@@ -67,6 +68,7 @@ GGML_ROPE_TYPE_NORMAL: Final = 0
 GGML_ROPE_TYPE_NEOX: Final = 2
 GGML_STATUS_SUCCESS: Final = 0
 GGML_BACKEND_BUFFER_USAGE_WEIGHTS: Final = 1
+GGML_LOG_LEVEL_DEBUG: Final = 1
 GGML_LOG_LEVEL_CONT: Final = 5
 # The CPU backend's tensor alignment (ggml-backend TENSOR_ALIGNMENT): a buffer made from a
 # pointer, and every tensor placed in it, must be aligned to this or ggml aborts.
@@ -257,6 +259,8 @@ class Ggml:
     def ggml_type_name(self, type: int) -> bytes: ...
     @_c(None, _ptr, _ptr)
     def ggml_log_set(self, callback: Any, user_data: int | None) -> None: ...
+    @_c(None, ctypes.POINTER(c_void_p), ctypes.POINTER(c_void_p))
+    def ggml_log_get(self, callback: Any, user_data: Any) -> None: ...
 
     # ==== contexts and tensors (ggml.h)
     @_c(_ptr, GgmlInitParams)
@@ -659,6 +663,35 @@ def cpu_extra_buffer_types(g: Ggml) -> tuple[int, list[int]]:
             break
         out.append(int(array[i]))
     return dev, out
+
+
+# ggml.h: ``typedef void (*ggml_log_callback)(enum ggml_log_level level, const char * text,
+# void * user_data)``
+LOG_CALLBACK = ctypes.CFUNCTYPE(None, c_int, c_char_p, c_void_p)
+
+
+@contextlib.contextmanager
+def without_debug_log(g: Ggml) -> Iterator[None]:
+    """ggml's debug messages dropped for the duration (weight repacking logs one line per
+    tensor on stderr), everything else passed to the logger in place before."""
+    cb, ud = c_void_p(), c_void_p()
+    g.ggml_log_get(ctypes.byref(cb), ctypes.byref(ud))
+    previous = LOG_CALLBACK(cb.value) if cb.value else None
+    dropping = False
+
+    def log(level: int, text: bytes | None, user_data: int | None) -> None:
+        nonlocal dropping
+        if level != GGML_LOG_LEVEL_CONT:
+            dropping = level == GGML_LOG_LEVEL_DEBUG
+        if not dropping and previous is not None:
+            previous(level, text, user_data)
+
+    hook = LOG_CALLBACK(log)
+    g.ggml_log_set(hook, ud.value)
+    try:
+        yield
+    finally:
+        g.ggml_log_set(previous, ud.value)
 
 
 def _checked(ptr: int | None) -> int:

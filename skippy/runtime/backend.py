@@ -171,6 +171,17 @@ class CpuBackend:
                     break
         finally:
             g.ggml_free(pctx)
+        with ggml.without_debug_log(g):
+            return self._upload(w, tensors, chosen)
+
+    def _upload(
+        self,
+        w: StageWeights,
+        tensors: dict[str, int],
+        chosen: dict[int, list[tuple[str, WeightRef]]],
+    ) -> dict[str, int]:
+        """One buffer per extra buffer type, each chosen weight placed and repacked in it."""
+        g = self.g
         placed: dict[str, int] = {}
         for buft, refs in chosen.items():
             align = max(g.ggml_backend_buft_get_alignment(buft), 1)
