@@ -6,8 +6,9 @@ package), 2 threads, all in one child process, alternating round by round so mac
 hits every engine alike: decode (greedy, 32 tokens) and a 512-token prefill of the ggml
 engine as one whole-range stage, of a 3-stage chain in the same process, and of llama.cpp
 through its C API with weight repacking off (the same kernels on the same bytes) and with its
-default repacking (what users get). The load average is read around every round and reported
-beside the figures: the machine may be shared.
+default repacking (what users get), and the ggml whole-range stage with repacking too
+(``StageConfig(repack=True)``: bit-identical to llama.cpp's default). The load average is
+read around every round and reported beside the figures: the machine may be shared.
 
 Every measurement runs in a child with ``OPENBLAS_NUM_THREADS=1`` (runtime-facts.md: numpy's
 BLAS threads and ggml's OpenMP threads fight in one process).
@@ -45,7 +46,7 @@ SPLIT = ("0..3", "3..6", "6..8")
 N_EXPERT, N_EXPERT_USED = 32, 4
 # width 1024 = 16 heads of 64 over 4 KV heads; experts of 512 (a multiple of Q4_K's 256)
 DIMS = {"embd": 1024, "n_head": 16, "n_head_kv": 4, "head_dim": 64, "ff_exp": 512}
-ENGINES = ("ggml1", "ggml3", "llama_norepack", "llama_repack")
+ENGINES = ("ggml1", "ggml1_repack", "ggml3", "llama_norepack", "llama_repack")
 DECODE_TARGET, PREFILL_TARGET, CHAIN_TARGET = 0.95, 0.9, 0.9
 QUIET_CORES = 0.2  # the other processes' CPU, in cores, under which a round counts as quiet
 
@@ -129,6 +130,17 @@ def rows(ctx: BenchContext) -> list[Row]:
                 f"{r_off} x llama.cpp repacking off; load avg {load}",
             )
         )
+        gr = res["ggml1_repack"][key]
+        r_rep, med_rep = _ratio(gr, on)
+        out.append(
+            (
+                m,
+                f"{label}: ggml stage {WHOLE}, repack = true",
+                _rate(gr, n),
+                f"{r_rep} x llama.cpp default ({_verdict(med_rep, target)}); "
+                f"{_ratio(gr, g1)[0]} x the stage unrepacked; load avg {load}",
+            )
+        )
         r3, med3 = _ratio(g3, g1)  # chain / single speed: time single / time chain
         out.append(
             (
@@ -162,6 +174,8 @@ def _quiet_row(m: str, label: str, res: dict[str, Any], key: str) -> Row:
         f"{label}: rounds with others < {QUIET_CORES} cores busy",
         value,
         f"in them: ggml {_ratio(g1, pick('llama_repack'))[0]} x llama.cpp default, "
+        f"ggml repack = true {_ratio(pick('ggml1_repack'), pick('llama_repack'))[0]} x "
+        "llama.cpp default, "
         f"{_ratio(g1, pick('llama_norepack'))[0]} x repacking off; 3-stage chain "
         f"{_ratio(pick('ggml3'), g1)[0]} x single stage (others busy per round, all rounds: "
         f"{busy} cores)",
@@ -248,8 +262,10 @@ def child_speed(pkg: str, gguf: str, runs: str) -> dict[str, Any]:
     from skippy.runtime.stage import StageConfig
 
     cfg = StageConfig(n_ctx=N_CTX, n_threads=THREADS, n_batch=PREFILL)
+    packed = replace(cfg, repack=True)
     chains = {
         "ggml1": StageChain([GgmlStage(_stage_loads(pkg, (WHOLE,))[0], cfg)], None),
+        "ggml1_repack": StageChain([GgmlStage(_stage_loads(pkg, (WHOLE,))[0], packed)], None),
         "ggml3": StageChain([GgmlStage(load, cfg) for load in _stage_loads(pkg, SPLIT)], None),
     }
     llamas = {

@@ -296,6 +296,7 @@ SERVING_KEYS = frozenset(
         "queue_timeout_s",
         "replicas",  # issue #23 item 1
         "expect_serve",
+        "repack",
     }
 )
 MAX_REPLICAS = 64  # [serving] replicas: independent pipelines of one package (issue #23)
@@ -328,6 +329,10 @@ class ServingSettings:
     # the lab's coordinator): /health says ``loading``, not ``ok``, until a completion would be
     # served. `mesh-node serve` implies it.
     expect_serve: bool = False
+    # Repack quantized weights into the CPU backend's interleaved layout, as llama.cpp's
+    # default does (ggml engine): faster decode, logits equal to llama.cpp's default rather
+    # than its repacking-off run, and the repacked weights cost RAM beside the mapping.
+    repack: bool = False
 
 
 def _refuse_unknown_keys(raw: Mapping[str, Any], table: str, known: frozenset[str]) -> None:
@@ -368,7 +373,7 @@ def serving_settings(raw: object) -> ServingSettings:
             isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_REPLICAS
         ):
             raise _bad(name, f"expected an integer in 1..{MAX_REPLICAS}", value)
-        elif key == "expect_serve":
+        elif key in ("expect_serve", "repack"):
             if not isinstance(value, bool):
                 raise _bad(name, "expected true or false", value)
             values[key] = value

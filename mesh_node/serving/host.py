@@ -231,6 +231,7 @@ class StageHost:
             max_sessions=2 * s.max_sessions,
             # "auto": also fewer threads while other processes keep cores busy (issue #25)
             adaptive_threads=s.threads is None,
+            repack=s.repack,
         )
 
     async def load(

@@ -29,11 +29,12 @@ ggml-cpu, then ggml). Pointers are plain ``int`` addresses (``c_void_p``); a NUL
 # mypy: disable-error-code="empty-body"
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib.util
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from ctypes import (
     c_bool,
     c_char,
@@ -66,6 +67,8 @@ GGML_DEFAULT_GRAPH_SIZE: Final = 2048
 GGML_ROPE_TYPE_NORMAL: Final = 0
 GGML_ROPE_TYPE_NEOX: Final = 2
 GGML_STATUS_SUCCESS: Final = 0
+GGML_BACKEND_BUFFER_USAGE_WEIGHTS: Final = 1
+GGML_LOG_LEVEL_DEBUG: Final = 1
 GGML_LOG_LEVEL_CONT: Final = 5
 # The CPU backend's tensor alignment (ggml-backend TENSOR_ALIGNMENT): a buffer made from a
 # pointer, and every tensor placed in it, must be aligned to this or ggml aborts.
@@ -256,6 +259,8 @@ class Ggml:
     def ggml_type_name(self, type: int) -> bytes: ...
     @_c(None, _ptr, _ptr)
     def ggml_log_set(self, callback: Any, user_data: int | None) -> None: ...
+    @_c(None, ctypes.POINTER(c_void_p), ctypes.POINTER(c_void_p))
+    def ggml_log_get(self, callback: Any, user_data: Any) -> None: ...
 
     # ==== contexts and tensors (ggml.h)
     @_c(_ptr, GgmlInitParams)
@@ -405,6 +410,22 @@ class Ggml:
     def ggml_backend_tensor_set(self, tensor: int, data: int, offset: int, size: int) -> None: ...
     @_c(None, _ptr, _ptr, c_size_t, c_size_t)
     def ggml_backend_tensor_get(self, tensor: int, data: int, offset: int, size: int) -> None: ...
+    @_c(c_size_t, _ptr)
+    def ggml_backend_buft_get_alignment(self, buft: int) -> int: ...
+    @_c(c_size_t, _ptr, _ptr)
+    def ggml_backend_buft_get_alloc_size(self, buft: int, tensor: int) -> int: ...
+    @_c(None, _ptr, c_int)
+    def ggml_backend_buffer_set_usage(self, buffer: int, usage: int) -> None: ...
+
+    # ==== devices and registries (ggml-backend.h, ggml-cpu.h)
+    @_c(_ptr)
+    def ggml_backend_cpu_reg(self) -> int | None: ...
+    @_c(_ptr, _ptr, c_size_t)
+    def ggml_backend_reg_dev_get(self, reg: int, index: int) -> int | None: ...
+    @_c(_ptr, _ptr, c_char_p)
+    def ggml_backend_reg_get_proc_address(self, reg: int, name: bytes) -> int | None: ...
+    @_c(c_bool, _ptr, _ptr)
+    def ggml_backend_dev_supports_op(self, device: int, op: int) -> bool: ...
 
     # ==== graph allocator (ggml-alloc.h)
     @_c(_ptr, _ptr)
@@ -619,6 +640,58 @@ def non_null(ptr: int | None, what: str) -> int:
     if not ptr:
         raise GgmlCallFailed(f"{what} returned NULL (out of memory?)")
     return ptr
+
+
+# ggml-backend.h: ``typedef ggml_backend_buffer_type_t * (*ggml_backend_dev_get_extra_bufts_t)
+# (ggml_backend_dev_t device)``, reached through the registry's proc address of that name.
+_GET_EXTRA_BUFTS = ctypes.CFUNCTYPE(ctypes.POINTER(c_void_p), c_void_p)
+
+
+def cpu_extra_buffer_types(g: Ggml) -> tuple[int, list[int]]:
+    """The CPU device and its extra buffer types (llama.cpp's
+    ``make_cpu_buft_list``: weight repacking's ``CPU_REPACK`` in this build), in the
+    registry's order; an empty list where the registry offers none."""
+    reg = non_null(g.ggml_backend_cpu_reg(), "ggml_backend_cpu_reg")
+    dev = non_null(g.ggml_backend_reg_dev_get(reg, 0), "ggml_backend_reg_dev_get")
+    addr = g.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_dev_get_extra_bufts")
+    if not addr:
+        return dev, []
+    array = _GET_EXTRA_BUFTS(addr)(dev)
+    out: list[int] = []
+    for i in range(64):  # NULL-terminated; a bound against a malformed list
+        if not array or not array[i]:
+            break
+        out.append(int(array[i]))
+    return dev, out
+
+
+# ggml.h: ``typedef void (*ggml_log_callback)(enum ggml_log_level level, const char * text,
+# void * user_data)``
+LOG_CALLBACK = ctypes.CFUNCTYPE(None, c_int, c_char_p, c_void_p)
+
+
+@contextlib.contextmanager
+def without_debug_log(g: Ggml) -> Iterator[None]:
+    """ggml's debug messages dropped for the duration (weight repacking logs one line per
+    tensor on stderr), everything else passed to the logger in place before."""
+    cb, ud = c_void_p(), c_void_p()
+    g.ggml_log_get(ctypes.byref(cb), ctypes.byref(ud))
+    previous = LOG_CALLBACK(cb.value) if cb.value else None
+    dropping = False
+
+    def log(level: int, text: bytes | None, user_data: int | None) -> None:
+        nonlocal dropping
+        if level != GGML_LOG_LEVEL_CONT:
+            dropping = level == GGML_LOG_LEVEL_DEBUG
+        if not dropping and previous is not None:
+            previous(level, text, user_data)
+
+    hook = LOG_CALLBACK(log)
+    g.ggml_log_set(hook, ud.value)
+    try:
+        yield
+    finally:
+        g.ggml_log_set(previous, ud.value)
 
 
 def _checked(ptr: int | None) -> int:

@@ -353,7 +353,11 @@ class GgmlStage(StageBase[_KvCache]):
             self.config.n_threads,
             adaptive=self.config.adaptive_threads,
         )
-        self._tensors = self._backend.place_weights(self._loaded())
+        self._tensors = self._backend.place_weights(
+            self._loaded(),
+            repack=self.config.repack,
+            tied_head=tensor_name(T.OUTPUT) if self.layers.owns_output else None,
+        )
         self._layer_weights = {il: self._layer(il) for il in self.layers}
         self._galloc = _ok(g.ggml_gallocr_new(self._backend.buffer_type()), "gallocr")
         # batched decode graphs by their sessions' caches (in batch order), newest last

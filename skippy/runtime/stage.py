@@ -56,8 +56,18 @@ class StageConfig:
     # n_threads is a cap, lowered while other processes keep cores busy (ggml engine;
     # skippy.runtime.contention)
     adaptive_threads: bool = False
+    # Copy the weights llama.cpp would repack (Q4_0, Q4_K, ...) into the CPU backend's
+    # interleaved layout (ggml engine): faster matmuls and logits bit-identical to llama.cpp's
+    # default, but those weights leave the zero-copy mapping (docs/performance.md). Off: the
+    # same bits as llama.cpp with repacking off.
+    repack: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.repack, bool):
+            raise UsageError(
+                f"repack must be true or false, got {self.repack!r}",
+                code="invalid_runtime_config",
+            )
         for name, hi in (
             ("n_ctx", 1 << 20),
             ("n_threads", 512),

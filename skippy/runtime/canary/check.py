@@ -113,13 +113,16 @@ def stage_loads(pkg: Path, ranges: Sequence[str]) -> list[StageLoad]:
     return loads
 
 
-def open_chain(pkg: Path, case: Case, *, n_ctx: int = N_CTX, n_threads: int = 1) -> StageChain:
-    """The stage runtime's ggml stages over ``case``'s layout, as one chain (close it)."""
+def open_chain(
+    pkg: Path, case: Case, *, n_ctx: int = N_CTX, n_threads: int = 1, repack: bool = False
+) -> StageChain:
+    """The stage runtime's ggml stages over ``case``'s layout, as one chain (close it);
+    ``repack``: weights in the CPU backend's repacked layout, as llama.cpp's default."""
     from skippy.runtime.chain import StageChain, open_stage
     from skippy.runtime.stage import StageConfig
 
     loads = stage_loads(pkg, case.ranges)
-    cfg = StageConfig(n_ctx=n_ctx, n_batch=case.n_batch, n_threads=n_threads)
+    cfg = StageConfig(n_ctx=n_ctx, n_batch=case.n_batch, n_threads=n_threads, repack=repack)
     stages = [
         open_stage("ggml", load, cfg, stage_index=i, stage_count=len(loads))
         for i, load in enumerate(loads)
@@ -128,10 +131,16 @@ def open_chain(pkg: Path, case: Case, *, n_ctx: int = N_CTX, n_threads: int = 1)
 
 
 def stage_logits(
-    pkg: Path, ids: Sequence[int], case: Case, *, n_ctx: int = N_CTX, n_threads: int = 1
+    pkg: Path,
+    ids: Sequence[int],
+    case: Case,
+    *,
+    n_ctx: int = N_CTX,
+    n_threads: int = 1,
+    repack: bool = False,
 ) -> npt.NDArray[np.float32]:
     """The stage runtime's logits at every position of ``ids`` over ``case``'s layout."""
-    with open_chain(pkg, case, n_ctx=n_ctx, n_threads=n_threads) as ch:
+    with open_chain(pkg, case, n_ctx=n_ctx, n_threads=n_threads, repack=repack) as ch:
         return ch.logits(list(ids), all_positions=True)
 
 
@@ -326,11 +335,18 @@ def verify_windows(
 
 
 def oracle(
-    model: Path, ids: Sequence[int], *, n_ctx: int = N_CTX, n_batch: int | None = None
+    model: Path,
+    ids: Sequence[int],
+    *,
+    n_ctx: int = N_CTX,
+    n_batch: int | None = None,
+    repack: bool = False,
 ) -> npt.NDArray[np.float32]:
-    """llama.cpp's logits at every position of ``ids``, repacking off: one batch, or in
-    batches of ``n_batch`` (the stage's chunking, for MoE with K-quant experts)."""
-    return llama_logits(model, ids, n_batch=n_batch or max(len(ids), 1), n_ctx=n_ctx, repack=False)
+    """llama.cpp's logits at every position of ``ids`` (repacking off unless ``repack``:
+    its default): one batch, or in batches of ``n_batch`` (the stage's chunking, for MoE
+    with K-quant experts)."""
+    n = n_batch or max(len(ids), 1)
+    return llama_logits(model, ids, n_batch=n, n_ctx=n_ctx, repack=repack)
 
 
 def oracle_windows(
