@@ -1,4 +1,4 @@
-"""The command table: subcommand -> the module that implements it (issue #14).
+"""The command table: subcommand -> the module that implements it.
 
 Nothing here imports a command module. ``skippy.cli`` builds the argparse tree from this table
 and imports only the module of the command being run (or whose ``--help`` is asked), so
