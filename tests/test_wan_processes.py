@@ -152,12 +152,27 @@ async def test_a_transfer_cut_by_a_partition_resumes_from_its_partial(big_packag
                 break
         assert left, "three cuts each came after the artifact in flight was received"
         done = await worker_stage(lab, topology["topology_id"], ("ready", "failed"))
-        assert transferred(done["transfers"]["stage"]), done["transfers"]["stage"]
+        if not transferred(done["transfers"]["stage"]):
+            # An artifact whose link closed in the partition falls back to the hub, which this
+            # worker cannot reach (offline): the stage fails, its partial stays, and the next
+            # plan resumes it from the peer (seen in ~1 of 5 runs here).
+            fallbacks = {r["fallback"] for r in fetches(done) if r["source"] == "hub"}
+            assert fallbacks == {"link_closed"}, rows_of(done)
+            topology = await propose(lab)
+            done = await worker_stage(lab, topology["topology_id"], ("ready", "failed"))
+        assert transferred(done["transfers"]["stage"]), rows_of(done)
         resumed = [r for r in fetches(done) if r["source"] == "peer" and r["resumed_from"] > 0]
         rows = [(r["path"], r["source"], r["resumed_from"], r["error"]) for r in fetches(done)]
         assert resumed, rows
         stage = next(s for s in topology["stages"] if s["node_id"] == worker.node_id)
         assert lab.check_cache(worker, stage).exact
+
+
+def rows_of(status: dict[str, Any]) -> list[tuple[Any, ...]]:
+    return [
+        (r["path"], r["source"], r["resumed_from"], r["error"], r["fallback"])
+        for r in fetches(status)
+    ]
 
 
 def _t(lab: Lab, kind: str) -> float:
