@@ -135,3 +135,48 @@ def numpy_reference_agrees(family: str, root: Path, *, n: int = 64) -> tuple[flo
     ref = check.oracle(model, ids)
     agree = float((whole.argmax(axis=1) == ref.argmax(axis=1)).mean())
     return agree, check.max_difference(whole, ref)
+
+
+def llama_decode_reference(model: Path, ids: Sequence[int], n_ctx: int) -> np.ndarray:
+    """llama.cpp decoding ``ids`` one token at a time after a one-token prefill (repacking
+    off): one row of logits per position."""
+    return oracle_logits(model, ids, n_batch=len(ids), n_ctx=n_ctx, repack=False, prefill=1)
+
+
+def decode_rows(
+    pkg: Path, ranges: Sequence[str], ids: Sequence[int], config: StageConfig
+) -> np.ndarray:
+    """The stage runtime's logits for ``ids`` decoded one token at a time (the reused decode
+    graph) after a one-token prefill, over ``ranges``."""
+    rows = []
+    with chain("ggml", pkg, ranges, config) as ch:
+        first = ch.prefill("s", list(ids[:1])).logits
+        assert first is not None
+        rows.append(first[-1])
+        for pos in range(1, len(ids)):
+            step = ch.decode("s", pos, ids[pos]).logits
+            assert step is not None
+            rows.append(step[-1])
+    return np.stack(rows)
+
+
+def batched_decode_rows(
+    pkg: Path, layers: str, prompts: Sequence[Sequence[int]], config: StageConfig
+) -> list[np.ndarray]:
+    """Each prompt's logits when every session's step runs in one batched graph per
+    position (one whole-range stage ``layers``), after one-token prefills."""
+    from skippy.runtime.stage import DecodeStep
+
+    rows: list[list[np.ndarray]] = [[] for _ in prompts]
+    with chain("ggml", pkg, [layers], config) as ch:
+        stage = ch.stages[0]
+        for i, p in enumerate(prompts):
+            first = stage.prefill(f"s{i}", 0, np.asarray(p[:1])).logits
+            assert first is not None
+            rows[i].append(first[-1])
+        for pos in range(1, len(prompts[0])):
+            steps = [DecodeStep(f"s{i}", pos, np.asarray([p[pos]])) for i, p in enumerate(prompts)]
+            for i, out in enumerate(stage.decode_batch(steps)):
+                assert out.logits is not None
+                rows[i].append(out.logits[-1])
+    return [np.stack(r) for r in rows]

@@ -13,7 +13,6 @@ import pytest
 from skippy.errors import ModelError
 from skippy.runtime.canary import synth
 from skippy.runtime.canary.check import package_model
-from skippy.runtime.canary.oracle import llama_logits
 from skippy.runtime.families import spec_from_metadata
 from skippy.runtime.stage import StageConfig
 
@@ -31,21 +30,12 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 def test_decode_steps_equal_llama_cpp_decoding_one_token_at_a_time(
     model: tuple[Path, Path],
 ) -> None:
-    from stagetools import chain
+    from stagetools import decode_rows, llama_decode_reference
 
     gguf, pkg = model
     ids = synth.long_prompt(N, vocab=SPEC.dims().vocab)
-    ref = llama_logits(gguf, ids, n_batch=N, n_ctx=512, repack=False, prefill=1)
-    rows = []
-    with chain("ggml", pkg, ["0..2", "2..4"], StageConfig(n_ctx=512, n_threads=1)) as ch:
-        out = ch.prefill("s", ids[:1])
-        assert out.logits is not None
-        rows.append(out.logits[-1])
-        for pos in range(1, N):
-            out = ch.decode("s", pos, ids[pos])
-            assert out.logits is not None
-            rows.append(out.logits[-1])
-    got = np.stack(rows)
+    ref = llama_decode_reference(gguf, ids, 512)
+    got = decode_rows(pkg, ["0..2", "2..4"], ids, StageConfig(n_ctx=512, n_threads=1))
     assert got.shape == ref.shape
     assert np.array_equal(got, ref)
 
