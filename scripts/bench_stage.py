@@ -155,6 +155,7 @@ def rows(ctx: BenchContext) -> list[Row]:
         )
     )
     out += _contention_rows(_child("contend", str(pkg), str(ctx.gemma), str(ctx.runs)))
+    out.append(_cli_row(_child("cli", str(pkg), str(ctx.runs))))
     guard = _child("guard", str(pkg), str(ctx.runs))
     for name, value in guard.items():
         out.append(("prompt guard", name, value, ""))
@@ -227,6 +228,21 @@ def _contention_rows(res: dict[str, Any]) -> list[Row]:
                 )
             out.append((m, f"contention, {label}: {setup}, quiet", _rate(quiet, n), note))
     return out
+
+
+def _cli_row(res: dict[str, Any]) -> Row:
+    """`skippy-model-package run --engine ggml` with its default threads, as a user runs it:
+    its own decode rate quiet and beside one busy neighbour, run by run."""
+    quiet, busy = res["quiet"], res["busy"]
+    keep = [b / q for q, b in zip(quiet, busy, strict=True)]
+    ok = statistics.median(keep) >= 0.6
+    return (
+        "gemma3",
+        "contention, decode: CLI run --engine ggml (default threads), quiet",
+        spread(quiet, fmt="{:.1f}") + " tok/s",
+        f"busy neighbour: {spread(busy, fmt='{:.1f}')} tok/s = {spread(keep, fmt='{:.2f}')} x "
+        f"quiet (target >= 0.6; {'met' if ok else 'NOT met'})",
+    )
 
 
 # --- the children --------------------------------------------------------------------------------
@@ -578,9 +594,31 @@ def child_guard(pkg: str, runs: str) -> dict[str, str]:
     return out
 
 
+def child_cli(pkg: str, runs: str) -> dict[str, list[float]]:
+    """The CLI's decode tok/s (its own --json figure), each run quiet then beside one busy
+    neighbour pinned to core 0 (started and stopped by PID here)."""
+    argv = [sys.executable, "-m", "skippy.cli", "run", pkg, "--engine", "ggml"]
+    argv += ["--prompt", PROMPT, "--max-tokens", str(DECODE_TOKENS), "--json"]
+    res: dict[str, list[float]] = {"quiet": [], "busy": []}
+    for _ in range(int(runs)):
+        for condition in ("quiet", "busy"):
+            neighbour = _busy_neighbour(0) if condition == "busy" else None
+            try:
+                time.sleep(1.0)
+                proc = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=ROOT)
+                if proc.returncode != 0:
+                    raise SystemExit(f"run failed: {proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+                res[condition].append(float(json.loads(proc.stdout)["decode_tokens_per_s"]))
+            finally:
+                if neighbour is not None:
+                    neighbour.kill()
+                    neighbour.wait()
+    return res
+
+
 def main(argv: list[str]) -> int:
     if len(argv) < 2 or argv[0] != "child":
-        print("usage: bench_stage.py child {speed|rss|guard|contend} ARGS (via scripts/bench)")
+        print("usage: bench_stage.py child {speed|rss|guard|contend|cli} ARGS (via scripts/bench)")
         return 2
     kind, args = argv[1], argv[2:]
     children = {
@@ -588,6 +626,7 @@ def main(argv: list[str]) -> int:
         "rss": child_rss,
         "guard": child_guard,
         "contend": child_contend,
+        "cli": child_cli,
     }
     print(json.dumps(children[kind](*args)))
     return 0

@@ -119,7 +119,7 @@ def test_the_run_state_round_trips_and_a_bad_file_is_ignored(tmp_path: Path) -> 
 def test_auto_threads_divide_the_cores_among_co_located_stages(
     configured: int | None, cores: int, co_located: int, want: int
 ) -> None:
-    from mesh_node.serving.host import stage_threads
+    from skippy.runtime.contention import stage_threads
 
     assert stage_threads(configured, cores, co_located) == want
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -49,6 +48,7 @@ from skippy.errors import SkippyError
 from skippy.package.topology import SplitTopology, StageAssignment
 from skippy.runtime.boundary import StageLoad
 from skippy.runtime.compute_thread import compute_thread
+from skippy.runtime.contention import machine_cores, stage_threads
 from skippy.runtime.sampling import Sampler
 from skippy.runtime.speculation import accept_draft
 from skippy.runtime.stage import DecodeStep, Stage, StageConfig, StageOutput, context_full
@@ -225,7 +225,7 @@ class StageHost:
         sharing = self.co_located(topology) if topology is not None else 1
         return StageConfig(
             n_ctx=s.n_ctx,
-            n_threads=stage_threads(s.threads, _cores(), sharing),
+            n_threads=stage_threads(s.threads, machine_cores(), sharing),
             n_batch=max(s.prefill_chunk, 1),
             # A failover can leave sessions of the old route draining while new ones start.
             max_sessions=2 * s.max_sessions,
@@ -863,23 +863,6 @@ def accept_window(
         return sampler_at(sampling, start + i, [*before, *window[:i]]).sample(row)
 
     return accept_draft(logits, window[1:], sample)
-
-
-def stage_threads(configured: int | None, cores: int, co_located: int) -> int:
-    """A stage's CPU threads: ``configured`` when set, else ("auto") this machine's cores
-    divided among the ``co_located`` stages running on it, at least 1. ggml's OpenMP threads
-    spin at barriers, so stages that add up to more threads than cores stall each other
-    (docs/runtime-facts.md, "OpenMP, threads and contention")."""
-    if configured is not None:
-        return configured
-    return max(1, cores // max(1, co_located))
-
-
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 def _vm_kib(field: str) -> int | None:

@@ -48,7 +48,6 @@ DEFAULT_MAX_TOKENS = 32
 
 ENGINES = ("ggml", "numpy", "llama")
 DEFAULT_N_CTX = 512
-DEFAULT_THREADS = 2
 
 
 def register(sub: Any) -> None:
@@ -95,9 +94,10 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--threads",
         type=int,
-        default=DEFAULT_THREADS,
+        default=None,
         metavar="N",
-        help=f"CPU threads per stage (default {DEFAULT_THREADS})",
+        help="CPU threads per stage, pinned (default: auto, this machine's cores, fewer while "
+        "other processes keep cores busy, as serving does)",
     )
     p.add_argument(
         "--temperature",
@@ -208,6 +208,11 @@ def _check_args(args: argparse.Namespace, engine: str, sampling: SamplingParams)
         raise UsageError("--max-tokens must be at least 1", code="invalid_max_tokens")
     if args.stages < 1:
         raise UsageError("--stages must be at least 1", code="invalid_stage_count")
+    if args.threads is not None and args.threads < 1:
+        raise UsageError(
+            f"--threads must be at least 1 (got {args.threads}); leave it out for auto",
+            code="invalid_threads",
+        )
     if not args.prompt:
         raise UsageError("the prompt is empty", code="empty_prompt")
     prompt_bytes(args.prompt)  # invalid Unicode (undecodable bytes) or too large
@@ -307,7 +312,8 @@ def cmd_run(args: argparse.Namespace) -> CommandResult:
         "engine": engine,
         "stages": stages,
         "n_ctx": args.n_ctx,
-        "threads": args.threads,
+        "threads": runner.threads,
+        "adaptive_threads": runner.adaptive_threads,
         "sampling": sampling.to_dict(),
         "sha256_verified": verify,
         "parts": parts,
@@ -345,8 +351,13 @@ class _Runner:
     stage-runtime stages. Constructing it imports the engine's library (a missing one is
     refused before anything is fetched)."""
 
-    def __init__(self, engine: str, *, n_ctx: int, threads: int) -> None:
+    def __init__(self, engine: str, *, n_ctx: int, threads: int | None) -> None:
+        from skippy.runtime.contention import machine_cores, stage_threads
+
         self.engine = engine
+        # The stages of one process's chain run one after another: each may use every core.
+        self.threads = stage_threads(threads, machine_cores(), 1)
+        self.adaptive_threads = False  # llama.cpp's threads are fixed
         self.load_s: float | None = None
         self.speculative_stats: SpeculativeStats | None = None  # after a speculative generate
         self._llama: LlamaStageRuntime | None = None
@@ -354,12 +365,17 @@ class _Runner:
         if engine == "llama":
             from skippy.runtime.llama_cpp import LlamaRuntimeConfig, LlamaStageRuntime
 
-            self._llama = LlamaStageRuntime(LlamaRuntimeConfig(n_ctx=n_ctx, n_threads=threads))
+            self._llama = LlamaStageRuntime(LlamaRuntimeConfig(n_ctx=n_ctx, n_threads=self.threads))
         else:
             from skippy.runtime.llama_cpp import import_llama
             from skippy.runtime.stage import StageConfig
 
-            self._config = StageConfig(n_ctx=n_ctx, n_threads=threads)
+            # "auto" gives threads back while other processes keep cores busy, as serving does;
+            # a pinned count is taken as asked.
+            self._config = StageConfig(
+                n_ctx=n_ctx, n_threads=self.threads, adaptive_threads=threads is None
+            )
+            self.adaptive_threads = self._config.adaptive_threads
             import_llama()  # the tokenizer is llama.cpp's
             if engine == "ggml":
                 from skippy.gguf import ggml

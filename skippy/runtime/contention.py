@@ -206,3 +206,13 @@ def machine_cores() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
+
+
+def stage_threads(configured: int | None, cores: int, co_located: int) -> int:
+    """A stage's CPU threads: ``configured`` when set, else ("auto") this machine's cores
+    divided among the ``co_located`` stages running on it, at least 1. ggml's OpenMP threads
+    spin at barriers, so stages that add up to more threads than cores stall each other
+    (docs/runtime-facts.md, "OpenMP, threads and contention")."""
+    if configured is not None:
+        return configured
+    return max(1, cores // max(1, co_located))
