@@ -69,7 +69,6 @@ from skippy.package.topology import (
     SplitTopology,
     plan_like,
     plan_topology,
-    replace_node,
 )
 from skippy.stage.descriptor import RuntimeFacts, StageDescriptor, admission_problem
 
@@ -368,25 +367,6 @@ class TopologyService:
         """A healed or replaced topology's prediction, when its nodes are calibrated."""
         capable = self.capable_nodes(True)
         return predict_topology(self.cost_inputs(capable, sizes), sizes, topology)
-
-    async def replace_lost(self, lost: str) -> ActiveTopology:
-        """Move ``lost``'s stage of the active topology to a capable connected peer that holds
-        no stage (``skippy.package.topology.replace_node``); the other stages stay put. Raises
-        ``TopologyRefused`` (``no_capable_peer``) when no peer can take it."""
-        active, r = self.active, self._last_request
-        if active is None or r is None or active.role != "coordinator":
-            raise TopologyRefused("this node coordinates no topology", code="no_topology")
-        try:
-            topology = replace_node(
-                active.topology,
-                lost,
-                [c for c in self.capable_nodes(False) if c.node_id != lost],
-                r.sizes,
-                topology_id=f"topo-{uuid.uuid4().hex[:16]}",
-            )
-        except TopologyError as exc:
-            raise _refused(exc) from None
-        return await self._distribute(topology, r.sizes, self._repredict(topology, r.sizes))
 
     async def heal(self) -> ActiveTopology:
         """The active topology again over the nodes linked now (issue #18 item 2): stages

@@ -156,10 +156,6 @@ class Multiplexer:
             return 0
         return max(0, s.send_credit - s.queued_bytes)
 
-    def is_writable(self, stream_id: int) -> bool:
-        s = self._streams.get(stream_id)
-        return s is not None and s.state is StreamState.OPEN and not s.fin_queued
-
     def has_stream(self, stream_id: int) -> bool:
         return stream_id in self._streams
 

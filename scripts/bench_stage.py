@@ -1,5 +1,4 @@
-"""Stage-runtime rows (issue #9; the prompt guard of issue #11 section 2), called by
-scripts/bench.py.
+"""Stage-runtime rows, called by scripts/bench.py.
 
 On gemma3-270m, 2 threads, side by side in one child process per comparison (interleaved run
 by run, so machine noise hits both): decode and prefill (128 and 512 tokens) tok/s of the
@@ -9,10 +8,9 @@ the same parts. Peak RSS per stage (each in its own child, the rise over the pro
 before loading) vs its artifact bytes + KV cache. The prompt guard's options: the pure
 predicate per prompt vs tokenizing in a child process.
 
-Issue #25: decode with a fresh graph per token and every logit copied to numpy (the engine
-before the change) beside the reused graph with the greedy head; and the contention rows:
-ggml (adaptive, 2, 1 threads) and llama.cpp (2, 1 threads), each decode and a 128-token
-prefill, as the machine is and beside one bounded busy-loop child pinned to core 0.
+The contention rows: ggml (adaptive, 2, 1 threads) and llama.cpp (2, 1 threads), each decode
+and a 128-token prefill, as the machine is and beside one bounded busy-loop child pinned to
+core 0; and the CLI (`run --engine ggml`, its default threads) the same way, its own figure.
 
 Every measurement runs in a child with ``OPENBLAS_NUM_THREADS=1`` (runtime-facts.md: numpy's BLAS
 threads and ggml's OpenMP threads fight in one process).
@@ -119,15 +117,6 @@ def rows(ctx: BenchContext) -> list[Row]:
             )
         )
     out.append(_quiet_decode_row(m, speed))
-    fresh, reused = speed["fresh"]["decode"], speed["ggml1"]["decode"]
-    out.append(
-        (
-            m,
-            "decode: ggml stage 0..18, fresh graph per token + logits to numpy (before #25)",
-            _rate(fresh, DECODE_TOKENS),
-            f"reused graph + head on ggml: {_ratio(reused, fresh)[0]} x this",
-        )
-    )
     lg, ll = speed["load"]["ggml"], speed["load"]["llama"]
     out.append((m, "load: llama.cpp, the same 21 parts", spread(ll) + " s", ""))
     out.append((m, "load: ggml stage 0..18", spread(lg) + " s", f"{_ratio(lg, ll)[0]} x faster"))
@@ -391,11 +380,6 @@ def child_speed(pkg: str, gguf: str, runs: str) -> dict[str, Any]:
         "ggml1": StageChain([GgmlStage(whole_load, cfg)], None),
         "ggml3": StageChain([GgmlStage(load, cfg) for load in _stage_loads(pkg, SPLIT)], None),
     }
-    # Before issue #25 item 2: a fresh graph per decode token and every logit copied out for
-    # numpy's argmax (decode only; the stage maps the same pages).
-    fresh = GgmlStage(whole_load, cfg)
-    fresh.reuse_decode_graph = False
-    fresh_chain = StageChain([fresh], None)
     llm = llama_cpp.Llama(
         model_path=gguf,
         n_ctx=N_CTX,
@@ -407,24 +391,20 @@ def child_speed(pkg: str, gguf: str, runs: str) -> dict[str, Any]:
     rng = np.random.default_rng(0)
     prompts = {p: [int(x) for x in rng.integers(300, 200_000, size=p)] for p in PREFILLS}
     start = [2, 818, 5279, 529, 7001, 563]
-    result: dict[str, Any] = {k: {} for k in (*chains, "llama", "fresh")}
+    result: dict[str, Any] = {k: {} for k in (*chains, "llama")}
     others: dict[str, list[float]] = {}  # per decode run: the other processes' CPU, in cores
     result["others"] = others
 
     def record(engine: str, key: str, seconds: float) -> None:
         result[engine].setdefault(key, []).append(seconds)
 
-    def decode_run(ch: StageChain, greedy_head: bool) -> float:
+    def decode_run(ch: StageChain) -> float:
         ch.free("b")
         out = ch.prefill("b", start)
         tok = int(np.argmax(out.logits[-1]))  # type: ignore[index]
         t = time.perf_counter()
-        for i in range(DECODE_TOKENS):
-            if greedy_head:  # as generation runs: the head's argmax on ggml
-                tok = ch.decode("b", len(start) + i, tok, sampler=Sampler()).token  # type: ignore[assignment]
-            else:
-                out = ch.decode("b", len(start) + i, tok)
-                tok = int(np.argmax(out.logits[-1]))  # type: ignore[index]
+        for i in range(DECODE_TOKENS):  # as generation runs: the head's argmax on ggml
+            tok = ch.decode("b", len(start) + i, tok, sampler=Sampler()).token  # type: ignore[assignment]
         seconds = time.perf_counter() - t
         ch.free("b")
         return seconds
@@ -453,8 +433,7 @@ def child_speed(pkg: str, gguf: str, runs: str) -> dict[str, Any]:
         return seconds
 
     decoders: dict[str, Callable[[], float]] = {
-        "fresh": functools.partial(decode_run, fresh_chain, False),
-        **{name: functools.partial(decode_run, ch, True) for name, ch in chains.items()},
+        **{name: functools.partial(decode_run, ch) for name, ch in chains.items()},
         "llama": llama_decode,
     }
     for r in range(int(runs)):
@@ -469,7 +448,7 @@ def child_speed(pkg: str, gguf: str, runs: str) -> dict[str, Any]:
         for p, ids in prompts.items():
             for name in names[r % len(names) :] + names[: r % len(names)]:
                 record(name, f"prefill{p}", prefill_run(name, ids))
-    for ch in (*chains.values(), fresh_chain):
+    for ch in chains.values():
         ch.close()
     llm.close()
     # load time: the whole stage vs llama.cpp's load of the same parts (split-set links)

@@ -223,14 +223,6 @@ class FakeHub:
                 repo.tags[tag] = commit
         return commit
 
-    def set_ref(self, repo_id: str, name: str, commit: str, *, tag: bool = False) -> None:
-        """Move a branch (or create a tag) to an existing commit."""
-        with self._lock:
-            repo = self._repos[repo_id]
-            if commit not in repo.commits:
-                raise KeyError(f"{repo_id} has no commit {commit}")
-            (repo.tags if tag else repo.branches)[name] = commit
-
     def commit_of(self, repo_id: str, revision: str = "main") -> str:
         with self._lock:
             rev = self._repos[repo_id].resolve(revision)

@@ -55,9 +55,6 @@ class TensorCatalog:
     def in_artifact(self, artifact_id: str) -> list[CatalogTensor]:
         return [t for t in self.tensors if t.artifact_id == artifact_id]
 
-    def artifacts_holding(self, names: Iterable[str]) -> set[str]:
-        return {self._by_name[n].artifact_id for n in names if n in self._by_name}
-
     def to_dict(self) -> list[dict[str, object]]:
         return [
             {

@@ -336,10 +336,6 @@ class GgmlStage(StageBase[_KvCache]):
 
     engine = "ggml"
     runtime_version = RUNTIME_VERSION
-    # Decode through one graph per session, reused per token (False: a fresh graph per token,
-    # the general path; the bench and the tests compare the two).
-    reuse_decode_graph = True
-
     def _prepare(self) -> None:
         self.g = ggml.load()  # first: a missing or mismatched ggml is refused before any I/O
         self._backend: CpuBackend | None = None
@@ -581,8 +577,6 @@ class GgmlStage(StageBase[_KvCache]):
     def _decode_one(
         self, state: _KvCache, position: int, inputs: npt.NDArray[Any], *, greedy: bool
     ) -> tuple[npt.NDArray[np.float32] | None, int | None]:
-        if not self.reuse_decode_graph:
-            return super()._decode_one(state, position, inputs, greedy=greedy)
         dg = state.decode
         if dg is None:
             dg = state.decode = self._build_decode_graph(state)
@@ -687,7 +681,7 @@ class GgmlStage(StageBase[_KvCache]):
         inputs: list[npt.NDArray[Any]],
         greedy: list[bool],
     ) -> list[tuple[npt.NDArray[np.float32] | None, int | None]]:
-        if not self.reuse_decode_graph or len(states) < 2:
+        if len(states) < 2:
             return super()._decode_many(states, positions, inputs, greedy)
         key = tuple(id(s) for s in states)
         bg = self._batch_graphs.pop(key, None)
@@ -827,16 +821,3 @@ class GgmlStage(StageBase[_KvCache]):
     # --- introspection -----------------------------------------------------------------------
     def kv_bytes_per_session(self) -> int:
         return 2 * 2 * len(self.layers) * self.spec.kv_dim * self._kv_cells
-
-    def compute_buffer_bytes(self) -> int:
-        """The shared graph allocator's buffer plus each session's decode graph's own and
-        each kept batched decode graph's."""
-        if not self._galloc:
-            return 0
-        size = int(self.g.ggml_gallocr_get_buffer_size(self._galloc, 0))
-        for s in self._sessions.values():
-            if s.state.decode is not None:
-                size += int(self.g.ggml_gallocr_get_buffer_size(s.state.decode.galloc, 0))
-        for bg in self._batch_graphs.values():
-            size += int(self.g.ggml_gallocr_get_buffer_size(bg.galloc, 0))
-        return size

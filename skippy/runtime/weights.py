@@ -113,14 +113,6 @@ class StageWeights:
     def layers(self) -> LayerRange:
         return self.stage.layers
 
-    @property
-    def mapped_bytes(self) -> int:
-        return sum(len(m) for m in self._maps if m is not None)
-
-    @property
-    def weight_bytes(self) -> int:
-        return sum(r.nbytes for r in self.tensors.values())
-
     def __contains__(self, name: object) -> bool:
         return name in self.tensors
 
