@@ -4,7 +4,8 @@ Sections live in their own modules (``bench_<name>.py`` with ``rows(ctx) -> list
 ``--only a,b`` runs some of them. Every figure is a ratio measured side by side in one run
 (these machines are noisy), the median of N runs with its spread. Peak RSS is measured in a
 child process. Tests never time anything; this script is where speed is measured.
-``--record`` appends the table to docs/performance.md with the machine and the date.
+``--record`` appends the run (date, machine, sections, rows) to docs/perf/runs.jsonl and
+redraws the charts docs/performance.md shows (``perf_history``); ``--charts`` only redraws them.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import os
 import sys
 from pathlib import Path
 
+import perf_history  # type: ignore[import-not-found]
 from benchlib import ROOT, BenchContext, Row, machine, render  # type: ignore[import-not-found]
 
 # name -> module; order is the order of the table. A section needing the package rows' output
@@ -53,12 +55,23 @@ def main() -> int:
     ap.add_argument("--big-bytes", type=int, default=2 * 1024**3)
     ap.add_argument("--skip-big", action="store_true")
     ap.add_argument("--only", default="", help="comma-separated sections: " + ", ".join(SECTIONS))
-    ap.add_argument("--record", action="store_true", help="append to docs/performance.md")
+    ap.add_argument(
+        "--record",
+        action="store_true",
+        help="append the run to docs/perf/runs.jsonl and redraw the charts",
+    )
+    ap.add_argument(
+        "--charts", action="store_true", help="only redraw docs/perf/*.png from the history"
+    )
     ap.add_argument("--soak-s", type=float, default=1200.0, help="the soak's duration (s)")
     ap.add_argument(
         "--no-warm", action="store_true", help="skip touching free memory once before the sections"
     )
     args = ap.parse_args()
+    if args.charts:
+        for p in perf_history.draw_all():
+            print(p.relative_to(ROOT))
+        return 0
     os.environ["SKIPPY_SOAK_S"] = str(args.soak_s)
     wanted = [s for s in args.only.split(",") if s] or list(SECTIONS)
     unknown = [s for s in wanted if s not in SECTIONS]
@@ -80,10 +93,21 @@ def main() -> int:
     )
     print("\n" + header + "\n" + table)
     if args.record:
-        doc = ROOT / "docs" / "performance.md"
-        with open(doc, "a") as f:
-            f.write("\n" + header + "\n" + table + "\n")
-        print(f"\nrecorded in {doc}")
+        perf_history.append_run(
+            {
+                "date": datetime.date.today().isoformat(),
+                "title": f"{machine()} — {', '.join(wanted)}",
+                "notes": [
+                    f"Median of {args.runs} runs (spread min..max where shown), warm page "
+                    f"cache.{warmed}"
+                ],
+                "rows": [
+                    {"model": a, "measurement": b, "value": c, "note": d} for a, b, c, d in rows
+                ],
+            }
+        )
+        perf_history.draw_all()
+        print(f"\nrecorded in {perf_history.HISTORY}; charts redrawn in {perf_history.CHART_DIR}")
     print(json.dumps({"rows": rows}), file=sys.stderr)
     return 0
 
