@@ -19,6 +19,7 @@ from skippy.paths import require_dir, require_file
 from skippy.progress import human_bytes
 
 if TYPE_CHECKING:
+    from skippy.package.plan import ModelSizes
     from skippy.produce.write_package import Provenance
 
 
@@ -131,7 +132,15 @@ def register(sub: Any) -> None:
 
     p = sub.add_parser("plan")
     p.add_argument("path", type=path_arg, help="a GGUF file or a package directory")
-    p.add_argument("--stages", type=int, required=True, help="number of pipeline stages")
+    how = p.add_mutually_exclusive_group(required=True)
+    how.add_argument("--stages", type=int, help="number of pipeline stages")
+    how.add_argument(
+        "--nodes",
+        type=path_arg,
+        metavar="TOML",
+        help="place the layers on these nodes by the memory each gives ([[node]] id, memory, "
+        "device, device_memory, unified): GPUs hold attention, their RAM the routed experts",
+    )
     p.add_argument(
         "--balance",
         choices=("layers", "bytes"),
@@ -438,6 +447,8 @@ def cmd_plan(args: argparse.Namespace) -> CommandResult:
         sizes, key = sizes_from_package(path, read_manifest(path)), "package"
     else:
         sizes, key = sizes_from_source(require_file(path, "GGUF")), "source"
+    if args.nodes is not None:
+        return _placement(path, key, sizes, args.nodes)
     stages = plan_stages(sizes, args.stages, args.balance)
     data = {
         key: str(path),
@@ -466,6 +477,30 @@ def cmd_plan(args: argparse.Namespace) -> CommandResult:
             f"  {s.index:>5}  {s.layers!s:<13} {len(s.layers):>5}  "
             f"{human_bytes(s.bytes):>10}{read}  {', '.join(['metadata', *held])}"
         )
+    return CommandResult(data=data, text="\n".join(lines))
+
+
+def _placement(path: Path, key: str, sizes: ModelSizes, nodes_file: Path) -> CommandResult:
+    from skippy.config import read_toml
+    from skippy.package.placement import nodes_from_toml, place
+
+    nodes = nodes_from_toml(read_toml(nodes_file, "nodes file"))
+    p = place(sizes, nodes)
+    data = {key: str(path), "layer_count": sizes.layer_count, "nodes": str(nodes_file)}
+    data |= p.to_dict()
+    noun = "stage" if len(p.stages) == 1 else "stages"
+    lines = [
+        f"{len(p.stages)} {noun} over {sizes.layer_count} layers on {len(nodes)} nodes "
+        f"({human_bytes(p.total_bytes)} placed, {human_bytes(p.offered_bytes)} offered)"
+    ]
+    lines.append(f"  {'stage':>5}  {'node':<16} {'layers':<10} {'device':>10} {'RAM':>10}  mode")
+    for s in p.stages:
+        lines.append(
+            f"  {s.index:>5}  {s.node_id[:16]:<16} {s.layers!s:<10} "
+            f"{human_bytes(s.device_bytes):>10} {human_bytes(s.host_bytes):>10}  {s.mode}"
+        )
+        lines.append(f"         {s.why}")
+    lines += [f"  unused: {node_id}: {why}" for node_id, why in p.unused]
     return CommandResult(data=data, text="\n".join(lines))
 
 

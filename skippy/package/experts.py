@@ -355,6 +355,12 @@ def summarize(
     return ExpertSummary(c, layers, total_params, expert_params, total_bytes, expert_bytes)
 
 
+def routed_layer_bytes(layer_count: int, summary: ExpertSummary) -> tuple[int, ...]:
+    """Each layer's routed-expert bytes (0 for a dense layer or one never seen)."""
+    by_layer = {e.layer: e.expert_bytes for e in summary.layers}
+    return tuple(by_layer.get(i, 0) for i in range(layer_count))
+
+
 def active_layer_bytes(layer_bytes: Iterable[int], summary: ExpertSummary) -> tuple[int, ...]:
     """Each layer's bytes (a fragment's, headers included) less what a token does not read."""
     return tuple(b - summary.inactive_bytes(i) for i, b in enumerate(layer_bytes))
@@ -370,5 +376,6 @@ __all__ = [
     "check_metadata",
     "metadata_from",
     "metadata_keys",
+    "routed_layer_bytes",
     "summarize",
 ]

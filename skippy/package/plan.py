@@ -28,17 +28,23 @@ class ModelSizes:
     # Bytes a token reads per layer: less than ``layer_bytes`` where a mixture of experts
     # routes each token to some experts (``skippy.package.experts``); empty: every byte.
     layer_active_bytes: tuple[int, ...] = ()
+    # Routed experts' bytes per layer (``ffn_*_exps``): what a GPU node may keep in RAM;
+    # empty: none (a dense model, or unknown).
+    layer_expert_bytes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        active = self.layer_active_bytes
-        if active and (
-            len(active) != len(self.layer_bytes)
-            or any(not 0 <= a <= b for a, b in zip(active, self.layer_bytes, strict=True))
+        for name, per_layer in (
+            ("active", self.layer_active_bytes),
+            ("routed expert", self.layer_expert_bytes),
         ):
-            raise UsageError(
-                "each layer's active bytes must be within 0..its bytes",
-                code="invalid_model_sizes",
-            )
+            if per_layer and (
+                len(per_layer) != len(self.layer_bytes)
+                or any(not 0 <= a <= b for a, b in zip(per_layer, self.layer_bytes, strict=True))
+            ):
+                raise UsageError(
+                    f"each layer's {name} bytes must be within 0..its bytes",
+                    code="invalid_model_sizes",
+                )
 
     @property
     def layer_count(self) -> int:
@@ -47,6 +53,10 @@ class ModelSizes:
     @property
     def active_bytes(self) -> tuple[int, ...]:
         return self.layer_active_bytes or self.layer_bytes
+
+    @property
+    def expert_bytes(self) -> tuple[int, ...]:
+        return self.layer_expert_bytes or (0,) * len(self.layer_bytes)
 
     @property
     def moe(self) -> bool:

@@ -16,7 +16,7 @@ from skippy.constants import (
 )
 from skippy.errors import ModelError
 from skippy.gguf.writer import fragment_bytes
-from skippy.package.experts import active_layer_bytes
+from skippy.package.experts import active_layer_bytes, routed_layer_bytes
 from skippy.package.manifest import PackageManifest
 from skippy.package.ownership import has_tied_embeddings
 from skippy.package.plan import ModelSizes
@@ -99,6 +99,7 @@ def sizes_from_source(path: Path) -> ModelSizes:
             output_bytes=size[(ROLE_OUTPUT, None)],
             tied_embeddings=has_tied_embeddings(t.info.name for t in src.tensors),
             layer_active_bytes=active_layer_bytes(layers, experts) if experts.moe else (),
+            layer_expert_bytes=routed_layer_bytes(n, experts) if experts.moe else (),
         )
 
 
@@ -111,4 +112,8 @@ def sizes_from_package(
     experts = package_experts(package_dir, m, containment_root=containment_root)
     if experts is None or not experts.moe:
         return sizes
-    return replace(sizes, layer_active_bytes=active_layer_bytes(sizes.layer_bytes, experts))
+    return replace(
+        sizes,
+        layer_active_bytes=active_layer_bytes(sizes.layer_bytes, experts),
+        layer_expert_bytes=routed_layer_bytes(sizes.layer_count, experts),
+    )
