@@ -1,8 +1,8 @@
 # Sourced by scripts/test, scripts/demo and scripts/bench: create or refresh the venv and
 # install the project into it. Nothing is installed system-wide here: the browser of
 # the status page's test is a machine package, and only scripts/test installs it
-# (scripts/_browser.sh). Every other install step lives here (CI runs on a clean checkout and
-# only has what these lines and scripts/_browser.sh install).
+# (scripts/_machine.sh). Every other install step lives here (CI runs on a clean checkout and
+# only has what these lines and scripts/_machine.sh install).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"

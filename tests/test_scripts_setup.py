@@ -1,7 +1,8 @@
 """What the entry scripts install outside the checkout: ``scripts/_setup.sh`` (sourced by
 scripts/demo, scripts/test and scripts/bench) installs nothing system-wide, and only
-scripts/test's ``ensure_test_browser`` (``scripts/_browser.sh``) runs apt-get, for the page's
-browser test: in CI without asking, elsewhere after saying what it would install and asking.
+scripts/test's ``scripts/_machine.sh`` runs apt-get, for the machine packages some tests need
+(the page's browser test's chromium, the NAT lab's nftables): in CI without asking, elsewhere
+after saying what it would install and asking.
 
 The scripts run for real in bash, on a PATH that holds only what they need and stand-ins
 for the machine's ``apt-get``, ``sudo`` and ``id`` that write each call to a log (nothing
@@ -93,7 +94,7 @@ def _ensure_browser(machine: Machine, **env: str) -> subprocess.CompletedProcess
     with machine.log.open("ab") as err:
         return subprocess.run(
             [BASH, "-c", 'set -euo pipefail; source "$1"; ensure_test_browser; echo done', "_",
-             str(REPO / "scripts/_browser.sh")],
+             str(REPO / "scripts/_machine.sh")],
             env=machine.env(**env), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
             stderr=err, text=True, timeout=60,
         )  # fmt: skip
@@ -134,7 +135,7 @@ def test_outside_ci_apt_get_runs_only_when_asked(
 def test_on_a_terminal_it_asks_first(machine: Machine, answer: str, installs: bool):
     parent, child = pty.openpty()
     proc = subprocess.Popen(
-        [BASH, "-c", 'source "$1"; ensure_test_browser', "_", str(REPO / "scripts/_browser.sh")],
+        [BASH, "-c", 'source "$1"; ensure_test_browser', "_", str(REPO / "scripts/_machine.sh")],
         env=machine.env(), stdin=child, stdout=child, stderr=child, close_fds=True,
     )  # fmt: skip
     os.close(child)
@@ -161,6 +162,19 @@ def test_without_root_or_sudo_nothing_is_tried(machine: Machine):
     assert done.returncode == 0
     assert machine.calls("apt-get") == [] and machine.calls("sudo") == ["sudo -n true"]
     assert "no root to install them" in machine.log.read_text()
+
+
+def test_ci_installs_nftables_for_the_nat_lab(machine: Machine):
+    with machine.log.open("ab") as err:
+        done = subprocess.run(
+            [BASH, "-c", 'set -euo pipefail; source "$1"; ensure_nftables; echo done', "_",
+             str(REPO / "scripts/_machine.sh")],
+            env=machine.env(CI="true"), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=err, text=True, timeout=60,
+        )  # fmt: skip
+    assert done.returncode == 0 and done.stdout == "done\n"
+    assert machine.calls("apt-get") == ["apt-get update -qq", "apt-get install -y -qq nftables"]
+    assert "the NAT lab tests: needs Debian's nftables" in machine.log.read_text()
 
 
 def test_a_machine_with_the_browser_is_left_alone(machine: Machine):

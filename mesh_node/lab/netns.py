@@ -1,0 +1,198 @@
+"""Real networks for labs and tests: network namespaces joined by veth pairs, home networks
+behind kernel NAT (an nftables masquerade in a router namespace), a public segment and a LAN.
+
+``NatLab`` builds, in namespaces it names and owns (a per-lab prefix, so two labs and the
+host's own namespaces never meet):
+
+::
+
+    home1 (192.168.1.2) -- router1 [masquerade] 10.99.0.11 --+
+    home2 (192.168.2.2) -- router2 [masquerade] 10.99.0.12 --+-- pub (bridge 10.99.0.0/24)
+                                          relay 10.99.0.2 ---+
+                                          coord 10.99.0.3 ---+
+    lan1 (192.168.50.2) --- lan2 (192.168.50.3)                  (a LAN of its own)
+
+A home host reaches the public segment through its router, which rewrites its source address
+to the router's public one (the kernel's conntrack remembers the mapping, so answers come
+back); nothing on the public segment can open a connection to a home host, and the two homes
+cannot reach each other's private addresses: the situation of two nodes behind two NATs.
+``run(host, argv)`` starts a process inside a host's namespace (``ip netns exec``), and
+``close()`` stops every process it started (by PID) and deletes every namespace it made, so
+nothing outlives the lab; traffic never leaves those namespaces.
+
+Needs root, ``ip`` (iproute2) and ``nft`` (nftables); ``missing()`` says what is absent. The
+plan of commands (``plan``) is pure, so what the lab does can be read and tested without root.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Final
+
+PUBLIC_NET: Final = "10.99.0"
+ROUTER_PUBLIC: Final = {"router1": f"{PUBLIC_NET}.11", "router2": f"{PUBLIC_NET}.12"}
+PUBLIC_HOSTS: Final = {"relay": f"{PUBLIC_NET}.2", "coord": f"{PUBLIC_NET}.3"}
+HOMES: Final = {"home1": ("router1", "192.168.1"), "home2": ("router2", "192.168.2")}
+LAN: Final = ("lan1", "lan2", "192.168.50")
+COMMAND_TIMEOUT_S: Final = 10.0
+STOP_TIMEOUT_S: Final = 5.0
+
+
+def missing() -> list[str]:
+    """What this machine lacks for a NAT lab (empty when it can build one)."""
+    out = []
+    if os.geteuid() != 0:
+        out.append("root (network namespaces and nftables need CAP_NET_ADMIN)")
+    for tool, package in (("ip", "iproute2"), ("nft", "nftables")):
+        if shutil.which(tool) is None:
+            out.append(f"the `{tool}` command (Debian package {package})")
+    return out
+
+
+@dataclass(frozen=True)
+class Host:
+    name: str  # the lab's name for it ("home1")
+    netns: str  # the namespace's real name ("nl1234-home1")
+    address: str  # the address its peers see it listen on
+
+
+def plan(prefix: str) -> list[list[str]]:
+    """Every command that builds the lab with namespaces named ``<prefix>-<host>`` (pure)."""
+    ns = {h: f"{prefix}-{h}" for h in ("pub", *PUBLIC_HOSTS, *ROUTER_PUBLIC, *HOMES, *LAN[:2])}
+    cmds: list[list[str]] = [["ip", "netns", "add", n] for n in ns.values()]
+    cmds += [["ip", "-n", n, "link", "set", "lo", "up"] for n in ns.values()]
+    pub = ns["pub"]
+    cmds += [
+        ["ip", "-n", pub, "link", "add", "br0", "type", "bridge"],
+        ["ip", "-n", pub, "link", "set", "br0", "up"],
+    ]
+
+    def veth(a: str, a_if: str, b: str, b_if: str) -> list[list[str]]:
+        # created inside ``a``'s namespace, the peer end moved into ``b``'s: the host's own
+        # namespace never holds either end
+        return [
+            ["ip", "-n", a, "link", "add", a_if, "type", "veth", "peer", "name", b_if, "netns", b],
+            ["ip", "-n", a, "link", "set", a_if, "up"],
+            ["ip", "-n", b, "link", "set", b_if, "up"],
+        ]
+
+    # the public segment: every public host and router on the bridge
+    for i, (host, addr) in enumerate({**PUBLIC_HOSTS, **ROUTER_PUBLIC}.items()):
+        port = f"p{i}"
+        cmds += veth(pub, port, ns[host], "wan0")
+        cmds += [
+            ["ip", "-n", pub, "link", "set", port, "master", "br0"],
+            ["ip", "-n", ns[host], "addr", "add", f"{addr}/24", "dev", "wan0"],
+        ]
+    # the homes: a host behind its router, which masquerades what leaves by wan0
+    for home, (router, net) in HOMES.items():
+        r, h = ns[router], ns[home]
+        cmds += veth(r, "lan0", h, "eth0")
+        cmds += [
+            ["ip", "-n", r, "addr", "add", f"{net}.1/24", "dev", "lan0"],
+            ["ip", "-n", h, "addr", "add", f"{net}.2/24", "dev", "eth0"],
+            ["ip", "-n", h, "route", "add", "default", "via", f"{net}.1"],
+            ["ip", "netns", "exec", r, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1"],
+            ["ip", "netns", "exec", r, "nft", "add", "table", "ip", "nat"],
+            [
+                "ip", "netns", "exec", r, "nft",
+                "add chain ip nat post { type nat hook postrouting priority 100 ; }",
+            ],
+            ["ip", "netns", "exec", r, "nft", 'add rule ip nat post oifname "wan0" masquerade'],
+        ]  # fmt: skip
+    # the LAN: two hosts on one segment, nobody else
+    a, b, net = LAN
+    cmds += veth(ns[a], "eth0", ns[b], "eth0")
+    cmds += [
+        ["ip", "-n", ns[a], "addr", "add", f"{net}.2/24", "dev", "eth0"],
+        ["ip", "-n", ns[b], "addr", "add", f"{net}.3/24", "dev", "eth0"],
+    ]
+    return cmds
+
+
+@dataclass
+class NatLab:
+    """A built lab (see the module doc); use as a context manager."""
+
+    prefix: str = field(default_factory=lambda: f"nl{os.getpid()}")
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    made: list[str] = field(default_factory=list)
+
+    @property
+    def hosts(self) -> dict[str, Host]:
+        out = {h: Host(h, f"{self.prefix}-{h}", a) for h, a in PUBLIC_HOSTS.items()}
+        out |= {h: Host(h, f"{self.prefix}-{h}", f"{net}.2") for h, (_, net) in HOMES.items()}
+        a, b, net = LAN
+        out[a] = Host(a, f"{self.prefix}-{a}", f"{net}.2")
+        out[b] = Host(b, f"{self.prefix}-{b}", f"{net}.3")
+        return out
+
+    def public_address(self, home: str) -> str:
+        """The address a home host's connections appear to come from (its router's)."""
+        return ROUTER_PUBLIC[HOMES[home][0]]
+
+    def build(self) -> NatLab:
+        lacking = missing()
+        if lacking:
+            raise RuntimeError("cannot build a NAT lab here: needs " + "; ".join(lacking))
+        try:
+            for cmd in plan(self.prefix):
+                if cmd[:3] == ["ip", "netns", "add"]:
+                    self.made.append(cmd[3])
+                _run(cmd)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def run(self, host: str, argv: Sequence[str], **popen: object) -> subprocess.Popen[bytes]:
+        """Start ``argv`` inside ``host``'s namespace; ``close`` stops it (by PID)."""
+        proc = subprocess.Popen(  # type: ignore[call-overload]
+            ["ip", "netns", "exec", self.hosts[host].netns, *argv], **popen
+        )
+        self.procs.append(proc)
+        return proc  # type: ignore[no-any-return]
+
+    def exec(self, host: str, argv: Sequence[str], timeout: float = COMMAND_TIMEOUT_S) -> str:
+        """Run ``argv`` inside ``host``'s namespace to its end; its stdout (raises on failure)."""
+        return _run(["ip", "netns", "exec", self.hosts[host].netns, *argv], timeout)
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(STOP_TIMEOUT_S)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(STOP_TIMEOUT_S)
+        self.procs.clear()
+        for name in reversed(self.made):
+            with contextlib.suppress(subprocess.SubprocessError, OSError):
+                _run(["ip", "netns", "del", name])
+        self.made.clear()
+
+    def __enter__(self) -> NatLab:
+        return self.build()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _run(cmd: Sequence[str], timeout: float = COMMAND_TIMEOUT_S) -> str:
+    proc = subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise subprocess.CalledProcessError(proc.returncode, cmd, proc.stdout, proc.stderr)
+    return proc.stdout
+
+
+@contextlib.contextmanager
+def nat_lab(prefix: str | None = None) -> Iterator[NatLab]:
+    lab = NatLab(prefix) if prefix else NatLab()
+    with lab:
+        yield lab
