@@ -49,14 +49,14 @@ def _num(x: float) -> str:
 
 
 def _verified(records: Sequence[Record]) -> str:
-    dtypes = sorted({r.dtype for r in records}, key=synth.DTYPES.index)
+    dtypes = sorted({r.dtype for r in records}, key=synth.ALL_DTYPES.index)
     checks: dict[str, list[Record]] = {}
     for r in records:
         checks.setdefault(r.check, []).append(r)
     parts = []
     for name, rs in checks.items():
         worst = max(r.max_diff for r in rs)
-        on = "/".join(sorted({r.dtype for r in rs}, key=synth.DTYPES.index))
+        on = "/".join(sorted({r.dtype for r in rs}, key=synth.ALL_DTYPES.index))
         if not all(r.passed for r in rs):
             parts.append(f"{name} ({on}): FAILED (max {_num(worst)})")
         elif all(r.bound == float("inf") for r in rs):
