@@ -216,7 +216,7 @@ class GraphBuilder:
         """Attention over the session's cache (the layer's mask: causal, or its sliding
         window), ``[q_dim, rows]``; with the layer's attention ``sinks`` where it has them
         (``ggml_soft_max_add_sinks``, as llama.cpp's ``build_attn_mha``)."""
-        if sinks is None:
+        if sinks is None:  # an engine's attention written before sinks is called as it was
             return self.attend(self, il, q, k, v, kq_scale)
         return self.attend(self, il, q, k, v, kq_scale, sinks)
 
