@@ -64,11 +64,12 @@ class LayerWeights:
         return self._by_kind[key]
 
     def matrices(self) -> list[int]:
-        """The layer's weight matrices (rank 2: what a batch's matmuls multiply)."""
+        """The layer's weight matrices (rank 2: what a batch's matmuls multiply; not the
+        rank-2 expert biases of gpt-oss, which are added, never multiplied)."""
         out = []
-        for t in self._tensors.values():
+        for name, t in self._tensors.items():
             ne = tensor_struct(t).ne
-            if ne[1] > 1 and ne[2] == 1:
+            if ne[1] > 1 and ne[2] == 1 and not name.endswith(".bias"):
                 out.append(t)
         return out
 
