@@ -121,6 +121,9 @@ def test_bad_requests_are_usage_errors(tmp_path: Path) -> None:
     with pytest.raises(UsageError) as exc:
         synth.write_model(synth.family("llama"), tmp_path / "m.gguf", dtype="Q5_1")
     assert exc.value.code == "invalid_synth_dtype"
+    with pytest.raises(UsageError) as exc:  # gpt-oss's own dtype is no other family's
+        synth.write_model(synth.family("llama"), tmp_path / "m.gguf", dtype=synth.MXFP4)
+    assert exc.value.code == "invalid_synth_dtype" and exc.value.expected == list(synth.DTYPES)
     odd = synth.Dims(ff=320)  # 320 is no multiple of Q4_K's 256-value rows
     with pytest.raises(UsageError) as exc:
         synth.write_model(synth.family("llama"), tmp_path / "m.gguf", dtype="Q4_K", dims=odd)

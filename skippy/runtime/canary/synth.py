@@ -702,9 +702,9 @@ def check_dtype(dtype: str, spec: FamilySpec | None = None) -> Dtype:
     """``dtype`` if ``spec``'s model comes in it (any family's ``DTYPES`` without one)."""
     allowed = DTYPES if spec is None else spec.dtypes
     if dtype not in allowed:
-        whose = "the synthetic models" if spec is None else f"the synthetic {spec.name} model"
+        whose = "the synthetic models come" if spec is None else f"{spec.name}'s model comes"
         raise UsageError(
-            f"dtype {dtype!r} is not one {whose} come in",
+            f"dtype {dtype!r} is not one {whose} in",
             code="invalid_synth_dtype",
             expected=list(allowed),
             actual=dtype,
