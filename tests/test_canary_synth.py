@@ -36,7 +36,7 @@ from skippy.runtime.canary.oracle import LlamaOracle, llama_logits
 
 pytestmark = pytest.mark.llama
 
-CASES = [(f.name, dt) for f in synth.FAMILIES for dt in synth.DTYPES]
+CASES = [(f.name, dt) for f in synth.FAMILIES for dt in f.dtypes]
 MOE_KQUANT = [(f.name, "Q4_K") for f in synth.FAMILIES if f.moe is not None]
 LONG = synth.long_prompt(320)
 SHORT = LONG[:12]
@@ -76,7 +76,7 @@ class Models:
         if key not in self._runs:
             path = self.path(name, dtype)
             spec = synth.family(name)
-            keys = synth.model_metadata(spec, spec.dims(), synth.check_dtype(dtype))
+            keys = synth.model_metadata(spec, spec.dims(), synth.check_dtype(dtype, spec))
             with LlamaOracle(path, n_threads=THREADS) as o:
                 self._runs[key] = Run(
                     path=path,
@@ -121,6 +121,9 @@ def test_bad_requests_are_usage_errors(tmp_path: Path) -> None:
     with pytest.raises(UsageError) as exc:
         synth.write_model(synth.family("llama"), tmp_path / "m.gguf", dtype="Q5_1")
     assert exc.value.code == "invalid_synth_dtype"
+    with pytest.raises(UsageError) as exc:  # gpt-oss's own dtype is no other family's
+        synth.write_model(synth.family("llama"), tmp_path / "m.gguf", dtype=synth.MXFP4)
+    assert exc.value.code == "invalid_synth_dtype" and exc.value.expected == list(synth.DTYPES)
     odd = synth.Dims(ff=320)  # 320 is no multiple of Q4_K's 256-value rows
     with pytest.raises(UsageError) as exc:
         synth.write_model(synth.family("llama"), tmp_path / "m.gguf", dtype="Q4_K", dims=odd)
@@ -172,7 +175,7 @@ def test_every_key_reads_back_in_llama_cpp(models: Models, case: tuple[str, str]
     name, dtype = case
     spec = synth.family(name)
     run = models.run(name, dtype)
-    written = synth.model_metadata(spec, spec.dims(), synth.check_dtype(dtype))
+    written = synth.model_metadata(spec, spec.dims(), synth.check_dtype(dtype, spec))
     for key, value in written.items():
         got = run.meta[key]
         if isinstance(value, list):  # llama.cpp keeps no text form of arrays
@@ -235,7 +238,7 @@ def test_moe_kquant_chunks_equal_one_batch_without_the_tiled_kernel(models: Mode
 
 
 @pytest.mark.parametrize(
-    "case", [(f.name, dt) for f in synth.FAMILIES if f.moe for dt in synth.DTYPES], ids=_case_id
+    "case", [(f.name, dt) for f in synth.FAMILIES if f.moe for dt in f.dtypes], ids=_case_id
 )
 def test_routing_reaches_every_expert_in_every_layer(models: Models, case: tuple[str, str]) -> None:
     """llama.cpp's own top-k choices over the long prompt, read from its graph."""

@@ -341,6 +341,8 @@ class Ggml:
     def ggml_soft_max_ext(
         self, ctx: int, a: int, mask: int | None, scale: float, max_bias: float
     ) -> int: ...
+    @_c(None, _ptr, _ptr)
+    def ggml_soft_max_add_sinks(self, a: int, sinks: int | None) -> None: ...  # a's softmax op
     @_c(_ptr, _ptr, _ptr, _ptr, _ptr, c_int, c_int, c_int, _f32, _f32, _f32, _f32, _f32, _f32)
     def ggml_rope_ext(
         self,
@@ -364,6 +366,8 @@ class Ggml:
     def ggml_geglu_split(self, ctx: int, gate: int, up: int) -> int: ...
     @_c(_ptr, _ptr, _ptr)
     def ggml_swiglu(self, ctx: int, a: int) -> int: ...  # silu(first half) * second half
+    @_c(_ptr, _ptr, _ptr, _ptr, _f32, _f32)
+    def ggml_swiglu_oai(self, ctx: int, a: int, b: int, alpha: float, limit: float) -> int: ...
 
     # ==== mixture of experts (ggml.h; llama.cpp's build_moe_ffn uses these) ==================
     @_c(_ptr, _ptr, _ptr)
@@ -378,6 +382,8 @@ class Ggml:
     def ggml_div(self, ctx: int, a: int, b: int) -> int: ...
     @_c(_ptr, _ptr, _ptr, _ptr, _ptr)
     def ggml_mul_mat_id(self, ctx: int, as_: int, b: int, ids: int) -> int: ...
+    @_c(_ptr, _ptr, _ptr, _ptr, _ptr)
+    def ggml_add_id(self, ctx: int, a: int, b: int, ids: int) -> int: ...  # a + b[:, ids]
 
     # ==== graphs (ggml.h) =========================================================================
     @_c(_ptr, _ptr, c_size_t, c_bool)

@@ -213,11 +213,13 @@ def _attend(
     n_kv: int,
     rows: int,
     slots: _KvSlots | None,
+    sinks: int | None = None,
 ) -> int:
     """softmax(K^T Q * scale + mask) V (the scores soft-capped first where the model says)
     over the first ``n_kv`` cells of ``kv``'s layer
     ``il`` for Q ``[hd, n_head, rows]``: ``[q_dim, rows]``. With ``slots`` the attention
-    tensors are registered to be resized to the position's KV length before each run."""
+    tensors are registered to be resized to the position's KV length before each run;
+    ``sinks`` join the softmax where the layer has them (``Attention``)."""
     g, ctx, spec = b.g, b.ctx, b.spec
     hd, cells = spec.head_dim, kv.cells
     f16_row = g.ggml_row_size(GgmlType.F16, spec.kv_dim)
@@ -236,6 +238,8 @@ def _attend(
         capped.append(g.ggml_tanh(ctx, capped[-1]))
         capped.append(g.ggml_scale(ctx, capped[-1], cap))
     kq = g.ggml_soft_max_ext(ctx, capped[-1], mask, kq_scale, 0.0)
+    if sinks is not None:
+        g.ggml_soft_max_add_sinks(kq, sinks)
     if slots is not None:
         slots.add(keys, 1, False)
         slots.add(values, 0, False)
@@ -260,7 +264,16 @@ class _ChunkAttention:
     pad: int
     n_kv: int
 
-    def __call__(self, b: GraphBuilder, il: int, q: int, k: int, v: int, kq_scale: float) -> int:
+    def __call__(
+        self,
+        b: GraphBuilder,
+        il: int,
+        q: int,
+        k: int,
+        v: int,
+        kq_scale: float,
+        sinks: int | None = None,
+    ) -> int:
         g, ctx, spec, kv = b.g, b.ctx, b.spec, self.kv
         n, pad, kv_dim = self.n, self.pad, spec.kv_dim
         f16_row = g.ggml_row_size(GgmlType.F16, kv_dim)
@@ -274,7 +287,7 @@ class _ChunkAttention:
         v_dst = g.ggml_view_2d(ctx, kv.v[il], n, kv_dim, 2 * kv.cells, 2 * self.start)
         g.ggml_build_forward_expand(b.gf, g.ggml_cpy(ctx, v_t, v_dst))
         mask = self.masks[_window(spec, il)]
-        return _attend(b, kv, il, q, mask, kq_scale, self.n_kv, pad + n, None)
+        return _attend(b, kv, il, q, mask, kq_scale, self.n_kv, pad + n, None, sinks)
 
 
 def _write_rows(b: GraphBuilder, kv: _KvCache, il: int, k: int, v: int, slots: _KvSlots) -> None:
@@ -295,12 +308,21 @@ class _SlotAttention:
     slots: _KvSlots
     masks: dict[int | None, int]
 
-    def __call__(self, b: GraphBuilder, il: int, q: int, k: int, v: int, kq_scale: float) -> int:
+    def __call__(
+        self,
+        b: GraphBuilder,
+        il: int,
+        q: int,
+        k: int,
+        v: int,
+        kq_scale: float,
+        sinks: int | None = None,
+    ) -> int:
         g, ctx, kv_dim, slots = b.g, b.ctx, b.spec.kv_dim, self.slots
         k_row = g.ggml_reshape_2d(ctx, k, kv_dim, 1)
         _write_rows(b, self.kv, il, k_row, g.ggml_reshape_2d(ctx, v, 1, kv_dim), slots)
         mask = self.masks[_window(b.spec, il)]
-        return _attend(b, self.kv, il, q, mask, kq_scale, self.kv.cells, 1, slots)
+        return _attend(b, self.kv, il, q, mask, kq_scale, self.kv.cells, 1, slots, sinks)
 
 
 @dataclass
@@ -311,7 +333,16 @@ class _BatchAttention:
 
     members: list[_BatchMember]
 
-    def __call__(self, b: GraphBuilder, il: int, q: int, k: int, v: int, kq_scale: float) -> int:
+    def __call__(
+        self,
+        b: GraphBuilder,
+        il: int,
+        q: int,
+        k: int,
+        v: int,
+        kq_scale: float,
+        sinks: int | None = None,
+    ) -> int:
         g, ctx, spec = b.g, b.ctx, b.spec
         kv_dim, q_dim, hd = spec.kv_dim, spec.q_dim, spec.head_dim
         o: int | None = None
@@ -321,7 +352,7 @@ class _BatchAttention:
             _write_rows(b, m.kv, il, k_row, v_col, m.slots)
             q_i = g.ggml_view_3d(ctx, q, hd, spec.n_head, 1, 4 * hd, 4 * q_dim, 4 * q_dim * i)
             mask = m.masks[_window(spec, il)]
-            o_i = _attend(b, m.kv, il, q_i, mask, kq_scale, m.kv.cells, 1, m.slots)
+            o_i = _attend(b, m.kv, il, q_i, mask, kq_scale, m.kv.cells, 1, m.slots, sinks)
             o = o_i if o is None else g.ggml_concat(ctx, o, o_i, 2)  # [q_dim, 1, i + 1]
         return _ok(o, "attention")
 

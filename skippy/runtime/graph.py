@@ -28,6 +28,15 @@ from skippy.runtime.model import ModelSpec, tensor_name
 # when the model has no YaRN scaling.
 _EXT_FACTOR, _ATTN_FACTOR, _BETA_FAST, _BETA_SLOW = 0.0, 1.0, 32.0, 1.0
 GatedActivation = Literal["silu", "gelu"]
+# How a token's router logits become its experts' weights: "softmax" over every expert, the
+# picked experts' probabilities; "softmax_weight" (gpt-oss) the experts picked by their raw
+# logits, a softmax over the picked ones only.
+ExpertGating = Literal["softmax", "softmax_weight"]
+# The experts' gated activation: SiLU, or gpt-oss's clamped SwiGLU (``ggml_swiglu_oai``).
+ExpertActivation = Literal["silu", "swiglu_oai"]
+# gpt-oss's clamped SwiGLU (gate clamped above and up to [-limit, limit], then
+# gate * sigmoid(alpha * gate) * (up + 1)): llama.cpp fixes both in build_moe_ffn
+SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT = 1.702, 7.0
 # the least sum of a token's expert weights divided by (F16's smallest normal: llama.cpp)
 _MIN_WEIGHT_SUM = 6.103515625e-5
 
@@ -55,22 +64,42 @@ class LayerWeights:
         return self._by_kind[key]
 
     def matrices(self) -> list[int]:
-        """The layer's weight matrices (rank 2: what a batch's matmuls multiply)."""
+        """The layer's weight matrices (rank 2: what a batch's matmuls multiply; not the
+        rank-2 expert biases of gpt-oss, which are added, never multiplied)."""
         out = []
-        for t in self._tensors.values():
+        for name, t in self._tensors.items():
             ne = tensor_struct(t).ne
-            if ne[1] > 1 and ne[2] == 1:
+            if ne[1] > 1 and ne[2] == 1 and not name.endswith(".bias"):
                 out.append(t)
         return out
+
+
+@dataclass(frozen=True)
+class ExpertBiases:
+    """Biases of a MoE block where the model has them (gpt-oss): the router's ``[n_expert]``,
+    and each expert's gate/up ``[n_ff_exp, n_expert]`` and down ``[n_embd, n_expert]``."""
+
+    router: int | None = None
+    up: int | None = None
+    gate: int | None = None
+    down: int | None = None
 
 
 class Attention(Protocol):
     """Attention of one layer over the session's KV cache: writes this graph's K and V into
     the cache, then returns softmax(K^T Q * scale + mask) V as ``[q_dim, rows]`` (or
-    ``[q_dim, 1, B]``), before the output projection."""
+    ``[q_dim, 1, B]``), before the output projection. ``sinks`` (F32 ``[n_head]``): one
+    extra logit per head in each softmax's denominator that attends to nothing (gpt-oss)."""
 
     def __call__(
-        self, b: GraphBuilder, il: int, q: int, k: int, v: int, kq_scale: float
+        self,
+        b: GraphBuilder,
+        il: int,
+        q: int,
+        k: int,
+        v: int,
+        kq_scale: float,
+        sinks: int | None = None,
     ) -> int: ...
 
 
@@ -182,10 +211,15 @@ class GraphBuilder:
             return q
         return self.g.ggml_mul(self.ctx, q, self.attn_temp)
 
-    def attention(self, il: int, q: int, k: int, v: int, kq_scale: float) -> int:
+    def attention(
+        self, il: int, q: int, k: int, v: int, kq_scale: float, *, sinks: int | None = None
+    ) -> int:
         """Attention over the session's cache (the layer's mask: causal, or its sliding
-        window), ``[q_dim, rows]``."""
-        return self.attend(self, il, q, k, v, kq_scale)
+        window), ``[q_dim, rows]``; with the layer's attention ``sinks`` where it has them
+        (``ggml_soft_max_add_sinks``, as llama.cpp's ``build_attn_mha``)."""
+        if sinks is None:  # an engine's attention written before sinks is called as it was
+            return self.attend(self, il, q, k, v, kq_scale)
+        return self.attend(self, il, q, k, v, kq_scale, sinks)
 
     def last_rows(self, il: int, o: int, x: int) -> tuple[int, int]:
         """On the final layer, only the rows whose logits are wanted, taken after the
@@ -200,6 +234,14 @@ class GraphBuilder:
         o = g.ggml_view_2d(self.ctx, o, w, keep, 4 * w, 4 * w * skip)
         x = g.ggml_view_2d(self.ctx, x, w, keep, 4 * w, 4 * w * skip)
         return o, x
+
+    def final_rows(self, il: int, x: int) -> int:
+        """After the final layer, only the rows whose logits are wanted: for builders that
+        run the whole last layer over every row and drop the others just before the output
+        norm (llama.cpp's gpt-oss), where ``last_rows`` drops them after attention."""
+        if il != self.last_layer or self.keep is None:
+            return x
+        return self.last_rows(il, x, x)[1]
 
     # --- feed-forward -------------------------------------------------------------------------
     def ffn(self, x: int, gate: int | None, up: int, down: int, act: GatedActivation) -> int:
@@ -228,6 +270,9 @@ class GraphBuilder:
         *,
         n_expert_used: int,
         norm_weights: bool,
+        gating: ExpertGating = "softmax",
+        biases: ExpertBiases | None = None,
+        act: ExpertActivation = "silu",
     ) -> int:
         """A mixture of experts with softmax gating (llama.cpp's ``build_moe_ffn`` as qwen3moe
         calls it: LLM_FFN_SILU, LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX). Each token's router
@@ -236,7 +281,10 @@ class GraphBuilder:
         ``norm_weights``), each picked expert's SiLU-gated FFN runs through
         ``ggml_mul_mat_id`` and the weighted outputs are summed in the experts' order. Every
         step is per token, so a token's output does not depend on the others in the batch
-        (the router goes through the engine's matmul: per column in a batch)."""
+        (the router goes through the engine's matmul: per column in a batch). ``gating``,
+        ``biases`` (each added where llama.cpp adds it: ``ggml_add_id`` for the experts') and
+        ``act`` give gpt-oss's variant (LLM_FFN_SWIGLU_OAI_MOE,
+        LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX_WEIGHT)."""
         g, ctx = self.g, self.ctx
         ne = tensor_struct(x).ne
         n_embd, n_tokens, batched = int(ne[0]), int(ne[1]) * int(ne[2]), int(ne[2]) > 1
@@ -244,10 +292,18 @@ class GraphBuilder:
         n_expert = int(tensor_struct(logits).ne[0])
         if batched:
             logits = g.ggml_reshape_2d(ctx, logits, n_expert, n_tokens)
-        probs = g.ggml_soft_max(ctx, logits)  # [n_expert, n_tokens]
+        bias = biases or ExpertBiases()
+        if bias.router is not None:
+            logits = g.ggml_add(ctx, logits, bias.router)
+        # [n_expert, n_tokens]
+        probs = g.ggml_soft_max(ctx, logits) if gating == "softmax" else logits
         selected = g.ggml_argsort_top_k(ctx, probs, n_expert_used)  # [n_used, n_tokens] I32
         probs = g.ggml_reshape_3d(ctx, probs, 1, n_expert, n_tokens)
         weights = g.ggml_get_rows(ctx, probs, selected)  # [1, n_used, n_tokens]
+        if gating == "softmax_weight":
+            weights = g.ggml_reshape_2d(ctx, weights, n_expert_used, n_tokens)
+            weights = g.ggml_soft_max(ctx, weights)  # [n_used, n_tokens]
+            weights = g.ggml_reshape_3d(ctx, weights, 1, n_expert_used, n_tokens)
         if norm_weights:
             weights = g.ggml_reshape_2d(ctx, weights, n_expert_used, n_tokens)
             total = g.ggml_sum_rows(ctx, weights)  # [1, n_tokens]
@@ -258,9 +314,18 @@ class GraphBuilder:
         g.ggml_build_forward_expand(self.gf, weights)
         cur = g.ggml_reshape_3d(ctx, x, n_embd, 1, n_tokens)
         up = g.ggml_mul_mat_id(ctx, up_exps, cur, selected)  # [n_ff_exp, n_used, n_tokens]
+        if bias.up is not None:
+            up = g.ggml_add_id(ctx, up, bias.up, selected)
         gate = g.ggml_mul_mat_id(ctx, gate_exps, cur, selected)
-        act = g.ggml_swiglu_split(ctx, gate, up)
-        experts = g.ggml_mul_mat_id(ctx, down_exps, act, selected)  # [n_embd, n_used, n_tok]
+        if bias.gate is not None:
+            gate = g.ggml_add_id(ctx, gate, bias.gate, selected)
+        if act == "swiglu_oai":
+            a = g.ggml_swiglu_oai(ctx, gate, up, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT)
+        else:
+            a = g.ggml_swiglu_split(ctx, gate, up)
+        experts = g.ggml_mul_mat_id(ctx, down_exps, a, selected)  # [n_embd, n_used, n_tok]
+        if bias.down is not None:
+            experts = g.ggml_add_id(ctx, experts, bias.down, selected)
         experts = g.ggml_mul(ctx, experts, weights)
         g.ggml_build_forward_expand(self.gf, experts)
         es = tensor_struct(experts)

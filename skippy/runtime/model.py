@@ -52,6 +52,7 @@ MATRIX_TYPES: Final = frozenset(
         14,  # Q6_K
         20,  # IQ4_NL
         23,  # IQ4_XS
+        39,  # MXFP4 (gpt-oss's experts)
     }
 )
 VECTOR_TYPES: Final = frozenset({F32})
@@ -140,6 +141,9 @@ class ModelSpec:
     expert_weights_norm: bool = True
     # a shared expert every token runs beside the routed ones (qwen2moe; 0: none): its width
     n_ff_shexp: int = 0
+    # RoPE frequency scale of the sliding layers (llama.cpp's rope_freq_scale_train_swa:
+    # 1.0 unless the family scales them too, as gpt-oss's YaRN does)
+    rope_scale_swa: float = 1.0
 
     @property
     def q_dim(self) -> int:
@@ -159,8 +163,8 @@ class ModelSpec:
         return self.rope_base_swa if self.is_swa(layer) else self.rope_base
 
     def rope_scale_for(self, layer: int) -> float:
-        # llama.cpp: sliding layers keep scale 1.0; scaling applies to global ones.
-        return 1.0 if self.is_swa(layer) else self.rope_scale
+        # llama.cpp: sliding layers keep their own scale (1.0 unless the family says).
+        return self.rope_scale_swa if self.is_swa(layer) else self.rope_scale
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -21,6 +21,7 @@ import numpy.typing as npt
 from gguf import MODEL_TENSOR
 
 from skippy.runtime.boundary import StageUnsupported
+from skippy.runtime.families import family_of
 from skippy.runtime.families.base import T
 from skippy.runtime.model import attention_mask, tensor_name
 from skippy.runtime.stage import STAGE_API_VERSION, StageBase
@@ -160,6 +161,14 @@ class NumpyStage(StageBase[_NpKv]):
 
     def _setup(self) -> None:
         spec = self.spec
+        if not family_of(spec.arch).numpy_reference:
+            raise StageUnsupported(
+                f"{spec.arch} is not implemented by the numpy engine (its layers use ops the "
+                "numpy blocks do not have)",
+                code="unsupported_architecture",
+                actual=spec.arch,
+                remediation="run it with the ggml engine (the default)",
+            )
         if spec.yarn is not None or spec.attn_temperature is not None:
             # the numpy rope has no YaRN ramp and the blocks no per-position Q scale
             raise StageUnsupported(

@@ -30,6 +30,7 @@ STAGE_FAMILIES: Final = (  # == the registry's
     "gemma2",
     "phi3",
     "mistral3",
+    "gpt-oss",
 )
 # The families whose files may hold experts (llama: Mixtral; a file with experts of any
 # other family is refused).
@@ -40,6 +41,7 @@ STAGE_MOE_FAMILIES: Final[tuple[str, ...]] = (
     "olmoe",
     "granitemoe",
     "phimoe",
+    "gpt-oss",
 )
 UNSUPPORTED: Final = "unsupported_architecture"  # the runtime's own code for both refusals
 

@@ -378,12 +378,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="one family's logits: the stage runtime against llama.cpp",
     )
     p.add_argument("family", choices=synth.FAMILY_NAMES)
-    p.add_argument("--dtype", action="append", choices=synth.DTYPES)
+    p.add_argument("--dtype", action="append", choices=synth.ALL_DTYPES)
     p.add_argument("--dir", type=Path, default=Path(".work") / "canary")
     args = p.parse_args(argv)
     spec = synth.family(args.family)
+    for dtype in args.dtype or ():
+        if dtype not in spec.dtypes:
+            p.error(f"the {spec.name} model comes in {', '.join(spec.dtypes)}, not {dtype}")
     worst = 0.0
-    for dtype in args.dtype or list(synth.DTYPES):
+    for dtype in args.dtype or list(spec.dtypes):
         model, pkg = package_model(spec, dtype, args.dir)
         layers = spec.dims().n_layers
         for n in (SHORT_PROMPT, LONG_PROMPT):

@@ -1,4 +1,5 @@
-"""The certification matrix: every family the stage runtime claims x every synthetic dtype.
+"""The certification matrix: every family the stage runtime claims x every synthetic dtype
+(``synth.DTYPES``, and a family's own: gpt-oss's MXFP4 experts).
 
 A family is claimed when the runtime's registry accepts its synthetic model's metadata
 (``skippy.runtime.families.spec_from_metadata``): families other helpers register join the
@@ -261,9 +262,9 @@ def certify(
 def run_matrix(
     root: Path, *, replay: check.ReplaySchedule, families: Sequence[synth.FamilySpec] | None = None
 ) -> Iterator[Record]:
-    """Every claimed family (or ``families``) x every dtype, record by record."""
+    """Every claimed family (or ``families``) x every dtype it comes in, record by record."""
     for spec in claimed() if families is None else families:
-        for dtype in synth.DTYPES:
+        for dtype in spec.dtypes:
             yield from certify(spec, dtype, root, replay=replay)
 
 

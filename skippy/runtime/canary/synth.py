@@ -58,18 +58,33 @@ T = gguf.MODEL_TENSOR
 A = gguf.MODEL_ARCH
 Q = gguf.GGMLQuantizationType
 
-DTYPES: tuple[str, ...] = ("F32", "F16", "Q8_0", "Q4_K")
-Dtype = Literal["F32", "F16", "Q8_0", "Q4_K"]
-Role = Literal["matrix", "embedding", "norm", "bias", "router", "vector"]
+DTYPES: tuple[str, ...] = ("F32", "F16", "Q8_0", "Q4_K")  # every family's
+# A family's own extra dtype (``FamilySpec.extra_dtypes``): MXFP4 experts, every other matrix
+# Q8_0, as llama.cpp's MXFP4_MOE quantization (gpt-oss's checkpoints) writes them.
+MXFP4 = "MXFP4"
+ALL_DTYPES: tuple[str, ...] = (*DTYPES, MXFP4)
+Dtype = Literal["F32", "F16", "Q8_0", "Q4_K", "MXFP4"]
+Role = Literal["matrix", "embedding", "norm", "bias", "router", "vector", "gain"]
 
 ROUTER_STD_FAN_IN = 2.0
+# A "gain" norm's scale: gpt-oss's FFN input norm, so that about 8% of the experts' gate and
+# up values (then about N(0, 4^2)) pass the clamped SwiGLU's limit of 7 and the clamp matters.
+GAIN = 4.0
 _FILE_TYPES: dict[str, gguf.LlamaFileType] = {
     "F32": gguf.LlamaFileType.ALL_F32,
     "F16": gguf.LlamaFileType.MOSTLY_F16,
     "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
     "Q4_K": gguf.LlamaFileType.MOSTLY_Q4_K_M,
+    MXFP4: gguf.LlamaFileType.MOSTLY_MXFP4_MOE,
 }
-_MATRIX_TYPES: dict[str, Q] = {"F32": Q.F32, "F16": Q.F16, "Q8_0": Q.Q8_0, "Q4_K": Q.Q4_K}
+_MATRIX_TYPES: dict[str, Q] = {
+    "F32": Q.F32,
+    "F16": Q.F16,
+    "Q8_0": Q.Q8_0,
+    "Q4_K": Q.Q4_K,
+    MXFP4: Q.Q8_0,  # the experts are MXFP4 (tensor_type)
+}
+_EXPERT_TENSORS = frozenset({T.FFN_GATE_EXP, T.FFN_UP_EXP, T.FFN_DOWN_EXP})
 _QUANT_ROW = 256  # K-quant super-block: every quantized row length must be a multiple
 
 
@@ -183,10 +198,16 @@ class FamilySpec:
     n_layers: int = 4
     n_head_kv: int | None = None  # None: Dims' (GQA)
     exercises: str = ""  # what the model checks, for the docs and test ids
+    extra_dtypes: tuple[str, ...] = ()  # beyond DTYPES: the family's own (MXFP4 for gpt-oss)
 
     @property
     def arch_name(self) -> str:
         return gguf.MODEL_ARCH_NAMES[self.arch]
+
+    @property
+    def dtypes(self) -> tuple[str, ...]:
+        """The dtypes this family's synthetic model comes in: ``DTYPES``, then its own."""
+        return (*DTYPES, *self.extra_dtypes)
 
     def dims(self, base: Dims | None = None) -> Dims:
         d = replace(base or Dims(), n_layers=self.n_layers)
@@ -455,6 +476,44 @@ FAMILIES: tuple[FamilySpec, ...] = (
         moe=MoE(16, 2),
         exercises="16 experts top-2, norm biases, output and attention-output biases",
     ),
+    FamilySpec(
+        "gpt-oss",
+        A.GPT_OSS,
+        UNTIED,
+        (
+            _norm(T.ATTN_NORM),
+            *ATTN,
+            *QKV_BIAS,
+            _bias(T.ATTN_OUT, "embd"),
+            _t(T.ATTN_SINKS, "n_head", role="vector"),
+            TensorSpec(T.ATTN_POST_NORM, ("embd",), "gain"),  # the FFN's input norm
+            *EXPERTS,
+            _bias(T.FFN_GATE_INP, "expert"),
+            TensorSpec(T.FFN_GATE_EXP, ("ff_exp", "expert"), "bias", "bias"),
+            TensorSpec(T.FFN_UP_EXP, ("ff_exp", "expert"), "bias", "bias"),
+            TensorSpec(T.FFN_DOWN_EXP, ("embd", "expert"), "bias", "bias"),
+        ),
+        kv={
+            K.LLM.EXPERT_FEED_FORWARD_LENGTH: Dim("ff_exp"),
+            K.Attention.SLIDING_WINDOW: SLIDING_WINDOW,
+            # gpt-oss's YaRN factor (32) over an original context of 128 (4096 in the
+            # checkpoints), which the long prompt runs past; the loader reads no beta keys
+            # (llama.cpp's 32 and 1: the ramp between extrapolated and interpolated
+            # frequencies then covers pairs 0-11 of the head's 32)
+            K.Rope.SCALING_TYPE: "yarn",
+            K.Rope.SCALING_FACTOR: 32.0,
+            K.Rope.SCALING_ORIG_CTX_LEN: 128,
+        },
+        moe=MoE(8, 4),
+        extra_dtypes=(MXFP4,),
+        exercises=(
+            "attention sinks, sliding window "
+            f"{SLIDING_WINDOW} on even layers (alternating with global ones), YaRN on every "
+            "layer, q/k/v, attention-output, router and expert biases, 8 experts top-4 picked "
+            "by raw logits and weighted by a softmax over the picked, the clamped SwiGLU; "
+            "MXFP4 experts"
+        ),
+    ),
 )
 FAMILY_NAMES: tuple[str, ...] = tuple(f.name for f in FAMILIES)
 
@@ -559,11 +618,14 @@ class PlannedTensor:
 
 
 def tensor_type(spec: TensorSpec, shape: tuple[int, ...], dtype: Dtype) -> Q:
-    """llama.cpp's quantizer's choice for this tensor in a file of ``dtype``."""
-    if len(shape) < 2 or spec.role == "router":
+    """llama.cpp's quantizer's choice for this tensor in a file of ``dtype`` (it quantizes
+    only ``.weight`` tensors of two or more dimensions: gpt-oss's 2-D expert biases stay F32)."""
+    if len(shape) < 2 or spec.role in ("router", "bias") or spec.suffix != "weight":
         return Q.F32
     if dtype == "Q4_K" and spec.tensor == T.OUTPUT:
         return Q.Q6_K
+    if dtype == MXFP4 and spec.tensor in _EXPERT_TENSORS:
+        return Q.MXFP4
     return _MATRIX_TYPES[dtype]
 
 
@@ -595,6 +657,8 @@ def tensor_values(seed: int, t: PlannedTensor) -> npt.NDArray[np.float32]:
         return values
     if t.role == "norm":
         return 1.0 + np.float32(0.1) * values
+    if t.role == "gain":
+        return np.float32(GAIN) * (1.0 + np.float32(0.1) * values)
     if t.role == "bias":
         return np.float32(0.1) * values
     scale = (ROUTER_STD_FAN_IN if t.role == "router" else 1.0) / math.sqrt(t.shape[0])
@@ -634,22 +698,25 @@ def tensor_data(seed: int, t: PlannedTensor) -> npt.NDArray[np.generic]:
 
 
 # --- writing --------------------------------------------------------------------------------------
-def check_dtype(dtype: str) -> Dtype:
-    if dtype not in DTYPES:
+def check_dtype(dtype: str, spec: FamilySpec | None = None) -> Dtype:
+    """``dtype`` if ``spec``'s model comes in it (any family's ``DTYPES`` without one)."""
+    allowed = DTYPES if spec is None else spec.dtypes
+    if dtype not in allowed:
+        whose = "the synthetic models come" if spec is None else f"{spec.name}'s model comes"
         raise UsageError(
-            f"dtype {dtype!r} is not one the synthetic models come in",
+            f"dtype {dtype!r} is not one {whose} in",
             code="invalid_synth_dtype",
-            expected=list(DTYPES),
+            expected=list(allowed),
             actual=dtype,
         )
-    return dtype  # type: ignore[return-value]  # checked against DTYPES just above
+    return dtype  # type: ignore[return-value]  # checked against the dtypes just above
 
 
 def write_model(
     spec: FamilySpec, path: Path, *, dtype: str, seed: int = 0, dims: Dims | None = None
 ) -> Path:
     """Write ``spec``'s model at ``dtype`` to ``path`` (atomically: nothing half-written)."""
-    dt = check_dtype(dtype)
+    dt = check_dtype(dtype, spec)
     d = spec.dims(dims)
     tensors = plan(spec, d, dt)
     metadata = model_metadata(spec, d, dt)
@@ -684,9 +751,11 @@ def long_prompt(n: int = 320, *, vocab: int = 512, seed: int = 0) -> list[int]:
 
 
 __all__ = [
+    "ALL_DTYPES",
     "DTYPES",
     "FAMILIES",
     "FAMILY_NAMES",
+    "MXFP4",
     "ROUTER_STD_FAN_IN",
     "SLIDING_WINDOW",
     "Dim",

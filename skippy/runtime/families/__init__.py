@@ -17,6 +17,7 @@ from skippy.runtime.boundary import StageUnsupported
 from skippy.runtime.families import (
     gemma2,
     gemma3,
+    gptoss,
     granite,
     granitemoe,
     llama,
@@ -53,6 +54,7 @@ FAMILIES: Final[Mapping[str, Family]] = {
         gemma2.FAMILY,
         phi3.FAMILY,
         mistral3.FAMILY,
+        gptoss.FAMILY,
     )
 }
 # ``inspect`` answers from skippy.runtime.support's table without importing the runtime: the

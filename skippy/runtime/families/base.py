@@ -125,6 +125,9 @@ class Family:
     # its layers route tokens to experts when the file has them (expert_count > 0), else run
     # the dense FFN: llama, whose builder takes Mixtral's experts
     moe_optional: bool = False
+    # the numpy reference engine computes its layers (False: it refuses the family, with a
+    # code, rather than compute it wrongly)
+    numpy_reference: bool = True
 
     @property
     def may_have_experts(self) -> bool:
@@ -166,10 +169,19 @@ def read_float(kv: Mapping[str, Any], key: str, default: float | None = None) ->
     return float(value)
 
 
-def read_yarn(kv: Mapping[str, Any], arch: str, n_ctx_train: int) -> tuple[float, Yarn]:
+def read_yarn(
+    kv: Mapping[str, Any], arch: str, n_ctx_train: int, *, tuning_keys: bool = True
+) -> tuple[float, Yarn]:
     """YaRN scaling from the file: ``freq_scale`` and ggml's parameters, ``attn_factor``
-    computed in f32 as llama.cpp's context does (its mscale, then the cancelling factor)."""
+    computed in f32 as llama.cpp's context does (its mscale, then the cancelling factor).
+    Without ``tuning_keys`` the file's ``yarn_beta_fast``, ``yarn_beta_slow`` and
+    ``yarn_log_multiplier`` are ignored for llama.cpp's defaults, as the loaders of families
+    that do not read them (gpt-oss) do."""
     a, f32 = f"{arch}.", np.float32
+
+    def tuned(key: str, default: float) -> float:
+        return read_float(kv, a + key, default) if tuning_keys else default
+
     for key in ("rope.scaling.yarn_ext_factor", "rope.scaling.yarn_attn_factor"):
         if a + key in kv:
             raise StageUnsupported(
@@ -189,15 +201,15 @@ def read_yarn(kv: Mapping[str, Any], arch: str, n_ctx_train: int) -> tuple[float
             return f32(1.0)
         return f32(f32(0.1) * f32(m) * np.log(factor) + f32(1.0))
 
-    log_mul = read_float(kv, a + "rope.scaling.yarn_log_multiplier", 0.0)
+    log_mul = tuned("rope.scaling.yarn_log_multiplier", 0.0)
     attn = mscale(1.0) / mscale(log_mul) if log_mul != 0.0 else mscale(1.0)
     attn = f32(attn * (f32(1.0) / (f32(1.0) + f32(0.1) * np.log(factor))))
     attn = f32(attn * f32(read_float(kv, a + "rope.scaling.attn_factor", 1.0)))
     yarn = Yarn(
         ext_factor=1.0,
         attn_factor=float(attn),
-        beta_fast=read_float(kv, a + "rope.scaling.yarn_beta_fast", 32.0),
-        beta_slow=read_float(kv, a + "rope.scaling.yarn_beta_slow", 1.0),
+        beta_fast=tuned("rope.scaling.yarn_beta_fast", 32.0),
+        beta_slow=tuned("rope.scaling.yarn_beta_slow", 1.0),
         n_ctx_orig=read_int(
             kv, a + "rope.scaling.original_context_length", 1, MAX_CONTEXT, default=n_ctx_train
         ),
@@ -248,12 +260,14 @@ def read_decoder(
     dense_ffn: bool = True,
     attn_softcap: bool = False,
     yarn: bool = False,
+    yarn_tuning_keys: bool = True,
 ) -> dict[str, Any]:
     """The hyperparameters of a decoder-only transformer every family here shares, as
     ``ModelSpec`` keyword arguments (a family adds or overrides its own). Without
     ``dense_ffn`` (a MoE family) the dense FFN width may be absent (0). A family whose
     attention soft-caps its scores (``attn_softcap``) gets the file's cap, and one that
-    implements YaRN (``yarn``) its parameters (else both are refused)."""
+    implements YaRN (``yarn``) its parameters (else both are refused; ``yarn_tuning_keys``:
+    ``read_yarn``'s)."""
     a = f"{arch}."
     n_layer = read_int(kv, a + "block_count", 1, MAX_LAYERS)
     width = read_int(kv, a + "embedding_length", 1, MAX_WIDTH)
@@ -282,7 +296,9 @@ def read_decoder(
     extra: dict[str, Any] = {}
     rope_scale = _rope_scale(kv, arch, yarn=yarn)
     if yarn and kv.get(a + "rope.scaling.type") == "yarn":
-        rope_scale, extra["yarn"] = read_yarn(kv, arch, context_length)
+        rope_scale, extra["yarn"] = read_yarn(
+            kv, arch, context_length, tuning_keys=yarn_tuning_keys
+        )
     softcap = kv.get(a + "final_logit_softcapping")
     softcap_value = read_float(kv, a + "final_logit_softcapping") if softcap else None
     if attn_softcap:
