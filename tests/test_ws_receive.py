@@ -270,3 +270,50 @@ def test_a_frame_trickled_a_byte_per_read_costs_its_payload_not_its_read_count()
 
     assert _held_by(feed_all) < 2 * LIMIT
     assert [(op, bytes(p)) for op, p in tap.feed(wire[-1:])] == [(OP_BINARY, payload)]
+
+
+def _outcome(server: bool, wire: bytes, cuts: list[int]) -> tuple[list[tuple[int, bytes]], str]:
+    """What the parser makes of ``wire`` read in pieces cut at ``cuts``: the items it gave,
+    and the code it refused with ("" when it refused nothing)."""
+    tap = FrameParser(server=server, max_message_bytes=LIMIT, text=True)
+    items: list[tuple[int, bytes]] = []
+    at = 0
+    try:
+        for cut in [*sorted(set(cuts)), len(wire)]:
+            if cut > at:
+                for op, p in tap.feed(wire[at:cut]):  # each kept before a refusal after it
+                    items.append((op, bytes(p)))
+                at = cut
+    except FrameRefused as exc:
+        return items, exc.code
+    return items, ""
+
+
+frame_bytes = st.builds(
+    lambda b0, payload, masked: _frame(b0, payload, masked=masked),
+    st.sampled_from([0x00, 0x01, 0x02, 0x80, 0x81, 0x82, 0x88, 0x89, 0x8A, 0xC2, 0x83]),
+    st.binary(max_size=300),
+    st.booleans(),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    server=st.booleans(),
+    wire=st.binary(max_size=400) | st.lists(frame_bytes, max_size=8).map(b"".join),
+    data=st.data(),
+)
+def test_any_bytes_parse_the_same_however_cut_or_are_refused_cleanly(server, wire, data):
+    """Fuzzed: random bytes and random sequences of (often invalid) frames, cut anywhere into
+    reads, give the same messages and control frames, and the same refusal, as read whole; a
+    ``FrameRefused`` is the only error; a text message comes out only as valid UTF-8."""
+    cuts = data.draw(st.lists(st.integers(0, len(wire)), max_size=10))
+    whole = _outcome(server, wire, [])
+    assert _outcome(server, wire, cuts) == whole
+    items, _ = whole
+    for opcode, payload in items:
+        assert opcode in (0x1, 0x2, 0x8, 0x9, 0xA)
+        if opcode == 0x1:
+            payload.decode("utf-8")
+        if opcode >= 0x8:
+            assert len(payload) <= 125
