@@ -285,6 +285,7 @@ class WebSocketRequest:
         self.upgrade = upgrade
         self._buffered = buffered
         self._max_message_bytes = max_bytes
+        self.websocket: WebSocket | None = None  # once accepted
 
     @property
     def proposed_subprotocols(self) -> tuple[str, ...]:
@@ -292,13 +293,14 @@ class WebSocketRequest:
 
     async def accept(self, subprotocol: str | None = None) -> WebSocket:
         await self.stream.send_all(accept_response(self.upgrade, subprotocol))
-        return WebSocket(
+        self.websocket = WebSocket(
             self.stream,
             client=False,
             subprotocol=subprotocol,
             max_message_bytes=self._max_message_bytes,
             buffered=self._buffered,
         )
+        return self.websocket
 
     async def reject(self, status: int, body: bytes = b"") -> None:
         """Answer with ``status`` (the connection closes once the handler returns)."""
@@ -311,7 +313,8 @@ async def _serve_connection(
     stream: BudgetedStream,
 ) -> None:
     """One accepted connection: its upgrade request (refused with its status when invalid,
-    dropped when it does not come within ``handshake_s``), then ``handler``."""
+    dropped when it does not come within ``handshake_s``), then ``handler``; a WebSocket the
+    handler accepted and left open is closed (1000) when it returns."""
     try:
         request = None
         with trio.move_on_after(settings.handshake_s):
@@ -325,7 +328,13 @@ async def _serve_connection(
                 return
             request = WebSocketRequest(stream, upgrade, rest, settings.max_message_bytes)
         if request is not None:
-            await handler(request)
+            try:
+                await handler(request)
+            finally:
+                ws = request.websocket
+                if ws is not None and ws.closed is None:
+                    with trio.CancelScope(shield=True), trio.move_on_after(settings.disconnect_s):
+                        await ws.aclose()
     finally:
         with trio.CancelScope(shield=True):
             await stream.aclose()

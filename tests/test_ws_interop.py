@@ -224,3 +224,20 @@ async def test_a_stock_listener_that_refuses_the_upgrade_is_a_rejection() -> Non
     finally:
         server.shutdown()
         await trio.to_thread.run_sync(thread.join, 10)
+
+
+async def test_a_websocket_our_handler_leaves_open_is_closed_normally() -> None:
+    """A handler that accepts and returns (the node refusing a duplicate link, or a link to
+    itself) leaves no half-open connection: the peer gets a normal close (1000)."""
+
+    async def leave(ws: WebSocket) -> str:
+        return "left"
+
+    def client(url: str) -> tuple[int | None, str]:
+        with stock_connect(url + "/") as ws, pytest.raises(StockClosed) as closed:
+            ws.recv(timeout=10)
+        return received_close(closed.value)
+
+    async with our_server(leave) as (url, outcomes):
+        assert await trio.to_thread.run_sync(client, url) == (1000, "")
+    assert outcomes == ["left"]
