@@ -1,7 +1,8 @@
 """glibc malloc settings for a process that streams bulk bytes (``mesh-node run``).
 
 Every byte a link moves passes through short-lived buffers of 64 KiB to ~1 MiB: file chunks,
-Noise records, WebSocket messages (wsproto alone makes three copies of each outgoing one).
+Noise records, WebSocket messages (a stock WebSocket library copies each outgoing one several
+times).
 With glibc's defaults a freed buffer of that size is handed back to the kernel (the dynamic
 mmap threshold, heap trimming at twice it) and the next one is page-faulted in again: measured
 here, 0.18-0.46 million minor faults per GB on the sending side, a fifth to a third of its CPU

@@ -1,13 +1,13 @@
 """The node-wide budget for memory held on behalf of peers (issue #19 item 3).
 
-Each link already bounds itself (32 streams x 4 MiB window, one queued WebSocket message, a
+Each link already bounds itself (32 streams x 4 MiB window, one WebSocket message in parsing, a
 1 MiB control backlog), but 32 links x 32 streams x a 1 MiB message prefix is a gigabyte: the
 node needs one cap over all of them. Every byte a peer makes this node hold is *taken* from
 this budget before it is buffered, and *given* back when it is consumed or when its stream or
 link ends:
 - at the transport (``mesh_node.transport.BudgetedStream``): bytes read from the socket,
-  held by trio-websocket and wsproto (their buffers, the queued message) until the link's
-  reader has decrypted them; a read waits for room (TCP pushes back on the peer);
+  held by the link's WebSocket (the parts of a message not yet whole) until the link's
+  reader has taken the message; a read waits for room (TCP pushes back on the peer);
 - in the link: received stream data not yet read by its handler, a partly received
   length-prefixed message. A take that does not fit resets only that stream
   (``memory_budget``).

@@ -1,11 +1,11 @@
-"""One authenticated link: trio-websocket + Noise channel + stream multiplexer (the I/O shell).
+"""One authenticated link: WebSocket + Noise channel + stream multiplexer (the I/O shell).
 
 The protocol decisions are all in ``protocol/`` (sans-IO); this module moves bytes and wakes
 tasks. Each link runs in its own nursery (reader, writer, heartbeat, and the handler tasks of
 the streams its peer opened), so a link's failure or a handler's crash never touches another
-link. Memory per link is bounded: the WebSocket keeps at most one received message, each stream
-buffers at most its receive window (the peer cannot exceed it without killing the link), sends
-queue at most the peer's credit, and control frames at most ``max_control_backlog_bytes``.
+link. Memory per link is bounded: the WebSocket parses no further than the message taken, each
+stream buffers at most its receive window (the peer cannot exceed it without killing the link),
+sends queue at most the peer's credit, and control frames at most ``max_control_backlog_bytes``.
 """
 
 from __future__ import annotations
@@ -17,13 +17,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import trio
-from trio_websocket import ConnectionClosed, WebSocketConnection
 
 from mesh_node.budget import PeerMemory
 from mesh_node.errors import LinkClosed, StreamRefused, StreamReset, StreamStalled
 from mesh_node.transport import BudgetedStream
-from mesh_node.ws_frames import DirectSender, sealed_frame
-from mesh_node.ws_receive import FrameRefused
+from mesh_node.websocket import ConnectionClosed, WebSocket, WebSocketSettings
 from protocol import constants as pc
 from protocol import streams as ev
 from protocol.errors import ProtocolError
@@ -31,6 +29,7 @@ from protocol.frames import SubprotocolOpen
 from protocol.handshake import Handshake, PeerIdentity, SecureChannel
 from protocol.messages import MessageReader, frame_message
 from protocol.streams import Multiplexer
+from protocol.ws_frames import FrameRefused, sealed_frame
 
 RTT_WINDOW = 16  # heartbeat RTT samples kept per link (issue #21: min-RTT for planning)
 log = logging.getLogger("mesh_node.link")
@@ -53,51 +52,25 @@ class LinkTimeouts:
     disconnect_s: float = 1.0  # how long a closing WebSocket waits for the peer's close
 
 
-def websocket_options(limits: pc.Limits, timeouts: LinkTimeouts) -> dict[str, object]:
-    """trio-websocket settings for both ends: a 1 MiB receive buffer (its 4 KiB default caps
-    loopback at ~107 MB/s, runtime-facts.md), messages bounded by the protocol's record batch, one
-    queued message, short connect/close waits."""
-    return {
-        "message_queue_size": 1,
-        "max_message_size": limits.max_ws_message_bytes,
-        "receive_buffer_size": 1024 * 1024,
-        "connect_timeout": timeouts.handshake_s,
-        "disconnect_timeout": timeouts.disconnect_s,
-    }
-
-
-async def receive_message(
-    ws: WebSocketConnection, transport: BudgetedStream | None
-) -> bytes | bytearray | memoryview | str:
-    """A link's next WebSocket message: from its stream's own frame parser when it has one
-    (``BudgetedStream.next_message``, issue #25 item 4), else from trio-websocket. Raises
-    ``ConnectionClosed`` once the connection ended (trio-websocket knows how: a close frame,
-    a broken connection) and ``ProtocolError`` for a frame the parser refused."""
-    if transport is not None and transport.tap is not None:
-        try:
-            return await transport.next_message()  # FrameRefused is a ProtocolError
-        except trio.EndOfChannel:
-            pass  # the connection ended: trio-websocket's ``get_message`` raises how
-    return await ws.get_message()
+def websocket_settings(limits: pc.Limits, timeouts: LinkTimeouts) -> WebSocketSettings:
+    """Both ends' WebSocket: messages bounded by the protocol's record batch, the opening
+    handshake within the link's handshake timeout, short close waits."""
+    return WebSocketSettings(
+        max_message_bytes=limits.max_ws_message_bytes,
+        handshake_s=timeouts.handshake_s,
+        disconnect_s=timeouts.disconnect_s,
+    )
 
 
 async def secure_handshake(
-    ws: WebSocketConnection,
-    hs: Handshake,
-    timeout_s: float,
-    transport: BudgetedStream | None = None,
+    ws: WebSocket, hs: Handshake, timeout_s: float
 ) -> tuple[PeerIdentity, SecureChannel]:
     """Run the Noise XX exchange over ``ws``; raise ``ProtocolError`` or ``trio.TooSlowError``."""
     with trio.fail_after(timeout_s):
         if hs.initiator:
             await ws.send_message(hs.start())
         while not hs.complete:
-            message = await receive_message(ws, transport)
-            if transport is not None:
-                transport.delivered(len(message))
-            if isinstance(message, str):
-                raise ProtocolError("handshake_failed", "a text message during the handshake")
-            reply = hs.receive(bytes(message))
+            reply = hs.receive(bytes(await ws.get_message()))
             if reply is not None:
                 await ws.send_message(reply)
     assert hs.peer is not None and hs.channel is not None  # complete implies both (typing)
@@ -393,7 +366,7 @@ class Link:
 
     def __init__(
         self,
-        ws: WebSocketConnection,
+        ws: WebSocket,
         channel: SecureChannel,
         peer: PeerIdentity,
         *,
@@ -403,7 +376,6 @@ class Link:
         on_stream: Callable[[Link, SubprotocolOpen], StreamDecision],
         on_message: Callable[[Link, bytes], None],
         budget: PeerMemory | None = None,
-        transport: BudgetedStream | None = None,
     ) -> None:
         self.ws = ws
         self.channel = channel
@@ -420,8 +392,8 @@ class Link:
         self._inbound: dict[int, trio.CancelScope] = {}
         self.budget = budget
         # The transport's account (its reads, issue #19) is the link's: one share per peer.
-        self.transport = transport
-        self.budget_key = transport.key if transport is not None else id(self)
+        self.transport: BudgetedStream = ws.stream
+        self.budget_key = self.transport.key
         self.budget_peak = 0  # the most this link held of the budget (known once it closed)
         self._output = trio.lowlevel.ParkingLot()
         self._nursery: trio.Nursery | None = None
@@ -440,9 +412,6 @@ class Link:
         self._ping_sent: dict[int, float] = {}
         self._ping_seq = 0
         self._write_in_flight = False
-        # Issue #25: messages framed here and written straight to the socket (None: through
-        # trio-websocket's send_message; mesh_node/ws_frames.py says why and when).
-        self._direct = DirectSender.attach(ws)
 
     # --- lifecycle ---------------------------------------------------------------------------
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -471,8 +440,6 @@ class Link:
             if self.budget is not None:
                 self.budget_peak = self.budget.close(self.budget_key)
             self.closed.set()
-            if self.transport is not None:  # nobody reads messages now: the close still runs
-                self.transport.stop_messages()
             with trio.CancelScope(shield=True), trio.move_on_after(self.timeouts.disconnect_s):
                 await self._say_goodbye(reason)
                 await self.ws.aclose(code=self._ws_close_code)
@@ -529,29 +496,24 @@ class Link:
 
     def send_now(self) -> None:
         """Seal and write what the multiplexer has queued from this task, without a
-        scheduler pass (``DirectSender.send_now``), when the writer is idle and the socket
+        scheduler pass (``WebSocket.send_now``), when the writer is idle and the socket
         free; else (or for what the kernel did not take) wake the writer. Issues #21/#25:
         a decode frame leaves when it is queued. The records are sealed in the order the
         writer would seal them, so nonces and bytes on the wire are the same."""
-        direct = self._direct
-        if (
-            direct is None
-            or self._write_in_flight
-            or self.close_reason is not None
-            or not direct.can_send_now()
-        ):
+        ws = self.ws
+        if self._write_in_flight or self.close_reason is not None or not ws.can_send_now():
             self.wake_writer()
             return
         records = self._next_records()
         if not records:
             return
         try:
-            data, size = sealed_frame(self.channel, records, masked=direct.masked)
+            data, size = sealed_frame(self.channel, records, masked=ws.masked)
         except ProtocolError as exc:
             self.close(exc.code, exc.message)
             return
         self.bytes_sent += size
-        if not direct.send_now(data):
+        if not ws.send_now(data):
             # Sealed but not all written: nothing else (not even a goodbye) may go first.
             self._write_in_flight = True
             self.wake_writer()
@@ -603,11 +565,7 @@ class Link:
     async def _reader(self) -> None:
         try:
             while True:
-                message = await receive_message(self.ws, self.transport)
-                if self.transport is not None:  # out of the WebSocket: streams take their part
-                    self.transport.delivered(len(message))
-                if isinstance(message, str):
-                    raise ProtocolError("malformed_record", "a text WebSocket message")
+                message = await self.ws.get_message()
                 self.last_received = trio.current_time()
                 self.bytes_received += len(message)
                 await self._yield_to_others(per_record=False)  # before the work, not after
@@ -622,7 +580,7 @@ class Link:
             self.close("connection_closed", "the connection broke")
         except ConnectionClosed as exc:
             why = exc.reason
-            text = f"{why.code} {why.reason or ''}".strip() if why is not None else ""
+            text = f"{why.code} {why.reason}".strip()
             self.close("connection_closed", text or "the peer closed the connection")
         except ProtocolError as exc:
             log.warning("link %s: protocol violation: %s", self.node_id[:12], exc)
@@ -637,7 +595,7 @@ class Link:
         one record, not by a batch of everyone's messages (issue #19: honest-link RTT).
         Trusted peers never wait."""
         transport = self.transport
-        if transport is None or transport.trusted:
+        if transport.trusted:
             return
         if per_record and not transport.budget.under_pressure():
             return
@@ -649,7 +607,7 @@ class Link:
         for the data has had its checkpoint (issues #21/#25: one scheduler pass less per
         frame); a stranger's always waits its turn."""
         transport = self.transport
-        if transport is None or transport.trusted:
+        if transport.trusted:
             if not parked:
                 await trio.lowlevel.checkpoint()
         else:
@@ -743,14 +701,14 @@ class Link:
 
     async def _writer(self) -> None:
         try:
+            ws = self.ws
             while True:
-                direct = self._direct
-                while not self.mux.has_output() and (direct is None or direct.unsent is None):
+                while not self.mux.has_output() and ws.unsent is None:
                     await self._output.park()
-                if direct is not None and direct.unsent is not None:
+                if ws.unsent is not None:
                     # The rest of a message ``send_now`` began (``_write_in_flight`` is set).
                     with trio.move_on_after(self.timeouts.idle_s) as scope:
-                        await direct.flush()
+                        await ws.flush()
                     if scope.cancelled_caught:
                         self.close("peer_not_reading", "a write stalled past the idle timeout")
                         return
@@ -759,20 +717,12 @@ class Link:
                 if not records:
                     await trio.lowlevel.checkpoint()
                     continue
-                direct = self._direct
-                if direct is not None:
-                    data, size = sealed_frame(self.channel, records, masked=direct.masked)
-                else:
-                    payload = self.channel.seal(records)
-                    size = len(payload)
+                data, size = sealed_frame(self.channel, records, masked=ws.masked)
                 # Between seal (nonces used) and a complete send, a cancelled write would leave
                 # a gap the peer rightly rejects: no goodbye may follow an interrupted write.
                 self._write_in_flight = True
                 with trio.move_on_after(self.timeouts.idle_s) as scope:
-                    if direct is not None:
-                        await direct.send(data)
-                    else:
-                        await self.ws.send_message(payload)
+                    await ws.send(data)
                 self._write_in_flight = False
                 if scope.cancelled_caught:
                     self.close("peer_not_reading", "a write stalled past the idle timeout")
@@ -786,8 +736,6 @@ class Link:
     def _last_heard(self) -> float:
         """When the peer last sent something, as far as we know: while our transport waits
         for budget room (issue #19) its bytes wait in the kernel, which is not silence."""
-        if self.transport is None:
-            return self.last_received
         return max(self.last_received, self.transport.waited_at)
 
     async def _heartbeat(self) -> None:

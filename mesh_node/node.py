@@ -22,13 +22,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import trio
-from trio_websocket import (
-    ConnectionClosed,
-    ConnectionRejected,
-    HandshakeError,
-    WebSocketConnection,
-    WebSocketRequest,
-)
 
 from mesh_node.budget import PeerMemory
 from mesh_node.cipher_support import local_ciphers
@@ -41,7 +34,7 @@ from mesh_node.link import (
     MeshStream,
     StreamDecision,
     secure_handshake,
-    websocket_options,
+    websocket_settings,
 )
 from mesh_node.memory_release import MemoryReleaser
 from mesh_node.metrics import NodeMetrics
@@ -58,12 +51,15 @@ from mesh_node.peers import (
 from mesh_node.topology import TopologyService
 from mesh_node.transfer.policy import node_policy
 from mesh_node.transfer.records import TransferLog
-from mesh_node.transport import (
-    AcceptedTransports,
-    BudgetedStream,
-    budgeted_listeners,
-    budgeted_websocket,
-    websocket_server,
+from mesh_node.transport import budgeted_listeners
+from mesh_node.websocket import (
+    ConnectionClosed,
+    ConnectionRejected,
+    HandshakeError,
+    WebSocket,
+    WebSocketRequest,
+    connect,
+    serve_websockets,
 )
 from protocol import constants as pc
 from protocol.certificates import OwnerCertificate
@@ -184,7 +180,7 @@ def jittered(delay_s: float) -> float:
 
 
 def dial_failure(exc: BaseException) -> str:
-    """Why a dial failed, in words (trio-websocket's errors often have an empty ``str``)."""
+    """Why a dial failed, in words (trio's errors often have an empty ``str``)."""
     if isinstance(exc, ConnectionRejected):
         return f"the peer rejected the WebSocket upgrade (HTTP {exc.status_code})"
     if isinstance(exc, ConnectionClosed):
@@ -253,7 +249,6 @@ class MeshNode:
         self._memory_release = MemoryReleaser()
         self._handshake_slots = trio.CapacityLimiter(MAX_PENDING_HANDSHAKES)
         self._pending_by_address: dict[str, int] = {}
-        self._transports = AcceptedTransports()  # accepted, not yet seen by _accept
         self._admission_rates: dict[str, tuple[float, float]] = {}  # address -> tokens, time
         self._heard_of: dict[str, None] = {}  # ordered set, oldest first
         # Memory held for peers, all links together (issue #19 item 3).
@@ -417,7 +412,7 @@ class MeshNode:
             before.trusted,
             member.peer.trust_reason,
         )
-        if member.link is not None and member.link.transport is not None:
+        if member.link is not None:
             member.link.transport.set_trusted(member.peer.trusted)  # its budget pool
         if before.trusted and not member.peer.trusted and member.link is not None:
             stopped = member.link.reset_inbound("trust_expired", "this peer is no longer trusted")
@@ -475,21 +470,15 @@ class MeshNode:
             )
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
-            opts = websocket_options(self.limits, self.timeouts)
             listen = self.settings.listen
             try:
                 # Every accepted connection's reads are taken from the peer-memory budget
                 # from its first byte (mesh_node.transport, issue #19).
-                listeners = await budgeted_listeners(
-                    listen.host,
-                    listen.port,
-                    self.peer_memory,
-                    self._transports,
-                    self.limits.max_ws_message_bytes,
-                )
+                listeners = await budgeted_listeners(listen.host, listen.port, self.peer_memory)
             except OSError as exc:
                 raise listen_error(listen, exc) from None
-            await nursery.start(websocket_server(self._on_request, listeners, nursery, opts).run)
+            ws_settings = websocket_settings(self.limits, self.timeouts)
+            await nursery.start(serve_websockets, self._on_request, listeners, nursery, ws_settings)
             host = listen.host if ":" not in listen.host else f"[{listen.host}]"
             self.listen_url = f"ws://{host}:{listeners[0].port}"
             for address in self.settings.peers:
@@ -561,15 +550,18 @@ class MeshNode:
 
     async def _dial(self, address: PeerAddress) -> None:
         expected = bytes.fromhex(address.node_id) if address.node_id else None
-        opts = websocket_options(self.limits, self.timeouts)
         offered = offered_subprotocols(self.link_ciphers)
         # `dial_via` (issue #21): reach this peer through another address (a relay, a tunnel);
         # the handshake still demands the peer's own id.
         via = self.settings.dial_via.get(address.node_id or "")
         target = via if via is not None else address
-        async with budgeted_websocket(
-            target.host, target.port, self.peer_memory, {**opts, "subprotocols": offered}
-        ) as (ws, transport):
+        async with connect(
+            target.host,
+            target.port,
+            self.peer_memory,
+            websocket_settings(self.limits, self.timeouts),
+            offered,
+        ) as ws:
             hs = Handshake(
                 initiator=True,
                 identity=self.identity.key,
@@ -579,14 +571,12 @@ class MeshNode:
                 cipher=cipher_for_selected(ws.subprotocol, offered),
             )
             try:
-                peer, channel = await secure_handshake(
-                    ws, hs, self.timeouts.handshake_s, transport=transport
-                )
+                peer, channel = await secure_handshake(ws, hs, self.timeouts.handshake_s)
             except ProtocolError as exc:
                 if exc.code == "identity_mismatch":
                     log.warning("dial %s: %s (fails closed)", address, exc.message)
                 raise
-            await self._serve_link(ws, peer, channel, initiator=True, transport=transport)
+            await self._serve_link(ws, peer, channel, initiator=True)
 
     async def _on_request(self, request: WebSocketRequest) -> None:
         try:
@@ -612,19 +602,15 @@ class MeshNode:
         return True
 
     async def _accept(self, request: WebSocketRequest) -> None:
-        # The connection's budgeted stream (trio-websocket names it as the remote endpoint).
-        transport = self._transports.claim(str(request.remote))
+        transport = request.stream  # the connection's budgeted stream
+        transport.claim()
         try:
-            await self._accept_upgrade(request, transport)
-        finally:
-            if transport is not None:  # the link (if any) is done: release what is left
-                self.peer_memory.close(transport.key)
+            await self._accept_upgrade(request)
+        finally:  # the link (if any) is done: release what is left
+            self.peer_memory.close(transport.key)
 
-    async def _accept_upgrade(
-        self, request: WebSocketRequest, transport: BudgetedStream | None
-    ) -> None:
-        remote = request.remote
-        address = transport.peer_address if transport is not None else str(remote)
+    async def _accept_upgrade(self, request: WebSocketRequest) -> None:
+        address = request.stream.peer_address
         if self._closing:
             self.admission["rejected_closing"] += 1
             await request.reject(503, body=b"the node is shutting down")
@@ -658,9 +644,7 @@ class MeshNode:
                     cipher=cipher,
                 )
                 try:
-                    peer, channel = await secure_handshake(
-                        ws, hs, self.timeouts.handshake_s, transport=transport
-                    )
+                    peer, channel = await secure_handshake(ws, hs, self.timeouts.handshake_s)
                 except (ProtocolError, trio.TooSlowError) as exc:
                     log.info("inbound handshake failed: %s", exc)
                     with trio.move_on_after(self.timeouts.disconnect_s):
@@ -674,17 +658,16 @@ class MeshNode:
                 self._pending_by_address[address] = left
             else:
                 self._pending_by_address.pop(address, None)
-        await self._serve_link(ws, peer, channel, initiator=False, transport=transport)
+        await self._serve_link(ws, peer, channel, initiator=False)
 
     # --- links and membership -------------------------------------------------------------------
     async def _serve_link(
         self,
-        ws: WebSocketConnection,
+        ws: WebSocket,
         identity: PeerIdentity,
         channel: SecureChannel,
         *,
         initiator: bool,
-        transport: BudgetedStream | None = None,
     ) -> None:
         node_id = identity.node_id.hex()
         if node_id == self.node_id:
@@ -701,10 +684,8 @@ class MeshNode:
             on_stream=self._decide_stream,
             on_message=self._on_message,
             budget=self.peer_memory,
-            transport=transport,
         )
-        if transport is not None:
-            transport.established(trusted=peer.trusted)  # its bytes in the peer's pool
+        ws.stream.established(trusted=peer.trusted)  # its bytes in the peer's pool
         member = self._members.get(node_id)
         if member is not None and member.link is not None:
             if not self._prefer_new(member.link, link):

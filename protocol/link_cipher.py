@@ -63,7 +63,8 @@ def select_subprotocol(
 
 def cipher_for_selected(selected: str | None, offered: Sequence[str]) -> LinkCipher:
     """The dialer's view of the listener's answer: no subprotocol means the default cipher
-    (an older listener); anything it did not offer is refused (wsproto checks this too)."""
+    (an older listener); anything it did not offer is refused (``protocol.ws_upgrade`` checks
+    this too)."""
     if selected is None:
         return DEFAULT_CIPHER
     for cipher, token in _SUBPROTOCOLS.items():

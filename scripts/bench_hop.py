@@ -80,7 +80,8 @@ async def _serve_ws() -> None:
 
 
 def _ws_opts() -> dict[str, Any]:
-    """The options a link's WebSocket has (``mesh_node.link.websocket_options``)."""
+    """trio-websocket options as close to a link's WebSocket as it has (one queued message, the
+    link's message bound, 1 MiB reads: ``mesh_node.link.websocket_settings``)."""
     return {"message_queue_size": 1, "max_message_size": 4 << 20, "receive_buffer_size": 1 << 20}
 
 

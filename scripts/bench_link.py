@@ -22,7 +22,7 @@ file, no model.
   records with AES-256-GCM, the receiver opens them, hashes and writes a new file and checks
   its SHA-256. No Noise framing, multiplexer, flow control or request, against the same raw
   baseline, run by run. The node's links parse their WebSocket frames themselves
-  (``mesh_node.ws_receive``), so their verified transfer can pass it.
+  (``protocol.ws_frames``, ``mesh_node.websocket``), so their verified transfer can pass it.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """A small frame's way through the link stack without extra scheduler passes (issues #21/#25:
 the per-hop cost of a decode frame): a message written from the sending task
-(``DirectSender.send_now``) whose tail the kernel refused is completed before anything else; a
+(``WebSocket.send_now``) whose tail the kernel refused is completed before anything else; a
 transport read that finds room in the budget and bytes in the socket takes them at once and
-reports a broken connection as trio does. Real sockets and a real trio-websocket pair."""
+reports a broken connection as trio does. Real sockets; trio-websocket as the far end."""
 
 from __future__ import annotations
 
@@ -11,13 +11,17 @@ import struct
 
 import pytest
 import trio
-from trio_websocket import open_websocket_url, serve_websocket
+from trio_websocket import serve_websocket
 
 from mesh_node.budget import PeerMemory
 from mesh_node.transport import BudgetedStream
-from mesh_node.ws_frames import DirectSender, frame
+from mesh_node.websocket import WebSocketSettings, connect
+from protocol.ws_frames import frame
 
 BIG = 32 << 20  # more than one non-blocking send() on loopback takes (socket buffers)
+
+
+SETTINGS = WebSocketSettings(max_message_bytes=2 * BIG, handshake_s=10, disconnect_s=2)
 
 
 async def test_send_now_writes_whole_messages_and_flush_completes_a_refused_tail() -> None:
@@ -40,38 +44,48 @@ async def test_send_now_writes_whole_messages_and_flush_completes_a_refused_tail
                 max_message_size=2 * BIG,
             )
         )
-        async with open_websocket_url(f"ws://127.0.0.1:{server.port}/") as ws:
-            sender = DirectSender.attach(ws)
-            assert sender is not None and sender.can_send_now()
+        async with connect("127.0.0.1", server.port, PeerMemory(1 << 26), SETTINGS) as ws:
+            assert ws.can_send_now()
             # the kernel took all of it
-            assert sender.send_now(frame([b"small-", b"one"], 9, masked=True))
-            assert sender.unsent is None
-            assert not sender.send_now(frame([big[: BIG // 2], big[BIG // 2 :]], BIG, masked=True))
-            assert sender.unsent is not None and 0 < len(sender.unsent) < BIG
+            assert ws.send_now(frame([b"small-", b"one"], 9, masked=True))
+            assert ws.unsent is None
+            assert not ws.send_now(frame([big[: BIG // 2], big[BIG // 2 :]], BIG, masked=True))
+            assert ws.unsent is not None and 0 < len(ws.unsent) < BIG
             # Nothing may start before the tail is out, from this task or any other.
-            assert not sender.can_send_now()
+            assert not ws.can_send_now()
             read.set()
-            await sender.flush()
-            assert sender.unsent is None and sender.can_send_now()
-            assert sender.send_now(frame([b"after"], 5, masked=True))
+            await ws.flush()
+            assert ws.unsent is None and ws.can_send_now()
+            assert ws.send_now(frame([b"after"], 5, masked=True))
             assert await ws.get_message() == b"done"
         nursery.cancel_scope.cancel()
     assert got == [b"small-one", big, b"after"]
 
 
-async def test_send_now_is_refused_while_another_task_holds_the_send_lock() -> None:
+async def test_send_now_is_refused_while_another_task_is_writing() -> None:
+    read = trio.Event()
+
     async def handler(request: object) -> None:
         ws = await request.accept()  # type: ignore[attr-defined]
+        await read.wait()
+        await ws.get_message()
         await ws.get_message()
 
+    big = frame([bytes(BIG)], BIG, masked=True)
     async with trio.open_nursery() as nursery:
-        server = await nursery.start(serve_websocket, handler, "127.0.0.1", 0, None)
-        async with open_websocket_url(f"ws://127.0.0.1:{server.port}/") as ws:
-            sender = DirectSender.attach(ws)
-            assert sender is not None
-            async with ws._stream_lock:  # what trio-websocket's own sends (pong, close) hold
-                assert not sender.can_send_now()
-            assert sender.can_send_now()
+        server = await nursery.start(
+            lambda task_status: serve_websocket(
+                handler, "127.0.0.1", 0, None, task_status=task_status,
+                max_message_size=2 * BIG,
+            )
+        )
+        async with connect("127.0.0.1", server.port, PeerMemory(1 << 26), SETTINGS) as ws:
+            async with trio.open_nursery() as writers:
+                writers.start_soon(ws.send, big)  # stalls: the peer is not reading yet
+                await trio.sleep(0.2)
+                assert not ws.can_send_now()  # what a pong or a close would wait behind too
+                read.set()
+            assert ws.can_send_now()
             await ws.send_message(b"bye")
         nursery.cancel_scope.cancel()
 

@@ -342,45 +342,44 @@ async def test_a_dialer_survives_peers_that_hang_up_or_speak_garbage(tmp_path):
         await assert_good_link_alive(victim, good)
 
 
-async def test_a_link_failing_while_its_node_shuts_down_ends_as_a_cancellation():
+async def test_a_link_failing_while_its_node_shuts_down_leaves_as_its_own_error():
     """A dial whose link fails (here: ConnectionClosed) at the moment its node is cancelled
-    must leave as a cancellation, which the node's shutdown absorbs; as a group of the error
-    and a Cancelled it escaped the dial loop's error handling and crashed the shutdown (a
-    CI failure of the dialer test above)."""
-    from trio_websocket import CloseReason, serve_websocket
+    must leave as that error (which the dial loop handles, then sees the cancellation) or as
+    a cancellation, never as a group of the error and a Cancelled: such a group escaped the
+    dial loop's error handling and crashed the node's shutdown (a CI failure of the dialer
+    test above)."""
+    from trio_websocket import serve_websocket
 
     from mesh_node.budget import PeerMemory
-    from mesh_node.transport import budgeted_websocket
+    from mesh_node.websocket import ConnectionClosed as LinkWebSocketClosed
+    from mesh_node.websocket import WebSocketSettings, connect
+    from protocol.ws_close import CloseReason
 
     async def silent(request) -> None:
         await request.accept()
         await trio.sleep_forever()
 
+    settings = WebSocketSettings(max_message_bytes=MIB, handshake_s=5, disconnect_s=0.2)
     async with trio.open_nursery() as n:
         server = await n.start(
             lambda task_status: serve_websocket(
                 silent, "127.0.0.1", 0, None, task_status=task_status
             )
         )
-        with trio.CancelScope() as shutdown:
-            async with budgeted_websocket(
-                "127.0.0.1", server.port, PeerMemory(16 * MIB), {"disconnect_timeout": 0.2}
-            ):
-                await trio.sleep(0.05)  # the WebSocket's reader task is waiting for bytes
+        with trio.CancelScope() as shutdown, pytest.raises(LinkWebSocketClosed):
+            async with connect("127.0.0.1", server.port, PeerMemory(16 * MIB), settings):
+                await trio.sleep(0.05)
                 shutdown.cancel()  # the node shuts down ...
-                raise ConnectionClosed(CloseReason(1000, None))  # ... as the link fails
-        assert shutdown.cancelled_caught
+                raise LinkWebSocketClosed(CloseReason(1000))  # ... as the link fails
         n.cancel_scope.cancel()
 
 
 async def test_a_fragmented_message_with_a_ping_between_its_frames_is_taken_and_answered(tmp_path):
-    """Issue #25 item 4: the node parses its links' WebSocket frames itself
-    (``mesh_node.ws_receive``). A peer may fragment a message and send control frames
-    between its fragments (RFC 6455 5.4): the node takes the message (its mux ping is
-    answered), and the link's WebSocket pings are still answered after it (control frames
-    go on to trio-websocket)."""
-    from mesh_node.ws_frames import frame_header, mask_in_place
+    """A peer may fragment a message and send control frames between its fragments
+    (RFC 6455 5.4): the node takes the message (its mux ping is answered), and the link's
+    WebSocket pings are still answered after it."""
     from protocol import streams as ev
+    from protocol.ws_frames import frame_header, mask_in_place
 
     def masked(b0: int, payload: bytes) -> bytes:
         key = b"\x11\x22\x33\x44"
@@ -408,5 +407,5 @@ async def test_a_fragmented_message_with_a_ping_between_its_frames_is_taken_and_
                     pongs += [e for e in mux.receive(plaintext) if isinstance(e, ev.PongReceived)]
         assert pongs[0].opaque == b"frag-pin"
         with trio.fail_after(5):
-            await ws.ping(b"after")  # trio-websocket's own ping and pong, through the node's tap
+            await ws.ping(b"after")  # trio-websocket's own ping, answered by the node
         await assert_good_link_alive(victim, good)

@@ -492,7 +492,7 @@ def _symbol(libraries: tuple[ctypes.CDLL, ...], name: str) -> Any:
         except AttributeError:
             continue
     raise GgmlVersionMismatch(
-        f"ggml symbol {name} is missing from {[lib._name for lib in libraries]}: the installed "
+        f"ggml symbol {name} is missing from {', '.join(LIBRARY_FILES)}: the installed "
         f"llama-cpp-python is not the {LLAMA_CPP_PYTHON_VERSION} these declarations were "
         "written for",
         code="ggml_version_mismatch",
