@@ -55,6 +55,7 @@ from mesh_node.peers import (
     SubprotocolHandler,
     status_document,
 )
+from mesh_node.settings import HostPort, NodeSettings, PeerAddress, parse_peer_address
 from mesh_node.topology import TopologyService
 from mesh_node.transfer.policy import node_policy
 from mesh_node.transfer.records import TransferLog
@@ -77,7 +78,6 @@ from protocol.link_cipher import (
     select_subprotocol,
 )
 from protocol.messages import ComputeCost, Hello, PeerRecord, Peers, decode_link_message
-from skippy.config import HostPort, NodeSettings, PeerAddress, parse_peer_address
 from skippy.errors import UsageError
 from skippy.transfer import sha256_chain
 from skippy.transfer.policy import would_serve

@@ -20,7 +20,8 @@ from mesh_node.identity import LocalIdentity
 from mesh_node.node import MeshNode
 from mesh_node.packages import package_identity
 from mesh_node.serving.service import ServeOptions, Serving, serve_options, stage_services
-from skippy.config import NodeSettings, read_environment
+from mesh_node.settings import NodeSettings
+from skippy.config import read_environment
 from skippy.errors import SkippyError, UsageError
 
 if TYPE_CHECKING:

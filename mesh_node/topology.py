@@ -49,6 +49,7 @@ from mesh_node.peers import (
     StageReported,
     TopologyChanged,
 )
+from mesh_node.settings import NodeSettings
 from protocol import constants as pc
 from protocol.certificates import verify_domain
 from protocol.errors import ProtocolError
@@ -59,7 +60,6 @@ from protocol.messages import (
     TopologyOffer,
     decode_control_message,
 )
-from skippy.config import NodeSettings
 from skippy.errors import TopologyError
 from skippy.package.cost_plan import topology_from_candidate
 from skippy.package.heal import heal_topology

@@ -15,7 +15,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from mesh_node.identity import LocalIdentity, issue_certificate
 from mesh_node.node import MeshNode
-from skippy.config import HostPort, NodeSettings, PeerAddress, SecuritySettings
+from mesh_node.settings import HostPort, NodeSettings, PeerAddress, SecuritySettings
 
 FAST = {
     "heartbeat_interval_s": 0.1,

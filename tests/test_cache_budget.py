@@ -35,9 +35,9 @@ from test_delta_revisions import _revise
 from mesh_node.lab.package import revise_directory
 from mesh_node.metrics import cache_families
 from mesh_node.peers import render_cache, render_status
+from mesh_node.settings import SecuritySettings, security_settings
 from mesh_node.transfer.cache_budget import CacheBudget
 from skippy.atomic import exclusive_lock, resumable_partial_for
-from skippy.config import SecuritySettings, security_settings
 from skippy.constants import MANIFEST_NAME, ROLE_LAYER
 from skippy.consume import hub
 from skippy.errors import UsageError

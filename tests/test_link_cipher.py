@@ -16,6 +16,7 @@ from mesh_node.cipher_support import ciphers_for, has_hardware_aes
 from mesh_node.link import RECEIVE_SOME_BYTES
 from mesh_node.node import MeshNode
 from mesh_node.peers import InboundStream
+from mesh_node.settings import PeerAddress
 from protocol import constants as pc
 from protocol.errors import ProtocolError
 from protocol.handshake import Handshake
@@ -25,7 +26,6 @@ from protocol.link_cipher import (
     offered_subprotocols,
     select_subprotocol,
 )
-from skippy.config import PeerAddress
 
 AES, CHACHA = LinkCipher.AESGCM, LinkCipher.CHACHAPOLY
 NEW = (AES, CHACHA)  # what a node with AES instructions supports, best first

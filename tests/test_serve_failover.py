@@ -35,8 +35,9 @@ from mesh_node.service import _package_facts
 from mesh_node.serving.host import StageHost
 from mesh_node.serving.pipeline import GenerationParams, SplitNotReady, SplitServer
 from mesh_node.serving.service import stage_services
+from mesh_node.settings import ServingSettings
 from protocol import constants as pc
-from skippy.config import ServingSettings, read_environment
+from skippy.config import read_environment
 from skippy.serving.replay import schedule
 from skippy.stage import transport as t
 

@@ -22,8 +22,9 @@ from mesh_node.node import MeshNode
 from mesh_node.service import _package_facts
 from mesh_node.serving.pipeline import GenerationParams, GenerationResult, SplitServer
 from mesh_node.serving.service import stage_services
+from mesh_node.settings import ServingSettings
 from mesh_node.transfer.fetch import StageResult
-from skippy.config import ServingSettings, read_environment
+from skippy.config import read_environment
 from skippy.stage.descriptor import StageDescriptor
 
 pytestmark = pytest.mark.llama

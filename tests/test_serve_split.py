@@ -37,8 +37,9 @@ from mesh_node.service import _package_facts
 from mesh_node.serving.host import StageHost, accept_window
 from mesh_node.serving.pipeline import GenerationParams, ServerBusy, SplitServer
 from mesh_node.serving.service import stage_services
+from mesh_node.settings import ServingSettings
 from protocol import constants as pc
-from skippy.config import ServingSettings, read_environment
+from skippy.config import read_environment
 from skippy.errors import SkippyError
 from skippy.runtime.compute_thread import compute_thread
 from skippy.runtime.stage import StageConfig

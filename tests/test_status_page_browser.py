@@ -22,9 +22,9 @@ from mesh_node.http.app import build_app
 from mesh_node.http.server import serve_http
 from mesh_node.metrics import NodeMetrics
 from mesh_node.peers import AuthenticatedPeer, PeerInfo, status_document
+from mesh_node.settings import HostPort
 from mesh_node.topology import ActiveTopology, StageReport
 from mesh_node.transfer.records import TransferLog
-from skippy.config import HostPort
 from skippy.package.plan import ModelSizes
 from skippy.package.topology import NodeCapacity, plan_topology
 

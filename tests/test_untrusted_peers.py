@@ -31,13 +31,13 @@ from mesh_node.errors import StreamReset
 from mesh_node.identity import LocalIdentity
 from mesh_node.node import MeshNode
 from mesh_node.peers import InboundStream, render_status, render_topology
+from mesh_node.settings import SecuritySettings, security_settings
 from protocol import constants as pc
 from protocol import frames as f
 from protocol.certificates import OwnerCertificate
 from protocol.handshake import Handshake, SecureChannel
 from protocol.messages import TopologyOffer
 from protocol.streams import Multiplexer
-from skippy.config import SecuritySettings, security_settings
 from skippy.errors import TopologyError, UsageError
 from skippy.package.ranges import LayerRange
 from skippy.package.topology import SplitTopology, StageAssignment

@@ -17,7 +17,7 @@ from meshtools import wait_for
 from meshxfer import import_into, propose, records, start_member, wait_connected
 from test_transfer_mesh import TARGET
 
-from skippy.config import SecuritySettings
+from mesh_node.settings import SecuritySettings
 from skippy.constants import MANIFEST_NAME
 from skippy.package.manifest import parse_manifest
 from skippy.produce.sizes import sizes_from_manifest

@@ -22,8 +22,8 @@ from mesh_node.lab.netem import LinkSpec, LinkTable, Netem, open_netem
 from mesh_node.link import Link
 from mesh_node.node import MeshNode
 from mesh_node.peers import NodeEvent, PeerDown
+from mesh_node.settings import PeerAddress
 from protocol.messages import ComputeCost
-from skippy.config import PeerAddress
 from skippy.package.plan import ModelSizes
 
 TIMEOUTS = {"heartbeat_interval_s": 0.2, "peer_loss_timeout_s": 2.0, "idle_timeout_s": 3.0}
@@ -165,7 +165,8 @@ async def test_the_topology_stays_active_through_a_dropped_connection(tmp_path):
 def test_dial_via_is_checked_when_the_config_is_read(tmp_path):
     import pytest
 
-    from skippy.config import NodeConfig, node_settings
+    from mesh_node.settings import node_settings
+    from skippy.config import NodeConfig
     from skippy.errors import UsageError
 
     nid = "ab" * 32

@@ -37,7 +37,7 @@ from mesh_node.serving.pipeline import (
     SplitServer,
 )
 from mesh_node.serving.statuses import as_api_error
-from skippy.config import HttpSettings
+from mesh_node.settings import HttpSettings
 from skippy.errors import SkippyError
 from skippy.serving.chat import ChatTemplate
 from skippy.serving.openai import ApiError, CompletionRequest, parse_request

@@ -43,8 +43,8 @@ from mesh_node.link import MeshStream
 from mesh_node.node import MeshNode
 from mesh_node.peers import InboundStream
 from mesh_node.serving.links import ChainSender, FrameReader, HopStats
+from mesh_node.settings import ServingSettings
 from protocol import constants as pc
-from skippy.config import ServingSettings
 from skippy.errors import SkippyError
 from skippy.package.topology import SplitTopology, StageAssignment
 from skippy.runtime.boundary import StageLoad

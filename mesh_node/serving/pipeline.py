@@ -35,7 +35,7 @@ from mesh_node.serving.generator import (
 from mesh_node.serving.host import StageHost, hop_summary
 from mesh_node.serving.replicas import ReplicaSet
 from mesh_node.serving.routes import RouteManager, SplitNotReady
-from skippy.config import ServingSettings
+from mesh_node.settings import ServingSettings
 from skippy.generation import SpeculativePlan
 from skippy.package.plan import ModelSizes
 from skippy.runtime.tokenizer import LlamaTokenizer

@@ -35,10 +35,10 @@ from mesh_node.node import MeshNode
 from mesh_node.serving.generator import Route, route_level
 from mesh_node.serving.host import StageHost
 from mesh_node.serving.routes import RouteManager, SplitFailed, SplitNotReady, load_tokenizer
+from mesh_node.settings import ServingSettings
 from mesh_node.topology import TopologyService
 from mesh_node.transfer.partials import speaks_partials
 from mesh_node.transfer.siblings import speaks_siblings
-from skippy.config import ServingSettings
 from skippy.errors import SkippyError
 from skippy.package.plan import ModelSizes
 from skippy.package.topology import SplitTopology

@@ -55,8 +55,8 @@ from mesh_node.serving.generator import (
 )
 from mesh_node.serving.host import LoadedStage, StageHost
 from mesh_node.serving.state import SplitState, load_state, save_state
+from mesh_node.settings import ServingSettings
 from mesh_node.topology import ActiveTopology, StageReport, TopologyService
-from skippy.config import ServingSettings
 from skippy.errors import EXIT_INVALID, EXIT_USAGE, SkippyError
 from skippy.package.grow import grow_check, grows, growth_summary
 from skippy.package.heal import missing_nodes

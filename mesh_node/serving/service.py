@@ -27,8 +27,9 @@ import trio
 from mesh_node.http.view import redact_paths
 from mesh_node.node import MeshNode
 from mesh_node.serving.host import StageHost
+from mesh_node.settings import HostPort
 from mesh_node.transfer.service import ArtifactService
-from skippy.config import Environment, HostPort
+from skippy.config import Environment
 from skippy.errors import UsageError
 from skippy.generation import SpeculativeOverrides, SpeculativePlan
 from skippy.serving.engine_choice import EngineChoice
@@ -79,9 +80,9 @@ class ServeOptions:
 
 def _config_speculation(path: Path | None) -> SpeculativeOverrides | None:
     """The node TOML's ``[speculative]`` tables (a ``serve`` control operation names none)."""
-    from skippy.config import load_node_config
+    from mesh_node.settings import read_node_config
 
-    return load_node_config(path).speculative if path is not None and path.is_file() else None
+    return read_node_config(path).speculative if path is not None and path.is_file() else None
 
 
 def log_serving_speculation(plan: SpeculativePlan) -> None:
@@ -112,7 +113,7 @@ def log_serving_speculation(plan: SpeculativePlan) -> None:
 def serve_options(request: dict[str, Any]) -> ServeOptions:
     """The control operation ``serve``: ``{"op": "serve", "package": REF, "stages": N|null,
     "http": "[HOST:]PORT", "model_name": NAME|null, "speculative_strategy": S|null}``."""
-    from skippy.config import parse_http_bind
+    from mesh_node.settings import parse_http_bind
 
     package, stages = request.get("package"), request.get("stages")
     name = request.get("model_name")
