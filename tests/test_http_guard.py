@@ -199,9 +199,9 @@ def test_the_http_table(tmp_path: Path):
 def test_outcomes_rejected_stays_and_a_cancelled_group_is_cancelled():
     import trio
 
-    from mesh_node.metrics import NodeMetrics
+    from mesh_node.metrics import ServingMetrics
 
-    m = NodeMetrics()
+    m = ServingMetrics()
     with pytest.raises(ServerBusy), m.request() as record:
         record.outcome = "rejected"
         raise ServerBusy("full")

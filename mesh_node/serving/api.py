@@ -28,7 +28,7 @@ from starlette.types import Receive, Scope, Send
 
 from mesh_node.http.body import BodyReader, ClientGone
 from mesh_node.http.guard import ACCESS_SCOPE_KEY, AccessRecord
-from mesh_node.metrics import NodeMetrics
+from mesh_node.metrics import ServingMetrics
 from mesh_node.serving.pipeline import (
     GenerationParams,
     GenerationResult,
@@ -121,7 +121,7 @@ class OpenAIApi:
     def __init__(
         self,
         source: Callable[[], SplitServer | None],
-        metrics: NodeMetrics | None = None,
+        metrics: ServingMetrics | None = None,
         http: HttpSettings | None = None,
     ) -> None:
         self._source = source

@@ -90,7 +90,7 @@ class ReplicaSet:
         self.stages = stages
         self.managers: list[RouteManager] = []
         self._tokenizer = SharedTokenizer()
-        main = node.topology
+        main = node.service(TopologyService)
         for k in range(replicas):
             service = main if k == 0 else TopologyService(node, epochs=main.epochs)
             if k:
@@ -133,7 +133,7 @@ class ReplicaSet:
         now = trio.current_time()
         if self._first_planned_at is None:
             self._first_planned_at = now
-        capable = [c.node_id for c in self.node.topology.capable_nodes(False)]
+        capable = [c.node_id for c in self.managers[0].topology.capable_nodes(False)]
         if waits_for_first(
             first_ready=active.all_ready,
             waited_s=now - self._first_planned_at,
@@ -199,7 +199,7 @@ class ReplicaSet:
             return ""
         need = peers_needed(len(self.managers), self.stages)
         linked = {p.node_id for p in self.node.peers(connected_only=True)}
-        free = {c.node_id for c in self.node.topology.capable_nodes(False)}
+        free = {c.node_id for c in self.managers[0].topology.capable_nodes(False)}
         have = len(free | (self._held_by_others(0) & linked))
         if have >= need:
             return ""

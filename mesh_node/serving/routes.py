@@ -111,7 +111,9 @@ class RouteManager:
         # Replicas (issue #23 item 1): replica 0 is the node's own topology service and
         # persists the run (split.json); every other replica has its own service
         # (``mesh_node.serving.replicas``) and shares stage 0 with replica 0.
-        self.topology: TopologyService = topology if topology is not None else node.topology
+        self.topology: TopologyService = (
+            topology if topology is not None else node.service(TopologyService)
+        )
         self.replica = replica
         self.replicas = replicas
         # Loads the tokenizer from stage 0's metadata part; replicas share one load
