@@ -458,17 +458,7 @@ class MeshNode:
 
     # --- running -------------------------------------------------------------------------------
     async def run(self, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
-        """Listen, dial the configured peers, and serve until cancelled."""
-        security = self.settings.security
-        if security.accept_topologies_from == "any":
-            log.warning(
-                "accept_topologies_from = any: any authenticated peer may coordinate this node "
-                "(for labs only)"
-            )
-        if security.place_stages_on == "any":
-            log.warning(
-                "place_stages_on = any: stages may be placed on untrusted peers (for labs only)"
-            )
+        """Listen, run the services, dial the configured peers, and serve until cancelled."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             opts = websocket_options(self.limits, self.timeouts)

@@ -257,6 +257,16 @@ class TopologyService:
         return [SectionCollector(self.status, topology_families)]
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        security = self.node.settings.security
+        if security.accept_topologies_from == "any":
+            log.warning(
+                "accept_topologies_from = any: any authenticated peer may coordinate this node "
+                "(for labs only)"
+            )
+        if security.place_stages_on == "any":
+            log.warning(
+                "place_stages_on = any: stages may be placed on untrusted peers (for labs only)"
+            )
         task_status.started()
         await self.watch()
 

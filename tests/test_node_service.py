@@ -23,6 +23,7 @@ from mesh_node.metrics import SectionCollector, node_registry
 from mesh_node.node import MeshNode
 from mesh_node.node_service import FeatureBits, StreamKind, merge_features
 from mesh_node.peers import InboundStream
+from mesh_node.settings import NODE_KEYS
 from protocol import constants as pc
 from protocol.messages import Hello, decode_link_message
 from skippy.config import read_environment
@@ -166,6 +167,15 @@ def test_a_composed_node_advertises_the_bits_mesh_node_run_always_did(tmp_path, 
     hello = Hello(listen=None, features=node.features, memory_budget_bytes=1)
     assert hello.encode() == Hello(None, expected, 1).encode()  # the same bytes on the wire
     assert decode_link_message(hello.encode()) == Hello(None, expected, 1)
+
+
+def test_each_composed_services_config_table_is_a_table_of_the_node_toml(tmp_path):
+    parts = compose(settings(tmp_path, "x"), identity(), read_environment())
+    services = [parts.topology, parts.host, parts.artifacts, parts.serving]
+    tables = {s.config_table for s in services} - {None}
+    assert tables == {"serving", "http"}
+    assert tables <= NODE_KEYS
+    assert all(parts.node.service(type(s)) is s for s in services)
 
 
 # The core: the node, its links, membership and what they are built from.
