@@ -256,7 +256,13 @@ class MeshNode:
         started with the node."""
         if self._nursery is not None:
             raise UsageError("services are added before the node runs", code="node_running")
-        for stream in service.streams():
+        streams = list(service.streams())
+        keys = [(s.name, s.major, s.kind) for s in streams]
+        taken = [k for k in keys if k in self._handlers] + [k for k in keys if keys.count(k) > 1]
+        if taken:  # checked first: a refused service leaves nothing registered
+            name, major, kind = taken[0]
+            raise UsageError(f"a handler for {name}/{major} kind {kind:#x} is already registered")
+        for stream in streams:
             self.register_subprotocol(
                 stream.kind, stream.handler, name=stream.name, major=stream.major
             )

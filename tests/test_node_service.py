@@ -117,8 +117,14 @@ async def test_services_are_added_before_the_node_runs_and_looked_up_by_type(tmp
             node.service(int)
         assert missing.value.code == "no_such_service"
         assert node.service(EchoService) is echo
+        clash = EchoService()  # kind 2 is free, kind 1 is echo's: refused as a whole
+        clash.streams = lambda: [  # type: ignore[method-assign]
+            StreamKind(2, clash._echo, name=ECHO, major=1),
+            StreamKind(1, clash._echo, name=ECHO, major=1),
+        ]
         with pytest.raises(UsageError):  # one handler per (name, major, kind)
-            node.add_service(EchoService())
+            node.add_service(clash)
+        node.register_subprotocol(2, clash._echo, name=ECHO, major=1)  # nothing half-added
         await n.start(node.run)
         late = EchoService()
         with pytest.raises(UsageError) as running:
