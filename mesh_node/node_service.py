@@ -12,10 +12,12 @@ The core (``mesh_node.node``) imports no service. A service is built by the comp
 - puts its **status sections** into the status document (``status_sections``: key -> a
   JSON-able value, read at each ``status()``);
 - exposes its **metrics** on ``/metrics`` (``collectors``: prometheus_client collectors);
-- runs it (``run``) in the node's nursery, before the node listens, until the node stops.
+- runs it (``run``) in the node's nursery, before any link is accepted or dialed, until the
+  node stops.
 
-``config_table`` names the node TOML table the service reads (``mesh_node.settings`` parses
-it; the composition root hands the parsed table to the service), or ``None``.
+``config_table`` names the node TOML table the service reads, or ``None``: the table is
+parsed with the node's settings (``mesh_node.settings``, the one reader's value checks), so a
+bad value is refused when the file is read, before anything starts.
 """
 
 from __future__ import annotations
