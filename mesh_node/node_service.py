@@ -59,8 +59,7 @@ class NodeService(Protocol):
 
     def collectors(self) -> Sequence[Collector]: ...
 
-    async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        ...
+    async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None: ...
 
 
 def merge_features(declared: Iterable[FeatureBits]) -> dict[str, tuple[str, ...]]:

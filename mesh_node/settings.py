@@ -73,7 +73,6 @@ DEFAULT_IDLE_TIMEOUT_S = DEFAULT_LIMITS.idle_timeout_s
 DEFAULT_HANDSHAKE_TIMEOUT_S = DEFAULT_LIMITS.handshake_timeout_s
 
 
-
 @dataclass(frozen=True)
 class HostPort:
     host: str
@@ -97,8 +96,6 @@ class PeerAddress:
 
     def __str__(self) -> str:
         return self.url + (f"#{self.node_id}" if self.node_id else "")
-
-
 
 
 SERVING_KEYS = frozenset(
@@ -155,8 +152,6 @@ class ServingSettings:
     repack: bool = False
 
 
-
-
 def serving_settings(raw: object) -> ServingSettings:
     """Parse ``[serving]`` (absent: the defaults); unknown keys are errors naming the key."""
     if raw is None:
@@ -200,8 +195,6 @@ def serving_settings(raw: object) -> ServingSettings:
     return ServingSettings(**values)
 
 
-
-
 # --- [http]: the node's HTTP surface (issue #20; mesh_node.http) ---------------------------------
 HTTP_KEYS = frozenset(
     {
@@ -221,7 +214,9 @@ HTTP_KEYS = frozenset(
         "shutdown_grace_s",
     }
 )
-_ORIGIN_RE = re.compile(r"^https?://[A-Za-z0-9.-]+(?::\d{1,5})?$|^https?://\[[0-9A-Fa-f:.]+\](?::\d{1,5})?$")
+_ORIGIN_RE = re.compile(
+    r"^https?://[A-Za-z0-9.-]+(?::\d{1,5})?$|^https?://\[[0-9A-Fa-f:.]+\](?::\d{1,5})?$"
+)
 
 
 @dataclass(frozen=True)
@@ -291,7 +286,8 @@ def http_settings(
     }
     if sizes["max_buffered_body_bytes"] < sizes["max_body_bytes"]:
         raise bad_value(
-            "http.max_buffered_body_bytes", "must be at least max_body_bytes",
+            "http.max_buffered_body_bytes",
+            "must be at least max_body_bytes",
             sizes["max_buffered_body_bytes"],
         )
     grace = raw.get("shutdown_grace_s", d.shutdown_grace_s)
@@ -312,6 +308,8 @@ def http_settings(
         max_json_depth=count("max_json_depth", d.max_json_depth),
         **sizes,
     )
+
+
 # --- [security]: untrusted peers (issue #19) ---------------------------------------------------
 PeerScope = Literal["trusted", "any"]
 MIN_PEER_MEMORY_BUDGET = 16 * 1024 * 1024  # a few streams' windows: below, nothing works
@@ -361,8 +359,7 @@ def _cache_budget(value: object) -> int | Literal["auto"]:
     except UsageError:
         raise bad_value(
             "security.cache_budget",
-            'expected "auto" (from the disk, the default), 0 (no budget) or a size such as '
-            '"20GiB"',
+            'expected "auto" (from the disk, the default), 0 (no budget) or a size such as "20GiB"',
             value,
         ) from None
 
@@ -454,8 +451,6 @@ class NodeSettings:
         return self.data_dir / "mesh-node.sock"
 
 
-
-
 def parse_host_port(text: object, key: str) -> HostPort:
     m = _HOSTPORT_RE.match(text) if isinstance(text, str) else None
     if m is None or not 0 <= int(m.group("port")) <= 65535:
@@ -484,8 +479,6 @@ def parse_peer_address(text: object, key: str = "peers") -> PeerAddress:
     if node_id and not _NODE_ID_RE.match(node_id):
         raise bad_value(key, "the #<node-id> must be 64 lowercase hex characters", text)
     return PeerAddress(hp.host, hp.port, node_id or None)
-
-
 
 
 def _default_memory_budget() -> int:
@@ -640,7 +633,7 @@ def default_node_toml(identity: str, certificate: str, listen: str = DEFAULT_SER
         f'identity = "{identity}"\n'
         f'certificate = "{certificate}"\n'
         'data_dir = "."\n'
-        "# Where peers dial this node: loopback only. \"0.0.0.0:7000\" (or --listen) lets other\n"
+        '# Where peers dial this node: loopback only. "0.0.0.0:7000" (or --listen) lets other\n'
         "# machines join; they need a certificate of this node's owner (owner.key here).\n"
         f'listen = "{listen}"\n'
     )

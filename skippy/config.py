@@ -176,7 +176,6 @@ class NodeConfig:
     raw: Mapping[str, Any] = field(default_factory=dict)
 
 
-
 def load_node_config(path: Path | None, known_keys: frozenset[str] | None = None) -> NodeConfig:
     """Read a node TOML (``None``: an empty config). Bad TOML is a usage error (exit 2); with
     ``known_keys`` (the node's: ``mesh_node.settings.NODE_KEYS``), so is any other top-level
@@ -191,9 +190,8 @@ def load_node_config(path: Path | None, known_keys: frozenset[str] | None = None
         raise InputUnreadable(f"cannot read config file {path}: {exc}", path=str(path)) from exc
     except tomllib.TOMLDecodeError as exc:
         raise UsageError(f"{path} is not valid TOML: {exc}", code="invalid_config") from exc
-    unknown = sorted(set(raw) - known_keys) if known_keys is not None else []
-    if unknown:
-        assert known_keys is not None  # typing
+    unknown = [] if known_keys is None else sorted(set(raw) - known_keys)
+    if unknown and known_keys is not None:
         raise UsageError(
             f"{path}: unknown key {unknown[0]!r}"
             + (f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""),
@@ -232,10 +230,8 @@ def refuse_unknown_keys(raw: Mapping[str, Any], table: str, known: frozenset[str
         )
 
 
-
 def bad_value(key: str, message: str, value: object = None) -> UsageError:
     return UsageError(f"{key}: {message}", code="invalid_config", path=key, actual=value)
-
 
 
 def parse_size(value: object, key: str) -> int:
@@ -246,7 +242,6 @@ def parse_size(value: object, key: str) -> int:
     if m is None:
         raise bad_value(key, "expected a size such as 8GiB, 512MiB or a number of bytes", value)
     return int(float(m.group(1)) * _SIZE_UNITS[(m.group(2) or "b").lower()])
-
 
 
 def positive_seconds(raw: Mapping[str, Any], key: str, default: float) -> float:
