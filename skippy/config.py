@@ -176,20 +176,26 @@ class NodeConfig:
     raw: Mapping[str, Any] = field(default_factory=dict)
 
 
+def read_toml(path: Path, what: str = "config file") -> dict[str, Any]:
+    """A TOML file's tables; a missing or unreadable file is ``InputUnreadable``, bad TOML a
+    usage error (both exit 2)."""
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as exc:
+        raise InputUnreadable(f"{what} {path} does not exist", path=str(path)) from exc
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputUnreadable(f"cannot read {what} {path}: {exc}", path=str(path)) from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise UsageError(f"{path} is not valid TOML: {exc}", code="invalid_config") from exc
+
+
 def load_node_config(path: Path | None, known_keys: frozenset[str] | None = None) -> NodeConfig:
     """Read a node TOML (``None``: an empty config). Bad TOML is a usage error (exit 2); with
     ``known_keys`` (the node's: ``mesh_node.settings.NODE_KEYS``), so is any other top-level
     key, named. Without, only the sections read here ([speculative], [models]) are checked."""
     if path is None:
         return NodeConfig(path=None, speculative=load_speculative_overrides({}))
-    try:
-        raw = tomllib.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError as exc:
-        raise InputUnreadable(f"config file {path} does not exist", path=str(path)) from exc
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputUnreadable(f"cannot read config file {path}: {exc}", path=str(path)) from exc
-    except tomllib.TOMLDecodeError as exc:
-        raise UsageError(f"{path} is not valid TOML: {exc}", code="invalid_config") from exc
+    raw = read_toml(path)
     unknown = [] if known_keys is None else sorted(set(raw) - known_keys)
     if unknown and known_keys is not None:
         raise UsageError(
