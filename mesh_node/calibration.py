@@ -19,9 +19,9 @@ import tempfile
 from pathlib import Path
 from typing import Final
 
+from mesh_node.settings import NodeSettings
 from protocol.messages import ComputeCost
 from skippy.atomic import atomic_write_bytes
-from skippy.config import NodeSettings
 from skippy.errors import SkippyError
 from skippy.runtime.calibration import MODEL_CLASS, Calibration, run_calibration
 

@@ -127,7 +127,7 @@ def _serve_config(args: argparse.Namespace) -> Path:
 
 def _existing_config(args: argparse.Namespace) -> Path:
     """``--config``, or the node.toml that `mesh-node serve` without --config created."""
-    from skippy.config import NODE_TOML_NAME
+    from mesh_node.settings import NODE_TOML_NAME
 
     if args.config is not None:
         return Path(args.config)
@@ -147,7 +147,7 @@ def _node_settings(args: argparse.Namespace, config: Path | None = None) -> tupl
     """The node's settings with the command line's --http/--http-public/--listen applied, its
     identity; warnings printed."""
     from mesh_node.identity import load_local_identity
-    from skippy.config import load_node_settings, parse_host_port, parse_http_bind
+    from mesh_node.settings import load_node_settings, parse_host_port, parse_http_bind
 
     settings = load_node_settings(config if config is not None else Path(args.config))
     if getattr(args, "listen", None) is not None:
@@ -207,7 +207,7 @@ def cmd_serve(args: argparse.Namespace) -> CommandResult:
     assert settings.http is not None  # --http has a default (typing)
     replicas = args.replicas if args.replicas is not None else settings.serving.replicas
     check_replicas(replicas, args.stages)
-    from skippy.config import load_node_config
+    from mesh_node.settings import read_node_config
 
     options = ServeOptions(
         package=args.package,
@@ -215,7 +215,7 @@ def cmd_serve(args: argparse.Namespace) -> CommandResult:
         http=settings.http,
         model_name=args.model_name,
         # issue #22: [speculative] and model entries of the same config, and the CLI's choice
-        speculative=load_node_config(config).speculative,
+        speculative=read_node_config(config).speculative,
         speculative_strategy=args.speculative_strategy,
         replicas=args.replicas,
     )
@@ -259,7 +259,7 @@ def cmd_status(args: argparse.Namespace) -> CommandResult:
 
     from mesh_node import control
     from mesh_node.peers import render_status
-    from skippy.config import load_node_settings
+    from mesh_node.settings import load_node_settings
 
     settings = load_node_settings(_existing_config(args))
     response = trio.run(
@@ -273,7 +273,7 @@ def cmd_topology(args: argparse.Namespace) -> CommandResult:
     import trio
 
     from mesh_node import control
-    from skippy.config import load_node_settings
+    from mesh_node.settings import load_node_settings
 
     settings = load_node_settings(Path(args.config))
     if args.replan:

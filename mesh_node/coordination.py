@@ -29,10 +29,10 @@ from typing import Final
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from mesh_node.peers import AuthenticatedPeer, PeerInfo
+from mesh_node.settings import PeerScope
 from protocol import constants as pc
 from protocol.certificates import sign_domain
 from skippy.atomic import atomic_write_bytes
-from skippy.config import PeerScope
 from skippy.package.topology import MAX_EPOCH, SplitTopology
 
 log = logging.getLogger("mesh_node.coordination")

@@ -3,7 +3,7 @@
 A fresh data directory (created 0700) gets a node key and an owner key
 (``mesh_node.identity``, as ``mesh-node keygen`` and ``owner init`` write them: 0600, atomic,
 never over an existing file), the owner's certificate for the node (as ``owner sign``) and a
-``node.toml`` naming them (``skippy.config.default_node_toml``). The node then starts from
+``node.toml`` naming them (``mesh_node.settings.default_node_toml``). The node then starts from
 that file through the one config reader, like any other; a later start finds the same files
 and reuses them, and ``mesh-node run``/``status --config DIR/node.toml`` see the same node.
 Every step is one line for the terminal (``DefaultNode.notes``).
@@ -26,8 +26,8 @@ from mesh_node.identity import (
     write_certificate,
     write_private_key,
 )
+from mesh_node.settings import NODE_TOML_NAME, default_node_toml
 from skippy.atomic import atomic_install
-from skippy.config import NODE_TOML_NAME, default_node_toml
 from skippy.errors import UsageError
 
 NODE_KEY_NAME = "node.key"

@@ -1,17 +1,20 @@
-"""The node's metrics (issue #12 §2), exposed by ``/metrics`` through prometheus_client.
+"""The node's metrics (issue #12 §2), exposed by ``/metrics`` through prometheus_client: every
+family's name and meaning in one module; the node core and each service pick theirs.
 
 Two sources, so that other components need no metrics code where state already tells:
 
-- **State, read at scrape time**: ``status_families(doc)`` turns the status document (the one
-  ``mesh_node.peers.status_document``) into metric families: peers by trust status, link bytes
-  in/out, topology stages ready, and issue #8's transfer counters (artifact bytes served and
-  fetched by source, verification failures, refusals by reason), transfers in progress, the
-  stage's readiness, uptime. Pure; nothing to increment.
-- **Events that leave no state behind**, observed where they happen through the node's one
-  ``NodeMetrics`` (``node.metrics``): the duration of each finished artifact transfer (the
-  transfer log calls ``transfer_finished``), and issue #10's requests, tokens and latencies
-  (``request()``). ``serving_status()`` renders the serving counts for the status document, so
-  the page and ``/metrics`` read one count.
+- **State, read at scrape time**: ``node_families(doc)`` turns the core of the status document
+  (``mesh_node.peers.status_document``) into metric families (peers by trust status, link
+  bytes in/out, uptime); a service's ``SectionCollector`` does the same for its own status
+  section: ``topology_families`` (stages ready), ``transfer_families`` (issue #8's counters:
+  artifact bytes served and fetched by source, verification failures, refusals by reason,
+  transfers in progress, the stage's readiness), ``cache_families``, ``replica_families``.
+  Pure; nothing to increment.
+- **Events that leave no state behind**, observed where they happen: ``TransferDurations``
+  (the artifact transfer service's: the transfer log calls ``transfer_finished``) and
+  ``ServingMetrics`` (serving's: issue #10's requests, tokens and latencies, ``request()``).
+  ``serving_status()`` renders the serving counts for the status document, so the page and
+  ``/metrics`` read one count.
 
 Names follow Prometheus conventions: ``mesh_node_`` prefix, base units in the name
 (``_bytes``, ``_seconds``), ``_total`` on counters. Every labelled family is emitted with all
@@ -89,7 +92,7 @@ class _Histogram:
 
 @dataclass
 class RequestRecord:
-    """One request being served (``NodeMetrics.request``): the serving code reports the
+    """One request being served (``ServingMetrics.request``): the serving code reports the
     prompt size, each generated token and the outcome; timing is taken here."""
 
     started_s: float
@@ -108,13 +111,41 @@ class RequestRecord:
         self._on_token(n)
 
 
-class NodeMetrics:
-    """Event counters of one node. Thread-safe (a transfer's file work runs in threads)."""
+class TransferDurations(Collector):
+    """How long each verified artifact transfer took, by direction. Thread-safe (a
+    transfer's file work runs in threads)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.transfer_seconds = {d: _Histogram(TRANSFER_BUCKETS_S) for d in DIRECTIONS}
+
+    def transfer_finished(self, record: TransferRecord) -> None:
+        """A transfer ended (``TransferLog.on_finish``): its duration, when bytes moved and
+        were verified (a file found installed is not a transfer)."""
+        if record.source == "cache" or not record.verified:
+            return
+        with self._lock:
+            self.transfer_seconds[record.direction].observe(record.duration_s())
+
+    def collect(self) -> Iterable[Metric]:
+        with self._lock:
+            family = HistogramMetricFamily(
+                f"{PREFIX}_artifact_transfer_duration_seconds",
+                "Time one verified artifact transfer took (fetch: from a peer or the hub, "
+                "verified and installed; serve: sent to a peer), by direction",
+                labels=["direction"],
+            )
+            for direction, hist in self.transfer_seconds.items():
+                hist.add_to(family, [direction])
+        return [family]
+
+
+class ServingMetrics(Collector):
+    """Requests a serving coordinator ran: outcomes, tokens, latencies, speculation."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._lock = threading.Lock()
-        self.transfer_seconds = {d: _Histogram(TRANSFER_BUCKETS_S) for d in DIRECTIONS}
         self.requests: dict[str, int] = dict.fromkeys(REQUEST_OUTCOMES, 0)
         self.requests_in_flight = 0
         self.prompt_tokens = 0
@@ -126,16 +157,6 @@ class NodeMetrics:
         # speculative decoding (issue #22): drafted tokens proposed / accepted, verify windows
         self.speculative: dict[str, int] = dict.fromkeys(SPECULATIVE_COUNTERS, 0)
 
-    # --- artifact transfer (issue #8) ----------------------------------------------------------
-    def transfer_finished(self, record: TransferRecord) -> None:
-        """A transfer ended (``TransferLog.on_finish``): its duration, when bytes moved and
-        were verified (a file found installed is not a transfer)."""
-        if record.source == "cache" or not record.verified:
-            return
-        with self._lock:
-            self.transfer_seconds[record.direction].observe(record.duration_s())
-
-    # --- serving (issue #10) ---------------------------------------------------------------------
     @contextmanager
     def request(self, prompt_tokens: int = 0) -> Iterator[RequestRecord]:
         """Count one request from start to end: in flight while inside; on exit its outcome
@@ -204,14 +225,6 @@ class NodeMetrics:
     # --- prometheus_client Collector -------------------------------------------------------------
     def collect(self) -> Iterable[Metric]:
         with self._lock:
-            transfer_hist = HistogramMetricFamily(
-                f"{PREFIX}_artifact_transfer_duration_seconds",
-                "Time one verified artifact transfer took (fetch: from a peer or the hub, "
-                "verified and installed; serve: sent to a peer), by direction",
-                labels=["direction"],
-            )
-            for direction, hist in self.transfer_seconds.items():
-                hist.add_to(transfer_hist, [direction])
             requests = _by_label(
                 CounterMetricFamily,
                 f"{PREFIX}_requests",
@@ -255,7 +268,6 @@ class NodeMetrics:
         return [
             drafted,
             windows,
-            transfer_hist,
             requests,
             in_flight,
             tokens,
@@ -286,8 +298,8 @@ def _by_label(
 
 
 # --- state, read at scrape time ------------------------------------------------------------------
-def status_families(doc: Mapping[str, Any]) -> list[Metric]:
-    """Metric families from a status document (pure)."""
+def node_families(doc: Mapping[str, Any]) -> list[Metric]:
+    """Metric families from the core of a status document (pure)."""
     info = InfoMetricFamily(
         PREFIX,
         "This node's identity and owner status",
@@ -344,8 +356,11 @@ def status_families(doc: Mapping[str, Any]) -> list[Metric]:
             rtt.add_metric([p["node_id"]], p["rtt_ms"] / 1000)
     for key, count in sorted(counts.items()):
         peers.add_metric(list(key), count)
+    return [info, uptime, budget, peers, received, sent, rtt]
 
-    topo = doc.get("topology")
+
+def topology_families(topo: Mapping[str, Any] | None) -> list[Metric]:
+    """The active topology (``TopologyService.status()``; ``None``: none)."""
     stage_status = topo["stage_status"] if topo else []
     stages = GaugeMetricFamily(
         f"{PREFIX}_topology_stages", "Stages of the active topology", value=len(stage_status)
@@ -364,21 +379,7 @@ def status_families(doc: Mapping[str, Any]) -> list[Metric]:
             [],
             {"topology_id": topo["topology_id"], "role": topo["role"], "state": topo["state"]},
         )
-    return [
-        info,
-        uptime,
-        budget,
-        peers,
-        received,
-        sent,
-        rtt,
-        stages,
-        ready,
-        topo_info,
-        *transfer_families(doc.get("transfers") or {}),
-        *cache_families(doc.get("cache") or {}),
-        *replica_families(doc.get("serving") or {}),
-    ]
+    return [stages, ready, topo_info]
 
 
 def replica_families(serving: Mapping[str, Any]) -> list[Metric]:
@@ -514,21 +515,29 @@ def transfer_families(transfers: Mapping[str, Any]) -> list[Metric]:
     ]
 
 
-class StatusCollector(Collector):
-    """Reads the node's status document at scrape time (no counters to keep in step)."""
+class SectionCollector(Collector):
+    """Families read at scrape time from state (no counters to keep in step): ``families``
+    of what ``read`` returns now (a status document or one of its sections)."""
 
-    def __init__(self, status: Callable[[], Mapping[str, Any]]) -> None:
-        self._status = status
+    def __init__(
+        self,
+        read: Callable[[], Any],
+        families: Callable[[Any], Sequence[Metric]],
+    ) -> None:
+        self._read = read
+        self._families = families
 
     def collect(self) -> Iterable[Metric]:
-        return status_families(self._status())
+        return self._families(self._read())
 
 
 def node_registry(
-    status: Callable[[], Mapping[str, Any]], metrics: NodeMetrics
+    status: Callable[[], Mapping[str, Any]], collectors: Iterable[Collector] = ()
 ) -> CollectorRegistry:
-    """One registry per node (several nodes may share a process in tests and the lab)."""
+    """One registry per node (several nodes may share a process in tests and the lab): the
+    core's families from ``status`` and the services' ``collectors``."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(StatusCollector(status))
-    registry.register(metrics)
+    registry.register(SectionCollector(status, node_families))
+    for collector in collectors:
+        registry.register(collector)
     return registry

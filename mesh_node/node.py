@@ -1,10 +1,14 @@
-"""The mesh node: listener and dialers, membership, gossip, heartbeats (in each link), the
-subprotocol registry, events, and the topology service. Configuration arrives as a
-``skippy.config.NodeSettings``; every protocol decision is made in ``protocol/``.
+"""The mesh node's core: listener and dialers, membership, gossip, heartbeats (in each link),
+the subprotocol registry, events and the status document. Configuration arrives as a
+``mesh_node.settings.NodeSettings``; every protocol decision is made in ``protocol/``.
 
-Registration API (see docs/architecture.md, "Plugging in a subprotocol handler"):
-``register_subprotocol(kind, handler)``, ``open_stream(node_id, kind)``, ``peers()``,
-``peer(node_id)``, ``subscribe()``, ``topology.active``.
+It knows no application: services (split topology, artifact transfer, the stage host,
+serving) declare their stream kinds, feature bits, status sections and metrics through
+``mesh_node.node_service.NodeService`` and are added by the composition root
+(``mesh_node.composition``). See docs/architecture.md, "Adding a service".
+
+API for services: ``add_service(service)``, ``service(Type)``, ``register_subprotocol(kind,
+handler)``, ``open_stream(node_id, kind)``, ``peers()``, ``peer(node_id)``, ``subscribe()``.
 """
 
 from __future__ import annotations
@@ -19,9 +23,10 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import trio
+from prometheus_client.registry import Collector
 
 from mesh_node.budget import PeerMemory
 from mesh_node.cipher_support import local_ciphers
@@ -37,7 +42,7 @@ from mesh_node.link import (
     websocket_settings,
 )
 from mesh_node.memory_release import MemoryReleaser
-from mesh_node.metrics import NodeMetrics
+from mesh_node.node_service import NodeService, merge_features
 from mesh_node.peers import (
     AuthenticatedPeer,
     InboundStream,
@@ -48,9 +53,7 @@ from mesh_node.peers import (
     SubprotocolHandler,
     status_document,
 )
-from mesh_node.topology import TopologyService
-from mesh_node.transfer.policy import node_policy
-from mesh_node.transfer.records import TransferLog
+from mesh_node.settings import HostPort, NodeSettings, PeerAddress, parse_peer_address
 from mesh_node.transport import budgeted_listeners
 from mesh_node.websocket import (
     ConnectionClosed,
@@ -73,10 +76,7 @@ from protocol.link_cipher import (
     select_subprotocol,
 )
 from protocol.messages import ComputeCost, Hello, PeerRecord, Peers, decode_link_message
-from skippy.config import HostPort, NodeSettings, PeerAddress, parse_peer_address
 from skippy.errors import UsageError
-from skippy.transfer import sha256_chain
-from skippy.transfer.policy import would_serve
 
 log = logging.getLogger("mesh_node.node")
 MAX_PENDING_HANDSHAKES = 32  # inbound connections that have not authenticated yet
@@ -99,6 +99,7 @@ QUEUE_WAIT_S = 2.0  # the longest a connection waits for a handshake slot (then 
 MAX_HEARD_OF = MAX_MEMBERS  # node ids learned from gossip (bounds the topology sanity check)
 # After a link that held this much of the peer budget closes, free heap goes back to the OS.
 TRIM_AFTER_BYTES = 1024 * 1024
+S = TypeVar("S")
 
 
 @dataclass
@@ -120,27 +121,6 @@ class _Member:
     disconnected: trio.Event = field(default_factory=trio.Event)
     certificate: OwnerCertificate | None = None  # what its link's handshake presented
     trust_until: float = math.inf  # wall clock: when ``peer`` must be evaluated again
-
-
-def advertised_features(
-    settings: NodeSettings, identity: LocalIdentity, now_s: float
-) -> dict[str, tuple[str, ...]]:
-    """skippy-stage/2 with the stage bundle, plus ``artifact-transfer`` exactly when this node
-    would serve artifacts (spec "Peer Cache Transfer": ``skippy.transfer.policy.would_serve``,
-    the same decision that registers the serving handler, ``mesh_node.transfer.service``)."""
-    bits = set(pc.STAGE_BUNDLE)
-    bits.add(pc.BIT_VERIFY_WINDOW)  # every stage host here runs verify windows (issue #22)
-    bits.add(pc.BIT_SAMPLING_CONTROLS)  # and reads every sampling control of a session
-    if sha256_chain.available():  # issue #23: chunks checked along a SHA-256 chain
-        bits.add(pc.BIT_CHUNK_CHAIN)
-    if would_serve(node_policy(settings, identity, now_s)):
-        bits.add(pc.BIT_ARTIFACT_TRANSFER)
-        if settings.swarm_transfer:  # issue #23: chunk ranges and source lists
-            bits.add(pc.BIT_SWARM_TRANSFER)
-            bits.add(pc.BIT_SIBLING_SERVE)  # and serving sibling replicas' stages
-            bits.add(pc.BIT_CHUNK_RUNS)  # and runs of chunks on one stream
-            bits.add(pc.BIT_PARTIAL_SERVE)  # and verified chunks of its partials
-    return {pc.FEATURE_SKIPPY_STAGE: tuple(sorted(bits))}
 
 
 def listen_error(listen: HostPort, exc: OSError) -> UsageError:
@@ -262,15 +242,37 @@ class MeshNode:
         self._nursery: trio.Nursery | None = None
         self.started = trio.Event()
         self._started_at: float | None = None  # trio clock, when run() began serving
-        self.topology = TopologyService(self)
-        # Events /metrics cannot read from state (transfer durations, serving); see metrics.py.
-        self.metrics = NodeMetrics()
-        # Artifact transfers (issue #8): filled by mesh_node.transfer, shown in status().
-        self.transfers = TransferLog(
-            wall_clock=wall_clock, on_finish=self.metrics.transfer_finished
-        )
-        # Extra sections of the status document, filled by components (issue #10: "serving").
-        self.status_sections: dict[str, Callable[[], Any]] = {}
+        self._services: list[NodeService] = []  # in the order added (and run)
+
+    # --- services ---------------------------------------------------------------------------------
+    def add_service(self, service: NodeService) -> None:
+        """Add a service before the node runs: its stream kinds are served from now on, its
+        bits advertised, its status sections shown, its collectors exposed, and ``run``
+        started with the node."""
+        if self._nursery is not None:
+            raise UsageError("services are added before the node runs", code="node_running")
+        streams = list(service.streams())
+        keys = [(s.name, s.major, s.kind) for s in streams]
+        taken = [k for k in keys if k in self._handlers] + [k for k in keys if keys.count(k) > 1]
+        if taken:  # checked first: a refused service leaves nothing registered
+            name, major, kind = taken[0]
+            raise UsageError(f"a handler for {name}/{major} kind {kind:#x} is already registered")
+        for stream in streams:
+            self.register_subprotocol(
+                stream.kind, stream.handler, name=stream.name, major=stream.major
+            )
+        self._services.append(service)
+
+    def service(self, kind: type[S]) -> S:
+        """The added service of type ``kind`` (``UsageError`` if none was added)."""
+        for service in self._services:
+            if isinstance(service, kind):
+                return service
+        raise UsageError(f"this node runs no {kind.__name__}", code="no_such_service")
+
+    def collectors(self) -> list[Collector]:
+        """Every service's metrics collectors (``/metrics``, beside the node's own)."""
+        return [c for service in self._services for c in service.collectors()]
 
     # --- the registration API -----------------------------------------------------------------
     def register_subprotocol(
@@ -351,7 +353,9 @@ class MeshNode:
 
     @property
     def features(self) -> dict[str, tuple[str, ...]]:
-        return advertised_features(self.settings, self.identity, self.wall_clock())
+        """What the hello advertises: the services' feature bits (``merge_features``)."""
+        now = self.wall_clock()
+        return merge_features(service.features(now) for service in self._services)
 
     def authenticated(self, node_id: str) -> AuthenticatedPeer | None:
         """The peer as its link proved it, its trust evaluated *now* (a certificate may have
@@ -442,8 +446,6 @@ class MeshNode:
             memory_budget_bytes=self.settings.memory_budget_bytes,
             artifact_transfer=self.settings.artifact_transfer,
             peers=self.peers(),
-            topology=self.topology.status(),
-            transfers=self.transfers.status(),
             uptime_s=0.0 if self._started_at is None else trio.current_time() - self._started_at,
         )
         doc["security"] = {  # issue #19: the budgets and admission counters
@@ -451,23 +453,13 @@ class MeshNode:
             "admission": dict(self.admission),
         }
         doc["compute"] = None if self.compute is None else self.compute.to_wire()  # issue #21
-        for key, section in self.status_sections.items():
-            doc[key] = section()
+        for service in self._services:
+            doc.update(service.status_sections())
         return doc
 
     # --- running -------------------------------------------------------------------------------
     async def run(self, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
-        """Listen, dial the configured peers, and serve until cancelled."""
-        security = self.settings.security
-        if security.accept_topologies_from == "any":
-            log.warning(
-                "accept_topologies_from = any: any authenticated peer may coordinate this node "
-                "(for labs only)"
-            )
-        if security.place_stages_on == "any":
-            log.warning(
-                "place_stages_on = any: stages may be placed on untrusted peers (for labs only)"
-            )
+        """Listen, run the services, dial the configured peers, and serve until cancelled."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             listen = self.settings.listen
@@ -477,13 +469,14 @@ class MeshNode:
                 listeners = await budgeted_listeners(listen.host, listen.port, self.peer_memory)
             except OSError as exc:
                 raise listen_error(listen, exc) from None
+            for service in self._services:  # ready before the first peer can reach them
+                await nursery.start(service.run)
             ws_settings = websocket_settings(self.limits, self.timeouts)
             await nursery.start(serve_websockets, self._on_request, listeners, nursery, ws_settings)
             host = listen.host if ":" not in listen.host else f"[{listen.host}]"
             self.listen_url = f"ws://{host}:{listeners[0].port}"
             for address in self.settings.peers:
                 self._start_dialing(address, persistent=True)
-            nursery.start_soon(self.topology.watch)
             nursery.start_soon(self._memory_release.run)
             self._started_at = trio.current_time()
             self.started.set()

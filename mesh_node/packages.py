@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from skippy.config import NodeSettings, read_environment
+from mesh_node.settings import NodeSettings
+from skippy.config import read_environment
 
 if TYPE_CHECKING:
     from skippy.generation import SpeculativeOverrides, SpeculativePlan

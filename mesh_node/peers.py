@@ -134,14 +134,12 @@ def status_document(
     memory_budget_bytes: int,
     artifact_transfer: str,
     peers: Sequence[PeerInfo],
-    topology: Mapping[str, Any] | None,
-    transfers: Mapping[str, Any] | None = None,
     uptime_s: float = 0.0,
 ) -> dict[str, Any]:
-    """The status document (issue #7 §7): one function so every renderer agrees (the CLI's
-    ``status``, the control socket, the status page's ``/api/status``).
-    ``transfers`` is ``mesh_node.transfer.records.TransferLog.status()`` (issue #8): stage
-    fetch state, transfers in progress and recent, counters; repo-relative paths only."""
+    """The core of the status document (issue #7 §7): one function so every renderer agrees
+    (the CLI's ``status``, the control socket, the status page's ``/api/status``). Services
+    add their sections beside it (``NodeService.status_sections``: ``topology``,
+    ``transfers``, ``cache``, ``stage``, ``serving``)."""
     return {
         "node_id": node_id,
         "uptime_s": round(uptime_s, 3),
@@ -152,8 +150,6 @@ def status_document(
         "memory_budget": memory_budget_bytes,
         "artifact_transfer": artifact_transfer,
         "peers": [p.to_dict() for p in sorted(peers, key=lambda p: p.node_id)],
-        "topology": None if topology is None else dict(topology),
-        "transfers": None if transfers is None else dict(transfers),
     }
 
 

@@ -13,14 +13,15 @@ import trio
 
 from mesh_node import lifeline
 from mesh_node.calibration import compute_cost, load_or_calibrate
+from mesh_node.composition import ComposedNode, compose
 from mesh_node.compute import run_compute
 from mesh_node.control import serve_control
 from mesh_node.gc_pauses import freeze_startup_heap
 from mesh_node.identity import LocalIdentity
-from mesh_node.node import MeshNode
 from mesh_node.packages import package_identity
-from mesh_node.serving.service import ServeOptions, Serving, serve_options, stage_services
-from skippy.config import NodeSettings, read_environment
+from mesh_node.serving.service import ServeOptions, serve_options
+from mesh_node.settings import NodeSettings
+from skippy.config import read_environment
 from skippy.errors import SkippyError, UsageError
 
 if TYPE_CHECKING:
@@ -29,14 +30,16 @@ if TYPE_CHECKING:
 log = logging.getLogger("mesh_node.service")
 
 
-def control_handler(node: MeshNode, serving: Serving | None = None) -> Any:
+def control_handler(parts: ComposedNode) -> Any:
+    node, serving, topology = parts.node, parts.serving, parts.topology
+
     async def handle(request: dict[str, Any]) -> dict[str, Any]:
         op = request.get("op")
         if op == "status":
             return {"ok": True, "status": node.status()}
-        if op == "serve" and serving is not None:
+        if op == "serve":
             return {"ok": True, "api": await serving.start(serve_options(request))}
-        if op in ("topology", "replan") and serving is not None and serving.server is not None:
+        if op in ("topology", "replan") and serving.server is not None:
             # The split of a serving coordinator is its route manager's: a hand-made plan
             # could move stage 0 away from the API and break every request (issue #18).
             raise UsageError(
@@ -59,13 +62,13 @@ def control_handler(node: MeshNode, serving: Serving | None = None) -> Any:
                     node.node_id,
                     node.compute,
                     node.peers(connected_only=True),
-                    node.topology.capable_nodes(include),
+                    topology.capable_nodes(include),
                     sizes,
                     include_self=include,
                     stages=stages,
                 )
                 return {"ok": True, "plan": plan}
-            active = await node.topology.propose(
+            active = await topology.propose(
                 package_ref=ref,
                 manifest_sha256=sha,
                 sizes=sizes,
@@ -74,7 +77,7 @@ def control_handler(node: MeshNode, serving: Serving | None = None) -> Any:
             )
             return {"ok": True, "topology": active.to_dict()}
         if op == "replan":
-            return {"ok": True, "topology": (await node.topology.replan()).to_dict()}
+            return {"ok": True, "topology": (await topology.replan()).to_dict()}
         raise UsageError(f"unknown control operation {op!r}", code="bad_request")
 
     return handle
@@ -163,21 +166,20 @@ async def _run_node(
     serve: ServeOptions | None,
 ) -> None:
     make_data_dir(settings.data_dir)
-    node = MeshNode(settings, identity)
+    parts = compose(
+        settings, identity, read_environment(), routes=routes, expect_serve=serve is not None
+    )
+    node, serving = parts.node, parts.serving
     # Issue #21: measured (or read from data_dir's cache) before the first link, so every
     # hello carries it; on the compute thread (every later stage call's thread too:
     # skippy.runtime.compute_thread), since it runs the stage runtime for a moment.
     node.compute = compute_cost(await run_compute(lambda: load_or_calibrate(settings)))
-    host, artifacts = stage_services(node, read_environment())
-    serving = Serving(node, host, extra_routes=routes, expected=serve is not None)
     # SIGHUP (the terminal went away) shuts down as cleanly as SIGTERM: no reload exists.
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as signals:
         async with trio.open_nursery() as nursery:
-            handler = control_handler(node, serving)
+            handler = control_handler(parts)
             await nursery.start(serve_control, settings.control_socket, handler)
-            await nursery.start(artifacts.run)
-            address = await nursery.start(node.run)
-            await nursery.start(serving.run)
+            address = await nursery.start(node.run)  # and its services
             lines = []
             if settings.http is not None:
                 url = await serving.start_http(settings.http)
@@ -195,5 +197,5 @@ async def _run_node(
             await serving.drain()
             await node.close_links()
             nursery.cancel_scope.cancel()
-    await host.close()
+    await parts.host.close()
     log.info("stopped")

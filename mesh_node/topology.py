@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol
 
 import trio
+from prometheus_client.registry import Collector
 
 from mesh_node.coordination import (
     EpochStore,
@@ -40,6 +41,8 @@ from mesh_node.cost_inputs import (
 from mesh_node.errors import MeshError, TopologyRefused
 from mesh_node.identity import LocalIdentity
 from mesh_node.link import LinkTimeouts, MeshStream
+from mesh_node.metrics import SectionCollector, topology_families
+from mesh_node.node_service import FeatureBits, StreamKind
 from mesh_node.peers import (
     AuthenticatedPeer,
     InboundStream,
@@ -49,6 +52,7 @@ from mesh_node.peers import (
     StageReported,
     TopologyChanged,
 )
+from mesh_node.settings import NodeSettings
 from protocol import constants as pc
 from protocol.certificates import verify_domain
 from protocol.errors import ProtocolError
@@ -59,7 +63,6 @@ from protocol.messages import (
     TopologyOffer,
     decode_control_message,
 )
-from skippy.config import NodeSettings
 from skippy.errors import TopologyError
 from skippy.package.cost_plan import topology_from_candidate
 from skippy.package.heal import heal_topology
@@ -207,7 +210,6 @@ class NodeView(Protocol):
     async def open_stream(self, node_id: str, kind: int) -> MeshStream: ...
     def emit(self, event: NodeEvent) -> None: ...
     def subscribe(self) -> AbstractAsyncContextManager[trio.MemoryReceiveChannel[NodeEvent]]: ...
-    def register_subprotocol(self, kind: int, handler: Callable[[InboundStream], Any]) -> None: ...
 
 
 def _refused(exc: TopologyError) -> TopologyRefused:
@@ -218,6 +220,13 @@ def _refused(exc: TopologyError) -> TopologyRefused:
 
 
 class TopologyService:
+    """A node service (``mesh_node.node_service``): the control streams (kind 0x01), the
+    ``topology`` status section and its metrics; ``run`` marks the topology degraded when a
+    stage's node is lost."""
+
+    # It reads [security]'s scopes, a table the node core shares: none of its own.
+    config_table: str | None = None
+
     def __init__(self, node: NodeView, *, epochs: EpochStore | None = None) -> None:
         self.node = node
         self.active: ActiveTopology | None = None
@@ -225,14 +234,40 @@ class TopologyService:
         # A serving coordinator sets its own runtime facts: stage reports must agree with them.
         self.admission_expect: RuntimeFacts | None = None
         # Replicas (issue #23 item 1, mesh_node.serving.replicas): the node's own service
-        # registers the control streams; a replica's service shares its epochs (one sequence
-        # per coordinator) and gets its stage reports through ``siblings``. ``exclude`` names
-        # nodes this service must not plan over (those other replicas hold).
+        # serves the control streams; a replica's service (never added to the node) shares
+        # its epochs (one sequence per coordinator) and gets its stage reports through
+        # ``siblings``. ``exclude`` names nodes this service must not plan over (those other
+        # replicas hold).
         self.siblings: list[TopologyService] = []
         self.exclude: Callable[[], set[str]] | None = None
         self.epochs = epochs if epochs is not None else EpochStore(node.settings.data_dir)
-        if epochs is None:
-            node.register_subprotocol(pc.KIND_CONTROL, self._handle_control)
+
+    # --- as a node service ------------------------------------------------------------------
+    def streams(self) -> Sequence[StreamKind]:
+        return [StreamKind(pc.KIND_CONTROL, self._handle_control)]
+
+    def features(self, now_s: float) -> FeatureBits:
+        return {}
+
+    def status_sections(self) -> Mapping[str, Any]:
+        return {"topology": self.status()}
+
+    def collectors(self) -> Sequence[Collector]:
+        return [SectionCollector(self.status, topology_families)]
+
+    async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        security = self.node.settings.security
+        if security.accept_topologies_from == "any":
+            log.warning(
+                "accept_topologies_from = any: any authenticated peer may coordinate this node "
+                "(for labs only)"
+            )
+        if security.place_stages_on == "any":
+            log.warning(
+                "place_stages_on = any: stages may be placed on untrusted peers (for labs only)"
+            )
+        task_status.started()
+        await self.watch()
 
     def status(self) -> dict[str, Any] | None:
         return None if self.active is None else self.active.to_dict()

@@ -139,7 +139,7 @@ async def _mesh_client(address: str, rounds: int) -> dict[str, Any]:
 
     from bench_mesh import _settings
 
-    from skippy.config import parse_peer_address
+    from mesh_node.settings import parse_peer_address
 
     frame = os.urandom(FRAME_BYTES)
     out: list[float] = []

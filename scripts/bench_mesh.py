@@ -197,7 +197,7 @@ async def _serve_ws(floor: bool = False) -> None:
 
 
 def _settings(tmp: Path, name: str, peers: tuple[Any, ...] = ()) -> Any:
-    from skippy.config import HostPort, NodeSettings
+    from mesh_node.settings import HostPort, NodeSettings
 
     return NodeSettings(
         config_path=tmp / f"{name}.toml", listen=HostPort("127.0.0.1", 0),
@@ -306,7 +306,7 @@ async def _ws_client(port: int, direction: int, n: int, floor: bool = False) -> 
 async def _mesh_client(address: str, direction: int, n: int) -> float | list[float]:
     import tempfile
 
-    from skippy.config import parse_peer_address
+    from mesh_node.settings import parse_peer_address
 
     with tempfile.TemporaryDirectory() as tmp:
         node = _new_node(_settings(Path(tmp), "client", (parse_peer_address(address),)))

@@ -310,8 +310,8 @@ async def _stream_rate(tmp: Path, window_max: int) -> float:
 
     from mesh_node.lab.netem import open_netem
     from mesh_node.node import MeshNode
+    from mesh_node.settings import PeerAddress
     from protocol import constants as pc
-    from skippy.config import PeerAddress
 
     limits = pc.Limits(
         stream_window_max_bytes=window_max, handshake_timeout_s=5, idle_timeout_s=10

@@ -15,7 +15,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from mesh_node.identity import LocalIdentity, issue_certificate
 from mesh_node.node import MeshNode
-from skippy.config import HostPort, NodeSettings, PeerAddress, SecuritySettings
+from mesh_node.serving.host import StageHost
+from mesh_node.settings import HostPort, NodeSettings, PeerAddress, SecuritySettings
+from mesh_node.topology import TopologyService
 
 FAST = {
     "heartbeat_interval_s": 0.1,
@@ -52,6 +54,23 @@ def settings(tmp: Path, name: str, **kw: Any) -> NodeSettings:
     }
     base.update(kw)
     return NodeSettings(**base)
+
+
+def topology_node(
+    s: NodeSettings, ident: LocalIdentity, *, stage_host: bool = True, **kw: Any
+) -> MeshNode:
+    """A node with the split topology service and a stage host (its skippy-stage bits make
+    the node a capable peer), no artifact transfer or serving (``mesh_node.composition``
+    wires every service; these tests need the core and topologies only)."""
+    node = MeshNode(s, ident, **kw)
+    node.add_service(TopologyService(node))
+    if stage_host:
+        node.add_service(StageHost(node, s.serving))
+    return node
+
+
+def topology_of(node: MeshNode) -> TopologyService:
+    return node.service(TopologyService)
 
 
 def address_of(node: MeshNode) -> PeerAddress:

@@ -5,6 +5,7 @@ but the hub (``mesh_node.lab.hub``), and servers a test subclasses to misbehave.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,10 @@ from meshtools import identity, settings, wait_for, with_peers
 from mesh_node.lab.hub import FakeHub
 from mesh_node.lab.package import LabPackage, import_package
 from mesh_node.node import MeshNode
-from mesh_node.topology import ActiveTopology
+from mesh_node.node_service import FeatureBits, StreamKind
+from mesh_node.serving.host import StageHost
+from mesh_node.serving.service import Serving
+from mesh_node.topology import ActiveTopology, TopologyService
 from mesh_node.transfer.service import ArtifactService
 from skippy.config import Environment
 from skippy.consume.verify import VerifyCache
@@ -39,10 +43,35 @@ class Member:
     node: MeshNode
     service: ArtifactService
     root: Path
+    topology: TopologyService
 
     @property
     def cache(self) -> Path:
         return self.node.settings.hub_cache_dir
+
+
+class NotFollowing:
+    """An artifact service's streams, bits, status and metrics without its ``run``: it
+    follows no topology (the test starts its fetches)."""
+
+    def __init__(self, service: ArtifactService) -> None:
+        self.service = service
+        self.config_table = service.config_table
+
+    def streams(self) -> Sequence[StreamKind]:
+        return self.service.streams()
+
+    def features(self, now_s: float) -> FeatureBits:
+        return self.service.features(now_s)
+
+    def status_sections(self) -> Mapping[str, Any]:
+        return self.service.status_sections()
+
+    def collectors(self) -> Sequence[Any]:
+        return self.service.collectors()
+
+    async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
 
 
 async def start_member(
@@ -63,13 +92,21 @@ async def start_member(
     node = node_class(s, identity(owner))
     env = environment(tmp / name, hub, offline=offline)
     vc = VerifyCache.under(env.skippy_cache_dir)
+    topology = TopologyService(node)
     service = ArtifactService(
-        node, env, server=server_class(s.hub_cache_dir, verify_cache=vc), verify_cache=vc
+        node,
+        topology,
+        env,
+        server=server_class(s.hub_cache_dir, verify_cache=vc),
+        verify_cache=vc,
     )
+    host = StageHost(node, s.serving)  # its bits make the node a capable peer
+    node.add_service(topology)
+    node.add_service(host)
+    node.add_service(service if run_service else NotFollowing(service))
+    node.add_service(Serving(node, host, topology))
     await nursery.start(node.run)
-    if run_service:
-        await nursery.start(service.run)
-    return Member(node, service, tmp / name)
+    return Member(node, service, tmp / name, topology)
 
 
 def import_into(member: Member, hp: HubPackage) -> LabPackage:
@@ -82,7 +119,7 @@ def import_into(member: Member, hp: HubPackage) -> LabPackage:
 
 
 async def propose(coordinator: Member, pkg: LabPackage, **kw: Any) -> ActiveTopology:
-    return await coordinator.node.topology.propose(
+    return await coordinator.topology.propose(
         package_ref=pkg.ref,
         manifest_sha256=pkg.manifest_sha256,
         sizes=sizes_from_manifest(pkg.manifest),

@@ -25,7 +25,7 @@ import trio
 from mesh_node import control
 from mesh_node.cli import STATUS_TIMEOUT_S
 from mesh_node.identity import node_id_of, write_private_key
-from skippy.config import load_node_settings
+from mesh_node.settings import load_node_settings
 
 FAST_TOML = """
 heartbeat_interval_s = 0.2

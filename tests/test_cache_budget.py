@@ -35,9 +35,9 @@ from test_delta_revisions import _revise
 from mesh_node.lab.package import revise_directory
 from mesh_node.metrics import cache_families
 from mesh_node.peers import render_cache, render_status
+from mesh_node.settings import SecuritySettings, security_settings
 from mesh_node.transfer.cache_budget import CacheBudget
 from skippy.atomic import exclusive_lock, resumable_partial_for
-from skippy.config import SecuritySettings, security_settings
 from skippy.constants import MANIFEST_NAME, ROLE_LAYER
 from skippy.consume import hub
 from skippy.errors import UsageError
@@ -237,7 +237,7 @@ async def test_a_small_budget_never_evicts_the_running_stage_then_evicts_what_no
         worker = await start_member(n, tmp_path, "w", owner, hub=hp.hub, peers=(coord.node,))
         await wait_connected([coord, worker])
         first = await propose(coord, pkg1, stages=2)
-        await wait_for(lambda: worker.node.transfers.stage.report == "accepted", 20)
+        await wait_for(lambda: worker.service.records.stage.report == "accepted", 20)
         stage = first.topology.stage_of(worker.node.node_id)
         running = {p: sha256_of(f) for p, f in snapshot_files(worker, pkg1.ref).items()}
         ref2 = _revise(hp, tmp_path / "rev" / hp.directory.name, stage.layers.start)
@@ -255,11 +255,11 @@ async def test_a_small_budget_never_evicts_the_running_stage_then_evicts_what_no
         )
         second = await propose(coord, pkg2, stages=2)
         await wait_for(
-            lambda: worker.node.transfers.stage.topology_id == second.topology.topology_id
-            and worker.node.transfers.stage.state == "failed",
+            lambda: worker.service.records.stage.topology_id == second.topology.topology_id
+            and worker.service.records.stage.state == "failed",
             20,
         )  # fmt: skip
-        assert worker.node.transfers.stage.error == "cache_budget"
+        assert worker.service.records.stage.error == "cache_budget"
         assert {p: sha256_of(f) for p, f in snapshot_files(worker, pkg1.ref).items()} == running
         assert worker.service.result is not None and worker.service.result.load.sha256_verified
         cache = worker.node.status()["cache"]
@@ -301,7 +301,7 @@ async def test_a_small_budget_never_evicts_the_running_stage_then_evicts_what_no
 
 async def _ready(worker: Member, topology_id: str) -> None:
     await wait_for(
-        lambda: worker.node.transfers.stage.topology_id == topology_id
-        and worker.node.transfers.stage.report == "accepted",
+        lambda: worker.service.records.stage.topology_id == topology_id
+        and worker.service.records.stage.report == "accepted",
         20,
     )  # fmt: skip

@@ -14,10 +14,11 @@ import pytest
 from meshtools import settings
 
 import mesh_node.calibration as calibration
+from mesh_node.settings import node_settings, read_node_config
 from protocol import constants as pc
 from protocol.errors import ProtocolError
 from protocol.messages import ComputeCost, Hello, decode_link_message
-from skippy.config import NodeConfig, load_node_config, node_settings, read_environment
+from skippy.config import NodeConfig, read_environment
 from skippy.errors import UsageError
 from skippy.runtime.calibration import MODEL_CLASS, Calibration, CalibrationKey
 
@@ -122,7 +123,7 @@ def test_a_damaged_cache_is_measured_again_and_calibration_off_measures_nothing(
 def _config(tmp_path: Path, extra: str) -> NodeConfig:
     path = tmp_path / "node.toml"
     path.write_text(f'identity = "k.key"\n{extra}\n')
-    return load_node_config(path)
+    return read_node_config(path)
 
 
 def test_the_calibration_setting_is_auto_or_off_and_the_environment_wins(tmp_path: Path) -> None:

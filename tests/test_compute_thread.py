@@ -15,7 +15,7 @@ from meshtools import identity, settings
 from mesh_node.compute import run_compute
 from mesh_node.node import MeshNode
 from mesh_node.serving.host import StageHost
-from skippy.config import ServingSettings
+from mesh_node.settings import ServingSettings
 from skippy.runtime.compute_thread import ComputeThread, compute_thread
 
 

@@ -116,7 +116,7 @@ def _node_toml(tmp_path, text):
 
 
 def test_node_settings_resolve_paths_against_the_config_file(tmp_path):
-    from skippy.config import PeerAddress, load_node_settings
+    from mesh_node.settings import PeerAddress, load_node_settings
 
     nid = "ab" * 32
     cfg = _node_toml(
@@ -141,7 +141,7 @@ def test_node_settings_resolve_paths_against_the_config_file(tmp_path):
 
 
 def test_http_keys(tmp_path):
-    from skippy.config import HostPort, load_node_settings
+    from mesh_node.settings import HostPort, load_node_settings
 
     cfg = _node_toml(tmp_path, 'identity = "k"\nhttp = "[::1]:8080"\nhttp_public = true\n')
     s = load_node_settings(cfg, read_environment({}))
@@ -152,7 +152,7 @@ def test_http_keys(tmp_path):
 
 
 def test_environment_wins_over_the_config_artifact_transfer(tmp_path):
-    from skippy.config import load_node_settings
+    from mesh_node.settings import load_node_settings
 
     cfg = _node_toml(tmp_path, 'identity = "k"\nartifact_transfer = "open"\n')
     env = read_environment({"MESH_LLM_ARTIFACT_TRANSFER": "off"})
@@ -181,7 +181,7 @@ def test_environment_wins_over_the_config_artifact_transfer(tmp_path):
     ],
 )
 def test_bad_node_keys_are_usage_errors_naming_the_key(tmp_path, text, key):
-    from skippy.config import load_node_settings
+    from mesh_node.settings import load_node_settings
 
     with pytest.raises(UsageError) as exc:
         load_node_settings(_node_toml(tmp_path, text), read_environment({}))
@@ -199,18 +199,20 @@ def test_memory_budget_units(value, size):
     assert parse_size(value, "memory_budget") == size
 
 
-def test_node_timeout_defaults_are_the_protocol_limits():
-    # skippy cannot import protocol (layering): the two spellings of each default must agree.
+def test_node_timeout_defaults_are_the_protocol_limits(tmp_path):
+    from mesh_node.settings import load_node_settings
     from protocol.constants import DEFAULT_LIMITS
-    from skippy import config
 
-    assert DEFAULT_LIMITS.handshake_timeout_s == config.DEFAULT_HANDSHAKE_TIMEOUT_S
-    assert DEFAULT_LIMITS.idle_timeout_s == config.DEFAULT_IDLE_TIMEOUT_S
+    cfg = tmp_path / "node.toml"
+    cfg.write_text('identity = "node.key"\n')
+    node = load_node_settings(cfg)
+    assert node.handshake_timeout_s == DEFAULT_LIMITS.handshake_timeout_s
+    assert node.idle_timeout_s == DEFAULT_LIMITS.idle_timeout_s
 
 
 def test_swarm_transfer_is_on_by_default_and_must_be_a_boolean(tmp_path):
     """Issue #23: ``swarm_transfer = false`` keeps the whole-file, coordinator-only path."""
-    from skippy.config import load_node_settings
+    from mesh_node.settings import load_node_settings
     from skippy.errors import SkippyError
 
     env = read_environment({})
@@ -225,7 +227,7 @@ def test_swarm_transfer_is_on_by_default_and_must_be_a_boolean(tmp_path):
 def test_swarm_min_holders_defaults_to_two_and_must_be_a_positive_integer(tmp_path):
     """Issue #23: a file is fetched in chunks only with this many holders (1: the bench's
     chunk-overhead row chunks from the coordinator alone)."""
-    from skippy.config import load_node_settings
+    from mesh_node.settings import load_node_settings
     from skippy.errors import SkippyError
 
     env = read_environment({})
@@ -240,7 +242,7 @@ def test_swarm_min_holders_defaults_to_two_and_must_be_a_positive_integer(tmp_pa
 
 
 def test_serving_engine_llama_is_accepted_and_others_are_named():
-    from skippy.config import serving_settings
+    from mesh_node.settings import serving_settings
 
     assert serving_settings({"engine": "llama"}).engine == "llama"
     with pytest.raises(UsageError) as err:
@@ -256,7 +258,7 @@ def test_the_default_node_data_dir_follows_xdg():
 
 
 def test_the_first_run_node_toml_is_read_by_the_one_reader(tmp_path):
-    from skippy.config import default_node_toml, load_node_settings
+    from mesh_node.settings import default_node_toml, load_node_settings
 
     (tmp_path / "node.toml").write_text(default_node_toml("node.key", "node.cert"))
     settings = load_node_settings(tmp_path / "node.toml")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import trio
-from meshtools import wait_for
+from meshtools import topology_of, wait_for
 from test_wan_links import relayed_mesh
 
 from mesh_node.lab.netem import LinkSpec, LinkTable
@@ -129,7 +129,7 @@ async def test_the_coordinator_plans_by_cost_over_measured_links_and_calibration
             return rtt[n2] > max(rtt[n1], rtt[n3]) + 0.02  # type: ignore[operator]
 
         await wait_for(slow_pair_measured, timeout_s=20)
-        free = await coordinator.topology.propose(
+        free = await topology_of(coordinator).propose(
             package_ref=REF, manifest_sha256="ab" * 32, sizes=SIZES
         )
         chosen = [s.node_id for s in free.topology.stages]
@@ -139,7 +139,7 @@ async def test_the_coordinator_plans_by_cost_over_measured_links_and_calibration
         # 12 layers x 1 ms, and the head (50 bytes: half a 100-byte layer) on the last stage
         assert free.prediction["chosen"]["compute_ms"] == pytest.approx(12.5)
 
-        four = await coordinator.topology.propose(
+        four = await topology_of(coordinator).propose(
             package_ref=REF, manifest_sha256="ab" * 32, sizes=SIZES, stages=4, first_node=n0
         )
         stages = four.topology.stages
@@ -155,7 +155,7 @@ async def test_the_coordinator_plans_by_cost_over_measured_links_and_calibration
 
 async def test_an_uncalibrated_node_falls_back_to_the_memory_plan_and_says_why(tmp_path):
     async with relayed_mesh(tmp_path, 2, LinkTable(), [_calibrated(1.0)]) as mesh:
-        active = await mesh.nodes[0].topology.propose(
+        active = await topology_of(mesh.nodes[0]).propose(
             package_ref=REF, manifest_sha256="ab" * 32, sizes=SIZES
         )
         assert active.prediction is not None and active.prediction["planner"] == "memory"

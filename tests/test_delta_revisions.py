@@ -213,21 +213,21 @@ async def test_a_second_revision_moves_only_the_changed_layers_bytes(tmp_path, h
         worker = await start_member(n, tmp_path, "w", owner, hub=hp.hub, peers=(coord.node,))
         await wait_connected([coord, worker])
         first = await propose(coord, pkg1, stages=2)
-        await wait_for(lambda: worker.node.transfers.stage.report == "accepted", 20)
+        await wait_for(lambda: worker.service.records.stage.report == "accepted", 20)
         stage = first.topology.stage_of(worker.node.node_id)
         assert stage is not None
         # the second revision changes a layer of the worker's stage
         ref2 = _revise(hp, tmp_path / "rev" / hp.directory.name, stage.layers.start)
         pkg2 = import_into(coord, HubPackage(hp.directory, hp.hub, ref2))
         hp.hub.reset()  # count only what the worker asks of the hub
-        peer_before = worker.node.transfers.counters.fetched_bytes["peer"]
+        peer_before = worker.service.records.counters.fetched_bytes["peer"]
 
         second = await propose(coord, pkg2, stages=2)
         assert second.topology.stage_of(worker.node.node_id).layers == stage.layers
         await wait_for(
             lambda: (
-                worker.node.transfers.stage.topology_id == second.topology.topology_id
-                and worker.node.transfers.stage.report == "accepted"
+                worker.service.records.stage.topology_id == second.topology.topology_id
+                and worker.service.records.stage.report == "accepted"
             ),
             20,
         )
@@ -237,12 +237,12 @@ async def test_a_second_revision_moves_only_the_changed_layers_bytes(tmp_path, h
             for r in pkg2.manifest.artifacts()
             if r.role == ROLE_LAYER and r.layer_index == stage.layers.start
         )
-        moved = worker.node.transfers.counters.fetched_bytes["peer"] - peer_before
+        moved = worker.service.records.counters.fetched_bytes["peer"] - peer_before
         manifest_bytes = recs[MANIFEST_NAME]["total"]
         assert moved == changed.artifact.artifact_bytes + manifest_bytes  # that layer, manifest
         assert recs[changed.path]["source"] == "peer" and recs[changed.path]["verified"]
         short = pkg1.ref.split("@")[1][:12]
-        others = set(worker.node.transfers.stage.required) - {changed.path}
+        others = set(worker.service.records.stage.required) - {changed.path}
         assert others
         for path in others:
             assert recs[path]["source"] == "cache" and recs[path]["revision"] == short, path

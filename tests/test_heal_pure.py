@@ -125,7 +125,7 @@ def test_auto_threads_divide_the_cores_among_co_located_stages(
 
 
 def test_threads_setting_is_auto_by_default_or_a_count() -> None:
-    from skippy.config import serving_settings
+    from mesh_node.settings import serving_settings
     from skippy.errors import UsageError
 
     assert serving_settings(None).threads is None

@@ -14,7 +14,8 @@ from mesh_node.http.guard import AccessRecord, GuardPolicy, refusal, request_id_
 from mesh_node.http.keys import ApiKeyError, ApiKeys, load_api_keys, parse_key_lines
 from mesh_node.serving.pipeline import GenerationFailed, ServerBusy, SplitNotReady
 from mesh_node.serving.statuses import as_api_error
-from skippy.config import HttpSettings, http_settings, load_node_settings, read_environment
+from mesh_node.settings import HttpSettings, http_settings, load_node_settings
+from skippy.config import read_environment
 from skippy.errors import SkippyError, UsageError
 from skippy.serving.openai import ApiError, decode_json, parse_request
 
@@ -198,9 +199,9 @@ def test_the_http_table(tmp_path: Path):
 def test_outcomes_rejected_stays_and_a_cancelled_group_is_cancelled():
     import trio
 
-    from mesh_node.metrics import NodeMetrics
+    from mesh_node.metrics import ServingMetrics
 
-    m = NodeMetrics()
+    m = ServingMetrics()
     with pytest.raises(ServerBusy), m.request() as record:
         record.outcome = "rejected"
         raise ServerBusy("full")

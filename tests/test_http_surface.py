@@ -16,7 +16,7 @@ import pytest
 import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from httptools import arequest, get_json, read_events, status_only, without_volatile
-from meshtools import identity, settings, wait_for, with_peers
+from meshtools import identity, settings, topology_node, topology_of, wait_for, with_peers
 from meshxfer import import_into, propose, start_member, wait_connected
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -26,7 +26,8 @@ from mesh_node.http.bind import allowed_hosts, check_http_bind
 from mesh_node.http.server import serve_http
 from mesh_node.http.view import public_status
 from mesh_node.node import MeshNode
-from skippy.config import HostPort
+from mesh_node.serving.service import Serving
+from mesh_node.settings import HostPort
 from skippy.errors import UsageError
 from skippy.package.plan import ModelSizes
 
@@ -70,11 +71,11 @@ async def served(node: MeshNode, **kw: object) -> AsyncIterator[str]:
 
 async def three_nodes(n: trio.Nursery, tmp_path) -> list[MeshNode]:
     owner = Ed25519PrivateKey.generate()
-    a = MeshNode(settings(tmp_path, "a"), identity(owner))
+    a = topology_node(settings(tmp_path, "a"), identity(owner))
     await n.start(a.run)
     nodes = [a]
     for name in ("b", "c"):
-        node = MeshNode(with_peers(settings(tmp_path, name), a), identity(owner))
+        node = topology_node(with_peers(settings(tmp_path, name), a), identity(owner))
         await n.start(node.run)
         nodes.append(node)
     await wait_for(lambda: all(len(x.peers(connected_only=True)) == 2 for x in nodes))
@@ -83,14 +84,14 @@ async def three_nodes(n: trio.Nursery, tmp_path) -> list[MeshNode]:
 
 async def test_api_status_is_the_status_document(tmp_path):
     owner = Ed25519PrivateKey.generate()
-    quiet = MeshNode(settings(tmp_path, "q"), identity(owner))  # not running: nothing moves
+    quiet = topology_node(settings(tmp_path, "q"), identity(owner))  # not running: nothing moves
     async with served(quiet) as url:
         status, headers, body = await arequest(url + "api/status")
         assert status == 200 and headers["content-type"] == "application/json"
         assert json.loads(body) == quiet.status()
     async with trio.open_nursery() as n:
         a, b, c = await three_nodes(n, tmp_path)
-        await a.topology.propose(package_ref=REF, manifest_sha256="ab" * 32, sizes=SIZES)
+        await topology_of(a).propose(package_ref=REF, manifest_sha256="ab" * 32, sizes=SIZES)
         async with served(a) as url:
             doc = await trio.to_thread.run_sync(get_json, url + "api/status")
             # The same document, but for values that moved between the two reads.
@@ -137,10 +138,10 @@ async def test_metrics_of_a_real_split_with_transfers_parse_and_name_every_metri
         await wait_connected([coord, ours, theirs])
         await propose(coord, pkg)
         await wait_for(
-            lambda: all(w.node.transfers.stage.report == "accepted" for w in (ours, theirs)), 30
+            lambda: all(w.service.records.stage.report == "accepted" for w in (ours, theirs)), 30
         )
         # issue #10's seam: a served request, counted where it happens
-        with coord.node.metrics.request(prompt_tokens=7) as req:
+        with coord.node.service(Serving).metrics.request(prompt_tokens=7) as req:
             req.tokens(1)
             req.tokens(3)
         bodies = {}
@@ -164,7 +165,7 @@ async def test_metrics_of_a_real_split_with_transfers_parse_and_name_every_metri
         assert metric(c, "mesh_node_link_received_bytes", "_total", peer=w.node.node_id) > 0
     sent_to_ours = metric(c, "mesh_node_link_sent_bytes", "_total", peer=ours.node.node_id)
     served_bytes = metric(c, "mesh_node_artifact_served_bytes", "_total")
-    assert served_bytes == ours.node.transfers.counters.fetched_bytes["peer"] > 0
+    assert served_bytes == ours.service.records.counters.fetched_bytes["peer"] > 0
     assert sent_to_ours > served_bytes  # the artifacts crossed that link, plus framing
     assert (
         metric(c, "mesh_node_artifact_transfer_refusals", "_total", reason="peer_owner_untrusted")
@@ -211,7 +212,7 @@ async def test_only_get_reaches_the_node(tmp_path):
 
 
 async def test_security_headers_and_host_check(tmp_path):
-    node = MeshNode(settings(tmp_path, "a"), identity())
+    node = topology_node(settings(tmp_path, "a"), identity())
     async with served(node) as url:
         status, headers, body = await arequest(url)
         assert status == 200 and headers["content-type"].startswith("text/html")
@@ -235,12 +236,12 @@ async def test_security_headers_and_host_check(tmp_path):
 async def test_event_stream_pushes_the_document_and_follows_the_node(tmp_path):
     owner = Ed25519PrivateKey.generate()
     async with trio.open_nursery() as n:
-        a = MeshNode(settings(tmp_path, "a"), identity(owner))
+        a = topology_node(settings(tmp_path, "a"), identity(owner))
         await n.start(a.run)
         async with served(a) as url:
             (first,) = await trio.to_thread.run_sync(read_events, url + "api/events", 1)
             assert first["node_id"] == a.node_id and first["peers"] == []
-            b = MeshNode(with_peers(settings(tmp_path, "b"), a), identity(owner))
+            b = topology_node(with_peers(settings(tmp_path, "b"), a), identity(owner))
             await n.start(b.run)
             await wait_for(lambda: len(a.peers()) == 1)
             events = await trio.to_thread.run_sync(read_events, url + "api/events", 2)
@@ -251,7 +252,7 @@ async def test_event_stream_pushes_the_document_and_follows_the_node(tmp_path):
 
 async def test_open_event_streams_are_bounded(tmp_path, monkeypatch):
     monkeypatch.setattr(http_app, "MAX_EVENT_STREAMS", 1)
-    node = MeshNode(settings(tmp_path, "a"), identity())
+    node = topology_node(settings(tmp_path, "a"), identity())
     holding = trio.Event()
 
     def hold_a_page_open(url: str) -> None:
@@ -286,7 +287,7 @@ async def test_components_add_routes_to_the_same_app(tmp_path):
     async def echo(request: Request) -> JSONResponse:
         return JSONResponse({"got": (await request.json())["prompt"]})
 
-    node = MeshNode(settings(tmp_path, "a"), identity())
+    node = topology_node(settings(tmp_path, "a"), identity())
     async with served(node, routes=[Route("/v1/echo", echo, methods=["POST"])]) as url:
         status, _, body = await arequest(
             url + "v1/echo",

@@ -9,13 +9,14 @@ import os
 import pytest
 import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from meshtools import identity, settings, wait_for, with_peers
+from meshtools import identity, settings, topology_node, wait_for, with_peers
 from trio_websocket import WebSocketRequest, open_websocket_url, serve_websocket
 
 from mesh_node.cipher_support import ciphers_for, has_hardware_aes
 from mesh_node.link import RECEIVE_SOME_BYTES
 from mesh_node.node import MeshNode
 from mesh_node.peers import InboundStream
+from mesh_node.settings import PeerAddress
 from protocol import constants as pc
 from protocol.errors import ProtocolError
 from protocol.handshake import Handshake
@@ -25,7 +26,6 @@ from protocol.link_cipher import (
     offered_subprotocols,
     select_subprotocol,
 )
-from skippy.config import PeerAddress
 
 AES, CHACHA = LinkCipher.AESGCM, LinkCipher.CHACHAPOLY
 NEW = (AES, CHACHA)  # what a node with AES instructions supports, best first
@@ -151,9 +151,9 @@ async def test_two_nodes_agree_on_the_cipher_and_carry_a_stream(
     tmp_path, dialer, listener, expected
 ):
     async with trio.open_nursery() as n:
-        server = MeshNode(settings(tmp_path, "listener"), identity(), link_ciphers=listener)
+        server = topology_node(settings(tmp_path, "listener"), identity(), link_ciphers=listener)
         await n.start(server.run)
-        client = MeshNode(
+        client = topology_node(
             with_peers(settings(tmp_path, "dialer"), server), identity(), link_ciphers=dialer
         )
         await n.start(client.run)

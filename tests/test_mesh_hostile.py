@@ -11,7 +11,16 @@ from contextlib import asynccontextmanager
 import pytest
 import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from meshtools import FAST, address_of, identity, settings, wait_for, with_peers
+from meshtools import (
+    FAST,
+    address_of,
+    identity,
+    settings,
+    topology_node,
+    topology_of,
+    wait_for,
+    with_peers,
+)
 from trio_websocket import ConnectionClosed, WebSocketConnection, open_websocket_url
 
 from mesh_node.errors import LinkClosed, StreamReset, StreamStalled
@@ -60,9 +69,10 @@ async def wait_closed(ws: WebSocketConnection) -> None:
 async def pair(tmp_path) -> AsyncIterator[tuple[MeshNode, MeshNode, trio.Nursery]]:
     """A node under attack and a good peer whose link must survive."""
     async with trio.open_nursery() as n:
-        victim = MeshNode(settings(tmp_path, "victim"), identity())
+        # the victim's stream kinds are the tests' own, beside the control kind
+        victim = topology_node(settings(tmp_path, "victim"), identity(), stage_host=False)
         await n.start(victim.run)
-        good = MeshNode(with_peers(settings(tmp_path, "good"), victim), identity())
+        good = topology_node(with_peers(settings(tmp_path, "good"), victim), identity())
         await n.start(good.run)
         await wait_for(lambda: len(victim.peers(connected_only=True)) == 1)
         yield victim, good, n
@@ -80,7 +90,7 @@ async def test_dialing_an_address_whose_node_proves_another_id_fails_closed(tmp_
     async with pair(tmp_path) as (victim, good, n):
         impostor_target = address_of(victim)
         wrong = type(impostor_target)(impostor_target.host, impostor_target.port, "ab" * 32)
-        dialer = MeshNode(settings(tmp_path, "dialer", peers=(wrong,)), identity())
+        dialer = topology_node(settings(tmp_path, "dialer", peers=(wrong,)), identity())
         await n.start(dialer.run)
         await trio.sleep(FAST["heartbeat_interval_s"] * 5)  # several dial attempts
         assert dialer.peers() == []  # never a member
@@ -144,7 +154,7 @@ async def test_a_tampered_byte_in_transit_kills_the_link(tmp_path):
             got_data.set()
 
     async with trio.open_nursery() as n:
-        victim = MeshNode(settings(tmp_path, "victim"), identity())
+        victim = topology_node(settings(tmp_path, "victim"), identity(), stage_host=False)
         victim.register_subprotocol(pc.KIND_TRANSPORT, sink)
         await n.start(victim.run)
         target = address_of(victim)
@@ -172,7 +182,7 @@ async def test_a_tampered_byte_in_transit_kills_the_link(tmp_path):
         listeners = await n.start(trio.serve_tcp, proxy, 0)
         port = listeners[0].socket.getsockname()[1]
         via_proxy = type(target)("127.0.0.1", port, victim.node_id)
-        sender = MeshNode(settings(tmp_path, "sender", peers=(via_proxy,)), identity())
+        sender = topology_node(settings(tmp_path, "sender", peers=(via_proxy,)), identity())
         await n.start(sender.run)
         await wait_for(lambda: len(sender.peers(connected_only=True)) == 1)
         link = victim._members[sender.node_id].link
@@ -305,7 +315,7 @@ async def test_a_peer_without_the_stage_bundle_is_never_placed(tmp_path):
         await ws.send_message(channel.seal([mux.next_record() or b""]))
         raw_id = key.public_key().public_bytes_raw().hex()
         await wait_for(lambda: victim.peer(raw_id) is not None)
-        capable = {n.node_id for n in victim.topology.capable_nodes(include_self=True)}
+        capable = {n.node_id for n in topology_of(victim).capable_nodes(include_self=True)}
         assert capable == {victim.node_id, good.node_id}
 
 
@@ -331,7 +341,7 @@ async def test_a_dialer_survives_peers_that_hang_up_or_speak_garbage(tmp_path):
                 )
             )
             bad.append(type(address_of(victim))("127.0.0.1", server.port, "cd" * 32))
-        dialer = MeshNode(
+        dialer = topology_node(
             settings(tmp_path, "dialer", peers=(*bad, address_of(victim))), identity()
         )
         await n.start(dialer.run)

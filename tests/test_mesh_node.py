@@ -9,14 +9,24 @@ from pathlib import Path
 import pytest
 import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from meshtools import address_of, identity, settings, wait_for, with_peers
+from meshtools import (
+    address_of,
+    identity,
+    settings,
+    topology_node,
+    topology_of,
+    wait_for,
+    with_peers,
+)
 
+from mesh_node.composition import compose
 from mesh_node.errors import PeerUnavailable, StreamRefused, StreamReset
 from mesh_node.node import MeshNode
 from mesh_node.peers import InboundStream, PeerDown, PeerUp, TopologyChanged
 from mesh_node.topology import topology_signature_valid
 from protocol import constants as pc
 from protocol.messages import TopologyOffer
+from skippy.config import read_environment
 from skippy.package.plan import ModelSizes
 from skippy.package.topology import NodeCapacity, SplitTopology, plan_topology
 
@@ -33,8 +43,8 @@ async def start(nursery: trio.Nursery, node: MeshNode) -> MeshNode:
 async def test_two_nodes_of_one_owner_authenticate_and_trust_each_other(tmp_path):
     owner = Ed25519PrivateKey.generate()
     async with trio.open_nursery() as n:
-        a = await start(n, MeshNode(settings(tmp_path, "a"), identity(owner)))
-        b = await start(n, MeshNode(with_peers(settings(tmp_path, "b"), a), identity(owner)))
+        a = await start(n, topology_node(settings(tmp_path, "a"), identity(owner)))
+        b = await start(n, topology_node(with_peers(settings(tmp_path, "b"), a), identity(owner)))
         await wait_for(lambda: len(a.peers()) == 1 and len(b.peers()) == 1)
         (pa,) = a.peers()
         assert pa.node_id == b.node_id and pa.peer.owner_status == "verified"
@@ -52,8 +62,8 @@ async def test_two_nodes_of_one_owner_authenticate_and_trust_each_other(tmp_path
             "memory_budget",
             "artifact_transfer",
             "peers",
-            "topology",
-            "transfers",
+            "topology",  # the sections of these nodes' services
+            "stage",
             "security",
             "compute",  # issue #21: this node's calibration (None: not calibrated)
         }
@@ -74,11 +84,11 @@ async def test_trust_needs_a_verified_owner_that_is_ours_or_listed(tmp_path, cas
     async with trio.open_nursery() as n:
         a = await start(
             n,
-            MeshNode(
+            topology_node(
                 settings(tmp_path, "a", trusted_owners=listed), identity(mine), wall_clock=wall
             ),
         )
-        b = await start(n, MeshNode(with_peers(settings(tmp_path, "b"), a), peer_identity))
+        b = await start(n, topology_node(with_peers(settings(tmp_path, "b"), a), peer_identity))
         await wait_for(lambda: len(a.peers()) == 1)
         (p,) = a.peers()
         expected_status = {"no_certificate": "unverified", "expired": "invalid"}.get(
@@ -128,7 +138,8 @@ async def test_artifact_transfer_bit_is_advertised_only_when_this_node_would_ser
         ("trusted", owner, True),
     ]
     for mode, node_owner, advertised in cases:
-        node = MeshNode(settings(tmp_path, "x", artifact_transfer=mode), identity(node_owner))
+        s = settings(tmp_path, "x", artifact_transfer=mode)
+        node = compose(s, identity(node_owner), read_environment()).node
         bits = node.features[pc.FEATURE_SKIPPY_STAGE]
         assert (pc.BIT_ARTIFACT_TRANSFER in bits) is advertised, mode
         assert set(bits) >= pc.STAGE_BUNDLE
@@ -149,8 +160,8 @@ async def test_registered_handler_gets_the_authenticated_peer_and_a_flow_control
         await inbound.stream.send_eof()
 
     async with trio.open_nursery() as n:
-        a = await start(n, MeshNode(settings(tmp_path, "a"), identity(owner)))
-        b = await start(n, MeshNode(with_peers(settings(tmp_path, "b"), a), identity(owner)))
+        a = await start(n, topology_node(settings(tmp_path, "a"), identity(owner)))
+        b = await start(n, topology_node(with_peers(settings(tmp_path, "b"), a), identity(owner)))
         a.register_subprotocol(pc.KIND_ARTIFACT_TRANSFER, echo_sum)
         await wait_for(lambda: len(b.peers()) == 1)
         stream = await b.open_stream(a.node_id, pc.KIND_ARTIFACT_TRANSFER)
@@ -190,8 +201,8 @@ async def test_an_answer_reaches_a_requester_whose_end_of_stream_comes_after_the
         returned.set()
 
     async with trio.open_nursery() as n:
-        a = await start(n, MeshNode(settings(tmp_path, "a"), identity()))
-        b = await start(n, MeshNode(with_peers(settings(tmp_path, "b"), a), identity()))
+        a = await start(n, topology_node(settings(tmp_path, "a"), identity()))
+        b = await start(n, topology_node(with_peers(settings(tmp_path, "b"), a), identity()))
         a.register_subprotocol(pc.KIND_ARTIFACT_TRANSFER, answer_at_once)
         await wait_for(lambda: len(b.peers()) == 1)
         stream = await b.open_stream(a.node_id, pc.KIND_ARTIFACT_TRANSFER)
@@ -214,8 +225,8 @@ async def test_an_answer_reaches_a_requester_whose_end_of_stream_comes_after_the
 
 async def test_unknown_subprotocol_major_or_kind_is_refused_with_a_reason_and_link_stays(tmp_path):
     async with trio.open_nursery() as n:
-        a = await start(n, MeshNode(settings(tmp_path, "a"), identity()))
-        b = await start(n, MeshNode(with_peers(settings(tmp_path, "b"), a), identity()))
+        a = await start(n, topology_node(settings(tmp_path, "a"), identity()))
+        b = await start(n, topology_node(with_peers(settings(tmp_path, "b"), a), identity()))
         await wait_for(lambda: len(b.peers()) == 1)
         for kwargs, code in [
             ({"name": "nope"}, "unknown_subprotocol"),
@@ -236,14 +247,14 @@ async def test_unknown_subprotocol_major_or_kind_is_refused_with_a_reason_and_li
 
 async def test_five_nodes_learn_each_other_through_gossip_and_dial_before_counting(tmp_path):
     async with trio.open_nursery() as n:
-        hub = await start(n, MeshNode(settings(tmp_path, "n0"), identity()))
+        hub = await start(n, topology_node(settings(tmp_path, "n0"), identity()))
         nodes = [hub]
         ups: list[str] = []
         async with hub.subscribe() as events:
             for i in range(1, 5):
                 nodes.append(
                     await start(
-                        n, MeshNode(with_peers(settings(tmp_path, f"n{i}"), hub), identity())
+                        n, topology_node(with_peers(settings(tmp_path, f"n{i}"), hub), identity())
                     )
                 )
             await wait_for(lambda: all(len(x.peers(connected_only=True)) == 4 for x in nodes))
@@ -266,16 +277,18 @@ async def test_five_nodes_learn_each_other_through_gossip_and_dial_before_counti
 async def test_coordinator_signs_and_workers_verify_store_and_acknowledge(tmp_path):
     owner = Ed25519PrivateKey.generate()
     async with trio.open_nursery() as n:
-        coord = await start(n, MeshNode(settings(tmp_path, "c"), identity(owner)))
+        coord = await start(n, topology_node(settings(tmp_path, "c"), identity(owner)))
         workers = [
             await start(
-                n, MeshNode(with_peers(settings(tmp_path, f"w{i}"), coord), identity(owner))
+                n, topology_node(with_peers(settings(tmp_path, f"w{i}"), coord), identity(owner))
             )
             for i in range(2)
         ]
         await wait_for(lambda: len(coord.peers(connected_only=True)) == 2)
         async with workers[0].subscribe() as events:
-            active = await coord.topology.propose(package_ref=REF, manifest_sha256=SHA, sizes=SIZES)
+            active = await topology_of(coord).propose(
+                package_ref=REF, manifest_sha256=SHA, sizes=SIZES
+            )
             assert active.state == "active"
             assert active.acks == {w.node_id: "accepted" for w in workers}
             assert {s.node_id for s in active.topology.stages} == {
@@ -287,7 +300,7 @@ async def test_coordinator_signs_and_workers_verify_store_and_acknowledge(tmp_pa
                 event = await events.receive()
             assert event.state == "active"
         for w in workers:
-            got = w.topology.active
+            got = topology_of(w).active
             assert got is not None and got.role == "worker" and got.coordinator_id == coord.node_id
             assert got.topology == active.topology
             assert topology_signature_valid(got.topology, coord.node_id, got.signature)
@@ -351,10 +364,10 @@ async def test_topology_that_does_not_fit_names_the_node_and_the_missing_bytes(t
 
     async with trio.open_nursery() as n:
         coord = await start(
-            n, MeshNode(settings(tmp_path, "c", memory_budget_bytes=200), identity())
+            n, topology_node(settings(tmp_path, "c", memory_budget_bytes=200), identity())
         )
         with pytest.raises(TopologyRefused) as exc:
-            await coord.topology.propose(package_ref=REF, manifest_sha256=SHA, sizes=SIZES)
+            await topology_of(coord).propose(package_ref=REF, manifest_sha256=SHA, sizes=SIZES)
         assert exc.value.code == "topology_does_not_fit"
         assert coord.node_id[:12] in exc.value.message and "lacks 510 bytes" in exc.value.message
         n.cancel_scope.cancel()
@@ -380,7 +393,7 @@ def test_worker_checks_signature_against_the_sender_and_the_coverage(tmp_path):
 
     coord_key, other = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
     coord_id = coord_key.public_key().public_bytes_raw().hex()
-    worker = MeshNode(settings(tmp_path, "w"), identity())
+    worker = topology_node(settings(tmp_path, "w"), identity())
     topo = plan_topology(
         SIZES,
         [NodeCapacity(coord_id, 10**6), NodeCapacity(worker.node_id, 10**6)],
@@ -389,22 +402,22 @@ def test_worker_checks_signature_against_the_sender_and_the_coverage(tmp_path):
         package_ref=REF,
         manifest_sha256=SHA,
     )
-    ok = worker.topology.accept_offer(_offer(coord_key, topo), coord_id)
-    assert ok.accepted and worker.topology.active is not None
-    worker.topology.active = None
+    ok = topology_of(worker).accept_offer(_offer(coord_key, topo), coord_id)
+    assert ok.accepted and topology_of(worker).active is not None
+    topology_of(worker).active = None
     # Signed by someone else than the authenticated sender.
-    bad = worker.topology.accept_offer(_offer(other, topo), coord_id)
+    bad = topology_of(worker).accept_offer(_offer(other, topo), coord_id)
     assert (bad.accepted, bad.code) == (False, "topology_signature")
     # A byte of the topology changed after signing.
     offer = _offer(coord_key, topo)
     tampered = dict(offer.topology, run_id="r2")
-    bad = worker.topology.accept_offer(TopologyOffer(tampered, offer.signature), coord_id)
+    bad = topology_of(worker).accept_offer(TopologyOffer(tampered, offer.signature), coord_id)
     assert (bad.accepted, bad.code) == (False, "topology_signature")
     # Coverage: a gap between the stages is refused before any signature check.
     gap = dict(offer.topology)
     gap["stages"] = [dict(s) for s in offer.topology["stages"]]
     gap["stages"][1]["layer_start"] += 1
-    bad = worker.topology.accept_offer(TopologyOffer(gap, offer.signature), coord_id)
+    bad = topology_of(worker).accept_offer(TopologyOffer(gap, offer.signature), coord_id)
     assert (bad.accepted, bad.code) == (False, "topology_coverage")
     # A topology that gives this node no stage.
     third = Ed25519PrivateKey.generate().public_key().public_bytes_raw().hex()
@@ -416,17 +429,17 @@ def test_worker_checks_signature_against_the_sender_and_the_coverage(tmp_path):
         package_ref=REF,
         manifest_sha256=SHA,
     )
-    bad = worker.topology.accept_offer(_offer(coord_key, elsewhere), coord_id)
+    bad = topology_of(worker).accept_offer(_offer(coord_key, elsewhere), coord_id)
     assert (bad.accepted, bad.code) == (False, "not_in_topology")
-    assert worker.topology.active is None
+    assert topology_of(worker).active is None
 
 
 async def test_peer_loss_degrades_the_topology_and_replan_uses_the_remaining_peers(tmp_path):
     async with trio.open_nursery() as n:
-        coord = await start(n, MeshNode(settings(tmp_path, "c"), identity()))
-        w1 = await start(n, MeshNode(with_peers(settings(tmp_path, "w1"), coord), identity()))
+        coord = await start(n, topology_node(settings(tmp_path, "c"), identity()))
+        w1 = await start(n, topology_node(with_peers(settings(tmp_path, "w1"), coord), identity()))
         w2_scope = trio.CancelScope()
-        w2 = MeshNode(with_peers(settings(tmp_path, "w2"), coord), identity())
+        w2 = topology_node(with_peers(settings(tmp_path, "w2"), coord), identity())
 
         async def run_w2(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
             with w2_scope:
@@ -434,23 +447,24 @@ async def test_peer_loss_degrades_the_topology_and_replan_uses_the_remaining_pee
 
         await n.start(run_w2)
         await wait_for(lambda: len(coord.peers(connected_only=True)) == 2)
-        first = await coord.topology.propose(package_ref=REF, manifest_sha256=SHA, sizes=SIZES)
+        first = await topology_of(coord).propose(package_ref=REF, manifest_sha256=SHA, sizes=SIZES)
         assert first.state == "active" and len(first.topology.stages) == 3
         async with coord.subscribe() as events:
             w2_scope.cancel()  # the worker process "dies"
             seen = [await events.receive(), await events.receive()]
         assert any(isinstance(e, PeerDown) and e.node_id == w2.node_id for e in seen)
         assert TopologyChanged("degraded", first.topology.topology_id) in seen
-        assert coord.topology.active is not None and coord.topology.active.lost == {w2.node_id}
-        second = await coord.topology.replan()
+        held = topology_of(coord).active
+        assert held is not None and held.lost == {w2.node_id}
+        second = await topology_of(coord).replan()
         assert second.state == "active" and second.topology.run_id == first.topology.run_id
         assert {s.node_id for s in second.topology.stages} == {coord.node_id, w1.node_id}
         n.cancel_scope.cancel()
 
 
 async def test_a_duplicate_pair_of_links_converges_to_one(tmp_path):
-    a = MeshNode(settings(tmp_path, "a"), identity())
-    b = MeshNode(settings(tmp_path, "b"), identity())
+    a = topology_node(settings(tmp_path, "a"), identity())
+    b = topology_node(settings(tmp_path, "b"), identity())
     async with trio.open_nursery() as n:
         await n.start(a.run)
         await n.start(b.run)
@@ -472,8 +486,8 @@ async def test_a_duplicate_pair_of_links_converges_to_one(tmp_path):
 
 async def _linked_pair(n: trio.Nursery, tmp_path: Path) -> tuple[MeshNode, MeshNode]:
     """Nodes a and b (b dials a), once both sides have each other's hello."""
-    a = await start(n, MeshNode(settings(tmp_path, "a"), identity()))
-    b = await start(n, MeshNode(with_peers(settings(tmp_path, "b"), a), identity()))
+    a = await start(n, topology_node(settings(tmp_path, "a"), identity()))
+    b = await start(n, topology_node(with_peers(settings(tmp_path, "b"), a), identity()))
     await wait_for(lambda: len(a.peers(connected_only=True)) == len(b.peers()) == 1)
     return a, b
 

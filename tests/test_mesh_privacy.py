@@ -10,12 +10,14 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from meshtools import identity, settings, wait_for, with_peers
 from meshxfer import import_into, propose, start_member, wait_connected
 
+from mesh_node.composition import add_services
 from mesh_node.hostid import host_fingerprint
 from mesh_node.link import Link
 from mesh_node.node import MeshNode
 from protocol import constants as pc
 from protocol.frames import unpack_bounded
 from protocol.messages import Hello, Peers, decode_link_message
+from skippy.config import read_environment
 
 SECRET_TOKEN = "hf_secrettoken0123456789"
 
@@ -42,6 +44,7 @@ async def test_every_advertisement_and_gossip_message_carries_only_allowed_field
             if nodes:
                 s = with_peers(s, nodes[0])
             node = RecordingNode(s, identity(owner))
+            add_services(node, read_environment())  # as `mesh-node run` wires it
             node.captured = []
             await n.start(node.run)
             nodes.append(node)
@@ -120,8 +123,8 @@ async def test_advertisements_carry_only_the_feature_bit_while_artifacts_move(
         worker.node.captured = []
         await wait_connected([coord, worker])
         await propose(coord, pkg)
-        await wait_for(lambda: coord.node.topology.active.all_ready, 20)
-        assert worker.node.transfers.counters.fetched_bytes["peer"] > 0
+        await wait_for(lambda: coord.topology.active.all_ready, 20)
+        assert worker.service.records.counters.fetched_bytes["peer"] > 0
         n.cancel_scope.cancel()
     for node, other in ((coord.node, worker.node), (worker.node, coord.node)):
         for payload in node.captured:

@@ -13,8 +13,17 @@ import pytest
 import trio
 from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
 
-from mesh_node.metrics import RATE_WINDOW_S, NodeMetrics, node_registry
+from mesh_node.metrics import (
+    RATE_WINDOW_S,
+    SectionCollector,
+    ServingMetrics,
+    TransferDurations,
+    node_registry,
+    topology_families,
+    transfer_families,
+)
 from mesh_node.transfer.records import TransferLog
 
 REPO = Path(__file__).resolve().parent.parent
@@ -28,8 +37,14 @@ class Clock:
         return self.now
 
 
-def samples(metrics: NodeMetrics, doc: dict) -> dict[tuple[str, tuple], float]:
-    text = generate_latest(node_registry(lambda: doc, metrics)).decode()
+def samples(metrics: Collector, doc: dict) -> dict[tuple[str, tuple], float]:
+    """``/metrics`` of a node whose status is ``doc``, with the topology and transfer
+    services' collectors over its sections, and ``metrics``."""
+    sections = [
+        SectionCollector(lambda: doc.get("topology"), topology_families),
+        SectionCollector(lambda: doc.get("transfers") or {}, transfer_families),
+    ]
+    text = generate_latest(node_registry(lambda: doc, [*sections, metrics])).decode()
     return {
         (s.name, tuple(sorted(s.labels.items()))): s.value
         for f in text_string_to_metric_families(text)
@@ -51,7 +66,7 @@ QUIET_DOC = {
 
 def test_request_outcomes_tokens_ttft_and_rate():
     clock = Clock()
-    m = NodeMetrics(clock)
+    m = ServingMetrics(clock)
     with m.request(prompt_tokens=5) as req:
         assert m.serving_status()["requests_in_flight"] == 1
         clock.now += 0.3
@@ -85,7 +100,7 @@ def test_request_outcomes_tokens_ttft_and_rate():
 
 
 def test_transfer_durations_are_observed_as_the_transfer_log_finishes_them():
-    m = NodeMetrics()
+    m = TransferDurations()
     log = TransferLog(on_finish=m.transfer_finished)
     fetched = log.start("fetch", "layers/layer-00000.gguf", total=10, source="peer")
     log.finish(fetched, verified=True)
@@ -108,7 +123,7 @@ def test_transfer_families_read_the_documents_counters_with_bounded_labels():
     log.counters.refusals.update({"not_in_stage": 1, **{f"made-up-{i}": 1 for i in range(100)}})
     log.counters.refusals_received.update({"artifact unavailable": 3})
     log.start("fetch", "layers/layer-00003.gguf", total=10, source="peer")
-    got = samples(NodeMetrics(), {**QUIET_DOC, "transfers": log.status()})
+    got = samples(ServingMetrics(), {**QUIET_DOC, "transfers": log.status()})
     assert got[("mesh_node_artifact_served_bytes_total", ())] == 300
     assert got[("mesh_node_artifact_fetched_bytes_total", (("source", "peer"),))] == 200
     assert got[("mesh_node_artifact_fetched_bytes_total", (("source", "hub"),))] == 0
@@ -148,7 +163,7 @@ def test_state_families_follow_the_document():
         },
         "transfers": {"active": [{"direction": "fetch"}, {"direction": "serve"}]},
     }
-    got = samples(NodeMetrics(), doc)
+    got = samples(ServingMetrics(), doc)
     key = (("connected", "true"), ("owner_status", "verified"), ("trust", "untrusted"))
     assert got[("mesh_node_peers", key)] == 1
     assert got[("mesh_node_link_received_bytes_total", (("peer", "cd" * 32),))] == 1234

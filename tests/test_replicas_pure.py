@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from skippy.config import serving_settings
+from mesh_node.settings import serving_settings
 from skippy.errors import TopologyError, UsageError
 from skippy.package.heal import heal_topology
 from skippy.package.plan import ModelSizes

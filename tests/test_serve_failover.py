@@ -29,14 +29,15 @@ import synth_gguf
 from meshtools import address_of, identity, settings, wait_for
 from pkgtools import make_package
 
+from mesh_node.composition import compose
 from mesh_node.identity import LocalIdentity
 from mesh_node.node import MeshNode
 from mesh_node.service import _package_facts
 from mesh_node.serving.host import StageHost
 from mesh_node.serving.pipeline import GenerationParams, SplitNotReady, SplitServer
-from mesh_node.serving.service import stage_services
+from mesh_node.settings import ServingSettings
 from protocol import constants as pc
-from skippy.config import ServingSettings, read_environment
+from skippy.config import read_environment
 from skippy.serving.replay import schedule
 from skippy.stage import transport as t
 
@@ -123,11 +124,10 @@ class Mesh:
 
         async def run(task_status: trio.TaskStatus[Member]) -> None:
             with trio.CancelScope() as scope:
-                node = MeshNode(s, ident)
-                host, artifacts = stage_services(node, read_environment())
+                parts = compose(s, ident, read_environment())
+                node, host = parts.node, parts.host
                 async with trio.open_nursery() as n:
                     await n.start(node.run)
-                    await n.start(artifacts.run)
                     task_status.started(Member(name, ident, node, host, scope))
                     await trio.sleep_forever()
 

@@ -41,7 +41,7 @@ from mesh_node.identity import (
     write_certificate,
     write_private_key,
 )
-from skippy.config import load_node_settings
+from mesh_node.settings import load_node_settings
 
 pytestmark = pytest.mark.llama
 

@@ -15,15 +15,16 @@ import trio
 pytest.importorskip("llama_cpp", reason="llama-cpp-python (and its libggml) is not installed")
 
 import synth_gguf
-from meshtools import identity, settings, wait_for, with_peers
+from meshtools import identity, settings, topology_of, wait_for, with_peers
 from pkgtools import make_package
 
+from mesh_node.composition import compose
 from mesh_node.node import MeshNode
 from mesh_node.service import _package_facts
 from mesh_node.serving.pipeline import GenerationParams, GenerationResult, SplitServer
-from mesh_node.serving.service import stage_services
+from mesh_node.settings import ServingSettings
 from mesh_node.transfer.fetch import StageResult
-from skippy.config import ServingSettings, read_environment
+from skippy.config import read_environment
 from skippy.stage.descriptor import StageDescriptor
 
 pytestmark = pytest.mark.llama
@@ -60,14 +61,13 @@ async def test_the_old_route_serves_while_a_grown_topology_loads(
         gate = trio.Event()
         for i in range(3):
             s = settings(tmp_path, f"n{i}", serving=SERVING)
-            node = MeshNode(with_peers(s, nodes[0]) if nodes else s, identity())
-            host, artifacts = stage_services(node, read_environment())
+            parts = compose(with_peers(s, nodes[0]) if nodes else s, identity(), read_environment())
+            node = parts.node
             nodes.append(node)
-            hosts.append(host)
-            services.append(artifacts)
+            hosts.append(parts.host)
+            services.append(parts.artifacts)
             if i < 2:  # the third node joins later
                 await nursery.start(node.run)
-                await nursery.start(artifacts.run)
         # the third node loads its stage only when the test says so (its real hook then runs)
         real = services[2].ready_hook
         assert real is not None
@@ -94,12 +94,11 @@ async def test_the_old_route_serves_while_a_grown_topology_loads(
         assert w1_old is not None
 
         # the third node joins: the split grows; it holds its stage back
-        await nursery.start(w2.run)
-        await nursery.start(services[2].run)
+        await nursery.start(w2.run)  # and its services
         await wait_for(
-            lambda: (a := coord.topology.active) is not None and len(a.topology.stages) == 3, 30
+            lambda: (a := topology_of(coord).active) is not None and len(a.topology.stages) == 3, 30
         )
-        grown = coord.topology.active
+        grown = topology_of(coord).active
         assert grown is not None
         tid = grown.topology.topology_id
         # w1 has its new layers loaded; the coordinator too; the route is still the old one

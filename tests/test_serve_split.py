@@ -31,14 +31,15 @@ from meshtools import identity, settings, wait_for, with_peers
 from pkgtools import make_package
 from stagetools import chain
 
+from mesh_node.composition import compose
 from mesh_node.errors import StreamReset
 from mesh_node.node import MeshNode
 from mesh_node.service import _package_facts
 from mesh_node.serving.host import StageHost, accept_window
 from mesh_node.serving.pipeline import GenerationParams, ServerBusy, SplitServer
-from mesh_node.serving.service import stage_services
+from mesh_node.settings import ServingSettings
 from protocol import constants as pc
-from skippy.config import ServingSettings, read_environment
+from skippy.config import read_environment
 from skippy.errors import SkippyError
 from skippy.runtime.compute_thread import compute_thread
 from skippy.runtime.stage import StageConfig
@@ -106,10 +107,9 @@ async def split(tmp: Path, pkg: Path, stages: int = 3) -> AsyncIterator[Split]:
         hosts = []
         for i in range(stages):
             s = settings(tmp, f"n{i}", serving=SERVING)
-            node = MeshNode(with_peers(s, nodes[0]) if nodes else s, identity())
-            host, artifacts = stage_services(node, read_environment())
+            parts = compose(with_peers(s, nodes[0]) if nodes else s, identity(), read_environment())
+            node, host = parts.node, parts.host
             await nursery.start(node.run)
-            await nursery.start(artifacts.run)
             nodes.append(node)
             hosts.append(host)
         await wait_for(lambda: len(nodes[0].peers(connected_only=True)) == stages - 1)
@@ -560,8 +560,8 @@ async def test_a_begin_to_a_node_without_a_stage_is_refused_as_stage_not_ready(
     # (stage_not_ready waits for a new route), not as a width the request got wrong
     async with split(tmp_path, packages["llama"], stages=2) as sp, trio.open_nursery() as n:
         coord = sp.nodes[0]
-        bare = MeshNode(with_peers(settings(tmp_path, "bare", serving=SERVING), coord), identity())
-        stage_services(bare, read_environment())
+        s = with_peers(settings(tmp_path, "bare", serving=SERVING), coord)
+        bare = compose(s, identity(), read_environment()).node
         await n.start(bare.run)
         await wait_for(lambda: coord.peer(bare.node_id) is not None, 10)
         route = sp.server.route
@@ -638,10 +638,10 @@ async def test_speculative_windows_across_the_split_give_plain_decodings_tokens(
             assert spec.accepted_tokens <= spec.proposed_tokens
             accepted.append(spec.accepted_tokens)
         assert accepted[0] > 0  # greedy (sampling this random model rarely repeats itself)
-        # counted in the node's metrics and shown on the status page (text form here)
+        # counted in serving's metrics and shown on the status page (text form here)
         from mesh_node.peers import render_serving
 
-        counters = sp.nodes[0].metrics.speculative
+        counters = sp.server.metrics.speculative
         assert counters["accepted"] == sum(accepted) and counters["verify_passes"] > 0
         status = sp.server.status()
         assert status["speculative_strategy"] == "ngram-cache"

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from skippy.config import ServingSettings, serving_settings
+from mesh_node.settings import ServingSettings, serving_settings
 from skippy.errors import TopologyError, UsageError
 from skippy.package.plan import ModelSizes
 from skippy.package.ranges import LayerRange

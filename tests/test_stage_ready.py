@@ -10,7 +10,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from meshtools import identity, settings
 
 from mesh_node.node import MeshNode
-from mesh_node.topology import ActiveTopology
+from mesh_node.topology import ActiveTopology, TopologyService
 from protocol.messages import StageReady, decode_control_message
 from skippy.errors import TopologyError
 from skippy.package.ranges import LayerRange
@@ -70,7 +70,7 @@ def test_admission_problem(node: str, change: dict[str, object], reason: str | N
 
 def test_the_coordinator_records_reports_of_its_own_topology_only(tmp_path) -> None:  # type: ignore[no-untyped-def]
     node = MeshNode(settings(tmp_path, "coord"), identity(Ed25519PrivateKey.generate()))
-    service = node.topology
+    service = TopologyService(node)
 
     def report(node_id: str, message: StageReady) -> tuple[bool, str | None]:
         # the message as it crosses the wire, decoded strictly

@@ -52,7 +52,7 @@ def test_repack_must_be_a_boolean() -> None:
 
 
 def test_serving_repack_key() -> None:
-    from skippy.config import serving_settings
+    from mesh_node.settings import serving_settings
 
     assert serving_settings({}).repack is False
     assert serving_settings({"repack": True}).repack is True

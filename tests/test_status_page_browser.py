@@ -16,15 +16,21 @@ from typing import Any
 import pytest
 import trio
 from httptools import get_json, without_volatile
+from prometheus_client.registry import Collector
 from test_mesh_processes import MESH, status
 
 from mesh_node.http.app import build_app
 from mesh_node.http.server import serve_http
-from mesh_node.metrics import NodeMetrics
+from mesh_node.metrics import (
+    SectionCollector,
+    ServingMetrics,
+    topology_families,
+    transfer_families,
+)
 from mesh_node.peers import AuthenticatedPeer, PeerInfo, status_document
+from mesh_node.settings import HostPort
 from mesh_node.topology import ActiveTopology, StageReport
 from mesh_node.transfer.records import TransferLog
-from skippy.config import HostPort
 from skippy.package.plan import ModelSizes
 from skippy.package.topology import NodeCapacity, plan_topology
 
@@ -230,11 +236,11 @@ class StandInNode:
     and with data no real node produces yet: a transfer in progress, a failed hub fallback, a
     failed stage, and serving figures (issue #10). Everything is made by the real code: the
     document by ``status_document``, the topology by ``plan_topology`` and ``ActiveTopology``
-    with ``StageReport``s, the transfers by a ``TransferLog``, serving by ``NodeMetrics``
+    with ``StageReport``s, the transfers by a ``TransferLog``, serving by ``ServingMetrics``
     after ``request()`` calls. Serve it with the real app; look at it in the real browser."""
 
     def __init__(self) -> None:
-        self.metrics = NodeMetrics()
+        self.metrics = ServingMetrics()
         self.ids = ids = ["1" * 64, "2" * 64, "3" * 64]
         self.node_id = ids[0]
         sizes = ModelSizes(
@@ -308,12 +314,20 @@ class StandInNode:
             memory_budget_bytes=8 << 30,
             artifact_transfer="trusted",
             peers=self.peers,
-            topology=self.topology.to_dict(),
-            transfers=self.transfers.status(),
             uptime_s=3725,
         )
-        doc["serving"] = self.metrics.serving_status()  # the key issue #10 will add
+        doc["topology"] = self.topology.to_dict()  # the sections services add
+        doc["transfers"] = self.transfers.status()
+        doc["serving"] = self.metrics.serving_status()
         return doc
+
+    def collectors(self) -> list[Collector]:
+        """As the topology, artifact transfer and serving services declare theirs."""
+        return [
+            SectionCollector(self.topology.to_dict, topology_families),
+            SectionCollector(self.transfers.status, transfer_families),
+            self.metrics,
+        ]
 
     @asynccontextmanager
     async def subscribe(self) -> AsyncIterator[trio.MemoryReceiveChannel[Any]]:

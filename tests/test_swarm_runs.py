@@ -115,7 +115,7 @@ async def test_a_run_with_a_corrupted_chunk_drops_its_holder_there_and_an_old_pe
         active = await propose(coord, pkg, include_self=False, stages=2)
         topology: SplitTopology = active.topology
         wid, hid, cid = worker.node.node_id, holder.node.node_id, coord.node.node_id
-        await wait_for(lambda: (a := holder.node.topology.active) is not None
+        await wait_for(lambda: (a := holder.topology.active) is not None
                        and a.topology.topology_id == topology.topology_id, 20)
         await wait_for(lambda: speaks_swarm(worker.node, hid), 20)
         assert speaks_runs(worker.node, hid) and not speaks_runs(worker.node, cid)
@@ -152,7 +152,7 @@ async def test_a_run_with_a_corrupted_chunk_drops_its_holder_there_and_an_old_pe
             cache, item, digests=digests, chunk_bytes=CHUNK,
             manifest_sha256=topology.manifest_sha256, verify_cache=None,
         )
-        records = worker.node.transfers
+        records = worker.service.records
         rec = records.start("fetch", target, total=item.size)
         fetch = SwarmFetch(
             worker.node, records, cache, topology, stage, item, rec, SourceBook(None, sources),

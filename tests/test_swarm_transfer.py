@@ -74,13 +74,13 @@ async def _swarm(n, tmp_path, hp, *, holder_server=ArtifactServer, worker_class=
     await wait_connected([coord, holder, worker])
     active = await propose(coord, pkg, include_self=False, stages=2)
     hid = holder.node.node_id
-    await wait_for(lambda: (r := coord.node.topology.active.reports.get(hid)) is not None
+    await wait_for(lambda: (r := coord.topology.active.reports.get(hid)) is not None
                    and r.state == "ready", 20)
     # W learns H by gossip: start its fetch only once it is linked to H and has H's hello,
     # or H is not yet a usable source and the coordinator alone serves (seen in the suite).
     await wait_for(lambda: speaks_swarm(worker.node, hid), 20)
     await n.start(worker.service.run)
-    await wait_for(lambda: coord.node.topology.active.all_ready, 20)
+    await wait_for(lambda: coord.topology.active.all_ready, 20)
     return coord, holder, worker, pkg, active.topology
 
 
@@ -130,7 +130,7 @@ async def test_a_worker_fetches_a_file_from_two_holders_at_once_and_only_what_it
             if s["node_id"] == hid
         )
         endgame = sum(r["endgame_chunks"] for r in records(worker).values())
-        served_by_holder = holder.node.transfers.counters.served_bytes
+        served_by_holder = holder.service.records.counters.served_bytes
         assert credited <= served_by_holder <= credited + endgame * MIN_CHUNK_BYTES
         # W's own files came only from the coordinator (H's stage does not hold them)
         required = required_of(worker, pkg, topology)
@@ -152,7 +152,8 @@ async def test_a_worker_fetches_a_file_from_two_holders_at_once_and_only_what_it
             worker, hid,
             dataclasses.replace(request_for(_item(pkg, foreign), topology, stage, me), length=64),
         )
-        assert not refused.accepted and holder.node.transfers.counters.refusals["not_in_stage"] == 1
+        assert not refused.accepted
+        assert holder.service.records.counters.refusals["not_in_stage"] == 1
 
         # a node outside the topology, holding the same package: never asked, and it refuses
         outsider = await start_member(
@@ -161,8 +162,8 @@ async def test_a_worker_fetches_a_file_from_two_holders_at_once_and_only_what_it
         )
         import_into(outsider, hub_package)
         await wait_connected([coord, holder, worker, outsider])
-        assert outsider.node.transfers.counters.served_requests == 0
-        assert not any(outsider.node.transfers.counters.refusals.values())
+        assert outsider.service.records.counters.served_requests == 0
+        assert not any(outsider.service.records.counters.refusals.values())
         again = await ask_sources(worker.node, cid, topology, stage, pkg.manifest)
         assert all(outsider.node.node_id not in a.holders for a in again.artifacts)
         request = dataclasses.replace(
@@ -170,7 +171,7 @@ async def test_a_worker_fetches_a_file_from_two_holders_at_once_and_only_what_it
         )
         answer = await _ask(worker, outsider.node.node_id, request)
         assert not answer.accepted and answer.error == "artifact unavailable"
-        assert outsider.node.transfers.counters.served_requests == 0
+        assert outsider.service.records.counters.served_requests == 0
         n.cancel_scope.cancel()
 
 
@@ -191,7 +192,7 @@ async def test_a_holder_serving_a_corrupted_chunk_is_dropped_and_the_file_instal
         served = {s["node_id"]: s["bytes"] for s in rec["served_by"]}
         assert sum(served.values()) == _item(pkg, TARGET).size
         assert served[cid] > 0 and served.get(hid, 0) < _item(pkg, TARGET).size
-        counters = worker.node.transfers.counters
+        counters = worker.service.records.counters
         assert counters.chunk_failures == 1 and counters.dropped_sources == 1
         status = worker.node.status()["transfers"]["counters"]
         assert status["chunk_failures"] == 1 and status["dropped_sources"] == 1
@@ -220,7 +221,7 @@ async def _replicas(n, tmp_path, hp):  # type: ignore[no-untyped-def]
                                   run_service=False)
     await wait_connected([coord, holder, worker, stranger])
     hid, wid = holder.node.node_id, worker.node.node_id
-    main = coord.node.topology
+    main = coord.topology
     sibling = TopologyService(coord.node, epochs=main.epochs)
     main.siblings.append(sibling)
     main.exclude = lambda: {wid, stranger.node.node_id}
@@ -251,7 +252,7 @@ async def test_a_sibling_replicas_ready_node_serves_a_worker_and_a_stranger_is_r
         from_holder = {p: s["bytes"] for p, r in recs.items() for s in r["served_by"]
                        if s["node_id"] == hid}
         assert from_holder and all(r["verified"] for r in recs.values()), recs
-        assert holder.node.transfers.counters.served_bytes >= sum(from_holder.values())
+        assert holder.service.records.counters.served_bytes >= sum(from_holder.values())
         for path, rec in recs.items():
             assert {s["node_id"] for s in rec["served_by"]} <= {cid, hid}
             if path != MANIFEST_NAME:
@@ -344,9 +345,9 @@ async def test_the_coordinator_digests_its_workers_files_when_the_topology_activ
             art = refs[path].artifact
             for chain in (False, True):
                 assert store.get(art.sha256, art.artifact_bytes, chunk, chain=chain) is None
-        assert worker.node.transfers.stage is None  # it fetched nothing, asked nothing
+        assert worker.service.records.stage is None  # it fetched nothing, asked nothing
         await wait_for(
-            lambda: (st := coord.node.transfers.stage) is not None and st.state == "ready", 20
+            lambda: (st := coord.service.records.stage) is not None and st.state == "ready", 20
         )
         tid = active.topology.topology_id
         said = [r.getMessage() for r in caplog.records if tid in r.getMessage()]

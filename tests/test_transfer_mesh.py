@@ -75,9 +75,9 @@ async def test_workers_fetch_their_stage_from_the_coordinator_and_report_ready(
         active = await propose(coord, pkg)
         assert active.state == "active"
         await wait_for(
-            lambda: all(w.node.transfers.stage.report == "accepted" for w in workers), 20
+            lambda: all(w.service.records.stage.report == "accepted" for w in workers), 20
         )
-        assert coord.node.topology.active.all_ready
+        assert coord.topology.active.all_ready
 
         served = 0
         for w in workers:
@@ -97,12 +97,12 @@ async def test_workers_fetch_their_stage_from_the_coordinator_and_report_ready(
             stage_layers = active.topology.stage_of(w.node.node_id).layers
             assert load.sha256_verified and load.layers == stage_layers
             assert all(p.is_file() for p in load.part_paths)
-            served += w.node.transfers.counters.fetched_bytes["peer"]
+            served += w.service.records.counters.fetched_bytes["peer"]
             cache = RepoCache.for_ref(w.cache, pkg.ref)
             for r in required.values():
                 assert find_partials(cache.blob_path(r.artifact.sha256)) == []
         # the coordinator: its own stage from its cache, every byte sent counted once
-        c = coord.node.transfers
+        c = coord.service.records
         assert c.counters.served_bytes == served
         assert {r["source"] for r in records(coord).values()} == {"cache"}
         ready = coord.node.status()["topology"]["ready"]
@@ -225,11 +225,11 @@ async def test_a_corrupted_byte_is_never_installed_and_the_hub_supplies_the_arti
             n, tmp_path, hub_package, server_class=misbehaving(flip=True), swarm_transfer=swarm
         )
         await propose(coord, pkg)
-        await wait_for(lambda: coord.node.topology.active.all_ready, timeout_s=20)
+        await wait_for(lambda: coord.topology.active.all_ready, timeout_s=20)
         rec = records(worker)[TARGET]
         assert rec["source"] == "hub" and rec["verified"]
         assert rec["fallback"] == detected_as
-        counters = worker.node.transfers.counters
+        counters = worker.service.records.counters
         assert counters.verification_failures == 1
         assert counters.chunk_failures == 0
         ref = {r.path: r for r in pkg.manifest.artifacts()}[TARGET]
@@ -248,7 +248,7 @@ async def test_a_truncated_stream_resumes_from_the_partial(tmp_path, hub_package
             swarm_transfer=False,
         )
         await propose(coord, pkg)
-        await wait_for(lambda: coord.node.topology.active.all_ready, timeout_s=20)
+        await wait_for(lambda: coord.topology.active.all_ready, timeout_s=20)
         rec = records(worker)[TARGET]
         size = {r.path: r for r in pkg.manifest.artifacts()}[TARGET].artifact.artifact_bytes
         assert rec["source"] == "peer" and rec["verified"]
@@ -282,12 +282,12 @@ async def test_a_manifest_over_16_MiB_from_a_peer_is_refused_before_a_byte_is_wr
         await wait_for(lambda: _stage_state(worker) == "failed", 20)
         rec = records(worker)[MANIFEST_NAME]
         assert rec["fallback"] == "manifest_too_large" and not rec["verified"]
-        assert worker.node.transfers.counters.fetched_bytes["peer"] == 0
+        assert worker.service.records.counters.fetched_bytes["peer"] == 0
         assert snapshot_files(worker, pkg.ref) == {}
         cache = RepoCache.for_ref(worker.cache, pkg.ref)
         assert find_partials(cache.blob_path(pkg.manifest_sha256)) == []
-        await wait_for(lambda: worker.node.transfers.stage.report == "accepted")
-        assert coord.node.topology.active.reports[worker.node.node_id].state == "failed"
+        await wait_for(lambda: worker.service.records.stage.report == "accepted")
+        assert coord.topology.active.reports[worker.node.node_id].state == "failed"
         n.cancel_scope.cancel()
 
 
@@ -309,15 +309,15 @@ async def test_a_coordinator_holding_a_manifest_over_16_MiB_refuses_it(tmp_path,
         )
         topology = SplitTopology("topo-big", "run-big", ref, sha, 4, stages)
         topology, sig = sign_topology(
-            coord.node.identity.key, topology, coord.node.topology.epochs, time.time()
+            coord.node.identity.key, topology, coord.topology.epochs, time.time()
         )
-        coord.node.topology.active = ActiveTopology(
+        coord.topology.active = ActiveTopology(
             topology, sig, coord.node.node_id, "coordinator", "active"
         )
         offer = TopologyOffer(topology.to_dict(), sig)
-        assert worker.node.topology.accept_offer(offer, coord.node.node_id).accepted
+        assert worker.topology.accept_offer(offer, coord.node.node_id).accepted
         await wait_for(lambda: _stage_state(worker) == "failed", 20)
-        assert coord.node.transfers.counters.refusals["manifest_too_large"] == 1
+        assert coord.service.records.counters.refusals["manifest_too_large"] == 1
         rec = records(worker)[MANIFEST_NAME]
         assert rec["fallback"] == "refused: artifact unavailable"  # generic to the peer
         assert snapshot_files(worker, ref) == {}
@@ -325,7 +325,7 @@ async def test_a_coordinator_holding_a_manifest_over_16_MiB_refuses_it(tmp_path,
 
 
 def _stage_state(member: Member) -> str | None:
-    stage = member.node.transfers.stage
+    stage = member.service.records.stage
     return None if stage is None else stage.state
 
 
@@ -365,11 +365,11 @@ async def test_a_requester_closing_after_the_whole_body_leaves_every_serve_recor
             n, tmp_path, hub_package, server_class=Server, swarm_transfer=False
         )
         await propose(coord, pkg)
-        await wait_for(lambda: coord.node.topology.active.all_ready, timeout_s=20)
+        await wait_for(lambda: coord.topology.active.all_ready, timeout_s=20)
         fetched = records(worker)
         assert MANIFEST_NAME in fetched
         assert all(r["source"] == "peer" and r["verified"] for r in fetched.values())
-        await wait_for(lambda: not coord.node.transfers.active, timeout_s=10)  # the slow ends
+        await wait_for(lambda: not coord.service.records.active, timeout_s=10)  # the slow ends
         recent = coord.node.status()["transfers"]["recent"]
         served = [r for r in recent if r["direction"] == "serve"]
         assert sorted(r["path"] for r in served) == sorted(fetched)
@@ -385,7 +385,7 @@ async def test_two_fetches_of_one_stage_on_one_node_move_each_artifact_once(
         coord, worker, pkg = await _pair(n, tmp_path, hub_package, run_service=False)
         active = await propose(coord, pkg)
         assert active.acks[worker.node.node_id] == "accepted"
-        held = worker.node.topology.active
+        held = worker.topology.active
         results = []
 
         async def fetch() -> None:
@@ -398,7 +398,7 @@ async def test_two_fetches_of_one_stage_on_one_node_move_each_artifact_once(
         required = required_of(worker, pkg, active.topology)
         manifest_bytes = (hub_package.directory / MANIFEST_NAME).stat().st_size
         expected = sum(r.artifact.artifact_bytes for r in required.values()) + manifest_bytes
-        assert coord.node.transfers.counters.served_bytes == expected  # each artifact once
+        assert coord.service.records.counters.served_bytes == expected  # each artifact once
         sources: dict[str, list[str]] = {}
         for rec in worker.node.status()["transfers"]["recent"]:
             sources.setdefault(rec["path"], []).append(rec["source"])
@@ -436,7 +436,7 @@ async def test_requests_beyond_the_per_link_bound_wait_for_a_slot(tmp_path, hub_
         async with trio.open_nursery() as many:
             for _ in range(2 * PER_LINK - 2):
                 many.start_soon(ask)
-        counters = coord.node.transfers.counters
+        counters = coord.service.records.counters
         assert counters.serving_peak == PER_LINK and counters.serving_now == 0
         full = [a for a in answers if len(a) > ref.artifact.artifact_bytes]
         busy = [a for a in answers if PEER_BUSY.encode() in a]
@@ -469,7 +469,7 @@ async def test_a_refusal_reaches_a_requester_whose_end_of_stream_comes_late(tmp_
                 while chunk := await stream.receive_some():
                     data += chunk
         assert PEER_UNAVAILABLE.encode() in data
-        assert coord.node.transfers.counters.refusals["undeclared_path"] == 1
+        assert coord.service.records.counters.refusals["undeclared_path"] == 1
         n.cancel_scope.cancel()
 
 

@@ -18,7 +18,15 @@ from pathlib import Path
 import pytest
 import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from meshtools import LAB_SECURITY, identity, settings, wait_for, with_peers
+from meshtools import (
+    LAB_SECURITY,
+    identity,
+    settings,
+    topology_node,
+    topology_of,
+    wait_for,
+    with_peers,
+)
 from trio_websocket import ConnectionClosed, WebSocketConnection, open_websocket_url
 from wsproto import ConnectionType, WSConnection
 from wsproto import events as wsproto_events
@@ -31,13 +39,13 @@ from mesh_node.errors import StreamReset
 from mesh_node.identity import LocalIdentity
 from mesh_node.node import MeshNode
 from mesh_node.peers import InboundStream, render_status, render_topology
+from mesh_node.settings import SecuritySettings, security_settings
 from protocol import constants as pc
 from protocol import frames as f
 from protocol.certificates import OwnerCertificate
 from protocol.handshake import Handshake, SecureChannel
 from protocol.messages import TopologyOffer
 from protocol.streams import Multiplexer
-from skippy.config import SecuritySettings, security_settings
 from skippy.errors import TopologyError, UsageError
 from skippy.package.ranges import LayerRange
 from skippy.package.topology import SplitTopology, StageAssignment
@@ -138,31 +146,31 @@ async def test_a_stranger_cannot_take_over_a_node_with_its_own_topology(tmp_path
     (it never accepts a topology while it coordinates one); its own topology stays active."""
     owner = Ed25519PrivateKey.generate()
     async with trio.open_nursery() as n:
-        coord = MeshNode(settings(tmp_path, "c", security=DEFAULTS), identity(owner))
+        coord = topology_node(settings(tmp_path, "c", security=DEFAULTS), identity(owner))
         await n.start(coord.run)
-        worker = MeshNode(
+        worker = topology_node(
             with_peers(settings(tmp_path, "w", security=DEFAULTS), coord), identity(owner)
         )
         await n.start(worker.run)
         # The coordinator runs in lab mode: only "never while coordinating" can save it.
         await wait_for(lambda: len(coord.peers(connected_only=True)) == 1)
         sizes = _sizes()
-        mine = await coord.topology.propose(package_ref=REF, manifest_sha256=SHA, sizes=sizes)
+        mine = await topology_of(coord).propose(package_ref=REF, manifest_sha256=SHA, sizes=sizes)
         assert mine.acks[worker.node_id] == "accepted" and mine.topology.epoch > 0
-        stranger = MeshNode(
+        stranger = topology_node(
             with_peers(settings(tmp_path, "s"), coord, worker), identity()  # no certificate
         )
         await n.start(stranger.run)
         await wait_for(lambda: len(stranger.peers(connected_only=True)) == 2)
-        theirs = await stranger.topology.propose(
+        theirs = await topology_of(stranger).propose(
             package_ref=REF, manifest_sha256=SHA, sizes=sizes
         )
         assert theirs.acks[worker.node_id].startswith("refused: untrusted_coordinator")
         if coord.node_id in theirs.acks:
             assert theirs.acks[coord.node_id].startswith("refused: untrusted_coordinator")
-        assert coord.topology.active is mine and coord.topology.active.role == "coordinator"
-        assert worker.topology.active is not None
-        assert worker.topology.active.coordinator_id == coord.node_id
+        assert topology_of(coord).active is mine and topology_of(coord).active.role == "coordinator"
+        assert topology_of(worker).active is not None
+        assert topology_of(worker).active.coordinator_id == coord.node_id
         n.cancel_scope.cancel()
 
 
@@ -170,25 +178,25 @@ async def test_a_coordinator_never_accepts_a_topology_while_it_coordinates(tmp_p
     owner = Ed25519PrivateKey.generate()
     lab = SecuritySettings(accept_topologies_from="any", place_stages_on="any")
     async with trio.open_nursery() as n:
-        coord = MeshNode(settings(tmp_path, "c", security=lab), identity(owner))
+        coord = topology_node(settings(tmp_path, "c", security=lab), identity(owner))
         await n.start(coord.run)
-        worker = MeshNode(with_peers(settings(tmp_path, "w"), coord), identity(owner))
+        worker = topology_node(with_peers(settings(tmp_path, "w"), coord), identity(owner))
         await n.start(worker.run)
         await wait_for(lambda: len(coord.peers(connected_only=True)) == 1)
         sizes = _sizes()
-        await coord.topology.propose(package_ref=REF, manifest_sha256=SHA, sizes=sizes)
-        rogue = MeshNode(with_peers(settings(tmp_path, "r"), coord), identity())
+        await topology_of(coord).propose(package_ref=REF, manifest_sha256=SHA, sizes=sizes)
+        rogue = topology_node(with_peers(settings(tmp_path, "r"), coord), identity())
         await n.start(rogue.run)
         # Every node a stage (the rogue, the coordinator and its worker): with 2 stages the
         # rogue's plan could take the worker, once gossip linked them, and not ask the
         # coordinator at all (seen in the suite).
         await wait_for(lambda: len(rogue.peers(connected_only=True)) == 2)
-        theirs = await rogue.topology.propose(
+        theirs = await topology_of(rogue).propose(
             package_ref=REF, manifest_sha256=SHA, sizes=sizes, stages=3
         )
         assert theirs.acks[coord.node_id].startswith("refused: coordinating")
-        assert coord.topology.active is not None
-        assert coord.topology.active.role == "coordinator"
+        assert topology_of(coord).active is not None
+        assert topology_of(coord).active.role == "coordinator"
         n.cancel_scope.cancel()
 
 
@@ -209,44 +217,44 @@ def test_epochs_are_monotonic_persisted_and_older_or_equal_ones_are_refused(tmp_
     third, _ = sign_topology(coord_key, _two_stage(coord_id, "0" * 64), again, 0.0)
     assert third.epoch > second.epoch
 
-    worker = MeshNode(settings(tmp_path, "w"), identity())
+    worker = topology_node(settings(tmp_path, "w"), identity())
     topo = _two_stage(coord_id, worker.node_id)
     signed, sig = sign_topology(coord_key, topo, store, time.time())
     offer = TopologyOffer(signed.to_dict(), sig)
-    assert worker.topology.accept_offer(offer, coord_id).accepted
-    replay = worker.topology.accept_offer(offer, coord_id)
+    assert topology_of(worker).accept_offer(offer, coord_id).accepted
+    replay = topology_of(worker).accept_offer(offer, coord_id)
     assert (replay.accepted, replay.code) == (False, "stale_epoch")
     # The accepted epoch survives a restart of the worker (persisted under data_dir).
-    restarted = MeshNode(settings(tmp_path, "w"), worker.identity)
-    replay = restarted.topology.accept_offer(offer, coord_id)
+    restarted = topology_node(settings(tmp_path, "w"), worker.identity)
+    replay = topology_of(restarted).accept_offer(offer, coord_id)
     assert (replay.accepted, replay.code) == (False, "stale_epoch")
     # An unsigned topology (epoch 0) is never newer than anything.
     from protocol.certificates import sign_domain
 
-    fresh = MeshNode(settings(tmp_path, "w2"), identity())
+    fresh = topology_node(settings(tmp_path, "w2"), identity())
     zero = _two_stage(coord_id, fresh.node_id)
     raw = TopologyOffer(
         zero.to_dict(), sign_domain(coord_key, pc.SIG_DOMAIN_TOPOLOGY, zero.canonical_bytes())
     )
-    assert fresh.topology.accept_offer(raw, coord_id).code == "stale_epoch"
+    assert topology_of(fresh).accept_offer(raw, coord_id).code == "stale_epoch"
 
 
 def test_the_epoch_is_inside_the_signed_bytes(tmp_path):
     coord_key = Ed25519PrivateKey.generate()
     coord_id = _id(coord_key)
-    worker = MeshNode(settings(tmp_path, "w"), identity())
+    worker = topology_node(settings(tmp_path, "w"), identity())
     signed, sig = sign_topology(
         coord_key, _two_stage(coord_id, worker.node_id), EpochStore(tmp_path / "c"), time.time()
     )
     bumped = dict(signed.to_dict(), epoch=signed.epoch + 10**6)  # a replay dressed up as new
-    ack = worker.topology.accept_offer(TopologyOffer(bumped, sig), coord_id)
+    ack = topology_of(worker).accept_offer(TopologyOffer(bumped, sig), coord_id)
     assert (ack.accepted, ack.code) == (False, "topology_signature")
 
 
 def test_nonsense_topologies_are_refused_before_anything_is_fetched(tmp_path):
     coord_key = Ed25519PrivateKey.generate()
     coord_id = _id(coord_key)
-    worker = MeshNode(settings(tmp_path, "w"), identity())
+    worker = topology_node(settings(tmp_path, "w"), identity())
     # 2^63 layers: refused by the topology's own bounds (the manifest's layer cap).
     with pytest.raises(TopologyError):
         _two_stage(coord_id, worker.node_id, layer_count=2**63, stages=(
@@ -261,9 +269,9 @@ def test_nonsense_topologies_are_refused_before_anything_is_fetched(tmp_path):
               for i, nid in enumerate(ids)),
     )
     signed, sig = sign_topology(coord_key, many, EpochStore(tmp_path / "c"), time.time())
-    ack = worker.topology.accept_offer(TopologyOffer(signed.to_dict(), sig), coord_id)
+    ack = topology_of(worker).accept_offer(TopologyOffer(signed.to_dict(), sig), coord_id)
     assert (ack.accepted, ack.code) == (False, "topology_bounds")
-    assert worker.topology.active is None
+    assert topology_of(worker).active is None
     assert bounds_problem(_two_stage(coord_id, worker.node_id), 2) is None
 
 
@@ -280,20 +288,20 @@ def test_a_topology_whose_layer_count_is_not_the_manifests_is_refused_before_any
 async def test_in_trusted_mode_only_trusted_peers_are_planned_and_heard(tmp_path):
     owner = Ed25519PrivateKey.generate()
     async with trio.open_nursery() as n:
-        coord = MeshNode(settings(tmp_path, "c", security=DEFAULTS), identity(owner))
+        coord = topology_node(settings(tmp_path, "c", security=DEFAULTS), identity(owner))
         await n.start(coord.run)
-        friend = MeshNode(with_peers(settings(tmp_path, "f"), coord), identity(owner))
-        stranger = MeshNode(with_peers(settings(tmp_path, "s"), coord), identity())
-        foreign = MeshNode(
+        friend = topology_node(with_peers(settings(tmp_path, "f"), coord), identity(owner))
+        stranger = topology_node(with_peers(settings(tmp_path, "s"), coord), identity())
+        foreign = topology_node(
             with_peers(settings(tmp_path, "o"), coord), identity(Ed25519PrivateKey.generate())
         )
         for node in (friend, stranger, foreign):
             await n.start(node.run)
         await wait_for(lambda: len(coord.peers(connected_only=True)) == 3)
-        capable = {c.node_id for c in coord.topology.capable_nodes(include_self=True)}
+        capable = {c.node_id for c in topology_of(coord).capable_nodes(include_self=True)}
         assert capable == {coord.node_id, friend.node_id}
         sizes = _sizes()
-        active = await coord.topology.propose(package_ref=REF, manifest_sha256=SHA, sizes=sizes)
+        active = await topology_of(coord).propose(package_ref=REF, manifest_sha256=SHA, sizes=sizes)
         assert {s.node_id for s in active.topology.stages} <= {coord.node_id, friend.node_id}
         # A ready report from a peer this coordinator does not trust is refused.
         from protocol.messages import StageReady, decode_control_message
@@ -334,7 +342,7 @@ async def _upgrade(host: str, port: int, source: str) -> tuple[trio.SocketStream
 
 async def test_the_pending_handshake_cap_is_32_and_queued_connections_get_503(tmp_path):
     async with trio.open_nursery() as n:
-        victim = MeshNode(settings(tmp_path, "v", handshake_timeout_s=8.0), identity())
+        victim = topology_node(settings(tmp_path, "v", handshake_timeout_s=8.0), identity())
         await n.start(victim.run)
         assert victim.listen_url is not None
         host, port = victim.listen_url.removeprefix("ws://").rsplit(":", 1)
@@ -365,7 +373,7 @@ async def test_the_pending_handshake_cap_is_32_and_queued_connections_get_503(tm
 
 async def test_a_legitimate_peer_connects_during_a_200_connection_burst(tmp_path):
     async with trio.open_nursery() as n:
-        victim = MeshNode(settings(tmp_path, "v", handshake_timeout_s=8.0), identity())
+        victim = topology_node(settings(tmp_path, "v", handshake_timeout_s=8.0), identity())
         await n.start(victim.run)
         assert victim.listen_url is not None
         host, port = victim.listen_url.removeprefix("ws://").rsplit(":", 1)
@@ -379,7 +387,7 @@ async def test_a_legitimate_peer_connects_during_a_200_connection_burst(tmp_path
         async with trio.open_nursery() as burst:
             for _ in range(200):
                 burst.start_soon(one)
-        good = MeshNode(with_peers(settings(tmp_path, "g"), victim), identity())
+        good = topology_node(with_peers(settings(tmp_path, "g"), victim), identity())
         await n.start(good.run)
         await wait_for(lambda: victim.peer(good.node_id) is not None, timeout_s=5)
         assert victim.admission["rejected_address"] > 0
@@ -392,15 +400,15 @@ async def test_a_trusted_peer_evicts_an_untrusted_one_when_membership_is_full(tm
     owner = Ed25519PrivateKey.generate()
     small = dataclasses.replace(LAB_SECURITY, max_members=3)  # [security] max_members
     async with trio.open_nursery() as n:
-        victim = MeshNode(settings(tmp_path, "v", security=small), identity(owner))
+        victim = topology_node(settings(tmp_path, "v", security=small), identity(owner))
         await n.start(victim.run)
         async with raw_peer(victim), raw_peer(victim), raw_peer(victim):
             await wait_for(lambda: len(victim._members) == 3)
-            stranger = MeshNode(with_peers(settings(tmp_path, "s"), victim), identity())
+            stranger = topology_node(with_peers(settings(tmp_path, "s"), victim), identity())
             await n.start(stranger.run)
             await trio.sleep(0.3)
             assert victim.peer(stranger.node_id) is None  # untrusted: refused when full
-            friend = MeshNode(with_peers(settings(tmp_path, "f"), victim), identity(owner))
+            friend = topology_node(with_peers(settings(tmp_path, "f"), victim), identity(owner))
             await n.start(friend.run)
             await wait_for(lambda: victim.peer(friend.node_id) is not None)
             assert victim.peer(friend.node_id).peer.trusted
@@ -436,10 +444,12 @@ async def test_a_certificate_expiring_on_an_open_link_ends_trust_and_serving(tmp
 
     caplog.set_level(logging.WARNING, logger="mesh_node.node")
     async with trio.open_nursery() as n:
-        server = MeshNode(settings(tmp_path, "srv"), identity(owner))
+        server = topology_node(settings(tmp_path, "srv"), identity(owner), stage_host=False)
         server.register_subprotocol(pc.KIND_TRANSPORT, hold)
         await n.start(server.run)
-        client = MeshNode(with_peers(settings(tmp_path, "cli"), server), LocalIdentity(key, short))
+        client = topology_node(
+            with_peers(settings(tmp_path, "cli"), server), LocalIdentity(key, short)
+        )
         await n.start(client.run)
         await wait_for(lambda: server.peer(client.node_id) is not None)
         assert server.peer(client.node_id).peer.trusted
@@ -544,7 +554,7 @@ async def test_transport_buffers_are_taken_from_the_budget_before_the_websocket_
     from the budget by the link's transport before it is read, capped at 64 KiB before the
     handshake, and released when the connection goes."""
     async with trio.open_nursery() as n:
-        victim = MeshNode(settings(tmp_path, "v", handshake_timeout_s=5.0), identity())
+        victim = topology_node(settings(tmp_path, "v", handshake_timeout_s=5.0), identity())
         await n.start(victim.run)
         assert victim.listen_url is not None
         host, port = victim.listen_url.removeprefix("ws://").rsplit(":", 1)
@@ -583,10 +593,10 @@ async def test_32_hostile_links_cannot_exceed_the_node_budget_and_release_it_whe
     budget = 16 * MIB
     sec = dataclasses.replace(DEFAULTS, peer_memory_budget_bytes=budget)
     async with trio.open_nursery() as n:
-        victim = MeshNode(settings(tmp_path, "v", security=sec, handshake_timeout_s=5.0),
+        victim = topology_node(settings(tmp_path, "v", security=sec, handshake_timeout_s=5.0),
                           identity())
         await n.start(victim.run)
-        good = MeshNode(with_peers(settings(tmp_path, "g"), victim), identity())
+        good = topology_node(with_peers(settings(tmp_path, "g"), victim), identity())
         await n.start(good.run)
         await wait_for(lambda: victim.peer(good.node_id) is not None)
         peak: list[int] = []
@@ -667,7 +677,7 @@ def test_peer_text_is_escaped_in_status_and_topology_output():
 async def test_open_and_reset_of_one_stream_in_one_record_keeps_the_link(tmp_path):
     key = Ed25519PrivateKey.generate()
     async with trio.open_nursery() as n:
-        victim = MeshNode(settings(tmp_path, "v"), identity())
+        victim = topology_node(settings(tmp_path, "v"), identity())
         await n.start(victim.run)
         async with raw_peer(victim, key) as (ws, channel, mux):
             await wait_for(lambda: victim._members.get(_id(key)) is not None)
@@ -692,7 +702,7 @@ async def test_an_idle_control_stream_logs_one_warning_without_a_traceback(tmp_p
     caplog.set_level(logging.INFO)
     async with trio.open_nursery() as n:
         # (the raw peer sends no heartbeats: the stream must time out before the link does)
-        victim = MeshNode(settings(tmp_path, "v", handshake_timeout_s=0.3), identity())
+        victim = topology_node(settings(tmp_path, "v", handshake_timeout_s=0.3), identity())
         await n.start(victim.run)
         async with raw_peer(victim) as (ws, channel, mux):
             mux.open_stream(f.SubprotocolOpen("skippy-stage", 2, pc.KIND_CONTROL))

@@ -17,7 +17,7 @@ from meshtools import wait_for
 from meshxfer import import_into, propose, records, start_member, wait_connected
 from test_transfer_mesh import TARGET
 
-from skippy.config import SecuritySettings
+from mesh_node.settings import SecuritySettings
 from skippy.constants import MANIFEST_NAME
 from skippy.package.manifest import parse_manifest
 from skippy.produce.sizes import sizes_from_manifest
@@ -73,7 +73,7 @@ async def test_a_rogue_coordinator_cannot_poison_the_commit_in_the_cache(tmp_pat
             peers=(rogue.node,), security=LAB,
         )
         await wait_connected([rogue, worker])
-        active = await rogue.node.topology.propose(
+        active = await rogue.topology.propose(
             package_ref=pkg.ref,
             manifest_sha256=forged_sha,
             sizes=sizes_from_manifest(parse_manifest(forged)),
@@ -118,7 +118,7 @@ async def test_a_default_node_refuses_the_rogue_coordinator_outright(tmp_path, h
         await wait_connected([rogue, worker])
         active = await propose(rogue, pkg)
         assert active.acks[worker.node.node_id].startswith("refused: untrusted_coordinator")
-        assert worker.node.topology.active is None and records(worker) == {}
+        assert worker.topology.active is None and records(worker) == {}
         n.cancel_scope.cancel()
 
 
@@ -161,7 +161,7 @@ async def test_a_trickling_peer_falls_back_to_the_hub(tmp_path, hub_package):
         )
         await wait_connected([coord, worker])
         await propose(coord, pkg)
-        await wait_for(lambda: coord.node.topology.active.all_ready, timeout_s=30)
+        await wait_for(lambda: coord.topology.active.all_ready, timeout_s=30)
         rec = records(worker)[TARGET]
         assert rec["source"] == "hub" and rec["verified"]
         assert rec["fallback"] == "transfer_too_slow"
@@ -182,11 +182,11 @@ async def test_a_stage_over_the_cache_budget_writes_no_artifact(tmp_path, hub_pa
         await wait_connected([coord, worker])
         await propose(coord, pkg)
         await wait_for(
-            lambda: (worker.node.transfers.stage is not None
-                     and worker.node.transfers.stage.state == "failed"),
+            lambda: (worker.service.records.stage is not None
+                     and worker.service.records.stage.state == "failed"),
             timeout_s=30,
         )
-        assert worker.node.transfers.stage.error == "cache_budget"
+        assert worker.service.records.stage.error == "cache_budget"
         fetched = {p for p in records(worker) if p != MANIFEST_NAME}
         assert fetched == set()
         blobs = RepoCache.for_ref(worker.cache, pkg.ref).repo_root / "blobs"

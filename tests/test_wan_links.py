@@ -16,14 +16,14 @@ from pathlib import Path
 from typing import Any
 
 import trio
-from meshtools import identity, settings, wait_for
+from meshtools import identity, settings, topology_node, topology_of, wait_for
 
 from mesh_node.lab.netem import LinkSpec, LinkTable, Netem, open_netem
 from mesh_node.link import Link
 from mesh_node.node import MeshNode
 from mesh_node.peers import NodeEvent, PeerDown
+from mesh_node.settings import PeerAddress
 from protocol.messages import ComputeCost
-from skippy.config import PeerAddress
 from skippy.package.plan import ModelSizes
 
 TIMEOUTS = {"heartbeat_interval_s": 0.2, "peer_loss_timeout_s": 2.0, "idle_timeout_s": 3.0}
@@ -79,7 +79,7 @@ async def relayed_mesh(
                 host, port = nodes[0].listen_url.removeprefix("ws://").rsplit(":", 1)  # type: ignore[union-attr]
                 peers = (PeerAddress(host, int(port), idents[0].node_id),)
             s = settings(tmp, f"n{k}", peers=peers, dial_via=via, **TIMEOUTS, **node_kw)
-            node = MeshNode(s, ident)
+            node = topology_node(s, ident)
             node.compute = compute[k] if k < len(compute) else None
             await nursery.start(node.run)
             assert node.listen_url is not None
@@ -153,19 +153,20 @@ async def test_a_blackhole_partition_shorter_than_peer_loss_keeps_the_link(tmp_p
 async def test_the_topology_stays_active_through_a_dropped_connection(tmp_path):
     async with relayed_mesh(tmp_path, 3, LinkTable(LinkSpec(rtt_s=0.02))) as mesh:
         coord = mesh.nodes[0]
-        active = await coord.topology.propose(package_ref=REF, manifest_sha256=SHA, sizes=SIZES)
+        active = await topology_of(coord).propose(package_ref=REF, manifest_sha256=SHA, sizes=SIZES)
         assert active.state == "active" and len(active.topology.stages) == 3
         mesh.netem.drop_connections("n2")
         await wait_for(mesh.meshed, timeout_s=10)
         await trio.sleep(TIMEOUTS["peer_loss_timeout_s"] + 0.5)
-        assert coord.topology.active is active and active.state == "active"
+        assert topology_of(coord).active is active and active.state == "active"
         assert not active.lost and mesh.downs() == []
 
 
 def test_dial_via_is_checked_when_the_config_is_read(tmp_path):
     import pytest
 
-    from skippy.config import NodeConfig, node_settings
+    from mesh_node.settings import node_settings
+    from skippy.config import NodeConfig
     from skippy.errors import UsageError
 
     nid = "ab" * 32

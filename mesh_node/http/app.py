@@ -29,6 +29,7 @@ from typing import Any, Protocol
 
 import trio
 from prometheus_client.exposition import choose_encoder
+from prometheus_client.registry import Collector
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -40,7 +41,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mesh_node.http.guard import Guard, GuardPolicy
 from mesh_node.http.view import public_status
-from mesh_node.metrics import NodeMetrics, node_registry
+from mesh_node.metrics import node_registry
 from skippy.errors import UsageError
 
 PUSH_INTERVAL_S = 1.0  # the page's live update period
@@ -75,9 +76,8 @@ SECURITY_HEADERS = [
 class StatusSource(Protocol):
     """What the app reads of a node (``MeshNode`` is one)."""
 
-    metrics: NodeMetrics
-
     def status(self) -> dict[str, Any]: ...
+    def collectors(self) -> Sequence[Collector]: ...
     def subscribe(self) -> AbstractAsyncContextManager[trio.MemoryReceiveChannel[Any]]: ...
 
 
@@ -99,7 +99,7 @@ def build_app(
             raise UsageError(f"route {path} would shadow the status page's own", code="bad_route")
     assets = _static_assets()
     page = assets["index.html"][0]
-    registry = node_registry(node.status, node.metrics)
+    registry = node_registry(node.status, node.collectors())
     streams = _Slots(MAX_EVENT_STREAMS)
 
     async def index(request: Request) -> Response:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import ipaddress
 
-from skippy.config import HostPort
+from mesh_node.settings import HostPort
 from skippy.errors import UsageError
 
 LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost"})

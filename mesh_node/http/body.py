@@ -21,7 +21,7 @@ from typing import Any, Final
 import trio
 from starlette.requests import Request
 
-from skippy.config import HttpSettings
+from mesh_node.settings import HttpSettings
 from skippy.serving.openai import ApiError, decode_json
 
 INLINE_JSON_BYTES: Final = 64 * 1024  # smaller bodies parse on the loop (~0.1 ms)

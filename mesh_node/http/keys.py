@@ -18,7 +18,7 @@ from typing import Final
 
 from mesh_node.errors import IdentityError
 from mesh_node.identity import check_private_mode
-from skippy.config import HttpSettings
+from mesh_node.settings import HttpSettings
 from skippy.errors import UsageError
 
 MAX_KEY_FILE_BYTES: Final = 64 * 1024

@@ -13,7 +13,7 @@ from hypercorn.config import Config
 from hypercorn.trio import serve
 from starlette.types import ASGIApp
 
-from skippy.config import HostPort
+from mesh_node.settings import HostPort
 from skippy.errors import UsageError
 
 log = logging.getLogger("mesh_node.http")

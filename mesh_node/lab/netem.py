@@ -3,7 +3,7 @@
 This kernel has no netem (runtime-facts.md): delay and jitter need a userspace link. ``Netem`` runs
 one TCP relay per ordered pair of nodes (``route(src, dst)``: the address ``src`` dials to
 reach ``dst``) on loopback; a node is pointed at its relays through its ``dial_via`` table
-(``skippy.config``), so every link, configured or learned by gossip, crosses one relay. Each
+(``mesh_node.settings``), so every link, configured or learned by gossip, crosses one relay. Each
 relay forwards bytes both ways and applies, per direction of the data (``src -> dst`` uses
 ``links.spec(src, dst)``, the answers ``links.spec(dst, src)``):
 

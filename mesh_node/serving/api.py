@@ -28,7 +28,7 @@ from starlette.types import Receive, Scope, Send
 
 from mesh_node.http.body import BodyReader, ClientGone
 from mesh_node.http.guard import ACCESS_SCOPE_KEY, AccessRecord
-from mesh_node.metrics import NodeMetrics
+from mesh_node.metrics import ServingMetrics
 from mesh_node.serving.pipeline import (
     GenerationParams,
     GenerationResult,
@@ -37,7 +37,7 @@ from mesh_node.serving.pipeline import (
     SplitServer,
 )
 from mesh_node.serving.statuses import as_api_error
-from skippy.config import HttpSettings
+from mesh_node.settings import HttpSettings
 from skippy.errors import SkippyError
 from skippy.serving.chat import ChatTemplate
 from skippy.serving.openai import ApiError, CompletionRequest, parse_request
@@ -121,7 +121,7 @@ class OpenAIApi:
     def __init__(
         self,
         source: Callable[[], SplitServer | None],
-        metrics: NodeMetrics | None = None,
+        metrics: ServingMetrics | None = None,
         http: HttpSettings | None = None,
     ) -> None:
         self._source = source

@@ -44,8 +44,8 @@ from mesh_node.serving.host import (
     sampler_at,
 )
 from mesh_node.serving.links import ChainSender, FrameReader, HopStats
+from mesh_node.settings import ServingSettings
 from protocol import constants as pc
-from skippy.config import ServingSettings
 from skippy.errors import SkippyError, UsageError
 from skippy.generation import SpeculativePlan
 from skippy.generation.proposers import Proposer, VerifyWindow, make_proposer

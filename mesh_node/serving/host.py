@@ -29,21 +29,23 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import numpy as np
 import trio
+from prometheus_client.registry import Collector
 
 from mesh_node.compute import run_compute
 from mesh_node.errors import StreamReset, skippy_error_in
 from mesh_node.link import MeshStream
 from mesh_node.node import MeshNode
+from mesh_node.node_service import FeatureBits, StreamKind
 from mesh_node.peers import InboundStream
 from mesh_node.serving.links import ChainSender, FrameReader, HopStats
+from mesh_node.settings import ServingSettings
 from protocol import constants as pc
-from skippy.config import ServingSettings
 from skippy.errors import SkippyError
 from skippy.package.topology import SplitTopology, StageAssignment
 from skippy.runtime.boundary import StageLoad
@@ -175,6 +177,11 @@ class SessionRefused(SkippyError):
 
 
 class StageHost:
+    """A node service (``mesh_node.node_service``): the transport streams (kind 0x02), the
+    skippy-stage bundle's feature bits and the ``stage`` status section."""
+
+    config_table: str | None = "serving"
+
     def __init__(self, node: MeshNode, settings: ServingSettings) -> None:
         self.node = node
         self.settings = settings
@@ -205,7 +212,25 @@ class StageHost:
         self.batches = 0  # decode batches of two or more sessions
         self.batched_steps = 0  # the steps they held
         self.batched_window_steps = 0  # of those, verify windows' positions
-        node.register_subprotocol(pc.KIND_TRANSPORT, self._handle)
+
+    # --- as a node service ------------------------------------------------------------------
+    def streams(self) -> Sequence[StreamKind]:
+        return [StreamKind(pc.KIND_TRANSPORT, self._handle)]
+
+    def features(self, now_s: float) -> FeatureBits:
+        """Every node hosts a stage when a topology names it: the stage bundle, verify windows
+        (issue #22) and every sampling control of a session."""
+        bits = {*pc.STAGE_BUNDLE, pc.BIT_VERIFY_WINDOW, pc.BIT_SAMPLING_CONTROLS}
+        return {pc.FEATURE_SKIPPY_STAGE: frozenset(bits)}
+
+    def status_sections(self) -> Mapping[str, Any]:
+        return {"stage": self.status()}
+
+    def collectors(self) -> Sequence[Collector]:
+        return []
+
+    async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()  # its work runs in the streams peers open
 
     # --- loading ------------------------------------------------------------------------------
     def co_located(self, topology: SplitTopology) -> int:

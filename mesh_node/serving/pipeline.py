@@ -19,6 +19,7 @@ from typing import Any, Final
 import trio
 
 from mesh_node.errors import MeshError
+from mesh_node.metrics import ServingMetrics
 from mesh_node.node import MeshNode
 from mesh_node.serving.generator import (
     MAX_FAILOVERS,
@@ -35,7 +36,7 @@ from mesh_node.serving.generator import (
 from mesh_node.serving.host import StageHost, hop_summary
 from mesh_node.serving.replicas import ReplicaSet
 from mesh_node.serving.routes import RouteManager, SplitNotReady
-from skippy.config import ServingSettings
+from mesh_node.settings import ServingSettings
 from skippy.generation import SpeculativePlan
 from skippy.package.plan import ModelSizes
 from skippy.runtime.tokenizer import LlamaTokenizer
@@ -67,8 +68,8 @@ class ServerBusy(MeshError):
 @dataclass
 class ServingStats:
     """What admission needs (running, queued) and the recent requests' timings. Request and
-    token counts, time to first token and latencies are the node's metrics
-    (``MeshNode.metrics``: the status page and /metrics read them)."""
+    token counts, time to first token and latencies are serving's metrics
+    (``ServingMetrics``: the status page and /metrics read them)."""
 
     failovers_total: int = 0
     in_flight: int = 0
@@ -104,11 +105,13 @@ class SplitServer:
         stages: int | None = None,
         speculative: SpeculativePlan | None = None,
         replicas: int = 1,
+        metrics: ServingMetrics | None = None,
     ) -> None:
         self.node = node
         self.host = host
         self.settings = settings
         self.model_name = model_name
+        self.metrics = metrics if metrics is not None else ServingMetrics()
         # Replicas (issue #23 item 1, mesh_node.serving.replicas); ``routes`` is replica 0's.
         self.replicas = ReplicaSet(
             node,
@@ -151,7 +154,7 @@ class SplitServer:
                 self.generator.speculative.strategy_id if self.generator.speculative else None
             ),
             **self.replicas.status(),
-            **self.node.metrics.serving_status(),
+            **self.metrics.serving_status(),
             **self.stats.to_dict(),
             "hops": hop_summary(self.hops),
         }
@@ -166,7 +169,7 @@ class SplitServer:
     ) -> GenerationResult:
         """One request through the split; ``emit`` gets each new token (and may stop it).
         Counted in the node's metrics (requests by outcome, tokens, time to first token)."""
-        with self.node.metrics.request(len(prompt)) as record:
+        with self.metrics.request(len(prompt)) as record:
             try:
                 await self._admit()
             except (SplitNotReady, ServerBusy):
@@ -190,7 +193,7 @@ class SplitServer:
                 self._slots.release()
             st.failovers_total += result.failovers
             if result.verify_passes:
-                self.node.metrics.speculation(
+                self.metrics.speculation(
                     result.proposed_tokens, result.accepted_tokens, result.verify_passes
                 )
             st.recent.append(result)

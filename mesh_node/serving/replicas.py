@@ -35,10 +35,10 @@ from mesh_node.node import MeshNode
 from mesh_node.serving.generator import Route, route_level
 from mesh_node.serving.host import StageHost
 from mesh_node.serving.routes import RouteManager, SplitFailed, SplitNotReady, load_tokenizer
+from mesh_node.settings import ServingSettings
 from mesh_node.topology import TopologyService
 from mesh_node.transfer.partials import speaks_partials
 from mesh_node.transfer.siblings import speaks_siblings
-from skippy.config import ServingSettings
 from skippy.errors import SkippyError
 from skippy.package.plan import ModelSizes
 from skippy.package.topology import SplitTopology
@@ -90,7 +90,7 @@ class ReplicaSet:
         self.stages = stages
         self.managers: list[RouteManager] = []
         self._tokenizer = SharedTokenizer()
-        main = node.topology
+        main = node.service(TopologyService)
         for k in range(replicas):
             service = main if k == 0 else TopologyService(node, epochs=main.epochs)
             if k:
@@ -133,7 +133,7 @@ class ReplicaSet:
         now = trio.current_time()
         if self._first_planned_at is None:
             self._first_planned_at = now
-        capable = [c.node_id for c in self.node.topology.capable_nodes(False)]
+        capable = [c.node_id for c in self.managers[0].topology.capable_nodes(False)]
         if waits_for_first(
             first_ready=active.all_ready,
             waited_s=now - self._first_planned_at,
@@ -199,7 +199,7 @@ class ReplicaSet:
             return ""
         need = peers_needed(len(self.managers), self.stages)
         linked = {p.node_id for p in self.node.peers(connected_only=True)}
-        free = {c.node_id for c in self.node.topology.capable_nodes(False)}
+        free = {c.node_id for c in self.managers[0].topology.capable_nodes(False)}
         have = len(free | (self._held_by_others(0) & linked))
         if have >= need:
             return ""

@@ -55,8 +55,8 @@ from mesh_node.serving.generator import (
 )
 from mesh_node.serving.host import LoadedStage, StageHost
 from mesh_node.serving.state import SplitState, load_state, save_state
+from mesh_node.settings import ServingSettings
 from mesh_node.topology import ActiveTopology, StageReport, TopologyService
-from skippy.config import ServingSettings
 from skippy.errors import EXIT_INVALID, EXIT_USAGE, SkippyError
 from skippy.package.grow import grow_check, grows, growth_summary
 from skippy.package.heal import missing_nodes
@@ -111,7 +111,9 @@ class RouteManager:
         # Replicas (issue #23 item 1): replica 0 is the node's own topology service and
         # persists the run (split.json); every other replica has its own service
         # (``mesh_node.serving.replicas``) and shares stage 0 with replica 0.
-        self.topology: TopologyService = topology if topology is not None else node.topology
+        self.topology: TopologyService = (
+            topology if topology is not None else node.service(TopologyService)
+        )
         self.replica = replica
         self.replicas = replicas
         # Loads the tokenizer from stage 0's metadata part; replicas share one load

@@ -1,34 +1,35 @@
-"""Split serving wired into a node: the stage services every node runs, and serving on request.
+"""Serving as a node service (``mesh_node.node_service``; built by ``mesh_node.composition``).
 
-- ``stage_services``: artifact transfer (issue #8: serve, fetch this node's stage, report it)
-  with the stage host as its ready hook (issue #10: load the fetched stage, extend the report
-  into the admission descriptor, serve the transport streams).
-- ``Serving``: makes this node a serving coordinator when asked (``mesh-node serve``, or the
-  control operation ``serve`` the lab uses): a ``SplitServer`` (stage 0 here) and the OpenAI
-  routes. The routes belong to the node's one HTTP app (``mesh_node.http``, issue #12): when
-  the node already serves its status page (``--http``), the API joins it there; otherwise the
-  same app (page and API) starts on the address the request names. Every start goes through
-  the loopback gate (``mesh_node.http.bind.check_http_bind``) with the node's ``http_public``,
-  and loads the API keys (``mesh_node.http.keys``).
+``Serving`` makes this node a serving coordinator when asked (``mesh-node serve``, or the
+control operation ``serve`` the lab uses): a ``SplitServer`` (stage 0 here) and the OpenAI
+routes; its ``serving`` status section and request metrics once it serves. The routes belong
+to the node's one HTTP app (``mesh_node.http``, issue #12): when the node already serves its
+status page (``--http``), the API joins it there; otherwise the same app (page and API)
+starts on the address the request names. Every start goes through the loopback gate
+(``mesh_node.http.bind.check_http_bind``) with the node's ``http_public``, and loads the API
+keys (``mesh_node.http.keys``).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import trio
+from prometheus_client.registry import Collector
 
 from mesh_node.http.view import redact_paths
+from mesh_node.metrics import SectionCollector, ServingMetrics, replica_families
 from mesh_node.node import MeshNode
+from mesh_node.node_service import FeatureBits, StreamKind
 from mesh_node.serving.host import StageHost
-from mesh_node.transfer.service import ArtifactService
-from skippy.config import Environment, HostPort
+from mesh_node.settings import HostPort
+from mesh_node.topology import TopologyService
 from skippy.errors import UsageError
 from skippy.generation import SpeculativeOverrides, SpeculativePlan
 from skippy.serving.engine_choice import EngineChoice
@@ -41,25 +42,6 @@ if TYPE_CHECKING:
 
     from mesh_node.serving.api import OpenAIApi
     from mesh_node.serving.pipeline import SplitServer
-
-
-def stage_services(node: MeshNode, env: Environment) -> tuple[StageHost, ArtifactService]:
-    """What every node runs for splits (see the module docstring)."""
-    from mesh_node.serving.bringup import stage_ready
-    from mesh_node.transfer.fetch import StageResult
-    from skippy.stage.descriptor import StageDescriptor
-
-    host = StageHost(node, node.settings.serving)
-    node.status_sections["stage"] = host.status
-    artifacts = ArtifactService(node, env)
-
-    async def ready(result: StageResult) -> StageDescriptor:
-        return await stage_ready(
-            host, result.topology, result.stage, result.load, result.descriptor
-        )
-
-    artifacts.ready_hook = ready
-    return host, artifacts
 
 
 @dataclass(frozen=True)
@@ -79,9 +61,9 @@ class ServeOptions:
 
 def _config_speculation(path: Path | None) -> SpeculativeOverrides | None:
     """The node TOML's ``[speculative]`` tables (a ``serve`` control operation names none)."""
-    from skippy.config import load_node_config
+    from mesh_node.settings import read_node_config
 
-    return load_node_config(path).speculative if path is not None and path.is_file() else None
+    return read_node_config(path).speculative if path is not None and path.is_file() else None
 
 
 def log_serving_speculation(plan: SpeculativePlan) -> None:
@@ -112,7 +94,7 @@ def log_serving_speculation(plan: SpeculativePlan) -> None:
 def serve_options(request: dict[str, Any]) -> ServeOptions:
     """The control operation ``serve``: ``{"op": "serve", "package": REF, "stages": N|null,
     "http": "[HOST:]PORT", "model_name": NAME|null, "speculative_strategy": S|null}``."""
-    from skippy.config import parse_http_bind
+    from mesh_node.settings import parse_http_bind
 
     package, stages = request.get("package"), request.get("stages")
     name = request.get("model_name")
@@ -142,16 +124,21 @@ def serve_options(request: dict[str, Any]) -> ServeOptions:
 class Serving:
     """This node as a serving coordinator, at most once."""
 
+    config_table: str | None = "http"  # and [serving], through its stage host
+
     def __init__(
         self,
         node: MeshNode,
         host: StageHost,
+        topology: TopologyService,
         *,
         extra_routes: Sequence[BaseRoute] = (),
         expected: bool = False,
     ) -> None:
         self.node = node
         self.host = host
+        self.topology = topology
+        self.metrics = ServingMetrics()  # requests, tokens, latencies (/metrics and the page)
         # This node is for serving (`mesh-node serve`, or ``[serving] expect_serve``): until it
         # serves, /health is not ``ok`` (a completion would be refused).
         self.expected = expected or node.settings.serving.expect_serve
@@ -162,6 +149,23 @@ class Serving:
         self._nursery: trio.Nursery | None = None
         self.starting = False  # start() is bringing a split up (before ``server`` exists)
         self.engine: EngineChoice | None = None  # the served package's engine, once known
+        self._status: Callable[[], dict[str, Any]] | None = None  # once it serves
+
+    # --- as a node service ------------------------------------------------------------------
+    def streams(self) -> Sequence[StreamKind]:
+        return []  # a coordinator's streams are its stage host's and its topology's
+
+    def features(self, now_s: float) -> FeatureBits:
+        return {}
+
+    def status_sections(self) -> Mapping[str, Any]:
+        return {} if self._status is None else {"serving": self._status()}
+
+    def collectors(self) -> Sequence[Collector]:
+        return [self.metrics, SectionCollector(self._serving_section, replica_families)]
+
+    def _serving_section(self) -> Mapping[str, Any]:
+        return {} if self._status is None else self._status()
 
     def routes(self) -> list[BaseRoute]:
         """Other components' routes and the OpenAI routes (503 until this node serves)."""
@@ -169,7 +173,7 @@ class Serving:
 
         if self._api is None:
             self._api = OpenAIApi(
-                lambda: self.server, self.node.metrics, self.node.settings.http_settings
+                lambda: self.server, self.metrics, self.node.settings.http_settings
             )
         return [*self.extra_routes, *self._api.routes()]
 
@@ -272,7 +276,7 @@ class Serving:
             async for event in events:
                 if not isinstance(event, PeerUp) or event.peer.node_id in told:
                     continue
-                capable = {c.node_id for c in self.node.topology.capable_nodes(False)}
+                capable = {c.node_id for c in self.topology.capable_nodes(False)}
                 if event.peer.node_id in capable:
                     told.add(event.peer.node_id)
                     log.warning(
@@ -335,6 +339,7 @@ class Serving:
                 stages=stages,
                 speculative=plan,
                 replicas=replicas,
+                metrics=self.metrics,
             )
             await self._nursery.start(server.run)
             self.server = server
@@ -346,6 +351,6 @@ class Serving:
         def status() -> dict[str, Any]:
             return {**server.status(), "engine": engine.to_dict()}
 
-        self.node.status_sections["serving"] = status
+        self._status = status
         assert self.http_url is not None  # started above (typing)
         return self.http_url.rstrip("/") + "/v1"

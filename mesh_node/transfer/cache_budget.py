@@ -21,7 +21,7 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
-from skippy.config import SecuritySettings
+from mesh_node.settings import SecuritySettings
 from skippy.progress import human_bytes
 from skippy.transfer.disk import auto_cache_budget, cache_usage
 from skippy.transfer.evict import evict, plan_eviction, scan_blobs

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from mesh_node.identity import LocalIdentity
 from mesh_node.peers import AuthenticatedPeer
-from skippy.config import NodeSettings
+from mesh_node.settings import NodeSettings
 from skippy.transfer.policy import NodePolicy, PeerFacts
 
 

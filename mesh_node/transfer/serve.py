@@ -25,6 +25,7 @@ from mesh_node.errors import MeshError, StreamReset, StreamStalled
 from mesh_node.identity import short_id
 from mesh_node.link import CLOSED_EARLY, MeshStream
 from mesh_node.peers import InboundStream
+from mesh_node.topology import TopologyService
 from mesh_node.transfer.policy import node_policy, peer_facts
 from mesh_node.transfer.records import TransferLog
 from mesh_node.transfer.requests import read_request
@@ -74,7 +75,7 @@ class RateLimit:
 
 
 class ArtifactHandler:
-    """``node.register_subprotocol(KIND_ARTIFACT_TRANSFER, handler)``: one call per stream."""
+    """The kind 0x03 handler (``ArtifactService.streams``): one call per stream."""
 
     def __init__(
         self,
@@ -198,7 +199,7 @@ class ArtifactHandler:
         policy: NodePolicy,
         request: ArtifactRequest,
     ) -> None:
-        active = self.node.topology.active_for(inbound.peer.node_id)  # a replica's (#23)
+        active = self.node.service(TopologyService).active_for(inbound.peer.node_id)
         topology = active.topology if active is not None else None
         if (
             active is not None

@@ -1,8 +1,9 @@
-"""Peer artifact transfer wired into a node (issue #8): serving, fetching, the ready report.
+"""Peer artifact transfer as a node service (issue #8; ``mesh_node.node_service``): serving,
+fetching, the ready report, the ``transfers`` and ``cache`` status sections and their metrics.
 
-- Serving: the kind 0x03 handler is registered exactly when ``would_serve`` (the same
-  decision that sets the ``artifact-transfer`` feature bit, ``MeshNode.features``); when this
-  node coordinates a new topology it verifies the package once (``ArtifactHandler.warm``).
+- Serving: the kind 0x03 handler is served exactly when ``would_serve``, the same decision
+  that advertises the ``artifact-transfer`` feature bit (``features``); when this node
+  coordinates a new topology it verifies the package once (``ArtifactHandler.warm``).
 - Fetching: on every new topology in which this node holds a stage, the previous fetch is
   cancelled (its partials stay for a resume) and ``StageFetcher.fetch_stage`` runs.
 - Reporting: when the stage is installed and verified, the node reports ``StageReady`` with
@@ -10,24 +11,33 @@
   directly when it is the coordinator; a failed fetch is reported too, with its code.
 
 For issue #10: ``result`` is the last ready stage (its ``StageLoad`` for the runtime), and
-``ready_hook`` (if set) runs between "installed and verified" and the report: it can load the
-stage into a runtime and return the descriptor extended into the admission descriptor.
+``ready_hook`` (if given) runs between "installed and verified" and the report: it can load
+the stage into a runtime and return the descriptor extended into the admission descriptor.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
-from typing import Final
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, Final
 
 import trio
+from prometheus_client.registry import Collector
 
 from mesh_node.errors import MeshError
+from mesh_node.metrics import (
+    SectionCollector,
+    TransferDurations,
+    cache_families,
+    transfer_families,
+)
 from mesh_node.node import MeshNode
-from mesh_node.topology import ActiveTopology
+from mesh_node.node_service import FeatureBits, StreamKind
+from mesh_node.topology import ActiveTopology, TopologyService
 from mesh_node.transfer.fetch import StageFetcher, StageResult
 from mesh_node.transfer.partials import PartialRegistry
 from mesh_node.transfer.policy import node_policy
+from mesh_node.transfer.records import TransferLog
 from mesh_node.transfer.serve import ArtifactHandler
 from mesh_node.transfer.siblings import SiblingTopologyHandler
 from mesh_node.transfer.swarm import SourcesHandler
@@ -40,6 +50,7 @@ from skippy.errors import SkippyError
 from skippy.package.topology import SplitTopology
 from skippy.serving.failures import classify_failure
 from skippy.stage.descriptor import StageDescriptor
+from skippy.transfer import sha256_chain
 from skippy.transfer.chunks import ChunkDigestStore
 from skippy.transfer.policy import would_serve
 from skippy.transfer.serve import ArtifactServer
@@ -53,46 +64,86 @@ MAX_FAILURE_MESSAGE: Final = 4 * pc.DEFAULT_LIMITS.max_reason_chars  # StageRead
 
 
 class ArtifactService:
+    # Its keys are top-level node keys (artifact_transfer, swarm_transfer): no table of its own.
+    config_table: str | None = None
+
     def __init__(
         self,
         node: MeshNode,
+        topology: TopologyService,
         env: Environment,
         *,
         server: ArtifactServer | None = None,
         verify_cache: VerifyCache | None = None,
+        ready_hook: ReadyHook | None = None,
     ) -> None:
         self.node = node
-        self.records = node.transfers
+        self.topology = topology
+        # Events the transfer log's state cannot tell (each transfer's duration): /metrics.
+        self.durations = TransferDurations()
+        self.records = TransferLog(
+            wall_clock=node.wall_clock, on_finish=self.durations.transfer_finished
+        )
         vc = verify_cache if verify_cache is not None else VerifyCache.under(env.skippy_cache_dir)
         self.server = server or ArtifactServer(node.settings.hub_cache_dir, verify_cache=vc)
         self.handler = ArtifactHandler(node, self.server, self.records)
         self.fetcher = StageFetcher(node, env, self.records, verify_cache=vc)
-        node.status_sections["cache"] = self.fetcher.cache_budget.status  # issue #23
         policy = node_policy(node.settings, node.identity, node.wall_clock())
         self.serving = would_serve(policy)
         # Issue #23: the coordinator's source lists, beside the serving handler (the
-        # swarm-transfer bit is advertised with artifact-transfer, ``MeshNode.features``).
+        # swarm-transfer bit is advertised with artifact-transfer, ``features``).
         self.sources = SourcesHandler(
             node, self.server, self.records, ChunkDigestStore.beside(vc.root)
         )
+        self._streams: list[StreamKind] = []
         if self.serving:
-            node.register_subprotocol(pc.KIND_ARTIFACT_TRANSFER, self.handler)
+            self._streams.append(StreamKind(pc.KIND_ARTIFACT_TRANSFER, self.handler))
             if node.settings.swarm_transfer:
                 # Issue #23: the verified chunks of this node's partials, served to peers
                 # that advertise partial-serve and reported to its coordinator.
                 partials = PartialRegistry()
                 self.fetcher.partials = partials
                 self.server.partials = partials.open_range
-                node.register_subprotocol(pc.KIND_SWARM_SOURCES, self.sources)
+                self._streams.append(StreamKind(pc.KIND_SWARM_SOURCES, self.sources))
                 # and sibling replicas' topologies for their holders (issue #23)
-                node.register_subprotocol(
-                    pc.KIND_SIBLING_TOPOLOGY, SiblingTopologyHandler(node)
-                )
+                siblings = SiblingTopologyHandler(node)
+                self._streams.append(StreamKind(pc.KIND_SIBLING_TOPOLOGY, siblings))
         self.result: StageResult | None = None
-        self.ready_hook: ReadyHook | None = None
+        self.ready_hook = ready_hook
         self._nursery: trio.Nursery | None = None
         self._topology_id: str | None = None
         self._job: trio.CancelScope | None = None
+
+    # --- as a node service ------------------------------------------------------------------
+    def streams(self) -> Sequence[StreamKind]:
+        return list(self._streams)
+
+    def features(self, now_s: float) -> FeatureBits:
+        """``artifact-transfer`` exactly when this node would serve artifacts (spec "Peer Cache
+        Transfer": ``would_serve``, the same decision that serves kind 0x03), with the swarm
+        bits when ``swarm_transfer`` is on; ``chunk-chain`` wherever SHA-256 chains run."""
+        settings = self.node.settings
+        bits: set[str] = set()
+        if sha256_chain.available():  # issue #23: chunks checked along a SHA-256 chain
+            bits.add(pc.BIT_CHUNK_CHAIN)
+        if would_serve(node_policy(settings, self.node.identity, now_s)):
+            bits.add(pc.BIT_ARTIFACT_TRANSFER)
+            if settings.swarm_transfer:  # issue #23: chunk ranges and source lists
+                bits.add(pc.BIT_SWARM_TRANSFER)
+                bits.add(pc.BIT_SIBLING_SERVE)  # and serving sibling replicas' stages
+                bits.add(pc.BIT_CHUNK_RUNS)  # and runs of chunks on one stream
+                bits.add(pc.BIT_PARTIAL_SERVE)  # and verified chunks of its partials
+        return {pc.FEATURE_SKIPPY_STAGE: frozenset(bits)}
+
+    def status_sections(self) -> Mapping[str, Any]:
+        return {"transfers": self.records.status(), "cache": self.fetcher.cache_budget.status()}
+
+    def collectors(self) -> Sequence[Collector]:
+        return [
+            self.durations,
+            SectionCollector(self.records.status, transfer_families),
+            SectionCollector(self.fetcher.cache_budget.status, cache_families),
+        ]
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Follow the node's topology until cancelled."""
@@ -108,7 +159,7 @@ class ArtifactService:
 
     def _follow(self) -> None:
         """React to the active topology as it is now (events only say that it changed)."""
-        active = self.node.topology.active
+        active = self.topology.active
         tid = active.topology.topology_id if active is not None else None
         if tid == self._topology_id:
             return
@@ -197,7 +248,7 @@ class ArtifactService:
     async def _send_report(self, active: ActiveTopology, report: StageReady) -> str:
         coordinator = active.coordinator_id
         if coordinator == self.node.node_id:
-            return _answer(self.node.topology.record_stage(coordinator, report))
+            return _answer(self.topology.record_stage(coordinator, report))
         timeouts = self.node.timeouts
         for _ in range(REPORT_ATTEMPTS):
             try:

@@ -29,7 +29,7 @@ import trio
 from mesh_node.errors import MeshError
 from mesh_node.identity import short_id
 from mesh_node.peers import InboundStream
-from mesh_node.topology import ActiveTopology, topology_signature_valid
+from mesh_node.topology import ActiveTopology, TopologyService, topology_signature_valid
 from mesh_node.transfer.requests import read_request
 from protocol import constants as pc
 from protocol.errors import ProtocolError
@@ -75,7 +75,7 @@ def speaks_siblings(node: MeshNode, node_id: str) -> bool:
 
 def coordinated(node: MeshNode) -> list[ActiveTopology]:
     """Every topology this node coordinates now: its own and its replicas' (issue #23)."""
-    service = node.topology
+    service = node.service(TopologyService)
     out = [a for a in [service.active, *(s.active for s in service.siblings)] if a is not None]
     return [a for a in out if a.role == "coordinator"]
 
@@ -87,7 +87,7 @@ def sibling_topologies(node: MeshNode, own: SplitTopology) -> list[ActiveTopolog
 
 # --- the coordinator ------------------------------------------------------------------------
 class SiblingTopologyHandler:
-    """``node.register_subprotocol(KIND_SIBLING_TOPOLOGY, handler)``: one answer per stream."""
+    """The kind 0x05 handler (``ArtifactService.streams``): one answer per stream."""
 
     def __init__(self, node: MeshNode) -> None:
         self.node = node

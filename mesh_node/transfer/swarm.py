@@ -43,6 +43,7 @@ from mesh_node.errors import MeshError
 from mesh_node.identity import short_id
 from mesh_node.link import MeshStream
 from mesh_node.peers import InboundStream
+from mesh_node.topology import TopologyService
 from mesh_node.transfer.pace import RateDeadline
 from mesh_node.transfer.partials import speaks_partials
 from mesh_node.transfer.policy import node_policy, peer_facts
@@ -373,7 +374,7 @@ class SourcesHandler:
         # The requester's replica's topology (issue #23 item 1), as the artifact server does:
         # with ``active`` alone a second replica's workers got no list and fetched every
         # file whole from this node (seen in ``mesh-node lab --nodes 7 --replicas 2``).
-        active = node.topology.active_for(inbound.peer.node_id)
+        active = node.service(TopologyService).active_for(inbound.peer.node_id)
         policy = node_policy(node.settings, node.identity, node.wall_clock())
         if active is None or active.role != "coordinator":
             decision = refuse("no_active_topology", "this node coordinates no topology")

@@ -18,9 +18,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
-from skippy.config import MAX_REPLICAS
 from skippy.errors import UsageError
 from skippy.package.topology import NodeCapacity
+
+MAX_REPLICAS: Final = 64  # replicas of one package: independent pipelines over disjoint peers
 
 
 def peers_needed(replicas: int, stages: int) -> int:
