@@ -61,7 +61,7 @@ def tune_for_streaming() -> bool:
 
 def release_free_memory() -> bool:
     """Hand free heap back to the kernel (glibc ``malloc_trim(0)``): after a link that held
-    megabytes for a peer closes, RSS returns near where it was (issue #19 item 3), despite
+    megabytes for a peer closes, RSS returns near where it was, despite
     the trim threshold above. True when something was released."""
     try:
         libc = ctypes.CDLL(None)

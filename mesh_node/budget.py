@@ -1,4 +1,4 @@
-"""The node-wide budget for memory held on behalf of peers (issue #19 item 3).
+"""The node-wide budget for memory held on behalf of peers.
 
 Each link already bounds itself (32 streams x 4 MiB window, one WebSocket message in parsing, a
 1 MiB control backlog), but 32 links x 32 streams x a 1 MiB message prefix is a gigabyte: the

@@ -1,4 +1,4 @@
-"""The node's stage-runtime calibration (issue #21 section 3): measured once, cached in
+"""The node's stage-runtime calibration: measured once, cached in
 ``data_dir``, advertised in the hello (``protocol.messages.ComputeCost``).
 
 ``mesh-node run`` calls ``load_or_calibrate`` before the node starts linking, so its first

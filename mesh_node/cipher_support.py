@@ -1,4 +1,4 @@
-"""Which Noise ciphers this node offers its peers, best first (issue #25, protocol/link_cipher).
+"""Which Noise ciphers this node offers its peers, best first (protocol/link_cipher).
 
 AES-256-GCM only where the CPU has AES instructions (x86 ``aes``, Arm ``aes`` in
 /proc/cpuinfo): there it is the faster cipher (~1.5x here); without them a table-free software

@@ -214,7 +214,7 @@ def cmd_serve(args: argparse.Namespace) -> CommandResult:
         stages=args.stages,
         http=settings.http,
         model_name=args.model_name,
-        # issue #22: [speculative] and model entries of the same config, and the CLI's choice
+        # [speculative] and model entries of the same config, and the CLI's choice
         speculative=read_node_config(config).speculative,
         speculative_strategy=args.speculative_strategy,
         replicas=args.replicas,
@@ -300,7 +300,7 @@ def cmd_topology(args: argparse.Namespace) -> CommandResult:
 
 
 def _dry_run_result(plan: dict[str, Any]) -> CommandResult:
-    """Issue #21: ``topology --dry-run``: the ranked candidates, nothing sent."""
+    """``topology --dry-run``: the ranked candidates, nothing sent."""
     lines = [f"dry run: {plan['candidates_total']} candidate(s), nothing sent"]
     for c in plan["candidates"][:10]:
         stages = ", ".join(
@@ -317,7 +317,7 @@ def _dry_run_result(plan: dict[str, Any]) -> CommandResult:
 
 
 def _lab_links(args: argparse.Namespace) -> Any:
-    """Issue #21: the emulated links from ``--link-*`` and ``--links FILE`` (None: plain
+    """The emulated links from ``--link-*`` and ``--links FILE`` (None: plain
     loopback, no relays)."""
     flags = (args.link_latency, args.link_jitter, args.link_rate, args.link_loss)
     if args.links is None and all(f is None for f in flags):
@@ -393,7 +393,7 @@ def cmd_lab(args: argparse.Namespace) -> CommandResult:
     printed: list[dict[str, Any]] = []
 
     def on_report(report: dict[str, Any]) -> None:
-        # The report once ready: the one JSON document on stdout under --json (issue #18)
+        # The report once ready: the one JSON document on stdout under --json
         printed.append(report)
         print(json.dumps(report, indent=2, default=str) if args.json else render(report))
         sys.stdout.flush()
@@ -648,7 +648,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --serve/--prompt: serve over S stages, the other nodes are spares "
         "(default: one stage per node)",
     )
-    p.add_argument(  # issue #23
+    p.add_argument(
         "--revision-change",
         type=int,
         default=None,
@@ -656,7 +656,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="after the split, publish a second revision of the package directory with LAYER "
         "changed and split it too: the report shows what moved (only that layer should)",
     )
-    p.add_argument(  # issue #23 item 1
+    p.add_argument(
         "--replicas",
         type=int,
         default=1,

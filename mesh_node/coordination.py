@@ -1,4 +1,4 @@
-"""Who may coordinate this node, and on whom it places stages (issue #19 item 1).
+"""Who may coordinate this node, and on whom it places stages.
 
 Pure decisions over plain values, plus the one small store they need: topology epochs.
 

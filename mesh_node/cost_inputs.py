@@ -1,4 +1,4 @@
-"""What the cost-aware planner (``skippy.package.cost_plan``, issue #21 section 3) knows on a
+"""What the cost-aware planner (``skippy.package.cost_plan``) knows on a
 running coordinator, and the plan it makes for real.
 
 - Compute: each capable node's calibration (``ComputeCost`` from its hello; this node's own

@@ -1,4 +1,4 @@
-"""Garbage-collector pauses of a running node (issue #19: honest-link RTT).
+"""Garbage-collector pauses of a running node (honest-link RTT).
 
 CPython's cyclic collector stops the whole process, and its full (generation 2) collection
 walks every tracked object. A started `mesh-node run` holds ~70-110 thousand of them, nearly

@@ -1,4 +1,4 @@
-"""This machine's host fingerprint, advertised in the Hello (issue #18 item 5).
+"""This machine's host fingerprint, advertised in the Hello.
 
 Peers with the same fingerprint run on the same machine: their stages share its cores, so a
 stage runtime with ``serving.threads = "auto"`` takes its share instead of all of them. The

@@ -1,4 +1,4 @@
-"""Node and owner keys on disk, owner certificates, and the trust decision (issue #7 §2).
+"""Node and owner keys on disk, owner certificates, and the trust decision.
 
 Keys are Ed25519 (``cryptography``), stored as unencrypted PKCS#8 PEM, written 0600 through the
 one atomic-install recipe and refused when group- or world-readable. The trust decision is a
@@ -176,7 +176,7 @@ def is_trusted(
     own_owner_status: OwnerStatus,
     trusted_owners: tuple[str, ...],
 ) -> bool:
-    """Issue #7 §2: trusted when the peer's owner is verified and is this node's own (verified)
+    """Trusted when the peer's owner is verified and is this node's own (verified)
     owner or listed in ``trusted_owners``; nothing else is."""
     return trust_decision(
         owner_id,

@@ -31,7 +31,7 @@ from protocol.messages import MessageReader, frame_message
 from protocol.streams import Multiplexer
 from protocol.ws_frames import FrameRefused, sealed_frame
 
-RTT_WINDOW = 16  # heartbeat RTT samples kept per link (issue #21: min-RTT for planning)
+RTT_WINDOW = 16  # heartbeat RTT samples kept per link (min-RTT for planning)
 log = logging.getLogger("mesh_node.link")
 _PING = struct.Struct(">Q")
 # What one ``receive_some()`` without a limit returns at most: several records' worth.
@@ -126,7 +126,7 @@ class MeshStream(trio.abc.HalfCloseableStream):
         if self._error is not None or self._closed:
             self._link.mux.consumed(self.stream_id, len(data))
             return
-        if not self._take(len(data)):  # before it is buffered (issue #19)
+        if not self._take(len(data)):  # before it is buffered
             self._over_budget()
             return
         self._chunks.append(data)
@@ -220,7 +220,7 @@ class MeshStream(trio.abc.HalfCloseableStream):
         return data
 
     def _take_chunks(self, most: int) -> bytes:
-        """Up to ``most`` buffered bytes in one object (issue #25: one call and one scheduler
+        """Up to ``most`` buffered bytes in one object (one call and one scheduler
         pass per ~1 MiB instead of per 64 KiB record; the one copy there always was)."""
         first = self._chunks.popleft()
         if len(first) >= most or not self._chunks:
@@ -391,7 +391,7 @@ class Link:
         # Streams the peer opened, with the cancel scope of the handler serving each.
         self._inbound: dict[int, trio.CancelScope] = {}
         self.budget = budget
-        # The transport's account (its reads, issue #19) is the link's: one share per peer.
+        # The transport's account (its reads) is the link's: one share per peer.
         self.transport: BudgetedStream = ws.stream
         self.budget_key = self.transport.key
         self.budget_peak = 0  # the most this link held of the budget (known once it closed)
@@ -402,7 +402,7 @@ class Link:
         self._ws_close_code = 1000  # the WebSocket close frame's code (RFC 6455 7.4.1)
         self.last_received = trio.current_time()
         self.rtt_s: float | None = None
-        # Issue #21: the recent samples; their minimum is the link's latency without the
+        # The recent samples; their minimum is the link's latency without the
         # scheduling delays a loaded peer adds to some pongs (what cost planning uses).
         self._rtt_samples: deque[float] = deque(maxlen=RTT_WINDOW)
         # WebSocket message bytes after the handshake (records, encrypted): link throughput
@@ -497,7 +497,7 @@ class Link:
     def send_now(self) -> None:
         """Seal and write what the multiplexer has queued from this task, without a
         scheduler pass (``WebSocket.send_now``), when the writer is idle and the socket
-        free; else (or for what the kernel did not take) wake the writer. Issues #21/#25:
+        free; else (or for what the kernel did not take) wake the writer:
         a decode frame leaves when it is queued. The records are sealed in the order the
         writer would seal them, so nonces and bytes on the wire are the same."""
         ws = self.ws
@@ -592,7 +592,7 @@ class Link:
         """An untrusted peer's message is handled in its turn (``PeerMemory.take_turn``: one
         stranger's item per batch of the scheduler), and while strangers press on the budget
         (a flood) one record per turn, so that many of them delay an honest link by about
-        one record, not by a batch of everyone's messages (issue #19: honest-link RTT).
+        one record, not by a batch of everyone's messages (honest-link RTT).
         Trusted peers never wait."""
         transport = self.transport
         if transport.trusted:
@@ -604,7 +604,7 @@ class Link:
     async def take_turn(self, *, parked: bool = False) -> None:
         """A checkpoint; for an untrusted peer, its turn (``_yield_to_others``): where a
         stream's reader hands data to its handler. A trusted peer's reader that ``parked``
-        for the data has had its checkpoint (issues #21/#25: one scheduler pass less per
+        for the data has had its checkpoint (one scheduler pass less per
         frame); a stranger's always waits its turn."""
         transport = self.transport
         if transport.trusted:
@@ -735,11 +735,11 @@ class Link:
 
     def _last_heard(self) -> float:
         """When the peer last sent something, as far as we know: while our transport waits
-        for budget room (issue #19) its bytes wait in the kernel, which is not silence."""
+        for budget room its bytes wait in the kernel, which is not silence."""
         return max(self.last_received, self.transport.waited_at)
 
     async def _heartbeat(self) -> None:
-        first = True  # ping at once: the RTT sizes stream windows from the start (issue #21)
+        first = True  # ping at once: the RTT sizes stream windows from the start
         while True:
             if not first:
                 await trio.sleep(self.timeouts.heartbeat_interval_s)

@@ -1,4 +1,4 @@
-"""One heap trim for a burst of closing links, off the event loop (issue #19: honest-link RTT).
+"""One heap trim for a burst of closing links, off the event loop (honest-link RTT).
 
 ``mesh_node.allocator.release_free_memory`` (glibc ``malloc_trim``) walks the whole heap:
 ~20-30 ms of CPU after a flood, measured in the adversary bench, and 32 links closing at once

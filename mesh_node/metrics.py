@@ -1,4 +1,4 @@
-"""The node's metrics (issue #12 §2), exposed by ``/metrics`` through prometheus_client: every
+"""The node's metrics, exposed by ``/metrics`` through prometheus_client: every
 family's name and meaning in one module; the node core and each service pick theirs.
 
 Two sources, so that other components need no metrics code where state already tells:
@@ -6,13 +6,13 @@ Two sources, so that other components need no metrics code where state already t
 - **State, read at scrape time**: ``node_families(doc)`` turns the core of the status document
   (``mesh_node.peers.status_document``) into metric families (peers by trust status, link
   bytes in/out, uptime); a service's ``SectionCollector`` does the same for its own status
-  section: ``topology_families`` (stages ready), ``transfer_families`` (issue #8's counters:
+  section: ``topology_families`` (stages ready), ``transfer_families`` (the counters:
   artifact bytes served and fetched by source, verification failures, refusals by reason,
   transfers in progress, the stage's readiness), ``cache_families``, ``replica_families``.
   Pure; nothing to increment.
 - **Events that leave no state behind**, observed where they happen: ``TransferDurations``
   (the artifact transfer service's: the transfer log calls ``transfer_finished``) and
-  ``ServingMetrics`` (serving's: issue #10's requests, tokens and latencies, ``request()``).
+  ``ServingMetrics`` (serving's: the requests, tokens and latencies, ``request()``).
   ``serving_status()`` renders the serving counts for the status document, so the page and
   ``/metrics`` read one count.
 
@@ -154,7 +154,7 @@ class ServingMetrics(Collector):
         self.request_seconds = _Histogram(LATENCY_BUCKETS_S)
         self._recent_tokens: deque[tuple[float, int]] = deque()
         self._recent_ttft: deque[float] = deque(maxlen=RECENT_TTFT)
-        # speculative decoding (issue #22): drafted tokens proposed / accepted, verify windows
+        # speculative decoding: drafted tokens proposed / accepted, verify windows
         self.speculative: dict[str, int] = dict.fromkeys(SPECULATIVE_COUNTERS, 0)
 
     @contextmanager
@@ -383,7 +383,7 @@ def topology_families(topo: Mapping[str, Any] | None) -> list[Metric]:
 
 
 def replica_families(serving: Mapping[str, Any]) -> list[Metric]:
-    """Issue #23 item 1: each replica of a serving coordinator, labelled ``replica``."""
+    """Each replica of a serving coordinator, labelled ``replica``."""
     replicas = serving.get("replicas") or []
     if not replicas:
         return []
@@ -413,7 +413,7 @@ def replica_families(serving: Mapping[str, Any]) -> list[Metric]:
 
 
 def cache_families(cache: Mapping[str, Any]) -> list[Metric]:
-    """Issue #23's hub cache budget (``mesh_node.transfer.cache_budget``)."""
+    """The hub cache budget (``mesh_node.transfer.cache_budget``)."""
     return [
         GaugeMetricFamily(
             f"{PREFIX}_cache_used_bytes",
@@ -444,7 +444,7 @@ def cache_families(cache: Mapping[str, Any]) -> list[Metric]:
 
 
 def transfer_families(transfers: Mapping[str, Any]) -> list[Metric]:
-    """Issue #8's ``transfers`` (``mesh_node.transfer.records.TransferLog.status()``): its
+    """The ``transfers`` (``mesh_node.transfer.records.TransferLog.status()``): its
     cumulative counters, the transfers running now and this node's stage."""
     c = transfers.get("counters") or {}
     served = CounterMetricFamily(

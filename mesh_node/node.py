@@ -84,11 +84,11 @@ MAX_LEARNED_DIALS = 3  # attempts at a gossip-learned address before it is forgo
 MAX_DIAL_LOOPS = 64  # concurrent dial loops (configured peers always get one)
 MAX_MEMBERS = 1024  # membership entries; the longest-silent disconnected one goes first
 EVENT_QUEUE = 256  # per subscriber; an overflowing subscriber is closed (it can resubscribe)
-# Link ends that may be a network's doing, not the peer's (issue #21): the connection broke, or
+# Link ends that may be a network's doing, not the peer's: the connection broke, or
 # its writes stalled. Any other end (silence past peer_loss_timeout_s, a goodbye, a protocol
 # fault, shutdown) is a peer loss at once.
 BROKEN_CONNECTION_REASONS = frozenset({"connection_closed", "peer_not_reading"})
-# Admission (issue #19 item 4; docs/security.md "Admission"): a connection claims a handshake
+# Admission (docs/security.md "Admission"): a connection claims a handshake
 # slot before its WebSocket upgrade is accepted, waiting at most QUEUE_WAIT_S for one.
 MAX_PENDING_PER_ADDRESS = 8  # handshakes pending (queued or running) from one source address
 NEW_LINKS_PER_S_PER_ADDRESS = 10.0  # sustained new connections per source address ...
@@ -110,9 +110,9 @@ class _Member:
     features: dict[str, tuple[str, ...]] = field(default_factory=dict)
     memory_budget_bytes: int = 0
     hello: bool = False  # ever advertised (a member is listed only after its hello)
-    host_id: str | None = None  # its machine's fingerprint, from its hello (issue #18)
+    host_id: str | None = None  # its machine's fingerprint, from its hello
     boot: str | None = None  # its process's random id, from its hello: new at every restart
-    compute: ComputeCost | None = None  # its calibrated speed, from its hello (issue #21)
+    compute: ComputeCost | None = None  # its calibrated speed, from its hello
     down_reported: bool = False  # a PeerDown was emitted since its last PeerUp
     hello_link: Link | None = None  # the link its latest hello came on
     last_seen: float = 0.0  # trio clock
@@ -197,7 +197,7 @@ class MeshNode:
         link_ciphers: tuple[LinkCipher, ...] | None = None,
     ) -> None:
         self.settings = settings
-        # Noise ciphers this node offers and accepts, best first (issue #25).
+        # Noise ciphers this node offers and accepts, best first.
         self.link_ciphers = link_ciphers if link_ciphers is not None else local_ciphers()
         self.identity = identity
         self.node_id = identity.node_id
@@ -218,7 +218,7 @@ class MeshNode:
         self.listen_url: str | None = None
         self.host_id = host_fingerprint()  # advertised: peers on this machine share its cores
         self.boot_id = secrets.token_hex(8)  # advertised: a restart is told from a reconnect
-        # Advertised when set (issue #21): the stage runtime's calibration, measured by the
+        # Advertised when set: the stage runtime's calibration, measured by the
         # shell that starts the node (mesh_node.calibration), never here.
         self.compute: ComputeCost | None = None
         self._members: dict[str, _Member] = {}
@@ -231,7 +231,7 @@ class MeshNode:
         self._pending_by_address: dict[str, int] = {}
         self._admission_rates: dict[str, tuple[float, float]] = {}  # address -> tokens, time
         self._heard_of: dict[str, None] = {}  # ordered set, oldest first
-        # Memory held for peers, all links together (issue #19 item 3).
+        # Memory held for peers, all links together.
         self.peer_memory = PeerMemory(settings.security.peer_memory_budget_bytes)
         self.admission = {
             "rejected_busy": 0,
@@ -359,7 +359,7 @@ class MeshNode:
 
     def authenticated(self, node_id: str) -> AuthenticatedPeer | None:
         """The peer as its link proved it, its trust evaluated *now* (a certificate may have
-        expired since the handshake; issue #19 item 5). None without a membership entry."""
+        expired since the handshake). None without a membership entry."""
         member = self._members.get(node_id)
         if member is None:
             return None
@@ -448,11 +448,11 @@ class MeshNode:
             peers=self.peers(),
             uptime_s=0.0 if self._started_at is None else trio.current_time() - self._started_at,
         )
-        doc["security"] = {  # issue #19: the budgets and admission counters
+        doc["security"] = {  # the budgets and admission counters
             "peer_memory": self.peer_memory.to_dict(),
             "admission": dict(self.admission),
         }
-        doc["compute"] = None if self.compute is None else self.compute.to_wire()  # issue #21
+        doc["compute"] = None if self.compute is None else self.compute.to_wire()
         for service in self._services:
             doc.update(service.status_sections())
         return doc
@@ -465,7 +465,7 @@ class MeshNode:
             listen = self.settings.listen
             try:
                 # Every accepted connection's reads are taken from the peer-memory budget
-                # from its first byte (mesh_node.transport, issue #19).
+                # from its first byte (mesh_node.transport).
                 listeners = await budgeted_listeners(listen.host, listen.port, self.peer_memory)
             except OSError as exc:
                 raise listen_error(listen, exc) from None
@@ -544,7 +544,7 @@ class MeshNode:
     async def _dial(self, address: PeerAddress) -> None:
         expected = bytes.fromhex(address.node_id) if address.node_id else None
         offered = offered_subprotocols(self.link_ciphers)
-        # `dial_via` (issue #21): reach this peer through another address (a relay, a tunnel);
+        # `dial_via`: reach this peer through another address (a relay, a tunnel);
         # the handshake still demands the peer's own id.
         via = self.settings.dial_via.get(address.node_id or "")
         target = via if via is not None else address
@@ -734,7 +734,7 @@ class MeshNode:
                 if member.hello:
                     self._link_lost(node_id, member, link, reason)
 
-    # --- issue #21: a dropped connection is not a lost peer --------------------------------------
+    # --- a dropped connection is not a lost peer ----------------------------------------------
     def _link_lost(
         self, node_id: str, member: _Member, link: Link, reason: tuple[str, str]
     ) -> None:
@@ -775,7 +775,7 @@ class MeshNode:
     def _make_room(self, *, for_trusted: bool = False) -> bool:
         """Keep membership bounded: forget the longest-silent disconnected peer if full; for
         a trusted newcomer, evict the longest-silent untrusted connected one (untrusted peers
-        never lock trusted ones out, issue #19 item 4)."""
+        never lock trusted ones out)."""
         if len(self._members) < min(MAX_MEMBERS, self.settings.security.max_members):
             return True
         gone = [(m.last_seen, nid) for nid, m in self._members.items() if m.link is None]

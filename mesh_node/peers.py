@@ -15,7 +15,7 @@ from skippy.text import escape
 
 
 def peer_text(value: object) -> str:
-    """The one rule for a peer's words on a terminal (issue #19 item 6): every string that
+    """The one rule for a peer's words on a terminal: every string that
     came from a peer (its Hello address, an ack's reason, a refusal) is printed through this,
     so a control sequence or a newline cannot clear the screen or forge a line. (The log
     lines are JSON-escaped by ``mesh-node``'s formatter, ASCII only.)"""
@@ -29,7 +29,7 @@ class AuthenticatedPeer:
 
     node_id: str  # 64 lowercase hex: the Ed25519 key that authenticated the link
     owner_id: str | None  # from its certificate, when it sent one
-    owner_status: OwnerStatus  # verified | unverified | invalid (issue #7 §2)
+    owner_status: OwnerStatus  # verified | unverified | invalid
     trusted: bool  # verified owner, and this node's own owner or in trusted_owners
     trust_reason: str = ""  # why (mesh_node.identity.trust_decision), for operators
 
@@ -59,12 +59,12 @@ class PeerInfo:
     connected: bool
     last_seen_s: float  # seconds since anything was received from it
     rtt_s: float | None = None
-    rtt_min_s: float | None = None  # the least of the link's recent RTTs (issue #21)
+    rtt_min_s: float | None = None  # the least of the link's recent RTTs
     bytes_received: int = 0  # link bytes over every link to this peer since this node started
     bytes_sent: int = 0
-    host_id: str | None = None  # its machine's fingerprint (Hello, issue #18), if it sent one
-    compute: ComputeCost | None = None  # its calibrated speed (Hello, issue #21), if it sent one
-    link_cipher: str | None = None  # the connected link's Noise cipher (issue #25)
+    host_id: str | None = None  # its machine's fingerprint (Hello), if it sent one
+    compute: ComputeCost | None = None  # its calibrated speed (Hello), if it sent one
+    link_cipher: str | None = None  # the connected link's Noise cipher
 
     @property
     def node_id(self) -> str:
@@ -136,7 +136,7 @@ def status_document(
     peers: Sequence[PeerInfo],
     uptime_s: float = 0.0,
 ) -> dict[str, Any]:
-    """The core of the status document (issue #7 §7): one function so every renderer agrees
+    """The core of the status document: one function so every renderer agrees
     (the CLI's ``status``, the control socket, the status page's ``/api/status``). Services
     add their sections beside it (``NodeService.status_sections``: ``topology``,
     ``transfers``, ``cache``, ``stage``, ``serving``)."""
@@ -243,7 +243,7 @@ def render_serving(serving: Mapping[str, Any]) -> list[str]:
         + (f"{speed} tok/s" if speed is not None else "-"),
     ]
     strategy = serving.get("speculative_strategy")
-    if strategy:  # issue #22
+    if strategy:
         sp = serving.get("speculative") or {}
         lines.append(
             f"  speculative {peer_text(str(strategy))}: accepted {sp.get('accepted', 0)} of "
@@ -251,7 +251,7 @@ def render_serving(serving: Mapping[str, Any]) -> list[str]:
             "windows"
         )
     replicas = serving.get("replicas") or []
-    if len(replicas) > 1:  # issue #23 item 1: one line per replica
+    if len(replicas) > 1:  # one line per replica
         for r in replicas:
             why = (
                 ""
@@ -281,7 +281,7 @@ def render_topology(topo: Mapping[str, Any]) -> str:
             f"  stage {s['stage_index']}: layers {s['layer_start']}..{s['layer_end']} on "
             f"{peer_text(s['node_id'][:12])} ({peer_text(ack)})"
         )
-    plan = topo.get("prediction")  # issue #21: which planner, and what it predicted
+    plan = topo.get("prediction")  # which planner, and what it predicted
     if plan:
         ms = plan.get("predicted_ms_per_token")
         predicted = "" if ms is None else f", predicted {ms:.2f} ms/token"

@@ -41,7 +41,7 @@ def control_handler(parts: ComposedNode) -> Any:
             return {"ok": True, "api": await serving.start(serve_options(request))}
         if op in ("topology", "replan") and serving.server is not None:
             # The split of a serving coordinator is its route manager's: a hand-made plan
-            # could move stage 0 away from the API and break every request (issue #18).
+            # could move stage 0 away from the API and break every request.
             raise UsageError(
                 "this node serves a model: its split is kept by `mesh-node serve` (it heals "
                 "and re-plans on its own)",
@@ -54,7 +54,7 @@ def control_handler(parts: ComposedNode) -> Any:
             if not isinstance(package, str) or not (stages is None or isinstance(stages, int)):
                 raise UsageError("topology needs package (string) and stages (int or null)")
             ref, sha, sizes = await trio.to_thread.run_sync(_package_facts, node.settings, package)
-            if request.get("dry_run"):  # issue #21: rank the candidates, send nothing
+            if request.get("dry_run"):  # rank the candidates, send nothing
                 from mesh_node.cost_inputs import dry_run
 
                 include = bool(request.get("include_self", True))
@@ -170,7 +170,7 @@ async def _run_node(
         settings, identity, read_environment(), routes=routes, expect_serve=serve is not None
     )
     node, serving = parts.node, parts.serving
-    # Issue #21: measured (or read from data_dir's cache) before the first link, so every
+    # Measured (or read from data_dir's cache) before the first link, so every
     # hello carries it; on the compute thread (every later stage call's thread too:
     # skippy.runtime.compute_thread), since it runs the stage runtime for a moment.
     node.compute = compute_cost(await run_compute(lambda: load_or_calibrate(settings)))
@@ -186,7 +186,7 @@ async def _run_node(
                 lines.append(f"status-page {url}")
             if serve is not None:
                 lines.append(f"api {await serving.start(serve)}")
-            freeze_startup_heap()  # issue #19: no full GC walks the start-up heap again
+            freeze_startup_heap()  # no full GC walks the start-up heap again
             # `listening` only once every check passed (package, HTTP port): a wrapper that
             # waits for it knows the node started.
             sys.stdout.write("".join(f"{line}\n" for line in [f"listening {address}", *lines]))

@@ -43,8 +43,8 @@ NODE_KEYS = frozenset(
         "trusted_owners",
         "artifact_transfer",
         "artifact_serve_bytes_per_s",
-        "swarm_transfer",  # issue #23
-        "swarm_min_holders",  # issue #23
+        "swarm_transfer",
+        "swarm_min_holders",
         "memory_budget",
         "heartbeat_interval_s",
         "peer_loss_timeout_s",
@@ -56,8 +56,8 @@ NODE_KEYS = frozenset(
         "security",  # [security]: who may coordinate us, peer budgets (SecuritySettings)
         "speculative",  # skippy.generation reads these two sections (skippy.config)
         "models",
-        "dial_via",  # issue #21: {node id = "ws://HOST:PORT"}: where to dial a given peer
-        "calibration",  # issue #21: auto | off: calibrate the stage runtime, advertise it
+        "dial_via",  # {node id = "ws://HOST:PORT"}: where to dial a given peer
+        "calibration",  # auto | off: calibrate the stage runtime, advertise it
         "lab_lock",  # the lab's lifeline: the node stops once nothing holds this file's lock
     }
 )
@@ -112,7 +112,7 @@ SERVING_KEYS = frozenset(
         "failover_timeout_s",
         "ready_timeout_s",
         "queue_timeout_s",
-        "replicas",  # issue #23 item 1
+        "replicas",
         "expect_serve",
         "repack",
     }
@@ -122,7 +122,7 @@ SERVING_KEYS = frozenset(
 @dataclass(frozen=True)
 class ServingSettings:
     """``[serving]`` of the node TOML: how this node runs its stage of a split and, on a
-    coordinator, how it admits requests. Every wait has a timeout (issue #10 section 4)."""
+    coordinator, how it admits requests. Every wait has a timeout."""
 
     # The stage runtime engine (ggml; numpy is the f32 oracle), or llama: the whole model in
     # llama.cpp on this node alone (also chosen for a family the stage runtime does not cover).
@@ -140,7 +140,7 @@ class ServingSettings:
     failover_timeout_s: float = 120.0  # a lost stage must be replaced (and ready) within this
     ready_timeout_s: float = 600.0  # `mesh-node serve`: peers, fetch and load within this
     queue_timeout_s: float = 300.0  # a queued request gets a slot within this, else 429
-    # Coordinator (issue #23 item 1): independent pipelines of the package over disjoint peers.
+    # Coordinator: independent pipelines of the package over disjoint peers.
     replicas: int = 1
     # A `mesh-node run` node that will be told to serve (the control operation ``serve``, as
     # the lab's coordinator): /health says ``loading``, not ``ok``, until a completion would be
@@ -195,7 +195,7 @@ def serving_settings(raw: object) -> ServingSettings:
     return ServingSettings(**values)
 
 
-# --- [http]: the node's HTTP surface (issue #20; mesh_node.http) ---------------------------------
+# --- [http]: the node's HTTP surface (mesh_node.http) ---------------------------------
 HTTP_KEYS = frozenset(
     {
         "listen",
@@ -310,7 +310,7 @@ def http_settings(
     )
 
 
-# --- [security]: untrusted peers (issue #19) ---------------------------------------------------
+# --- [security]: untrusted peers ---------------------------------------------------
 PeerScope = Literal["trusted", "any"]
 MIN_PEER_MEMORY_BUDGET = 16 * 1024 * 1024  # a few streams' windows: below, nothing works
 SECURITY_KEYS = frozenset(
@@ -414,10 +414,10 @@ class NodeSettings:
     memory_budget_bytes: int
     # Total rate at which this node serves artifacts to peers (0: unlimited): an uplink cap.
     artifact_serve_bytes_per_s: int = 0
-    # Issue #23: serve chunk ranges and (coordinating) signed swarm source lists beside
+    # Serve chunk ranges and (coordinating) signed swarm source lists beside
     # artifact-transfer; false keeps the whole-file, coordinator-only path.
     swarm_transfer: bool = True
-    # Issue #23: a file is fetched chunk by chunk only with at least this many holders (1: also
+    # A file is fetched chunk by chunk only with at least this many holders (1: also
     # from the coordinator alone, which the chunk-overhead bench row measures).
     swarm_min_holders: int = 2
     heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S
@@ -430,12 +430,12 @@ class NodeSettings:
     http_public: bool = False
     warnings: tuple[str, ...] = ()
     serving: ServingSettings = field(default_factory=ServingSettings)
-    # Issue #21: node id -> the address to dial that peer at instead of the one it advertises
+    # Node id -> the address to dial that peer at instead of the one it advertises
     # or was configured with (a relay, a tunnel, a port forward; the lab's emulated links).
     dial_via: Mapping[str, PeerAddress] = field(default_factory=dict)
     http_settings: HttpSettings = field(default_factory=HttpSettings)
     security: SecuritySettings = field(default_factory=SecuritySettings)
-    # Issue #21: ``mesh-node run`` calibrates the stage runtime (cached in data_dir) and
+    # ``mesh-node run`` calibrates the stage runtime (cached in data_dir) and
     # advertises it in its hello, for cost-aware planning; ``calibration = "off"`` skips it.
     calibrate: bool = True
     # ``mesh-node lab`` holds this file's lock while it runs; the node stops once nobody does
@@ -587,7 +587,7 @@ def _calibration(env_word: str | None, toml_word: object) -> bool:
 
 
 def _swarm_transfer(raw: Mapping[str, Any]) -> bool:
-    """``swarm_transfer = true|false`` (issue #23; default true)."""
+    """``swarm_transfer = true|false`` (default true)."""
     value = raw.get("swarm_transfer", True)
     if not isinstance(value, bool):
         raise bad_value("swarm_transfer", "expected true or false", value)
@@ -595,14 +595,14 @@ def _swarm_transfer(raw: Mapping[str, Any]) -> bool:
 
 
 def _swarm_min_holders(raw: Mapping[str, Any]) -> int:
-    """``swarm_min_holders = N`` (issue #23; default 2, at least 1)."""
+    """``swarm_min_holders = N`` (default 2, at least 1)."""
     value = raw.get("swarm_min_holders", 2)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise bad_value("swarm_min_holders", "expected an integer >= 1", value)
     return value
 
 
-# --- issue #21: dialing a peer through another address --------------------------------------------
+# --- dialing a peer through another address ----------------------------------------------------
 def parse_dial_via(value: object) -> dict[str, PeerAddress]:
     """``[dial_via]``: ``"<64 hex node id>" = "ws://HOST:PORT"``. The peer must still prove
     that id: the address changes where the bytes go, never whom the node accepts."""

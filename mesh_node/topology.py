@@ -1,14 +1,14 @@
-"""The topology service (issue #7 §6): the coordinator plans, signs and sends a split topology
+"""The topology service: the coordinator plans, signs and sends a split topology
 over skippy-stage/2 control streams (kind 0x01); a worker verifies the signature against the
 coordinator's *authenticated* node id and the exact-once coverage, stores it as its active
 topology and acknowledges. Each stage's node later reports on the same kind of stream that its
-stage is ready (``StageReady``, issue #8); the coordinator checks the report's descriptor
+stage is ready (``StageReady``); the coordinator checks the report's descriptor
 against the topology and records it. Peer loss marks the topology degraded; ``replan`` places
 the split again over the remaining capable peers.
 
 Planning is pure (``skippy.package.topology.plan_topology``; with every capable node
-calibrated, the cost planner ``skippy.package.cost_plan`` through ``mesh_node.cost_inputs``,
-issue #21); this module does the I/O.
+calibrated, the cost planner ``skippy.package.cost_plan`` through ``mesh_node.cost_inputs``);
+this module does the I/O.
 """
 
 from __future__ import annotations
@@ -93,10 +93,10 @@ class ActiveTopology:
     own_id: str = ""  # this node's id
     # Coordinator: each stage node's last report (its own stage included).
     reports: dict[str, StageReport] = field(default_factory=dict)
-    # Whether the coordinator was trusted when the topology was accepted (issue #19): only
+    # Whether the coordinator was trusted when the topology was accepted: only
     # then may its bytes be installed under the hub commit (mesh_node.transfer.fetch).
     coordinator_trusted: bool = True
-    # Issue #21: the coordinator's planner record (which planner, predicted ms/token, why);
+    # The coordinator's planner record (which planner, predicted ms/token, why);
     # ``None`` on a worker.
     prediction: dict[str, Any] | None = None
 
@@ -197,7 +197,7 @@ class NodeView(Protocol):
     """The part of ``MeshNode`` the service uses (keeps the arrow one way: node -> topology)."""
 
     node_id: str
-    compute: ComputeCost | None  # this node's calibration (issue #21), for cost planning
+    compute: ComputeCost | None  # this node's calibration, for cost planning
     identity: LocalIdentity
     settings: NodeSettings
     limits: pc.Limits
@@ -233,7 +233,7 @@ class TopologyService:
         self._last_request: _PlanRequest | None = None
         # A serving coordinator sets its own runtime facts: stage reports must agree with them.
         self.admission_expect: RuntimeFacts | None = None
-        # Replicas (issue #23 item 1, mesh_node.serving.replicas): the node's own service
+        # Replicas (mesh_node.serving.replicas): the node's own service
         # serves the control streams; a replica's service (never added to the node) shares
         # its epochs (one sequence per coordinator) and gets its stage reports through
         # ``siblings``. ``exclude`` names nodes this service must not plan over (those other
@@ -273,8 +273,8 @@ class TopologyService:
         return None if self.active is None else self.active.to_dict()
 
     def active_for(self, node_id: str) -> ActiveTopology | None:
-        """The active topology ``node_id`` holds a stage in: a replica's (``siblings``,
-        issue #23) when that one has it, else this service's own."""
+        """The active topology ``node_id`` holds a stage in: a replica's (``siblings``)
+        when that one has it, else this service's own."""
         for sibling in self.siblings:
             other = sibling.active
             if other is not None and other.topology.stage_of(node_id) is not None:
@@ -311,8 +311,8 @@ class TopologyService:
         like: SplitTopology | None = None,
     ) -> ActiveTopology:
         """Plan over the capable peers, sign, send to every worker and collect their acks.
-        ``first_node`` pins stage 0 (a serving coordinator holds it, issue #10); ``like``:
-        replica 0's plan, whose layer ranges a replica takes (issue #23, ``plan_like``)."""
+        ``first_node`` pins stage 0 (a serving coordinator holds it); ``like``:
+        replica 0's plan, whose layer ranges a replica takes (``plan_like``)."""
         request = _PlanRequest(
             package_ref,
             manifest_sha256,
@@ -333,7 +333,7 @@ class TopologyService:
         planner's record; ``TopologyRefused`` when it cannot be placed."""
         capable = self.capable_nodes(r.include_self)
         topology_id = f"topo-{uuid.uuid4().hex[:16]}"
-        # Issue #21: with every capable node calibrated, the cost planner decides (stage
+        # With every capable node calibrated, the cost planner decides (stage
         # count, nodes, order, speed-weighted ranges); else the byte-balanced memory plan.
         inputs = self.cost_inputs(capable, r.sizes)
         try:
@@ -404,7 +404,7 @@ class TopologyService:
         return predict_topology(self.cost_inputs(capable, sizes), sizes, topology)
 
     async def heal(self) -> ActiveTopology:
-        """The active topology again over the nodes linked now (issue #18 item 2): stages
+        """The active topology again over the nodes linked now: stages
         whose node is linked stay (a returning node keeps its own), each other one moves to a
         capable spare (``skippy.package.heal``); a new topology id, signed and sent to every
         stage node. ``TopologyRefused`` (``no_capable_peer``) when a stage has no taker."""
@@ -425,7 +425,7 @@ class TopologyService:
     async def restore(
         self, topology: SplitTopology, sizes: ModelSizes, *, first_node: str | None
     ) -> ActiveTopology:
-        """A restarted coordinator takes up the split it ran before (issue #18 item 4): the
+        """A restarted coordinator takes up the split it ran before: the
         same stages on the same nodes, same run id, a new topology id, signed again (through
         ``sign_topology`` like every topology this node offers)."""
         self._last_request = _PlanRequest(
@@ -451,7 +451,7 @@ class TopologyService:
     def sign_topology(self, topology: SplitTopology) -> tuple[SplitTopology, bytes]:
         """The one place this node signs a topology (every offer, re-plans, heals and a
         restarted coordinator's re-offer all pass here), stamped with this coordinator's next
-        epoch (issue #19: workers refuse an older or equal one)."""
+        epoch (workers refuse an older or equal one)."""
         return sign_topology(self.node.identity.key, topology, self.epochs, self.node.wall_clock())
 
     async def _distribute(
@@ -474,7 +474,7 @@ class TopologyService:
         )
         workers = [s.node_id for s in topology.stages if s.node_id != self.node.node_id]
         offer = TopologyOffer(topology.to_dict(), signature).encode()
-        # Active before any worker hears of it: a worker fetches its artifacts (issue #8) as
+        # Active before any worker hears of it: a worker fetches its artifacts as
         # soon as it accepts, and the artifact server authorizes against this topology.
         self.active = active
         self.node.emit(TopologyChanged(active.state, topology.topology_id))
@@ -547,7 +547,7 @@ class TopologyService:
         elif isinstance(message, StageReady):
             if admits(self.node.settings.security.place_stages_on, peer.trusted):
                 ack = self.record_stage(peer.node_id, message)
-            else:  # in trusted mode only trusted stage nodes count (issue #19)
+            else:  # in trusted mode only trusted stage nodes count
                 ack = TopologyAck(
                     message.topology_id, False, "untrusted_peer", "this node is not trusted here"
                 )
@@ -575,7 +575,7 @@ class TopologyService:
                 "topology_signature",
                 "the signature does not verify against the sending coordinator's id",
             )
-        # Issue #19: who may coordinate us, epochs, sanity bounds; all before any fetch.
+        # Who may coordinate us, epochs, sanity bounds; all before any fetch.
         coordinator = self.node.authenticated(coordinator_id) or AuthenticatedPeer(
             coordinator_id, None, "unverified", False, "not linked"
         )
@@ -618,14 +618,14 @@ class TopologyService:
         )
         return TopologyAck(topology.topology_id, True)
 
-    # --- stage reports (issue #8: ready; issue #10 extends the descriptor) -----------------------
+    # --- stage reports (ready, with the admission descriptor) -----------------------
     def record_stage(self, node_id: str, report: StageReady) -> TopologyAck:
         """A stage node's report (``node_id`` authenticated, or this node itself): check it
         against the active topology this node coordinates and record it."""
         active = self.active
         tid = report.topology_id
         problem: tuple[str, str] | None = None
-        for sibling in self.siblings:  # another replica's topology (issue #23 item 1)
+        for sibling in self.siblings:  # another replica's topology
             if sibling.active is not None and sibling.active.topology.topology_id == tid:
                 return sibling.record_stage(node_id, report)
         if active is None or active.role != "coordinator" or active.topology.topology_id != tid:

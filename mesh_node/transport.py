@@ -132,7 +132,7 @@ class BudgetedStream(trio.abc.HalfCloseableStream):
             raise trio.ClosedResourceError("the connection is closed")
         await trio.lowlevel.wait_readable(self.inner.socket)
         # Room now (the usual case) is taken without a second scheduler pass: the wait was
-        # the checkpoint (issues #21/#25: the per-hop cost of a small frame).
+        # the checkpoint (the per-hop cost of a small frame).
         reserved = self.budget.take_some_now(self.key, want)
         while reserved < 0:
             with trio.move_on_after(STALL_POLL_S):

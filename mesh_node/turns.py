@@ -1,4 +1,4 @@
-"""Strangers take turns on the event loop during a flood (issue #19: honest-link RTT).
+"""Strangers take turns on the event loop during a flood (honest-link RTT).
 
 trio runs every runnable task in one batch, then polls the sockets (and timers) once before
 the next. An honest link's ping waits for the batch under way and runs in the next one, so

@@ -3,7 +3,7 @@
 Pure: values in, values out; time is passed in as a number. A peer's owner status is
 ``verified`` only when its certificate's signature checks, it is within its validity window and
 it names the key that authenticated the link; ``unverified`` without a certificate; ``invalid``
-otherwise (issue #7 §2).
+otherwise.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from typing import Final
 
 # --- secure channel ---------------------------------------------------------------------------
 NOISE_PROTOCOL_NAME: Final = b"Noise_XX_25519_ChaChaPoly_SHA256"
-# Issue #25: the same handshake with AES-256-GCM, used only when both ends support it
+# The same handshake with AES-256-GCM, used only when both ends support it
 # (negotiated in the WebSocket upgrade, protocol/link_cipher.py).
 NOISE_PROTOCOL_AESGCM: Final = b"Noise_XX_25519_AESGCM_SHA256"
 # The prologue binds the protocol version into the handshake hash: a peer speaking another
@@ -21,7 +21,7 @@ NOISE_PROLOGUE: Final = b"skippy-mesh/1"
 SIG_DOMAIN_STATIC_KEY: Final = b"skippy-mesh-noise-static-key:"
 SIG_DOMAIN_OWNER_CERT: Final = b"skippy-mesh-owner-certificate/1\x00"
 SIG_DOMAIN_TOPOLOGY: Final = b"skippy-mesh-topology/1\x00"
-SIG_DOMAIN_SWARM_SOURCES: Final = b"skippy-mesh-swarm-sources/1\x00"  # issue #23 source lists
+SIG_DOMAIN_SWARM_SOURCES: Final = b"skippy-mesh-swarm-sources/1\x00"  # Source lists
 NOISE_MAX_MESSAGE: Final = 65535  # Noise spec: a transport message is at most 65535 bytes
 NOISE_TAG_BYTES: Final = 16
 KEY_BYTES: Final = 32  # Ed25519 and X25519 public keys
@@ -63,10 +63,10 @@ SKIPPY_STAGE_MAJOR: Final = 2
 KIND_CONTROL: Final = 0x01
 KIND_TRANSPORT: Final = 0x02
 KIND_ARTIFACT_TRANSFER: Final = 0x03
-# Issue #23: a stage's signed source list, asked of the coordinator (only when it advertises
+# A stage's signed source list, asked of the coordinator (only when it advertises
 # BIT_SWARM_TRANSFER).
 KIND_SWARM_SOURCES: Final = 0x04
-# Issue #23: a holder asks its coordinator for a sibling replica's signed topology (only when
+# A holder asks its coordinator for a sibling replica's signed topology (only when
 # the coordinator advertises BIT_SIBLING_SERVE).
 KIND_SIBLING_TOPOLOGY: Final = 0x05
 SKIPPY_STAGE_KINDS: Final = frozenset(
@@ -85,26 +85,26 @@ BIT_CONTROL: Final = "control"
 BIT_STATUS: Final = "status"
 BIT_CONTENT_IDENTITY: Final = "content-identity"
 BIT_ARTIFACT_TRANSFER: Final = "artifact-transfer"
-# Issue #25: the AES-256-GCM link cipher. Announced before Noise starts, as an RFC 6455
+# The AES-256-GCM link cipher. Announced before Noise starts, as an RFC 6455
 # WebSocket subprotocol the dialer offers and the listener selects (protocol/link_cipher.py).
 WS_SUBPROTOCOL_AESGCM: Final = "skippy-mesh-aesgcm"
-BIT_VERIFY_WINDOW: Final = "verify-window"  # issue #22: transport phase verify (speculation)
+BIT_VERIFY_WINDOW: Final = "verify-window"  # transport phase verify (speculation)
 # The transport's sampling controls: a BEGIN with flag CONTROLS (min_p, typical_p, penalties,
 # logit bias) and activations frames with flag IDS (the token ids the penalties read).
 BIT_SAMPLING_CONTROLS: Final = "sampling-controls"
-# Issue #23: chunk-range requests (``length``) and kind 0x04 source lists; a serving node
+# Chunk-range requests (``length``) and kind 0x04 source lists; a serving node
 # advertises it beside ``artifact-transfer``. Without it a peer gets whole-file requests only.
 BIT_SWARM_TRANSFER: Final = "swarm-transfer"
-# Issue #23: serving across sibling replicas of one coordinator (kind 0x05; source lists that
+# Serving across sibling replicas of one coordinator (kind 0x05; source lists that
 # name a sibling replica's ready nodes). Advertised beside swarm-transfer.
 BIT_SIBLING_SERVE: Final = "sibling-serve"
-# Issue #23: one range request may span a run of several chunks (one stream, one authorization,
+# One range request may span a run of several chunks (one stream, one authorization,
 # its bytes verified chunk by chunk as they arrive); without it a peer gets one chunk a request.
 BIT_CHUNK_RUNS: Final = "chunk-runs"
-# Issue #23: serving verified chunks of a partial (have-reports after a source request, source
+# Serving verified chunks of a partial (have-reports after a source request, source
 # lists with fetch orders and per-holder chunks); without it a node serves installed files only.
 BIT_PARTIAL_SERVE: Final = "partial-serve"
-# Issue #23: this node checks chunks against a SHA-256 chain (each chunk from the chaining value
+# This node checks chunks against a SHA-256 chain (each chunk from the chaining value
 # before it, the last against the artifact's SHA-256: one hash per byte, the whole file proven
 # by the chunks' checks); source lists sent to it may carry chains. A receiving capability:
 # advertised whether or not the node serves.
@@ -137,7 +137,7 @@ class Limits:
     # streams and flow control
     max_streams_per_link: int = 32  # live streams opened by one side of a link
     stream_window_bytes: int = 4 * 1024 * 1024  # yamux-like per-stream receive window
-    # Issue #21: the receive window grows (doubling) up to this while it limits a stream on a
+    # The receive window grows (doubling) up to this while it limits a stream on a
     # long link (bandwidth-delay product); only bigger window updates go on the wire, which
     # every peer accepts, and both ends still start from ``stream_window_bytes``.
     stream_window_max_bytes: int = 16 * 1024 * 1024
@@ -153,5 +153,5 @@ class Limits:
 
 DEFAULT_LIMITS: Final = Limits()
 
-# A Hello's optional host fingerprint (issue #18): letters and digits, at most this long.
+# A Hello's optional host fingerprint: letters and digits, at most this long.
 MAX_HOST_CHARS = 64

@@ -106,7 +106,7 @@ class SecureChannel:
         """``seal``'s bytes written into ``buf`` from ``at`` (``sealed_size`` of them; the
         end is returned): each ciphertext encrypted straight into its place where the AEAD
         can (cryptography's ``encrypt_into``), so a writer that frames the message itself
-        allocates and joins no ciphertext (issue #25 item 4: ~0.25 of ~1.15 ms/MiB of the
+        allocates and joins no ciphertext (~0.25 of ~1.15 ms/MiB of the
         sender's sealing here). The nonces are the Noise cipher state's own, in order."""
         self.sealed_size(plaintexts)
         view = memoryview(buf)

@@ -1,6 +1,6 @@
 """Which AEAD a link's Noise channel uses, and how two nodes agree on it before Noise starts.
 
-Issue #25 item 4: AES-256-GCM is ~1.5x faster per core than ChaCha20-Poly1305 where the CPU
+AES-256-GCM is ~1.5x faster per core than ChaCha20-Poly1305 where the CPU
 has AES instructions (measured here: 2.8 vs 1.85 GB/s for 64 KiB records). The Noise protocol
 name fixes the cipher before the first handshake message, and the Hello arrives only after the
 handshake, so the choice is made in the WebSocket upgrade, before Noise starts: the dialer

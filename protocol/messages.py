@@ -65,7 +65,7 @@ MAX_CALIBRATED_S: Final = 60.0  # seconds per layer per token: anything slower i
 
 @dataclass(frozen=True)
 class ComputeCost:
-    """A node's calibrated stage-runtime speed (issue #21 section 3; the hello key
+    """A node's calibrated stage-runtime speed (the hello key
     ``compute``): seconds per layer per token for decode and prefill, measured on layers of
     ``layer_bytes`` bytes of weights (so a planner can scale them to another model's layers)."""
 
@@ -109,14 +109,14 @@ class Hello:
     listen: str | None  # ws://host:port where it accepts links, if any
     features: dict[str, tuple[str, ...]] = field(default_factory=dict)
     memory_budget_bytes: int = 0
-    # Added in issue #18 (optional: a hello without it is still valid): a salted fingerprint
+    # Added later (optional: a hello without it is still valid): a salted fingerprint
     # of the sender's machine, so that nodes sharing its cores know each other.
     host: str | None = None
     # Added with it (optional too): a random id of the sender's process, new at every start, so
     # that a peer that relinks fast after a restart is known to have lost its state (a broken
     # connection alone is not a peer loss; a restarted process is).
     boot: str | None = None
-    # Added in issue #21 (optional): the sender's calibrated compute speed, for cost planning.
+    # Added later (optional): the sender's calibrated compute speed, for cost planning.
     compute: ComputeCost | None = None
 
     def encode(self) -> bytes:
@@ -201,7 +201,7 @@ def decode_link_message(payload: bytes, limits: c.Limits = c.DEFAULT_LIMITS) -> 
 
 _HELLO_REQUIRED: Final = frozenset({"t", "gen", "listen", "features", "memory_budget_bytes"})
 _HELLO_KNOWN_OPTIONAL: Final = frozenset(
-    {"host", "boot", "compute"}  # host, boot: issue #18; compute: issue #21
+    {"host", "boot", "compute"}
 )
 _HELLO_FORBIDDEN: Final = frozenset(
     {"inventory", "artifacts", "packages", "paths", "cache_root", "token", "tokens"}

@@ -116,7 +116,7 @@ class _Stream:
     send_credit: int
     recv_window: int  # bytes the peer may still send before we grant more
     unacked: int = 0  # consumed by the application, not yet granted back
-    window: int = 0  # the receive window we aim for (issue #21: grows with the BDP)
+    window: int = 0  # the receive window we aim for (grows with the BDP)
     granted_at: float | None = None  # when the last window update was due, or reading began
     queued: deque[memoryview] = field(default_factory=deque)
     queued_bytes: int = 0
@@ -255,7 +255,7 @@ class Multiplexer:
         when a window update is now due (the caller wakes its writer only then).
 
         With ``now_s`` and the link's ``rtt_s`` the window adapts to the bandwidth-delay
-        product (issue #21; QUIC receivers' rule): when half a window was consumed within
+        product (QUIC receivers' rule): when half a window was consumed within
         two round trips of the previous update, the window, not the link or the reader, was
         the bottleneck, so it doubles (up to ``Limits.stream_window_max_bytes``) and the
         update carries the extra credit. A reader that falls behind never grows it."""
@@ -419,7 +419,7 @@ class Multiplexer:
             self._check_known_id(sid)
             return  # a late frame for a stream we already reset or finished: drop it
         if t == c.FRAME_DATA:
-            # A violation confined to one stream resets that stream only (issue #19); a
+            # A violation confined to one stream resets that stream only; a
             # credit violation stays fatal (the peer's flow control is broken).
             if s.state is not StreamState.OPEN:
                 self._stream_error(sid, f"data on stream {sid} before it is open", events)

@@ -32,18 +32,18 @@ SECTIONS: dict[str, str] = {
     "stage": "bench_stage",
     "moe": "bench_moe",  # a mid-sized synthetic MoE's stage vs llama.cpp, and its 3-stage chain
     "transfer-mesh": "bench_transfer_mesh",
-    "link": "bench_link",  # issue #25: mesh stream and verified transfer vs raw, each way
-    "hop": "bench_hop",  # issues #21/#25: one 2.5 KiB decode frame's one-way latency vs raw
-    "floor": "bench_floor",  # issues #21/#25: 3 stage processes over plain sockets vs one
+    "link": "bench_link",  # mesh stream and verified transfer vs raw, each way
+    "hop": "bench_hop",  # one 2.5 KiB decode frame's one-way latency vs raw
+    "floor": "bench_floor",  # 3 stage processes over plain sockets vs one
     "serve": "bench_serve",  # reuses the stage section's gemma3 package
-    "wan": "bench_wan",  # issue #21: emulated WAN links (reuses the stage section's package)
-    "threads": "bench_threads",  # issue #18: threads = "auto" on one host
-    "soak": "bench_soak",  # issue #18: kills and restarts under load (--soak-s)
-    "delta": "bench_delta",  # issue #23: a revision changing one layer moves only that layer
-    "adversary": "bench_adversary",  # issue #19: hostile peers against one `mesh-node run`
-    "speculative": "bench_speculative",  # issue #22: n-gram speculation, exact vs batched verify
-    "swarm": "bench_swarm",  # issue #23: swarm fetch vs coordinator-only, chunk overhead
-    "batch": "bench_batch",  # issue #22 item 6: 4 sessions' decode step vs one, at the stage
+    "wan": "bench_wan",  # emulated WAN links (reuses the stage section's package)
+    "threads": "bench_threads",  # threads = "auto" on one host
+    "soak": "bench_soak",  # kills and restarts under load (--soak-s)
+    "delta": "bench_delta",  # a revision changing one layer moves only that layer
+    "adversary": "bench_adversary",  # hostile peers against one `mesh-node run`
+    "speculative": "bench_speculative",  # n-gram speculation, exact vs batched verify
+    "swarm": "bench_swarm",  # swarm fetch vs coordinator-only, chunk overhead
+    "batch": "bench_batch",  # 4 sessions' decode step vs one, at the stage
 }
 
 

@@ -1,4 +1,4 @@
-"""Hostile peers against one real `mesh-node run` (issue #19's figures), called by
+"""Hostile peers against one real `mesh-node run` (the figures), called by
 scripts/bench.py (section "adversary"); also runnable alone (``python scripts/bench_adversary.py
 --work DIR``).
 

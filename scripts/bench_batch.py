@@ -1,4 +1,4 @@
-"""Batched decode at the stage (issue #22 item 6), called by scripts/bench.py (section "batch").
+"""Batched decode at the stage, called by scripts/bench.py (section "batch").
 
 On gemma3-270m and SmolLM2-135M-Instruct, the whole model as one ggml stage, 2 threads, in one
 child process per model: 4 sessions' one-position steps in one graph (``decode_batch``) against

@@ -1,4 +1,4 @@
-"""Consumer-side benchmark rows (issue #3), called by scripts/bench.py.
+"""Consumer-side benchmark rows, called by scripts/bench.py.
 
 - cold verification of a full gemma3 stage (both cores) vs serial hashing of the same bytes;
 - warm (cached) verification of the unchanged stage;

@@ -1,4 +1,4 @@
-"""Issue #23 bench row "delta": a revision changing one layer moves only that layer's bytes.
+""""delta": a revision changing one layer moves only that layer's bytes.
 
 ``mesh-node lab --nodes 3 --package <gemma3 package> --revision-change 9`` (real processes on
 loopback, through ``mesh_node.lab.run.run_lab``): the first split moves every worker's stage,

@@ -1,4 +1,4 @@
-"""The machine's floor for split decode (issues #21/#25), called by scripts/bench.py (section
+"""The machine's floor for split decode, called by scripts/bench.py (section
 "floor").
 
 What a 3-stage split on one host can reach at best, with no mesh at all: the real ggml stages

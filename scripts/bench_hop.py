@@ -1,4 +1,4 @@
-"""The per-hop cost of one small decode frame (issue #21 section 4, issue #25 item 3), called by
+"""The per-hop cost of one small decode frame (section 4), called by
 scripts/bench.py (``--only hop``); also runnable alone (``python scripts/bench_hop.py measure``).
 
 In a pipeline split every generated token crosses each stage boundary once as a one-position

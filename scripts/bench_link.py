@@ -1,4 +1,4 @@
-"""The link near the machine (issue #25 item 4): the mesh stream alone and verified peer
+"""The link near the machine: the mesh stream alone and verified peer
 transfer, each way, as ratios of raw trio-websocket with the same allocator tuning, measured
 side by side in one run. Self-contained and bounded (~1-2 min with 3 runs): a 256 MiB random
 file, no model.

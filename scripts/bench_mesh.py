@@ -1,4 +1,4 @@
-"""Mesh link benchmark rows (issue #7), called by scripts/bench.py; also runnable alone.
+"""Mesh link benchmark rows, called by scripts/bench.py; also runnable alone.
 
 Each figure is measured between two child processes (so both ends get a core and their own
 allocator settings), with the same workload over three transports in one run:
@@ -38,7 +38,7 @@ BENCH_PROTOCOL = "bench"
 _HDR = struct.Struct(">BQ")  # direction (0 upload, 1 download), byte count
 UP, DOWN, ECHO = 0, 1, 2
 CIPHER_ENV = "SKIPPY_BENCH_MESH_CIPHER"  # "chacha": both mesh ends offer ChaCha20-Poly1305 only
-# ``wsfloor`` (bench_link, issue #25 item 4): raw trio-websocket carrying this file with only the
+# ``wsfloor`` (bench_link): raw trio-websocket carrying this file with only the
 # work a verified transfer cannot skip: the sender ``pread``s it and seals each 64 KiB record
 # with AES-256-GCM, the receiver opens each record, SHA-256s and writes it to a new file and
 # checks the digest at the end. No Noise framing, no multiplexer, no flow control: the most a

@@ -1,4 +1,4 @@
-"""Package-tool rows (issues #2, #11, #14): write-package and validate-package on gemma3-270m
+"""Package-tool rows: write-package and validate-package on gemma3-270m
 and a synthetic ~2 GiB model, where write-package's time goes, command start-up, inspect vs
 gguf.GGUFReader, and what a progress bar costs."""
 
@@ -178,7 +178,7 @@ def bench_progress(source: Path, work: Path, runs: int) -> list[Row]:
 
 
 def bench_startup(source: Path, pkg: Path, runs: int) -> list[Row]:
-    """Command start-up (issue #14 section 1), each beside bare ``python -c pass``."""
+    """Command start-up, each beside bare ``python -c pass``."""
 
     def cli(*argv: str) -> list[float]:
         return times_of(lambda: subprocess.run([*CLI, *argv], capture_output=True), runs)

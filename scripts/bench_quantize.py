@@ -1,4 +1,4 @@
-"""Quantize rows (issue #13): skippy-quantize quantize-layer-package vs llama.cpp's quantizer.
+"""Quantize rows: skippy-quantize quantize-layer-package vs llama.cpp's quantizer.
 
 On gemma3-270m dequantized to F32 (scripts/f32_source.py, cached next to the Q4_K_M file),
 for Q8_0 and Q4_K (llama-quantize's alias of Q4_K_M), in one run, interleaved so both sides

@@ -1,4 +1,4 @@
-"""Split-serving rows (issue #10 section 6), called by scripts/bench.py (section "serve").
+"""Split-serving rows, called by scripts/bench.py (section "serve").
 
 On gemma3-270m, side by side in one run: a 3-node loopback split (`mesh-node serve` + two
 `mesh-node run` workers, real processes) vs the same runtime as one stage (`mesh-node serve
@@ -13,7 +13,7 @@ by request, so machine noise hits both:
 - prefill overlap: the stages' summed compute time during the 512-token prefills over their
   wall time (> 1: stage i+1 computed while stage i did, the chunked prefill's pipelining);
 - 4 concurrent requests: aggregate decode tok/s vs one request, 1 stage and split (each stage
-  batches the sessions' decode steps into one graph: issue #22 item 6, target >= 2x); both
+  batches the sessions' decode steps into one graph, target >= 2x); both
   rates are completion tokens over the wall time of the request(s), taken in turn per run;
   the split also as users run it by default (`threads = "auto"`: the cores shared among the
   stages on this host, so three stages computing at once do not oversubscribe 2 cores), in

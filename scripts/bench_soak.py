@@ -1,4 +1,4 @@
-"""The soak (issue #18 item 8), called by scripts/bench.py (section "soak"; ``--soak-s``,
+"""The soak, called by scripts/bench.py (section "soak"; ``--soak-s``,
 default 1200): gemma3-270m over a 3-stage loopback split plus one spare (real processes, one
 ggml thread per stage), two clients sending 64-token greedy completions back to back while a
 random worker is SIGKILLed and started again with its own config every 30-90 s

@@ -1,4 +1,4 @@
-"""Speculative-decoding rows (issue #22), called by scripts/bench.py.
+"""Speculative-decoding rows, called by scripts/bench.py.
 
 On gemma3-270m and SmolLM2-135M-Instruct, 2 threads, in one child process per model with
 ``OPENBLAS_NUM_THREADS=1``: decode tok/s of plain decoding vs ngram-suffix speculation with

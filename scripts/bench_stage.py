@@ -180,7 +180,7 @@ def _quiet_decode_row(m: str, speed: dict[str, Any]) -> Row:
     )
 
 
-# Issue #25 item 1: each setup decodes and prefills as is and beside one busy neighbour.
+# Each setup decodes and prefills as is and beside one busy neighbour.
 CONTEND_SETUPS = (
     "ggml adaptive (cap 2)",
     "ggml 2 threads",

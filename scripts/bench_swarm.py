@@ -1,4 +1,4 @@
-"""Swarm fetch (issue #23 items 2-3): ``mesh-node run`` processes on loopback (``mesh_node.lab``).
+"""Swarm fetch: ``mesh-node run`` processes on loopback (``mesh_node.lab``).
 
 Capped rows, the issue's setup: one coordinator and 6 workers, every node's serving rate capped
 at 40 MiB/s (``artifact_serve_bytes_per_s``, standing for an uplink), 2 replicas of the gemma3

@@ -1,4 +1,4 @@
-"""Threads that fit the host (issue #18 item 5), called by scripts/bench.py (section
+"""Threads that fit the host, called by scripts/bench.py (section
 "threads"): the documented manual setup, three `mesh-node` processes on this one host
 (`serve` + two `run` workers, gemma3-270m), decoding 32 greedy tokens with the default
 `[serving] threads` ("auto": cores / co-located stages), beside the old fixed default of 2

@@ -1,4 +1,4 @@
-"""Peer-transfer rows (issue #8 section 7, the part measurable before the mesh exists).
+"""Peer-transfer rows (the part measurable before the mesh exists).
 
 Both halves of a verified peer transfer run in one process with the network left out: the
 coordinator's ``ArtifactServer`` (authorize, file checks from the verification cache, pread

@@ -1,4 +1,4 @@
-"""Peer transfer over the mesh (issue #8 section 7): coordinator and worker as separate
+"""Peer transfer over the mesh: coordinator and worker as separate
 ``mesh-node run`` processes on loopback (``mesh_node.lab``), in one run beside raw
 trio-websocket bulk throughput in the same direction (listener to dialer, child processes;
 with glibc's malloc defaults and with the allocator tuning ``mesh-node run`` applies, see

@@ -1,4 +1,4 @@
-"""The mesh on emulated WAN links (issue #21 section 4), called by scripts/bench.py (section
+"""The mesh on emulated WAN links, called by scripts/bench.py (section
 "wan"). Every link crosses the lab's userspace relay (``mesh_node.lab.netem``).
 
 - Serving: gemma3-270m on a 3-node lab split (``mesh-node lab``'s nodes, one thread per stage),

@@ -1,4 +1,4 @@
-"""A 5 s partition of one worker during a completion (issue #21 section 2): a 3-node lab
+"""A 5 s partition of one worker during a completion: a 3-node lab
 serving PACKAGE over 20 ms RTT links (default timeouts: heartbeat 1 s, peer loss 10 s), one
 undisturbed greedy completion, then the same completion while worker n2 is blackholed for
 5 s. Prints whether the text is identical, whether the topology stayed the same and active

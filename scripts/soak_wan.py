@@ -1,4 +1,4 @@
-"""Soak over emulated WAN links (issue #21 section 2): a 3-node lab split, every link at
+"""Soak over emulated WAN links: a 3-node lab split, every link at
 50 ms RTT with 1 ms jitter (2%) and 0.1% connection loss per 64 KiB chunk relayed, watched for
 MINUTES. Prints the coordinator's topology states (sampled once a second), the relay's event
 counts and what the nodes logged: broken links, links back in time, peer losses, degraded.

@@ -2,7 +2,7 @@
 
 The argparse tree comes from the command table (``skippy.commands.COMMANDS``); only the module
 of the command being run is imported, so ``--help``, ``--version`` and light commands start in
-tens of milliseconds (issue #14). This module parses arguments, calls the handler, renders text
+tens of milliseconds. This module parses arguments, calls the handler, renders text
 or ``--json`` (one JSON document on stdout, always with ``ok``) and maps errors to exit codes
 through one table: 0 ok, 1 invalid package/model, 2 bad usage or unreadable input, 130/143
 interrupted by SIGINT/SIGTERM. A user error never prints a traceback, and nothing printed for a

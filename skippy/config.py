@@ -29,7 +29,7 @@ ENV_XDG_CACHE = "XDG_CACHE_HOME"
 ENV_XDG_DATA = "XDG_DATA_HOME"  # the default data directory of `mesh-node serve` (no --config)
 DATA_DIR_NAME = "mesh-node"
 ENV_API_KEY = "MESH_NODE_API_KEY"  # one HTTP API key (mesh_node.http.keys; HttpSettings)
-ENV_CALIBRATION = "MESH_NODE_CALIBRATION"  # issue #21: auto | off (wins over the TOML key)
+ENV_CALIBRATION = "MESH_NODE_CALIBRATION"  # auto | off (wins over the TOML key)
 
 ArtifactTransfer = Literal["disabled", "trusted", "open"]
 # Spec "Peer Cache Transfer" (mesh-llm's values, exactly): trimmed and lower-cased; anything else,
@@ -43,7 +43,7 @@ _FALSE_WORDS = frozenset({"0", "false", "no", "off"})
 _TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
 
 
-# --- hub traffic policy (issue #11 section 6; applied by skippy.consume.hub_policy) ----------
+# --- hub traffic policy (applied by skippy.consume.hub_policy) ----------
 ENV_HUB_CONNECT_TIMEOUT = "SKIPPY_HUB_CONNECT_TIMEOUT_S"
 ENV_HUB_READ_TIMEOUT = "SKIPPY_HUB_READ_TIMEOUT_S"
 ENV_HUB_ATTEMPTS = "SKIPPY_HUB_ATTEMPTS"
@@ -115,7 +115,7 @@ class Environment:
     hub_policy: HubPolicy = field(default_factory=HubPolicy)
     # MESH_NODE_API_KEY: a secret, kept out of repr (and so out of any log of this object).
     api_key: str | None = field(default=None, repr=False)
-    # MESH_NODE_CALIBRATION (issue #21): auto | off; ``None`` when unset (the TOML decides).
+    # MESH_NODE_CALIBRATION: auto | off; ``None`` when unset (the TOML decides).
     calibration: str | None = None
 
 

@@ -26,7 +26,7 @@ MANIFEST_MAX_BYTES: Final = 16 * 1024 * 1024
 # one fragment per layer + output: more layers than this cannot load as one set.
 MAX_LAYER_COUNT: Final = 0xFFFF - 3
 
-# Bounds of the manifest's integer fields (issue #11: every integer is bounded; docs/cli.md).
+# Bounds of the manifest's integer fields (every integer is bounded; docs/cli.md).
 # A field outside its range is invalid_manifest naming the field; a JSON integer literal longer
 # than MAX_INT_DIGITS is refused before Python converts it.
 MAX_ARTIFACT_BYTES: Final = 2**53 - 1  # ~9 PB; also the largest integer a JSON double holds
@@ -63,7 +63,7 @@ PROJECTOR_KINDS: Final = frozenset({"mmproj"})
 PROJECTOR_ARCHITECTURE: Final = "clip"  # general.architecture of llama.cpp's mmproj files
 DEFAULT_PROJECTOR_KIND: Final = "mmproj"
 
-# --- tensor ownership (issue #2 section 4) ------------------------------------------------------
+# --- tensor ownership ------------------------------------------------------
 BLOCK_TENSOR_RE: Final = re.compile(r"\Ablk\.(\d+)\.", re.ASCII)
 EMBEDDING_TENSOR_PREFIXES: Final = ("token_embd.", "per_layer_token_embd.", "token_embd_norm.")
 OUTPUT_TENSOR_PREFIXES: Final = ("output.", "output_norm.")

@@ -25,7 +25,7 @@ _spare = threading.local()  # this thread's idle chunk buffers (take_buffer / gi
 def take_buffer() -> bytearray:
     """A ``CHUNK_BYTES`` buffer for this thread's next copy or hash, reused from its last one:
     a fresh 4 MiB buffer is zeroed and page-faulted in, ~20 ms per 256 MB copied in small
-    files or tensors (issue #14: write-package copies 200+ tensors, validate walks 20+
+    files or tensors (write-package copies 200+ tensors, validate walks 20+
     files). Hand it back with ``give_back`` when done; its contents are garbage."""
     spare: list[bytearray] | None = getattr(_spare, "bufs", None)
     return spare.pop() if spare else bytearray(CHUNK_BYTES)

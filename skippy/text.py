@@ -1,4 +1,4 @@
-"""Text that came from a user or a manifest, and the one rule for it (issue #11 section 3).
+"""Text that came from a user or a manifest, and the one rule for it.
 
 Identity strings (model ids, repos, revisions, file names) may not contain control characters
 (C0, DEL, C1: newlines would inject Markdown into README.md, ESC sequences would drive a

@@ -42,7 +42,7 @@ def _point_env_at(root: Path) -> dict[str, str]:
         "SKIPPY_HUB_ATTEMPTS": "3",
         "SKIPPY_HUB_BACKOFF_S": "0.01",
         "SKIPPY_HUB_BACKOFF_MAX_S": "0.02",
-        # Node processes skip the stage-runtime calibration (1-3 s each, issue #21); the tests
+        # Node processes skip the stage-runtime calibration (1-3 s each); the tests
         # of calibration and of cost planning turn it on or pass figures in.
         "MESH_NODE_CALIBRATION": "off",
     }

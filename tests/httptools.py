@@ -16,7 +16,7 @@ import trio
 # node's peak RSS) with memory.
 VOLATILE_KEYS = frozenset(
     {"uptime_s", "last_seen_s", "rtt_ms", "bytes_received", "bytes_sent", "peak_rss_kib"}
-    # peer memory held right now and its peak follow the links' heartbeats (issue #19)
+    # peer memory held right now and its peak follow the links' heartbeats
     | {"held_bytes", "held_untrusted_bytes", "peak_bytes"}
 )
 

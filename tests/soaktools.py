@@ -1,4 +1,4 @@
-"""The soak (issue #18 item 8): a 3-stage split plus one spare (real processes) under steady
+"""The soak: a 3-stage split plus one spare (real processes) under steady
 client load while a random worker is SIGKILLed and started again with its own config, every
 ``kill_every_s`` seconds. Used by tests/test_soak.py (short) and scripts/bench_soak.py (long).
 

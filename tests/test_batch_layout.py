@@ -1,5 +1,5 @@
-"""Which weight types a batched decode graph multiplies as one ``[k, B]`` matrix (issue #22
-item 6, ``skippy.runtime.batch_layout``): the check runs this process's real ggml on a slice of
+"""Which weight types a batched decode graph multiplies as one ``[k, B]`` matrix
+(``skippy.runtime.batch_layout``): the check runs this process's real ggml on a slice of
 each type's real weight, and its verdict must be the whole weight's."""
 
 from __future__ import annotations

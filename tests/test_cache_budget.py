@@ -1,4 +1,4 @@
-"""The hub cache budget (issue #23 item 5): least-recently-used blobs nothing on the node
+"""The hub cache budget: least-recently-used blobs nothing on the node
 needs are evicted to make room, oldest first; never a blob a needed snapshot (the active
 topology's, a running stage's) links to, never a partial being written; where eviction
 cannot make room the fetch is refused (``cache_budget``) and nothing is deleted for it;

@@ -1,4 +1,4 @@
-"""The stage-runtime calibration (issue #21 section 3): measured once on the real ggml stage
+"""The stage-runtime calibration: measured once on the real ggml stage
 runtime, cached in data_dir by what it measured, advertised in the hello as a known optional
 key that is validated strictly when present."""
 

@@ -1,4 +1,4 @@
-"""SHA-256 chains over chunks (issue #23 item 3, ``chunk-chain``): every chunk is checked on
+"""SHA-256 chains over chunks (``chunk-chain``): every chunk is checked on
 its own, in any order, and once all have passed the file's SHA-256 has been computed over
 every byte exactly once. libcrypto through ctypes, checked against hashlib."""
 

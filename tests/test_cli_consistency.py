@@ -1,4 +1,4 @@
-"""Consistent answers across commands (issue #11 section 4): a split set is read whole, plan
+"""Consistent answers across commands: a split set is read whole, plan
 counts bytes as the package holds them, one exit code per kind of mistake, one JSON shape,
 readable human output (no ``None``, sizes in units, findings summarised)."""
 

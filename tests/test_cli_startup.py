@@ -1,5 +1,5 @@
-"""Start-up of ``skippy-model-package`` (issue #14 section 1) and the conventions every command
-shares (issue #11 section 4): which modules a command imports, ``--version``, global flags on
+"""Start-up of ``skippy-model-package`` and the conventions every command
+shares: which modules a command imports, ``--version``, global flags on
 either side of the command, argparse errors in our format, help text on every option.
 
 The import set is checked in a child interpreter (``sys.modules`` after ``main`` returns), never

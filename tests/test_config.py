@@ -211,7 +211,7 @@ def test_node_timeout_defaults_are_the_protocol_limits(tmp_path):
 
 
 def test_swarm_transfer_is_on_by_default_and_must_be_a_boolean(tmp_path):
-    """Issue #23: ``swarm_transfer = false`` keeps the whole-file, coordinator-only path."""
+    """``swarm_transfer = false`` keeps the whole-file, coordinator-only path."""
     from mesh_node.settings import load_node_settings
     from skippy.errors import SkippyError
 
@@ -225,7 +225,7 @@ def test_swarm_transfer_is_on_by_default_and_must_be_a_boolean(tmp_path):
 
 
 def test_swarm_min_holders_defaults_to_two_and_must_be_a_positive_integer(tmp_path):
-    """Issue #23: a file is fetched in chunks only with this many holders (1: the bench's
+    """A file is fetched in chunks only with this many holders (1: the bench's
     chunk-overhead row chunks from the coordinator alone)."""
     from mesh_node.settings import load_node_settings
     from skippy.errors import SkippyError

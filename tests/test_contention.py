@@ -1,4 +1,4 @@
-"""Threads under contention (issue #25 item 1): the pure decisions, the /proc readings, and
+"""Threads under contention: the pure decisions, the /proc readings, and
 the governor's sampling rules (clocks injected: no wall-clock assertions)."""
 
 from __future__ import annotations

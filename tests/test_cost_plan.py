@@ -1,4 +1,4 @@
-"""The cost-aware planner (skippy/package/cost_plan.py, issue #21 section 3): pure cases from
+"""The cost-aware planner (skippy/package/cost_plan.py): pure cases from
 the issue, and one with link latencies measured by real heartbeats through the emulated-link
 relay (4 nodes, one pair 50 ms RTT, the others 5 ms)."""
 

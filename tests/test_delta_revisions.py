@@ -1,6 +1,6 @@
-"""Delta revisions (issue #23 item 4): a second revision that changes one layer moves only
+"""Delta revisions: a second revision that changes one layer moves only
 that layer's bytes; every other artifact is linked from the revision already in the cache,
-verified by its records, and the report says ``cache (revision <short>)``. Issue #19's rule
+verified by its records, and the report says ``cache (revision <short>)``. The rule
 holds: an untrusted topology's links go to the peer area, never under the commit."""
 
 from __future__ import annotations

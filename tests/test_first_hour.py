@@ -1,4 +1,4 @@
-"""The traps of an operator's first hour (issue #18 item 6), each with real `mesh-node`
+"""The traps of an operator's first hour, each with real `mesh-node`
 processes: a busy or unresolvable `listen` address is `error [code]` with a hint and exit 2,
 never a traceback; `listening` is printed only when every check passed; SIGHUP shuts down as
 cleanly as SIGTERM; a `data_dir` that is a file is its own error; a failed dial says why;

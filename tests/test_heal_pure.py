@@ -1,4 +1,4 @@
-"""The pure parts of self-healing serving (issue #18): the replay schedule, healing a topology
+"""The pure parts of self-healing serving: the replay schedule, healing a topology
 over the nodes linked now, and the persisted run state (tables and round trips, no I/O but a
 temp folder)."""
 

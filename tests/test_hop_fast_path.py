@@ -1,4 +1,4 @@
-"""A small frame's way through the link stack without extra scheduler passes (issues #21/#25:
+"""A small frame's way through the link stack without extra scheduler passes (
 the per-hop cost of a decode frame): a message written from the sending task
 (``WebSocket.send_now``) whose tail the kernel refused is completed before anything else; a
 transport read that finds room in the budget and bytes in the socket takes them at once and

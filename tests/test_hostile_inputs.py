@@ -1,4 +1,4 @@
-"""Inputs that were accepted but must not be (issue #11 section 3): provenance text and source
+"""Inputs that were accepted but must not be: provenance text and source
 paths at write time and the same rule for manifests, escaping of everything printed from a
 manifest, integer bounds, layer ranges, references, projectors and hub distributions."""
 

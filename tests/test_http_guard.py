@@ -1,4 +1,4 @@
-"""The pure parts of the HTTP surface's gate (issue #20): API keys, the refusal decision, the
+"""The pure parts of the HTTP surface's gate: API keys, the refusal decision, the
 error -> status table, bounded JSON and the ``[http]`` settings. Real requests are in
 tests/test_http_operator.py."""
 

@@ -1,4 +1,4 @@
-"""The HTTP surface, operator-grade (issue #20), against real `mesh-node serve` processes on
+"""The HTTP surface, operator-grade, against real `mesh-node serve` processes on
 loopback: the official `openai` client for the happy paths (with a key, and without one),
 raw sockets for slow bodies, request smuggling and cross-site requests.
 

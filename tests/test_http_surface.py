@@ -1,4 +1,4 @@
-"""The node's HTTP surface (issue #12): real nodes on loopback, the real starlette app on
+"""The node's HTTP surface: real nodes on loopback, the real starlette app on
 hypercorn's trio worker, read over real HTTP connections."""
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from skippy.package.plan import ModelSizes
 LOOPBACK = HostPort("127.0.0.1", 0)
 SIZES = ModelSizes(layer_bytes=(100,) * 6, metadata_bytes=10, embeddings_bytes=50, output_bytes=50)
 REF = "hf://lab/pkg@" + "0" * 40
-# Every metric issue #12 §2 names (prometheus_client's text parser reports a counter family
+# Every metric the node documents (prometheus_client's text parser reports a counter family
 # without ``_total``; an info metric is a gauge in the text format).
 REQUIRED_METRICS = {
     "mesh_node_info": "gauge",
@@ -140,7 +140,7 @@ async def test_metrics_of_a_real_split_with_transfers_parse_and_name_every_metri
         await wait_for(
             lambda: all(w.service.records.stage.report == "accepted" for w in (ours, theirs)), 30
         )
-        # issue #10's seam: a served request, counted where it happens
+        # the seam: a served request, counted where it happens
         with coord.node.service(Serving).metrics.request(prompt_tokens=7) as req:
             req.tokens(1)
             req.tokens(3)
@@ -279,7 +279,7 @@ async def test_open_event_streams_are_bounded(tmp_path, monkeypatch):
 
 
 async def test_components_add_routes_to_the_same_app(tmp_path):
-    """How issue #10's OpenAI API joins: its routes (any method, on its own paths)."""
+    """How the OpenAI API joins: its routes (any method, on its own paths)."""
     from starlette.requests import Request
     from starlette.responses import JSONResponse
     from starlette.routing import Route

@@ -1,4 +1,4 @@
-"""The hub traffic policy (issue #11 section 6): timeouts, bounded retries with backoff and
+"""The hub traffic policy: timeouts, bounded retries with backoff and
 jitter on 429/5xx and connection errors, Retry-After, one clear error naming the endpoint.
 
 The decision is a pure function, tested by table; the transport is tested through the real

@@ -1,5 +1,5 @@
-"""`mesh-node lab --nodes 4 --stages 3 --serve --json` is a lab to operate on (issue #18
-item 7), with real processes and a synthetic model: once ready it prints one JSON document
+"""`mesh-node lab --nodes 4 --stages 3 --serve --json` is a lab to operate on, with
+real processes and a synthetic model: once ready it prints one JSON document
 with per node its id, role, stage, layers, pid and config; a worker killed with SIGKILL
 mid-stream leaves the greedy completion exactly the undisturbed one (the spare takes its
 stage); the killed node, started again with `mesh-node run --config <its config>`, links

@@ -1,5 +1,5 @@
-"""``mesh-node lab`` and peer transfer faults with real ``mesh-node run`` processes (issue #8
-sections 5 and 6): the gemma3 split entirely from the peer ("Done when"), refusals and hub
+"""``mesh-node lab`` and peer transfer faults with real ``mesh-node run`` processes:
+the gemma3 split entirely from the peer ("Done when"), refusals and hub
 fallback (``--transfer disabled``, ``--foreign-owner 1``), a coordinator killed mid-transfer and
 restarted (the worker resumes its partial), a stalled coordinator (the hub takes over), a worker
 restarted after completion (nothing fetched again), and Ctrl-C stopping every node."""
@@ -277,7 +277,7 @@ async def test_workers_take_the_coordinators_calibration_and_measure_nothing(
 async def test_serving_gives_up_at_the_deadline_with_the_cores_waiting_reason(
     tiny_package, tmp_path
 ):
-    # The serving core waits like a service (issue #18 item 3); only the lab gives up, at its
+    # The serving core waits like a service; only the lab gives up, at its
     # deadline, saying what the core waits for (here: the worker it needs is gone).
     opts = dataclasses.replace(options(tiny_package, tmp_path), stages=2, timeout_s=8)
     async with open_lab(opts) as lab:

@@ -1,4 +1,4 @@
-"""The link near the machine (issue #25): AES-256-GCM when both ends offer it in the WebSocket
+"""The link near the machine: AES-256-GCM when both ends offer it in the WebSocket
 upgrade, ChaCha20-Poly1305 with every node that does not (older nodes), over real links on
 loopback; and a stream reader that takes many records per call."""
 
@@ -167,7 +167,7 @@ async def test_two_nodes_agree_on_the_cipher_and_carry_a_stream(
 
 
 async def test_an_old_style_dialer_without_the_offer_still_links(tmp_path):
-    """A dialer as nodes were before issue #25: no subprotocol, the ChaCha20-Poly1305 name."""
+    """A dialer as nodes were before AES-GCM links: no subprotocol, the ChaCha20-Poly1305 name."""
     async with trio.open_nursery() as n:
         node = MeshNode(settings(tmp_path, "new"), identity(), link_ciphers=NEW)
         await n.start(node.run)
@@ -188,7 +188,7 @@ async def test_an_old_style_dialer_without_the_offer_still_links(tmp_path):
 
 
 async def test_a_new_dialer_falls_back_with_an_old_style_listener(tmp_path):
-    """A listener as nodes were before issue #25: it ignores the offer, speaks ChaCha."""
+    """A listener as nodes were before AES-GCM links: it ignores the offer, speaks ChaCha."""
     key = Ed25519PrivateKey.generate()
     done = trio.Event()
     seen: dict[str, object] = {}

@@ -405,7 +405,7 @@ def test_run_refuses_a_damaged_package(
     assert e.value.code == code
 
 
-# --- operator speculation settings on the serving command (issue #4 section 4) -------------------
+# --- operator speculation settings on the serving command -------------------
 def test_run_resolves_and_reports_the_speculative_plan(
     cli: Any, gemma_pkg: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

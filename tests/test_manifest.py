@@ -26,7 +26,7 @@ def parsed(data: dict):
     ("mutate", "code", "path"),
     [
         (lambda d: d.update(schema_version=3), "unsupported_schema_version", "schema_version"),
-        # schema 2 is read (issue #24), as its own closed schema: v1 fields are unknown there
+        # schema 2 is read, as its own closed schema: v1 fields are unknown there
         (lambda d: d.update(schema_version=2), "unknown_field", "activation_width"),
         (lambda d: d.update(schema_version=True), "unsupported_schema_version", "schema_version"),
         (lambda d: d.pop("schema_version"), "unsupported_schema_version", "schema_version"),

@@ -1,4 +1,4 @@
-"""Membership that heals (issue #18 item 2), with real nodes on loopback in this process: a
+"""Membership that heals, with real nodes on loopback in this process: a
 node that is gone stays gone (gossip about it, from a peer that still had it, never brings
 it back, and no node shows it connected: no ghost), a node that comes back with the same id
 is linked again by the dial loop, and the redial backoff is bounded and jittered."""

@@ -65,7 +65,7 @@ async def test_two_nodes_of_one_owner_authenticate_and_trust_each_other(tmp_path
             "topology",  # the sections of these nodes' services
             "stage",
             "security",
-            "compute",  # issue #21: this node's calibration (None: not calibrated)
+            "compute",  # this node's calibration (None: not calibrated)
         }
         n.cancel_scope.cancel()
 
@@ -122,7 +122,7 @@ def test_trust_reason_never_disagrees_with_the_trust_rule():
         trusted, reason = trust_decision(
             owner, status, own_owner_id=mine, own_owner_status=own_status, trusted_owners=listed
         )
-        # issue #7 §2, spelled out independently of the implementation
+        # spelled out independently of the implementation
         rule = status == "verified" and owner is not None and (
             (owner == mine and own_status == "verified") or owner in listed
         )
@@ -523,7 +523,7 @@ async def test_a_configured_peer_is_redialed_after_its_link_drops(tmp_path):
         async with b.subscribe() as events:
             first.close("test", "dropped by the test")
             # b hears of the drop at once when a's close reaches it first, and not at all when
-            # its socket just breaks (issue #21: a broken connection that relinks within
+            # its socket just breaks (a broken connection that relinks within
             # peer_loss_timeout_s is no peer loss): either way the next PeerUp is the redial.
             with trio.fail_after(10):
                 event = await events.receive()

@@ -1,4 +1,4 @@
-"""Issue #7 §5: nodes gossip only listen addresses, feature bits and memory budgets. Every
+"""Nodes gossip only listen addresses, feature bits and memory budgets. Every
 advertisement and gossip message that three real nodes exchange is captured and inspected."""
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ async def test_every_advertisement_and_gossip_message_carries_only_allowed_field
             assert isinstance(raw["boot"], str) and len(raw["boot"]) == 16
             assert machine_id is None or raw["boot"].encode() not in machine_id
             assert raw["listen"] in addresses
-            # issue #18: the salted host fingerprint, never the machine id itself
+            # the salted host fingerprint, never the machine id itself
             assert raw["host"] == host_fingerprint() and len(raw["host"]) == 32
             assert machine_id is None or machine_id not in payload
             assert raw["features"] == {

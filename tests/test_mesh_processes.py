@@ -1,4 +1,4 @@
-"""Real ``mesh-node`` processes on loopback (issue #7 "Done when"): keys from ``keygen``,
+"""Real ``mesh-node`` processes on loopback ("Done when"): keys from ``keygen``,
 certificates from one owner, two ``run`` processes that find and trust each other, and a
 coordinator's signed topology acknowledged by its worker; plus the CLI's conventions."""
 

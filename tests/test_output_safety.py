@@ -1,4 +1,4 @@
-"""Never lose a user's file (issue #11 section 1).
+"""Never lose a user's file.
 
 write-package writes only into an empty folder unless ``--overwrite``; with it, it replaces only
 files a package holds (and the old manifest's own), and never a file that is one of its inputs

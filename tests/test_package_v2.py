@@ -1,4 +1,4 @@
-"""Package schema version 2 (issue #24): the canonical package_id, the closed root, hostile
+"""Package schema version 2: the canonical package_id, the closed root, hostile
 carriers, write-package --schema 2 with verify-package-v2, selection, the publisher's hook and
 resume (both schemas), and fetch from a hub. Real files throughout: synthetic GGUFs from
 scripts/synth_gguf.py, our writer, the real huggingface_hub client against the lab hub."""

@@ -1,4 +1,4 @@
-"""Issue #24's "Done when" on the real gemma3-270m: a v2 package verifies source-complete, runs
+"""The "Done when" on the real gemma3-270m: a v2 package verifies source-complete, runs
 through the ggml stage runtime (three chained stages) and through llama.cpp (composed from its
 parts) with output identical to the v1 package's, and ``mesh-node lab --nodes 3`` serves it."""
 

@@ -1,4 +1,4 @@
-"""`policy`: the phase resolver's decision record through the CLI (issue #4 section 3)."""
+"""`policy`: the phase resolver's decision record through the CLI."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Progress bars (issue #11 section 4): shown on a terminal for every long operation, never when
+"""Progress bars: shown on a terminal for every long operation, never when
 stderr is not a terminal and never with --json. A real pseudo-terminal, a real child process."""
 
 from __future__ import annotations

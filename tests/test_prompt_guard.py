@@ -1,4 +1,4 @@
-"""The prompt guard (issue #11 section 2): no prompt aborts the process in llama.cpp.
+"""The prompt guard: no prompt aborts the process in llama.cpp.
 
 The tiny synthetic vocabulary has no byte-fallback tokens, so llama.cpp aborts on almost any
 text it is given. The guard's SentencePiece predicate is checked against llama.cpp itself

@@ -79,7 +79,7 @@ REJECTED = [
     "hf://ns/name@-rev",
     "hf://ns/name@rev.lock",
     "hf://ns/name@a@{1}",
-    "hf://ns/name@a@b",  # one revision per reference (issue #11), though git allows '@'
+    "hf://ns/name@a@b",  # one revision per reference, though git allows '@'
     "hf://ns/name@" + "r" * 256,
     "hf:/ns/name",  # typo of the scheme is not silently a local path
     "hf:ns/name",

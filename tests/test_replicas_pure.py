@@ -1,4 +1,4 @@
-"""Replicas of a split (issue #23 item 1): the pure decisions. Planning R replicas over
+"""Replicas of a split: the pure decisions. Planning R replicas over
 disjoint peers, the least-outstanding-tokens chooser, the replica count's usage errors."""
 
 from __future__ import annotations

@@ -304,7 +304,7 @@ async def test_a_returning_node_is_planned_in_without_an_operator(
 async def test_a_failover_under_verify_windows_continues_exactly(
     tiny_pkg: Path, tmp_path: Path
 ) -> None:
-    """Issue #22: with speculative verify windows, a stage lost mid-request is replaced and the
+    """With speculative verify windows, a stage lost mid-request is replaced and the
     replay (one-token steps: the graphs every window step ran) ends with the tokens of plain
     decoding."""
     from skippy.generation import SpeculativePlan

@@ -1,4 +1,4 @@
-"""Exact failover on the real gemma3-270m with real processes (issue #18 item 1): a 3-stage
+"""Exact failover on the real gemma3-270m with real processes: a 3-stage
 split (`mesh-node serve` + 2 `mesh-node run` workers, 2 spares), a 120-token greedy completion
 of "Once upon a time", streamed; SIGKILL of the middle stage's node at one point and of the
 final stage's node at another: both completions are exactly the undisturbed text. (The

@@ -1,4 +1,4 @@
-"""Replicas of a split in real processes (issue #23 item 1): `mesh-node serve --replicas 2
+"""Replicas of a split in real processes: `mesh-node serve --replicas 2
 --stages 2` with two `mesh-node run` workers on loopback, the small synthetic model. Both
 replicas take concurrent requests with the same greedy output; SIGKILL of one replica's
 worker moves its request in flight to the other replica (same output) and leaves that one

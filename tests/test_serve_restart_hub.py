@@ -1,4 +1,4 @@
-"""A restarted coordinator serves again with zero bytes re-transferred (issue #18 item 4), with
+"""A restarted coordinator serves again with zero bytes re-transferred, with
 real `mesh-node` processes on loopback and a hub package: `mesh-node serve` coordinates
 ``hf://lab/...@<commit>`` published on the lab hub (``mesh_node.lab.hub``), the workers fetch
 their stages from the coordinator over the mesh (peer transfer), then the coordinator is

@@ -205,7 +205,7 @@ async def test_concurrent_requests_have_their_own_sessions(
     packages: dict[str, Path], tmp_path: Path, stages: int
 ) -> None:
     """Each request gets its own session and the tokens it gets alone, while its decode steps
-    run batched with the others' (one graph per step: issue #22 item 6), split and whole."""
+    run batched with the others' (one graph per step), split and whole."""
     pkg = packages["llama"]
     prompts = [IDS, IDS[:7], [3, 1, 4, 1, 5, 9, 2, 6]]
     with chain("ggml", pkg, ["0..6"], SERVING_CONFIG) as whole:
@@ -579,7 +579,7 @@ async def test_a_begin_to_a_node_without_a_stage_is_refused_as_stage_not_ready(
         n.cancel_scope.cancel()
 
 
-# --- speculative decoding across the split (issue #22) ----------------------------------------
+# --- speculative decoding across the split ----------------------------------------
 def _ngram_plan() -> Any:
     from skippy.generation import SpeculativePlan
     from skippy.generation.schema import NgramSource, WindowPolicy

@@ -331,7 +331,7 @@ def test_stage_zero_is_pinned_and_a_lost_stage_moves_alone() -> None:
 
 
 def test_a_verify_answer_must_continue_the_drafts() -> None:
-    """Issue #22: what the final stage returns for a window is checked before it is committed."""
+    """What the final stage returns for a window is checked before it is committed."""
     from mesh_node.serving.generator import accepts
 
     assert accepts([], [7]) and not accepts([], [7, 8]) and not accepts([], [])

@@ -1,4 +1,4 @@
-"""The soak, short (issue #18 item 8; the long one is `scripts/bench --only soak`): a 3-stage
+"""The soak, short (the long one is `scripts/bench --only soak`): a 3-stage
 split plus one spare of a synthetic model, real processes, two clients sending greedy
 completions while a random worker is SIGKILLed and started again every few seconds. Every
 request ends with exactly the undisturbed text or an error with a code; the split is serving

@@ -457,7 +457,7 @@ def test_write_package_refuses_a_bad_declaration_and_writes_nothing(
 def test_run_speculative_prints_the_same_text_with_acceptance(
     synth_dir, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Issue #22 "Done when": run --stages 3 --speculative-strategy ngram-suffix prints the same
+    """"Done when": run --stages 3 --speculative-strategy ngram-suffix prints the same
     text as without speculation, plus the drafts accepted."""
     import json
 

@@ -1,4 +1,4 @@
-"""Batched decode of concurrent sessions (issue #22 item 6): ``Stage.decode_batch`` runs several
+"""Batched decode of concurrent sessions: ``Stage.decode_batch`` runs several
 sessions' one-position steps in one ggml graph, and each session's output equals its own
 ``decode`` bit for bit, whole and split, while sessions join and leave the batch between
 steps (synthetic models; the real gemma3 check is in docs/performance.md's bench row)."""

@@ -1,4 +1,4 @@
-"""The ready report (issue #8 section 4): the stage descriptor's strict parse, the
+"""The ready report: the stage descriptor's strict parse, the
 coordinator's check against the topology (pure), and how the coordinator records reports."""
 
 from __future__ import annotations

@@ -306,7 +306,7 @@ def test_run_samples_with_a_seed(gemma_pkg: Path, capsys: pytest.CaptureFixture[
     assert da["tokens"] == db["tokens"] and da["sampling"]["seed"] == 3
 
 
-# --- speculative decoding (issue #22) ------------------------------------------------------------
+# --- speculative decoding ------------------------------------------------------------
 def test_gemma_speculative_exact_verify_equals_plain_decoding(gemma_pkg: Path) -> None:
     """Real gemma3-270m on 3 stages: ngram-cache with exact verify gives plain decoding's
     tokens (llama.cpp's greedy text), with drafts accepted. Kept to 16 tokens for the suite's

@@ -276,7 +276,7 @@ def test_seeded_sampling_is_reproducible(synth) -> None:
     assert Sampler(SamplingParams(temperature=1.0, top_k=1)).sample(logits) == greedy.tokens[0]
 
 
-# --- the reused decode graph and the greedy head on ggml (issue #25 item 2) ---------------------
+# --- the reused decode graph and the greedy head on ggml ---------------------
 def _decode_rows(ch: StageChain, ids: list[int], prefill: int) -> np.ndarray:
     """The prefill's last logits row, then each one-token decode's, through ``ch``."""
     out = ch.prefill("d", ids[:prefill]).logits
@@ -342,7 +342,7 @@ def test_greedy_head_on_ties_takes_the_first_maximum(tmp_path: Path) -> None:
 
 
 def test_adaptive_threads_change_nothing_but_the_thread_count(synth) -> None:
-    """A stage whose threads follow the machine's load (issue #25 item 1) computes the same
+    """A stage whose threads follow the machine's load computes the same
     logits as a fixed one-thread stage: each output row is one thread's dot products."""
     cfg = StageConfig(n_ctx=32, n_threads=2, adaptive_threads=True)
     with chain("ggml", synth["qwen3"].pkg, ["0..4"], cfg) as ch:

@@ -222,7 +222,7 @@ def test_tokens_round_trip() -> None:
         t.encode_tokens(3, 4, start=0, tokens=[-1])
 
 
-# --- verify windows (issue #22) ------------------------------------------------------------------
+# --- verify windows ------------------------------------------------------------------
 def test_a_verify_window_round_trips_its_rows_and_token_ids() -> None:
     rows = np.arange(3 * WIDTH, dtype=np.float32).reshape(3, WIDTH)
     data = t.encode_verify(7, 9, start=12, activations=rows, tokens=[5, 6, 262143])

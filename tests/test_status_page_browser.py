@@ -1,4 +1,4 @@
-"""The status page in a real browser (issue #12 §3): Debian's headless Chromium, driven through
+"""The status page in a real browser: Debian's headless Chromium, driven through
 Debian's chromedriver by selenium, against real ``mesh-node run`` processes on loopback."""
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def read_until(proc: subprocess.Popen[str], last: str, timeout_s: float = 120.0)
 
 
 def test_status_page_of_a_three_node_lab_in_chromium(tmp_path, browser, hub_package):
-    """issue #12 "Done when": `mesh-node lab --nodes 3 ... --http` prints the coordinator's page
+    """"Done when": `mesh-node lab --nodes 3 ... --http` prints the coordinator's page
     address; the page shows the three nodes, the three stages and the completed transfers."""
     lab = tmp_path / "lab"
     proc = subprocess.Popen(
@@ -198,7 +198,7 @@ def test_status_page_of_a_three_node_lab_in_chromium(tmp_path, browser, hub_pack
         served = {path for _, path in done}
         assert "model-package.json" in served
         assert "ready" in browser.find_element("id", "transfers-stage").text
-        assert not browser.find_element("id", "serving").is_displayed()  # issue #10's data
+        assert not browser.find_element("id", "serving").is_displayed()  # the data
 
         # Never on the page: private keys, local paths (the lab's folders, caches).
         html = browser.page_source
@@ -234,7 +234,7 @@ def test_status_page_of_a_three_node_lab_in_chromium(tmp_path, browser, hub_pack
 class StandInNode:
     """Stand-in for a node in states a real lab does not hold still long enough to look at,
     and with data no real node produces yet: a transfer in progress, a failed hub fallback, a
-    failed stage, and serving figures (issue #10). Everything is made by the real code: the
+    failed stage, and serving figures. Everything is made by the real code: the
     document by ``status_document``, the topology by ``plan_topology`` and ``ActiveTopology``
     with ``StageReport``s, the transfers by a ``TransferLog``, serving by ``ServingMetrics``
     after ``request()`` calls. Serve it with the real app; look at it in the real browser."""
@@ -375,7 +375,7 @@ async def test_in_progress_failed_and_serving_states_render(tmp_path, browser):
 
 
 def test_the_page_of_a_node_with_an_api_key_in_chromium(tmp_path, browser):
-    """issue #20: a real `mesh-node run --http --api-key-file` node. The page's shell loads
+    """A real `mesh-node run --http --api-key-file` node. The page's shell loads
     without a key and shows no data; it asks for the key once (a wrong one is refused), keeps
     it in this tab's session storage, and then renders the document and its live updates
     (read through fetch: EventSource cannot send the header); a reload does not ask again."""

@@ -1,5 +1,5 @@
 """Strangers take turns on the event loop, trusted peers never wait, and the node's other
-loop-blocking work is kept off the loop (issue #19: honest-link RTT during a flood).
+loop-blocking work is kept off the loop (honest-link RTT during a flood).
 
 What is asserted is scheduling behaviour, counted in scheduler batches (a trio instrument
 sees each poll for I/O, which separates two batches) or in a mock clock, never wall time.

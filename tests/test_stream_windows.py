@@ -1,4 +1,4 @@
-"""Stream windows sized to the bandwidth-delay product (issue #21, protocol/streams.py; sans-IO,
+"""Stream windows sized to the bandwidth-delay product (protocol/streams.py; sans-IO,
 time passed in as numbers): a window that limits a stream on a long link doubles up to
 ``stream_window_max_bytes``; a slow reader never grows it; without a clock it stays fixed
 (the old behaviour); only bigger window updates reach the wire, which the sender simply

@@ -1,5 +1,5 @@
 """Chunk planning, digest lists, the chunk scheduler, the source list and the chunk sink
-(issue #23 items 2-3): the pure parts, and the sink on a real hub cache folder."""
+: the pure parts, and the sink on a real hub cache folder."""
 
 from __future__ import annotations
 

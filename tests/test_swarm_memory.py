@@ -1,5 +1,5 @@
-"""Swarm chunk buffers are taken from the node's peer-memory budget (issue #23 item 3 with
-issue #19's budget): a chunk is requested only once its bytes fit, all swarm chunks together
+"""Swarm chunk buffers are taken from the node's peer-memory budget (with
+the budget): a chunk is requested only once its bytes fit, all swarm chunks together
 hold at most half of the budget, and a released chunk lets the next one in."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Serving verified chunks of a partial (issue #23, ``partial-serve``): the fetch orders, the
+"""Serving verified chunks of a partial (``partial-serve``): the fetch orders, the
 have-report, the coordinator's avoidance, the source list's new fields, and a partial
 holder's serving decision on a real hub cache (the same authorization as for an installed
 file, only chunks it verified)."""

@@ -1,4 +1,4 @@
-"""Runs of chunks on one stream (issue #23 item 3, ``chunk-runs``), over real mesh links in
+"""Runs of chunks on one stream (``chunk-runs``), over real mesh links in
 this process on loopback with the synthetic package: a holder that advertises the bit gets one
 range request for several chunks in a row and a corrupted chunk in that run drops it at that
 chunk (the run's chunks before it stay verified); a peer without the bit (an older node) still

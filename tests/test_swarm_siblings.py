@@ -1,4 +1,4 @@
-"""Serving across sibling replicas of one coordinator (issue #23): the pure decisions.
+"""Serving across sibling replicas of one coordinator: the pure decisions.
 
 Which topology counts as a sibling (same package and revision), what the coordinator vouches
 for when a holder asks (kind 0x05), which sibling nodes its source list names, what a

@@ -1,4 +1,4 @@
-"""Swarm fetch over real mesh links (issue #23 items 2-3), nodes in this process on loopback
+"""Swarm fetch over real mesh links, nodes in this process on loopback
 with the synthetic package: a worker fetches a file from two holders at once; a holder that
 serves a corrupted chunk is detected at that chunk and dropped, the file still installs
 verified; a node outside the topology is never asked and refuses; the swarm never hands a
@@ -319,7 +319,7 @@ async def test_a_sibling_question_that_got_no_answer_is_asked_again_soon(tmp_pat
 async def test_the_coordinator_digests_its_workers_files_when_the_topology_activates(
     tmp_path, hub_package, caplog
 ):
-    """Issue #23 bring-up: the chunk digests of every file the workers' stages need are
+    """The chunk digests of every file the workers' stages need are
     computed as the topology becomes active, before any worker asks for its source list
     (this worker never asks: its service does not run), and none of the coordinator's own;
     the coordinator brings up its own stage only after them."""

@@ -1,5 +1,5 @@
 """Who gets which artifact: the trust modes, ``authorize()`` rule by rule, and the full matrix
-of issue #8 section 6 ({open, trusted, disabled} x {same, trusted, untrusted, unverified
+of the authorization table ({open, trusted, disabled} x {same, trusted, untrusted, unverified
 owner} x eight requests) served from a real hub cache filled by huggingface_hub."""
 
 from __future__ import annotations

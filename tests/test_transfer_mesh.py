@@ -1,4 +1,4 @@
-"""Peer artifact transfer over real mesh links (issue #8 sections 3 and 4), nodes in this
+"""Peer artifact transfer over real mesh links, nodes in this
 process on loopback: workers fetch their stage's artifacts from the coordinator, verify and
 install them, and report ready; the feature bit and the handler follow one decision; hostile
 bytes are never installed; concurrency is bounded."""

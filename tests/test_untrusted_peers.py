@@ -1,4 +1,4 @@
-"""Issue #19: untrusted peers cannot hurt a node. Each attack of the issue, rerun against real
+"""Untrusted peers cannot hurt a node. Each attack of the issue, rerun against real
 nodes on loopback (attackers built on our own ``protocol/`` or as a real ``MeshNode`` that
 misbehaves at a chosen step), is refused or bounded as docs/security.md says."""
 

@@ -1,4 +1,4 @@
-"""Issue #19 items 2 and 3 with real nodes and a lab hub: a rogue coordinator (a real
+"""With real nodes and a lab hub: a rogue coordinator (a real
 ``MeshNode`` of another owner, serving a manifest it forged for the real pinned commit) cannot
 poison the cache; a trickling peer falls back to the hub; declared sizes meet the budgets
 before a byte is written."""

@@ -1,4 +1,4 @@
-"""validate-package reads each byte once (issue #14 section 2): the source pass and the package
+"""validate-package reads each byte once: the source pass and the package
 pass meet at every tensor chunk (``skippy.produce.byte_compare``). These tests check the
 pairing itself: differences are found in any chunk, with any memory budget, serial or on two
 cores, and a source that fails stops the other pass instead of hanging it."""

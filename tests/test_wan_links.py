@@ -1,4 +1,4 @@
-"""Links that ride out a WAN (issue #21 section 2), at reduced scale: real nodes in one process,
+"""Links that ride out a WAN, at reduced scale: real nodes in one process,
 every link through the emulated-link relay (``mesh_node.lab.netem``) via ``dial_via``.
 
 Short timeouts stand in for the defaults (heartbeat 0.2 s, peer loss 2 s); the behaviours are

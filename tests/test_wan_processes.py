@@ -1,4 +1,4 @@
-"""``mesh-node lab`` over emulated WAN links with real ``mesh-node run`` processes (issue #21):
+"""``mesh-node lab`` over emulated WAN links with real ``mesh-node run`` processes:
 the CLI's link flags and lab file, a short partition of a worker that heals without the
 topology degrading, a longer one that is a loss and heals after, and a transfer cut by a
 partition that resumes from its partial. Reduced scale: short timeouts, small packages."""
@@ -37,7 +37,7 @@ TIMEOUTS = {
 def test_the_lab_cli_runs_over_emulated_links_and_reports_them(
     tiny_package, tmp_path, monkeypatch
 ):
-    # Calibrated nodes (issue #21 section 3): the lab's split is planned by cost.
+    # Calibrated nodes: the lab's split is planned by cost.
     monkeypatch.setenv("MESH_NODE_CALIBRATION", "auto")
     lab_file = tmp_path / "links.toml"
     lab_file.write_text('[[links.pair]]\na = 1\nb = 2\nlatency = "40ms"\nrate = "50Mbit"\n')

@@ -1,6 +1,6 @@
 """The node's one ASGI app (starlette, run by hypercorn's trio worker in the node's process).
 
-Routes of the operator surface (issue #12), all ``GET`` (``HEAD`` too); any other method is
+Routes of the operator surface, all ``GET`` (``HEAD`` too); any other method is
 answered 405 by starlette's router, so nothing here can change the node:
 
 - ``/`` the status page, ``/static/*`` its assets (package data: works offline);
@@ -15,7 +15,7 @@ answered 405 by starlette's router, so nothing here can change the node:
 Every request passes ``mesh_node.http.guard`` first (keys, origin, framing, access log).
 Under ``/v1`` an unknown path or method is answered in OpenAI's error shape (404 / 405).
 
-Other components add routes with ``build_app(node, routes=[...])`` (issue #10's OpenAI API
+Other components add routes with ``build_app(node, routes=[...])`` (the OpenAI API
 under ``/v1``); they may use other methods on their own paths.
 """
 

@@ -1,4 +1,4 @@
-"""Request bodies with bounds (issue #20 §4): what a stranger can make the node hold.
+"""Request bodies with bounds: what a stranger can make the node hold.
 
 One ``BodyReader`` per app. A body is read only after the route admitted the request (ready,
 queue space), and then only when a body slot is free (``max_concurrent_bodies``) and the

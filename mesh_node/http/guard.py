@@ -1,4 +1,4 @@
-"""The one gate every HTTP request passes before any route runs (issue #20 §1, §3, §5, §6).
+"""The one gate every HTTP request passes before any route runs (§3, §5, §6).
 
 In order: a request id (``X-Request-Id``, echoed); framing (``Content-Length`` with
 ``Transfer-Encoding``: 400 and the connection closed, RFC 9112 §6.1); the ``Origin`` (present

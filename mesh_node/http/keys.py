@@ -1,4 +1,4 @@
-"""API keys of the HTTP surface (issue #20 §1): loaded once, compared in constant time.
+"""API keys of the HTTP surface: loaded once, compared in constant time.
 
 Sources: ``[http] api_key_file`` / ``--api-key-file`` (one key per line; blank lines and
 ``#`` comments ignored; the file must be readable by its owner only, the rule of node keys)

@@ -7,7 +7,7 @@ hub cache, its own verification and hub caches, stdout and log), a fresh identit
 owner certificate of its ``NodeSpec.owner`` (owners are created on demand; none is in any
 node's trust store).
 
-Extension points: ``NodeSpec.config`` (extra TOML keys, e.g. issue #12's ``http``),
+Extension points: ``NodeSpec.config`` (extra TOML keys, e.g. the ``http``),
 ``NodeSpec.run_args`` (appended to ``mesh-node run``, e.g. ``--http 127.0.0.1:PORT``) and
 ``NodeSpec.env``. A started node's address is written back into its config, so ``restart``
 brings it up where its peers dial it.
@@ -221,7 +221,7 @@ class LabCluster:
             raise found from None
 
     def share_calibration(self) -> None:
-        """Copy the coordinator's calibration cache (issue #21) into every other node's
+        """Copy the coordinator's calibration cache into every other node's
         data_dir that has none, so they neither measure the machine again nor measure it
         while the others start (several processes calibrating on the same cores at once
         would each read slower than the machine is). A node whose calibration key differs

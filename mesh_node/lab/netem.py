@@ -1,4 +1,4 @@
-"""Emulated WAN links for labs, tests and benchmarks (issue #21 section 1): a userspace relay.
+"""Emulated WAN links for labs, tests and benchmarks: a userspace relay.
 
 This kernel has no netem (runtime-facts.md): delay and jitter need a userspace link. ``Netem`` runs
 one TCP relay per ordered pair of nodes (``route(src, dst)``: the address ``src`` dials to

@@ -1,7 +1,7 @@
 """The lab's package: a directory published on the lab hub, and a package imported into a
 node's hub cache (what a coordinator serves from).
 
-A directory becomes ``hf://lab/<name>@<40-hex commit>`` (issue #8 section 5); an ``hf://``
+A directory becomes ``hf://lab/<name>@<40-hex commit>``; an ``hf://``
 reference is pinned to the commit it names now. Importing downloads the manifest and every
 artifact it declares through ``huggingface_hub`` into the standard hub cache layout, then
 proves every SHA-256 (recording it in the node's verification cache, so serving starts
@@ -89,7 +89,7 @@ def revise_directory(directory: Path, out: Path, *, layer: int) -> Path:
     """A copy of the package ``directory`` at ``out`` whose layer ``layer`` differs in one
     tensor byte (the lowest bit of a byte in the middle of its tensor data, so the file stays
     a valid GGUF of the same shape) and whose manifest declares the new SHA-256: a second
-    revision for showing delta transfers (issue #23). Every other file is byte-identical."""
+    revision for showing delta transfers. Every other file is byte-identical."""
     manifest = load_package(directory, origin=str(directory)).manifest
     refs = [r for r in manifest.artifacts() if r.role == ROLE_LAYER and r.layer_index == layer]
     if not refs:

@@ -1,5 +1,5 @@
 """``mesh-node lab --http`` (and ``--serve``): the lab with its coordinator's status page
-(issue #12), and with ``--serve`` the OpenAI API beside it (issue #10).
+, and with ``--serve`` the OpenAI API beside it.
 
 The coordinator runs with ``--http``; its page address is announced as soon as it listens (so
 the split can be watched while artifacts move), the report follows, and the lab stays up
@@ -79,7 +79,7 @@ async def run_lab_with_page(
     if signum is None or not reports:
         raise interrupted(signum or signal.SIGINT, options.keep, root[0] if root else None)
     if options.serve and signum == signal.SIGINT:
-        # Ctrl-C of a serving lab (issue #18): exit 130 like a plain lab's; the report was
+        # Ctrl-C of a serving lab: exit 130 like a plain lab's; the report was
         # printed when it was made. A page-only lab (--http) exits 0 on a good report.
         raise KeyboardInterrupt
     return reports[0]

@@ -1,4 +1,4 @@
-"""The lab's report (issue #8 section 5), built from plain data and rendered (pure).
+"""The lab's report, built from plain data and rendered (pure).
 
 Per node: id, owner, stage and layer range, its stage state and the coordinator's answer to
 its ready report; per artifact: path, bytes, source (``peer``, ``hub`` or ``cache``), whether it
@@ -98,7 +98,7 @@ def node_report(facts: NodeFacts, topology_id: str) -> dict[str, Any]:
     status = facts.status
     transfers = (status or {}).get("transfers") or {}
     stage_state = transfers.get("stage") or {}
-    # A replica's worker (issue #23) is judged against its own replica's topology.
+    # A replica's worker is judged against its own replica's topology.
     topology_id = (facts.stage or {}).get("topology_id") or topology_id
     current = stage_state.get("topology_id") == topology_id
     fetches = _latest_fetches(status)
@@ -124,7 +124,7 @@ def node_report(facts: NodeFacts, topology_id: str) -> dict[str, Any]:
                 "fallback": rec.get("fallback"),
                 "revision": rec.get("revision"),
                 "mb_per_s": rec.get("mb_per_s"),
-                # issue #23: every node that served part of it, with its bytes
+                # every node that served part of it, with its bytes
                 "served_by": [dict(s) for s in rec.get("served_by", [])],
                 "dropped_sources": [dict(s) for s in rec.get("dropped_sources", [])],
             }
@@ -143,7 +143,7 @@ def node_report(facts: NodeFacts, topology_id: str) -> dict[str, Any]:
         "report": stage_state.get("report") if current else None,
         "bytes": totals,
         "artifacts": artifacts,
-        # issue #23: what this node sent to its peers (a swarm spreads it over the holders)
+        # what this node sent to its peers (a swarm spreads it over the holders)
         "served_bytes": ((transfers.get("counters") or {}).get("served_bytes") or 0),
         # every byte it received from peers for this split, also those it did not keep (a
         # transfer a dropped link cut short and the hub then sent whole, duplicate chunks)
@@ -220,7 +220,7 @@ def build_report(
         },
         "nodes": rows,
         "problems": found,
-        # Issue #21: the coordinator's planner record (cost or memory, predicted ms/token, why).
+        # The coordinator's planner record (cost or memory, predicted ms/token, why).
         "plan": None if topology is None else topology.get("prediction"),
     }
 
@@ -228,7 +228,7 @@ def build_report(
 def revision_change(
     doc: Mapping[str, Any], artifacts: Iterable[ArtifactRef], layer: int
 ) -> dict[str, Any]:
-    """Issue #23: what a second revision changing ``layer`` moved to the workers (pure):
+    """What a second revision changing ``layer`` moved to the workers (pure):
     ``moved_bytes`` (peer and hub, the manifest aside) must equal ``changed_bytes`` times
     the workers whose stage holds that layer; every other artifact came from the cache."""
     changed = next(
@@ -287,7 +287,7 @@ def render_revision_change(
 def predicted_vs_measured(
     plan: Mapping[str, Any] | None, prompt: Mapping[str, Any] | None
 ) -> dict[str, Any] | None:
-    """Issue #21: the plan's predicted decode ms/token beside the one measured while serving
+    """The plan's predicted decode ms/token beside the one measured while serving
     (``prompt``: ``mesh_node.serving.report.prompt_report``); ``None`` without a prompt."""
     if prompt is None:
         return None
@@ -362,7 +362,7 @@ def render_speculative(sp: Mapping[str, Any] | None) -> list[str]:
 
 
 def render_plan(doc: Mapping[str, Any]) -> list[str]:
-    """Issue #21: which planner placed the split, its prediction and why it won; after a
+    """Which planner placed the split, its prediction and why it won; after a
     prompt, predicted beside measured."""
     plan = doc.get("plan")
     if not plan:
@@ -442,7 +442,7 @@ def _runs(artifacts: Sequence[Mapping[str, Any]]) -> list[list[Mapping[str, Any]
 
 def source_text(artifact: Mapping[str, Any]) -> str:
     """``peer``, ``hub``, ``cache``; ``cache (revision <short>)`` for a delta link; ``peer x3``
-    when three nodes served parts of it (issue #23)."""
+    when three nodes served parts of it."""
     source = artifact.get("source") or "-"
     revision = artifact.get("revision")
     if source == "cache" and revision:
@@ -452,7 +452,7 @@ def source_text(artifact: Mapping[str, Any]) -> str:
 
 
 def render_links(links: Mapping[str, Any] | None) -> list[str]:
-    """Issue #21: the emulated links (``mesh_node.lab.netem``) and their fault counters."""
+    """The emulated links (``mesh_node.lab.netem``) and their fault counters."""
     if not links:
         return []
     rows = [("link", "emulated", "bytes relayed")]
@@ -494,7 +494,7 @@ def render_report(doc: Mapping[str, Any]) -> str:
             )
         )
     lines += [*_table(nodes), ""]
-    for r in doc.get("replicas") or []:  # issue #23 item 1
+    for r in doc.get("replicas") or []:
         workers = ", ".join(n[:12] for n in r["nodes"][1:]) or "-"
         served = r.get("requests_total")
         lines.append(

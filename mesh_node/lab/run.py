@@ -1,4 +1,4 @@
-"""``mesh-node lab``: a split on N real local nodes, and what moved where (issue #8 section 5).
+"""``mesh-node lab``: a split on N real local nodes, and what moved where.
 
 ``open_lab`` brings a lab up: the package (a directory is published on a lab hub under
 ``hf://lab/<name>@<commit>``; an ``hf://`` reference is pinned), imported whole into the
@@ -7,13 +7,13 @@ fresh identities, all of one owner except the last ``foreign_owners`` workers (a
 in nobody's trust store), workers with empty caches and the hub as their fallback. The lab is
 torn down on the way out, whatever happens (Ctrl-C included).
 
-``Lab.split`` is this issue's experiment: the coordinator plans the split and sends it, the
+``Lab.split`` is the transfer experiment: the coordinator plans the split and sends it, the
 workers fetch and report ready, the lab checks every worker's cache itself and builds the
-report. Issue #10's steps: ``Lab.start_serving`` makes the coordinator serve the package
+report. The steps: ``Lab.start_serving`` makes the coordinator serve the package
 (control operation ``serve``: it plans the split with stage 0 on itself, the workers fetch,
 load and report, the route opens), then ``--prompt`` runs one greedy completion through it
 (``mesh_node.serving.report``) and ``--serve`` keeps the lab up with the API's address.
-Issue #12 passes per-node arguments through ``LabOptions.run_args``.
+Passes per-node arguments through ``LabOptions.run_args``.
 """
 
 from __future__ import annotations
@@ -86,13 +86,13 @@ class LabOptions:
     node_overrides: Mapping[int, Mapping[str, Any]] = field(default_factory=dict)  # TOML, by index
     node_env: Mapping[int, Mapping[str, str]] = field(default_factory=dict)  # per node index
     run_args: Callable[[int], tuple[str, ...]] | None = None  # per node: after `mesh-node run`
-    prompt: str | None = None  # issue #10: one completion through the split
+    prompt: str | None = None  # one completion through the split
     max_tokens: int = 16
-    serve: bool = False  # issue #10: serve the split behind the API (the lab stays up)
-    links: LinkTable | None = None  # issue #21: emulated WAN links between every pair of nodes
-    stages: int | None = None  # issue #18: serve over this many stages (the rest are spares)
-    revision_change: int | None = None  # issue #23: then split a second revision, this layer
-    replicas: int = 1  # issue #23 item 1: serve R pipelines over disjoint workers
+    serve: bool = False  # serve the split behind the API (the lab stays up)
+    links: LinkTable | None = None  # emulated WAN links between every pair of nodes
+    stages: int | None = None  # serve over this many stages (the rest are spares)
+    revision_change: int | None = None  # then split a second revision, this layer
+    replicas: int = 1  # serve R pipelines over disjoint workers
     speculative_strategy: str | None = None  # serve with this strategy (None: auto)
 
     @property
@@ -155,9 +155,9 @@ class Lab:
     cluster: LabCluster
     package: LabPackage
     hub_url: str | None  # the lab hub (a published directory), else None
-    netem: Netem | None = None  # issue #21: the emulated links (partition, heal, event log)
-    revision: LabPackage | None = None  # issue #23: the second revision (one layer changed)
-    replicas: list[dict[str, Any]] = field(default_factory=list)  # issue #23: once serving
+    netem: Netem | None = None  # the emulated links (partition, heal, event log)
+    revision: LabPackage | None = None  # the second revision (one layer changed)
+    replicas: list[dict[str, Any]] = field(default_factory=list)  # once serving
     speculative: SpeculativePlan | None = None  # the plan the coordinator serves with
     # Each node's peer-fetched counter when the split was sent: the report counts from it.
     peer_bytes_before: dict[str, int] = field(default_factory=dict)
@@ -171,7 +171,7 @@ class Lab:
             {
                 "op": "topology",
                 "package": self.package.ref,
-                # Explicit (issue #21): calibrated nodes would otherwise be planned by cost,
+                # Explicit: calibrated nodes would otherwise be planned by cost,
                 # which uses fewer stages when memory allows; the lab is about a split.
                 "stages": self.options.stages or self.options.nodes,
                 "include_self": True,
@@ -191,7 +191,7 @@ class Lab:
         return await self.report(topology, seconds, problems)
 
     async def start_serving(self) -> tuple[str, dict[str, Any], float]:
-        """Make the coordinator serve the package over every node (issue #10); wait until
+        """Make the coordinator serve the package over every node; wait until
         its route is ready. Returns the API's base URL, the topology and the seconds taken."""
         coordinator = self.cluster.coordinator
         await self.mark_peer_bytes()
@@ -220,8 +220,8 @@ class Lab:
                     f"the split failed: {serving.get('reason')}",
                     code=str(serving.get("code")),
                 )
-            # The serving core never gives up by itself (it waits like a service, issue #18
-            # item 3: ``ready``, ``waiting`` or ``not_ready``) unless a stage failed for good
+            # The serving core never gives up by itself (it waits like a service:
+            # ``ready``, ``waiting`` or ``not_ready``) unless a stage failed for good
             # (``failed``, above); the lab does, at its deadline, with what the core says it
             # waits for.
             if time.monotonic() > deadline:
@@ -247,7 +247,7 @@ class Lab:
         """Check every worker's cache and build the report for ``topology``."""
         statuses = await self.cluster.statuses()
         stages = {s["node_id"]: s for s in topology["stages"]}
-        for replica in self.replicas[1:]:  # issue #23: the other replicas' workers
+        for replica in self.replicas[1:]:  # the other replicas' workers
             tid = replica["topology_id"]
             stages.update({s["node_id"]: {**s, "topology_id": tid} for s in replica["stages"][1:]})
         facts = []
@@ -386,7 +386,7 @@ def node_specs(options: LabOptions, hub_url: str | None) -> list[NodeSpec]:
                 config={
                     "serving": {"threads": threads, "expect_serve": serves and i == 0},
                     # A lab mixes owners on purpose (foreign workers): the lab setting, which
-                    # each node states in its log at start (issue #19).
+                    # each node states in its log at start.
                     "security": {"accept_topologies_from": "any", "place_stages_on": "any"},
                     **options.node_config,
                     "artifact_transfer": options.transfer,
@@ -478,7 +478,7 @@ async def open_lab(options: LabOptions) -> AsyncIterator[Lab]:
 
 
 async def route_through(netem: Netem, cluster: LabCluster) -> None:
-    """Issue #21: every node dials every other node through that ordered pair's relay (its
+    """Every node dials every other node through that ordered pair's relay (its
     ``dial_via`` table), so configured and gossip-learned links alike cross an emulated link.
     Call before the nodes start; relays look their target's address up per connection."""
     for node in cluster.nodes:
@@ -535,13 +535,13 @@ async def experiment(lab: Lab) -> dict[str, Any]:
         report["predicted_vs_measured"] = predicted_vs_measured(
             report.get("plan"), report["prompt"]
         )
-        if lab.netem is not None:  # issue #21: the links' bytes include the completion's
+        if lab.netem is not None:  # the links' bytes include the completion's
             report["links"] = lab.netem.report()
     return report
 
 
 async def across_replicas(lab: Lab, report: dict[str, Any], api: str) -> None:
-    """Issue #23's done-when: the prompt again, ``2 x replicas`` times at once, so the
+    """The done-when: the prompt again, ``2 x replicas`` times at once, so the
     least-outstanding-tokens chooser spreads them; the report's ``replicas`` then show each
     one's ``requests_total``, and a replica that served none is a problem."""
     from mesh_node.serving.report import complete
@@ -567,7 +567,7 @@ async def across_replicas(lab: Lab, report: dict[str, Any], api: str) -> None:
 
 
 def publish_revision(lab_hub: FakeHub, directory: Path, root: Path, layer: int) -> str:
-    """Issue #23: a copy of the package with ``layer`` changed, published as the next commit
+    """A copy of the package with ``layer`` changed, published as the next commit
     of the same lab repository."""
     out = root / "revision-2" / directory.resolve().name
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -579,7 +579,7 @@ def publish_revision(lab_hub: FakeHub, directory: Path, root: Path, layer: int) 
 
 
 async def delta_split(lab: Lab, layer: int) -> dict[str, Any]:
-    """Issue #23's delta: split the first revision, then the second (``layer`` changed) over
+    """The delta: split the first revision, then the second (``layer`` changed) over
     the same nodes. The report is the second split's, with the first's summary and what the
     change moved (``revision_change``): only the changed layer's bytes should move."""
     if lab.revision is None:
@@ -599,7 +599,7 @@ async def delta_split(lab: Lab, layer: int) -> dict[str, Any]:
 
 
 def operable(lab: Lab, report: dict[str, Any]) -> None:
-    """What a person or a test needs to operate on a serving lab (issue #18 item 7): per node
+    """What a person or a test needs to operate on a serving lab: per node
     its ``stage`` and ``layers`` (``None`` for a spare), ``pid``, ``config`` (the TOML it
     runs with) and ``env`` (the lab's variables), so that it can be killed and started again
     with ``mesh-node run --config <config>`` (with ``env``) where its peers dial it."""

@@ -1,5 +1,5 @@
-"""Bringing this node's stage up (issue #10 section 1): the step between "the stage's parts
-are installed and verified" (issue #8's fetch, ``mesh_node.transfer``) and the ready report.
+"""Bringing this node's stage up: the step between "the stage's parts
+are installed and verified" (the fetch, ``mesh_node.transfer``) and the ready report.
 
 ``stage_ready`` is the ``ArtifactService.ready_hook``: it loads the verified ``StageLoad``
 into the node's ``StageHost`` (or keeps the stage already loaded for the same manifest and

@@ -1,4 +1,4 @@
-"""Generation over a route, with failover (issue #10; exact replay: issue #18 item 1).
+"""Generation over a route, with failover (exact replay).
 
 ``Generator.generate`` runs one request: a session through every stage of the current route.
 Stage 0 (this node) embeds the prompt and runs its layers chunk by chunk; each chunk crosses to
@@ -120,7 +120,7 @@ class GenerationResult:
     prefill_s: float
     decode_s: float
     failovers: int = 0
-    # speculative decoding (issue #22): drafted tokens proposed / accepted, verify windows
+    # speculative decoding: drafted tokens proposed / accepted, verify windows
     proposed_tokens: int = 0
     accepted_tokens: int = 0
     verify_passes: int = 0
@@ -158,7 +158,7 @@ class Generator:
         self.host = host
         self.settings = settings
         self.routes = routes
-        # an N-gram plan to execute (issue #22); other plans decode plainly
+        # an N-gram plan to execute; other plans decode plainly
         self.speculative = (
             speculative
             if speculative is not None and speculative.mode in EXECUTABLE_MODES
@@ -181,7 +181,7 @@ class Generator:
         *,
         routes: RouteSource | None = None,
     ) -> GenerationResult:
-        """``routes``: this request's route source (a replica's lease, issue #23), else the
+        """``routes``: this request's route source (a replica's lease), else the
         generator's own."""
         source = routes if routes is not None else self.routes
         route = source.check_ready()
@@ -287,7 +287,7 @@ class Generator:
 
                     try:  # decode steps and verify windows are batched with other sessions'
                         output: Any
-                        if decode:  # (issue #22 item 6)
+                        if decode:  #
                             output = await self.host.decode(stage, name, step.start, x, sampler)
                         elif verify:  # a speculative window: exact one-position steps
                             output = await self.host.verify(
@@ -438,7 +438,7 @@ class Generator:
                 )
 
     def _route_verifies(self, route: Route) -> bool:
-        """Every other node of the route takes verify windows (feature bit, issue #22)."""
+        """Every other node of the route takes verify windows (feature bit)."""
         if self.speculative is None:
             return False
         bit = frozenset({pc.BIT_VERIFY_WINDOW})

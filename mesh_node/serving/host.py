@@ -1,7 +1,7 @@
 """This node's stage of a split, and the transport handler (kind 0x02) that runs it.
 
 Every node (``mesh-node run`` and ``mesh-node serve``) has one ``StageHost``. When the node
-holds a stage of the active topology, its parts are brought in (issue #8's fetch, or a local
+holds a stage of the active topology, its parts are brought in (the fetch, or a local
 package) and ``load`` opens them in the stage runtime (``skippy.runtime``), returning the
 runtime facts for the ready report. A stage already loaded for the same manifest and layers is
 kept when a new topology arrives (a failover moves only the lost stage). A stage replaced by
@@ -18,8 +18,8 @@ task runs the stage (one call at a time per stage, on the process's compute thre
 short decode step of a single-threaded stage on the loop) and forwards the output: activations
 to the next stage, or, on the final stage, the sampled token straight back to stage 0 on a
 return stream. The session's decode steps are batched with the other sessions'
-(``StageHost.decode``: one graph for every step queued when the stage is free, issue #22
-item 6). The session's KV cache lives only here and is freed when the session ends in any
+(``StageHost.decode``: one graph for every step queued when the stage is free). The
+session's KV cache lives only here and is freed when the session ends in any
 way (FREE, end of stream, a reset, a refusal), which then travels on down the chain. A
 refused frame resets only its own stream: other sessions never notice.
 """
@@ -66,7 +66,7 @@ ReturnHandler = Callable[[InboundStream, FrameReader, t.Frame], Awaitable[None]]
 # blocked loop delay nothing this stage could run meanwhile: its calls are serialized anyway.
 INLINE_STEP_MAX_S = 0.025
 STEP_SMOOTHING = 0.2
-# Continuous batching (issue #22 item 6): a decode step runs with every other session's step
+# Continuous batching: a decode step runs with every other session's step
 # queued by the time the stage is free; it waits for sessions that stepped recently (their next
 # frame is on its way), never for a lone session: at least BATCH_WINDOW_S, up to this share of
 # a recent step's time (a batch member costs a fraction of a step; a step run without it costs
@@ -201,7 +201,7 @@ class StageHost:
         self.step_s = 0.0  # recent one-position step time (s), for the batching window
         self.stage_threads = 0  # the loaded stage's thread cap (1: it never starts OpenMP)
         self.blocking_steps = 0  # decode steps the loop waited for without trio's wake-up
-        # Issue #21: one-position (decode) steps alone, so a per-token compute figure is not
+        # One-position (decode) steps alone, so a per-token compute figure is not
         # diluted by prefill chunks (the WAN bench's model t_token reads these).
         self.steps = 0
         self.step_busy_s = 0.0
@@ -219,7 +219,7 @@ class StageHost:
 
     def features(self, now_s: float) -> FeatureBits:
         """Every node hosts a stage when a topology names it: the stage bundle, verify windows
-        (issue #22) and every sampling control of a session."""
+ and every sampling control of a session."""
         bits = {*pc.STAGE_BUNDLE, pc.BIT_VERIFY_WINDOW, pc.BIT_SAMPLING_CONTROLS}
         return {pc.FEATURE_SKIPPY_STAGE: frozenset(bits)}
 
@@ -254,7 +254,7 @@ class StageHost:
             n_batch=max(s.prefill_chunk, 1),
             # A failover can leave sessions of the old route draining while new ones start.
             max_sessions=2 * s.max_sessions,
-            # "auto": also fewer threads while other processes keep cores busy (issue #25)
+            # "auto": also fewer threads while other processes keep cores busy
             adaptive_threads=s.threads is None,
             repack=s.repack,
         )
@@ -437,7 +437,7 @@ class StageHost:
         join the decode batches: position j of this window in one graph with the other
         sessions' steps queued meanwhile (their decode steps, their windows' position j), so
         concurrent speculating sessions share their weight reads as plain decoding does
-        (issue #22 item 6). A window that cannot fit the context is refused before any step."""
+. A window that cannot fit the context is refused before any step."""
         rows = np.asarray(x)
         steps = tuple(
             DecodeStep(name, start + i, rows[i : i + 1], None) for i in range(rows.shape[0])

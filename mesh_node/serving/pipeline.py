@@ -112,7 +112,7 @@ class SplitServer:
         self.settings = settings
         self.model_name = model_name
         self.metrics = metrics if metrics is not None else ServingMetrics()
-        # Replicas (issue #23 item 1, mesh_node.serving.replicas); ``routes`` is replica 0's.
+        # Replicas (mesh_node.serving.replicas); ``routes`` is replica 0's.
         self.replicas = ReplicaSet(
             node,
             host,

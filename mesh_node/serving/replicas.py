@@ -1,4 +1,4 @@
-"""Replicas of a split (issue #23 item 1): R independent pipelines of one package.
+"""Replicas of a split: R independent pipelines of one package.
 
 Each replica is a ``RouteManager`` with its own topology service: its own topology (stage 0
 on this coordinator, the other stages on peers no other replica holds), its own bring-up,

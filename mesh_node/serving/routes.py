@@ -5,7 +5,7 @@
 - **Bring-up.** It waits for the capable peers and plans the package over them with stage 0
   on this node (``TopologyService.propose(first_node=...)``), or, when this coordinator ran the
   same package before (same identity, package and stage count: ``data_dir/serving/split.json``,
-  issue #18 item 4), waits for that run's nodes and re-forms the same split
+  Item 4), waits for that run's nodes and re-forms the same split
   (``TopologyService.restore``: their verified parts stay in their caches, nothing is
   transferred again). ``serve`` waits like a service: after ``ready_timeout_s`` it logs a
   WARNING naming what is missing and keeps forming the split as peers arrive.
@@ -108,7 +108,7 @@ class RouteManager:
         replicas: int = 1,
     ) -> None:
         self.node = node
-        # Replicas (issue #23 item 1): replica 0 is the node's own topology service and
+        # Replicas: replica 0 is the node's own topology service and
         # persists the run (split.json); every other replica has its own service
         # (``mesh_node.serving.replicas``) and shares stage 0 with replica 0.
         self.topology: TopologyService = (
@@ -119,7 +119,7 @@ class RouteManager:
         # Loads the tokenizer from stage 0's metadata part; replicas share one load
         # (``mesh_node.serving.replicas.SharedTokenizer``: they share stage 0).
         self.load_tokenizer: Callable[[Path], Awaitable[LlamaTokenizer]] = load_tokenizer
-        # Replicas (issue #23): replica 0's plan, whose layer ranges this replica takes (None
+        # Replicas: replica 0's plan, whose layer ranges this replica takes (None
         # until it has one: ``ReplicaSet._plan_for``); unset for replica 0.
         self.plan_like: Callable[[], SplitTopology | None] | None = None
         self.host = host

@@ -3,7 +3,7 @@
 ``Serving`` makes this node a serving coordinator when asked (``mesh-node serve``, or the
 control operation ``serve`` the lab uses): a ``SplitServer`` (stage 0 here) and the OpenAI
 routes; its ``serving`` status section and request metrics once it serves. The routes belong
-to the node's one HTTP app (``mesh_node.http``, issue #12): when the node already serves its
+to the node's one HTTP app (``mesh_node.http``): when the node already serves its
 status page (``--http``), the API joins it there; otherwise the same app (page and API)
 starts on the address the request names. Every start goes through the loopback gate
 (``mesh_node.http.bind.check_http_bind``) with the node's ``http_public``, and loads the API
@@ -53,10 +53,10 @@ class ServeOptions:
     stages: int | None
     http: HostPort
     model_name: str | None = None
-    # speculation (issue #22): the config's [speculative] tables and --speculative-strategy
+    # speculation: the config's [speculative] tables and --speculative-strategy
     speculative: SpeculativeOverrides | None = None
     speculative_strategy: str | None = None
-    replicas: int | None = None  # issue #23: None is [serving] replicas
+    replicas: int | None = None  # None is [serving] replicas
 
 
 def _config_speculation(path: Path | None) -> SpeculativeOverrides | None:
@@ -240,7 +240,7 @@ class Serving:
                     "retry_after_s": RETRY_AFTER_STARTING_S,
                 }
             return 200, {"status": "ok"}
-        replicas = server.replicas.health()  # issue #23: each replica, when more than one
+        replicas = server.replicas.health()  # each replica, when more than one
         if server.route is not None:
             return 200, {"status": "ok", **replicas}
         failed = server.replicas.failed  # for good (a stage's model or package): no Retry-After

@@ -1,4 +1,4 @@
-"""A serving coordinator's persisted run state (issue #18 item 4): ``data_dir/serving/split.json``.
+"""A serving coordinator's persisted run state: ``data_dir/serving/split.json``.
 
 What a restarted coordinator needs to re-form the split it ran: the package it served (ref,
 manifest SHA-256, stage count), the run id, and the last topology it signed (with the

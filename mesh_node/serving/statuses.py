@@ -1,4 +1,4 @@
-"""Which HTTP status an error of ours is (pure; issue #20 §7).
+"""Which HTTP status an error of ours is (pure).
 
 A client error is a 4xx only when it is explicitly one: an ``ApiError`` (it carries its
 status), or an error whose code is in ``CLIENT_CODES`` (the prompt guard, token ids, chat

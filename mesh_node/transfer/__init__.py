@@ -1,4 +1,4 @@
-"""Peer artifact transfer, the mesh's side (issue #8): the I/O shell around ``skippy.transfer``.
+"""Peer artifact transfer, the mesh's side: the I/O shell around ``skippy.transfer``.
 
 =============  ===============================================================================
 ``policy``     this node's ``NodePolicy`` and a link's ``PeerFacts`` (the one serving decision)

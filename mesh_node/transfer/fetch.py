@@ -1,4 +1,4 @@
-"""The fetching side: a node brings in its stage of a topology (issue #8 section 4).
+"""The fetching side: a node brings in its stage of a topology.
 
 The calls follow ``docs/architecture.md`` ("Peer artifact transfer", fetching): the manifest
 first (proven against the topology's SHA-256), then the stage's required set from the
@@ -98,7 +98,7 @@ PEER_ATTEMPTS: Final = 3  # asks of the coordinator per artifact before the hub
 WRITE_BATCH_BYTES: Final = 2 * 1024 * 1024  # received bytes handed to the sink per thread call
 WRITE_QUEUE: Final = 4  # batches between the stream reader and the disk writer
 LOCK_POLL_S: Final = 0.05
-# Issue #23 ``partial-serve``: the others' share of a stage's files starts this long after
+# ``partial-serve``: the others' share of a stage's files starts this long after
 # the stage's own (their first have-reports, with what they fetch, are in by then).
 DEFER_S: Final = 1.0
 # Failures after which asking the same peer again may work (the sink keeps the partial).
@@ -113,7 +113,7 @@ _RETRY: Final = (
     InstallBusy,
 )
 _KNOWN_ANSWERS: Final = frozenset({PEER_UNAVAILABLE, PEER_DISABLED, PEER_BUSY})
-# Integrity failures of received bytes (issue #12's verification failures counter).
+# Integrity failures of received bytes (the verification failures counter).
 _VERIFICATION_CODES: Final = frozenset(
     {"artifact_sha256_mismatch", "artifact_size_mismatch", "peer_artifact_mismatch"}
 )
@@ -138,7 +138,7 @@ class StageResult:
     topology: SplitTopology
     stage: StageAssignment
     load: StageLoad  # hand it to a runtime (skippy.runtime.boundary)
-    descriptor: StageDescriptor  # what the ready report says (issue #10 extends it)
+    descriptor: StageDescriptor  # what the ready report says (extends it)
 
 
 @dataclass(frozen=True)
@@ -147,13 +147,13 @@ class _Job:
     stage: StageAssignment
     coordinator_id: str
     cache: RepoCache
-    book: SourceBook | None = None  # issue #23: the stage's swarm sources, when offered
+    book: SourceBook | None = None  # the stage's swarm sources, when offered
     report: _Report = dataclasses.field(default_factory=lambda: _Report())
 
 
 @dataclass
 class _Report:
-    """Issue #23 ``partial-serve``: what this stage fetch tells the coordinator it holds."""
+    """``partial-serve``: what this stage fetch tells the coordinator it holds."""
 
     refs: tuple[ArtifactRef, ...] = ()
     whole: set[str] = dataclasses.field(default_factory=set)  # installed and verified
@@ -184,7 +184,7 @@ class StageFetcher:
             settings.hub_cache_dir, settings.data_dir, settings.security
         )
         self._in_use: Path | None = None  # the last ready stage's snapshot (it may be running)
-        # Issue #23: set (by ``ArtifactService``) when this node serves its partials' chunks.
+        # Set (by ``ArtifactService``) when this node serves its partials' chunks.
         self.partials: PartialRegistry | None = None
 
     # --- a stage ----------------------------------------------------------------------------
@@ -230,7 +230,7 @@ class StageFetcher:
         self, active: ActiveTopology, stage: StageAssignment, state: StageFetch
     ) -> StageResult:
         topology = active.topology
-        # The cache tells the truth about commits (issue #19): an untrusted coordinator's
+        # The cache tells the truth about commits: an untrusted coordinator's
         # bytes go to the peer area, never under the hub commit.
         untrusted = None if active.coordinator_trusted else topology.manifest_sha256
         try:
@@ -269,7 +269,7 @@ class StageFetcher:
                 verify_cache=self.verify_cache,
             )
         )
-        # Delta revisions (issue #23): what another revision holds verified is linked, not moved.
+        # Delta revisions: what another revision holds verified is linked, not moved.
         linked = await trio.to_thread.run_sync(
             functools.partial(
                 link_from_revisions,
@@ -316,7 +316,7 @@ class StageFetcher:
         return StageResult(topology, stage, load, StageDescriptor.for_stage(topology, stage, refs))
 
     async def _report_loop(self, book: SourceBook) -> None:
-        """Issue #23 ``partial-serve``: ask for the list (and so report this node's chunks)
+        """``partial-serve``: ask for the list (and so report this node's chunks)
         every ``refresh_s`` for as long as the stage's files are fetched, also while no file
         of it is being received (a counterpart waiting for a file this node finished would
         otherwise hear of it only from a later fetch's refresh)."""
@@ -342,7 +342,7 @@ class StageFetcher:
         self, job: _Job, manifest: PackageManifest, items: list[FetchItem]
     ) -> tuple[list[FetchItem], set[str]]:
         """``plan_fetch``'s order (largest first); while counterparts exchange partials
-        (issue #23), ``skippy.transfer.partials.stage_file_order``: the files of several
+, ``skippy.transfer.partials.stage_file_order``: the files of several
         chunks first, then this node's share of the one-chunk files, then the others'
         (deferred), so each asks the coordinator for what the others get last. A file
         other worker stages need too is first fetched by rank 0 of the lowest of them."""
@@ -379,7 +379,7 @@ class StageFetcher:
     def _check_disk(self, required: int, to_fetch: int, needed: list[Path]) -> None:
         """The declared sizes against this node's budgets, before a byte is written (thread).
         Over the cache budget, least-recently-used blobs nothing ``needed`` links to are
-        evicted first (issue #23); the refusal stands when that cannot make room."""
+        evicted first; the refusal stands when that cannot make room."""
         settings = self.node.settings
         root = settings.hub_cache_dir
         root.mkdir(parents=True, exist_ok=True)
@@ -506,7 +506,7 @@ class StageFetcher:
                 reason = exc.code
                 log.warning("%s from %s: %s", item.path, short_id(peer), exc)
                 break
-            except TransferTooSlow as exc:  # a trickle: the hub, at once (issue #19)
+            except TransferTooSlow as exc:  # a trickle: the hub, at once
                 reason = exc.code
                 log.warning("%s from %s: %s", item.path, short_id(peer), exc)
                 break
@@ -648,7 +648,7 @@ class StageFetcher:
         if rec.peer_id is not None:
             rec.served_by[rec.peer_id] = rec.served_by.get(rec.peer_id, 0) + n
 
-    # --- issue #23: swarm fetch (kept apart from the whole-file and cache paths) --------------
+    # --- swarm fetch (kept apart from the whole-file and cache paths) --------------
     async def _swarm_book(self, job: _Job, manifest: PackageManifest) -> SourceBook | None:
         """The coordinator's signed source list for this stage, when it offers one."""
         coordinator = job.coordinator_id
@@ -665,13 +665,13 @@ class StageFetcher:
             return None
         job.report.chunk_bytes = latest.chunk_bytes
         refresh_s = self.swarm_refresh_s
-        if latest.partial and latest.ranks > 1:  # issue #23: report and look often
+        if latest.partial and latest.ranks > 1:  # report and look often
             refresh_s = min(refresh_s, PARTIAL_REFRESH_S)
         return SourceBook(ask, latest, refresh_s=refresh_s)
 
     def _have_report(self, report: _Report) -> tuple[dict[str, bytes], dict[str, bytes]]:
-        """This stage's verified chunks per file, and those being fetched (issue #23
-        ``partial-serve``); nothing before the coordinator's chunk size is known."""
+        """This stage's verified chunks per file, and those being fetched
+        (``partial-serve``); nothing before the coordinator's chunk size is known."""
         if self.partials is None or report.chunk_bytes is None:
             return {}, {}
         return self.partials.have(report.refs, report.whole, report.chunk_bytes)
@@ -688,7 +688,7 @@ class StageFetcher:
         entry = latest.by_path().get(item.path) if latest is not None else None
         min_holders = self.node.settings.swarm_min_holders
         if latest is not None and latest.partial and latest.ranks > 1:
-            # Issue #23: chunks even from one holder, so this node's partial can serve its
+            # Chunks even from one holder, so this node's partial can serve its
             # counterparts as it grows (only a chunk sink verifies chunk by chunk).
             min_holders = 1
         if book is None or entry is None or not worth_chunking(entry, min_holders):
@@ -752,7 +752,7 @@ class StageFetcher:
         ``batch`` holds what was received but not yet handed on."""
         idle = self.node.timeouts.idle_s
         min_rate = self.node.settings.security.min_transfer_bytes_per_s
-        guard = RateDeadline(idle, min_rate)  # a trickle cannot postpone the hub (issue #19)
+        guard = RateDeadline(idle, min_rate)  # a trickle cannot postpone the hub
         with guard.scope:
             while True:
                 # Every record received so far, as views (no copy, one call per batch).

@@ -1,4 +1,4 @@
-"""The one deadline a peer response is read under (issue #19: a trickle falls back).
+"""The one deadline a peer response is read under (a trickle falls back).
 
 One cancel scope per response, its deadline pushed on as bytes arrive (a scope per receive
 costs more than the bytes it guards: ~20k receives per GiB). It is pushed on only while the

@@ -1,4 +1,4 @@
-"""This node's partials that others may be served from (issue #23, ``partial-serve``).
+"""This node's partials that others may be served from (``partial-serve``).
 
 ``PartialRegistry`` holds the chunk sinks of this node's running swarm fetches, by artifact
 SHA-256. The serving handler asks it (``open_range``, on a worker thread, after the request

@@ -1,6 +1,6 @@
 """What a node remembers about artifact transfers: the stage it is fetching, the transfers in
-progress and the recent ones, and cumulative counters (issue #8; shown by the status
-document's ``transfers`` key and the operator page, counted by the metrics of issue #12).
+progress and the recent ones, and cumulative counters (shown by the status
+document's ``transfers`` key and the operator page, counted by the node metrics).
 
 Plain state, mutated only from the node's trio thread. Everything here is safe to show to an
 operator: artifact paths are repository-relative, errors are stable codes, never messages
@@ -41,7 +41,7 @@ class TransferRecord:
     error: str | None = None  # a stable code
     fallback: str | None = None  # fetch from the hub: why not from the peer (a code or answer)
     revision: str | None = None  # fetch from the cache: the other revision it was linked from
-    # Issue #23: fetch from peers: the bytes each node served (several in a swarm fetch), and
+    # Fetch from peers: the bytes each node served (several in a swarm fetch), and
     # the sources dropped (node id -> the code of what they did wrong).
     served_by: dict[str, int] = field(default_factory=dict)
     dropped: dict[str, str] = field(default_factory=dict)
@@ -101,7 +101,7 @@ class TransferRecord:
 @dataclass
 class TransferCounters:
     """Cumulative counters since the node started: the object a metrics collector reads
-    (issue #12: ``mesh_node_artifact_bytes_served_total``, ``..._fetched_total{source}``,
+    (``mesh_node_artifact_bytes_served_total``, ``..._fetched_total{source}``,
     ``..._verification_failures_total``, ``..._transfer_refusals_total{reason}``)."""
 
     served_bytes: int = 0  # artifact bytes this node sent to peers
@@ -112,8 +112,8 @@ class TransferCounters:
     refusals_received: Counter[str] = field(default_factory=Counter)  # peers' refusals, by answer
     serving_now: int = 0  # requests being served at this moment (a gauge)
     serving_peak: int = 0  # the most served at once since start
-    chunk_failures: int = 0  # issue #23: chunks that failed their signed digest
-    dropped_sources: int = 0  # issue #23: sources a swarm fetch stopped asking
+    chunk_failures: int = 0  # chunks that failed their signed digest
+    dropped_sources: int = 0  # sources a swarm fetch stopped asking
 
     def snapshot(self) -> dict[str, Any]:
         return {

@@ -1,4 +1,4 @@
-"""The serving side: the ``skippy-stage/2`` kind 0x03 stream handler (issue #8 section 3).
+"""The serving side: the ``skippy-stage/2`` kind 0x03 stream handler.
 
 Per stream: read one request frame (``RequestReader``, bounded, within the handshake
 timeout), take a serving slot (per link and per node), let ``ArtifactServer.serve`` decide and
@@ -108,7 +108,7 @@ class ArtifactHandler:
             await done.wait()
             return
         done = self._warm[tid] = trio.Event()
-        # Forget other topologies, but not the replicas this node coordinates (issue #23):
+        # Forget other topologies, but not the replicas this node coordinates:
         # their requests alternate, and each forgotten warm-up held them back again.
         current = {a.topology.topology_id for a in coordinated(self.node)}
         for old in [k for k in self._warm if k != tid and k not in current]:
@@ -206,7 +206,7 @@ class ArtifactHandler:
             and request.topology_id != active.topology.topology_id
             and peer_refusal(policy, peer_facts(inbound.peer)) is None  # else refused anyway
         ):
-            # Issue #23: a sibling replica's node, under that replica's topology as this
+            # A sibling replica's node, under that replica's topology as this
             # node's coordinator signed it (``mesh_node.transfer.siblings``); else refused
             # against this node's own topology, as before.
             sibling = await self.siblings.lookup(active, request)

@@ -1,4 +1,4 @@
-"""Peer artifact transfer as a node service (issue #8; ``mesh_node.node_service``): serving,
+"""Peer artifact transfer as a node service (``mesh_node.node_service``): serving,
 fetching, the ready report, the ``transfers`` and ``cache`` status sections and their metrics.
 
 - Serving: the kind 0x03 handler is served exactly when ``would_serve``, the same decision
@@ -10,7 +10,7 @@ fetching, the ready report, the ``transfers`` and ``cache`` status sections and 
   its descriptor to the coordinator over a control stream (kind 0x01), or records it
   directly when it is the coordinator; a failed fetch is reported too, with its code.
 
-For issue #10: ``result`` is the last ready stage (its ``StageLoad`` for the runtime), and
+For split serving: ``result`` is the last ready stage (its ``StageLoad`` for the runtime), and
 ``ready_hook`` (if given) runs between "installed and verified" and the report: it can load
 the stage into a runtime and return the descriptor extended into the admission descriptor.
 """
@@ -90,7 +90,7 @@ class ArtifactService:
         self.fetcher = StageFetcher(node, env, self.records, verify_cache=vc)
         policy = node_policy(node.settings, node.identity, node.wall_clock())
         self.serving = would_serve(policy)
-        # Issue #23: the coordinator's source lists, beside the serving handler (the
+        # The coordinator's source lists, beside the serving handler (the
         # swarm-transfer bit is advertised with artifact-transfer, ``features``).
         self.sources = SourcesHandler(
             node, self.server, self.records, ChunkDigestStore.beside(vc.root)
@@ -99,13 +99,13 @@ class ArtifactService:
         if self.serving:
             self._streams.append(StreamKind(pc.KIND_ARTIFACT_TRANSFER, self.handler))
             if node.settings.swarm_transfer:
-                # Issue #23: the verified chunks of this node's partials, served to peers
+                # The verified chunks of this node's partials, served to peers
                 # that advertise partial-serve and reported to its coordinator.
                 partials = PartialRegistry()
                 self.fetcher.partials = partials
                 self.server.partials = partials.open_range
                 self._streams.append(StreamKind(pc.KIND_SWARM_SOURCES, self.sources))
-                # and sibling replicas' topologies for their holders (issue #23)
+                # and sibling replicas' topologies for their holders
                 siblings = SiblingTopologyHandler(node)
                 self._streams.append(StreamKind(pc.KIND_SIBLING_TOPOLOGY, siblings))
         self.result: StageResult | None = None
@@ -124,11 +124,11 @@ class ArtifactService:
         bits when ``swarm_transfer`` is on; ``chunk-chain`` wherever SHA-256 chains run."""
         settings = self.node.settings
         bits: set[str] = set()
-        if sha256_chain.available():  # issue #23: chunks checked along a SHA-256 chain
+        if sha256_chain.available():  # chunks checked along a SHA-256 chain
             bits.add(pc.BIT_CHUNK_CHAIN)
         if would_serve(node_policy(settings, self.node.identity, now_s)):
             bits.add(pc.BIT_ARTIFACT_TRANSFER)
-            if settings.swarm_transfer:  # issue #23: chunk ranges and source lists
+            if settings.swarm_transfer:  # chunk ranges and source lists
                 bits.add(pc.BIT_SWARM_TRANSFER)
                 bits.add(pc.BIT_SIBLING_SERVE)  # and serving sibling replicas' stages
                 bits.add(pc.BIT_CHUNK_RUNS)  # and runs of chunks on one stream
@@ -188,7 +188,7 @@ class ArtifactService:
         topology = active.topology
         with scope:
             if active.role == "coordinator":
-                # Issue #23: the workers' chunk digests first (their source lists wait for
+                # The workers' chunk digests first (their source lists wait for
                 # them, and until then nothing moves); this stage is needed only once every
                 # worker is ready. At once without swarm transfer.
                 with trio.move_on_after(WORKERS_FIRST_S):

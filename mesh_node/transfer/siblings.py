@@ -1,4 +1,4 @@
-"""Serving across sibling replicas of one coordinator (issue #23; kind 0x05, ``sibling-serve``).
+"""Serving across sibling replicas of one coordinator (kind 0x05, ``sibling-serve``).
 
 A holder (a worker of replica 0) gets a chunk request naming replica 1's topology, which it
 never accepted. It asks *its own* coordinator for that topology (``SiblingBook.lookup``, one
@@ -74,7 +74,7 @@ def speaks_siblings(node: MeshNode, node_id: str) -> bool:
 
 
 def coordinated(node: MeshNode) -> list[ActiveTopology]:
-    """Every topology this node coordinates now: its own and its replicas' (issue #23)."""
+    """Every topology this node coordinates now: its own and its replicas'."""
     service = node.service(TopologyService)
     out = [a for a in [service.active, *(s.active for s in service.siblings)] if a is not None]
     return [a for a in out if a.role == "coordinator"]

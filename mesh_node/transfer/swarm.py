@@ -1,4 +1,4 @@
-"""Swarm fetch (issue #23 items 2-3): signed source lists and chunk-verified, multi-source
+"""Swarm fetch: signed source lists and chunk-verified, multi-source
 transfer of one artifact.
 
 Coordinator (``SourcesHandler``, kind 0x04, registered with the serving handler): a worker
@@ -122,7 +122,7 @@ MAX_IN_FLIGHT: Final = 8  # chunks of one artifact requested at once, over all i
 RUN_CHUNKS: Final = 8  # chunks in one run at most (64 MiB at the default 8 MiB)
 RUN_STREAMS: Final = 2  # runs in flight per holder
 # Received chunks wait in memory until they are checked and written: that memory is taken from
-# the node's peer-memory budget (``mesh_node.budget.PeerMemory``, issue #19) under one trusted
+# the node's peer-memory budget (``mesh_node.budget.PeerMemory``) under one trusted
 # account for every swarm fetch of the node, and all of them together hold at most this part
 # of the budget (the links need the rest to keep receiving).
 CHUNK_BUDGET_FRACTION: Final = 0.5
@@ -136,7 +136,7 @@ ENDGAME_AFTER_S: Final = 1.0
 # refreshes (0.5 s) later. Measured (one 7-node bring-up): the coordinator's CPU over the
 # fetch 2.15 -> 2.7 s, at most 20 asks a second per waiting fetch; 0.1 s gained half as much.
 WAITING_REFRESH_S: Final = 0.05
-# Issue #23 ``partial-serve``: streams to the coordinator per file while counterparts
+# ``partial-serve``: streams to the coordinator per file while counterparts
 # exchange chunks (one chunk a request), so what it still has in flight when a counterpart
 # verifies the same chunk is small.
 PARTIAL_COORDINATOR_STREAMS: Final = 2
@@ -235,7 +235,7 @@ BUSY_FRESH_S: Final = 2.0
 
 @dataclass(frozen=True)
 class Holding:
-    """One node's last have-report (issue #23 ``partial-serve``): path -> chunks verified,
+    """One node's last have-report (``partial-serve``): path -> chunks verified,
     path -> chunks being fetched, and when it came (trio clock)."""
 
     have: dict[str, frozenset[int]]
@@ -260,7 +260,7 @@ class SourcesHandler:
         self.records = records
         self.digests = digests
         self.chunk_bytes = chunk_bytes  # the coordinator chooses; tests use small chunks
-        # Issue #23 ``partial-serve``: (topology id, node) -> path -> the chunks that node
+        # ``partial-serve``: (topology id, node) -> path -> the chunks that node
         # reported verified (its have-reports, after its source requests); only the
         # coordinator's current topologies are kept.
         self.holdings: dict[tuple[str, str], Holding] = {}
@@ -371,7 +371,7 @@ class SourcesHandler:
         self, inbound: InboundStream, request: ArtifactRequest, report: bytes | None = None
     ) -> bytes | None:
         node = self.node
-        # The requester's replica's topology (issue #23 item 1), as the artifact server does:
+        # The requester's replica's topology, as the artifact server does:
         # with ``active`` alone a second replica's workers got no list and fetched every
         # file whole from this node (seen in ``mesh-node lab --nodes 7 --replicas 2``).
         active = node.service(TopologyService).active_for(inbound.peer.node_id)
@@ -398,7 +398,7 @@ class SourcesHandler:
         ready = [nid for nid, r in active.reports.items() if r.state == "ready"]
         servers = {s.node_id for s in topology.stages if speaks_swarm(node, s.node_id)}
         servers.add(node.node_id)  # this node serves (the handler is registered only then)
-        # Issue #23: the sibling replicas' ready nodes, when the requester takes them and
+        # The sibling replicas' ready nodes, when the requester takes them and
         # they serve siblings (each asks this node for the requester's topology).
         siblings: list[tuple[SplitTopology, list[str]]] = []
         if speaks_siblings(node, inbound.peer.node_id):
@@ -551,7 +551,7 @@ async def ask_sources(
     have: Callable[[], tuple[Mapping[str, bytes], Mapping[str, bytes]]] | None = None,
 ) -> SourceList:
     """The coordinator's signed list for this node's stage, checked; a ``SkippyError`` or
-    ``MeshError`` when there is none to trust. ``have`` (issue #23 ``partial-serve``, both
+    ``MeshError`` when there is none to trust. ``have`` (``partial-serve``, both
     ends advertising it): this node's verified chunks per file, in the coordinator's chunk
     size (the last list's), sent after the request."""
     request = request_for(
@@ -710,7 +710,7 @@ class SwarmFetch:
         # chunk -> source -> the cancel scope of that source's copy (two in the end-game);
         # None for a chunk of a run (its stream carries other chunks: never cancelled for one)
         self._fetching: dict[int, dict[str, trio.CancelScope | None]] = {}
-        # Issue #23 ``partial-serve``: counterparts exchange what each verified; this fetch's
+        # ``partial-serve``: counterparts exchange what each verified; this fetch's
         # order among them, and per holder the chunks it was listed with (None: all).
         latest = book.latest
         self.partial = latest.partial and latest.ranks > 1
@@ -785,7 +785,7 @@ class SwarmFetch:
         ][:MAX_SOURCES]
         # The coordinator last: it is every worker's source, the other holders serve only
         # their counterparts, so a file of one chunk (most layer files) goes to a peer and the
-        # coordinator's uplink is left for what only it holds (issue #23, docs/performance.md).
+        # coordinator's uplink is left for what only it holds (docs/performance.md).
         usable.sort(key=lambda h: h == self.coordinator_id)
         for holder in usable:
             self._runs.setdefault(holder, speaks_runs(self.node, holder))
@@ -820,7 +820,7 @@ class SwarmFetch:
         return sched.take_run(most, trio.current_time(), self._allow(holder))
 
     def _allow(self, holder: str) -> Callable[[int], bool] | None:
-        """Which chunks ``holder`` is asked for (issue #23 ``partial-serve``): a partial
+        """Which chunks ``holder`` is asked for (``partial-serve``): a partial
         holder only those it was listed with; the coordinator, while counterparts exchange,
         only those no other holder in use has (its uplink then carries each distinct chunk
         about once; ``allowed_from_coordinator``)."""
@@ -1069,7 +1069,7 @@ class SwarmFetch:
         source: str,
     ) -> None:
         """The response into ``out``. As in ``StageFetcher._receive_into``: one deadline,
-        pushed on only while the source keeps ``min_transfer_bytes_per_s`` (issue #19), so a
+        pushed on only while the source keeps ``min_transfer_bytes_per_s``, so a
         trickle is dropped like a stall."""
         idle = self.node.timeouts.idle_s
         min_rate = self.node.settings.security.min_transfer_bytes_per_s

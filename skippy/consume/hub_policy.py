@@ -1,4 +1,4 @@
-"""The hub traffic policy, in one place (issue #11 section 6).
+"""The hub traffic policy, in one place.
 
 Every request huggingface_hub makes for us goes through ``PolicyTransport``, installed as its
 HTTP client: connect and read timeouts, bounded retries of idempotent requests (GET, HEAD) on

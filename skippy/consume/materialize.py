@@ -217,7 +217,7 @@ def _build(
             "a stage selection must start with shared metadata", code="bad_selection"
         )
     # Schema 2: the first part is the metadata carrier; its directory describes the payload
-    # parts (issue #24), so it is read header-only and contributes only its KV.
+    # parts, so it is read header-only and contributes only its KV.
     v2 = sel.manifest.schema_version == 2
     with contextlib.ExitStack() as stack:
         files: list[GGUFFile] = []
@@ -282,7 +282,7 @@ def materialize_stage(
         seconds = time.perf_counter() - t0
         return MaterializeResult(out, key, False, out.stat().st_size, n, seconds, sha256=sha)
 
-    if not out.parent.is_dir():  # issue #11: never create folders the user did not ask for
+    if not out.parent.is_dir():  # never create folders the user did not ask for
         raise UsageError(
             f"--out {out}: the folder {out.parent} does not exist",
             code="output_parent_missing",

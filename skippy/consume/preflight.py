@@ -88,7 +88,7 @@ REMEDIATIONS: Final[Mapping[str, str]] = {
     "invalid_artifact_gguf": "the file is not a readable GGUF fragment: fetch it again",
     "tensor_count_mismatch": "the fragment and the manifest disagree: rewrite the package",
     "tensor_bytes_mismatch": "the fragment and the manifest disagree: rewrite the package",
-    # schema 2 (issue #24; docs/cli.md "v2 validation codes")
+    # schema 2 (docs/cli.md "v2 validation codes")
     "unknown_field": "a schema-2 root is closed: republish it with a schema-2 writer",
     "package_identity_mismatch": "the root was edited after it was written: fetch it again",
     "carrier_has_payload": "shared/metadata.gguf must hold no tensor bytes: republish",
@@ -229,7 +229,7 @@ def prepare_stage(
     ``SKIPPY_VERIFY_PACKAGE_SHA`` for local directories). Raise on any problem."""
     sel = select_stage(pkg.manifest, layers, projector_path=projector_path, text_only=text_only)
     # A local directory also checks every declared projector (spec "Consumer Validation"); a
-    # hub stage holds only its selection and must not fetch more (issue #3: a stage never
+    # hub stage holds only its selection and must not fetch more (a stage never
     # reads or downloads an artifact outside its selection).
     declared_projectors = (
         [] if pkg.from_hub else [r for r in pkg.manifest.artifacts() if r.role == ROLE_PROJECTOR]

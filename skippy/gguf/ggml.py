@@ -17,7 +17,7 @@ ggml aborts the whole process on a failed ``GGML_ASSERT`` (no exception). Caller
 every shape, type, size and alignment in Python *before* calling in (the stage runtime does
 it in ``skippy.runtime.weights`` and at each call).
 
-How to add a declaration (e.g. the quantize functions of issue #13): add a stub method to
+How to add a declaration (e.g. the quantize functions): add a stub method to
 ``Ggml`` in the section it belongs to, decorated with ``@_c(restype, *argtypes)`` with the
 exact C signature from the header, and a typed Python signature. ``load()`` binds every
 decorated method to the library symbol of the same name (searched in ggml-base, then
@@ -173,7 +173,7 @@ def tensor_struct(tensor: int) -> GgmlTensorStruct:
 GGML_LOG_CALLBACK = ctypes.CFUNCTYPE(None, c_int, c_char_p, c_void_p)
 
 
-# --- quantization structs (issue #13, skippy-quantize) --------------------------------------
+# --- quantization structs (skippy-quantize) --------------------------------------
 # ggml_to_float_t: void (*)(const void * x, float * y, int64_t k). A CFUNCTYPE call releases
 # the GIL like any other foreign call, so dequantizing runs on several threads.
 GGML_TO_FLOAT = ctypes.CFUNCTYPE(None, c_void_p, c_void_p, c_int64)
@@ -453,7 +453,7 @@ class Ggml:
     @_c(c_int, _ptr, _ptr)
     def ggml_backend_graph_compute(self, backend: int, graph: int) -> int: ...
 
-    # ==== quantization (ggml.h; issue #13, skippy-quantize) =====================================
+    # ==== quantization (ggml.h, skippy-quantize) =====================================
     # ggml_quantize_chunk aborts (GGML_ASSERT) on an imatrix-only type without an imatrix and on
     # a start that is not a whole row; skippy.produce.quant_stream checks both first.
     @_c(None, c_int)

@@ -1,4 +1,4 @@
-"""A split planner that knows what links and nodes cost (issue #21 section 3; pure).
+"""A split planner that knows what links and nodes cost (pure).
 
 ``plan_topology`` (``skippy.package.topology``) places byte-balanced stages by memory budget
 and stays the default; this module ranks alternatives by predicted decode time per token:
@@ -41,7 +41,7 @@ class NodeCost:
 
     node_id: str
     memory_budget_bytes: int
-    decode_s_per_layer: float  # seconds per layer per token (a calibration run, issue #21)
+    decode_s_per_layer: float  # seconds per layer per token (a calibration run)
     # Seconds per token for the output head (logits) when this node holds the last stage:
     # on gemma3-270m the 262144-row head costs more than all 18 layers (docs/runtime-facts.md).
     head_s: float = 0.0

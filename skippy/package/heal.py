@@ -1,4 +1,4 @@
-"""Healing a split topology whose nodes went away (pure; issue #18 item 2).
+"""Healing a split topology whose nodes went away (pure).
 
 ``heal_topology`` keeps every stage whose node is linked now (a node that came back with the
 same id keeps its own stage: its verified parts are still in its cache), and moves each stage

@@ -168,7 +168,7 @@ class Manifest:
         return out
 
 
-# Either schema version, as the consumers and peer transfer hold it (issue #24).
+# Either schema version, as the consumers and peer transfer hold it.
 PackageManifest = Manifest | ManifestV2
 
 
@@ -603,7 +603,7 @@ def check_manifest(
 
 
 def _identity_text_findings(m: Manifest) -> Iterator[Finding]:
-    """Issue #11: the rule write-package applies to provenance, applied to what a manifest
+    """The rule write-package applies to provenance, applied to what a manifest
     says: no control or bidi character in an identity string, and the source file names are
     paths inside the source repository. (``source_model.path`` may be a local absolute path,
     as in the spec's example, so only the character rule applies to it.)"""

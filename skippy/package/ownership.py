@@ -41,7 +41,7 @@ def owner_of(tensor_name: str) -> Owner:
 
 def has_tied_embeddings(tensor_names: Iterable[str]) -> bool:
     """The one rule: the model projects logits through ``token_embd.weight`` because it has
-    no ``output.weight`` (issue #2: recorded as the additive manifest field ``tied_embeddings``)."""
+    no ``output.weight`` (recorded as the additive manifest field ``tied_embeddings``)."""
     names = set(tensor_names)
     return TOKEN_EMBEDDING_TENSOR in names and OUTPUT_WEIGHT_TENSOR not in names
 

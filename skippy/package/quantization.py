@@ -1,4 +1,4 @@
-"""The additive manifest block ``quantization`` (skippy-quantize, issue #13).
+"""The additive manifest block ``quantization`` (skippy-quantize).
 
 A package written by ``skippy-quantize quantize-layer-package`` records how its tensors were
 made from the high-precision source, so a consumer can tell what it runs and a publisher's

@@ -97,7 +97,7 @@ class SplitTopology:
     manifest_sha256: str
     layer_count: int
     stages: tuple[StageAssignment, ...]
-    # The coordinator's signing counter (issue #19): set by the one function that signs a
+    # The coordinator's signing counter: set by the one function that signs a
     # topology (``mesh_node.coordination.sign_topology``); a worker refuses one that is not
     # newer than the last it accepted from that coordinator. 0: never signed.
     epoch: int = 0
@@ -258,8 +258,8 @@ def plan_topology(
     stages: int | None = None,
     first_node: str | None = None,
 ) -> SplitTopology:
-    """Split the package over ``nodes`` (issue #7 §6), using the manifest's per-artifact bytes.
-    With ``first_node`` (a serving coordinator, issue #10: it hosts stage 0 and the API),
+    """Split the package over ``nodes``, using the manifest's per-artifact bytes.
+    With ``first_node`` (a serving coordinator: it hosts stage 0 and the API),
     stage 0 is placed on that node and the other stages on the others.
 
     Ranges are byte-balanced (``skippy.package.plan``); the largest stage goes to the node with
@@ -337,7 +337,7 @@ def plan_topology(
 
 def pin_first_stage(topology: SplitTopology, first: LayerRange) -> SplitTopology:
     """``topology`` with stage 0 holding exactly ``first`` (replicas share the coordinator's
-    loaded stage 0, issue #23 item 1: each replica's planner may cut stage 0 differently,
+    loaded stage 0: each replica's planner may cut stage 0 differently,
     e.g. the cost planner weighting its own workers' speeds). Only the boundary between
     stages 0 and 1 moves; every stage keeps its node. A ``TopologyError`` when stage 1 would
     be left empty (the caller then cannot share stage 0 with this plan)."""
@@ -374,7 +374,7 @@ def plan_like(
     nodes: Sequence[NodeCapacity],
     sizes: ModelSizes,
 ) -> SplitTopology:
-    """A replica's plan with replica 0's layer ranges (issue #23 item 1): the same stages on
+    """A replica's plan with replica 0's layer ranges: the same stages on
     other nodes, so every stage's files have a second holder (replica 0's node) a swarm
     fetch can use, and stage 0 is the coordinator's loaded one. When the stage counts differ
     or a node cannot hold its copied range, only stage 0 is pinned (``pin_first_stage``)."""
@@ -404,7 +404,7 @@ def replace_node(
     *,
     topology_id: str,
 ) -> SplitTopology:
-    """The same split with ``lost``'s stage moved to a capable candidate (issue #10 section 4):
+    """The same split with ``lost``'s stage moved to a capable candidate:
     every other stage stays where it is (its node keeps its loaded layers), the run id stays;
     the candidate is the one with the largest budget among those not in the topology whose
     budget holds the stage. ``TopologyError(code="no_capable_peer")`` when none can."""

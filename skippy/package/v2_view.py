@@ -1,4 +1,4 @@
-"""A package-v2 root seen through the consumers' vocabulary (issue #24 item 1).
+"""A package-v2 root seen through the consumers' vocabulary.
 
 ``ManifestV2`` answers what selection, preflight, fetch, verification and peer transfer ask
 of a v1 ``Manifest``: the model, its layer count, every artifact as an ``ArtifactRef`` with a

@@ -1,5 +1,5 @@
 """One read of each byte: hash the source and the package while comparing their tensor bytes
-(issue #14 section 2, for validate-package).
+(for validate-package).
 
 Two passes run at once, one per core: the *source pass* reads the source shards in file order
 and hashes them; the *package pass* reads every artifact in turn and hashes it. Tensor bytes

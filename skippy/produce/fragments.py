@@ -1,6 +1,6 @@
 """Fragment planning: which tensors and KV records go into which package artifact (pure).
 
-Spec "Repository Layout" fixes the names; issue #2 fixes the ownership rule (see
+Spec "Repository Layout" fixes the names; the ownership rule is ours (see
 ``skippy.package.ownership``). Every fragment is also one split of a llama.cpp split set so stock
 llama.cpp can load any contiguous selection straight from the parts: ``split.no`` in every
 fragment, ``split.count`` / ``split.tensors.count`` in ``shared/metadata.gguf`` (split 0),

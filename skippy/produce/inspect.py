@@ -1,11 +1,10 @@
 """inspect: what a GGUF (or a whole split set) or a package holds, without touching tensor
 bytes. (plan's inputs, which need the fragment planner and the writer, are in
-``skippy.produce.sizes``: ``inspect`` as a command imports only this module's light needs,
-issue #14.)
+``skippy.produce.sizes``: ``inspect`` as a command imports only this module's light needs.)
 
 Uses only the bounded header reader (no ``import gguf``: it alone costs ~0.23 s), so
 inspecting gemma3-270m takes tens of milliseconds where ``gguf.GGUFReader`` needs ~12 s. A
-split set is read whole from its first shard, as write-package reads it (issue #11).
+split set is read whole from its first shard, as write-package reads it.
 
 Of a whole model (a GGUF, a package) it also says whether the stage runtime runs it, its
 experts (``skippy.package.experts``, whose MoE checks raise a coded error here) and its

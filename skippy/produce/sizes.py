@@ -1,5 +1,5 @@
 """plan's inputs: each part's bytes, from a package's manifest or from a source GGUF exactly
-as write-package would write it (issue #11)."""
+as write-package would write it."""
 
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ def _sizes_v2(m: ManifestV2) -> ModelSizes:
 
 def sizes_from_source(path: Path) -> ModelSizes:
     """Each part's bytes exactly as write-package would write it (headers, the metadata and
-    tokenizer, padding), so ``plan`` of a GGUF equals ``plan`` of its package (issue #11)."""
+    tokenizer, padding), so ``plan`` of a GGUF equals ``plan`` of its package."""
     with SourceModelFiles(path) as src:
         n = arch_int(src.head, "block_count")
         if n is None or not 1 <= n <= MAX_LAYER_COUNT:

@@ -251,7 +251,7 @@ class WriteResult:
     bytes_written: int
     source_bytes: int
     removed_stale: tuple[str, ...] = field(default=())
-    # When each phase ended, in seconds since the start (issue #14: where the time goes):
+    # When each phase ended, in seconds since the start (where the time goes):
     # plan (source header parsed, fragments planned), source_hash, fragments, finish.
     phases: dict[str, float] = field(default_factory=dict)
 
@@ -322,7 +322,7 @@ def _write_lock(out_dir: Path) -> Iterator[None]:
 
 
 def _check_out_dir(out_dir: Path, overwrite: bool) -> bool:
-    """Issue #11: without --overwrite, write only into a new or empty folder (a folder holding
+    """Without --overwrite, write only into a new or empty folder (a folder holding
     anything, a package or the user's own files, is ``output_exists``). True when the folder
     is new or empty: a failed run may then remove everything it wrote (``_FreshFolder``)."""
     try:
@@ -824,7 +824,7 @@ def write_package(source: Path, opts: WriteOptions) -> WriteResult:
             cancel.set()
             pool.shutdown(wait=True, cancel_futures=True)
             # With a hook, whole artifacts stay (no manifest names them, so nothing trusts
-            # them): --resume-existing-artifacts verifies and reuses them (issue #24).
+            # them): --resume-existing-artifacts verifies and reuses them.
             if fresh is not None and opts.hook is None:
                 fresh.undo(destinations)
             raise

@@ -1,5 +1,5 @@
-"""Which weight types a batched decode graph may multiply as one ``[k, B]`` matrix (issue #22
-item 6), found by asking this process's ggml.
+"""Which weight types a batched decode graph may multiply as one ``[k, B]`` matrix, found by
+asking this process's ggml.
 
 A batch of B sessions' one-position steps can meet a weight two ways:
 

@@ -81,7 +81,7 @@ class StageLoad:
     # log a correctness-preserving fallback, and never re-resolve it.
     speculative: SpeculativePlan | None = None
     # 2: the first part is a package-v2 metadata carrier (no payload; its tensor directory
-    # describes the payload parts) and the others are payload parts (issue #24).
+    # describes the payload parts) and the others are payload parts.
     schema_version: int = 1
 
     def __post_init__(self) -> None:

@@ -1,4 +1,4 @@
-"""Calibrating the stage runtime on this machine (issue #21 section 3): seconds per layer per
+"""Calibrating the stage runtime on this machine: seconds per layer per
 token, decode and prefill, that a cost-aware planner (``skippy.package.cost_plan``) weighs
 nodes by.
 

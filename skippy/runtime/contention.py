@@ -1,5 +1,5 @@
 """How many CPU threads a stage should use right now: its cap, lowered while other processes
-keep this machine's cores busy (issue #25 item 1).
+keep this machine's cores busy.
 
 ggml's CPU backend meets its threads at an OpenMP barrier after every op. When another process
 holds one of the cores, the kernel preempts one of a 2-thread graph's threads and the other
@@ -33,7 +33,7 @@ PROC_STAT: Final = "/proc/stat"
 TASK_DIR: Final = "/proc/self/task"
 # Our threads' run-queue wait, in cores' worth over a short window, from which a thread is
 # given up: quiet, a stage's threads wait ~0; beside one busy process a 2-thread graph's
-# threads wait about half the time (measured: docs/performance.md, issue #25).
+# threads wait about half the time (measured: docs/performance.md).
 WAIT_DOWN_CORES: Final = 0.2
 SHORT_WINDOW_S: Final = 0.05
 # A pause between step graphs after which the windows restart (at the cap).

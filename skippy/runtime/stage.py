@@ -490,7 +490,7 @@ class StageBase(ABC, Generic[S]):
         return self._output(out, sampler)
 
     def decode_batch(self, steps: Sequence[DecodeStep]) -> list[StageOutput]:
-        """Several sessions' ``decode`` steps at once (continuous batching, issue #22 item 6):
+        """Several sessions' ``decode`` steps at once (continuous batching):
         the outputs, in order, equal each step's own ``decode`` bit for bit (the ggml engine
         runs them in one graph: one pass over the weights for the whole batch). Every step is
         checked before any runs; a refusal of one refuses the call (the caller may then run

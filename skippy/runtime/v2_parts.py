@@ -1,4 +1,4 @@
-"""A package-v2 stage as one GGUF for stock llama.cpp (issue #24).
+"""A package-v2 stage as one GGUF for stock llama.cpp.
 
 Upstream's patched llama.cpp loads a metadata carrier plus ordered payload parts directly
 (spec "v2 fetching"); stock llama.cpp (llama-cpp-python 0.3.36) cannot: v2 parts carry no

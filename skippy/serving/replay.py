@@ -1,4 +1,4 @@
-"""The schedule of stage calls that computes a request's positions (pure; issue #18 item 1).
+"""The schedule of stage calls that computes a request's positions (pure).
 
 One function decides how a request's committed tokens (the prompt, then every token generated
 so far) are fed through the stages, for the first attempt and for a replay after a failover

@@ -1,4 +1,4 @@
-"""Replicas of a split (issue #23 item 1): the pure decisions.
+"""Replicas of a split: the pure decisions.
 
 A serving coordinator may run R independent pipelines of the same package. Every replica holds
 stage 0 on the coordinator (it embeds the prompt, runs the API and the tokenizer) and its
@@ -78,7 +78,7 @@ def check_replicas(replicas: int, stages: int | None) -> None:
         )
 
 
-# Issue #23: how long another replica waits for replica 0 to be ready before it is planned
+# How long another replica waits for replica 0 to be ready before it is planned
 # anyway (its nodes then fetch from the coordinator alone, as without siblings).
 STAGGER_MAX_S: Final = 60.0
 

@@ -1,12 +1,12 @@
 """The stage descriptor a node sends with its ready report, and the coordinator's check (pure).
 
-Issue #8 section 4: "When every required part is installed and verified, the worker reports
+"When every required part is installed and verified, the worker reports
 ready to the coordinator". The report carries this descriptor: which package (ref and
 manifest SHA-256) and which stage (index, half-open layer range) the node holds, and how many
 artifacts and bytes it verified for it. The coordinator checks it against the topology it
 signed (``admission_problem``) before it counts the stage as ready.
 
-Issue #10 extends this value into the admission descriptor once a runtime has loaded the
+Extends this value into the admission descriptor once a runtime has loaded the
 stage: ``runtime`` (``RuntimeFacts``: model id, activation width and dtype, runtime version,
 engine, context, vocabulary) is present exactly when the node serves the stage, and a
 coordinator that serves checks it against its own (``admission_problem(..., expect=)``).
@@ -205,7 +205,7 @@ def admission_problem(
 
 
 def runtime_problem(got: RuntimeFacts | None, expect: RuntimeFacts) -> tuple[str, str] | None:
-    """Why a stage's runtime cannot join a route served with ``expect`` (issue #10 section 1:
+    """Why a stage's runtime cannot join a route served with ``expect`` (
     same model, activation width and dtype, runtime version; at least the same context)."""
     if got is None:
         return "stage_not_loaded", "the stage is fetched but not loaded in a runtime"

@@ -27,7 +27,7 @@ header alone::
                  sends every frame so; every stage passes them on)
     ACK          the receiver has taken the frame at ``start`` (early acknowledgement: sent
                  on receipt, before computing it); no payload
-                 phase verify (issue #22, only to a peer advertising ``verify-window``):
+                 phase verify (only to a peer advertising ``verify-window``):
                  a speculative verify window, count = 1 + drafted tokens at start..start+count,
                  payload the rows then the window's count token ids (u32: the committed token
                  and the drafts) so the final stage can accept; flag SAMPLE required. The next
@@ -98,7 +98,7 @@ class Kind(IntEnum):
 class Phase(IntEnum):
     PREFILL = 0
     DECODE = 1
-    VERIFY = 2  # a speculative verify window (issue #22; feature bit ``verify-window``)
+    VERIFY = 2  # a speculative verify window (feature bit ``verify-window``)
 
 
 class Flag(IntFlag):

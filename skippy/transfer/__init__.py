@@ -1,4 +1,4 @@
-"""Peer artifact transfer, skippy's side (spec "Peer Cache Transfer", issue #8).
+"""Peer artifact transfer, skippy's side (spec "Peer Cache Transfer").
 
 The spec splits the work: "Mesh owns only the subprotocol open envelope; Skippy owns the
 artifact request/response schema, authorization semantics, and byte framing." Everything

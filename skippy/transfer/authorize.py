@@ -1,4 +1,4 @@
-"""``authorize()``: may this peer have this artifact? (pure; issue #8 section 3)
+"""``authorize()``: may this peer have this artifact? (pure)
 
 The serving node refuses with one generic ``artifact unavailable`` (``artifact transfer
 disabled`` when the mode is disabled) unless all hold:

@@ -1,5 +1,5 @@
 """The receiving side of a chunked transfer: chunks from any source, each checked against its
-signed digest, written at its offset in the hidden partial (issue #23 item 3).
+signed digest, written at its offset in the hidden partial.
 
 The same partial, lock and install as ``ArtifactSink`` (``skippy.transfer.sink``): one
 ``blobs/.<sha256>.<pid>.<nanos>.part`` per artifact, the artifact's install lock held from
@@ -214,7 +214,7 @@ class ChunkSink(ArtifactSink):
 
     def open_verified(self, start: int, stop: int) -> int | None:
         """A new read descriptor of the partial when ``[start, stop)`` is a run of chunks that
-        were each checked against their signed digest and written (issue #23: a partial
+        were each checked against their signed digest and written (a partial
         holder serves only those, ``skippy.transfer.partials.covered``); None otherwise. The
         caller keeps ``finish``/``abort`` from running meanwhile (they close the partial); a
         chunk is in ``verified`` only once it is written, so no lock is needed here."""

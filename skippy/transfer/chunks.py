@@ -1,4 +1,4 @@
-"""Fixed-size chunks of an artifact and their SHA-256 digests (issue #23 item 3).
+"""Fixed-size chunks of an artifact and their SHA-256 digests.
 
 An artifact of ``size`` bytes is cut into ``ceil(size / chunk_bytes)`` chunks, every one
 ``chunk_bytes`` long but the last. The coordinator computes, from its verified copy, one
@@ -141,7 +141,7 @@ def digest_chunks(
 ) -> tuple[bytes, ...]:
     """One read of ``path``: the per-chunk digests, returned only when the whole file is
     ``size`` bytes and hashes to ``sha256`` (the digests vouch for nothing else). ``proven``:
-    the caller verified this very file already (its verification record, issue #23: at
+    the caller verified this very file already (its verification record: at
     bring-up the coordinator computes these while every worker waits), so only its size is
     checked here, and the file is hashed once, not twice. ``chain``: the SHA-256 chain
     (``chain_fits`` first), whose last link is the whole file's digest, so it proves the file
@@ -383,7 +383,7 @@ class ChunkScheduler:
         self.done: set[int] = {i for i in done if 0 <= i < count}
         self.in_flight: Counter[int] = Counter()  # chunk -> copies being fetched
         self._taken_at: dict[int, float] = {}  # chunk -> when its first copy was asked for
-        # ``order`` (issue #23 ``partial-serve``): this fetch's own order, so counterparts
+        # ``order`` (``partial-serve``): this fetch's own order, so counterparts
         # fetching the same file start at opposite ends (``skippy.transfer.partials``).
         seq = range(count) if order is None else order
         self._pending: deque[int] = deque(i for i in seq if 0 <= i < count and i not in self.done)
@@ -399,7 +399,7 @@ class ChunkScheduler:
 
     def take(self, now: float = 0.0, allow: Callable[[int], bool] | None = None) -> int | None:
         """The next chunk to fetch, or None when every chunk is done or in flight. ``now``
-        (any clock) dates the copy for ``take_duplicate``. ``allow`` (issue #23: a partial
+        (any clock) dates the copy for ``take_duplicate``. ``allow`` (a partial
         holder has only some chunks; the coordinator leaves those others hold): the first
         waiting chunk it allows, the others keep their places."""
         while self._pending and (self._pending[0] in self.done or self.in_flight[self._pending[0]]):
@@ -418,7 +418,7 @@ class ChunkScheduler:
     def take_run(
         self, most: int, now: float = 0.0, allow: Callable[[int], bool] | None = None
     ) -> list[int]:
-        """Up to ``most`` chunks in a row (one range request, issue #23): the next chunk to
+        """Up to ``most`` chunks in a row (one range request): the next chunk to
         fetch, then the chunks that follow it while they are next in line (and ``allow``ed);
         [] as ``take`` gives None."""
         first = self.take(now, allow)
@@ -490,7 +490,7 @@ class ChunkScheduler:
 
 
 def run_length(waiting: int, streams: int, most: int) -> int:
-    """How many chunks in a row one stream asks for (issue #23): enough that per-request costs
+    """How many chunks in a row one stream asks for: enough that per-request costs
     (a request, an authorization, a stream whose window starts small) are paid once per run,
     few enough that the waiting chunks still spread over every stream (``streams`` of them,
     over every holder: each gets its share; the runs shrink as the file's end nears, which

@@ -1,4 +1,4 @@
-"""Delta revisions (issue #23 item 4): a new revision's artifacts that another revision in
+"""Delta revisions: a new revision's artifacts that another revision in
 the hub cache already holds, verified, move no bytes; their blob is linked into the new
 snapshot.
 
@@ -12,7 +12,7 @@ snapshot.
   carried over to the new manifest's key when the old one still covers the file's stamp; else
   the linked file is hashed once. Nothing that fails a check is ever linked.
 
-Issue #19's rule ("the cache tells the truth about commits", docs/security.md) decides
+The rule ("the cache tells the truth about commits", docs/security.md) decides
 *where* the link goes, not this module: the caller's ``RepoCache`` is the commit's snapshot
 for a trusted coordinator's topology and ``peer-snapshots/<manifest sha256>/`` otherwise, so
 an untrusted topology never writes under a commit. A blob first received for a peer area may

@@ -1,4 +1,4 @@
-"""Disk budgets for what peers make a node store (issue #19 item 3).
+"""Disk budgets for what peers make a node store.
 
 - ``stage_disk_problem`` (pure): the declared sizes of a stage's artifacts are checked before
   a byte of them is written: the stage must fit the node's announced memory budget (a stage is

@@ -1,4 +1,4 @@
-"""The cache budget's eviction (issue #23 item 5): least-recently-used blobs that nothing on
+"""The cache budget's eviction: least-recently-used blobs that nothing on
 this node needs make room for a stage's fetch.
 
 - ``plan_eviction`` (pure): given every blob with its size, last use and whether it is pinned,

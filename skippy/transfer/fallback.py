@@ -1,4 +1,4 @@
-"""The hub fallback for one artifact a peer could not deliver (issue #8 section 4: "fall back
+"""The hub fallback for one artifact a peer could not deliver ("fall back
 to the hub for that artifact; never install a partial or unverified file").
 
 huggingface_hub downloads it into the same cache the peer sink fills (its own hidden

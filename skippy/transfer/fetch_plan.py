@@ -1,6 +1,6 @@
 """The worker's fetch plan (pure): the manifest first, then what its stage lacks.
 
-Issue #8 section 4: on its topology a worker fetches ``model-package.json`` first (checked
+On its topology a worker fetches ``model-package.json`` first (checked
 against the topology's SHA-256), computes its required set from the verified manifest, skips
 what is already present and verified, and fetches the rest. Which artifacts are present is a
 question for the cache (``skippy.transfer.hubcache.verified_present``); this module only

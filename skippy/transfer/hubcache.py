@@ -58,7 +58,7 @@ class RepoCache:
 
     cache_dir: Path
     ref: HfPackageRef
-    # Issue #19, "the cache tells the truth about commits": bytes named by a coordinator this
+    # "the cache tells the truth about commits": bytes named by a coordinator this
     # node does not trust are never linked under ``snapshots/<commit>/`` (where huggingface_hub
     # and our resolver look a commit up), but under ``peer-snapshots/<manifest sha256>/``:
     # named by what they are proven to be, not by what a stranger says the commit holds.

@@ -1,4 +1,4 @@
-"""Serving verified chunks of a partial (issue #23, feature bit ``partial-serve``): the pure
+"""Serving verified chunks of a partial (feature bit ``partial-serve``): the pure
 decisions and the one wire piece, the have-report (no I/O, no keys).
 
 Two counterparts (the same stage of two sibling replicas) need the same files. Brought up at

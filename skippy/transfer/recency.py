@@ -1,4 +1,4 @@
-"""When each hub-cache blob was last used: what the cache budget evicts by (issue #23 item 5).
+"""When each hub-cache blob was last used: what the cache budget evicts by.
 
 atime is unreliable (``noatime``/``relatime`` mounts, and a verification-record hit reads
 nothing), so a node records use itself: a small JSON index, ``{"version": 1, "blobs":

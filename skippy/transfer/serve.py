@@ -7,7 +7,7 @@ one is empty, under its own write-idle timeout. Each open body holds one file de
 no buffer, so many concurrent requests cost memory only for the chunk each shell task has in
 flight.
 
-After ``authorize`` allows a request, the file itself is checked (issue #8 section 3): the
+After ``authorize`` allows a request, the file itself is checked: the
 snapshot entry resolves inside the package's ``models--ns--repo`` folder after following
 symlinks, it is a regular file whose size and SHA-256 equal the manifest's declaration (the
 verification cache answers at once when nothing changed; ``warm`` fills it when a topology
@@ -159,7 +159,7 @@ def refuse_malformed(policy: NodePolicy, error: ArtifactWireError) -> ServeOutco
     return _refused(refuse("malformed_request", error.message, peer_message=message))
 
 
-# Issue #23 ``partial-serve``: (artifact SHA-256, start, stop) -> a body of chunks this node
+# ``partial-serve``: (artifact SHA-256, start, stop) -> a body of chunks this node
 # verified in a partial it is still receiving, or None (``mesh_node.transfer.partials``).
 PartialOpener = Callable[[str, int, int], "Body | None"]
 
@@ -179,7 +179,7 @@ class ArtifactServer:
         self.verify_cache = verify_cache
         self._lock = threading.Lock()
         self._held: dict[tuple[str, str], _Held] = {}
-        # Issue #23: the node's partials being received (``mesh_node.transfer.partials``);
+        # The node's partials being received (``mesh_node.transfer.partials``);
         # only peers that were listed as a holder's counterparts ask for such ranges.
         self.partials: PartialOpener | None = None
 
@@ -221,7 +221,7 @@ class ArtifactServer:
 
     def verified_path(self, topology: SplitTopology, ref: ArtifactRef) -> tuple[Path, FileStamp]:
         """``ref``'s file in this node's cache, verified (its record, else hashed now) and
-        its stamp then (issue #23: chunk digests computed from it need not hash it again;
+        its stamp then (chunk digests computed from it need not hash it again;
         the caller checks the stamp after reading). Raises what is wrong with it."""
         cache = RepoCache.for_ref(self.hub_cache_dir, topology.package_ref)
         path, st = stat_artifact(cache.snapshot_dir, ref, containment_root=cache.repo_root)
@@ -245,7 +245,7 @@ class ArtifactServer:
     ) -> ServeOutcome:
         """Decide ``request`` and, when allowed, open what to stream. Never raises for
         anything the peer or the disk did: every problem is a refusal with its reason.
-        With ``partials`` set (issue #23 ``partial-serve``), a range of a file not installed
+        With ``partials`` set (``partial-serve``), a range of a file not installed
         here yet is served from the verified chunks of its partial, after the same
         authorization, when it has every chunk of the range."""
         held: LoadedManifest | ManifestProblem | None = None
@@ -368,7 +368,7 @@ def _from_partial(
 
 
 def _end(request: ArtifactRequest, size: int) -> int | None:
-    """Where the body stops: the range's end (issue #23 chunk requests), else the file's."""
+    """Where the body stops: the range's end (chunk requests), else the file's."""
     return None if request.length is None else min(size, request.offset + request.length)
 
 

@@ -1,5 +1,5 @@
 """SHA-256 chaining values at chunk boundaries: every chunk checked, the whole file proven, one
-pass (issue #23 item 3).
+pass.
 
 SHA-256 reads its message 64 bytes at a time and carries a 32-byte state (the chaining value
 H, FIPS 180-4 section 6.2.2) from one block to the next; the digest is the state after the

@@ -1,4 +1,4 @@
-"""Sibling replicas (issue #23): which other topology a holder may serve under (pure).
+"""Sibling replicas: which other topology a holder may serve under (pure).
 
 A coordinator running R replicas of one package signs R topologies; a node of replica 0
 holds verified copies of files replica 1's nodes need. It may serve them under replica 1's

@@ -1,8 +1,8 @@
 """The receiving side: one artifact from a peer into the hub cache, resumable and verified.
 
 Spec "Peer Cache Transfer": "Received artifacts are written to a fresh hidden partial file and
-installed atomically only after size and SHA-256 verification." Issue #8 section 4 adds the
-rest, all here:
+installed atomically only after size and SHA-256 verification." What a resumable fetch adds,
+all here:
 
 - the partial is ``blobs/.<sha256>.<pid>.<nanos>.part``, beside its destination blob
   (``skippy.atomic.resumable_partial_for``);

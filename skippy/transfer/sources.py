@@ -1,5 +1,5 @@
 """The swarm source list: which topology members hold which of a stage's artifacts, with each
-artifact's chunk digests (issue #23 items 2-3; pure, no I/O, no signing keys).
+artifact's chunk digests (pure, no I/O, no signing keys).
 
 Spec "Peer Cache Transfer" keeps inventories private: nodes never gossip what they hold. The
 coordinator, which learns holdings from ready reports (a stage reported ready holds its
@@ -58,12 +58,12 @@ _LIST_KEYS: Final = frozenset(
     }
 )
 _ENTRY_KEYS: Final = frozenset({"path", "sha256", "size", "digests", "holders"})
-# Issue #23 ``partial-serve`` (``skippy.transfer.partials``): sent only to a requester that
+# ``partial-serve`` (``skippy.transfer.partials``): sent only to a requester that
 # advertises it (older decoders take exactly the keys above): the requester's fetch order
 # among its counterparts, and per holder the chunks it holds (nil: every chunk).
 _PARTIAL_LIST_KEYS: Final = frozenset({"rank", "ranks"})
 _PARTIAL_ENTRY_KEYS: Final = frozenset({"have", "busy"})
-# Issue #23 ``chunk-chain`` (``skippy.transfer.sha256_chain``): sent, as ``chain: true``, only
+# ``chunk-chain`` (``skippy.transfer.sha256_chain``): sent, as ``chain: true``, only
 # to a requester that advertises it: every entry's digests are then its SHA-256 chain.
 _CHAIN_KEY: Final = "chain"
 MAX_RANKS: Final = 64
@@ -79,7 +79,7 @@ class ArtifactSources:
     size: int
     digests: tuple[bytes, ...]
     holders: tuple[str, ...]
-    # Issue #23 ``partial-serve``: per holder (aligned with ``holders``) the chunks it has
+    # ``partial-serve``: per holder (aligned with ``holders``) the chunks it has
     # verified, None for a holder of the whole file; empty: every holder holds it whole.
     have: tuple[frozenset[int] | None, ...] = ()
     # and the chunks it was fetching at its last report (aligned too; empty: none)
@@ -121,13 +121,13 @@ class SourceList:
     requester_id: str  # hex, as the topology spells node ids
     chunk_bytes: int
     artifacts: tuple[ArtifactSources, ...]
-    # Issue #23 ``partial-serve``: this requester's fetch order among the counterparts that
+    # ``partial-serve``: this requester's fetch order among the counterparts that
     # need the same files (``skippy.transfer.partials.fetch_order``); ``partial`` says the
     # list carries these fields (and each entry's ``have``) on the wire.
     rank: int = 0
     ranks: int = 1
     partial: bool = False
-    # Issue #23 ``chunk-chain``: the digests are SHA-256 chains (``skippy.transfer.chunks``)
+    # ``chunk-chain``: the digests are SHA-256 chains (``skippy.transfer.chunks``)
     chain: bool = False
 
     def by_path(self) -> dict[str, ArtifactSources]:
@@ -195,19 +195,19 @@ def plan_sources(
     file without digests is left out: the worker fetches it whole, coordinator then hub).
     A holder is a server that is the coordinator (first) or reported ready with a stage
     needing that file; the requester is never its own holder; only members appear.
-    ``siblings`` (issue #23): this coordinator's other replicas' topologies with their ready
+    ``siblings``: this coordinator's other replicas' topologies with their ready
     nodes; those that are siblings of ``topology`` (``skippy.transfer.siblings``: same
     package and revision) add their ready servers as holders, after the members (a
     requester's own replica first). Pass them only when the requester takes such holders.
 
-    ``partial_holders``, ``busy_holders`` and ``rank`` (issue #23 ``partial-serve``; pass
+    ``partial_holders``, ``busy_holders`` and ``rank`` (``partial-serve``; pass
     them only when the requester advertises it, the list then carries them): node -> path ->
     the chunks it reported verified (``skippy.transfer.partials.check_have``; the caller
     keeps only servers of this topology or a sibling), and those it was fetching at a fresh
     report; such a node is listed after the whole-file holders with both sets (even before
     it verified a chunk: a fetch then waits for it rather than ask the coordinator for the
     same bytes); ``rank`` = (this requester's rank, counterparts) for its fetch order.
-    ``chain`` (issue #23 ``chunk-chain``; only when the requester advertises it): ``digests``
+    ``chain`` (``chunk-chain``; only when the requester advertises it): ``digests``
     are SHA-256 chains, and the list says so."""
     stage = topology.stage_of(requester_id)
     if stage is None:
@@ -457,7 +457,7 @@ def check_source_list(
     manifest's size and SHA-256; holders are members (the coordinator or a stage node) other
     than the requester. ``required``: the stage's required set from the verified manifest,
     path -> (SHA-256, size) (``required_set``). Raises ``IntegrityError``
-    (``source_list_mismatch``). ``siblings_ok`` (issue #23: both this node and the
+    (``source_list_mismatch``). ``siblings_ok`` (both this node and the
     coordinator advertise ``sibling-serve``): holders outside the topology are taken on the
     coordinator's signature, as nodes of its sibling replicas (the requester cannot see
     those topologies; each such holder authorizes the requester against the sibling topology

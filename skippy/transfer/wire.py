@@ -65,7 +65,7 @@ REQUEST_KEYS: Final = frozenset(
         "length",
     }
 )
-# ``length`` (issue #23: a chunk range) is sent only to a peer advertising
+# ``length`` (a chunk range) is sent only to a peer advertising
 # ``protocol.constants.BIT_SWARM_TRANSFER``; older servers never see the key.
 REQUEST_OPTIONAL: Final = frozenset({"expected_size", "expected_sha256", "length"})
 RESPONSE_KEYS: Final = frozenset({"gen", "accepted", "total_size", "sha256", "error"})
@@ -177,7 +177,7 @@ def check_wire_path(value: object) -> str:
 # --- values ---------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ArtifactRequest:
-    """One artifact asked of the serving node (issue #8 section 2)."""
+    """One artifact asked of the serving node."""
 
     requester_id: bytes
     topology_id: str
@@ -440,7 +440,7 @@ class _FrameBuffer:
 class RequestReader:
     """Server side: feed the stream's bytes until ``feed`` returns the request. The requester
     sends nothing after its request, so any further byte is an error; unless
-    ``trailer_limit`` (issue #23: a have-report after a source request, only from a peer
+    ``trailer_limit`` (a have-report after a source request, only from a peer
     that advertises ``partial-serve``): then one more frame of at most that many bytes may
     follow (``trailer``, complete once the stream ends)."""
 
