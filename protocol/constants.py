@@ -22,6 +22,7 @@ SIG_DOMAIN_STATIC_KEY: Final = b"skippy-mesh-noise-static-key:"
 SIG_DOMAIN_OWNER_CERT: Final = b"skippy-mesh-owner-certificate/1\x00"
 SIG_DOMAIN_TOPOLOGY: Final = b"skippy-mesh-topology/1\x00"
 SIG_DOMAIN_SWARM_SOURCES: Final = b"skippy-mesh-swarm-sources/1\x00"  # issue #23 source lists
+SIG_DOMAIN_INVITE: Final = b"skippy-mesh-invite/1\x00"  # invite tokens (protocol.invite)
 NOISE_MAX_MESSAGE: Final = 65535  # Noise spec: a transport message is at most 65535 bytes
 NOISE_TAG_BYTES: Final = 16
 KEY_BYTES: Final = 32  # Ed25519 and X25519 public keys
