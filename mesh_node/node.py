@@ -482,6 +482,11 @@ class MeshNode:
             self.started.set()
             task_status.started(f"{self.listen_url}#{self.node_id}")
 
+    def dial_learned(self, address: PeerAddress) -> None:
+        """Dial an address a service learned (LAN discovery) as gossip's are dialed: bounded
+        in number, given up after repeated failures, trusted only once authenticated."""
+        self._start_dialing(address, persistent=False)
+
     def _start_dialing(self, address: PeerAddress, *, persistent: bool) -> None:
         key = str(address)
         if key in self._dialing or self._nursery is None:
