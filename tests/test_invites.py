@@ -276,3 +276,24 @@ def test_invite_refuses_a_key_that_did_not_certify_the_node_and_an_undialable_ad
     out = mesh(tmp_path, "invite", "--config", "a.toml", "--owner", "keys/owner.key",
                "--address", "127.0.0.1:7000", "--ttl", "1y")  # fmt: skip
     assert out.returncode == 2 and "error [usage]" in out.stderr
+
+
+def test_serve_without_config_joins_with_the_owner_key_copied_into_a_fresh_data_dir(
+    tmp_path: Path,
+) -> None:
+    ids, owner = make_keys(tmp_path, ("a",))
+    write_config(tmp_path / "a.toml", "a", [])
+    token = _token(tmp_path, "7000")
+    fresh = tmp_path / "fresh"
+    fresh.mkdir(mode=0o700)
+    (fresh / "owner.key").write_bytes((tmp_path / "keys" / "owner.key").read_bytes())
+    (fresh / "owner.key").chmod(0o600)
+    # the invite is accepted, the node made and certified, its address dialed; then the
+    # (missing) package stops the start
+    missing = str(tmp_path / "no-package")
+    out = mesh(tmp_path, "serve", "--data-dir", str(fresh), "--listen", "127.0.0.1:0",
+               "--http", "0", "--package", missing, "--join", token)  # fmt: skip
+    assert out.returncode == 2 and "error [unreadable_input]" in out.stderr, out.stderr
+    assert f"joining through the invite: dialing ws://127.0.0.1:7000#{ids['a']}" in out.stderr
+    cert = json.loads((fresh / "node.cert").read_text())
+    assert cert["owner_id"] == owner
