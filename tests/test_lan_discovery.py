@@ -126,3 +126,33 @@ def test_lan_discovery_is_off_by_default_and_takes_only_true_or_false(tmp_path: 
     (tmp_path / "n.toml").write_text('identity = "n.key"\nlan_discovery = "yes"\n')
     with pytest.raises(UsageError, match="lan_discovery"):
         load_node_settings(tmp_path / "n.toml")
+
+
+async def test_a_learned_address_of_a_linked_node_or_of_itself_is_dialed_once(
+    tmp_path: Path, caplog: Any
+) -> None:
+    """LAN discovery knows an address, not the node id behind it: a dial that reaches a node
+    already linked (or this node) ends its dial loop instead of redialing every 50 ms."""
+    import logging
+    from dataclasses import replace
+
+    import trio
+    from meshtools import address_of, identity, running, settings, wait_for, with_peers
+
+    from mesh_node.node import MeshNode
+
+    caplog.set_level(logging.INFO, logger="mesh_node.node")
+    async with trio.open_nursery() as nursery:
+        a = MeshNode(settings(tmp_path, "a"), identity())
+        async with running(nursery, a):
+            b = MeshNode(with_peers(settings(tmp_path, "b"), a), identity())
+            async with running(nursery, b):
+                await wait_for(lambda: len(a.peers(connected_only=True)) == 1)
+                a.dial_learned(replace(address_of(b), node_id=None))
+                a.dial_learned(replace(address_of(a), node_id=None))
+                await trio.sleep(1.5)
+                text = caplog.text
+                assert text.count("duplicate link to") <= 2, text
+                assert text.count("refusing a link to myself") <= 2, text
+                assert [p.node_id for p in a.peers(connected_only=True)] == [b.node_id]
+                nursery.cancel_scope.cancel()
