@@ -100,6 +100,69 @@ def cmd_owner_sign(args: argparse.Namespace) -> CommandResult:
     return CommandResult(data, text)
 
 
+def cmd_invite(args: argparse.Namespace) -> CommandResult:
+    import time
+
+    from mesh_node.identity import load_local_identity, load_private_key
+    from mesh_node.invites import invite_for, issue_token, parse_ttl
+    from mesh_node.settings import load_node_settings, parse_host_port
+
+    ttl_s = parse_ttl(args.ttl)
+    config = _existing_config(args)
+    settings = load_node_settings(config)
+    identity = load_local_identity(settings.identity_path, settings.certificate_path)
+    owner_path = Path(args.owner) if args.owner else config.parent / "owner.key"
+    owner = load_private_key(owner_path)
+    addresses = (
+        [parse_host_port(a, "--address") for a in args.address]
+        if args.address
+        else [settings.listen]
+    )
+    invite = invite_for(identity, owner, addresses, ttl_s=ttl_s, now_s=time.time())
+    token = issue_token(invite, owner)
+    if not args.json:  # stdout is the token alone, for a pipe; the rest is for the operator
+        import datetime
+
+        until = datetime.datetime.fromtimestamp(invite.expires_s, datetime.UTC)
+        sys.stderr.write(
+            f"invite to the mesh of owner fingerprint {invite.fingerprint}, valid until "
+            f"{until:%Y-%m-%d %H:%M:%S} UTC; joiners dial "
+            f"{', '.join(a.url for a in invite.addresses)}\n"
+        )
+    data = {"ok": True, "token": token, **invite.to_dict()}
+    return CommandResult(data, token)
+
+
+def _joining(args: argparse.Namespace, settings: Any, identity: Any) -> Any:
+    """``settings`` with ``--join``'s nodes as configured peers (refused: nothing written)."""
+    if getattr(args, "join", None) is None:
+        return settings
+    import time
+
+    from mesh_node.invites import settings_joining
+
+    joined = settings_joining(settings, identity, args.join, time.time())
+    added = [str(p) for p in joined.peers if p not in settings.peers]
+    sys.stderr.write(f"joining through the invite: dialing {', '.join(added)}\n")
+    return joined
+
+
+def _check_join_before_first_run(args: argparse.Namespace) -> None:
+    """``serve --join`` without ``--config``: the invite is checked against the owner key the
+    data directory holds before the first run creates anything there."""
+    if args.join is None or args.config is not None:
+        return
+    import time
+
+    from mesh_node.first_run import OWNER_KEY_NAME
+    from mesh_node.identity import load_private_key, node_id_of
+    from mesh_node.invites import check_join_for_owner
+
+    owner_path = _default_data_dir(args).expanduser() / OWNER_KEY_NAME
+    owner = node_id_of(load_private_key(owner_path)) if owner_path.exists() else None
+    check_join_for_owner(args.join, owner, time.time())
+
+
 def _default_data_dir(args: argparse.Namespace) -> Path:
     from skippy.config import read_environment
 
@@ -185,6 +248,7 @@ def cmd_run(args: argparse.Namespace) -> CommandResult:
     from mesh_node.service import run_node
 
     settings, identity = _node_settings(args)
+    settings = _joining(args, settings, identity)
     tune_for_streaming()  # links and artifact transfers: see mesh_node/allocator.py
     _run_trio(run_node, settings, identity)
     return CommandResult({"ok": True}, "")
@@ -197,8 +261,10 @@ def cmd_serve(args: argparse.Namespace) -> CommandResult:
 
     if args.stages is not None and args.stages < 1:
         raise UsageError("--stages must be at least 1", code="usage")
+    _check_join_before_first_run(args)
     config = _serve_config(args)
     settings, identity = _node_settings(args, config)
+    settings = _joining(args, settings, identity)
     if args.config is None and _is_loopback(settings.listen.host):
         sys.stderr.write(
             f"peers may join on {settings.listen} (loopback: this machine only); "
@@ -468,6 +534,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="HTTP API keys, one per line (0600); every request but /health needs one "
         "(config: [http] api_key_file; env: MESH_NODE_API_KEY)",
     )
+    p.add_argument(
+        "--join",
+        metavar="TOKEN",
+        help="an invite (mesh-node invite): check it, then dial its nodes as configured peers",
+    )
     p = add(
         "serve",
         cmd_serve,
@@ -531,10 +602,40 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--model-name", default=None, help="the model id the API answers to")
     p.add_argument(
+        "--join",
+        metavar="TOKEN",
+        help="an invite (mesh-node invite): check it, then dial its nodes as configured peers",
+    )
+    p.add_argument(
         "--speculative-strategy",
         "--speculative",
         metavar="S",
         help=SPECULATIVE_HELP + " (overrides the config's [speculative])",
+    )
+    p = add(
+        "invite",
+        cmd_invite,
+        "print a signed, expiring invite to this node's mesh (run/serve --join TOKEN uses it)",
+    )
+    p.add_argument("--config", help="the node TOML (default: the node in --data-dir)")
+    p.add_argument(
+        "--data-dir",
+        metavar="DIR",
+        help="without --config: the folder of a `mesh-node serve` without --config",
+    )
+    p.add_argument(
+        "--owner",
+        metavar="PATH",
+        help="the owner key that certified this node (default: owner.key beside the config)",
+    )
+    p.add_argument(
+        "--ttl", default="24h", help="how long the invite is valid: 30m, 24h, 7d (default 24h)"
+    )
+    p.add_argument(
+        "--address",
+        action="append",
+        metavar="HOST:PORT",
+        help="where joiners dial this node (repeatable; default: its listen address)",
     )
     p = add("status", cmd_status, "ask the running node for its status")
     p.add_argument("--config", help="the node TOML (default: the node in --data-dir)")

@@ -9,7 +9,9 @@ node runs them:
 2. ``StageHost``: this node's stage of a split (transport streams, the stage bits);
 3. ``ArtifactService``: peer artifact transfer (its streams and bits when this node would
    serve), following the topology and handing each fetched stage to the stage host;
-4. ``Serving``: this node as a serving coordinator, when asked (the OpenAI API).
+4. ``Serving``: this node as a serving coordinator, when asked (the OpenAI API);
+5. ``LanDiscovery``: nodes of the same owner found on the LAN by mDNS, when
+   ``lan_discovery = true``.
 
 Services that need each other receive each other here, never through the node.
 """
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from mesh_node.identity import LocalIdentity
+from mesh_node.lan_discovery import LanDiscovery
 from mesh_node.node import MeshNode
 from mesh_node.serving.host import StageHost
 from mesh_node.serving.service import Serving
@@ -84,4 +87,6 @@ def add_services(
     serving = Serving(node, host, topology, extra_routes=routes, expected=expect_serve)
     for service in (topology, host, artifacts, serving):
         node.add_service(service)
+    if settings.lan_discovery:
+        node.add_service(LanDiscovery(node))
     return ComposedNode(node, topology, host, artifacts, serving)

@@ -93,3 +93,11 @@ class TopologyRefused(MeshError):
     """A topology could not be planned, or a worker refused it."""
 
     code = "topology_refused"
+
+
+class InviteRefused(MeshError, ValueError):
+    """An invite token this node will not use (malformed, tampered, expired, for another
+    mesh), or one that cannot be issued; nothing is dialed or written."""
+
+    code = "invite_refused"
+    exit_code = EXIT_USAGE

@@ -482,6 +482,11 @@ class MeshNode:
             self.started.set()
             task_status.started(f"{self.listen_url}#{self.node_id}")
 
+    def dial_learned(self, address: PeerAddress) -> None:
+        """Dial an address a service learned (LAN discovery) as gossip's are dialed: bounded
+        in number, given up after repeated failures, trusted only once authenticated."""
+        self._start_dialing(address, persistent=False)
+
     def _start_dialing(self, address: PeerAddress, *, persistent: bool) -> None:
         key = str(address)
         if key in self._dialing or self._nursery is None:
@@ -505,8 +510,11 @@ class MeshNode:
                     delay, failures = 0.05, 0
                     continue
                 try:
-                    await self._dial(address)
-                    delay, failures = 0.05, 0
+                    if await self._dial(address):
+                        delay, failures = 0.05, 0
+                    elif not persistent:
+                        return  # ourselves, or a node already linked: nothing to keep
+                    # a configured address that is ourselves or a duplicate: backed off below
                 except (
                     OSError,
                     HandshakeError,
@@ -541,7 +549,9 @@ class MeshNode:
             for event in waits:
                 await event.wait()
 
-    async def _dial(self, address: PeerAddress) -> None:
+    async def _dial(self, address: PeerAddress) -> bool:
+        """Dial ``address`` and serve the link until it ends: ``False`` when no link was kept
+        (the node there is this one, or one already linked)."""
         expected = bytes.fromhex(address.node_id) if address.node_id else None
         offered = offered_subprotocols(self.link_ciphers)
         # `dial_via`: reach this peer through another address (a relay, a tunnel);
@@ -569,7 +579,7 @@ class MeshNode:
                 if exc.code == "identity_mismatch":
                     log.warning("dial %s: %s (fails closed)", address, exc.message)
                 raise
-            await self._serve_link(ws, peer, channel, initiator=True)
+            return await self._serve_link(ws, peer, channel, initiator=True)
 
     async def _on_request(self, request: WebSocketRequest) -> None:
         try:
@@ -661,11 +671,13 @@ class MeshNode:
         channel: SecureChannel,
         *,
         initiator: bool,
-    ) -> None:
+    ) -> bool:
+        """Run the link until it ends; ``False`` when it was not kept (this node itself, a
+        duplicate of a link kept instead, a full membership)."""
         node_id = identity.node_id.hex()
         if node_id == self.node_id:
             log.info("refusing a link to myself")
-            return
+            return False
         peer, trust_until = self._evaluate(node_id, identity.certificate)
         link = Link(
             ws,
@@ -683,7 +695,7 @@ class MeshNode:
         if member is not None and member.link is not None:
             if not self._prefer_new(member.link, link):
                 log.info("duplicate link to %s: keeping the existing one", short_id(node_id))
-                return
+                return False
             old = member.link
             member.link = None  # so the old link's end is not reported as a peer loss
             old.close("duplicate", "a preferred link replaced this one")
@@ -693,7 +705,7 @@ class MeshNode:
                 log.warning(
                     "membership full (%d): refusing %s", len(self._members), short_id(node_id)
                 )
-                return
+                return False
             member = self._members[node_id] = _Member(peer=peer)
         member.peer, member.link = peer, link
         member.certificate, member.trust_until = identity.certificate, trust_until
@@ -733,6 +745,7 @@ class MeshNode:
                 log.info("link down: %s (%s: %s)", short_id(node_id), *reason)
                 if member.hello:
                     self._link_lost(node_id, member, link, reason)
+        return True
 
     # --- a dropped connection is not a lost peer ----------------------------------------------
     def _link_lost(

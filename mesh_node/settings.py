@@ -58,6 +58,7 @@ NODE_KEYS = frozenset(
         "models",
         "dial_via",  # {node id = "ws://HOST:PORT"}: where to dial a given peer
         "calibration",  # auto | off: calibrate the stage runtime, advertise it
+        "lan_discovery",  # find nodes of the same owner on the LAN by mDNS (off by default)
         "lab_lock",  # the lab's lifeline: the node stops once nothing holds this file's lock
     }
 )
@@ -420,6 +421,9 @@ class NodeSettings:
     # A file is fetched chunk by chunk only with at least this many holders (1: also
     # from the coordinator alone, which the chunk-overhead bench row measures).
     swarm_min_holders: int = 2
+    # Announce this node's owner fingerprint on the LAN by multicast DNS and dial the nodes of
+    # the same owner that announce theirs (mesh_node.lan_discovery).
+    lan_discovery: bool = False
     heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S
     peer_loss_timeout_s: float = DEFAULT_PEER_LOSS_TIMEOUT_S
     idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S
@@ -556,6 +560,7 @@ def node_settings(config: NodeConfig, env: Environment | None = None) -> NodeSet
             raw.get("artifact_serve_bytes_per_s", 0), "artifact_serve_bytes_per_s"
         ),
         swarm_transfer=_swarm_transfer(raw),
+        lan_discovery=_lan_discovery(raw),
         swarm_min_holders=_swarm_min_holders(raw),
         heartbeat_interval_s=heartbeat,
         peer_loss_timeout_s=peer_loss,
@@ -591,6 +596,14 @@ def _swarm_transfer(raw: Mapping[str, Any]) -> bool:
     value = raw.get("swarm_transfer", True)
     if not isinstance(value, bool):
         raise bad_value("swarm_transfer", "expected true or false", value)
+    return value
+
+
+def _lan_discovery(raw: Mapping[str, Any]) -> bool:
+    """``lan_discovery = true|false`` (default false: a node announces nothing unasked)."""
+    value = raw.get("lan_discovery", False)
+    if not isinstance(value, bool):
+        raise bad_value("lan_discovery", "expected true or false", value)
     return value
 
 

@@ -111,6 +111,10 @@ def plan(prefix: str) -> list[list[str]]:
     cmds += [
         ["ip", "-n", ns[a], "addr", "add", f"{net}.2/24", "dev", "eth0"],
         ["ip", "-n", ns[b], "addr", "add", f"{net}.3/24", "dev", "eth0"],
+        # no default route on the LAN (it reaches nothing else), so multicast (mDNS) is routed
+        # to its one link explicitly
+        ["ip", "-n", ns[a], "route", "add", "224.0.0.0/4", "dev", "eth0"],
+        ["ip", "-n", ns[b], "route", "add", "224.0.0.0/4", "dev", "eth0"],
     ]
     return cmds
 
