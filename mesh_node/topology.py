@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence, Set
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol
@@ -233,14 +233,22 @@ class TopologyService:
         self._last_request: _PlanRequest | None = None
         # A serving coordinator sets its own runtime facts: stage reports must agree with them.
         self.admission_expect: RuntimeFacts | None = None
-        # Replicas (mesh_node.serving.replicas): the node's own service
-        # serves the control streams; a replica's service (never added to the node) shares
-        # its epochs (one sequence per coordinator) and gets its stage reports through
-        # ``siblings``. ``exclude`` names nodes this service must not plan over (those other
-        # replicas hold).
-        self.siblings: list[TopologyService] = []
-        self.exclude: Callable[[], set[str]] | None = None
         self.epochs = epochs if epochs is not None else EpochStore(node.settings.data_dir)
+        self._siblings: list[TopologyService] = []
+
+    def sibling(self) -> TopologyService:
+        """A topology service for another replica of this coordinator's split
+        (``mesh_node.serving.replicas``). It is never added to the node: it shares this
+        service's epochs (one sequence per coordinator), and the stage reports for its
+        topology arrive on this service's control streams, which hand them on."""
+        sibling = TopologyService(self.node, epochs=self.epochs)
+        self._siblings.append(sibling)
+        return sibling
+
+    @property
+    def siblings(self) -> tuple[TopologyService, ...]:
+        """The services ``sibling`` made, in order."""
+        return tuple(self._siblings)
 
     # --- as a node service ------------------------------------------------------------------
     def streams(self) -> Sequence[StreamKind]:
@@ -275,24 +283,26 @@ class TopologyService:
     def active_for(self, node_id: str) -> ActiveTopology | None:
         """The active topology ``node_id`` holds a stage in: a replica's (``siblings``)
         when that one has it, else this service's own."""
-        for sibling in self.siblings:
+        for sibling in self._siblings:
             other = sibling.active
             if other is not None and other.topology.stage_of(node_id) is not None:
                 return other
         return self.active
 
-    def capable_nodes(self, include_self: bool) -> list[NodeCapacity]:
+    def capable_nodes(
+        self, include_self: bool, exclude: Set[str] = frozenset()
+    ) -> list[NodeCapacity]:
         """Connected peers advertising the complete stage bundle that ``place_stages_on``
-        admits (``mesh_node.coordination.placeable``), and this node, if asked."""
+        admits (``mesh_node.coordination.placeable``), but those in ``exclude`` (the nodes
+        another replica holds), and this node, if asked."""
         scope = self.node.settings.security.place_stages_on
         nodes = [
             NodeCapacity(p.node_id, p.memory_budget_bytes)
             for p in placeable(self.node.peers(connected_only=True), scope)
             if p.has_features(pc.FEATURE_SKIPPY_STAGE, pc.STAGE_BUNDLE)
         ]
-        if self.exclude is not None:
-            taken = self.exclude() - {self.node.node_id}
-            nodes = [n for n in nodes if n.node_id not in taken]
+        taken = set(exclude) - {self.node.node_id}
+        nodes = [n for n in nodes if n.node_id not in taken]
         if include_self:
             nodes.append(NodeCapacity(self.node.node_id, self.node.settings.memory_budget_bytes))
         return nodes
@@ -309,10 +319,12 @@ class TopologyService:
         run_id: str | None = None,
         first_node: str | None = None,
         like: SplitTopology | None = None,
+        exclude: Set[str] = frozenset(),
     ) -> ActiveTopology:
         """Plan over the capable peers, sign, send to every worker and collect their acks.
-        ``first_node`` pins stage 0 (a serving coordinator holds it); ``like``:
-        replica 0's plan, whose layer ranges a replica takes (``plan_like``)."""
+        ``first_node`` pins stage 0 (a serving coordinator holds it); ``like``: another
+        replica's plan, whose layer ranges this one takes (``plan_like``); ``exclude``: nodes
+        not to plan over (another replica's)."""
         request = _PlanRequest(
             package_ref,
             manifest_sha256,
@@ -323,15 +335,15 @@ class TopologyService:
             first_node,
         )
         self._last_request = request
-        topology, prediction = self._plan(request, like)
+        topology, prediction = self._plan(request, like, exclude)
         return await self._distribute(topology, sizes, prediction)
 
     def _plan(
-        self, r: _PlanRequest, like: SplitTopology | None = None
+        self, r: _PlanRequest, like: SplitTopology | None, exclude: Set[str]
     ) -> tuple[SplitTopology, dict[str, Any] | None]:
-        """``r`` planned over the capable nodes linked now (a new topology id), and the
-        planner's record; ``TopologyRefused`` when it cannot be placed."""
-        capable = self.capable_nodes(r.include_self)
+        """``r`` planned over the capable nodes linked now but ``exclude`` (a new topology
+        id), and the planner's record; ``TopologyRefused`` when it cannot be placed."""
+        capable = self.capable_nodes(r.include_self, exclude)
         topology_id = f"topo-{uuid.uuid4().hex[:16]}"
         # With every capable node calibrated, the cost planner decides (stage
         # count, nodes, order, speed-weighted ranges); else the byte-balanced memory plan.
@@ -367,10 +379,12 @@ class TopologyService:
             choice.prediction() if choice is not None else memory_plan_reason(inputs)
         )
         if topology is not planned:  # stage 0 moved: predict what is sent
-            prediction = self._repredict(topology, r.sizes)
+            prediction = self._repredict(topology, r.sizes, exclude)
         return topology, prediction
 
-    def plan_again(self, stages: int | None) -> tuple[SplitTopology, dict[str, Any] | None]:
+    def plan_again(
+        self, stages: int | None, exclude: Set[str] = frozenset()
+    ) -> tuple[SplitTopology, dict[str, Any] | None]:
         """The last request (package, run, stage 0's node) planned again with ``stages`` over
         the capable nodes linked now, and the planner's record, sent to no one: a serving
         coordinator compares it with the active topology before growing the split
@@ -380,7 +394,7 @@ class TopologyService:
             raise TopologyRefused(
                 "nothing to re-plan: no topology was proposed", code="no_topology"
             )
-        return self._plan(replace(r, stages=stages))
+        return self._plan(replace(r, stages=stages), None, exclude)
 
     async def offer(
         self, topology: SplitTopology, prediction: dict[str, Any] | None
@@ -398,32 +412,41 @@ class TopologyService:
         peers = self.node.peers(connected_only=True)
         return gather(self.node.node_id, self.node.compute, peers, capable, sizes)
 
-    def _repredict(self, topology: SplitTopology, sizes: ModelSizes) -> dict[str, Any] | None:
+    def _repredict(
+        self, topology: SplitTopology, sizes: ModelSizes, exclude: Set[str]
+    ) -> dict[str, Any] | None:
         """A healed or replaced topology's prediction, when its nodes are calibrated."""
-        capable = self.capable_nodes(True)
+        capable = self.capable_nodes(True, exclude)
         return predict_topology(self.cost_inputs(capable, sizes), sizes, topology)
 
-    async def heal(self) -> ActiveTopology:
+    async def heal(self, exclude: Set[str] = frozenset()) -> ActiveTopology:
         """The active topology again over the nodes linked now: stages
         whose node is linked stay (a returning node keeps its own), each other one moves to a
         capable spare (``skippy.package.heal``); a new topology id, signed and sent to every
-        stage node. ``TopologyRefused`` (``no_capable_peer``) when a stage has no taker."""
+        stage node; never onto a node in ``exclude``. ``TopologyRefused`` (``no_capable_peer``)
+        when a stage has no taker."""
         active, r = self.active, self._last_request
         if active is None or r is None or active.role != "coordinator":
             raise TopologyRefused("this node coordinates no topology", code="no_topology")
         try:
             topology = heal_topology(
                 active.topology,
-                self.capable_nodes(True),
+                self.capable_nodes(True, exclude),
                 r.sizes,
                 topology_id=f"topo-{uuid.uuid4().hex[:16]}",
             )
         except TopologyError as exc:
             raise _refused(exc) from None
-        return await self._distribute(topology, r.sizes, self._repredict(topology, r.sizes))
+        prediction = self._repredict(topology, r.sizes, exclude)
+        return await self._distribute(topology, r.sizes, prediction)
 
     async def restore(
-        self, topology: SplitTopology, sizes: ModelSizes, *, first_node: str | None
+        self,
+        topology: SplitTopology,
+        sizes: ModelSizes,
+        *,
+        first_node: str | None,
+        exclude: Set[str] = frozenset(),
     ) -> ActiveTopology:
         """A restarted coordinator takes up the split it ran before: the
         same stages on the same nodes, same run id, a new topology id, signed again (through
@@ -446,7 +469,7 @@ class TopologyService:
             sizes=sizes,
             own_id=self.node.node_id,
         )
-        return await self.heal()
+        return await self.heal(exclude)
 
     def sign_topology(self, topology: SplitTopology) -> tuple[SplitTopology, bytes]:
         """The one place this node signs a topology (every offer, re-plans, heals and a
@@ -625,7 +648,7 @@ class TopologyService:
         active = self.active
         tid = report.topology_id
         problem: tuple[str, str] | None = None
-        for sibling in self.siblings:  # another replica's topology
+        for sibling in self._siblings:  # another replica's topology
             if sibling.active is not None and sibling.active.topology.topology_id == tid:
                 return sibling.record_stage(node_id, report)
         if active is None or active.role != "coordinator" or active.topology.topology_id != tid:

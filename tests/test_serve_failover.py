@@ -26,7 +26,7 @@ import trio
 pytest.importorskip("llama_cpp", reason="llama-cpp-python (and its libggml) is not installed")
 
 import synth_gguf
-from meshtools import address_of, identity, settings, wait_for
+from meshtools import address_of, identity, settings, topology_of, wait_for
 from pkgtools import make_package
 
 from mesh_node.composition import compose
@@ -35,6 +35,7 @@ from mesh_node.node import MeshNode
 from mesh_node.service import _package_facts
 from mesh_node.serving.host import StageHost
 from mesh_node.serving.pipeline import GenerationParams, SplitNotReady, SplitServer
+from mesh_node.serving.split import SplitSpec
 from mesh_node.settings import ServingSettings
 from protocol import constants as pc
 from skippy.config import read_environment
@@ -158,15 +159,9 @@ async def split(tmp: Path, pkg: Path, *, spares: int) -> AsyncIterator[tuple[Mes
             await mesh.start(f"w{i}")
         await wait_for(lambda: len(coord.node.peers(connected_only=True)) == 2)
         ref, sha, sizes = _package_facts(coord.node.settings, str(pkg))
+        spec = SplitSpec(ref, sha, sizes, 3, settings=SERVING)
         server = SplitServer(
-            coord.node,
-            coord.host,
-            SERVING,
-            package_ref=ref,
-            manifest_sha256=sha,
-            sizes=sizes,
-            model_name="tiny",
-            stages=3,
+            coord.node, coord.host, topology_of(coord.node), spec, model_name="tiny"
         )
         await nursery.start(server.run)
         await wait_for(lambda: server.route is not None, 30)
@@ -287,7 +282,7 @@ async def test_a_returning_node_is_planned_in_without_an_operator(
         assert [mesh.of(n).host.co_located(topology) for n in route.node_ids] == [3, 3, 3]
         victim = mesh.of(route.node_ids[2])
         victim.scope.cancel()
-        await wait_for(lambda: server.routes.waiting is not None, 10)
+        await wait_for(lambda: server.replicas.waiting is not None, 10)
         with pytest.raises(SplitNotReady) as err:
             await _generate(server, params, _nothing)
         assert err.value.code == "no_capable_peer"

@@ -22,6 +22,7 @@ from mesh_node.composition import compose
 from mesh_node.node import MeshNode
 from mesh_node.service import _package_facts
 from mesh_node.serving.pipeline import GenerationParams, GenerationResult, SplitServer
+from mesh_node.serving.split import SplitSpec
 from mesh_node.settings import ServingSettings
 from mesh_node.transfer.fetch import StageResult
 from skippy.config import read_environment
@@ -81,10 +82,8 @@ async def test_the_old_route_serves_while_a_grown_topology_loads(
         await wait_for(lambda: len(nodes[0].peers(connected_only=True)) == 1)
         coord, w1, w2 = nodes
         ref, sha, sizes = _package_facts(coord.settings, str(tiny_pkg))
-        server = SplitServer(
-            coord, hosts[0], SERVING, package_ref=ref, manifest_sha256=sha, sizes=sizes,
-            model_name="tiny", stages=None,
-        )
+        spec = SplitSpec(ref, sha, sizes, None, settings=SERVING)
+        server = SplitServer(coord, hosts[0], topology_of(coord), spec, model_name="tiny")
         await nursery.start(server.run)
         await wait_for(lambda: server.route is not None and len(server.route.node_ids) == 2, 30)
         want, _ = await _generate(server)

@@ -170,17 +170,17 @@ async def test_replicas_asking_at_once_load_the_tokenizer_once(
     the first load still runs: one real load (llama.cpp, on a thread), shared by all."""
     import trio
 
-    from mesh_node.serving import replicas
+    from mesh_node.serving import split
 
     loads: list[Path] = []
-    real = replicas.load_tokenizer
+    real = split.load_tokenizer
 
     async def counted(path: Path):  # type: ignore[no-untyped-def]
         loads.append(path)
         return await real(path)
 
-    monkeypatch.setattr(replicas, "load_tokenizer", counted)
-    shared = replicas.SharedTokenizer()
+    monkeypatch.setattr(split, "load_tokenizer", counted)
+    shared = split.SharedTokenizer()
     metadata = tiny_pkg / "shared" / "metadata.gguf"
     got: list[Any] = []
 

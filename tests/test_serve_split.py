@@ -27,7 +27,7 @@ import trio
 pytest.importorskip("llama_cpp", reason="llama-cpp-python (and its libggml) is not installed")
 
 import synth_gguf
-from meshtools import identity, settings, wait_for, with_peers
+from meshtools import identity, settings, topology_of, wait_for, with_peers
 from pkgtools import make_package
 from stagetools import chain
 
@@ -37,6 +37,7 @@ from mesh_node.node import MeshNode
 from mesh_node.service import _package_facts
 from mesh_node.serving.host import StageHost, accept_window
 from mesh_node.serving.pipeline import GenerationParams, ServerBusy, SplitServer
+from mesh_node.serving.split import SplitSpec
 from mesh_node.settings import ServingSettings
 from protocol import constants as pc
 from skippy.config import read_environment
@@ -114,15 +115,9 @@ async def split(tmp: Path, pkg: Path, stages: int = 3) -> AsyncIterator[Split]:
             hosts.append(host)
         await wait_for(lambda: len(nodes[0].peers(connected_only=True)) == stages - 1)
         ref, sha, sizes = _package_facts(nodes[0].settings, str(pkg))
+        spec = SplitSpec(ref, sha, sizes, stages, settings=SERVING)
         server = SplitServer(
-            nodes[0],
-            hosts[0],
-            SERVING,
-            package_ref=ref,
-            manifest_sha256=sha,
-            sizes=sizes,
-            model_name="tiny",
-            stages=stages,
+            nodes[0], hosts[0], topology_of(nodes[0]), spec, model_name="tiny"
         )
         await nursery.start(server.run)
         await wait_for(lambda: server.route is not None, 30)

@@ -205,7 +205,6 @@ async def _replicas(n, tmp_path, hp):  # type: ignore[no-untyped-def]
     ready: replica 0's node H (ready from its cache), replica 1's worker W (served by H
     under W's topology T1, which H learns from the coordinator, kind 0x05) and a stranger X
     holding no stage. Returns (coord, H, W, X, pkg, T1)."""
-    from mesh_node.topology import TopologyService
 
     owner = Ed25519PrivateKey.generate()
     coord = await start_member(n, tmp_path, "coord", owner, hub=hp.hub, artifact_transfer="open")
@@ -222,17 +221,15 @@ async def _replicas(n, tmp_path, hp):  # type: ignore[no-untyped-def]
     await wait_connected([coord, holder, worker, stranger])
     hid, wid = holder.node.node_id, worker.node.node_id
     main = coord.topology
-    sibling = TopologyService(coord.node, epochs=main.epochs)
-    main.siblings.append(sibling)
-    main.exclude = lambda: {wid, stranger.node.node_id}
-    sibling.exclude = lambda: {hid, stranger.node.node_id}
-    await propose(coord, pkg, include_self=False, stages=1)
+    sibling = main.sibling()
+    await propose(coord, pkg, include_self=False, stages=1, exclude={wid, stranger.node.node_id})
     await wait_for(lambda: main.active.all_ready, 20)  # H found its stage in its cache
     await wait_for(lambda: speaks_swarm(worker.node, hid), 20)
     await n.start(worker.service.run)
     t1 = (await sibling.propose(
         package_ref=pkg.ref, manifest_sha256=pkg.manifest_sha256,
         sizes=main.active.sizes, include_self=False, stages=1,  # type: ignore[union-attr]
+        exclude={hid, stranger.node.node_id},
     )).topology
     assert t1.stage_of(wid) is not None and t1.stage_of(hid) is None
     await wait_for(lambda: sibling.active.all_ready, 30)  # type: ignore[union-attr]

@@ -10,6 +10,8 @@
                 metrics; joins ``routes`` and ``generator``
 ``routes``      the route manager: bring-up, restore after a restart, healing, route
                 readiness and the 503 reasons
+``split``       a split as a value (``SplitSpec``) and the duties one replica is given
+``replicas``    R equal splits of one spec, and each request's replica (``Lease``)
 ``generator``   generation over a route with failover and exact replay; return streams
 ``state``       the coordinator's persisted run state (``data_dir/serving/split.json``)
 ``api``         the OpenAI-compatible HTTP routes (starlette, on hypercorn's trio worker)

@@ -35,10 +35,10 @@ from mesh_node.serving.generator import (
 )
 from mesh_node.serving.host import StageHost, hop_summary
 from mesh_node.serving.replicas import ReplicaSet
-from mesh_node.serving.routes import RouteManager, SplitNotReady
-from mesh_node.settings import ServingSettings
+from mesh_node.serving.routes import SplitNotReady
+from mesh_node.serving.split import SplitSpec
+from mesh_node.topology import TopologyService
 from skippy.generation import SpeculativePlan
-from skippy.package.plan import ModelSizes
 from skippy.runtime.tokenizer import LlamaTokenizer
 
 __all__ = [
@@ -90,43 +90,28 @@ class ServingStats:
 
 
 class SplitServer:
-    """Stage 0 and the API's view of the split (one per serving coordinator)."""
+    """Stage 0 and the API's view of the split (one per serving coordinator): ``spec``'s
+    replicas (``mesh_node.serving.replicas``), planned with the node's ``topology`` service
+    and its siblings."""
 
     def __init__(
         self,
         node: MeshNode,
         host: StageHost,
-        settings: ServingSettings,
+        topology: TopologyService,
+        spec: SplitSpec,
         *,
-        package_ref: str,
-        manifest_sha256: str,
-        sizes: ModelSizes,
         model_name: str,
-        stages: int | None = None,
         speculative: SpeculativePlan | None = None,
-        replicas: int = 1,
         metrics: ServingMetrics | None = None,
     ) -> None:
         self.node = node
         self.host = host
-        self.settings = settings
+        self.settings = settings = spec.settings
         self.model_name = model_name
         self.metrics = metrics if metrics is not None else ServingMetrics()
-        # Replicas (mesh_node.serving.replicas); ``routes`` is replica 0's.
-        self.replicas = ReplicaSet(
-            node,
-            host,
-            settings,
-            package_ref=package_ref,
-            manifest_sha256=manifest_sha256,
-            sizes=sizes,
-            stages=stages,
-            replicas=replicas,
-        )
-        self.routes: RouteManager = self.replicas.managers[0]
-        self.generator = Generator(
-            node, host, settings, self.replicas, speculative=speculative
-        )
+        self.replicas = ReplicaSet(node, host, topology, spec)
+        self.generator = Generator(node, host, settings, self.replicas, speculative=speculative)
         self.stats = ServingStats()
         self._slots = trio.Semaphore(settings.max_sessions)
         self.hops = host.hops
@@ -160,7 +145,7 @@ class SplitServer:
         }
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Bring the split up and keep it up (``RouteManager.run``) until cancelled."""
+        """Bring every replica up and keep it up (``RouteManager.run``) until cancelled."""
         await self.replicas.run(task_status=task_status)
 
     # --- admission -----------------------------------------------------------------------------

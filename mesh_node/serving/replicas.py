@@ -1,12 +1,15 @@
-"""Replicas of a split: R independent pipelines of one package.
+"""Replicas of a split: R equal, independent pipelines of one package (``SplitSpec``).
 
-Each replica is a ``RouteManager`` with its own topology service: its own topology (stage 0
-on this coordinator, the other stages on peers no other replica holds), its own bring-up,
-failover and heal. Replica 0 is the node's own topology service (it persists the run and
-loads stage 0 through the transfer service); the others share that loaded stage 0 (same
-manifest and layers) and get their stage reports through the node's control streams
-(``TopologyService.siblings``). A worker serves one stage of one topology, so the replicas'
-worker sets are disjoint (``TopologyService.exclude``: the nodes the other replicas hold).
+Each replica is a ``RouteManager`` built from the same spec with its own topology service:
+its own topology (stage 0 on this coordinator, the other stages on peers no other replica
+holds), its own bring-up, failover and heal. A worker serves one stage of one topology, so
+the replicas' worker sets are disjoint: each plans over the capable peers but those the
+others hold (its ``held_elsewhere`` duty). What only one replica may do is a duty given to
+the first one built (``mesh_node.serving.split.SplitDuties``): it plans with the node's own
+topology service, so the artifact service loads stage 0 for it (``LoadsStage0``), it keeps
+the run file, and its plan is the layout the others copy; every other replica plans with a
+sibling service (``TopologyService.sibling``: the node's control streams hand it its stage
+reports) and shares that loaded stage 0 (``SharesStage0``).
 
 Requests: each request takes a ``Lease`` (the generator's ``RouteSource`` for that request),
 which picks the ready replica with the fewest outstanding tokens
@@ -19,14 +22,14 @@ otherwise it waits for its own replica's new route, as a single split does.
 
     request -> Lease.check_ready -> choose_replica(ready, outstanding) -> replica k's route
                                                                           |
-    replica k: RouteManager(TopologyService k) -- plan/heal over capable peers - others' nodes
+    replica k: RouteManager(spec, its TopologyService, its duties) -- plans over peers no
+               other replica holds
 """
 
 from __future__ import annotations
 
 import logging
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import trio
@@ -34,13 +37,19 @@ import trio
 from mesh_node.node import MeshNode
 from mesh_node.serving.generator import Route, route_level
 from mesh_node.serving.host import StageHost
-from mesh_node.serving.routes import RouteManager, SplitFailed, SplitNotReady, load_tokenizer
-from mesh_node.settings import ServingSettings
+from mesh_node.serving.routes import RouteManager, SplitFailed, SplitNotReady
+from mesh_node.serving.split import (
+    LoadsStage0,
+    SharedTokenizer,
+    SharesStage0,
+    SplitDuties,
+    SplitSpec,
+)
+from mesh_node.serving.state import RunFile
 from mesh_node.topology import TopologyService
 from mesh_node.transfer.partials import speaks_partials
 from mesh_node.transfer.siblings import speaks_siblings
 from skippy.errors import SkippyError
-from skippy.package.plan import ModelSizes
 from skippy.package.topology import SplitTopology
 from skippy.runtime.tokenizer import LlamaTokenizer
 from skippy.serving.replicas import (
@@ -53,87 +62,55 @@ from skippy.serving.replicas import (
 log = logging.getLogger("mesh_node.serving.replicas")
 
 
-
-class SharedTokenizer:
-    """One tokenizer for every replica: the first to ask loads it, the others wait for that
-    load. Each replica's route manager reached its tokenizer while replica 0's was still
-    loading and loaded its own (gemma3's: ~3 s of CPU each here, on the cores the workers'
-    transfers needed at bring-up)."""
-
-    def __init__(self) -> None:
-        self._lock = trio.Lock()
-        self._loaded: tuple[Path, LlamaTokenizer] | None = None
-
-    async def load(self, metadata_path: Path) -> LlamaTokenizer:
-        async with self._lock:
-            if self._loaded is None or self._loaded[0] != metadata_path:
-                self._loaded = (metadata_path, await load_tokenizer(metadata_path))
-            return self._loaded[1]
-
-
 class ReplicaSet:
-    """The coordinator's replicas and the per-replica request load."""
+    """The coordinator's replicas of one split and the per-replica request load."""
 
     def __init__(
-        self,
-        node: MeshNode,
-        host: StageHost,
-        settings: ServingSettings,
-        *,
-        package_ref: str,
-        manifest_sha256: str,
-        sizes: ModelSizes,
-        stages: int | None,
-        replicas: int,
+        self, node: MeshNode, host: StageHost, topology: TopologyService, spec: SplitSpec
     ) -> None:
         self.node = node
-        self.stages = stages
-        self.managers: list[RouteManager] = []
-        self._tokenizer = SharedTokenizer()
-        main = node.service(TopologyService)
-        for k in range(replicas):
-            service = main if k == 0 else TopologyService(node, epochs=main.epochs)
-            if k:
-                main.siblings.append(service)
-            self.managers.append(
-                RouteManager(
-                    node,
-                    host,
-                    settings,
-                    package_ref=package_ref,
-                    manifest_sha256=manifest_sha256,
-                    sizes=sizes,
-                    stages=stages,
-                    topology=service,
-                    replica=k,
-                    replicas=replicas,
-                )
+        self.topology = topology  # the node's own: it sees every capable peer
+        self.spec = spec
+        tokenizer = SharedTokenizer()
+        first = RouteManager(
+            node,
+            host,
+            spec,
+            topology,
+            SplitDuties(
+                LoadsStage0(host),
+                tokenizer,
+                run_file=RunFile(node.settings.data_dir),
+                held_elsewhere=partial(self._held_by_others, 0),
+            ),
+        )
+        self.managers: list[RouteManager] = [first]
+        for k in range(1, spec.replicas):
+            duties = SplitDuties(
+                SharesStage0(host),
+                tokenizer,
+                layout=partial(self._layout_of, first),
+                held_elsewhere=partial(self._held_by_others, k),
             )
-        if replicas > 1:
-            for k, manager in enumerate(self.managers):
-                manager.topology.exclude = partial(self._held_by_others, k)
-                # one tokenizer: stage 0 (and its metadata) is the same loaded stage
-                manager.load_tokenizer = self._tokenizer.load
-                if k:
-                    manager.plan_like = self._plan_for  # and the same layer ranges
-        self.outstanding = [0] * replicas  # tokens still to process, per replica
-        self.in_flight = [0] * replicas
-        self.requests_total = [0] * replicas
-        self._first_planned_at: float | None = None  # trio clock: replica 0's plan seen
+            self.managers.append(RouteManager(node, host, spec, topology.sibling(), duties))
+        self.outstanding = [0] * spec.replicas  # tokens still to process, per replica
+        self.in_flight = [0] * spec.replicas
+        self.requests_total = [0] * spec.replicas
+        self._first_planned_at: float | None = None  # trio clock: the layout's plan seen
 
-    def _plan_for(self) -> SplitTopology | None:
-        """Replica 0's plan, for another replica to copy its layer ranges (None until it has
-        one, and, when every capable peer serves sibling replicas, until replica 0 is ready
-        or ``STAGGER_MAX_S`` passed: its nodes then serve the others' files,
+    def _layout_of(self, lead: RouteManager) -> SplitTopology | None:
+        """``lead``'s plan, for another replica to copy its layer ranges (None until it has
+        one, and, when every capable peer serves sibling replicas, until ``lead`` is ready or
+        ``STAGGER_MAX_S`` passed: its nodes then serve the others' files,
         ``skippy.serving.replicas.waits_for_first``)."""
-        active = self.managers[0].topology.active
+        active = lead.topology.active
         if active is None:
             self._first_planned_at = None
             return None
         now = trio.current_time()
         if self._first_planned_at is None:
             self._first_planned_at = now
-        capable = [c.node_id for c in self.managers[0].topology.capable_nodes(False)]
+        capable = [c.node_id for c in lead.capable(False)]
         if waits_for_first(
             first_ready=active.all_ready,
             waited_s=now - self._first_planned_at,
@@ -146,14 +123,8 @@ class ReplicaSet:
     def _held_by_others(self, k: int) -> set[str]:
         held: set[str] = set()
         for j, manager in enumerate(self.managers):
-            if j == k:
-                continue
-            active = manager.topology.active
-            if active is not None:
-                held |= {s.node_id for s in active.topology.stages}
-            pending = manager.restoring  # a restarted coordinator waits for these (replica 0)
-            if pending is not None:
-                held |= {s.node_id for s in pending.stages}
+            if j != k:
+                held |= manager.held()
         return held
 
     # --- the split's view, over every replica --------------------------------------------------
@@ -174,37 +145,41 @@ class ReplicaSet:
 
     @property
     def failed(self) -> SplitFailed | None:
-        """Replica 0's failure, when every replica failed for good (none can become ready
-        before a capable peer joins)."""
+        """The first replica's failure, when every replica failed for good (none can become
+        ready before a capable peer joins)."""
         if self.route is not None or any(m.failed is None for m in self.managers):
             return None
-        return self.managers[0].failed
+        return next((m.failed for m in self.managers if m.failed is not None), None)
 
     @property
     def waiting(self) -> SkippyError | None:
-        """Why no replica can be placed now, when none is ready and replica 0 waits."""
+        """Why a replica cannot be placed now (the first that waits), when none is ready."""
         if self.route is not None:
             return None
-        return self.managers[0].waiting
+        return next((m.waiting for m in self.managers if m.waiting is not None), None)
 
     @property
     def reason(self) -> str:
-        if len(self.managers) == 1:
-            return self.managers[0].reason
-        parts = [f"replica {k}: {m.status()['reason']}" for k, m in enumerate(self.managers)]
+        """Why no replica is ready (each one's reason, with more than one)."""
+        views = [m.status() for m in self.managers]
+        if len(views) == 1:
+            return str(views[0]["reason"])
+        parts = [f"replica {k}: {v['reason']}" for k, v in enumerate(views)]
         return "; ".join(parts) + self._peers_note()
 
     def _peers_note(self) -> str:
-        if self.stages is None:
+        stages = self.spec.stages
+        if stages is None:
             return ""
-        need = peers_needed(len(self.managers), self.stages)
+        need = peers_needed(len(self.managers), stages)
         linked = {p.node_id for p in self.node.peers(connected_only=True)}
-        free = {c.node_id for c in self.managers[0].topology.capable_nodes(False)}
-        have = len(free | (self._held_by_others(0) & linked))
+        held = {n for m in self.managers for n in m.held()}
+        capable = {c.node_id for c in self.topology.capable_nodes(False)}
+        have = len(capable | (held & linked))
         if have >= need:
             return ""
         return (
-            f" ({len(self.managers)} replicas of {self.stages} stages need {need} capable "
+            f" ({len(self.managers)} replicas of {stages} stages need {need} capable "
             f"peers, {have} linked)"
         )
 
@@ -212,7 +187,7 @@ class ReplicaSet:
         route = self.route
         if route is not None:
             return route
-        if len(self.managers) == 1:
+        if len(self.managers) == 1:  # a single split's own words
             return self.managers[0].check_ready()
         failed = self.failed
         if failed is not None:
@@ -223,17 +198,26 @@ class ReplicaSet:
         raise SplitNotReady(f"no replica is ready: {self.reason}")
 
     def status(self) -> dict[str, Any]:
-        """Replica 0's fields (as a single split reports them) plus ``replicas``: each one's
-        state, topology, stage nodes, requests in flight, outstanding tokens and total."""
-        out = self.managers[0].status()
-        if len(self.managers) > 1:
-            ready = self.route is not None
-            if not ready and out["state"] == "failed" and self.failed is None:
-                # replica 0 failed for good, another may still become ready
-                out["state"], out["code"] = "not_ready", "split_not_ready"
-            out["state"] = "ready" if ready else out["state"]
-            out["reason"] = None if ready else self.reason
-            out["code"] = None if ready else out["code"]
+        """The split's fields as a single split reports them (``RouteManager.status``), over
+        every replica: ready with the first ready replica's route; else failed when every
+        replica failed, waiting when one waits, not ready otherwise. Plus ``replicas``: each
+        one's state, topology, stage nodes, requests in flight, outstanding tokens and
+        total."""
+        views = [m.status() for m in self.managers]
+        out = next((dict(v) for v in views if v["state"] == "ready"), None)
+        if out is None:
+            failed, waiting = self.failed, self.waiting
+            restored = next((v["restored_run"] for v in views if v["restored_run"]), None)
+            blocked = failed if failed is not None else waiting
+            out = {
+                "state": "failed" if failed else "waiting" if waiting else "not_ready",
+                "reason": self.reason,
+                "code": blocked.code if blocked is not None else "split_not_ready",
+                "topology_id": None,
+                "stages": None,
+                "restored_run": restored,
+                "growth": next((v["growth"] for v in views if v["growth"]), None),
+            }
         out["replicas"] = [self.replica_status(k) for k in range(len(self.managers))]
         return out
 
@@ -262,12 +246,13 @@ class ReplicaSet:
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Every replica's route manager, until cancelled."""
-        if len(self.managers) > 1 and self.stages is not None:
+        stages = self.spec.stages
+        if len(self.managers) > 1 and stages is not None:
             log.info(
                 "serving %d replicas of %d stages: they need %d capable peers",
                 len(self.managers),
-                self.stages,
-                peers_needed(len(self.managers), self.stages),
+                stages,
+                peers_needed(len(self.managers), stages),
             )
         async with trio.open_nursery() as nursery:
             for manager in self.managers:
@@ -275,7 +260,8 @@ class ReplicaSet:
             task_status.started()
 
     async def await_new_route(self, broken: Route, cause: BaseException) -> Route:
-        """The route after ``broken`` failed, for a request without a lease."""
+        """The route after ``broken`` failed, for a request without a lease: from the
+        replica that ran it (the first, when none holds its topology any more)."""
         own = self.owner(broken)
         return await self.managers[own or 0].await_new_route(broken, cause)
 
@@ -341,8 +327,12 @@ class Lease:
         the own replica's next route (``RouteManager.await_new_route``)."""
         rs = self.replicas
         own = rs.owner(broken)
-        if own is None:
-            own = self.replica if self.replica is not None else 0
+        if own is None:  # healed past it: the replica this request ran on
+            own = self.replica
+        if own is None:  # never placed on a replica
+            found = await rs.await_new_route(broken, cause)
+            self._move(rs.owner(found))
+            return found
         if route_level(cause):
             k = choose_replica([load for load in rs.loads() if load.index != own])
             if k is not None:

@@ -5,7 +5,8 @@
 - **Bring-up.** It waits for the capable peers and plans the package over them with stage 0
   on this node (``TopologyService.propose(first_node=...)``), or, when this coordinator ran the
   same package before (same identity, package and stage count: ``data_dir/serving/split.json``,
-  Item 4), waits for that run's nodes and re-forms the same split
+  read by the split given the ``run_file`` duty), waits for that run's nodes and re-forms the
+  same split
   (``TopologyService.restore``: their verified parts stay in their caches, nothing is
   transferred again). ``serve`` waits like a service: after ``ready_timeout_s`` it logs a
   WARNING naming what is missing and keeps forming the split as peers arrive.
@@ -38,8 +39,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
-from pathlib import Path
+from collections.abc import Set
 from typing import Any, Final
 
 import trio
@@ -54,14 +54,13 @@ from mesh_node.serving.generator import (
     route_level,
 )
 from mesh_node.serving.host import LoadedStage, StageHost
-from mesh_node.serving.state import SplitState, load_state, save_state
-from mesh_node.settings import ServingSettings
+from mesh_node.serving.split import SplitDuties, SplitSpec
+from mesh_node.serving.state import SplitState
 from mesh_node.topology import ActiveTopology, StageReport, TopologyService
 from skippy.errors import EXIT_INVALID, EXIT_USAGE, SkippyError
 from skippy.package.grow import grow_check, grows, growth_summary
 from skippy.package.heal import missing_nodes
-from skippy.package.plan import ModelSizes
-from skippy.package.topology import SplitTopology
+from skippy.package.topology import NodeCapacity
 from skippy.runtime.tokenizer import LlamaTokenizer
 from skippy.serving.failures import classify_failure
 from skippy.stage.descriptor import runtime_problem
@@ -85,49 +84,25 @@ class SplitFailed(SplitNotReady):
     exit_code = EXIT_INVALID  # the model or package is the problem
 
 
-async def load_tokenizer(metadata_path: Path) -> LlamaTokenizer:
-    """The package's tokenizer, loaded on a thread (gemma3's: ~1-3 s of CPU)."""
-    return await trio.to_thread.run_sync(LlamaTokenizer, metadata_path)
-
-
 class RouteManager:
-    """The split's topology and route, kept up (see the module docstring)."""
+    """One split's topology and route, kept up (see the module docstring): ``spec`` says
+    what it plans, ``topology`` is its own topology service, ``duties`` what it does for the
+    coordinator's replicas (``mesh_node.serving.split``)."""
 
     def __init__(
         self,
         node: MeshNode,
         host: StageHost,
-        settings: ServingSettings,
-        *,
-        package_ref: str,
-        manifest_sha256: str,
-        sizes: ModelSizes,
-        stages: int | None = None,
-        topology: TopologyService | None = None,
-        replica: int = 0,
-        replicas: int = 1,
+        spec: SplitSpec,
+        topology: TopologyService,
+        duties: SplitDuties,
     ) -> None:
         self.node = node
-        # Replicas: replica 0 is the node's own topology service and
-        # persists the run (split.json); every other replica has its own service
-        # (``mesh_node.serving.replicas``) and shares stage 0 with replica 0.
-        self.topology: TopologyService = (
-            topology if topology is not None else node.service(TopologyService)
-        )
-        self.replica = replica
-        self.replicas = replicas
-        # Loads the tokenizer from stage 0's metadata part; replicas share one load
-        # (``mesh_node.serving.replicas.SharedTokenizer``: they share stage 0).
-        self.load_tokenizer: Callable[[Path], Awaitable[LlamaTokenizer]] = load_tokenizer
-        # Replicas: replica 0's plan, whose layer ranges this replica takes (None
-        # until it has one: ``ReplicaSet._plan_for``); unset for replica 0.
-        self.plan_like: Callable[[], SplitTopology | None] | None = None
         self.host = host
-        self.settings = settings
-        self.package_ref = package_ref
-        self.manifest_sha256 = manifest_sha256
-        self.sizes = sizes
-        self.stages = stages
+        self.spec = spec
+        self.settings = spec.settings
+        self.topology = topology
+        self.duties = duties
         self.route: Route | None = None
         self.reason = "the split is starting"
         self.waiting: SkippyError | None = None  # why the split cannot be placed now
@@ -144,7 +119,6 @@ class RouteManager:
         self._retry_s = 0.0
         self._not_ready_since: float | None = None
         self._warned = False
-        self._saved: str | None = None  # topology id last persisted
         # Stage nodes of the active topology (by its id) seen unlinked by a step; see _relinked.
         self._unlinked: tuple[str, set[str]] = ("", set())
         self._pinned: LoadedStage | None = None  # the published route's stage 0, held open
@@ -173,10 +147,23 @@ class RouteManager:
     def wake(self) -> None:
         self._wake.set()
 
-    @property
-    def restoring(self) -> SplitTopology | None:
-        """The run this coordinator waits to re-form after a restart (its nodes are taken)."""
-        return None if self._restore_from is None else self._restore_from.topology
+    def held(self) -> set[str]:
+        """The nodes this split holds: its active topology's, and those of the run it waits
+        to re-form after a restart (taken too: no other replica may plan over them)."""
+        held: set[str] = set()
+        active = self.topology.active
+        if active is not None:
+            held |= {s.node_id for s in active.topology.stages}
+        if self._restore_from is not None:
+            held |= {s.node_id for s in self._restore_from.topology.stages}
+        return held
+
+    def capable(self, include_self: bool) -> list[NodeCapacity]:
+        """The capable nodes this split may plan over: none another replica holds."""
+        return self.topology.capable_nodes(include_self, self._elsewhere())
+
+    def _elsewhere(self) -> Set[str]:
+        return self.duties.held_elsewhere()
 
     @property
     def blocked(self) -> SkippyError | None:
@@ -213,9 +200,11 @@ class RouteManager:
     # --- running -------------------------------------------------------------------------------
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Bring the split up and keep it up until cancelled."""
-        state = load_state(self.node.settings.data_dir) if self.replica == 0 else None
+        run_file = self.duties.run_file
+        state = run_file.load() if run_file is not None else None
+        spec = self.spec
         if state is not None and state.matches(
-            self.node.node_id, self.package_ref, self.manifest_sha256, self.stages
+            self.node.node_id, spec.package_ref, spec.manifest_sha256, spec.stages
         ):
             self._restore_from = state
             log.info(
@@ -268,7 +257,7 @@ class RouteManager:
             elif active is None:
                 await self._bring_up()
             else:
-                capable = {c.node_id for c in self.topology.capable_nodes(True)}
+                capable = {c.node_id for c in self.capable(True)}
                 gone = missing_nodes(active.topology, capable)
                 back = self._relinked(active.topology.topology_id, gone)
                 if await self._stage_failed(active):
@@ -283,7 +272,7 @@ class RouteManager:
             self._warn_if_slow()
 
     def _capable_joined(self) -> bool:
-        capable = {c.node_id for c in self.topology.capable_nodes(False)}
+        capable = {c.node_id for c in self.capable(False)}
         return bool(capable - self._failed_among)
 
     async def _stage_failed(self, active: ActiveTopology) -> bool:
@@ -318,7 +307,7 @@ class RouteManager:
         self._retry_at = trio.current_time() + self._retry_s
         self._set_route(None, f"stage {stage.stage_index} failed ({report.code}): retrying")
         try:
-            healed = await self.topology.heal()
+            healed = await self.topology.heal(self._elsewhere())
         except TopologyRefused as exc:
             self._wait_for(exc, None)
             return True
@@ -336,7 +325,7 @@ class RouteManager:
             f"stage {index} ({where}) cannot be brought up: {reason}",
             code=code or "stage_failed",
         )
-        self._failed_among = frozenset(c.node_id for c in self.topology.capable_nodes(False))
+        self._failed_among = frozenset(c.node_id for c in self.capable(False))
         self._set_route(None, self.failed.message)
         log.error(
             "the split failed: %s [%s]; it is planned again when a capable peer joins",
@@ -373,8 +362,8 @@ class RouteManager:
         check = grow_check(
             active.topology,
             capable,
-            stages=self.stages,
-            replicas=self.replicas,
+            stages=self.spec.stages,
+            replicas=self.spec.replicas,
             serving=serving,
             last_members=self._grow_members,
             since_last_s=None if self._grow_at is None else now - self._grow_at,
@@ -383,7 +372,7 @@ class RouteManager:
             return
         self._grow_members, self._grow_at = frozenset(capable), now
         try:
-            planned, prediction = self.topology.plan_again(self.stages)
+            planned, prediction = self.topology.plan_again(self.spec.stages, self._elsewhere())
         except TopologyRefused as exc:
             log.info("no grow (%s): the plan failed: %s", check.reason, exc.message)
             return
@@ -444,7 +433,7 @@ class RouteManager:
 
     async def _bring_up(self) -> None:
         state = self._restore_from
-        capable = {c.node_id for c in self.topology.capable_nodes(False)}
+        capable = {c.node_id for c in self.capable(False)}
         if state is not None:
             absent = [n for n in missing_nodes(state.topology, capable) if n != self.node.node_id]
             overdue = self._overdue()
@@ -459,7 +448,10 @@ class RouteManager:
             self.reason = f"re-forming run {state.topology.run_id}"
             try:
                 active = await self.topology.restore(
-                    state.topology, self.sizes, first_node=self.node.node_id
+                    state.topology,
+                    self.spec.sizes,
+                    first_node=self.node.node_id,
+                    exclude=self._elsewhere(),
                 )
             except TopologyRefused as exc:
                 self._wait_for(exc, None)
@@ -468,7 +460,7 @@ class RouteManager:
             self._restore_from = None
             self._placed(active)
             return
-        want = (self.stages or 1) - 1
+        want = (self.spec.stages or 1) - 1
         have = len(capable)
         if have < want:
             self.reason = (
@@ -476,8 +468,8 @@ class RouteManager:
             )
             return
         like = None
-        if self.plan_like is not None:
-            like = self.plan_like()
+        if self.duties.layout is not None:
+            like = self.duties.layout()
             if like is None:
                 self.reason = (
                     "waiting for replica 0's plan, or for replica 0 to be ready (the replicas "
@@ -489,12 +481,13 @@ class RouteManager:
         self.reason = "planning the split"
         try:
             active = await self.topology.propose(
-                package_ref=self.package_ref,
-                manifest_sha256=self.manifest_sha256,
-                sizes=self.sizes,
-                stages=self.stages,
+                package_ref=self.spec.package_ref,
+                manifest_sha256=self.spec.manifest_sha256,
+                sizes=self.spec.sizes,
+                stages=self.spec.stages,
                 first_node=self.node.node_id,
                 like=like,
+                exclude=self._elsewhere(),
             )
         except TopologyRefused as exc:
             self._wait_for(exc, None)
@@ -506,7 +499,7 @@ class RouteManager:
         if not self._may_try():
             return
         try:
-            healed = await self.topology.heal()
+            healed = await self.topology.heal(self._elsewhere())
         except TopologyRefused as exc:
             self._wait_for(exc, gone[0] if gone else None)
             return
@@ -561,22 +554,21 @@ class RouteManager:
         self._notify()
 
     def _persist(self, active: ActiveTopology) -> None:
-        topo = active.topology
-        if self._saved == topo.topology_id or self.replica != 0:
+        """The run, for a restart, when this split keeps it (its ``run_file`` duty)."""
+        run_file = self.duties.run_file
+        if run_file is None:
             return
-        state = SplitState(
-            self.node.node_id,
-            self.package_ref,
-            self.manifest_sha256,
-            self.stages,
-            topo,
-            active.signature,
+        spec = self.spec
+        run_file.save(
+            SplitState(
+                self.node.node_id,
+                spec.package_ref,
+                spec.manifest_sha256,
+                spec.stages,
+                active.topology,
+                active.signature,
+            )
         )
-        try:
-            save_state(self.node.settings.data_dir, state)
-            self._saved = topo.topology_id
-        except OSError as exc:
-            log.warning("could not persist the serving state: %s", exc)
 
     def _overdue(self) -> bool:
         since = self._not_ready_since
@@ -615,28 +607,12 @@ class RouteManager:
         if tid == topo.topology_id and seen:  # relinked: planned in again first (_relinked)
             self.reason = "re-planning " + ", ".join(f"node {n[:12]}" for n in sorted(seen))
             return
-        loaded = self.host.loaded
-        if self.replica != 0 and loaded is not None:
-            # Stage 0 is replica 0's loaded stage: the same manifest and layers serve here.
-            if (loaded.load.layers.start, loaded.load.layers.stop) != (
-                topo.stages[0].layers.start,
-                topo.stages[0].layers.stop,
-            ):
-                self.reason = (
-                    f"stage 0 of this replica has layers {topo.stages[0].layers}, the "
-                    f"coordinator holds {loaded.load.layers}: replicas share stage 0"
-                )
-                return
-            active.reports.setdefault(self.node.node_id, StageReport("ready"))
-        elif loaded is None or loaded.topology.topology_id != topo.topology_id:
-            own = active.reports.get(self.node.node_id)
-            failed = own is not None and own.state != "ready"
-            self.reason = (
-                f"stage 0 failed to load ({own.code})" if failed and own else "stage 0 is loading"
-            )
+        loaded = self.duties.stage0.ready(active)
+        if isinstance(loaded, str):
+            self.reason = loaded
             return
         if self.tokenizer is None:
-            self.tokenizer = await self.load_tokenizer(loaded.load.part_paths[0])
+            self.tokenizer = await self.duties.tokenizer.load(loaded.load.part_paths[0])
         self.topology.admission_expect = loaded.facts
         waiting = []
         for stage in topo.stages:
@@ -647,7 +623,7 @@ class RouteManager:
                 continue
             desc = report.descriptor
             if desc is None and stage.node_id == self.node.node_id:
-                continue  # replica > 0: stage 0 is the loaded stage itself (checked above)
+                continue  # a shared stage 0: the loaded stage itself (``SharesStage0``)
             problem = runtime_problem(desc.runtime if desc else None, loaded.facts)
             if problem is not None:
                 active.reports[stage.node_id] = StageReport("rejected", problem[0], desc)

@@ -295,6 +295,7 @@ class Serving:
         """Coordinate a split of the package; return the API's base URL (``.../v1``)."""
         from mesh_node.packages import package_engine, package_identity, package_speculation
         from mesh_node.serving.pipeline import SplitServer
+        from mesh_node.serving.split import SplitSpec
         from skippy.serving.engine_choice import check_split
 
         if self.server is not None:
@@ -328,17 +329,14 @@ class Serving:
             log_serving_speculation(plan)
             if self.http_url is None:
                 await self.start_http(options.http)
+            spec = SplitSpec(ref, sha, sizes, stages, replicas, self.node.settings.serving)
             server = SplitServer(
                 self.node,
                 self.host,
-                self.node.settings.serving,
-                package_ref=ref,
-                manifest_sha256=sha,
-                sizes=sizes,
+                self.topology,
+                spec,
                 model_name=options.model_name or model_id,
-                stages=stages,
                 speculative=plan,
-                replicas=replicas,
                 metrics=self.metrics,
             )
             await self._nursery.start(server.run)

@@ -106,3 +106,26 @@ def load_state(data_dir: Path) -> SplitState | None:
     except (OSError, ValueError, KeyError, TopologyError) as exc:
         log.warning("ignoring the serving state %s: %s (planning afresh)", path, exc)
         return None
+
+
+class RunFile:
+    """The run one split of a coordinator persists (its ``run_file`` duty): read once when
+    it starts, written each time a new topology of it becomes active."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.data_dir = data_dir
+        self._saved: str | None = None  # the topology id last written
+
+    def load(self) -> SplitState | None:
+        return load_state(self.data_dir)
+
+    def save(self, state: SplitState) -> None:
+        """Write ``state`` unless its topology is the one last written; a write that fails
+        is logged (the run then re-forms from the previous file, or plans afresh)."""
+        if self._saved == state.topology.topology_id:
+            return
+        try:
+            save_state(self.data_dir, state)
+            self._saved = state.topology.topology_id
+        except OSError as exc:
+            log.warning("could not persist the serving state: %s", exc)
