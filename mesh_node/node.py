@@ -96,7 +96,6 @@ NEW_LINKS_BURST_PER_ADDRESS = 20  # ... after a burst of this many
 MAX_TRACKED_ADDRESSES = 4096  # rate-limit entries; the stalest is forgotten first
 CLOSE_LINKS_SLACK_S = 0.25  # close_links waits up to disconnect_s plus this for its links
 QUEUE_WAIT_S = 2.0  # the longest a connection waits for a handshake slot (then 503)
-MAX_HEARD_OF = MAX_MEMBERS  # node ids learned from gossip (bounds the topology sanity check)
 # After a link that held this much of the peer budget closes, free heap goes back to the OS.
 TRIM_AFTER_BYTES = 1024 * 1024
 S = TypeVar("S")
@@ -230,7 +229,6 @@ class MeshNode:
         self._handshake_slots = trio.CapacityLimiter(MAX_PENDING_HANDSHAKES)
         self._pending_by_address: dict[str, int] = {}
         self._admission_rates: dict[str, tuple[float, float]] = {}  # address -> tokens, time
-        self._heard_of: dict[str, None] = {}  # ordered set, oldest first
         # Memory held for peers, all links together (issue #19 item 3).
         self.peer_memory = PeerMemory(settings.security.peer_memory_budget_bytes)
         self.admission = {
@@ -366,10 +364,11 @@ class MeshNode:
         self._refresh_trust(member)
         return member.peer
 
-    def known_node_ids(self) -> set[str]:
-        """This node, its members and the ids gossip told it of (the sanity bound on how
-        many stages a topology may name)."""
-        return {self.node_id, *self._members, *self._heard_of}
+    def verified_node_ids(self) -> set[str]:
+        """This node and its members, each authenticated by its link's handshake (the sanity
+        bound on how many stages a topology may name). Ids heard in gossip are not among
+        them: any peer, a stranger too, can list invented ones."""
+        return {self.node_id, *self._members}
 
     def _evaluate(
         self, node_id: str, cert: OwnerCertificate | None
@@ -862,10 +861,6 @@ class MeshNode:
         elif isinstance(message, Peers):
             for record in message.peers:
                 node_id = record.node_id.hex()
-                self._heard_of.pop(node_id, None)
-                self._heard_of[node_id] = None
-                while len(self._heard_of) > MAX_HEARD_OF:
-                    del self._heard_of[next(iter(self._heard_of))]
                 known = self._members.get(node_id)
                 if node_id == self.node_id or (known is not None and known.link is not None):
                     continue
