@@ -7,7 +7,12 @@ Pure decisions over plain values, plus the one small store they need: topology e
   ``trusted_owners``; ``any`` for labs), never while this node coordinates one itself, and only
   when its epoch is newer than the last accepted from that coordinator.
 - ``bounds_problem``: sanity bounds checked before anything is fetched (no more stages than
-  nodes this node knows of; the layer bounds are ``SplitTopology``'s own). That ``layer_count``
+  nodes this node can vouch for; the layer bounds are ``SplitTopology``'s own). It counts
+  only what this node verified: itself, the peers whose links authenticated them, the
+  coordinator whose signature it checked and, when that coordinator is trusted, the stage
+  nodes its signed topology names (a NATed stage node that only dials out is never linked to
+  the other workers). Gossip is hearsay: any stranger can list invented ids, so it counts
+  for nothing. That ``layer_count``
   equals the manifest's is checked as soon as the manifest is proven, before any artifact
   (``skippy.transfer.fetch_plan.plan_fetch``).
 - ``placeable``: the coordinator's capable-peer listing passes through it (``place_stages_on``),
@@ -75,13 +80,22 @@ def offer_refusal(
     return None
 
 
-def bounds_problem(topology: SplitTopology, known_nodes: int) -> tuple[str, str] | None:
-    """A topology naming more stages than this node knows nodes (itself and its peers) is
-    nonsense: refuse it before anything is fetched."""
-    if len(topology.stages) > known_nodes:
+def bounds_problem(
+    topology: SplitTopology, verified: Iterable[str], *, coordinator_trusted: bool
+) -> tuple[str, str] | None:
+    """A topology naming more stages than nodes this node can vouch for is nonsense: refuse
+    it before anything is fetched. ``verified``: this node, its authenticated peers and the
+    coordinator (its signature checked); a trusted coordinator's signed word adds the stage
+    nodes it names."""
+    known = set(verified)
+    if coordinator_trusted:
+        known.update(stage.node_id for stage in topology.stages)
+    if len(topology.stages) > len(known):
         return (
             "topology_bounds",
-            f"{len(topology.stages)} stages, but this node knows only {known_nodes} nodes",
+            f"{len(topology.stages)} stages, but this node knows only {len(known)} nodes "
+            "(itself, its authenticated peers and, from a trusted coordinator, the stage "
+            "nodes it names)",
         )
     return None
 

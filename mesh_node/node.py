@@ -50,9 +50,11 @@ from mesh_node.peers import (
     PeerDown,
     PeerInfo,
     PeerUp,
+    StreamAdmission,
     SubprotocolHandler,
     status_document,
 )
+from mesh_node.request_gate import TokenBucket
 from mesh_node.settings import HostPort, NodeSettings, PeerAddress, parse_peer_address
 from mesh_node.transport import budgeted_listeners
 from mesh_node.websocket import (
@@ -92,11 +94,10 @@ BROKEN_CONNECTION_REASONS = frozenset({"connection_closed", "peer_not_reading"})
 # slot before its WebSocket upgrade is accepted, waiting at most QUEUE_WAIT_S for one.
 MAX_PENDING_PER_ADDRESS = 8  # handshakes pending (queued or running) from one source address
 NEW_LINKS_PER_S_PER_ADDRESS = 10.0  # sustained new connections per source address ...
-NEW_LINKS_BURST_PER_ADDRESS = 20  # ... after a burst of this many
+NEW_LINKS_BURST_PER_ADDRESS = 20.0  # ... after a burst of this many
 MAX_TRACKED_ADDRESSES = 4096  # rate-limit entries; the stalest is forgotten first
 CLOSE_LINKS_SLACK_S = 0.25  # close_links waits up to disconnect_s plus this for its links
 QUEUE_WAIT_S = 2.0  # the longest a connection waits for a handshake slot (then 503)
-MAX_HEARD_OF = MAX_MEMBERS  # node ids learned from gossip (bounds the topology sanity check)
 # After a link that held this much of the peer budget closes, free heap goes back to the OS.
 TRIM_AFTER_BYTES = 1024 * 1024
 S = TypeVar("S")
@@ -223,14 +224,14 @@ class MeshNode:
         self.compute: ComputeCost | None = None
         self._members: dict[str, _Member] = {}
         self._handlers: dict[tuple[str, int, int], SubprotocolHandler] = {}
+        self._admissions: dict[tuple[str, int, int], StreamAdmission] = {}
         self._subscribers: list[trio.MemorySendChannel[NodeEvent]] = []
         self._dialing: set[str] = set()  # addresses with a dial loop
         self._closing = False  # close_links ran: no new links either way
         self._memory_release = MemoryReleaser()
         self._handshake_slots = trio.CapacityLimiter(MAX_PENDING_HANDSHAKES)
         self._pending_by_address: dict[str, int] = {}
-        self._admission_rates: dict[str, tuple[float, float]] = {}  # address -> tokens, time
-        self._heard_of: dict[str, None] = {}  # ordered set, oldest first
+        self._admission_rates: dict[str, TokenBucket] = {}  # by source address
         # Memory held for peers, all links together.
         self.peer_memory = PeerMemory(settings.security.peer_memory_budget_bytes)
         self.admission = {
@@ -259,8 +260,9 @@ class MeshNode:
             raise UsageError(f"a handler for {name}/{major} kind {kind:#x} is already registered")
         for stream in streams:
             self.register_subprotocol(
-                stream.kind, stream.handler, name=stream.name, major=stream.major
-            )
+                stream.kind, stream.handler, name=stream.name, major=stream.major,
+                admit=stream.admit,
+            )  # fmt: skip
         self._services.append(service)
 
     def service(self, kind: type[S]) -> S:
@@ -282,14 +284,18 @@ class MeshNode:
         *,
         name: str = pc.SKIPPY_STAGE,
         major: int = pc.SKIPPY_STAGE_MAJOR,
+        admit: StreamAdmission | None = None,
     ) -> None:
         """Serve streams a peer opens with envelope ``{name, major}`` and stream ``kind``.
         Each stream runs ``handler`` in its link's nursery; the stream is closed (or reset, if
-        the handler raised) when it returns. One handler per (name, major, kind)."""
+        the handler raised) when it returns. One handler per (name, major, kind). ``admit``,
+        if given, may refuse an open before any task runs (a budget of refusals)."""
         key = (name, major, kind)
         if key in self._handlers:
             raise UsageError(f"a handler for {name}/{major} kind {kind:#x} is already registered")
         self._handlers[key] = handler
+        if admit is not None:
+            self._admissions[key] = admit
 
     async def open_stream(
         self,
@@ -366,10 +372,11 @@ class MeshNode:
         self._refresh_trust(member)
         return member.peer
 
-    def known_node_ids(self) -> set[str]:
-        """This node, its members and the ids gossip told it of (the sanity bound on how
-        many stages a topology may name)."""
-        return {self.node_id, *self._members, *self._heard_of}
+    def verified_node_ids(self) -> set[str]:
+        """This node and its members, each authenticated by its link's handshake (the sanity
+        bound on how many stages a topology may name). Ids heard in gossip are not among
+        them: any peer, a stranger too, can list invented ones."""
+        return {self.node_id, *self._members}
 
     def _evaluate(
         self, node_id: str, cert: OwnerCertificate | None
@@ -593,15 +600,15 @@ class MeshNode:
         if self._pending_by_address.get(address, 0) >= MAX_PENDING_PER_ADDRESS:
             return False
         now = trio.current_time()
-        tokens, then = self._admission_rates.pop(address, (NEW_LINKS_BURST_PER_ADDRESS, now))
-        refill = (now - then) * NEW_LINKS_PER_S_PER_ADDRESS
-        tokens = min(NEW_LINKS_BURST_PER_ADDRESS, tokens + refill)
-        if tokens < 1:
-            self._admission_rates[address] = (tokens, now)
-            return False
-        self._admission_rates[address] = (tokens - 1, now)  # re-inserted: most recent last
+        bucket = self._admission_rates.pop(address, None) or TokenBucket(
+            NEW_LINKS_BURST_PER_ADDRESS, NEW_LINKS_PER_S_PER_ADDRESS
+        )
+        self._admission_rates[address] = bucket  # re-inserted: most recent last
         while len(self._admission_rates) > MAX_TRACKED_ADDRESSES:
             del self._admission_rates[next(iter(self._admission_rates))]
+        if not bucket.has(now):
+            return False
+        bucket.charge(now)
         return True
 
     async def _accept(self, request: WebSocketRequest) -> None:
@@ -842,6 +849,10 @@ class MeshNode:
             return ("link_replaced", "this link is being replaced")
         self._refresh_trust(member)  # every authorization sees trust as of now
         peer = member.peer
+        admit = self._admissions.get((open_.name, open_.major, open_.kind))
+        refusal = admit(peer, open_.kind) if admit is not None else None
+        if refusal is not None:
+            return refusal  # refused at the open: no task, no read
 
         async def run(stream: MeshStream) -> None:
             await handler(InboundStream(peer, open_.name, open_.major, open_.kind, stream))
@@ -875,10 +886,6 @@ class MeshNode:
         elif isinstance(message, Peers):
             for record in message.peers:
                 node_id = record.node_id.hex()
-                self._heard_of.pop(node_id, None)
-                self._heard_of[node_id] = None
-                while len(self._heard_of) > MAX_HEARD_OF:
-                    del self._heard_of[next(iter(self._heard_of))]
                 known = self._members.get(node_id)
                 if node_id == self.node_id or (known is not None and known.link is not None):
                     continue

@@ -5,7 +5,8 @@ The core (``mesh_node.node``) imports no service. A service is built by the comp
 (``mesh_node.composition``) and added with ``MeshNode.add_service``; from then on the core
 
 - serves the service's **stream kinds** (``streams``: each a subprotocol envelope, a kind and
-  its handler), through the same registry ``register_subprotocol`` fills;
+  its handler, and optionally an ``admit`` check run at each open, which can refuse a stream
+  before any task or read), through the same registry ``register_subprotocol`` fills;
 - advertises its **feature bits** in every hello (``features``: feature name -> bits, merged
   over all services by ``merge_features``, sorted, so the wire bytes do not depend on the
   order services were added);
@@ -29,7 +30,7 @@ from typing import Any, Protocol
 import trio
 from prometheus_client.registry import Collector
 
-from mesh_node.peers import SubprotocolHandler
+from mesh_node.peers import StreamAdmission, SubprotocolHandler
 from protocol import constants as pc
 
 FeatureBits = Mapping[str, frozenset[str]]  # feature name (``skippy-stage/2``) -> its bits
@@ -44,6 +45,9 @@ class StreamKind:
     handler: SubprotocolHandler
     name: str = pc.SKIPPY_STAGE
     major: int = pc.SKIPPY_STAGE_MAJOR
+    # Asked at each open, before any handler runs: ``None`` to serve the stream, else the
+    # (code, reason) the open is refused with (a budget of refusals, ``RequestGate.admit``).
+    admit: StreamAdmission | None = None
 
 
 class NodeService(Protocol):

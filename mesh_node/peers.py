@@ -46,6 +46,8 @@ class InboundStream:
 
 
 SubprotocolHandler = Callable[[InboundStream], Awaitable[None]]
+# At a stream's open, with the peer and the kind: None to serve it, else (code, reason).
+StreamAdmission = Callable[[AuthenticatedPeer, int], "tuple[str, str] | None"]
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,11 @@ the honest measurements here (pings, connect times) do not share an event loop w
   connect time (dial to the victim's Hello) meanwhile, against 2 s;
 - membership: links from fresh keys fill the victim's membership (cap lowered to
   ``MEMBERS`` through `[security] max_members`: 1024 handshakes take minutes on this machine),
-  then a peer of the victim's own owner joins: dial to Hello, against 2 s.
+  then a peer of the victim's own owner joins: dial to Hello, against 2 s;
+- refusals: one certificate-less link (tests/hostile_peer.py ``requests``) asks the victim,
+  which serves artifacts to trusted peers only, ``FLOOD_PER_KIND`` requests on each artifact
+  kind (0x03, 0x04, 0x05), 16 streams at once; the victim's CPU share and log bytes a second
+  meanwhile, and how many requests it answered (read, decided: work) vs refused at the open.
 Bounded: every wait has a deadline, only this script's child PIDs are stopped.
 """
 
@@ -45,6 +49,8 @@ BURST = 200
 MEMBERS = 128  # the membership cap the membership figure runs with (default 1024)
 BUDGET_BYTES = 256 * MIB  # the default peer_memory_budget
 PING_EVERY_S = 0.05
+FLOOD_PER_KIND = 3000  # refused requests asked per artifact kind
+HOSTILE = Path(__file__).resolve().parent.parent / "tests" / "hostile_peer.py"
 
 
 # --- protocol-level clients (shared by this process and the attack child) ----------------------
@@ -415,6 +421,44 @@ def trusted_join(url: str, owner_key: Any, runs: int) -> tuple[list[float], str]
     return times, admitted
 
 
+def refusal_flood(victim: Any, root: Path) -> dict[str, Any]:
+    """The victim's CPU and log while one stranger floods it with refused requests."""
+    from mesh_node.identity import write_private_key
+
+    key = root / "hostile.key"
+    write_private_key(key)
+    pid = victim.popen.pid
+    child = subprocess.Popen(
+        [sys.executable, str(HOSTILE), "requests", str(key), victim.address,
+         str(FLOOD_PER_KIND)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        _expect(child, "linked")  # timed from the link, not the child's start-up
+        lines0, bytes0 = victim.log_written
+        cpu0, t0 = _cpu_s(pid), time.monotonic()
+        stdout, stderr = child.communicate(timeout=600)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    wall = time.monotonic() - t0
+    cpu = _cpu_s(pid) - cpu0
+    if child.returncode != 0:
+        raise SystemExit(f"bench adversary: the flood child failed: {stderr[-2000:]}")
+    kinds = {}
+    for line in stdout.splitlines():
+        if line.startswith("result "):
+            _, kind, *counts = line.split()
+            kinds[kind] = dict(c.split("=") for c in counts)
+    time.sleep(0.5)  # the victim's last lines through the pump
+    return {
+        "wall_s": wall, "cpu": cpu / wall, "kinds": kinds,
+        "log_lines": victim.log_written[0] - lines0,
+        "log_bytes_per_s": (victim.log_written[1] - bytes0) / wall,
+    }
+
+
 def _fmt_ms(times: list[float]) -> str:
     ms = [t * 1000 for t in times]
     return f"{statistics.median(ms):.0f} ms ({min(ms):.0f}..{max(ms):.0f})"
@@ -450,7 +494,10 @@ def rows(ctx: BenchContext) -> list[Row]:
     # The defaults (timeouts; [security]: trusted / trusted, a 256 MiB peer budget) but a
     # lowered membership cap.
     head = toml.split("heartbeat_interval_s")[0]
-    toml = head + f'certificate = "victim.cert"\n[security]\nmax_members = {MEMBERS}\n'
+    toml = head + (
+        'certificate = "victim.cert"\nartifact_transfer = "trusted"\n'
+        f"[security]\nmax_members = {MEMBERS}\n"
+    )
 
     out: list[Row] = []
     try:
@@ -493,6 +540,18 @@ def rows(ctx: BenchContext) -> list[Row]:
                     f"{MEMBERS} via [security] max_members)", _fmt_ms(join),
                     f"target < 2 s ({max(join) / 2:.2f}x at worst); {admitted} untrusted members"
                     f" held it full; {len(join)} runs (each evicts one)"))
+        flood = refusal_flood(victim, root)
+        total = 3 * FLOOD_PER_KIND
+        answered = sum(int(k.get("answered", 0)) for k in flood["kinds"].values())
+        limited = sum(int(k.get("limited", 0)) for k in flood["kinds"].values())
+        per_kind = ", ".join(f"{kind} {k.get('answered')}" for kind, k in flood["kinds"].items())
+        out.append(("adversary", f"one untrusted link floods refused requests on kinds 0x03/"
+                    f"0x04/0x05 ({FLOOD_PER_KIND} each, 16 at once): victim CPU and log",
+                    f"{flood['cpu']:.0%} of a core, {flood['log_bytes_per_s'] / 1e6:.3f} MB/s "
+                    "of log", f"{total / flood['wall_s']:.0f} requests/s for "
+                    f"{flood['wall_s']:.1f} s; answered {answered} ({per_kind}), refused at "
+                    f"the open {limited}; {flood['log_lines']} log lines (before the refusal "
+                    "budget: 0.7-0.9 of a core, 0.18-0.37 MB/s, every request answered)"))
     finally:
         cluster.stop()
     return out

@@ -54,7 +54,8 @@ class Proc:
     popen: subprocess.Popen[str]
     lines: queue.Queue[str] = field(default_factory=queue.Queue)
     address: str = ""  # ws://host:port#<node id>, once listening
-    log: list[str] = field(default_factory=list)
+    log: list[str] = field(default_factory=list)  # the last 400 lines of stderr
+    log_written: list[int] = field(default_factory=lambda: [0, 0])  # stderr lines, bytes
 
     def wait_line(self, prefix: str, timeout_s: float = 60.0) -> str:
         deadline = time.monotonic() + timeout_s
@@ -70,8 +71,13 @@ class Proc:
         raise AssertionError(f"{self.name}: no line {prefix!r}; stderr tail: {self.log[-15:]}")
 
 
-def _pump(stream: object, sink: queue.Queue[str] | list[str]) -> None:
+def _pump(
+    stream: object, sink: queue.Queue[str] | list[str], written: list[int] | None = None
+) -> None:
     for line in iter(stream.readline, ""):  # type: ignore[attr-defined]
+        if written is not None:
+            written[0] += 1
+            written[1] += len(line.encode())
         if isinstance(sink, list):
             sink.append(line.rstrip())
             del sink[:-400]
@@ -108,7 +114,9 @@ class Cluster:
         )
         proc = Proc(name, popen)
         threading.Thread(target=_pump, args=(popen.stdout, proc.lines), daemon=True).start()
-        threading.Thread(target=_pump, args=(popen.stderr, proc.log), daemon=True).start()
+        threading.Thread(
+            target=_pump, args=(popen.stderr, proc.log, proc.log_written), daemon=True
+        ).start()
         self.procs.append(proc)
         return proc
 

@@ -272,7 +272,21 @@ def test_nonsense_topologies_are_refused_before_anything_is_fetched(tmp_path):
     ack = topology_of(worker).accept_offer(TopologyOffer(signed.to_dict(), sig), coord_id)
     assert (ack.accepted, ack.code) == (False, "topology_bounds")
     assert topology_of(worker).active is None
-    assert bounds_problem(_two_stage(coord_id, worker.node_id), 2) is None
+    two = _two_stage(coord_id, worker.node_id)
+    assert bounds_problem(two, {coord_id, worker.node_id}, coordinator_trusted=False) is None
+
+
+def test_the_bound_counts_a_trusted_coordinators_stage_nodes_never_hearsay():
+    ids = [f"{i:064x}" for i in range(1, 4)]
+    three = SplitTopology(
+        "topo-3", "run-x", REF, SHA, 3,
+        tuple(StageAssignment(nid, f"s{i}", i, LayerRange(i, i + 1, 3))
+              for i, nid in enumerate(ids)),
+    )
+    verified = {ids[0], ids[2]}  # the stage node in the middle never linked to this one
+    assert bounds_problem(three, verified, coordinator_trusted=True) is None
+    code, message = bounds_problem(three, verified, coordinator_trusted=False) or ("", "")
+    assert code == "topology_bounds" and "3 stages" in message and "only 2 nodes" in message
 
 
 def test_a_topology_whose_layer_count_is_not_the_manifests_is_refused_before_any_artifact():

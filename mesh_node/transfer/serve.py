@@ -1,11 +1,13 @@
 """The serving side: the ``skippy-stage/2`` kind 0x03 stream handler.
 
 Per stream: read one request frame (``RequestReader``, bounded, within the handshake
-timeout), take a serving slot (per link and per node), let ``ArtifactServer.serve`` decide and
-open the file on a worker thread, send the response header, then the body in bounded chunks
-(``pread`` on a thread), each send bounded by the write-idle timeout and, when configured, paced
-by the node's upload rate. The peer hears one generic sentence for every refusal; the log and
-the counters get the precise reason.
+timeout), take a serving slot (per link and per node, ``RequestSlots``), let
+``ArtifactServer.serve`` decide and open the file on a worker thread, send the response
+header, then the body in bounded chunks (``pread`` on a thread), each send bounded by the
+write-idle timeout and, when configured, paced by the node's upload rate. The peer hears one
+generic sentence for every refusal; the counters get the precise reason, and so does the log,
+summed per interval (``RequestGate``: refusals beyond a per-peer budget are refused at the
+open, before this handler runs).
 
 Memory per request is bounded by what is in flight: one chunk read, and what the stream's flow
 control lets queue (the peer's credit, <= its 4 MiB window). ``PER_LINK`` and ``PER_NODE`` bound
@@ -22,14 +24,15 @@ from typing import TYPE_CHECKING, Final
 import trio
 
 from mesh_node.errors import MeshError, StreamReset, StreamStalled
-from mesh_node.identity import short_id
 from mesh_node.link import CLOSED_EARLY, MeshStream
-from mesh_node.peers import InboundStream
+from mesh_node.peers import AuthenticatedPeer, InboundStream
+from mesh_node.request_gate import PER_LINK, PER_NODE, RequestGate, RequestSlots
 from mesh_node.topology import TopologyService
 from mesh_node.transfer.policy import node_policy, peer_facts
 from mesh_node.transfer.records import TransferLog
 from mesh_node.transfer.requests import read_request
 from mesh_node.transfer.siblings import SiblingBook, coordinated
+from protocol import constants as pc
 from skippy.errors import SkippyError
 from skippy.package.topology import SplitTopology
 from skippy.transfer.authorize import PEER_UNAVAILABLE
@@ -45,8 +48,6 @@ log = logging.getLogger("mesh_node.transfer.serve")
 
 CHUNK_BYTES: Final = 4 * 1024 * 1024  # one pread (thread) and one send per 4 MiB
 MIN_PACED_CHUNK_BYTES: Final = 64 * 1024  # the smallest read under an upload rate limit
-PER_LINK: Final = 4  # requests served at once to one peer (a worker fetches <= 4 at a time)
-PER_NODE: Final = 16  # requests served at once by this node
 # Said to a requester that got no slot in time: not an authorization answer, it may retry.
 PEER_BUSY: Final = "artifact server busy"
 
@@ -83,6 +84,7 @@ class ArtifactHandler:
         server: ArtifactServer,
         records: TransferLog,
         *,
+        gate: RequestGate | None = None,
         per_link: int = PER_LINK,
         per_node: int = PER_NODE,
         chunk_bytes: int = CHUNK_BYTES,
@@ -90,11 +92,10 @@ class ArtifactHandler:
         self.node = node
         self.server = server
         self.records = records
-        self.per_link = per_link
-        self.node_slots = trio.CapacityLimiter(per_node)
+        self.gate = gate if gate is not None else RequestGate()
+        self.slots = RequestSlots(per_link, per_node)
         self.chunk_bytes = chunk_bytes
         self.rate = RateLimit(node.settings.artifact_serve_bytes_per_s)
-        self._link_slots: dict[str, trio.CapacityLimiter] = {}
         self._warm: dict[str, trio.Event] = {}
         self.siblings = SiblingBook(node)
 
@@ -134,25 +135,13 @@ class ArtifactHandler:
         if request is None:
             return
         if isinstance(request, ServeOutcome):  # malformed: answered with the broken rule
-            await self._refuse(stream, request, peer.node_id)
+            await self._refuse(stream, request, peer)
             return
-        link_slots = self._link_slots.setdefault(peer.node_id, trio.CapacityLimiter(self.per_link))
-        if not await self._acquire(link_slots):
-            await self._busy(stream, peer.node_id, request)
-            return
-        try:
-            if not await self._acquire(self.node_slots):
-                await self._busy(stream, peer.node_id, request)
+        async with self.slots.slot(peer.node_id, self.node.timeouts.idle_s) as held:
+            if not held:
+                await self._busy(stream, peer, request)
                 return
-            try:
-                await self._serve(stream, inbound, policy, request)
-            finally:
-                self.node_slots.release()
-        finally:
-            link_slots.release()
-            stats = link_slots.statistics()
-            if stats.borrowed_tokens == 0 and stats.tasks_waiting == 0:
-                self._link_slots.pop(peer.node_id, None)
+            await self._serve(stream, inbound, policy, request)
 
     async def _read_request(
         self, stream: MeshStream, policy: NodePolicy
@@ -165,25 +154,22 @@ class ArtifactHandler:
             stream.reset("timeout", "no complete request within the handshake timeout")
             return None
 
-    async def _acquire(self, slots: trio.CapacityLimiter) -> bool:
-        with trio.move_on_after(self.node.timeouts.idle_s):
-            await slots.acquire()
-            return True
-        return False
-
-    async def _busy(self, stream: MeshStream, peer_id: str, request: ArtifactRequest) -> None:
-        log.info(
-            "busy: not serving %s to %s (no slot within the idle timeout)",
-            request.relative_path,
-            short_id(peer_id),
-        )
+    async def _busy(
+        self, stream: MeshStream, peer: AuthenticatedPeer, request: ArtifactRequest
+    ) -> None:
+        # Said once per interval, with the rest summed (``RequestGate``), not once a request.
+        self.gate.refused(peer, pc.KIND_ARTIFACT_TRANSFER, "server_busy", request.relative_path)
         self.records.counters.refusals["server_busy"] += 1
         await self._send_header(stream, encode_response(ArtifactResponse.refusal(PEER_BUSY)))
 
-    async def _refuse(self, stream: MeshStream, outcome: ServeOutcome, peer_id: str) -> None:
+    async def _refuse(
+        self, stream: MeshStream, outcome: ServeOutcome, peer: AuthenticatedPeer
+    ) -> None:
         d = outcome.decision
         # Precise in the log, generic to the peer (skippy.transfer.authorize).
-        log.info("refused %s: %s (%s) %s", short_id(peer_id), d.reason, d.detail, d.to_log())
+        self.gate.refused(
+            peer, pc.KIND_ARTIFACT_TRANSFER, d.reason, f"{d.detail} {d.to_log()}".strip()
+        )
         self.records.counters.refusals[d.reason] += 1
         await self._send_header(stream, outcome.header)
 
@@ -219,7 +205,7 @@ class ArtifactHandler:
         )
         body = outcome.body
         if body is None:
-            await self._refuse(stream, outcome, inbound.peer.node_id)
+            await self._refuse(stream, outcome, inbound.peer)
             return
         peer_id = inbound.peer.node_id
         counters = self.records.counters

@@ -33,6 +33,7 @@ from mesh_node.metrics import (
 )
 from mesh_node.node import MeshNode
 from mesh_node.node_service import FeatureBits, StreamKind
+from mesh_node.request_gate import RequestGate
 from mesh_node.topology import ActiveTopology, TopologyService
 from mesh_node.transfer.fetch import StageFetcher, StageResult
 from mesh_node.transfer.partials import PartialRegistry
@@ -86,28 +87,35 @@ class ArtifactService:
         )
         vc = verify_cache if verify_cache is not None else VerifyCache.under(env.skippy_cache_dir)
         self.server = server or ArtifactServer(node.settings.hub_cache_dir, verify_cache=vc)
-        self.handler = ArtifactHandler(node, self.server, self.records)
+        # One budget of refused requests for the three kinds (mesh_node.request_gate).
+        self.gate = RequestGate()
+        self.handler = ArtifactHandler(node, self.server, self.records, gate=self.gate)
         self.fetcher = StageFetcher(node, env, self.records, verify_cache=vc)
         policy = node_policy(node.settings, node.identity, node.wall_clock())
         self.serving = would_serve(policy)
         # The coordinator's source lists, beside the serving handler (the
         # swarm-transfer bit is advertised with artifact-transfer, ``features``).
         self.sources = SourcesHandler(
-            node, self.server, self.records, ChunkDigestStore.beside(vc.root)
+            node, self.server, self.records, ChunkDigestStore.beside(vc.root), gate=self.gate
         )
         self._streams: list[StreamKind] = []
         if self.serving:
-            self._streams.append(StreamKind(pc.KIND_ARTIFACT_TRANSFER, self.handler))
+            admit = self.gate.admit
+            self._streams.append(StreamKind(pc.KIND_ARTIFACT_TRANSFER, self.handler, admit=admit))
             if node.settings.swarm_transfer:
                 # The verified chunks of this node's partials, served to peers
                 # that advertise partial-serve and reported to its coordinator.
                 partials = PartialRegistry()
                 self.fetcher.partials = partials
                 self.server.partials = partials.open_range
-                self._streams.append(StreamKind(pc.KIND_SWARM_SOURCES, self.sources))
+                self._streams.append(
+                    StreamKind(pc.KIND_SWARM_SOURCES, self.sources, admit=admit)
+                )
                 # and sibling replicas' topologies for their holders
-                siblings = SiblingTopologyHandler(node)
-                self._streams.append(StreamKind(pc.KIND_SIBLING_TOPOLOGY, siblings))
+                siblings = SiblingTopologyHandler(node, self.gate)
+                self._streams.append(
+                    StreamKind(pc.KIND_SIBLING_TOPOLOGY, siblings, admit=admit)
+                )
         self.result: StageResult | None = None
         self.ready_hook = ready_hook
         self._nursery: trio.Nursery | None = None
@@ -150,6 +158,7 @@ class ArtifactService:
         await trio.to_thread.run_sync(self.fetcher.cache_budget.start)
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
+            nursery.start_soon(self.gate.run)  # the refusals' summary lines
             task_status.started()
             while True:  # a subscriber that fell behind is closed: subscribe again
                 async with self.node.subscribe() as events:

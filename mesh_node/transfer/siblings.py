@@ -28,7 +28,8 @@ import trio
 
 from mesh_node.errors import MeshError
 from mesh_node.identity import short_id
-from mesh_node.peers import InboundStream
+from mesh_node.peers import AuthenticatedPeer, InboundStream
+from mesh_node.request_gate import RequestGate, RequestSlots
 from mesh_node.topology import ActiveTopology, TopologyService, topology_signature_valid
 from mesh_node.transfer.requests import read_request
 from protocol import constants as pc
@@ -89,17 +90,26 @@ def sibling_topologies(node: MeshNode, own: SplitTopology) -> list[ActiveTopolog
 class SiblingTopologyHandler:
     """The kind 0x05 handler (``ArtifactService.streams``): one answer per stream."""
 
-    def __init__(self, node: MeshNode) -> None:
+    def __init__(self, node: MeshNode, gate: RequestGate | None = None) -> None:
         self.node = node
+        self.gate = gate if gate is not None else RequestGate()
+        # As many answers at once as artifact requests served (kind 0x03's bounds).
+        self.slots = RequestSlots()
 
     async def __call__(self, inbound: InboundStream) -> None:
         stream = inbound.stream
         try:
             request = await read_request(stream, RequestReader(), self.node.timeouts.handshake_s)
         except (ArtifactWireError, trio.TooSlowError) as exc:
+            self.gate.refused(inbound.peer, pc.KIND_SIBLING_TOPOLOGY, "malformed")
             stream.reset("malformed", f"no valid sibling request: {type(exc).__name__}")
             return
-        body = self.answer(inbound.peer.node_id, request)
+        async with self.slots.slot(inbound.peer.node_id, self.node.timeouts.idle_s) as held:
+            if held:
+                body = self.answer(inbound.peer, request)
+            else:
+                self.gate.refused(inbound.peer, pc.KIND_SIBLING_TOPOLOGY, "server_busy")
+                body = None
         with trio.move_on_after(self.node.timeouts.idle_s):
             if body is None:
                 await stream.send_all(encode_response(ArtifactResponse.refusal("unavailable")))
@@ -110,8 +120,9 @@ class SiblingTopologyHandler:
                 )
             await stream.send_eof()
 
-    def answer(self, asker_id: str, request: ArtifactRequest) -> bytes | None:
-        """The signed sibling topology ``request`` names, for ``asker_id`` (``vouch``)."""
+    def answer(self, asker: AuthenticatedPeer, request: ArtifactRequest) -> bytes | None:
+        """The signed sibling topology ``request`` names, for ``asker`` (``vouch``)."""
+        asker_id = asker.node_id
         topologies = coordinated(self.node)
         wanted, why = vouch(
             [a.topology for a in topologies],
@@ -121,8 +132,8 @@ class SiblingTopologyHandler:
             request.stage_id,
         )
         signed = next((a for a in topologies if a.topology is wanted), None)
-        if signed is None:
-            log.info("no sibling topology for %s: %s", short_id(asker_id), why)
+        if signed is None:  # logged summed per interval (``RequestGate``)
+            self.gate.refused(asker, pc.KIND_SIBLING_TOPOLOGY, "no_sibling_topology", why)
             return None
         return TopologyOffer(signed.topology.to_dict(), signed.signature).encode()
 

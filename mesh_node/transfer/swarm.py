@@ -43,6 +43,7 @@ from mesh_node.errors import MeshError
 from mesh_node.identity import short_id
 from mesh_node.link import MeshStream
 from mesh_node.peers import InboundStream
+from mesh_node.request_gate import RequestGate, RequestSlots
 from mesh_node.topology import TopologyService
 from mesh_node.transfer.pace import RateDeadline
 from mesh_node.transfer.partials import speaks_partials
@@ -253,12 +254,16 @@ class SourcesHandler:
         records: TransferLog,
         digests: ChunkDigestStore,
         *,
+        gate: RequestGate | None = None,
         chunk_bytes: int = CHUNK_BYTES,
     ) -> None:
         self.node = node
         self.server = server
         self.records = records
         self.digests = digests
+        self.gate = gate if gate is not None else RequestGate()
+        # As many lists computed at once as artifact requests served (kind 0x03's bounds).
+        self.slots = RequestSlots()
         self.chunk_bytes = chunk_bytes  # the coordinator chooses; tests use small chunks
         # ``partial-serve``: (topology id, node) -> path -> the chunks that node
         # reported verified (its have-reports, after its source requests); only the
@@ -350,13 +355,15 @@ class SourcesHandler:
         try:
             request = await read_request(stream, reader, timeout)
         except (ArtifactWireError, trio.TooSlowError) as exc:
+            self.gate.refused(inbound.peer, pc.KIND_SWARM_SOURCES, "malformed")
             stream.reset("malformed", f"no valid source request: {type(exc).__name__}")
             return
-        try:
-            body = await self._answer(inbound, request, reader.trailer)
-        except (SkippyError, OSError) as exc:  # a clear log line, a refusal, no crash
-            log.warning("source list for %s failed: %s", short_id(inbound.peer.node_id), exc)
-            body = None
+        async with self.slots.slot(inbound.peer.node_id, self.node.timeouts.idle_s) as held:
+            if not held:
+                self.gate.refused(inbound.peer, pc.KIND_SWARM_SOURCES, "server_busy")
+                body = None
+            else:
+                body = await self._answer_or_none(inbound, request, reader.trailer)
         with trio.move_on_after(self.node.timeouts.idle_s):
             if body is None:
                 await stream.send_all(encode_response(ArtifactResponse.refusal("unavailable")))
@@ -366,6 +373,15 @@ class SourcesHandler:
                     encode_response(ArtifactResponse.accept(len(body), digest)) + body
                 )
             await stream.send_eof()
+
+    async def _answer_or_none(
+        self, inbound: InboundStream, request: ArtifactRequest, report: bytes | None
+    ) -> bytes | None:
+        try:
+            return await self._answer(inbound, request, report)
+        except (SkippyError, OSError) as exc:  # a clear log line, a refusal, no crash
+            log.warning("source list for %s failed: %s", short_id(inbound.peer.node_id), exc)
+            return None
 
     async def _answer(
         self, inbound: InboundStream, request: ArtifactRequest, report: bytes | None = None
@@ -386,10 +402,10 @@ class SourcesHandler:
             facts = held.held if isinstance(held, LoadedManifest) else held
             decision = authorize(policy, peer_facts(inbound.peer), topology, facts, request)
         if not decision.allowed or active is None:
-            # Logged, not counted in ``refusals`` (those count artifact requests): the
-            # requester then asks for its files one by one and is refused (or served) there.
-            who = short_id(inbound.peer.node_id)
-            log.info("refused a source list to %s: %s", who, decision.reason)
+            # Logged (summed per interval), not counted in ``refusals`` (those count artifact
+            # requests): the requester then asks for its files one by one and is refused (or
+            # served) there.
+            self.gate.refused(inbound.peer, pc.KIND_SWARM_SOURCES, decision.reason)
             return None
         topology = active.topology
         manifest = held.held.manifest if isinstance(held, LoadedManifest) else None
