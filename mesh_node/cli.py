@@ -82,6 +82,22 @@ def cmd_id(args: argparse.Namespace) -> CommandResult:
     return CommandResult({"ok": True, "node_id": node_id, "path": args.path}, node_id)
 
 
+def cmd_devices(args: argparse.Namespace) -> CommandResult:
+    from skippy.gguf import ggml
+    from skippy.runtime.devices import list_devices
+
+    devices = list_devices(ggml.load())
+    mib = 2**20
+    lines = [f"{'NAME':<12} {'TYPE':<6} {'FREE MiB':>10} {'TOTAL MiB':>10}  DESCRIPTION"]
+    lines += [
+        f"{d.name:<12} {d.kind:<6} {d.free_bytes // mib:>10} {d.total_bytes // mib:>10}  "
+        f"{d.description}"
+        for d in devices
+    ]
+    data = {"ok": True, "devices": [d.to_dict() for d in devices]}
+    return CommandResult(data, "\n".join(lines))
+
+
 def cmd_owner_init(args: argparse.Namespace) -> CommandResult:
     from mesh_node.identity import node_id_of, write_private_key
 
@@ -166,6 +182,11 @@ def _node_settings(args: argparse.Namespace, config: Path | None = None) -> tupl
                 settings.http_settings, api_key_file=Path(os.path.abspath(args.api_key_file))
             ),
         )
+    if getattr(args, "device", None) is not None:
+        from skippy.config import runtime_settings
+
+        device = runtime_settings({}, args.device).device  # checked as the file's would be
+        settings = replace(settings, runtime=replace(settings.runtime, device=device))
     identity = load_local_identity(settings.identity_path, settings.certificate_path)
     warnings = list(settings.warnings)
     if settings.http is not None:
@@ -452,6 +473,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("run", cmd_run, "run a node until SIGINT/SIGTERM")
     p.add_argument("--config", required=True)
     p.add_argument(
+        "--device",
+        metavar="NAME",
+        help='where this node\'s stage runs: auto, CPU or a device `mesh-node devices` '
+        'lists (config: [runtime] device; default auto)',
+    )
+    p.add_argument(
         "--http",
         metavar="[HOST:]PORT",
         help="serve the read-only status page, /api/status and /metrics here; a bare port "
@@ -531,11 +558,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--model-name", default=None, help="the model id the API answers to")
     p.add_argument(
+        "--device",
+        metavar="NAME",
+        help='where this node\'s stage runs: auto, CPU or a device `mesh-node devices` '
+        'lists (config: [runtime] device; default auto)',
+    )
+    p.add_argument(
         "--speculative-strategy",
         "--speculative",
         metavar="S",
         help=SPECULATIVE_HELP + " (overrides the config's [speculative])",
     )
+    add("devices", cmd_devices, "list the devices this node's ggml sees (type, free/total memory)")
     p = add("status", cmd_status, "ask the running node for its status")
     p.add_argument("--config", help="the node TOML (default: the node in --data-dir)")
     p.add_argument(

@@ -197,6 +197,7 @@ NODE_KEYS = frozenset(
         "http",  # the HTTP surface's address, or the [http] table (HttpSettings)
         "http_public",
         "serving",  # [serving]: split serving (ServingSettings)
+        "runtime",  # [runtime]: the stage runtime's device (RuntimeSettings)
         "security",  # [security]: who may coordinate us, peer budgets (SecuritySettings)
         "speculative",  # skippy.generation reads these two sections
         "models",
@@ -388,6 +389,73 @@ def serving_settings(raw: object) -> ServingSettings:
         else:
             values[key] = value
     return ServingSettings(**values)
+
+
+# --- [runtime]: where the stage runtime computes (skippy.runtime.devices) ----------------------
+RUNTIME_KEYS = frozenset({"device", "placement", "cpu_moe", "device_fallback"})
+
+
+@dataclass(frozen=True)
+class PlacementRule:
+    """``PATTERN=DEVICE``: weights whose name the pattern matches (searched, as llama.cpp's
+    ``--override-tensor``) go to DEVICE."""
+
+    pattern: str
+    device: str
+
+    def matches(self, name: str) -> bool:
+        return re.search(self.pattern, name) is not None
+
+
+def parse_rule(text: object, key: str = "runtime.placement") -> PlacementRule:
+    """``"exps=CPU"`` as a rule; a malformed one is a usage error naming ``key``."""
+    if not isinstance(text, str):
+        raise _bad(key, "expected PATTERN=DEVICE strings (for example exps=CPU)", text)
+    pattern, sep, device = text.rpartition("=")
+    if not sep or not pattern or not device.strip():
+        raise _bad(key, f"{text!r} is not PATTERN=DEVICE (for example exps=CPU)", text)
+    try:
+        re.compile(pattern)
+    except re.error as exc:
+        raise _bad(key, f"{pattern!r} is not a regular expression: {exc}", text) from exc
+    return PlacementRule(pattern, device.strip())
+
+
+@dataclass(frozen=True)
+class RuntimeSettings:
+    """``[runtime]`` of the node TOML: the device this node's stage runs on and where its
+    weights go (docs/devices.md)."""
+
+    device: str = "auto"  # "auto", "CPU", or a ggml device name (`mesh-node devices`)
+    placement: tuple[PlacementRule, ...] = ()  # first match wins
+    cpu_moe: bool = False  # routed experts in system memory
+    device_fallback: bool = False  # a device without the memory: the CPU, logged
+
+
+def runtime_settings(raw: object, device: str | None = None) -> RuntimeSettings:
+    """Parse ``[runtime]`` (absent: the defaults); ``device``: a command line's choice,
+    which wins over the file's."""
+    raw = {} if raw is None else raw
+    if not isinstance(raw, Mapping):
+        raise _bad("runtime", "expected a table", raw)
+    _refuse_unknown_keys(raw, "runtime", RUNTIME_KEYS)
+    chosen = raw.get("device", "auto") if device is None else device
+    if not isinstance(chosen, str) or not chosen.strip():
+        raise _bad("runtime.device", 'expected "auto", "CPU" or a device name', chosen)
+    rules = raw.get("placement", [])
+    if not isinstance(rules, list):
+        raise _bad("runtime.placement", "expected a list of PATTERN=DEVICE strings", rules)
+    flags = {}
+    for key in ("cpu_moe", "device_fallback"):
+        flags[key] = raw.get(key, False)
+        if not isinstance(flags[key], bool):
+            raise _bad(f"runtime.{key}", "expected true or false", flags[key])
+    return RuntimeSettings(
+        device=chosen.strip(),
+        placement=tuple(parse_rule(r) for r in rules),
+        cpu_moe=flags["cpu_moe"],
+        device_fallback=flags["device_fallback"],
+    )
 
 
 # --- [http]: the node's HTTP surface (issue #20; mesh_node.http) ---------------------------------
@@ -621,6 +689,7 @@ class NodeSettings:
     http_public: bool = False
     warnings: tuple[str, ...] = ()
     serving: ServingSettings = field(default_factory=ServingSettings)
+    runtime: RuntimeSettings = field(default_factory=RuntimeSettings)
     # Issue #21: node id -> the address to dial that peer at instead of the one it advertises
     # or was configured with (a relay, a tunnel, a port forward; the lab's emulated links).
     dial_via: Mapping[str, PeerAddress] = field(default_factory=dict)
@@ -775,6 +844,7 @@ def node_settings(config: NodeConfig, env: Environment | None = None) -> NodeSet
         http_public=http_public,
         warnings=tuple(warnings),
         serving=serving_settings(raw.get("serving")),
+        runtime=runtime_settings(raw.get("runtime")),
         dial_via=parse_dial_via(raw.get("dial_via", {})),
         http_settings=http_settings(http_table, base, env.api_key),
         security=security_settings(raw.get("security")),

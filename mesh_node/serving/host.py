@@ -221,7 +221,7 @@ class StageHost:
         return 1 + others
 
     def stage_config(self, topology: SplitTopology | None = None) -> StageConfig:
-        s = self.settings
+        s, r = self.settings, self.node.settings.runtime
         sharing = self.co_located(topology) if topology is not None else 1
         return StageConfig(
             n_ctx=s.n_ctx,
@@ -232,6 +232,10 @@ class StageHost:
             # "auto": also fewer threads while other processes keep cores busy (issue #25)
             adaptive_threads=s.threads is None,
             repack=s.repack,
+            device=r.device,
+            placement=r.placement,
+            cpu_moe=r.cpu_moe,
+            device_fallback=r.device_fallback,
         )
 
     async def load(
