@@ -69,7 +69,8 @@ def map_weights(
             buffers[part] = _ok(g.ggml_backend_cpu_buffer_from_ptr(base, size), "buffer_from_ptr")
             g.ggml_backend_buffer_set_usage(buffers[part], ggml.GGML_BACKEND_BUFFER_USAGE_WEIGHTS)
         for r in refs:
-            status = g.ggml_backend_tensor_alloc(buffers[r.part], tensors[r.name], w.address(r.name))
+            at = w.address(r.name)
+            status = g.ggml_backend_tensor_alloc(buffers[r.part], tensors[r.name], at)
             if status != ggml.GGML_STATUS_SUCCESS:
                 raise RuntimeLoadError(f"{r.name}: ggml_backend_tensor_alloc status {status}")
     except BaseException:

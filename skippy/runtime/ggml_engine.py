@@ -37,6 +37,7 @@ import numpy.typing as npt
 from skippy.gguf import ggml
 from skippy.gguf.ggml import GgmlInitParams, GgmlTensorStruct, GgmlType, tensor_struct
 from skippy.runtime.backend import CpuBackend, GraphRunner
+from skippy.runtime.boundary import StageNotLoaded
 from skippy.runtime.device_backend import DeviceBackend
 from skippy.runtime.devices import (
     CPU,
@@ -46,7 +47,6 @@ from skippy.runtime.devices import (
     list_devices,
     place_tensors,
 )
-from skippy.runtime.boundary import StageNotLoaded
 from skippy.runtime.families import family_of
 from skippy.runtime.families.base import T
 from skippy.runtime.graph import Attention, GraphBuilder, LayerWeights
