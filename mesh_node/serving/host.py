@@ -559,6 +559,9 @@ class StageHost:
             "kv_bytes_per_session": kv() if callable(kv) else None,
             "engine": loaded.facts.engine,
             "runtime_version": loaded.facts.runtime_version,
+            # where the ggml engine computes (docs/devices.md); why not the configured device
+            "device": getattr(loaded.stage, "device", "CPU"),
+            "device_fallback": getattr(loaded.stage, "device_fallback", None),
             "sessions": self.sessions,
             "rss_before_load_kib": self.rss_before_load,
             "peak_rss_kib": _vm_kib("VmHWM"),

@@ -1,0 +1,110 @@
+"""Stages on a real non-host ggml device: Vulkan on Mesa's lavapipe (docs/devices.md).
+
+Each check runs in its own process (``tests/device_checks.py``) with
+``GGML_VK_VISIBLE_DEVICES=0``, which must be set before ggml first reads its device registry.
+On the same device the stage equals llama.cpp bit for bit (all layers offloaded, and with the
+experts in CPU memory as llama.cpp's ``exps=CPU``); across devices (a CPU stage 0 feeding a
+device stage) the greedy tokens equal the CPU's and the logits' largest difference is
+reported; an op the device lacks runs on the CPU through the scheduler; a stage that does not
+fit is refused with a code, or runs on the CPU when configured to.
+
+Without a Vulkan build of llama-cpp-python (or without lavapipe) these skip; in CI a skip
+fails the run (tests/conftest.py), so there the device is required.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("llama_cpp", reason="llama-cpp-python (and its libggml) is not installed")
+
+from skippy.gguf import ggml  # noqa: E402
+
+pytestmark = pytest.mark.llama
+CHECKS = Path(__file__).with_name("device_checks.py")
+ENV = {**os.environ, "GGML_VK_VISIBLE_DEVICES": os.environ.get("GGML_VK_VISIBLE_DEVICES", "0")}
+TIMEOUT_S = 900  # lavapipe compiles its shaders on a first run (~80 s here), later ~2 s
+
+
+def _vulkan_built() -> bool:
+    return (ggml.library_dir() / "libggml-vulkan.so").exists()
+
+
+if not _vulkan_built():
+    pytest.skip(
+        "llama-cpp-python is built without Vulkan (scripts/test builds it; docs/devices.md)",
+        allow_module_level=True,
+    )
+
+
+def run_check(*args: str) -> dict[str, Any]:
+    out = subprocess.run(
+        [sys.executable, str(CHECKS), *args],
+        capture_output=True, text=True, timeout=TIMEOUT_S, env=ENV,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    found = run_check("devices", str(tmp_path_factory.getbasetemp()))
+    if not any(d["type"] != "CPU" for d in found["devices"]):
+        pytest.skip(f"no Vulkan device (lavapipe: mesa-vulkan-drivers): {found['devices']}")
+    return tmp_path_factory.mktemp("device-models")
+
+
+@pytest.mark.parametrize(
+    ("family", "dtype", "cpu_moe"),
+    [("qwen3", "Q8_0", False), ("qwen3moe", "Q4_K", False), ("qwen3moe", "Q8_0", True)],
+)
+def test_a_stage_on_the_device_equals_llama_cpp_on_it_bit_for_bit(
+    root: Path, family: str, dtype: str, cpu_moe: bool
+) -> None:
+    r = run_check("parity", str(root), family, dtype, *(["cpu_moe"] if cpu_moe else []))
+    for layout in ("whole", "split"):
+        got = r[layout]
+        assert got["on"] == [r["device"]], got
+        assert got["max_diff"] == 0.0, (layout, got)
+        assert got["tokens"] == r["oracle_tokens"], (layout, got)
+        assert got["weights_on_device"], got
+        assert "token_embd.weight" not in got["weights_on_device"]  # the lookup is llama's too
+        if cpu_moe:  # every layer's three expert tensors stayed in CPU memory
+            assert len(got["experts_on_cpu"]) == 3 * 4, got
+            assert not [w for w in got["weights_on_device"] if "exps" in w], got
+    assert r["batch_max_diff"] == 0.0, r
+
+
+def test_across_devices_the_greedy_tokens_equal_the_cpus(root: Path) -> None:
+    r = run_check("across", str(root), "qwen3", "Q8_0")
+    assert r["on"][0] == "CPU" and r["on"][1] != "CPU", r
+    assert r["tokens_mixed"] == r["tokens_cpu"], r
+    # reported, not bounded tightly: another device sums in another order
+    print(f"CPU -> {r['on'][1]} vs CPU: logits differ by at most {r['max_diff']:.3g} "
+          f"(largest |logit| {r['logit_scale']:.3g})")
+    assert 0.0 < r["max_diff"] < 0.05 * r["logit_scale"], r
+
+
+def test_an_op_the_device_lacks_runs_on_the_cpu_through_the_scheduler(root: Path) -> None:
+    r = run_check("fallback")
+    assert r["device_lacks_op"], r
+    assert r["on"] == {"mul_mat": r["device"], "cpy": "CPU"}, r
+    assert r["splits"] >= 2 and r["equal"], r
+
+
+def test_a_stage_that_does_not_fit_is_refused_or_runs_on_the_cpu_when_configured(
+    root: Path,
+) -> None:
+    refused = run_check("short", str(root))
+    assert refused["error"] == "device_memory_short", refused
+    assert "MiB free" in refused["message"]
+    fell_back = run_check("short", str(root), "fallback")
+    assert fell_back["device"] == "CPU" and "MiB free" in fell_back["fallback"], fell_back
