@@ -72,7 +72,9 @@ def parity(root: Path, family: str, dtype: str, cpu_moe: bool) -> dict[str, Any]
                 "on": sorted({s.device for s in stages}),
                 "max_diff": float(np.max(np.abs(logits - ref))),
                 "tokens": tokens,
-                "experts_on_cpu": sorted(k for k, v in placed.items() if "exps" in k and v == "CPU"),
+                "experts_on_cpu": sorted(
+                    k for k, v in placed.items() if "exps" in k and v == "CPU"
+                ),
                 "weights_on_device": sorted(k for k, v in placed.items() if v != "CPU"),
             }
     stages = _stages(pkg, (f"0..{n}",), cfg)
@@ -140,7 +142,8 @@ def fallback() -> dict[str, Any]:
     wbuf = None
     try:
         w = g.ggml_new_tensor_2d(wctx, GgmlType.F32, k, n)
-        wbuf = g.ggml_backend_alloc_ctx_tensors_from_buft(wctx, g.ggml_backend_dev_buffer_type(handle))
+        buft = g.ggml_backend_dev_buffer_type(handle)
+        wbuf = g.ggml_backend_alloc_ctx_tensors_from_buft(wctx, buft)
         g.ggml_backend_buffer_set_usage(wbuf, ggml.GGML_BACKEND_BUFFER_USAGE_WEIGHTS)
         rng = np.random.default_rng(0)
         weights = rng.standard_normal((n, k)).astype(np.float32)
@@ -208,6 +211,25 @@ def short(root: Path, fallback_to_cpu: bool) -> dict[str, Any]:
         return {"device": stage.device, "fallback": stage.device_fallback}
 
 
+def alloc_fails(root: Path) -> dict[str, Any]:
+    """The device refuses an allocation while the stage loads (run with the Vulkan driver's
+    allocation limit lowered below one weight's size, ``GGML_VK_FORCE_MAX_ALLOCATION_SIZE``):
+    a coded error, no stage, and the process goes on to run a CPU stage."""
+    dev = device_name()
+    _, pkg = check.package_model(synth.family("qwen3"), "F16", root)
+    n = synth.Dims().n_layers
+    out: dict[str, Any] = {}
+    try:
+        _stages(pkg, (f"0..{n}",), StageConfig(n_ctx=256, device=dev))
+        out["error"] = None
+    except Exception as exc:
+        out.update(error=getattr(exc, "code", type(exc).__name__), message=str(exc))
+    (cpu,) = _stages(pkg, (f"0..{n}",), StageConfig(n_ctx=256, device="CPU"))
+    with StageChain([cpu], None) as ch:
+        out["cpu_tokens"] = list(ch.generate([1, 2, 3], max_tokens=3).tokens)
+    return out
+
+
 def main(argv: list[str]) -> int:
     check_name, root = argv[0], Path(argv[1])
     root.mkdir(parents=True, exist_ok=True)
@@ -219,6 +241,8 @@ def main(argv: list[str]) -> int:
         result = fallback()
     elif check_name == "short":
         result = short(root, argv[2:] == ["fallback"])
+    elif check_name == "alloc_fails":
+        result = alloc_fails(root)
     elif check_name == "devices":
         result = {"devices": [d.to_dict() for d in list_devices(ggml.load())]}
     else:

@@ -25,7 +25,7 @@ import pytest
 
 pytest.importorskip("llama_cpp", reason="llama-cpp-python (and its libggml) is not installed")
 
-from skippy.gguf import ggml  # noqa: E402
+from skippy.gguf import ggml
 
 pytestmark = pytest.mark.llama
 CHECKS = Path(__file__).with_name("device_checks.py")
@@ -44,10 +44,10 @@ if not _vulkan_built():
     )
 
 
-def run_check(*args: str) -> dict[str, Any]:
+def run_check(*args: str, env: dict[str, str] | None = None) -> dict[str, Any]:
     out = subprocess.run(
         [sys.executable, str(CHECKS), *args],
-        capture_output=True, text=True, timeout=TIMEOUT_S, env=ENV,
+        capture_output=True, text=True, timeout=TIMEOUT_S, env={**ENV, **(env or {})},
     )
     assert out.returncode == 0, out.stderr[-3000:]
     result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
@@ -108,3 +108,13 @@ def test_a_stage_that_does_not_fit_is_refused_or_runs_on_the_cpu_when_configured
     assert "MiB free" in refused["message"]
     fell_back = run_check("short", str(root), "fallback")
     assert fell_back["device"] == "CPU" and "MiB free" in fell_back["fallback"], fell_back
+
+
+def test_a_device_allocation_failing_mid_load_is_a_coded_error_and_nothing_is_left(
+    root: Path,
+) -> None:
+    # the driver's own limit, lowered below one weight's size: the allocation fails for real
+    r = run_check("alloc_fails", str(root), env={"GGML_VK_FORCE_MAX_ALLOCATION_SIZE": "65536"})
+    assert r["error"] == "device_alloc_failed", r
+    assert "could not allocate" in r["message"], r
+    assert len(r["cpu_tokens"]) == 3, r  # the process went on: no abort, nothing held
