@@ -65,7 +65,7 @@ class DeviceAllocationFailed(RuntimeLoadError):
     code = "device_alloc_failed"
 
 
-class DeviceComputeFailed(RuntimeLoadError):
+class DeviceComputeFailed(ggml.GgmlCallFailed):
     """A graph failed on the device (a driver error): the stage's results are not trusted."""
 
     code = "device_compute_failed"
