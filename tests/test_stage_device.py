@@ -18,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +30,15 @@ from skippy.gguf import ggml
 
 pytestmark = pytest.mark.llama
 CHECKS = Path(__file__).with_name("device_checks.py")
-ENV = {**os.environ, "GGML_VK_VISIBLE_DEVICES": os.environ.get("GGML_VK_VISIBLE_DEVICES", "0")}
-TIMEOUT_S = 900  # lavapipe compiles its shaders on a first run (~80 s here), later ~2 s
+# lavapipe compiles each shader on its first use (minutes for a MoE's on 2 cores) and keeps
+# them in Mesa's disk cache: one outside the tests' throwaway home, so later runs reuse it
+SHADER_CACHE = Path(tempfile.gettempdir()) / "skippy-mesa-shader-cache"
+ENV = {
+    **os.environ,
+    "GGML_VK_VISIBLE_DEVICES": os.environ.get("GGML_VK_VISIBLE_DEVICES", "0"),
+    "MESA_SHADER_CACHE_DIR": os.environ.get("MESA_SHADER_CACHE_DIR", str(SHADER_CACHE)),
+}
+TIMEOUT_S = 900
 
 
 def _vulkan_built() -> bool:
