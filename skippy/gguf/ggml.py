@@ -69,6 +69,8 @@ GGML_ROPE_TYPE_NEOX: Final = 2
 GGML_STATUS_SUCCESS: Final = 0
 GGML_BACKEND_BUFFER_USAGE_WEIGHTS: Final = 1
 GGML_LOG_LEVEL_DEBUG: Final = 1
+GGML_LOG_LEVEL_INFO: Final = 2
+GGML_LOG_LEVEL_WARN: Final = 3
 GGML_LOG_LEVEL_CONT: Final = 5
 GGML_PREC_F32: Final = 10  # enum ggml_prec
 # enum ggml_backend_dev_type
@@ -733,9 +735,11 @@ LOG_CALLBACK = ctypes.CFUNCTYPE(None, c_int, c_char_p, c_void_p)
 
 
 @contextlib.contextmanager
-def without_debug_log(g: Ggml) -> Iterator[None]:
-    """ggml's debug messages dropped for the duration (weight repacking logs one line per
-    tensor on stderr), everything else passed to the logger in place before."""
+def without_debug_log(g: Ggml, *, below: int = GGML_LOG_LEVEL_INFO) -> Iterator[None]:
+    """ggml's messages under level ``below`` dropped for the duration (weight repacking logs
+    one debug line per tensor on stderr; a device registry's first read, with ``below =
+    GGML_LOG_LEVEL_WARN``, its devices at info level), everything else passed to the logger
+    in place before."""
     cb, ud = c_void_p(), c_void_p()
     g.ggml_log_get(ctypes.byref(cb), ctypes.byref(ud))
     previous = LOG_CALLBACK(cb.value) if cb.value else None
@@ -744,7 +748,7 @@ def without_debug_log(g: Ggml) -> Iterator[None]:
     def log(level: int, text: bytes | None, user_data: int | None) -> None:
         nonlocal dropping
         if level != GGML_LOG_LEVEL_CONT:
-            dropping = level == GGML_LOG_LEVEL_DEBUG
+            dropping = level < below
         if not dropping and previous is not None:
             previous(level, text, user_data)
 

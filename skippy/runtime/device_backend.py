@@ -65,7 +65,8 @@ class DeviceBackend:
         self._device_backend: int | None = None
         if device != CPU:
             self._dev = handles[device]
-            self._device_backend = g.ggml_backend_dev_init(self._dev, None)
+            with ggml.without_debug_log(g, below=ggml.GGML_LOG_LEVEL_WARN):
+                self._device_backend = g.ggml_backend_dev_init(self._dev, None)
             if not self._device_backend:
                 g.ggml_backend_free(self._cpu)
                 raise DeviceAllocationFailed(

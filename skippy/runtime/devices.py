@@ -102,9 +102,12 @@ class DeviceChoice:
 
 
 def device_handles(g: ggml.Ggml) -> dict[str, int]:
-    """Every registered device's handle by its name, in the registry's order."""
+    """Every registered device's handle by its name, in the registry's order (a backend's
+    own start-up lines, e.g. Vulkan's "No devices found.", kept off stderr)."""
     out: dict[str, int] = {}
-    for i in range(int(g.ggml_backend_dev_count())):
+    with ggml.without_debug_log(g, below=ggml.GGML_LOG_LEVEL_WARN):
+        count = int(g.ggml_backend_dev_count())
+    for i in range(count):
         dev = ggml.non_null(g.ggml_backend_dev_get(i), "ggml_backend_dev_get")
         out[g.ggml_backend_dev_name(dev).decode()] = dev
     return out
