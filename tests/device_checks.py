@@ -77,6 +77,23 @@ def parity(root: Path, family: str, dtype: str, cpu_moe: bool) -> dict[str, Any]
                 ),
                 "weights_on_device": sorted(k for k, v in placed.items() if v != "CPU"),
             }
+    # speculative verify windows of 3 over the greedy tokens, the prompt in one chunk
+    one_chunk = StageConfig(n_ctx=256, n_batch=32, n_threads=1, device=dev, cpu_moe=cpu_moe)
+    with StageChain(_stages(pkg, (f"0..{n}",), one_chunk), None) as ch:  # type: ignore[arg-type]
+        tokens = out["whole"]["tokens"]
+        rows: list[np.ndarray] = []
+        ch.prefill("v", list(ids))
+        while len(rows) + 1 < len(tokens):
+            window = tokens[len(rows) : min(len(rows) + 3, len(tokens) - 1)]
+            logits = ch.verify("v", len(ids) + len(rows), window, exact=False).logits
+            assert logits is not None  # a final stage's (typing)
+            rows.extend(logits[-len(window) :])
+        got = np.stack(rows)
+    with LlamaOracle(model, n_gpu_layers=-1, cpu_patterns=patterns) as o:
+        want = o.logits(
+            [*ids, *tokens[:-1]], n_batch=len(ids), n_ctx=256, prefill=len(ids), steps=(3,)
+        )[1:]
+    out["verify_max_diff"] = float(np.max(np.abs(got - want)))
     stages = _stages(pkg, (f"0..{n}",), cfg)
     with StageChain(stages, None) as ch:  # type: ignore[arg-type]
         st = stages[0]
