@@ -159,6 +159,17 @@ def _existing_config(args: argparse.Namespace) -> Path:
     return path
 
 
+def _check_devices(runtime: Any) -> None:
+    """The configured device and placement rules name devices this ggml has (ggml is loaded
+    only when they name one)."""
+    if runtime.device.upper() in ("AUTO", "CPU") and not runtime.placement:
+        return
+    from skippy.gguf import ggml
+    from skippy.runtime.devices import check_configured, list_devices
+
+    check_configured(list_devices(ggml.load()), runtime.device, runtime.placement)
+
+
 def _node_settings(args: argparse.Namespace, config: Path | None = None) -> tuple[Any, Any]:
     """The node's settings with the command line's --http/--http-public/--listen applied, its
     identity; warnings printed."""
@@ -187,6 +198,8 @@ def _node_settings(args: argparse.Namespace, config: Path | None = None) -> tupl
 
         device = runtime_settings({}, args.device).device  # checked as the file's would be
         settings = replace(settings, runtime=replace(settings.runtime, device=device))
+    if hasattr(args, "device"):  # run and serve: a device that is not there, refused now
+        _check_devices(settings.runtime)
     identity = load_local_identity(settings.identity_path, settings.certificate_path)
     warnings = list(settings.warnings)
     if settings.http is not None:

@@ -149,6 +149,23 @@ def test_mesh_node_devices_lists_the_cpu_with_its_memory() -> None:
     assert text.returncode == 0 and text.stdout.split()[:4] == ["NAME", "TYPE", "FREE", "MiB"]
 
 
+def test_a_node_configured_with_a_device_it_lacks_refuses_to_start(tmp_path: Path) -> None:
+    from servetools import node_toml
+
+    cfg = tmp_path / "n.toml"
+    cfg.write_text(node_toml(tmp_path, "n"))
+    for extra in (["--device", "Vulkan7"], []):
+        if not extra:  # the same from the file's [runtime]
+            cfg.write_text(cfg.read_text() + '\n[runtime]\nplacement = ["exps=Metal0"]\n')
+        out = subprocess.run(
+            [sys.executable, "-m", "mesh_node", "run", "--config", str(cfg), *extra],
+            capture_output=True, text=True, timeout=120,
+        )
+        assert out.returncode == 2, out.stderr
+        assert "error [unknown_device]" in out.stderr and "hint: " in out.stderr, out.stderr
+        assert "Traceback" not in out.stderr and "listening" not in out.stdout
+
+
 # --- the stage on a device that does not exist, and through the scheduler on the CPU -----------
 pytest.importorskip("llama_cpp", reason="llama-cpp-python (and its libggml) is not installed")
 

@@ -211,6 +211,15 @@ def place_tensors(
     return out
 
 
+def check_configured(
+    devices: Sequence[DeviceInfo], device: str, rules: Sequence[PlacementRule]
+) -> None:
+    """A node's ``[runtime]`` names only devices this ggml has (checked at start-up, before a
+    stage is planned onto the node)."""
+    choose_device(device, devices, 0)  # a name that does not exist is refused there
+    check_rule_devices(rules, {d.name: d for d in devices})
+
+
 def check_rule_devices(rules: Sequence[PlacementRule], devices: Mapping[str, Any]) -> None:
     """Every rule names a device this ggml has."""
     for r in rules:
@@ -234,6 +243,7 @@ __all__ = [
     "DeviceTooSmall",
     "PlacementRule",
     "UnknownDevice",
+    "check_configured",
     "check_rule_devices",
     "choose_device",
     "device_handles",
