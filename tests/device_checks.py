@@ -247,6 +247,19 @@ def alloc_fails(root: Path) -> dict[str, Any]:
     return out
 
 
+def cpu_greedy(root: Path, family: str, dtype: str, n_prompt: int, n_new: int) -> dict[str, Any]:
+    """llama.cpp's greedy continuation on the CPU (run without a device visible) and its
+    text, as a served split should answer it."""
+    from skippy.runtime.tokenizer import LlamaTokenizer
+
+    model, pkg = check.package_model(synth.family(family), dtype, root)
+    prompt = synth.long_prompt(n_prompt)
+    with LlamaTokenizer(pkg / "shared" / "metadata.gguf") as tok:
+        greedy = check.oracle_greedy(model, prompt, n_new, n_batch=len(prompt))
+        ends = [i for i, t in enumerate(greedy) if tok.is_eog(t)]
+        return {"prompt": prompt, "text": tok.detokenize(greedy[: ends[0]] if ends else greedy)}
+
+
 def main(argv: list[str]) -> int:
     check_name, root = argv[0], Path(argv[1])
     root.mkdir(parents=True, exist_ok=True)
@@ -260,6 +273,8 @@ def main(argv: list[str]) -> int:
         result = short(root, argv[2:] == ["fallback"])
     elif check_name == "alloc_fails":
         result = alloc_fails(root)
+    elif check_name == "cpu_greedy":
+        result = cpu_greedy(root, argv[2], argv[3], int(argv[4]), int(argv[5]))
     elif check_name == "devices":
         result = {"devices": [d.to_dict() for d in list_devices(ggml.load())]}
     else:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -53,10 +54,14 @@ if not _vulkan_built():
     )
 
 
-def run_check(*args: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+def run_check(
+    *args: str, env: dict[str, str] | None = None, device: bool = True
+) -> dict[str, Any]:
+    """``device=False``: the check runs with no device visible (the CPU alone)."""
+    base = ENV if device else {k: v for k, v in ENV.items() if k != "GGML_VK_VISIBLE_DEVICES"}
     out = subprocess.run(
         [sys.executable, str(CHECKS), *args],
-        capture_output=True, text=True, timeout=TIMEOUT_S, env={**ENV, **(env or {})},
+        capture_output=True, text=True, timeout=TIMEOUT_S, env={**base, **(env or {})},
     )
     assert out.returncode == 0, out.stderr[-3000:]
     result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
@@ -136,3 +141,50 @@ def test_a_device_allocation_failing_mid_load_is_a_coded_error_and_nothing_is_le
     assert r["error"] == "device_alloc_failed", r
     assert "could not allocate" in r["message"], r
     assert len(r["cpu_tokens"]) == 3, r  # the process went on: no abort, nothing held
+
+
+def test_a_lab_split_with_a_stage_on_the_device_answers_the_openai_client(root: Path) -> None:
+    """Three nodes serve the synthetic qwen3moe; the last node's stage runs on the device with
+    its experts in CPU memory (``[runtime] device``, ``cpu_moe``): the official client gets
+    llama.cpp's greedy text on the CPU (16 tokens; llama.cpp's own Vulkan run departs from
+    its CPU run at the 14th here, the split with one device stage does not)."""
+    openai = pytest.importorskip("openai", reason="the openai client is a dev dependency")
+    from skippy.runtime.canary import check, synth
+
+    oracle = run_check("cpu_greedy", str(root), "qwen3moe", "Q8_0", "40", "16", device=False)
+    prompt, want = oracle["prompt"], oracle["text"]
+    _, pkg = check.package_model(synth.family("qwen3moe"), "Q8_0", root)
+    lab_dir = root / "lab"
+    lab = subprocess.Popen(
+        [sys.executable, str(CHECKS.with_name("device_lab.py")), str(pkg), str(lab_dir)],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        # only the device node sees the device (device_lab.py sets it for that node)
+        env={k: v for k, v in ENV.items() if k != "GGML_VK_VISIBLE_DEVICES"},
+    )  # fmt: skip
+    try:
+        assert lab.stdout is not None
+        report = json.loads(lab.stdout.readline())  # printed once the split serves
+        assert report["ok"], report.get("problems")
+        status = subprocess.run(
+            [sys.executable, "-m", "mesh_node", "status", "--json", "--config",
+             str(lab_dir / "n2" / "node.toml")],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        stage = json.loads(status.stdout)["stage"]
+        assert (stage["device"], stage["device_fallback"]) == ("Vulkan0", None), stage
+        for other in ("n0", "n1"):  # the other stages on the CPU
+            status = subprocess.run(
+                [sys.executable, "-m", "mesh_node", "status", "--json", "--config",
+                 str(lab_dir / other / "node.toml")],
+                capture_output=True, text=True, timeout=60,
+            )  # fmt: skip
+            assert json.loads(status.stdout)["stage"]["device"] == "CPU"
+        client = openai.OpenAI(base_url=report["api"], api_key="unused", max_retries=0, timeout=300)
+        done = client.completions.create(
+            model="canary/qwen3moe-GGUF:Q8_0", prompt=prompt, max_tokens=16, temperature=0
+        )
+        assert done.choices[0].text == want
+    finally:
+        lab.send_signal(signal.SIGINT)
+        lab.communicate(timeout=120)
+    assert lab.returncode == 130
