@@ -82,6 +82,22 @@ def cmd_id(args: argparse.Namespace) -> CommandResult:
     return CommandResult({"ok": True, "node_id": node_id, "path": args.path}, node_id)
 
 
+def cmd_devices(args: argparse.Namespace) -> CommandResult:
+    from skippy.gguf import ggml
+    from skippy.runtime.devices import list_devices
+
+    devices = list_devices(ggml.load())
+    mib = 2**20
+    lines = [f"{'NAME':<12} {'TYPE':<6} {'FREE MiB':>10} {'TOTAL MiB':>10}  DESCRIPTION"]
+    lines += [
+        f"{d.name:<12} {d.kind:<6} {d.free_bytes // mib:>10} {d.total_bytes // mib:>10}  "
+        f"{d.description}"
+        for d in devices
+    ]
+    data = {"ok": True, "devices": [d.to_dict() for d in devices]}
+    return CommandResult(data, "\n".join(lines))
+
+
 def cmd_owner_init(args: argparse.Namespace) -> CommandResult:
     from mesh_node.identity import node_id_of, write_private_key
 
@@ -206,6 +222,17 @@ def _existing_config(args: argparse.Namespace) -> Path:
     return path
 
 
+def _check_devices(runtime: Any) -> None:
+    """The configured device and placement rules name devices this ggml has (ggml is loaded
+    only when they name one)."""
+    if runtime.device.upper() in ("AUTO", "CPU") and not runtime.placement:
+        return
+    from skippy.gguf import ggml
+    from skippy.runtime.devices import check_configured, list_devices
+
+    check_configured(list_devices(ggml.load()), runtime.device, runtime.placement)
+
+
 def _node_settings(args: argparse.Namespace, config: Path | None = None) -> tuple[Any, Any]:
     """The node's settings with the command line's --http/--http-public/--listen applied, its
     identity; warnings printed."""
@@ -229,6 +256,13 @@ def _node_settings(args: argparse.Namespace, config: Path | None = None) -> tupl
                 settings.http_settings, api_key_file=Path(os.path.abspath(args.api_key_file))
             ),
         )
+    if getattr(args, "device", None) is not None:
+        from skippy.config import runtime_settings
+
+        device = runtime_settings({}, args.device).device  # checked as the file's would be
+        settings = replace(settings, runtime=replace(settings.runtime, device=device))
+    if hasattr(args, "device"):  # run and serve: a device that is not there, refused now
+        _check_devices(settings.runtime)
     identity = load_local_identity(settings.identity_path, settings.certificate_path)
     warnings = list(settings.warnings)
     if settings.http is not None:
@@ -518,6 +552,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("run", cmd_run, "run a node until SIGINT/SIGTERM")
     p.add_argument("--config", required=True)
     p.add_argument(
+        "--device",
+        metavar="NAME",
+        help='where this node\'s stage runs: auto, CPU or a device `mesh-node devices` '
+        'lists (config: [runtime] device; default auto)',
+    )
+    p.add_argument(
         "--http",
         metavar="[HOST:]PORT",
         help="serve the read-only status page, /api/status and /metrics here; a bare port "
@@ -607,6 +647,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="an invite (mesh-node invite): check it, then dial its nodes as configured peers",
     )
     p.add_argument(
+        "--device",
+        metavar="NAME",
+        help='where this node\'s stage runs: auto, CPU or a device `mesh-node devices` '
+        'lists (config: [runtime] device; default auto)',
+    )
+    p.add_argument(
         "--speculative-strategy",
         "--speculative",
         metavar="S",
@@ -637,6 +683,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="HOST:PORT",
         help="where joiners dial this node (repeatable; default: its listen address)",
     )
+    add("devices", cmd_devices, "list the devices this node's ggml sees (type, free/total memory)")
     p = add("status", cmd_status, "ask the running node for its status")
     p.add_argument("--config", help="the node TOML (default: the node in --data-dir)")
     p.add_argument(

@@ -21,6 +21,7 @@ from skippy.config import (
     ArtifactTransfer,
     Environment,
     NodeConfig,
+    RuntimeSettings,
     bad_value,
     load_node_config,
     parse_artifact_transfer,
@@ -28,6 +29,7 @@ from skippy.config import (
     positive_seconds,
     read_environment,
     refuse_unknown_keys,
+    runtime_settings,
 )
 from skippy.errors import UsageError
 from skippy.serving.replicas import MAX_REPLICAS
@@ -53,6 +55,7 @@ NODE_KEYS = frozenset(
         "http",  # the HTTP surface's address, or the [http] table (HttpSettings)
         "http_public",
         "serving",  # [serving]: split serving (ServingSettings)
+        "runtime",  # [runtime]: the stage runtime's device (skippy.config.RuntimeSettings)
         "security",  # [security]: who may coordinate us, peer budgets (SecuritySettings)
         "speculative",  # skippy.generation reads these two sections (skippy.config)
         "models",
@@ -434,6 +437,7 @@ class NodeSettings:
     http_public: bool = False
     warnings: tuple[str, ...] = ()
     serving: ServingSettings = field(default_factory=ServingSettings)
+    runtime: RuntimeSettings = field(default_factory=RuntimeSettings)
     # Node id -> the address to dial that peer at instead of the one it advertises
     # or was configured with (a relay, a tunnel, a port forward; the lab's emulated links).
     dial_via: Mapping[str, PeerAddress] = field(default_factory=dict)
@@ -572,6 +576,7 @@ def node_settings(config: NodeConfig, env: Environment | None = None) -> NodeSet
         http_public=http_public,
         warnings=tuple(warnings),
         serving=serving_settings(raw.get("serving")),
+        runtime=runtime_settings(raw.get("runtime")),
         dial_via=parse_dial_via(raw.get("dial_via", {})),
         http_settings=http_settings(http_table, base, env.api_key),
         security=security_settings(raw.get("security")),

@@ -32,24 +32,38 @@ machine_consent() {
   return 1
 }
 
+# machine_sudo: the prefix apt-get needs here on stdout ("" as root, else a password-less
+# "sudo -n"); fails when neither is at hand.
+machine_sudo() {
+  if [ "$(id -u)" = 0 ]; then
+    echo ""
+  elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then
+    echo "sudo -n"
+  else
+    return 1
+  fi
+}
+
+# machine_apt SUDO PACKAGES LOG: apt-get install PACKAGES (its output appended to LOG).
+machine_apt() {
+  local sudo_="$1" packages="$2" log="$3"
+  # shellcheck disable=SC2086  # the prefix and the package list are split on purpose
+  { $sudo_ apt-get update -qq &&
+    DEBIAN_FRONTEND=noninteractive $sudo_ apt-get install -y -qq $packages
+  } >>"$log" 2>&1
+}
+
 # machine_install WHAT SWITCH PACKAGES: apt-get install PACKAGES when consented (as root, or
 # through a password-less sudo); a failure is a warning and the tests that need them skip.
 machine_install() {
-  local what="$1" switch="$2" packages="$3" sudo_=""
-  if [ "$(id -u)" != 0 ]; then
-    if command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then
-      sudo_="sudo -n"
-    else
-      _machine_note "warning: $packages missing and no root to install them: $what will skip"
-      return 0
-    fi
+  local what="$1" switch="$2" packages="$3" sudo_
+  if ! sudo_="$(machine_sudo)"; then
+    _machine_note "warning: $packages missing and no root to install them: $what will skip"
+    return 0
   fi
   machine_consent "$what" "$switch" "$packages" || return 0
   local log="${VENV:-.}/apt.log"
-  # shellcheck disable=SC2086  # the package list is split on purpose
-  { $sudo_ apt-get update -qq &&
-    DEBIAN_FRONTEND=noninteractive $sudo_ apt-get install -y -qq $packages
-  } >>"$log" 2>&1 ||
+  machine_apt "$sudo_" "$packages" "$log" ||
     _machine_note "warning: apt-get could not install $packages (see $log): $what will skip"
 }
 

@@ -256,3 +256,69 @@ def positive_seconds(raw: Mapping[str, Any], key: str, default: float) -> float:
         raise bad_value(key, "expected a positive number of seconds", value)
     return float(value)
 
+
+# --- [runtime]: where the stage runtime computes (skippy.runtime.devices) ----------------------
+RUNTIME_KEYS = frozenset({"device", "placement", "cpu_moe", "device_fallback"})
+
+
+@dataclass(frozen=True)
+class PlacementRule:
+    """``PATTERN=DEVICE``: weights whose name the pattern matches (searched, as llama.cpp's
+    ``--override-tensor``) go to DEVICE."""
+
+    pattern: str
+    device: str
+
+    def matches(self, name: str) -> bool:
+        return re.search(self.pattern, name) is not None
+
+
+def parse_rule(text: object, key: str = "runtime.placement") -> PlacementRule:
+    """``"exps=CPU"`` as a rule; a malformed one is a usage error naming ``key``."""
+    if not isinstance(text, str):
+        raise bad_value(key, "expected PATTERN=DEVICE strings (for example exps=CPU)", text)
+    pattern, sep, device = text.rpartition("=")
+    if not sep or not pattern or not device.strip():
+        raise bad_value(key, f"{text!r} is not PATTERN=DEVICE (for example exps=CPU)", text)
+    try:
+        re.compile(pattern)
+    except re.error as exc:
+        raise bad_value(key, f"{pattern!r} is not a regular expression: {exc}", text) from exc
+    return PlacementRule(pattern, device.strip())
+
+
+@dataclass(frozen=True)
+class RuntimeSettings:
+    """``[runtime]`` of the node TOML: the device this node's stage runs on and where its
+    weights go (docs/devices.md)."""
+
+    device: str = "auto"  # "auto", "CPU", or a ggml device name (`mesh-node devices`)
+    placement: tuple[PlacementRule, ...] = ()  # first match wins
+    cpu_moe: bool = False  # routed experts in system memory
+    device_fallback: bool = False  # a device without the memory: the CPU, logged
+
+
+def runtime_settings(raw: object, device: str | None = None) -> RuntimeSettings:
+    """Parse ``[runtime]`` (absent: the defaults); ``device``: a command line's choice,
+    which wins over the file's."""
+    raw = {} if raw is None else raw
+    if not isinstance(raw, Mapping):
+        raise bad_value("runtime", "expected a table", raw)
+    refuse_unknown_keys(raw, "runtime", RUNTIME_KEYS)
+    chosen = raw.get("device", "auto") if device is None else device
+    if not isinstance(chosen, str) or not chosen.strip():
+        raise bad_value("runtime.device", 'expected "auto", "CPU" or a device name', chosen)
+    rules = raw.get("placement", [])
+    if not isinstance(rules, list):
+        raise bad_value("runtime.placement", "expected a list of PATTERN=DEVICE strings", rules)
+    flags = {}
+    for key in ("cpu_moe", "device_fallback"):
+        flags[key] = raw.get(key, False)
+        if not isinstance(flags[key], bool):
+            raise bad_value(f"runtime.{key}", "expected true or false", flags[key])
+    return RuntimeSettings(
+        device=chosen.strip(),
+        placement=tuple(parse_rule(r) for r in rules),
+        cpu_moe=flags["cpu_moe"],
+        device_fallback=flags["device_fallback"],
+    )

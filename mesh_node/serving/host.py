@@ -246,7 +246,7 @@ class StageHost:
         return 1 + others
 
     def stage_config(self, topology: SplitTopology | None = None) -> StageConfig:
-        s = self.settings
+        s, r = self.settings, self.node.settings.runtime
         sharing = self.co_located(topology) if topology is not None else 1
         return StageConfig(
             n_ctx=s.n_ctx,
@@ -257,6 +257,10 @@ class StageHost:
             # "auto": also fewer threads while other processes keep cores busy
             adaptive_threads=s.threads is None,
             repack=s.repack,
+            device=r.device,
+            placement=r.placement,
+            cpu_moe=r.cpu_moe,
+            device_fallback=r.device_fallback,
         )
 
     async def load(
@@ -580,6 +584,9 @@ class StageHost:
             "kv_bytes_per_session": kv() if callable(kv) else None,
             "engine": loaded.facts.engine,
             "runtime_version": loaded.facts.runtime_version,
+            # where the ggml engine computes (docs/devices.md); why not the configured device
+            "device": getattr(loaded.stage, "device", "CPU"),
+            "device_fallback": getattr(loaded.stage, "device_fallback", None),
             "sessions": self.sessions,
             "rss_before_load_kib": self.rss_before_load,
             "peak_rss_kib": _vm_kib("VmHWM"),

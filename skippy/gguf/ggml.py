@@ -69,7 +69,15 @@ GGML_ROPE_TYPE_NEOX: Final = 2
 GGML_STATUS_SUCCESS: Final = 0
 GGML_BACKEND_BUFFER_USAGE_WEIGHTS: Final = 1
 GGML_LOG_LEVEL_DEBUG: Final = 1
+GGML_LOG_LEVEL_INFO: Final = 2
+GGML_LOG_LEVEL_WARN: Final = 3
 GGML_LOG_LEVEL_CONT: Final = 5
+GGML_PREC_F32: Final = 10  # enum ggml_prec
+# enum ggml_backend_dev_type
+GGML_BACKEND_DEVICE_TYPE_CPU: Final = 0
+GGML_BACKEND_DEVICE_TYPE_GPU: Final = 1
+GGML_BACKEND_DEVICE_TYPE_IGPU: Final = 2
+GGML_BACKEND_DEVICE_TYPE_ACCEL: Final = 3
 # The CPU backend's tensor alignment (ggml-backend TENSOR_ALIGNMENT): a buffer made from a
 # pointer, and every tensor placed in it, must be aligned to this or ggml aborts.
 TENSOR_ALIGNMENT: Final = 32
@@ -385,6 +393,10 @@ class Ggml:
     @_c(_ptr, _ptr, _ptr, _ptr, _ptr)
     def ggml_add_id(self, ctx: int, a: int, b: int, ids: int) -> int: ...  # a + b[:, ids]
 
+    # ==== precision hints (ggml.h, TAG_GGML_PREC) ================================================
+    @_c(c_bool, _ptr, c_int)
+    def ggml_prec_set_acc(self, a: int, prec: int) -> bool: ...
+
     # ==== graphs (ggml.h) =========================================================================
     @_c(_ptr, _ptr, c_size_t, c_bool)
     def ggml_new_graph_custom(self, ctx: int, size: int, grads: bool) -> int | None: ...
@@ -432,6 +444,58 @@ class Ggml:
     def ggml_backend_reg_get_proc_address(self, reg: int, name: bytes) -> int | None: ...
     @_c(c_bool, _ptr, _ptr)
     def ggml_backend_dev_supports_op(self, device: int, op: int) -> bool: ...
+    @_c(c_size_t)
+    def ggml_backend_dev_count(self) -> int: ...
+    @_c(_ptr, c_size_t)
+    def ggml_backend_dev_get(self, index: int) -> int | None: ...
+    @_c(_ptr, c_char_p)
+    def ggml_backend_dev_by_name(self, name: bytes) -> int | None: ...
+    @_c(c_char_p, _ptr)
+    def ggml_backend_dev_name(self, device: int) -> bytes: ...
+    @_c(c_char_p, _ptr)
+    def ggml_backend_dev_description(self, device: int) -> bytes: ...
+    @_c(None, _ptr, ctypes.POINTER(c_size_t), ctypes.POINTER(c_size_t))
+    def ggml_backend_dev_memory(self, device: int, free: Any, total: Any) -> None: ...
+    @_c(c_int, _ptr)
+    def ggml_backend_dev_type(self, device: int) -> int: ...
+    @_c(_ptr, _ptr, c_char_p)
+    def ggml_backend_dev_init(self, device: int, params: bytes | None) -> int | None: ...
+    @_c(_ptr, _ptr)
+    def ggml_backend_dev_buffer_type(self, device: int) -> int | None: ...
+    @_c(_ptr, _ptr)
+    def ggml_backend_get_device(self, backend: int) -> int | None: ...
+    @_c(c_bool, _ptr)
+    def ggml_backend_buffer_is_host(self, buffer: int) -> bool: ...
+    @_c(c_char_p, _ptr)
+    def ggml_backend_buft_name(self, buft: int) -> bytes: ...
+
+    # ==== the scheduler: one graph over several backends (ggml-backend.h)
+    @_c(_ptr, ctypes.POINTER(c_void_p), ctypes.POINTER(c_void_p), c_int, c_size_t, c_bool, c_bool)
+    def ggml_backend_sched_new(
+        self,
+        backends: Any,
+        bufts: Any,
+        n_backends: int,
+        graph_size: int,
+        parallel: bool,
+        op_offload: bool,
+    ) -> int | None: ...
+    @_c(None, _ptr)
+    def ggml_backend_sched_free(self, sched: int) -> None: ...
+    @_c(c_bool, _ptr, _ptr)
+    def ggml_backend_sched_alloc_graph(self, sched: int, graph: int) -> bool: ...
+    @_c(c_int, _ptr, _ptr)
+    def ggml_backend_sched_graph_compute(self, sched: int, graph: int) -> int: ...
+    @_c(None, _ptr)
+    def ggml_backend_sched_reset(self, sched: int) -> None: ...
+    @_c(c_int, _ptr)
+    def ggml_backend_sched_get_n_splits(self, sched: int) -> int: ...
+    @_c(c_int, _ptr)
+    def ggml_backend_sched_get_n_copies(self, sched: int) -> int: ...
+    @_c(c_size_t, _ptr, _ptr)
+    def ggml_backend_sched_get_buffer_size(self, sched: int, backend: int) -> int: ...
+    @_c(_ptr, _ptr, _ptr)
+    def ggml_backend_sched_get_tensor_backend(self, sched: int, node: int) -> int | None: ...
 
     # ==== graph allocator (ggml-alloc.h)
     @_c(_ptr, _ptr)
@@ -677,9 +741,11 @@ LOG_CALLBACK = ctypes.CFUNCTYPE(None, c_int, c_char_p, c_void_p)
 
 
 @contextlib.contextmanager
-def without_debug_log(g: Ggml) -> Iterator[None]:
-    """ggml's debug messages dropped for the duration (weight repacking logs one line per
-    tensor on stderr), everything else passed to the logger in place before."""
+def without_debug_log(g: Ggml, *, below: int = GGML_LOG_LEVEL_INFO) -> Iterator[None]:
+    """ggml's messages under level ``below`` dropped for the duration (weight repacking logs
+    one debug line per tensor on stderr; a device registry's first read, with ``below =
+    GGML_LOG_LEVEL_WARN``, its devices at info level), everything else passed to the logger
+    in place before."""
     cb, ud = c_void_p(), c_void_p()
     g.ggml_log_get(ctypes.byref(cb), ctypes.byref(ud))
     previous = LOG_CALLBACK(cb.value) if cb.value else None
@@ -688,7 +754,7 @@ def without_debug_log(g: Ggml) -> Iterator[None]:
     def log(level: int, text: bytes | None, user_data: int | None) -> None:
         nonlocal dropping
         if level != GGML_LOG_LEVEL_CONT:
-            dropping = level == GGML_LOG_LEVEL_DEBUG
+            dropping = level < below
         if not dropping and previous is not None:
             previous(level, text, user_data)
 

@@ -18,6 +18,8 @@ which runs a one-position step on the threads a busy machine allows now.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from skippy.gguf import ggml
 from skippy.gguf.ggml import GgmlInitParams
 from skippy.runtime.boundary import RuntimeLoadError
@@ -29,6 +31,53 @@ _ok = ggml.non_null
 # tied output head reads the same tensor, so llama.cpp leaves it unrepacked too.
 _GATHERED = frozenset({"token_embd.weight"})
 _PROBE_ROWS = 512  # llama.cpp's weight_buft_supported asks with a 512-token batch
+
+
+def new_weight_tensor(g: ggml.Ggml, ctx: int, r: WeightRef) -> int:
+    """A no-alloc tensor of ``r``'s type and shape in ``ctx``, its size checked."""
+    shape = r.shape
+    if len(shape) == 1:
+        t = g.ggml_new_tensor_1d(ctx, r.ggml_type, shape[0])
+    elif len(shape) == 2:
+        t = g.ggml_new_tensor_2d(ctx, r.ggml_type, shape[0], shape[1])
+    elif len(shape) == 3:  # a MoE layer's experts: [in, out, n_expert]
+        t = g.ggml_new_tensor_3d(ctx, r.ggml_type, shape[0], shape[1], shape[2])
+    else:  # the families' plans hold nothing of a higher rank
+        raise RuntimeLoadError(f"{r.name}: unexpected rank {len(shape)}")
+    t = _ok(t, "ggml_new_tensor")
+    if g.ggml_nbytes(t) != r.nbytes:  # ggml and our reader must agree on the size
+        raise RuntimeLoadError(
+            f"{r.name}: ggml sizes it {g.ggml_nbytes(t)} bytes, the file {r.nbytes}",
+            code="fragment_tensor_shape",
+        )
+    return t
+
+
+def map_weights(
+    g: ggml.Ggml, w: StageWeights, tensors: dict[str, int], names: set[str] | None = None
+) -> list[int]:
+    """Place weights zero-copy at their bytes in the mapped parts (all, or ``names``): one
+    CPU buffer over each part that holds one of them (``ggml_backend_cpu_buffer_from_ptr``),
+    marked as weights; the buffers, for the caller to free."""
+    refs = [r for r in w if names is None or r.name in names]
+    buffers: dict[int, int] = {}
+    try:
+        for part in sorted({r.part for r in refs}):
+            base, size = w.part_span(part)
+            if base % ggml.TENSOR_ALIGNMENT:  # a mapping starts on a page; keep it explicit
+                raise RuntimeLoadError(f"part {part} is mapped at a misaligned address")
+            buffers[part] = _ok(g.ggml_backend_cpu_buffer_from_ptr(base, size), "buffer_from_ptr")
+            g.ggml_backend_buffer_set_usage(buffers[part], ggml.GGML_BACKEND_BUFFER_USAGE_WEIGHTS)
+        for r in refs:
+            at = w.address(r.name)
+            status = g.ggml_backend_tensor_alloc(buffers[r.part], tensors[r.name], at)
+            if status != ggml.GGML_STATUS_SUCCESS:
+                raise RuntimeLoadError(f"{r.name}: ggml_backend_tensor_alloc status {status}")
+    except BaseException:
+        for b in buffers.values():
+            g.ggml_backend_buffer_free(b)
+        raise
+    return list(buffers.values())
 
 
 class CpuBackend:
@@ -97,24 +146,7 @@ class CpuBackend:
         return tensors
 
     def _new_tensor(self, ctx: int, r: WeightRef) -> int:
-        """A no-alloc tensor of ``r``'s type and shape in ``ctx``, its size checked."""
-        g = self.g
-        shape = r.shape
-        if len(shape) == 1:
-            t = g.ggml_new_tensor_1d(ctx, r.ggml_type, shape[0])
-        elif len(shape) == 2:
-            t = g.ggml_new_tensor_2d(ctx, r.ggml_type, shape[0], shape[1])
-        elif len(shape) == 3:  # a MoE layer's experts: [in, out, n_expert]
-            t = g.ggml_new_tensor_3d(ctx, r.ggml_type, shape[0], shape[1], shape[2])
-        else:  # the families' plans hold nothing of a higher rank
-            raise RuntimeLoadError(f"{r.name}: unexpected rank {len(shape)}")
-        t = _ok(t, "ggml_new_tensor")
-        if g.ggml_nbytes(t) != r.nbytes:  # ggml and our reader must agree on the size
-            raise RuntimeLoadError(
-                f"{r.name}: ggml sizes it {g.ggml_nbytes(t)} bytes, the file {r.nbytes}",
-                code="fragment_tensor_shape",
-            )
-        return t
+        return new_weight_tensor(self.g, ctx, r)
 
     def _probe_op(self, ctx: int, w: int, r: WeightRef) -> int:
         """The op the engine runs on weight ``w``: a matmul (rank 2) or the experts'
@@ -204,6 +236,14 @@ class CpuBackend:
                 placed[k] = n
         return placed
 
+    # The engine's graphs each get a runner: this backend's own allocator per graph.
+    host_results = True  # a graph's tensors are in host memory: results are read in place
+    resizes_graphs = True  # a reused graph's KV length is set in place before each run
+
+    def runner(self, graph_size: int) -> GraphRunner:
+        """An allocator for one graph at a time, computing on this backend."""
+        return GallocRunner(self)
+
     def compute(self, graph: int, *, step: bool = False) -> None:
         """Run a graph. An adaptive stage runs a one-position ``step`` on the threads the
         governor allows now (a small graph is all barriers: one preempted thread stalls the
@@ -229,3 +269,39 @@ class CpuBackend:
         if self._wctx:
             g.ggml_free(self._wctx)
             self._wctx = None
+
+
+class GraphRunner(Protocol):
+    """Allocates one graph at a time (a new ``alloc`` replaces the last) and computes it."""
+
+    def alloc(self, graph: int) -> None: ...
+
+    def compute(self, graph: int, *, step: bool = False) -> None: ...
+
+    def buffer_bytes(self) -> int: ...
+
+    def free(self) -> None: ...
+
+
+class GallocRunner:
+    """The CPU backend's graph allocator (``ggml_gallocr``) and compute."""
+
+    def __init__(self, backend: CpuBackend) -> None:
+        g = backend.g
+        self.g, self._backend = g, backend
+        self._galloc = _ok(g.ggml_gallocr_new(backend.buffer_type()), "gallocr")
+
+    def alloc(self, graph: int) -> None:
+        if not self.g.ggml_gallocr_alloc_graph(self._galloc, graph):
+            raise ggml.GgmlCallFailed("ggml_gallocr_alloc_graph failed (out of memory?)")
+
+    def compute(self, graph: int, *, step: bool = False) -> None:
+        self._backend.compute(graph, step=step)
+
+    def buffer_bytes(self) -> int:
+        return int(self.g.ggml_gallocr_get_buffer_size(self._galloc, 0)) if self._galloc else 0
+
+    def free(self) -> None:
+        if self._galloc:
+            self.g.ggml_gallocr_free(self._galloc)
+            self._galloc = 0

@@ -26,6 +26,7 @@ Every value that reaches ggml has been checked in Python first (``StageBase.chec
 from __future__ import annotations
 
 import ctypes
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -35,15 +36,26 @@ import numpy.typing as npt
 
 from skippy.gguf import ggml
 from skippy.gguf.ggml import GgmlInitParams, GgmlTensorStruct, GgmlType, tensor_struct
-from skippy.runtime.backend import CpuBackend
+from skippy.runtime.backend import CpuBackend, GraphRunner
 from skippy.runtime.boundary import StageNotLoaded
+from skippy.runtime.device_backend import DeviceBackend
+from skippy.runtime.devices import (
+    CPU,
+    DeviceChoice,
+    check_rule_devices,
+    choose_device,
+    list_devices,
+    place_tensors,
+)
 from skippy.runtime.families import family_of
 from skippy.runtime.families.base import T
 from skippy.runtime.graph import Attention, GraphBuilder, LayerWeights
 from skippy.runtime.graph_shapes import kv_length, prefill_rows
 from skippy.runtime.model import ModelSpec, attention_mask, tensor_name
 from skippy.runtime.stage import STAGE_API_VERSION, StageBase
+from skippy.runtime.weights import StageWeights
 
+log = logging.getLogger(__name__)
 RUNTIME_VERSION: Final = f"skippy-stage/{STAGE_API_VERSION} ggml/{ggml.GGML_VERSION}"
 # Tensors (ops and views) a layer adds to a graph, with room to spare; ggml aborts when a
 # context runs out of room, so this errs large.
@@ -147,12 +159,13 @@ class _DecodeGraph(_SessionInputs):
     graph for that position computes (same ops, same shapes, same kernels: bit-identical)."""
 
     ctx: int
-    galloc: int
+    runner: GraphRunner
     graph: int
     tokens: int  # I32 [1] ids (stage 0) or F32 [width, 1] activations
     pos: int  # I32 [1]
     result: int  # activations [width, 1] or logits [vocab, 1]
-    # the result's bytes in the graph's own compute buffer (fixed while the graph lives)
+    # the result's bytes in the graph's own compute buffer (fixed while the graph lives), or
+    # a host copy read after each run where the graph runs on a device
     result_view: npt.NDArray[np.float32]
     pos_buf: npt.NDArray[np.int32]
     temp: int | None = None  # F32 [1, 1, 1]: the position's attention temperature, if any
@@ -190,12 +203,13 @@ class _BatchGraph:
     own KV views, as ``_DecodeGraph`` does."""
 
     ctx: int
-    galloc: int
+    runner: GraphRunner
     graph: int
     members: list[_BatchMember]
     tokens: int  # I32 [B] ids (stage 0) or F32 [width, 1, B] activations
     pos: int  # I32 [B]
-    result_view: npt.NDArray[np.float32]  # [B, cols] in the graph's compute buffer
+    result: int
+    result_view: npt.NDArray[np.float32]  # [B, cols] in the graph's compute buffer (or a copy)
     pos_buf: npt.NDArray[np.int32]
     gemm_matmuls: int = 0  # weight matmuls taking the batch as one [k, B] matrix
     broadcast_matmuls: int = 0  # and those broadcast over it
@@ -231,6 +245,8 @@ def _attend(
     )  # [n_kv, hd, n_head_kv]
     qp = g.ggml_permute(ctx, q, 0, 2, 1, 3)  # [hd, rows, n_head]
     scores = g.ggml_mul_mat(ctx, keys, qp)  # [n_kv, rows, n_head]
+    # F32 accumulation, as llama.cpp asks: a device may otherwise sum the scores in F16
+    g.ggml_prec_set_acc(scores, ggml.GGML_PREC_F32)
     capped = [scores]
     cap = spec.attn_softcap
     if cap:  # tanh(s / cap) * cap, before the softmax's scale and mask (llama.cpp's order)
@@ -307,6 +323,7 @@ class _SlotAttention:
     kv: _KvCache
     slots: _KvSlots
     masks: dict[int | None, int]
+    n_kv: int  # the cells the graph is built over (all, then resized; or the position's)
 
     def __call__(
         self,
@@ -322,7 +339,7 @@ class _SlotAttention:
         k_row = g.ggml_reshape_2d(ctx, k, kv_dim, 1)
         _write_rows(b, self.kv, il, k_row, g.ggml_reshape_2d(ctx, v, 1, kv_dim), slots)
         mask = self.masks[_window(b.spec, il)]
-        return _attend(b, self.kv, il, q, mask, kq_scale, self.kv.cells, 1, slots, sinks)
+        return _attend(b, self.kv, il, q, mask, kq_scale, self.n_kv, 1, slots, sinks)
 
 
 @dataclass
@@ -352,7 +369,7 @@ class _BatchAttention:
             _write_rows(b, m.kv, il, k_row, v_col, m.slots)
             q_i = g.ggml_view_3d(ctx, q, hd, spec.n_head, 1, 4 * hd, 4 * q_dim, 4 * q_dim * i)
             mask = m.masks[_window(spec, il)]
-            o_i = _attend(b, m.kv, il, q_i, mask, kq_scale, m.kv.cells, 1, m.slots, sinks)
+            o_i = _attend(b, m.kv, il, q_i, mask, kq_scale, m.n_kv, 1, m.slots, sinks)
             o = o_i if o is None else g.ggml_concat(ctx, o, o_i, 2)  # [q_dim, 1, i + 1]
         return _ok(o, "attention")
 
@@ -367,26 +384,42 @@ class GgmlStage(StageBase[_KvCache]):
 
     engine = "ggml"
     runtime_version = RUNTIME_VERSION
+    # Run a CPU stage through ggml's scheduler as a device stage runs (False: the CPU
+    # backend directly, zero-copy and thread-governed; the tests compare the two).
+    scheduled = False
+
     def _prepare(self) -> None:
         self.g = ggml.load()  # first: a missing or mismatched ggml is refused before any I/O
-        self._backend: CpuBackend | None = None
-        self._galloc = 0
+        self._backend: CpuBackend | DeviceBackend | None = None
+        self._runner: GraphRunner | None = None
+        self.device = CPU  # where the stage runs (``skippy.runtime.devices``)
+        self.device_fallback: str | None = None  # why it runs on the CPU instead, if it does
 
     def _setup(self) -> None:
         g, spec = self.g, self.spec
         self._family = family_of(spec.arch)
-        self._backend = CpuBackend(
-            g,
-            self.config.n_threads,
-            adaptive=self.config.adaptive_threads,
-        )
-        self._tensors = self._backend.place_weights(
-            self._loaded(),
-            repack=self.config.repack,
-            tied_head=tensor_name(T.OUTPUT) if self.layers.owns_output else None,
-        )
+        w = self._loaded()
+        head = tensor_name(T.OUTPUT) if self.layers.owns_output else None
+        self._kv_cells = kv_length(self.config.n_ctx)  # a session's cache, as llama.cpp pads it
+        choice, placement = self._placement(w)
+        self.device, self.device_fallback = choice.device, choice.fallback_reason
+        if choice.fallback_reason is not None:
+            log.warning(
+                "stage %s: device %s refused, running on the CPU: %s",
+                self.layers,
+                choice.requested,
+                choice.fallback_reason,
+            )
+        if choice.device == CPU and not self.scheduled:
+            cpu = CpuBackend(g, self.config.n_threads, adaptive=self.config.adaptive_threads)
+            self._backend = cpu
+            self._tensors = cpu.place_weights(w, repack=self.config.repack, tied_head=head)
+        else:
+            dev = DeviceBackend(g, choice.device, self.config.n_threads)
+            self._backend = dev
+            self._tensors = dev.place_weights(w, placement, tied_head=head)
+        self.placement = placement
         self._layer_weights = {il: self._layer(il) for il in self.layers}
-        self._galloc = _ok(g.ggml_gallocr_new(self._backend.buffer_type()), "gallocr")
         # batched decode graphs by their sessions' caches (in batch order), newest last
         self._batch_graphs: dict[tuple[int, ...], _BatchGraph] = {}
         # per weight type, the batch widths multiplied as [k, B] (found at the first build)
@@ -394,10 +427,36 @@ class GgmlStage(StageBase[_KvCache]):
         self._layouts = [0, 0]
         n_graph = self._tensors_per_layer() * len(self.layers) + _TENSORS_FIXED
         self._graph_size = max(ggml.GGML_DEFAULT_GRAPH_SIZE, n_graph)
-        self._kv_cells = kv_length(self.config.n_ctx)  # a session's cache, as llama.cpp pads it
         self._graph_mem = g.ggml_tensor_overhead() * 2 * self._graph_size + (
             g.ggml_graph_overhead_custom(self._graph_size, False)
         )
+        # the prefill graphs' runner (each reused graph has its own)
+        self._runner = self._backend.runner(2 * self._graph_size)
+
+    def _placement(self, w: StageWeights) -> tuple[DeviceChoice, dict[str, str]]:
+        """The stage's device (``choose_device`` over what it would hold there) and each
+        weight's device."""
+        cfg, names = self.config, [r.name for r in w]
+        if cfg.device.upper() == CPU and not cfg.placement:
+            return DeviceChoice(CPU, cfg.device), dict.fromkeys(names, CPU)
+        devices = list_devices(self.g)
+        check_rule_devices(cfg.placement, {d.name: d for d in devices})
+        probe = place_tensors(
+            names, "device", cfg.placement, cpu_moe=cfg.cpu_moe, owns_input=self.layers.owns_input
+        )
+        on_device = sum(w.ref(n).nbytes for n, d in probe.items() if d != CPU)
+        if self.layers.owns_output and w.tied and probe.get(tensor_name(T.TOKEN_EMBD)) == CPU:
+            on_device += w.ref(tensor_name(T.TOKEN_EMBD)).nbytes  # the head's own copy
+        need = on_device + cfg.max_sessions * self.kv_bytes_per_session()
+        choice = choose_device(cfg.device, devices, need, fallback=cfg.device_fallback)
+        placement = place_tensors(
+            names,
+            choice.device,
+            cfg.placement,
+            cpu_moe=cfg.cpu_moe,
+            owns_input=self.layers.owns_input,
+        )
+        return choice, placement
 
     def _tensors_per_layer(self) -> int:
         # a MoE layer sums its experts' outputs through a view and an add per expert used
@@ -450,29 +509,34 @@ class GgmlStage(StageBase[_KvCache]):
         self.g.ggml_free(state.ctx)
 
     def _close_engine(self) -> None:
-        g = self.g
         for bg in getattr(self, "_batch_graphs", {}).values():
             self._free_batch_graph(bg)
         self._batch_graphs = {}
-        if self._galloc:
-            g.ggml_gallocr_free(self._galloc)
-            self._galloc = 0
+        if self._runner is not None:
+            self._runner.free()
+            self._runner = None
         if self._backend is not None:
             self._backend.close()
             self._backend = None
 
     # --- the one graph path ----------------------------------------------------------------------
-    def _cpu(self) -> CpuBackend:
+    def _live(self) -> CpuBackend | DeviceBackend:
         if self._backend is None:
             raise StageNotLoaded("the stage's backend is closed")
         return self._backend
 
     def _buffer_type(self) -> int:
-        return self._cpu().buffer_type()
+        return self._live().buffer_type()
 
     def _compute(self, graph: int, *, step: bool = False) -> None:
-        """Run a graph on the backend (a one-position ``step`` on the governor's threads)."""
-        self._cpu().compute(graph, step=step)
+        """Run a graph on the CPU backend (a one-position ``step`` on the governor's
+        threads)."""
+        self._live().compute(graph, step=step)
+
+    def _prefill_runner(self) -> GraphRunner:
+        if self._runner is None:
+            raise StageNotLoaded("the stage's backend is closed")
+        return self._runner
 
     def _new_graph(self, mem: int, size: int) -> tuple[int, int]:
         g = self.g
@@ -587,12 +651,12 @@ class GgmlStage(StageBase[_KvCache]):
             if wanted:
                 g.ggml_set_output(result)
                 g.ggml_build_forward_expand(gf, result)
-            if not g.ggml_gallocr_alloc_graph(self._galloc, gf):
-                raise ggml.GgmlCallFailed("ggml_gallocr_alloc_graph failed (out of memory?)")
+            runner = self._prefill_runner()
+            runner.alloc(gf)
             for t, data in feeds:
                 if g.ggml_get_data(t) is not None:  # an input no node reads has no buffer
                     g.ggml_backend_tensor_set(t, data.ctypes.data, 0, data.nbytes)
-            self._compute(gf)
+            runner.compute(gf)
             if not wanted:
                 return np.empty((0, self.vocab or 0), dtype=np.float32)
             cols = (self.vocab or 0) if final else spec.width
@@ -609,15 +673,20 @@ class GgmlStage(StageBase[_KvCache]):
         self, state: _KvCache, position: int, inputs: npt.NDArray[Any], *, greedy: bool
     ) -> tuple[npt.NDArray[np.float32] | None, int | None]:
         dg = state.decode
+        n_kv = self._built_kv(position)
+        if dg is not None and dg.n_kv != n_kv and not self._live().resizes_graphs:
+            self._free_decode_graph(dg)  # a device's graph is rebuilt at each new KV length
+            dg = state.decode = None
         if dg is None:
-            dg = state.decode = self._build_decode_graph(state)
+            dg = state.decode = self._build_decode_graph(state, n_kv)
         g = self.g
         dg.set_position(g, position)
         dg.pos_buf[0] = position
         g.ggml_backend_tensor_set(dg.tokens, inputs.ctypes.data, 0, inputs.nbytes)
         g.ggml_backend_tensor_set(dg.pos, dg.pos_buf.ctypes.data, 0, 4)
         self._set_temperature(dg.temp, dg.pos_buf)
-        self._compute(dg.graph, step=True)
+        dg.runner.compute(dg.graph, step=True)
+        self._fetch(dg.result, dg.result_view)
         if greedy and self.layers.owns_output:
             # The argmax over the logits where ggml left them: no copy, and numpy's first
             # maximum is the sampler's own rule (ggml_argmax takes the last one on ties).
@@ -637,10 +706,20 @@ class GgmlStage(StageBase[_KvCache]):
             f = temperature.factors(positions)
             self.g.ggml_backend_tensor_set(t, f.ctypes.data, 0, f.nbytes)
 
-    def _session_inputs(self, ctx: int) -> tuple[_KvSlots, dict[int | None, int]]:
+    def _built_kv(self, position: int) -> int:
+        """The KV length a reused graph for ``position`` is built over: every cell where the
+        backend resizes graphs in place, else the position's own (``kv_length``)."""
+        return self._kv_cells if self._live().resizes_graphs else kv_length(position + 1)
+
+    def _fetch(self, result: int, view: npt.NDArray[np.float32]) -> None:
+        """A device graph's result copied to its host view (a CPU graph's is in place)."""
+        if not self._live().host_results:
+            self.g.ggml_backend_tensor_get(result, view.ctypes.data, 0, view.nbytes)
+
+    def _session_inputs(self, ctx: int, cells: int) -> tuple[_KvSlots, dict[int | None, int]]:
         """A session's inputs in a reused graph: the K/V rows to write and one mask per
-        window, over every cell (resized per run)."""
-        g, spec, cells = self.g, self.spec, self._kv_cells
+        window, over ``cells`` (resized per run where the backend resizes graphs)."""
+        g, spec = self.g, self.spec
         slots = _KvSlots(
             k_rows=self._input(g.ggml_new_tensor_1d(ctx, GgmlType.I64, 1)),
             v_rows=self._input(g.ggml_new_tensor_1d(ctx, GgmlType.I64, spec.kv_dim)),
@@ -651,27 +730,34 @@ class GgmlStage(StageBase[_KvCache]):
             slots.add(masks[window], 0, True)
         return slots, masks
 
-    def _finish_graph(self, ctx: int, gf: int, result: int, n: int) -> tuple[int, Any]:
-        """Expand a reused graph's result and give it its own allocator (the shared one
+    def _finish_graph(
+        self, ctx: int, gf: int, result: int, n: int, size: int
+    ) -> tuple[GraphRunner, Any]:
+        """Expand a reused graph's result and give it its own runner (the shared one
         re-plans for every prefill graph, which would move this graph's tensors): the
-        allocator and a view of the result's ``n`` rows in its compute buffer."""
+        runner and a view of the result's ``n`` rows in its compute buffer (on a device: a
+        host array ``_fetch`` fills after each run)."""
         g = self.g
         g.ggml_set_output(result)
         g.ggml_build_forward_expand(gf, result)
-        galloc = _ok(g.ggml_gallocr_new(self._buffer_type()), "gallocr")
+        backend = self._live()
+        runner = backend.runner(size)
         try:
-            if not g.ggml_gallocr_alloc_graph(galloc, gf):
-                raise ggml.GgmlCallFailed("ggml_gallocr_alloc_graph failed (out of memory?)")
+            runner.alloc(gf)
             cols = (self.vocab or 0) if self.layers.owns_output else self.spec.width
-            data = _ok(g.ggml_get_data(result), "graph output")
-            view = np.ctypeslib.as_array((ctypes.c_float * (cols * n)).from_address(data))
+            if backend.host_results:
+                data = _ok(g.ggml_get_data(result), "graph output")
+                view = np.ctypeslib.as_array((ctypes.c_float * (cols * n)).from_address(data))
+            else:
+                view = np.empty(cols * n, dtype=np.float32)
         except BaseException:
-            g.ggml_gallocr_free(galloc)
+            runner.free()
             raise
-        return galloc, view if n == 1 else view.reshape(n, cols)
+        return runner, view if n == 1 else view.reshape(n, cols)
 
-    def _build_decode_graph(self, kv: _KvCache) -> _DecodeGraph:
-        """The one-position graph of ``kv``'s session over every cell (see _DecodeGraph)."""
+    def _build_decode_graph(self, kv: _KvCache, n_kv: int) -> _DecodeGraph:
+        """The one-position graph of ``kv``'s session over ``n_kv`` cells (see
+        _DecodeGraph)."""
         g, spec = self.g, self.spec
         ctx, gf = self._new_graph(self._graph_mem, self._graph_size)
         try:
@@ -682,16 +768,16 @@ class GgmlStage(StageBase[_KvCache]):
                 tokens = x = self._input(g.ggml_new_tensor_2d(ctx, GgmlType.F32, spec.width, 1))
             pos = self._input(g.ggml_new_tensor_1d(ctx, GgmlType.I32, 1))
             temp = self._temperature_input(ctx, 1)
-            slots, masks = self._session_inputs(ctx)
-            attend = _SlotAttention(kv, slots, masks)
+            slots, masks = self._session_inputs(ctx, n_kv)
+            attend = _SlotAttention(kv, slots, masks, n_kv)
             result = self._build(ctx, gf, x, pos, 1, attend, 1, temp)
-            galloc, view = self._finish_graph(ctx, gf, result, 1)
+            runner, view = self._finish_graph(ctx, gf, result, 1, self._graph_size)
         except BaseException:
             g.ggml_free(ctx)
             raise
         return _DecodeGraph(
             ctx=ctx,
-            galloc=galloc,
+            runner=runner,
             graph=gf,
             slots=slots,
             tokens=tokens,
@@ -701,6 +787,7 @@ class GgmlStage(StageBase[_KvCache]):
             result_view=view,
             pos_buf=np.zeros(1, dtype=np.int32),
             temp=temp,
+            n_kv=n_kv,
             **_SessionInputs.buffers(spec.kv_dim, self._kv_cells),
         )
 
@@ -714,12 +801,16 @@ class GgmlStage(StageBase[_KvCache]):
     ) -> list[tuple[npt.NDArray[np.float32] | None, int | None]]:
         if len(states) < 2:
             return super()._decode_many(states, positions, inputs, greedy)
-        key = tuple(id(s) for s in states)
+        n_kvs = [self._built_kv(p) for p in positions]
+        # a device's graphs are built for their members' KV lengths (see _built_kv)
+        key = tuple(id(s) for s in states) + (
+            () if self._live().resizes_graphs else tuple(n_kvs)
+        )
         bg = self._batch_graphs.pop(key, None)
         if bg is None:
             while len(self._batch_graphs) >= BATCH_GRAPHS_KEPT:
                 self._free_batch_graph(self._batch_graphs.pop(next(iter(self._batch_graphs))))
-            bg = self._build_batch_graph(states)
+            bg = self._build_batch_graph(states, n_kvs)
         self._batch_graphs[key] = bg  # newest last
         g = self.g
         bg.pos_buf[:] = positions
@@ -729,7 +820,8 @@ class GgmlStage(StageBase[_KvCache]):
         g.ggml_backend_tensor_set(bg.tokens, x.ctypes.data, 0, x.nbytes)
         for m, position in zip(bg.members, positions, strict=True):
             m.set_position(g, position)
-        self._compute(bg.graph, step=True)
+        bg.runner.compute(bg.graph, step=True)
+        self._fetch(bg.result, bg.result_view)
         out: list[tuple[npt.NDArray[np.float32] | None, int | None]] = []
         for i, gr in enumerate(greedy):
             row = bg.result_view[i]
@@ -737,7 +829,7 @@ class GgmlStage(StageBase[_KvCache]):
             out.append((None, int(np.argmax(row))) if gr else (row.reshape(1, -1).copy(), None))
         return out
 
-    def _build_batch_graph(self, states: list[_KvCache]) -> _BatchGraph:
+    def _build_batch_graph(self, states: list[_KvCache], n_kvs: list[int]) -> _BatchGraph:
         g, spec, b = self.g, self.spec, len(states)
         self._exact_gemm_widths()  # before the graph's matmuls choose their layout (_mm)
         self._layouts = [0, 0]  # [k, B] / broadcast matmuls of this build (_mm counts them)
@@ -757,28 +849,30 @@ class GgmlStage(StageBase[_KvCache]):
             pos = self._input(g.ggml_new_tensor_1d(ctx, GgmlType.I32, b))
             temp = self._temperature_input(ctx, b)
             members = []
-            for kv in states:
-                slots, masks = self._session_inputs(ctx)
+            for kv, n_kv in zip(states, n_kvs, strict=True):
+                slots, masks = self._session_inputs(ctx, n_kv)
                 members.append(
                     _BatchMember(
                         kv=kv,
                         slots=slots,
                         masks=masks,
+                        n_kv=n_kv,
                         **_SessionInputs.buffers(spec.kv_dim, self._kv_cells),
                     )
                 )
             result = self._build(ctx, gf, x, pos, b, _BatchAttention(members), None, temp)
-            galloc, view = self._finish_graph(ctx, gf, result, b)
+            runner, view = self._finish_graph(ctx, gf, result, b, size)
         except BaseException:
             g.ggml_free(ctx)
             raise
         return _BatchGraph(
             ctx=ctx,
-            galloc=galloc,
+            runner=runner,
             graph=gf,
             members=members,
             tokens=tokens,
             pos=pos,
+            result=result,
             result_view=view,
             pos_buf=np.zeros(b, dtype=np.int32),
             gemm_matmuls=self._layouts[0],
@@ -790,6 +884,8 @@ class GgmlStage(StageBase[_KvCache]):
         """Per weight type, the batch widths whose ``[k, B]`` product this ggml computes
         exactly as B one-column products (``skippy.runtime.batch_layout``), checked once per
         stage on a slice of one of its own weights per type."""
+        if self._gemm_exact is None and not isinstance(self._backend, CpuBackend):
+            self._gemm_exact = {}  # measured on the CPU backend's kernels only: broadcast
         if self._gemm_exact is None:
             from skippy.runtime.batch_layout import exact_gemm_widths
 
@@ -832,11 +928,11 @@ class GgmlStage(StageBase[_KvCache]):
         return t.get(tensor_name(T.OUTPUT), t.get(tensor_name(T.TOKEN_EMBD)))
 
     def _free_batch_graph(self, bg: _BatchGraph) -> None:
-        self.g.ggml_gallocr_free(bg.galloc)
+        bg.runner.free()
         self.g.ggml_free(bg.ctx)
 
     def _free_decode_graph(self, dg: _DecodeGraph) -> None:
-        self.g.ggml_gallocr_free(dg.galloc)
+        dg.runner.free()
         self.g.ggml_free(dg.ctx)
 
     def _windows(self, layers: Iterable[int] | None = None) -> list[int | None]:

@@ -27,6 +27,7 @@ from typing import Any, Final, Generic, Literal, Protocol, TypeVar, runtime_chec
 import numpy as np
 import numpy.typing as npt
 
+from skippy.config import PlacementRule
 from skippy.errors import UsageError
 from skippy.package.ranges import LayerRange
 from skippy.runtime.boundary import StageLoad, StageNotLoaded, log_speculation_fallback
@@ -61,11 +62,29 @@ class StageConfig:
     # default, but those weights leave the zero-copy mapping (docs/performance.md). Off: the
     # same bits as llama.cpp with repacking off.
     repack: bool = False
+    # Where the stage runs (ggml engine; skippy.runtime.devices): "auto" (the best device
+    # whose free memory fits the stage, else the CPU), "CPU", or a device's ggml name
+    # (`mesh-node devices`). On a device the weights are copied into its memory and repack
+    # does not apply.
+    device: str = "auto"
+    # Per-weight placement rules, first match wins (llama.cpp's --override-tensor exps=CPU)
+    placement: tuple[PlacementRule, ...] = ()
+    # Keep the routed experts of a MoE in system memory (llama.cpp's --cpu-moe)
+    cpu_moe: bool = False
+    # A device that lacks the memory: run on the CPU (logged, and shown as the stage's
+    # device_fallback) instead of refusing to load
+    device_fallback: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.repack, bool):
+        for name in ("repack", "cpu_moe", "device_fallback"):
+            if not isinstance(getattr(self, name), bool):
+                raise UsageError(
+                    f"{name} must be true or false, got {getattr(self, name)!r}",
+                    code="invalid_runtime_config",
+                )
+        if not isinstance(self.device, str) or not self.device.strip():
             raise UsageError(
-                f"repack must be true or false, got {self.repack!r}",
+                f'device must be "auto", "CPU" or a device name, got {self.device!r}',
                 code="invalid_runtime_config",
             )
         for name, hi in (

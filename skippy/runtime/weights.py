@@ -134,6 +134,16 @@ class StageWeights:
         """Absolute address of the tensor's first byte (for ggml)."""
         return int(self.raw(name).ctypes.data)
 
+    def release_pages(self, name: str) -> None:
+        """Drop the tensor's pages from this process's memory (they were copied elsewhere,
+        e.g. uploaded to a device); a later read faults them in again from the file."""
+        r = self.tensors[name]
+        m = self._maps[r.part]
+        if m is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start = r.offset - r.offset % mmap.PAGESIZE
+        m.madvise(mmap.MADV_DONTNEED, start, r.offset + r.nbytes - start)
+
     def part_span(self, part: int) -> tuple[int, int]:
         """(address, size) of a whole mapped part."""
         view = self._views[part]

@@ -40,10 +40,39 @@ class OracleFailed(SkippyError, RuntimeError):
     code = "oracle_failed"
 
 
+class _BuftOverride(ctypes.Structure):
+    """``struct llama_model_tensor_buft_override`` (llama.h): a pattern and a buffer type."""
+
+    _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
+
+
+def _cpu_overrides(patterns: Sequence[str]) -> Any:
+    """A NULL-terminated array of overrides placing ``patterns`` in CPU memory, or None."""
+    if not patterns:
+        return None
+    from skippy.gguf import ggml
+
+    cpu = ggml.load().ggml_backend_cpu_buffer_type()
+    rows = [_BuftOverride(p.encode(), cpu) for p in patterns] + [_BuftOverride(None, None)]
+    return (_BuftOverride * len(rows))(*rows)
+
+
 class LlamaOracle:
     """One model loaded in llama.cpp; ``logits`` runs a prompt in a fresh context."""
 
-    def __init__(self, path: Path, *, n_threads: int = 1, repack: bool = False) -> None:
+    def __init__(
+        self,
+        path: Path,
+        *,
+        n_threads: int = 1,
+        repack: bool = False,
+        n_gpu_layers: int | None = None,
+        cpu_patterns: Sequence[str] = (),
+    ) -> None:
+        """``n_gpu_layers``: layers on the device (None: llama.cpp's default, all of them
+        where it has a device; 0: the CPU alone); ``cpu_patterns``: weights whose names
+        these regular expressions match stay in CPU memory (``--override-tensor
+        PATTERN=CPU``)."""
         if n_threads < 1:
             raise UsageError("n_threads must be at least 1", code="invalid_runtime_config")
         self.path = Path(path)
@@ -52,6 +81,11 @@ class LlamaOracle:
         lib = self._lib
         mparams = lib.llama_model_default_params()
         mparams.use_extra_bufts = repack
+        if n_gpu_layers is not None:
+            mparams.n_gpu_layers = n_gpu_layers
+        self._overrides = _cpu_overrides(cpu_patterns)  # kept alive while the model loads
+        if self._overrides is not None:
+            mparams.tensor_buft_overrides = ctypes.cast(self._overrides, ctypes.c_void_p)
         self._model = lib.llama_model_load_from_file(str(self.path).encode(), mparams)
         if not self._model:
             raise RuntimeLoadError(
@@ -265,9 +299,17 @@ def llama_logits(
     n_ctx: int | None = None,
     prefill: int | None = None,
     steps: Sequence[int] = (1,),
+    n_gpu_layers: int | None = None,
+    cpu_patterns: Sequence[str] = (),
 ) -> npt.NDArray[np.float32]:
     """llama.cpp's logits at every position of ``token_ids`` (one load, one context)."""
-    with LlamaOracle(path, n_threads=n_threads, repack=repack) as oracle:
+    with LlamaOracle(
+        path,
+        n_threads=n_threads,
+        repack=repack,
+        n_gpu_layers=n_gpu_layers,
+        cpu_patterns=cpu_patterns,
+    ) as oracle:
         return oracle.logits(token_ids, n_batch=n_batch, n_ctx=n_ctx, prefill=prefill, steps=steps)
 
 
