@@ -134,7 +134,7 @@ async def _transfers(package: Path, work: Path, label: str, runs: int) -> list[f
 
 def rows(ctx: BenchContext) -> list[Row]:
     runs = max(1, min(ctx.runs, MAX_RUNS))
-    big, digest = random_file(ctx, FILE_BYTES, name="link-256MiB.bin")
+    big, digest = random_file(ctx, FILE_BYTES, name="link-256MiB.gguf", layer=1)
     package = _package(ctx.work, "link", big, digest, link=True)
     assert (package / BIG_LAYER).exists()
     stream = _stream_rates(runs, big, digest)

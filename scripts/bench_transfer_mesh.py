@@ -190,5 +190,5 @@ def rows(ctx: BenchContext) -> list[Row]:
     )
     if ctx.skip_big:
         return out
-    big, digest = random_file(ctx, SYNTH_BYTES, name="transfer-mesh-synthetic.bin")
+    big, digest = random_file(ctx, SYNTH_BYTES, name="transfer-mesh-synthetic.gguf", layer=1)
     return out + _rows("synthetic 1 GiB", big, digest, ctx, own=True)

@@ -191,7 +191,7 @@ async def _transfer_runs(package: Path, work: Path, spec: LinkSpec, runs: int) -
 
 
 def _transfer_rows(ctx: BenchContext) -> list[Row]:
-    big, digest = random_file(ctx, TRANSFER_BYTES, name="wan-transfer.bin")
+    big, digest = random_file(ctx, TRANSFER_BYTES, name="wan-transfer.gguf", layer=1)
     package = _package(ctx.work, "wan", big, digest, link=True)
     out: list[Row] = []
     for rate, rtt in TRANSFERS:

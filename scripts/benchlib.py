@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 ROOT = Path(__file__).resolve().parent.parent
 for _p in (ROOT, ROOT / "scripts", ROOT / "tests"):
@@ -160,14 +161,33 @@ def gemma_package(ctx: BenchContext) -> Path:
 
 
 def random_file(
-    ctx: BenchContext, nbytes: int, name: str = "transfer-synthetic.bin"
+    ctx: BenchContext,
+    nbytes: int,
+    name: str = "transfer-synthetic.bin",
+    *,
+    layer: int | None = None,
 ) -> tuple[Path, str]:
-    """``nbytes`` of random bytes (whole 64 MiB blocks; kept between runs) and their SHA-256."""
+    """``nbytes`` of random bytes (whole 64 MiB blocks; kept between runs) and their SHA-256.
+    With ``layer``: a GGUF layer fragment instead, one I8 tensor of ``blk.<layer>`` holding the
+    random bytes after its header, so a package may carry it as that layer (a coordinator reads
+    its fragments' headers when it plans)."""
     path = ctx.work / name
     block = 64 << 20
-    if not path.exists() or path.stat().st_size != nbytes:
+    if not path.exists() or path.stat().st_size < nbytes:
         with open(path, "wb") as f:
+            if layer is not None:
+                _gguf_header(f, f"blk.{layer}.ffn_up.weight", nbytes)
             for _ in range(nbytes // block):
                 f.write(os.urandom(block))
     with open(path, "rb") as f:
         return path, hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _gguf_header(f: BinaryIO, tensor: str, nbytes: int) -> None:
+    """A GGUF header declaring one I8 tensor of ``nbytes`` (its data follows, aligned)."""
+    from skippy.gguf.reader import TensorInfo
+    from skippy.gguf.writer import build_header
+
+    i8 = 24  # GGML_TYPE_I8: one byte per element
+    info = TensorInfo(tensor, (nbytes,), i8, 0, 0, nbytes)
+    f.write(build_header([], [info], 32)[0])

@@ -126,7 +126,7 @@ def test_runtime_settings_parse_and_refuse_with_the_key_named() -> None:
 
 
 def test_the_node_toml_reads_runtime(tmp_path: Path) -> None:
-    from skippy.config import load_node_settings
+    from mesh_node.settings import load_node_settings
 
     toml = tmp_path / "node.toml"
     toml.write_text('identity = "k"\n[runtime]\ndevice = "CPU"\ncpu_moe = true\n')
