@@ -188,7 +188,6 @@ NODE_KEYS = frozenset(
         "artifact_transfer",
         "artifact_serve_bytes_per_s",
         "swarm_transfer",  # issue #23
-        "swarm_min_holders",  # issue #23
         "memory_budget",
         "heartbeat_interval_s",
         "peer_loss_timeout_s",
@@ -606,11 +605,9 @@ class NodeSettings:
     # Total rate at which this node serves artifacts to peers (0: unlimited): an uplink cap.
     artifact_serve_bytes_per_s: int = 0
     # Issue #23: serve chunk ranges and (coordinating) signed swarm source lists beside
-    # artifact-transfer; false keeps the whole-file, coordinator-only path.
+    # artifact-transfer; false: workers fetch each file from this node alone, as one chunk
+    # checked against the manifest's SHA-256.
     swarm_transfer: bool = True
-    # Issue #23: a file is fetched chunk by chunk only with at least this many holders (1: also
-    # from the coordinator alone, which the chunk-overhead bench row measures).
-    swarm_min_holders: int = 2
     heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S
     peer_loss_timeout_s: float = DEFAULT_PEER_LOSS_TIMEOUT_S
     idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S
@@ -766,7 +763,6 @@ def node_settings(config: NodeConfig, env: Environment | None = None) -> NodeSet
             raw.get("artifact_serve_bytes_per_s", 0), "artifact_serve_bytes_per_s"
         ),
         swarm_transfer=_swarm_transfer(raw),
-        swarm_min_holders=_swarm_min_holders(raw),
         heartbeat_interval_s=heartbeat,
         peer_loss_timeout_s=peer_loss,
         idle_timeout_s=_seconds(raw, "idle_timeout_s", DEFAULT_IDLE_TIMEOUT_S),
@@ -799,14 +795,6 @@ def _swarm_transfer(raw: Mapping[str, Any]) -> bool:
     value = raw.get("swarm_transfer", True)
     if not isinstance(value, bool):
         raise _bad("swarm_transfer", "expected true or false", value)
-    return value
-
-
-def _swarm_min_holders(raw: Mapping[str, Any]) -> int:
-    """``swarm_min_holders = N`` (issue #23; default 2, at least 1)."""
-    value = raw.get("swarm_min_holders", 2)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise _bad("swarm_min_holders", "expected an integer >= 1", value)
     return value
 
 
