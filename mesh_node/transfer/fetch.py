@@ -48,7 +48,6 @@ from mesh_node.identity import short_id
 from mesh_node.transfer.cache_budget import CacheBudget
 from mesh_node.transfer.partials import PARTIAL_REFRESH_S, PartialRegistry
 from mesh_node.transfer.records import StageFetch, TransferLog, TransferRecord
-from mesh_node.transfer.serve import PEER_BUSY
 from mesh_node.transfer.swarm import (
     REFRESH_S,
     VERIFICATION_CODES,
@@ -57,7 +56,6 @@ from mesh_node.transfer.swarm import (
     SwarmFetch,
     alone,
     ask_sources,
-    refusal_answer,
     speaks_swarm,
 )
 from protocol import constants as pc
@@ -74,7 +72,7 @@ from skippy.transfer.chunk_sink import ChunkSink, open_chunk_sink
 from skippy.transfer.chunks import CHUNK_BYTES
 from skippy.transfer.delta import link_from_revisions
 from skippy.transfer.disk import cache_usage, evict_partials, stage_disk_problem
-from skippy.transfer.errors import ArtifactWireError, InstallBusy, PartialChanged, TransferRefused
+from skippy.transfer.errors import ArtifactWireError, InstallBusy, PartialChanged
 from skippy.transfer.fetch_plan import FetchItem, manifest_item, plan_fetch
 from skippy.transfer.hubcache import RepoCache, load_held_manifest, verified_file, verified_present
 from skippy.transfer.partials import stage_file_order
@@ -149,7 +147,6 @@ class _PeersFailed:
 
     reason: str
     retry: bool = False  # the coordinator was cut off or stalled: wait for it, ask again
-    busy: bool = False  # it had no slot
 
 
 class StageFetcher:
@@ -481,9 +478,6 @@ class StageFetcher:
             if isinstance(got, Path):
                 return got
             reason = got.reason
-            if got.busy:  # the coordinator had no slot: ask again shortly
-                await trio.sleep(min(1.0, self.node.timeouts.idle_s))
-                continue
             if not got.retry:
                 break
             log.info("%s from %s: %s (attempt %d)", item.path, short_id(peer), reason, attempts)
@@ -619,8 +613,7 @@ class StageFetcher:
         why = swarm.errors.get(coordinator)
         reason = rec.dropped.get(coordinator) or next(iter(rec.dropped.values()), exc.code)
         log.warning("%s: %s (%s)", item.path, exc, reason)
-        busy = isinstance(why, TransferRefused) and refusal_answer(why.actual) == PEER_BUSY
-        return _PeersFailed(reason, retry=isinstance(why, _RETRY), busy=busy)
+        return _PeersFailed(reason, retry=isinstance(why, _RETRY))
 
     # --- the stage's signed source list -------------------------------------------------------
     async def _swarm_book(self, job: _Job, manifest: PackageManifest) -> SourceBook | None:

@@ -141,14 +141,6 @@ WAITING_REFRESH_S: Final = 0.05
 # verifies the same chunk is small.
 PARTIAL_COORDINATOR_STREAMS: Final = 2
 BUSY_WAIT_S: Final = 5.0  # a chunk another holder fetches is waited for this long at most
-_SKIP_COORDINATOR: Final = frozenset(
-    {
-        "chunk_digest_mismatch",
-        "artifact_sha256_mismatch",
-        "peer_artifact_mismatch",
-        "transfer_too_slow",
-    }
-)
 # Integrity failures of received bytes (the verification failures counter).
 VERIFICATION_CODES: Final = frozenset(
     {
@@ -724,7 +716,6 @@ class SwarmFetch:
         self.dropped: set[str] = set()
         self.errors: dict[str, SkippyError | MeshError | ProtocolError] = {}  # why each was
         self.coordinator_id = ""  # set by ``run``
-        self.coordinator_dropped = False
         self._busy: Counter[str] = Counter()  # holder -> its tasks (streams_for each)
         self._runs: dict[str, bool] = {}  # holder -> it takes runs (fixed once asked)
         self._changed = trio.Event()  # the source tasks wait on it
@@ -895,9 +886,6 @@ class SwarmFetch:
             self.errors[source] = exc
         self.records.counters.dropped_sources += 1
         self.rec.dropped[source] = why
-        # Bad bytes or a trickle from the coordinator: asking it again would get the same.
-        if source == self.coordinator_id and why in _SKIP_COORDINATOR:
-            self.coordinator_dropped = True
 
     async def _source(
         self, source: str, sink: ChunkSink, sched: ChunkScheduler, first: list[int] | None = None
@@ -1179,7 +1167,7 @@ class _RunReceiver:
             start, stop = 0, MANIFEST_MAX_BYTES
         # A one-chunk sink asks from its byte to the end (no range: any server answers it).
         length = None if sink.whole else stop - start
-        self._held = min(stop - start, STREAM_HOLD_BYTES)
+        self._held = min(stop - start, STREAM_HOLD_BYTES, self.fetch._memory.cap)
         await self.fetch._memory.reserve(self._held)
         stream = await self.fetch._run_request(self.source, start, length)
         send, recv = trio.open_memory_channel[list[memoryview]](WRITE_QUEUE)
