@@ -604,7 +604,7 @@ class NodeSettings:
     memory_budget_bytes: int
     # Total rate at which this node serves artifacts to peers (0: unlimited): an uplink cap.
     artifact_serve_bytes_per_s: int = 0
-    # Issue #23: serve chunk ranges and (coordinating) signed swarm source lists beside
+    # Serve chunk ranges and (coordinating) signed swarm source lists beside
     # artifact-transfer; false: workers fetch each file from this node alone, as one chunk
     # checked against the manifest's SHA-256.
     swarm_transfer: bool = True
