@@ -46,7 +46,6 @@ NODE_KEYS = frozenset(
         "artifact_transfer",
         "artifact_serve_bytes_per_s",
         "swarm_transfer",
-        "swarm_min_holders",
         "memory_budget",
         "heartbeat_interval_s",
         "peer_loss_timeout_s",
@@ -419,11 +418,9 @@ class NodeSettings:
     # Total rate at which this node serves artifacts to peers (0: unlimited): an uplink cap.
     artifact_serve_bytes_per_s: int = 0
     # Serve chunk ranges and (coordinating) signed swarm source lists beside
-    # artifact-transfer; false keeps the whole-file, coordinator-only path.
+    # artifact-transfer; false: workers fetch each file from this node alone, as one chunk
+    # checked against the manifest's SHA-256.
     swarm_transfer: bool = True
-    # A file is fetched chunk by chunk only with at least this many holders (1: also
-    # from the coordinator alone, which the chunk-overhead bench row measures).
-    swarm_min_holders: int = 2
     # Announce this node's owner fingerprint on the LAN by multicast DNS and dial the nodes of
     # the same owner that announce theirs (mesh_node.lan_discovery).
     lan_discovery: bool = False
@@ -565,7 +562,6 @@ def node_settings(config: NodeConfig, env: Environment | None = None) -> NodeSet
         ),
         swarm_transfer=_swarm_transfer(raw),
         lan_discovery=_lan_discovery(raw),
-        swarm_min_holders=_swarm_min_holders(raw),
         heartbeat_interval_s=heartbeat,
         peer_loss_timeout_s=peer_loss,
         idle_timeout_s=positive_seconds(raw, "idle_timeout_s", DEFAULT_IDLE_TIMEOUT_S),
@@ -612,15 +608,6 @@ def _lan_discovery(raw: Mapping[str, Any]) -> bool:
     return value
 
 
-def _swarm_min_holders(raw: Mapping[str, Any]) -> int:
-    """``swarm_min_holders = N`` (default 2, at least 1)."""
-    value = raw.get("swarm_min_holders", 2)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise bad_value("swarm_min_holders", "expected an integer >= 1", value)
-    return value
-
-
-# --- dialing a peer through another address ----------------------------------------------------
 def parse_dial_via(value: object) -> dict[str, PeerAddress]:
     """``[dial_via]``: ``"<64 hex node id>" = "ws://HOST:PORT"``. The peer must still prove
     that id: the address changes where the bytes go, never whom the node accepts."""

@@ -11,10 +11,11 @@ served and the largest share against the average, coordinator-only (every node
 
 Chunk verification overhead: the embeddings (178 MB) needed by worker B of a 2-node lab, from
 the coordinator alone, no rate cap (the same sender work in both modes; a second sender would
-add its own CPU on these 2 cores). Its rate as B records it, whole-file against 8 MiB chunks
-each checked on arrival along the coordinator's signed SHA-256 chain (``swarm_min_holders =
-1`` forces chunks from one holder), the two modes alternating per transfer in one lab (B
-restarted with an empty cache each time), 2 x runs transfers per mode.
+add its own CPU on these 2 cores). Its rate as B records it, one chunk checked against the
+manifest's SHA-256 (the coordinator's ``swarm_transfer = false``: no signed list) against
+8 MiB chunks each checked on arrival along the coordinator's signed SHA-256 chain (a swarm of
+one), the two modes alternating per transfer in one lab (both nodes restarted, B with an empty
+cache, each time), 2 x runs transfers per mode.
 """
 
 from __future__ import annotations
@@ -58,16 +59,15 @@ def _abba(pairs: int) -> list[str]:
 
 
 async def _interleaved(package: Path, work: Path, pairs: int) -> dict[str, list[float]]:
-    """The chunk-overhead rows: one 2-node lab, both nodes serving with chunks even from one
-    holder (``swarm_min_holders = 1``), no rate cap. Worker B fetches the embeddings from the
-    coordinator alone, whole-file (its ``swarm_transfer`` off) or in 8 MiB chunks each checked
-    against the coordinator's signed list (on), the modes alternating per transfer: B is
-    restarted with an empty cache and its config's ``swarm_transfer`` flipped each time. The
-    first transfer (chunks: the coordinator's digests are computed then) is a warm-up."""
+    """The chunk-overhead rows: one 2-node lab, no rate cap. Worker B fetches the embeddings
+    from the coordinator alone, as one chunk (the coordinator's ``swarm_transfer`` off: no
+    signed list) or in 8 MiB chunks each checked against the coordinator's signed list (on),
+    the modes alternating per transfer: both nodes are restarted, B with an empty cache, the
+    coordinator's ``swarm_transfer`` flipped each time. The first transfer (chunks: the
+    coordinator's digests are computed then) is a warm-up."""
     root = work / "swarm-lab-overhead"
     shutil.rmtree(root, ignore_errors=True)
-    config: dict[str, Any] = {"swarm_transfer": True, "artifact_serve_bytes_per_s": 0,
-                              "swarm_min_holders": 1}
+    config: dict[str, Any] = {"swarm_transfer": True, "artifact_serve_bytes_per_s": 0}
     options = LabOptions(nodes=2, package=str(package), transfer="open", root=root,
                          timeout_s=600, node_overrides={0: config, 1: config})
     out: dict[str, list[float]] = {"whole": [], "chunks": []}
@@ -76,13 +76,15 @@ async def _interleaved(package: Path, work: Path, pairs: int) -> dict[str, list[
         coordinator, fresh = cluster.nodes
         for i, mode in enumerate(["chunks", *_abba(pairs)]):
             await cluster.stop(fresh.index)
+            await cluster.stop(coordinator.index)
             shutil.rmtree(fresh.hub_cache_dir, ignore_errors=True)
             shutil.rmtree(fresh.root / "cache", ignore_errors=True)
-            text = fresh.config_path.read_text()
+            text = coordinator.config_path.read_text()
             on = "true" if mode == "chunks" else "false"
             for was in ("true", "false"):
                 text = text.replace(f"swarm_transfer = {was}", f"swarm_transfer = {on}")
-            fresh.config_path.write_text(text)
+            coordinator.config_path.write_text(text)
+            await cluster.start(coordinator.index)
             await cluster.start(fresh.index)
             await cluster.wait_meshed(60)
             response = await coordinator.request(
@@ -166,11 +168,11 @@ def rows(ctx: BenchContext) -> list[Row]:
         (label, "MB served per node (coordinator, then workers), swarm", swarm_served,
          f"largest / average {swarm_peak} (goal <= 1.5); embeddings from at most "
          f"{max(r['embedding_sources'] for r in capped['swarm'])} nodes"),
-        (label, f"embeddings to B, uncapped, from the coordinator alone: whole-file "
+        (label, f"embeddings to B, uncapped, from the coordinator alone: one chunk, no list "
          f"({len(whole)} transfers, alternating with the chunked ones in one lab)",
          f"{spread(whole, fmt='{:.0f}')} MB/s", ""),
         (label, "embeddings to B, uncapped, from the coordinator alone: 8 MiB chunks, each "
-         "checked on arrival (SHA-256 chain; swarm_min_holders = 1)",
+         "checked on arrival (SHA-256 chain; a swarm of one)",
          f"{spread(chunked, fmt='{:.0f}')} MB/s",
          f"{overhead * 100:+.1f}% slower than whole-file (goal <= 5%); per pair chunked / "
          f"whole-file {spread(paired, fmt='{:.2f}')}"),

@@ -2,7 +2,7 @@
 
 Both halves of a verified peer transfer run in one process with the network left out: the
 coordinator's ``ArtifactServer`` (authorize, file checks from the verification cache, pread
-in 256 KiB chunks) feeds the worker's ``ResponseReader`` and ``ArtifactSink`` (hidden
+in 256 KiB chunks) feeds the worker's ``ResponseReader`` and a one-chunk ``ChunkSink`` (hidden
 partial, SHA-256 while writing, size and digest check, rename into ``blobs/``, snapshot
 symlink, verification record). Beside it, ``hashlib.file_digest(sha256)`` of the same file:
 hashing is the floor of any verified transfer. On gemma3's largest artifact and on a ~1 GiB
@@ -41,11 +41,11 @@ from skippy.consume.verify import VerifyCache
 from skippy.package.manifest import ArtifactRef, Manifest, dump_manifest
 from skippy.package.ranges import LayerRange
 from skippy.package.topology import SplitTopology, StageAssignment
+from skippy.transfer.chunk_sink import open_chunk_sink
 from skippy.transfer.fetch_plan import FetchItem, request_for
 from skippy.transfer.hubcache import RepoCache, load_held_manifest
 from skippy.transfer.policy import NodePolicy, PeerFacts
 from skippy.transfer.serve import DEFAULT_CHUNK_BYTES, ArtifactServer
-from skippy.transfer.sink import open_sink
 from skippy.transfer.wire import BodyData, BodyEnd, ResponseHeader, ResponseReader
 
 COMMIT = "0" * 39 + "1"
@@ -108,7 +108,7 @@ def transfer_once(job: dict[str, Any]) -> int:
     ref = {r.path: r for r in held.manifest.artifacts()}[job["path"]]
     item = FetchItem.of(ref)
     worker = RepoCache.for_ref(Path(job["worker"]), job["ref"])
-    sink = open_sink(worker, item, manifest_sha256=job["sha"], verify_cache=None)
+    sink = open_chunk_sink(worker, item, manifest_sha256=job["sha"], verify_cache=None)
     request = request_for(item, topology, stages[0], WORKER, offset=sink.offset)
     policy = NodePolicy("open")
     outcome = server.serve(policy, PeerFacts(WORKER), topology, request)

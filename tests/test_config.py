@@ -211,7 +211,7 @@ def test_node_timeout_defaults_are_the_protocol_limits(tmp_path):
 
 
 def test_swarm_transfer_is_on_by_default_and_must_be_a_boolean(tmp_path):
-    """``swarm_transfer = false`` keeps the whole-file, coordinator-only path."""
+    """``swarm_transfer = false``: this node serves whole files only (no ranges, no lists)."""
     from mesh_node.settings import load_node_settings
     from skippy.errors import SkippyError
 
@@ -224,21 +224,17 @@ def test_swarm_transfer_is_on_by_default_and_must_be_a_boolean(tmp_path):
     assert "swarm_transfer" in e.value.message
 
 
-def test_swarm_min_holders_defaults_to_two_and_must_be_a_positive_integer(tmp_path):
-    """A file is fetched in chunks only with this many holders (1: the bench's
-    chunk-overhead row chunks from the coordinator alone)."""
+def test_swarm_min_holders_is_gone_one_holder_is_a_swarm_of_one(tmp_path):
+    """Every file is fetched by one engine, chunk by chunk from however many holders the
+    signed list names: the holder-count switch no longer exists and is refused by name."""
     from mesh_node.settings import load_node_settings
     from skippy.errors import SkippyError
 
     env = read_environment({})
-    assert load_node_settings(_node_toml(tmp_path, 'identity = "k"\n'), env).swarm_min_holders == 2
-    one = _node_toml(tmp_path, 'identity = "k"\nswarm_min_holders = 1\n')
-    assert load_node_settings(one, env).swarm_min_holders == 1
-    for bad in ("0", "true", '"2"'):
-        toml = _node_toml(tmp_path, f'identity = "k"\nswarm_min_holders = {bad}\n')
-        with pytest.raises(SkippyError) as e:
-            load_node_settings(toml, env)
-        assert "swarm_min_holders" in e.value.message
+    toml = _node_toml(tmp_path, 'identity = "k"\nswarm_min_holders = 1\n')
+    with pytest.raises(SkippyError) as e:
+        load_node_settings(toml, env)
+    assert e.value.code == "unknown_config_key" and "swarm_min_holders" in e.value.message
 
 
 def test_serving_engine_llama_is_accepted_and_others_are_named():

@@ -22,7 +22,7 @@ from skippy.transfer.chunks import (
     chunk_spans,
     digest_chunks,
 )
-from skippy.transfer.errors import ArtifactWireError
+from skippy.transfer.errors import ArtifactWireError, PartialChanged
 from skippy.transfer.fetch_plan import FetchItem
 from skippy.transfer.hubcache import RepoCache
 from skippy.transfer.sources import (
@@ -31,7 +31,6 @@ from skippy.transfer.sources import (
     check_source_list,
     decode_source_list,
     encode_source_list,
-    worth_chunking,
 )
 from skippy.transfer.wire import (
     ArtifactRequest,
@@ -253,10 +252,45 @@ def test_a_resume_keeps_the_verified_chunks(tmp_path):
         sink.write_chunk(i, data[i * CB : (i + 1) * CB])
     sink.abort()
     again = _open(cache, item, digests)
-    assert again.verified == {0, 2}
-    assert again.keep_prefix_only() == CB and again.verified == {0}
-    for i in (1, 2, 3):
+    assert again.verified == {0, 2} and again.offset == 2 * CB
+    for i in (1, 3):
         again.write_chunk(i, data[i * CB : (i + 1) * CB])
+    assert again.finish().read_bytes() == data
+
+
+def test_a_stream_cut_inside_a_chunk_resumes_from_its_exact_byte(tmp_path):
+    """Bytes are written as they arrive: a cut keeps the unchecked head of the chunk it
+    ended in, and the next fetch asks from that byte; the head is checked with the rest of
+    its chunk (a wrong head is this node's fault: the chunk is asked for again whole)."""
+    data = os.urandom(3 * CB + 5)
+    cache, item, digests = _sink_setup(tmp_path, data)
+    sink = _open(cache, item, digests)
+    cut = CB + CB // 3
+    stream = sink.stream(0)
+    stream.write([memoryview(data[:cut])])
+    assert stream.verified == [0]  # chunk 0 checked, 1 in progress
+    stream.close()
+    sink.abort()
+    again = _open(cache, item, digests)
+    assert again.verified == {0} and again.offset == cut and again.start_of(1) == cut
+    rest = again.stream(cut)
+    rest.write([memoryview(data[cut:])])
+    assert rest.verified == [1, 2, 3]
+    assert again.finish().read_bytes() == data
+    # the same cut, but the head's bytes changed on disk: chunk 1 fails its check
+    cache, item, digests = _sink_setup(tmp_path / "bad", data)
+    sink = _open(cache, item, digests)
+    sink.stream(0).write([memoryview(data[:cut])])
+    sink.abort()
+    (partial,) = find_partials(cache.blob_path(item.sha256))
+    with open(partial, "r+b") as f:
+        f.seek(CB + 1)
+        f.write(b"\x00" if data[CB + 1] else b"\x01")
+    again = _open(cache, item, digests)
+    with pytest.raises(PartialChanged):  # not the source's fault: asked again from the start
+        again.stream(again.start_of(1)).write([memoryview(data[cut : 2 * CB])])
+    assert again.verified == {0} and again.start_of(1) == CB
+    again.stream(CB).write([memoryview(data[CB:])])
     assert again.finish().read_bytes() == data
 
 
@@ -338,11 +372,3 @@ def test_plan_sources_lists_ready_servers_needing_the_file_and_only_the_stage(hu
         digests=digests, chunk_bytes=1 << 26,
     )
     assert all(a.holders == (coord,) for a in not_ready.artifacts)
-
-
-def test_only_an_artifact_with_several_holders_is_fetched_chunk_by_chunk():
-    one = ArtifactSources("a.gguf", "c" * 64, CB + 1, (b"\x01" * 32, b"\x02" * 32), ("a" * 64,))
-    two = ArtifactSources("a.gguf", "c" * 64, CB + 1, one.digests, ("a" * 64, "b" * 64))
-    assert not worth_chunking(one)  # the coordinator alone: the whole-file stream resumes exactly
-    assert worth_chunking(two)
-    assert worth_chunking(one, min_holders=1)  # swarm_min_holders = 1 (the overhead bench)

@@ -37,12 +37,12 @@ from skippy.transfer.authorize import (
     ManifestProblem,
     authorize,
 )
+from skippy.transfer.chunk_sink import open_chunk_sink
 from skippy.transfer.fetch_plan import FetchItem
 from skippy.transfer.hubcache import RepoCache, load_held_manifest
 from skippy.transfer.policy import NodePolicy, PeerFacts, peer_refusal, would_serve
 from skippy.transfer.required import servable_refs
 from skippy.transfer.serve import ArtifactServer
-from skippy.transfer.sink import open_sink
 from skippy.transfer.wire import ArtifactRequest, encode_request
 
 LAYER_OWN = "layers/layer-00003.gguf"  # worker B holds layers 3..4 (the final stage)
@@ -334,7 +334,7 @@ def test_authorization_matrix(
         held = load_held_manifest(RepoCache.for_ref(matrix_cache, sp.ref), sp.manifest_sha256)
         ref = {r.path: r for r in held.held.manifest.artifacts()}.get(path)
         item = FetchItem.of(ref) if ref else FetchItem(path, sp.manifest_sha256, None)
-        sink = open_sink(cache, item, manifest_sha256=sp.manifest_sha256, verify_cache=None)
+        sink = open_chunk_sink(cache, item, manifest_sha256=sp.manifest_sha256, verify_cache=None)
         ex = pump(server, policy(mode), PEERS[owner], sp.topology(), _frames(sp, case)[0],
                   sink=sink)
         assert ex.installed is not None

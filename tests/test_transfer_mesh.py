@@ -44,6 +44,7 @@ from skippy.constants import MANIFEST_MAX_BYTES, MANIFEST_NAME
 from skippy.package.ranges import LayerRange
 from skippy.package.topology import SplitTopology, StageAssignment
 from skippy.transfer.authorize import PEER_UNAVAILABLE
+from skippy.transfer.chunks import MIN_CHUNK_BYTES
 from skippy.transfer.fetch_plan import FetchItem, request_for
 from skippy.transfer.hubcache import RepoCache
 from skippy.transfer.required import stage_refs
@@ -216,10 +217,11 @@ async def _pair(  # type: ignore[no-untyped-def]
 async def test_a_corrupted_byte_is_never_installed_and_the_hub_supplies_the_artifact(
     tmp_path, hub_package, swarm
 ):
-    """Found by the final SHA-256, the hub asked. With the swarm-transfer bit too: the
-    coordinator is the file's only holder, so it is fetched whole (``worth_chunking``); a bad
-    chunk from one of several holders is tests/test_swarm_transfer.py's."""
-    detected_as = "artifact_sha256_mismatch"
+    """Never installed, the hub asked. Without the coordinator's signed list (its
+    swarm-transfer off) the file is one chunk, caught by the manifest's SHA-256; with it, the
+    coordinator is a swarm of one and the bad chunk is caught by its digest. A bad chunk from
+    one of several holders is tests/test_swarm_transfer.py's."""
+    detected_as = "chunk_digest_mismatch" if swarm else "artifact_sha256_mismatch"
     async with trio.open_nursery() as n:
         coord, worker, pkg = await _pair(
             n, tmp_path, hub_package, server_class=misbehaving(flip=True), swarm_transfer=swarm
@@ -231,7 +233,7 @@ async def test_a_corrupted_byte_is_never_installed_and_the_hub_supplies_the_arti
         assert rec["fallback"] == detected_as
         counters = worker.service.records.counters
         assert counters.verification_failures == 1
-        assert counters.chunk_failures == 0
+        assert counters.chunk_failures == (1 if swarm else 0)
         ref = {r.path: r for r in pkg.manifest.artifacts()}[TARGET]
         assert sha256_of(snapshot_files(worker, pkg.ref)[TARGET]) == ref.artifact.sha256
         cache = RepoCache.for_ref(worker.cache, pkg.ref)
@@ -243,7 +245,7 @@ async def test_a_corrupted_byte_is_never_installed_and_the_hub_supplies_the_arti
 
 async def test_a_truncated_stream_resumes_from_the_partial(tmp_path, hub_package):
     async with trio.open_nursery() as n:
-        coord, worker, pkg = await _pair(  # the whole-file path (a chunk is kept only whole)
+        coord, worker, pkg = await _pair(  # no list: the file is one chunk, cut in half
             n, tmp_path, hub_package, server_class=misbehaving(truncate=True), worker_hub=False,
             swarm_transfer=False,
         )
@@ -253,6 +255,42 @@ async def test_a_truncated_stream_resumes_from_the_partial(tmp_path, hub_package
         size = {r.path: r for r in pkg.manifest.artifacts()}[TARGET].artifact.artifact_bytes
         assert rec["source"] == "peer" and rec["verified"]
         assert rec["resumed_from"] == size // 2  # the second request asked from the partial
+        assert sha256_of(snapshot_files(worker, pkg.ref)[TARGET]) == sha256_of(
+            hub_package.directory / TARGET
+        )
+        n.cancel_scope.cancel()
+
+
+async def test_one_holder_is_a_swarm_of_one_and_a_cut_resumes_inside_a_chunk(
+    tmp_path, hub_package
+):
+    """The coordinator alone, with its signed list: the file comes as chunk ranges (one
+    engine whatever the number of holders), written as the bytes arrive. A body cut inside a
+    chunk keeps those bytes as the chunk's head: the next try asks from that exact byte, and
+    the head is checked with the rest of its chunk."""
+    asked: list[tuple[int, int | None]] = []
+
+    class Server(misbehaving(truncate=True)):  # type: ignore[misc,valid-type]
+        def serve(self, policy, peer, topology, request):  # type: ignore[no-untyped-def]
+            if request.relative_path == TARGET:
+                asked.append((request.offset, request.length))
+            return super().serve(policy, peer, topology, request)
+
+    async with trio.open_nursery() as n:
+        coord, worker, pkg = await _pair(
+            n, tmp_path, hub_package, server_class=Server, worker_hub=False
+        )
+        coord.service.sources.chunk_bytes = MIN_CHUNK_BYTES  # the target is 2 chunks
+        await propose(coord, pkg)
+        await wait_for(lambda: coord.node.topology.active.all_ready, timeout_s=20)
+        rec = records(worker)[TARGET]
+        size = {r.path: r for r in pkg.manifest.artifacts()}[TARGET].artifact.artifact_bytes
+        assert size > MIN_CHUNK_BYTES
+        assert rec["source"] == "peer" and rec["verified"] and rec["fallback"] is None
+        assert all(length is not None for _, length in asked), asked  # ranges, not files
+        cut = [o for o, _ in asked if o % MIN_CHUNK_BYTES]  # asked from inside a chunk
+        assert len(cut) == 1 and rec["resumed_from"] >= cut[0] % MIN_CHUNK_BYTES > 0, asked
+        assert worker.node.transfers.counters.chunk_failures == 0
         assert sha256_of(snapshot_files(worker, pkg.ref)[TARGET]) == sha256_of(
             hub_package.directory / TARGET
         )

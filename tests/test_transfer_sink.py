@@ -32,6 +32,7 @@ from skippy.constants import MANIFEST_MAX_BYTES, MANIFEST_NAME
 from skippy.consume.verify import VerifyCache
 from skippy.errors import IntegrityError, ManifestError
 from skippy.package.manifest import ArtifactRef, LayerArtifact
+from skippy.transfer.chunk_sink import open_chunk_sink
 from skippy.transfer.errors import (
     ArtifactWireError,
     InstallBusy,
@@ -42,7 +43,6 @@ from skippy.transfer.fetch_plan import FetchItem, request_for
 from skippy.transfer.hubcache import RepoCache
 from skippy.transfer.policy import PeerFacts
 from skippy.transfer.serve import ArtifactServer
-from skippy.transfer.sink import open_sink
 from skippy.transfer.wire import ArtifactResponse, encode_request
 
 LAYER = "layers/layer-00003.gguf"  # 44,000 bytes: several 16 KiB chunks
@@ -111,11 +111,11 @@ import os, signal, sys
 from pathlib import Path
 from skippy.transfer.fetch_plan import FetchItem
 from skippy.transfer.hubcache import RepoCache
-from skippy.transfer.sink import open_sink
+from skippy.transfer.chunk_sink import open_chunk_sink
 from skippy.transfer.wire import ArtifactResponse
 
 hub, ref, path, sha, size, source, cut = sys.argv[1:8]
-sink = open_sink(RepoCache.for_ref(Path(hub), ref), FetchItem(path, sha, int(size)),
+sink = open_chunk_sink(RepoCache.for_ref(Path(hub), ref), FetchItem(path, sha, int(size)),
                  manifest_sha256="0" * 64, verify_cache=None)
 sink.accept(ArtifactResponse.accept(int(size), sha))
 data = Path(source).read_bytes()
@@ -180,7 +180,7 @@ def test_a_whole_partial_left_by_a_crash_before_the_rename_installs_without_a_re
     blob = RepoCache.for_ref(hub, sp.ref).blob_path(item.sha256)
     blob.parent.mkdir(parents=True)
     resumable_partial_for(blob).write_bytes((sp.package_dir / item.path).read_bytes())
-    sink = open_sink(RepoCache.for_ref(hub, sp.ref), item, manifest_sha256="0" * 64,
+    sink = open_chunk_sink(RepoCache.for_ref(hub, sp.ref), item, manifest_sha256="0" * 64,
                      verify_cache=None)
     assert sink.state == "installed" and sink.received_bytes == 0
     _installed_ok(sp, hub, item)
@@ -219,7 +219,7 @@ def test_a_partial_that_changes_while_it_is_opened_is_an_error(
     try:
         assert started.wait(10)
         with pytest.raises(PartialChanged) as exc:
-            open_sink(cache, item, manifest_sha256="0" * 64, verify_cache=None)
+            open_chunk_sink(cache, item, manifest_sha256="0" * 64, verify_cache=None)
         assert exc.value.code == "partial_changed"
     finally:
         stop.set()
@@ -229,7 +229,7 @@ def test_a_partial_that_changes_while_it_is_opened_is_an_error(
     # The lock was released: once the other writer is gone the partial is resumed (its
     # garbage tail would then fail the final SHA-256 and be deleted).
     size = partial.stat().st_size
-    sink = open_sink(cache, item, manifest_sha256="0" * 64, verify_cache=None)
+    sink = open_chunk_sink(cache, item, manifest_sha256="0" * 64, verify_cache=None)
     assert sink.offset == size
     sink.abort()
 
@@ -240,7 +240,7 @@ def test_manifest_cap_on_the_receiving_side(
     """A peer announcing a 16 MiB + 1 manifest is refused before a byte is written."""
     cache = RepoCache.for_ref(tmp_path / "worker-hub", served_package.ref)
     item = FetchItem(MANIFEST_NAME, served_package.manifest_sha256, None)
-    sink = open_sink(cache, item, manifest_sha256=item.sha256, verify_cache=None)
+    sink = open_chunk_sink(cache, item, manifest_sha256=item.sha256, verify_cache=None)
     with sink, pytest.raises(ManifestError) as exc:
         sink.accept(ArtifactResponse.accept(MANIFEST_MAX_BYTES + 1, item.sha256))
     assert exc.value.code == "manifest_too_large"
@@ -266,7 +266,7 @@ def test_manifest_cap_on_the_serving_side(
     assert stage is not None
     item = FetchItem(MANIFEST_NAME, sha, None)
     worker = RepoCache.for_ref(tmp_path / "worker-hub", sp.ref)
-    sink = open_sink(worker, item, manifest_sha256=sha, verify_cache=None)
+    sink = open_chunk_sink(worker, item, manifest_sha256=sha, verify_cache=None)
     frame = encode_request(request_for(item, topology, stage, WORKER_B))
     peer = PeerFacts(WORKER_B, None, "unverified")
     if extra == 0:
@@ -300,7 +300,7 @@ def test_a_peer_serving_other_bytes_is_caught_by_the_header(
 ) -> None:
     sp, item = served_package, item_for(served_package, LAYER)
     assert item.size is not None
-    sink = open_sink(RepoCache.for_ref(tmp_path / "hub", sp.ref), item,
+    sink = open_chunk_sink(RepoCache.for_ref(tmp_path / "hub", sp.ref), item,
                      manifest_sha256="0" * 64, verify_cache=None)
     with sink:
         with pytest.raises(IntegrityError) as wrong_sha:
@@ -316,9 +316,9 @@ def test_two_concurrent_fetches_install_once(
 ) -> None:
     sp, hub, item = served_package, tmp_path / "worker-hub", item_for(served_package, LAYER)
     cache = RepoCache.for_ref(hub, sp.ref)
-    first = open_sink(cache, item, manifest_sha256=sp.manifest_sha256, verify_cache=None)
+    first = open_chunk_sink(cache, item, manifest_sha256=sp.manifest_sha256, verify_cache=None)
     with pytest.raises(InstallBusy):  # the lock is held: a second fetch cannot start
-        open_sink(cache, item, manifest_sha256=sp.manifest_sha256, verify_cache=None)
+        open_chunk_sink(cache, item, manifest_sha256=sp.manifest_sha256, verify_cache=None)
     results: dict[str, object] = {}
     entering = threading.Event()
 

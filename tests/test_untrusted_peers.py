@@ -800,14 +800,14 @@ def _sink_item(tmp_path: Path, data: bytes):
 
 def test_a_whole_size_but_corrupt_partial_is_never_installed(tmp_path):
     from skippy.atomic import find_partials, resumable_partial_for
-    from skippy.transfer.sink import open_sink
+    from skippy.transfer.chunk_sink import open_chunk_sink
 
     good = b"g" * 4096
     cache, item = _sink_item(tmp_path, good)
     partial = resumable_partial_for(cache.blob_path(item.sha256))
     partial.parent.mkdir(parents=True)
     partial.write_bytes(b"b" * len(good))  # the right size, the wrong bytes
-    sink = open_sink(cache, item, manifest_sha256=SHA, verify_cache=None)
+    sink = open_chunk_sink(cache, item, manifest_sha256=SHA, verify_cache=None)
     try:
         assert sink.state == "receiving" and sink.offset == 0
         assert not cache.blob_path(item.sha256).exists()
@@ -819,13 +819,13 @@ def test_a_whole_size_but_corrupt_partial_is_never_installed(tmp_path):
 
 def test_a_partial_that_is_not_a_regular_file_is_never_resumed(tmp_path):
     from skippy.atomic import resumable_partial_for
-    from skippy.transfer.sink import open_sink
+    from skippy.transfer.chunk_sink import open_chunk_sink
 
     cache, item = _sink_item(tmp_path, b"g" * 4096)
     fifo = resumable_partial_for(cache.blob_path(item.sha256))
     fifo.parent.mkdir(parents=True)
     os.mkfifo(fifo)
-    sink = open_sink(cache, item, manifest_sha256=SHA, verify_cache=None)
+    sink = open_chunk_sink(cache, item, manifest_sha256=SHA, verify_cache=None)
     try:
         assert not fifo.exists()  # deleted, not written into
         assert sink._partial is not None and stat.S_ISREG(os.stat(sink._partial).st_mode)

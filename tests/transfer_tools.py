@@ -3,7 +3,7 @@
 ``pump`` moves one request and its response between the real serving pieces and the real
 receiving pieces, in memory, the way the mesh shell will over a stream: the request's bytes
 go through ``RequestReader``, ``ArtifactServer.serve`` decides and opens, the header and the
-body chunks go through ``ResponseReader`` into an ``ArtifactSink``. Only the network is
+body chunks go through ``ResponseReader`` into a one-chunk ``ChunkSink``. Only the network is
 missing (it is the mesh's, not built yet); ``mutate`` edits the bytes in flight to simulate
 a corrupting or truncating peer.
 """
@@ -24,12 +24,12 @@ from skippy.constants import MANIFEST_NAME
 from skippy.consume.verify import VerifyCache
 from skippy.package.ranges import LayerRange
 from skippy.package.topology import SplitTopology, StageAssignment
+from skippy.transfer.chunk_sink import ChunkSink, open_chunk_sink
 from skippy.transfer.errors import ArtifactWireError
 from skippy.transfer.fetch_plan import FetchItem, request_for
 from skippy.transfer.hubcache import RepoCache, load_held_manifest
 from skippy.transfer.policy import NodePolicy, PeerFacts
 from skippy.transfer.serve import ArtifactServer, ServeOutcome, refuse_malformed
-from skippy.transfer.sink import ArtifactSink, open_sink
 from skippy.transfer.wire import (
     BodyData,
     BodyEnd,
@@ -174,7 +174,7 @@ def pump(
     request_frame: bytes,
     *,
     offset: int = 0,
-    sink: ArtifactSink | None = None,
+    sink: ChunkSink | None = None,
     mutate: Mutate | None = None,
     chunk: int = 64 * 1024,
 ) -> Exchange:
@@ -220,12 +220,12 @@ def fetch_item(
     mutate: Mutate | None = None,
     chunk: int = 16 * 1024,
     lock_timeout_s: float = 0.0,
-) -> tuple[ArtifactSink, Exchange | None]:
+) -> tuple[ChunkSink, Exchange | None]:
     """The worker's whole fetch of one item: open the sink, ask from its offset, pump."""
     topology = sp.topology()
     stage = topology.stage_of(requester.hex())
     assert stage is not None
-    sink = open_sink(
+    sink = open_chunk_sink(
         RepoCache.for_ref(worker_hub, sp.ref),
         item,
         manifest_sha256=sp.manifest_sha256,

@@ -3,14 +3,17 @@
 The calls follow ``docs/architecture.md`` ("Peer artifact transfer", fetching): the manifest
 first (proven against the topology's SHA-256), then the stage's required set from the
 verified manifest (``plan_fetch``: what the verification cache already vouches for is skipped,
-the rest largest first, ``CONCURRENCY`` at a time). Each artifact comes from the coordinator
-when it advertises ``artifact-transfer``, else from the hub:
+the rest largest first, ``CONCURRENCY`` at a time). Every artifact goes through one engine,
+``mesh_node.transfer.swarm.SwarmFetch`` into one sink (``skippy.transfer.chunk_sink``): chunk
+by chunk from the holders the coordinator's signed source list names (one holder is a swarm
+of one), or, for a file no list names (the manifest, a coordinator without lists), from the
+coordinator as one chunk checked against the manifest's SHA-256. Then:
 
-- a disconnect, a stream reset, a stall past the idle timeout, a truncated or malformed
-  response: wait for the link (at most ``peer_loss_timeout_s``) and ask again from the
-  partial's offset (the sink resumes), ``PEER_ATTEMPTS`` times in all;
-- a refusal (``artifact unavailable``), bytes that fail size or SHA-256 (the sink deletes that
-  partial), an oversized manifest: no more asking that peer for this artifact;
+- no holder left and the coordinator cut off, reset, stalled or truncated: wait for its link
+  (at most ``peer_loss_timeout_s``) and try again, resuming the partial (its verified chunks
+  and the unchecked head of the chunk it ends in), ``PEER_ATTEMPTS`` times in all;
+- a refusal (``artifact unavailable``), bytes that fail their check, a trickle, an oversized
+  manifest: no more asking that peer for this artifact;
 - then the hub (``skippy.transfer.fallback.fetch_from_hub``), which proves the SHA-256 too.
 
 Nothing unverified is ever installed (the sink and the fallback decide that, not this shell).
@@ -42,19 +45,17 @@ from mesh_node.errors import (
     StreamStalled,
 )
 from mesh_node.identity import short_id
-from mesh_node.link import MeshStream
 from mesh_node.transfer.cache_budget import CacheBudget
-from mesh_node.transfer.pace import RateDeadline
 from mesh_node.transfer.partials import PARTIAL_REFRESH_S, PartialRegistry
 from mesh_node.transfer.records import StageFetch, TransferLog, TransferRecord
-from mesh_node.transfer.serve import PEER_BUSY
 from mesh_node.transfer.swarm import (
     REFRESH_S,
+    VERIFICATION_CODES,
     SourceBook,
     SwarmFailed,
     SwarmFetch,
+    alone,
     ask_sources,
-    open_chunk_sink_waiting,
     speaks_swarm,
 )
 from protocol import constants as pc
@@ -67,23 +68,16 @@ from skippy.errors import IntegrityError, ManifestError, SkippyError
 from skippy.package.manifest import ArtifactRef, PackageManifest
 from skippy.package.topology import SplitTopology, StageAssignment
 from skippy.stage.descriptor import StageDescriptor
-from skippy.transfer.authorize import PEER_DISABLED, PEER_UNAVAILABLE
+from skippy.transfer.chunk_sink import ChunkSink, open_chunk_sink
+from skippy.transfer.chunks import CHUNK_BYTES
 from skippy.transfer.delta import link_from_revisions
 from skippy.transfer.disk import cache_usage, evict_partials, stage_disk_problem
-from skippy.transfer.errors import ArtifactWireError, InstallBusy, PartialChanged, TransferRefused
-from skippy.transfer.fetch_plan import FetchItem, manifest_item, plan_fetch, request_for
+from skippy.transfer.errors import ArtifactWireError, InstallBusy, PartialChanged
+from skippy.transfer.fetch_plan import FetchItem, manifest_item, plan_fetch
 from skippy.transfer.hubcache import RepoCache, load_held_manifest, verified_file, verified_present
 from skippy.transfer.partials import stage_file_order
 from skippy.transfer.required import stage_refs
-from skippy.transfer.sink import ArtifactSink, open_sink
-from skippy.transfer.sources import worth_chunking
-from skippy.transfer.wire import (
-    BodyData,
-    BodyEnd,
-    ResponseHeader,
-    ResponseReader,
-    encode_request,
-)
+from skippy.transfer.sources import ArtifactSources
 
 if TYPE_CHECKING:
     from mesh_node.node import MeshNode
@@ -95,8 +89,6 @@ log = logging.getLogger("mesh_node.transfer.fetch")
 
 CONCURRENCY: Final = 4  # artifacts of one stage in flight at once (the server allows 4 per link)
 PEER_ATTEMPTS: Final = 3  # asks of the coordinator per artifact before the hub
-WRITE_BATCH_BYTES: Final = 2 * 1024 * 1024  # received bytes handed to the sink per thread call
-WRITE_QUEUE: Final = 4  # batches between the stream reader and the disk writer
 LOCK_POLL_S: Final = 0.05
 # ``partial-serve``: the others' share of a stage's files starts this long after
 # the stage's own (their first have-reports, with what they fetch, are in by then).
@@ -112,23 +104,12 @@ _RETRY: Final = (
     PartialChanged,
     InstallBusy,
 )
-_KNOWN_ANSWERS: Final = frozenset({PEER_UNAVAILABLE, PEER_DISABLED, PEER_BUSY})
-# Integrity failures of received bytes (the verification failures counter).
-_VERIFICATION_CODES: Final = frozenset(
-    {"artifact_sha256_mismatch", "artifact_size_mismatch", "peer_artifact_mismatch"}
-)
 
 
 class StageFetchFailed(MeshError):
     """The stage could not be brought in (``code`` from the failure that stopped it)."""
 
     code = "stage_fetch_failed"
-
-
-class TransferTooSlow(MeshError):
-    """A peer sent bytes, but slower than ``min_transfer_bytes_per_s``: take the hub."""
-
-    code = "transfer_too_slow"
 
 
 @dataclass(frozen=True)
@@ -158,6 +139,14 @@ class _Report:
     refs: tuple[ArtifactRef, ...] = ()
     whole: set[str] = dataclasses.field(default_factory=set)  # installed and verified
     chunk_bytes: int | None = None  # the coordinator's (from its first list)
+
+
+@dataclass(frozen=True)
+class _PeersFailed:
+    """A try from the holders that did not end installed: the reason the record gives."""
+
+    reason: str
+    retry: bool = False  # the coordinator was cut off or stalled: wait for it, ask again
 
 
 class StageFetcher:
@@ -474,48 +463,27 @@ class StageFetcher:
             self.records.finish(rec, verified=error is None, error=error)
 
     async def _fetch_recorded(self, job: _Job, item: FetchItem, rec: TransferRecord) -> Path:
-        counters = self.records.counters
         installed = job.cache.snapshot_path(item.path)
         if item.is_manifest and await trio.to_thread.run_sync(self._present, job, item):
             return self._from_cache(installed, rec)
         peer = job.coordinator_id
         reason = "not_advertised" if peer != self.node.node_id else "this_node_coordinates"
         attempts = 0
-        if job.book is not None and not item.is_manifest:
-            path, skip_peer = await self._from_swarm(job, item, rec)
-            if path is not None:
-                return path
-            if skip_peer:  # the coordinator itself served bytes that failed their digest
-                return await self._from_hub(job, item, rec, rec.fallback or "swarm_failed")
         while self._peer_serves(peer) and attempts < self.peer_attempts:
             attempts += 1
             try:
-                return await self._from_peer(job, item, rec)
-            except TransferRefused as exc:
-                answer = _answer(exc.actual)
-                counters.refusals_received[answer] += 1
-                reason = f"refused: {answer}"
-                log.info("%s refused %s: %s", short_id(peer), item.path, answer)
-                if answer == PEER_BUSY:
-                    await trio.sleep(min(1.0, self.node.timeouts.idle_s))
-                    continue
+                got = await self._from_peers(job, item, rec)
+            except (InstallBusy, PartialChanged) as exc:  # this node's own partial or lock
+                got = _PeersFailed(exc.code, retry=True)
+            if isinstance(got, Path):
+                return got
+            reason = got.reason
+            if not got.retry:
                 break
-            except (IntegrityError, ManifestError) as exc:
-                if exc.code in _VERIFICATION_CODES:
-                    counters.verification_failures += 1
-                reason = exc.code
-                log.warning("%s from %s: %s", item.path, short_id(peer), exc)
+            log.info("%s from %s: %s (attempt %d)", item.path, short_id(peer), reason, attempts)
+            if not await self.wait_for_link(peer):
+                reason = f"{reason}: no link"
                 break
-            except TransferTooSlow as exc:  # a trickle: the hub, at once
-                reason = exc.code
-                log.warning("%s from %s: %s", item.path, short_id(peer), exc)
-                break
-            except _RETRY as exc:
-                reason = exc.code
-                log.info("%s from %s: %s (attempt %d)", item.path, short_id(peer), exc, attempts)
-                if not await self.wait_for_link(peer):
-                    reason = f"{exc.code}: no link"
-                    break
         return await self._from_hub(job, item, rec, reason)
 
     def _from_cache(self, installed: Path, rec: TransferRecord) -> Path:
@@ -552,8 +520,12 @@ class StageFetcher:
                 await trio.sleep(LOCK_POLL_S)
         return False
 
-    async def _open_sink(self, job: _Job, item: FetchItem) -> ArtifactSink:
-        """The sink, waiting (cancellably) while another fetch on this node installs it."""
+    async def _open_sink(
+        self, job: _Job, item: FetchItem, entry: ArtifactSources | None, chunk_bytes: int,
+        chain: bool,
+    ) -> ChunkSink:
+        """The sink, waiting (cancellably) while another fetch on this node installs it.
+        ``entry``: the signed list's line for the file (its digests); None: one chunk."""
         budget = self.node.settings.security.partials_budget_bytes
         evicted = await trio.to_thread.run_sync(
             evict_partials, self.node.settings.hub_cache_dir, budget, item.max_size
@@ -561,11 +533,14 @@ class StageFetcher:
         if evicted:
             log.info("evicted %d old partials (over the %d-byte budget)", len(evicted), budget)
         opener = functools.partial(
-            open_sink,
+            open_chunk_sink,
             job.cache,
             item,
             manifest_sha256=job.topology.manifest_sha256,
             verify_cache=self.verify_cache,
+            digests=entry.digests if entry is not None else None,
+            chunk_bytes=chunk_bytes if entry is not None else None,
+            chain=chain and entry is not None,
         )
         with trio.move_on_after(self.node.timeouts.idle_s):
             while True:
@@ -575,80 +550,72 @@ class StageFetcher:
                     await trio.sleep(LOCK_POLL_S)
         raise InstallBusy(f"another fetch of {item.path} kept its install lock", path=item.path)
 
-    async def _from_peer(self, job: _Job, item: FetchItem, rec: TransferRecord) -> Path:
-        sink = await self._open_sink(job, item)
+    async def _from_peers(
+        self, job: _Job, item: FetchItem, rec: TransferRecord
+    ) -> Path | _PeersFailed:
+        """One try of ``item`` from its holders (``mesh_node.transfer.swarm``): chunk by
+        chunk from every holder the coordinator's signed list names, however many (one is a
+        swarm of one); a file the list does not name (the manifest, one the coordinator holds
+        no digests for, or no list at all) comes from the coordinator as one chunk checked
+        against the manifest's SHA-256. The sink keeps what came for the next try."""
+        book = job.book
+        # The latest list (asked again at most every ``refresh_s``): a holder that became
+        # ready since the stage's first list joins.
+        latest = await book.refreshed() if book is not None and not item.is_manifest else None
+        entry = latest.by_path().get(item.path) if latest is not None else None
+        chunk_bytes = latest.chunk_bytes if latest is not None else CHUNK_BYTES
+        sink = await self._open_sink(
+            job, item, entry, chunk_bytes, latest is not None and latest.chain
+        )
         try:
             # ``installed``: a complete verified partial was found and installed on opening
             if sink.state in ("present", "installed") and sink.installed is not None:
                 return self._from_cache(sink.installed, rec)
-            rec.restart("peer", peer_id=job.coordinator_id, offset=sink.offset)
-            request = request_for(
-                item, job.topology, job.stage, bytes.fromhex(self.node.node_id), offset=sink.offset
+            coordinator = job.coordinator_id
+            if book is None or entry is None:
+                book = alone(job.topology, job.stage, self.node.node_id, item, coordinator)
+            rec.restart(
+                "peer", peer_id=coordinator if entry is None else None, offset=sink.offset
             )
-            stream = await self.node.open_stream(job.coordinator_id, pc.KIND_ARTIFACT_TRANSFER)
-            async with stream:
-                await stream.send_all(encode_request(request))
-                await stream.send_eof()
-                return await self._receive(stream, sink, rec)
+            swarm = SwarmFetch(
+                self.node, self.records, job.cache, job.topology, job.stage, item, rec, book,
+                verify_cache=self.verify_cache,
+            )
+            if self.partials is not None and entry is not None:
+                self.partials.add(sink, swarm.busy_chunks)
+            try:
+                try:
+                    await swarm.run(sink, coordinator)
+                finally:  # before the sink is finished or cut: no range is opened after
+                    if self.partials is not None:
+                        self.partials.remove(sink)
+                path: Path = await trio.to_thread.run_sync(sink.finish)
+            except SwarmFailed as exc:
+                return self._failed(swarm, exc, item, rec)
+            except IntegrityError as exc:  # chunks matched their digests, the file did not
+                self.records.counters.verification_failures += 1
+                log.warning("%s: %s", item.path, exc)
+                return _PeersFailed(exc.code)
+            if rec.served_by:  # ``peer_id``: the node that served most (all: ``served_by``)
+                rec.peer_id = max(rec.served_by, key=rec.served_by.__getitem__)
+            return path
         finally:
             sink.abort()  # keeps the partial unless it was installed or proven wrong
             if item.is_manifest and sink.state != "installed":
                 _drop_partials(job.cache, item)  # a manifest is never resumed (the sink's rule)
 
-    async def _receive(self, stream: MeshStream, sink: ArtifactSink, rec: TransferRecord) -> Path:
-        """Read the response; a second task writes (hashes) the body on a thread meanwhile,
-        so the stream keeps granting credit while the disk works. At most ``WRITE_QUEUE``
-        batches wait between them (memory stays bounded)."""
-        reader = ResponseReader(sink.offset)
-        send, recv = trio.open_memory_channel[list[memoryview]](WRITE_QUEUE)
-        batch = _Batch()
-        failure: SkippyError | OSError | None = None
-        writer_failure: list[SkippyError | OSError] = []
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._write_batches, recv, sink, rec, writer_failure)
-            async with send:
-                try:
-                    await self._receive_into(stream, reader, sink, send, batch, rec)
-                except trio.BrokenResourceError:  # the writer stopped: its error says why
-                    pass
-                except (SkippyError, OSError) as exc:
-                    failure = exc
-        # Every queued batch is on disk, in order.
-        if writer_failure:
-            raise writer_failure[0]
-        if failure is not None:
-            # The bytes received before the failure are kept for the resume (if they are
-            # wrong, the final digest says so and the sink deletes the partial).
-            if batch.size and sink.state == "receiving":
-                with contextlib.suppress(SkippyError, OSError):
-                    await trio.to_thread.run_sync(_write_parts, sink, batch.parts)
-                    self._wrote(sink, rec, batch.size)
-            raise failure
-        path: Path = await trio.to_thread.run_sync(sink.finish)
-        return path
+    def _failed(
+        self, swarm: SwarmFetch, exc: SwarmFailed, item: FetchItem, rec: TransferRecord
+    ) -> _PeersFailed:
+        """Why no holder delivered, and whether asking the coordinator again may work: it
+        was cut off or stalled (the sink keeps what came), not refused or caught lying."""
+        coordinator = swarm.coordinator_id
+        why = swarm.errors.get(coordinator)
+        reason = rec.dropped.get(coordinator) or next(iter(rec.dropped.values()), exc.code)
+        log.warning("%s: %s (%s)", item.path, exc, reason)
+        return _PeersFailed(reason, retry=isinstance(why, _RETRY))
 
-    async def _write_batches(
-        self,
-        batches: trio.MemoryReceiveChannel[list[memoryview]],
-        sink: ArtifactSink,
-        rec: TransferRecord,
-        failure: list[SkippyError | OSError],
-    ) -> None:
-        async with batches:
-            try:
-                async for parts in batches:
-                    await trio.to_thread.run_sync(_write_parts, sink, parts)
-                    self._wrote(sink, rec, sum(len(p) for p in parts))
-            except (SkippyError, OSError) as exc:
-                failure.append(exc)  # closing ``batches`` tells the reader to stop
-
-    def _wrote(self, sink: ArtifactSink, rec: TransferRecord, n: int) -> None:
-        rec.bytes_done = sink.offset
-        self.records.counters.fetched_bytes["peer"] += n
-        if rec.peer_id is not None:
-            rec.served_by[rec.peer_id] = rec.served_by.get(rec.peer_id, 0) + n
-
-    # --- swarm fetch (kept apart from the whole-file and cache paths) --------------
+    # --- the stage's signed source list -------------------------------------------------------
     async def _swarm_book(self, job: _Job, manifest: PackageManifest) -> SourceBook | None:
         """The coordinator's signed source list for this stage, when it offers one."""
         coordinator = job.coordinator_id
@@ -676,114 +643,6 @@ class StageFetcher:
             return {}, {}
         return self.partials.have(report.refs, report.whole, report.chunk_bytes)
 
-    async def _from_swarm(
-        self, job: _Job, item: FetchItem, rec: TransferRecord
-    ) -> tuple[Path | None, bool]:
-        """Chunks from every listed holder (``mesh_node.transfer.swarm``). (None, skip) when
-        the whole-file path must take over: skip the coordinator when it served bad bytes."""
-        book = job.book
-        # The latest list (asked again at most every ``refresh_s``): a holder that became
-        # ready since the stage's first list makes this file worth chunking.
-        latest = await book.refreshed() if book is not None else None
-        entry = latest.by_path().get(item.path) if latest is not None else None
-        min_holders = self.node.settings.swarm_min_holders
-        if latest is not None and latest.partial and latest.ranks > 1:
-            # Chunks even from one holder, so this node's partial can serve its
-            # counterparts as it grows (only a chunk sink verifies chunk by chunk).
-            min_holders = 1
-        if book is None or entry is None or not worth_chunking(entry, min_holders):
-            return None, False
-        sink = await open_chunk_sink_waiting(
-            self.node,
-            job.cache,
-            item,
-            entry,
-            book.latest.chunk_bytes,
-            manifest_sha256=job.topology.manifest_sha256,
-            verify_cache=self.verify_cache,
-            poll_s=LOCK_POLL_S,
-            chain=book.latest.chain,
-        )
-        try:
-            # ``installed``: a complete verified partial was found and installed on opening
-            if sink.state in ("present", "installed") and sink.installed is not None:
-                return self._from_cache(sink.installed, rec), False
-            rec.restart("peer", offset=sink.offset)
-            swarm = SwarmFetch(
-                self.node, self.records, job.cache, job.topology, job.stage, item, rec, book,
-                verify_cache=self.verify_cache,
-            )
-            if self.partials is not None:
-                self.partials.add(sink, swarm.busy_chunks)
-            try:
-                try:
-                    await swarm.run(sink, job.coordinator_id)
-                finally:  # before the sink is finished or cut: no range is opened after
-                    if self.partials is not None:
-                        self.partials.remove(sink)
-                path: Path = await trio.to_thread.run_sync(sink.finish)
-                if rec.served_by:  # ``peer_id``: the node that served most (all: ``served_by``)
-                    rec.peer_id = max(rec.served_by, key=rec.served_by.__getitem__)
-                return path, False
-            except SwarmFailed as exc:
-                log.warning("%s: %s; the whole-file path takes over", item.path, exc)
-                # The first dropped source's code says most (``chunk_digest_mismatch``).
-                rec.fallback = next(iter(rec.dropped.values()), exc.code)
-                await trio.to_thread.run_sync(sink.keep_prefix_only)
-                return None, swarm.coordinator_dropped
-            except IntegrityError as exc:  # chunks matched digests, the file did not
-                self.records.counters.verification_failures += 1
-                log.warning("%s: %s", item.path, exc)
-                rec.fallback = exc.code
-                return None, True
-        finally:
-            sink.abort()
-
-    async def _receive_into(
-        self,
-        stream: MeshStream,
-        reader: ResponseReader,
-        sink: ArtifactSink,
-        batches: trio.MemorySendChannel[list[memoryview]],
-        batch: _Batch,
-        rec: TransferRecord,
-    ) -> None:
-        """Until the body ended (everything handed to the writer) or a failure raises;
-        ``batch`` holds what was received but not yet handed on."""
-        idle = self.node.timeouts.idle_s
-        min_rate = self.node.settings.security.min_transfer_bytes_per_s
-        guard = RateDeadline(idle, min_rate)  # a trickle cannot postpone the hub
-        with guard.scope:
-            while True:
-                # Every record received so far, as views (no copy, one call per batch).
-                views = await stream.receive_views()
-                guard.received(views)
-                if not views:
-                    reader.eof()  # raises artifact_wire_truncated: the response did not end
-                    raise ArtifactWireError(
-                        "the stream ended early", code="artifact_wire_truncated"
-                    )
-                for view in views:
-                    for event in reader.feed(view):
-                        if isinstance(event, ResponseHeader):
-                            sink.accept(event.response)  # refusal, wrong size or digest
-                            rec.total = event.response.total_size
-                        elif isinstance(event, BodyData):
-                            batch.add(event.data)  # a view of immutable bytes: no copy
-                            if batch.size >= WRITE_BATCH_BYTES:
-                                await batches.send(batch.take())
-                        elif isinstance(event, BodyEnd):
-                            if batch.size:
-                                await batches.send(batch.take())
-                            return
-        if guard.since_mark:  # bytes came, just too few of them
-            stream.reset("too_slow", "under the minimum transfer rate")
-            raise TransferTooSlow(
-                f"the peer sent {guard.since_mark} bytes in {idle:g} s, under {min_rate} bytes/s"
-            )
-        stream.reset("stalled", "no bytes within the idle timeout")
-        raise StreamStalled(f"the peer sent nothing for {idle:g} s")
-
     async def _from_hub(self, job: _Job, item: FetchItem, rec: TransferRecord, reason: str) -> Path:
         rec.restart("hub")
         rec.fallback = reason
@@ -800,7 +659,7 @@ class StageFetcher:
         try:
             path: Path = await trio.to_thread.run_sync(fetch)
         except IntegrityError as exc:
-            if exc.code in _VERIFICATION_CODES:
+            if exc.code in VERIFICATION_CODES:
                 self.records.counters.verification_failures += 1
             raise
         size = path.stat().st_size
@@ -819,33 +678,6 @@ def _fetch_from_hub(*args: Any, **kw: Any) -> Path:
 
     path: Path = fetch_from_hub(*args, **kw)
     return path
-
-
-class _Batch:
-    """Received body pieces (views of the stream's bytes) waiting to be written."""
-
-    def __init__(self) -> None:
-        self.parts: list[memoryview] = []
-        self.size = 0
-
-    def add(self, view: memoryview) -> None:
-        self.parts.append(view)
-        self.size += len(view)
-
-    def take(self) -> list[memoryview]:
-        parts, self.parts, self.size = self.parts, [], 0
-        return parts
-
-
-def _write_parts(sink: ArtifactSink, parts: list[memoryview]) -> None:
-    for part in parts:
-        sink.write(part)
-
-
-def _answer(text: object) -> str:
-    """A peer's refusal as this node records it: one of the sentences a server says, else
-    ``other`` (the text is the peer's: it must not grow the counters or reach the page)."""
-    return text if text in _KNOWN_ANSWERS and isinstance(text, str) else "other"
 
 
 def _drop_partials(cache: RepoCache, item: FetchItem) -> None:

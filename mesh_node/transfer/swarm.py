@@ -10,25 +10,26 @@ advertise ``swarm-transfer``), with the chunk digests of the coordinator's verif
 (``ChunkDigestStore``). The list is signed with the node key under
 ``SIG_DOMAIN_SWARM_SOURCES``. Nodes never gossip holdings (spec "Peer Cache Transfer").
 
-Worker (``SwarmFetch``): the list's signature is checked against the topology's coordinator,
-the list against the verified manifest and topology (``check_source_list``), then one task
-per source takes chunks from a shared ``ChunkScheduler`` and asks that source for each as a
-range request on a kind 0x03 stream (the source's own ``authorize`` applies in full: a node
-outside the topology, or on another revision, refuses); a source advertising ``chunk-runs``
-is asked for runs of chunks in a row, one range request per run (``_RunReceiver``). Every
-chunk is checked against its digest before it is written at its offset (``ChunkSink``); a
-source that serves a wrong chunk is dropped (logged, ``chunk_failures`` / ``dropped_sources``
-counted, named in the record) and the chunk goes to another source. The list is asked again every
-``refresh_s`` while chunks remain, so holders that become ready meanwhile join. The whole
-file is hashed before the install; when no source is left the caller falls back to the
-whole-file path (coordinator, then hub).
+Worker (``SwarmFetch``): the one download engine (a single holder is a swarm of one). The
+list's signature is checked against the topology's coordinator, the list against the verified
+manifest and topology (``check_source_list``), then one task per source takes chunks from a
+shared ``ChunkScheduler`` and asks that source for them as a range request on a kind 0x03
+stream (the source's own ``authorize`` applies in full: a node outside the topology, or on
+another revision, refuses), a run of chunks in a row per request (``_RunReceiver``; one chunk
+a request from a source without ``chunk-runs``). Bytes are written as they arrive and every
+chunk is checked when its last byte is in (``ChunkSink.stream``); a source that serves a wrong
+chunk is dropped (logged, ``chunk_failures`` / ``dropped_sources`` counted, named in the
+record) and the chunk goes to another source. The list is asked again every ``refresh_s``
+while chunks remain, so holders that become ready meanwhile join. A file no list names is
+fetched the same way from the coordinator alone (``alone``), as one chunk checked against the
+manifest's SHA-256. When no source is left, ``SwarmFailed``: the caller
+(``mesh_node.transfer.fetch``) tries the coordinator again after a cut, else the hub.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import hashlib
 import logging
 import threading
@@ -39,7 +40,7 @@ from typing import TYPE_CHECKING, Final, NoReturn
 
 import trio
 
-from mesh_node.errors import MeshError
+from mesh_node.errors import MeshError, StreamStalled
 from mesh_node.identity import short_id
 from mesh_node.link import MeshStream
 from mesh_node.peers import InboundStream
@@ -55,13 +56,13 @@ from mesh_node.transfer.siblings import coordinated, sibling_topologies, speaks_
 from protocol import constants as pc
 from protocol.certificates import sign_domain, verify_domain
 from protocol.errors import ProtocolError
-from skippy.constants import MANIFEST_NAME
+from skippy.constants import MANIFEST_MAX_BYTES, MANIFEST_NAME
 from skippy.consume.verify import FileStamp, VerifyCache
 from skippy.errors import IntegrityError, SkippyError
 from skippy.package.manifest import ArtifactRef, PackageManifest
 from skippy.package.topology import SplitTopology, StageAssignment
-from skippy.transfer.authorize import authorize, refuse
-from skippy.transfer.chunk_sink import ChunkSink, open_chunk_sink
+from skippy.transfer.authorize import PEER_DISABLED, PEER_UNAVAILABLE, authorize, refuse
+from skippy.transfer.chunk_sink import ChunkSink, ChunkStream
 from skippy.transfer.chunks import (
     CHUNK_BYTES,
     ChunkDigestStore,
@@ -70,7 +71,7 @@ from skippy.transfer.chunks import (
     digest_chunks,
     run_length,
 )
-from skippy.transfer.errors import ArtifactWireError, InstallBusy, TransferRefused
+from skippy.transfer.errors import ArtifactWireError, TransferRefused
 from skippy.transfer.fetch_plan import FetchItem, manifest_item, request_for
 from skippy.transfer.hubcache import LoadedManifest, RepoCache
 from skippy.transfer.partials import (
@@ -142,9 +143,23 @@ WAITING_REFRESH_S: Final = 0.05
 # verifies the same chunk is small.
 PARTIAL_COORDINATOR_STREAMS: Final = 2
 BUSY_WAIT_S: Final = 5.0  # a chunk another holder fetches is waited for this long at most
-_SKIP_COORDINATOR: Final = frozenset(
-    {"chunk_digest_mismatch", "peer_artifact_mismatch", "transfer_too_slow"}
+# Integrity failures of received bytes (the verification failures counter).
+VERIFICATION_CODES: Final = frozenset(
+    {
+        "chunk_digest_mismatch",
+        "artifact_sha256_mismatch",
+        "artifact_size_mismatch",
+        "peer_artifact_mismatch",
+    }
 )
+_KNOWN_ANSWERS: Final = frozenset({PEER_UNAVAILABLE, PEER_DISABLED, PEER_BUSY})
+# A response's bytes go to the disk in batches of this size (one thread call each), at most
+# ``WRITE_QUEUE`` waiting: the stream keeps granting credit while the disk works, and memory
+# stays bounded. The chunk budget is charged this much per response (a one-chunk file of any
+# size streams through it).
+WRITE_BATCH_BYTES: Final = 2 * 1024 * 1024
+WRITE_QUEUE: Final = 2
+STREAM_HOLD_BYTES: Final = (WRITE_QUEUE + 2) * WRITE_BATCH_BYTES
 SWARM_BITS: Final = frozenset({pc.BIT_ARTIFACT_TRANSFER, pc.BIT_SWARM_TRANSFER})
 RUN_BITS: Final = SWARM_BITS | {pc.BIT_CHUNK_RUNS}
 CHAIN_BITS: Final = frozenset({pc.BIT_CHUNK_CHAIN})
@@ -716,8 +731,8 @@ class SwarmFetch:
         self.book = book
         self.verify_cache = verify_cache
         self.dropped: set[str] = set()
+        self.errors: dict[str, SkippyError | MeshError | ProtocolError] = {}  # why each was
         self.coordinator_id = ""  # set by ``run``
-        self.coordinator_dropped = False
         self._busy: Counter[str] = Counter()  # holder -> its tasks (streams_for each)
         self._runs: dict[str, bool] = {}  # holder -> it takes runs (fixed once asked)
         self._changed = trio.Event()  # the source tasks wait on it
@@ -752,7 +767,8 @@ class SwarmFetch:
 
     async def run(self, sink: ChunkSink, coordinator_id: str) -> None:
         """Until every chunk is verified in ``sink``; ``SwarmFailed`` when no source is left."""
-        count = len(sink.spans)
+        # A file whose size only the response tells (the manifest) is one chunk.
+        count = len(sink.spans) if sink.spans or sink.complete else 1
         sched = ChunkScheduler(count, sink.verified, order=fetch_order(count, *self.rank))
         self._sched = sched
         self.coordinator_id = coordinator_id
@@ -796,7 +812,7 @@ class SwarmFetch:
             h
             for h in entry.holders
             if h not in self.dropped
-            and speaks_swarm(self.node, h)
+            and self._serves(sink, h)
             and may_ask(self.node, h, self.coordinator_id)
         ][:MAX_SOURCES]
         # The coordinator last: it is every worker's source, the other holders serve only
@@ -822,6 +838,13 @@ class SwarmFetch:
                 nursery.start_soon(self._source, holder, sink, sched, first)
         for holder in [h for h, n in self._busy.items() if n <= 0]:
             del self._busy[holder]
+
+    def _serves(self, sink: ChunkSink, holder: str) -> bool:
+        """``holder`` answers this fetch's requests: chunk ranges, or, for a one-chunk sink
+        (asked from a byte to the end, no range), plain ``artifact-transfer``."""
+        if sink.whole and holder != self.node.node_id:
+            return self.node.speaks(holder, frozenset({pc.BIT_ARTIFACT_TRANSFER}))
+        return speaks_swarm(self.node, holder)
 
     def _streams_for(self, holder: str) -> int:
         if self.partial and holder == self.coordinator_id:
@@ -870,15 +893,16 @@ class SwarmFetch:
         self._changed = trio.Event()
         self._loop_wake.set()
 
-    def _drop(self, source: str, why: str) -> None:
+    def _drop(
+        self, source: str, why: str, exc: SkippyError | MeshError | ProtocolError | None = None
+    ) -> None:
         if source in self.dropped:  # its other task already did
             return
         self.dropped.add(source)
+        if exc is not None:
+            self.errors[source] = exc
         self.records.counters.dropped_sources += 1
         self.rec.dropped[source] = why
-        # Bad bytes or a trickle from the coordinator: its whole-file path would do the same.
-        if source == self.coordinator_id and why in _SKIP_COORDINATOR:
-            self.coordinator_dropped = True
 
     async def _source(
         self, source: str, sink: ChunkSink, sched: ChunkScheduler, first: list[int] | None = None
@@ -891,19 +915,19 @@ class SwarmFetch:
                 else:
                     streams = max(1, sum(self._busy.values()))
                     run = self._take(sched, source, streams)
-                if len(run) > 1:
+                if run:  # written as it arrives (a cut keeps what came)
                     if not await self._one_run(source, sink, sched, run):
                         return
                     self._wake()
                     continue
-                index = run[0] if run else None
-                if index is None:  # end-game: help with a chunk another source is slow with
-                    mine = [i for i, by in self._fetching.items() if source in by]
-                    # Only what a partial holder has; the coordinator helps any straggler.
-                    allow = self._allow(source) if source != self.coordinator_id else None
-                    index = sched.take_duplicate(mine, now, ENDGAME_AFTER_S, allow)
-                    if index is not None:
-                        self.rec.endgame_chunks += 1
+                # End-game: help with a chunk another source is slow with (a copy held in
+                # memory until it is checked: the first copy may be writing the same bytes).
+                mine = [i for i, by in self._fetching.items() if source in by]
+                # Only what a partial holder has; the coordinator helps any straggler.
+                allow = self._allow(source) if source != self.coordinator_id else None
+                index = sched.take_duplicate(mine, now, ENDGAME_AFTER_S, allow)
+                if index is not None:
+                    self.rec.endgame_chunks += 1
                 if index is None:  # the rest is in flight elsewhere: wait for a change
                     self._waiting += 1
                     if self._waiting == 1 and self.partial:
@@ -941,9 +965,25 @@ class SwarmFetch:
         """``source`` served bytes that failed their check: counted, logged, dropped."""
         if exc.code == "chunk_digest_mismatch":
             self.records.counters.chunk_failures += 1
+        if exc.code in VERIFICATION_CODES:
             self.records.counters.verification_failures += 1
         log.warning("%s from %s: %s; dropping that source", self.item.path, short_id(source), exc)
-        self._drop(source, exc.code)
+        self._drop(source, exc.code, exc)
+
+    def _refused(self, source: str, exc: TransferRefused) -> str:
+        """A source's refusal, counted by its answer (one of a server's sentences, else
+        ``other``: the text is the peer's); returns that answer."""
+        answer = refusal_answer(exc.actual)
+        self.records.counters.refusals_received[answer] += 1
+        return answer
+
+    def _gave_up(self, source: str, exc: SkippyError | MeshError | ProtocolError) -> None:
+        """``source`` failed otherwise (a refusal, a cut, a stall): not asked again here."""
+        code = exc.code
+        if isinstance(exc, TransferRefused):
+            code = f"refused: {refusal_answer(exc.actual)}"
+        log.info("%s from %s: %s; not asking it again", self.item.path, short_id(source), exc)
+        self._drop(source, code, exc)
 
     async def _one_chunk(
         self, source: str, sink: ChunkSink, sched: ChunkScheduler, index: int
@@ -962,20 +1002,18 @@ class SwarmFetch:
             return False
         except TransferRefused as exc:
             sched.failed(index)
-            if exc.actual == PEER_BUSY:  # no slot now: it may have one later
+            if self._refused(source, exc) == PEER_BUSY:  # no slot now: it may have one later
                 await trio.sleep(min(1.0, self.node.timeouts.idle_s))
                 return True
             if self._forget_partial(source, [index]):
                 return True
-            log.info("%s: %s refused", self.item.path, short_id(source))
-            self._drop(source, exc.code)
+            self._gave_up(source, exc)
             return False
         except (SkippyError, MeshError, ProtocolError) as exc:
             sched.failed(index)
             if index in sched.done:  # the other copy won meanwhile: this source is not at fault
                 return True
-            log.info("%s from %s: %s; not asking it again", self.item.path, short_id(source), exc)
-            self._drop(source, exc.code)
+            self._gave_up(source, exc)
             return False
         finally:
             self._memory.release(n)
@@ -996,11 +1034,15 @@ class SwarmFetch:
         for other in self._fetching.get(index, {}).values():
             if other is not None:
                 other.cancel()  # first verified copy wins: stop receiving the slower one
-        if wrote:
-            n = sink.spans[index].length
+        if wrote:  # a copy checked in memory (a stream counts its bytes as they arrive)
+            self._received(source, sink, sink.spans[index].length)
+
+    def _received(self, source: str, sink: ChunkSink, n: int) -> None:
+        """``n`` bytes from ``source`` are in place (progress, per-source and node totals)."""
+        if n:
             self.rec.served_by[source] = self.rec.served_by.get(source, 0) + n
-            self.rec.bytes_done = sink.offset
             self.records.counters.fetched_bytes["peer"] += n
+        self.rec.bytes_done = sink.offset
 
     async def _one_run(
         self, source: str, sink: ChunkSink, sched: ChunkScheduler, run: list[int]
@@ -1018,22 +1060,20 @@ class SwarmFetch:
             self._bad_bytes(source, exc)
             return False
         except TransferRefused as exc:
-            if exc.actual == PEER_BUSY:  # no slot now: it may have one later
+            if self._refused(source, exc) == PEER_BUSY:  # no slot now: it may have one later
                 receiver.give_back()
                 await trio.sleep(min(1.0, self.node.timeouts.idle_s))
                 return True
             if self._forget_partial(source, run):
                 return True
-            log.info("%s: %s refused", self.item.path, short_id(source))
-            self._drop(source, exc.code)
+            self._gave_up(source, exc)
             return False
-        except SwarmFailed:  # a chunk larger than the chunk budget: the whole-file path
+        except SwarmFailed:  # a chunk larger than the chunk budget
             raise
         except (SkippyError, MeshError, ProtocolError) as exc:
             if all(i in sched.done for i in receiver.left):  # others finished them meanwhile
                 return True
-            log.info("%s from %s: %s; not asking it again", self.item.path, short_id(source), exc)
-            self._drop(source, exc.code)
+            self._gave_up(source, exc)
             return False
         finally:
             receiver.give_back()
@@ -1044,7 +1084,8 @@ class SwarmFetch:
                     self._fetching.pop(index, None)
         return True
 
-    async def _run_request(self, source: str, start: int, length: int) -> MeshStream:
+    async def _run_request(self, source: str, start: int, length: int | None) -> MeshStream:
+        """A request for ``length`` bytes from ``start`` (None: to the end of the file)."""
         request = request_for(
             self.item, self.topology, self.stage, bytes.fromhex(self.node.node_id), offset=start
         )
@@ -1103,26 +1144,27 @@ class SwarmFetch:
                         elif isinstance(event, BodyData):
                             out.append(event.data)  # a view of immutable bytes: no copy
             return
-        _gave_up(stream, guard, source)
+        _deadline_passed(stream, guard, source)
 
 
-def _gave_up(stream: MeshStream, guard: RateDeadline, source: str) -> NoReturn:
+def _deadline_passed(stream: MeshStream, guard: RateDeadline, source: str) -> NoReturn:
     """A response read whose deadline passed: reset the stream and say why (a trickle under
     the minimum rate, or a stall)."""
     if guard.since_mark:
         stream.reset("too_slow", "under the minimum transfer rate")
-        raise SwarmTooSlow(f"{short_id(source)} sent under {guard.min_bytes_per_s} bytes/s")
+        raise TransferTooSlow(f"{short_id(source)} sent under {guard.min_bytes_per_s} bytes/s")
     stream.reset("stalled", "no bytes within the idle timeout")
-    raise SwarmStalled(f"{short_id(source)} sent nothing for {guard.idle_s:g} s")
+    raise StreamStalled(f"{short_id(source)} sent nothing for {guard.idle_s:g} s")
 
 
 class _RunReceiver:
-    """One run's response split at chunk boundaries: each chunk's bytes (views of the
-    stream's records, never joined) are checked and written as soon as they are complete, by
-    a second task on a thread, so the stream keeps being read (and granting credit) while
-    the disk and the digests work. Memory: at most two chunks in the chunk budget, the one
-    being received (taken when its first byte is due) and the one being written (given back
-    once it is); the stream's flow control bounds what else queues."""
+    """One response: chunks ``run`` (in a row) from one source, written as the bytes arrive
+    (``ChunkSink.stream``) and each checked when its last byte is in, by a second task on a
+    thread, so the stream keeps being read (and granting credit) while the disk and the
+    digests work. A cut keeps what was written: the verified chunks, and the unchecked bytes
+    of the chunk in progress as its head (a resume continues from that byte). Memory: the
+    batches between the reader and the writer (``WRITE_BATCH_BYTES``, at most
+    ``WRITE_QUEUE`` waiting), taken from the chunk budget."""
 
     def __init__(
         self, fetch: SwarmFetch, source: str, sink: ChunkSink, sched: ChunkScheduler, run: list[int]
@@ -1130,48 +1172,65 @@ class _RunReceiver:
         self.fetch, self.source, self.sink, self.sched = fetch, source, sink, sched
         self.run = list(run)
         self.left = list(run)  # chunks not yet verified from this run
-        self._next = 0  # the run's chunk being received
-        self._parts: list[memoryview] = []
-        self._have = 0
-        self._held = 0  # chunk-budget bytes of the chunk being received
+        self._held = 0  # chunk-budget bytes taken for this response
+        self._stream: ChunkStream | None = None
 
     async def receive(self) -> None:
-        spans = self.sink.spans
-        start = spans[self.run[0]].start
-        length = spans[self.run[-1]].stop - start
-        await self._reserve()
+        sink = self.sink
+        if sink.spans:
+            start = sink.start_of(self.run[0])
+            stop = sink.spans[self.run[-1]].stop
+        else:  # the manifest: its size is what the response says
+            start, stop = 0, MANIFEST_MAX_BYTES
+        # A one-chunk sink asks from its byte to the end (no range: any server answers it).
+        length = None if sink.whole else stop - start
+        self._held = min(stop - start, STREAM_HOLD_BYTES, self.fetch._memory.cap)
+        await self.fetch._memory.reserve(self._held)
         stream = await self.fetch._run_request(self.source, start, length)
-        send, recv = trio.open_memory_channel[tuple[int, list[memoryview], int]](0)
+        send, recv = trio.open_memory_channel[list[memoryview]](WRITE_QUEUE)
         wrote_failure: list[SkippyError | OSError] = []
-        read_failure: SkippyError | ProtocolError | None = None
-        async with stream, trio.open_nursery() as nursery:
-            nursery.start_soon(self._write_chunks, recv, wrote_failure)
-            async with send:
-                try:
-                    await self._read(stream, ResponseReader(start, length), send)
-                except trio.BrokenResourceError:  # the writer stopped: its error says why
-                    pass
-                except (SkippyError, ProtocolError) as exc:
-                    read_failure = exc
-        # Every chunk handed to the writer is checked and written (or its failure kept).
-        if wrote_failure:
-            raise wrote_failure[0]
-        if read_failure is not None:
-            raise read_failure
+        read_failure: SkippyError | ProtocolError | MeshError | None = None
+        batch = _Batch()
+        try:
+            async with stream, trio.open_nursery() as nursery:
+                nursery.start_soon(self._write, recv, wrote_failure)
+                async with send:
+                    try:
+                        await self._read(stream, ResponseReader(start, length), send, batch, start)
+                    except trio.BrokenResourceError:  # the writer stopped: its error says why
+                        pass
+                    except (SkippyError, ProtocolError, MeshError) as exc:
+                        read_failure = exc
+            # Every batch handed to the writer is written (or its failure kept).
+            if wrote_failure:
+                raise wrote_failure[0]
+            if read_failure is not None:
+                # What came before the failure is kept for the resume (if it is wrong, its
+                # chunk's check says so when the rest arrives).
+                if batch.size and self._stream is not None and sink.state == "receiving":
+                    with contextlib.suppress(SkippyError, OSError):
+                        await self._write_batch(batch.take())
+                raise read_failure
+        finally:
+            if self._stream is not None:
+                self._stream.close()
 
     async def _read(
         self,
         stream: MeshStream,
         reader: ResponseReader,
-        send: trio.MemorySendChannel[tuple[int, list[memoryview], int]],
+        send: trio.MemorySendChannel[list[memoryview]],
+        batch: _Batch,
+        start: int,
     ) -> None:
         """As ``SwarmFetch._read_chunk``: one deadline, pushed on only while the source keeps
-        ``min_transfer_bytes_per_s``; time spent waiting for the writer or for chunk memory
-        is ours, not the source's, and is added back."""
+        ``min_transfer_bytes_per_s``; time spent waiting for the writer is ours, not the
+        source's, and is added back."""
         idle = self.fetch.node.timeouts.idle_s
         guard = RateDeadline(idle, self.fetch.node.settings.security.min_transfer_bytes_per_s)
         with guard.scope:
-            while not reader.done:
+            ended = False
+            while not ended:
                 views = await stream.receive_views()
                 guard.received(views)
                 if not views:
@@ -1179,67 +1238,55 @@ class _RunReceiver:
                 for view in views:
                     for event in reader.feed(view):
                         if isinstance(event, ResponseHeader):
-                            self.sink.accept(event.response)
+                            self.sink.accept(event.response)  # a refusal, another size or digest
+                            self.fetch.rec.total = event.response.total_size
+                            self._stream = await trio.to_thread.run_sync(self.sink.stream, start)
                         elif isinstance(event, BodyData):
-                            guard.scope.deadline += await self._take(event.data, send)
-                if all(i in self.sched.done for i in self.run[self._next :]):
+                            batch.add(event.data)  # a view of immutable bytes: no copy
+                ended = reader.done
+                if batch.size >= WRITE_BATCH_BYTES or (ended and batch.size):
+                    began = trio.current_time()
+                    await send.send(batch.take())
+                    guard.scope.deadline += trio.current_time() - began
+                if all(i in self.sched.done for i in self.left):
                     return  # end-game copies verified the rest: stop this stream
             return
-        _gave_up(stream, guard, self.source)
+        _deadline_passed(stream, guard, self.source)
 
-    async def _take(
-        self, data: memoryview, send: trio.MemorySendChannel[tuple[int, list[memoryview], int]]
-    ) -> float:
-        """Body bytes, cut at chunk ends; each complete chunk goes to the writer with its
-        memory. Returns the seconds spent waiting on the writer or for chunk memory."""
-        waited = 0.0
-        while data:
-            index = self.run[self._next]
-            span = self.sink.spans[index]
-            piece = data[: span.length - self._have]
-            data = data[len(piece) :]
-            self._parts.append(piece)
-            self._have += len(piece)
-            if self._have < span.length:
-                continue
-            began = trio.current_time()
-            parts, held = self._parts, self._held
-            self._parts, self._have, self._held = [], 0, 0
-            try:
-                await send.send((index, parts, held))  # the writer owns its memory now
-            except BaseException:
-                self.fetch._memory.release(held)
-                raise
-            self._next += 1
-            if self._next < len(self.run):
-                await self._reserve()
-                self.sched.touch(self.run[self._next], trio.current_time())
-            waited += trio.current_time() - began
-        return waited
-
-    async def _write_chunks(
+    async def _write(
         self,
-        chunks: trio.MemoryReceiveChannel[tuple[int, list[memoryview], int]],
+        batches: trio.MemoryReceiveChannel[list[memoryview]],
         failure: list[SkippyError | OSError],
     ) -> None:
-        fetch = self.fetch
-        async with chunks:
-            async for index, parts, held in chunks:
+        async with batches:
+            async for parts in batches:
                 try:
-                    wrote = await trio.to_thread.run_sync(self.sink.write_chunk_parts, index, parts)
+                    await self._write_batch(parts)
                 except (SkippyError, OSError) as exc:
-                    failure.append(exc)  # closing ``chunks`` tells the reader to stop
+                    failure.append(exc)  # closing ``batches`` tells the reader to stop
                     return
-                finally:
-                    fetch._memory.release(held)
-                self.left.remove(index)
-                fetch._verified(self.source, self.sink, self.sched, index, wrote)
-                fetch._wake()
 
-    async def _reserve(self) -> None:
-        n = self.sink.spans[self.run[self._next]].length
-        await self.fetch._memory.reserve(n)
-        self._held = n
+    async def _write_batch(self, parts: list[memoryview]) -> None:
+        fetch, stream, sink = self.fetch, self._stream, self.sink
+        if stream is None:
+            raise ArtifactWireError("body bytes before the header", code="artifact_wire_malformed")
+        try:
+            await trio.to_thread.run_sync(stream.write, parts)
+        finally:  # also the chunks verified before one that failed
+            done, stream.verified = stream.verified, []
+            fetch._received(self.source, sink, stream.credit)
+            stream.credit = 0
+            # A chunk another copy verified meanwhile is done for this run too.
+            done += [i for i in self.left if i in sink.verified and i not in done]
+            now = trio.current_time()
+            for index in done:
+                if index in self.left:
+                    self.left.remove(index)
+                fetch._verified(self.source, sink, self.sched, index, False)
+                for nxt in self.left[:1]:
+                    self.sched.touch(nxt, now)
+            if done:
+                fetch._wake()
 
     def give_back(self) -> None:
         """The chunks this run did not verify back in line, its memory back to the budget
@@ -1252,42 +1299,50 @@ class _RunReceiver:
             self._held = 0
 
 
-class SwarmStalled(MeshError):
-    code = "stream_stalled"
+class _Batch:
+    """Received body pieces (views of the stream's bytes) waiting to be written."""
+
+    def __init__(self) -> None:
+        self.parts: list[memoryview] = []
+        self.size = 0
+
+    def add(self, view: memoryview) -> None:
+        self.parts.append(view)
+        self.size += len(view)
+
+    def take(self) -> list[memoryview]:
+        parts, self.parts, self.size = self.parts, [], 0
+        return parts
 
 
-class SwarmTooSlow(MeshError):
-    code = "transfer_too_slow"  # the code of ``mesh_node.transfer.fetch.TransferTooSlow``
+class TransferTooSlow(MeshError):
+    """A peer sent bytes, but slower than ``min_transfer_bytes_per_s``: take the hub."""
+
+    code = "transfer_too_slow"
 
 
-async def open_chunk_sink_waiting(
-    node: MeshNode,
-    cache: RepoCache,
-    item: FetchItem,
-    sources: ArtifactSources,
-    chunk_bytes: int,
-    *,
-    manifest_sha256: str,
-    verify_cache: VerifyCache | None,
-    poll_s: float,
-    chain: bool = False,
-) -> ChunkSink:
-    """The chunk sink, waiting (cancellably) while another fetch on this node installs it.
-    ``chain``: ``sources.digests`` is a SHA-256 chain (the list said so)."""
-    opener = functools.partial(
-        open_chunk_sink,
-        cache,
-        item,
-        digests=sources.digests,
-        chunk_bytes=chunk_bytes,
-        manifest_sha256=manifest_sha256,
-        verify_cache=verify_cache,
-        chain=chain,
+def refusal_answer(text: object) -> str:
+    """A peer's refusal as this node records it: one of the sentences a server says, else
+    ``other`` (the text is the peer's: it must not grow the counters or reach the page)."""
+    return text if text in _KNOWN_ANSWERS and isinstance(text, str) else "other"
+
+
+def alone(
+    topology: SplitTopology, stage: StageAssignment, node_id: str, item: FetchItem, holder: str
+) -> SourceBook:
+    """A list of one holder for a file no signed list names (the manifest, or a file the
+    coordinator lists no digests for): the file is one chunk, checked against the manifest's
+    SHA-256 (``ChunkSink`` without digests), asked of ``holder`` alone."""
+    entry = ArtifactSources(
+        item.path, item.sha256, item.size or 0, (bytes.fromhex(item.sha256),), (holder,)
     )
-    with trio.move_on_after(node.timeouts.idle_s):
-        while True:
-            try:
-                return await trio.to_thread.run_sync(opener)
-            except InstallBusy:
-                await trio.sleep(poll_s)
-    raise InstallBusy(f"another fetch of {item.path} kept its install lock", path=item.path)
+    latest = SourceList(
+        topology.topology_id,
+        topology.run_id,
+        topology.manifest_sha256,
+        stage.stage_id,
+        node_id,
+        CHUNK_BYTES,
+        (entry,),
+    )
+    return SourceBook(None, latest)

@@ -15,8 +15,10 @@ here is synchronous and free of sockets, tasks and clocks; ``mesh_node`` opens a
 ``fetch_plan``     the worker's plan: manifest first, then its missing parts (pure)
 ``hubcache``       one pinned package in a hub cache; the held manifest; what is present
 ``serve``          ``ArtifactServer.serve``: file checks and a bounded body reader
-``sink``           ``open_sink``: resumable hidden partial, hashed while written, installed
-                   atomically into the hub cache layout
+``chunks``         chunk spans, digests and the SHA-256 chain's store; the chunk scheduler
+``sources``        the coordinator's signed source list (pure)
+``chunk_sink``     ``open_chunk_sink``: the one sink: resumable hidden partial, chunks checked
+                   as their bytes arrive, installed atomically into the hub cache layout
 =================  ===========================================================================
 
 ``docs/architecture.md`` ("Peer artifact transfer") describes the calls the mesh shell makes.

@@ -32,7 +32,7 @@ def fetch_from_hub(
     offline: bool = False,
 ) -> Path:
     """Download ``item`` from the hub into ``cache`` (or find it there) and prove it; return
-    its snapshot path. Do not call it while holding this artifact's ``open_sink``: both take
+    its snapshot path. Do not call it while holding this artifact's ``open_chunk_sink``: both take
     the same lock file."""
     path = hub.download_file(
         cache.ref,

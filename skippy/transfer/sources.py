@@ -99,19 +99,6 @@ class ArtifactSources:
         return self.busy[self.holders.index(holder)]
 
 
-def worth_chunking(entry: ArtifactSources, min_holders: int = 2) -> bool:
-    """Fetch this artifact chunk by chunk from several holders only when there are several.
-
-    With one holder (the coordinator alone, the usual case before any worker is ready) the
-    whole-file stream is better on every count: it writes as bytes arrive, so a cut transfer
-    resumes from its exact byte (a chunk is kept only whole), it shows progress byte by byte,
-    and it avoids a stream per chunk (measured ~30% slower for one source, docs/performance.md
-    "swarm"). Holders that become ready later serve the next artifacts' fetches.
-    ``min_holders`` (``swarm_min_holders``) 1 chunks from one holder too (the bench's
-    chunk-overhead row)."""
-    return len(entry.holders) >= min_holders
-
-
 @dataclass(frozen=True)
 class SourceList:
     topology_id: str
