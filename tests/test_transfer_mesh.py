@@ -282,7 +282,7 @@ async def test_one_holder_is_a_swarm_of_one_and_a_cut_resumes_inside_a_chunk(
         )
         coord.service.sources.chunk_bytes = MIN_CHUNK_BYTES  # the target is 2 chunks
         await propose(coord, pkg)
-        await wait_for(lambda: coord.node.topology.active.all_ready, timeout_s=20)
+        await wait_for(lambda: coord.topology.active.all_ready, timeout_s=20)
         rec = records(worker)[TARGET]
         size = {r.path: r for r in pkg.manifest.artifacts()}[TARGET].artifact.artifact_bytes
         assert size > MIN_CHUNK_BYTES
