@@ -290,7 +290,7 @@ async def test_one_holder_is_a_swarm_of_one_and_a_cut_resumes_inside_a_chunk(
         assert all(length is not None for _, length in asked), asked  # ranges, not files
         cut = [o for o, _ in asked if o % MIN_CHUNK_BYTES]  # asked from inside a chunk
         assert len(cut) == 1 and rec["resumed_from"] >= cut[0] % MIN_CHUNK_BYTES > 0, asked
-        assert worker.node.transfers.counters.chunk_failures == 0
+        assert worker.service.records.counters.chunk_failures == 0
         assert sha256_of(snapshot_files(worker, pkg.ref)[TARGET]) == sha256_of(
             hub_package.directory / TARGET
         )
