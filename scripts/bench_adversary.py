@@ -4,7 +4,8 @@ scripts/bench.py (section "adversary"); also runnable alone (``python scripts/be
 
 The victim is one `mesh-node run` process on loopback with the default `[security]` budgets.
 The attack clients are built on our own ``protocol/`` (a real Noise handshake, then chosen
-frames, as tests/test_untrusted_peers.py does) and run in a child process of this script, so
+frames, as tests/mesh_node/test_untrusted_peers.py does) and run in a child process of this
+script, so
 the honest measurements here (pings, connect times) do not share an event loop with them:
 - memory: 32 links from fresh keys (no certificate), each opening 32 control streams and
   sending a 1 MiB length prefix plus 1 MiB - 1 bytes on each; the victim's RSS at the start,

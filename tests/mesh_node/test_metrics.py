@@ -26,7 +26,7 @@ from mesh_node.metrics import (
 )
 from mesh_node.transfer.records import TransferLog
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 class Clock:

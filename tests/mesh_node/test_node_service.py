@@ -29,7 +29,7 @@ from protocol.messages import Hello, decode_link_message
 from skippy.config import read_environment
 from skippy.errors import UsageError
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 ECHO = "echo-test"  # a subprotocol and feature of this test's own
 
 

@@ -4,7 +4,7 @@ raw sockets for slow bodies, request smuggling and cross-site requests.
 
 The coordinator serves a tiny synthetic package alone (``--stages 1``): the API in front of a
 real split of one stage, real llama.cpp tokenizer, real ggml. Prompts are token ids (the
-synthetic vocabulary cannot encode most text, tests/test_serve_processes.py).
+synthetic vocabulary cannot encode most text, tests/processes/test_serve_processes.py).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from pkgtools import make_package
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def _stderr_of(argv: list[str], *, tty: bool) -> tuple[int, str]:

@@ -232,7 +232,8 @@ def test_a_two_stage_split_grows_to_three_under_streamed_requests(
 ) -> None:
     # The worker whose layers change keeps its replaced stage for the old route's sessions
     # until the route moves on: the streams sent while the third node loads finish with the
-    # same text (tests/test_serve_grow_links.py holds that load back to check it exactly).
+    # same text (tests/mesh_node/serving/test_serve_grow_links.py holds that load back to check
+    # it exactly).
     cluster = Cluster(tmp_path)
     try:
         coord = cluster.start(

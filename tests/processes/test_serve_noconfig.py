@@ -4,7 +4,7 @@ A fresh data directory (XDG's default, or --data-dir) gets its node and owner on
 run, which the terminal says; a second run reuses them. A model whose family the stage
 runtime does not cover is served whole by llama.cpp on the one node, labelled so, and a
 peer that joins is refused a split with the code. Prompts are token ids (the synthetic
-vocabulary cannot encode most text: tests/test_prompt_guard.py).
+vocabulary cannot encode most text: tests/skippy/runtime/test_prompt_guard.py).
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """Split serving with real processes on loopback: `mesh-node serve` (stage 0 and the API) and
 plain `mesh-node run` workers, driven through the official `openai` client.
 
-The synthetic model's vocabulary cannot encode most text (tests/test_prompt_guard.py), so
+The synthetic model's vocabulary cannot encode most text
+(tests/skippy/runtime/test_prompt_guard.py), so
 prompts here are token ids (``/v1/completions`` accepts them); text and chat are tested on
-SmolLM2 and gemma3 in tests/test_serve_real.py.
+SmolLM2 and gemma3 in tests/real_models/test_serve_real.py.
 """
 
 from __future__ import annotations

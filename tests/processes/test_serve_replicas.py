@@ -150,7 +150,7 @@ def test_serve_refuses_replicas_without_a_stage_count(tiny_pkg: Path, tmp_path: 
 
     cfg = tmp_path / "coord.toml"
     cfg.write_text(node_toml(tmp_path, "coord"))
-    # One invocation (the other bad counts are pure: tests/test_replicas_pure.py).
+    # One invocation (the other bad counts are pure: tests/skippy/serving/test_replicas_pure.py).
     out = subprocess.run(
         [sys.executable, "-m", "mesh_node", "serve", "--config", str(cfg), "--json",
          "--package", str(tiny_pkg), "--replicas", "2"],

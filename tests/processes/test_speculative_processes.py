@@ -9,7 +9,8 @@
 - An unknown strategy is a coded usage error (exit 2) from `serve` and from `lab`, whose check
   runs before any node starts.
 
-The synthetic model's vocabulary encodes almost no text (tests/test_prompt_guard.py) but "a"
+The synthetic model's vocabulary encodes almost no text
+(tests/skippy/runtime/test_prompt_guard.py) but "a"
 and "Ω" words; the prompt is one of those whose greedy continuation on this (seeded) model falls
 into a loop within 40 tokens, so N-gram drafts get accepted.
 """

@@ -5,7 +5,8 @@ body, and plans again only when a capable peer joins); a transient one (a stage'
 for a while) is retried until the split forms.
 
 The refused family is a synthetic llama-shaped model written under the architecture name
-``baichuan`` (scripts/synth_gguf.py ``llama_like(arch=...)``), packaged with ``write-package``.
+``baichuan`` (tests/support/synth_gguf.py ``llama_like(arch=...)``), packaged with
+``write-package``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """skippy-quantize on a real model: gemma3-270m dequantized to F32 (gguf-py), quantized both
 ways, then run.
 
-The F32 source (~1.1 GB) is built once per machine into .work/models/ (scripts/f32_source.py);
+The F32 source (~1.1 GB) is built once per machine into .work/models/ (tests/support/f32_source.py);
 each quantization runs once per module.
 """
 
@@ -25,7 +25,7 @@ from skippy.quantize_cli import main  # noqa: E402
 
 pytestmark = [pytest.mark.llama, pytest.mark.slow]
 
-MODEL_CACHE_DIR = Path(__file__).resolve().parent.parent / ".work" / "models"
+MODEL_CACHE_DIR = Path(__file__).resolve().parents[2] / ".work" / "models"
 PROMPT = "The capital of France is"
 PROV = [
     "--source-revision",

@@ -4,7 +4,7 @@ of "Once upon a time", streamed; SIGKILL of the middle stage's node at one point
 final stage's node at another: both completions are exactly the undisturbed text. (The
 batched-prefill replay this replaces diverged from token 22-64 in 5 of 5 such runs.) More
 kill points run in `scripts/bench --only soak`; the property over every kill point is
-tests/test_serve_failover.py on a synthetic model."""
+tests/mesh_node/serving/test_serve_failover.py on a synthetic model."""
 
 from __future__ import annotations
 

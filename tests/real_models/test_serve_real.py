@@ -85,7 +85,7 @@ def test_lab_prompt_longer_than_a_prefill_chunk_equals_run_and_llama_cpp(
         ids = tok.tokenize(SMOL_LONG_PROMPT)
     assert len(ids) == 232
     want = _single_stage(pkg, 30, ids, 16)
-    assert want == SMOL_LONG_GREEDY_16  # llama.cpp's (tests/test_stage_real.py runs it)
+    assert want == SMOL_LONG_GREEDY_16  # llama.cpp's (tests/real_models/test_stage_real.py runs it)
     out = subprocess.run(
         [sys.executable, "-m", "mesh_node", "lab", "--nodes", "3", "--package", str(pkg),
          "--prompt", SMOL_LONG_PROMPT, "--max-tokens", "16", "--json", "--timeout", "300"],

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("protocol", "skippy", "mesh_node")
 # Names with a leading underscore that are documented public API.
 DOCUMENTED = {"os._exit"}

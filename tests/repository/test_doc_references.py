@@ -11,7 +11,7 @@ import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCANNED = ("README.md", "docs", "skippy", "mesh_node", "protocol", "scripts", "tests", ".ci")
 SUFFIXES = {".py", ".md", ".sh", ".toml", ".txt", ""}
 SPEC_DOC = "layer-packages.md"

@@ -1,7 +1,7 @@
 """The layering contract (docs/architecture.md), checked over the repository's own sources:
 ``mesh_node -> protocol, skippy``; ``skippy`` and ``protocol`` import nothing of ours beyond
 themselves; ``protocol`` stays sans-IO; ``skippy``'s layers point down; no import cycles.
-Every import counts, deferred and ``TYPE_CHECKING`` ones too (see tests/layering.py). The
+Every import counts, deferred and ``TYPE_CHECKING`` ones too (see tests/support/layering.py). The
 synthetic trees below prove each check can fail, with the message it fails with."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from layering import (
     unit_of,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("protocol", "skippy", "mesh_node")
 MAY_IMPORT: dict[str, set[str]] = {"mesh_node": {"protocol", "skippy"}, "skippy": set()}
 # protocol is sans-IO: bytes in, events out; sockets and tasks live in mesh_node.

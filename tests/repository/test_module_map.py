@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import module_map as mm
+from scripts import module_map as mm
 
 
 def test_the_module_map_is_current() -> None:

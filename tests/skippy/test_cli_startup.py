@@ -54,7 +54,7 @@ def _imports_of(tmp_path: Path, *argv: str) -> tuple[object, set[str]]:
         [sys.executable, "-c", _CHILD, str(out), *argv],
         check=True,
         capture_output=True,
-        cwd=Path(__file__).resolve().parent.parent,
+        cwd=Path(__file__).resolve().parents[2],
     )
     data = json.loads(out.read_text())
     return data["code"], set(data["modules"])

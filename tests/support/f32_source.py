@@ -7,7 +7,7 @@ tensor as F32 (``gguf.quants.dequantize``, the reference dequantizers of gguf-py
 streams one tensor at a time and installs the file atomically. ``gemma_f32`` caches the
 gemma3-270m one (~1.1 GB) under ``.work/models/`` once per machine, for tests and the bench.
 
-    python scripts/f32_source.py SRC.gguf OUT.gguf
+    python tests/support/f32_source.py SRC.gguf OUT.gguf
 """
 
 from __future__ import annotations

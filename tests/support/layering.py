@@ -1,5 +1,6 @@
 """The import graph of our packages, read with ``ast`` (nothing is imported or run), and the
-checks ``tests/test_layering.py`` applies to it: which package may import which, the layers
+checks ``tests/repository/test_layering.py`` applies to it: which package may import which,
+the layers
 inside ``skippy``, and import cycles. Pure functions over ``Import`` records, one reader.
 
 Every import counts, wherever it sits: at module level, inside a function or class, under

@@ -26,7 +26,7 @@ FAST = {
     "handshake_timeout_s": 1.0,
 }
 # Most mesh tests run nodes without owner certificates: they need the lab setting (the
-# defaults, ``trusted``, are tested in tests/test_untrusted_peers.py with owners).
+# defaults, ``trusted``, are tested in tests/mesh_node/test_untrusted_peers.py with owners).
 LAB_SECURITY = SecuritySettings(accept_topologies_from="any", place_stages_on="any")
 
 

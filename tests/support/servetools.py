@@ -1,6 +1,6 @@
 """Real `mesh-node` processes on loopback for the serving tests: a `serve` coordinator and
 plain `run` workers, with fresh keys, short timeouts and ggml on one thread (see
-tests/stagetools.py). Plain functions and a context manager; nothing is faked."""
+tests/support/stagetools.py). Plain functions and a context manager; nothing is faked."""
 
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ def _pump(stream: object, sink: queue.Queue[str] | list[str]) -> None:
 
 def _keygen(path: Path) -> str:
     # What `mesh-node keygen` does, in this process: a `python -m mesh_node` start-up costs
-    # ~0.3-1 s per node (the CLI itself is tested in tests/test_mesh_processes.py).
+    # ~0.3-1 s per node (the CLI itself is tested in tests/processes/test_mesh_processes.py).
     return node_id_of(write_private_key(path))
 
 
@@ -128,7 +128,7 @@ class Cluster:
     def status(self, name: str = "coord") -> dict[str, Any]:
         """A node's status document (what `mesh-node status --json` prints), the coordinator's
         default: the same control request, sent from this process (a CLI start-up per read
-        cost ~0.3-1 s; the command itself is tested in tests/test_mesh_processes.py)."""
+        cost ~0.3-1 s; the command itself is tested in tests/processes/test_mesh_processes.py)."""
         settings = load_node_settings(self.root / f"{name}.toml")
         response = trio.run(
             control.request, settings.control_socket, {"op": "status"}, STATUS_TIMEOUT_S

@@ -1,6 +1,7 @@
 """The soak: a 3-stage split plus one spare (real processes) under steady
 client load while a random worker is SIGKILLed and started again with its own config, every
-``kill_every_s`` seconds. Used by tests/test_soak.py (short) and scripts/bench_soak.py (long).
+``kill_every_s`` seconds. Used by tests/processes/test_soak.py (short) and scripts/bench_soak.py
+(long).
 
 Every request must end with exactly the undisturbed output or a clear error (an OpenAI error
 body with a code); the result counts requests, failovers and kills, the longest request, the

@@ -6,7 +6,8 @@ Tensor payloads are seeded: the same arguments give the same bytes, and a tensor
 depends only on ``(seed, tensor name, shape, type)``, so ``split_set`` with the same arguments
 as ``llama_like`` holds exactly the same tensors, split over several files.
 
-Kinds (importable functions, and a CLI: ``python scripts/synth_gguf.py KIND OUT [--options]``):
+Kinds (importable functions, and a CLI:
+``python tests/support/synth_gguf.py KIND OUT [--options]``):
 
     llama_like(path, *, n_layers=4, width=64, ff=256, vocab=128, seed=0, alignment=None,
                arch="llama")
@@ -29,7 +30,7 @@ multiple of 256, so they go on ``ffn_down`` (ne0 = ff) when ``ff % 256 == 0`` (h
 default ff=256); with another ``ff`` that tensor falls back to Q8_0.
 
 llama.cpp (llama-cpp-python) loads and runs llama_like, gemma_like and split_set outputs; the
-split set's logits are bit-identical to the whole file's (tests/test_gguf_reader.py).
+split set's logits are bit-identical to the whole file's (tests/skippy/gguf/test_gguf_reader.py).
 """
 
 from __future__ import annotations

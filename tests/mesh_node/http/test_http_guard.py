@@ -1,6 +1,6 @@
 """The pure parts of the HTTP surface's gate: API keys, the refusal decision, the
 error -> status table, bounded JSON and the ``[http]`` settings. Real requests are in
-tests/test_http_operator.py."""
+tests/processes/test_http_operator.py."""
 
 from __future__ import annotations
 

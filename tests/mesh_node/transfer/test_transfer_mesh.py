@@ -218,7 +218,7 @@ async def test_a_corrupted_byte_is_never_installed_and_the_hub_supplies_the_arti
 ):
     """Found by the final SHA-256, the hub asked. With the swarm-transfer bit too: the
     coordinator is the file's only holder, so it is fetched whole (``worth_chunking``); a bad
-    chunk from one of several holders is tests/test_swarm_transfer.py's."""
+    chunk from one of several holders is tests/mesh_node/transfer/test_swarm_transfer.py's."""
     detected_as = "artifact_sha256_mismatch"
     async with trio.open_nursery() as n:
         coord, worker, pkg = await _pair(

@@ -2,7 +2,7 @@
 
 1. Differential parity with gguf-py's ``GGUFReader`` on every synthetic kind and on the real
    gemma3-270m model (slow): same KV keys in order, types, values, record spans, tensors.
-2. The synthetic fixtures themselves (scripts/synth_gguf.py): deterministic, the split set
+2. The synthetic fixtures themselves (tests/support/synth_gguf.py): deterministic, the split set
    equals the whole model, the kinds carry what their docstrings promise.
 3. Robustness: truncations, random header mutations (hypothesis) and hand-built headers, one
    per error code. Anything escaping other than ``GGUFFormatError`` is a failure.
@@ -468,7 +468,7 @@ def test_big_is_about_the_target_and_deterministic(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_big_2gib_streams_in_bounded_memory(tmp_path: Path) -> None:
     out = tmp_path / "big.gguf"
-    script = REPO_ROOT / "scripts" / "synth_gguf.py"
+    script = REPO_ROOT / "tests" / "support" / "synth_gguf.py"
     code = (
         "import resource, subprocess, sys;"
         f"subprocess.run([sys.executable, {str(script)!r}, 'big', {str(out)!r},"

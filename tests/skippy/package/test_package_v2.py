@@ -1,7 +1,7 @@
 """Package schema version 2: the canonical package_id, the closed root, hostile
 carriers, write-package --schema 2 with verify-package-v2, selection, the publisher's hook and
 resume (both schemas), and fetch from a hub. Real files throughout: synthetic GGUFs from
-scripts/synth_gguf.py, our writer, the real huggingface_hub client against the lab hub."""
+tests/support/synth_gguf.py, our writer, the real huggingface_hub client against the lab hub."""
 
 from __future__ import annotations
 

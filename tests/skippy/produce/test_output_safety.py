@@ -28,7 +28,7 @@ from skippy.constants import MANIFEST_NAME, README_NAME, layer_path
 from skippy.errors import OutputExists
 from skippy.produce.validate import validate_package
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[3]
 MODEL_ID = "acme/tiny-GGUF:Q8_0"
 
 

@@ -1,6 +1,7 @@
 """The pure parts of skippy-quantize: presets, llama.cpp's tensor rules, recipes, the block.
 
-The rules are also checked end to end against llama.cpp itself (tests/test_quantize.py);
+The rules are also checked end to end against llama.cpp itself
+(tests/skippy/produce/test_quantize.py);
 these tests pin the pieces a reviewer reads against the C++ one by one.
 """
 

@@ -2,8 +2,8 @@
 
 Each case quantizes a synthetic high-precision model both ways, ours into a layer package and
 ``llama_model_quantize`` (through llama-cpp-python) into one GGUF, and compares every tensor:
-same type, same shape, same bytes (scripts/quant_reference.py). The real model is in
-tests/test_quantize_gemma.py.
+same type, same shape, same bytes (tests/support/quant_reference.py). The real model is in
+tests/real_models/test_quantize_gemma.py.
 """
 
 from __future__ import annotations

@@ -372,7 +372,7 @@ SUFFIX_DECL = (
     "ngram-suffix:ngram_min=3,ngram_max=16,max_proposal_tokens=8,window=adaptive,max_window=8"
 )
 CACHE_DECL = "ngram-cache:ngram_min=1,ngram_max=3,max_proposal_tokens=4"
-PROMPT = "Ω"  # the synthetic vocabulary encodes little text (tests/test_run_hub.py)
+PROMPT = "Ω"  # the synthetic vocabulary encodes little text (tests/skippy/commands/test_run_hub.py)
 
 
 def _cli(capsys: pytest.CaptureFixture[str], *args: object) -> tuple[int, str]:

@@ -217,7 +217,7 @@ def test_a_stage_over_malformed_experts_is_refused_before_ggml(
 ) -> None:
     """A model whose metadata says 9 of 8 experts per token (llama.cpp would index past its
     experts): no package is written of it, in this process, no abort. (A package whose parts
-    disagree is refused when its stage opens: tests/test_experts.py.)"""
+    disagree is refused when its stage opens: tests/skippy/package/test_experts.py.)"""
     bad = qwen3moe_like(tmp_path / "bad.gguf", experts=Q.Q8_0, used_count=9)
     with pytest.raises(SkippyError) as e:
         make_package(bad, tmp_path / "pkg", model_id="acme/moe-GGUF:bad")

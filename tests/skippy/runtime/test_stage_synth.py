@@ -32,7 +32,7 @@ from skippy.runtime.stage import Stage, StageConfig
 pytestmark = pytest.mark.llama
 
 IDS = [1, 5, 9, 17, 33, 65, 3, 100, 7, 12, 90, 44]  # a short prompt, as ids (the synthetic
-# vocabulary cannot encode most text: see tests/test_prompt_guard.py)
+# vocabulary cannot encode most text: see tests/skippy/runtime/test_prompt_guard.py)
 ARCHS = ("llama", "qwen3", "qwen2", "gemma3")
 # |numpy f32 - llama.cpp| on these models, measured: 0.016-0.019 (ggml quantizes activations to
 # Q8 for quantized matmuls and keeps the KV cache in F16; the oracle does neither).

@@ -25,7 +25,7 @@ from skippy.serving.replay import schedule
 
 pytestmark = pytest.mark.llama
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[4]
 RESULTS_ENV = "SKIPPY_CANARY_RESULTS"
 FAMILIES = [s.name for s in matrix.claimed()]
 # (family, dtype): every dtype a family's model comes in (synth.DTYPES and the family's own)
