@@ -99,6 +99,24 @@ def take_gemma_parity_child(path: Path) -> subprocess.Popen[str]:
     return _ahead.pop(str(path), None) or gemma_parity_child(path)
 
 
+# Which tests the quick mode (scripts/test --quick: -m "not slow and not processes") leaves
+# out is decided here, from where a test lives and what it uses, not from marks each author
+# must remember (tests/README.md has the layout).
+REAL_MODEL_FIXTURES = frozenset({"gemma_gguf", "smollm_gguf"})
+TESTS_DIR = REPO_ROOT / "tests"
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest's own -m selection reads the marks
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        path = item.path.resolve()
+        top = path.relative_to(TESTS_DIR).parts[0] if path.is_relative_to(TESTS_DIR) else ""
+        if top == "processes":
+            item.add_marker(pytest.mark.processes)
+        if top == "real_models" or REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     target = MODEL_CACHE_DIR / GEMMA_NAME
     if not any(item.nodeid.endswith(GEMMA_PARITY_TEST) for item in session.items):
