@@ -67,7 +67,7 @@ machine_install() {
     _machine_note "warning: apt-get could not install $packages (see $log): $what will skip"
 }
 
-# The status page's real-browser test (tests/test_status_page_browser.py) drives Debian's
+# The status page's real-browser test (tests/processes/test_status_page_browser.py) drives Debian's
 # chromium through chromedriver.
 ensure_test_browser() {
   if command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1; then
@@ -76,7 +76,7 @@ ensure_test_browser() {
   machine_install "the browser test" SKIPPY_INSTALL_BROWSER "chromium chromium-driver"
 }
 
-# The NAT lab's tests (tests/test_nat_lab.py) put nodes behind kernel NAT in network
+# The NAT lab's tests (tests/mesh_node/lab/test_nat_lab.py) put nodes behind kernel NAT in network
 # namespaces: nftables' masquerade.
 ensure_nftables() {
   command -v nft >/dev/null 2>&1 && return 0

@@ -1,6 +1,6 @@
 # Sourced by scripts/test only (never by scripts/demo or scripts/bench), after scripts/_machine.sh
 # (its consent and apt-get helpers): the device tests
-# (tests/test_stage_device.py) run stages on a real non-host ggml backend, Vulkan on Mesa's
+# (tests/processes/test_stage_device.py) run stages on a real non-host ggml backend, Vulkan on Mesa's
 # lavapipe (a software Vulkan device on the CPU). They need llama-cpp-python 0.3.36 built with
 # -DGGML_VULKAN=on instead of the CPU-only build scripts/_setup.sh installs, and, to build it,
 # machine packages: glslc spirv-headers libvulkan-dev mesa-vulkan-drivers vulkan-tools cmake.

@@ -4,7 +4,8 @@ scripts/bench.py (section "adversary"); also runnable alone (``python scripts/be
 
 The victim is one `mesh-node run` process on loopback with the default `[security]` budgets.
 The attack clients are built on our own ``protocol/`` (a real Noise handshake, then chosen
-frames, as tests/test_untrusted_peers.py does) and run in a child process of this script, so
+frames, as tests/mesh_node/test_untrusted_peers.py does) and run in a child process of this
+script, so
 the honest measurements here (pings, connect times) do not share an event loop with them:
 - memory: 32 links from fresh keys (no certificate), each opening 32 control streams and
   sending a 1 MiB length prefix plus 1 MiB - 1 bytes on each; the victim's RSS at the start,
@@ -15,7 +16,7 @@ the honest measurements here (pings, connect times) do not share an event loop w
 - membership: links from fresh keys fill the victim's membership (cap lowered to
   ``MEMBERS`` through `[security] max_members`: 1024 handshakes take minutes on this machine),
   then a peer of the victim's own owner joins: dial to Hello, against 2 s;
-- refusals: one certificate-less link (tests/hostile_peer.py ``requests``) asks the victim,
+- refusals: one certificate-less link (tests/support/hostile_peer.py ``requests``) asks the victim,
   which serves artifacts to trusted peers only, ``FLOOD_PER_KIND`` requests on each artifact
   kind (0x03, 0x04, 0x05), 16 streams at once; the victim's CPU share and log bytes a second
   meanwhile, and how many requests it answered (read, decided: work) vs refused at the open.

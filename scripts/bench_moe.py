@@ -351,5 +351,5 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.path[:0] = [str(ROOT), str(ROOT / "scripts"), str(ROOT / "tests")]
+    sys.path[:0] = [str(ROOT), str(ROOT / "scripts"), str(ROOT / "tests" / "support")]
     raise SystemExit(main(sys.argv[1:]))

@@ -1,6 +1,6 @@
 """Quantize rows: skippy-quantize quantize-layer-package vs llama.cpp's quantizer.
 
-On gemma3-270m dequantized to F32 (scripts/f32_source.py, cached next to the Q4_K_M file),
+On gemma3-270m dequantized to F32 (tests/support/f32_source.py, cached next to the Q4_K_M file),
 for Q8_0 and Q4_K (llama-quantize's alias of Q4_K_M), in one run, interleaved so both sides
 meet the same noise: ``llama_model_quantize`` alone (llama-cpp-python, all cores), llama.cpp
 then write-package of its output (today's two-step path), and quantize-layer-package (one

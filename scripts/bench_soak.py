@@ -2,7 +2,7 @@
 default 1200): gemma3-270m over a 3-stage loopback split plus one spare (real processes, one
 ggml thread per stage), two clients sending 64-token greedy completions back to back while a
 random worker is SIGKILLed and started again with its own config every 30-90 s
-(tests/soaktools.py). Kills and restarts only: link partitions come with the WAN relay
+(tests/support/soaktools.py). Kills and restarts only: link partitions come with the WAN relay
 harness (issue "The mesh on real networks").
 
 Rows: requests served exactly / with a clear error / wrong (must be 0), kills and failovers,

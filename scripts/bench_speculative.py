@@ -285,7 +285,7 @@ def local_rows(ctx: BenchContext) -> list[Row]:
 
 # --- the child: measurements ---------------------------------------------------------------------
 def _measure(model: str, pkg: Path, runs: int) -> dict[str, Any]:
-    sys.path.insert(0, str(ROOT / "tests"))
+    sys.path.insert(0, str(ROOT / "tests" / "support"))
     from stagetools import chain  # type: ignore[import-not-found]
 
     from skippy.generation import SpeculativePlan

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 ROOT = Path(__file__).resolve().parent.parent
-for _p in (ROOT, ROOT / "scripts", ROOT / "tests"):
+for _p in (ROOT, ROOT / "scripts", ROOT / "tests" / "support"):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 

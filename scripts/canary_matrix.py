@@ -3,8 +3,8 @@
     python scripts/canary_matrix.py --results /tmp/canary.jsonl [--dir .work/canary]
     python -m skippy.runtime.canary.models_doc /tmp/canary.jsonl > docs/models.md
 
-The same records as ``SKIPPY_CANARY_RESULTS=... pytest tests/test_canary.py`` writes; exit
-status 1 when a check failed.
+The same records as ``SKIPPY_CANARY_RESULTS=... pytest
+tests/skippy/runtime/canary/test_canary.py`` writes; exit status 1 when a check failed.
 """
 
 from __future__ import annotations

@@ -2,9 +2,10 @@
 the first sentence of its docstring, one table per package directory.
 
 ``python scripts/module_map.py`` rewrites the map between its markers in docs/architecture.md;
-``--check`` exits 1 when the map there differs from the tree (tests/test_module_map.py runs
-it). Modules are read with ``ast``: nothing is imported. A module without a docstring is listed
-with "(no docstring)", which the test refuses, so every module says what it is.
+``--check`` exits 1 when the map there differs from the tree
+(tests/repository/test_module_map.py runs it). Modules are read with ``ast``: nothing is
+imported. A module without a docstring is listed with "(no docstring)", which the test refuses,
+so every module says what it is.
 """
 
 from __future__ import annotations

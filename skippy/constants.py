@@ -107,7 +107,8 @@ def arch_key(arch: str, name: str) -> str:
     return f"{arch}.{name}"
 
 
-# --- mixture of experts (gguf-py's Keys.LLM and TENSOR_NAMES; tests/test_experts.py checks) ------
+# --- mixture of experts (gguf-py's Keys.LLM and TENSOR_NAMES;
+# tests/skippy/package/test_experts.py checks) ---------------------------------------------------
 # Per-architecture keys, each ``arch_key(arch, name)``.
 EXPERT_COUNT_KEY: Final = "expert_count"
 EXPERT_USED_COUNT_KEY: Final = "expert_used_count"

@@ -38,7 +38,7 @@ def _point_env_at(root: Path) -> dict[str, str]:
         "XDG_CACHE_HOME": str(root / "xdg_cache"),
         "XDG_DATA_HOME": str(root / "xdg_data"),  # `mesh-node serve` without --config
         # The hub policy's retries, with waits of milliseconds: a failing hub costs a test
-        # three quick attempts (tests/test_hub_policy.py checks the policy itself).
+        # three quick attempts (tests/skippy/consume/test_hub_policy.py checks the policy itself).
         "SKIPPY_HUB_ATTEMPTS": "3",
         "SKIPPY_HUB_BACKOFF_S": "0.01",
         "SKIPPY_HUB_BACKOFF_MAX_S": "0.02",
@@ -70,18 +70,19 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
-# The gemma3 parity check against gguf-py's GGUFReader (tests/test_gguf_reader.py) spends
-# ~12-20 s of one core in gguf-py (a Python object per vocabulary entry). Once collection
+# The gemma3 parity check against gguf-py's GGUFReader (tests/skippy/gguf/test_gguf_reader.py)
+# spends ~12-20 s of one core in gguf-py (a Python object per vocabulary entry). Once collection
 # shows the session will run it, it starts in a child process and overlaps the tests before
 # it; the test then waits for the child and asserts its outcome (the same checks, elsewhere).
-GEMMA_PARITY_TEST = "tests/test_gguf_reader.py::test_parity_with_gguf_reader_on_gemma3"
+GEMMA_PARITY_TEST = "tests/skippy/gguf/test_gguf_reader.py::test_parity_with_gguf_reader_on_gemma3"
 _ahead: dict[str, subprocess.Popen[str]] = {}
 
 
 def gemma_parity_child(path: Path) -> subprocess.Popen[str]:
     """``test_gguf_reader.gemma_parity(path)`` in a child: exit 0, or the failure on stderr."""
     code = "import sys, test_gguf_reader as t; t.gemma_parity(sys.argv[1])"
-    paths = [str(REPO_ROOT), str(REPO_ROOT / "tests"), str(REPO_ROOT / "scripts")]  # pytest's
+    tests = REPO_ROOT / "tests"
+    paths = [str(REPO_ROOT), str(tests), str(tests / "support"), str(tests / "skippy" / "gguf")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
     return subprocess.Popen(
         [sys.executable, "-c", code, str(path)],
@@ -96,6 +97,24 @@ def gemma_parity_child(path: Path) -> subprocess.Popen[str]:
 def take_gemma_parity_child(path: Path) -> subprocess.Popen[str]:
     """The child started at collection for ``path``, else a new one."""
     return _ahead.pop(str(path), None) or gemma_parity_child(path)
+
+
+# Which tests the quick mode (scripts/test --quick: -m "not slow and not processes") leaves
+# out is decided here, from where a test lives and what it uses, not from marks each author
+# must remember (tests/README.md has the layout).
+REAL_MODEL_FIXTURES = frozenset({"gemma_gguf", "smollm_gguf"})
+TESTS_DIR = REPO_ROOT / "tests"
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest's own -m selection reads the marks
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        path = item.path.resolve()
+        top = path.relative_to(TESTS_DIR).parts[0] if path.is_relative_to(TESTS_DIR) else ""
+        if top == "processes":
+            item.add_marker(pytest.mark.processes)
+        if top == "real_models" or REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -128,7 +147,7 @@ def isolated_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 # --- synthetic GGUF models -----------------------------------------------------------------------
 @dataclass(frozen=True)
 class SynthModels:
-    """One file of each synthetic kind (scripts/synth_gguf.py, default arguments, seed 0).
+    """One file of each synthetic kind (tests/support/synth_gguf.py, default arguments, seed 0).
 
     ``split`` is ``llama``'s content written as a 2-part llama.cpp split set; ``gemma`` is
     written with ``general.alignment = 64`` to exercise a non-default alignment.
@@ -171,8 +190,8 @@ def synth_dir(tmp_path_factory: pytest.TempPathFactory) -> SynthModels:
 
 @dataclass(frozen=True)
 class HighPrecisionModels:
-    """Sources to quantize (scripts/synth_gguf.py ``high_precision``, defaults: 8 llama layers,
-    width 256, ff 640): one per dtype, a tied-embeddings F32 one, an imatrix for them, and a
+    """Sources to quantize (tests/support/synth_gguf.py ``high_precision``, defaults: 8 llama
+    layers, width 256, ff 640): one per dtype, a tied-embeddings F32 one, an imatrix for them, and a
     4-layer, 8-expert F16 MoE with its own imatrix."""
 
     f32: Path

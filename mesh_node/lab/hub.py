@@ -23,7 +23,7 @@ Every file is presented as an LFS file, so the cache blob is named by its sha256
 immutable snapshots of a directory *listing*: the commit sha is the sha1 of the repo id and the
 sorted ``(path, size, sha256)`` lines, and bytes are re-read from disk on each request (do not
 edit a served directory). Per-file counters and the request log are thread-safe. Fault
-injection is test tooling and lives beside the tests (``tests/hubfaults.py``); this hub only
+injection is test tooling and lives beside the tests (``tests/support/hubfaults.py``); this hub only
 offers the two hooks it uses (``_Handler._intercept`` and ``_Handler._presented``, plus
 ``FakeHub.handler_class``), which answer every request normally here.
 
@@ -390,7 +390,7 @@ class _Handler(BaseHTTPRequestHandler):
             headers["X-Repo-Commit"] = commit
         self._json(status, {"error": message}, headers)
 
-    # --- hooks (test tooling overrides them: tests/hubfaults.py) ----------------------------------
+    # --- hooks (test tooling overrides them: tests/support/hubfaults.py) -----------------------
     def _intercept(
         self, method: str, repo_id: str, path: str | None, commit: str | None
     ) -> bool:

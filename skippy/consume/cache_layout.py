@@ -15,7 +15,7 @@ REPO_TYPE: Final = "model"
 
 def repo_folder_name(repo_id: str, repo_type: str = REPO_TYPE) -> str:
     """``models--ns--name``: huggingface_hub's ``file_download.repo_folder_name`` rule (the
-    cache's layout; tests/test_hub.py holds the two equal)."""
+    cache's layout; tests/skippy/consume/test_hub.py holds the two equal)."""
     return constants.REPO_ID_SEPARATOR.join([f"{repo_type}s", *repo_id.split("/")])
 
 

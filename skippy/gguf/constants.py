@@ -1,7 +1,7 @@
 """GGUF container vocabulary: magic, versions, value types, ggml type sizes and our bounds.
 
 Kept here (not imported from gguf-py) because ``import gguf`` alone costs ~0.23 s and the
-fast paths (``inspect``) must not pay it. tests/test_gguf_constants.py checks the tables
+fast paths (``inspect``) must not pay it. tests/skippy/gguf/test_gguf_constants.py checks the tables
 against gguf-py's own so they cannot drift.
 """
 

@@ -8,7 +8,8 @@ caller asks for that key's value: gemma3-270m's 262k-entry vocabulary opens in t
 where ``gguf.GGUFReader`` builds ~786k numpy views and takes ~12 s.
 
 Every violation raises ``GGUFFormatError`` with a stable code, never IndexError or
-struct.error (tests/test_gguf_reader.py feeds mutated and truncated headers to prove it).
+struct.error (tests/skippy/gguf/test_gguf_reader.py feeds mutated and truncated headers to
+prove it).
 """
 
 from __future__ import annotations

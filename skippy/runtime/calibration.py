@@ -195,8 +195,8 @@ def write_calibration_model(path: Path) -> Path:
 def _q8_0_quantizer() -> Callable[[npt.NDArray[np.float32]], npt.NDArray[np.uint8]]:
     """Q8_0 rows of an f32 matrix: ggml's quantizer (C; a node's start-up writes this model)
     when libggml loads, else gguf-py's (numpy, ~4x slower here). Both are the reference
-    Q8_0 rounding and give the same bytes (tests/test_calibration.py), so the model, and
-    ``MODEL_CLASS``, do not depend on which ran."""
+    Q8_0 rounding and give the same bytes (tests/skippy/runtime/test_calibration.py), so the
+    model, and ``MODEL_CLASS``, do not depend on which ran."""
     import gguf
 
     from skippy.gguf import ggml  # ours: loads no library until ``load``

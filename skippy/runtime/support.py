@@ -4,7 +4,8 @@ shows (the runtime's own modules import numpy, which ``inspect`` must not pay fo
 ``skippy.runtime.families`` stays the authority: ``spec_from_metadata`` decides when a stage
 loads, hyperparameters included. This table answers for the family and its experts only; the
 registry refuses to import when its families and this table disagree, and
-tests/test_experts.py checks the verdicts against ``spec_from_metadata`` on real files.
+tests/skippy/package/test_experts.py checks the verdicts against ``spec_from_metadata`` on real
+files.
 """
 
 from __future__ import annotations

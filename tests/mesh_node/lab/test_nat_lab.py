@@ -1,0 +1,87 @@
+"""The NAT lab (mesh_node/lab/netns.py): real network namespaces, veth pairs and an nftables
+masquerade per home router, built and torn down by the test. A home host's connection reaches
+the public segment with its router's address as its source (kernel NAT), nothing public can
+open a connection to a home host, the homes cannot reach each other, the LAN is a segment of
+its own, and nothing of the lab is left after it closes. Needs root, ip and nft: in CI they
+are required (scripts/test installs nftables), elsewhere the test is skipped with the reason."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from natmarks import needs_lab
+
+from mesh_node.lab.netns import NatLab, plan
+
+# A one-connection TCP server: answers each client with the address it saw, then exits.
+SERVER = (
+    "import socket, sys\n"
+    "s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+    "s.bind(('0.0.0.0', int(sys.argv[1]))); s.listen(); s.settimeout(20)\n"
+    "print('ready', flush=True)\n"
+    "c, a = s.accept(); c.sendall(a[0].encode()); c.close()\n"
+)
+CLIENT = (
+    "import socket, sys\n"
+    "c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=float(sys.argv[3]))\n"
+    "print(c.recv(64).decode())\n"
+)
+
+
+def test_the_plan_touches_only_the_labs_namespaces() -> None:
+    for cmd in plan("nlx"):
+        assert cmd[0] == "ip", cmd
+        if cmd[1] == "netns":
+            assert cmd[3].startswith("nlx-"), cmd  # add / exec NAME
+        else:
+            assert cmd[1] == "-n" and cmd[2].startswith("nlx-"), cmd
+
+
+def _serve(lab: NatLab, host: str, port: int) -> subprocess.Popen[bytes]:
+    proc = lab.run(host, [sys.executable, "-c", SERVER, str(port)], stdout=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
+    return proc
+
+
+def _connect(lab: NatLab, host: str, address: str, port: int, timeout: float = 2.0) -> str:
+    return lab.exec(host, [sys.executable, "-c", CLIENT, address, str(port), str(timeout)]).strip()
+
+
+@needs_lab
+def test_homes_behind_nat_reach_the_public_segment_and_nothing_reaches_them() -> None:
+    with NatLab(f"nt{os.getpid()}") as lab:
+        relay = lab.hosts["relay"].address
+        _serve(lab, "relay", 7000)
+        # the relay sees the router's public address, not the home's private one
+        assert _connect(lab, "home1", relay, 7000) == lab.public_address("home1")
+        _serve(lab, "relay", 7001)
+        assert _connect(lab, "home2", relay, 7001) == lab.public_address("home2")
+        # nothing public opens a connection to a home; the homes do not see each other
+        _serve(lab, "home1", 7002)
+        for src, dst in (("relay", "home1"), ("home2", "home1")):
+            with pytest.raises(subprocess.CalledProcessError):
+                _connect(lab, src, lab.hosts[dst].address, 7002, timeout=1.0)
+        # the LAN is a segment of its own: its hosts meet each other, not the public one
+        _serve(lab, "lan2", 7003)
+        assert _connect(lab, "lan1", lab.hosts["lan2"].address, 7003) == lab.hosts["lan1"].address
+        with pytest.raises(subprocess.CalledProcessError):
+            _connect(lab, "lan1", relay, 7000, timeout=1.0)
+        names = [h.netns for h in lab.hosts.values()]
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not any(n in listed for n in names)
+
+
+@needs_lab
+def test_close_stops_the_labs_processes() -> None:
+    lab = NatLab(f"nc{os.getpid()}").build()
+    try:
+        proc = lab.run("coord", [sys.executable, "-c", "import time; time.sleep(60)"])
+        time.sleep(0.2)
+        assert proc.poll() is None
+    finally:
+        lab.close()
+    assert proc.poll() is not None
