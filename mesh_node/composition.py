@@ -9,7 +9,9 @@ node runs them:
 2. ``StageHost``: this node's stage of a split (transport streams, the stage bits);
 3. ``ArtifactService``: peer artifact transfer (its streams and bits when this node would
    serve), following the topology and handing each fetched stage to the stage host;
-4. ``Serving``: this node as a serving coordinator, when asked (the OpenAI API).
+4. ``Serving``: this node as a serving coordinator, when asked (the OpenAI API);
+5. ``RelayService``: circuits through relays, for this node (``relays``) and, when
+   ``[relay] enable``, for others.
 
 Services that need each other receive each other here, never through the node.
 """
@@ -22,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from mesh_node.identity import LocalIdentity
 from mesh_node.node import MeshNode
+from mesh_node.relay import RelayService
 from mesh_node.serving.host import StageHost
 from mesh_node.serving.service import Serving
 from mesh_node.settings import NodeSettings
@@ -44,6 +47,7 @@ class ComposedNode:
     host: StageHost
     artifacts: ArtifactService
     serving: Serving
+    relay: RelayService
 
 
 def compose(
@@ -82,6 +86,7 @@ def add_services(
 
     artifacts = ArtifactService(node, topology, env, ready_hook=ready)
     serving = Serving(node, host, topology, extra_routes=routes, expected=expect_serve)
-    for service in (topology, host, artifacts, serving):
+    relay = RelayService(node)
+    for service in (topology, host, artifacts, serving, relay):
         node.add_service(service)
-    return ComposedNode(node, topology, host, artifacts, serving)
+    return ComposedNode(node, topology, host, artifacts, serving, relay)

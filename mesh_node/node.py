@@ -20,7 +20,7 @@ import random
 import secrets
 import socket
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -30,7 +30,7 @@ from prometheus_client.registry import Collector
 
 from mesh_node.budget import PeerMemory
 from mesh_node.cipher_support import local_ciphers
-from mesh_node.errors import PeerUnavailable
+from mesh_node.errors import MeshError, PeerUnavailable
 from mesh_node.hostid import host_fingerprint
 from mesh_node.identity import LocalIdentity, owner_of, short_id, trust_decision
 from mesh_node.link import (
@@ -53,7 +53,14 @@ from mesh_node.peers import (
     SubprotocolHandler,
     status_document,
 )
-from mesh_node.settings import HostPort, NodeSettings, PeerAddress, parse_peer_address
+from mesh_node.settings import (
+    DialAddress,
+    HostPort,
+    NodeSettings,
+    PeerAddress,
+    RelayedAddress,
+    parse_peer_address,
+)
 from mesh_node.transport import budgeted_listeners
 from mesh_node.websocket import (
     ConnectionClosed,
@@ -100,6 +107,35 @@ MAX_HEARD_OF = MAX_MEMBERS  # node ids learned from gossip (bounds the topology 
 # After a link that held this much of the peer budget closes, free heap goes back to the OS.
 TRIM_AFTER_BYTES = 1024 * 1024
 S = TypeVar("S")
+# Dials a relayed address (a circuit through its relay, then the link over it): the relay
+# service's, when the node runs one.
+CircuitDialer = Callable[[RelayedAddress], Awaitable[None]]
+
+
+def relay_addresses(advertised: tuple[str, ...]) -> tuple[PeerAddress, ...]:
+    """The relays a hello or gossip names that can be used (with their ids); the rest are
+    ignored, as any address we cannot dial is (pure)."""
+    out = []
+    for text in advertised:
+        try:
+            address = parse_peer_address(text, "relays")
+        except UsageError:
+            continue
+        if address.node_id is not None:
+            out.append(address)
+    return tuple(out)
+
+
+def dial_plan(node_id: str, address: str, relays: tuple[PeerAddress, ...]) -> DialAddress | None:
+    """How to reach a node gossip told us of (pure): through its first relay when it names
+    relays (it says it cannot be dialled), else at its listen address. The seam for a direct
+    upgrade (hole punching): a plan that tries the observed address first goes here."""
+    if relays:
+        return RelayedAddress(relays[0], node_id)
+    try:
+        return parse_peer_address(f"{address}#{node_id}")
+    except UsageError:
+        return None
 
 
 @dataclass
@@ -121,6 +157,7 @@ class _Member:
     disconnected: trio.Event = field(default_factory=trio.Event)
     certificate: OwnerCertificate | None = None  # what its link's handshake presented
     trust_until: float = math.inf  # wall clock: when ``peer`` must be evaluated again
+    relays: tuple[PeerAddress, ...] = ()  # relays its hello says it is reachable through
 
 
 def listen_error(listen: HostPort, exc: OSError) -> UsageError:
@@ -243,6 +280,7 @@ class MeshNode:
         self.started = trio.Event()
         self._started_at: float | None = None  # trio clock, when run() began serving
         self._services: list[NodeService] = []  # in the order added (and run)
+        self._circuit_dialer: CircuitDialer | None = None
 
     # --- services ---------------------------------------------------------------------------------
     def add_service(self, service: NodeService) -> None:
@@ -269,6 +307,28 @@ class MeshNode:
             if isinstance(service, kind):
                 return service
         raise UsageError(f"this node runs no {kind.__name__}", code="no_such_service")
+
+    def set_circuit_dialer(self, dialer: CircuitDialer) -> None:
+        """Relayed addresses (``ws://relay#id/relayed/<node id>``) are dialed by ``dialer``
+        (the relay service); without one they are not dialed."""
+        self._circuit_dialer = dialer
+
+    def keep_linked(self, address: PeerAddress) -> None:
+        """Dial ``address`` and keep its link, as a configured peer (a relay this node is
+        reachable through)."""
+        self._start_dialing(address, persistent=True)
+
+    async def link_over(self, ws: WebSocket, *, expected: str, what: str) -> None:
+        """Dial side of a link over an open WebSocket on a relay's circuit: the same Noise
+        handshake as over TCP, demanding ``expected``'s identity; serves the link until it
+        ends (``what``: the address, for the log). Raises ``ProtocolError`` or
+        ``trio.TooSlowError`` when the handshake fails."""
+        await self._handshake_and_serve(ws, bytes.fromhex(expected), what)
+
+    async def accept_link(self, request: WebSocketRequest) -> None:
+        """Accept side of a link whose upgrade arrived on a relay's circuit: the admission,
+        handshake and link of any inbound connection (its source address is the relay)."""
+        await self._on_request(request)
 
     def collectors(self) -> list[Collector]:
         """Every service's metrics collectors (``/metrics``, beside the node's own)."""
@@ -482,7 +542,7 @@ class MeshNode:
             self.started.set()
             task_status.started(f"{self.listen_url}#{self.node_id}")
 
-    def _start_dialing(self, address: PeerAddress, *, persistent: bool) -> None:
+    def _start_dialing(self, address: DialAddress, *, persistent: bool) -> None:
         key = str(address)
         if key in self._dialing or self._nursery is None:
             return
@@ -491,7 +551,7 @@ class MeshNode:
         self._dialing.add(key)
         self._nursery.start_soon(self._dial_loop, address, persistent)
 
-    async def _dial_loop(self, address: PeerAddress, persistent: bool) -> None:
+    async def _dial_loop(self, address: DialAddress, persistent: bool) -> None:
         """Dial ``address`` and keep its link: after a loss or a failure, dial again with
         exponential backoff (from 50 ms up to ``dial_backoff_cap_s``) and jitter, so that
         nodes cut off together do not all dial back at the same instant."""
@@ -515,6 +575,7 @@ class MeshNode:
                     ProtocolError,
                     trio.TooSlowError,
                     trio.BrokenResourceError,
+                    MeshError,  # a relay refused the circuit, or its link is gone
                 ) as exc:
                     failures += 1
                     log.info("dial %s failed: %s", address, dial_failure(exc))
@@ -541,7 +602,12 @@ class MeshNode:
             for event in waits:
                 await event.wait()
 
-    async def _dial(self, address: PeerAddress) -> None:
+    async def _dial(self, address: DialAddress) -> None:
+        if isinstance(address, RelayedAddress):
+            if self._circuit_dialer is None:
+                raise PeerUnavailable(f"{address}: this node runs no relay service")
+            await self._circuit_dialer(address)
+            return
         expected = bytes.fromhex(address.node_id) if address.node_id else None
         offered = offered_subprotocols(self.link_ciphers)
         # `dial_via` (issue #21): reach this peer through another address (a relay, a tunnel);
@@ -555,21 +621,26 @@ class MeshNode:
             websocket_settings(self.limits, self.timeouts),
             offered,
         ) as ws:
-            hs = Handshake(
-                initiator=True,
-                identity=self.identity.key,
-                certificate=self.identity.certificate,
-                expected_peer=expected,
-                limits=self.limits,
-                cipher=cipher_for_selected(ws.subprotocol, offered),
-            )
-            try:
-                peer, channel = await secure_handshake(ws, hs, self.timeouts.handshake_s)
-            except ProtocolError as exc:
-                if exc.code == "identity_mismatch":
-                    log.warning("dial %s: %s (fails closed)", address, exc.message)
-                raise
-            await self._serve_link(ws, peer, channel, initiator=True)
+            await self._handshake_and_serve(ws, expected, str(address))
+
+    async def _handshake_and_serve(self, ws: WebSocket, expected: bytes | None, what: str) -> None:
+        """The dialer's Noise handshake over ``ws`` (TCP or a circuit), then the link."""
+        offered = offered_subprotocols(self.link_ciphers)
+        hs = Handshake(
+            initiator=True,
+            identity=self.identity.key,
+            certificate=self.identity.certificate,
+            expected_peer=expected,
+            limits=self.limits,
+            cipher=cipher_for_selected(ws.subprotocol, offered),
+        )
+        try:
+            peer, channel = await secure_handshake(ws, hs, self.timeouts.handshake_s)
+        except ProtocolError as exc:
+            if exc.code == "identity_mismatch":
+                log.warning("dial %s: %s (fails closed)", what, exc.message)
+            raise
+        await self._serve_link(ws, peer, channel, initiator=True)
 
     async def _on_request(self, request: WebSocketRequest) -> None:
         try:
@@ -717,6 +788,7 @@ class MeshNode:
                     host=self.host_id,
                     boot=self.boot_id,
                     compute=self.compute,
+                    relays=tuple(str(a) for a in self.settings.relays),
                 )
                 link.mux.send_link_message(hello.encode())
                 link.wake_writer()
@@ -847,6 +919,7 @@ class MeshNode:
             member.memory_budget_bytes = message.memory_budget_bytes
             member.host_id = message.host
             member.compute = message.compute
+            member.relays = relay_addresses(message.relays)
             first_on_link = member.hello_link is not link
             member.hello, member.hello_link = True, link
             restarted = member.boot is not None and message.boot != member.boot
@@ -869,9 +942,9 @@ class MeshNode:
                 known = self._members.get(node_id)
                 if node_id == self.node_id or (known is not None and known.link is not None):
                     continue
-                try:
-                    address = parse_peer_address(f"{record.address}#{node_id}")
-                except UsageError:
+                relays = relay_addresses(record.relays) if self._circuit_dialer else ()
+                address = dial_plan(node_id, record.address, relays)
+                if address is None:
                     continue  # an address we cannot dial is simply not used
                 # Learned, not trusted: it counts only once dialed and authenticated.
                 self._start_dialing(address, persistent=False)
@@ -879,16 +952,23 @@ class MeshNode:
     def _gossip_about(self, node_id: str, member: _Member) -> None:
         """Tell the new peer whom we know, and everyone else about the new peer."""
         others = [
-            PeerRecord(bytes.fromhex(nid), m.address)
+            self._record(nid, m, to=member)
             for nid, m in self._members.items()
             if nid != node_id and m.link is not None and m.address
         ][: self.limits.max_gossip_peers]
         self._send_message(member, Peers(tuple(others)).encode())
         if member.address:
-            news = Peers((PeerRecord(bytes.fromhex(node_id), member.address),)).encode()
             for nid, m in self._members.items():
                 if nid != node_id and m.link is not None:
-                    self._send_message(m, news)
+                    self._send_message(m, Peers((self._record(node_id, member, to=m),)).encode())
+
+    def _record(self, node_id: str, about: _Member, *, to: _Member) -> PeerRecord:
+        """Gossip about ``about`` for ``to``: its relays only to a peer that reads them (an
+        older node refuses a peer entry with keys it does not know)."""
+        assert about.address is not None  # callers gossip only members with one (typing)
+        reads = pc.BIT_RELAYED in to.features.get(pc.FEATURE_MESH_RELAY, ())
+        relays = tuple(str(r) for r in about.relays) if reads else ()
+        return PeerRecord(bytes.fromhex(node_id), about.address, relays)
 
     def _send_message(self, member: _Member, payload: bytes) -> None:
         if member.link is None:
@@ -915,4 +995,5 @@ class MeshNode:
             bytes_received=m.bytes_received + (m.link.bytes_received if m.link else 0),
             bytes_sent=m.bytes_sent + (m.link.bytes_sent if m.link else 0),
             link_cipher=m.link.channel.cipher.label if m.link is not None else None,
+            relay=m.link.transport.relay_id if m.link is not None else None,
         )

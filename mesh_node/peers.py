@@ -65,6 +65,7 @@ class PeerInfo:
     host_id: str | None = None  # its machine's fingerprint (Hello, issue #18), if it sent one
     compute: ComputeCost | None = None  # its calibrated speed (Hello, issue #21), if it sent one
     link_cipher: str | None = None  # the connected link's Noise cipher (issue #25)
+    relay: str | None = None  # the relay's node id when the link is a relayed circuit
 
     @property
     def node_id(self) -> str:
@@ -90,6 +91,8 @@ class PeerInfo:
             "bytes_sent": self.bytes_sent,
             "compute": None if self.compute is None else self.compute.to_wire(),
             "link_cipher": self.link_cipher,
+            "link": "direct" if self.relay is None else "relayed",
+            "relay": self.relay,
         }
 
 
