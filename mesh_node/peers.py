@@ -156,6 +156,13 @@ def status_document(
     }
 
 
+def link_text(p: Mapping[str, Any]) -> str:
+    """How a connected peer is linked: direct, or relayed via which relay; and its RTT."""
+    how = "direct" if not p.get("relay") else f"relayed via {peer_text(p['relay'][:12])}"
+    rtt = p.get("rtt_ms")
+    return how + ("" if rtt is None else f", rtt {rtt:.1f} ms")
+
+
 def render_status(doc: Mapping[str, Any]) -> str:
     """The status document as text for a terminal."""
     features = "; ".join(f"{k}: {', '.join(v)}" for k, v in doc["features"].items())
@@ -174,6 +181,13 @@ def render_status(doc: Mapping[str, Any]) -> str:
         lines.append(
             f"  {peer_text(p['node_id'][:16])} {state:4} {peer_text(p['owner_status']):10} "
             f"{trust:9} {peer_text(p['address'] or '-')} seen {p['last_seen_s']:.1f}s ago"
+            + (f"; {link_text(p)}" if p["connected"] else "")
+        )
+    relay = doc.get("relay")
+    if relay and relay["enabled"]:
+        lines.append(
+            f"relay    {relay['circuits_open']} circuits open, {relay['circuits_total']} opened, "
+            f"{human_bytes(relay['bytes_forwarded'])} forwarded (allow {relay['allow']})"
         )
     topo = doc.get("topology")
     if topo:

@@ -6,6 +6,7 @@ limits, forged relayed addresses and a relay that disappears each end cleanly.""
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -13,9 +14,11 @@ from typing import Any
 import pytest
 import trio
 from meshtools import address_of, identity, settings, wait_for
+from prometheus_client.exposition import generate_latest
 
 from mesh_node.errors import LinkClosed, PeerUnavailable, RelayRefused
 from mesh_node.link import MeshStream
+from mesh_node.metrics import node_registry
 from mesh_node.node import MeshNode
 from mesh_node.peers import InboundStream, PeerDown
 from mesh_node.relay import (
@@ -126,6 +129,15 @@ async def test_two_relayed_nodes_link_through_the_relay_and_it_sees_no_plaintext
         assert (direct["link"], direct["relay"]) == ("direct", None)
         section = relay.status()["relay"]
         assert section["circuits_open"] >= 1 and section["bytes_forwarded"] > len(SECRET)
+        metrics = generate_latest(node_registry(a.status, a.collectors())).decode()
+        link = (
+            f'mesh_node_peer_link{{link="relayed",peer="{b.node_id}",relay="{relay.node_id}"}} 1.0'
+        )
+        assert link in metrics
+        relay_metrics = generate_latest(node_registry(relay.status, relay.collectors())).decode()
+        assert "mesh_node_relay_forwarded_bytes_total" in relay_metrics
+        opened = re.search(r"^mesh_node_relay_circuits_open (\S+)$", relay_metrics, re.M)
+        assert opened is not None and float(opened.group(1)) >= 1
         assert SECRET[:48] not in recorder.seen  # ciphertext only
         assert len(recorder.seen) > len(SECRET)
         nursery.cancel_scope.cancel()
