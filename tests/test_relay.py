@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 import trio
-from meshtools import address_of, identity, settings, wait_for
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from meshtools import address_of, identity, settings, topology_node, topology_of, wait_for
 from prometheus_client.exposition import generate_latest
 
 from mesh_node.errors import LinkClosed, PeerUnavailable, RelayRefused
@@ -40,8 +41,12 @@ from protocol import relay as wire
 from protocol.errors import ProtocolError
 from protocol.messages import Hello, PeerRecord, Peers, decode_link_message
 from skippy.errors import UsageError
+from skippy.package.plan import ModelSizes
 
 ECHO = "relay-echo-test"
+SIZES = ModelSizes(layer_bytes=(100,) * 6, metadata_bytes=10, embeddings_bytes=50, output_bytes=50)
+SHA = "ab" * 32
+REF = "hf://lab/pkg@" + "0" * 40
 SECRET = b"plaintext-that-only-the-two-ends-may-read-" * 64
 OPEN_RELAY = RelaySettings(enable=True, allow="any")
 
@@ -382,3 +387,37 @@ def test_old_peers_keep_working_gossip_and_hello_carry_relays_only_as_extensions
     assert b"relays" not in plain
     with_relays = Peers((PeerRecord(b"\x01" * 32, "ws://x:1", ("ws://r:2#" + "cd" * 32,)),))
     assert decode_link_message(with_relays.encode()) == with_relays
+
+
+async def test_a_coordinator_and_two_workers_reachable_only_by_relay_agree_on_a_topology(
+    tmp_path: Path,
+) -> None:
+    """Nobody is configured with anybody but the relay: the three find each other through its
+    gossip, link through circuits (the relay serves trusted peers only: one owner), and the
+    coordinator's signed topology is offered, verified and acknowledged over relayed links."""
+    owner = Ed25519PrivateKey.generate()
+    relay = MeshNode(settings(tmp_path, "relay", relay=RelaySettings(enable=True)), identity(owner))
+    relay.add_service(RelayService(relay))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(relay.run)
+        nodes = []
+        for name in ("coord", "w0", "w1"):
+            s = settings(tmp_path, name, relays=(address_of(relay),))
+            node = topology_node(s, identity(owner))
+            node.add_service(RelayService(node))
+            await nursery.start(node.run)
+            nodes.append(node)
+        coord, *workers = nodes
+        await wait_for(
+            lambda: all(relayed_via(x, y, relay) for x in nodes for y in nodes if x is not y),
+            timeout_s=10,
+        )
+        active = await topology_of(coord).propose(package_ref=REF, manifest_sha256=SHA, sizes=SIZES)
+        assert active.state == "active"
+        assert active.acks == {w.node_id: "accepted" for w in workers}
+        assert {s.node_id for s in active.topology.stages} == {n.node_id for n in nodes}
+        for w in workers:
+            got = topology_of(w).active
+            assert got is not None and got.coordinator_id == coord.node_id
+            assert got.topology == active.topology
+        nursery.cancel_scope.cancel()
