@@ -126,16 +126,17 @@ def relay_addresses(advertised: tuple[str, ...]) -> tuple[PeerAddress, ...]:
     return tuple(out)
 
 
-def dial_plan(node_id: str, address: str, relays: tuple[PeerAddress, ...]) -> DialAddress | None:
-    """How to reach a node gossip told us of (pure): through its first relay when it names
-    relays (it says it cannot be dialled), else at its listen address. The seam for a direct
-    upgrade (hole punching): a plan that tries the observed address first goes here."""
+def dial_plan(node_id: str, address: str, relays: tuple[PeerAddress, ...]) -> list[DialAddress]:
+    """How to reach a node gossip told us of (pure): through each relay it names (it says it
+    cannot be dialled; a dial loop per relay, so a lost relay leaves the others), else at its
+    listen address. The seam for a direct upgrade (hole punching): a plan that tries the
+    observed address first goes here."""
     if relays:
-        return RelayedAddress(relays[0], node_id)
+        return [RelayedAddress(relay, node_id) for relay in relays]
     try:
-        return parse_peer_address(f"{address}#{node_id}")
+        return [parse_peer_address(f"{address}#{node_id}")]
     except UsageError:
-        return None
+        return []  # an address we cannot dial is simply not used
 
 
 @dataclass
@@ -943,11 +944,9 @@ class MeshNode:
                 if node_id == self.node_id or (known is not None and known.link is not None):
                     continue
                 relays = relay_addresses(record.relays) if self._circuit_dialer else ()
-                address = dial_plan(node_id, record.address, relays)
-                if address is None:
-                    continue  # an address we cannot dial is simply not used
                 # Learned, not trusted: it counts only once dialed and authenticated.
-                self._start_dialing(address, persistent=False)
+                for address in dial_plan(node_id, record.address, relays):
+                    self._start_dialing(address, persistent=False)
 
     def _gossip_about(self, node_id: str, member: _Member) -> None:
         """Tell the new peer whom we know, and everyone else about the new peer."""

@@ -421,3 +421,38 @@ async def test_a_coordinator_and_two_workers_reachable_only_by_relay_agree_on_a_
             assert got is not None and got.coordinator_id == coord.node_id
             assert got.topology == active.topology
         nursery.cancel_scope.cancel()
+
+
+async def test_a_relayed_link_moves_to_another_relay_when_its_relay_disappears(
+    tmp_path: Path,
+) -> None:
+    async with trio.open_nursery() as nursery:
+        scopes: dict[str, trio.CancelScope] = {}
+        relays = []
+        for name in ("r1", "r2"):
+            relay = relay_node(tmp_path, name, OPEN_RELAY)
+            scope = trio.CancelScope()
+
+            async def run(node: MeshNode, cancel: trio.CancelScope, *, task_status: Any) -> None:
+                with cancel:
+                    await node.run(task_status=task_status)
+
+            await nursery.start(run, relay, scope)
+            scopes[relay.node_id] = scope
+            relays.append(relay)
+        a = relayed_node(tmp_path, "a", *relays)
+        b = relayed_node(tmp_path, "b", *relays)
+        await nursery.start(a.run)
+        await nursery.start(b.run)
+
+        def via() -> str | None:
+            info = a.peer(b.node_id)
+            return info.relay if info is not None and info.connected else None
+
+        await wait_for(lambda: via() is not None, timeout_s=10)
+        first = via()
+        assert first in scopes
+        scopes[first].cancel()  # that relay is gone
+        await wait_for(lambda: via() not in (None, first), timeout_s=10)
+        assert await echo_through(a, b, b"still here") == b"still here"
+        nursery.cancel_scope.cancel()
