@@ -47,6 +47,11 @@ from protocol.ws_upgrade import UpgradeRefused
 
 log = logging.getLogger("mesh_node.relay")
 COPY_BYTES = 256 * 1024  # one read of a circuit's stream, forwarded before the next
+# Circuit asks per source node (token bucket): a peer asking in a loop costs the relay a
+# stream, a decode and a decision each time; past this it is refused at once (relay_rate).
+ASKS_PER_S = 10.0
+ASK_BURST = 20
+MAX_TRACKED_SOURCES = 1024  # rate entries; the stalest is forgotten first
 
 
 @dataclass
@@ -125,6 +130,16 @@ def circuit_refusal(
     return None
 
 
+def take_ask(bucket: tuple[float, float] | None, now_s: float) -> tuple[bool, tuple[float, float]]:
+    """One circuit ask against a source's bucket ``(tokens, when)`` (None: a full one); whether
+    it is allowed and the bucket after it (pure)."""
+    tokens, then = bucket if bucket is not None else (float(ASK_BURST), now_s)
+    tokens = min(float(ASK_BURST), tokens + (now_s - then) * ASKS_PER_S)
+    if tokens < 1:
+        return False, (tokens, now_s)
+    return True, (tokens - 1, now_s)
+
+
 @dataclass
 class RelayCounters:
     circuits_total: int = 0
@@ -144,6 +159,7 @@ class RelayService:
         self._forward = forward
         self.open: dict[int, CircuitMeter] = {}
         self.counters = RelayCounters()
+        self._asks: dict[str, tuple[float, float]] = {}  # source -> its bucket, oldest first
         node.set_circuit_dialer(self.dial)
 
     # --- NodeService ------------------------------------------------------------------------
@@ -194,8 +210,19 @@ class RelayService:
     def _refuse(self, code: str) -> None:
         self.counters.refused[code] = self.counters.refused.get(code, 0) + 1
 
+    def _admit_ask(self, source: str) -> bool:
+        allowed, bucket = take_ask(self._asks.pop(source, None), trio.current_time())
+        self._asks[source] = bucket  # re-inserted: most recent last
+        while len(self._asks) > MAX_TRACKED_SOURCES:
+            del self._asks[next(iter(self._asks))]
+        return allowed
+
     async def _on_connect(self, inbound: InboundStream) -> None:
         stream, source = inbound.stream, inbound.peer.node_id
+        if not self._admit_ask(source):
+            self._refuse("relay_rate")  # counted, not logged: a loop must not fill the log
+            stream.reset("relay_rate", f"more than {ASKS_PER_S:g} circuit asks a second")
+            return
         timeout_s = self.node.timeouts.handshake_s
         try:
             with trio.fail_after(timeout_s):
@@ -230,7 +257,9 @@ class RelayService:
 
     async def _answer_refused(self, stream: MeshStream, code: str, reason: str) -> None:
         self._refuse(code)
-        log.info("circuit refused: %s: %s", code, reason)
+        # Debug only: the counters (status, /metrics) show refusals; a stranger asking in a
+        # loop must not fill the log.
+        log.debug("circuit refused: %s: %s", code, reason)
         with trio.move_on_after(self.node.timeouts.handshake_s):
             try:
                 await stream.send_message(wire.encode(wire.CircuitRefused(code, reason)))

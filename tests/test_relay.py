@@ -17,17 +17,20 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from meshtools import address_of, identity, settings, topology_node, topology_of, wait_for
 from prometheus_client.exposition import generate_latest
 
-from mesh_node.errors import LinkClosed, PeerUnavailable, RelayRefused
+from mesh_node.errors import LinkClosed, PeerUnavailable, RelayRefused, StreamReset
 from mesh_node.link import MeshStream
 from mesh_node.metrics import node_registry
 from mesh_node.node import MeshNode
 from mesh_node.peers import InboundStream, PeerDown
 from mesh_node.relay import (
+    ASK_BURST,
+    ASKS_PER_S,
     CircuitMeter,
     Forward,
     RelayService,
     circuit_refusal,
     forward_bytes,
+    take_ask,
 )
 from mesh_node.settings import (
     NodeSettings,
@@ -453,6 +456,52 @@ async def test_a_relayed_link_moves_to_another_relay_when_its_relay_disappears(
         first = via()
         assert first in scopes
         scopes[first].cancel()  # that relay is gone
-        await wait_for(lambda: via() not in (None, first), timeout_s=10)
-        assert await echo_through(a, b, b"still here") == b"still here"
+        def back() -> bool:
+            info = b.peer(a.node_id)
+            return via() not in (None, first) and info is not None and info.relay == via()
+
+        await wait_for(back, timeout_s=10)
+        try:
+            echoed = await echo_through(a, b, b"still here")
+        except LinkClosed:
+            # Both ends dialled at once: the pair of links converges to one (the rule of any
+            # simultaneous dial), and a request on the replaced one fails as on a lost link.
+            await wait_for(back, timeout_s=10)
+            echoed = await echo_through(a, b, b"still here")
+        assert echoed == b"still here"
         nursery.cancel_scope.cancel()
+
+
+async def test_a_peer_asking_for_circuits_in_a_loop_is_refused_quietly_past_its_rate(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    relay = relay_node(tmp_path, "relay", RelaySettings(enable=True, allow="trusted"))
+    async with trio.open_nursery() as nursery:
+        a, b = await start_relay_trio(nursery, tmp_path, relay)
+        await wait_for(lambda: all(relay.peer(n.node_id) is not None for n in (a, b)))
+        caplog.clear()
+        codes = []
+        for _ in range(ASK_BURST + 30):
+            try:
+                await a.service(RelayService).dial(RelayedAddress(address_of(relay), b.node_id))
+            except RelayRefused as exc:
+                codes.append(exc.actual)
+            except StreamReset as exc:
+                codes.append(exc.actual)
+        # The burst is decided (less what a's own dial loops asked while the nodes met), then,
+        # the bucket refilling at its rate meanwhile, most asks are refused before any work.
+        assert codes[: ASK_BURST // 2] == ["relay_forbidden"] * (ASK_BURST // 2), codes
+        assert set(codes) == {"relay_forbidden", "relay_rate"}
+        refused = relay.status()["relay"]["refused"]
+        assert refused["relay_rate"] >= codes.count("relay_rate") >= 15  # (a's loops ask too)
+        relay_lines = [r for r in caplog.records if r.name == "mesh_node.relay"]
+        assert len(relay_lines) <= 1
+        nursery.cancel_scope.cancel()
+
+
+def test_the_ask_bucket_refills_at_its_rate() -> None:
+    allowed, bucket = take_ask(None, 0.0)
+    assert allowed and bucket == (ASK_BURST - 1, 0.0)
+    empty = (0.5, 10.0)
+    assert take_ask(empty, 10.0)[0] is False
+    assert take_ask(empty, 10.0 + 1 / ASKS_PER_S)[0] is True
