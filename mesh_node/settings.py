@@ -489,7 +489,7 @@ class NodeSettings:
     identity_path: Path
     certificate_path: Path | None
     data_dir: Path
-    peers: tuple[PeerAddress, ...]
+    peers: tuple[DialAddress, ...]  # a relayed address is dialled through its relay
     trusted_owners: tuple[str, ...]
     artifact_transfer: ArtifactTransfer
     memory_budget_bytes: int
@@ -564,6 +564,14 @@ def parse_relayed_address(text: object, key: str = "peers") -> RelayedAddress:
     if relay.node_id is None or not _NODE_ID_RE.match(node_id):
         raise bad_value(key, "a relayed address names the relay's id and the node's id", text)
     return RelayedAddress(relay, node_id)
+
+
+def parse_dial_address(text: object, key: str = "peers") -> DialAddress:
+    """A ``peers`` entry: ``ws://HOST:PORT#<node id>``, or a relayed address
+    ``ws://HOST:PORT#<relay id>/relayed/<node id>``."""
+    if isinstance(text, str) and RELAYED_MARKER in text:
+        return parse_relayed_address(text, key)
+    return parse_peer_address(text, key)
 
 
 def parse_relays(value: object) -> tuple[PeerAddress, ...]:
@@ -658,7 +666,7 @@ def node_settings(config: NodeConfig, env: Environment | None = None) -> NodeSet
         identity_path=identity,
         certificate_path=path_of("certificate"),
         data_dir=data_dir,
-        peers=tuple(parse_peer_address(p) for p in peers_raw),
+        peers=tuple(parse_dial_address(p) for p in peers_raw),
         trusted_owners=tuple(dict.fromkeys(owners)),
         artifact_transfer=transfer,
         memory_budget_bytes=(

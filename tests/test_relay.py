@@ -36,6 +36,7 @@ from mesh_node.settings import (
     NodeSettings,
     RelayedAddress,
     RelaySettings,
+    parse_dial_address,
     parse_relayed_address,
     relay_settings,
 )
@@ -370,6 +371,8 @@ def test_relayed_addresses_and_relay_config_parse_or_refuse_clearly() -> None:
         nid,
     )
     assert str(parsed) == text
+    assert parse_dial_address(text) == parsed  # a peers entry may be a relayed address
+    assert parse_dial_address(f"ws://h:1#{nid}").node_id == nid
     for bad in (f"ws://203.0.113.5:7000/relayed/{nid}", f"ws://h:1#{rid}/relayed/xyz"):
         with pytest.raises(UsageError):
             parse_relayed_address(bad)
@@ -456,6 +459,7 @@ async def test_a_relayed_link_moves_to_another_relay_when_its_relay_disappears(
         first = via()
         assert first in scopes
         scopes[first].cancel()  # that relay is gone
+
         def back() -> bool:
             info = b.peer(a.node_id)
             return via() not in (None, first) and info is not None and info.relay == via()
