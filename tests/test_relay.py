@@ -17,7 +17,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from meshtools import address_of, identity, settings, topology_node, topology_of, wait_for
 from prometheus_client.exposition import generate_latest
 
-from mesh_node.errors import LinkClosed, PeerUnavailable, RelayRefused, StreamReset
+from mesh_node.errors import LinkClosed, MeshError, PeerUnavailable, RelayRefused, StreamReset
 from mesh_node.link import MeshStream
 from mesh_node.metrics import node_registry
 from mesh_node.node import MeshNode
@@ -94,6 +94,9 @@ def relayed_via(a: MeshNode, b: MeshNode, relay: MeshNode) -> bool:
     return info is not None and info.connected and info.relay == relay.node_id
 
 
+# wait_for bounds below are for a loaded CI machine (nodes meet in well under a second here).
+
+
 async def start_relay_trio(
     nursery: trio.Nursery, tmp: Path, relay: MeshNode
 ) -> tuple[MeshNode, MeshNode]:
@@ -128,7 +131,7 @@ async def test_two_relayed_nodes_link_through_the_relay_and_it_sees_no_plaintext
     async with trio.open_nursery() as nursery:
         a, b = await start_relay_trio(nursery, tmp_path, relay)
         # Neither was configured with the other: the relay's gossip named each one's relay.
-        await wait_for(lambda: relayed_via(a, b, relay) and relayed_via(b, a, relay))
+        await wait_for(lambda: relayed_via(a, b, relay) and relayed_via(b, a, relay), timeout_s=15)
         assert await echo_through(a, b, SECRET) == SECRET
         assert await echo_through(b, a, b"the other way") == b"the other way"
         doc = a.status()
@@ -182,7 +185,7 @@ async def test_a_relay_that_tampers_replays_or_drops_breaks_the_link_with_a_code
     relay = relay_node(tmp_path, "relay", OPEN_RELAY, bad)
     async with trio.open_nursery() as nursery:
         a, b = await start_relay_trio(nursery, tmp_path, relay)
-        await wait_for(lambda: relayed_via(a, b, relay) and relayed_via(b, a, relay))
+        await wait_for(lambda: relayed_via(a, b, relay) and relayed_via(b, a, relay), timeout_s=15)
         downs: list[PeerDown] = []
 
         async def watch(node: MeshNode) -> None:
@@ -195,10 +198,12 @@ async def test_a_relay_that_tampers_replays_or_drops_breaks_the_link_with_a_code
         nursery.start_soon(watch, b)
         await trio.sleep(0.05)
         bad.armed = True
-        with pytest.raises((LinkClosed, trio.BrokenResourceError, trio.ClosedResourceError)):
+        # The request fails as on any lost link (the link may already be gone when it starts:
+        # the relay alters the first chunk that passes, a heartbeat's as well as the echo's).
+        with pytest.raises((MeshError, trio.BrokenResourceError, trio.ClosedResourceError)):
             await echo_through(a, b, SECRET * 4)
         assert bad.done
-        await wait_for(lambda: bool(downs))
+        await wait_for(lambda: bool(downs), timeout_s=15)
         codes = {d.reason.split(":")[0] for d in downs}
         # The receiving end refuses what it cannot authenticate: a Noise record that fails
         # (decrypt_failed) or a WebSocket frame cut apart by a dropped or doubled chunk.
@@ -210,7 +215,7 @@ async def test_a_stranger_is_refused_with_a_code_and_leaves_no_circuit(tmp_path:
     relay = relay_node(tmp_path, "relay", RelaySettings(enable=True, allow="trusted"))
     async with trio.open_nursery() as nursery:
         a, b = await start_relay_trio(nursery, tmp_path, relay)
-        await wait_for(lambda: all(relay.peer(n.node_id) is not None for n in (a, b)))
+        await wait_for(lambda: all(relay.peer(n.node_id) is not None for n in (a, b)), timeout_s=15)
         with pytest.raises(RelayRefused) as caught:
             await a.service(RelayService).dial(RelayedAddress(address_of(relay), b.node_id))
         assert caught.value.actual == "relay_forbidden"
@@ -225,10 +230,10 @@ async def test_a_relay_at_its_circuit_limit_refuses_clearly(tmp_path: Path) -> N
     relay = relay_node(tmp_path, "relay", replace(OPEN_RELAY, circuits=1))
     async with trio.open_nursery() as nursery:
         a, b = await start_relay_trio(nursery, tmp_path, relay)
-        await wait_for(lambda: relayed_via(a, b, relay))
+        await wait_for(lambda: relayed_via(a, b, relay), timeout_s=15)
         c = relayed_node(tmp_path, "c", relay)
         await nursery.start(c.run)
-        await wait_for(lambda: relay.peer(c.node_id) is not None)
+        await wait_for(lambda: relay.peer(c.node_id) is not None, timeout_s=15)
         with pytest.raises(RelayRefused) as caught:
             await c.service(RelayService).dial(RelayedAddress(address_of(relay), a.node_id))
         assert caught.value.actual == "relay_busy"
@@ -240,7 +245,7 @@ async def test_a_relay_without_relaying_refuses_the_stream_kind(tmp_path: Path) 
     relay = relay_node(tmp_path, "relay", RelaySettings())  # off by default
     async with trio.open_nursery() as nursery:
         a, b = await start_relay_trio(nursery, tmp_path, relay)
-        await wait_for(lambda: all(relay.peer(n.node_id) is not None for n in (a, b)))
+        await wait_for(lambda: all(relay.peer(n.node_id) is not None for n in (a, b)), timeout_s=15)
         info = relay.peer(a.node_id)
         assert info is not None
         relay_bits = a.peer(relay.node_id).features.get(pc.FEATURE_MESH_RELAY)  # type: ignore[union-attr]
@@ -257,7 +262,7 @@ async def test_a_forged_relayed_address_fails_the_handshake_closed(tmp_path: Pat
     relay = relay_node(tmp_path, "relay", OPEN_RELAY)
     async with trio.open_nursery() as nursery:
         a, b = await start_relay_trio(nursery, tmp_path, relay)
-        await wait_for(lambda: relayed_via(a, b, relay))
+        await wait_for(lambda: relayed_via(a, b, relay), timeout_s=15)
         # An id nobody holds: the relay has no such target.
         nobody = "ab" * 32
         with pytest.raises(RelayRefused) as caught:
@@ -284,10 +289,10 @@ async def test_a_relay_that_hands_the_circuit_to_an_impostor_is_refused(tmp_path
     relay.add_service(impostor)
     async with trio.open_nursery() as nursery:
         a, b = await start_relay_trio(nursery, tmp_path, relay)
-        await wait_for(lambda: relayed_via(a, b, relay))
+        await wait_for(lambda: relayed_via(a, b, relay), timeout_s=15)
         c = relayed_node(tmp_path, "c", relay)
         await nursery.start(c.run)
-        await wait_for(lambda: relay.peer(c.node_id) is not None)
+        await wait_for(lambda: relay.peer(c.node_id) is not None, timeout_s=15)
         impostor.hand_to = b.node_id  # c asks for a, the relay hands it b
         with pytest.raises(ProtocolError) as caught:
             await c.service(RelayService).dial(RelayedAddress(address_of(relay), a.node_id))
@@ -305,7 +310,9 @@ async def test_a_relay_that_disappears_ends_the_relayed_link(tmp_path: Path) -> 
                 b = relayed_node(tmp_path, "b", relay)
                 await nursery.start(a.run)
                 await nursery.start(b.run)
-                await wait_for(lambda: relayed_via(a, b, relay) and relayed_via(b, a, relay))
+                await wait_for(
+                    lambda: relayed_via(a, b, relay) and relayed_via(b, a, relay), timeout_s=15
+                )
                 relay_scope.cancel()  # the relay process is gone: no goodbye, no close
         await wait_for(lambda: not relayed_via(a, b, relay), timeout_s=5)
         with pytest.raises(PeerUnavailable):
@@ -455,7 +462,7 @@ async def test_a_relayed_link_moves_to_another_relay_when_its_relay_disappears(
             info = a.peer(b.node_id)
             return info.relay if info is not None and info.connected else None
 
-        await wait_for(lambda: via() is not None, timeout_s=10)
+        await wait_for(lambda: via() is not None, timeout_s=15)
         first = via()
         assert first in scopes
         scopes[first].cancel()  # that relay is gone
@@ -464,13 +471,13 @@ async def test_a_relayed_link_moves_to_another_relay_when_its_relay_disappears(
             info = b.peer(a.node_id)
             return via() not in (None, first) and info is not None and info.relay == via()
 
-        await wait_for(back, timeout_s=10)
+        await wait_for(back, timeout_s=15)
         try:
             echoed = await echo_through(a, b, b"still here")
         except LinkClosed:
             # Both ends dialled at once: the pair of links converges to one (the rule of any
             # simultaneous dial), and a request on the replaced one fails as on a lost link.
-            await wait_for(back, timeout_s=10)
+            await wait_for(back, timeout_s=15)
             echoed = await echo_through(a, b, b"still here")
         assert echoed == b"still here"
         nursery.cancel_scope.cancel()
@@ -482,7 +489,7 @@ async def test_a_peer_asking_for_circuits_in_a_loop_is_refused_quietly_past_its_
     relay = relay_node(tmp_path, "relay", RelaySettings(enable=True, allow="trusted"))
     async with trio.open_nursery() as nursery:
         a, b = await start_relay_trio(nursery, tmp_path, relay)
-        await wait_for(lambda: all(relay.peer(n.node_id) is not None for n in (a, b)))
+        await wait_for(lambda: all(relay.peer(n.node_id) is not None for n in (a, b)), timeout_s=15)
         caplog.clear()
         codes = []
         for _ in range(ASK_BURST + 30):
