@@ -314,7 +314,7 @@ async def test_a_relay_that_disappears_ends_the_relayed_link(tmp_path: Path) -> 
                     lambda: relayed_via(a, b, relay) and relayed_via(b, a, relay), timeout_s=15
                 )
                 relay_scope.cancel()  # the relay process is gone: no goodbye, no close
-        await wait_for(lambda: not relayed_via(a, b, relay), timeout_s=5)
+        await wait_for(lambda: not relayed_via(a, b, relay), timeout_s=15)
         with pytest.raises(PeerUnavailable):
             await a.open_stream(b.node_id, 1, name=ECHO, major=1)
         nursery.cancel_scope.cancel()
@@ -514,5 +514,5 @@ def test_the_ask_bucket_refills_at_its_rate() -> None:
     allowed, bucket = take_ask(None, 0.0)
     assert allowed and bucket == (ASK_BURST - 1, 0.0)
     empty = (0.5, 10.0)
-    assert take_ask(empty, 10.0)[0] is False
-    assert take_ask(empty, 10.0 + 1 / ASKS_PER_S)[0] is True
+    assert not take_ask(empty, 10.0)[0]
+    assert take_ask(empty, 10.0 + 1 / ASKS_PER_S)[0]
