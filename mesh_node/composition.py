@@ -10,7 +10,9 @@ node runs them:
 3. ``ArtifactService``: peer artifact transfer (its streams and bits when this node would
    serve), following the topology and handing each fetched stage to the stage host;
 4. ``Serving``: this node as a serving coordinator, when asked (the OpenAI API);
-5. ``LanDiscovery``: nodes of the same owner found on the LAN by mDNS, when
+5. ``RelayService``: circuits through relays, for this node (``relays``) and, when
+   ``[relay] enable``, for others;
+6. ``LanDiscovery``: nodes of the same owner found on the LAN by mDNS, when
    ``lan_discovery = true``.
 
 Services that need each other receive each other here, never through the node.
@@ -25,6 +27,7 @@ from typing import TYPE_CHECKING
 from mesh_node.identity import LocalIdentity
 from mesh_node.lan_discovery import LanDiscovery
 from mesh_node.node import MeshNode
+from mesh_node.relay import RelayService
 from mesh_node.serving.host import StageHost
 from mesh_node.serving.service import Serving
 from mesh_node.settings import NodeSettings
@@ -47,6 +50,7 @@ class ComposedNode:
     host: StageHost
     artifacts: ArtifactService
     serving: Serving
+    relay: RelayService
 
 
 def compose(
@@ -85,8 +89,9 @@ def add_services(
 
     artifacts = ArtifactService(node, topology, env, ready_hook=ready)
     serving = Serving(node, host, topology, extra_routes=routes, expected=expect_serve)
-    for service in (topology, host, artifacts, serving):
+    relay = RelayService(node)
+    for service in (topology, host, artifacts, serving, relay):
         node.add_service(service)
     if settings.lan_discovery:
         node.add_service(LanDiscovery(node))
-    return ComposedNode(node, topology, host, artifacts, serving)
+    return ComposedNode(node, topology, host, artifacts, serving, relay)

@@ -76,6 +76,13 @@ class StreamReset(MeshError):
     code = "stream_reset"
 
 
+class RelayRefused(MeshError):
+    """A relay refused a circuit (``actual``: the relay's reason code, e.g. relay_forbidden,
+    relay_busy, relay_no_target)."""
+
+    code = "relay_refused"
+
+
 class StreamStalled(MeshError):
     """A send could not make progress within the idle timeout (the peer stopped reading)."""
 

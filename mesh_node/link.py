@@ -20,7 +20,7 @@ import trio
 
 from mesh_node.budget import PeerMemory
 from mesh_node.errors import LinkClosed, StreamRefused, StreamReset, StreamStalled
-from mesh_node.transport import BudgetedStream
+from mesh_node.transport import LinkTransport
 from mesh_node.websocket import ConnectionClosed, WebSocket, WebSocketSettings
 from protocol import constants as pc
 from protocol import streams as ev
@@ -392,7 +392,7 @@ class Link:
         self._inbound: dict[int, trio.CancelScope] = {}
         self.budget = budget
         # The transport's account (its reads) is the link's: one share per peer.
-        self.transport: BudgetedStream = ws.stream
+        self.transport: LinkTransport = ws.stream
         self.budget_key = self.transport.key
         self.budget_peak = 0  # the most this link held of the budget (known once it closed)
         self._output = trio.lowlevel.ParkingLot()

@@ -343,7 +343,15 @@ def node_families(doc: Mapping[str, Any]) -> list[Metric]:
     rtt = GaugeMetricFamily(
         f"{PREFIX}_peer_rtt_seconds", "Latest heartbeat round trip to a peer", labels=["peer"]
     )
+    link = GaugeMetricFamily(
+        f"{PREFIX}_peer_link",
+        "A connected peer's link: direct, or relayed (and through which relay)",
+        labels=["peer", "link", "relay"],
+    )
     for p in doc["peers"]:
+        if p["connected"]:
+            relay = p.get("relay") or ""
+            link.add_metric([p["node_id"], "relayed" if relay else "direct", relay], 1)
         key = (
             "trusted" if p["trusted"] else "untrusted",
             p["owner_status"],
@@ -356,7 +364,7 @@ def node_families(doc: Mapping[str, Any]) -> list[Metric]:
             rtt.add_metric([p["node_id"]], p["rtt_ms"] / 1000)
     for key, count in sorted(counts.items()):
         peers.add_metric(list(key), count)
-    return [info, uptime, budget, peers, received, sent, rtt]
+    return [info, uptime, budget, peers, received, sent, rtt, link]
 
 
 def topology_families(topo: Mapping[str, Any] | None) -> list[Metric]:

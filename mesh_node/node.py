@@ -20,7 +20,7 @@ import random
 import secrets
 import socket
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -30,7 +30,7 @@ from prometheus_client.registry import Collector
 
 from mesh_node.budget import PeerMemory
 from mesh_node.cipher_support import local_ciphers
-from mesh_node.errors import PeerUnavailable
+from mesh_node.errors import MeshError, PeerUnavailable
 from mesh_node.hostid import host_fingerprint
 from mesh_node.identity import LocalIdentity, owner_of, short_id, trust_decision
 from mesh_node.link import (
@@ -55,7 +55,14 @@ from mesh_node.peers import (
     status_document,
 )
 from mesh_node.request_gate import TokenBucket
-from mesh_node.settings import HostPort, NodeSettings, PeerAddress, parse_peer_address
+from mesh_node.settings import (
+    DialAddress,
+    HostPort,
+    NodeSettings,
+    PeerAddress,
+    RelayedAddress,
+    parse_peer_address,
+)
 from mesh_node.transport import budgeted_listeners
 from mesh_node.websocket import (
     ConnectionClosed,
@@ -101,6 +108,36 @@ QUEUE_WAIT_S = 2.0  # the longest a connection waits for a handshake slot (then 
 # After a link that held this much of the peer budget closes, free heap goes back to the OS.
 TRIM_AFTER_BYTES = 1024 * 1024
 S = TypeVar("S")
+# Dials a relayed address (a circuit through its relay, then the link over it): the relay
+# service's, when the node runs one.
+CircuitDialer = Callable[[RelayedAddress], Awaitable[None]]
+
+
+def relay_addresses(advertised: tuple[str, ...]) -> tuple[PeerAddress, ...]:
+    """The relays a hello or gossip names that can be used (with their ids); the rest are
+    ignored, as any address we cannot dial is (pure)."""
+    out = []
+    for text in advertised:
+        try:
+            address = parse_peer_address(text, "relays")
+        except UsageError:
+            continue
+        if address.node_id is not None:
+            out.append(address)
+    return tuple(out)
+
+
+def dial_plan(node_id: str, address: str, relays: tuple[PeerAddress, ...]) -> list[DialAddress]:
+    """How to reach a node gossip told us of (pure): through each relay it names (it says it
+    cannot be dialled; a dial loop per relay, so a lost relay leaves the others), else at its
+    listen address. The seam for a direct upgrade (hole punching): a plan that tries the
+    observed address first goes here."""
+    if relays:
+        return [RelayedAddress(relay, node_id) for relay in relays]
+    try:
+        return [parse_peer_address(f"{address}#{node_id}")]
+    except UsageError:
+        return []  # an address we cannot dial is simply not used
 
 
 @dataclass
@@ -122,6 +159,7 @@ class _Member:
     disconnected: trio.Event = field(default_factory=trio.Event)
     certificate: OwnerCertificate | None = None  # what its link's handshake presented
     trust_until: float = math.inf  # wall clock: when ``peer`` must be evaluated again
+    relays: tuple[PeerAddress, ...] = ()  # relays its hello says it is reachable through
 
 
 def listen_error(listen: HostPort, exc: OSError) -> UsageError:
@@ -244,6 +282,7 @@ class MeshNode:
         self.started = trio.Event()
         self._started_at: float | None = None  # trio clock, when run() began serving
         self._services: list[NodeService] = []  # in the order added (and run)
+        self._circuit_dialer: CircuitDialer | None = None
 
     # --- services ---------------------------------------------------------------------------------
     def add_service(self, service: NodeService) -> None:
@@ -271,6 +310,28 @@ class MeshNode:
             if isinstance(service, kind):
                 return service
         raise UsageError(f"this node runs no {kind.__name__}", code="no_such_service")
+
+    def set_circuit_dialer(self, dialer: CircuitDialer) -> None:
+        """Relayed addresses (``ws://relay#id/relayed/<node id>``) are dialed by ``dialer``
+        (the relay service); without one they are not dialed."""
+        self._circuit_dialer = dialer
+
+    def keep_linked(self, address: PeerAddress) -> None:
+        """Dial ``address`` and keep its link, as a configured peer (a relay this node is
+        reachable through)."""
+        self._start_dialing(address, persistent=True)
+
+    async def link_over(self, ws: WebSocket, *, expected: str, what: str) -> None:
+        """Dial side of a link over an open WebSocket on a relay's circuit: the same Noise
+        handshake as over TCP, demanding ``expected``'s identity; serves the link until it
+        ends (``what``: the address, for the log). Raises ``ProtocolError`` or
+        ``trio.TooSlowError`` when the handshake fails."""
+        await self._handshake_and_serve(ws, bytes.fromhex(expected), what)
+
+    async def accept_link(self, request: WebSocketRequest) -> None:
+        """Accept side of a link whose upgrade arrived on a relay's circuit: the admission,
+        handshake and link of any inbound connection (its source address is the relay)."""
+        await self._on_request(request)
 
     def collectors(self) -> list[Collector]:
         """Every service's metrics collectors (``/metrics``, beside the node's own)."""
@@ -494,7 +555,7 @@ class MeshNode:
         in number, given up after repeated failures, trusted only once authenticated."""
         self._start_dialing(address, persistent=False)
 
-    def _start_dialing(self, address: PeerAddress, *, persistent: bool) -> None:
+    def _start_dialing(self, address: DialAddress, *, persistent: bool) -> None:
         key = str(address)
         if key in self._dialing or self._nursery is None:
             return
@@ -503,7 +564,7 @@ class MeshNode:
         self._dialing.add(key)
         self._nursery.start_soon(self._dial_loop, address, persistent)
 
-    async def _dial_loop(self, address: PeerAddress, persistent: bool) -> None:
+    async def _dial_loop(self, address: DialAddress, persistent: bool) -> None:
         """Dial ``address`` and keep its link: after a loss or a failure, dial again with
         exponential backoff (from 50 ms up to ``dial_backoff_cap_s``) and jitter, so that
         nodes cut off together do not all dial back at the same instant."""
@@ -530,6 +591,7 @@ class MeshNode:
                     ProtocolError,
                     trio.TooSlowError,
                     trio.BrokenResourceError,
+                    MeshError,  # a relay refused the circuit, or its link is gone
                 ) as exc:
                     failures += 1
                     log.info("dial %s failed: %s", address, dial_failure(exc))
@@ -556,9 +618,14 @@ class MeshNode:
             for event in waits:
                 await event.wait()
 
-    async def _dial(self, address: PeerAddress) -> bool:
+    async def _dial(self, address: DialAddress) -> bool:
         """Dial ``address`` and serve the link until it ends: ``False`` when no link was kept
         (the node there is this one, or one already linked)."""
+        if isinstance(address, RelayedAddress):
+            if self._circuit_dialer is None:
+                raise PeerUnavailable(f"{address}: this node runs no relay service")
+            await self._circuit_dialer(address)
+            return True
         expected = bytes.fromhex(address.node_id) if address.node_id else None
         offered = offered_subprotocols(self.link_ciphers)
         # `dial_via`: reach this peer through another address (a relay, a tunnel);
@@ -572,21 +639,27 @@ class MeshNode:
             websocket_settings(self.limits, self.timeouts),
             offered,
         ) as ws:
-            hs = Handshake(
-                initiator=True,
-                identity=self.identity.key,
-                certificate=self.identity.certificate,
-                expected_peer=expected,
-                limits=self.limits,
-                cipher=cipher_for_selected(ws.subprotocol, offered),
-            )
-            try:
-                peer, channel = await secure_handshake(ws, hs, self.timeouts.handshake_s)
-            except ProtocolError as exc:
-                if exc.code == "identity_mismatch":
-                    log.warning("dial %s: %s (fails closed)", address, exc.message)
-                raise
-            return await self._serve_link(ws, peer, channel, initiator=True)
+            return await self._handshake_and_serve(ws, expected, str(address))
+
+    async def _handshake_and_serve(self, ws: WebSocket, expected: bytes | None, what: str) -> bool:
+        """The dialer's Noise handshake over ``ws`` (TCP or a circuit), then the link until it
+        ends: ``False`` when it was not kept (``_serve_link``)."""
+        offered = offered_subprotocols(self.link_ciphers)
+        hs = Handshake(
+            initiator=True,
+            identity=self.identity.key,
+            certificate=self.identity.certificate,
+            expected_peer=expected,
+            limits=self.limits,
+            cipher=cipher_for_selected(ws.subprotocol, offered),
+        )
+        try:
+            peer, channel = await secure_handshake(ws, hs, self.timeouts.handshake_s)
+        except ProtocolError as exc:
+            if exc.code == "identity_mismatch":
+                log.warning("dial %s: %s (fails closed)", what, exc.message)
+            raise
+        return await self._serve_link(ws, peer, channel, initiator=True)
 
     async def _on_request(self, request: WebSocketRequest) -> None:
         try:
@@ -736,6 +809,7 @@ class MeshNode:
                     host=self.host_id,
                     boot=self.boot_id,
                     compute=self.compute,
+                    relays=tuple(str(a) for a in self.settings.relays),
                 )
                 link.mux.send_link_message(hello.encode())
                 link.wake_writer()
@@ -871,6 +945,7 @@ class MeshNode:
             member.memory_budget_bytes = message.memory_budget_bytes
             member.host_id = message.host
             member.compute = message.compute
+            member.relays = relay_addresses(message.relays)
             first_on_link = member.hello_link is not link
             member.hello, member.hello_link = True, link
             restarted = member.boot is not None and message.boot != member.boot
@@ -889,26 +964,31 @@ class MeshNode:
                 known = self._members.get(node_id)
                 if node_id == self.node_id or (known is not None and known.link is not None):
                     continue
-                try:
-                    address = parse_peer_address(f"{record.address}#{node_id}")
-                except UsageError:
-                    continue  # an address we cannot dial is simply not used
+                relays = relay_addresses(record.relays) if self._circuit_dialer else ()
                 # Learned, not trusted: it counts only once dialed and authenticated.
-                self._start_dialing(address, persistent=False)
+                for address in dial_plan(node_id, record.address, relays):
+                    self._start_dialing(address, persistent=False)
 
     def _gossip_about(self, node_id: str, member: _Member) -> None:
         """Tell the new peer whom we know, and everyone else about the new peer."""
         others = [
-            PeerRecord(bytes.fromhex(nid), m.address)
+            self._record(nid, m, to=member)
             for nid, m in self._members.items()
             if nid != node_id and m.link is not None and m.address
         ][: self.limits.max_gossip_peers]
         self._send_message(member, Peers(tuple(others)).encode())
         if member.address:
-            news = Peers((PeerRecord(bytes.fromhex(node_id), member.address),)).encode()
             for nid, m in self._members.items():
                 if nid != node_id and m.link is not None:
-                    self._send_message(m, news)
+                    self._send_message(m, Peers((self._record(node_id, member, to=m),)).encode())
+
+    def _record(self, node_id: str, about: _Member, *, to: _Member) -> PeerRecord:
+        """Gossip about ``about`` for ``to``: its relays only to a peer that reads them (an
+        older node refuses a peer entry with keys it does not know)."""
+        assert about.address is not None  # callers gossip only members with one (typing)
+        reads = pc.BIT_RELAYED in to.features.get(pc.FEATURE_MESH_RELAY, ())
+        relays = tuple(str(r) for r in about.relays) if reads else ()
+        return PeerRecord(bytes.fromhex(node_id), about.address, relays)
 
     def _send_message(self, member: _Member, payload: bytes) -> None:
         if member.link is None:
@@ -935,4 +1015,5 @@ class MeshNode:
             bytes_received=m.bytes_received + (m.link.bytes_received if m.link else 0),
             bytes_sent=m.bytes_sent + (m.link.bytes_sent if m.link else 0),
             link_cipher=m.link.channel.cipher.label if m.link is not None else None,
+            relay=m.link.transport.relay_id if m.link is not None else None,
         )

@@ -67,6 +67,7 @@ class PeerInfo:
     host_id: str | None = None  # its machine's fingerprint (Hello), if it sent one
     compute: ComputeCost | None = None  # its calibrated speed (Hello), if it sent one
     link_cipher: str | None = None  # the connected link's Noise cipher
+    relay: str | None = None  # the relay's node id when the link is a relayed circuit
 
     @property
     def node_id(self) -> str:
@@ -92,6 +93,8 @@ class PeerInfo:
             "bytes_sent": self.bytes_sent,
             "compute": None if self.compute is None else self.compute.to_wire(),
             "link_cipher": self.link_cipher,
+            "link": "direct" if self.relay is None else "relayed",
+            "relay": self.relay,
         }
 
 
@@ -155,6 +158,13 @@ def status_document(
     }
 
 
+def link_text(p: Mapping[str, Any]) -> str:
+    """How a connected peer is linked: direct, or relayed via which relay; and its RTT."""
+    how = "direct" if not p.get("relay") else f"relayed via {peer_text(p['relay'][:12])}"
+    rtt = p.get("rtt_ms")
+    return how + ("" if rtt is None else f", rtt {rtt:.1f} ms")
+
+
 def render_status(doc: Mapping[str, Any]) -> str:
     """The status document as text for a terminal."""
     features = "; ".join(f"{k}: {', '.join(v)}" for k, v in doc["features"].items())
@@ -173,6 +183,13 @@ def render_status(doc: Mapping[str, Any]) -> str:
         lines.append(
             f"  {peer_text(p['node_id'][:16])} {state:4} {peer_text(p['owner_status']):10} "
             f"{trust:9} {peer_text(p['address'] or '-')} seen {p['last_seen_s']:.1f}s ago"
+            + (f"; {link_text(p)}" if p["connected"] else "")
+        )
+    relay = doc.get("relay")
+    if relay and relay["enabled"]:
+        lines.append(
+            f"relay    {relay['circuits_open']} circuits open, {relay['circuits_total']} opened, "
+            f"{human_bytes(relay['bytes_forwarded'])} forwarded (allow {relay['allow']})"
         )
     topo = doc.get("topology")
     if topo:

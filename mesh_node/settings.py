@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from protocol.constants import DEFAULT_LIMITS
+from protocol.constants import DEFAULT_LIMITS, MAX_RELAYS, RELAYED_MARKER
 from skippy.config import (
     ENV_CALIBRATION,
     ArtifactTransfer,
@@ -62,6 +62,8 @@ NODE_KEYS = frozenset(
         "calibration",  # auto | off: calibrate the stage runtime, advertise it
         "lan_discovery",  # find nodes of the same owner on the LAN by mDNS (off by default)
         "lab_lock",  # the lab's lifeline: the node stops once nothing holds this file's lock
+        "relays",  # relays this node keeps a link to and is reachable through
+        "relay",  # [relay]: this node relays circuits for others (RelaySettings)
     }
 )
 
@@ -99,6 +101,25 @@ class PeerAddress:
 
     def __str__(self) -> str:
         return self.url + (f"#{self.node_id}" if self.node_id else "")
+
+
+@dataclass(frozen=True)
+class RelayedAddress:
+    """``ws://relay:port#<relay id>/relayed/<node id>``: ``node_id`` reached through a circuit
+    on ``relay`` (which must name its id: a circuit is asked of an authenticated relay)."""
+
+    relay: PeerAddress
+    node_id: str
+
+    def __post_init__(self) -> None:
+        if self.relay.node_id is None or not _NODE_ID_RE.match(self.node_id):
+            raise bad_value("relayed address", "needs the relay's and the target's ids", self)
+
+    def __str__(self) -> str:
+        return f"{self.relay}{RELAYED_MARKER}{self.node_id}"
+
+
+DialAddress = PeerAddress | RelayedAddress
 
 
 SERVING_KEYS = frozenset(
@@ -354,6 +375,66 @@ class SecuritySettings:
     max_members: int = 1024
 
 
+# --- [relay]: circuits this node splices for others ---------------------------------------------
+RELAY_KEYS = frozenset(
+    {
+        "enable",
+        "allow",
+        "circuits",
+        "circuits_per_peer",
+        "circuit_bytes_per_s",
+        "circuit_bytes",
+        "circuit_lifetime_s",
+    }
+)
+
+
+@dataclass(frozen=True)
+class RelaySettings:
+    """``[relay]`` of the node TOML (docs/mesh-node.md, "Relays"). Off by default. ``allow``
+    is the trust vocabulary of ``[security]``: both ends of a circuit must be in it."""
+
+    enable: bool = False
+    allow: PeerScope = "trusted"
+    circuits: int = 64  # circuits open at once, all peers together
+    circuits_per_peer: int = 8  # circuits one peer may have open (as either end)
+    circuit_bytes_per_s: int = 16 * 1024 * 1024  # each direction of one circuit (0: no cap)
+    circuit_bytes: int = 0  # both directions of one circuit together (0: no cap)
+    circuit_lifetime_s: float = 24 * 3600.0
+
+
+def relay_settings(raw: object) -> RelaySettings:
+    """Parse ``[relay]`` (absent: relaying off); unknown keys are errors naming the key."""
+    if raw is None:
+        return RelaySettings()
+    if not isinstance(raw, Mapping):
+        raise bad_value("relay", "expected a table", raw)
+    refuse_unknown_keys(raw, "relay", RELAY_KEYS)
+    values: dict[str, Any] = {}
+    if "enable" in raw:
+        if not isinstance(raw["enable"], bool):
+            raise bad_value("relay.enable", "expected true or false", raw["enable"])
+        values["enable"] = raw["enable"]
+    if "allow" in raw:
+        if raw["allow"] not in ("trusted", "any"):
+            raise bad_value("relay.allow", "expected trusted or any", raw["allow"])
+        values["allow"] = raw["allow"]
+    for key in ("circuits", "circuits_per_peer"):
+        if key in raw:
+            n = raw[key]
+            if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 4096:
+                raise bad_value(f"relay.{key}", "expected an integer from 1 to 4096", n)
+            values[key] = n
+    for key in ("circuit_bytes_per_s", "circuit_bytes"):
+        if key in raw:
+            values[key] = parse_size(raw[key], f"relay.{key}")
+    if "circuit_lifetime_s" in raw:
+        values["circuit_lifetime_s"] = positive_seconds(
+            {"relay.circuit_lifetime_s": raw["circuit_lifetime_s"]}, "relay.circuit_lifetime_s", 1.0
+        )
+    return RelaySettings(**values)
+
+
 def _cache_budget(value: object) -> int | Literal["auto"]:
     if value == "auto":
         return "auto"
@@ -411,7 +492,7 @@ class NodeSettings:
     identity_path: Path
     certificate_path: Path | None
     data_dir: Path
-    peers: tuple[PeerAddress, ...]
+    peers: tuple[DialAddress, ...]  # a relayed address is dialled through its relay
     trusted_owners: tuple[str, ...]
     artifact_transfer: ArtifactTransfer
     memory_budget_bytes: int
@@ -446,6 +527,10 @@ class NodeSettings:
     # ``mesh-node lab`` holds this file's lock while it runs; the node stops once nobody does
     # (``mesh_node.lifeline``). None: a node on its own.
     lab_lock: Path | None = None
+    # Relays this node keeps linked and advertises as its relayed addresses (a node that
+    # cannot be dialled); and what it offers as a relay itself (off by default).
+    relays: tuple[PeerAddress, ...] = ()
+    relay: RelaySettings = field(default_factory=RelaySettings)
 
     @property
     def hub_cache_dir(self) -> Path:
@@ -471,6 +556,41 @@ def parse_http_bind(value: object, key: str = "http") -> HostPort:
     if isinstance(value, str) and value.strip().isdigit():
         value = f"127.0.0.1:{value.strip()}"
     return parse_host_port(value, key)
+
+
+def parse_relayed_address(text: object, key: str = "peers") -> RelayedAddress:
+    """``ws://HOST:PORT#<relay id>/relayed/<node id>``."""
+    if not isinstance(text, str) or RELAYED_MARKER not in text:
+        raise bad_value(
+            key, "a relayed address is ws://HOST:PORT#<relay-id>/relayed/<node-id>", text
+        )
+    relay_text, _, node_id = text.partition(RELAYED_MARKER)
+    relay = parse_peer_address(relay_text, key)
+    if relay.node_id is None or not _NODE_ID_RE.match(node_id):
+        raise bad_value(key, "a relayed address names the relay's id and the node's id", text)
+    return RelayedAddress(relay, node_id)
+
+
+def parse_dial_address(text: object, key: str = "peers") -> DialAddress:
+    """A ``peers`` entry: ``ws://HOST:PORT#<node id>``, or a relayed address
+    ``ws://HOST:PORT#<relay id>/relayed/<node id>``."""
+    if isinstance(text, str) and RELAYED_MARKER in text:
+        return parse_relayed_address(text, key)
+    return parse_peer_address(text, key)
+
+
+def parse_relays(value: object) -> tuple[PeerAddress, ...]:
+    """``relays = ["ws://HOST:PORT#<relay id>", ...]``: the relay's id is required (a circuit
+    is asked only of the relay that proved it), at most ``MAX_RELAYS``."""
+    if not isinstance(value, list) or len(value) > MAX_RELAYS:
+        raise bad_value(
+            "relays", f"expected a list of at most {MAX_RELAYS} ws://HOST:PORT#<id>", value
+        )
+    out = tuple(dict.fromkeys(parse_peer_address(v, "relays") for v in value))
+    for address in out:
+        if address.node_id is None:
+            raise bad_value("relays", "a relay's address needs its #<node-id>", str(address))
+    return out
 
 
 def parse_peer_address(text: object, key: str = "peers") -> PeerAddress:
@@ -551,7 +671,7 @@ def node_settings(config: NodeConfig, env: Environment | None = None) -> NodeSet
         identity_path=identity,
         certificate_path=path_of("certificate"),
         data_dir=data_dir,
-        peers=tuple(parse_peer_address(p) for p in peers_raw),
+        peers=tuple(parse_dial_address(p) for p in peers_raw),
         trusted_owners=tuple(dict.fromkeys(owners)),
         artifact_transfer=transfer,
         memory_budget_bytes=(
@@ -578,6 +698,8 @@ def node_settings(config: NodeConfig, env: Environment | None = None) -> NodeSet
         security=security_settings(raw.get("security")),
         calibrate=_calibration(env.calibration, raw.get("calibration", "auto")),
         lab_lock=path_of("lab_lock"),
+        relays=parse_relays(raw.get("relays", [])),
+        relay=relay_settings(raw.get("relay")),
     )
 
 

@@ -26,7 +26,7 @@ import math
 import os
 import socket
 from itertools import count
-from typing import Final
+from typing import Final, Protocol
 
 import trio
 
@@ -46,6 +46,36 @@ _TCP_PEER_GONE: Final = frozenset({7, 8, 9})
 _ids = count(1)
 
 
+class LinkTransport(Protocol):
+    """What a link's WebSocket runs over: a ``BudgetedStream`` (TCP), or a relay's circuit
+    (``mesh_node.circuit.CircuitStream``)."""
+
+    key: int  # the link's account in ``budget``
+    budget: PeerMemory
+    trusted: bool
+    waited_at: float  # trio clock: the last time a read waited for room (not the peer's silence)
+    peer_address: str
+    relay_id: str | None  # the relay's node id for a relayed circuit; None over TCP
+
+    def established(self, *, trusted: bool) -> None: ...
+
+    def claim(self) -> None: ...
+
+    def set_trusted(self, trusted: bool) -> None: ...
+
+    def delivered(self, payload_bytes: int) -> None: ...
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes: ...
+
+    async def drain(self) -> None: ...
+
+    def send_now(self, data: bytes | bytearray | memoryview) -> int: ...
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None: ...
+
+    async def aclose(self) -> None: ...
+
+
 class BudgetedStream(trio.abc.HalfCloseableStream):
     """A ``trio.SocketStream`` whose received bytes are held against ``budget`` until the
     WebSocket above it has delivered them (``delivered``)."""
@@ -61,6 +91,7 @@ class BudgetedStream(trio.abc.HalfCloseableStream):
         self.cap: int | None = PENDING_CAP_BYTES
         self.read_bytes = SMALL_READ_BYTES
         self.trusted = False
+        self.relay_id: str | None = None  # a direct connection
         self._in_head, self._head_tail = True, b""
         self.waited_at = -math.inf  # trio clock: the last time a read waited for room
         self._held_by_read = 0  # what the last read added to ``held``

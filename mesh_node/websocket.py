@@ -29,7 +29,7 @@ from functools import partial
 import trio
 
 from mesh_node.budget import PeerMemory
-from mesh_node.transport import BudgetedListener, BudgetedStream
+from mesh_node.transport import BudgetedListener, BudgetedStream, LinkTransport
 from protocol.ws_close import CloseReason, ClosingHandshake
 from protocol.ws_frames import (
     CLOSE_ABNORMAL,
@@ -93,7 +93,7 @@ class WebSocket:
 
     def __init__(
         self,
-        stream: BudgetedStream,
+        stream: LinkTransport,
         *,
         client: bool,
         subprotocol: str | None,
@@ -264,7 +264,7 @@ class WebSocket:
 
 
 # --- the opening handshake ----------------------------------------------------------------------
-async def _read_head(stream: BudgetedStream) -> tuple[bytes, bytes]:
+async def _read_head(stream: LinkTransport) -> tuple[bytes, bytes]:
     """The HTTP head the peer sends first, and the bytes after it (frames already sent)."""
     buf = bytearray()
     while (end := head_end(buf)) is None:
@@ -279,7 +279,7 @@ class WebSocketRequest:
     """A dialer's valid upgrade request, for the node to accept or reject."""
 
     def __init__(
-        self, stream: BudgetedStream, upgrade: UpgradeRequest, buffered: bytes, max_bytes: int
+        self, stream: LinkTransport, upgrade: UpgradeRequest, buffered: bytes, max_bytes: int
     ) -> None:
         self.stream = stream
         self.upgrade = upgrade
@@ -357,6 +357,51 @@ async def serve_websockets(
     )
 
 
+async def accept_over(stream: LinkTransport, settings: WebSocketSettings) -> WebSocketRequest:
+    """The dialer's upgrade request on an already open ``stream`` (a relay's circuit), within
+    ``handshake_s``. Raises ``trio.TooSlowError``, ``HandshakeError`` or ``UpgradeRefused``
+    (after answering it with its status)."""
+    with trio.fail_after(settings.handshake_s):
+        head, rest = await _read_head(stream)
+        try:
+            upgrade = parse_request(head)
+        except UpgradeRefused as exc:
+            await stream.send_all(reject_response(exc.status, exc.message.encode()))
+            raise
+    return WebSocketRequest(stream, upgrade, rest, settings.max_message_bytes)
+
+
+@asynccontextmanager
+async def client_over(
+    stream: LinkTransport,
+    authority: str,
+    settings: WebSocketSettings,
+    subprotocols: Sequence[str] = (),
+) -> AsyncIterator[WebSocket]:
+    """A client WebSocket over an already open ``stream`` (TCP, or a relay's circuit); the
+    WebSocket is closed on exit, the stream is the caller's. Raises ``trio.TooSlowError``,
+    ``ConnectionRejected``, ``HandshakeError`` or ``UpgradeRefused``."""
+    with trio.fail_after(settings.handshake_s):
+        key = new_key(os.urandom(KEY_BYTES))
+        await stream.send_all(client_request(authority, "/", key, subprotocols))
+        head, rest = await _read_head(stream)
+        answer = parse_response(head, key, subprotocols)
+    if answer.status != 101:
+        raise ConnectionRejected(answer.status)
+    ws = WebSocket(
+        stream,
+        client=True,
+        subprotocol=answer.subprotocol,
+        max_message_bytes=settings.max_message_bytes,
+        buffered=rest,
+    )
+    try:
+        yield ws
+    finally:
+        with trio.CancelScope(shield=True), trio.move_on_after(settings.disconnect_s):
+            await ws.aclose()
+
+
 @asynccontextmanager
 async def connect(
     host: str,
@@ -373,26 +418,9 @@ async def connect(
     stream = BudgetedStream(sock, budget, server=False)
     stream.claim()
     try:
-        with trio.fail_after(settings.handshake_s):
-            key = new_key(os.urandom(KEY_BYTES))
-            authority = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-            await stream.send_all(client_request(authority, "/", key, subprotocols))
-            head, rest = await _read_head(stream)
-            answer = parse_response(head, key, subprotocols)
-        if answer.status != 101:
-            raise ConnectionRejected(answer.status)
-        ws = WebSocket(
-            stream,
-            client=True,
-            subprotocol=answer.subprotocol,
-            max_message_bytes=settings.max_message_bytes,
-            buffered=rest,
-        )
-        try:
+        authority = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        async with client_over(stream, authority, settings, subprotocols) as ws:
             yield ws
-        finally:
-            with trio.CancelScope(shield=True), trio.move_on_after(settings.disconnect_s):
-                await ws.aclose()
     finally:
         with trio.CancelScope(shield=True):
             await stream.aclose()

@@ -156,3 +156,19 @@ DEFAULT_LIMITS: Final = Limits()
 
 # A Hello's optional host fingerprint: letters and digits, at most this long.
 MAX_HOST_CHARS = 64
+
+# --- relays: circuits through a mesh node for peers that cannot be dialled -------------------
+# A circuit is a stream on each of the relay's two links, spliced byte for byte; the two ends
+# run an ordinary WebSocket and the same Noise handshake over it, so the relay carries
+# ciphertext only.
+MESH_RELAY: Final = "mesh-relay"
+MESH_RELAY_MAJOR: Final = 1
+FEATURE_MESH_RELAY: Final = f"{MESH_RELAY}/{MESH_RELAY_MAJOR}"
+KIND_CIRCUIT_CONNECT: Final = 0x01  # a dialer asks the relay for a circuit to a target
+KIND_CIRCUIT_INCOMING: Final = 0x02  # the relay offers the target a circuit from a source
+BIT_RELAY: Final = "relay"  # this node splices circuits for others
+# This node accepts circuits from its relays, and understands relayed addresses in gossip.
+BIT_RELAYED: Final = "relayed"
+# A relayed address: the relay's address, this marker, the target's node id.
+RELAYED_MARKER: Final = "/relayed/"
+MAX_RELAYS: Final = 8  # relayed addresses one node advertises

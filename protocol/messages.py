@@ -118,6 +118,9 @@ class Hello:
     boot: str | None = None
     # Added later (optional): the sender's calibrated compute speed, for cost planning.
     compute: ComputeCost | None = None
+    # Optional: relays (``ws://HOST:PORT#<relay id>``) the sender is reachable through, when
+    # it cannot be dialled; an older node ignores the key.
+    relays: tuple[str, ...] = ()
 
     def encode(self) -> bytes:
         doc: dict[str, object] = {
@@ -133,6 +136,8 @@ class Hello:
             doc["boot"] = self.boot
         if self.compute is not None:
             doc["compute"] = self.compute.to_wire()
+        if self.relays:
+            doc["relays"] = list(self.relays)
         return _pack(doc)
 
 
@@ -140,6 +145,15 @@ class Hello:
 class PeerRecord:
     node_id: bytes
     address: str
+    # Relays the node is reachable through: sent only to peers advertising the relayed bit
+    # (an older node refuses a peer entry with other keys).
+    relays: tuple[str, ...] = ()
+
+    def to_wire(self) -> dict[str, object]:
+        entry: dict[str, object] = {"node_id": self.node_id, "address": self.address}
+        if self.relays:
+            entry["relays"] = list(self.relays)
+        return entry
 
 
 @dataclass(frozen=True)
@@ -153,7 +167,7 @@ class Peers:
             {
                 "t": "peers",
                 "gen": c.MESSAGE_GEN,
-                "peers": [{"node_id": p.node_id, "address": p.address} for p in self.peers],
+                "peers": [p.to_wire() for p in self.peers],
             }
         )
 
@@ -183,6 +197,7 @@ def decode_link_message(payload: bytes, limits: c.Limits = c.DEFAULT_LIMITS) -> 
             host=host,
             boot=boot,
             compute=ComputeCost.from_wire(d["compute"]) if "compute" in d else None,
+            relays=_relays(d.get("relays", []), limits),
         )
     if kind == "peers":
         d = _check_keys(data, {"t", "gen", "peers"}, "peers")
@@ -191,17 +206,18 @@ def decode_link_message(payload: bytes, limits: c.Limits = c.DEFAULT_LIMITS) -> 
             raise _fail(f"peers is a list of at most {limits.max_gossip_peers} entries")
         records = []
         for entry in raw:
-            if not isinstance(entry, dict) or set(entry) != {"node_id", "address"}:
-                raise _fail("a peer entry has exactly node_id and address")
+            if not isinstance(entry, dict) or set(entry) - {"relays"} != {"node_id", "address"}:
+                raise _fail("a peer entry has node_id and address (and optionally relays)")
             address = _str(entry["address"], "address", limits.max_address_chars)
-            records.append(PeerRecord(_key(entry["node_id"], "node_id"), address))
+            relays = _relays(entry.get("relays", []), limits)
+            records.append(PeerRecord(_key(entry["node_id"], "node_id"), address, relays))
         return Peers(tuple(records))
     raise _fail(f"unknown link message type {kind!r}")
 
 
 _HELLO_REQUIRED: Final = frozenset({"t", "gen", "listen", "features", "memory_budget_bytes"})
 _HELLO_KNOWN_OPTIONAL: Final = frozenset(
-    {"host", "boot", "compute"}
+    {"host", "boot", "compute", "relays"}
 )
 _HELLO_FORBIDDEN: Final = frozenset(
     {"inventory", "artifacts", "packages", "paths", "cache_root", "token", "tokens"}
@@ -229,6 +245,12 @@ def _hello_fields(data: object, limits: c.Limits) -> dict[str, Any]:
     if data.get("gen") != c.MESSAGE_GEN:
         raise _fail(f"a hello message of generation {data.get('gen')!r}")
     return {k: v for k, v in data.items() if k not in unknown}
+
+
+def _relays(value: object, limits: c.Limits) -> tuple[str, ...]:
+    if not isinstance(value, list) or len(value) > c.MAX_RELAYS:
+        raise _fail(f"relays is a list of at most {c.MAX_RELAYS} addresses")
+    return tuple(_str(v, "a relay address", limits.max_address_chars) for v in value)
 
 
 def _features(value: object, limits: c.Limits) -> dict[str, tuple[str, ...]]:

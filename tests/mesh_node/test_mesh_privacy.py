@@ -74,6 +74,7 @@ async def test_every_advertisement_and_gossip_message_carries_only_allowed_field
             assert raw["host"] == host_fingerprint() and len(raw["host"]) == 32
             assert machine_id is None or machine_id not in payload
             assert raw["features"] == {
+                pc.FEATURE_MESH_RELAY: [pc.BIT_RELAYED],  # reads relayed addresses in gossip
                 pc.FEATURE_SKIPPY_STAGE: sorted(
                     [
                         *pc.STAGE_BUNDLE,

@@ -152,7 +152,8 @@ def test_merge_features_unites_and_sorts_whatever_the_order(declared, merged):
 # What `mesh-node run` advertised before services declared their bits, spelled out here
 # independently of the services: the stage bundle, verify windows, sampling controls and the
 # chunk chain always; artifact-transfer when the node serves artifacts, and the swarm bits
-# with it unless swarm_transfer is off.
+# with it unless swarm_transfer is off. Since relays, every node also reads relayed addresses
+# (mesh-relay/1 "relayed", a new feature older peers ignore); "relay" only when it relays.
 ALWAYS = {*pc.STAGE_BUNDLE, pc.BIT_VERIFY_WINDOW, pc.BIT_SAMPLING_CONTROLS, pc.BIT_CHUNK_CHAIN}
 SWARM = {pc.BIT_SWARM_TRANSFER, pc.BIT_SIBLING_SERVE, pc.BIT_CHUNK_RUNS, pc.BIT_PARTIAL_SERVE}
 
@@ -168,7 +169,10 @@ SWARM = {pc.BIT_SWARM_TRANSFER, pc.BIT_SIBLING_SERVE, pc.BIT_CHUNK_RUNS, pc.BIT_
 def test_a_composed_node_advertises_the_bits_mesh_node_run_always_did(tmp_path, mode, swarm, bits):
     s = settings(tmp_path, "x", artifact_transfer=mode, swarm_transfer=swarm)
     node = compose(s, identity(), read_environment()).node
-    expected = {pc.FEATURE_SKIPPY_STAGE: tuple(sorted(bits))}
+    expected = {
+        pc.FEATURE_MESH_RELAY: (pc.BIT_RELAYED,),
+        pc.FEATURE_SKIPPY_STAGE: tuple(sorted(bits)),
+    }
     assert node.features == expected
     hello = Hello(listen=None, features=node.features, memory_budget_bytes=1)
     assert hello.encode() == Hello(None, expected, 1).encode()  # the same bytes on the wire
@@ -177,9 +181,9 @@ def test_a_composed_node_advertises_the_bits_mesh_node_run_always_did(tmp_path, 
 
 def test_each_composed_services_config_table_is_a_table_of_the_node_toml(tmp_path):
     parts = compose(settings(tmp_path, "x"), identity(), read_environment())
-    services = [parts.topology, parts.host, parts.artifacts, parts.serving]
+    services = [parts.topology, parts.host, parts.artifacts, parts.serving, parts.relay]
     tables = {s.config_table for s in services} - {None}
-    assert tables == {"serving", "http"}
+    assert tables == {"serving", "http", "relay"}
     assert tables <= NODE_KEYS
     assert all(parts.node.service(type(s)) is s for s in services)
 
@@ -195,6 +199,7 @@ SERVICES = (
     "mesh_node.metrics",
     "mesh_node.composition",
     "mesh_node.service",
+    "mesh_node.relay",
 )
 
 

@@ -155,7 +155,12 @@
               ? h("span", { class: "ok" }, `up · ${Number(p.last_seen_s).toFixed(1)}s ago`)
               : h("span", { class: "bad" }, `down · ${fmtDuration(p.last_seen_s)} ago`),
           ),
-          h("td", {}, p.rtt_ms === null || p.rtt_ms === undefined ? "-" : `${Number(p.rtt_ms).toFixed(1)} ms`),
+          h(
+            "td",
+            { title: p.relay ? `relayed via ${p.relay}` : "direct link" },
+            p.rtt_ms === null || p.rtt_ms === undefined ? "-" : `${Number(p.rtt_ms).toFixed(1)} ms`,
+            p.connected && p.relay ? h("span", { class: "dim" }, ` · relayed via ${short(p.relay)}`) : null,
+          ),
           h(
             "td",
             { title: `total in ${fmtBytes(p.bytes_received)}, out ${fmtBytes(p.bytes_sent)}` },
