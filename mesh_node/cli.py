@@ -245,7 +245,7 @@ def _node_settings(args: argparse.Namespace, config: Path | None = None) -> tupl
 
 def cmd_run(args: argparse.Namespace) -> CommandResult:
     from mesh_node.allocator import tune_for_streaming
-    from mesh_node.service import run_node
+    from mesh_node.node_process import run_node
 
     settings, identity = _node_settings(args)
     settings = _joining(args, settings, identity)
@@ -255,7 +255,7 @@ def cmd_run(args: argparse.Namespace) -> CommandResult:
 
 
 def cmd_serve(args: argparse.Namespace) -> CommandResult:
-    from mesh_node.service import run_node
+    from mesh_node.node_process import run_node
     from mesh_node.serving.service import ServeOptions
     from skippy.serving.replicas import check_replicas
 

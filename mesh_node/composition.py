@@ -1,5 +1,5 @@
 """The composition root: the one place that wires a node and its services together, for
-``mesh-node run``, ``serve`` and every node a ``lab`` starts (``mesh_node.service``).
+``mesh-node run``, ``serve`` and every node a ``lab`` starts (``mesh_node.node_process``).
 
 The node core (``mesh_node.node``) knows no application; each service below declares what
 it adds through ``mesh_node.node_service.NodeService`` and is added here, in the order the

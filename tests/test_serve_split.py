@@ -34,7 +34,7 @@ from stagetools import chain
 from mesh_node.composition import compose
 from mesh_node.errors import StreamReset
 from mesh_node.node import MeshNode
-from mesh_node.service import _package_facts
+from mesh_node.node_process import _package_facts
 from mesh_node.serving.host import StageHost, accept_window
 from mesh_node.serving.pipeline import GenerationParams, ServerBusy, SplitServer
 from mesh_node.serving.split import SplitSpec

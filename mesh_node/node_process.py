@@ -27,7 +27,7 @@ from skippy.errors import SkippyError, UsageError
 if TYPE_CHECKING:
     from starlette.routing import BaseRoute
 
-log = logging.getLogger("mesh_node.service")
+log = logging.getLogger("mesh_node.node_process")
 
 
 def control_handler(parts: ComposedNode) -> Any:
