@@ -256,7 +256,7 @@ def cmd_run(args: argparse.Namespace) -> CommandResult:
 
 def cmd_serve(args: argparse.Namespace) -> CommandResult:
     from mesh_node.node_process import run_node
-    from mesh_node.serving.service import ServeOptions
+    from mesh_node.serving.split_service import ServeOptions
     from skippy.serving.replicas import check_replicas
 
     if args.stages is not None and args.stages < 1:

@@ -26,7 +26,7 @@ from mesh_node.identity import LocalIdentity
 from mesh_node.lan_discovery import LanDiscovery
 from mesh_node.node import MeshNode
 from mesh_node.serving.host import StageHost
-from mesh_node.serving.service import Serving
+from mesh_node.serving.split_service import Serving
 from mesh_node.settings import NodeSettings
 from mesh_node.topology import TopologyService
 from mesh_node.transfer.fetch import StageResult

@@ -20,7 +20,7 @@ from mesh_node.lab.package import LabPackage, import_package
 from mesh_node.node import MeshNode
 from mesh_node.node_service import FeatureBits, StreamKind
 from mesh_node.serving.host import StageHost
-from mesh_node.serving.service import Serving
+from mesh_node.serving.split_service import Serving
 from mesh_node.topology import ActiveTopology, TopologyService
 from mesh_node.transfer.service import ArtifactService
 from skippy.config import Environment

@@ -186,7 +186,7 @@ class StageHost:
         self.node = node
         self.settings = settings
         # [serving] engine, unless serving chose llama.cpp for a model the stage runtime does
-        # not cover (mesh_node.serving.service: one node, the whole model).
+        # not cover (mesh_node.serving.split_service: one node, the whole model).
         self.engine = settings.engine
         self.limits = transport_limits(settings)
         self.loaded: LoadedStage | None = None
