@@ -30,7 +30,7 @@ from mesh_node.serving.split_service import Serving
 from mesh_node.settings import NodeSettings
 from mesh_node.topology import TopologyService
 from mesh_node.transfer.fetch import StageResult
-from mesh_node.transfer.service import ArtifactService
+from mesh_node.transfer.artifact_service import ArtifactService
 from skippy.config import Environment
 from skippy.stage.descriptor import StageDescriptor
 

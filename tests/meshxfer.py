@@ -22,7 +22,7 @@ from mesh_node.node_service import FeatureBits, StreamKind
 from mesh_node.serving.host import StageHost
 from mesh_node.serving.split_service import Serving
 from mesh_node.topology import ActiveTopology, TopologyService
-from mesh_node.transfer.service import ArtifactService
+from mesh_node.transfer.artifact_service import ArtifactService
 from skippy.config import Environment
 from skippy.consume.verify import VerifyCache
 from skippy.produce.sizes import sizes_from_manifest
