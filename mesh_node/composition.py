@@ -29,8 +29,8 @@ from mesh_node.serving.host import StageHost
 from mesh_node.serving.split_service import Serving
 from mesh_node.settings import NodeSettings
 from mesh_node.topology import TopologyService
-from mesh_node.transfer.fetch import StageResult
 from mesh_node.transfer.artifact_service import ArtifactService
+from mesh_node.transfer.fetch import StageResult
 from skippy.config import Environment
 from skippy.stage.descriptor import StageDescriptor
 
