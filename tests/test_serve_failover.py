@@ -40,7 +40,7 @@ from mesh_node.settings import ServingSettings
 from protocol import constants as pc
 from skippy.config import read_environment
 from skippy.serving.replay import schedule
-from skippy.stage import transport as t
+from skippy.stage import stage_frames as t
 
 pytestmark = pytest.mark.llama
 IDS = [1, 5, 9, 17, 33, 65, 3, 100, 7, 12, 90, 44]  # 12 tokens: chunks 5 + 5 + 2

@@ -45,7 +45,7 @@ from skippy.errors import SkippyError
 from skippy.runtime.compute_thread import compute_thread
 from skippy.runtime.stage import StageConfig
 from skippy.runtime.tokenizer import LlamaTokenizer
-from skippy.stage import transport as t
+from skippy.stage import stage_frames as t
 
 pytestmark = pytest.mark.llama
 IDS = [1, 5, 9, 17, 33, 65, 3, 100, 7, 12, 90, 44]

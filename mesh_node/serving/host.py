@@ -54,7 +54,7 @@ from skippy.runtime.contention import machine_cores, stage_threads
 from skippy.runtime.sampling import Sampler
 from skippy.runtime.speculation import accept_draft
 from skippy.runtime.stage import DecodeStep, Stage, StageConfig, StageOutput, context_full
-from skippy.stage import transport as t
+from skippy.stage import stage_frames as t
 from skippy.stage.descriptor import RuntimeFacts
 
 log = logging.getLogger("mesh_node.serving")
