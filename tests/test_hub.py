@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from hubfaults import Fault, FaultyHub, running_hub
 
-from mesh_node.lab.hub import write_tree
+from mesh_node.lab.hub_server import write_tree
 from skippy.config import HubPolicy
 from skippy.consume.cache_layout import repo_cache_root, repo_folder_name
 from skippy.consume.hub import (

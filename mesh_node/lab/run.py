@@ -33,7 +33,7 @@ from typing import Any, Final
 import trio
 
 from mesh_node.lab.cluster import LabCluster, LabError, LabNode, NodeSpec
-from mesh_node.lab.hub import FakeHub
+from mesh_node.lab.hub_server import FakeHub
 from mesh_node.lab.netem import LinkTable, Netem, open_netem
 from mesh_node.lab.package import (
     LabPackage,
