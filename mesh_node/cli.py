@@ -412,7 +412,7 @@ def _lab_links(args: argparse.Namespace) -> Any:
 def cmd_lab(args: argparse.Namespace) -> CommandResult:
     from mesh_node.lab.report import render_report
     from mesh_node.lab.run import LabOptions, run_lab
-    from mesh_node.serving.report import render_prompt_report
+    from mesh_node.serving.completion_report import render_prompt_report
     from skippy.config import parse_size
 
     overrides: dict[int, dict[str, Any]] = {}
