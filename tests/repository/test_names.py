@@ -11,7 +11,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("skippy", "mesh_node", "protocol")
 
 # Every package may have these: its init, its branch of the one error hierarchy, its
