@@ -5,7 +5,7 @@ Each link already bounds itself (32 streams x 4 MiB window, one WebSocket messag
 node needs one cap over all of them. Every byte a peer makes this node hold is *taken* from
 this budget before it is buffered, and *given* back when it is consumed or when its stream or
 link ends:
-- at the transport (``mesh_node.transport.BudgetedStream``): bytes read from the socket,
+- at the transport (``mesh_node.budgeted_tcp.BudgetedStream``): bytes read from the socket,
   held by the link's WebSocket (the parts of a message not yet whole) until the link's
   reader has taken the message; a read waits for room (TCP pushes back on the peer);
 - in the link: received stream data not yet read by its handler, a partly received

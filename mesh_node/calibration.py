@@ -1,6 +1,8 @@
 """The node's stage-runtime calibration: measured once, cached in
 ``data_dir``, advertised in the hello (``protocol.messages.ComputeCost``).
 
+The shell of ``skippy.runtime.calibration`` (which measures; this module caches and advertises).
+
 ``mesh-node run`` calls ``load_or_calibrate`` before the node starts linking, so its first
 hello carries the figure. The cache (``calibration.json``) holds one record per
 ``CalibrationKey`` (engine, runtime version, threads, model class): a restart with the same

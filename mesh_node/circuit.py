@@ -1,6 +1,6 @@
 """A relay's circuit as a link's transport: the bytes of a stream on this node's link to the
 relay, which the relay splices to a stream on its link to the other end. A WebSocket, the
-Noise handshake and a ``Link`` run over it exactly as over TCP (``mesh_node.transport``), so
+Noise handshake and a ``Link`` run over it exactly as over TCP (``mesh_node.budgeted_tcp``), so
 the relay sees only the WebSocket frames of Noise ciphertext: a byte it alters, replays or
 drops fails the link's record decryption, and it cannot complete a handshake as either end.
 
@@ -26,7 +26,7 @@ _ids = count(1)
 
 
 class CircuitStream:
-    """A ``mesh_node.transport.LinkTransport`` over ``stream``, a circuit through the relay
+    """A ``mesh_node.budgeted_tcp.LinkTransport`` over ``stream``, a circuit through the relay
     ``relay_id`` (so a link over it can say which relay it goes through)."""
 
     def __init__(self, stream: MeshStream, budget: PeerMemory, relay_id: str) -> None:

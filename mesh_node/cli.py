@@ -279,7 +279,7 @@ def _node_settings(args: argparse.Namespace, config: Path | None = None) -> tupl
 
 def cmd_run(args: argparse.Namespace) -> CommandResult:
     from mesh_node.allocator import tune_for_streaming
-    from mesh_node.service import run_node
+    from mesh_node.node_process import run_node
 
     settings, identity = _node_settings(args)
     settings = _joining(args, settings, identity)
@@ -289,8 +289,8 @@ def cmd_run(args: argparse.Namespace) -> CommandResult:
 
 
 def cmd_serve(args: argparse.Namespace) -> CommandResult:
-    from mesh_node.service import run_node
-    from mesh_node.serving.service import ServeOptions
+    from mesh_node.node_process import run_node
+    from mesh_node.serving.split_service import ServeOptions
     from skippy.serving.replicas import check_replicas
 
     if args.stages is not None and args.stages < 1:
@@ -446,7 +446,7 @@ def _lab_links(args: argparse.Namespace) -> Any:
 def cmd_lab(args: argparse.Namespace) -> CommandResult:
     from mesh_node.lab.report import render_report
     from mesh_node.lab.run import LabOptions, run_lab
-    from mesh_node.serving.report import render_prompt_report
+    from mesh_node.serving.completion_report import render_prompt_report
     from skippy.config import parse_size
 
     overrides: dict[int, dict[str, Any]] = {}

@@ -1,5 +1,5 @@
 """The composition root: the one place that wires a node and its services together, for
-``mesh-node run``, ``serve`` and every node a ``lab`` starts (``mesh_node.service``).
+``mesh-node run``, ``serve`` and every node a ``lab`` starts (``mesh_node.node_process``).
 
 The node core (``mesh_node.node``) knows no application; each service below declares what
 it adds through ``mesh_node.node_service.NodeService`` and is added here, in the order the
@@ -29,11 +29,11 @@ from mesh_node.lan_discovery import LanDiscovery
 from mesh_node.node import MeshNode
 from mesh_node.relay import RelayService
 from mesh_node.serving.host import StageHost
-from mesh_node.serving.service import Serving
+from mesh_node.serving.split_service import Serving
 from mesh_node.settings import NodeSettings
 from mesh_node.topology import TopologyService
+from mesh_node.transfer.artifact_service import ArtifactService
 from mesh_node.transfer.fetch import StageResult
-from mesh_node.transfer.service import ArtifactService
 from skippy.config import Environment
 from skippy.stage.descriptor import StageDescriptor
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import trio
 
 from mesh_node.budget import PeerMemory
+from mesh_node.budgeted_tcp import LinkTransport
 from mesh_node.errors import LinkClosed, StreamRefused, StreamReset, StreamStalled
-from mesh_node.transport import LinkTransport
 from mesh_node.websocket import ConnectionClosed, WebSocket, WebSocketSettings
 from protocol import constants as pc
 from protocol import streams as ev

@@ -29,6 +29,7 @@ import trio
 from prometheus_client.registry import Collector
 
 from mesh_node.budget import PeerMemory
+from mesh_node.budgeted_tcp import budgeted_listeners
 from mesh_node.cipher_support import local_ciphers
 from mesh_node.errors import MeshError, PeerUnavailable
 from mesh_node.hostid import host_fingerprint
@@ -63,7 +64,6 @@ from mesh_node.settings import (
     RelayedAddress,
     parse_peer_address,
 )
-from mesh_node.transport import budgeted_listeners
 from mesh_node.websocket import (
     ConnectionClosed,
     ConnectionRejected,
@@ -533,7 +533,7 @@ class MeshNode:
             listen = self.settings.listen
             try:
                 # Every accepted connection's reads are taken from the peer-memory budget
-                # from its first byte (mesh_node.transport).
+                # from its first byte (mesh_node.budgeted_tcp).
                 listeners = await budgeted_listeners(listen.host, listen.port, self.peer_memory)
             except OSError as exc:
                 raise listen_error(listen, exc) from None

@@ -6,6 +6,8 @@ stage is ready (``StageReady``); the coordinator checks the report's descriptor
 against the topology and records it. Peer loss marks the topology degraded; ``replan`` places
 the split again over the remaining capable peers.
 
+The shell of ``skippy.package.topology``, its pure core.
+
 Planning is pure (``skippy.package.topology.plan_topology``; with every capable node
 calibrated, the cost planner ``skippy.package.cost_plan`` through ``mesh_node.cost_inputs``);
 this module does the I/O.

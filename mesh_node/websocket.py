@@ -1,6 +1,6 @@
 """A link's WebSocket (RFC 6455): the I/O shell over the sans-IO codec in ``protocol``
 (``ws_upgrade`` for the opening handshake, ``ws_frames`` for frames, ``ws_close`` for the
-closing handshake), on a budgeted TCP stream (``mesh_node.transport``).
+closing handshake), on a budgeted TCP stream (``mesh_node.budgeted_tcp``).
 
 Reading happens in the caller's task: ``get_message`` reads, parses, answers pings and the
 peer's close frame, and returns the next binary message (a view of the bytes read where one
@@ -29,7 +29,7 @@ from functools import partial
 import trio
 
 from mesh_node.budget import PeerMemory
-from mesh_node.transport import BudgetedListener, BudgetedStream, LinkTransport
+from mesh_node.budgeted_tcp import BudgetedListener, BudgetedStream, LinkTransport
 from protocol.ws_close import CloseReason, ClosingHandshake
 from protocol.ws_frames import (
     CLOSE_ABNORMAL,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from benchlib import BenchContext, Row, median_time  # type: ignore[import-not-found]
 
-from mesh_node.lab.hub import running_hub
+from mesh_node.lab.hub_server import running_hub
 from skippy.config import read_environment
 from skippy.consume.preflight import load_package
 from skippy.consume.resolve import resolve_stage

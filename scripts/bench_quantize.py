@@ -22,7 +22,7 @@ from f32_source import gemma_f32  # type: ignore[import-not-found]
 from quant_reference import llama_quantize  # type: ignore[import-not-found]
 
 from skippy.produce.quant_rules import parse_file_type
-from skippy.produce.quantize import QuantizeOptions, quantize_layer_package
+from skippy.produce.quantize_package import QuantizeOptions, quantize_layer_package
 from skippy.produce.write_package import WriteOptions, local_provenance, write_package
 
 TYPES = ("Q8_0", "Q4_K")

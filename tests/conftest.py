@@ -18,7 +18,7 @@ import pytest
 import synth_gguf
 from pkgtools import make_package
 
-from mesh_node.lab.hub import FakeHub, running_hub
+from mesh_node.lab.hub_server import FakeHub, running_hub
 from mesh_node.lab.package import publish_directory
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from mesh_node.lab.hub import FakeHub
+from mesh_node.lab.hub_server import FakeHub
 from skippy.constants import MANIFEST_NAME, ROLE_LAYER
 from skippy.consume import hub
 from skippy.consume.cache_layout import repo_cache_root

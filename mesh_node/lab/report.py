@@ -288,7 +288,8 @@ def predicted_vs_measured(
     plan: Mapping[str, Any] | None, prompt: Mapping[str, Any] | None
 ) -> dict[str, Any] | None:
     """The plan's predicted decode ms/token beside the one measured while serving
-    (``prompt``: ``mesh_node.serving.report.prompt_report``); ``None`` without a prompt."""
+    (``prompt``: ``mesh_node.serving.completion_report.prompt_report``); ``None`` without a
+    prompt."""
     if prompt is None:
         return None
     predicted = None if plan is None else plan.get("predicted_ms_per_token")

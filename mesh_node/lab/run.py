@@ -12,7 +12,7 @@ workers fetch and report ready, the lab checks every worker's cache itself and b
 report. The steps: ``Lab.start_serving`` makes the coordinator serve the package
 (control operation ``serve``: it plans the split with stage 0 on itself, the workers fetch,
 load and report, the route opens), then ``--prompt`` runs one greedy completion through it
-(``mesh_node.serving.report``) and ``--serve`` keeps the lab up with the API's address.
+(``mesh_node.serving.completion_report``) and ``--serve`` keeps the lab up with the API's address.
 Passes per-node arguments through ``LabOptions.run_args``.
 """
 
@@ -33,7 +33,7 @@ from typing import Any, Final
 import trio
 
 from mesh_node.lab.cluster import LabCluster, LabError, LabNode, NodeSpec
-from mesh_node.lab.hub import FakeHub
+from mesh_node.lab.hub_server import FakeHub
 from mesh_node.lab.netem import LinkTable, Netem, open_netem
 from mesh_node.lab.package import (
     LabPackage,
@@ -505,7 +505,7 @@ async def experiment(lab: Lab) -> dict[str, Any]:
     (the strategy served with and its acceptance) and, with ``prompt``, ``prompt`` (one
     greedy completion through the split)."""
     from mesh_node.lab.report import predicted_vs_measured, serving_replica, speculative_report
-    from mesh_node.serving.report import complete, prompt_report
+    from mesh_node.serving.completion_report import complete, prompt_report
 
     options = lab.options
     if lab.revision is not None and options.revision_change is not None:
@@ -544,7 +544,7 @@ async def across_replicas(lab: Lab, report: dict[str, Any], api: str) -> None:
     """The done-when: the prompt again, ``2 x replicas`` times at once, so the
     least-outstanding-tokens chooser spreads them; the report's ``replicas`` then show each
     one's ``requests_total``, and a replica that served none is a problem."""
-    from mesh_node.serving.report import complete
+    from mesh_node.serving.completion_report import complete
 
     options = lab.options
     prompt = options.prompt or ""

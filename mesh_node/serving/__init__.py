@@ -17,5 +17,5 @@
 ``api``         the OpenAI-compatible HTTP routes (starlette, on hypercorn's trio worker)
 ==============  ==============================================================================
 
-The frames are skippy's (``skippy.stage.transport``, sans-IO); this package moves them.
+The frames are skippy's (``skippy.stage.stage_frames``, sans-IO); this package moves them.
 """

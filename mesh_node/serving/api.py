@@ -41,7 +41,7 @@ from mesh_node.settings import HttpSettings
 from skippy.errors import SkippyError
 from skippy.serving.chat import ChatTemplate
 from skippy.serving.openai import ApiError, CompletionRequest, parse_request
-from skippy.serving.text import TextStream
+from skippy.serving.text_stream import TextStream
 
 log = logging.getLogger("mesh_node.serving.api")
 DRAIN_FLUSH_S: Final = 1.0  # then the cancelled ones write their final event within this

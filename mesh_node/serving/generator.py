@@ -52,7 +52,7 @@ from skippy.generation.proposers import Proposer, VerifyWindow, make_proposer
 from skippy.runtime.speculation import EXECUTABLE_MODES
 from skippy.runtime.tokenizer import LlamaTokenizer
 from skippy.serving.replay import Step, schedule, tokens_before
-from skippy.stage import transport as t
+from skippy.stage import stage_frames as t
 
 log = logging.getLogger("mesh_node.serving.generator")
 StopReason = Literal["length", "eos", "stop", "context"]

@@ -54,7 +54,7 @@ from skippy.runtime.contention import machine_cores, stage_threads
 from skippy.runtime.sampling import Sampler
 from skippy.runtime.speculation import accept_draft
 from skippy.runtime.stage import DecodeStep, Stage, StageConfig, StageOutput, context_full
-from skippy.stage import transport as t
+from skippy.stage import stage_frames as t
 from skippy.stage.descriptor import RuntimeFacts
 
 log = logging.getLogger("mesh_node.serving")
@@ -186,7 +186,7 @@ class StageHost:
         self.node = node
         self.settings = settings
         # [serving] engine, unless serving chose llama.cpp for a model the stage runtime does
-        # not cover (mesh_node.serving.service: one node, the whole model).
+        # not cover (mesh_node.serving.split_service: one node, the whole model).
         self.engine = settings.engine
         self.limits = transport_limits(settings)
         self.loaded: LoadedStage | None = None

@@ -1,4 +1,4 @@
-"""Frames over one mesh stream (the I/O shell around ``skippy.stage.transport``).
+"""Frames over one mesh stream (the I/O shell around ``skippy.stage.stage_frames``).
 
 ``FrameReader`` turns a stream's bytes into frames (the decoder refuses anything malformed);
 ``ChainSender`` sends a session's frames downstream with at most ``max_inflight`` frames not
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import trio
 
 from mesh_node.link import MeshStream
-from skippy.stage import transport as t
+from skippy.stage import stage_frames as t
 
 RTT_SAMPLES = 256  # per-hop latency samples kept (the most recent)
 

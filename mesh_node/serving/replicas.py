@@ -1,5 +1,7 @@
 """Replicas of a split: R equal, independent pipelines of one package (``SplitSpec``).
 
+The shell of ``skippy.serving.replicas``, its pure core.
+
 Each replica is a ``RouteManager`` built from the same spec with its own topology service:
 its own topology (stage 0 on this coordinator, the other stages on peers no other replica
 holds), its own bring-up, failover and heal. A worker serves one stage of one topology, so

@@ -2,8 +2,9 @@
 
 ``SplitSpec`` is what every replica plans and serves: the package (ref, manifest, sizes),
 the stage count (stage 0 is always pinned to the coordinator), how many equal replicas, and
-the ``[serving]`` settings the route managers and admission read. ``mesh_node.serving.service``
-builds it once; ``SplitServer``, ``ReplicaSet`` and every ``RouteManager`` take it whole.
+the ``[serving]`` settings the route managers and admission read.
+``mesh_node.serving.split_service`` builds it once; ``SplitServer``, ``ReplicaSet`` and every
+``RouteManager`` take it whole.
 
 The replicas are equal; a few things only one of them may do are handed to it as named
 duties (``SplitDuties``) when it is built, never decided from its position:

@@ -1,5 +1,7 @@
 """This node's partials that others may be served from (``partial-serve``).
 
+The shell of ``skippy.transfer.partials``, its pure core.
+
 ``PartialRegistry`` holds the chunk sinks of this node's running swarm fetches, by artifact
 SHA-256. The serving handler asks it (``open_range``, on a worker thread, after the request
 was authorized exactly as for an installed file: ``skippy.transfer.serve``) for a range of

@@ -1,7 +1,10 @@
 """This node's artifact-transfer policy and what a link proved about its peer, as the plain
 values ``skippy.transfer.policy`` decides on. One decision: the ``artifact-transfer`` feature
 bit, the handler registration and every request's authorization all come from
-``node_policy``."""
+``node_policy``.
+
+The shell of ``skippy.transfer.policy``, its pure core.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
 """The serving side: the ``skippy-stage/2`` kind 0x03 stream handler.
 
+The shell of ``skippy.transfer.serve``, its core.
+
 Per stream: read one request frame (``RequestReader``, bounded, within the handshake
 timeout), take a serving slot (per link and per node, ``RequestSlots``), let
 ``ArtifactServer.serve`` decide and open the file on a worker thread, send the response

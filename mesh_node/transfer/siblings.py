@@ -1,5 +1,7 @@
 """Serving across sibling replicas of one coordinator (kind 0x05, ``sibling-serve``).
 
+The shell of ``skippy.transfer.siblings``, its pure core.
+
 A holder (a worker of replica 0) gets a chunk request naming replica 1's topology, which it
 never accepted. It asks *its own* coordinator for that topology (``SiblingBook.lookup``, one
 question per topology id: answers cached for ``SIBLING_TTL_S``, a refusal for ``MISS_TTL_S``,

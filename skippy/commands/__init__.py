@@ -39,6 +39,6 @@ COMMANDS: dict[str, CommandInfo] = {
         "skippy.commands.runtime", "load a package's stages and generate from a prompt"
     ),
     "policy": CommandInfo(
-        "skippy.commands.policy", "explain the execution path chosen for a request phase"
+        "skippy.commands.phases", "explain the execution path chosen for a request phase"
     ),
 }

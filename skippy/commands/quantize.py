@@ -95,7 +95,7 @@ def _options(args: argparse.Namespace) -> tuple[Path, Any]:
     from skippy.package.quantization import QUANTIZATION_KEY
     from skippy.produce.imatrix import load_imatrix
     from skippy.produce.quant_rules import parse_file_type
-    from skippy.produce.quantize import QuantizeOptions, open_package_source
+    from skippy.produce.quantize_package import QuantizeOptions, open_package_source
     from skippy.produce.write_package import Provenance
 
     if args.threads < 1:
@@ -172,7 +172,7 @@ def _options(args: argparse.Namespace) -> tuple[Path, Any]:
 
 
 def cmd_quantize(args: argparse.Namespace) -> CommandResult:
-    from skippy.produce.quantize import dry_run, quantize_layer_package
+    from skippy.produce.quantize_package import dry_run, quantize_layer_package
 
     source, opts = _options(args)
     if args.dry_run:

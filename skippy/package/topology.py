@@ -1,5 +1,7 @@
 """A split topology: which node runs which contiguous layer range of one package (pure).
 
+The pure core of ``mesh_node.topology``, its shell.
+
 The coordinator builds one, signs its canonical bytes and sends it to its workers (the signing
 and the sending are ``mesh_node``'s); a worker checks it here before it stores it as its active
 topology; artifact authorization (spec "Peer Cache Transfer": "the serving node checks the

@@ -2,6 +2,8 @@
 token, decode and prefill, that a cost-aware planner (``skippy.package.cost_plan``) weighs
 nodes by.
 
+The core of ``mesh_node.calibration`` (which caches and advertises what this measures).
+
 A calibration runs a small built-in synthetic model (llama architecture, Q8_0 weights, layers
 of ``CALIBRATION_LAYER_BYTES``-ish bytes: about one gemma3-270m layer) through the real stage
 runtime: a middle stage of two layers (no embedding, no head), one prefill of

@@ -1,5 +1,7 @@
 """Replicas of a split: the pure decisions.
 
+The pure core of ``mesh_node.serving.replicas``, its shell.
+
 A serving coordinator may run R independent pipelines of the same package. Every replica holds
 stage 0 on the coordinator (it embeds the prompt, runs the API and the tokenizer) and its
 other stages on peers that no other replica uses: a worker serves one stage of one topology,

@@ -1,6 +1,8 @@
 """Serving verified chunks of a partial (feature bit ``partial-serve``): the pure
 decisions and the one wire piece, the have-report (no I/O, no keys).
 
+The pure core of ``mesh_node.transfer.partials``, its shell.
+
 Two counterparts (the same stage of two sibling replicas) need the same files. Brought up at
 once, each fetches its stage's files *and* chunks in its own order (``fetch_order``: opposite
 for two, rotated for more), handed to it by the coordinator in the signed source list (its

@@ -1,5 +1,7 @@
 """Who may receive artifacts from this node: the trust modes (pure).
 
+The pure core of ``mesh_node.transfer.policy``, its shell.
+
 Spec "Peer Cache Transfer": peer artifact transfer "is not advertised or served by default";
 ``trusted`` enables "same-owner or explicitly trusted-owner transfer", ``open`` is "for lab
 deployments that intentionally allow any peer". The mode word table lives in

@@ -1,5 +1,7 @@
 """The serving side: from a decoded request to a response header and a bounded body reader.
 
+The core of ``mesh_node.transfer.serve`` (file I/O, no network), its shell.
+
 File I/O only, no network and no clock: the mesh shell reads the request frame off a stream,
 calls ``ArtifactServer.serve`` (on a worker thread: it may hash a file whose verification is
 not cached yet), sends ``outcome.header``, then sends ``outcome.body.read(n)`` chunks until

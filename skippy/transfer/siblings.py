@@ -1,5 +1,7 @@
 """Sibling replicas: which other topology a holder may serve under (pure).
 
+The pure core of ``mesh_node.transfer.siblings``, its shell.
+
 A coordinator running R replicas of one package signs R topologies; a node of replica 0
 holds verified copies of files replica 1's nodes need. It may serve them under replica 1's
 topology when that topology is a *sibling* of its own: signed by the same coordinator (the

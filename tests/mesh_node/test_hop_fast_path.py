@@ -14,7 +14,7 @@ import trio
 from trio_websocket import serve_websocket
 
 from mesh_node.budget import PeerMemory
-from mesh_node.transport import BudgetedStream
+from mesh_node.budgeted_tcp import BudgetedStream
 from mesh_node.websocket import WebSocketSettings, connect
 from protocol.ws_frames import frame
 

@@ -198,7 +198,7 @@ SERVICES = (
     "mesh_node.lab",
     "mesh_node.metrics",
     "mesh_node.composition",
-    "mesh_node.service",
+    "mesh_node.node_process",
     "mesh_node.relay",
 )
 

@@ -13,8 +13,7 @@ import socket
 import trio
 import trio.testing
 
-from mesh_node import memory_release
-from mesh_node import transport as transport_module
+from mesh_node import budgeted_tcp, memory_release
 from mesh_node.budget import PeerMemory
 from mesh_node.gc_pauses import freeze_startup_heap
 from mesh_node.turns import REST_S, SLICE_S, Turnstile
@@ -184,11 +183,11 @@ async def test_untrusted_reads_are_small_while_other_strangers_wait_and_trusted_
     budget = PeerMemory(64 * MIB)
     a, b = socket.socketpair()
     try:
-        stream = transport_module.BudgetedStream(
+        stream = budgeted_tcp.BudgetedStream(
             trio.SocketStream(trio.socket.from_stdlib_socket(a)), budget, server=True
         )
         stream.established(trusted=False)
-        assert stream._read_size() == transport_module.READ_BYTES  # a lone stranger
+        assert stream._read_size() == budgeted_tcp.READ_BYTES  # a lone stranger
 
         async def busy(key: int) -> None:
             for _ in range(50):
@@ -205,15 +204,15 @@ async def test_untrusted_reads_are_small_while_other_strangers_wait_and_trusted_
                 nursery.start_soon(busy, stream.key)
             await until_queued()
             assert budget.turns.waiting > 0
-            assert stream._read_size() == transport_module.READ_BYTES
+            assert stream._read_size() == budgeted_tcp.READ_BYTES
         async with trio.open_nursery() as nursery:  # other strangers queue
             for key in (1, 2, 3):
                 nursery.start_soon(busy, key)
             await until_queued()
             assert budget.turns.waiting > 0
-            assert stream._read_size() == transport_module.SMALL_READ_BYTES
+            assert stream._read_size() == budgeted_tcp.SMALL_READ_BYTES
             stream.set_trusted(True)
-            assert stream._read_size() == transport_module.READ_BYTES
+            assert stream._read_size() == budgeted_tcp.READ_BYTES
     finally:
         a.close()
         b.close()

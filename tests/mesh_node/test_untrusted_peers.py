@@ -31,8 +31,8 @@ from trio_websocket import ConnectionClosed, WebSocketConnection, open_websocket
 from wsproto import ConnectionType, WSConnection
 from wsproto import events as wsproto_events
 
+from mesh_node import budgeted_tcp
 from mesh_node import node as node_module
-from mesh_node import transport as transport_module
 from mesh_node.budget import FLOOR_BYTES, PeerMemory
 from mesh_node.coordination import EpochStore, bounds_problem, sign_topology
 from mesh_node.errors import StreamReset
@@ -576,9 +576,9 @@ async def test_transport_buffers_are_taken_from_the_budget_before_the_websocket_
         # 1. Before the handshake: a message that never ends; the transport stops reading.
         pending = await _ws_client(host, int(port))
         await pending.send(wsproto_events.Message(data=b"h" * (100 * 1024), message_finished=False))
-        await wait_for(lambda: budget.total >= transport_module.PENDING_CAP_BYTES // 2)
+        await wait_for(lambda: budget.total >= budgeted_tcp.PENDING_CAP_BYTES // 2)
         await trio.sleep(0.3)
-        assert budget.total <= transport_module.PENDING_CAP_BYTES
+        assert budget.total <= budgeted_tcp.PENDING_CAP_BYTES
         await pending.stream.aclose()
         await wait_for(lambda: budget.total == 0)
         # 2. After the handshake: 600 KiB of a WebSocket message no stream has seen yet.

@@ -18,7 +18,7 @@ from websockets.sync.client import connect as stock_connect
 from websockets.sync.server import ServerConnection, serve
 
 from mesh_node.budget import PeerMemory
-from mesh_node.transport import budgeted_listeners
+from mesh_node.budgeted_tcp import budgeted_listeners
 from mesh_node.websocket import (
     ConnectionClosed,
     ConnectionRejected,

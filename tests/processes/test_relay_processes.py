@@ -3,7 +3,8 @@
 two kernel masquerade routers, which nothing outside can dial. The homes link through the
 relay (``mesh-node status`` says relayed, through which relay, with its RTT), lose that link
 when the relay is killed, and link again when it comes back. The NAT lab needs root, ip and
-nft: in CI they are required (as tests/test_nat_lab.py), elsewhere the test is skipped."""
+nft: in CI they are required (as tests/mesh_node/lab/test_nat_lab.py), elsewhere the test is
+skipped."""
 
 from __future__ import annotations
 

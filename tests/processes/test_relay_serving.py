@@ -3,7 +3,7 @@ the public segment coordinates and relays, two `mesh-node run` workers sit in tw
 two kernel masquerade routers. The workers cannot dial each other, so the activations from
 stage 1 to stage 2 cross a circuit through the relay; the completions through the `openai`
 client are the single-process reference's tokens, as on direct links. Needs root, ip and nft
-(required in CI, as tests/test_nat_lab.py) and llama-cpp-python's libggml."""
+(required in CI, as tests/mesh_node/lab/test_nat_lab.py) and llama-cpp-python's libggml."""
 
 from __future__ import annotations
 

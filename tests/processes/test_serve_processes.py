@@ -25,7 +25,7 @@ from pkgtools import make_package
 from servetools import http, split_cluster, wait_ready
 from stagetools import chain
 
-from mesh_node.serving.report import prompt_report, render_prompt_report
+from mesh_node.serving.completion_report import prompt_report, render_prompt_report
 
 pytestmark = pytest.mark.llama
 

@@ -1,6 +1,6 @@
 """A restarted coordinator serves again with zero bytes re-transferred, with
 real `mesh-node` processes on loopback and a hub package: `mesh-node serve` coordinates
-``hf://lab/...@<commit>`` published on the lab hub (``mesh_node.lab.hub``), the workers fetch
+``hf://lab/...@<commit>`` published on the lab hub (``mesh_node.lab.hub_server``), the workers fetch
 their stages from the coordinator over the mesh (peer transfer), then the coordinator is
 SIGKILLed and started again with the same identity, config and `serve` arguments. It must serve
 the same greedy text again, and no artifact byte may move again: the workers' fetch counters
@@ -25,7 +25,7 @@ import synth_gguf
 from pkgtools import make_package
 from servetools import Cluster, http, node_toml, wait_ready
 
-from mesh_node.lab.hub import FakeHub, running_hub
+from mesh_node.lab.hub_server import FakeHub, running_hub
 from mesh_node.lab.package import import_package, publish_directory
 from skippy.consume.verify import VerifyCache
 

@@ -97,7 +97,7 @@ async def test_a_trio_websocket_dialer_and_our_listener_carry_messages_both_ways
     from trio_websocket import open_websocket_url
 
     from mesh_node.budget import PeerMemory
-    from mesh_node.transport import budgeted_listeners
+    from mesh_node.budgeted_tcp import budgeted_listeners
     from mesh_node.websocket import (
         ConnectionClosed,
         WebSocketRequest,

@@ -190,7 +190,7 @@ async def test_after_a_refused_frame_the_rest_is_dropped_and_none_of_it_held():
     import trio
 
     from mesh_node.budget import PeerMemory
-    from mesh_node.transport import BudgetedStream
+    from mesh_node.budgeted_tcp import BudgetedStream
     from mesh_node.websocket import WebSocket
 
     budget = PeerMemory(4 << 20)

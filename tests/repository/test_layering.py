@@ -50,8 +50,9 @@ SKIPPY_LAYERS: list[tuple[str, list[str]]] = [
 ]
 GROUND = "ground floor"
 # Cycles between skippy's subpackages that exist today; a new one fails the test. produce and
-# consume meet twice: quantize (a write-package transform) reopens the package it wrote with
-# the consumer's loader, and preflight reports recorded tensor types with the quantizer's rules.
+# consume meet twice: quantize_package (a write-package transform) reopens the package it wrote
+# with the consumer's loader, and preflight reports recorded tensor types with the quantizer's
+# rules.
 KNOWN_SUBPACKAGE_CYCLES = [["skippy.consume", "skippy.produce"]]
 
 

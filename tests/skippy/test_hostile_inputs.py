@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from pkgtools import edit_manifest, make_package
 
-from mesh_node.lab.hub import running_hub
+from mesh_node.lab.hub_server import running_hub
 from skippy.cli import main
 from skippy.constants import MANIFEST_NAME
 from skippy.errors import ManifestError, UsageError

@@ -1,6 +1,6 @@
 """Fault injection for the lab hub: test tooling, not part of the installed package.
 
-``FaultyHub`` is the plain lab hub (``mesh_node.lab.hub.FakeHub``) plus rules that make
+``FaultyHub`` is the plain lab hub (``mesh_node.lab.hub_server.FakeHub``) plus rules that make
 requests misbehave: flip a byte, truncate, 404, 500, 503 or 429 with an optional Retry-After,
 a dropped connection, a stall. Rules are thread-safe and can be changed while the server runs;
 ``times=N`` makes a fault transient (the first N requests), which is how retry policies are
@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from mesh_node.lab.hub import FakeHub, HubFile, _Handler
-from mesh_node.lab.hub import running_hub as _running_hub
+from mesh_node.lab.hub_server import FakeHub, HubFile, _Handler
+from mesh_node.lab.hub_server import running_hub as _running_hub
 
 
 class Fault(enum.Enum):
@@ -170,7 +170,7 @@ class FaultyHub(FakeHub):
 def running_hub(
     repos: Mapping[str, Path | Sequence[Path]] | None = None, *, tree_page_size: int = 1000
 ) -> Iterator[FaultyHub]:
-    """``mesh_node.lab.hub.running_hub`` with a ``FaultyHub``."""
+    """``mesh_node.lab.hub_server.running_hub`` with a ``FaultyHub``."""
     with _running_hub(repos, tree_page_size=tree_page_size, hub_class=FaultyHub) as hub:
         assert isinstance(hub, FaultyHub)
         yield hub

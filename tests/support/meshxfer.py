@@ -1,6 +1,6 @@
 """Helpers for the mesh transfer tests: a synthetic package on a lab hub, and real nodes (in
 this process, on loopback) with their artifact services. Plain functions; nothing is faked
-but the hub (``mesh_node.lab.hub``), and servers a test subclasses to misbehave."""
+but the hub (``mesh_node.lab.hub_server``), and servers a test subclasses to misbehave."""
 
 from __future__ import annotations
 
@@ -15,14 +15,14 @@ from conftest import HubPackage
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from meshtools import identity, settings, wait_for, with_peers
 
-from mesh_node.lab.hub import FakeHub
+from mesh_node.lab.hub_server import FakeHub
 from mesh_node.lab.package import LabPackage, import_package
 from mesh_node.node import MeshNode
 from mesh_node.node_service import FeatureBits, StreamKind
 from mesh_node.serving.host import StageHost
-from mesh_node.serving.service import Serving
+from mesh_node.serving.split_service import Serving
 from mesh_node.topology import ActiveTopology, TopologyService
-from mesh_node.transfer.service import ArtifactService
+from mesh_node.transfer.artifact_service import ArtifactService
 from skippy.config import Environment
 from skippy.consume.verify import VerifyCache
 from skippy.produce.sizes import sizes_from_manifest

@@ -233,7 +233,7 @@
     fill($("topology-rows"), rows);
   }
 
-  // --- artifact transfers (issue #8: the document's `transfers`) -----------------------------
+  // --- artifact transfers (the document's `transfers`) ----------------------------------------
   const MAX_TRANSFER_ROWS = 40;
 
   function transferRow(r, active) {
@@ -303,7 +303,7 @@
     fill($("transfers-rows"), shown);
   }
 
-  // --- serving (issue #10) -------------------------------------------------------------------
+  // --- serving -------------------------------------------------------------------------------
   function renderServing(doc) {
     const s = doc.serving;
     show("serving", !!s);
@@ -321,7 +321,7 @@
     $("serving-speculative").textContent = !s.speculative_strategy
       ? "off"
       : `${s.speculative_strategy}: accepted ${sp.accepted ?? 0} of ${sp.proposed ?? 0} drafted tokens in ${sp.verify_passes ?? 0} verify windows`;
-    // issue #23: each replica's state, requests in flight, outstanding tokens and total
+    // each replica's state, requests in flight, outstanding tokens and total
     $("serving-replicas").textContent = (s.replicas || [])
       .map((r) => `#${r.replica} ${r.state} (in flight ${r.requests_in_flight}, ` +
         `outstanding ${r.outstanding_tokens} tok, total ${r.requests_total})`)
@@ -352,7 +352,7 @@
     live.textContent = text;
   }
 
-  // --- API key (issue #20): asked for once, kept in this tab's sessionStorage -----------------
+  // --- API key: asked for once, kept in this tab's sessionStorage ----------------------------
   const KEY_ITEM = "mesh-node-api-key";
   function storedKey() {
     try {

@@ -26,7 +26,7 @@ from mesh_node.http.bind import allowed_hosts, check_http_bind
 from mesh_node.http.server import serve_http
 from mesh_node.http.view import public_status
 from mesh_node.node import MeshNode
-from mesh_node.serving.service import Serving
+from mesh_node.serving.split_service import Serving
 from mesh_node.settings import HostPort
 from skippy.errors import UsageError
 from skippy.package.plan import ModelSizes

@@ -24,7 +24,7 @@ from huggingface_hub.errors import (
 )
 from huggingface_hub.file_download import http_get
 
-from mesh_node.lab.hub import write_tree
+from mesh_node.lab.hub_server import write_tree
 
 REPO = "ns/pkg"
 FILES_V1 = {
@@ -272,7 +272,15 @@ def test_stop_cuts_keepalive_connections(tmp_path: Path) -> None:
 def test_subprocess_mode(tmp_path: Path) -> None:
     v1 = write_tree(tmp_path / "v1", FILES_V1)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mesh_node.lab.hub", "--repo", f"{REPO}={v1}@dev", "--port", "0"],
+        [
+            sys.executable,
+            "-m",
+            "mesh_node.lab.hub_server",
+            "--repo",
+            f"{REPO}={v1}@dev",
+            "--port",
+            "0",
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

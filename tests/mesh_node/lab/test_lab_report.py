@@ -21,7 +21,7 @@ from mesh_node.lab.report import (
     replica_of,
     serving_replica,
 )
-from mesh_node.serving.report import render_prompt_report
+from mesh_node.serving.completion_report import render_prompt_report
 
 COORD, W1, W2 = "c" * 64, "a" * 64, "b" * 64
 LAYER = "layers/layer-00001.gguf"

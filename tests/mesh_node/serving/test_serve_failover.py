@@ -32,7 +32,7 @@ from pkgtools import make_package
 from mesh_node.composition import compose
 from mesh_node.identity import LocalIdentity
 from mesh_node.node import MeshNode
-from mesh_node.service import _package_facts
+from mesh_node.node_process import _package_facts
 from mesh_node.serving.host import StageHost
 from mesh_node.serving.pipeline import GenerationParams, SplitNotReady, SplitServer
 from mesh_node.serving.split import SplitSpec
@@ -40,7 +40,7 @@ from mesh_node.settings import ServingSettings
 from protocol import constants as pc
 from skippy.config import read_environment
 from skippy.serving.replay import schedule
-from skippy.stage import transport as t
+from skippy.stage import stage_frames as t
 
 pytestmark = pytest.mark.llama
 IDS = [1, 5, 9, 17, 33, 65, 3, 100, 7, 12, 90, 44]  # 12 tokens: chunks 5 + 5 + 2

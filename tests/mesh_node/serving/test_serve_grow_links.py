@@ -20,7 +20,7 @@ from pkgtools import make_package
 
 from mesh_node.composition import compose
 from mesh_node.node import MeshNode
-from mesh_node.service import _package_facts
+from mesh_node.node_process import _package_facts
 from mesh_node.serving.pipeline import GenerationParams, GenerationResult, SplitServer
 from mesh_node.serving.split import SplitSpec
 from mesh_node.settings import ServingSettings

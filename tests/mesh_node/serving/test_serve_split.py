@@ -34,7 +34,7 @@ from stagetools import chain
 from mesh_node.composition import compose
 from mesh_node.errors import StreamReset
 from mesh_node.node import MeshNode
-from mesh_node.service import _package_facts
+from mesh_node.node_process import _package_facts
 from mesh_node.serving.host import StageHost, accept_window
 from mesh_node.serving.pipeline import GenerationParams, ServerBusy, SplitServer
 from mesh_node.serving.split import SplitSpec
@@ -45,7 +45,7 @@ from skippy.errors import SkippyError
 from skippy.runtime.compute_thread import compute_thread
 from skippy.runtime.stage import StageConfig
 from skippy.runtime.tokenizer import LlamaTokenizer
-from skippy.stage import transport as t
+from skippy.stage import stage_frames as t
 
 pytestmark = pytest.mark.llama
 IDS = [1, 5, 9, 17, 33, 65, 3, 100, 7, 12, 90, 44]

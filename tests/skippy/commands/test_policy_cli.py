@@ -9,7 +9,7 @@ import pytest
 from pkgtools import edit_manifest, make_package
 from spec_examples import GLM_DSA_V1_GENERATION
 
-from mesh_node.lab.hub import running_hub
+from mesh_node.lab.hub_server import running_hub
 from skippy.cli import main
 from skippy.constants import MANIFEST_NAME
 

@@ -19,7 +19,7 @@ pytest.importorskip(
 
 from pkgtools import make_package
 
-from mesh_node.lab.hub import running_hub
+from mesh_node.lab.hub_server import running_hub
 from skippy.cli import main
 from skippy.constants import MANIFEST_NAME
 

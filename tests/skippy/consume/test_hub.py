@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from hubfaults import Fault, FaultyHub, running_hub
 
-from mesh_node.lab.hub import write_tree
+from mesh_node.lab.hub_server import write_tree
 from skippy.config import HubPolicy
 from skippy.consume.cache_layout import repo_cache_root, repo_folder_name
 from skippy.consume.hub import (
@@ -342,7 +342,7 @@ def test_a_node_starts_without_importing_the_hub_client() -> None:
     not at start-up: not with the node's modules, nor with the stage resolver its start-up
     calibration runs on a local package."""
     code = (
-        "import sys, mesh_node.service, mesh_node.cli, skippy.consume.resolve; "
+        "import sys, mesh_node.node_process, mesh_node.cli, skippy.consume.resolve; "
         "print(sorted(m for m in ('huggingface_hub.hf_api', 'huggingface_hub.file_download') "
         "if m in sys.modules))"
     )

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from hubfaults import Fault, FaultyHub, running_hub
 
-from mesh_node.lab.hub import write_tree
+from mesh_node.lab.hub_server import write_tree
 from skippy.cli import main
 from skippy.config import HubPolicy, read_environment
 from skippy.consume.hub import HubError, download_file, resolve_revision

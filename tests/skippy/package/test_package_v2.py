@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from pkgtools import make_package
 
-from mesh_node.lab.hub import running_hub
+from mesh_node.lab.hub_server import running_hub
 from skippy.cli import main
 from skippy.config import read_environment
 from skippy.constants import (

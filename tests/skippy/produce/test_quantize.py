@@ -29,7 +29,7 @@ from quant_reference import (
 from skippy.constants import MANIFEST_NAME
 from skippy.produce.imatrix import load_imatrix
 from skippy.produce.quant_rules import FILE_TYPES, QUANTIZE_TARGETS, T, parse_file_type
-from skippy.produce.quantize import QuantizeOptions, quantize_layer_package
+from skippy.produce.quantize_package import QuantizeOptions, quantize_layer_package
 from skippy.produce.recipe import parse_recipe
 from skippy.produce.validate import validate_package
 from skippy.produce.write_package import local_provenance

@@ -20,7 +20,7 @@ from skippy.runtime.sampling import SamplingParams
 from skippy.serving.chat import ChatTemplate, ChatTemplateError
 from skippy.serving.openai import ApiError, parse_request
 from skippy.serving.replay import tokens_before
-from skippy.serving.text import TextStream
+from skippy.serving.text_stream import TextStream
 from skippy.stage.descriptor import RuntimeFacts, StageDescriptor, runtime_problem
 
 A, B, C, D = ("a" * 64, "b" * 64, "c" * 64, "d" * 64)

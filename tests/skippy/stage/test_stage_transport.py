@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from skippy.stage import transport as t
+from skippy.stage import stage_frames as t
 
 WIDTH = 8
 SAMPLING = t.Sampling(temperature=0.7, top_p=0.9, top_k=40, seed=123)

@@ -1,4 +1,4 @@
-"""skippy-stage/2 transport (stream kind 0x02): the frames that carry a request between stages.
+"""Stage frames (skippy-stage/2, stream kind 0x02): the frames that carry a request between stages.
 
 Sans-IO: bytes in, frames out; frames in, bytes out. No sockets, tasks or clocks (the mesh
 shell, ``mesh_node.serving``, moves the bytes). Skippy owns this framing (spec "Peer Cache

@@ -33,7 +33,7 @@ In process::
         commit = hub.add_revision("ns/pkg", package_dir)
         hf_hub_download("ns/pkg", "model-package.json", endpoint=hub.url, cache_dir=...)
 
-As a subprocess: ``python -m mesh_node.lab.hub --repo ns/name=DIR[@branch] ... [--port N]``
+As a subprocess: ``python -m mesh_node.lab.hub_server --repo ns/name=DIR[@branch] ... [--port N]``
 prints the base URL as the first stdout line and serves until interrupted.
 """
 

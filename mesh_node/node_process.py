@@ -19,7 +19,7 @@ from mesh_node.control import serve_control
 from mesh_node.gc_pauses import freeze_startup_heap
 from mesh_node.identity import LocalIdentity
 from mesh_node.packages import package_identity
-from mesh_node.serving.service import ServeOptions, serve_options
+from mesh_node.serving.split_service import ServeOptions, serve_options
 from mesh_node.settings import NodeSettings
 from skippy.config import read_environment
 from skippy.errors import SkippyError, UsageError
@@ -27,7 +27,7 @@ from skippy.errors import SkippyError, UsageError
 if TYPE_CHECKING:
     from starlette.routing import BaseRoute
 
-log = logging.getLogger("mesh_node.service")
+log = logging.getLogger("mesh_node.node_process")
 
 
 def control_handler(parts: ComposedNode) -> Any:
