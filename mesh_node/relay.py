@@ -40,7 +40,7 @@ from mesh_node.peers import InboundStream
 from mesh_node.settings import RelayedAddress, RelaySettings
 from mesh_node.websocket import HandshakeError, WebSocket, accept_over, client_over
 from protocol import constants as pc
-from protocol import relay as wire
+from protocol import relay_messages as wire
 from protocol.errors import ProtocolError
 from protocol.link_cipher import offered_subprotocols
 from protocol.ws_upgrade import UpgradeRefused

@@ -41,7 +41,7 @@ from mesh_node.settings import (
     relay_settings,
 )
 from protocol import constants as pc
-from protocol import relay as wire
+from protocol import relay_messages as wire
 from protocol.errors import ProtocolError
 from protocol.messages import Hello, PeerRecord, Peers, decode_link_message
 from skippy.errors import UsageError
