@@ -46,6 +46,9 @@ class NodeMemory:
     device_bytes: int = 0  # free memory of its device; 0 without one
     device: str = CPU  # the ggml device name ("CUDA0", "Metal", "Vulkan0"), CPU without one
     unified: bool = False  # device and host share one pool: only ``device_bytes`` counts
+    # May keep a stage's routed experts in RAM while the rest sits on the device (a mesh
+    # node says whether its runtime does: ``[runtime] cpu_moe``); a paper plan assumes so.
+    split_experts: bool = True
 
     def __post_init__(self) -> None:
         if self.host_bytes < 0 or self.device_bytes < 0:
@@ -135,9 +138,21 @@ def fit(node: NodeMemory, dense: int, experts: int) -> tuple[Mode, int, int] | N
     if node.device_bytes:
         if total <= node.device_bytes:
             return "device", total, 0
-        if experts and dense <= node.device_bytes and experts <= node.host_bytes:
+        if (
+            experts
+            and node.split_experts
+            and dense <= node.device_bytes
+            and experts <= node.host_bytes
+        ):
             return "experts on CPU", dense, experts
     return ("cpu", 0, total) if total <= node.host_bytes else None
+
+
+def stage_fit(
+    node: NodeMemory, sizes: ModelSizes, r: LayerRange, kv_bytes_per_layer: int = 0
+) -> tuple[Mode, int, int] | None:
+    """``fit`` for the stage of layers ``r``: how it sits on ``node``, or None."""
+    return fit(node, *stage_split(sizes, r, kv_bytes_per_layer))
 
 
 def _why(node: NodeMemory, mode: Mode, dense: int, experts: int) -> str:
@@ -279,5 +294,6 @@ __all__ = [
     "fit",
     "nodes_from_toml",
     "place",
+    "stage_fit",
     "stage_split",
 ]

@@ -20,6 +20,7 @@ from typing import Any
 
 from skippy.constants import MAX_LAYER_COUNT
 from skippy.errors import TopologyError
+from skippy.package.placement import NodeMemory, stage_fit
 from skippy.package.plan import ModelSizes, plan_stages
 from skippy.package.ranges import LayerRange
 
@@ -243,10 +244,32 @@ def _stage_from_dict(data: object, layer_count: int) -> StageAssignment:
 # --- planning (pure) ---------------------------------------------------------------------------
 @dataclass(frozen=True)
 class NodeCapacity:
-    """A node that may hold a stage, and the bytes it announced it can hold."""
+    """A node that may hold a stage, and the bytes it announced it can hold: its budget, and
+    with devices, what its device and RAM give (``memory``; ``skippy.package.placement``).
+    Without ``memory`` a stage fits when its bytes are within the budget."""
 
     node_id: str
     memory_budget_bytes: int
+    memory: NodeMemory | None = None
+
+    @property
+    def offer(self) -> NodeMemory:
+        return self.memory or NodeMemory(self.node_id, self.memory_budget_bytes)
+
+    @property
+    def offered(self) -> int:
+        """The most bytes one stage can take here (the planners' order: largest first)."""
+        return self.offer.offered
+
+    def holds(self, sizes: ModelSizes, r: LayerRange) -> bool:
+        """Whether the stage of layers ``r`` fits: in device memory, with its routed experts
+        in RAM, or in RAM (``skippy.package.placement.fit``)."""
+        return stage_fit(self.offer, sizes, r) is not None
+
+    def describe(self) -> str:
+        return f"budget {self.memory_budget_bytes}" + (
+            f", {self.memory.describe()}" if self.memory is not None else ""
+        )
 
 
 def plan_topology(
@@ -275,7 +298,7 @@ def plan_topology(
     ids = [n.node_id for n in nodes]
     if len(set(ids)) != len(ids):
         raise TopologyError("a node is listed twice", code="topology_coverage")
-    ranked = sorted(nodes, key=lambda n: (-n.memory_budget_bytes, n.node_id))
+    ranked = sorted(nodes, key=lambda n: (-n.offered, n.node_id))
     pinned = next((n for n in nodes if n.node_id == first_node), None)
     if first_node is not None:
         if pinned is None:
@@ -306,9 +329,7 @@ def plan_topology(
         else:
             by_size = sorted(plans, key=lambda p: (-p.bytes, p.index))
             owner = {p.index: chosen[i] for i, p in enumerate(by_size)}
-        short = [
-            (p, owner[p.index]) for p in plans if p.bytes > owner[p.index].memory_budget_bytes
-        ]
+        short = [(p, owner[p.index]) for p in plans if not owner[p.index].holds(sizes, p.layers)]
         if not short:
             return SplitTopology(
                 topology_id=topology_id,
@@ -322,15 +343,14 @@ def plan_topology(
                 ),
             )
         if first_failure is None:
-            p, node = max(short, key=lambda pn: pn[0].bytes - pn[1].memory_budget_bytes)
-            lack = p.bytes - node.memory_budget_bytes
+            p, node = max(short, key=lambda pn: pn[0].bytes - pn[1].offered)
+            lack = max(1, p.bytes - node.offered)
             first_failure = TopologyError(
                 f"the plan does not fit: node {node.node_id[:12]} lacks {lack} bytes for stage "
-                f"{p.index} (layers {p.layers}, needs {p.bytes} bytes, budget "
-                f"{node.memory_budget_bytes})",
+                f"{p.index} (layers {p.layers}, needs {p.bytes} bytes, {node.describe()})",
                 code="topology_does_not_fit",
                 expected=p.bytes,
-                actual=node.memory_budget_bytes,
+                actual=node.offered,
                 path=node.node_id,
             )
     assert first_failure is not None  # every count failed (typing only)
@@ -381,12 +401,14 @@ def plan_like(
     fetch can use, and stage 0 is the coordinator's loaded one. When the stage counts differ
     or a node cannot hold its copied range, only stage 0 is pinned (``pin_first_stage``)."""
     if len(like.stages) == len(topology.stages):
-        budget = {n.node_id: n.memory_budget_bytes for n in nodes}
+        by_id = {n.node_id: n for n in nodes}
         copied = tuple(
             StageAssignment(s.node_id, s.stage_id, s.stage_index, r.layers)
             for s, r in zip(topology.stages, like.stages, strict=True)
         )
-        if all(sizes.stage_bytes(s.layers) <= budget.get(s.node_id, 0) for s in copied):
+        if all(
+            s.node_id in by_id and by_id[s.node_id].holds(sizes, s.layers) for s in copied
+        ):
             return SplitTopology(
                 topology_id=topology.topology_id,
                 run_id=topology.run_id,
@@ -416,12 +438,12 @@ def replace_node(
     need = sizes.stage_bytes(stage.layers)
     held = {s.node_id for s in topology.stages}
     fit = sorted(
-        (c for c in candidates if c.node_id not in held and c.memory_budget_bytes >= need),
-        key=lambda c: (-c.memory_budget_bytes, c.node_id),
+        (c for c in candidates if c.node_id not in held and c.holds(sizes, stage.layers)),
+        key=lambda c: (-c.offered, c.node_id),
     )
     if not fit:
-        spare = [c.memory_budget_bytes for c in candidates if c.node_id not in held]
-        largest = f", the largest budget {max(spare)}" if spare else ""
+        spare = [c.offered for c in candidates if c.node_id not in held]
+        largest = f", the largest offering {max(spare)}" if spare else ""
         raise TopologyError(
             f"no capable peer can take stage {stage.stage_index} (layers {stage.layers}, "
             f"{need} bytes): {len(spare)} spare node(s) connected{largest}",
