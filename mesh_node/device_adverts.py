@@ -18,6 +18,7 @@ and checks it on receipt; a claim the planner cannot use (no device memory) coun
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
@@ -89,6 +90,15 @@ def advertise(
     return Devices(reports, runs_on, experts_in_ram)
 
 
+def usable_bytes(free_bytes: int) -> int:
+    """The most bytes a stage may need on a device with ``free_bytes`` free: the runtime
+    (``choose_device``) asks for ``int(need * (1 + FIT_MARGIN))`` free bytes."""
+    usable = math.floor(free_bytes / (1 + FIT_MARGIN) + 1e-6)
+    while usable > 0 and int(usable * (1 + FIT_MARGIN)) > free_bytes:
+        usable -= 1
+    return max(0, usable)
+
+
 def node_memory(node_id: str, budget_bytes: int, devices: Devices | None) -> NodeMemory | None:
     """What a node gives a stage, from its advertisement (pure): its stage device's usable
     memory (free, less the runtime's margin) for what must sit there, its budget for RAM.
@@ -98,7 +108,7 @@ def node_memory(node_id: str, budget_bytes: int, devices: Devices | None) -> Nod
     dev = devices.get(devices.stage_device)
     if dev is None or dev.kind == CPU:
         return None
-    usable = int(dev.free_bytes / (1 + FIT_MARGIN))
+    usable = usable_bytes(dev.free_bytes)
     if usable <= 0:
         return None
     return NodeMemory(
@@ -153,4 +163,5 @@ __all__ = [
     "node_memory",
     "planned_placement",
     "stage_device",
+    "usable_bytes",
 ]

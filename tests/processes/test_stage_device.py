@@ -172,6 +172,9 @@ def test_a_lab_split_with_a_stage_on_the_device_answers_the_openai_client(root: 
         )  # fmt: skip
         stage = json.loads(status.stdout)["stage"]
         assert (stage["device"], stage["device_fallback"]) == ("Vulkan0", None), stage
+        # its experts in RAM, the rest (weights and the open sessions' caches) on the device
+        assert stage["placement"] == "experts on CPU", stage
+        assert stage["device_memory_bytes"] >= stage["device_weight_bytes"] > 0, stage
         for other in ("n0", "n1"):  # the other stages on the CPU
             status = subprocess.run(
                 [sys.executable, "-m", "mesh_node", "status", "--json", "--config",
