@@ -287,11 +287,15 @@ def plan_topology(
     With ``first_node`` (a serving coordinator: it hosts stage 0 and the API),
     stage 0 is placed on that node and the other stages on the others.
 
-    Ranges are byte-balanced (``skippy.package.plan``); the largest stage goes to the node with
-    the largest budget (sorted matching is optimal for "every stage fits its node"). With
-    ``stages=None`` one stage per node (at most one per layer); nodes are dropped smallest
-    budget first while the plan does not fit. A plan that cannot fit at all raises
-    ``TopologyError(code="topology_does_not_fit")`` naming which node lacks how many bytes.
+    Ranges are byte-balanced (``skippy.package.plan``); the largest stage goes to the node
+    offering the most (``NodeCapacity.offered``: its budget, or its device memory plus RAM),
+    and a stage fits its node by ``NodeCapacity.holds``. Sorted matching is optimal for
+    "every stage fits its node" while each node's offer is one number (budgets alone); with
+    devices a stage's fit also depends on how much of it is routed experts, and the order is a
+    good one, not a proven best. With ``stages=None`` one stage per node (at most one per
+    layer); nodes are dropped smallest offer first while the plan does not fit. A plan that
+    cannot fit at all raises ``TopologyError(code="topology_does_not_fit")`` naming which node
+    lacks how many bytes.
     """
     if not nodes:
         raise TopologyError("no capable node to place stages on", code="topology_no_nodes")
@@ -430,8 +434,9 @@ def replace_node(
 ) -> SplitTopology:
     """The same split with ``lost``'s stage moved to a capable candidate:
     every other stage stays where it is (its node keeps its loaded layers), the run id stays;
-    the candidate is the one with the largest budget among those not in the topology whose
-    budget holds the stage. ``TopologyError(code="no_capable_peer")`` when none can."""
+    the candidate is the one offering the most among those not in the topology that hold
+    the stage (``NodeCapacity.holds``: its device memory and RAM, or its budget).
+    ``TopologyError(code="no_capable_peer")`` when none can."""
     stage = topology.stage_of(lost)
     if stage is None:
         raise TopologyError(f"node {lost[:12]} holds no stage", code="not_in_topology", path=lost)
