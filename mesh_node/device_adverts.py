@@ -116,7 +116,7 @@ def node_memory(node_id: str, budget_bytes: int, devices: Devices | None) -> Nod
         host_bytes=budget_bytes,
         device_bytes=usable,
         device=dev.name,
-        split_experts=devices.experts_on_cpu,
+        experts_in_ram=devices.experts_on_cpu,
     )
 
 

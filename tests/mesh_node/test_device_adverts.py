@@ -110,7 +110,7 @@ def test_the_advertisement_carries_each_devices_memory_and_speed_within_the_boun
 def test_a_peers_device_memory_less_the_runtimes_margin_and_its_budget_for_ram() -> None:
     mem = node_memory("n", 5000, _gpu_node(2200))
     assert mem is not None
-    assert (mem.device, mem.host_bytes, mem.split_experts) == ("CUDA0", 5000, True)
+    assert (mem.device, mem.host_bytes, mem.experts_in_ram) == ("CUDA0", 5000, True)
     assert mem.device_bytes == usable_bytes(2200) == 2000
     for free in (0, 1, 11, 2200, 2201, 10**12 + 7, 24 * GIB):
         usable = usable_bytes(free)  # the most the runtime's check lets through
@@ -148,14 +148,19 @@ def test_the_cost_model_prices_a_stage_at_the_speed_of_where_it_sits() -> None:
     mem = node_memory("g", 7000, _gpu_node(2200))
     gpu = NodeCost("g", 7000, 0.1 * ms, 0.0, mem, cpu_decode_s_per_layer=1 * ms)
     plain = NodeCost("c", 9000, 1 * ms)
-    whole = LayerRange(0, 8, 8)
+    every = LayerRange(0, 8, 8)
     # experts in RAM: the routed bytes a token reads (200 of 400 per layer) at the CPU's
     # speed, the rest at the device's
-    assert gpu.stage_s(MOE, whole, last=False) == pytest.approx(8 * (0.5 * 0.1 + 0.5 * 1) * ms)
-    # a stage small enough for the device runs at the device's speed
-    assert gpu.stage_s(MOE, LayerRange(0, 1, 8), last=False) == pytest.approx(0.1 * ms)
+    assert gpu.stage_s(MOE, every, last=False) == pytest.approx(8 * (0.5 * 0.1 + 0.5 * 1) * ms)
+    # with cpu_moe even a small stage keeps its experts in RAM, as the runtime does
+    assert gpu.stage_s(MOE, LayerRange(0, 1, 8), last=False) == pytest.approx(0.55 * ms)
+    # without it, a stage the device holds runs at the device's speed, a larger one on the CPU
+    on_device = node_memory("g", 7000, _gpu_node(2200, experts_in_ram=False))
+    whole = NodeCost("g", 7000, 0.1 * ms, 0.0, on_device, cpu_decode_s_per_layer=1 * ms)
+    assert whole.stage_s(MOE, LayerRange(0, 1, 8), last=False) == pytest.approx(0.1 * ms)
+    assert whole.stage_s(MOE, LayerRange(0, 4, 8), last=False) == pytest.approx(4 * ms)
     # no device offer: the CPU-bound node at its one speed
-    assert plain.stage_s(MOE, whole, last=False) == pytest.approx(8 * ms)
+    assert plain.stage_s(MOE, every, last=False) == pytest.approx(8 * ms)
     best = plan_by_cost(MOE, [gpu, plain], LinkCosts(default_s=5 * ms))[0]
     assert best.nodes == ("g",) and best.compute_s == pytest.approx(4.4 * ms)
     # the same node without its device cannot hold the model at all
