@@ -252,7 +252,7 @@
           h("td", {}, `${s.layer_start}..${s.layer_end}`),
           h("td", { title: s.node_id }, swatch(s.node_id), short(s.node_id) + self),
           h("td", {}, fmtBytes(st.bytes)),
-          h("td", { class: "placement" }, placementText(st.placement, loaded)),
+          h("td", { class: "placement wrap" }, placementText(st.placement, loaded)),
           h(
             "td",
             { class: ready ? "ok" : failed ? "bad" : "warn" },
