@@ -113,6 +113,9 @@ class Candidate:
     problem: str | None = None  # why it does not fit (None: it fits)
     stage_bytes: tuple[int, ...] = ()  # what each stage holds (its memory)
     stage_active_bytes: tuple[int, ...] = ()  # what each stage reads per token (its time)
+    # Where each stage sits on its node (``skippy.package.placement`` modes: device, experts
+    # on CPU, cpu); empty when no node of the candidate advertised a device.
+    stage_modes: tuple[str, ...] = ()
 
     @property
     def predicted_s(self) -> float:
@@ -133,6 +136,7 @@ class Candidate:
             "problem": self.problem,
             "stage_bytes": list(self.stage_bytes),
             "stage_active_bytes": list(self.stage_active_bytes),
+            "stage_modes": list(self.stage_modes),
         }
 
 
@@ -185,10 +189,13 @@ def predict(
         hops = sum(links.between(a, b) for a, b in itertools.pairwise(ids))
         hops += links.between(ids[-1], ids[0])  # the last stage's logits or token go home
     problem = None
+    modes: list[str] = []
     for n, r in zip(order, ranges, strict=True):
         need = sizes.stage_bytes(r)
         offer = n.offer
-        if stage_fit(offer, sizes, r) is None:
+        how = stage_fit(offer, sizes, r)
+        modes.append("-" if how is None else how[0])
+        if how is None and problem is None:  # the first stage that does not fit says why
             where = f"budget {n.memory_budget_bytes}"
             if n.memory is not None:
                 where += f", {offer.describe()}"
@@ -196,7 +203,6 @@ def predict(
                 f"node {n.node_id[:12]} lacks {max(1, need - offer.offered)} bytes for layers "
                 f"{r} ({need} bytes, {where})"
             )
-            break
     return Candidate(
         tuple(ids),
         tuple(ranges),
@@ -205,6 +211,7 @@ def predict(
         problem,
         tuple(sizes.stage_bytes(r) for r in ranges),
         tuple(sizes.stage_active_bytes(r) for r in ranges),
+        tuple(modes) if any(n.memory is not None for n in order) else (),
     )
 
 

@@ -161,8 +161,13 @@ def test_the_cost_model_prices_a_stage_at_the_speed_of_where_it_sits() -> None:
     assert whole.stage_s(MOE, LayerRange(0, 4, 8), last=False) == pytest.approx(4 * ms)
     # no device offer: the CPU-bound node at its one speed
     assert plain.stage_s(MOE, every, last=False) == pytest.approx(8 * ms)
-    best = plan_by_cost(MOE, [gpu, plain], LinkCosts(default_s=5 * ms))[0]
+    ranked = plan_by_cost(MOE, [gpu, plain], LinkCosts(default_s=5 * ms))
+    best = ranked[0]
     assert best.nodes == ("g",) and best.compute_s == pytest.approx(4.4 * ms)
+    assert best.stage_modes == ("experts on CPU",)  # what --dry-run prints beside each stage
+    split = next(c for c in ranked if c.nodes == ("g", "c"))
+    assert split.stage_modes == ("experts on CPU", "cpu")
+    assert split.to_dict()["stage_modes"] == ["experts on CPU", "cpu"]
     # the same node without its device cannot hold the model at all
     bare = plan_by_cost(MOE, [NodeCost("g", 7000, 0.1 * ms)], LinkCosts())
     assert not bare[0].fits and "lacks" in (bare[0].problem or "")
