@@ -251,3 +251,36 @@ async def test_two_nodes_with_different_devices_get_the_placement_their_devices_
         assert "CUDA0: experts on CPU" in render_topology(doc["topology"])
         assert "devices  CUDA0 GPU" in render_status(n1.status())
         nursery.cancel_scope.cancel()
+
+
+async def test_the_coordinators_cost_plan_prices_a_gpu_node_at_its_devices_speed(tmp_path):
+    """Both nodes calibrated: n0 a CPU (1 ms per layer), n1 a GPU (0.1 ms) whose experts stay
+    in RAM (its CPU: 1 ms). The real coordinator's cost plan puts the whole model on n1,
+    priced as it will run: per layer, the routed experts a token reads (half its bytes) at the
+    CPU's speed and the rest at the GPU's."""
+    # measured on layers of MOE's active bytes, so the figures apply unscaled
+    cpu, gpu = ComputeCost(1e-3, 1e-4, 400), ComputeCost(1e-4, 1e-5, 400)
+    async with trio.open_nursery() as nursery:
+        n0 = topology_node(settings(tmp_path, "n0", memory_budget_bytes=9000), identity())
+        n0.compute = cpu
+        n0.devices = Devices((DeviceReport("CPU", "CPU", GIB, GIB, cpu),), "CPU")
+        await nursery.start(n0.run)
+        n1 = topology_node(
+            with_peers(settings(tmp_path, "n1", memory_budget_bytes=7000), n0), identity()
+        )
+        n1.compute, n1.devices = gpu, _gpu_node(2200, speed=gpu, cpu=cpu)
+        await nursery.start(n1.run)
+        await wait_for(lambda: any(p.devices for p in n0.peers(connected_only=True)))
+
+        active = await topology_of(n0).propose(
+            package_ref=REF, manifest_sha256="ab" * 32, sizes=MOE
+        )
+        plan = active.prediction
+        assert plan is not None and plan["planner"] == "cost", plan
+        assert plan["chosen"]["nodes"] == [n1.node_id]
+        assert plan["chosen"]["stage_modes"] == ["experts on CPU"]
+        # 8 layers x (0.5 x 0.1 + 0.5 x 1) ms, and the 100-byte head (a quarter of a layer's
+        # active bytes) on the GPU
+        assert plan["chosen"]["compute_ms"] == pytest.approx(8 * 0.55 + 0.025)
+        assert active.placement[n1.node_id]["mode"] == "experts on CPU"
+        nursery.cancel_scope.cancel()
