@@ -40,6 +40,7 @@ from prometheus_client.registry import Collector
 from mesh_node.compute import run_compute
 from mesh_node.errors import StreamReset, skippy_error_in
 from mesh_node.link import MeshStream
+from mesh_node.metrics import SectionCollector, stage_families
 from mesh_node.node import MeshNode
 from mesh_node.node_service import FeatureBits, StreamKind
 from mesh_node.peers import InboundStream
@@ -227,7 +228,7 @@ class StageHost:
         return {"stage": self.status()}
 
     def collectors(self) -> Sequence[Collector]:
-        return []
+        return [SectionCollector(self.status, stage_families)]
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()  # its work runs in the streams peers open
@@ -575,6 +576,14 @@ class StageHost:
         if loaded is None:
             return None
         kv = getattr(loaded.stage, "kv_bytes_per_session", None)
+        where = getattr(loaded.stage, "device_status", None)
+        # where the ggml engine computes and what it holds there (docs/devices.md); why not
+        # the configured device; other engines run on the CPU
+        device = (
+            where()
+            if callable(where)
+            else {"device": "CPU", "device_fallback": None, "placement": "cpu"}
+        )
         return {
             "topology_id": loaded.topology.topology_id,
             "stage_index": loaded.assignment.stage_index,
@@ -584,9 +593,7 @@ class StageHost:
             "kv_bytes_per_session": kv() if callable(kv) else None,
             "engine": loaded.facts.engine,
             "runtime_version": loaded.facts.runtime_version,
-            # where the ggml engine computes (docs/devices.md); why not the configured device
-            "device": getattr(loaded.stage, "device", "CPU"),
-            "device_fallback": getattr(loaded.stage, "device_fallback", None),
+            **device,
             "sessions": self.sessions,
             "rss_before_load_kib": self.rss_before_load,
             "peak_rss_kib": _vm_kib("VmHWM"),
