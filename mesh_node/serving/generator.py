@@ -28,7 +28,7 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Final, Literal, Protocol
+from typing import Any, Final, Protocol
 
 import numpy as np
 import trio
@@ -49,13 +49,13 @@ from protocol import constants as pc
 from skippy.errors import SkippyError, UsageError
 from skippy.generation import SpeculativePlan
 from skippy.generation.proposers import Proposer, VerifyWindow, make_proposer
+from skippy.runtime.boundary import StopReason
 from skippy.runtime.speculation import EXECUTABLE_MODES
 from skippy.runtime.tokenizer import LlamaTokenizer
 from skippy.serving.replay import Step, schedule, tokens_before
 from skippy.stage import stage_frames as t
 
 log = logging.getLogger("mesh_node.serving.generator")
-StopReason = Literal["length", "eos", "stop", "context"]
 MAX_FAILOVERS: Final = 3  # per request
 Emit = Callable[[int], Awaitable[bool]]  # a new token -> True to stop (a stop string matched)
 
