@@ -32,6 +32,7 @@ from skippy.errors import UsageError
 from skippy.package.ranges import LayerRange
 from skippy.runtime.boundary import StageLoad, StageNotLoaded, log_speculation_fallback
 from skippy.runtime.sampling import Sampler
+from skippy.runtime.speculation import EXECUTABLE_MODES
 from skippy.runtime.weights import StageWeights
 
 log = logging.getLogger(__name__)
@@ -41,9 +42,6 @@ ACTIVATION_DTYPE: Final = "f32"
 Engine = Literal["ggml", "numpy"]
 MAX_SESSION_ID_CHARS: Final = 128
 _SESSION_ID_RE = re.compile(r"\A[\x21-\x7e]{1,128}\Z")  # printable ASCII, no spaces
-# Speculation plan modes a chain of these stages executes (``skippy.runtime.speculation``);
-# others (native-mtp: no NextN runtime here) get the logged fallback to plain decoding.
-SPECULATIVE_MODES: Final = frozenset({"ngram-cache", "ngram-suffix"})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -309,7 +307,7 @@ class StageBase(ABC, Generic[S]):
         self.spec = spec
         self.layers = stage.layers
         log_speculation_fallback(
-            stage, log, f"the {self.engine} stage runtime", executable=SPECULATIVE_MODES
+            stage, log, f"the {self.engine} stage runtime", executable=EXECUTABLE_MODES
         )
         self.vocab = self.weights.vocab
         self._sessions: dict[str, _Session[S]] = {}
