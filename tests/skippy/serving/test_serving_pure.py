@@ -16,12 +16,13 @@ from skippy.errors import TopologyError, UsageError
 from skippy.package.plan import ModelSizes
 from skippy.package.ranges import LayerRange
 from skippy.package.topology import NodeCapacity, plan_topology, replace_node
+from skippy.runtime.admission import RuntimeFacts, runtime_problem
 from skippy.runtime.sampling import SamplingParams
 from skippy.serving.chat import ChatTemplate, ChatTemplateError
 from skippy.serving.openai import ApiError, parse_request
 from skippy.serving.replay import tokens_before
 from skippy.serving.text_stream import TextStream
-from skippy.stage.descriptor import RuntimeFacts, StageDescriptor, runtime_problem
+from skippy.stage.descriptor import StageDescriptor
 
 A, B, C, D = ("a" * 64, "b" * 64, "c" * 64, "d" * 64)
 MESSAGES = [{"role": "user", "content": "hi"}]
