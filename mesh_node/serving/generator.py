@@ -50,7 +50,7 @@ from skippy.errors import SkippyError, UsageError
 from skippy.generation import SpeculativePlan
 from skippy.runtime.boundary import StopReason
 from skippy.runtime.speculation import EXECUTABLE_MODES, Speculation, answers
-from skippy.runtime.token_loop import TokenLoop, end_of_generation
+from skippy.runtime.token_loop import TokenLoop, check_generation_request, end_of_generation
 from skippy.runtime.tokenizer import LlamaTokenizer
 from skippy.serving.replay import Phase, Step, schedule, tokens_before
 from skippy.stage import stage_frames as t
@@ -186,13 +186,10 @@ class Generator:
         source = routes if routes is not None else self.routes
         route = source.check_ready()
         n_ctx = route.stage0.facts.n_ctx
-        if not prompt:
-            raise BadGenerationRequest("the prompt has no tokens", code="empty_prompt")
-        if len(prompt) >= n_ctx:
-            raise BadGenerationRequest(
-                f"the prompt has {len(prompt)} tokens; the context holds {n_ctx}",
-                code="prompt_too_long",
-            )
+        try:  # the one loop's request checks, as this request's client error
+            check_generation_request(prompt, params.max_tokens, n_ctx)
+        except UsageError as exc:
+            raise BadGenerationRequest(exc.message, code=exc.code) from None
         # one loop per request, across its attempts: its tokens are what a replay recomputes
         loop = TokenLoop(
             prompt,
