@@ -77,7 +77,8 @@ from skippy.package.topology import (
     plan_like,
     plan_topology,
 )
-from skippy.stage.descriptor import RuntimeFacts, StageDescriptor, admission_problem
+from skippy.runtime.admission import RuntimeFacts
+from skippy.stage.descriptor import StageDescriptor, admission_problem
 
 log = logging.getLogger("mesh_node.topology")
 Role = Literal["coordinator", "worker"]

@@ -49,6 +49,7 @@ from mesh_node.settings import ServingSettings
 from protocol import constants as pc
 from skippy.errors import SkippyError
 from skippy.package.topology import SplitTopology, StageAssignment
+from skippy.runtime.admission import RuntimeFacts
 from skippy.runtime.boundary import StageLoad
 from skippy.runtime.compute_thread import compute_thread
 from skippy.runtime.contention import machine_cores, stage_threads
@@ -56,7 +57,6 @@ from skippy.runtime.sampling import Sampler
 from skippy.runtime.speculation import accept_draft
 from skippy.runtime.stage import DecodeStep, Stage, StageConfig, StageOutput, context_full
 from skippy.stage import stage_frames as t
-from skippy.stage.descriptor import RuntimeFacts
 
 log = logging.getLogger("mesh_node.serving")
 T = TypeVar("T")
@@ -95,19 +95,6 @@ def sampler_at(sampling: t.Sampling, position: int, before: Sequence[int] = ()) 
     ``repeat_last_n``), the same on every attempt."""
     params = replace(sampling, seed=(sampling.seed * 1_000_003 + position) % (1 << 63))
     return Sampler(params, history=before)
-
-
-def runtime_facts(stage: Stage) -> RuntimeFacts:
-    d = stage.descriptor
-    return RuntimeFacts(
-        model_id=d.model_id,
-        width=d.width,
-        activation_dtype=d.activation_dtype,
-        runtime_version=d.runtime_version,
-        engine=d.engine,
-        n_ctx=d.n_ctx,
-        vocab=d.vocab or 0,
-    )
 
 
 @dataclass
@@ -307,7 +294,7 @@ class StageHost:
             stage = await run_compute(open_)
             self.stage_threads = config.n_threads
             self.loaded = LoadedStage(
-                topology, assignment, load, stage, runtime_facts(stage), artifact_bytes
+                topology, assignment, load, stage, stage.descriptor.facts, artifact_bytes
             )
         log.info(
             "stage %d (layers %s) loaded for topology %s",
