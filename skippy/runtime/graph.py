@@ -89,7 +89,10 @@ class Attention(Protocol):
     """Attention of one layer over the session's KV cache: writes this graph's K and V into
     the cache, then returns softmax(K^T Q * scale + mask) V as ``[q_dim, rows]`` (or
     ``[q_dim, 1, B]``), before the output projection. ``sinks`` (F32 ``[n_head]``): one
-    extra logit per head in each softmax's denominator that attends to nothing (gpt-oss)."""
+    extra logit per head in each softmax's denominator that attends to nothing (gpt-oss).
+    ``v_mla`` (``[kv_lora_rank, v_head_dim, n_head]``, MLA): the cache holds K only, V is
+    its first ``kv_lora_rank`` values (``v`` is not written), and each head's output is
+    expanded from the latent by this matrix (``ModelSpec.attn_out_dim`` wide)."""
 
     def __call__(
         self,
@@ -100,6 +103,7 @@ class Attention(Protocol):
         v: int,
         kq_scale: float,
         sinks: int | None = None,
+        v_mla: int | None = None,
     ) -> int: ...
 
 
@@ -183,9 +187,10 @@ class GraphBuilder:
         v = g.ggml_view_2d(ctx, qkv, kv_dim, self.rows, row, 4 * (q_dim + kv_dim))
         return q, k, g.ggml_cont(ctx, v)
 
-    def rope(self, x: int, il: int) -> int:
+    def rope(self, x: int, il: int, n_dims: int | None = None) -> int:
         """RoPE at the graph's positions, with the layer's base and scale (sliding layers have
-        their own) and the model's frequency factors, in the model's pair style."""
+        their own) and the model's frequency factors, in the model's pair style; over the
+        first ``n_dims`` of each head (default: the whole head)."""
         spec, yarn = self.spec, self.spec.yarn
         mode = GGML_ROPE_TYPE_NORMAL if spec.rope_style == "normal" else GGML_ROPE_TYPE_NEOX
         return self.g.ggml_rope_ext(
@@ -193,7 +198,7 @@ class GraphBuilder:
             x,
             self.pos,
             self.freq_factors,
-            spec.head_dim,
+            spec.head_dim if n_dims is None else n_dims,
             mode,
             spec.context_length if yarn is None else yarn.n_ctx_orig,
             spec.rope_base_for(il),
@@ -212,11 +217,22 @@ class GraphBuilder:
         return self.g.ggml_mul(self.ctx, q, self.attn_temp)
 
     def attention(
-        self, il: int, q: int, k: int, v: int, kq_scale: float, *, sinks: int | None = None
+        self,
+        il: int,
+        q: int,
+        k: int,
+        v: int,
+        kq_scale: float,
+        *,
+        sinks: int | None = None,
+        v_mla: int | None = None,
     ) -> int:
         """Attention over the session's cache (the layer's mask: causal, or its sliding
-        window), ``[q_dim, rows]``; with the layer's attention ``sinks`` where it has them
-        (``ggml_soft_max_add_sinks``, as llama.cpp's ``build_attn_mha``)."""
+        window), ``[attn_out_dim, rows]``; with the layer's attention ``sinks`` where it has
+        them (``ggml_soft_max_add_sinks``, as llama.cpp's ``build_attn_mha``) and MLA's
+        ``v_mla`` (``Attention``)."""
+        if v_mla is not None:
+            return self.attend(self, il, q, k, v, kq_scale, sinks, v_mla)
         if sinks is None:  # an engine's attention written before sinks is called as it was
             return self.attend(self, il, q, k, v, kq_scale)
         return self.attend(self, il, q, k, v, kq_scale, sinks)
