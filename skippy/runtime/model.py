@@ -169,6 +169,13 @@ class ModelSpec:
     # by after any normalisation (``expert_weights_scale``; 0 and 1: none, as llama.cpp)
     expert_gating: ExpertGating = "softmax"
     expert_weights_scale: float = 1.0
+    # the first layers run a dense FFN, the others experts (``leading_dense_block_count``)
+    n_layer_dense_lead: int = 0
+    # group-limited routing (deepseek-v3): the experts in ``expert_groups`` equal groups, each
+    # token choosing only among the ``expert_groups_used`` groups whose two best experts score
+    # highest (0: no groups)
+    expert_groups: int = 0
+    expert_groups_used: int = 0
     # a shared expert every token runs beside the routed ones (qwen2moe; 0: none): its width
     n_ff_shexp: int = 0
     # RoPE frequency scale of the sliding layers (llama.cpp's rope_freq_scale_train_swa:

@@ -15,6 +15,7 @@ from skippy.constants import KEY_ARCHITECTURE
 from skippy.package.ranges import LayerRange
 from skippy.runtime.boundary import StageUnsupported
 from skippy.runtime.families import (
+    deepseek2,
     gemma2,
     gemma3,
     gptoss,
@@ -55,6 +56,7 @@ FAMILIES: Final[Mapping[str, Family]] = {
         phi3.FAMILY,
         mistral3.FAMILY,
         gptoss.FAMILY,
+        deepseek2.FAMILY,
     )
 }
 # ``inspect`` answers from skippy.runtime.support's table without importing the runtime: the
