@@ -192,7 +192,7 @@ class GraphBuilder:
             x,
             self.pos,
             self.freq_factors,
-            spec.head_dim,
+            spec.rope_dims,  # the first dims only where the model rotates part of the head
             mode,
             spec.context_length if yarn is None else yarn.n_ctx_orig,
             spec.rope_base_for(il),
