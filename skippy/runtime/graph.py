@@ -186,10 +186,10 @@ class GraphBuilder:
         v = g.ggml_view_2d(ctx, qkv, kv_dim, self.rows, row, 4 * (q_dim + kv_dim))
         return q, k, g.ggml_cont(ctx, v)
 
-    def rope(self, x: int, il: int, n_dims: int | None = None) -> int:
+    def rope(self, x: int, il: int) -> int:
         """RoPE at the graph's positions, with the layer's base and scale (sliding layers have
-        their own) and the model's frequency factors, in the model's pair style; over the
-        first ``n_dims`` of each head (default: the whole head)."""
+        their own) and the model's frequency factors, in the model's pair style, over the
+        first ``ModelSpec.rope_dims`` of each head."""
         spec, yarn = self.spec, self.spec.yarn
         mode = GGML_ROPE_TYPE_NORMAL if spec.rope_style == "normal" else GGML_ROPE_TYPE_NEOX
         return self.g.ggml_rope_ext(
@@ -197,7 +197,7 @@ class GraphBuilder:
             x,
             self.pos,
             self.freq_factors,
-            spec.head_dim if n_dims is None else n_dims,
+            spec.rope_dims,  # the first dims only where the model rotates part of the head
             mode,
             spec.context_length if yarn is None else yarn.n_ctx_orig,
             spec.rope_base_for(il),
@@ -432,12 +432,12 @@ class GraphBuilder:
         row = f * (rank + rope)
         kv_cmpr = g.ggml_view_2d(ctx, kv_pe, rank, rows, row, 0)
         k_pe = g.ggml_view_3d(ctx, kv_pe, rope, 1, rows, row, row, f * rank)
-        k_pe = self.rope(k_pe, il, rope)  # [rope, 1, rows]
+        k_pe = self.rope(k_pe, il)  # [rope, 1, rows]
         kv_cmpr = self.norm(kv_cmpr, kv_a_norm)
         qs = (f * kd, f * kd * n_head, f * kd * n_head * per_seq)
         q_nope = g.ggml_view_4d(ctx, q, nope, n_head, per_seq, seqs, *qs, 0)
         q_pe = g.ggml_view_3d(ctx, q, rope, n_head, rows, qs[0], qs[1], f * nope)
-        q_pe = g.ggml_reshape_4d(ctx, self.rope(q_pe, il, rope), rope, n_head, per_seq, seqs)
+        q_pe = g.ggml_reshape_4d(ctx, self.rope(q_pe, il), rope, n_head, per_seq, seqs)
         q_nope = g.ggml_permute(ctx, q_nope, 0, 2, 1, 3)  # [nope, T, n_head, S]
         absorbed = g.ggml_mul_mat(ctx, k_b, q_nope)  # [rank, T, n_head, S]
         absorbed = g.ggml_permute(ctx, absorbed, 0, 2, 1, 3)  # [rank, n_head, T, S]

@@ -169,8 +169,15 @@ class ModelSpec:
     # by after any normalisation (``expert_weights_scale``; 0 and 1: none, as llama.cpp)
     expert_gating: ExpertGating = "softmax"
     expert_weights_scale: float = 1.0
+    # the head dimensions RoPE rotates, from the first (0: the whole head; glm4moe rotates
+    # half of it: ``rope.dimension_count``)
+    n_rot: int = 0
     # the first layers run a dense FFN, the others experts (``leading_dense_block_count``)
     n_layer_dense_lead: int = 0
+    # NextN/MTP layers after the trunk (``nextn_predict_layers``): counted in ``n_layer``
+    # (``block_count``, the package's layers) but never run by the trunk's graph; they live
+    # with the final stage, for native MTP drafting
+    n_layer_nextn: int = 0
     # group-limited routing (deepseek-v3): the experts in ``expert_groups`` equal groups, each
     # token choosing only among the ``expert_groups_used`` groups whose two best experts score
     # highest (0: no groups)
@@ -183,6 +190,19 @@ class ModelSpec:
     rope_scale_swa: float = 1.0
     # multi-head latent attention (deepseek2): the cache holds K only, V is a view of it
     mla: Mla | None = None
+
+    @property
+    def n_trunk(self) -> int:
+        """The layers the trunk runs: all but the NextN layers after them."""
+        return self.n_layer - self.n_layer_nextn
+
+    @property
+    def rope_dims(self) -> int:
+        return self.n_rot or self.head_dim
+
+    def trunk_layers(self, start: int, stop: int) -> range:
+        """The layers of ``start..stop`` the trunk's graph runs (NextN layers excluded)."""
+        return range(start, min(stop, self.n_trunk))
 
     @property
     def q_dim(self) -> int:
