@@ -40,7 +40,6 @@ from skippy.runtime.model import (
     MAX_EXPERTS,
     MAX_FF,
     MAX_HEAD_DIM,
-    MAX_LAYERS,
     MAX_WIDTH,
     ExpertGating,
     Mla,
@@ -92,11 +91,6 @@ def kq_scale(spec_yarn_attn_factor: float, freq_scale: float, log_mul: float, k_
 
 def read(kv: Mapping[str, Any]) -> ModelSpec:
     a = f"{ARCH}."
-    if read_int(kv, a + "nextn_predict_layers", 0, MAX_LAYERS, default=0):
-        raise _unsupported(
-            "deepseek2 NextN (MTP) layers are not run by the stage runtime",
-            a + "nextn_predict_layers",
-        )
     # llama.cpp's deepseek2 loader reads the log multiplier without the converter's 0.1, and
     # no other YaRN tuning key
     log_mul = float(np.float32(read_float(kv, a + "rope.scaling.yarn_log_multiplier", 0.0)))
@@ -110,7 +104,10 @@ def read(kv: Mapping[str, Any]) -> ModelSpec:
         yarn_mscale_all_dims=log_mul,
         latent_attention=True,
     )
-    n_layer = d["n_layer"]
+    # NextN (MTP) layers after the trunk: counted in n_layer (the package's), never run by
+    # the trunk's graph (ModelSpec.n_layer_nextn); llama.cpp's checks below count the trunk
+    nextn = read_int(kv, a + "nextn_predict_layers", 0, d["n_layer"] - 1, default=0)
+    n_layer = d["n_layer"] - nextn
     if a + "attention.key_length_mla" not in kv or a + "attention.value_length_mla" not in kv:
         raise _unsupported(
             "this deepseek2 file predates llama.cpp's absorbed MLA (no "
@@ -166,7 +163,9 @@ def read(kv: Mapping[str, Any]) -> ModelSpec:
     d["attn_scale"] = kq_scale(attn_factor, freq_scale, log_mul, k_mla)
     d["rope_style"] = "normal"
     mla = Mla(q_lora, kv_lora, rope_dim, k_mla, v_mla)
-    return ModelSpec(**d, **experts, mla=mla, n_layer_dense_lead=n_dense)
+    return ModelSpec(
+        **d, **experts, mla=mla, n_layer_dense_lead=n_dense, n_layer_nextn=nextn
+    )
 
 
 def _read_experts(kv: Mapping[str, Any], n_layer: int, vocab: int) -> dict[str, Any]:
@@ -228,7 +227,35 @@ def _mla(spec: ModelSpec) -> Mla:
     return spec.mla
 
 
+def nextn_tensors(spec: ModelSpec, il: int, vocab: int | None = None) -> list[TensorSpec]:
+    """A NextN/MTP layer's tensors (``il`` >= ``spec.n_trunk``, llama.cpp's loader): a block
+    like the trunk's, the projection of [normed embedding, normed hidden state] back to the
+    width and its two norms; optionally its own head norm, embeddings and head (sized by
+    ``vocab`` where known; llama.cpp falls back on the model's)."""
+    w = spec.width
+    out = [
+        *_block_tensors(spec, il),
+        tensor(T.NEXTN_EH_PROJ, il, (2 * w, w), "matrix"),
+        tensor(T.NEXTN_ENORM, il, (w,), "vector"),
+        tensor(T.NEXTN_HNORM, il, (w,), "vector"),
+        tensor(T.NEXTN_SHARED_HEAD_NORM, il, (w,), "vector", required=False),
+    ]
+    if vocab is not None:
+        out += [
+            tensor(T.NEXTN_EMBED_TOKENS, il, (w, vocab), "matrix", required=False),
+            tensor(T.NEXTN_SHARED_HEAD_HEAD, il, (w, vocab), "matrix", required=False),
+        ]
+    return out
+
+
 def layer_tensors(spec: ModelSpec, il: int) -> list[TensorSpec]:
+    if il >= spec.n_trunk:
+        return nextn_tensors(spec, il)
+    return _block_tensors(spec, il)
+
+
+def _block_tensors(spec: ModelSpec, il: int) -> list[TensorSpec]:
+    """A layer's block, trunk or NextN: MLA, the FFN's norm, its dense FFN or its experts."""
     m, w, h = _mla(spec), spec.width, spec.n_head
     out = [tensor(T.ATTN_NORM, il, (w,), "vector")]
     if m.q_lora_rank:
@@ -311,4 +338,12 @@ def build_layer(b: GraphBuilder, w: LayerWeights, il: int, x: int) -> int:
     return b.add(f, x)
 
 
-FAMILY = Family(ARCH, read, layer_tensors, build_layer, moe=True, numpy_reference=False)
+FAMILY = Family(
+    ARCH,
+    read,
+    layer_tensors,
+    build_layer,
+    moe=True,
+    numpy_reference=False,
+    nextn_tensors=nextn_tensors,
+)
