@@ -328,7 +328,7 @@ class GraphBuilder:
             probs = logits
         # the selection bias chooses the experts; their weights come from the unbiased probs
         choose = probs if bias.selection is None else g.ggml_add(ctx, probs, bias.selection)
-        if groups[0] > 1:
+        if groups[0] > 1 and n_tokens > 0:  # no rows (a final stage wanting no logits)
             choose = self._group_mask(choose, n_expert, n_tokens, *groups)
         selected = g.ggml_argsort_top_k(ctx, choose, n_expert_used)  # [n_used, n_tokens] I32
         probs = g.ggml_reshape_3d(ctx, probs, 1, n_expert, n_tokens)

@@ -152,8 +152,10 @@ def read(kv: Mapping[str, Any]) -> ModelSpec:
         experts = _read_experts(kv, n_layer, vocab)
     freq_scale = d["rope_scale"]
     yarn = d.get("yarn")
-    attn_factor = yarn.attn_factor if yarn is not None else read_float(
-        kv, a + "rope.scaling.attn_factor", 1.0
+    attn_factor = (
+        yarn.attn_factor
+        if yarn is not None
+        else read_float(kv, a + "rope.scaling.attn_factor", 1.0)
     )
     if yarn is None and attn_factor != 1.0:  # llama.cpp would pass it to RoPE too
         raise _unsupported(
@@ -163,9 +165,7 @@ def read(kv: Mapping[str, Any]) -> ModelSpec:
     d["attn_scale"] = kq_scale(attn_factor, freq_scale, log_mul, k_mla)
     d["rope_style"] = "normal"
     mla = Mla(q_lora, kv_lora, rope_dim, k_mla, v_mla)
-    return ModelSpec(
-        **d, **experts, mla=mla, n_layer_dense_lead=n_dense, n_layer_nextn=nextn
-    )
+    return ModelSpec(**d, **experts, mla=mla, n_layer_dense_lead=n_dense, n_layer_nextn=nextn)
 
 
 def _read_experts(kv: Mapping[str, Any], n_layer: int, vocab: int) -> dict[str, Any]:
@@ -201,8 +201,7 @@ def _read_experts(kv: Mapping[str, Any], n_layer: int, vocab: int) -> dict[str, 
             )
         if group_used * (n_expert // groups) < n_used:
             raise bad(
-                f"the {group_used} groups used hold fewer experts than expert_used_count "
-                f"{n_used}",
+                f"the {group_used} groups used hold fewer experts than expert_used_count {n_used}",
                 a + "expert_group_used_count",
             )
     norm = kv.get(a + "expert_weights_norm", False)
@@ -302,9 +301,7 @@ def _block_tensors(spec: ModelSpec, il: int) -> list[TensorSpec]:
 def build_layer(b: GraphBuilder, w: LayerWeights, il: int, x: int) -> int:
     spec = b.spec
     m = _mla(spec)
-    q_proj = (
-        (w[T.ATTN_Q_A], w[T.ATTN_Q_A_NORM], w[T.ATTN_Q_B]) if m.q_lora_rank else w[T.ATTN_Q]
-    )
+    q_proj = (w[T.ATTN_Q_A], w[T.ATTN_Q_A_NORM], w[T.ATTN_Q_B]) if m.q_lora_rank else w[T.ATTN_Q]
     a = b.mla_attention(
         il,
         b.norm(x, w[T.ATTN_NORM]),
