@@ -413,7 +413,8 @@ class GraphBuilder:
         (``attn_q_a``, its norm, ``attn_q_b``). Q's non-rotated part is absorbed into the
         latent per head (``k_b``), its rotated part and the shared rope key take RoPE over
         ``rope_dim``; K = latent + rope key (one KV head), V = the latent, the output
-        expanded per head by ``v_b``. In a batch of sessions (``[.., 1, B]``) the absorption
+        expanded per head by ``v_b``; Q times its position's temperature where the model
+        has one. In a batch of sessions (``[.., 1, B]``) the absorption
         multiplies one column per session, as each session's own decode does."""
         g, ctx, spec = self.g, self.ctx, self.spec
         m = spec.mla
@@ -442,7 +443,7 @@ class GraphBuilder:
         absorbed = g.ggml_mul_mat(ctx, k_b, q_nope)  # [rank, T, n_head, S]
         absorbed = g.ggml_permute(ctx, absorbed, 0, 2, 1, 3)  # [rank, n_head, T, S]
         q_cur = g.ggml_concat(ctx, absorbed, q_pe, 0)  # the rope part last, as llama.cpp
-        q_cur = g.ggml_reshape_3d(ctx, q_cur, rank + rope, n_head, rows)
+        q_cur = self.temperature(g.ggml_reshape_3d(ctx, q_cur, rank + rope, n_head, rows))
         kv_cmpr = g.ggml_reshape_3d(ctx, kv_cmpr, rank, 1, rows)
         k_cur = g.ggml_concat(ctx, kv_cmpr, k_pe, 0)  # [rank + rope, 1, rows]
         return self.attention(il, q_cur, k_cur, kv_cmpr, spec.attn_scale, v_mla=v_b)

@@ -362,9 +362,10 @@ def _mla_block(q_lora: bool) -> tuple[TensorSpec, ...]:
     )
 
 
-def _mla_kv(q_lora: int, log_mul: float) -> dict[str, SpecValue]:
+def _mla_kv(q_lora: bool, log_mul: float) -> dict[str, SpecValue]:
     return {
-        K.Attention.Q_LORA_RANK: q_lora,  # 0: Q direct (the loader requires the key)
+        # 0: Q direct (the loader requires the key unless the layer count says lite)
+        K.Attention.Q_LORA_RANK: Dim("q_lora") if q_lora else 0,
         K.Attention.KV_LORA_RANK: Dim("kv_lora"),
         K.Attention.KEY_LENGTH: Dim("kv_a_mla"),  # one KV head: latent + rope key
         K.Attention.VALUE_LENGTH: Dim("kv_lora"),
@@ -670,7 +671,7 @@ FAMILIES: tuple[FamilySpec, ...] = (
         UNTIED,
         (*_mla_block(False), *EXPERTS, *_SHARED_EXPERT),
         kv={
-            **_mla_kv(0, 0.0707),  # V2-Lite's mscale_all_dim 0.707
+            **_mla_kv(False, 0.0707),  # V2-Lite's mscale_all_dim 0.707
             K.LLM.EXPERT_SHARED_COUNT: 2,  # ff_shexp = 2 x ff_exp
         },
         moe=MoE(8, 2),
@@ -690,7 +691,7 @@ FAMILIES: tuple[FamilySpec, ...] = (
         UNTIED,
         (*_mla_block(True), *EXPERTS, _bias(T.FFN_EXP_PROBS_B, "expert"), *_SHARED_EXPERT),
         kv={
-            **_mla_kv(256, 0.1),  # V3's mscale_all_dim 1.0; q_lora rank 256 (= q_lora)
+            **_mla_kv(True, 0.1),  # V3's mscale_all_dim 1.0
             K.LLM.EXPERT_SHARED_COUNT: 2,
             K.LLM.EXPERT_GATING_FUNC: 2,  # sigmoid
             K.LLM.EXPERT_WEIGHTS_NORM: True,

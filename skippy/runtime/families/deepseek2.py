@@ -12,9 +12,12 @@ of experts (softmax gating, V2; sigmoid with a selection bias, V3; group-limited
 normalised and scaled weights) beside shared experts. Only the residual stream crosses a
 stage boundary.
 
+With ``attention.temperature_scale`` (Mistral Large 3) Q is scaled per position by
+log(floor(pos / ``attention.temperature_length``) + 1) * scale + 1 before attention.
+
 Refused with a code: files from before the split ``attn_k_b``/``attn_v_b`` (no
-``key_length_mla``: the non-absorbed ``attn_kv_b`` path), attention temperature tuning
-(Mistral Large), per-layer expert widths and a fused ``ffn_gate_up_exps``.
+``key_length_mla``: the non-absorbed ``attn_kv_b`` path), per-layer expert widths and a
+fused ``ffn_gate_up_exps``.
 """
 
 from __future__ import annotations
@@ -37,10 +40,12 @@ from skippy.runtime.families.base import (
 )
 from skippy.runtime.graph import ExpertBiases, GraphBuilder, LayerWeights
 from skippy.runtime.model import (
+    MAX_CONTEXT,
     MAX_EXPERTS,
     MAX_FF,
     MAX_HEAD_DIM,
     MAX_WIDTH,
+    AttnTemperature,
     ExpertGating,
     Mla,
     ModelSpec,
@@ -116,12 +121,10 @@ def read(kv: Mapping[str, Any]) -> ModelSpec:
             "convert_hf_to_gguf.py)",
             a + "attention.key_length_mla",
         )
-    if kv.get(a + "attention.temperature_scale"):
-        raise _unsupported(
-            "attention temperature tuning in a deepseek2 model is not implemented by the stage "
-            "runtime",
-            a + "attention.temperature_scale",
-        )
+    temp_scale = read_float(kv, a + "attention.temperature_scale", 0.0)
+    if temp_scale != 0.0:  # Mistral Large 3's temperature tuning: llama.cpp needs both keys
+        floor = read_int(kv, a + "attention.temperature_length", 1, MAX_CONTEXT)
+        d["attn_temperature"] = AttnTemperature(float(np.float32(temp_scale)), floor)
     vocab = _vocab_size(kv)
     lite = n_layer in _LITE_LAYERS or (n_layer == 48 and vocab == _LITE_48_VOCAB)
     q_lora = 0 if lite else read_int(kv, a + "attention.q_lora_rank", 0, MAX_WIDTH)

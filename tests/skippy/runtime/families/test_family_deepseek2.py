@@ -1,8 +1,9 @@
 """deepseek2's own behaviour beyond the certification matrix: the latent cache (latent + rope
-key only, half a K+V cache) in the reused one-position decode graphs, resized past a KV
-length step, bit-identical to llama.cpp decoding one token at a time; a batch of two sessions
-(the per-head absorption one column per session) equal to llama.cpp's decoding of each;
-group-limited routing changing the result, as llama.cpp's does; the metadata's derived
+key only) in the reused one-position decode graphs, resized past a KV length step,
+bit-identical to llama.cpp decoding one token at a time; a batch of two sessions (the
+per-head absorption one column per session) equal to llama.cpp's decoding of each; repacked
+weights as llama.cpp repacks them; group-limited routing and Mistral Large 3's attention
+temperature changing the result, as llama.cpp's do; the metadata's derived
 values (the attention scale with DeepSeek's YaRN mscale, the lite variants without q_lora,
 GLM-4.7-Lite's default sigmoid gating) and what the reader refuses, with its codes."""
 
@@ -73,6 +74,17 @@ def test_a_batch_of_two_sessions_decodes_as_llama_cpp_does_each(root: Path) -> N
         assert np.array_equal(got, llama_decode_reference(model, p, cfg.n_ctx)), i
 
 
+def test_repacked_weights_equal_llama_cpp_repacking_by_default(root: Path) -> None:
+    """With repacking on, the Q4_K matrices llama.cpp repacks are repacked, and the per-head
+    stacks attn_k_b / attn_v_b (rank 3, multiplied per head) stay as they are, as llama.cpp
+    finds (its repacked kernels multiply rank-2 weights only)."""
+    model, pkg = package_model(V3, "Q4_K", root)
+    ids = synth.long_prompt(64, vocab=V3.dims().vocab)
+    case = Case((f"0..{V3.layer_count()}",), 64)
+    got = stage_logits(pkg, ids, case, repack=True)
+    assert np.array_equal(got, oracle(model, ids, repack=True))
+
+
 def test_the_cache_holds_the_latent_and_rope_key_only(root: Path) -> None:
     _, pkg = package_model(LITE, "F16", root)
     d = LITE.dims()
@@ -104,6 +116,28 @@ def test_expert_groups_change_the_routing_as_llama_cpp_does(root: Path) -> None:
         out[spec.name] = stage_logits(pkg, ids, case)
         assert np.array_equal(out[spec.name], oracle(model, ids)), spec.name
     assert not np.array_equal(out[V3.name], out[ungrouped.name])
+
+
+def test_attention_temperature_equals_llama_cpp_across_its_steps(root: Path) -> None:
+    """Mistral Large 3's temperature tuning (Q times log(floor(pos / length) + 1) * scale + 1):
+    320 positions cross two steps of a length of 128; without the keys the logits differ."""
+    tempered = replace(
+        LITE,
+        name="deepseek2-lite-temperature",
+        kv={**LITE.kv, K.Attention.TEMPERATURE_SCALE: 0.1, K.Attention.TEMPERATURE_LENGTH: 128},
+    )
+    ids = synth.long_prompt(320, vocab=LITE.dims().vocab)
+    case = Case(("0..2", "2..4"), 128)
+    out = {}
+    for spec in (tempered, LITE):
+        model, pkg = package_model(spec, "F16", root)
+        out[spec.name] = stage_logits(pkg, ids, case)
+        assert np.array_equal(out[spec.name], oracle(model, ids)), spec.name
+    assert not np.array_equal(out[tempered.name], out[LITE.name])
+    model, pkg = package_model(tempered, "F16", root)
+    cfg = StageConfig(n_ctx=512, n_threads=1)
+    decoded = decode_rows(pkg, ["0..4"], ids[:140], cfg)  # past the first step (127)
+    assert np.array_equal(decoded, llama_decode_reference(model, ids[:140], cfg.n_ctx))
 
 
 # --- metadata ---------------------------------------------------------------------------------
@@ -154,7 +188,7 @@ def test_glm_lite_without_a_gating_key_gates_with_a_sigmoid() -> None:
     ("changes", "error", "code"),
     [
         ({"attention.key_length_mla": None}, StageUnsupported, "unsupported_hyperparameter"),
-        ({"attention.temperature_scale": 0.1}, StageUnsupported, "unsupported_hyperparameter"),
+        ({"attention.temperature_scale": 0.1}, ModelError, "missing_hyperparameter"),
         ({"expert_gating_func": 3}, StageUnsupported, "unsupported_hyperparameter"),
         ({"expert_group_count": 3}, ModelError, "invalid_hyperparameters"),
         ({"expert_group_used_count": 4}, ModelError, "invalid_hyperparameters"),
