@@ -696,10 +696,12 @@ FAMILIES: tuple[FamilySpec, ...] = (
             K.LLM.EXPERT_GATING_FUNC: 2,  # sigmoid
             K.LLM.EXPERT_WEIGHTS_NORM: True,
             K.LLM.EXPERT_WEIGHTS_SCALE: 2.5,
-            K.LLM.EXPERT_GROUP_COUNT: 4,  # 4 groups of 4 experts, each token keeps 2
-            K.LLM.EXPERT_GROUP_USED_COUNT: 2,
+            # 4 groups of 4 experts, each token keeps its best group and picks 2 there; llama.cpp
+            # asserts fewer groups used than groups (and kept after the canary's doubling)
+            K.LLM.EXPERT_GROUP_COUNT: 4,
+            K.LLM.EXPERT_GROUP_USED_COUNT: 1,
         },
-        moe=MoE(16, 4),
+        moe=MoE(16, 2),
         n_head_kv=1,
         dense_lead=1,
         dense_layer=(*_mla_block(True), *FFN),
@@ -711,8 +713,8 @@ FAMILIES: tuple[FamilySpec, ...] = (
         ),
         exercises=(
             "DeepSeek-V3's shape: latent attention with low-rank Q (q_lora), YaRN with "
-            "DeepSeek's mscale; a leading dense layer, then 16 experts top-4 by sigmoid "
-            "scores with a selection-only bias, chosen within the 2 best of 4 expert groups, "
+            "DeepSeek's mscale; a leading dense layer, then 16 experts top-2 by sigmoid "
+            "scores with a selection-only bias, chosen within the best of 4 expert groups, "
             "weights normalised times 2.5, beside shared experts; one NextN layer after the "
             "trunk, held by the final stage and never run by it"
         ),

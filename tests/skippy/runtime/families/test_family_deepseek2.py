@@ -151,7 +151,7 @@ def test_the_spec_reads_latent_attention_and_routing() -> None:
     assert spec.attn_out_dim == d.o_mla
     assert (spec.n_layer, spec.n_trunk, spec.n_layer_dense_lead) == (d.n_layers + 1, 4, 1)
     assert (spec.expert_gating, spec.expert_weights_norm) == ("sigmoid", True)
-    assert (spec.expert_groups, spec.expert_groups_used, spec.expert_weights_scale) == (4, 2, 2.5)
+    assert (spec.expert_groups, spec.expert_groups_used, spec.expert_weights_scale) == (4, 1, 2.5)
     lite = spec_from_metadata(_kv(LITE))
     assert lite.mla is not None and lite.mla.q_lora_rank == 0
     assert (lite.expert_gating, lite.expert_groups) == ("softmax", 0)
