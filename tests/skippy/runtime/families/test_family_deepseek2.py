@@ -74,6 +74,31 @@ def test_a_batch_of_two_sessions_decodes_as_llama_cpp_does_each(root: Path) -> N
         assert np.array_equal(got, llama_decode_reference(model, p, cfg.n_ctx)), i
 
 
+@pytest.mark.parametrize(
+    ("factor", "log_mul", "scaling_type"),
+    [(40.0, 0.1, "yarn"), (40.0, 0.0707, "yarn"), (32.0, None, "yarn"), (4.0, None, None)],
+    ids=["v3-yarn40", "v2-mscale-yarn40", "yarn-no-log-mul", "linear-without-a-type"],
+)
+def test_rope_scalings_equal_llama_cpp_past_the_original_context(
+    root: Path, factor: float, log_mul: float | None, scaling_type: str | None
+) -> None:
+    """DeepSeek-V3's YaRN factor 40 with its mscale (0.1 x mscale_all_dim 1), V2's (0.0707),
+    YaRN without a log multiplier, and a factor without a scaling type (linear, as llama.cpp
+    defaults it, its ln(factor) still in deepseek2's attention scale): 200 positions over an
+    original context of 64, bit-identical to llama.cpp."""
+    kv = {**V3.kv, K.Rope.SCALING_FACTOR: factor, K.Rope.SCALING_ORIG_CTX_LEN: 64}
+    for key, value in ((K.Rope.SCALING_YARN_LOG_MUL, log_mul), (K.Rope.SCALING_TYPE, scaling_type)):
+        if value is None:
+            kv.pop(key)
+        else:
+            kv[key] = value
+    spec = replace(V3, name=f"deepseek2-rope-{factor}-{log_mul}-{scaling_type}", kv=kv)
+    model, pkg = package_model(spec, "F16", root)
+    ids = synth.long_prompt(200, vocab=V3.dims().vocab)
+    got = stage_logits(pkg, ids, Case((f"0..{V3.layer_count()}",), 256))
+    assert np.array_equal(got, oracle(model, ids))
+
+
 def test_repacked_weights_equal_llama_cpp_repacking_by_default(root: Path) -> None:
     """With repacking on, the Q4_K matrices llama.cpp repacks are repacked, and the per-head
     stacks attn_k_b / attn_v_b (rank 3, multiplied per head) stay as they are, as llama.cpp
