@@ -238,3 +238,12 @@ def test_the_reader_refuses_with_a_code(
     with pytest.raises(error) as info:
         spec_from_metadata(_kv(V3, **changes))
     assert getattr(info.value, "code", None) == code
+
+
+def test_the_numpy_engine_refuses_the_family_with_a_code(root: Path) -> None:
+    """The numpy reference has no latent attention: it refuses the package rather than
+    compute it wrongly."""
+    _, pkg = package_model(LITE, "F16", root)
+    with pytest.raises(StageUnsupported) as err:
+        chain("numpy", pkg, ["0..4"], StageConfig(n_ctx=64, n_threads=1))
+    assert err.value.code == "unsupported_architecture"
