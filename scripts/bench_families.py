@@ -27,7 +27,8 @@ from typing import Any
 
 from benchlib import ROOT, BenchContext, Row, spread  # type: ignore[import-not-found]
 
-FAMILIES = ("glm4moe",)  # one name per family added after the MoE bench's qwen3moe
+# one name per family added after the MoE bench's qwen3moe
+FAMILIES = ("glm4moe", "deepseek2-lite", "deepseek2")
 THREADS = 2
 DECODE_TOKENS = 32
 LAYERS = 8
