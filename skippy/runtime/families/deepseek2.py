@@ -83,18 +83,22 @@ def _f32_log(x: np.float32) -> np.float32:
     return np.float32(math.log(float(x)))
 
 
-def kq_scale(spec_yarn_attn_factor: float, freq_scale: float, log_mul: float, k_dim: int) -> float:
+def kq_scale(attn_factor: float, freq_scale: float, log_mul: float, k_dim: int) -> float:
     """llama.cpp's deepseek2 attention scale, in its f32 arithmetic: the context's
     attn_factor with YaRN's cancelling factor undone, times DeepSeek's mscale
     (1 + 0.1 * yarn_log_multiplier * ln(1 / freq_scale)), squared, over sqrt(key width)."""
     f32 = np.float32
     ln = _f32_log(f32(1.0) / f32(freq_scale))
-    org = f32(f32(spec_yarn_attn_factor) * f32(f32(1.0) + f32(0.1) * ln))
+    org = f32(f32(attn_factor) * f32(f32(1.0) + f32(0.1) * ln))
     mscale = f32(org * f32(f32(1.0) + f32(f32(0.1) * f32(log_mul)) * ln))
     return float(f32(f32(f32(1.0) * mscale) * mscale) / np.sqrt(f32(k_dim)))
 
 
 def read(kv: Mapping[str, Any]) -> ModelSpec:
+    """The decoder's hyperparameters with latent attention's own head dimensions, YaRN as
+    llama.cpp's deepseek2 reads it, the NextN layers, the lite variants' direct Q, the MLA
+    ranks (checked against the cache's one-head shape the converter writes), the optional
+    attention temperature, the leading dense layers and the experts' routing keys."""
     a = f"{ARCH}."
     # llama.cpp's deepseek2 loader reads the log multiplier without the converter's 0.1, and
     # no other YaRN tuning key
