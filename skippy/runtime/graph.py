@@ -21,17 +21,18 @@ from typing import Literal, Protocol
 from gguf import MODEL_TENSOR
 
 from skippy.gguf import ggml
-from skippy.gguf.ggml import GGML_ROPE_TYPE_NEOX, GGML_ROPE_TYPE_NORMAL, tensor_struct
-from skippy.runtime.model import ModelSpec, tensor_name
+from skippy.gguf.ggml import (
+    GGML_PREC_F32,
+    GGML_ROPE_TYPE_NEOX,
+    GGML_ROPE_TYPE_NORMAL,
+    tensor_struct,
+)
+from skippy.runtime.model import ExpertGating, ModelSpec, tensor_name
 
 # YaRN parameters that disable YaRN (ggml.h, ggml_rope_ext); llama.cpp passes these values
 # when the model has no YaRN scaling.
 _EXT_FACTOR, _ATTN_FACTOR, _BETA_FAST, _BETA_SLOW = 0.0, 1.0, 32.0, 1.0
 GatedActivation = Literal["silu", "gelu"]
-# How a token's router logits become its experts' weights: "softmax" over every expert, the
-# picked experts' probabilities; "softmax_weight" (gpt-oss) the experts picked by their raw
-# logits, a softmax over the picked ones only.
-ExpertGating = Literal["softmax", "softmax_weight"]
 # The experts' gated activation: SiLU, or gpt-oss's clamped SwiGLU (``ggml_swiglu_oai``).
 ExpertActivation = Literal["silu", "swiglu_oai"]
 # gpt-oss's clamped SwiGLU (gate clamped above and up to [-limit, limit], then
@@ -76,10 +77,13 @@ class LayerWeights:
 
 @dataclass(frozen=True)
 class ExpertBiases:
-    """Biases of a MoE block where the model has them (gpt-oss): the router's ``[n_expert]``,
-    and each expert's gate/up ``[n_ff_exp, n_expert]`` and down ``[n_embd, n_expert]``."""
+    """Biases of a MoE block where the model has them: the router's ``[n_expert]``, and each
+    expert's gate/up ``[n_ff_exp, n_expert]`` and down ``[n_embd, n_expert]`` (gpt-oss);
+    ``selection`` (``exp_probs_b``, deepseek-v3, glm4moe) ``[n_expert]`` is added to the
+    gate's probabilities only to choose the experts: the weights stay unbiased."""
 
     router: int | None = None
+    selection: int | None = None
     up: int | None = None
     gate: int | None = None
     down: int | None = None
@@ -89,7 +93,10 @@ class Attention(Protocol):
     """Attention of one layer over the session's KV cache: writes this graph's K and V into
     the cache, then returns softmax(K^T Q * scale + mask) V as ``[q_dim, rows]`` (or
     ``[q_dim, 1, B]``), before the output projection. ``sinks`` (F32 ``[n_head]``): one
-    extra logit per head in each softmax's denominator that attends to nothing (gpt-oss)."""
+    extra logit per head in each softmax's denominator that attends to nothing (gpt-oss).
+    ``v_mla`` (``[kv_lora_rank, v_head_dim, n_head]``, MLA): the cache holds K only, V is
+    its first ``kv_lora_rank`` values (``v`` is not written), and each head's output is
+    expanded from the latent by this matrix (``ModelSpec.attn_out_dim`` wide)."""
 
     def __call__(
         self,
@@ -100,6 +107,7 @@ class Attention(Protocol):
         v: int,
         kq_scale: float,
         sinks: int | None = None,
+        v_mla: int | None = None,
     ) -> int: ...
 
 
@@ -139,6 +147,16 @@ class GraphBuilder:
     def linear(self, weight: int, x: int, bias: int | None = None) -> int:
         y = self.mm(weight, x)
         return self.g.ggml_add(self.ctx, y, bias) if bias is not None else y
+
+    def f32_accumulate(self, y: int) -> int:
+        """``y``, a matmul's result (or the engine's reshape of one), with the matmul asked
+        to accumulate in F32 as llama.cpp asks for GLM's attention output and FFN down (a
+        device may otherwise sum in F16; the CPU backend always sums in F32)."""
+        if not self.g.ggml_prec_set_acc(y, GGML_PREC_F32):
+            src = tensor_struct(y).src[0]
+            if src:
+                self.g.ggml_prec_set_acc(src, GGML_PREC_F32)
+        return y
 
     # --- attention ----------------------------------------------------------------------------
     def qkv(
@@ -185,7 +203,8 @@ class GraphBuilder:
 
     def rope(self, x: int, il: int) -> int:
         """RoPE at the graph's positions, with the layer's base and scale (sliding layers have
-        their own) and the model's frequency factors, in the model's pair style."""
+        their own) and the model's frequency factors, in the model's pair style, over the
+        first ``ModelSpec.rope_dims`` of each head."""
         spec, yarn = self.spec, self.spec.yarn
         mode = GGML_ROPE_TYPE_NORMAL if spec.rope_style == "normal" else GGML_ROPE_TYPE_NEOX
         return self.g.ggml_rope_ext(
@@ -193,7 +212,7 @@ class GraphBuilder:
             x,
             self.pos,
             self.freq_factors,
-            spec.head_dim,
+            spec.rope_dims,  # the first dims only where the model rotates part of the head
             mode,
             spec.context_length if yarn is None else yarn.n_ctx_orig,
             spec.rope_base_for(il),
@@ -212,11 +231,22 @@ class GraphBuilder:
         return self.g.ggml_mul(self.ctx, q, self.attn_temp)
 
     def attention(
-        self, il: int, q: int, k: int, v: int, kq_scale: float, *, sinks: int | None = None
+        self,
+        il: int,
+        q: int,
+        k: int,
+        v: int,
+        kq_scale: float,
+        *,
+        sinks: int | None = None,
+        v_mla: int | None = None,
     ) -> int:
         """Attention over the session's cache (the layer's mask: causal, or its sliding
-        window), ``[q_dim, rows]``; with the layer's attention ``sinks`` where it has them
-        (``ggml_soft_max_add_sinks``, as llama.cpp's ``build_attn_mha``)."""
+        window), ``[attn_out_dim, rows]``; with the layer's attention ``sinks`` where it has
+        them (``ggml_soft_max_add_sinks``, as llama.cpp's ``build_attn_mha``) and MLA's
+        ``v_mla`` (``Attention``)."""
+        if v_mla is not None:
+            return self.attend(self, il, q, k, v, kq_scale, sinks, v_mla)
         if sinks is None:  # an engine's attention written before sinks is called as it was
             return self.attend(self, il, q, k, v, kq_scale)
         return self.attend(self, il, q, k, v, kq_scale, sinks)
@@ -244,21 +274,33 @@ class GraphBuilder:
         return self.last_rows(il, x, x)[1]
 
     # --- feed-forward -------------------------------------------------------------------------
-    def ffn(self, x: int, gate: int | None, up: int, down: int, act: GatedActivation) -> int:
+    def ffn(
+        self,
+        x: int,
+        gate: int | None,
+        up: int,
+        down: int,
+        act: GatedActivation,
+        *,
+        f32_down: bool = False,
+    ) -> int:
         """A gated feed-forward: down(act(gate x) * up x) (llama.cpp's ``build_ffn`` with
         LLM_FFN_PAR and SILU or GELU); without ``gate``, ``up`` holds the gate's rows then
-        the up's, and ``act`` must be SiLU (LLM_FFN_SWIGLU over one fused projection)."""
+        the up's, and ``act`` must be SiLU (LLM_FFN_SWIGLU over one fused projection).
+        ``f32_down``: the down projection accumulates in F32 (``f32_accumulate``: GLM)."""
         g = self.g
         if gate is None:
             if act != "silu":
                 raise ValueError("a fused gate and up projection is SiLU-gated here")
-            return self.mm(down, g.ggml_swiglu(self.ctx, self.mm(up, x)))
-        a_gate, a_up = self.mm(gate, x), self.mm(up, x)
-        if act == "gelu":
-            a = g.ggml_geglu_split(self.ctx, a_gate, a_up)
+            a = g.ggml_swiglu(self.ctx, self.mm(up, x))
         else:
-            a = g.ggml_swiglu_split(self.ctx, a_gate, a_up)
-        return self.mm(down, a)
+            a_gate, a_up = self.mm(gate, x), self.mm(up, x)
+            if act == "gelu":
+                a = g.ggml_geglu_split(self.ctx, a_gate, a_up)
+            else:
+                a = g.ggml_swiglu_split(self.ctx, a_gate, a_up)
+        y = self.mm(down, a)
+        return self.f32_accumulate(y) if f32_down else y
 
     def moe_ffn(
         self,
@@ -273,6 +315,8 @@ class GraphBuilder:
         gating: ExpertGating = "softmax",
         biases: ExpertBiases | None = None,
         act: ExpertActivation = "silu",
+        weight_scale: float = 1.0,
+        groups: tuple[int, int] = (0, 0),
     ) -> int:
         """A mixture of experts with softmax gating (llama.cpp's ``build_moe_ffn`` as qwen3moe
         calls it: LLM_FFN_SILU, LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX). Each token's router
@@ -284,7 +328,14 @@ class GraphBuilder:
         (the router goes through the engine's matmul: per column in a batch). ``gating``,
         ``biases`` (each added where llama.cpp adds it: ``ggml_add_id`` for the experts') and
         ``act`` give gpt-oss's variant (LLM_FFN_SWIGLU_OAI_MOE,
-        LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX_WEIGHT)."""
+        LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX_WEIGHT). ``gating="sigmoid"`` with
+        ``biases.selection`` and ``weight_scale`` (``expert_weights_scale``: the weights
+        times it after any normalisation, unless it is 0 or 1, as llama.cpp skips it) give
+        deepseek-v3's and glm4moe's routing (LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID).
+        ``groups`` (n_groups, n_used; deepseek-v3's group-limited routing, when n_groups > 1):
+        the experts split into equal groups, each scored by the sum of its two best
+        selection probabilities; a token picks its experts only from its ``n_used``
+        best-scoring groups (the others masked to -inf before the top-k)."""
         g, ctx = self.g, self.ctx
         ne = tensor_struct(x).ne
         n_embd, n_tokens, batched = int(ne[0]), int(ne[1]) * int(ne[2]), int(ne[2]) > 1
@@ -296,8 +347,17 @@ class GraphBuilder:
         if bias.router is not None:
             logits = g.ggml_add(ctx, logits, bias.router)
         # [n_expert, n_tokens]
-        probs = g.ggml_soft_max(ctx, logits) if gating == "softmax" else logits
-        selected = g.ggml_argsort_top_k(ctx, probs, n_expert_used)  # [n_used, n_tokens] I32
+        if gating == "softmax":
+            probs = g.ggml_soft_max(ctx, logits)
+        elif gating == "sigmoid":
+            probs = g.ggml_sigmoid(ctx, logits)
+        else:
+            probs = logits
+        # the selection bias chooses the experts; their weights come from the unbiased probs
+        choose = probs if bias.selection is None else g.ggml_add(ctx, probs, bias.selection)
+        if groups[0] > 1 and n_tokens > 0:  # no rows (a final stage wanting no logits)
+            choose = self._group_mask(choose, n_expert, n_tokens, *groups)
+        selected = g.ggml_argsort_top_k(ctx, choose, n_expert_used)  # [n_used, n_tokens] I32
         probs = g.ggml_reshape_3d(ctx, probs, 1, n_expert, n_tokens)
         weights = g.ggml_get_rows(ctx, probs, selected)  # [1, n_used, n_tokens]
         if gating == "softmax_weight":
@@ -311,6 +371,8 @@ class GraphBuilder:
             total = g.ggml_clamp(ctx, total, _MIN_WEIGHT_SUM, float("inf"))
             weights = g.ggml_div(ctx, weights, total)  # [n_used, n_tokens]
             weights = g.ggml_reshape_3d(ctx, weights, 1, n_expert_used, n_tokens)
+        if weight_scale not in (0.0, 1.0):
+            weights = g.ggml_scale(ctx, weights, weight_scale)
         g.ggml_build_forward_expand(self.gf, weights)
         cur = g.ggml_reshape_3d(ctx, x, n_embd, 1, n_tokens)
         up = g.ggml_mul_mat_id(ctx, up_exps, cur, selected)  # [n_ff_exp, n_used, n_tokens]
@@ -343,6 +405,75 @@ class GraphBuilder:
         if batched:
             out = g.ggml_reshape_3d(ctx, out, n_embd, 1, n_tokens)
         return out
+
+    def _group_mask(
+        self, choose: int, n_expert: int, n_tokens: int, n_groups: int, n_used: int
+    ) -> int:
+        """``choose`` ``[n_expert, n_tokens]`` with the experts outside each token's ``n_used``
+        best groups set to -inf (llama.cpp's build_moe_ffn with n_expert_groups)."""
+        g, ctx = self.g, self.ctx
+        per_group = n_expert // n_groups
+        grouped = g.ggml_reshape_3d(ctx, choose, per_group, n_groups, n_tokens)
+        best2 = g.ggml_argsort_top_k(ctx, grouped, 2)  # [2, n_groups, n_tokens]
+        as_rows = g.ggml_reshape_4d(ctx, grouped, 1, per_group, n_groups, n_tokens)
+        scores = g.ggml_get_rows(ctx, as_rows, best2)  # [1, 2, n_groups, n_tokens]
+        scores = g.ggml_sum_rows(ctx, g.ggml_reshape_3d(ctx, scores, 2, n_groups, n_tokens))
+        scores = g.ggml_reshape_2d(ctx, scores, n_groups, n_tokens)  # [n_groups, n_tokens]
+        kept = g.ggml_argsort_top_k(ctx, scores, n_used)  # [n_used, n_tokens]
+        picked = g.ggml_get_rows(ctx, grouped, kept)  # [per_group, n_used, n_tokens]
+        masked = g.ggml_set_rows(ctx, g.ggml_fill(ctx, grouped, float("-inf")), picked, kept)
+        return g.ggml_reshape_2d(ctx, masked, n_expert, n_tokens)
+
+    def mla_attention(
+        self,
+        il: int,
+        h: int,
+        q_proj: tuple[int, int, int] | int,
+        kv_a: int,
+        kv_a_norm: int,
+        k_b: int,
+        v_b: int,
+    ) -> int:
+        """Multi-head latent attention (``ModelSpec.mla``) over the normed input ``h`` in
+        llama.cpp's absorbed form (deepseek2's builder with ``attn_k_b``/``attn_v_b``), before
+        the output projection: ``[n_head * v_head_dim, rows]``. ``q_proj``: ``attn_q``, or
+        (``attn_q_a``, its norm, ``attn_q_b``). Q's non-rotated part is absorbed into the
+        latent per head (``k_b``), its rotated part and the shared rope key take RoPE over
+        ``rope_dim``; K = latent + rope key (one KV head), V = the latent, the output
+        expanded per head by ``v_b``; Q times its position's temperature where the model
+        has one. In a batch of sessions (``[.., 1, B]``) the absorption
+        multiplies one column per session, as each session's own decode does."""
+        g, ctx, spec = self.g, self.ctx, self.spec
+        m = spec.mla
+        if m is None:
+            raise ValueError("mla_attention needs a model with latent attention")
+        n_head, rows, f = spec.n_head, self.rows, 4  # F32 activations
+        per_seq, seqs = (1, rows) if tensor_struct(h).ne[2] > 1 else (rows, 1)
+        if isinstance(q_proj, tuple):
+            q_a, q_a_norm, q_b = q_proj
+            q = self.linear(q_b, self.norm(self.linear(q_a, h), q_a_norm))
+        else:
+            q = self.linear(q_proj, h)
+        kd, rank, rope, nope = m.k_head_dim, m.kv_lora_rank, m.rope_dim, m.nope_dim
+        q = g.ggml_reshape_4d(ctx, q, kd, n_head, per_seq, seqs)
+        kv_pe = self.linear(kv_a, h)  # [rank + rope, rows] ([.., 1, B])
+        row = f * (rank + rope)
+        kv_cmpr = g.ggml_view_2d(ctx, kv_pe, rank, rows, row, 0)
+        k_pe = g.ggml_view_3d(ctx, kv_pe, rope, 1, rows, row, row, f * rank)
+        k_pe = self.rope(k_pe, il)  # [rope, 1, rows]
+        kv_cmpr = self.norm(kv_cmpr, kv_a_norm)
+        qs = (f * kd, f * kd * n_head, f * kd * n_head * per_seq)
+        q_nope = g.ggml_view_4d(ctx, q, nope, n_head, per_seq, seqs, *qs, 0)
+        q_pe = g.ggml_view_3d(ctx, q, rope, n_head, rows, qs[0], qs[1], f * nope)
+        q_pe = g.ggml_reshape_4d(ctx, self.rope(q_pe, il), rope, n_head, per_seq, seqs)
+        q_nope = g.ggml_permute(ctx, q_nope, 0, 2, 1, 3)  # [nope, T, n_head, S]
+        absorbed = g.ggml_mul_mat(ctx, k_b, q_nope)  # [rank, T, n_head, S]
+        absorbed = g.ggml_permute(ctx, absorbed, 0, 2, 1, 3)  # [rank, n_head, T, S]
+        q_cur = g.ggml_concat(ctx, absorbed, q_pe, 0)  # the rope part last, as llama.cpp
+        q_cur = self.temperature(g.ggml_reshape_3d(ctx, q_cur, rank + rope, n_head, rows))
+        kv_cmpr = g.ggml_reshape_3d(ctx, kv_cmpr, rank, 1, rows)
+        k_cur = g.ggml_concat(ctx, kv_cmpr, k_pe, 0)  # [rank + rope, 1, rows]
+        return self.attention(il, q_cur, k_cur, kv_cmpr, spec.attn_scale, v_mla=v_b)
 
     def shared_expert(self, x: int, gate_inp: int, gate: int, up: int, down: int) -> int:
         """A shared expert every token runs, scaled by its own sigmoid gate: ffn(x) *

@@ -106,6 +106,13 @@ class Dims:
     n_ctx_train: int = 4096
     n_expert: int = 0
     n_expert_used: int = 0
+    # deepseek2's latent attention: Q's low rank, the KV latent, each head's rotated part,
+    # non-rotated key part and value (ne0 of attn_k_b is the non-rotated part: 256 for Q4_K)
+    q_lora: int = 256
+    kv_lora: int = 256
+    rope_mla: int = 64
+    nope_mla: int = 256
+    v_mla: int = 64
 
     def __post_init__(self) -> None:
         for name in ("n_layers", "embd", "n_head", "n_head_kv", "head_dim", "ff", "vocab"):
@@ -138,6 +145,30 @@ class Dims:
     @property
     def ff2(self) -> int:  # phi3's fused gate and up
         return 2 * self.ff
+
+    @property
+    def embd2(self) -> int:  # a NextN layer's [embedding, hidden state] input
+        return 2 * self.embd
+
+    @property
+    def half_head(self) -> int:  # glm4moe's RoPE rotates half of the head
+        return self.head_dim // 2
+
+    @property
+    def kv_a_mla(self) -> int:  # the latent and the shared rope key: attn_kv_a_mqa's rows
+        return self.kv_lora + self.rope_mla
+
+    @property
+    def k_mla(self) -> int:  # a head's key before absorption: non-rotated then rotated part
+        return self.nope_mla + self.rope_mla
+
+    @property
+    def q_mla(self) -> int:  # every head's query
+        return self.n_head * self.k_mla
+
+    @property
+    def o_mla(self) -> int:  # every head's value: attn_output's input
+        return self.n_head * self.v_mla
 
     @property
     def expert(self) -> int:
@@ -199,10 +230,30 @@ class FamilySpec:
     n_head_kv: int | None = None  # None: Dims' (GQA)
     exercises: str = ""  # what the model checks, for the docs and test ids
     extra_dtypes: tuple[str, ...] = ()  # beyond DTYPES: the family's own (MXFP4 for gpt-oss)
+    # the first ``dense_lead`` layers hold ``dense_layer`` instead of ``layer`` (glm4moe's
+    # leading dense blocks)
+    dense_lead: int = 0
+    dense_layer: tuple[TensorSpec, ...] = ()
+    # one NextN/MTP layer after the ``n_layers`` of the trunk, holding ``layer`` and these
+    # (empty: none); ``block_count`` then counts it
+    nextn: tuple[TensorSpec, ...] = ()
 
     @property
     def arch_name(self) -> str:
         return gguf.MODEL_ARCH_NAMES[self.arch]
+
+    @property
+    def n_nextn(self) -> int:
+        return 1 if self.nextn else 0
+
+    def layer_count(self, base: Dims | None = None) -> int:
+        """The package's layers: the trunk's and the NextN layers after it."""
+        return self.dims(base).n_layers + self.n_nextn
+
+    def layer_tensors(self, il: int, d: Dims) -> tuple[TensorSpec, ...]:
+        if il >= d.n_layers:
+            return (*self.layer, *self.nextn)
+        return self.dense_layer if il < self.dense_lead else self.layer
 
     @property
     def dtypes(self) -> tuple[str, ...]:
@@ -277,6 +328,65 @@ GRANITE_SCALES: dict[str, SpecValue] = {
 }
 SLIDING_WINDOW = 128  # shorter than the long prompt: the window must cut in
 
+
+# glm4moe's attention block, in its dense and its MoE layers alike
+GLM4MOE_ATTN = (
+    _norm(T.ATTN_NORM),
+    *ATTN,
+    *QKV_BIAS,
+    *HEAD_QK_NORM,
+    _norm(T.ATTN_POST_NORM),  # the FFN's input norm
+)
+
+# deepseek2's attention (absorbed MLA, as current converters write it) and the FFN's norm,
+# with Q low-rank (V3) or direct (V2-Lite); the metadata the loader needs for it
+def _mla_block(q_lora: bool) -> tuple[TensorSpec, ...]:
+    q = (
+        (
+            _norm(T.ATTN_Q_A_NORM, "q_lora"),
+            _t(T.ATTN_Q_A, "embd", "q_lora"),
+            _t(T.ATTN_Q_B, "q_lora", "q_mla"),
+        )
+        if q_lora
+        else (_t(T.ATTN_Q, "embd", "q_mla"),)
+    )
+    return (
+        _norm(T.ATTN_NORM),
+        *q,
+        _norm(T.ATTN_KV_A_NORM, "kv_lora"),
+        _t(T.ATTN_KV_A_MQA, "embd", "kv_a_mla"),
+        _t(T.ATTN_K_B, "nope_mla", "kv_lora", "n_head"),
+        _t(T.ATTN_V_B, "kv_lora", "v_mla", "n_head"),
+        _t(T.ATTN_OUT, "o_mla", "embd"),
+        _norm(T.FFN_NORM),
+    )
+
+
+def _mla_kv(q_lora: bool, log_mul: float) -> dict[str, SpecValue]:
+    return {
+        # 0: Q direct (the loader requires the key unless the layer count says lite)
+        K.Attention.Q_LORA_RANK: Dim("q_lora") if q_lora else 0,
+        K.Attention.KV_LORA_RANK: Dim("kv_lora"),
+        K.Attention.KEY_LENGTH: Dim("kv_a_mla"),  # one KV head: latent + rope key
+        K.Attention.VALUE_LENGTH: Dim("kv_lora"),
+        K.Attention.KEY_LENGTH_MLA: Dim("k_mla"),
+        K.Attention.VALUE_LENGTH_MLA: Dim("v_mla"),
+        K.Rope.DIMENSION_COUNT: Dim("rope_mla"),
+        K.LLM.EXPERT_FEED_FORWARD_LENGTH: Dim("ff_exp"),
+        # YaRN factor 4 over an original context of 128, which the long prompt runs past,
+        # with DeepSeek's mscale (the converter writes 0.1 x mscale_all_dim)
+        K.Rope.SCALING_TYPE: "yarn",
+        K.Rope.SCALING_FACTOR: 4.0,
+        K.Rope.SCALING_ORIG_CTX_LEN: 128,
+        K.Rope.SCALING_YARN_LOG_MUL: log_mul,
+    }
+
+
+_SHARED_EXPERT = (
+    _t(T.FFN_GATE_SHEXP, "embd", "ff_shexp"),
+    _t(T.FFN_UP_SHEXP, "embd", "ff_shexp"),
+    _t(T.FFN_DOWN_SHEXP, "ff_shexp", "embd"),
+)
 
 FAMILIES: tuple[FamilySpec, ...] = (
     # --- today's dense four ---
@@ -514,6 +624,101 @@ FAMILIES: tuple[FamilySpec, ...] = (
             "MXFP4 experts"
         ),
     ),
+    FamilySpec(
+        "glm4moe",
+        A.GLM4_MOE,
+        UNTIED,
+        (
+            *GLM4MOE_ATTN,
+            *EXPERTS,
+            _bias(T.FFN_EXP_PROBS_B, "expert"),
+            _t(T.FFN_GATE_SHEXP, "embd", "ff_shexp"),
+            _t(T.FFN_UP_SHEXP, "embd", "ff_shexp"),
+            _t(T.FFN_DOWN_SHEXP, "ff_shexp", "embd"),
+        ),
+        kv={
+            K.LLM.EXPERT_FEED_FORWARD_LENGTH: Dim("ff_exp"),
+            K.LLM.EXPERT_SHARED_COUNT: 2,  # the shared expert is ff_shexp = 2 x ff_exp wide
+            K.LLM.EXPERT_GATING_FUNC: 2,  # sigmoid
+            K.LLM.EXPERT_WEIGHTS_NORM: True,
+            K.LLM.EXPERT_WEIGHTS_SCALE: 2.5,  # GLM-4.5's routed scaling factor
+            K.Rope.DIMENSION_COUNT: Dim("half_head"),
+            # YaRN (factor 4 over an original context of 128, which the long prompt runs
+            # past) on the rotated half of each head; the loader reads no beta keys
+            K.Rope.SCALING_TYPE: "yarn",
+            K.Rope.SCALING_FACTOR: 4.0,
+            K.Rope.SCALING_ORIG_CTX_LEN: 128,
+        },
+        moe=MoE(16, 4),
+        dense_lead=1,
+        dense_layer=(*GLM4MOE_ATTN, *FFN),
+        nextn=(
+            _t(T.NEXTN_EH_PROJ, "embd2", "embd"),
+            _norm(T.NEXTN_ENORM),
+            _norm(T.NEXTN_HNORM),
+            _norm(T.NEXTN_SHARED_HEAD_NORM),
+        ),
+        exercises=(
+            "a leading dense layer, then 16 experts top-4 by sigmoid scores with a "
+            "selection-only bias, normalised weights times 2.5 and a shared expert; q/k/v "
+            "biases, per-head q/k norms, NEOX RoPE over half the head with YaRN; one NextN "
+            "layer after the trunk, held by the final stage and never run by it"
+        ),
+    ),
+    FamilySpec(
+        "deepseek2-lite",
+        A.DEEPSEEK2,
+        UNTIED,
+        (*_mla_block(False), *EXPERTS, *_SHARED_EXPERT),
+        kv={
+            **_mla_kv(False, 0.0707),  # V2-Lite's mscale_all_dim 0.707
+            K.LLM.EXPERT_SHARED_COUNT: 2,  # ff_shexp = 2 x ff_exp
+        },
+        moe=MoE(8, 2),
+        n_head_kv=1,
+        dense_lead=1,
+        dense_layer=(*_mla_block(False), *FFN),
+        exercises=(
+            "DeepSeek-V2-Lite's shape: latent attention (absorbed MLA, one cached latent + "
+            "rope key per token) with Q projected directly, normal RoPE over part of the key "
+            "with YaRN and DeepSeek's mscale; a leading dense layer, then 8 experts top-2 by "
+            "softmax (weights not normalised) beside two shared experts"
+        ),
+    ),
+    FamilySpec(
+        "deepseek2",
+        A.DEEPSEEK2,
+        UNTIED,
+        (*_mla_block(True), *EXPERTS, _bias(T.FFN_EXP_PROBS_B, "expert"), *_SHARED_EXPERT),
+        kv={
+            **_mla_kv(True, 0.1),  # V3's mscale_all_dim 1.0
+            K.LLM.EXPERT_SHARED_COUNT: 2,
+            K.LLM.EXPERT_GATING_FUNC: 2,  # sigmoid
+            K.LLM.EXPERT_WEIGHTS_NORM: True,
+            K.LLM.EXPERT_WEIGHTS_SCALE: 2.5,
+            # 4 groups of 4 experts, each token keeps its best group and picks 2 there; llama.cpp
+            # asserts fewer groups used than groups (and kept after the canary's doubling)
+            K.LLM.EXPERT_GROUP_COUNT: 4,
+            K.LLM.EXPERT_GROUP_USED_COUNT: 1,
+        },
+        moe=MoE(16, 2),
+        n_head_kv=1,
+        dense_lead=1,
+        dense_layer=(*_mla_block(True), *FFN),
+        nextn=(
+            _t(T.NEXTN_EH_PROJ, "embd2", "embd"),
+            _norm(T.NEXTN_ENORM),
+            _norm(T.NEXTN_HNORM),
+            _norm(T.NEXTN_SHARED_HEAD_NORM),
+        ),
+        exercises=(
+            "DeepSeek-V3's shape: latent attention with low-rank Q (q_lora), YaRN with "
+            "DeepSeek's mscale; a leading dense layer, then 16 experts top-2 by sigmoid "
+            "scores with a selection-only bias, chosen within the best of 4 expert groups, "
+            "weights normalised times 2.5, beside shared experts; one NextN layer after the "
+            "trunk, held by the final stage and never run by it"
+        ),
+    ),
 )
 FAMILY_NAMES: tuple[str, ...] = tuple(f.name for f in FAMILIES)
 
@@ -577,6 +782,11 @@ def model_metadata(spec: FamilySpec, d: Dims, dtype: Dtype) -> dict[str, Metadat
     if spec.moe is not None:
         kv[K.LLM.EXPERT_COUNT] = Dim("n_expert")
         kv[K.LLM.EXPERT_USED_COUNT] = Dim("n_expert_used")
+    if spec.nextn:
+        kv[K.LLM.BLOCK_COUNT] = d.n_layers + spec.n_nextn
+        kv[K.LLM.NEXTN_PREDICT_LAYERS] = spec.n_nextn
+    if spec.dense_lead:
+        kv[K.LLM.LEADING_DENSE_BLOCK_COUNT] = spec.dense_lead
     kv.update(spec.kv)
     kv[K.General.FILE_TYPE] = int(_FILE_TYPES[dtype])
     if dtype not in ("F32", "F16"):
@@ -633,7 +843,8 @@ def plan(spec: FamilySpec, d: Dims, dtype: Dtype) -> list[PlannedTensor]:
     """Every tensor of the model, in file order, with its shape and type."""
     out: list[PlannedTensor] = []
     entries: list[tuple[TensorSpec, int | None]] = [(t, None) for t in spec.model]
-    entries += [(t, i) for i in range(d.n_layers) for t in spec.layer]
+    n_all = d.n_layers + spec.n_nextn
+    entries += [(t, i) for i in range(n_all) for t in spec.layer_tensors(i, d)]
     for t, layer in entries:
         name = t.name(layer)
         shape = tuple(d.size(s) for s in t.shape)

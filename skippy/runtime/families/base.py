@@ -101,6 +101,8 @@ def expert_tensors(spec: ModelSpec, il: int) -> list[TensorSpec]:
 
 
 LayerTensors = Callable[[ModelSpec, int], list[TensorSpec]]
+# (spec, il, vocab) -> a NextN/MTP layer's tensors (vocab-sized ones where vocab is known)
+NextnTensors = Callable[[ModelSpec, int, int | None], list[TensorSpec]]
 ModelTensors = Callable[[ModelSpec], list[TensorSpec]]
 BuildLayer = Callable[[GraphBuilder, LayerWeights, int, int], int]  # (b, w, il, x) -> x
 
@@ -128,6 +130,9 @@ class Family:
     # the numpy reference engine computes its layers (False: it refuses the family, with a
     # code, rather than compute it wrongly)
     numpy_reference: bool = True
+    # the tensors of its NextN/MTP layers after the trunk (None: the family has none); the
+    # trunk never runs them, the final stage holds them for native MTP drafting
+    nextn_tensors: NextnTensors | None = None
 
     @property
     def may_have_experts(self) -> bool:
@@ -170,13 +175,20 @@ def read_float(kv: Mapping[str, Any], key: str, default: float | None = None) ->
 
 
 def read_yarn(
-    kv: Mapping[str, Any], arch: str, n_ctx_train: int, *, tuning_keys: bool = True
+    kv: Mapping[str, Any],
+    arch: str,
+    n_ctx_train: int,
+    *,
+    tuning_keys: bool = True,
+    mscale_all_dims: float | None = None,
 ) -> tuple[float, Yarn]:
     """YaRN scaling from the file: ``freq_scale`` and ggml's parameters, ``attn_factor``
     computed in f32 as llama.cpp's context does (its mscale, then the cancelling factor).
     Without ``tuning_keys`` the file's ``yarn_beta_fast``, ``yarn_beta_slow`` and
     ``yarn_log_multiplier`` are ignored for llama.cpp's defaults, as the loaders of families
-    that do not read them (gpt-oss) do."""
+    that do not read them (gpt-oss) do. ``mscale_all_dims``: the log multiplier a family's
+    loader read itself (deepseek2's), which llama.cpp's context also takes as YaRN's mscale
+    for deepseek2: the two cancel wherever it is not 0."""
     a, f32 = f"{arch}.", np.float32
 
     def tuned(key: str, default: float) -> float:
@@ -201,8 +213,12 @@ def read_yarn(
             return f32(1.0)
         return f32(f32(0.1) * f32(m) * np.log(factor) + f32(1.0))
 
-    log_mul = tuned("rope.scaling.yarn_log_multiplier", 0.0)
-    attn = mscale(1.0) / mscale(log_mul) if log_mul != 0.0 else mscale(1.0)
+    if mscale_all_dims is not None:
+        log_mul = mscale_all_dims
+        attn = mscale(log_mul) / mscale(log_mul) if log_mul != 0.0 else mscale(1.0)
+    else:
+        log_mul = tuned("rope.scaling.yarn_log_multiplier", 0.0)
+        attn = mscale(1.0) / mscale(log_mul) if log_mul != 0.0 else mscale(1.0)
     attn = f32(attn * (f32(1.0) / (f32(1.0) + f32(0.1) * np.log(factor))))
     attn = f32(attn * f32(read_float(kv, a + "rope.scaling.attn_factor", 1.0)))
     yarn = Yarn(
@@ -218,17 +234,25 @@ def read_yarn(
 
 
 def _rope_scale(kv: Mapping[str, Any], arch: str, *, yarn: bool = False) -> float:
-    kind = kv.get(f"{arch}.rope.scaling.type", "none")
+    """The RoPE frequency scale as llama.cpp's loader and context derive it: a file without
+    ``rope.scaling.type`` is linear, scaled by 1 / ``rope.scaling.factor`` (or its older
+    spelling ``rope.scale_linear``; absent or 0: unscaled), computed in f32; ``none`` never
+    scales, whatever factor the file has."""
+    kind = kv.get(f"{arch}.rope.scaling.type", "linear")  # llama.cpp's default
     if kind == "yarn" and yarn:
         return 1.0  # read_decoder reads YaRN's own scale
-    if kind in ("none", None):
-        factor = kv.get(f"{arch}.rope.scale_linear")  # the older spelling of linear scaling
-        return 1.0 / read_float(kv, f"{arch}.rope.scale_linear") if factor else 1.0
+    if kind == "none":
+        return 1.0
     if kind == "linear":
-        factor = read_float(kv, f"{arch}.rope.scaling.factor")
-        if factor <= 0:
-            raise bad(f"{arch}.rope.scaling.factor must be positive", arch)
-        return 1.0 / factor
+        key = f"{arch}.rope.scaling.factor"
+        if key not in kv:
+            key = f"{arch}.rope.scale_linear"
+        factor = read_float(kv, key, 0.0)
+        if factor == 0.0:
+            return 1.0
+        if factor < 0:
+            raise bad(f"{key} must be positive", key)
+        return float(np.float32(1.0) / np.float32(factor))
     raise StageUnsupported(
         f"RoPE scaling {kind!r} is not implemented by the stage runtime for {arch} (only "
         f"none and linear{', and yarn' if yarn else ''})",
@@ -261,13 +285,19 @@ def read_decoder(
     attn_softcap: bool = False,
     yarn: bool = False,
     yarn_tuning_keys: bool = True,
+    partial_rope: bool = False,
+    yarn_mscale_all_dims: float | None = None,
+    latent_attention: bool = False,
 ) -> dict[str, Any]:
     """The hyperparameters of a decoder-only transformer every family here shares, as
     ``ModelSpec`` keyword arguments (a family adds or overrides its own). Without
     ``dense_ffn`` (a MoE family) the dense FFN width may be absent (0). A family whose
     attention soft-caps its scores (``attn_softcap``) gets the file's cap, and one that
     implements YaRN (``yarn``) its parameters (else both are refused; ``yarn_tuning_keys``:
-    ``read_yarn``'s)."""
+    ``read_yarn``'s, as ``yarn_mscale_all_dims``). A family whose RoPE may rotate only the
+    first ``rope.dimension_count`` dims of the head (``partial_rope``) gets them as ``n_rot``;
+    one with latent attention (``latent_attention``, deepseek2's MLA) checks its own head
+    dimensions (its RoPE dims are ``n_rot`` too)."""
     a = f"{arch}."
     n_layer = read_int(kv, a + "block_count", 1, MAX_LAYERS)
     width = read_int(kv, a + "embedding_length", 1, MAX_WIDTH)
@@ -279,13 +309,19 @@ def read_decoder(
     head_dim = read_int(kv, a + "attention.key_length", 2, MAX_HEAD_DIM, default=default_hd)
     v_dim = read_int(kv, a + "attention.value_length", 2, MAX_HEAD_DIM, default=head_dim)
     rope_dims = read_int(kv, a + "rope.dimension_count", 2, MAX_HEAD_DIM, default=head_dim)
-    if v_dim != head_dim or rope_dims != head_dim or head_dim % 2:
+    extra: dict[str, Any] = {}
+    rope_ok = rope_dims == head_dim or (partial_rope and rope_dims < head_dim)
+    bad_dims = v_dim != head_dim or not rope_ok or head_dim % 2 or rope_dims % 2
+    if bad_dims and not latent_attention:
+        whole = "rotated whole" if not partial_rope else "rotated over an even part"
         raise StageUnsupported(
             f"head dims k={head_dim} v={v_dim} rope={rope_dims}: the stage runtime needs one "
-            "even head dimension, rotated whole",
+            f"even head dimension, {whole}",
             code="unsupported_hyperparameter",
             actual=arch,
         )
+    if rope_dims != head_dim:
+        extra["n_rot"] = rope_dims
     eps = read_float(kv, a + "attention.layer_norm_rms_epsilon")
     if not 0 < eps < 1:
         raise bad(f"rms epsilon {eps} is outside (0, 1)", arch)
@@ -293,11 +329,14 @@ def read_decoder(
     rope_base = read_float(kv, a + "rope.freq_base", 10000.0)
     if rope_base <= 0:
         raise bad("rope.freq_base must be positive", arch)
-    extra: dict[str, Any] = {}
     rope_scale = _rope_scale(kv, arch, yarn=yarn)
     if yarn and kv.get(a + "rope.scaling.type") == "yarn":
         rope_scale, extra["yarn"] = read_yarn(
-            kv, arch, context_length, tuning_keys=yarn_tuning_keys
+            kv,
+            arch,
+            context_length,
+            tuning_keys=yarn_tuning_keys,
+            mscale_all_dims=yarn_mscale_all_dims,
         )
     softcap = kv.get(a + "final_logit_softcapping")
     softcap_value = read_float(kv, a + "final_logit_softcapping") if softcap else None
