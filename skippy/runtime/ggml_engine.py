@@ -51,7 +51,7 @@ from skippy.runtime.families import family_of
 from skippy.runtime.families.base import T
 from skippy.runtime.graph import Attention, GraphBuilder, LayerWeights
 from skippy.runtime.graph_shapes import kv_length, prefill_rows
-from skippy.runtime.model import ModelSpec, attention_mask, tensor_name
+from skippy.runtime.model import ModelSpec, SwaType, attention_mask, first_visible, tensor_name
 from skippy.runtime.stage import STAGE_API_VERSION, StageBase
 from skippy.runtime.weights import StageWeights
 
@@ -114,12 +114,15 @@ class _SessionInputs:
     v_buf: npt.NDArray[np.int64]
     mask_buf: npt.NDArray[np.float32]
     n_kv: int = 0
+    swa_type: SwaType = "standard"  # how the sliding masks cut (ModelSpec.swa_type)
 
     @staticmethod
-    def buffers(kv_dim: int, cells: int) -> dict[str, Any]:
-        """Fresh host buffers for a session's inputs (keyword arguments)."""
+    def buffers(kv_dim: int, cells: int, swa_type: SwaType) -> dict[str, Any]:
+        """Fresh host buffers for a session's inputs, and how its sliding masks cut (keyword
+        arguments)."""
         v_base = np.arange(kv_dim, dtype=np.int64) * cells
         return {
+            "swa_type": swa_type,
             "k_buf": np.zeros(1, dtype=np.int64),
             "v_base": v_base,
             "v_buf": v_base.copy(),
@@ -146,8 +149,8 @@ class _SessionInputs:
             m = self.mask_buf[:n_kv]
             m[: position + 1] = 0.0
             m[position + 1 :] = -np.inf
-            if window is not None and position + 1 > window:
-                m[: position + 1 - window] = -np.inf
+            if window is not None:
+                m[: max(0, first_visible(position, window, self.swa_type))] = -np.inf
             g.ggml_backend_tensor_set(mask, m.ctypes.data, 0, 4 * n_kv)
 
 
@@ -634,7 +637,7 @@ class GgmlStage(StageBase[_KvCache]):
             n_kv = kv_length(start + n)  # the cells in use, padded as llama.cpp views them
             masks = {}
             for window in self._windows():
-                mask = attention_mask(start, n, window, n_kv=n_kv)
+                mask = attention_mask(start, n, window, n_kv=n_kv, swa_type=spec.swa_type)
                 if pad:
                     mask = np.ascontiguousarray(np.concatenate([np.repeat(mask[:1], pad, 0), mask]))
                 masks[window] = fed(g.ggml_new_tensor_2d(ctx, GgmlType.F32, n_kv, rows), mask)
@@ -788,7 +791,7 @@ class GgmlStage(StageBase[_KvCache]):
             pos_buf=np.zeros(1, dtype=np.int32),
             temp=temp,
             n_kv=n_kv,
-            **_SessionInputs.buffers(spec.kv_dim, self._kv_cells),
+            **_SessionInputs.buffers(spec.kv_dim, self._kv_cells, spec.swa_type),
         )
 
     # --- several sessions' decode steps in one graph ---------------------------------------------
@@ -857,7 +860,7 @@ class GgmlStage(StageBase[_KvCache]):
                         slots=slots,
                         masks=masks,
                         n_kv=n_kv,
-                        **_SessionInputs.buffers(spec.kv_dim, self._kv_cells),
+                        **_SessionInputs.buffers(spec.kv_dim, self._kv_cells, spec.swa_type),
                     )
                 )
             result = self._build(ctx, gf, x, pos, b, _BatchAttention(members), None, temp)
