@@ -34,6 +34,12 @@ RopeStyle = Literal["normal", "neox"]  # pairs (2i, 2i+1) | pairs (i, i + d/2)
 SwaType = Literal["standard", "chunked"]
 # the gated FFN's activation (the numpy reference reads it; ggml builders name their own)
 Activation = Literal["silu", "gelu_tanh"]
+# How a token's router logits become its experts' weights (llama.cpp's
+# llama_expert_gating_func_type): "softmax" over every expert, the picked experts'
+# probabilities; "sigmoid" (deepseek-v3, glm4moe) each expert's own sigmoid, the picked
+# ones'; "softmax_weight" (gpt-oss) the experts picked by their raw logits, a softmax over the
+# picked ones only.
+ExpertGating = Literal["softmax", "sigmoid", "softmax_weight"]
 
 # ggml types a weight matrix may have: ggml's CPU backend multiplies all of them and gguf-py
 # dequantizes all of them (the numpy reference). Norms, biases and rope factors are F32 (what
@@ -143,6 +149,10 @@ class ModelSpec:
     logit_scale: float | None = None
     # the picked experts' weights normalised to sum 1 (qwen3moe, Mixtral; not qwen2moe, olmoe)
     expert_weights_norm: bool = True
+    # the router's gating function, and the factor the picked experts' weights are multiplied
+    # by after any normalisation (``expert_weights_scale``; 0 and 1: none, as llama.cpp)
+    expert_gating: ExpertGating = "softmax"
+    expert_weights_scale: float = 1.0
     # a shared expert every token runs beside the routed ones (qwen2moe; 0: none): its width
     n_ff_shexp: int = 0
     # RoPE frequency scale of the sliding layers (llama.cpp's rope_freq_scale_train_swa:
