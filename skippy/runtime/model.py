@@ -159,6 +159,10 @@ class ModelSpec:
     # 1.0 unless the family scales them too, as gpt-oss's YaRN does)
     rope_scale_swa: float = 1.0
     swa_type: SwaType = "standard"
+    # layers of a MoE model that run a dense FFN instead (Llama 4's interleaved MoE layers)
+    dense_layers: frozenset[int] = frozenset()
+    # the rotated Q and K RMS-normed without a weight (Llama 4's "L2 norm", on RoPE layers)
+    qk_rms_norm: bool = False
 
     @property
     def q_dim(self) -> int:

@@ -199,6 +199,10 @@ class FamilySpec:
     n_head_kv: int | None = None  # None: Dims' (GQA)
     exercises: str = ""  # what the model checks, for the docs and test ids
     extra_dtypes: tuple[str, ...] = ()  # beyond DTYPES: the family's own (MXFP4 for gpt-oss)
+    # interleaved MoE layers (llama4): layer i holds ``layer`` when (i + 1) % moe_step == 0,
+    # else ``dense_layer``
+    moe_step: int = 1
+    dense_layer: tuple[TensorSpec, ...] = ()
 
     @property
     def arch_name(self) -> str:
@@ -514,6 +518,33 @@ FAMILIES: tuple[FamilySpec, ...] = (
             "MXFP4 experts"
         ),
     ),
+    FamilySpec(
+        "llama4",
+        A.LLAMA4,
+        UNTIED,
+        (
+            *PRE_NORMS,
+            *ATTN,
+            *EXPERTS,
+            _t(T.FFN_GATE_SHEXP, "embd", "ff_exp"),
+            _t(T.FFN_UP_SHEXP, "embd", "ff_exp"),
+            _t(T.FFN_DOWN_SHEXP, "ff_exp", "embd"),
+        ),
+        kv={
+            K.LLM.EXPERT_FEED_FORWARD_LENGTH: Dim("ff_exp"),
+            K.LLM.INTERLEAVE_MOE_LAYER_STEP: 2,
+        },
+        moe=MoE(16, 1),
+        moe_step=2,
+        dense_layer=(*PRE_NORMS, *ATTN, *FFN),
+        exercises=(
+            "chunked attention on layers 0-2 (llama.cpp fixes the chunk at 8192: the long "
+            "prompts of the family's own tests cross it), no RoPE and the attention "
+            "temperature on layer 3, unweighted RMS norms of the rotated Q and K, MoE layers "
+            "1 and 3 between dense ones, 16 experts top-1 picked by raw logits with the "
+            "sigmoid weight applied to the input, a shared expert"
+        ),
+    ),
 )
 FAMILY_NAMES: tuple[str, ...] = tuple(f.name for f in FAMILIES)
 
@@ -629,11 +660,16 @@ def tensor_type(spec: TensorSpec, shape: tuple[int, ...], dtype: Dtype) -> Q:
     return _MATRIX_TYPES[dtype]
 
 
+def layer_tensors(spec: FamilySpec, layer: int) -> tuple[TensorSpec, ...]:
+    """The tensors of ``layer``: the family's (MoE) layer, or its dense one between."""
+    return spec.layer if (layer + 1) % spec.moe_step == 0 else spec.dense_layer
+
+
 def plan(spec: FamilySpec, d: Dims, dtype: Dtype) -> list[PlannedTensor]:
     """Every tensor of the model, in file order, with its shape and type."""
     out: list[PlannedTensor] = []
     entries: list[tuple[TensorSpec, int | None]] = [(t, None) for t in spec.model]
-    entries += [(t, i) for i in range(d.n_layers) for t in spec.layer]
+    entries += [(t, i) for i in range(d.n_layers) for t in layer_tensors(spec, i)]
     for t, layer in entries:
         name = t.name(layer)
         shape = tuple(d.size(s) for s in t.shape)

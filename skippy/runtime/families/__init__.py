@@ -21,6 +21,7 @@ from skippy.runtime.families import (
     granite,
     granitemoe,
     llama,
+    llama4,
     mistral3,
     olmo2,
     olmoe,
@@ -55,6 +56,7 @@ FAMILIES: Final[Mapping[str, Family]] = {
         phi3.FAMILY,
         mistral3.FAMILY,
         gptoss.FAMILY,
+        llama4.FAMILY,
     )
 }
 # ``inspect`` answers from skippy.runtime.support's table without importing the runtime: the

@@ -217,18 +217,31 @@ def read_yarn(
     return float(freq_scale), yarn
 
 
+def rope_scale_train(kv: Mapping[str, Any], arch: str) -> float:
+    """llama.cpp's ``rope_freq_scale_train``: 1 / the file's scaling factor (or its older
+    linear spelling), whatever the scaling type says (1.0 without one). The sliding layers
+    of gpt-oss and Llama 4 rotate with it; the other layers with the context's
+    (``_rope_scale``)."""
+    for key in (f"{arch}.rope.scaling.factor", f"{arch}.rope.scale_linear"):
+        if kv.get(key):
+            factor = read_float(kv, key)
+            if factor <= 0:
+                raise bad(f"{key} must be positive", key)
+            return float(np.float32(1.0) / np.float32(factor))
+    return 1.0
+
+
 def _rope_scale(kv: Mapping[str, Any], arch: str, *, yarn: bool = False) -> float:
-    kind = kv.get(f"{arch}.rope.scaling.type", "none")
+    """The context's frequency scale (llama.cpp's ``cparams.rope_freq_scale``): the training
+    scale (``rope_scale_train``) unless the scaling type is ``none``. A file without a type
+    is ``linear``, as llama.cpp's loader defaults it: a factor alone scales."""
+    kind = kv.get(f"{arch}.rope.scaling.type", "linear")
     if kind == "yarn" and yarn:
         return 1.0  # read_decoder reads YaRN's own scale
-    if kind in ("none", None):
-        factor = kv.get(f"{arch}.rope.scale_linear")  # the older spelling of linear scaling
-        return 1.0 / read_float(kv, f"{arch}.rope.scale_linear") if factor else 1.0
+    if kind == "none":
+        return 1.0  # llama.cpp never scales then, whatever factor the file has
     if kind == "linear":
-        factor = read_float(kv, f"{arch}.rope.scaling.factor")
-        if factor <= 0:
-            raise bad(f"{arch}.rope.scaling.factor must be positive", arch)
-        return 1.0 / factor
+        return rope_scale_train(kv, arch)
     raise StageUnsupported(
         f"RoPE scaling {kind!r} is not implemented by the stage runtime for {arch} (only "
         f"none and linear{', and yarn' if yarn else ''})",
