@@ -686,7 +686,8 @@ class GgmlStage(StageBase[_KvCache]):
         dg.set_position(g, position)
         dg.pos_buf[0] = position
         g.ggml_backend_tensor_set(dg.tokens, inputs.ctypes.data, 0, inputs.nbytes)
-        g.ggml_backend_tensor_set(dg.pos, dg.pos_buf.ctypes.data, 0, 4)
+        if g.ggml_get_data(dg.pos) is not None:  # a stage of NoPE layers alone reads none
+            g.ggml_backend_tensor_set(dg.pos, dg.pos_buf.ctypes.data, 0, 4)
         self._set_temperature(dg.temp, dg.pos_buf)
         dg.runner.compute(dg.graph, step=True)
         self._fetch(dg.result, dg.result_view)
@@ -817,7 +818,8 @@ class GgmlStage(StageBase[_KvCache]):
         self._batch_graphs[key] = bg  # newest last
         g = self.g
         bg.pos_buf[:] = positions
-        g.ggml_backend_tensor_set(bg.pos, bg.pos_buf.ctypes.data, 0, bg.pos_buf.nbytes)
+        if g.ggml_get_data(bg.pos) is not None:  # as _decode_one
+            g.ggml_backend_tensor_set(bg.pos, bg.pos_buf.ctypes.data, 0, bg.pos_buf.nbytes)
         self._set_temperature(bg.temp, bg.pos_buf)
         x = np.ascontiguousarray(np.concatenate(inputs))
         g.ggml_backend_tensor_set(bg.tokens, x.ctypes.data, 0, x.nbytes)

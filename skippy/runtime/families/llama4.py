@@ -65,7 +65,8 @@ def read(kv: Mapping[str, Any]) -> ModelSpec:
             code="unsupported_hyperparameter",
             actual=a + "attention.sliding_window",
         )
-    d = read_decoder(kv, ARCH, dense_ffn=False, yarn=True)
+    # llama.cpp's llama4 loader reads no YaRN beta or log-multiplier key: its defaults
+    d = read_decoder(kv, ARCH, dense_ffn=False, yarn=True, yarn_tuning_keys=False)
     d["rope_style"] = "normal"
     n_layer = d["n_layer"]
     # both required by llama.cpp's loader
