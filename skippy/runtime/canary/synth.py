@@ -200,9 +200,11 @@ class FamilySpec:
     exercises: str = ""  # what the model checks, for the docs and test ids
     extra_dtypes: tuple[str, ...] = ()  # beyond DTYPES: the family's own (MXFP4 for gpt-oss)
     # interleaved MoE layers (llama4): layer i holds ``layer`` when (i + 1) % moe_step == 0,
-    # else ``dense_layer``
+    # else ``dense_layer``; written as interleave_moe_layer_step (it shapes the tensors)
     moe_step: int = 1
     dense_layer: tuple[TensorSpec, ...] = ()
+    # the window llama.cpp's loader sets without a sliding_window key (llama4's fixed chunk)
+    loader_swa: int = 0
 
     @property
     def arch_name(self) -> str:
@@ -530,19 +532,18 @@ FAMILIES: tuple[FamilySpec, ...] = (
             _t(T.FFN_UP_SHEXP, "embd", "ff_exp"),
             _t(T.FFN_DOWN_SHEXP, "ff_exp", "embd"),
         ),
-        kv={
-            K.LLM.EXPERT_FEED_FORWARD_LENGTH: Dim("ff_exp"),
-            K.LLM.INTERLEAVE_MOE_LAYER_STEP: 2,
-        },
-        moe=MoE(16, 1),
+        kv={K.LLM.EXPERT_FEED_FORWARD_LENGTH: Dim("ff_exp")},
+        moe=MoE(16, 2),
         moe_step=2,
+        loader_swa=8192,
         dense_layer=(*PRE_NORMS, *ATTN, *FFN),
         exercises=(
             "chunked attention on layers 0-2 (llama.cpp fixes the chunk at 8192: the long "
             "prompts of the family's own tests cross it), no RoPE and the attention "
             "temperature on layer 3, unweighted RMS norms of the rotated Q and K, MoE layers "
-            "1 and 3 between dense ones, 16 experts top-1 picked by raw logits with the "
-            "sigmoid weight applied to the input, a shared expert"
+            "1 and 3 between dense ones, 16 experts top-2 (the checkpoints' top-1: the "
+            "family's own tests) picked by raw logits, each weighted by its sigmoid before "
+            "it runs, a shared expert"
         ),
     ),
 )
@@ -608,6 +609,8 @@ def model_metadata(spec: FamilySpec, d: Dims, dtype: Dtype) -> dict[str, Metadat
     if spec.moe is not None:
         kv[K.LLM.EXPERT_COUNT] = Dim("n_expert")
         kv[K.LLM.EXPERT_USED_COUNT] = Dim("n_expert_used")
+    if spec.dense_layer:
+        kv[K.LLM.INTERLEAVE_MOE_LAYER_STEP] = spec.moe_step
     kv.update(spec.kv)
     kv[K.General.FILE_TYPE] = int(_FILE_TYPES[dtype])
     if dtype not in ("F32", "F16"):

@@ -104,7 +104,7 @@ def test_every_spec_names_tensors_its_architecture_has() -> None:
     """gguf-py's vocabulary: each tensor of a spec is one its architecture declares."""
     for spec in synth.FAMILIES:
         allowed = set(gguf.MODEL_TENSORS[spec.arch])
-        used = {t.tensor for t in (*spec.model, *spec.layer)}
+        used = {t.tensor for t in (*spec.model, *spec.layer, *spec.dense_layer)}
         assert used <= allowed, (spec.name, used - allowed)
 
 
@@ -157,7 +157,7 @@ def test_llama_cpp_reads_the_intended_hyperparameters(
     spec = synth.family(name)
     d = spec.dims()
     run = models.run(name, dtype)
-    swa = synth.SLIDING_WINDOW if gguf.Keys.Attention.SLIDING_WINDOW in spec.kv else 0
+    swa = synth.SLIDING_WINDOW if gguf.Keys.Attention.SLIDING_WINDOW in spec.kv else spec.loader_swa
     assert run.hparams == {
         "n_layer": d.n_layers,
         "n_embd": d.embd,
@@ -247,7 +247,9 @@ def test_routing_reaches_every_expert_in_every_layer(models: Models, case: tuple
     assert moe is not None
     with LlamaOracle(models.path(name, dtype), n_threads=THREADS) as o:
         choices = o.expert_choices(LONG, n_batch=len(LONG))
-    assert sorted(choices) == list(range(synth.family(name).n_layers))
+    spec = synth.family(name)
+    moe_layers = [il for il in range(spec.n_layers) if (il + 1) % spec.moe_step == 0]
+    assert sorted(choices) == moe_layers  # llama4's dense layers between route nothing
     for layer, chosen in choices.items():
         assert chosen.shape == (len(LONG), moe.n_expert_used)
         counts = np.bincount(chosen.reshape(-1), minlength=moe.n_expert)

@@ -1,10 +1,11 @@
 """llama4's own behaviour beyond the certification matrix (whose prompts stay inside the first
 chunk: the pinned llama.cpp fixes the chunk at 8192): a prompt past the chunk boundary, where
 the chunked layers stop seeing the previous chunk and the NoPE layer's attention temperature
-steps up (position 8191), prefilled and then decoded one token at a time, bit-identical to
-llama.cpp; Maverick's shape (128 experts: no Q/K norm); RoPE scaling read as llama.cpp reads
-it (a factor without a type is linear; YaRN past the original context); the metadata's
-required keys, constants and refusals; and the numpy engine refusing the family.
+steps up (position 8191), prefilled, decoded one token at a time and decoded in a batch,
+bit-identical to llama.cpp; Scout's and Maverick's top-1 shapes (Maverick's 128 experts: no
+Q/K norm); RoPE scaling read as llama.cpp reads it (a factor without a type is linear; YaRN
+past the original context); the metadata's required keys, constants and refusals; and the
+numpy engine refusing the family.
 
 The long-prompt tests use a narrow model (width 64, F16: exact without K-quant rows) so that
 8,200 positions of attention stay cheap."""
@@ -119,12 +120,19 @@ def _variant_equals_llama_cpp(
     assert np.array_equal(got, llama_logits(model, ids, n_batch=n, n_ctx=1024))
 
 
-def test_mavericks_128_experts_skip_the_qk_norm_as_llama_cpp(tmp_path: Path) -> None:
-    maverick = replace(SPEC, moe=synth.MoE(128, 1))
-    kv = dict(synth.model_metadata(maverick, maverick.dims(NARROW), "F16"))
+@pytest.mark.parametrize(
+    ("n_expert", "qk_norm"), [(16, True), (128, False)], ids=["scout", "maverick"]
+)
+def test_the_checkpoints_top_1_routing_equals_llama_cpp(
+    tmp_path: Path, n_expert: int, qk_norm: bool
+) -> None:
+    """Scout's and Maverick's shapes: 16 or 128 experts, each token routed to one (the
+    canary's model routes to two); llama.cpp's loader turns the Q/K norm off for 128."""
+    variant = replace(SPEC, moe=synth.MoE(n_expert, 1))
+    kv = dict(synth.model_metadata(variant, variant.dims(NARROW), "F16"))
     kv["general.architecture"] = "llama4"
-    assert not spec_from_metadata(kv).qk_rms_norm
-    _variant_equals_llama_cpp(maverick, tmp_path, 64)
+    assert spec_from_metadata(kv).qk_rms_norm == qk_norm
+    _variant_equals_llama_cpp(variant, tmp_path, 64)
 
 
 def test_a_scaling_factor_without_a_type_is_linear_on_every_rope_layer(tmp_path: Path) -> None:
