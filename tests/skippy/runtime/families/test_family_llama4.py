@@ -236,6 +236,24 @@ def test_scaling_type_none_leaves_full_layers_unscaled_but_scales_chunked_ones()
     assert spec.rope_scale == 1.0 and spec.rope_scale_swa == 0.25
 
 
+def test_a_fused_qkv_is_refused_with_a_code(tmp_path: Path) -> None:
+    """llama.cpp's loader takes a fused ``attn_qkv`` for llama4 (no checkpoint has one): the
+    stage runtime refuses the fragment rather than running it unchecked."""
+    t = gguf.MODEL_TENSOR
+    separate = (t.ATTN_Q, t.ATTN_K, t.ATTN_V)
+    fused = synth.TensorSpec(t.ATTN_QKV, ("embd", "qkv"))
+
+    def swap(layer: tuple[synth.TensorSpec, ...]) -> tuple[synth.TensorSpec, ...]:
+        return (*(x for x in layer if x.tensor not in separate), fused)
+
+    variant = replace(SPEC, layer=swap(SPEC.layer), dense_layer=swap(SPEC.dense_layer))
+    _, pkg = package_model(variant, "F16", tmp_path, dims=NARROW)
+    with pytest.raises(ModelError) as e:
+        stage_logits(pkg, [1, 2, 3], Case(("0..4",), 128))
+    assert e.value.code == "fragment_unexpected_tensor"
+    assert "attn_qkv" in str(e.value)
+
+
 def test_the_numpy_engine_refuses_the_family(narrow: tuple[Path, Path]) -> None:
     _, pkg = narrow
     with pytest.raises(StageUnsupported) as e, chain("numpy", pkg, ["0..4"], StageConfig()):
