@@ -143,6 +143,10 @@ class Dims:
     def expert(self) -> int:
         return self.n_expert
 
+    @property
+    def half_head(self) -> int:  # rope_freqs: one factor per rotated pair
+        return self.head_dim // 2
+
     def size(self, name: str) -> int:
         value = getattr(self, name)
         if not isinstance(value, int):

@@ -149,6 +149,14 @@ def test_a_scaling_factor_without_a_type_is_linear_on_every_rope_layer(tmp_path:
     _variant_equals_llama_cpp(variant, tmp_path, 64)
 
 
+def test_llama3_style_rope_factors_equal_llama_cpp(tmp_path: Path) -> None:
+    """The checkpoints carry ``rope_freqs`` (llama3-style frequency factors, one per pair of
+    the head), read by every RoPE layer of every stage."""
+    factors = synth.TensorSpec(gguf.MODEL_TENSOR.ROPE_FREQS, ("half_head",), "norm")
+    variant = replace(SPEC, model=(*SPEC.model, factors))
+    _variant_equals_llama_cpp(variant, tmp_path, 64)
+
+
 def test_yarn_past_the_original_context_equals_llama_cpp_ignoring_the_beta_keys(
     tmp_path: Path,
 ) -> None:
