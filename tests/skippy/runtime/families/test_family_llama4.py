@@ -7,8 +7,8 @@ Q/K norm); RoPE scaling read as llama.cpp reads it (a factor without a type is l
 past the original context); the metadata's required keys, constants and refusals; and the
 numpy engine refusing the family.
 
-The long-prompt tests use a narrow model (width 64, F16: exact without K-quant rows) so that
-8,200 positions of attention stay cheap."""
+The long-prompt tests use a narrow model (width 64, F16 and Q8_0: no K-quant rows at that
+width) so that 8,200 positions of attention stay cheap."""
 
 from __future__ import annotations
 
@@ -41,12 +41,18 @@ THREE = ("0..1", "1..3", "3..4")
 
 
 @pytest.fixture(scope="module")
-def narrow(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    return package_model(SPEC, "F16", tmp_path_factory.mktemp("llama4"), dims=NARROW)
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("llama4")
 
 
-def test_a_prompt_past_the_chunk_boundary_equals_llama_cpp(narrow: tuple[Path, Path]) -> None:
-    model, pkg = narrow
+@pytest.fixture(scope="module")
+def narrow(root: Path) -> tuple[Path, Path]:
+    return package_model(SPEC, "F16", root, dims=NARROW)
+
+
+@pytest.mark.parametrize("dtype", ["F16", "Q8_0"])
+def test_a_prompt_past_the_chunk_boundary_equals_llama_cpp(root: Path, dtype: str) -> None:
+    model, pkg = package_model(SPEC, dtype, root, dims=NARROW)
     ids = synth.long_prompt(PAST, vocab=NARROW.vocab)
     got = stage_logits(pkg, ids, Case(THREE, BATCH), n_ctx=N_CTX)
     ref = llama_logits(model, ids, n_batch=BATCH, n_ctx=N_CTX)
