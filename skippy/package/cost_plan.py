@@ -118,8 +118,12 @@ def speed_weighted_counts(layer_count: int, speeds: Sequence[float]) -> list[int
 def evaluate(
     sizes: ModelSizes, order: Sequence[NodeCost], links: LinkCosts
 ) -> Candidate:
-    """One candidate: ``order``'s nodes as stages 0.. with speed-weighted ranges."""
-    counts = speed_weighted_counts(sizes.layer_count, [1 / n.decode_s_per_layer for n in order])
+    """One candidate: ``order``'s nodes as stages 0.. with speed-weighted ranges (the trunk's
+    layers shared out, the NextN tail with the last stage)."""
+    tail = sizes.tail_layers
+    speeds = [1 / n.decode_s_per_layer for n in order]
+    counts = speed_weighted_counts(sizes.layer_count - tail, speeds)
+    counts[-1] += tail
     ranges, start = [], 0
     for c in counts:
         ranges.append(LayerRange(start, start + c, sizes.layer_count))
@@ -247,7 +251,7 @@ def plan_by_cost(
             code="topology_no_nodes",
             path=first_node,
         )
-    top = min(len(nodes), sizes.layer_count)
+    top = min(len(nodes), sizes.layer_count - sizes.tail_layers)  # a trunk layer per stage
     counts = [stages] if stages is not None else list(range(1, top + 1))
     out: list[Candidate] = []
     for k in counts:

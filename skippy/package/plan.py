@@ -2,15 +2,19 @@
 
 Default split: the first ``L % N`` stages get one extra layer. ``balance="bytes"`` minimises
 the largest stage's bytes instead (exact dynamic programme over contiguous partitions),
-counting the boundary artifacts each stage must also hold (spec "Layer Selection").
+counting the boundary artifacts each stage must also hold (spec "Layer Selection"). A model's
+NextN/MTP layers after its trunk (``tail_layers``) are never cut from the final stage: the
+stage runtime runs the trunk's last layer and its head where they are.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from skippy.errors import UsageError
+from skippy.generation import vocab as gv
 from skippy.package.ranges import LayerRange
 
 Balance = Literal["layers", "bytes"]
@@ -31,8 +35,16 @@ class ModelSizes:
     # Routed experts' bytes per layer (``ffn_*_exps``): what a GPU node may keep in RAM;
     # empty: none (a dense model, or unknown).
     layer_expert_bytes: tuple[int, ...] = ()
+    # The last layers that go with the final stage whatever the split (NextN/MTP layers
+    # after the trunk: ``tail_layers``); 0: a cut may fall anywhere.
+    tail_layers: int = 0
 
     def __post_init__(self) -> None:
+        if not 0 <= self.tail_layers < max(1, len(self.layer_bytes)):
+            raise UsageError(
+                f"{self.tail_layers} tail layers leave no trunk in {len(self.layer_bytes)}",
+                code="invalid_model_sizes",
+            )
         for name, per_layer in (
             ("active", self.layer_active_bytes),
             ("routed expert", self.layer_expert_bytes),
@@ -108,33 +120,52 @@ class StagePlan:
         }
 
 
-def check_stage_count(stages: int, layer_count: int) -> None:
+def tail_layers(layer_count: int, generation: Mapping[str, Any] | None) -> int:
+    """The NextN/MTP layers at the end of a package, from its ``generation`` object: the
+    native-MTP proposers' ``layer_indices`` when they are the package's last layers (the
+    writer records them so, ``skippy.generation.infer``); 0 otherwise."""
+    sd = (generation or {}).get(gv.SPECULATIVE)
+    proposers = sd.get(gv.SD_PROPOSERS) if isinstance(sd, Mapping) else None
+    found: set[int] = set()
+    for p in (proposers or {}).values() if isinstance(proposers, Mapping) else ():
+        if isinstance(p, Mapping) and p.get(gv.TYPE) == gv.NATIVE_MTP:
+            found |= {i for i in p.get(gv.LAYER_INDICES) or () if isinstance(i, int)}
+    if not found or found != set(range(layer_count - len(found), layer_count)):
+        return 0
+    return len(found) if len(found) < layer_count else 0
+
+
+def check_stage_count(stages: int, layer_count: int, tail: int = 0) -> None:
     if stages < 1:
         raise UsageError(
             f"stage count must be at least 1, got {stages}", code="invalid_stage_count"
         )
-    if stages > layer_count:
+    if stages > layer_count - tail:
+        also = f" ({tail} NextN layer(s) go with the last)" if tail else ""
         raise UsageError(
-            f"{stages} stages cannot split {layer_count} layers (each stage needs a layer)",
+            f"{stages} stages cannot split {layer_count} layers (each stage needs a layer"
+            f"{also})",
             code="stage_count_exceeds_layer_count",
         )
 
 
-def even_ranges(layer_count: int, stages: int) -> list[LayerRange]:
-    check_stage_count(stages, layer_count)
-    base, extra = divmod(layer_count, stages)
+def even_ranges(layer_count: int, stages: int, tail: int = 0) -> list[LayerRange]:
+    """The trunk (all but the ``tail`` layers) split as evenly as it goes, the final stage
+    also holding the tail."""
+    check_stage_count(stages, layer_count, tail)
+    base, extra = divmod(layer_count - tail, stages)
     out, start = [], 0
     for i in range(stages):
         stop = start + base + (1 if i < extra else 0)
-        out.append(LayerRange(start, stop, layer_count))
+        out.append(LayerRange(start, layer_count if i == stages - 1 else stop, layer_count))
         start = stop
     return out
 
 
 def byte_balanced_ranges(sizes: ModelSizes, stages: int) -> list[LayerRange]:
     """Contiguous ranges minimising the largest stage's bytes (ties: earlier cuts)."""
-    n = sizes.layer_count
-    check_stage_count(stages, n)
+    n, tail = sizes.layer_count, sizes.tail_layers
+    check_stage_count(stages, n, tail)
     inf = float("inf")
     # best[k][j]: minimal max-bytes splitting layers [0, j) into k stages; cut[k][j] the start
     # of the k-th stage. O(stages * n^2), fine for real layer counts (a few hundred).
@@ -153,6 +184,8 @@ def byte_balanced_ranges(sizes: ModelSizes, stages: int) -> list[LayerRange]:
 
     for k in range(1, stages + 1):
         for j in range(k, n + 1):
+            if n - tail <= j < n:  # a cut there would part the tail from the trunk's end
+                continue
             for i in range(k - 1, j):
                 if best[k - 1][i] == inf:
                     continue
@@ -171,7 +204,7 @@ def plan_stages(sizes: ModelSizes, stages: int, balance: Balance = "layers") -> 
     ranges = (
         byte_balanced_ranges(sizes, stages)
         if balance == "bytes"
-        else even_ranges(sizes.layer_count, stages)
+        else even_ranges(sizes.layer_count, stages, sizes.tail_layers)
     )
     return [
         StagePlan(

@@ -47,7 +47,7 @@ from skippy.runtime.devices import (
     list_devices,
     place_tensors,
 )
-from skippy.runtime.families import family_of
+from skippy.runtime.families import family_of, layer_tensors
 from skippy.runtime.families.base import T
 from skippy.runtime.graph import Attention, GraphBuilder, LayerWeights
 from skippy.runtime.graph_shapes import kv_length, prefill_rows
@@ -401,6 +401,9 @@ class GgmlStage(StageBase[_KvCache]):
     def _setup(self) -> None:
         g, spec = self.g, self.spec
         self._family = family_of(spec.arch)
+        # the layers this stage's graphs run and cache: a final stage's NextN layers are
+        # held for native MTP drafting, never run by the trunk (llama.cpp's builders)
+        self._trunk = spec.trunk_layers(self.layers.start, self.layers.stop)
         w = self._loaded()
         head = tensor_name(T.OUTPUT) if self.layers.owns_output else None
         self._kv_cells = kv_length(self.config.n_ctx)  # a session's cache, as llama.cpp pads it
@@ -428,7 +431,7 @@ class GgmlStage(StageBase[_KvCache]):
         # per weight type, the batch widths multiplied as [k, B] (found at the first build)
         self._gemm_exact: dict[int, frozenset[int]] | None = None
         self._layouts = [0, 0]
-        n_graph = self._tensors_per_layer() * len(self.layers) + _TENSORS_FIXED
+        n_graph = self._tensors_per_layer() * len(self._trunk) + _TENSORS_FIXED
         self._graph_size = max(ggml.GGML_DEFAULT_GRAPH_SIZE, n_graph)
         self._graph_mem = g.ggml_tensor_overhead() * 2 * self._graph_size + (
             g.ggml_graph_overhead_custom(self._graph_size, False)
@@ -471,14 +474,14 @@ class GgmlStage(StageBase[_KvCache]):
         return self._backend.threads_now if self._backend is not None else self.config.n_threads
 
     def _layer(self, il: int) -> LayerWeights:
-        names = [s.name for s in self._family.layer_tensors(self.spec, il)]
+        names = [s.name for s in layer_tensors(self.spec, il, self.vocab)]
         return LayerWeights(il, {n: self._tensors[n] for n in names if n in self._tensors})
 
     # --- sessions --------------------------------------------------------------------------------
     def _new_session(self) -> _KvCache:
         g, spec, cells = self.g, self.spec, self._kv_cells
         params = GgmlInitParams(
-            mem_size=g.ggml_tensor_overhead() * (2 * len(self.layers) + 1),
+            mem_size=g.ggml_tensor_overhead() * (2 * len(self._trunk) + 1),
             mem_buffer=None,
             no_alloc=True,
         )
@@ -486,11 +489,11 @@ class GgmlStage(StageBase[_KvCache]):
         try:
             k = {
                 il: _ok(g.ggml_new_tensor_2d(ctx, GgmlType.F16, spec.kv_dim, cells), "k")
-                for il in self.layers
+                for il in self._trunk
             }
             v = {
                 il: _ok(g.ggml_new_tensor_2d(ctx, GgmlType.F16, cells, spec.kv_dim), "v")
-                for il in self.layers
+                for il in self._trunk
             }
             buffer = _ok(
                 g.ggml_backend_alloc_ctx_tensors_from_buft(ctx, self._buffer_type()),
@@ -583,12 +586,12 @@ class GgmlStage(StageBase[_KvCache]):
             rows=rows,
             mm=lambda weight, a: self._mm(ctx, weight, a),
             attend=attend,
-            last_layer=self.layers.stop - 1,
+            last_layer=self._trunk.stop - 1,
             keep=keep if self.layers.owns_output else None,
             freq_factors=self._tensors.get(tensor_name(T.ROPE_FREQS)),
             attn_temp=attn_temp,
         )
-        for il in self.layers:
+        for il in self._trunk:
             x = self._family.build_layer(b, self._layer_weights[il], il, x)
         if not self.layers.owns_output:
             return x
@@ -840,7 +843,7 @@ class GgmlStage(StageBase[_KvCache]):
         self._layouts = [0, 0]  # [k, B] / broadcast matmuls of this build (_mm counts them)
         size = max(
             ggml.GGML_DEFAULT_GRAPH_SIZE,
-            (self._tensors_per_layer() + _TENSORS_PER_MEMBER * b) * len(self.layers)
+            (self._tensors_per_layer() + _TENSORS_PER_MEMBER * b) * len(self._trunk)
             + _TENSORS_FIXED,
         )
         mem = g.ggml_tensor_overhead() * 2 * size + g.ggml_graph_overhead_custom(size, False)
@@ -944,7 +947,7 @@ class GgmlStage(StageBase[_KvCache]):
         """The attention masks ``layers`` (default: this stage's) use: None = full causal,
         N = sliding."""
         windows: list[int | None] = []
-        for il in self.layers if layers is None else layers:
+        for il in self._trunk if layers is None else layers:
             w = _window(self.spec, il)
             if w not in windows:
                 windows.append(w)
@@ -952,4 +955,4 @@ class GgmlStage(StageBase[_KvCache]):
 
     # --- introspection -----------------------------------------------------------------------
     def kv_bytes_per_session(self) -> int:
-        return 2 * 2 * len(self.layers) * self.spec.kv_dim * self._kv_cells
+        return 2 * 2 * len(self._trunk) * self.spec.kv_dim * self._kv_cells

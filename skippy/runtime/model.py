@@ -153,16 +153,37 @@ class ModelSpec:
     # by after any normalisation (``expert_weights_scale``; 0 and 1: none, as llama.cpp)
     expert_gating: ExpertGating = "softmax"
     expert_weights_scale: float = 1.0
+    # the head dimensions RoPE rotates, from the first (0: the whole head; glm4moe rotates
+    # half of it: ``rope.dimension_count``)
+    n_rot: int = 0
+    # NextN/MTP layers after the trunk (``nextn_predict_layers``): counted in ``n_layer``
+    # (``block_count``, the package's layers) but never run by the trunk's graph; they live
+    # with the final stage, for native MTP drafting
+    n_layer_nextn: int = 0
     # a shared expert every token runs beside the routed ones (qwen2moe; 0: none): its width
     n_ff_shexp: int = 0
     # RoPE frequency scale of the sliding layers (llama.cpp's rope_freq_scale_train_swa:
     # 1.0 unless the family scales them too, as gpt-oss's YaRN does)
     rope_scale_swa: float = 1.0
     swa_type: SwaType = "standard"
-    # layers of a MoE model that run a dense FFN instead (Llama 4's interleaved MoE layers)
+    # layers of a MoE model that run a dense FFN instead of experts (glm4moe's first
+    # ``leading_dense_block_count``; Llama 4's between its interleaved MoE layers)
     dense_layers: frozenset[int] = frozenset()
     # the rotated Q and K RMS-normed without a weight (Llama 4's "L2 norm", on RoPE layers)
     qk_rms_norm: bool = False
+
+    @property
+    def n_trunk(self) -> int:
+        """The layers the trunk runs: all but the NextN layers after them."""
+        return self.n_layer - self.n_layer_nextn
+
+    @property
+    def rope_dims(self) -> int:
+        return self.n_rot or self.head_dim
+
+    def trunk_layers(self, start: int, stop: int) -> range:
+        """The layers of ``start..stop`` the trunk's graph runs (NextN layers excluded)."""
+        return range(start, min(stop, self.n_trunk))
 
     @property
     def q_dim(self) -> int:

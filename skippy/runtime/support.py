@@ -32,6 +32,7 @@ STAGE_FAMILIES: Final = (  # == the registry's
     "phi3",
     "mistral3",
     "gpt-oss",
+    "glm4moe",
     "llama4",
 )
 # The families whose files may hold experts (llama: Mixtral; a file with experts of any
@@ -44,6 +45,7 @@ STAGE_MOE_FAMILIES: Final[tuple[str, ...]] = (
     "granitemoe",
     "phimoe",
     "gpt-oss",
+    "glm4moe",
     "llama4",
 )
 UNSUPPORTED: Final = "unsupported_architecture"  # the runtime's own code for both refusals

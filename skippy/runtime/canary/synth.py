@@ -140,12 +140,16 @@ class Dims:
         return 2 * self.ff
 
     @property
-    def expert(self) -> int:
-        return self.n_expert
+    def embd2(self) -> int:  # a NextN layer's [embedding, hidden state] input
+        return 2 * self.embd
 
     @property
-    def half_head(self) -> int:  # rope_freqs: one factor per rotated pair
+    def half_head(self) -> int:  # glm4moe's RoPE rotates half of the head; rope_freqs' size
         return self.head_dim // 2
+
+    @property
+    def expert(self) -> int:
+        return self.n_expert
 
     def size(self, name: str) -> int:
         value = getattr(self, name)
@@ -203,16 +207,40 @@ class FamilySpec:
     n_head_kv: int | None = None  # None: Dims' (GQA)
     exercises: str = ""  # what the model checks, for the docs and test ids
     extra_dtypes: tuple[str, ...] = ()  # beyond DTYPES: the family's own (MXFP4 for gpt-oss)
-    # interleaved MoE layers (llama4): layer i holds ``layer`` when (i + 1) % moe_step == 0,
-    # else ``dense_layer``; written as interleave_moe_layer_step (it shapes the tensors)
-    moe_step: int = 1
+    # dense layers among the MoE ones: the first ``dense_lead`` layers (glm4moe's leading
+    # dense blocks), and with ``moe_step`` all but every moe_step-th (llama4's interleave,
+    # written as interleave_moe_layer_step: it shapes the tensors); they hold ``dense_layer``
+    dense_lead: int = 0
+    moe_step: int | None = None
     dense_layer: tuple[TensorSpec, ...] = ()
+    # one NextN/MTP layer after the ``n_layers`` of the trunk, holding ``layer`` and these
+    # (empty: none); ``block_count`` then counts it
+    nextn: tuple[TensorSpec, ...] = ()
     # the window llama.cpp's loader sets without a sliding_window key (llama4's fixed chunk)
     loader_swa: int = 0
 
     @property
     def arch_name(self) -> str:
         return gguf.MODEL_ARCH_NAMES[self.arch]
+
+    @property
+    def n_nextn(self) -> int:
+        return 1 if self.nextn else 0
+
+    def layer_count(self, base: Dims | None = None) -> int:
+        """The package's layers: the trunk's and the NextN layers after it."""
+        return self.dims(base).n_layers + self.n_nextn
+
+    def layer_tensors(self, il: int, d: Dims) -> tuple[TensorSpec, ...]:
+        if il >= d.n_layers:
+            return (*self.layer, *self.nextn)
+        return self.layer if self.routes(il) else self.dense_layer
+
+    def routes(self, il: int) -> bool:
+        """Whether trunk layer ``il`` holds ``layer`` (a MoE family's: routed experts) rather
+        than ``dense_layer``."""
+        step = self.moe_step or 1
+        return il >= self.dense_lead and (il + 1) % step == 0
 
     @property
     def dtypes(self) -> tuple[str, ...]:
@@ -287,6 +315,15 @@ GRANITE_SCALES: dict[str, SpecValue] = {
 }
 SLIDING_WINDOW = 128  # shorter than the long prompt: the window must cut in
 
+
+# glm4moe's attention block, in its dense and its MoE layers alike
+GLM4MOE_ATTN = (
+    _norm(T.ATTN_NORM),
+    *ATTN,
+    *QKV_BIAS,
+    *HEAD_QK_NORM,
+    _norm(T.ATTN_POST_NORM),  # the FFN's input norm
+)
 
 FAMILIES: tuple[FamilySpec, ...] = (
     # --- today's dense four ---
@@ -525,6 +562,47 @@ FAMILIES: tuple[FamilySpec, ...] = (
         ),
     ),
     FamilySpec(
+        "glm4moe",
+        A.GLM4_MOE,
+        UNTIED,
+        (
+            *GLM4MOE_ATTN,
+            *EXPERTS,
+            _bias(T.FFN_EXP_PROBS_B, "expert"),
+            _t(T.FFN_GATE_SHEXP, "embd", "ff_shexp"),
+            _t(T.FFN_UP_SHEXP, "embd", "ff_shexp"),
+            _t(T.FFN_DOWN_SHEXP, "ff_shexp", "embd"),
+        ),
+        kv={
+            K.LLM.EXPERT_FEED_FORWARD_LENGTH: Dim("ff_exp"),
+            K.LLM.EXPERT_SHARED_COUNT: 2,  # the shared expert is ff_shexp = 2 x ff_exp wide
+            K.LLM.EXPERT_GATING_FUNC: 2,  # sigmoid
+            K.LLM.EXPERT_WEIGHTS_NORM: True,
+            K.LLM.EXPERT_WEIGHTS_SCALE: 2.5,  # GLM-4.5's routed scaling factor
+            K.Rope.DIMENSION_COUNT: Dim("half_head"),
+            # YaRN (factor 4 over an original context of 128, which the long prompt runs
+            # past) on the rotated half of each head; the loader reads no beta keys
+            K.Rope.SCALING_TYPE: "yarn",
+            K.Rope.SCALING_FACTOR: 4.0,
+            K.Rope.SCALING_ORIG_CTX_LEN: 128,
+        },
+        moe=MoE(16, 4),
+        dense_lead=1,
+        dense_layer=(*GLM4MOE_ATTN, *FFN),
+        nextn=(
+            _t(T.NEXTN_EH_PROJ, "embd2", "embd"),
+            _norm(T.NEXTN_ENORM),
+            _norm(T.NEXTN_HNORM),
+            _norm(T.NEXTN_SHARED_HEAD_NORM),
+        ),
+        exercises=(
+            "a leading dense layer, then 16 experts top-4 by sigmoid scores with a "
+            "selection-only bias, normalised weights times 2.5 and a shared expert; q/k/v "
+            "biases, per-head q/k norms, NEOX RoPE over half the head with YaRN; one NextN "
+            "layer after the trunk, held by the final stage and never run by it"
+        ),
+    ),
+    FamilySpec(
         "llama4",
         A.LLAMA4,
         UNTIED,
@@ -613,8 +691,13 @@ def model_metadata(spec: FamilySpec, d: Dims, dtype: Dtype) -> dict[str, Metadat
     if spec.moe is not None:
         kv[K.LLM.EXPERT_COUNT] = Dim("n_expert")
         kv[K.LLM.EXPERT_USED_COUNT] = Dim("n_expert_used")
-    if spec.dense_layer:
+    if spec.moe_step is not None:
         kv[K.LLM.INTERLEAVE_MOE_LAYER_STEP] = spec.moe_step
+    if spec.nextn:
+        kv[K.LLM.BLOCK_COUNT] = d.n_layers + spec.n_nextn
+        kv[K.LLM.NEXTN_PREDICT_LAYERS] = spec.n_nextn
+    if spec.dense_lead:
+        kv[K.LLM.LEADING_DENSE_BLOCK_COUNT] = spec.dense_lead
     kv.update(spec.kv)
     kv[K.General.FILE_TYPE] = int(_FILE_TYPES[dtype])
     if dtype not in ("F32", "F16"):
@@ -667,16 +750,12 @@ def tensor_type(spec: TensorSpec, shape: tuple[int, ...], dtype: Dtype) -> Q:
     return _MATRIX_TYPES[dtype]
 
 
-def layer_tensors(spec: FamilySpec, layer: int) -> tuple[TensorSpec, ...]:
-    """The tensors of ``layer``: the family's (MoE) layer, or its dense one between."""
-    return spec.layer if (layer + 1) % spec.moe_step == 0 else spec.dense_layer
-
-
 def plan(spec: FamilySpec, d: Dims, dtype: Dtype) -> list[PlannedTensor]:
     """Every tensor of the model, in file order, with its shape and type."""
     out: list[PlannedTensor] = []
     entries: list[tuple[TensorSpec, int | None]] = [(t, None) for t in spec.model]
-    entries += [(t, i) for i in range(d.n_layers) for t in layer_tensors(spec, i)]
+    n_all = d.n_layers + spec.n_nextn
+    entries += [(t, i) for i in range(n_all) for t in spec.layer_tensors(i, d)]
     for t, layer in entries:
         name = t.name(layer)
         shape = tuple(d.size(s) for s in t.shape)

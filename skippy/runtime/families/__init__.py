@@ -17,6 +17,7 @@ from skippy.runtime.boundary import StageUnsupported
 from skippy.runtime.families import (
     gemma2,
     gemma3,
+    glm4moe,
     gptoss,
     granite,
     granitemoe,
@@ -56,6 +57,7 @@ FAMILIES: Final[Mapping[str, Family]] = {
         phi3.FAMILY,
         mistral3.FAMILY,
         gptoss.FAMILY,
+        glm4moe.FAMILY,
         llama4.FAMILY,
     )
 }
@@ -103,6 +105,34 @@ def spec_from_metadata(kv: Mapping[str, Any]) -> ModelSpec:
     return family.read(kv)
 
 
+def check_stage_layers(spec: ModelSpec, layers: LayerRange) -> None:
+    """A stage's layers where the model has NextN/MTP layers after its trunk: they go with
+    the final stage, which holds the last trunk layer and the output head too (a cut between
+    the trunk and them, or among them, would leave the trunk's end without its head, or a
+    stage that computes nothing). ``nextn_stage_cut`` otherwise."""
+    trunk = spec.n_trunk
+    if not spec.n_layer_nextn or not (layers.start >= trunk or trunk <= layers.stop < spec.n_layer):
+        return
+    raise StageUnsupported(
+        f"the stage {layers} cuts the model where its NextN/MTP layers "
+        f"{trunk}..{spec.n_layer} would leave the trunk's last layer ({trunk - 1}): they go "
+        "with the final stage",
+        code="nextn_stage_cut",
+        actual=str(layers),
+        remediation=f"end the last stage at layer {spec.n_layer} and start it at or before "
+        f"layer {trunk - 1}",
+    )
+
+
+def layer_tensors(spec: ModelSpec, il: int, vocab: int | None = None) -> list[TensorSpec]:
+    """Every tensor layer ``il`` may hold: a trunk layer's, or a NextN layer's (with the
+    vocabulary-sized ones where ``vocab`` is known)."""
+    family = family_of(spec.arch)
+    if il >= spec.n_trunk and family.nextn_tensors is not None:
+        return family.nextn_tensors(spec, il, vocab)
+    return family.layer_tensors(spec, il)
+
+
 def stage_tensors(
     spec: ModelSpec, layers: LayerRange, *, vocab: int | None, tied: bool
 ) -> list[TensorSpec]:
@@ -114,7 +144,7 @@ def stage_tensors(
     if vocab is not None and (layers.owns_input or (layers.owns_output and tied)):
         out.append(tensor(T.TOKEN_EMBD, None, (spec.width, vocab), "matrix"))
     for il in layers:
-        out += family.layer_tensors(spec, il)
+        out += layer_tensors(spec, il, vocab)
     if layers.owns_output:
         out.append(tensor(T.OUTPUT_NORM, None, (spec.width,), "vector"))
         if family.output_biases:

@@ -101,6 +101,8 @@ def expert_tensors(spec: ModelSpec, il: int) -> list[TensorSpec]:
 
 
 LayerTensors = Callable[[ModelSpec, int], list[TensorSpec]]
+# (spec, il, vocab) -> a NextN/MTP layer's tensors (vocab-sized ones where vocab is known)
+NextnTensors = Callable[[ModelSpec, int, int | None], list[TensorSpec]]
 ModelTensors = Callable[[ModelSpec], list[TensorSpec]]
 BuildLayer = Callable[[GraphBuilder, LayerWeights, int, int], int]  # (b, w, il, x) -> x
 
@@ -128,6 +130,9 @@ class Family:
     # the numpy reference engine computes its layers (False: it refuses the family, with a
     # code, rather than compute it wrongly)
     numpy_reference: bool = True
+    # the tensors of its NextN/MTP layers after the trunk (None: the family has none); the
+    # trunk never runs them, the final stage holds them for native MTP drafting
+    nextn_tensors: NextnTensors | None = None
 
     @property
     def may_have_experts(self) -> bool:
@@ -218,28 +223,30 @@ def read_yarn(
 
 
 def rope_scale_train(kv: Mapping[str, Any], arch: str) -> float:
-    """llama.cpp's ``rope_freq_scale_train``: 1 / the file's scaling factor (or its older
-    linear spelling), whatever the scaling type says (1.0 without one). The sliding layers
-    of gpt-oss and Llama 4 rotate with it; the other layers with the context's
-    (``_rope_scale``)."""
-    for key in (f"{arch}.rope.scaling.factor", f"{arch}.rope.scale_linear"):
-        if kv.get(key):
-            factor = read_float(kv, key)
-            if factor <= 0:
-                raise bad(f"{key} must be positive", key)
-            return float(np.float32(1.0) / np.float32(factor))
-    return 1.0
+    """llama.cpp's ``rope_freq_scale_train``: 1 / ``rope.scaling.factor`` (or, when the file
+    has no such key, its older spelling ``rope.scale_linear``; absent or 0: unscaled),
+    computed in f32, whatever the scaling type says. The sliding layers of gpt-oss and Llama 4
+    rotate with it; the other layers with the context's (``_rope_scale``)."""
+    key = f"{arch}.rope.scaling.factor"
+    if key not in kv:
+        key = f"{arch}.rope.scale_linear"
+    factor = read_float(kv, key, 0.0)
+    if factor == 0.0:
+        return 1.0
+    if factor < 0:
+        raise bad(f"{key} must be positive", key)
+    return float(np.float32(1.0) / np.float32(factor))
 
 
 def _rope_scale(kv: Mapping[str, Any], arch: str, *, yarn: bool = False) -> float:
-    """The context's frequency scale (llama.cpp's ``cparams.rope_freq_scale``): the training
-    scale (``rope_scale_train``) unless the scaling type is ``none``. A file without a type
-    is ``linear``, as llama.cpp's loader defaults it: a factor alone scales."""
-    kind = kv.get(f"{arch}.rope.scaling.type", "linear")
+    """The RoPE frequency scale as llama.cpp's loader and context derive it: a file without
+    ``rope.scaling.type`` is linear, scaled by the training scale (``rope_scale_train``);
+    ``none`` never scales, whatever factor the file has."""
+    kind = kv.get(f"{arch}.rope.scaling.type", "linear")  # llama.cpp's default
     if kind == "yarn" and yarn:
         return 1.0  # read_decoder reads YaRN's own scale
     if kind == "none":
-        return 1.0  # llama.cpp never scales then, whatever factor the file has
+        return 1.0
     if kind == "linear":
         return rope_scale_train(kv, arch)
     raise StageUnsupported(
@@ -274,13 +281,15 @@ def read_decoder(
     attn_softcap: bool = False,
     yarn: bool = False,
     yarn_tuning_keys: bool = True,
+    partial_rope: bool = False,
 ) -> dict[str, Any]:
     """The hyperparameters of a decoder-only transformer every family here shares, as
     ``ModelSpec`` keyword arguments (a family adds or overrides its own). Without
     ``dense_ffn`` (a MoE family) the dense FFN width may be absent (0). A family whose
     attention soft-caps its scores (``attn_softcap``) gets the file's cap, and one that
     implements YaRN (``yarn``) its parameters (else both are refused; ``yarn_tuning_keys``:
-    ``read_yarn``'s)."""
+    ``read_yarn``'s). A family whose RoPE may rotate only the first ``rope.dimension_count``
+    dims of the head (``partial_rope``) gets them as ``n_rot``."""
     a = f"{arch}."
     n_layer = read_int(kv, a + "block_count", 1, MAX_LAYERS)
     width = read_int(kv, a + "embedding_length", 1, MAX_WIDTH)
@@ -292,13 +301,18 @@ def read_decoder(
     head_dim = read_int(kv, a + "attention.key_length", 2, MAX_HEAD_DIM, default=default_hd)
     v_dim = read_int(kv, a + "attention.value_length", 2, MAX_HEAD_DIM, default=head_dim)
     rope_dims = read_int(kv, a + "rope.dimension_count", 2, MAX_HEAD_DIM, default=head_dim)
-    if v_dim != head_dim or rope_dims != head_dim or head_dim % 2:
+    extra: dict[str, Any] = {}
+    rope_ok = rope_dims == head_dim or (partial_rope and rope_dims < head_dim)
+    if v_dim != head_dim or not rope_ok or head_dim % 2 or rope_dims % 2:
+        whole = "rotated whole" if not partial_rope else "rotated over an even part"
         raise StageUnsupported(
             f"head dims k={head_dim} v={v_dim} rope={rope_dims}: the stage runtime needs one "
-            "even head dimension, rotated whole",
+            f"even head dimension, {whole}",
             code="unsupported_hyperparameter",
             actual=arch,
         )
+    if rope_dims != head_dim:
+        extra["n_rot"] = rope_dims
     eps = read_float(kv, a + "attention.layer_norm_rms_epsilon")
     if not 0 < eps < 1:
         raise bad(f"rms epsilon {eps} is outside (0, 1)", arch)
@@ -306,7 +320,6 @@ def read_decoder(
     rope_base = read_float(kv, a + "rope.freq_base", 10000.0)
     if rope_base <= 0:
         raise bad("rope.freq_base must be positive", arch)
-    extra: dict[str, Any] = {}
     rope_scale = _rope_scale(kv, arch, yarn=yarn)
     if yarn and kv.get(a + "rope.scaling.type") == "yarn":
         rope_scale, extra["yarn"] = read_yarn(

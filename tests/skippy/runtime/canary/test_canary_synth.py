@@ -104,7 +104,7 @@ def test_every_spec_names_tensors_its_architecture_has() -> None:
     """gguf-py's vocabulary: each tensor of a spec is one its architecture declares."""
     for spec in synth.FAMILIES:
         allowed = set(gguf.MODEL_TENSORS[spec.arch])
-        used = {t.tensor for t in (*spec.model, *spec.layer, *spec.dense_layer)}
+        used = {t.tensor for t in (*spec.model, *spec.layer, *spec.dense_layer, *spec.nextn)}
         assert used <= allowed, (spec.name, used - allowed)
 
 
@@ -248,8 +248,8 @@ def test_routing_reaches_every_expert_in_every_layer(models: Models, case: tuple
     with LlamaOracle(models.path(name, dtype), n_threads=THREADS) as o:
         choices = o.expert_choices(LONG, n_batch=len(LONG))
     spec = synth.family(name)
-    moe_layers = [il for il in range(spec.n_layers) if (il + 1) % spec.moe_step == 0]
-    assert sorted(choices) == moe_layers  # llama4's dense layers between route nothing
+    # the dense layers route nothing (glm4moe's leading one, llama4's interleaved ones)
+    assert sorted(choices) == [il for il in range(spec.n_layers) if spec.routes(il)]
     for layer, chosen in choices.items():
         assert chosen.shape == (len(LONG), moe.n_expert_used)
         counts = np.bincount(chosen.reshape(-1), minlength=moe.n_expert)
@@ -269,11 +269,14 @@ FEATURE_KEYS = [
     (spec.name, key)
     for spec in synth.FAMILIES
     for key, value in spec.kv.items()
-    if not isinstance(value, synth.Dim)  # expert sizes shape the tensors: no load without
+    # expert sizes shape the tensors: no load without (the shared experts' count too)
+    if not isinstance(value, synth.Dim) and key != gguf.Keys.LLM.EXPERT_SHARED_COUNT
 ]
 
 
 def _perturbed(value: synth.SpecValue) -> synth.SpecValue:
+    if isinstance(value, bool):
+        return not value
     if isinstance(value, str):
         return {"yarn": "linear"}[value]
     if isinstance(value, int):
