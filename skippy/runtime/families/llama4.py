@@ -11,8 +11,9 @@ the sigmoid of its logit before it runs, plus a shared expert as wide as the rou
 
 The pinned llama.cpp fixes the chunk (8192) and the temperature's constants for every chunked
 file (no metadata key sets them); a file whose ``attention.sliding_window`` is 0 (no chunking)
-is refused. The rows whose logits are not wanted are dropped after the last layer's attention,
-as llama.cpp's builder does."""
+is refused (llama.cpp asserts on it: the temperature's scale is left 0). The rows whose
+logits are not wanted are dropped after the last layer's attention, as llama.cpp's builder
+does."""
 
 from __future__ import annotations
 
@@ -61,7 +62,7 @@ def read(kv: Mapping[str, Any]) -> ModelSpec:
         raise StageUnsupported(
             f"{a}attention.sliding_window = 0 (llama4 without chunked attention) is not run by "
             "the stage runtime: llama.cpp's graph for it scales the last layer's Q by an "
-            "attention temperature its loader leaves unset",
+            "attention temperature its loader leaves unset (llama.cpp itself aborts on it)",
             code="unsupported_hyperparameter",
             actual=a + "attention.sliding_window",
         )
