@@ -329,6 +329,10 @@ class Ggml:
         nb3: int,
         offset: int,
     ) -> int: ...
+    @_c(_ptr, _ptr, _ptr, _i64, _i64, _i64, _i64)
+    def ggml_repeat_4d(
+        self, ctx: int, a: int, ne0: int, ne1: int, ne2: int, ne3: int
+    ) -> int: ...  # a tiled to [ne0, ne1, ne2, ne3]
     @_c(_ptr, _ptr, _ptr, c_int, c_int, c_int, c_int)
     def ggml_permute(self, ctx: int, a: int, ax0: int, ax1: int, ax2: int, ax3: int) -> int: ...
     @_c(_ptr, _ptr, _ptr)

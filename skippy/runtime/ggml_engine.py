@@ -52,7 +52,7 @@ from skippy.runtime.families import family_of, layer_tensors
 from skippy.runtime.families.base import T
 from skippy.runtime.graph import Attention, GraphBuilder, LayerWeights
 from skippy.runtime.graph_shapes import kv_length, prefill_rows
-from skippy.runtime.model import ModelSpec, attention_mask, tensor_name
+from skippy.runtime.model import ModelSpec, SwaType, attention_mask, first_visible, tensor_name
 from skippy.runtime.stage import STAGE_API_VERSION, StageBase
 from skippy.runtime.weights import StageWeights
 
@@ -117,12 +117,15 @@ class _SessionInputs:
     v_buf: npt.NDArray[np.int64]
     mask_buf: npt.NDArray[np.float32]
     n_kv: int = 0
+    swa_type: SwaType = "standard"  # how the sliding masks cut (ModelSpec.swa_type)
 
     @staticmethod
-    def buffers(kv_dim: int, cells: int) -> dict[str, Any]:
-        """Fresh host buffers for a session's inputs (keyword arguments)."""
+    def buffers(kv_dim: int, cells: int, swa_type: SwaType) -> dict[str, Any]:
+        """Fresh host buffers for a session's inputs, and how its sliding masks cut (keyword
+        arguments)."""
         v_base = np.arange(kv_dim, dtype=np.int64) * cells
         return {
+            "swa_type": swa_type,
             "k_buf": np.zeros(1, dtype=np.int64),
             "v_base": v_base,
             "v_buf": v_base.copy(),
@@ -152,8 +155,8 @@ class _SessionInputs:
             m = self.mask_buf[:n_kv]
             m[: position + 1] = 0.0
             m[position + 1 :] = -np.inf
-            if window is not None and position + 1 > window:
-                m[: position + 1 - window] = -np.inf
+            if window is not None:
+                m[: max(0, first_visible(position, window, self.swa_type))] = -np.inf
             g.ggml_backend_tensor_set(mask, m.ctypes.data, 0, 4 * n_kv)
 
 
@@ -665,7 +668,7 @@ class GgmlStage(StageBase[_KvCache]):
             n_kv = kv_length(start + n)  # the cells in use, padded as llama.cpp views them
             masks = {}
             for window in self._windows():
-                mask = attention_mask(start, n, window, n_kv=n_kv)
+                mask = attention_mask(start, n, window, n_kv=n_kv, swa_type=spec.swa_type)
                 if pad:
                     mask = np.ascontiguousarray(np.concatenate([np.repeat(mask[:1], pad, 0), mask]))
                 masks[window] = fed(g.ggml_new_tensor_2d(ctx, GgmlType.F32, n_kv, rows), mask)
@@ -714,7 +717,8 @@ class GgmlStage(StageBase[_KvCache]):
         dg.set_position(g, position)
         dg.pos_buf[0] = position
         g.ggml_backend_tensor_set(dg.tokens, inputs.ctypes.data, 0, inputs.nbytes)
-        g.ggml_backend_tensor_set(dg.pos, dg.pos_buf.ctypes.data, 0, 4)
+        if g.ggml_get_data(dg.pos) is not None:  # a stage of NoPE layers alone reads none
+            g.ggml_backend_tensor_set(dg.pos, dg.pos_buf.ctypes.data, 0, 4)
         self._set_temperature(dg.temp, dg.pos_buf)
         dg.runner.compute(dg.graph, step=True)
         self._fetch(dg.result, dg.result_view)
@@ -821,7 +825,7 @@ class GgmlStage(StageBase[_KvCache]):
             pos_buf=np.zeros(1, dtype=np.int32),
             temp=temp,
             n_kv=n_kv,
-            **_SessionInputs.buffers(spec.kv_dim, self._kv_cells),
+            **_SessionInputs.buffers(spec.kv_dim, self._kv_cells, spec.swa_type),
         )
 
     # --- several sessions' decode steps in one graph ---------------------------------------------
@@ -847,7 +851,8 @@ class GgmlStage(StageBase[_KvCache]):
         self._batch_graphs[key] = bg  # newest last
         g = self.g
         bg.pos_buf[:] = positions
-        g.ggml_backend_tensor_set(bg.pos, bg.pos_buf.ctypes.data, 0, bg.pos_buf.nbytes)
+        if g.ggml_get_data(bg.pos) is not None:  # as _decode_one
+            g.ggml_backend_tensor_set(bg.pos, bg.pos_buf.ctypes.data, 0, bg.pos_buf.nbytes)
         self._set_temperature(bg.temp, bg.pos_buf)
         x = np.ascontiguousarray(np.concatenate(inputs))
         g.ggml_backend_tensor_set(bg.tokens, x.ctypes.data, 0, x.nbytes)
@@ -890,7 +895,7 @@ class GgmlStage(StageBase[_KvCache]):
                         slots=slots,
                         masks=masks,
                         n_kv=n_kv,
-                        **_SessionInputs.buffers(spec.kv_dim, self._kv_cells),
+                        **_SessionInputs.buffers(spec.kv_dim, self._kv_cells, spec.swa_type),
                     )
                 )
             result = self._build(ctx, gf, x, pos, b, _BatchAttention(members), None, temp)

@@ -144,6 +144,11 @@ class GraphBuilder:
         y = g.ggml_mul(self.ctx, g.ggml_rms_norm(self.ctx, x, self.spec.rms_eps), weight)
         return g.ggml_add(self.ctx, y, bias) if bias is not None else y
 
+    def rms(self, x: int) -> int:
+        """RMS norm over ne0 without a weight (llama.cpp's bare ``ggml_rms_norm``: Llama 4's
+        "L2 norm" of Q and K)."""
+        return self.g.ggml_rms_norm(self.ctx, x, self.spec.rms_eps)
+
     def linear(self, weight: int, x: int, bias: int | None = None) -> int:
         y = self.mm(weight, x)
         return self.g.ggml_add(self.ctx, y, bias) if bias is not None else y
@@ -317,6 +322,7 @@ class GraphBuilder:
         act: ExpertActivation = "silu",
         weight_scale: float = 1.0,
         groups: tuple[int, int] = (0, 0),
+        weight_before_ffn: bool = False,
     ) -> int:
         """A mixture of experts with softmax gating (llama.cpp's ``build_moe_ffn`` as qwen3moe
         calls it: LLM_FFN_SILU, LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX). Each token's router
@@ -335,7 +341,11 @@ class GraphBuilder:
         ``groups`` (n_groups, n_used; deepseek-v3's group-limited routing, when n_groups > 1):
         the experts split into equal groups, each scored by the sum of its two best
         selection probabilities; a token picks its experts only from its ``n_used``
-        best-scoring groups (the others masked to -inf before the top-k)."""
+        best-scoring groups (the others masked to -inf before the top-k).
+        ``weight_before_ffn`` is Llama 4's routing (llama.cpp ties both to the architecture):
+        the experts are picked by the raw router logits, and each picked expert's weight
+        multiplies its copy of the input before the expert runs instead of its output
+        after."""
         g, ctx = self.g, self.ctx
         ne = tensor_struct(x).ne
         n_embd, n_tokens, batched = int(ne[0]), int(ne[1]) * int(ne[2]), int(ne[2]) > 1
@@ -355,6 +365,8 @@ class GraphBuilder:
             probs = logits
         # the selection bias chooses the experts; their weights come from the unbiased probs
         choose = probs if bias.selection is None else g.ggml_add(ctx, probs, bias.selection)
+        if weight_before_ffn:
+            choose = logits  # sigmoid is monotonic, but saturates: ties where logits differ
         if groups[0] > 1 and n_tokens > 0:  # no rows (a final stage wanting no logits)
             choose = self._group_mask(choose, n_expert, n_tokens, *groups)
         selected = g.ggml_argsort_top_k(ctx, choose, n_expert_used)  # [n_used, n_tokens] I32
@@ -375,6 +387,9 @@ class GraphBuilder:
             weights = g.ggml_scale(ctx, weights, weight_scale)
         g.ggml_build_forward_expand(self.gf, weights)
         cur = g.ggml_reshape_3d(ctx, x, n_embd, 1, n_tokens)
+        if weight_before_ffn:  # each picked expert's copy of the input, times its weight
+            cur = g.ggml_repeat_4d(ctx, cur, n_embd, n_expert_used, n_tokens, 1)
+            cur = g.ggml_mul(ctx, cur, weights)  # [n_embd, n_used, n_tokens]
         up = g.ggml_mul_mat_id(ctx, up_exps, cur, selected)  # [n_ff_exp, n_used, n_tokens]
         if bias.up is not None:
             up = g.ggml_add_id(ctx, up, bias.up, selected)
@@ -388,7 +403,8 @@ class GraphBuilder:
         experts = g.ggml_mul_mat_id(ctx, down_exps, a, selected)  # [n_embd, n_used, n_tok]
         if bias.down is not None:
             experts = g.ggml_add_id(ctx, experts, bias.down, selected)
-        experts = g.ggml_mul(ctx, experts, weights)
+        if not weight_before_ffn:
+            experts = g.ggml_mul(ctx, experts, weights)
         g.ggml_build_forward_expand(self.gf, experts)
         es = tensor_struct(experts)
         nb1, nb2 = int(es.nb[1]), int(es.nb[2])

@@ -28,6 +28,10 @@ LLAMA_HINT: Final = (
     "run the whole model on one node with llama.cpp: skippy-model-package run REF --engine llama"
 )
 RopeStyle = Literal["normal", "neox"]  # pairs (2i, 2i+1) | pairs (i, i + d/2)
+# How a sliding layer's window cuts: the last N positions (llama.cpp's
+# LLAMA_SWA_TYPE_STANDARD), or the position's own chunk of N, aligned to multiples of N
+# (LLAMA_SWA_TYPE_CHUNKED: Llama 4)
+SwaType = Literal["standard", "chunked"]
 # the gated FFN's activation (the numpy reference reads it; ggml builders name their own)
 Activation = Literal["silu", "gelu_tanh"]
 # How a token's router logits become its experts' weights (llama.cpp's
@@ -172,8 +176,6 @@ class ModelSpec:
     # the head dimensions RoPE rotates, from the first (0: the whole head; glm4moe rotates
     # half of it: ``rope.dimension_count``)
     n_rot: int = 0
-    # the first layers run a dense FFN, the others experts (``leading_dense_block_count``)
-    n_layer_dense_lead: int = 0
     # NextN/MTP layers after the trunk (``nextn_predict_layers``): counted in ``n_layer``
     # (``block_count``, the package's layers) but never run by the trunk's graph; they live
     # with the final stage, for native MTP drafting
@@ -190,6 +192,12 @@ class ModelSpec:
     rope_scale_swa: float = 1.0
     # multi-head latent attention (deepseek2): the cache holds K only, V is a view of it
     mla: Mla | None = None
+    swa_type: SwaType = "standard"
+    # layers of a MoE model that run a dense FFN instead of experts (glm4moe's first
+    # ``leading_dense_block_count``; Llama 4's between its interleaved MoE layers)
+    dense_layers: frozenset[int] = frozenset()
+    # the rotated Q and K RMS-normed without a weight (Llama 4's "L2 norm", on RoPE layers)
+    qk_rms_norm: bool = False
 
     @property
     def n_trunk(self) -> int:
@@ -277,17 +285,31 @@ class TensorSpec:
 
 
 def attention_mask(
-    start: int, n: int, window: int | None, *, n_kv: int | None = None
+    start: int,
+    n: int,
+    window: int | None,
+    *,
+    n_kv: int | None = None,
+    swa_type: SwaType = "standard",
 ) -> npt.NDArray[np.float32]:
     """[n x n_kv] additive mask (``n_kv`` defaults to start+n; more keys are cells not yet
     written, masked): query i (position start+i) sees key j iff j <= start+i and, for a
-    sliding layer, start+i - j < window (llama.cpp's LLAMA_SWA_TYPE_STANDARD)."""
+    sliding layer, start+i - j < window (llama.cpp's LLAMA_SWA_TYPE_STANDARD) or, chunked,
+    j is in the query's chunk: j >= (start+i) // window * window (LLAMA_SWA_TYPE_CHUNKED)."""
     q = np.arange(start, start + n, dtype=np.int64)[:, None]
     k = np.arange(start + n if n_kv is None else n_kv, dtype=np.int64)[None, :]
     visible = k <= q
     if window is not None:
-        visible &= (q - k) < window
+        visible &= k >= first_visible(q, window, swa_type)
     return np.where(visible, np.float32(0.0), np.float32("-inf")).astype(np.float32)
+
+
+def first_visible(position: Any, window: int, swa_type: SwaType) -> Any:
+    """The first key position a sliding layer's query at ``position`` sees (an int, or
+    elementwise over an integer array)."""
+    if swa_type == "chunked":
+        return (position // window) * window
+    return position - window + 1
 
 
 def type_name(type_id: int) -> str:

@@ -290,7 +290,7 @@ class NumpyStage(StageBase[_NpKv]):
         kv.v[il][start : start + n] = v
         n_kv = start + n
         window = spec.sliding_window if spec.is_swa(il) else None
-        mask = attention_mask(start, n, window)
+        mask = attention_mask(start, n, window, swa_type=spec.swa_type)
         o = attention(q, kv.k[il][:n_kv], kv.v[il][:n_kv], mask, scale, spec.attn_softcap)
         o = norm_if_any(T.ATTN_POST_NORM, linear(T.ATTN_OUT, o.reshape(n, spec.q_dim)))
         x = x + residual(o)

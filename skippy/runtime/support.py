@@ -34,6 +34,7 @@ STAGE_FAMILIES: Final = (  # == the registry's
     "gpt-oss",
     "glm4moe",
     "deepseek2",
+    "llama4",
 )
 # The families whose files may hold experts (llama: Mixtral; a file with experts of any
 # other family is refused).
@@ -47,6 +48,7 @@ STAGE_MOE_FAMILIES: Final[tuple[str, ...]] = (
     "gpt-oss",
     "glm4moe",
     "deepseek2",
+    "llama4",
 )
 UNSUPPORTED: Final = "unsupported_architecture"  # the runtime's own code for both refusals
 

@@ -76,14 +76,16 @@ def default_cases(layer_count: int, trunk: int | None = None) -> list[Case]:
     return out
 
 
-def package_model(spec: synth.FamilySpec, dtype: str, root: Path) -> tuple[Path, Path]:
-    """The family's synthetic GGUF at ``dtype`` and its layer package, made once under
-    ``root`` (both reused when present)."""
+def package_model(
+    spec: synth.FamilySpec, dtype: str, root: Path, *, dims: synth.Dims | None = None
+) -> tuple[Path, Path]:
+    """The family's synthetic GGUF at ``dtype`` (``dims``: other than the canary's) and its
+    layer package, made once under ``root`` (both reused when present)."""
     from skippy.produce.write_package import WriteOptions, local_provenance, write_package
 
     model = root / synth.model_file_name(spec, dtype)
     if not model.exists():
-        synth.write_model(spec, model, dtype=dtype)
+        synth.write_model(spec, model, dtype=dtype, dims=dims)
     pkg = root / f"{model.stem}-pkg"
     if not (pkg / "model-package.json").exists():
         prov = local_provenance(

@@ -7,9 +7,10 @@ sets it), logits requested for every position. A fresh context per call, so no K
 state is shared between runs; the model stays loaded for the oracle's lifetime.
 
 ``n_batch`` splits the prompt into ``llama_decode`` calls of that many tokens (the logical
-and the physical batch both); ``prefill=k`` instead decodes the first ``k`` tokens as one
-batch, keeps only its last row, then decodes the rest in calls of ``steps``' sizes in turn
-(``(1,)``: one token per call, as a generation does; more: as speculative verify windows do).
+and the physical batch both); ``prefill=k`` instead decodes the first ``k`` tokens (in
+batches of ``n_batch``), keeps only their last row, then decodes the rest in calls of
+``steps``' sizes in turn (``(1,)``: one token per call, as a generation does; more: as
+speculative verify windows do).
 """
 
 from __future__ import annotations
@@ -205,9 +206,10 @@ class LlamaOracle:
                         )
                     ]
                 )
-            if prefill > n_batch:
-                raise UsageError("prefill must fit in n_batch", code="invalid_oracle_prompt")
-            rows = self._decode(ctx, batch, ids, 0, prefill, all_rows=False)
+            for lo in range(0, prefill, n_batch):  # in batches of n_batch, the last row kept
+                rows = self._decode(
+                    ctx, batch, ids, lo, min(lo + n_batch, prefill), all_rows=False
+                )
             i, sizes = prefill, itertools.cycle(steps)
             while i < len(ids):
                 hi = min(i + next(sizes), len(ids))

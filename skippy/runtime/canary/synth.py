@@ -151,7 +151,7 @@ class Dims:
         return 2 * self.embd
 
     @property
-    def half_head(self) -> int:  # glm4moe's RoPE rotates half of the head
+    def half_head(self) -> int:  # glm4moe's RoPE rotates half of the head; rope_freqs' size
         return self.head_dim // 2
 
     @property
@@ -230,13 +230,17 @@ class FamilySpec:
     n_head_kv: int | None = None  # None: Dims' (GQA)
     exercises: str = ""  # what the model checks, for the docs and test ids
     extra_dtypes: tuple[str, ...] = ()  # beyond DTYPES: the family's own (MXFP4 for gpt-oss)
-    # the first ``dense_lead`` layers hold ``dense_layer`` instead of ``layer`` (glm4moe's
-    # leading dense blocks)
+    # dense layers among the MoE ones: the first ``dense_lead`` layers (glm4moe's leading
+    # dense blocks), and with ``moe_step`` all but every moe_step-th (llama4's interleave,
+    # written as interleave_moe_layer_step: it shapes the tensors); they hold ``dense_layer``
     dense_lead: int = 0
+    moe_step: int | None = None
     dense_layer: tuple[TensorSpec, ...] = ()
     # one NextN/MTP layer after the ``n_layers`` of the trunk, holding ``layer`` and these
     # (empty: none); ``block_count`` then counts it
     nextn: tuple[TensorSpec, ...] = ()
+    # the window llama.cpp's loader sets without a sliding_window key (llama4's fixed chunk)
+    loader_swa: int = 0
 
     @property
     def arch_name(self) -> str:
@@ -253,7 +257,13 @@ class FamilySpec:
     def layer_tensors(self, il: int, d: Dims) -> tuple[TensorSpec, ...]:
         if il >= d.n_layers:
             return (*self.layer, *self.nextn)
-        return self.dense_layer if il < self.dense_lead else self.layer
+        return self.layer if self.routes(il) else self.dense_layer
+
+    def routes(self, il: int) -> bool:
+        """Whether trunk layer ``il`` holds ``layer`` (a MoE family's: routed experts) rather
+        than ``dense_layer``."""
+        step = self.moe_step or 1
+        return il >= self.dense_lead and (il + 1) % step == 0
 
     @property
     def dtypes(self) -> tuple[str, ...]:
@@ -719,6 +729,32 @@ FAMILIES: tuple[FamilySpec, ...] = (
             "trunk, held by the final stage and never run by it"
         ),
     ),
+    FamilySpec(
+        "llama4",
+        A.LLAMA4,
+        UNTIED,
+        (
+            *PRE_NORMS,
+            *ATTN,
+            *EXPERTS,
+            _t(T.FFN_GATE_SHEXP, "embd", "ff_exp"),
+            _t(T.FFN_UP_SHEXP, "embd", "ff_exp"),
+            _t(T.FFN_DOWN_SHEXP, "ff_exp", "embd"),
+        ),
+        kv={K.LLM.EXPERT_FEED_FORWARD_LENGTH: Dim("ff_exp")},
+        moe=MoE(16, 2),
+        moe_step=2,
+        loader_swa=8192,
+        dense_layer=(*PRE_NORMS, *ATTN, *FFN),
+        exercises=(
+            "chunked attention on layers 0-2 (llama.cpp fixes the chunk at 8192: the long "
+            "prompts of the family's own tests cross it), no RoPE and the attention "
+            "temperature on layer 3, unweighted RMS norms of the rotated Q and K, MoE layers "
+            "1 and 3 between dense ones, 16 experts top-2 (the checkpoints' top-1: the "
+            "family's own tests) picked by raw logits, each weighted by its sigmoid before "
+            "it runs, a shared expert"
+        ),
+    ),
 )
 FAMILY_NAMES: tuple[str, ...] = tuple(f.name for f in FAMILIES)
 
@@ -782,6 +818,8 @@ def model_metadata(spec: FamilySpec, d: Dims, dtype: Dtype) -> dict[str, Metadat
     if spec.moe is not None:
         kv[K.LLM.EXPERT_COUNT] = Dim("n_expert")
         kv[K.LLM.EXPERT_USED_COUNT] = Dim("n_expert_used")
+    if spec.moe_step is not None:
+        kv[K.LLM.INTERLEAVE_MOE_LAYER_STEP] = spec.moe_step
     if spec.nextn:
         kv[K.LLM.BLOCK_COUNT] = d.n_layers + spec.n_nextn
         kv[K.LLM.NEXTN_PREDICT_LAYERS] = spec.n_nextn

@@ -23,6 +23,7 @@ from skippy.runtime.families import (
     granite,
     granitemoe,
     llama,
+    llama4,
     mistral3,
     olmo2,
     olmoe,
@@ -59,6 +60,7 @@ FAMILIES: Final[Mapping[str, Family]] = {
         gptoss.FAMILY,
         glm4moe.FAMILY,
         deepseek2.FAMILY,
+        llama4.FAMILY,
     )
 }
 # ``inspect`` answers from skippy.runtime.support's table without importing the runtime: the

@@ -233,26 +233,33 @@ def read_yarn(
     return float(freq_scale), yarn
 
 
+def rope_scale_train(kv: Mapping[str, Any], arch: str) -> float:
+    """llama.cpp's ``rope_freq_scale_train``: 1 / ``rope.scaling.factor`` (or, when the file
+    has no such key, its older spelling ``rope.scale_linear``; absent or 0: unscaled),
+    computed in f32, whatever the scaling type says. The sliding layers of gpt-oss and Llama 4
+    rotate with it; the other layers with the context's (``_rope_scale``)."""
+    key = f"{arch}.rope.scaling.factor"
+    if key not in kv:
+        key = f"{arch}.rope.scale_linear"
+    factor = read_float(kv, key, 0.0)
+    if factor == 0.0:
+        return 1.0
+    if factor < 0:
+        raise bad(f"{key} must be positive", key)
+    return float(np.float32(1.0) / np.float32(factor))
+
+
 def _rope_scale(kv: Mapping[str, Any], arch: str, *, yarn: bool = False) -> float:
     """The RoPE frequency scale as llama.cpp's loader and context derive it: a file without
-    ``rope.scaling.type`` is linear, scaled by 1 / ``rope.scaling.factor`` (or its older
-    spelling ``rope.scale_linear``; absent or 0: unscaled), computed in f32; ``none`` never
-    scales, whatever factor the file has."""
+    ``rope.scaling.type`` is linear, scaled by the training scale (``rope_scale_train``);
+    ``none`` never scales, whatever factor the file has."""
     kind = kv.get(f"{arch}.rope.scaling.type", "linear")  # llama.cpp's default
     if kind == "yarn" and yarn:
         return 1.0  # read_decoder reads YaRN's own scale
     if kind == "none":
         return 1.0
     if kind == "linear":
-        key = f"{arch}.rope.scaling.factor"
-        if key not in kv:
-            key = f"{arch}.rope.scale_linear"
-        factor = read_float(kv, key, 0.0)
-        if factor == 0.0:
-            return 1.0
-        if factor < 0:
-            raise bad(f"{key} must be positive", key)
-        return float(np.float32(1.0) / np.float32(factor))
+        return rope_scale_train(kv, arch)
     raise StageUnsupported(
         f"RoPE scaling {kind!r} is not implemented by the stage runtime for {arch} (only "
         f"none and linear{', and yarn' if yarn else ''})",

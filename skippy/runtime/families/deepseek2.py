@@ -172,7 +172,9 @@ def read(kv: Mapping[str, Any]) -> ModelSpec:
     d["attn_scale"] = kq_scale(attn_factor, freq_scale, log_mul, k_mla)
     d["rope_style"] = "normal"
     mla = Mla(q_lora, kv_lora, rope_dim, k_mla, v_mla)
-    return ModelSpec(**d, **experts, mla=mla, n_layer_dense_lead=n_dense, n_layer_nextn=nextn)
+    return ModelSpec(
+        **d, **experts, mla=mla, dense_layers=frozenset(range(n_dense)), n_layer_nextn=nextn
+    )
 
 
 def _read_experts(kv: Mapping[str, Any], n_layer: int, vocab: int) -> dict[str, Any]:
@@ -280,7 +282,7 @@ def _block_tensors(spec: ModelSpec, il: int) -> list[TensorSpec]:
         tensor(T.ATTN_OUT, il, (h * m.v_head_dim, w), "matrix"),
         tensor(T.FFN_NORM, il, (w,), "vector"),
     ]
-    if il < spec.n_layer_dense_lead:
+    if il in spec.dense_layers:
         ff = spec.n_ff
         return [
             *out,
@@ -322,7 +324,7 @@ def build_layer(b: GraphBuilder, w: LayerWeights, il: int, x: int) -> int:
     o, x = b.last_rows(il, o, x)
     x = b.add(o, x)
     h = b.norm(x, w[T.FFN_NORM])
-    if il < spec.n_layer_dense_lead:
+    if il in spec.dense_layers:
         return b.add(b.ffn(h, w[T.FFN_GATE], w[T.FFN_UP], w[T.FFN_DOWN], "silu"), x)
     f = b.moe_ffn(
         h,

@@ -105,7 +105,7 @@ def read(kv: Mapping[str, Any]) -> ModelSpec:
             "expert_gating": _gating(kv),
             "expert_weights_norm": norm,
             "expert_weights_scale": float(np.float32(scale)),
-            "n_layer_dense_lead": dense,
+            "dense_layers": frozenset(range(dense)),
             "n_layer_nextn": nextn,
         }
     )
@@ -122,7 +122,7 @@ def _block_tensors(spec: ModelSpec, il: int) -> list[TensorSpec]:
         tensor(T.ATTN_K_NORM, il, (hd,), "vector", required=False),
         tensor(T.ATTN_POST_NORM, il, (w,), "vector"),
     ]
-    if il < spec.n_layer_dense_lead:
+    if il in spec.dense_layers:
         ff = spec.n_ff
         return [
             *out,
@@ -182,7 +182,7 @@ def build_layer(b: GraphBuilder, w: LayerWeights, il: int, x: int) -> int:
     o, x = b.last_rows(il, o, x)
     x = b.add(o, x)
     h = b.norm(x, w[T.ATTN_POST_NORM])
-    if il < spec.n_layer_dense_lead:
+    if il in spec.dense_layers:
         f = b.ffn(h, w[T.FFN_GATE], w[T.FFN_UP], w[T.FFN_DOWN], "silu", f32_down=True)
         return b.add(f, x)
     routed = b.moe_ffn(

@@ -27,6 +27,7 @@ from skippy.runtime.families.base import (
     read_float,
     read_int,
     read_swa_layers,
+    rope_scale_train,
     tensor,
 )
 from skippy.runtime.graph import ExpertBiases, GraphBuilder, LayerWeights
@@ -34,20 +35,6 @@ from skippy.runtime.model import MAX_CONTEXT, MAX_FF, ModelSpec, TensorSpec
 
 ARCH = "gpt-oss"
 SWA_PERIOD = 2  # llama.cpp: load_swa_pattern(ml, 2)
-
-
-def _rope_scale_swa(kv: Mapping[str, Any]) -> float:
-    """The sliding layers' frequency scale: llama.cpp's rope_freq_scale_train, 1 / the file's
-    scaling factor (or its older linear spelling), whatever the scaling type says; the global
-    layers take the context's (``read_decoder``'s ``rope_scale``)."""
-    a = f"{ARCH}."
-    for key in (a + "rope.scaling.factor", a + "rope.scale_linear"):
-        if kv.get(key):
-            factor = read_float(kv, key)
-            if factor <= 0:
-                raise bad(f"{key} must be positive", key)
-            return float(np.float32(1.0) / np.float32(factor))
-    return 1.0
 
 
 def read(kv: Mapping[str, Any]) -> ModelSpec:
@@ -62,7 +49,7 @@ def read(kv: Mapping[str, Any]) -> ModelSpec:
     d["rope_base_swa"] = read_float(kv, a + "rope.freq_base_swa", d["rope_base"])
     if d["rope_base_swa"] <= 0:
         raise bad(f"{a}rope.freq_base_swa must be positive", a + "rope.freq_base_swa")
-    d["rope_scale_swa"] = _rope_scale_swa(kv)
+    d["rope_scale_swa"] = rope_scale_train(kv, ARCH)  # the sliding layers'
     # 1.0f / sqrtf(float(n_rot)), in single precision
     d["attn_scale"] = float(np.float32(1.0) / np.sqrt(np.float32(d["head_dim"])))
     return ModelSpec(**{**d, **experts, "expert_weights_norm": False})

@@ -101,10 +101,13 @@ def _case_id(case: tuple[str, str]) -> str:
 
 # --- the specs themselves -------------------------------------------------------------------------
 def test_every_spec_names_tensors_its_architecture_has() -> None:
-    """gguf-py's vocabulary: each tensor of a spec is one its architecture declares."""
+    """gguf-py's vocabulary: each tensor of a spec is one its architecture declares (the
+    NextN layer's own tensors: one gguf-py names; gguf 0.19 lists them for glm4moe only,
+    while llama.cpp's vendored gguf-py and its loader have them for deepseek2 too)."""
+    nextn = {t for t in gguf.MODEL_TENSOR if t.name.startswith("NEXTN_")}
     for spec in synth.FAMILIES:
-        allowed = set(gguf.MODEL_TENSORS[spec.arch])
-        used = {t.tensor for t in (*spec.model, *spec.layer)}
+        allowed = set(gguf.MODEL_TENSORS[spec.arch]) | (nextn if spec.nextn else set())
+        used = {t.tensor for t in (*spec.model, *spec.layer, *spec.dense_layer, *spec.nextn)}
         assert used <= allowed, (spec.name, used - allowed)
 
 
@@ -157,7 +160,7 @@ def test_llama_cpp_reads_the_intended_hyperparameters(
     spec = synth.family(name)
     d = spec.dims()
     run = models.run(name, dtype)
-    swa = synth.SLIDING_WINDOW if gguf.Keys.Attention.SLIDING_WINDOW in spec.kv else 0
+    swa = synth.SLIDING_WINDOW if gguf.Keys.Attention.SLIDING_WINDOW in spec.kv else spec.loader_swa
     assert run.hparams == {
         "n_layer": d.n_layers,
         "n_embd": d.embd,
@@ -248,8 +251,8 @@ def test_routing_reaches_every_expert_in_every_layer(models: Models, case: tuple
     with LlamaOracle(models.path(name, dtype), n_threads=THREADS) as o:
         choices = o.expert_choices(LONG, n_batch=len(LONG))
     spec = synth.family(name)
-    # every layer routes but the leading dense ones (glm4moe's first)
-    assert sorted(choices) == list(range(spec.dense_lead, spec.n_layers))
+    # the dense layers route nothing (glm4moe's leading one, llama4's interleaved ones)
+    assert sorted(choices) == [il for il in range(spec.n_layers) if spec.routes(il)]
     for layer, chosen in choices.items():
         assert chosen.shape == (len(LONG), moe.n_expert_used)
         counts = np.bincount(chosen.reshape(-1), minlength=moe.n_expert)

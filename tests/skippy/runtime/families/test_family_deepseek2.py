@@ -174,7 +174,7 @@ def test_the_spec_reads_latent_attention_and_routing() -> None:
     assert (spec.mla.rope_dim, spec.mla.k_head_dim) == (d.rope_mla, d.k_mla)
     assert (spec.head_dim, spec.n_head_kv, spec.rope_dims) == (d.kv_a_mla, 1, d.rope_mla)
     assert spec.attn_out_dim == d.o_mla
-    assert (spec.n_layer, spec.n_trunk, spec.n_layer_dense_lead) == (d.n_layers + 1, 4, 1)
+    assert (spec.n_layer, spec.n_trunk, spec.dense_layers) == (d.n_layers + 1, 4, {0})
     assert (spec.expert_gating, spec.expert_weights_norm) == ("sigmoid", True)
     assert (spec.expert_groups, spec.expert_groups_used, spec.expert_weights_scale) == (4, 1, 2.5)
     lite = spec_from_metadata(_kv(LITE))

@@ -125,7 +125,7 @@ def _kv(**changes: Any) -> dict[str, Any]:
 def test_the_metadata_reads_as_llama_cpps_loader_does() -> None:
     spec = spec_from_metadata(_kv())
     assert spec.n_rot == spec.head_dim // 2 and spec.rope_dims == 32
-    assert (spec.n_layer_dense_lead, spec.n_layer_nextn, spec.n_trunk) == (1, 1, TRUNK)
+    assert (spec.dense_layers, spec.n_layer_nextn, spec.n_trunk) == ({0}, 1, TRUNK)
     assert (spec.expert_gating, spec.expert_weights_norm) == ("sigmoid", True)
     assert spec.expert_weights_scale == 2.5
     assert spec.n_ff_shexp == 2 * spec.n_ff_exp
