@@ -42,6 +42,8 @@ EXAMPLES: Final[dict[str, str]] = {
 }
 # llama.cpp families with no synthetic model and no builder here yet.
 NOT_BUILT: Final[dict[str, str]] = {
+    "minimax-m2": "MiniMax-M2",
+    "gemma4": "Gemma 4 (its MoE variant)",
 }
 
 
