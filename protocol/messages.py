@@ -121,6 +121,13 @@ class Hello:
     # Optional: relays (``ws://HOST:PORT#<relay id>``) the sender is reachable through, when
     # it cannot be dialled; an older node ignores the key.
     relays: tuple[str, ...] = ()
+    # Optional: where the receiver's end of this link appears to the sender (``host:port`` of
+    # the TCP connection as the sender sees it; absent over a relay's circuit), so a node
+    # behind NAT learns its public address. A hint from a peer: the receiver only dials it.
+    observed: str | None = None
+    # Optional: ``host:port`` addresses the sender may be dialled at directly (its listen port
+    # at the addresses its peers observed), offered so that a relayed link can go direct.
+    direct: tuple[str, ...] = ()
 
     def encode(self) -> bytes:
         doc: dict[str, object] = {
@@ -138,6 +145,10 @@ class Hello:
             doc["compute"] = self.compute.to_wire()
         if self.relays:
             doc["relays"] = list(self.relays)
+        if self.observed is not None:
+            doc["observed"] = self.observed
+        if self.direct:
+            doc["direct"] = list(self.direct)
         return _pack(doc)
 
 
@@ -198,6 +209,8 @@ def decode_link_message(payload: bytes, limits: c.Limits = c.DEFAULT_LIMITS) -> 
             boot=boot,
             compute=ComputeCost.from_wire(d["compute"]) if "compute" in d else None,
             relays=_relays(d.get("relays", []), limits),
+            observed=_opt_str(d.get("observed"), "observed", limits.max_address_chars),
+            direct=_direct(d.get("direct", []), limits),
         )
     if kind == "peers":
         d = _check_keys(data, {"t", "gen", "peers"}, "peers")
@@ -217,7 +230,7 @@ def decode_link_message(payload: bytes, limits: c.Limits = c.DEFAULT_LIMITS) -> 
 
 _HELLO_REQUIRED: Final = frozenset({"t", "gen", "listen", "features", "memory_budget_bytes"})
 _HELLO_KNOWN_OPTIONAL: Final = frozenset(
-    {"host", "boot", "compute", "relays"}
+    {"host", "boot", "compute", "relays", "observed", "direct"}
 )
 _HELLO_FORBIDDEN: Final = frozenset(
     {"inventory", "artifacts", "packages", "paths", "cache_root", "token", "tokens"}
@@ -251,6 +264,12 @@ def _relays(value: object, limits: c.Limits) -> tuple[str, ...]:
     if not isinstance(value, list) or len(value) > c.MAX_RELAYS:
         raise _fail(f"relays is a list of at most {c.MAX_RELAYS} addresses")
     return tuple(_str(v, "a relay address", limits.max_address_chars) for v in value)
+
+
+def _direct(value: object, limits: c.Limits) -> tuple[str, ...]:
+    if not isinstance(value, list) or len(value) > c.MAX_DIRECT_ADDRESSES:
+        raise _fail(f"direct is a list of at most {c.MAX_DIRECT_ADDRESSES} addresses")
+    return tuple(_str(v, "a direct address", limits.max_address_chars) for v in value)
 
 
 def _features(value: object, limits: c.Limits) -> dict[str, tuple[str, ...]]:

@@ -70,6 +70,9 @@ def relay_node(
 
 
 def relayed_node(tmp: Path, name: str, *relays: MeshNode, **kw: object) -> MeshNode:
+    # On loopback every relayed node could be dialled: these tests keep their links relayed
+    # (the direct upgrade is tests/mesh_node/test_hole_punch.py's).
+    kw.setdefault("direct_upgrade", False)
     s: NodeSettings = settings(tmp, name, relays=tuple(address_of(r) for r in relays), **kw)
     node = MeshNode(s, identity())
     node.register_subprotocol(1, _echo, name=ECHO, major=1)
