@@ -37,12 +37,13 @@ plan of commands (``plan``) is pure, so what the lab does can be read and tested
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import shutil
 import subprocess
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Final, TypeVar
 
 PUBLIC_NET: Final = "10.99.0"
 ROUTER_PUBLIC: Final = {"router1": f"{PUBLIC_NET}.11", "router2": f"{PUBLIC_NET}.12"}
@@ -51,6 +52,8 @@ HOMES: Final = {"home1": ("router1", "192.168.1"), "home2": ("router2", "192.168
 LAN: Final = ("lan1", "lan2", "192.168.50")
 NAT_KINDS: Final = ("masquerade", "stealth", "full-cone")
 COMMAND_TIMEOUT_S: Final = 10.0
+CLONE_NEWNET: Final = 0x40000000  # linux/sched.h: setns(2)'s network namespace type
+T = TypeVar("T")
 STOP_TIMEOUT_S: Final = 5.0
 
 
@@ -208,6 +211,27 @@ class NatLab:
     def exec(self, host: str, argv: Sequence[str], timeout: float = COMMAND_TIMEOUT_S) -> str:
         """Run ``argv`` inside ``host``'s namespace to its end; its stdout (raises on failure)."""
         return _run(["ip", "netns", "exec", self.hosts[host].netns, *argv], timeout)
+
+    def call_in(self, host: str, fn: Callable[[], T]) -> T:
+        """``fn()`` with this thread inside ``host``'s network namespace (its sockets are
+        made there: the lab process's HTTP client reaching a node's loopback API), then back
+        in the namespace the thread had."""
+        libc = ctypes.CDLL(None, use_errno=True)
+        own = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+        try:
+            target = os.open(f"/var/run/netns/{self.hosts[host].netns}", os.O_RDONLY)
+            try:
+                if libc.setns(target, CLONE_NEWNET) != 0:
+                    raise OSError(ctypes.get_errno(), f"setns into {host}'s namespace")
+            finally:
+                os.close(target)
+            try:
+                return fn()
+            finally:
+                if libc.setns(own, CLONE_NEWNET) != 0:  # a thread left elsewhere must not run on
+                    os.abort()
+        finally:
+            os.close(own)
 
     def close(self) -> None:
         for proc in self.procs:
