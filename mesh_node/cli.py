@@ -483,9 +483,12 @@ def cmd_lab(args: argparse.Namespace) -> CommandResult:
         speculative_strategy=args.speculative_strategy,
         nat=_lab_nat(args.nat),
     )
-    if options.nat is not None and args.http is not None:
-        raise UsageError("--nat does not combine with --http (the page would be inside the "
-                         "coordinator's namespace)", code="usage")  # fmt: skip
+    if options.nat is not None and (args.http is not None or args.serve):
+        raise UsageError(
+            "--nat does not combine with --http or --serve: the coordinator's page and API "
+            "would be on its namespace's loopback (use --prompt)",
+            code="usage",
+        )
 
     def render(report: dict[str, Any]) -> str:
         text = render_report(report)

@@ -23,7 +23,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -51,6 +51,7 @@ from mesh_node.lab.report import (
     revision_change,
 )
 from mesh_node.packages import manifest_speculation
+from protocol.constants import RELAYED_MARKER
 from skippy.config import ArtifactTransfer, read_environment
 from skippy.constants import MANIFEST_NAME
 from skippy.consume.verify import VerifyCache
@@ -98,6 +99,9 @@ class LabOptions:
     # The NAT lab (mesh_node.lab.netns): n0 on the public segment (coordinator and relay),
     # n1 and n2 in two homes behind NATs of these kinds (home -> kind; {}: masquerade both).
     nat: Mapping[str, str] | None = None
+    # Where the NAT lab's nodes run, n0 first: hosts of mesh_node.lab.netns (the first node on
+    # a public host relays for the others; a coordinator in a home is reached through it).
+    nat_places: tuple[str, ...] = ("coord", "home1", "home2")
 
     @property
     def serve_stages(self) -> int:
@@ -162,11 +166,9 @@ class LabOptions:
                 f"--nat runs 3 nodes (a public coordinator, two homes), not --nodes {self.nodes}",
                 code="usage",
             )
-        if self.links is not None or self.serve or self.replicas != 1:
+        if self.links is not None or self.replicas != 1:
             raise UsageError(
-                "--nat does not combine with emulated links, --serve, --http or --replicas "
-                "(the nodes' addresses live inside the lab's network namespaces)",
-                code="usage",
+                "--nat does not combine with emulated links or --replicas", code="usage"
             )
         for home, kind in nat.items():
             if home not in netns.HOMES or kind not in netns.NAT_KINDS:
@@ -499,7 +501,7 @@ async def open_lab(options: LabOptions) -> AsyncIterator[Lab]:
                 nat = NatLab(f"ml{os.getpid() % 100000}", dict(options.nat))
                 stack.callback(nat.close)  # also when the build fails half way
                 await trio.to_thread.run_sync(nat.build)
-                place_in_nat(nat, cluster)
+                place_in_nat(nat, cluster, options.nat_places)
             try:
                 await cluster.start_all()
                 await cluster.wait_meshed(MESH_TIMEOUT_S)
@@ -521,17 +523,28 @@ async def open_lab(options: LabOptions) -> AsyncIterator[Lab]:
 NAT_PORT: Final = 7460  # every NAT lab node listens on this port of its host's address
 
 
-def place_in_nat(nat: NatLab, cluster: LabCluster) -> None:
-    """The NAT lab's places: n0 (the coordinator) on the public segment, relaying for the
-    others; n1 and n2 in the two homes, behind their routers, reachable through n0's relay
-    (and directly where their NAT lets a direct link through). Call before the nodes start."""
-    hosts = ("coord", "home1", "home2")
+def place_in_nat(nat: NatLab, cluster: LabCluster, places: Sequence[str]) -> None:
+    """The NAT lab's places (by default n0, the coordinator, on the public segment, n1 and
+    n2 in the two homes behind their routers): the first node on a public host relays for the
+    others, which name it as their relay (reachable through it, and directly where their NAT
+    lets a direct link through); nodes dial a coordinator in a home through it. Call before
+    the nodes start."""
+    if len(places) != len(cluster.nodes) or any(p not in nat.hosts for p in places):
+        raise UsageError(f"NAT lab places {list(places)}: one host each", code="usage")
+    relay = next((n for n in cluster.nodes if places[n.index] in PUBLIC_HOSTS), None)
+    if relay is None:
+        raise UsageError("a NAT lab needs a node on a public host (the relay)", code="usage")
+    relay_place = places[relay.index]
+    relay_url = f"ws://{PUBLIC_HOSTS[relay_place]}:{NAT_PORT}#{relay.node_id}"
     first = cluster.coordinator
-    relay_url = f"ws://{PUBLIC_HOSTS['coord']}:{NAT_PORT}#{first.node_id}"
-    for node, host in zip(cluster.nodes, hosts, strict=True):
+    for node, host in zip(cluster.nodes, places, strict=True):
         extra: dict[str, Any] = (
-            {"relay": {"enable": True}} if node is first else {"relays": [relay_url]}
+            {"relay": {"enable": True}} if node is relay else {"relays": [relay_url]}
         )
+        if places[0] not in PUBLIC_HOSTS and node is not first:
+            # the coordinator cannot be dialled: its relay can reach it
+            relayed = f"{relay_url}{RELAYED_MARKER}{first.node_id}"
+            extra["peers"] = [] if node is relay else [relayed]
         node.spec = replace(
             node.spec,
             netns=nat.hosts[host].netns,
