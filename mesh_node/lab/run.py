@@ -539,7 +539,9 @@ def place_in_nat(nat: NatLab, cluster: LabCluster, places: Sequence[str]) -> Non
     first = cluster.coordinator
     for node, host in zip(cluster.nodes, places, strict=True):
         extra: dict[str, Any] = (
-            {"relay": {"enable": True}} if node is relay else {"relays": [relay_url]}
+            {"relay": {**node.spec.config.get("relay", {}), "enable": True}}
+            if node is relay
+            else {"relays": [relay_url]}
         )
         if places[0] not in PUBLIC_HOSTS and node is not first:
             # the coordinator cannot be dialled: its relay can reach it
