@@ -1,9 +1,10 @@
 """Direct upgrades of relayed links with real ``mesh-node run`` processes in the NAT lab
 (mesh_node/lab/netns.py): a relay on the public segment, two nodes that name it as their relay.
-Where the network allows a direct connection (one home behind a full-cone NAT, or one node on
-the public segment) the link goes direct, keeps the relay as its fallback, and outlives the
-relay; behind two masquerade NATs the upgrade fails, the relayed link stays and works, and
-the failures are counted in the status. Needs root, ip and nft (required in CI, as
+Where the network allows a direct connection (one home behind a full-cone NAT, one node on the
+public segment, or two homes whose NATs drop unsolicited packets, where the two ends' dials
+meet in a TCP simultaneous open) the link goes direct, keeps the relay as its fallback, and
+outlives the relay; behind two masquerade NATs the upgrade fails, the relayed link stays and
+works, and the failures are counted in the status. Needs root, ip and nft (required in CI, as
 tests/mesh_node/lab/test_nat_lab.py); elsewhere skipped."""
 
 from __future__ import annotations
@@ -59,8 +60,10 @@ def _lab_pair(
     [
         ({"home1": "full-cone"}, ("home1", "home2")),  # n2 dials n1's router: forwarded
         ({}, ("coord", "home2")),  # n1 is public: n2 dials it at the address the relay saw
+        # both drop unsolicited packets: the two ends' dials meet (TCP simultaneous open)
+        ({"home1": "stealth", "home2": "stealth"}, ("home1", "home2")),
     ],
-    ids=["full-cone", "one-public"],
+    ids=["full-cone", "one-public", "stealth-both"],
 )
 def test_a_relayed_link_goes_direct_where_the_network_allows_and_outlives_the_relay(
     tmp_path: Path, nat: dict[str, str], hosts: tuple[str, str]
