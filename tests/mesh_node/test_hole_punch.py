@@ -7,6 +7,7 @@ handshake's identity check and takes nothing over."""
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,8 @@ import trio
 from meshtools import address_of, identity, settings, wait_for
 
 from mesh_node import hole_punch
+from mesh_node.budget import PeerMemory
+from mesh_node.budgeted_tcp import budgeted_listeners
 from mesh_node.link import MeshStream
 from mesh_node.node import MeshNode
 from mesh_node.peers import InboundStream, PeerDown
@@ -197,3 +200,25 @@ async def test_an_offered_address_that_leads_elsewhere_takes_nothing_over(
         assert any("identity_mismatch" in f for f in failures), failures
         assert a.peer(c.node_id) is None  # the forged address gave c no link either
         nursery.cancel_scope.cancel()
+
+
+async def test_the_listen_port_is_shared_with_direct_dials_and_refused_to_another_listener() -> (
+    None
+):
+    budget = PeerMemory(1 << 20)
+    (listener,) = await budgeted_listeners("127.0.0.1", 0, budget)
+    other = (await budgeted_listeners("127.0.0.1", 0, budget))[0]
+    try:
+        with pytest.raises(OSError) as exc:  # another node on the same port: still refused
+            await budgeted_listeners("127.0.0.1", listener.port, budget)
+        assert exc.value.errno == errno.EADDRINUSE
+        # a direct dial leaves from the listen port (what a port-keeping NAT maps)
+        sock = await hole_punch.open_direct("127.0.0.1", other.port, listener.port, 2.0)
+        async with sock:
+            assert sock.socket.getsockname()[1] == listener.port
+            accepted = await other.accept()
+            assert accepted.peer_port == listener.port
+            await accepted.aclose()
+    finally:
+        await listener.aclose()
+        await other.aclose()
