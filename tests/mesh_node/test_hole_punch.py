@@ -13,11 +13,13 @@ from pathlib import Path
 import pytest
 import trio
 from meshtools import address_of, identity, settings, wait_for
+from prometheus_client.exposition import generate_latest
 
 from mesh_node import hole_punch
 from mesh_node.budget import PeerMemory
 from mesh_node.budgeted_tcp import budgeted_listeners
 from mesh_node.link import MeshStream
+from mesh_node.metrics import node_registry
 from mesh_node.node import MeshNode
 from mesh_node.peers import InboundStream, PeerDown
 from mesh_node.relay import RelayService
@@ -152,6 +154,12 @@ async def test_a_relayed_link_goes_direct_keeps_its_streams_and_falls_back_to_th
             assert a.direct_counters["upgraded"] + b.direct_counters["upgraded"] >= 1
             doc = next(p for p in a.status()["peers"] if p["node_id"] == b.node_id)
             assert (doc["link"], doc["fallback_relay"]) == ("direct", relay.node_id)
+            metrics = generate_latest(node_registry(a.status, a.collectors())).decode()
+            assert f'mesh_node_peer_link{{link="direct",peer="{b.node_id}",relay=""}} 1.0' in (
+                metrics
+            )
+            attempts = a.direct_counters["attempts"]
+            assert f"mesh_node_direct_attempts_total {float(attempts)}" in metrics
             # The direct link ends: both are back on the relayed link, which still carries
             # the old stream, and nobody hears of a peer loss.
             direct = a._members[b.node_id].link
