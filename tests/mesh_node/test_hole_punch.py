@@ -30,6 +30,14 @@ from protocol.messages import Hello, decode_link_message
 
 ECHO = "direct-echo-test"
 OPEN_RELAY = RelaySettings(enable=True, allow="any")
+# Not meshtools' fast timeouts: on a loaded machine a link lost to a late heartbeat would be a
+# fall back (or a peer loss) these tests did not cause.
+PATIENT = {
+    "heartbeat_interval_s": 0.5,
+    "peer_loss_timeout_s": 10.0,
+    "idle_timeout_s": 10.0,
+    "handshake_timeout_s": 5.0,
+}
 
 
 @pytest.mark.parametrize(
@@ -95,13 +103,13 @@ async def _echo(inbound: InboundStream) -> None:
 
 
 def _relay(tmp: Path) -> MeshNode:
-    node = MeshNode(settings(tmp, "relay", relay=OPEN_RELAY), identity())
+    node = MeshNode(settings(tmp, "relay", relay=OPEN_RELAY, **PATIENT), identity())
     node.add_service(RelayService(node))
     return node
 
 
 def _relayed(tmp: Path, name: str, relay: MeshNode, host: str = "127.0.0.1") -> MeshNode:
-    s = settings(tmp, name, listen=HostPort(host, 0), relays=(address_of(relay),))
+    s = settings(tmp, name, listen=HostPort(host, 0), relays=(address_of(relay),), **PATIENT)
     node = MeshNode(s, identity())
     node.register_subprotocol(1, _echo, name=ECHO, major=1)
     node.add_service(RelayService(node))
@@ -127,8 +135,8 @@ def _how(a: MeshNode, b: MeshNode) -> tuple[str | None, str | None] | None:
 async def test_a_relayed_link_goes_direct_keeps_its_streams_and_falls_back_to_the_relay(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # The first direct dial waits a second, so a stream can be opened over the relay first.
-    monkeypatch.setattr(hole_punch, "UPGRADE_DELAYS_S", (1.0, 1.0))
+    # The first direct dial waits, so a stream can be opened over the relay first.
+    monkeypatch.setattr(hole_punch, "UPGRADE_DELAYS_S", (2.0, 1.0))
     relay = _relay(tmp_path)
     async with trio.open_nursery() as nursery:
         await nursery.start(relay.run)
@@ -139,6 +147,7 @@ async def test_a_relayed_link_goes_direct_keeps_its_streams_and_falls_back_to_th
             await wait_for(lambda: _how(a, b) == (relay.node_id, None), timeout_s=15)
             old = await a.open_stream(b.node_id, 1, name=ECHO, major=1)
             assert await _round_trip(old, b"over the relay") == b"over the relay"
+            assert _how(a, b) == (relay.node_id, None)  # the stream is on the relayed link
             # Both learnt their loopback address from the relay and offered it.
             assert a.status()["direct"]["observed"] == ["127.0.0.1"]
             await wait_for(lambda: _how(a, b) == (None, relay.node_id), timeout_s=15)
@@ -195,7 +204,8 @@ async def test_an_offered_address_that_leads_elsewhere_takes_nothing_over(
         await nursery.start(b.run)
         assert b.listen_url is not None
         port = int(b.listen_url.rsplit(":", 1)[1])
-        c = MeshNode(settings(tmp_path, "c", listen=HostPort("127.0.0.2", port)), identity())
+        c_settings = settings(tmp_path, "c", listen=HostPort("127.0.0.2", port), **PATIENT)
+        c = MeshNode(c_settings, identity())
         await nursery.start(c.run)
         # a forged observation, as a lying peer would report it (only a hint: it is offered)
         await wait_for(lambda: bool(b.status()["direct"]["observed"]), timeout_s=15)
