@@ -893,11 +893,16 @@ class MeshNode:
             return ()
         return hole_punch.offered_addresses(self._observed, self._listen_port)
 
-    def _record_observed(self, link: Link, observed: str | None) -> None:
+    def _record_observed(self, link: Link, member: _Member, observed: str | None) -> None:
         """A peer's word on where this node appears: kept (bounded) only from a direct TCP
-        link and only as an IP and port; it is offered to others, never dialled by us."""
+        link, only from a trusted peer or one this node chose (its relays and peers: a
+        stranger cannot make it offer other addresses), and only as an IP and port; it is
+        offered to others, never dialled by us."""
         parsed = hole_punch.parse_host_port(observed)
         if parsed is None or link.transport.relay_id is not None:
+            return
+        chosen = {a.node_id for a in (*self.settings.relays, *self.settings.peers)}
+        if not member.peer.trusted and link.node_id not in chosen:
             return
         self._observed.pop(parsed[0], None)
         self._observed = {parsed[0]: None, **self._observed}  # most recent first
@@ -1126,7 +1131,7 @@ class MeshNode:
             return
         member.last_seen = trio.current_time()
         if isinstance(message, Hello):
-            self._record_observed(link, message.observed)
+            self._record_observed(link, member, message.observed)
             member.direct = message.direct
             member.address = message.listen
             member.features = dict(message.features)

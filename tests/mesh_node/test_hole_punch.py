@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import trio
-from meshtools import address_of, identity, settings, wait_for
+from meshtools import address_of, identity, settings, wait_for, with_peers
 from prometheus_client.exposition import generate_latest
 
 from mesh_node import hole_punch
@@ -240,3 +240,18 @@ async def test_the_listen_port_is_shared_with_direct_dials_and_refused_to_anothe
     finally:
         await listener.aclose()
         await other.aclose()
+
+
+async def test_only_chosen_or_trusted_peers_tell_a_node_where_it_appears(tmp_path: Path) -> None:
+    # two nodes of no owner (untrusted both ways): b dialled a, whom it chose (its peers); a
+    # never chose b, so b's word on a's address is not taken
+    async with trio.open_nursery() as nursery:
+        a = MeshNode(settings(tmp_path, "a", **PATIENT), identity())
+        await nursery.start(a.run)
+        b = MeshNode(with_peers(settings(tmp_path, "b", **PATIENT), a), identity())
+        await nursery.start(b.run)
+        await wait_for(lambda: a.peer(b.node_id) is not None and b.peer(a.node_id) is not None)
+        await wait_for(lambda: b.status()["direct"]["observed"] == ["127.0.0.1"])
+        assert a.status()["direct"]["observed"] == []
+        assert b.status()["direct"]["offered"] == [f"127.0.0.1:{b.listen_url.rsplit(':', 1)[1]}"]
+        nursery.cancel_scope.cancel()
