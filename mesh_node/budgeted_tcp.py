@@ -43,6 +43,7 @@ STALL_POLL_S: Final = 0.25  # while a read waits for room, how often the socket 
 # Linux tcp_states.h: CLOSE (reset, or both closed), CLOSE_WAIT (the peer's FIN arrived),
 # LAST_ACK.
 _TCP_PEER_GONE: Final = frozenset({7, 8, 9})
+LISTEN_BACKLOG: Final = 0xFFFF  # trio's default; the kernel caps it at somaxconn
 _ids = count(1)
 
 
@@ -288,5 +289,36 @@ class BudgetedListener(trio.abc.Listener[BudgetedStream]):
 
 
 async def budgeted_listeners(host: str, port: int, budget: PeerMemory) -> list[BudgetedListener]:
-    listeners = await trio.open_tcp_listeners(port, host=host)
-    return [BudgetedListener(listener, budget) for listener in listeners]
+    """Listeners on ``host:port`` (as ``trio.open_tcp_listeners``), sharing the port with this
+    node's direct dials (``SO_REUSEPORT``: ``mesh_node.hole_punch.open_direct`` dials from the
+    listen port). A port another socket holds is still refused (``EADDRINUSE``): a plain bind
+    is tried first, since sockets that all ask for port sharing would not conflict."""
+    infos = await trio.socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )
+    listeners: list[BudgetedListener] = []
+    try:
+        for family, kind, proto, _, sockaddr in infos:
+            if port:
+                with socket.socket(family, kind, proto) as probe:
+                    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                    if family == socket.AF_INET6:
+                        probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                    probe.bind(sockaddr)
+            sock = trio.socket.socket(family, kind, proto)
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+                if family == socket.AF_INET6:
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                await sock.bind(sockaddr)
+                sock.listen(LISTEN_BACKLOG)
+            except BaseException:
+                sock.close()
+                raise
+            listeners.append(BudgetedListener(trio.SocketListener(sock), budget))
+    except BaseException:
+        for listener in listeners:
+            await listener.aclose()
+        raise
+    return listeners

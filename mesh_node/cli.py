@@ -445,6 +445,18 @@ def _lab_links(args: argparse.Namespace) -> Any:
     return netem.load_lab_file(Path(args.links), default)
 
 
+def _lab_nat(text: str | None) -> dict[str, str] | None:
+    """``--nat [KIND1,KIND2]``: the two homes' NAT kinds (None: no NAT lab)."""
+    if text is None:
+        return None
+    kinds = [k.strip() for k in text.split(",")] if text else []
+    if len(kinds) > 2:
+        raise UsageError(
+            f"--nat takes at most two kinds (home1,home2), not {text!r}", code="usage"
+        )
+    return dict(zip(("home1", "home2"), kinds, strict=False))
+
+
 def cmd_lab(args: argparse.Namespace) -> CommandResult:
     from mesh_node.lab.report import render_report
     from mesh_node.lab.run import LabOptions, run_lab
@@ -471,7 +483,14 @@ def cmd_lab(args: argparse.Namespace) -> CommandResult:
         revision_change=args.revision_change,
         replicas=args.replicas,
         speculative_strategy=args.speculative_strategy,
+        nat=_lab_nat(args.nat),
     )
+    if options.nat is not None and (args.http is not None or args.serve):
+        raise UsageError(
+            "--nat does not combine with --http or --serve: the coordinator's page and API "
+            "would be on its namespace's loopback (use --prompt)",
+            code="usage",
+        )
 
     def render(report: dict[str, Any]) -> str:
         text = render_report(report)
@@ -767,6 +786,15 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="serve the split behind the OpenAI API and keep the lab up (prints the API's and "
         "the status page's addresses) until Ctrl-C",
+    )
+    p.add_argument(
+        "--nat",
+        nargs="?",
+        const="",
+        metavar="KIND1,KIND2",
+        help="run the 3 nodes in the NAT lab (root): n0 public, coordinating and relaying; "
+        "n1 and n2 in two homes behind NATs of these kinds (masquerade, stealth, full-cone; "
+        "default masquerade); the network namespaces are removed on exit",
     )
     links = p.add_argument_group(
         "emulated links (every node dials every other through a relay of the lab)"

@@ -364,7 +364,28 @@ def node_families(doc: Mapping[str, Any]) -> list[Metric]:
             rtt.add_metric([p["node_id"]], p["rtt_ms"] / 1000)
     for key, count in sorted(counts.items()):
         peers.add_metric(list(key), count)
-    return [info, uptime, budget, peers, received, sent, rtt, link, *device_families(doc)]
+    return [
+        info, uptime, budget, peers, received, sent, rtt, link,
+        *device_families(doc), *direct_families(doc),
+    ]  # fmt: skip
+
+
+def direct_families(doc: Mapping[str, Any]) -> list[Metric]:
+    """Direct upgrades of relayed links (the status document's ``direct``): dials tried and
+    failed, relayed links replaced by direct ones, falls back to the relay."""
+    section = doc.get("direct")
+    if not section:
+        return []
+    helps = (
+        ("attempts", "Direct dials tried to peers linked through a relay"),
+        ("failed", "Direct dials that did not give a link (no connection, handshake refused)"),
+        ("upgraded", "Relayed links replaced by a direct link (the relay kept as fallback)"),
+        ("fallbacks", "Direct links that ended while their relayed link still stood"),
+    )
+    return [
+        CounterMetricFamily(f"{PREFIX}_direct_{key}", text, value=section[key])
+        for key, text in helps
+    ]
 
 
 def device_families(doc: Mapping[str, Any]) -> list[Metric]:

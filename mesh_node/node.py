@@ -28,8 +28,9 @@ from typing import Any, TypeVar
 import trio
 from prometheus_client.registry import Collector
 
+from mesh_node import hole_punch
 from mesh_node.budget import PeerMemory
-from mesh_node.budgeted_tcp import budgeted_listeners
+from mesh_node.budgeted_tcp import BudgetedStream, budgeted_listeners
 from mesh_node.cipher_support import local_ciphers
 from mesh_node.errors import MeshError, PeerUnavailable
 from mesh_node.hostid import host_fingerprint
@@ -70,6 +71,8 @@ from mesh_node.websocket import (
     HandshakeError,
     WebSocket,
     WebSocketRequest,
+    accept_over,
+    client_over,
     connect,
     serve_websockets,
 )
@@ -92,6 +95,7 @@ from protocol.messages import (
     Peers,
     decode_link_message,
 )
+from protocol.ws_upgrade import UpgradeRefused
 from skippy.errors import UsageError
 
 log = logging.getLogger("mesh_node.node")
@@ -168,6 +172,10 @@ class _Member:
     certificate: OwnerCertificate | None = None  # what its link's handshake presented
     trust_until: float = math.inf  # wall clock: when ``peer`` must be evaluated again
     relays: tuple[PeerAddress, ...] = ()  # relays its hello says it is reachable through
+    direct: tuple[str, ...] = ()  # addresses its hello offers for a direct link (unchecked)
+    # The relayed link a direct one replaced: its streams go on, and it is the link again if
+    # the direct one ends (the fallback).
+    standby: Link | None = None
 
 
 def listen_error(listen: HostPort, exc: OSError) -> UsageError:
@@ -294,6 +302,12 @@ class MeshNode:
         self._started_at: float | None = None  # trio clock, when run() began serving
         self._services: list[NodeService] = []  # in the order added (and run)
         self._circuit_dialer: CircuitDialer | None = None
+        # Direct links for relayed peers (mesh_node.hole_punch): the addresses peers observed
+        # this node at (most recent first), and how the upgrades went.
+        self._observed: dict[str, None] = {}
+        self._listen_port: int | None = None
+        self.direct_counters = {"attempts": 0, "failed": 0, "upgraded": 0, "fallbacks": 0}
+        self._direct_failures: list[str] = []  # the most recent few, newest last
 
     # --- services ---------------------------------------------------------------------------------
     def add_service(self, service: NodeService) -> None:
@@ -533,6 +547,7 @@ class MeshNode:
         }
         doc["compute"] = None if self.compute is None else self.compute.to_wire()
         doc["devices"] = None if self.devices is None else self.devices.to_wire()
+        doc["direct"] = self.direct_status()
         for service in self._services:
             doc.update(service.status_sections())
         return doc
@@ -555,6 +570,7 @@ class MeshNode:
             await nursery.start(serve_websockets, self._on_request, listeners, nursery, ws_settings)
             host = listen.host if ":" not in listen.host else f"[{listen.host}]"
             self.listen_url = f"ws://{host}:{listeners[0].port}"
+            self._listen_port = listeners[0].port
             for address in self.settings.peers:
                 self._start_dialing(address, persistent=True)
             nursery.start_soon(self._memory_release.run)
@@ -623,6 +639,8 @@ class MeshNode:
         self._closing = True
         waits = []
         for member in self._members.values():
+            if member.standby is not None:
+                member.standby.close("shutdown", "the node is shutting down")
             if member.link is not None:
                 waits.append(member.disconnected)
                 member.link.close("shutdown", "the node is shutting down")
@@ -790,7 +808,20 @@ class MeshNode:
                 return False
             old = member.link
             member.link = None  # so the old link's end is not reported as a peer loss
-            old.close("duplicate", "a preferred link replaced this one")
+            if old.transport.relay_id is not None and link.transport.relay_id is None:
+                # Direct now: new streams go on it; the relayed link's streams go on, and it
+                # stays as the fallback.
+                if member.standby is not None:
+                    member.standby.close("duplicate", "a preferred link replaced this one")
+                member.standby = old
+                self.direct_counters["upgraded"] += 1
+                log.info(
+                    "link to %s is direct now (relay %s kept as the fallback)",
+                    short_id(node_id),
+                    short_id(old.transport.relay_id),
+                )
+            else:
+                old.close("duplicate", "a preferred link replaced this one")
             member.disconnected.set()  # wake dial loops waiting on the old link's event
         if member is None:
             if not self._make_room(for_trusted=peer.trusted):
@@ -823,6 +854,8 @@ class MeshNode:
                     compute=self.compute,
                     relays=tuple(str(a) for a in self.settings.relays),
                     devices=self.devices,
+                    observed=self._observed_text(link),
+                    direct=self.offered_addresses(),
                 )
                 link.mux.send_link_message(hello.encode())
                 link.wake_writer()
@@ -831,7 +864,11 @@ class MeshNode:
                 self._memory_release.request()  # one trim for links closing together
             member.bytes_received += link.bytes_received
             member.bytes_sent += link.bytes_sent
-            if member.link is link:
+            if member.standby is link:
+                member.standby = None
+            elif member.link is link and self._fall_back(member, link):
+                pass
+            elif member.link is link:
                 member.link = None
                 member.last_seen = link.last_received
                 member.disconnected.set()
@@ -840,6 +877,145 @@ class MeshNode:
                 if member.hello:
                     self._link_lost(node_id, member, link, reason)
         return True
+
+    # --- direct links for relayed peers (mesh_node.hole_punch) -------------------------------
+    def _observed_text(self, link: Link) -> str | None:
+        """Where ``link``'s peer appears to this node: its TCP source address (what a NAT
+        made of it); None over a relay's circuit."""
+        transport = link.transport
+        if not isinstance(transport, BudgetedStream) or not transport.peer_port:
+            return None
+        return hole_punch.host_port_text(transport.peer_address, transport.peer_port)
+
+    def offered_addresses(self) -> tuple[str, ...]:
+        """The addresses this node offers for direct links (hello ``direct``)."""
+        if not self.settings.direct_upgrade:
+            return ()
+        return hole_punch.offered_addresses(self._observed, self._listen_port)
+
+    def _record_observed(self, link: Link, member: _Member, observed: str | None) -> None:
+        """A peer's word on where this node appears: kept (bounded) only from a direct TCP
+        link, only from a trusted peer or one this node chose (its relays and peers: a
+        stranger cannot make it offer other addresses), and only as an IP and port; it is
+        offered to others, never dialled by us."""
+        parsed = hole_punch.parse_host_port(observed)
+        if parsed is None or link.transport.relay_id is not None:
+            return
+        chosen = {a.node_id for a in (*self.settings.relays, *self.settings.peers)}
+        if not member.peer.trusted and link.node_id not in chosen:
+            return
+        self._observed.pop(parsed[0], None)
+        self._observed = {parsed[0]: None, **self._observed}  # most recent first
+        while len(self._observed) > hole_punch.MAX_OBSERVERS:
+            self._observed.popitem()
+
+    def _fall_back(self, member: _Member, link: Link) -> bool:
+        """``link``, a member's link, ended: its standby relayed link (if still up) becomes
+        the link, nothing is reported; False when there is none."""
+        standby = member.standby
+        if standby is None or standby.closed.is_set() or standby.close_reason is not None:
+            return False
+        if self._closing:
+            return False
+        member.standby, member.link = None, standby
+        self.direct_counters["fallbacks"] += 1
+        reason = link.close_reason or ("closed", "")
+        log.info(
+            "direct link to %s ended (%s: %s); back on the relayed link through %s",
+            short_id(link.node_id),
+            *reason,
+            short_id(standby.transport.relay_id or "?"),
+        )
+        member.disconnected.set()  # dial loops look again (and wait on the new event)
+        member.disconnected = trio.Event()
+        return True
+
+    async def _go_direct(
+        self, node_id: str, relayed: Link, candidates: list[tuple[str, int]]
+    ) -> None:
+        """Try a direct link to ``node_id``, linked through a relay now: dial each of its
+        candidate addresses a few times (``UPGRADE_DELAYS_S``) until one connects, then run
+        the link over it (the node keeps a direct link over a relayed one,
+        ``_prefer_new``). Stops when the relayed link ends or a direct link exists."""
+        for delay in hole_punch.UPGRADE_DELAYS_S:
+            await trio.sleep(delay)
+            member = self._members.get(node_id)
+            if relayed.closed.is_set() or self._closing or member is None:
+                return
+            if member.link is not None and member.link.transport.relay_id is None:
+                return  # direct already (the other side's dial)
+            for host, port in candidates:
+                self.direct_counters["attempts"] += 1
+                what = f"direct {hole_punch.host_port_text(host, port)}#{short_id(node_id)}"
+                try:
+                    sock = await hole_punch.open_direct(
+                        host, port, self._listen_port, self.timeouts.handshake_s
+                    )
+                except (OSError, trio.TooSlowError) as exc:
+                    self._direct_failed(what, exc)
+                    continue
+                try:
+                    await self._serve_direct(sock, node_id, what)
+                except (
+                    OSError,
+                    HandshakeError,
+                    ConnectionRejected,
+                    ConnectionClosed,
+                    UpgradeRefused,
+                    ProtocolError,
+                    trio.TooSlowError,
+                    trio.BrokenResourceError,
+                ) as exc:
+                    self._direct_failed(what, exc)
+                    continue
+                return  # a link ran over it (and ended): the relayed one is the fallback
+
+    def _direct_failed(self, what: str, exc: BaseException) -> None:
+        self.direct_counters["failed"] += 1
+        self._direct_failures = [*self._direct_failures, f"{what}: {dial_failure(exc)}"][-4:]
+        log.info("%s failed: %s", what, dial_failure(exc))
+
+    async def _serve_direct(self, sock: trio.SocketStream, node_id: str, what: str) -> None:
+        """A link over a direct socket to ``node_id``: as the WebSocket client demanding its
+        id, or, when the other end dialled at the same moment and spoke first
+        (``hole_punch.speaks_first``), as the server of its upgrade (through the node's own
+        admission, as any inbound connection)."""
+        server = not hole_punch.speaks_first(self.node_id, node_id) and (
+            await hole_punch.peer_spoke_first(sock, hole_punch.ROLE_WAIT_S)
+        )
+        stream = BudgetedStream(sock, self.peer_memory, server=server)
+        stream.claim()
+        ws_settings = websocket_settings(self.limits, self.timeouts)
+        try:
+            if server:
+                request = await accept_over(stream, ws_settings)
+                try:
+                    await self._on_request(request)
+                finally:
+                    ws = request.websocket
+                    if ws is not None and ws.closed is None:
+                        with trio.CancelScope(shield=True):
+                            with trio.move_on_after(ws_settings.disconnect_s):
+                                await ws.aclose()
+                return
+            offered = offered_subprotocols(self.link_ciphers)
+            authority = hole_punch.host_port_text(stream.peer_address, stream.peer_port)
+            async with client_over(stream, authority, ws_settings, offered) as ws:
+                await self._handshake_and_serve(ws, bytes.fromhex(node_id), what)
+        finally:
+            with trio.CancelScope(shield=True):
+                await stream.aclose()
+            self.peer_memory.close(stream.key)
+
+    def direct_status(self) -> dict[str, Any]:
+        """The status document's ``direct`` section."""
+        return {
+            "enabled": self.settings.direct_upgrade,
+            "observed": list(self._observed),
+            "offered": list(self.offered_addresses()),
+            **self.direct_counters,
+            "recent_failures": list(self._direct_failures),
+        }
 
     # --- a dropped connection is not a lost peer ----------------------------------------------
     def _link_lost(
@@ -911,6 +1087,8 @@ class MeshNode:
         node id; a redial by the same side replaces its older link."""
         if old.closed.is_set() or old.close_reason is not None:
             return True
+        if (old.transport.relay_id is None) != (new.transport.relay_id is None):
+            return new.transport.relay_id is None  # a direct link over a relayed one
 
         def dialer(link: Link) -> str:
             return self.node_id if link.initiator else link.node_id
@@ -932,7 +1110,7 @@ class MeshNode:
                 f"{open_.name}/{open_.major} has no stream kind {open_.kind:#x}",
             )
         member = self._members.get(link.node_id)
-        if member is None or member.link is not link:
+        if member is None or (member.link is not link and member.standby is not link):
             return ("link_replaced", "this link is being replaced")
         self._refresh_trust(member)  # every authorization sees trust as of now
         peer = member.peer
@@ -953,6 +1131,8 @@ class MeshNode:
             return
         member.last_seen = trio.current_time()
         if isinstance(message, Hello):
+            self._record_observed(link, member, message.observed)
+            member.direct = message.direct
             member.address = message.listen
             member.features = dict(message.features)
             member.memory_budget_bytes = message.memory_budget_bytes
@@ -972,6 +1152,7 @@ class MeshNode:
                 member.down_reported = False
                 self._gossip_about(link.node_id, member)
                 self.emit(PeerUp(self._info(member, trio.current_time())))
+                self._maybe_go_direct(link, member)
         elif isinstance(message, Peers):
             for record in message.peers:
                 node_id = record.node_id.hex()
@@ -982,6 +1163,14 @@ class MeshNode:
                 # Learned, not trusted: it counts only once dialed and authenticated.
                 for address in dial_plan(node_id, record.address, relays):
                     self._start_dialing(address, persistent=False)
+
+    def _maybe_go_direct(self, link: Link, member: _Member) -> None:
+        """A relayed link's first hello: try a direct link to the peer (``_go_direct``)."""
+        if link.transport.relay_id is None or not self.settings.direct_upgrade:
+            return
+        candidates = hole_punch.dial_candidates(member.direct, member.address)
+        if candidates and self._nursery is not None:
+            self._nursery.start_soon(self._go_direct, link.node_id, link, candidates)
 
     def _gossip_about(self, node_id: str, member: _Member) -> None:
         """Tell the new peer whom we know, and everyone else about the new peer."""
@@ -1031,4 +1220,5 @@ class MeshNode:
             bytes_sent=m.bytes_sent + (m.link.bytes_sent if m.link else 0),
             link_cipher=m.link.channel.cipher.label if m.link is not None else None,
             relay=m.link.transport.relay_id if m.link is not None else None,
+            fallback_relay=m.standby.transport.relay_id if m.standby is not None else None,
         )

@@ -69,6 +69,8 @@ class PeerInfo:
     devices: Devices | None = None  # its devices and their memory (Hello), if it sent them
     link_cipher: str | None = None  # the connected link's Noise cipher
     relay: str | None = None  # the relay's node id when the link is a relayed circuit
+    # A direct link's fallback: the relay of the relayed link it replaced, still up.
+    fallback_relay: str | None = None
 
     @property
     def node_id(self) -> str:
@@ -97,6 +99,7 @@ class PeerInfo:
             "link_cipher": self.link_cipher,
             "link": "direct" if self.relay is None else "relayed",
             "relay": self.relay,
+            "fallback_relay": self.fallback_relay,
         }
 
 
@@ -163,6 +166,8 @@ def status_document(
 def link_text(p: Mapping[str, Any]) -> str:
     """How a connected peer is linked: direct, or relayed via which relay; and its RTT."""
     how = "direct" if not p.get("relay") else f"relayed via {peer_text(p['relay'][:12])}"
+    if p.get("fallback_relay"):
+        how += f" (relay {peer_text(p['fallback_relay'][:12])} as fallback)"
     rtt = p.get("rtt_ms")
     return how + ("" if rtt is None else f", rtt {rtt:.1f} ms")
 

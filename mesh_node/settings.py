@@ -64,6 +64,7 @@ NODE_KEYS = frozenset(
         "lab_lock",  # the lab's lifeline: the node stops once nothing holds this file's lock
         "relays",  # relays this node keeps a link to and is reachable through
         "relay",  # [relay]: this node relays circuits for others (RelaySettings)
+        "direct_upgrade",  # relayed links try a direct connection (default true)
     }
 )
 
@@ -531,6 +532,9 @@ class NodeSettings:
     # cannot be dialled); and what it offers as a relay itself (off by default).
     relays: tuple[PeerAddress, ...] = ()
     relay: RelaySettings = field(default_factory=RelaySettings)
+    # A relayed link tries a direct connection (the addresses peers observed) and moves new
+    # streams to it when it works, the relayed link kept as the fallback (mesh_node.hole_punch).
+    direct_upgrade: bool = True
 
     @property
     def hub_cache_dir(self) -> Path:
@@ -700,6 +704,7 @@ def node_settings(config: NodeConfig, env: Environment | None = None) -> NodeSet
         lab_lock=path_of("lab_lock"),
         relays=parse_relays(raw.get("relays", [])),
         relay=relay_settings(raw.get("relay")),
+        direct_upgrade=_direct_upgrade(raw),
     )
 
 
@@ -719,6 +724,14 @@ def _swarm_transfer(raw: Mapping[str, Any]) -> bool:
     value = raw.get("swarm_transfer", True)
     if not isinstance(value, bool):
         raise bad_value("swarm_transfer", "expected true or false", value)
+    return value
+
+
+def _direct_upgrade(raw: Mapping[str, Any]) -> bool:
+    """``direct_upgrade = true|false`` (default true)."""
+    value = raw.get("direct_upgrade", True)
+    if not isinstance(value, bool):
+        raise bad_value("direct_upgrade", "expected true or false", value)
     return value
 
 

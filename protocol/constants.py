@@ -178,3 +178,4 @@ BIT_RELAYED: Final = "relayed"
 # A relayed address: the relay's address, this marker, the target's node id.
 RELAYED_MARKER: Final = "/relayed/"
 MAX_RELAYS: Final = 8  # relayed addresses one node advertises
+MAX_DIRECT_ADDRESSES: Final = 4  # observed addresses one node offers for a direct link

@@ -221,6 +221,13 @@ class Hello:
     relays: tuple[str, ...] = ()
     # Optional: the sender's ggml devices and their memory, for placing stages by device.
     devices: Devices | None = None
+    # Optional: where the receiver's end of this link appears to the sender (``host:port`` of
+    # the TCP connection as the sender sees it; absent over a relay's circuit), so a node
+    # behind NAT learns its public address. A hint from a peer: the receiver only dials it.
+    observed: str | None = None
+    # Optional: ``host:port`` addresses the sender may be dialled at directly (its listen port
+    # at the addresses its peers observed), offered so that a relayed link can go direct.
+    direct: tuple[str, ...] = ()
 
     def encode(self) -> bytes:
         doc: dict[str, object] = {
@@ -240,6 +247,10 @@ class Hello:
             doc["relays"] = list(self.relays)
         if self.devices is not None:
             doc["devices"] = self.devices.to_wire()
+        if self.observed is not None:
+            doc["observed"] = self.observed
+        if self.direct:
+            doc["direct"] = list(self.direct)
         return _pack(doc)
 
 
@@ -301,6 +312,8 @@ def decode_link_message(payload: bytes, limits: c.Limits = c.DEFAULT_LIMITS) -> 
             compute=ComputeCost.from_wire(d["compute"]) if "compute" in d else None,
             relays=_relays(d.get("relays", []), limits),
             devices=Devices.from_wire(d["devices"]) if "devices" in d else None,
+            observed=_opt_str(d.get("observed"), "observed", limits.max_address_chars),
+            direct=_direct(d.get("direct", []), limits),
         )
     if kind == "peers":
         d = _check_keys(data, {"t", "gen", "peers"}, "peers")
@@ -319,7 +332,9 @@ def decode_link_message(payload: bytes, limits: c.Limits = c.DEFAULT_LIMITS) -> 
 
 
 _HELLO_REQUIRED: Final = frozenset({"t", "gen", "listen", "features", "memory_budget_bytes"})
-_HELLO_KNOWN_OPTIONAL: Final = frozenset({"host", "boot", "compute", "relays", "devices"})
+_HELLO_KNOWN_OPTIONAL: Final = frozenset(
+    {"host", "boot", "compute", "relays", "devices", "observed", "direct"}
+)
 _HELLO_FORBIDDEN: Final = frozenset(
     {"inventory", "artifacts", "packages", "paths", "cache_root", "token", "tokens"}
 )
@@ -352,6 +367,12 @@ def _relays(value: object, limits: c.Limits) -> tuple[str, ...]:
     if not isinstance(value, list) or len(value) > c.MAX_RELAYS:
         raise _fail(f"relays is a list of at most {c.MAX_RELAYS} addresses")
     return tuple(_str(v, "a relay address", limits.max_address_chars) for v in value)
+
+
+def _direct(value: object, limits: c.Limits) -> tuple[str, ...]:
+    if not isinstance(value, list) or len(value) > c.MAX_DIRECT_ADDRESSES:
+        raise _fail(f"direct is a list of at most {c.MAX_DIRECT_ADDRESSES} addresses")
+    return tuple(_str(v, "a direct address", limits.max_address_chars) for v in value)
 
 
 def _features(value: object, limits: c.Limits) -> dict[str, tuple[str, ...]]:

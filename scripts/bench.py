@@ -45,6 +45,7 @@ SECTIONS: dict[str, str] = {
     "speculative": "bench_speculative",  # n-gram speculation, exact vs batched verify
     "swarm": "bench_swarm",  # swarm fetch vs coordinator-only, chunk overhead
     "batch": "bench_batch",  # 4 sessions' decode step vs one, at the stage
+    "nat": "bench_nat",  # the NAT lab: direct upgrades, relayed vs direct serving and transfer
 }
 
 

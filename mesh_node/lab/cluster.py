@@ -70,6 +70,8 @@ class NodeSpec:
     env: Mapping[str, str] = field(default_factory=dict)  # extra environment
     run_args: tuple[str, ...] = ()  # appended to `mesh-node run --config FILE`
     memory_budget: str = "4GiB"
+    listen: str = "127.0.0.1:0"  # its first listen address (then the one it got, kept)
+    netns: str | None = None  # runs inside this network namespace (the NAT lab's hosts)
 
 
 @dataclass
@@ -244,13 +246,14 @@ class LabCluster:
         if node.running:
             raise LabError(f"{node.spec.name} is already running", code="usage")
         if node.url is None:
-            self._write_config(node, "127.0.0.1:0")
+            self._write_config(node, node.spec.listen)
         stdout = node.root / "stdout"
         stdout.write_bytes(b"")
         with open(stdout, "wb") as out, open(node.log_path, "ab") as err:
+            inside = ["ip", "netns", "exec", node.spec.netns] if node.spec.netns else []
             node.process = await trio.lowlevel.open_process(
-                [self.python, "-m", "mesh_node", "run", "--config", str(node.config_path),
-                 *node.spec.run_args],
+                [*inside, self.python, "-m", "mesh_node", "run", "--config",
+                 str(node.config_path), *node.spec.run_args],
                 stdout=out,
                 stderr=err,
                 env=self.environment(node),

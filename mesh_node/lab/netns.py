@@ -16,6 +16,16 @@ A home host reaches the public segment through its router, which rewrites its so
 to the router's public one (the kernel's conntrack remembers the mapping, so answers come
 back); nothing on the public segment can open a connection to a home host, and the two homes
 cannot reach each other's private addresses: the situation of two nodes behind two NATs.
+
+Each home's router is one of the ``NAT_KINDS`` (``NatLab(nat={"home1": "full-cone"})``):
+
+- ``masquerade`` (the default): the bare Linux router. It keeps source ports where it can and
+  answers an unsolicited connection with a reset (nothing listens on the router).
+- ``stealth``: the same mapping, but unsolicited packets are dropped (a home router's
+  firewall), so two homes dialling each other at once can meet (TCP simultaneous open).
+- ``full-cone``: whatever arrives at the router's public address is forwarded to the home host
+  (endpoint-independent mapping and filtering, as a DMZ host or a port forward): a home node is
+  reachable at its router's address and its own port.
 ``run(host, argv)`` starts a process inside a host's namespace (``ip netns exec``), and
 ``close()`` stops every process it started (by PID) and deletes every namespace it made, so
 nothing outlives the lab; traffic never leaves those namespaces.
@@ -27,19 +37,23 @@ plan of commands (``plan``) is pure, so what the lab does can be read and tested
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import shutil
 import subprocess
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Final, TypeVar
 
 PUBLIC_NET: Final = "10.99.0"
 ROUTER_PUBLIC: Final = {"router1": f"{PUBLIC_NET}.11", "router2": f"{PUBLIC_NET}.12"}
 PUBLIC_HOSTS: Final = {"relay": f"{PUBLIC_NET}.2", "coord": f"{PUBLIC_NET}.3"}
 HOMES: Final = {"home1": ("router1", "192.168.1"), "home2": ("router2", "192.168.2")}
 LAN: Final = ("lan1", "lan2", "192.168.50")
+NAT_KINDS: Final = ("masquerade", "stealth", "full-cone")
 COMMAND_TIMEOUT_S: Final = 10.0
+CLONE_NEWNET: Final = 0x40000000  # linux/sched.h: setns(2)'s network namespace type
+T = TypeVar("T")
 STOP_TIMEOUT_S: Final = 5.0
 
 
@@ -61,8 +75,15 @@ class Host:
     address: str  # the address its peers see it listen on
 
 
-def plan(prefix: str) -> list[list[str]]:
-    """Every command that builds the lab with namespaces named ``<prefix>-<host>`` (pure)."""
+def plan(prefix: str, nat: Mapping[str, str] | None = None) -> list[list[str]]:
+    """Every command that builds the lab with namespaces named ``<prefix>-<host>``, each
+    home's router of the kind ``nat`` names (``NAT_KINDS``; default masquerade) (pure)."""
+    nat = dict(nat or {})
+    for home, kind in nat.items():
+        if home not in HOMES or kind not in NAT_KINDS:
+            raise ValueError(
+                f"NAT lab: {home!r}: {kind!r} (homes {sorted(HOMES)}, kinds {list(NAT_KINDS)})"
+            )
     ns = {h: f"{prefix}-{h}" for h in ("pub", *PUBLIC_HOSTS, *ROUTER_PUBLIC, *HOMES, *LAN[:2])}
     cmds: list[list[str]] = [["ip", "netns", "add", n] for n in ns.values()]
     cmds += [["ip", "-n", n, "link", "set", "lo", "up"] for n in ns.values()]
@@ -105,6 +126,30 @@ def plan(prefix: str) -> list[list[str]]:
             ],
             ["ip", "netns", "exec", r, "nft", 'add rule ip nat post oifname "wan0" masquerade'],
         ]  # fmt: skip
+        kind = nat.get(home, "masquerade")
+        if kind == "stealth":  # new connections to the router itself: dropped, not reset
+            cmds += [
+                ["ip", "netns", "exec", r, "nft", "add", "table", "ip", "filter"],
+                [
+                    "ip", "netns", "exec", r, "nft",
+                    "add chain ip filter input { type filter hook input priority 0 ; }",
+                ],
+                [
+                    "ip", "netns", "exec", r, "nft",
+                    'add rule ip filter input iifname "wan0" ct state new drop',
+                ],
+            ]  # fmt: skip
+        elif kind == "full-cone":  # every new inbound connection goes to the home host
+            cmds += [
+                [
+                    "ip", "netns", "exec", r, "nft",
+                    "add chain ip nat pre { type nat hook prerouting priority -100 ; }",
+                ],
+                [
+                    "ip", "netns", "exec", r, "nft",
+                    f'add rule ip nat pre iifname "wan0" dnat to {net}.2',
+                ],
+            ]  # fmt: skip
     # the LAN: two hosts on one segment, nobody else
     a, b, net = LAN
     cmds += veth(ns[a], "eth0", ns[b], "eth0")
@@ -124,6 +169,7 @@ class NatLab:
     """A built lab (see the module doc); use as a context manager."""
 
     prefix: str = field(default_factory=lambda: f"nl{os.getpid()}")
+    nat: Mapping[str, str] = field(default_factory=dict)  # home -> one of NAT_KINDS
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     made: list[str] = field(default_factory=list)
 
@@ -145,7 +191,7 @@ class NatLab:
         if lacking:
             raise RuntimeError("cannot build a NAT lab here: needs " + "; ".join(lacking))
         try:
-            for cmd in plan(self.prefix):
+            for cmd in plan(self.prefix, self.nat):
                 if cmd[:3] == ["ip", "netns", "add"]:
                     self.made.append(cmd[3])
                 _run(cmd)
@@ -165,6 +211,27 @@ class NatLab:
     def exec(self, host: str, argv: Sequence[str], timeout: float = COMMAND_TIMEOUT_S) -> str:
         """Run ``argv`` inside ``host``'s namespace to its end; its stdout (raises on failure)."""
         return _run(["ip", "netns", "exec", self.hosts[host].netns, *argv], timeout)
+
+    def call_in(self, host: str, fn: Callable[[], T]) -> T:
+        """``fn()`` with this thread inside ``host``'s network namespace (its sockets are
+        made there: the lab process's HTTP client reaching a node's loopback API), then back
+        in the namespace the thread had."""
+        libc = ctypes.CDLL(None, use_errno=True)
+        own = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+        try:
+            target = os.open(f"/var/run/netns/{self.hosts[host].netns}", os.O_RDONLY)
+            try:
+                if libc.setns(target, CLONE_NEWNET) != 0:
+                    raise OSError(ctypes.get_errno(), f"setns into {host}'s namespace")
+            finally:
+                os.close(target)
+            try:
+                return fn()
+            finally:
+                if libc.setns(own, CLONE_NEWNET) != 0:  # a thread left elsewhere must not run on
+                    os.abort()
+        finally:
+            os.close(own)
 
     def close(self) -> None:
         for proc in self.procs:
@@ -196,7 +263,7 @@ def _run(cmd: Sequence[str], timeout: float = COMMAND_TIMEOUT_S) -> str:
 
 
 @contextlib.contextmanager
-def nat_lab(prefix: str | None = None) -> Iterator[NatLab]:
-    lab = NatLab(prefix) if prefix else NatLab()
+def nat_lab(prefix: str | None = None, nat: Mapping[str, str] | None = None) -> Iterator[NatLab]:
+    lab = NatLab(prefix, dict(nat or {})) if prefix else NatLab(nat=dict(nat or {}))
     with lab:
         yield lab

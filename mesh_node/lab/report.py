@@ -465,6 +465,31 @@ def render_links(links: Mapping[str, Any] | None) -> list[str]:
     return [*_table(rows), f"link faults: {faults or 'none'}"]
 
 
+def render_nat(nat: Mapping[str, Any]) -> list[str]:
+    """The NAT lab's section: where each node runs, what it learnt of its public address,
+    and how each pair is linked."""
+    kinds = ", ".join(f"{h} {k}" for h, k in nat["kinds"].items())
+    lines = [f"NAT lab ({kinds})"]
+    rows: list[tuple[str, ...]] = [("node", "namespace", "listen", "observed", "upgrades")]
+    for n in nat["nodes"]:
+        rows.append(
+            (
+                n["name"],
+                n["netns"] or "-",
+                n["listen"],
+                ", ".join(n["observed"]) or "-",
+                f"{n['upgraded']} ok, {n['failed']} failed",
+            )
+        )
+    lines += _table(rows)
+    for link in nat["links"]:
+        how = link["link"] if link["link"] == "direct" else f"relayed via {link['relay']}"
+        if link.get("fallback_relay"):
+            how += f" (fallback: relay {link['fallback_relay']})"
+        lines.append(f"  {link['a']} - {link['b']}: {how}")
+    return [*lines, ""]
+
+
 def render_report(doc: Mapping[str, Any]) -> str:
     foreign = f", {doc['foreign_owners']} foreign" if doc["foreign_owners"] else ""
     lines = [
@@ -495,6 +520,8 @@ def render_report(doc: Mapping[str, Any]) -> str:
             )
         )
     lines += [*_table(nodes), ""]
+    if doc.get("nat"):
+        lines += render_nat(doc["nat"])
     for r in doc.get("replicas") or []:
         workers = ", ".join(n[:12] for n in r["nodes"][1:]) or "-"
         served = r.get("requests_total")

@@ -23,7 +23,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -35,6 +35,7 @@ import trio
 from mesh_node.lab.cluster import LabCluster, LabError, LabNode, NodeSpec
 from mesh_node.lab.hub_server import FakeHub
 from mesh_node.lab.netem import LinkTable, Netem, open_netem
+from mesh_node.lab.netns import PUBLIC_HOSTS, NatLab
 from mesh_node.lab.package import (
     LabPackage,
     import_package,
@@ -50,6 +51,7 @@ from mesh_node.lab.report import (
     revision_change,
 )
 from mesh_node.packages import manifest_speculation
+from protocol.constants import RELAYED_MARKER
 from skippy.config import ArtifactTransfer, read_environment
 from skippy.constants import MANIFEST_NAME
 from skippy.consume.verify import VerifyCache
@@ -94,6 +96,12 @@ class LabOptions:
     revision_change: int | None = None  # then split a second revision, this layer
     replicas: int = 1  # serve R pipelines over disjoint workers
     speculative_strategy: str | None = None  # serve with this strategy (None: auto)
+    # The NAT lab (mesh_node.lab.netns): n0 on the public segment (coordinator and relay),
+    # n1 and n2 in two homes behind NATs of these kinds (home -> kind; {}: masquerade both).
+    nat: Mapping[str, str] | None = None
+    # Where the NAT lab's nodes run, n0 first: hosts of mesh_node.lab.netns (the first node on
+    # a public host relays for the others; a coordinator in a home is reached through it).
+    nat_places: tuple[str, ...] = ("coord", "home1", "home2")
 
     @property
     def serve_stages(self) -> int:
@@ -147,6 +155,32 @@ class LabOptions:
             raise UsageError("--revision-change must be a layer index (>= 0)", code="usage")
         if self.transfer not in MODES:
             raise UsageError(f"--transfer must be one of {', '.join(MODES)}", code="usage")
+        if self.nat is not None:
+            self._check_nat(self.nat)
+
+    def _check_nat(self, nat: Mapping[str, str]) -> None:
+        from mesh_node.lab import netns
+
+        if self.nodes != 3:
+            raise UsageError(
+                f"--nat runs 3 nodes (a public coordinator, two homes), not --nodes {self.nodes}",
+                code="usage",
+            )
+        if self.links is not None or self.replicas != 1:
+            raise UsageError(
+                "--nat does not combine with emulated links or --replicas", code="usage"
+            )
+        for home, kind in nat.items():
+            if home not in netns.HOMES or kind not in netns.NAT_KINDS:
+                raise UsageError(
+                    f"--nat: {home} = {kind!r}: the kinds are {', '.join(netns.NAT_KINDS)}",
+                    code="usage",
+                )
+        lacking = netns.missing()
+        if lacking:
+            raise UsageError(
+                "--nat needs " + "; ".join(lacking), code="usage", remediation="run it as root"
+            )
 
 
 @dataclass
@@ -156,6 +190,7 @@ class Lab:
     package: LabPackage
     hub_url: str | None  # the lab hub (a published directory), else None
     netem: Netem | None = None  # the emulated links (partition, heal, event log)
+    nat: NatLab | None = None  # the NAT lab's namespaces the nodes run in
     revision: LabPackage | None = None  # the second revision (one layer changed)
     replicas: list[dict[str, Any]] = field(default_factory=list)  # once serving
     speculative: SpeculativePlan | None = None  # the plan the coordinator serves with
@@ -461,11 +496,19 @@ async def open_lab(options: LabOptions) -> AsyncIterator[Lab]:
             if options.links is not None:
                 netem = await stack.enter_async_context(open_netem(options.links))
                 await route_through(netem, cluster)
+            nat = None
+            if options.nat is not None:
+                nat = NatLab(f"ml{os.getpid() % 100000}", dict(options.nat))
+                stack.callback(nat.close)  # also when the build fails half way
+                await trio.to_thread.run_sync(nat.build)
+                place_in_nat(nat, cluster, options.nat_places)
             try:
                 await cluster.start_all()
                 await cluster.wait_meshed(MESH_TIMEOUT_S)
                 url = lab_hub.url if lab_hub else None
-                yield Lab(options, cluster, package, url, netem, revision, speculative=speculative)
+                yield Lab(
+                    options, cluster, package, url, netem, nat, revision, speculative=speculative
+                )
             finally:
                 await cluster.aclose()
     finally:
@@ -475,6 +518,41 @@ async def open_lab(options: LabOptions) -> AsyncIterator[Lab]:
             lab_hub.stop()
         if not options.keep:
             shutil.rmtree(root, ignore_errors=True)
+
+
+NAT_PORT: Final = 7460  # every NAT lab node listens on this port of its host's address
+
+
+def place_in_nat(nat: NatLab, cluster: LabCluster, places: Sequence[str]) -> None:
+    """The NAT lab's places (by default n0, the coordinator, on the public segment, n1 and
+    n2 in the two homes behind their routers): the first node on a public host relays for the
+    others, which name it as their relay (reachable through it, and directly where their NAT
+    lets a direct link through); nodes dial a coordinator in a home through it. Call before
+    the nodes start."""
+    if len(places) != len(cluster.nodes) or any(p not in nat.hosts for p in places):
+        raise UsageError(f"NAT lab places {list(places)}: one host each", code="usage")
+    relay = next((n for n in cluster.nodes if places[n.index] in PUBLIC_HOSTS), None)
+    if relay is None:
+        raise UsageError("a NAT lab needs a node on a public host (the relay)", code="usage")
+    relay_place = places[relay.index]
+    relay_url = f"ws://{PUBLIC_HOSTS[relay_place]}:{NAT_PORT}#{relay.node_id}"
+    first = cluster.coordinator
+    for node, host in zip(cluster.nodes, places, strict=True):
+        extra: dict[str, Any] = (
+            {"relay": {**node.spec.config.get("relay", {}), "enable": True}}
+            if node is relay
+            else {"relays": [relay_url]}
+        )
+        if places[0] not in PUBLIC_HOSTS and node is not first:
+            # the coordinator cannot be dialled: its relay can reach it
+            relayed = f"{relay_url}{RELAYED_MARKER}{first.node_id}"
+            extra["peers"] = [] if node is relay else [relayed]
+        node.spec = replace(
+            node.spec,
+            netns=nat.hosts[host].netns,
+            listen=f"{nat.hosts[host].address}:{NAT_PORT}",
+            config={**node.spec.config, **extra},
+        )
 
 
 async def route_through(netem: Netem, cluster: LabCluster) -> None:
@@ -517,8 +595,14 @@ async def experiment(lab: Lab) -> dict[str, Any]:
     report["api"] = api
     operable(lab, report)
     if options.prompt is not None:
+        # In the NAT lab the coordinator's API is on its namespace's loopback.
+        within = None if lab.nat is None else partial(lab.nat.call_in, "coord")
         completion = await complete(
-            api, options.prompt, max_tokens=options.max_tokens, timeout_s=options.timeout_s
+            api,
+            options.prompt,
+            max_tokens=options.max_tokens,
+            timeout_s=options.timeout_s,
+            within=within,
         )
         statuses = await lab.cluster.statuses()
         report["prompt"] = prompt_report(completion, statuses)
@@ -538,6 +622,42 @@ async def experiment(lab: Lab) -> dict[str, Any]:
         if lab.netem is not None:  # the links' bytes include the completion's
             report["links"] = lab.netem.report()
     return report
+
+
+def nat_links(lab: Lab, statuses: list[dict[str, Any] | None]) -> dict[str, Any]:
+    """Where each NAT lab node runs and how each pair is linked (direct, or relayed and
+    through whom; a direct link's fallback relay), from the nodes' status documents."""
+    assert lab.nat is not None  # only called for a NAT lab (typing)
+    names = {n.node_id: n.spec.name for n in lab.cluster.nodes}
+    nodes, links = [], []
+    for node, doc in zip(lab.cluster.nodes, statuses, strict=True):
+        direct = (doc or {}).get("direct") or {}
+        nodes.append(
+            {
+                "name": node.spec.name,
+                "netns": node.spec.netns,
+                "listen": node.spec.listen,
+                "observed": direct.get("observed", []),
+                "upgraded": direct.get("upgraded", 0),
+                "failed": direct.get("failed", 0),
+            }
+        )
+        for p in (doc or {}).get("peers", []):
+            other = names.get(p["node_id"])
+            if p["connected"] and other is not None and node.spec.name < other:
+                links.append(
+                    {
+                        "a": node.spec.name,
+                        "b": other,
+                        "link": p["link"],
+                        "relay": names.get(p["relay"] or "", p["relay"]),
+                        "fallback_relay": names.get(
+                            p["fallback_relay"] or "", p["fallback_relay"]
+                        ),
+                    }
+                )
+    return {"kinds": {h: lab.nat.nat.get(h, "masquerade") for h in ("home1", "home2")},
+            "nodes": nodes, "links": links}  # fmt: skip
 
 
 async def across_replicas(lab: Lab, report: dict[str, Any], api: str) -> None:
@@ -632,6 +752,8 @@ async def run_lab(options: LabOptions) -> dict[str, Any]:
         async with open_lab(options) as lab:
             root.append(lab.cluster.root)
             report = await supervised(lab.cluster, partial(experiment, lab))
+            if lab.nat is not None:
+                report["nat"] = nat_links(lab, await lab.cluster.statuses())
             report["root"] = str(lab.cluster.root) if options.keep else None
             reports.append(report)
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import trio
@@ -37,11 +38,18 @@ def _post(url: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
 
 
 async def complete(
-    api: str, prompt: str, *, max_tokens: int, timeout_s: float = 600.0
+    api: str,
+    prompt: str,
+    *,
+    max_tokens: int,
+    timeout_s: float = 600.0,
+    within: Callable[[Callable[[], dict[str, Any]]], dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """A greedy completion of ``prompt`` from the API at ``api`` (``http://HOST:PORT/v1``)."""
+    """A greedy completion of ``prompt`` from the API at ``api`` (``http://HOST:PORT/v1``);
+    ``within`` runs the request (the NAT lab's: inside the coordinator's namespace)."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
-    return await trio.to_thread.run_sync(_post, f"{api}/completions", body, timeout_s)
+    post = partial(_post, f"{api}/completions", body, timeout_s)
+    return await trio.to_thread.run_sync(post if within is None else partial(within, post))
 
 
 def prompt_report(

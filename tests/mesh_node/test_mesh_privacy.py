@@ -71,7 +71,7 @@ async def test_every_advertisement_and_gossip_message_carries_only_allowed_field
         raw = unpack_bounded(payload)
         assert isinstance(raw, dict)
         if raw["t"] == "hello":
-            assert set(raw) == {
+            assert set(raw) - {"observed", "direct"} == {
                 "t", "gen", "listen", "features", "memory_budget_bytes", "host", "boot", "devices"
             }
             # each device's name, type and memory, never its description (the CPU's model)
@@ -80,6 +80,11 @@ async def test_every_advertisement_and_gossip_message_carries_only_allowed_field
                 assert set(d) == {"name", "type", "free_bytes", "total_bytes"}
             for info in infos:
                 assert info.description == info.name or info.description.encode() not in payload
+            # where the receiver appears (its own address, over TCP), and the sender's listen
+            # port at the address its peers saw it at: nothing a direct peer does not see
+            assert raw["observed"].startswith("127.0.0.1:")
+            port = raw["listen"].rsplit(":", 1)[1]
+            assert set(raw.get("direct", [])) <= {f"127.0.0.1:{port}"}
             # the process's random id (a restart is told from a reconnect): nothing of the machine
             assert isinstance(raw["boot"], str) and len(raw["boot"]) == 16
             assert machine_id is None or raw["boot"].encode() not in machine_id

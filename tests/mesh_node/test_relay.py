@@ -70,6 +70,9 @@ def relay_node(
 
 
 def relayed_node(tmp: Path, name: str, *relays: MeshNode, **kw: object) -> MeshNode:
+    # On loopback every relayed node could be dialled: these tests keep their links relayed
+    # (the direct upgrade is tests/mesh_node/test_hole_punch.py's).
+    kw.setdefault("direct_upgrade", False)
     s: NodeSettings = settings(tmp, name, relays=tuple(address_of(r) for r in relays), **kw)
     node = MeshNode(s, identity())
     node.register_subprotocol(1, _echo, name=ECHO, major=1)
@@ -415,7 +418,8 @@ async def test_a_coordinator_and_two_workers_reachable_only_by_relay_agree_on_a_
         await nursery.start(relay.run)
         nodes = []
         for name in ("coord", "w0", "w1"):
-            s = settings(tmp_path, name, relays=(address_of(relay),))
+            # links stay relayed (on loopback every node could be dialled directly)
+            s = settings(tmp_path, name, relays=(address_of(relay),), direct_upgrade=False)
             node = topology_node(s, identity(owner))
             node.add_service(RelayService(node))
             await nursery.start(node.run)

@@ -24,7 +24,11 @@ from mesh_node.lab.netns import NatLab
 RELAY_PORT = 7400
 
 
-def write_config(path: Path, name: str, listen: str, *, relays: list[str], relay: bool) -> None:
+def write_config(
+    path: Path, name: str, listen: str, *, relays: list[str], relay: bool, direct: bool = False
+) -> None:
+    # direct: the direct upgrade of relayed links (off here: these tests keep links relayed,
+    # test_direct_processes.py upgrades them)
     lines = [
         f'listen = "{listen}"',
         f'identity = "keys/{name}.key"',
@@ -36,6 +40,7 @@ def write_config(path: Path, name: str, listen: str, *, relays: list[str], relay
         "heartbeat_interval_s = 0.2",
         "peer_loss_timeout_s = 2",
         "handshake_timeout_s = 2",
+        f"direct_upgrade = {'true' if direct else 'false'}",
     ]
     if relay:
         lines += ["[relay]", "enable = true"]

@@ -124,7 +124,8 @@ def test_a_split_across_two_nats_serves_the_reference_tokens_through_the_relay(
         relay = json.dumps([coord.address])
         for name, home in (("w0", "home1"), ("w1", "home2")):
             listen = f"{lab.hosts[home].address}:{PORT}"
-            extra = f"peers = {relay}\nrelays = {relay}\n"
+            # relayed links stay relayed (direct upgrades: test_direct_processes.py)
+            extra = f"peers = {relay}\nrelays = {relay}\ndirect_upgrade = false\n"
             toml = _config(tmp_path, name, listen, extra).replace("peers = []\n", "", 1)
             worker = _start(lab, home, tmp_path, name, ["run"], toml)
             worker.address = worker.wait_line("listening ")

@@ -85,3 +85,41 @@ def test_close_stops_the_labs_processes() -> None:
     finally:
         lab.close()
     assert proc.poll() is not None
+
+
+def test_the_nat_kinds_add_their_rules_to_their_router_only() -> None:
+    cmds = [" ".join(c) for c in plan("nlx", {"home1": "full-cone", "home2": "stealth"})]
+    dnat = [c for c in cmds if "dnat to" in c]
+    drop = [c for c in cmds if "ct state new drop" in c]
+    assert len(dnat) == 1 and "nlx-router1" in dnat[0] and "192.168.1.2" in dnat[0]
+    assert len(drop) == 1 and "nlx-router2" in drop[0]
+    plain = [" ".join(c) for c in plan("nlx")]
+    assert not any("dnat to" in c or "drop" in c for c in plain)
+    with pytest.raises(ValueError, match="kinds"):
+        plan("nlx", {"home1": "symmetric"})
+    with pytest.raises(ValueError, match="homes"):
+        plan("nlx", {"home3": "stealth"})
+
+
+@needs_lab
+def test_a_full_cone_home_is_reachable_at_its_routers_address_and_a_stealth_one_is_not() -> None:
+    with NatLab(f"nk{os.getpid()}", {"home1": "full-cone", "home2": "stealth"}) as lab:
+        _serve(lab, "home1", 7010)
+        # forwarded as it came: the home host sees the dialler's own address
+        got = _connect(lab, "relay", lab.public_address("home1"), 7010)
+        assert got == lab.hosts["relay"].address
+        _serve(lab, "home2", 7011)
+        with pytest.raises(subprocess.CalledProcessError):
+            _connect(lab, "relay", lab.public_address("home2"), 7011, timeout=1.0)
+        # the lab process itself, one thread inside a host's namespace
+        _serve(lab, "relay", 7012)
+
+        def ask() -> str:
+            import socket
+
+            with socket.create_connection((lab.hosts["relay"].address, 7012), timeout=5) as c:
+                return c.recv(64).decode()
+
+        assert lab.call_in("coord", ask) == lab.hosts["coord"].address
+        with pytest.raises(OSError):  # and back outside afterwards
+            ask()
