@@ -1181,8 +1181,12 @@ class MeshNode:
         ][: self.limits.max_gossip_peers]
         self._send_message(member, Peers(tuple(others)).encode())
         if member.address:
+            # Only to peers whose hello on their current link has arrived: what a peer reads
+            # (relayed addresses) is in its hello, and a record without the relays would send
+            # it dialling a relayed node's listen address; the others hear of this peer in the
+            # list their own hello brings them.
             for nid, m in self._members.items():
-                if nid != node_id and m.link is not None:
+                if nid != node_id and m.link is not None and m.hello_link is m.link:
                     self._send_message(m, Peers((self._record(node_id, member, to=m),)).encode())
 
     def _record(self, node_id: str, about: _Member, *, to: _Member) -> PeerRecord:
