@@ -433,15 +433,17 @@ class _Runner:
         (the llama engine and other plan modes log their fallback when loaded)."""
         if self._llama is not None:
             return self._llama.generate(tokens, max_tokens=max_tokens)
-        from skippy.runtime.speculation import EXECUTABLE_MODES, generate_speculative
+        from skippy.runtime.token_loop import generate
 
-        chain = self._loaded_chain()
-        if plan is not None and plan.mode in EXECUTABLE_MODES:
-            gen, self.speculative_stats = generate_speculative(
-                chain, tokens, max_tokens=max_tokens, plan=plan, sampling=sampling, exact=exact
-            )
-            return gen
-        return chain.generate(tokens, max_tokens=max_tokens, sampling=sampling)
+        gen, self.speculative_stats = generate(
+            self._loaded_chain(),
+            tokens,
+            max_tokens=max_tokens,
+            plan=plan,
+            sampling=sampling,
+            exact=exact,
+        )
+        return gen
 
     def describe(self) -> list[dict[str, Any]]:
         if self._llama is not None:

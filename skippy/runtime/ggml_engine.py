@@ -46,6 +46,7 @@ from skippy.runtime.devices import (
     choose_device,
     list_devices,
     place_tensors,
+    placement_mode,
 )
 from skippy.runtime.families import family_of, layer_tensors
 from skippy.runtime.families.base import T
@@ -949,5 +950,23 @@ class GgmlStage(StageBase[_KvCache]):
         return windows
 
     # --- introspection -----------------------------------------------------------------------
+    def device_status(self) -> dict[str, Any]:
+        """Where the stage runs, for the node's status: its device, its weights' placement
+        (``placement_mode``), and what it holds in the device's memory now: the weights
+        uploaded there and the open sessions' KV caches (0 on the CPU)."""
+        backend = self._backend
+        weights = backend.device_weight_bytes if isinstance(backend, DeviceBackend) else 0
+        kv = 0
+        if self.device != CPU:
+            kv = sum(s.state.nbytes for s in list(self._sessions.values()))
+        return {
+            "device": self.device,
+            "device_fallback": self.device_fallback,
+            "placement": placement_mode(getattr(self, "placement", {}), self.device),
+            "device_memory_bytes": weights + kv,
+            "device_weight_bytes": weights,
+            "device_kv_bytes": kv,
+        }
+
     def kv_bytes_per_session(self) -> int:
         return 2 * 2 * len(self._trunk) * self.spec.kv_dim * self._kv_cells

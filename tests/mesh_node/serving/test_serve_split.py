@@ -158,6 +158,14 @@ async def test_split_equals_whole_at_every_boundary_and_position(
 ) -> None:
     pkg = packages[arch]
     async with split(tmp_path, pkg) as sp:
+        for host in sp.hosts:  # where each stage runs, in its node's status: the CPU here
+            where = host.status()
+            assert where is not None and where["device_fallback"] is None
+            assert (where["device"], where["placement"], where["device_memory_bytes"]) == (
+                "CPU",
+                "cpu",
+                0,
+            )
         recs = _record(sp)
         got = await generate(sp.server, IDS, 12)
         # prefills ran on the one compute thread, and these single-threaded stages' small
