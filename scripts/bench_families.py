@@ -46,7 +46,7 @@ from benchlib import (  # type: ignore[import-not-found]
     spread,
 )
 
-FAMILIES = ("gpt-oss", "deepseek2", "glm4moe", "llama4")  # the canary's names
+FAMILIES = ("gpt-oss", "deepseek2-lite", "deepseek2", "glm4moe", "llama4")  # the canary's names
 LAYERS = 8
 N_EXPERT, N_EXPERT_USED = 32, 4
 DIMS = {
@@ -123,7 +123,7 @@ def _child(*args: str) -> dict[str, Any]:
 
 def _whole(pkg: Path) -> str:
     """The package's whole range: its NextN/MTP layers too, where the family has them
-    (glm4moe's follows its 8 trunk layers and goes with the final stage)."""
+    (glm4moe's and deepseek2's follow the 8 trunk layers and go with the final stage)."""
     from skippy.package.manifest import parse_manifest, read_manifest_bytes
 
     return f"0..{parse_manifest(read_manifest_bytes(pkg)).layer_count}"
