@@ -48,7 +48,6 @@ from benchlib import (  # type: ignore[import-not-found]
 
 FAMILIES = ("gpt-oss", "deepseek2-lite", "deepseek2", "glm4moe", "llama4")  # the canary's names
 LAYERS = 8
-WHOLE = f"0..{LAYERS}"
 N_EXPERT, N_EXPERT_USED = 32, 4
 DIMS = {
     "embd": 1024,
@@ -122,10 +121,19 @@ def _child(*args: str) -> dict[str, Any]:
     return result
 
 
+def _whole(pkg: Path) -> str:
+    """The package's whole range: its NextN/MTP layers too, where the family has them
+    (glm4moe's and deepseek2's follow the 8 trunk layers and go with the final stage)."""
+    from skippy.package.manifest import parse_manifest, read_manifest_bytes
+
+    return f"0..{parse_manifest(read_manifest_bytes(pkg)).layer_count}"
+
+
 def rows(ctx: BenchContext) -> list[Row]:
     out: list[Row] = []
     for name in _claimed():
         model, pkg = _model(ctx, name)
+        whole = _whole(pkg)
         res = _child(str(pkg), str(model), str(ctx.runs))
         moe = f" {N_EXPERT}x top-{N_EXPERT_USED}" if _is_moe(name) else ""
         m = f"{name} synth {LAYERS}L w{DIMS['embd']}{moe} Q4_K"
@@ -143,7 +151,7 @@ def rows(ctx: BenchContext) -> list[Row]:
             out.append(
                 (
                     m,
-                    f"{label}: ggml stage {WHOLE}",
+                    f"{label}: ggml stage {whole}",
                     _rate(g, n),
                     f"{r_on} x llama.cpp default{verdict}; {_ratio(g, off)[0]} x llama.cpp "
                     f"repacking off; load avg {load}",
@@ -154,7 +162,7 @@ def rows(ctx: BenchContext) -> list[Row]:
             out.append(
                 (
                     m,
-                    f"{label}: ggml stage {WHOLE}, repack = true",
+                    f"{label}: ggml stage {whole}, repack = true",
                     _rate(gr, n),
                     f"{r_rep} x llama.cpp default{verdict}; {_ratio(gr, g)[0]} x the stage "
                     "unrepacked",
@@ -190,11 +198,12 @@ def child_speed(pkg: str, gguf: str, runs: str) -> dict[str, Any]:
     from skippy.runtime.stage import StageConfig
 
     cfg = StageConfig(n_ctx=N_CTX, n_threads=THREADS, n_batch=PREFILL)
-    load = _stage_loads(pkg, (WHOLE,))[0]
+    whole = _whole(Path(pkg))
+    load = _stage_loads(pkg, (whole,))[0]
     chains = {
         "ggml": StageChain([GgmlStage(load, cfg)], None),
         "ggml_repack": StageChain(
-            [GgmlStage(_stage_loads(pkg, (WHOLE,))[0], replace(cfg, repack=True))], None
+            [GgmlStage(_stage_loads(pkg, (whole,))[0], replace(cfg, repack=True))], None
         ),
     }
     llamas = {

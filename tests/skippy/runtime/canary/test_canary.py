@@ -20,7 +20,7 @@ import pytest
 
 pytest.importorskip("llama_cpp", reason="llama-cpp-python (and its libggml) is not installed")
 
-from skippy.runtime.canary import matrix, models_doc, synth
+from skippy.runtime.canary import check, matrix, models_doc, synth
 from skippy.serving.replay import schedule
 
 pytestmark = pytest.mark.llama
@@ -57,6 +57,22 @@ def rows(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rows]:
     if path:
         ordered = [r for f, d in ROWS for r in out.done.get((f, d), [])]
         matrix.write_results(Path(path), ordered)
+
+
+def test_the_layouts_cut_inside_the_trunk_and_keep_nextn_layers_with_the_final_stage() -> None:
+    assert check.layouts(4) == [
+        ("0..4",),
+        ("0..1", "1..2", "2..4"),
+        ("0..1", "1..2", "2..3", "3..4"),
+    ]
+    # glm4moe's canary model: 4 trunk layers, then its NextN layer
+    spec = synth.family("glm4moe")
+    assert (spec.layer_count(), spec.dims().n_layers) == (5, 4)
+    assert check.layouts(5, 4) == [
+        ("0..5",),
+        ("0..1", "1..2", "2..5"),
+        ("0..1", "1..2", "2..3", "3..5"),
+    ]
 
 
 def test_the_matrix_covers_every_registered_family() -> None:

@@ -117,6 +117,22 @@ def test_moe_specs_are_not_degenerate() -> None:
             assert spec.moe.n_expert >= 8 and 2 <= spec.moe.n_expert_used < spec.moe.n_expert
 
 
+def test_glm4moe_has_a_dense_first_layer_and_its_nextn_layer_after_the_trunk() -> None:
+    spec = synth.family("glm4moe")
+    d = spec.dims()
+    names = {t.name for t in synth.plan(spec, d, "F32")}
+    meta = synth.model_metadata(spec, d, "F32")
+    assert meta["glm4moe.block_count"] == d.n_layers + 1 == 5
+    assert meta["glm4moe.nextn_predict_layers"] == 1
+    assert meta["glm4moe.leading_dense_block_count"] == 1
+    assert "blk.0.ffn_gate.weight" in names and "blk.0.ffn_gate_inp.weight" not in names
+    assert {f"blk.{i}.ffn_gate_inp.weight" for i in (1, 2, 3, 4)} <= names
+    nextn = {n for n in names if ".nextn." in n}
+    assert nextn == {
+        f"blk.4.nextn.{p}.weight" for p in ("eh_proj", "enorm", "hnorm", "shared_head_norm")
+    }
+
+
 def test_bad_requests_are_usage_errors(tmp_path: Path) -> None:
     with pytest.raises(UsageError) as exc:
         synth.family("gpt-j")
