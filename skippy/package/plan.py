@@ -2,12 +2,14 @@
 
 Default split: the first ``L % N`` stages get one extra layer. ``balance="bytes"`` minimises
 the largest stage's bytes instead (exact dynamic programme over contiguous partitions),
-counting the boundary artifacts each stage must also hold (spec "Layer Selection").
+counting the boundary artifacts each stage must also hold (spec "Layer Selection"). A
+package's NextN (draft head) layers, its last ones, go with the final stage: the split is
+planned over the trunk and the final stage takes them too (never a stage of its own).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from skippy.errors import UsageError
@@ -31,8 +33,17 @@ class ModelSizes:
     # Routed experts' bytes per layer (``ffn_*_exps``): what a GPU node may keep in RAM;
     # empty: none (a dense model, or unknown).
     layer_expert_bytes: tuple[int, ...] = ()
+    # The last layers that are NextN (multi-token prediction) blocks: the final stage holds
+    # them beside its trunk layers (``plan_stages``).
+    nextn_layers: int = 0
 
     def __post_init__(self) -> None:
+        if not 0 <= self.nextn_layers < max(1, len(self.layer_bytes)):
+            raise UsageError(
+                f"{self.nextn_layers} NextN layers leave no trunk layer of "
+                f"{len(self.layer_bytes)}",
+                code="invalid_model_sizes",
+            )
         for name, per_layer in (
             ("active", self.layer_active_bytes),
             ("routed expert", self.layer_expert_bytes),
@@ -49,6 +60,29 @@ class ModelSizes:
     @property
     def layer_count(self) -> int:
         return len(self.layer_bytes)
+
+    @property
+    def trunk_count(self) -> int:
+        """The layers a split can cut between (every layer but the NextN tail)."""
+        return self.layer_count - self.nextn_layers
+
+    def trunk(self) -> ModelSizes:
+        """These sizes over the trunk only, the NextN tail's bytes counted in the last trunk
+        layer (they travel together)."""
+        t = self.trunk_count
+        if t == self.layer_count:
+            return self
+
+        def fold(per_layer: tuple[int, ...]) -> tuple[int, ...]:
+            return (*per_layer[: t - 1], sum(per_layer[t - 1 :])) if per_layer else ()
+
+        return replace(
+            self,
+            layer_bytes=fold(self.layer_bytes),
+            layer_active_bytes=fold(self.layer_active_bytes),
+            layer_expert_bytes=fold(self.layer_expert_bytes),
+            nextn_layers=0,
+        )
 
     @property
     def active_bytes(self) -> tuple[int, ...]:
@@ -167,12 +201,24 @@ def byte_balanced_ranges(sizes: ModelSizes, stages: int) -> list[LayerRange]:
     return ranges[::-1]
 
 
+def with_nextn_tail(ranges: list[LayerRange], layer_count: int) -> list[LayerRange]:
+    """Ranges planned over a model's trunk, as ranges of its ``layer_count`` layers: the
+    final stage also takes the NextN layers after the trunk."""
+    n = len(ranges)
+    return [
+        LayerRange(r.start, layer_count if i == n - 1 else r.stop, layer_count)
+        for i, r in enumerate(ranges)
+    ]
+
+
 def plan_stages(sizes: ModelSizes, stages: int, balance: Balance = "layers") -> list[StagePlan]:
+    trunk = sizes.trunk()
     ranges = (
-        byte_balanced_ranges(sizes, stages)
+        byte_balanced_ranges(trunk, stages)
         if balance == "bytes"
-        else even_ranges(sizes.layer_count, stages)
+        else even_ranges(trunk.layer_count, stages)
     )
+    ranges = with_nextn_tail(ranges, sizes.layer_count)
     return [
         StagePlan(
             i, r, sizes.stage_bytes(r), sizes.tied_embeddings, sizes.stage_active_bytes(r)

@@ -286,15 +286,15 @@ def plan_topology(
             )
         ranked = [pinned] + [n for n in ranked if n is not pinned]
     if stages is not None:
-        if not 1 <= stages <= min(len(ranked), sizes.layer_count):
+        if not 1 <= stages <= min(len(ranked), sizes.trunk_count):
             raise TopologyError(
-                f"{stages} stages need 1..{min(len(ranked), sizes.layer_count)} (capable nodes "
-                f"{len(ranked)}, layers {sizes.layer_count})",
+                f"{stages} stages need 1..{min(len(ranked), sizes.trunk_count)} (capable nodes "
+                f"{len(ranked)}, layers {sizes.trunk_count} besides any NextN layers)",
                 code="topology_stage_count",
             )
         counts = [stages]
     else:
-        top = min(len(ranked), sizes.layer_count)
+        top = min(len(ranked), sizes.trunk_count)
         counts = list(range(top, 0, -1))
     first_failure: TopologyError | None = None
     for count in counts:

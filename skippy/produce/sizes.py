@@ -15,6 +15,7 @@ from skippy.constants import (
     ROLE_OUTPUT,
 )
 from skippy.errors import ModelError
+from skippy.generation.schema import declared_nextn_layers
 from skippy.gguf.writer import fragment_bytes
 from skippy.package.experts import active_layer_bytes, routed_layer_bytes
 from skippy.package.manifest import PackageManifest
@@ -44,6 +45,7 @@ def sizes_from_manifest(m: PackageManifest) -> ModelSizes:
         embeddings_bytes=m.shared.embeddings.artifact_bytes,
         output_bytes=m.shared.output.artifact_bytes,
         tied_embeddings=m.tied_embeddings,
+        nextn_layers=nextn_tail(m),
     )
 
 
@@ -65,7 +67,17 @@ def _sizes_v2(m: ManifestV2) -> ModelSizes:
         embeddings_bytes=common,
         output_bytes=0,
         tied_embeddings=True,
+        nextn_layers=nextn_tail(m),
     )
+
+
+def nextn_tail(m: PackageManifest) -> int:
+    """How many of the package's last layers its generation defaults name as NextN layers
+    (0 unless they are exactly the last ones: a split never cuts between them)."""
+    declared = declared_nextn_layers(m.generation)
+    n = m.layer_count
+    tail = len(declared)
+    return tail if 0 < tail < n and declared == frozenset(range(n - tail, n)) else 0
 
 
 def sizes_from_source(path: Path) -> ModelSizes:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -37,7 +37,7 @@ import numpy.typing as npt
 from skippy.gguf import ggml
 from skippy.gguf.ggml import GgmlInitParams, GgmlTensorStruct, GgmlType, tensor_struct
 from skippy.runtime.backend import CpuBackend, GraphRunner
-from skippy.runtime.boundary import StageNotLoaded
+from skippy.runtime.boundary import StageNotLoaded, StageUnsupported
 from skippy.runtime.device_backend import DeviceBackend
 from skippy.runtime.devices import (
     CPU,
@@ -52,7 +52,16 @@ from skippy.runtime.families.base import T
 from skippy.runtime.graph import Attention, GraphBuilder, LayerWeights
 from skippy.runtime.graph_shapes import kv_length, prefill_rows
 from skippy.runtime.model import ModelSpec, attention_mask, tensor_name
-from skippy.runtime.stage import STAGE_API_VERSION, StageBase
+from skippy.runtime.nextn import NextnSession, NextnWeights, build_nextn, head_weights
+from skippy.runtime.stage import (
+    NATIVE_MTP_MODE,
+    SPECULATIVE_MODES,
+    STAGE_API_VERSION,
+    StageBase,
+    check_token_ids,
+    context_full,
+    stage_usage,
+)
 from skippy.runtime.weights import StageWeights
 
 log = logging.getLogger(__name__)
@@ -70,6 +79,12 @@ BATCH_GRAPHS_KEPT: Final = 4
 _ok = ggml.non_null
 
 
+def _ok_head(head: tuple[int, NextnWeights] | None) -> tuple[int, NextnWeights]:
+    if head is None:
+        raise StageNotLoaded("the stage has no NextN draft head")
+    return head
+
+
 @dataclass
 class _KvCache:
     """One session's K and V for each of the stage's layers, in one backend buffer.
@@ -84,6 +99,7 @@ class _KvCache:
     nbytes: int
     cells: int
     decode: _DecodeGraph | None = None  # built at the session's first decode
+    nextn: NextnSession = field(default_factory=NextnSession)  # the draft head's state
 
 
 @dataclass
@@ -169,6 +185,7 @@ class _DecodeGraph(_SessionInputs):
     result_view: npt.NDArray[np.float32]
     pos_buf: npt.NDArray[np.int32]
     temp: int | None = None  # F32 [1, 1, 1]: the position's attention temperature, if any
+    hidden: int | None = None  # F32 [width, 1]: the trunk's normed output (a NextN stage)
 
 
 def _resize_slots(slots: _KvSlots, n_kv: int) -> None:
@@ -384,6 +401,7 @@ class GgmlStage(StageBase[_KvCache]):
 
     engine = "ggml"
     runtime_version = RUNTIME_VERSION
+    speculative_modes = SPECULATIVE_MODES | {NATIVE_MTP_MODE}
     # Run a CPU stage through ggml's scheduler as a device stage runs (False: the CPU
     # backend directly, zero-copy and thread-governed; the tests compare the two).
     scheduled = False
@@ -420,6 +438,17 @@ class GgmlStage(StageBase[_KvCache]):
             self._tensors = dev.place_weights(w, placement, tied_head=head)
         self.placement = placement
         self._layer_weights = {il: self._layer(il) for il in self.layers}
+        # the layers the forward pass runs; a final stage's NextN blocks are the draft head's
+        self._trunk = [il for il in self.layers if not spec.is_nextn(il)]
+        if not self._trunk:
+            raise StageUnsupported(
+                f"stage {self.layers} holds only NextN (draft head) layers; they go with the "
+                "final trunk layer's stage",
+                code="nextn_only_stage",
+                actual=str(self.layers),
+            )
+        self._nextn: tuple[int, NextnWeights] | None = self._nextn_head()
+        self._built_hidden: int | None = None  # the last _build's normed output (NextN)
         # batched decode graphs by their sessions' caches (in batch order), newest last
         self._batch_graphs: dict[tuple[int, ...], _BatchGraph] = {}
         # per weight type, the batch widths multiplied as [k, B] (found at the first build)
@@ -457,6 +486,34 @@ class GgmlStage(StageBase[_KvCache]):
             owns_input=self.layers.owns_input,
         )
         return choice, placement
+
+    def _nextn_head(self) -> tuple[int, NextnWeights] | None:
+        """The draft head this stage runs: its first NextN block and weights, or None (no
+        block here, or the block lacks what the head reads: ``nextn_unavailable`` says
+        why)."""
+        self.nextn_unavailable: str | None = None
+        blocks = [il for il in self.layers if self.spec.is_nextn(il)]
+        if not blocks:
+            self.nextn_unavailable = "the stage holds no NextN layer"
+            return None
+        try:
+            return blocks[0], head_weights(self._tensors, blocks[0], self._head_weight())
+        except KeyError as missing:
+            self.nextn_unavailable = (
+                f"the NextN layer {blocks[0]} lacks {missing.args[0]} and the stage holds no "
+                "model tensor to use instead"
+            )
+            return None
+
+    def _take_hidden(self) -> int | None:
+        """The normed output tensor the last ``_build`` kept for the head (once)."""
+        hidden, self._built_hidden = self._built_hidden, None
+        return hidden
+
+    @property
+    def drafts(self) -> bool:
+        """This stage runs the NextN draft head (``draft``)."""
+        return self._nextn is not None
 
     def _tensors_per_layer(self) -> int:
         # a MoE layer sums its experts' outputs through a view and an add per expert used
@@ -580,21 +637,25 @@ class GgmlStage(StageBase[_KvCache]):
             rows=rows,
             mm=lambda weight, a: self._mm(ctx, weight, a),
             attend=attend,
-            last_layer=self.layers.stop - 1,
+            last_layer=self._trunk[-1],
             keep=keep if self.layers.owns_output else None,
             freq_factors=self._tensors.get(tensor_name(T.ROPE_FREQS)),
             attn_temp=attn_temp,
         )
-        for il in self.layers:
+        for il in self._trunk:
             x = self._family.build_layer(b, self._layer_weights[il], il, x)
         if not self.layers.owns_output:
             return x
         t = self._tensors
-        return b.head(
-            x,
-            t[tensor_name(T.OUTPUT_NORM)],
+        hidden = b.output_norm(
+            x, t[tensor_name(T.OUTPUT_NORM)], t.get(tensor_name(T.OUTPUT_NORM, None, "bias"))
+        )
+        if self._nextn is not None:  # the head pairs it with the next token (llama.cpp's h_nextn)
+            self.g.ggml_set_output(hidden)
+            self._built_hidden = hidden
+        return b.logits(
+            hidden,
             _ok(self._head_weight(), "output head"),
-            norm_bias=t.get(tensor_name(T.OUTPUT_NORM, None, "bias")),
             bias=t.get(tensor_name(T.OUTPUT, None, "bias")),
         )
 
@@ -644,6 +705,7 @@ class GgmlStage(StageBase[_KvCache]):
                 t = g.ggml_new_tensor_3d(ctx, GgmlType.F32, 1, 1, rows)
                 temp = fed(t, temperature.factors(positions))
             result = self._build(ctx, gf, x, pos, rows, attend, out_rows, temp)
+            built_hidden = self._take_hidden()
             final = self.layers.owns_output
             # a final stage that wants no logits only writes its K/V: the layers' cache
             # writes are in the graph, the rest is never expanded into it
@@ -664,9 +726,120 @@ class GgmlStage(StageBase[_KvCache]):
             out = np.empty((rows_out, cols), dtype=np.float32)
             skip = 0 if final else pad  # a non-final stage returns its real rows only
             g.ggml_backend_tensor_get(result, out.ctypes.data, 4 * cols * skip, out.nbytes)
+            if final and built_hidden is not None:
+                kept = min(out_rows, n)  # the real rows among those computed
+                hidden = np.empty((kept, spec.width), dtype=np.float32)
+                offset = 4 * spec.width * (out_rows - kept)
+                addr = hidden.ctypes.data
+                g.ggml_backend_tensor_get(built_hidden, addr, offset, hidden.nbytes)
+                state.nextn.keep_hidden(start + n - kept, hidden)
             return out
         finally:
             g.ggml_free(ctx)
+
+    # --- the NextN draft head -------------------------------------------------------------------
+    def draft(self, session: str, start: int, tokens: Sequence[int]) -> npt.NDArray[np.float32]:
+        """The NextN head's logits for the position after the pending token (``tokens[-1]``,
+        at ``start + len(tokens) - 1``, the next position of ``session``'s trunk).
+        ``tokens`` are committed tokens at positions ``start..``: the head's cache catches
+        up on those it has not seen (each paired with the trunk's hidden state of the
+        position before), so a caller may pass every token since any start it likes. Only a
+        stage that ``drafts`` has a head (else ``UsageError`` ``native_mtp_unavailable``)."""
+        if self._nextn is None:
+            raise stage_usage(
+                f"this stage runs no NextN draft head: {self.nextn_unavailable}",
+                "native_mtp_unavailable",
+            )
+        self._loaded()
+        self._check_session_id(session)
+        s = self._sessions.get(session)
+        pending = start + len(tokens) - 1
+        if s is None or not tokens or s.length != pending:
+            raise stage_usage(
+                f"a draft pairs the pending token with the trunk's last position: session "
+                f"{session!r} holds {s.length if s is not None else 0} positions, the pending "
+                f"token is at {pending}",
+                "bad_stage_input",
+            )
+        arr = np.asarray(list(tokens), dtype=np.int64)
+        ids = check_token_ids(arr, self.vocab or 0, self.layers)
+        state = s.state
+        first, todo = state.nextn.plan(start, [int(t) for t in ids])
+        if pending >= self.config.n_ctx:
+            raise context_full(session, pending + 1, self.config.n_ctx)
+        if first - 1 not in state.nextn.hidden:
+            raise stage_usage(
+                f"no trunk hidden state for position {first - 1} of session {session!r}",
+                "bad_stage_input",
+            )
+        hidden = np.stack([state.nextn.hidden[p - 1] for p in range(first, pending + 1)])
+        logits = self._draft_graph(state, first, np.asarray(todo, dtype=np.int32), hidden)
+        state.nextn.committed(first, len(todo))
+        return logits
+
+    def _draft_graph(
+        self,
+        state: _KvCache,
+        first: int,
+        ids: npt.NDArray[np.int32],
+        hidden: npt.NDArray[np.float32],
+    ) -> npt.NDArray[np.float32]:
+        """One pass of the head over positions ``first..first+rows-1`` (``build_nextn``),
+        writing its own layer's K/V there; the last row's logits."""
+        g, spec = self.g, self.spec
+        il, weights = _ok_head(self._nextn)
+        rows = int(ids.shape[0])
+        ctx, gf = self._new_graph(self._graph_mem, self._graph_size)
+        try:
+            feeds: list[tuple[int, npt.NDArray[Any]]] = []
+
+            def fed(t: int | None, data: npt.NDArray[Any]) -> int:
+                t = self._input(t)
+                feeds.append((t, np.ascontiguousarray(data)))
+                return t
+
+            tokens = fed(g.ggml_new_tensor_1d(ctx, GgmlType.I32, rows), ids)
+            h = fed(g.ggml_new_tensor_2d(ctx, GgmlType.F32, spec.width, rows), hidden)
+            positions = np.arange(first, first + rows, dtype=np.int32)
+            pos = fed(g.ggml_new_tensor_1d(ctx, GgmlType.I32, rows), positions)
+            n_kv = kv_length(first + rows)
+            window = _window(spec, il)
+            mask = attention_mask(first, rows, window, n_kv=n_kv)
+            mask[:, : state.nextn.start or 0] = -np.inf  # cells before the head's cache began
+            masks = {window: fed(g.ggml_new_tensor_2d(ctx, GgmlType.F32, n_kv, rows), mask)}
+            b = GraphBuilder(
+                g=g,
+                ctx=ctx,
+                gf=gf,
+                spec=spec,
+                pos=pos,
+                rows=rows,
+                mm=lambda weight, a: self._mm(ctx, weight, a),
+                attend=_ChunkAttention(state, masks, first, rows, 0, n_kv),
+                last_layer=il,
+                freq_factors=self._tensors.get(tensor_name(T.ROPE_FREQS)),
+            )
+            layer = self._layer_weights[il]
+            result, _ = build_nextn(b, weights, layer, self._family.build_layer, tokens, h)
+            g.ggml_set_output(result)
+            g.ggml_build_forward_expand(gf, result)
+            runner = self._prefill_runner()
+            runner.alloc(gf)
+            for t, data in feeds:
+                if g.ggml_get_data(t) is not None:
+                    g.ggml_backend_tensor_set(t, data.ctypes.data, 0, data.nbytes)
+            runner.compute(gf)
+            out = np.empty(self.vocab or 0, dtype=np.float32)
+            g.ggml_backend_tensor_get(result, out.ctypes.data, 0, out.nbytes)
+            return out
+        finally:
+            g.ggml_free(ctx)
+
+    def truncate(self, session: str, length: int) -> None:
+        super().truncate(session, length)
+        s = self._sessions.get(session)
+        if s is not None:
+            s.state.nextn.truncate(length)
 
     # --- one position: the reused decode graph and the head on ggml ------------------------------
     def _decode_one(
@@ -687,6 +860,10 @@ class GgmlStage(StageBase[_KvCache]):
         self._set_temperature(dg.temp, dg.pos_buf)
         dg.runner.compute(dg.graph, step=True)
         self._fetch(dg.result, dg.result_view)
+        if dg.hidden is not None:
+            hidden = np.empty((1, self.spec.width), dtype=np.float32)
+            g.ggml_backend_tensor_get(dg.hidden, hidden.ctypes.data, 0, hidden.nbytes)
+            state.nextn.keep_hidden(position, hidden)
         if greedy and self.layers.owns_output:
             # The argmax over the logits where ggml left them: no copy, and numpy's first
             # maximum is the sampler's own rule (ggml_argmax takes the last one on ties).
@@ -771,6 +948,7 @@ class GgmlStage(StageBase[_KvCache]):
             slots, masks = self._session_inputs(ctx, n_kv)
             attend = _SlotAttention(kv, slots, masks, n_kv)
             result = self._build(ctx, gf, x, pos, 1, attend, 1, temp)
+            hidden = self._take_hidden()
             runner, view = self._finish_graph(ctx, gf, result, 1, self._graph_size)
         except BaseException:
             g.ggml_free(ctx)
@@ -788,6 +966,7 @@ class GgmlStage(StageBase[_KvCache]):
             pos_buf=np.zeros(1, dtype=np.int32),
             temp=temp,
             n_kv=n_kv,
+            hidden=hidden,
             **_SessionInputs.buffers(spec.kv_dim, self._kv_cells),
         )
 
@@ -799,13 +978,12 @@ class GgmlStage(StageBase[_KvCache]):
         inputs: list[npt.NDArray[Any]],
         greedy: list[bool],
     ) -> list[tuple[npt.NDArray[np.float32] | None, int | None]]:
-        if len(states) < 2:
+        if len(states) < 2 or self._nextn is not None:
+            # a drafting stage keeps each session's hidden row: one decode graph each
             return super()._decode_many(states, positions, inputs, greedy)
         n_kvs = [self._built_kv(p) for p in positions]
         # a device's graphs are built for their members' KV lengths (see _built_kv)
-        key = tuple(id(s) for s in states) + (
-            () if self._live().resizes_graphs else tuple(n_kvs)
-        )
+        key = tuple(id(s) for s in states) + (() if self._live().resizes_graphs else tuple(n_kvs))
         bg = self._batch_graphs.pop(key, None)
         if bg is None:
             while len(self._batch_graphs) >= BATCH_GRAPHS_KEPT:

@@ -144,6 +144,17 @@ class ModelSpec:
     # RoPE frequency scale of the sliding layers (llama.cpp's rope_freq_scale_train_swa:
     # 1.0 unless the family scales them too, as gpt-oss's YaRN does)
     rope_scale_swa: float = 1.0
+    # NextN / multi-token-prediction blocks (GLM-4.5, DeepSeek-V3: ``nextn_predict_layers``):
+    # the last ``n_nextn`` of the ``n_layer`` layers are the draft head's, never the trunk's
+    n_nextn: int = 0
+
+    @property
+    def n_trunk(self) -> int:
+        """The layers the forward pass runs: every layer but the NextN blocks."""
+        return self.n_layer - self.n_nextn
+
+    def is_nextn(self, layer: int) -> bool:
+        return layer >= self.n_trunk
 
     @property
     def q_dim(self) -> int:

@@ -1,7 +1,9 @@
 """Speculative decoding over a stage chain: draft, verify in one pass, commit the accepted prefix.
 
-Spec "Speculative Decoding". Per step the request-local proposer
-(``skippy.generation.proposers``) drafts up to the verify window's k tokens; the chain runs
+Spec "Speculative Decoding". Per step the proposer drafts up to the verify window's k tokens:
+the request-local N-gram proposer (``skippy.generation.proposers``), or for ``native-mtp``
+the final stage's NextN draft head (``skippy.runtime.nextn``: one token from the trunk's last
+hidden state and the pending token; the package's window is fixed at 1). The chain runs
 the pending token plus the k drafts as one chunk through every stage (one VerifyWindow) and
 returns logits at every position of it; the final stage's sampler picks the target token at
 each position in order and accepts drafts while they equal it (``accept_draft``); every
@@ -29,15 +31,16 @@ import numpy.typing as npt
 
 from skippy.errors import UsageError
 from skippy.generation import SpeculativePlan
-from skippy.generation.proposers import VerifyWindow, make_proposer
+from skippy.generation.proposers import Proposer, VerifyWindow, make_proposer
 from skippy.runtime.boundary import Generation, StopReason
 from skippy.runtime.chain import DEFAULT_SESSION, StageChain, check_generation_request
 from skippy.runtime.sampling import Sampler, SamplingParams
-from skippy.runtime.stage import SPECULATIVE_MODES
+from skippy.runtime.stage import NATIVE_MTP_MODE, SPECULATIVE_MODES, Stage
 
-# Plan modes this runtime executes; the others (native-mtp needs NextN tensors, none here)
-# keep the logged fallback to plain decoding (spec "Generation Defaults").
-EXECUTABLE_MODES: Final = SPECULATIVE_MODES
+# Plan modes this runtime executes (native-mtp where the final stage runs a NextN head:
+# ``native_mtp_unavailable``); the others keep the logged fallback to plain decoding (spec
+# "Generation Defaults").
+EXECUTABLE_MODES: Final = SPECULATIVE_MODES | {NATIVE_MTP_MODE}
 VERIFY_EXACT: Final = "exact"
 VERIFY_BATCHED: Final = "batched"
 VERIFY_MODES: Final = (VERIFY_EXACT, VERIFY_BATCHED)
@@ -101,6 +104,36 @@ def accept_draft(
     return out
 
 
+def native_mtp_unavailable(stage: Stage) -> str | None:
+    """Why ``stage`` (a chain's final stage) cannot draft for ``native-mtp``, or None when it
+    runs a NextN head."""
+    if getattr(stage, "drafts", False):
+        return None
+    reason = getattr(stage, "nextn_unavailable", None)
+    return reason or f"the {stage.descriptor.engine} engine runs no NextN draft head"
+
+
+class NextnProposer:
+    """``native-mtp``'s proposer: the final stage's NextN head drafts one token, greedily
+    (the head's argmax, as llama.cpp's MTP drafter takes its top token), after the tokens
+    generated so far (the head pairs each with the trunk's hidden state before it)."""
+
+    def __init__(self, stage: Any, session: str, start: int) -> None:
+        self.stage = stage
+        self.session = session
+        self.start = start  # the position of the first generated token
+        self.tokens: list[int] = []
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        self.tokens.extend(int(t) for t in tokens)
+
+    def propose(self, k: int) -> list[int]:
+        if k < 1 or not self.tokens:
+            return []
+        logits = self.stage.draft(self.session, self.start, self.tokens)
+        return [int(np.argmax(logits))]
+
+
 def generate_speculative(
     chain: StageChain,
     tokens: Sequence[int],
@@ -117,14 +150,27 @@ def generate_speculative(
     plain decoding's bit for bit, so the tokens are identical by construction; without it a
     window is one multi-row graph per stage (cheaper compute, and the same tokens unless a
     near-tie flips: module doc)."""
-    if plan.mode not in EXECUTABLE_MODES or plan.ngram is None or plan.window is None:
+    mtp = plan.mode == NATIVE_MTP_MODE
+    if plan.mode not in EXECUTABLE_MODES or plan.window is None or (plan.ngram is None and not mtp):
         raise UsageError(
             f"speculative mode {plan.mode!r} is not executable by the stage runtime",
             code="speculation_unsupported",
         )
+    missing = native_mtp_unavailable(chain.stages[-1]) if mtp else None
+    if missing is not None:
+        raise UsageError(
+            f"native-mtp cannot run here: {missing}",
+            code="native_mtp_unavailable",
+            remediation="serve with --speculative disabled (the same tokens), or use a package "
+            "whose final stage holds its NextN layer",
+        )
     ids = check_generation_request(tokens, max_tokens, chain.n_ctx)
     sampler = Sampler(sampling, history=ids)
-    proposer = make_proposer(plan.ngram, ids)
+    proposer: Proposer | NextnProposer = (
+        NextnProposer(chain.stages[-1], session, len(ids))
+        if mtp
+        else make_proposer(_ngram(plan), ids)
+    )
     window = VerifyWindow(plan.window)
     tok = chain.tokenizer
     out: list[int] = []
@@ -203,3 +249,9 @@ def generate_speculative(
         max_window=widest,
     )
     return gen, stats
+
+
+def _ngram(plan: SpeculativePlan) -> Any:
+    if plan.ngram is None:
+        raise UsageError(f"{plan.mode} plan has no N-gram proposer", code="speculation_unsupported")
+    return plan.ngram

@@ -42,8 +42,10 @@ Engine = Literal["ggml", "numpy"]
 MAX_SESSION_ID_CHARS: Final = 128
 _SESSION_ID_RE = re.compile(r"\A[\x21-\x7e]{1,128}\Z")  # printable ASCII, no spaces
 # Speculation plan modes a chain of these stages executes (``skippy.runtime.speculation``);
-# others (native-mtp: no NextN runtime here) get the logged fallback to plain decoding.
+# others get the logged fallback to plain decoding. native-mtp runs where the final stage
+# holds a NextN head (the ggml engine: ``speculative_modes``).
 SPECULATIVE_MODES: Final = frozenset({"ngram-cache", "ngram-suffix"})
+NATIVE_MTP_MODE: Final = "native-mtp"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -281,6 +283,7 @@ class StageBase(ABC, Generic[S]):
 
     engine: Engine
     runtime_version: str
+    speculative_modes: frozenset[str] = SPECULATIVE_MODES
 
     def __init__(
         self,
@@ -309,7 +312,7 @@ class StageBase(ABC, Generic[S]):
         self.spec = spec
         self.layers = stage.layers
         log_speculation_fallback(
-            stage, log, f"the {self.engine} stage runtime", executable=SPECULATIVE_MODES
+            stage, log, f"the {self.engine} stage runtime", executable=self.speculative_modes
         )
         self.vocab = self.weights.vocab
         self._sessions: dict[str, _Session[S]] = {}

@@ -32,7 +32,7 @@ from skippy.runtime.families import (
     qwen3moe,
     smollm3,
 )
-from skippy.runtime.families.base import Family, T, tensor
+from skippy.runtime.families.base import Family, T, nextn_tensors, tensor
 from skippy.runtime.model import LLAMA_HINT, ModelSpec, TensorSpec
 from skippy.runtime.support import STAGE_FAMILIES, STAGE_MOE_FAMILIES
 
@@ -111,8 +111,13 @@ def stage_tensors(
     out = family.model_tensors(spec)
     if vocab is not None and (layers.owns_input or (layers.owns_output and tied)):
         out.append(tensor(T.TOKEN_EMBD, None, (spec.width, vocab), "matrix"))
+    elif vocab is not None and any(spec.is_nextn(il) for il in layers):
+        # the NextN head embeds the next token (its block's own embed_tokens, else these)
+        out.append(tensor(T.TOKEN_EMBD, None, (spec.width, vocab), "matrix", required=False))
     for il in layers:
         out += family.layer_tensors(spec, il)
+        if spec.is_nextn(il):  # a NextN block: the family's layer plus the head's own
+            out += nextn_tensors(spec, il, vocab)
     if layers.owns_output:
         out.append(tensor(T.OUTPUT_NORM, None, (spec.width,), "vector"))
         if family.output_biases:

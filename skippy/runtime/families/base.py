@@ -100,6 +100,25 @@ def expert_tensors(spec: ModelSpec, il: int) -> list[TensorSpec]:
     ]
 
 
+def nextn_tensors(spec: ModelSpec, il: int, vocab: int | None) -> list[TensorSpec]:
+    """The NextN tensors of block ``il`` besides the family's layer tensors: the three
+    llama.cpp requires (``eh_proj``, ``enorm``, ``hnorm``) and the optional own embeddings
+    and head (else the model's are used)."""
+    w = spec.width
+    out = [
+        tensor(T.NEXTN_EH_PROJ, il, (2 * w, w), "matrix"),
+        tensor(T.NEXTN_ENORM, il, (w,), "vector"),
+        tensor(T.NEXTN_HNORM, il, (w,), "vector"),
+        tensor(T.NEXTN_SHARED_HEAD_NORM, il, (w,), "vector", required=False),
+    ]
+    if vocab is not None:
+        out += [
+            tensor(T.NEXTN_EMBED_TOKENS, il, (w, vocab), "matrix", required=False),
+            tensor(T.NEXTN_SHARED_HEAD_HEAD, il, (w, vocab), "matrix", required=False),
+        ]
+    return out
+
+
 LayerTensors = Callable[[ModelSpec, int], list[TensorSpec]]
 ModelTensors = Callable[[ModelSpec], list[TensorSpec]]
 BuildLayer = Callable[[GraphBuilder, LayerWeights, int, int], int]  # (b, w, il, x) -> x
@@ -334,8 +353,25 @@ def read_decoder(
         "embed_scale": None,
         "activation": "silu",
         "final_logit_softcap": softcap_value,
+        # llama.cpp reads the key for every architecture: its trunk is n_layer - n_nextn
+        "n_nextn": read_nextn(kv, arch, n_layer),
         **extra,
     }
+
+
+def read_nextn(kv: Mapping[str, Any], arch: str, n_layer: int) -> int:
+    """How many of the ``n_layer`` layers are NextN (multi-token prediction) blocks, the
+    last ones (``{arch}.nextn_predict_layers``, llama.cpp's ``n_layer_nextn``; 0 without the
+    key). The draft head runs one (``skippy.runtime.nextn``)."""
+    key = f"{arch}.nextn_predict_layers"
+    n = read_int(kv, key, 0, n_layer - 1, default=0)
+    if n > 1:
+        raise StageUnsupported(
+            f"{key} = {n}: the stage runtime's NextN draft head runs one block",
+            code="unsupported_nextn_depth",
+            actual=key,
+        )
+    return n
 
 
 def read_experts(
