@@ -1,0 +1,212 @@
+"""The NextN (MTP) draft head (skippy/runtime/nextn.py) and native-mtp speculation on the ggml
+stage runtime.
+
+- The head's logits equal an f32 numpy reference of llama.cpp's ``graph_mtp`` (enorm of the
+  token's embedding and hnorm of the trunk's output-normed hidden state before it,
+  concatenated, ``eh_proj``, the family's layer over the block's weights with the head's own
+  cache, ``shared_head_norm`` and the head) within the engine's quantized-activation error,
+  over two consecutive positions (the head's cache catches up on a committed token).
+- The trunk never runs the NextN block: whole and split, the logits are those of the same
+  model without it.
+- ``native-mtp`` generation is plain decoding's output, greedy and seeded, whole and split;
+  with a head that drafts the target's own tokens every draft is accepted through the verify
+  windows; a final stage without a head is refused with ``native_mtp_unavailable``.
+
+The model is a llama-shaped package with one NextN block (``synth_gguf.nextn_like``); its
+weights are random, so the real head's drafts are rarely accepted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import synth_gguf
+from pkgtools import make_package
+from stagetools import chain, stage_loads
+
+from skippy.errors import UsageError
+from skippy.generation import SpeculativePlan, parse_generation, resolve_speculative_plan
+from skippy.package.manifest import parse_manifest
+from skippy.runtime.chain import StageChain
+from skippy.runtime.families.base import T
+from skippy.runtime.model import tensor_name
+from skippy.runtime.numpy_engine import NumpyStage, rms_norm
+from skippy.runtime.sampling import SamplingParams
+from skippy.runtime.speculation import generate_speculative
+from skippy.runtime.stage import StageConfig
+
+pytestmark = pytest.mark.llama
+
+LAYERS = 5  # four trunk layers and the NextN block (layer 4)
+IDS = [1, 5, 9, 17, 33, 65, 3, 100]
+N = 24
+# ggml quantizes activations to Q8 for quantized matmuls and keeps K/V in F16; numpy does not
+# (tests/skippy/runtime/test_stage_synth.py measured 0.016-0.019 on whole models)
+TOLERANCE = 0.05
+
+
+@pytest.fixture(scope="module")
+def pkg(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("nextn")
+    src = synth_gguf.nextn_like(root / "m.gguf", arch="llama", n_layers=LAYERS)
+    make_package(src, root / "pkg", model_id="acme/mtp-GGUF:Q8_0")
+    return root / "pkg"
+
+
+@pytest.fixture(scope="module")
+def plan(pkg: Path) -> SpeculativePlan:
+    manifest = parse_manifest((pkg / "model-package.json").read_bytes())
+    generation = parse_generation(manifest.generation, layer_count=manifest.layer_count)
+    resolved = resolve_speculative_plan(package=generation)  # auto: the package's default
+    assert (resolved.mode, resolved.strategy_id) == ("native-mtp", "mtp")
+    return resolved
+
+
+@pytest.fixture
+def whole(pkg: Path) -> Iterator[StageChain]:
+    with chain("ggml", pkg, [f"0..{LAYERS}"]) as ch:
+        yield ch
+
+
+def _reference(pkg: Path, drafts: Sequence[int]) -> list[np.ndarray]:
+    """The head's logits in f32 numpy: the trunk over ``IDS + drafts[:-1]``, then the block at
+    positions len(IDS).. over (drafts[i], the trunk's hidden state before it), its cache
+    holding only those positions."""
+    with NumpyStage(stage_loads(pkg, [f"0..{LAYERS}"])[0], StageConfig(n_ctx=64)) as ref:
+        w, eps = ref._w, ref.spec.rms_eps
+        seq = [*IDS, *drafts[:-1]]
+        x = w[tensor_name(T.TOKEN_EMBD)][seq].astype(np.float32)
+        trunk = ref._new_session()
+        positions = np.arange(len(seq))
+        for il in range(LAYERS - 1):
+            x = ref._block(il, x, positions, trunk, 0)
+        hidden = rms_norm(x, w[tensor_name(T.OUTPUT_NORM)], eps)
+        head_cache = ref._new_session()
+        il = LAYERS - 1
+        out = []
+        for i, token in enumerate(drafts):
+            p = len(IDS) + i
+            embedded = w[tensor_name(T.TOKEN_EMBD)][[token]]
+            e = rms_norm(embedded, w[tensor_name(T.NEXTN_ENORM, il)], eps)
+            h = rms_norm(hidden[p - 1 : p], w[tensor_name(T.NEXTN_HNORM, il)], eps)
+            z = np.concatenate([e, h], axis=1) @ w[tensor_name(T.NEXTN_EH_PROJ, il)].T
+            y = ref._block(il, z.astype(np.float32), np.array([p]), head_cache, i)
+            y = rms_norm(y, w[tensor_name(T.NEXTN_SHARED_HEAD_NORM, il)], eps)
+            out.append((y @ w[tensor_name(T.OUTPUT)].T)[0])
+        return out
+
+
+def test_the_head_matches_a_numpy_reference_over_two_positions(
+    pkg: Path, whole: StageChain
+) -> None:
+    stage: Any = whole.stages[-1]
+    assert stage.drafts and stage.spec.n_nextn == 1
+    drafts = [7, 11]
+    whole.prefill("s", IDS)
+    first = stage.draft("s", len(IDS), drafts[:1])  # the pending token after the prompt
+    whole.decode("s", len(IDS), drafts[0])  # the trunk commits it
+    second = stage.draft("s", len(IDS), drafts)  # the head's cache catches up on it
+    want = _reference(pkg, drafts)
+    for got, ref in zip((first, second), want, strict=True):
+        assert np.abs(got - ref).max() < TOLERANCE * max(1.0, float(np.abs(ref).max()))
+        assert int(np.argmax(got)) == int(np.argmax(ref))
+    assert not np.array_equal(first, second)
+
+
+def test_the_head_refuses_a_pending_token_the_trunk_is_not_at(whole: StageChain) -> None:
+    stage: Any = whole.stages[-1]
+    whole.prefill("s", IDS)
+    with pytest.raises(UsageError) as err:
+        stage.draft("s", len(IDS) + 1, [7])  # the trunk holds len(IDS) positions
+    assert err.value.code == "bad_stage_input"
+    with pytest.raises(UsageError) as err:
+        stage.draft("s", len(IDS), [10_000])
+    assert err.value.code == "token_out_of_range"
+
+
+def test_the_trunk_never_runs_the_nextn_block(pkg: Path) -> None:
+    """Whole and split (the block with the final stage), the same logits: the block's weights
+    never reach the trunk, and the numpy reference skips it too."""
+    with chain("ggml", pkg, [f"0..{LAYERS}"]) as ch:
+        whole = ch.logits(IDS, all_positions=True)
+    with chain("ggml", pkg, ["0..2", f"2..{LAYERS}"]) as ch:
+        split = ch.logits(IDS, all_positions=True)
+    with chain("numpy", pkg, [f"0..{LAYERS}"]) as ch:
+        ref = ch.logits(IDS, all_positions=True)
+    np.testing.assert_array_equal(whole, split)
+    assert np.abs(whole - ref).max() < TOLERANCE * max(1.0, float(np.abs(ref).max()))
+
+
+def test_a_stage_of_only_the_nextn_block_is_refused(pkg: Path) -> None:
+    with pytest.raises(UsageError) as err, chain("ggml", pkg, ["0..4", "4..5"]):
+        pass
+    assert err.value.code == "nextn_only_stage"
+
+
+@pytest.mark.parametrize("ranges", [[f"0..{LAYERS}"], ["0..2", f"2..{LAYERS}"]])
+def test_native_mtp_gives_plain_decodings_tokens(
+    pkg: Path, plan: SpeculativePlan, ranges: list[str]
+) -> None:
+    with chain("ggml", pkg, ranges) as ch:
+        for sampling in (None, SamplingParams(temperature=0.9, seed=7, top_k=20)):
+            plain = ch.generate(IDS, max_tokens=N, sampling=sampling).tokens
+            gen, stats = generate_speculative(ch, IDS, max_tokens=N, plan=plan, sampling=sampling)
+            assert gen.tokens == plain
+            assert stats.strategy == "mtp" and stats.mode == "native-mtp"
+            # one draft per step, each verified (random weights: rarely accepted)
+            assert stats.max_window == 1 and stats.verify_passes == stats.proposed_tokens > 0
+            assert stats.verify_passes + stats.decode_steps + stats.accepted_tokens == N - 1
+
+
+class _Oracle:
+    """The final stage with a head that drafts ``right`` tokens: the target's own next token
+    at positions ``right`` selects, else a wrong one; everything else is the stage's."""
+
+    def __init__(self, stage: Any, start: int, target: Sequence[int], right: Any) -> None:
+        self._stage, self._start, self._target, self._right = stage, start, target, right
+        self.drafted: list[tuple[int, int]] = []  # (index into the target, draft)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stage, name)
+
+    def draft(self, session: str, start: int, tokens: Sequence[int]) -> np.ndarray:
+        self._stage.draft(session, start, tokens)  # the real head still runs (its cache)
+        i = len(tokens)  # the draft is the (i+1)-th generated token
+        token = self._target[i] if self._right(i) else (self._target[i] + 1) % 128
+        self.drafted.append((i, token))
+        logits = np.zeros(128, dtype=np.float32)
+        logits[token] = 1.0
+        return logits
+
+
+@pytest.mark.parametrize("every", [1, 3])
+def test_an_accepted_draft_is_committed_through_the_verify_window(
+    pkg: Path, plan: SpeculativePlan, every: int
+) -> None:
+    """every 1: each draft is the target's token; every 3: those at indices divisible by 3
+    are wrong (an accepted draft moves the index by 2, a rejected one by 1: a mix)."""
+    with chain("ggml", pkg, ["0..2", f"2..{LAYERS}"]) as ch:
+        target = ch.generate(IDS, max_tokens=N).tokens
+        oracle = _Oracle(ch.stages[-1], len(IDS), target, lambda i: every == 1 or i % every)
+        spec = StageChain([ch.stages[0], oracle], None)
+        gen, stats = generate_speculative(spec, IDS, max_tokens=N, plan=plan)
+    assert gen.tokens == target
+    right = sum(1 for i, d in oracle.drafted if d == target[i])
+    assert stats.accepted_tokens == right > 0
+    assert every == 1 or right < len(oracle.drafted)
+    assert stats.proposed_tokens == len(oracle.drafted)
+    if every == 1:  # every draft accepted: each verify window commits two tokens
+        assert stats.acceptance == 1.0 and stats.verify_passes <= N // 2
+
+
+def test_a_final_stage_without_a_head_is_refused_with_its_reason(
+    pkg: Path, plan: SpeculativePlan
+) -> None:
+    with chain("numpy", pkg, [f"0..{LAYERS}"]) as ch, pytest.raises(UsageError) as err:
+        generate_speculative(ch, IDS, max_tokens=4, plan=plan)
+    assert err.value.code == "native_mtp_unavailable"
+    assert "numpy" in err.value.message
