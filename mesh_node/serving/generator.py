@@ -39,6 +39,7 @@ from mesh_node.node import MeshNode
 from mesh_node.peers import InboundStream
 from mesh_node.serving.host import (
     LoadedStage,
+    SessionDrafter,
     StageHost,
     drop_rejected,
     sampler_at,
@@ -50,6 +51,7 @@ from skippy.errors import SkippyError, UsageError
 from skippy.generation import SpeculativePlan
 from skippy.generation.proposers import Proposer, VerifyWindow, make_proposer
 from skippy.runtime.speculation import EXECUTABLE_MODES
+from skippy.runtime.stage import NATIVE_MTP_MODE
 from skippy.runtime.tokenizer import LlamaTokenizer
 from skippy.serving.replay import Step, schedule, tokens_before
 from skippy.stage import stage_frames as t
@@ -58,6 +60,9 @@ log = logging.getLogger("mesh_node.serving.generator")
 StopReason = Literal["length", "eos", "stop", "context"]
 MAX_FAILOVERS: Final = 3  # per request
 Emit = Callable[[int], Awaitable[bool]]  # a new token -> True to stop (a stop string matched)
+# What the final stage returns per pass: the sampled tokens, and its NextN draft after them
+# (native-mtp) or None
+Returned = tuple[list[int], int | None]
 
 
 class ServingFault(MeshError):
@@ -131,7 +136,7 @@ class _Session:
     session_id: int
     request_id: int
     final_node: str  # the final stage of this session's route: the only one that may return
-    tokens: trio.MemorySendChannel[list[int] | BaseException]  # one item per TOKENS frame
+    tokens: trio.MemorySendChannel[Returned | BaseException]  # one item per TOKENS frame
 
 
 class _RouteBroken(Exception):
@@ -231,10 +236,16 @@ class Generator:
         name = t.session_name(session_id)
         n_ctx = loaded.facts.n_ctx
         tok = self.routes.tokenizer
-        send_tokens, recv_tokens = trio.open_memory_channel[list[int] | BaseException](4)
+        send_tokens, recv_tokens = trio.open_memory_channel[Returned | BaseException](4)
         plan = self.speculative if self._route_verifies(route) else None
+        # native-mtp: the final stage drafts with its NextN head and returns the draft with
+        # each pass's tokens; the N-gram proposers draft here
+        mtp = plan is not None and plan.mode == NATIVE_MTP_MODE
         proposer = (
             make_proposer(plan.ngram, [*prompt, *result.tokens]) if plan and plan.ngram else None
+        )
+        local_drafter = (
+            SessionDrafter.of_stage(stage, name) if mtp and route.single else None
         )
         window = VerifyWindow(plan.window) if plan and plan.window else None
         frame_cap = self.host.limits.tokens_per_frame(loaded.facts.width)
@@ -267,6 +278,7 @@ class Generator:
                                 width=loaded.facts.width,
                                 sampling=params.sampling,
                                 topology_id=route.topology_id,
+                                drafts=mtp,
                             )
                         )
                     except (MeshError, trio.TooSlowError) as exc:
@@ -311,7 +323,13 @@ class Generator:
                         rows, committed = output
                         if sender is None:  # one stage: accepted here
                             if committed is not None:
-                                await send_tokens.send(committed)
+                                draft = await self.host.draft(
+                                    local_drafter,
+                                    step.start + 1,
+                                    committed,
+                                    truncate=step.start + len(committed),
+                                )
+                                await send_tokens.send((committed, draft))
                             return
                         frame = t.encode_verify(
                             request_id,
@@ -327,7 +345,9 @@ class Generator:
                         return
                     if sender is None:  # one stage: sampled here
                         if step.sample and output.token is not None:
-                            await send_tokens.send([int(output.token)])
+                            sampled = [int(output.token)]
+                            draft = await self.host.draft(local_drafter, step.end, sampled)
+                            await send_tokens.send((sampled, draft))
                         return
                     frame = t.encode_activations(
                         request_id,
@@ -355,7 +375,7 @@ class Generator:
                 draft: list[int] = []  # the drafts of the window in flight ([]: a decode)
                 drafted = 0
                 while True:
-                    batch = await self._next_tokens(recv_tokens)
+                    batch, head_draft = await self._next_tokens(recv_tokens)
                     if not first and not accepts(draft, batch):
                         raise _RouteBroken(
                             t.TransportError(
@@ -391,7 +411,10 @@ class Generator:
                         n_ctx - position - 1,
                         frame_cap - 1,
                     )
-                    draft = proposer.propose(k) if proposer is not None and k > 0 else []
+                    if mtp:  # the final stage's draft after this batch (one at most)
+                        draft = [head_draft] if head_draft is not None and k > 0 else []
+                    else:
+                        draft = proposer.propose(k) if proposer is not None and k > 0 else []
                     drafted = len(draft)
                     if draft:
                         await forward(Step("verify", position, (token, *draft), True))
@@ -438,10 +461,13 @@ class Generator:
                 )
 
     def _route_verifies(self, route: Route) -> bool:
-        """Every other node of the route takes verify windows (feature bit)."""
+        """Every other node of the route takes verify windows (feature bit), and for
+        native-mtp passes the request for NextN drafts on to the final stage."""
         if self.speculative is None:
             return False
         bit = frozenset({pc.BIT_VERIFY_WINDOW})
+        if self.speculative.mode == NATIVE_MTP_MODE:
+            bit = frozenset({pc.BIT_VERIFY_WINDOW, pc.BIT_NEXTN_DRAFTS})
         for node_id in route.node_ids[1:]:
             info = self.node.peer(node_id)
             if info is None or not info.has_features(pc.FEATURE_SKIPPY_STAGE, bit):
@@ -474,8 +500,8 @@ class Generator:
         return False
 
     async def _next_tokens(
-        self, tokens: trio.MemoryReceiveChannel[list[int] | BaseException]
-    ) -> list[int]:
+        self, tokens: trio.MemoryReceiveChannel[Returned | BaseException]
+    ) -> Returned:
         try:
             with trio.fail_after(self.settings.token_timeout_s):
                 item = await tokens.receive()
@@ -502,7 +528,7 @@ class Generator:
                     raise t.TransportError(
                         f"a {frame.kind.name} frame on a return stream", code="unknown_session"
                     )
-                session.tokens.send_nowait(frame.tokens())
+                session.tokens.send_nowait(frame.sampled())
         except (MeshError, t.TransportError, trio.WouldBlock) as exc:
             with_error = (
                 exc

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from skippy.errors import TopologyError
-from skippy.package.plan import ModelSizes
+from skippy.package.plan import ModelSizes, with_nextn_tail
 from skippy.package.ranges import LayerRange
 from skippy.package.topology import SplitTopology, StageAssignment
 
@@ -118,13 +118,14 @@ def speed_weighted_counts(layer_count: int, speeds: Sequence[float]) -> list[int
 def evaluate(
     sizes: ModelSizes, order: Sequence[NodeCost], links: LinkCosts
 ) -> Candidate:
-    """One candidate: ``order``'s nodes as stages 0.. with speed-weighted ranges."""
-    counts = speed_weighted_counts(sizes.layer_count, [1 / n.decode_s_per_layer for n in order])
+    """One candidate: ``order``'s nodes as stages 0.. with speed-weighted ranges of the
+    trunk (the final stage also takes the NextN layers after it)."""
+    counts = speed_weighted_counts(sizes.trunk_count, [1 / n.decode_s_per_layer for n in order])
     ranges, start = [], 0
     for c in counts:
-        ranges.append(LayerRange(start, start + c, sizes.layer_count))
+        ranges.append(LayerRange(start, start + c, sizes.trunk_count))
         start += c
-    return predict(sizes, order, ranges, links)
+    return predict(sizes, order, with_nextn_tail(ranges, sizes.layer_count), links)
 
 
 def predict(
@@ -247,7 +248,7 @@ def plan_by_cost(
             code="topology_no_nodes",
             path=first_node,
         )
-    top = min(len(nodes), sizes.layer_count)
+    top = min(len(nodes), sizes.trunk_count)
     counts = [stages] if stages is not None else list(range(1, top + 1))
     out: list[Candidate] = []
     for k in counts:

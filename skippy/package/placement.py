@@ -173,6 +173,8 @@ def place(
             continue
         best: tuple[int, Mode, int, int, int, int] | None = None
         for stop in range(start + 1, n + 1):
+            if sizes.trunk_count <= stop < n:  # NextN layers go with the final trunk layer
+                continue
             r = LayerRange(start, stop, n)
             dense, experts = stage_split(sizes, r, kv_bytes_per_layer)
             how = fit(node, dense, experts)
