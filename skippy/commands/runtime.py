@@ -253,7 +253,7 @@ def _whole_range(layers: LayerRange, engine: str) -> None:
 
 def cmd_run(args: argparse.Namespace) -> CommandResult:
     from skippy.consume.resolve import open_ref, resolve_stage
-    from skippy.package.plan import even_ranges
+    from skippy.package.plan import even_ranges, tail_layers
     from skippy.runtime.boundary import StageLoad
 
     engine = args.engine or "ggml"
@@ -270,7 +270,8 @@ def cmd_run(args: argparse.Namespace) -> CommandResult:
         n_layers = head.manifest.layer_count
         if args.layers is not None:
             _whole_range(parse_layer_range(args.layers, n_layers), engine)
-        ranges = even_ranges(n_layers, args.stages)
+        tail = tail_layers(n_layers, head.manifest.generation)
+        ranges = even_ranges(n_layers, args.stages, tail)
         # Every stage comes from the commit just read: a moving hf:// ref is resolved once.
         # Text-only: no runtime here loads a projector, so none is fetched or hashed.
         pinned = head.origin if head.from_hub else args.ref

@@ -37,7 +37,7 @@ from skippy.gguf.reader import GGUFFile, TensorInfo, open_gguf
 from skippy.package.artifacts import check_artifact_file, header_findings
 from skippy.package.catalog import part_directory_findings
 from skippy.package.manifest import ArtifactRef, Manifest, PackageManifest, load_manifest_findings
-from skippy.package.plan import check_stage_count, even_ranges
+from skippy.package.plan import check_stage_count, even_ranges, tail_layers
 from skippy.package.quantization import (
     QUANTIZATION_KEY,
     file_type_findings,
@@ -341,7 +341,7 @@ class _GGUFMetadata(Mapping[str, Any]):
 
 def _stage_findings(report: PreflightReport, m: PackageManifest, stages: int) -> Iterator[Finding]:
     # A bad --stages is a usage error (exit 2) like plan's, not a finding about the package.
-    ranges = even_ranges(m.layer_count, stages)
+    ranges = even_ranges(m.layer_count, stages, tail_layers(m.layer_count, m.generation))
     seen = report.codes()
     for i, r in enumerate(ranges):
         try:
@@ -396,7 +396,7 @@ def preflight_package(
     m = report.manifest = pkg.manifest
     report.manifest_sha256 = pkg.manifest_sha256
     if stages is not None:  # before any artifact is read or hashed
-        check_stage_count(stages, m.layer_count)
+        check_stage_count(stages, m.layer_count, tail_layers(m.layer_count, m.generation))
 
     # Metadata-only inspection validates the manifest and the shared metadata artifact only.
     refs = [next(m.artifacts())] if metadata_only else list(m.artifacts())

@@ -210,23 +210,6 @@ class SpeculativeDecoding:
         return out
 
 
-def declared_nextn_layers(generation: Mapping[str, Any] | None) -> frozenset[int]:
-    """The package layers a manifest's ``generation`` names as native-MTP (NextN) layers,
-    read leniently (no validation: ``parse_generation`` does that) for stage selection, whose
-    final stage holds them and what their draft head reads."""
-    sd = generation.get(v.SPECULATIVE) if isinstance(generation, Mapping) else None
-    if not isinstance(sd, Mapping):
-        return frozenset()
-    out: set[int] = set()
-    for section in (v.SD_PROPOSERS, v.SD_STRATEGIES):
-        entries = sd.get(section)
-        for entry in entries.values() if isinstance(entries, Mapping) else ():
-            if isinstance(entry, Mapping) and entry.get(v.TYPE) == v.NATIVE_MTP:
-                indices = entry.get(v.LAYER_INDICES)
-                out.update(i for i in indices or () if as_int(i) is not None)
-    return frozenset(out)
-
-
 @dataclass(frozen=True)
 class GenerationSpec:
     """A validated ``generation`` object; every part is optional ("generation is optional")."""

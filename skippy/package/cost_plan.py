@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from skippy.errors import TopologyError
-from skippy.package.plan import ModelSizes, with_nextn_tail
+from skippy.package.plan import ModelSizes
 from skippy.package.ranges import LayerRange
 from skippy.package.topology import SplitTopology, StageAssignment
 
@@ -120,12 +120,13 @@ def evaluate(
 ) -> Candidate:
     """One candidate: ``order``'s nodes as stages 0.. with speed-weighted ranges of the
     trunk (the final stage also takes the NextN layers after it)."""
-    counts = speed_weighted_counts(sizes.trunk_count, [1 / n.decode_s_per_layer for n in order])
+    total, trunk = sizes.layer_count, sizes.layer_count - sizes.tail_layers
+    counts = speed_weighted_counts(trunk, [1 / n.decode_s_per_layer for n in order])
     ranges, start = [], 0
-    for c in counts:
-        ranges.append(LayerRange(start, start + c, sizes.trunk_count))
+    for i, c in enumerate(counts):
+        ranges.append(LayerRange(start, total if i == len(counts) - 1 else start + c, total))
         start += c
-    return predict(sizes, order, with_nextn_tail(ranges, sizes.layer_count), links)
+    return predict(sizes, order, ranges, links)
 
 
 def predict(
@@ -248,7 +249,7 @@ def plan_by_cost(
             code="topology_no_nodes",
             path=first_node,
         )
-    top = min(len(nodes), sizes.trunk_count)
+    top = min(len(nodes), sizes.layer_count - sizes.tail_layers)
     counts = [stages] if stages is not None else list(range(1, top + 1))
     out: list[Candidate] = []
     for k in counts:

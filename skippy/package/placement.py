@@ -173,7 +173,7 @@ def place(
             continue
         best: tuple[int, Mode, int, int, int, int] | None = None
         for stop in range(start + 1, n + 1):
-            if sizes.trunk_count <= stop < n:  # NextN layers go with the final trunk layer
+            if n - sizes.tail_layers <= stop < n:  # NextN layers go with the last trunk layer
                 continue
             r = LayerRange(start, stop, n)
             dense, experts = stage_split(sizes, r, kv_bytes_per_layer)

@@ -2,17 +2,19 @@
 
 Default split: the first ``L % N`` stages get one extra layer. ``balance="bytes"`` minimises
 the largest stage's bytes instead (exact dynamic programme over contiguous partitions),
-counting the boundary artifacts each stage must also hold (spec "Layer Selection"). A
-package's NextN (draft head) layers, its last ones, go with the final stage: the split is
-planned over the trunk and the final stage takes them too (never a stage of its own).
+counting the boundary artifacts each stage must also hold (spec "Layer Selection"). A model's
+NextN/MTP layers after its trunk (``tail_layers``) are never cut from the final stage: the
+stage runtime runs the trunk's last layer and its head where they are.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from skippy.errors import UsageError
+from skippy.generation import vocab as gv
 from skippy.package.ranges import LayerRange
 
 Balance = Literal["layers", "bytes"]
@@ -33,15 +35,14 @@ class ModelSizes:
     # Routed experts' bytes per layer (``ffn_*_exps``): what a GPU node may keep in RAM;
     # empty: none (a dense model, or unknown).
     layer_expert_bytes: tuple[int, ...] = ()
-    # The last layers that are NextN (multi-token prediction) blocks: the final stage holds
-    # them beside its trunk layers (``plan_stages``).
-    nextn_layers: int = 0
+    # The last layers that go with the final stage whatever the split (NextN/MTP layers
+    # after the trunk: ``tail_layers``); 0: a cut may fall anywhere.
+    tail_layers: int = 0
 
     def __post_init__(self) -> None:
-        if not 0 <= self.nextn_layers < max(1, len(self.layer_bytes)):
+        if not 0 <= self.tail_layers < max(1, len(self.layer_bytes)):
             raise UsageError(
-                f"{self.nextn_layers} NextN layers leave no trunk layer of "
-                f"{len(self.layer_bytes)}",
+                f"{self.tail_layers} tail layers leave no trunk in {len(self.layer_bytes)}",
                 code="invalid_model_sizes",
             )
         for name, per_layer in (
@@ -60,29 +61,6 @@ class ModelSizes:
     @property
     def layer_count(self) -> int:
         return len(self.layer_bytes)
-
-    @property
-    def trunk_count(self) -> int:
-        """The layers a split can cut between (every layer but the NextN tail)."""
-        return self.layer_count - self.nextn_layers
-
-    def trunk(self) -> ModelSizes:
-        """These sizes over the trunk only, the NextN tail's bytes counted in the last trunk
-        layer (they travel together)."""
-        t = self.trunk_count
-        if t == self.layer_count:
-            return self
-
-        def fold(per_layer: tuple[int, ...]) -> tuple[int, ...]:
-            return (*per_layer[: t - 1], sum(per_layer[t - 1 :])) if per_layer else ()
-
-        return replace(
-            self,
-            layer_bytes=fold(self.layer_bytes),
-            layer_active_bytes=fold(self.layer_active_bytes),
-            layer_expert_bytes=fold(self.layer_expert_bytes),
-            nextn_layers=0,
-        )
 
     @property
     def active_bytes(self) -> tuple[int, ...]:
@@ -142,33 +120,52 @@ class StagePlan:
         }
 
 
-def check_stage_count(stages: int, layer_count: int) -> None:
+def tail_layers(layer_count: int, generation: Mapping[str, Any] | None) -> int:
+    """The NextN/MTP layers at the end of a package, from its ``generation`` object: the
+    native-MTP proposers' ``layer_indices`` when they are the package's last layers (the
+    writer records them so, ``skippy.generation.infer``); 0 otherwise."""
+    sd = (generation or {}).get(gv.SPECULATIVE)
+    proposers = sd.get(gv.SD_PROPOSERS) if isinstance(sd, Mapping) else None
+    found: set[int] = set()
+    for p in (proposers or {}).values() if isinstance(proposers, Mapping) else ():
+        if isinstance(p, Mapping) and p.get(gv.TYPE) == gv.NATIVE_MTP:
+            found |= {i for i in p.get(gv.LAYER_INDICES) or () if isinstance(i, int)}
+    if not found or found != set(range(layer_count - len(found), layer_count)):
+        return 0
+    return len(found) if len(found) < layer_count else 0
+
+
+def check_stage_count(stages: int, layer_count: int, tail: int = 0) -> None:
     if stages < 1:
         raise UsageError(
             f"stage count must be at least 1, got {stages}", code="invalid_stage_count"
         )
-    if stages > layer_count:
+    if stages > layer_count - tail:
+        also = f" ({tail} NextN layer(s) go with the last)" if tail else ""
         raise UsageError(
-            f"{stages} stages cannot split {layer_count} layers (each stage needs a layer)",
+            f"{stages} stages cannot split {layer_count} layers (each stage needs a layer"
+            f"{also})",
             code="stage_count_exceeds_layer_count",
         )
 
 
-def even_ranges(layer_count: int, stages: int) -> list[LayerRange]:
-    check_stage_count(stages, layer_count)
-    base, extra = divmod(layer_count, stages)
+def even_ranges(layer_count: int, stages: int, tail: int = 0) -> list[LayerRange]:
+    """The trunk (all but the ``tail`` layers) split as evenly as it goes, the final stage
+    also holding the tail."""
+    check_stage_count(stages, layer_count, tail)
+    base, extra = divmod(layer_count - tail, stages)
     out, start = [], 0
     for i in range(stages):
         stop = start + base + (1 if i < extra else 0)
-        out.append(LayerRange(start, stop, layer_count))
+        out.append(LayerRange(start, layer_count if i == stages - 1 else stop, layer_count))
         start = stop
     return out
 
 
 def byte_balanced_ranges(sizes: ModelSizes, stages: int) -> list[LayerRange]:
     """Contiguous ranges minimising the largest stage's bytes (ties: earlier cuts)."""
-    n = sizes.layer_count
-    check_stage_count(stages, n)
+    n, tail = sizes.layer_count, sizes.tail_layers
+    check_stage_count(stages, n, tail)
     inf = float("inf")
     # best[k][j]: minimal max-bytes splitting layers [0, j) into k stages; cut[k][j] the start
     # of the k-th stage. O(stages * n^2), fine for real layer counts (a few hundred).
@@ -187,6 +184,8 @@ def byte_balanced_ranges(sizes: ModelSizes, stages: int) -> list[LayerRange]:
 
     for k in range(1, stages + 1):
         for j in range(k, n + 1):
+            if n - tail <= j < n:  # a cut there would part the tail from the trunk's end
+                continue
             for i in range(k - 1, j):
                 if best[k - 1][i] == inf:
                     continue
@@ -201,24 +200,12 @@ def byte_balanced_ranges(sizes: ModelSizes, stages: int) -> list[LayerRange]:
     return ranges[::-1]
 
 
-def with_nextn_tail(ranges: list[LayerRange], layer_count: int) -> list[LayerRange]:
-    """Ranges planned over a model's trunk, as ranges of its ``layer_count`` layers: the
-    final stage also takes the NextN layers after the trunk."""
-    n = len(ranges)
-    return [
-        LayerRange(r.start, layer_count if i == n - 1 else r.stop, layer_count)
-        for i, r in enumerate(ranges)
-    ]
-
-
 def plan_stages(sizes: ModelSizes, stages: int, balance: Balance = "layers") -> list[StagePlan]:
-    trunk = sizes.trunk()
     ranges = (
-        byte_balanced_ranges(trunk, stages)
+        byte_balanced_ranges(sizes, stages)
         if balance == "bytes"
-        else even_ranges(trunk.layer_count, stages)
+        else even_ranges(sizes.layer_count, stages, sizes.tail_layers)
     )
-    ranges = with_nextn_tail(ranges, sizes.layer_count)
     return [
         StagePlan(
             i, r, sizes.stage_bytes(r), sizes.tied_embeddings, sizes.stage_active_bytes(r)

@@ -24,9 +24,9 @@ from skippy.constants import (
     ROLE_PROJECTOR,
 )
 from skippy.errors import ManifestError, UsageError
-from skippy.generation.schema import declared_nextn_layers
 from skippy.package.manifest import ArtifactRef, PackageManifest
 from skippy.package.ownership import owner_of
+from skippy.package.plan import tail_layers
 from skippy.package.ranges import LayerRange
 from skippy.package.v2_view import ManifestV2
 
@@ -115,7 +115,7 @@ def head_embeddings(m: PackageManifest) -> bool:
     """Whether the final stage holds the token embeddings: a tied model's projects logits
     through them, and a NextN draft head (``generation`` names native-MTP layers) embeds the
     token it drafts after with them."""
-    return m.tied_embeddings or bool(declared_nextn_layers(m.generation))
+    return m.tied_embeddings or tail_layers(m.layer_count, m.generation) > 0
 
 
 def _needs(name: str, layer: int | None, layers: LayerRange, tied: bool) -> bool:

@@ -285,16 +285,18 @@ def plan_topology(
                 path=first_node,
             )
         ranked = [pinned] + [n for n in ranked if n is not pinned]
+    # each stage needs a trunk layer: NextN layers go with the final stage
+    cuttable = sizes.layer_count - sizes.tail_layers
     if stages is not None:
-        if not 1 <= stages <= min(len(ranked), sizes.trunk_count):
+        if not 1 <= stages <= min(len(ranked), cuttable):
             raise TopologyError(
-                f"{stages} stages need 1..{min(len(ranked), sizes.trunk_count)} (capable nodes "
-                f"{len(ranked)}, layers {sizes.trunk_count} besides any NextN layers)",
+                f"{stages} stages need 1..{min(len(ranked), cuttable)} (capable nodes "
+                f"{len(ranked)}, layers {sizes.layer_count})",
                 code="topology_stage_count",
             )
         counts = [stages]
     else:
-        top = min(len(ranked), sizes.trunk_count)
+        top = min(len(ranked), cuttable)
         counts = list(range(top, 0, -1))
     first_failure: TopologyError | None = None
     for count in counts:

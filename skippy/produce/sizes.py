@@ -15,12 +15,11 @@ from skippy.constants import (
     ROLE_OUTPUT,
 )
 from skippy.errors import ModelError
-from skippy.generation.schema import declared_nextn_layers
 from skippy.gguf.writer import fragment_bytes
 from skippy.package.experts import active_layer_bytes, routed_layer_bytes
 from skippy.package.manifest import PackageManifest
 from skippy.package.ownership import has_tied_embeddings
-from skippy.package.plan import ModelSizes
+from skippy.package.plan import ModelSizes, tail_layers
 from skippy.package.v2_view import ManifestV2
 from skippy.produce.fragments import plan_fragments
 from skippy.produce.inspect import arch_int
@@ -45,7 +44,7 @@ def sizes_from_manifest(m: PackageManifest) -> ModelSizes:
         embeddings_bytes=m.shared.embeddings.artifact_bytes,
         output_bytes=m.shared.output.artifact_bytes,
         tied_embeddings=m.tied_embeddings,
-        nextn_layers=nextn_tail(m),
+        tail_layers=tail_layers(m.layer_count, m.generation),
     )
 
 
@@ -67,17 +66,8 @@ def _sizes_v2(m: ManifestV2) -> ModelSizes:
         embeddings_bytes=common,
         output_bytes=0,
         tied_embeddings=True,
-        nextn_layers=nextn_tail(m),
+        tail_layers=tail_layers(m.layer_count, m.generation),
     )
-
-
-def nextn_tail(m: PackageManifest) -> int:
-    """How many of the package's last layers its generation defaults name as NextN layers
-    (0 unless they are exactly the last ones: a split never cuts between them)."""
-    declared = declared_nextn_layers(m.generation)
-    n = m.layer_count
-    tail = len(declared)
-    return tail if 0 < tail < n and declared == frozenset(range(n - tail, n)) else 0
 
 
 def sizes_from_source(path: Path) -> ModelSizes:
@@ -104,6 +94,7 @@ def sizes_from_source(path: Path) -> ModelSizes:
         }
         layers = tuple(size[(ROLE_LAYER, i)] for i in range(n))
         experts = source_experts(src)
+        nextn = arch_int(src.head, "nextn_predict_layers") or 0
         return ModelSizes(
             layer_bytes=layers,
             metadata_bytes=size[(ROLE_METADATA, None)],
@@ -112,6 +103,7 @@ def sizes_from_source(path: Path) -> ModelSizes:
             tied_embeddings=has_tied_embeddings(t.info.name for t in src.tensors),
             layer_active_bytes=active_layer_bytes(layers, experts) if experts.moe else (),
             layer_expert_bytes=routed_layer_bytes(n, experts) if experts.moe else (),
+            tail_layers=nextn if 0 < nextn < n else 0,
         )
 
 

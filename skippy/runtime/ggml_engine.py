@@ -37,7 +37,7 @@ import numpy.typing as npt
 from skippy.gguf import ggml
 from skippy.gguf.ggml import GgmlInitParams, GgmlTensorStruct, GgmlType, tensor_struct
 from skippy.runtime.backend import CpuBackend, GraphRunner
-from skippy.runtime.boundary import StageNotLoaded, StageUnsupported
+from skippy.runtime.boundary import StageNotLoaded
 from skippy.runtime.device_backend import DeviceBackend
 from skippy.runtime.devices import (
     CPU,
@@ -47,7 +47,7 @@ from skippy.runtime.devices import (
     list_devices,
     place_tensors,
 )
-from skippy.runtime.families import family_of
+from skippy.runtime.families import family_of, layer_tensors
 from skippy.runtime.families.base import T
 from skippy.runtime.graph import Attention, GraphBuilder, LayerWeights
 from skippy.runtime.graph_shapes import kv_length, prefill_rows
@@ -416,6 +416,9 @@ class GgmlStage(StageBase[_KvCache]):
     def _setup(self) -> None:
         g, spec = self.g, self.spec
         self._family = family_of(spec.arch)
+        # the layers this stage's graphs run and cache: a final stage's NextN layers are
+        # held for native MTP drafting, never run by the trunk (llama.cpp's builders)
+        self._trunk = spec.trunk_layers(self.layers.start, self.layers.stop)
         w = self._loaded()
         head = tensor_name(T.OUTPUT) if self.layers.owns_output else None
         self._kv_cells = kv_length(self.config.n_ctx)  # a session's cache, as llama.cpp pads it
@@ -438,15 +441,6 @@ class GgmlStage(StageBase[_KvCache]):
             self._tensors = dev.place_weights(w, placement, tied_head=head)
         self.placement = placement
         self._layer_weights = {il: self._layer(il) for il in self.layers}
-        # the layers the forward pass runs; a final stage's NextN blocks are the draft head's
-        self._trunk = [il for il in self.layers if not spec.is_nextn(il)]
-        if not self._trunk:
-            raise StageUnsupported(
-                f"stage {self.layers} holds only NextN (draft head) layers; they go with the "
-                "final trunk layer's stage",
-                code="nextn_only_stage",
-                actual=str(self.layers),
-            )
         self._nextn: tuple[int, NextnWeights] | None = self._nextn_head()
         self._built_hidden: int | None = None  # the last _build's normed output (NextN)
         # batched decode graphs by their sessions' caches (in batch order), newest last
@@ -454,7 +448,7 @@ class GgmlStage(StageBase[_KvCache]):
         # per weight type, the batch widths multiplied as [k, B] (found at the first build)
         self._gemm_exact: dict[int, frozenset[int]] | None = None
         self._layouts = [0, 0]
-        n_graph = self._tensors_per_layer() * len(self.layers) + _TENSORS_FIXED
+        n_graph = self._tensors_per_layer() * len(self._trunk) + _TENSORS_FIXED
         self._graph_size = max(ggml.GGML_DEFAULT_GRAPH_SIZE, n_graph)
         self._graph_mem = g.ggml_tensor_overhead() * 2 * self._graph_size + (
             g.ggml_graph_overhead_custom(self._graph_size, False)
@@ -492,7 +486,7 @@ class GgmlStage(StageBase[_KvCache]):
         block here, or the block lacks what the head reads: ``nextn_unavailable`` says
         why)."""
         self.nextn_unavailable: str | None = None
-        blocks = [il for il in self.layers if self.spec.is_nextn(il)]
+        blocks = [il for il in self.layers if il >= self.spec.n_trunk]
         if not blocks:
             self.nextn_unavailable = "the stage holds no NextN layer"
             return None
@@ -504,6 +498,12 @@ class GgmlStage(StageBase[_KvCache]):
                 "model tensor to use instead"
             )
             return None
+
+    def _cached(self) -> list[int]:
+        """The layers a session caches K/V for: the trunk's, and the first NextN layer's on
+        a final stage that holds one (the draft head's own cache)."""
+        head = [il for il in self.layers if il >= self.spec.n_trunk][:1]
+        return [*self._trunk, *head]
 
     def _take_hidden(self) -> int | None:
         """The normed output tensor the last ``_build`` kept for the head (once)."""
@@ -525,14 +525,14 @@ class GgmlStage(StageBase[_KvCache]):
         return self._backend.threads_now if self._backend is not None else self.config.n_threads
 
     def _layer(self, il: int) -> LayerWeights:
-        names = [s.name for s in self._family.layer_tensors(self.spec, il)]
+        names = [s.name for s in layer_tensors(self.spec, il, self.vocab)]
         return LayerWeights(il, {n: self._tensors[n] for n in names if n in self._tensors})
 
     # --- sessions --------------------------------------------------------------------------------
     def _new_session(self) -> _KvCache:
         g, spec, cells = self.g, self.spec, self._kv_cells
         params = GgmlInitParams(
-            mem_size=g.ggml_tensor_overhead() * (2 * len(self.layers) + 1),
+            mem_size=g.ggml_tensor_overhead() * (2 * len(self._cached()) + 1),
             mem_buffer=None,
             no_alloc=True,
         )
@@ -540,11 +540,11 @@ class GgmlStage(StageBase[_KvCache]):
         try:
             k = {
                 il: _ok(g.ggml_new_tensor_2d(ctx, GgmlType.F16, spec.kv_dim, cells), "k")
-                for il in self.layers
+                for il in self._cached()
             }
             v = {
                 il: _ok(g.ggml_new_tensor_2d(ctx, GgmlType.F16, cells, spec.kv_dim), "v")
-                for il in self.layers
+                for il in self._cached()
             }
             buffer = _ok(
                 g.ggml_backend_alloc_ctx_tensors_from_buft(ctx, self._buffer_type()),
@@ -637,7 +637,7 @@ class GgmlStage(StageBase[_KvCache]):
             rows=rows,
             mm=lambda weight, a: self._mm(ctx, weight, a),
             attend=attend,
-            last_layer=self._trunk[-1],
+            last_layer=self._trunk.stop - 1,
             keep=keep if self.layers.owns_output else None,
             freq_factors=self._tensors.get(tensor_name(T.ROPE_FREQS)),
             attn_temp=attn_temp,
@@ -1013,7 +1013,7 @@ class GgmlStage(StageBase[_KvCache]):
         self._layouts = [0, 0]  # [k, B] / broadcast matmuls of this build (_mm counts them)
         size = max(
             ggml.GGML_DEFAULT_GRAPH_SIZE,
-            (self._tensors_per_layer() + _TENSORS_PER_MEMBER * b) * len(self.layers)
+            (self._tensors_per_layer() + _TENSORS_PER_MEMBER * b) * len(self._trunk)
             + _TENSORS_FIXED,
         )
         mem = g.ggml_tensor_overhead() * 2 * size + g.ggml_graph_overhead_custom(size, False)
@@ -1117,7 +1117,7 @@ class GgmlStage(StageBase[_KvCache]):
         """The attention masks ``layers`` (default: this stage's) use: None = full causal,
         N = sliding."""
         windows: list[int | None] = []
-        for il in self.layers if layers is None else layers:
+        for il in self._trunk if layers is None else layers:
             w = _window(self.spec, il)
             if w not in windows:
                 windows.append(w)
@@ -1125,4 +1125,4 @@ class GgmlStage(StageBase[_KvCache]):
 
     # --- introspection -----------------------------------------------------------------------
     def kv_bytes_per_session(self) -> int:
-        return 2 * 2 * len(self.layers) * self.spec.kv_dim * self._kv_cells
+        return 2 * 2 * len(self._cached()) * self.spec.kv_dim * self._kv_cells

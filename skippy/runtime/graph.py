@@ -22,16 +22,12 @@ from gguf import MODEL_TENSOR
 
 from skippy.gguf import ggml
 from skippy.gguf.ggml import GGML_ROPE_TYPE_NEOX, GGML_ROPE_TYPE_NORMAL, tensor_struct
-from skippy.runtime.model import ModelSpec, tensor_name
+from skippy.runtime.model import ExpertGating, ModelSpec, tensor_name
 
 # YaRN parameters that disable YaRN (ggml.h, ggml_rope_ext); llama.cpp passes these values
 # when the model has no YaRN scaling.
 _EXT_FACTOR, _ATTN_FACTOR, _BETA_FAST, _BETA_SLOW = 0.0, 1.0, 32.0, 1.0
 GatedActivation = Literal["silu", "gelu"]
-# How a token's router logits become its experts' weights: "softmax" over every expert, the
-# picked experts' probabilities; "softmax_weight" (gpt-oss) the experts picked by their raw
-# logits, a softmax over the picked ones only.
-ExpertGating = Literal["softmax", "softmax_weight"]
 # The experts' gated activation: SiLU, or gpt-oss's clamped SwiGLU (``ggml_swiglu_oai``).
 ExpertActivation = Literal["silu", "swiglu_oai"]
 # gpt-oss's clamped SwiGLU (gate clamped above and up to [-limit, limit], then
@@ -76,10 +72,13 @@ class LayerWeights:
 
 @dataclass(frozen=True)
 class ExpertBiases:
-    """Biases of a MoE block where the model has them (gpt-oss): the router's ``[n_expert]``,
-    and each expert's gate/up ``[n_ff_exp, n_expert]`` and down ``[n_embd, n_expert]``."""
+    """Biases of a MoE block where the model has them: the router's ``[n_expert]``, and each
+    expert's gate/up ``[n_ff_exp, n_expert]`` and down ``[n_embd, n_expert]`` (gpt-oss);
+    ``selection`` (``exp_probs_b``, deepseek-v3, glm4moe) ``[n_expert]`` is added to the
+    gate's probabilities only to choose the experts: the weights stay unbiased."""
 
     router: int | None = None
+    selection: int | None = None
     up: int | None = None
     gate: int | None = None
     down: int | None = None
@@ -193,7 +192,7 @@ class GraphBuilder:
             x,
             self.pos,
             self.freq_factors,
-            spec.head_dim,
+            spec.rope_dims,  # the first dims only where the model rotates part of the head
             mode,
             spec.context_length if yarn is None else yarn.n_ctx_orig,
             spec.rope_base_for(il),
@@ -273,6 +272,7 @@ class GraphBuilder:
         gating: ExpertGating = "softmax",
         biases: ExpertBiases | None = None,
         act: ExpertActivation = "silu",
+        weight_scale: float = 1.0,
     ) -> int:
         """A mixture of experts with softmax gating (llama.cpp's ``build_moe_ffn`` as qwen3moe
         calls it: LLM_FFN_SILU, LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX). Each token's router
@@ -284,7 +284,10 @@ class GraphBuilder:
         (the router goes through the engine's matmul: per column in a batch). ``gating``,
         ``biases`` (each added where llama.cpp adds it: ``ggml_add_id`` for the experts') and
         ``act`` give gpt-oss's variant (LLM_FFN_SWIGLU_OAI_MOE,
-        LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX_WEIGHT)."""
+        LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX_WEIGHT). ``gating="sigmoid"`` with
+        ``biases.selection`` and ``weight_scale`` (``expert_weights_scale``: the weights
+        times it after any normalisation, unless it is 0 or 1, as llama.cpp skips it) give
+        deepseek-v3's and glm4moe's routing (LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID)."""
         g, ctx = self.g, self.ctx
         ne = tensor_struct(x).ne
         n_embd, n_tokens, batched = int(ne[0]), int(ne[1]) * int(ne[2]), int(ne[2]) > 1
@@ -296,8 +299,15 @@ class GraphBuilder:
         if bias.router is not None:
             logits = g.ggml_add(ctx, logits, bias.router)
         # [n_expert, n_tokens]
-        probs = g.ggml_soft_max(ctx, logits) if gating == "softmax" else logits
-        selected = g.ggml_argsort_top_k(ctx, probs, n_expert_used)  # [n_used, n_tokens] I32
+        if gating == "softmax":
+            probs = g.ggml_soft_max(ctx, logits)
+        elif gating == "sigmoid":
+            probs = g.ggml_sigmoid(ctx, logits)
+        else:
+            probs = logits
+        # the selection bias chooses the experts; their weights come from the unbiased probs
+        choose = probs if bias.selection is None else g.ggml_add(ctx, probs, bias.selection)
+        selected = g.ggml_argsort_top_k(ctx, choose, n_expert_used)  # [n_used, n_tokens] I32
         probs = g.ggml_reshape_3d(ctx, probs, 1, n_expert, n_tokens)
         weights = g.ggml_get_rows(ctx, probs, selected)  # [1, n_used, n_tokens]
         if gating == "softmax_weight":
@@ -311,6 +321,8 @@ class GraphBuilder:
             total = g.ggml_clamp(ctx, total, _MIN_WEIGHT_SUM, float("inf"))
             weights = g.ggml_div(ctx, weights, total)  # [n_used, n_tokens]
             weights = g.ggml_reshape_3d(ctx, weights, 1, n_expert_used, n_tokens)
+        if weight_scale not in (0.0, 1.0):
+            weights = g.ggml_scale(ctx, weights, weight_scale)
         g.ggml_build_forward_expand(self.gf, weights)
         cur = g.ggml_reshape_3d(ctx, x, n_embd, 1, n_tokens)
         up = g.ggml_mul_mat_id(ctx, up_exps, cur, selected)  # [n_ff_exp, n_used, n_tokens]

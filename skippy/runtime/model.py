@@ -30,6 +30,12 @@ LLAMA_HINT: Final = (
 RopeStyle = Literal["normal", "neox"]  # pairs (2i, 2i+1) | pairs (i, i + d/2)
 # the gated FFN's activation (the numpy reference reads it; ggml builders name their own)
 Activation = Literal["silu", "gelu_tanh"]
+# How a token's router logits become its experts' weights (llama.cpp's
+# llama_expert_gating_func_type): "softmax" over every expert, the picked experts'
+# probabilities; "sigmoid" (deepseek-v3, glm4moe) each expert's own sigmoid, the picked
+# ones'; "softmax_weight" (gpt-oss) the experts picked by their raw logits, a softmax over the
+# picked ones only.
+ExpertGating = Literal["softmax", "sigmoid", "softmax_weight"]
 
 # ggml types a weight matrix may have: ggml's CPU backend multiplies all of them and gguf-py
 # dequantizes all of them (the numpy reference). Norms, biases and rope factors are F32 (what
@@ -139,22 +145,36 @@ class ModelSpec:
     logit_scale: float | None = None
     # the picked experts' weights normalised to sum 1 (qwen3moe, Mixtral; not qwen2moe, olmoe)
     expert_weights_norm: bool = True
+    # the router's gating function, and the factor the picked experts' weights are multiplied
+    # by after any normalisation (``expert_weights_scale``; 0 and 1: none, as llama.cpp)
+    expert_gating: ExpertGating = "softmax"
+    expert_weights_scale: float = 1.0
+    # the head dimensions RoPE rotates, from the first (0: the whole head; glm4moe rotates
+    # half of it: ``rope.dimension_count``)
+    n_rot: int = 0
+    # the first layers run a dense FFN, the others experts (``leading_dense_block_count``)
+    n_layer_dense_lead: int = 0
+    # NextN/MTP layers after the trunk (``nextn_predict_layers``): counted in ``n_layer``
+    # (``block_count``, the package's layers) but never run by the trunk's graph; they live
+    # with the final stage, for native MTP drafting
+    n_layer_nextn: int = 0
     # a shared expert every token runs beside the routed ones (qwen2moe; 0: none): its width
     n_ff_shexp: int = 0
     # RoPE frequency scale of the sliding layers (llama.cpp's rope_freq_scale_train_swa:
     # 1.0 unless the family scales them too, as gpt-oss's YaRN does)
     rope_scale_swa: float = 1.0
-    # NextN / multi-token-prediction blocks (GLM-4.5, DeepSeek-V3: ``nextn_predict_layers``):
-    # the last ``n_nextn`` of the ``n_layer`` layers are the draft head's, never the trunk's
-    n_nextn: int = 0
-
     @property
     def n_trunk(self) -> int:
-        """The layers the forward pass runs: every layer but the NextN blocks."""
-        return self.n_layer - self.n_nextn
+        """The layers the trunk runs: all but the NextN layers after them."""
+        return self.n_layer - self.n_layer_nextn
 
-    def is_nextn(self, layer: int) -> bool:
-        return layer >= self.n_trunk
+    @property
+    def rope_dims(self) -> int:
+        return self.n_rot or self.head_dim
+
+    def trunk_layers(self, start: int, stop: int) -> range:
+        """The layers of ``start..stop`` the trunk's graph runs (NextN layers excluded)."""
+        return range(start, min(stop, self.n_trunk))
 
     @property
     def q_dim(self) -> int:

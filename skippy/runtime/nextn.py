@@ -2,7 +2,7 @@
 hidden state and the next token (llama.cpp's ``graph_mtp`` of ``src/models/glm4-moe.cpp``).
 
 A package whose family carries NextN blocks (GLM-4.5's ``blk.{L-1}.nextn.*``; ModelSpec's
-``n_nextn``) keeps them as its last layers; the trunk never runs them. The final stage holds
+``n_layer_nextn``) keeps them as its last layers; the trunk never runs them. The final stage holds
 them and, per draft, computes for position ``p``::
 
     e = enorm(embed(x_p))            # the token at p: the pending one, or a committed one

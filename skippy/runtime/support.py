@@ -32,6 +32,7 @@ STAGE_FAMILIES: Final = (  # == the registry's
     "phi3",
     "mistral3",
     "gpt-oss",
+    "glm4moe",
 )
 # The families whose files may hold experts (llama: Mixtral; a file with experts of any
 # other family is refused).
@@ -43,6 +44,7 @@ STAGE_MOE_FAMILIES: Final[tuple[str, ...]] = (
     "granitemoe",
     "phimoe",
     "gpt-oss",
+    "glm4moe",
 )
 UNSUPPORTED: Final = "unsupported_architecture"  # the runtime's own code for both refusals
 

@@ -44,7 +44,7 @@ from skippy.package.experts import summarize
 from skippy.package.ownership import owner_of
 from skippy.package.ranges import LayerRange
 from skippy.runtime.boundary import StageLoad, StageUnsupported
-from skippy.runtime.families import spec_from_metadata, stage_tensors
+from skippy.runtime.families import check_stage_layers, spec_from_metadata, stage_tensors
 from skippy.runtime.model import MAX_VOCAB, ModelSpec, TensorSpec, describe_allowed, type_name
 
 # ggml's CPU backend needs every tensor it reads 32-byte aligned (TENSOR_ALIGNMENT).
@@ -351,6 +351,7 @@ def _open_stage(stage: StageLoad) -> StageWeights:
                 expected=stage.layers.layer_count,
                 actual=spec.n_layer,
             )
+        check_stage_layers(spec, stage.layers)
         found = _collect(stage, files, spec.arch)
         vocab = _vocab_rows(found, files)
         owns_output = stage.layers.owns_output

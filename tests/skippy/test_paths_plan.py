@@ -8,7 +8,13 @@ import os
 import pytest
 
 from skippy.errors import UnsafePath, UsageError
-from skippy.package.plan import ModelSizes, byte_balanced_ranges, even_ranges, plan_stages
+from skippy.package.plan import (
+    ModelSizes,
+    byte_balanced_ranges,
+    even_ranges,
+    plan_stages,
+    tail_layers,
+)
 from skippy.package.ranges import LayerRange, parse_layer_range
 from skippy.paths import check_relative_path, resolve_under
 
@@ -137,6 +143,44 @@ def test_byte_balance_is_optimal(tied, stages):
     assert max(sizes.stage_bytes(r) for r in ranges) == _brute_force_best(sizes, stages)
     plan = plan_stages(sizes, stages, "bytes")
     assert sum(len(s.layers) for s in plan) == 8
+
+
+def test_even_ranges_keep_the_nextn_tail_with_the_final_stage():
+    # 5 trunk layers and 1 NextN layer: the trunk is split, the last stage takes the tail
+    ranges = even_ranges(6, 3, tail=1)
+    assert [(r.start, r.stop) for r in ranges] == [(0, 2), (2, 4), (4, 6)]
+    assert [(r.start, r.stop) for r in even_ranges(6, 5, tail=1)][-1] == (4, 6)
+    with pytest.raises(UsageError) as exc:
+        even_ranges(6, 6, tail=1)  # a stage of the NextN layer alone
+    assert exc.value.code == "stage_count_exceeds_layer_count"
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3, 4])
+def test_byte_balance_never_cuts_between_the_trunk_and_its_tail(stages):
+    # the tail layer is tiny: without the rule the cheapest split would give it a stage
+    layer_bytes = (5, 9, 2, 7, 7, 30, 1)
+    sizes = ModelSizes(layer_bytes, 2, 11, 6, tail_layers=1)
+    ranges = byte_balanced_ranges(sizes, stages)
+    assert ranges[-1].stop == 7 and ranges[-1].start <= 5
+    best = None
+    for cuts in itertools.combinations(range(1, 6), stages - 1):
+        bounds = [0, *cuts, 7]
+        worst = max(sizes.stage_bytes(LayerRange(a, b, 7)) for a, b in itertools.pairwise(bounds))
+        best = worst if best is None else min(best, worst)
+    assert max(sizes.stage_bytes(r) for r in ranges) == best
+    free = byte_balanced_ranges(ModelSizes(layer_bytes, 2, 11, 6), 4)
+    assert free[-1].start == 6  # what the tail rule prevents
+
+
+def test_the_tail_is_read_from_the_native_mtp_layers_of_the_generation_object():
+    def gen(indices, kind="native-mtp"):
+        proposer = {"type": kind, "prediction_depth": 1, "layer_indices": indices}
+        return {"speculative_decoding": {"proposers": {"mtp": proposer}}}
+
+    assert tail_layers(93, gen([92])) == 1
+    assert tail_layers(93, gen([91])) == 0  # not the last layer: nothing to keep together
+    assert tail_layers(93, gen([92], kind="ngram")) == 0
+    assert tail_layers(93, None) == tail_layers(93, {}) == 0
 
 
 def test_stage_bytes_counts_boundaries():

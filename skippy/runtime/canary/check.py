@@ -51,20 +51,25 @@ class Case:
         return f"{len(self.ranges)} stage(s) {'|'.join(self.ranges)}, chunks of {self.n_batch}"
 
 
-def layouts(layer_count: int) -> list[tuple[str, ...]]:
-    """One stage, three stages (as even as the layers allow), one stage per layer."""
-    n = layer_count
-    one = (f"0..{n}",)
+def layouts(layer_count: int, trunk: int | None = None) -> list[tuple[str, ...]]:
+    """One stage, three stages (as even as the layers allow), one stage per layer. Where
+    the model has NextN layers after a ``trunk`` of fewer layers, the cuts fall in the
+    trunk and the final stage holds the NextN layers too (where the runtime wants them)."""
+    n = layer_count if trunk is None else trunk
     cuts = sorted({0, max(1, n // 3), max(2, 2 * n // 3), n})
-    three = tuple(f"{a}..{b}" for a, b in itertools.pairwise(cuts) if a < b)
-    per_layer = tuple(f"{i}..{i + 1}" for i in range(n))
-    return [one, three, per_layer]
+    three = [(a, b) for a, b in itertools.pairwise(cuts) if a < b]
+    per_layer = [(i, i + 1) for i in range(n)]
+    out = []
+    for ranges in ([(0, n)], three, per_layer):
+        ranges[-1] = (ranges[-1][0], layer_count)
+        out.append(tuple(f"{a}..{b}" for a, b in ranges))
+    return out
 
 
-def default_cases(layer_count: int) -> list[Case]:
+def default_cases(layer_count: int, trunk: int | None = None) -> list[Case]:
     """Every layout with every chunk size of ``CHUNKS``, once each."""
     out = []
-    for i, ranges in enumerate(layouts(layer_count)):
+    for i, ranges in enumerate(layouts(layer_count, trunk)):
         for j, chunk in enumerate(CHUNKS):
             if (i + j) % len(CHUNKS) == 0 or len(ranges) == 1:
                 out.append(Case(ranges, chunk))
@@ -388,11 +393,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     worst = 0.0
     for dtype in args.dtype or list(spec.dtypes):
         model, pkg = package_model(spec, dtype, args.dir)
-        layers = spec.dims().n_layers
+        layers, trunk = spec.layer_count(), spec.dims().n_layers
         for n in (SHORT_PROMPT, LONG_PROMPT):
             ids = synth.long_prompt(n, vocab=spec.dims().vocab)
             ref = oracle(model, ids)
-            for case in default_cases(layers):
+            for case in default_cases(layers, trunk):
                 diff = max_difference(stage_logits(pkg, ids, case), ref)
                 worst = max(worst, diff)
                 print(f"{spec.name} {dtype} {n} ids, {case.name}: max |diff| {diff:.3g}")

@@ -115,10 +115,10 @@ def certify(
     (``skippy.serving.replay.schedule``), which the failover check follows."""
     model, pkg = check.package_model(spec, dtype, root)
     d = spec.dims()
-    layers, vocab = d.n_layers, d.vocab
+    layers, vocab = spec.layer_count(), d.vocab
     prompts = [synth.long_prompt(n, vocab=vocab) for n in (check.SHORT_PROMPT, check.LONG_PROMPT)]
-    cases = check.default_cases(layers)
-    three = check.Case(check.layouts(layers)[1], 128)
+    cases = check.default_cases(layers, d.n_layers)
+    three = check.Case(check.layouts(layers, d.n_layers)[1], 128)
 
     def rec(name: str, diff: float, bound: float, reason: str, ran: str) -> Record:
         return Record(

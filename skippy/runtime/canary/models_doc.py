@@ -35,11 +35,11 @@ EXAMPLES: Final[dict[str, str]] = {
     "granitemoe": "Granite 3.x MoE (1B-A400M, 3B-A800M)",
     "phimoe": "Phi-3.5-MoE",
     "gpt-oss": "gpt-oss-20b, gpt-oss-120b",
+    "glm4moe": "GLM-4.5, GLM-4.5-Air, GLM-4.6, GLM-4.7",
 }
 # llama.cpp families with no synthetic model and no builder here yet.
 NOT_BUILT: Final[dict[str, str]] = {
     "deepseek2": "DeepSeek-V2/V3, Kimi K2",
-    "glm4moe": "GLM-4.5",
     "llama4": "Llama 4 Scout, Maverick",
 }
 

@@ -140,6 +140,14 @@ class Dims:
         return 2 * self.ff
 
     @property
+    def embd2(self) -> int:  # a NextN layer's [embedding, hidden state] input
+        return 2 * self.embd
+
+    @property
+    def half_head(self) -> int:  # glm4moe's RoPE rotates half of the head
+        return self.head_dim // 2
+
+    @property
     def expert(self) -> int:
         return self.n_expert
 
@@ -199,10 +207,30 @@ class FamilySpec:
     n_head_kv: int | None = None  # None: Dims' (GQA)
     exercises: str = ""  # what the model checks, for the docs and test ids
     extra_dtypes: tuple[str, ...] = ()  # beyond DTYPES: the family's own (MXFP4 for gpt-oss)
+    # the first ``dense_lead`` layers hold ``dense_layer`` instead of ``layer`` (glm4moe's
+    # leading dense blocks)
+    dense_lead: int = 0
+    dense_layer: tuple[TensorSpec, ...] = ()
+    # one NextN/MTP layer after the ``n_layers`` of the trunk, holding ``layer`` and these
+    # (empty: none); ``block_count`` then counts it
+    nextn: tuple[TensorSpec, ...] = ()
 
     @property
     def arch_name(self) -> str:
         return gguf.MODEL_ARCH_NAMES[self.arch]
+
+    @property
+    def n_nextn(self) -> int:
+        return 1 if self.nextn else 0
+
+    def layer_count(self, base: Dims | None = None) -> int:
+        """The package's layers: the trunk's and the NextN layers after it."""
+        return self.dims(base).n_layers + self.n_nextn
+
+    def layer_tensors(self, il: int, d: Dims) -> tuple[TensorSpec, ...]:
+        if il >= d.n_layers:
+            return (*self.layer, *self.nextn)
+        return self.dense_layer if il < self.dense_lead else self.layer
 
     @property
     def dtypes(self) -> tuple[str, ...]:
@@ -277,6 +305,15 @@ GRANITE_SCALES: dict[str, SpecValue] = {
 }
 SLIDING_WINDOW = 128  # shorter than the long prompt: the window must cut in
 
+
+# glm4moe's attention block, in its dense and its MoE layers alike
+GLM4MOE_ATTN = (
+    _norm(T.ATTN_NORM),
+    *ATTN,
+    *QKV_BIAS,
+    *HEAD_QK_NORM,
+    _norm(T.ATTN_POST_NORM),  # the FFN's input norm
+)
 
 FAMILIES: tuple[FamilySpec, ...] = (
     # --- today's dense four ---
@@ -514,6 +551,47 @@ FAMILIES: tuple[FamilySpec, ...] = (
             "MXFP4 experts"
         ),
     ),
+    FamilySpec(
+        "glm4moe",
+        A.GLM4_MOE,
+        UNTIED,
+        (
+            *GLM4MOE_ATTN,
+            *EXPERTS,
+            _bias(T.FFN_EXP_PROBS_B, "expert"),
+            _t(T.FFN_GATE_SHEXP, "embd", "ff_shexp"),
+            _t(T.FFN_UP_SHEXP, "embd", "ff_shexp"),
+            _t(T.FFN_DOWN_SHEXP, "ff_shexp", "embd"),
+        ),
+        kv={
+            K.LLM.EXPERT_FEED_FORWARD_LENGTH: Dim("ff_exp"),
+            K.LLM.EXPERT_SHARED_COUNT: 2,  # the shared expert is ff_shexp = 2 x ff_exp wide
+            K.LLM.EXPERT_GATING_FUNC: 2,  # sigmoid
+            K.LLM.EXPERT_WEIGHTS_NORM: True,
+            K.LLM.EXPERT_WEIGHTS_SCALE: 2.5,  # GLM-4.5's routed scaling factor
+            K.Rope.DIMENSION_COUNT: Dim("half_head"),
+            # YaRN (factor 4 over an original context of 128, which the long prompt runs
+            # past) on the rotated half of each head; the loader reads no beta keys
+            K.Rope.SCALING_TYPE: "yarn",
+            K.Rope.SCALING_FACTOR: 4.0,
+            K.Rope.SCALING_ORIG_CTX_LEN: 128,
+        },
+        moe=MoE(16, 4),
+        dense_lead=1,
+        dense_layer=(*GLM4MOE_ATTN, *FFN),
+        nextn=(
+            _t(T.NEXTN_EH_PROJ, "embd2", "embd"),
+            _norm(T.NEXTN_ENORM),
+            _norm(T.NEXTN_HNORM),
+            _norm(T.NEXTN_SHARED_HEAD_NORM),
+        ),
+        exercises=(
+            "a leading dense layer, then 16 experts top-4 by sigmoid scores with a "
+            "selection-only bias, normalised weights times 2.5 and a shared expert; q/k/v "
+            "biases, per-head q/k norms, NEOX RoPE over half the head with YaRN; one NextN "
+            "layer after the trunk, held by the final stage and never run by it"
+        ),
+    ),
 )
 FAMILY_NAMES: tuple[str, ...] = tuple(f.name for f in FAMILIES)
 
@@ -577,6 +655,11 @@ def model_metadata(spec: FamilySpec, d: Dims, dtype: Dtype) -> dict[str, Metadat
     if spec.moe is not None:
         kv[K.LLM.EXPERT_COUNT] = Dim("n_expert")
         kv[K.LLM.EXPERT_USED_COUNT] = Dim("n_expert_used")
+    if spec.nextn:
+        kv[K.LLM.BLOCK_COUNT] = d.n_layers + spec.n_nextn
+        kv[K.LLM.NEXTN_PREDICT_LAYERS] = spec.n_nextn
+    if spec.dense_lead:
+        kv[K.LLM.LEADING_DENSE_BLOCK_COUNT] = spec.dense_lead
     kv.update(spec.kv)
     kv[K.General.FILE_TYPE] = int(_FILE_TYPES[dtype])
     if dtype not in ("F32", "F16"):
@@ -633,7 +716,8 @@ def plan(spec: FamilySpec, d: Dims, dtype: Dtype) -> list[PlannedTensor]:
     """Every tensor of the model, in file order, with its shape and type."""
     out: list[PlannedTensor] = []
     entries: list[tuple[TensorSpec, int | None]] = [(t, None) for t in spec.model]
-    entries += [(t, i) for i in range(d.n_layers) for t in spec.layer]
+    n_all = d.n_layers + spec.n_nextn
+    entries += [(t, i) for i in range(n_all) for t in spec.layer_tensors(i, d)]
     for t, layer in entries:
         name = t.name(layer)
         shape = tuple(d.size(s) for s in t.shape)

@@ -17,6 +17,7 @@ from skippy.runtime.boundary import StageUnsupported
 from skippy.runtime.families import (
     gemma2,
     gemma3,
+    glm4moe,
     gptoss,
     granite,
     granitemoe,
@@ -32,7 +33,7 @@ from skippy.runtime.families import (
     qwen3moe,
     smollm3,
 )
-from skippy.runtime.families.base import Family, T, nextn_tensors, tensor
+from skippy.runtime.families.base import Family, T, nextn_head_tensors, tensor
 from skippy.runtime.model import LLAMA_HINT, ModelSpec, TensorSpec
 from skippy.runtime.support import STAGE_FAMILIES, STAGE_MOE_FAMILIES
 
@@ -55,6 +56,7 @@ FAMILIES: Final[Mapping[str, Family]] = {
         phi3.FAMILY,
         mistral3.FAMILY,
         gptoss.FAMILY,
+        glm4moe.FAMILY,
     )
 }
 # ``inspect`` answers from skippy.runtime.support's table without importing the runtime: the
@@ -101,6 +103,37 @@ def spec_from_metadata(kv: Mapping[str, Any]) -> ModelSpec:
     return family.read(kv)
 
 
+def check_stage_layers(spec: ModelSpec, layers: LayerRange) -> None:
+    """A stage's layers where the model has NextN/MTP layers after its trunk: they go with
+    the final stage, which holds the last trunk layer and the output head too (a cut between
+    the trunk and them, or among them, would leave the trunk's end without its head, or a
+    stage that computes nothing). ``nextn_stage_cut`` otherwise."""
+    trunk = spec.n_trunk
+    if not spec.n_layer_nextn or not (layers.start >= trunk or trunk <= layers.stop < spec.n_layer):
+        return
+    raise StageUnsupported(
+        f"the stage {layers} cuts the model where its NextN/MTP layers "
+        f"{trunk}..{spec.n_layer} would leave the trunk's last layer ({trunk - 1}): they go "
+        "with the final stage",
+        code="nextn_stage_cut",
+        actual=str(layers),
+        remediation=f"end the last stage at layer {spec.n_layer} and start it at or before "
+        f"layer {trunk - 1}",
+    )
+
+
+def layer_tensors(spec: ModelSpec, il: int, vocab: int | None = None) -> list[TensorSpec]:
+    """Every tensor layer ``il`` may hold: a trunk layer's, or a NextN layer's (with the
+    vocabulary-sized ones where ``vocab`` is known)."""
+    family = family_of(spec.arch)
+    if il < spec.n_trunk:
+        return family.layer_tensors(spec, il)
+    if family.nextn_tensors is not None:
+        return family.nextn_tensors(spec, il, vocab)
+    # a NextN block of a family with no plan of its own: its layer plus the head's tensors
+    return [*family.layer_tensors(spec, il), *nextn_head_tensors(spec, il, vocab)]
+
+
 def stage_tensors(
     spec: ModelSpec, layers: LayerRange, *, vocab: int | None, tied: bool
 ) -> list[TensorSpec]:
@@ -111,13 +144,11 @@ def stage_tensors(
     out = family.model_tensors(spec)
     if vocab is not None and (layers.owns_input or (layers.owns_output and tied)):
         out.append(tensor(T.TOKEN_EMBD, None, (spec.width, vocab), "matrix"))
-    elif vocab is not None and any(spec.is_nextn(il) for il in layers):
+    elif vocab is not None and layers.stop > spec.n_trunk:
         # the NextN head embeds the next token (its block's own embed_tokens, else these)
         out.append(tensor(T.TOKEN_EMBD, None, (spec.width, vocab), "matrix", required=False))
     for il in layers:
-        out += family.layer_tensors(spec, il)
-        if spec.is_nextn(il):  # a NextN block: the family's layer plus the head's own
-            out += nextn_tensors(spec, il, vocab)
+        out += layer_tensors(spec, il, vocab)
     if layers.owns_output:
         out.append(tensor(T.OUTPUT_NORM, None, (spec.width,), "vector"))
         if family.output_biases:

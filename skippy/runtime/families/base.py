@@ -100,10 +100,10 @@ def expert_tensors(spec: ModelSpec, il: int) -> list[TensorSpec]:
     ]
 
 
-def nextn_tensors(spec: ModelSpec, il: int, vocab: int | None) -> list[TensorSpec]:
-    """The NextN tensors of block ``il`` besides the family's layer tensors: the three
-    llama.cpp requires (``eh_proj``, ``enorm``, ``hnorm``) and the optional own embeddings
-    and head (else the model's are used)."""
+def nextn_head_tensors(spec: ModelSpec, il: int, vocab: int | None) -> list[TensorSpec]:
+    """The NextN tensors of block ``il`` besides its layer's: the three llama.cpp requires
+    (``eh_proj``, ``enorm``, ``hnorm``), and the optional head norm and (sized by ``vocab``,
+    where known) own embeddings and head (else the model's are used)."""
     w = spec.width
     out = [
         tensor(T.NEXTN_EH_PROJ, il, (2 * w, w), "matrix"),
@@ -120,6 +120,8 @@ def nextn_tensors(spec: ModelSpec, il: int, vocab: int | None) -> list[TensorSpe
 
 
 LayerTensors = Callable[[ModelSpec, int], list[TensorSpec]]
+# (spec, il, vocab) -> a NextN/MTP layer's tensors (vocab-sized ones where vocab is known)
+NextnTensors = Callable[[ModelSpec, int, int | None], list[TensorSpec]]
 ModelTensors = Callable[[ModelSpec], list[TensorSpec]]
 BuildLayer = Callable[[GraphBuilder, LayerWeights, int, int], int]  # (b, w, il, x) -> x
 
@@ -147,6 +149,9 @@ class Family:
     # the numpy reference engine computes its layers (False: it refuses the family, with a
     # code, rather than compute it wrongly)
     numpy_reference: bool = True
+    # the tensors of its NextN/MTP layers after the trunk (None: the family has none); the
+    # trunk never runs them, the final stage holds them for native MTP drafting
+    nextn_tensors: NextnTensors | None = None
 
     @property
     def may_have_experts(self) -> bool:
@@ -237,17 +242,25 @@ def read_yarn(
 
 
 def _rope_scale(kv: Mapping[str, Any], arch: str, *, yarn: bool = False) -> float:
-    kind = kv.get(f"{arch}.rope.scaling.type", "none")
+    """The RoPE frequency scale as llama.cpp's loader and context derive it: a file without
+    ``rope.scaling.type`` is linear, scaled by 1 / ``rope.scaling.factor`` (or its older
+    spelling ``rope.scale_linear``; absent or 0: unscaled), computed in f32; ``none`` never
+    scales, whatever factor the file has."""
+    kind = kv.get(f"{arch}.rope.scaling.type", "linear")  # llama.cpp's default
     if kind == "yarn" and yarn:
         return 1.0  # read_decoder reads YaRN's own scale
-    if kind in ("none", None):
-        factor = kv.get(f"{arch}.rope.scale_linear")  # the older spelling of linear scaling
-        return 1.0 / read_float(kv, f"{arch}.rope.scale_linear") if factor else 1.0
+    if kind == "none":
+        return 1.0
     if kind == "linear":
-        factor = read_float(kv, f"{arch}.rope.scaling.factor")
-        if factor <= 0:
-            raise bad(f"{arch}.rope.scaling.factor must be positive", arch)
-        return 1.0 / factor
+        key = f"{arch}.rope.scaling.factor"
+        if key not in kv:
+            key = f"{arch}.rope.scale_linear"
+        factor = read_float(kv, key, 0.0)
+        if factor == 0.0:
+            return 1.0
+        if factor < 0:
+            raise bad(f"{key} must be positive", key)
+        return float(np.float32(1.0) / np.float32(factor))
     raise StageUnsupported(
         f"RoPE scaling {kind!r} is not implemented by the stage runtime for {arch} (only "
         f"none and linear{', and yarn' if yarn else ''})",
@@ -280,13 +293,15 @@ def read_decoder(
     attn_softcap: bool = False,
     yarn: bool = False,
     yarn_tuning_keys: bool = True,
+    partial_rope: bool = False,
 ) -> dict[str, Any]:
     """The hyperparameters of a decoder-only transformer every family here shares, as
     ``ModelSpec`` keyword arguments (a family adds or overrides its own). Without
     ``dense_ffn`` (a MoE family) the dense FFN width may be absent (0). A family whose
     attention soft-caps its scores (``attn_softcap``) gets the file's cap, and one that
     implements YaRN (``yarn``) its parameters (else both are refused; ``yarn_tuning_keys``:
-    ``read_yarn``'s)."""
+    ``read_yarn``'s). A family whose RoPE may rotate only the first ``rope.dimension_count``
+    dims of the head (``partial_rope``) gets them as ``n_rot``."""
     a = f"{arch}."
     n_layer = read_int(kv, a + "block_count", 1, MAX_LAYERS)
     width = read_int(kv, a + "embedding_length", 1, MAX_WIDTH)
@@ -298,13 +313,18 @@ def read_decoder(
     head_dim = read_int(kv, a + "attention.key_length", 2, MAX_HEAD_DIM, default=default_hd)
     v_dim = read_int(kv, a + "attention.value_length", 2, MAX_HEAD_DIM, default=head_dim)
     rope_dims = read_int(kv, a + "rope.dimension_count", 2, MAX_HEAD_DIM, default=head_dim)
-    if v_dim != head_dim or rope_dims != head_dim or head_dim % 2:
+    extra: dict[str, Any] = {}
+    rope_ok = rope_dims == head_dim or (partial_rope and rope_dims < head_dim)
+    if v_dim != head_dim or not rope_ok or head_dim % 2 or rope_dims % 2:
+        whole = "rotated whole" if not partial_rope else "rotated over an even part"
         raise StageUnsupported(
             f"head dims k={head_dim} v={v_dim} rope={rope_dims}: the stage runtime needs one "
-            "even head dimension, rotated whole",
+            f"even head dimension, {whole}",
             code="unsupported_hyperparameter",
             actual=arch,
         )
+    if rope_dims != head_dim:
+        extra["n_rot"] = rope_dims
     eps = read_float(kv, a + "attention.layer_norm_rms_epsilon")
     if not 0 < eps < 1:
         raise bad(f"rms epsilon {eps} is outside (0, 1)", arch)
@@ -312,7 +332,6 @@ def read_decoder(
     rope_base = read_float(kv, a + "rope.freq_base", 10000.0)
     if rope_base <= 0:
         raise bad("rope.freq_base must be positive", arch)
-    extra: dict[str, Any] = {}
     rope_scale = _rope_scale(kv, arch, yarn=yarn)
     if yarn and kv.get(a + "rope.scaling.type") == "yarn":
         rope_scale, extra["yarn"] = read_yarn(
@@ -353,8 +372,8 @@ def read_decoder(
         "embed_scale": None,
         "activation": "silu",
         "final_logit_softcap": softcap_value,
-        # llama.cpp reads the key for every architecture: its trunk is n_layer - n_nextn
-        "n_nextn": read_nextn(kv, arch, n_layer),
+        # llama.cpp reads the key for every architecture: its trunk is n_layer - n_layer_nextn
+        "n_layer_nextn": read_nextn(kv, arch, n_layer),
         **extra,
     }
 
@@ -362,16 +381,8 @@ def read_decoder(
 def read_nextn(kv: Mapping[str, Any], arch: str, n_layer: int) -> int:
     """How many of the ``n_layer`` layers are NextN (multi-token prediction) blocks, the
     last ones (``{arch}.nextn_predict_layers``, llama.cpp's ``n_layer_nextn``; 0 without the
-    key). The draft head runs one (``skippy.runtime.nextn``)."""
-    key = f"{arch}.nextn_predict_layers"
-    n = read_int(kv, key, 0, n_layer - 1, default=0)
-    if n > 1:
-        raise StageUnsupported(
-            f"{key} = {n}: the stage runtime's NextN draft head runs one block",
-            code="unsupported_nextn_depth",
-            actual=key,
-        )
-    return n
+    key). The draft head runs the first (``skippy.runtime.nextn``)."""
+    return read_int(kv, f"{arch}.nextn_predict_layers", 0, n_layer - 1, default=0)
 
 
 def read_experts(

@@ -104,7 +104,7 @@ def test_the_head_matches_a_numpy_reference_over_two_positions(
     pkg: Path, whole: StageChain
 ) -> None:
     stage: Any = whole.stages[-1]
-    assert stage.drafts and stage.spec.n_nextn == 1
+    assert stage.drafts and stage.spec.n_layer_nextn == 1
     drafts = [7, 11]
     whole.prefill("s", IDS)
     first = stage.draft("s", len(IDS), drafts[:1])  # the pending token after the prompt
@@ -144,7 +144,7 @@ def test_the_trunk_never_runs_the_nextn_block(pkg: Path) -> None:
 def test_a_stage_of_only_the_nextn_block_is_refused(pkg: Path) -> None:
     with pytest.raises(UsageError) as err, chain("ggml", pkg, ["0..4", "4..5"]):
         pass
-    assert err.value.code == "nextn_only_stage"
+    assert err.value.code == "nextn_stage_cut"
 
 
 @pytest.mark.parametrize("ranges", [[f"0..{LAYERS}"], ["0..2", f"2..{LAYERS}"]])
