@@ -24,6 +24,7 @@ import pytest
 pytest.importorskip("llama_cpp", reason="llama-cpp-python (and its libggml) is not installed")
 
 import gguf
+import synth_gguf
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType as V
 from pkgtools import make_package
@@ -272,9 +273,11 @@ def test_truncated_and_garbage_parts(load: StageLoad, tmp_path: Path) -> None:
         assert e.value.code in (code, "gguf_truncated")
 
 
-def test_unsupported_architecture_package(synth_dir, tmp_path: Path) -> None:
+def test_unsupported_architecture_package(tmp_path: Path) -> None:
+    # GLM's sparse-attention variant: an architecture the stage runtime does not run
+    src = synth_gguf.nextn_like(tmp_path / "glm-dsa.gguf", arch="glm-dsa")
     out = tmp_path / "nextn"
-    make_package(synth_dir.nextn, out, model_id="acme/glm-GGUF:Q8_0")
+    make_package(src, out, model_id="acme/glm-GGUF:Q8_0")
     with pytest.raises(SkippyError) as e:
         open_stage("ggml", stage_loads(out, ["0..4"])[0], StageConfig(n_ctx=16, n_threads=1))
     assert e.value.code == "unsupported_architecture" and e.value.exit_code == 2
