@@ -28,7 +28,7 @@ from __future__ import annotations
 import ctypes
 import logging
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Final
 
 import numpy as np
@@ -442,13 +442,16 @@ class GgmlStage(StageBase[_KvCache]):
         self.placement = placement
         self._layer_weights = {il: self._layer(il) for il in self.layers}
         self._nextn: tuple[int, NextnWeights] | None = self._nextn_head()
-        self._built_hidden: int | None = None  # the last _build's normed output (NextN)
+        # the last _build's normed output for the head, and its rows (NextN)
+        self._built_hidden: tuple[int, int] | None = None
         # batched decode graphs by their sessions' caches (in batch order), newest last
         self._batch_graphs: dict[tuple[int, ...], _BatchGraph] = {}
         # per weight type, the batch widths multiplied as [k, B] (found at the first build)
         self._gemm_exact: dict[int, frozenset[int]] | None = None
         self._layouts = [0, 0]
-        n_graph = self._tensors_per_layer() * len(self._trunk) + _TENSORS_FIXED
+        # a drafting stage's prefill graphs run their last layer twice (_build)
+        n_built = len(self._trunk) + (1 if self._nextn is not None else 0)
+        n_graph = self._tensors_per_layer() * n_built + _TENSORS_FIXED
         self._graph_size = max(ggml.GGML_DEFAULT_GRAPH_SIZE, n_graph)
         self._graph_mem = g.ggml_tensor_overhead() * 2 * self._graph_size + (
             g.ggml_graph_overhead_custom(self._graph_size, False)
@@ -505,8 +508,9 @@ class GgmlStage(StageBase[_KvCache]):
         head = [il for il in self.layers if il >= self.spec.n_trunk][:1]
         return [*self._trunk, *head]
 
-    def _take_hidden(self) -> int | None:
-        """The normed output tensor the last ``_build`` kept for the head (once)."""
+    def _take_hidden(self) -> tuple[int, int] | None:
+        """The normed output tensor the last ``_build`` kept for the head, and its rows
+        (once)."""
         hidden, self._built_hidden = self._built_hidden, None
         return hidden
 
@@ -642,17 +646,34 @@ class GgmlStage(StageBase[_KvCache]):
             freq_factors=self._tensors.get(tensor_name(T.ROPE_FREQS)),
             attn_temp=attn_temp,
         )
+        last = self._trunk.stop - 1
+        # a drafting stage's head reads every row's hidden state, not only the rows whose
+        # logits are wanted: the last layer runs a second time over every row (the kept rows'
+        # path, and so the logits, unchanged; the K/V it writes are the same values)
+        wide = self._nextn is not None and b.keep is not None and b.keep < rows
+        before_last = x
         for il in self._trunk:
+            before_last = x
             x = self._family.build_layer(b, self._layer_weights[il], il, x)
         if not self.layers.owns_output:
             return x
         t = self._tensors
-        hidden = b.output_norm(
-            x, t[tensor_name(T.OUTPUT_NORM)], t.get(tensor_name(T.OUTPUT_NORM, None, "bias"))
+        norm, norm_bias = (
+            t[tensor_name(T.OUTPUT_NORM)],
+            t.get(tensor_name(T.OUTPUT_NORM, None, "bias")),
         )
+        hidden = b.output_norm(x, norm, norm_bias)
         if self._nextn is not None:  # the head pairs it with the next token (llama.cpp's h_nextn)
-            self.g.ggml_set_output(hidden)
-            self._built_hidden = hidden
+            every, n = hidden, b.keep if b.keep is not None else rows
+            if wide:
+                all_rows = replace(b, keep=None)
+                x_all = self._family.build_layer(
+                    all_rows, self._layer_weights[last], last, before_last
+                )
+                every, n = all_rows.output_norm(x_all, norm, norm_bias), rows
+            self.g.ggml_set_output(every)
+            self.g.ggml_build_forward_expand(gf, every)
+            self._built_hidden = (every, n)
         return b.logits(
             hidden,
             _ok(self._head_weight(), "output head"),
@@ -719,6 +740,8 @@ class GgmlStage(StageBase[_KvCache]):
                 if g.ggml_get_data(t) is not None:  # an input no node reads has no buffer
                     g.ggml_backend_tensor_set(t, data.ctypes.data, 0, data.nbytes)
             runner.compute(gf)
+            if final and built_hidden is not None:
+                self._keep_hidden(state, built_hidden, start, n, rows)
             if not wanted:
                 return np.empty((0, self.vocab or 0), dtype=np.float32)
             cols = (self.vocab or 0) if final else spec.width
@@ -726,16 +749,21 @@ class GgmlStage(StageBase[_KvCache]):
             out = np.empty((rows_out, cols), dtype=np.float32)
             skip = 0 if final else pad  # a non-final stage returns its real rows only
             g.ggml_backend_tensor_get(result, out.ctypes.data, 4 * cols * skip, out.nbytes)
-            if final and built_hidden is not None:
-                kept = min(out_rows, n)  # the real rows among those computed
-                hidden = np.empty((kept, spec.width), dtype=np.float32)
-                offset = 4 * spec.width * (out_rows - kept)
-                addr = hidden.ctypes.data
-                g.ggml_backend_tensor_get(built_hidden, addr, offset, hidden.nbytes)
-                state.nextn.keep_hidden(start + n - kept, hidden)
             return out
         finally:
             g.ggml_free(ctx)
+
+    def _keep_hidden(
+        self, state: _KvCache, built: tuple[int, int], start: int, n: int, rows: int
+    ) -> None:
+        """A chunk's hidden rows for the head: the last ``h_rows`` of its ``rows`` (the
+        first ``rows - n`` are padding), at positions up to ``start + n - 1``."""
+        tensor, h_rows = built
+        real = min(h_rows, n)
+        hidden = np.empty((real, self.spec.width), dtype=np.float32)
+        offset = 4 * self.spec.width * (h_rows - real)
+        self.g.ggml_backend_tensor_get(tensor, hidden.ctypes.data, offset, hidden.nbytes)
+        state.nextn.keep_hidden(start + n - real, hidden)
 
     # --- the NextN draft head -------------------------------------------------------------------
     def draft(self, session: str, start: int, tokens: Sequence[int]) -> npt.NDArray[np.float32]:
@@ -767,14 +795,24 @@ class GgmlStage(StageBase[_KvCache]):
         first, todo = state.nextn.plan(start, [int(t) for t in ids])
         if pending >= self.config.n_ctx:
             raise context_full(session, pending + 1, self.config.n_ctx)
-        if first - 1 not in state.nextn.hidden:
+        if not state.nextn.paired(pending):
             raise stage_usage(
-                f"no trunk hidden state for position {first - 1} of session {session!r}",
+                f"no trunk hidden state for position {pending - 1} of session {session!r}",
                 "bad_stage_input",
             )
-        hidden = np.stack([state.nextn.hidden[p - 1] for p in range(first, pending + 1)])
-        logits = self._draft_graph(state, first, np.asarray(todo, dtype=np.int32), hidden)
-        state.nextn.committed(first, len(todo))
+        zeros = np.zeros(self.spec.width, dtype=np.float32)
+        hidden = np.stack(
+            [state.nextn.hidden.get(p - 1, zeros) for p in range(first, pending + 1)]
+        )
+        ids32 = np.asarray(todo, dtype=np.int32)
+        # as llama.cpp's drafter: the committed positions the cache lacks in one pass, then
+        # the pending token alone
+        if pending > first:
+            k = pending - first
+            self._draft_graph(state, first, ids32[:k], hidden[:k])
+            state.nextn.committed(first, k)
+        logits = self._draft_graph(state, pending, ids32[-1:], hidden[-1:])
+        state.nextn.committed(pending, 1)
         return logits
 
     def _draft_graph(
@@ -948,7 +986,8 @@ class GgmlStage(StageBase[_KvCache]):
             slots, masks = self._session_inputs(ctx, n_kv)
             attend = _SlotAttention(kv, slots, masks, n_kv)
             result = self._build(ctx, gf, x, pos, 1, attend, 1, temp)
-            hidden = self._take_hidden()
+            built = self._take_hidden()
+            hidden = built[0] if built is not None else None
             runner, view = self._finish_graph(ctx, gf, result, 1, self._graph_size)
         except BaseException:
             g.ggml_free(ctx)

@@ -91,14 +91,23 @@ class NextnSession:
         for p in [p for p in self.hidden if p >= length]:
             del self.hidden[p]
 
+    def paired(self, p: int) -> bool:
+        """Whether position ``p`` has the trunk's hidden state before it (position 0 pairs
+        with zeros, as llama.cpp's drafter starts)."""
+        return p == 0 or p - 1 in self.hidden
+
     def plan(self, start: int, tokens: Sequence[int]) -> tuple[int, list[int]]:
-        """The positions the next draft pass computes and their tokens: from the first one
-        the cache lacks (restarting the cache at ``start`` when it holds none of them)
-        through the pending token, the last of ``tokens`` (at ``start + len(tokens) - 1``)."""
+        """The positions the next draft computes and their tokens: from the first one the
+        cache lacks through the pending token, the last of ``tokens`` (at ``start +
+        len(tokens) - 1``). Without a cache to extend, it starts afresh at the oldest
+        position from which every one has its hidden state before it (the prompt's first,
+        where the trunk kept every row)."""
         end = start + len(tokens)  # one past the pending token's position
         first = self.length if self.start is not None and start <= self.length < end else None
-        if first is None or any(p - 1 not in self.hidden for p in range(first, end)):
-            first = end - 1  # a fresh cache from the pending token on
+        if first is None or not all(self.paired(p) for p in range(first, end)):
+            first = end - 1
+            while first > start and self.paired(first - 1):
+                first -= 1
             self.start = first
         return first, list(tokens[first - start :])
 

@@ -116,13 +116,14 @@ def native_mtp_unavailable(stage: Stage) -> str | None:
 class NextnProposer:
     """``native-mtp``'s proposer: the final stage's NextN head drafts one token, greedily
     (the head's argmax, as llama.cpp's MTP drafter takes its top token), after the tokens
-    generated so far (the head pairs each with the trunk's hidden state before it)."""
+    so far from position ``start`` (the prompt's, and those generated: the head pairs each
+    with the trunk's hidden state before it)."""
 
-    def __init__(self, stage: Any, session: str, start: int) -> None:
+    def __init__(self, stage: Any, session: str, start: int, tokens: Sequence[int] = ()) -> None:
         self.stage = stage
         self.session = session
-        self.start = start  # the position of the first generated token
-        self.tokens: list[int] = []
+        self.start = start  # the position of tokens[0]
+        self.tokens: list[int] = [int(t) for t in tokens]
 
     def extend(self, tokens: Sequence[int]) -> None:
         self.tokens.extend(int(t) for t in tokens)
@@ -167,7 +168,7 @@ def generate_speculative(
     ids = check_generation_request(tokens, max_tokens, chain.n_ctx)
     sampler = Sampler(sampling, history=ids)
     proposer: Proposer | NextnProposer = (
-        NextnProposer(chain.stages[-1], session, len(ids))
+        NextnProposer(chain.stages[-1], session, 0, ids)
         if mtp
         else make_proposer(_ngram(plan), ids)
     )

@@ -175,7 +175,7 @@ class _Oracle:
 
     def draft(self, session: str, start: int, tokens: Sequence[int]) -> np.ndarray:
         self._stage.draft(session, start, tokens)  # the real head still runs (its cache)
-        i = len(tokens)  # the draft is the (i+1)-th generated token
+        i = start + len(tokens) - self._start  # the draft is the (i+1)-th generated token
         token = self._target[i] if self._right(i) else (self._target[i] + 1) % 128
         self.drafted.append((i, token))
         logits = np.zeros(128, dtype=np.float32)
