@@ -1,6 +1,9 @@
 """The NextN (MTP) draft head (skippy/runtime/nextn.py) and native-mtp speculation on the ggml
 stage runtime.
 
+- On the canary's synthetic glm4moe (four trunk layers and one NextN layer), the first draft's
+  logits after a prompt are llama.cpp's own MTP head's bit for bit (its MTP context fed the
+  target's h_nextn rows: ``LlamaOracle.mtp_logits``), every dtype, whole and split.
 - The head's logits equal an f32 numpy reference of llama.cpp's ``graph_mtp`` (enorm of the
   token's embedding and hnorm of the trunk's output-normed hidden state before it,
   concatenated, ``eh_proj``, the family's layer over the block's weights with the head's own
@@ -12,8 +15,9 @@ stage runtime.
   with a head that drafts the target's own tokens every draft is accepted through the verify
   windows; a final stage without a head is refused with ``native_mtp_unavailable``.
 
-The model is a llama-shaped package with one NextN block (``synth_gguf.nextn_like``); its
-weights are random, so the real head's drafts are rarely accepted.
+The other tests use a llama-shaped package with one NextN block (``synth_gguf.nextn_like``:
+the numpy reference has no glm4moe); its weights are random, so the real head's drafts are
+rarely accepted.
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ from stagetools import chain, stage_loads
 from skippy.errors import UsageError
 from skippy.generation import SpeculativePlan, parse_generation, resolve_speculative_plan
 from skippy.package.manifest import parse_manifest
+from skippy.runtime.canary import synth
+from skippy.runtime.canary.check import package_model
+from skippy.runtime.canary.oracle import LlamaOracle
 from skippy.runtime.chain import StageChain
 from skippy.runtime.families.base import T
 from skippy.runtime.model import tensor_name
@@ -98,6 +105,28 @@ def _reference(pkg: Path, drafts: Sequence[int]) -> list[np.ndarray]:
             y = rms_norm(y, w[tensor_name(T.NEXTN_SHARED_HEAD_NORM, il)], eps)
             out.append((y @ w[tensor_name(T.OUTPUT)].T)[0])
         return out
+
+
+GLM = synth.family("glm4moe")
+
+
+@pytest.mark.parametrize("dtype", GLM.dtypes)
+def test_the_glm4moe_head_equals_llama_cpps_mtp_head(tmp_path: Path, dtype: str) -> None:
+    src, glm = package_model(GLM, dtype, tmp_path)
+    trunk = GLM.dims().n_layers
+    prompts = ([1, 5, 9, 17, 33, 65, 3, 100], [4, 8, 15, 16, 23, 42, 7, 9, 11, 2, 99, 101, 6])
+    pending = 7  # any token: the head does not ask whether it was the target's
+    with LlamaOracle(src, load_mtp=True) as oracle:
+        want = [oracle.mtp_logits(ids, pending) for ids in prompts]
+    for ranges in ([f"0..{trunk + 1}"], ["0..2", f"2..{trunk + 1}"]):
+        with chain("ggml", glm, ranges) as ch:
+            stage: Any = ch.stages[-1]
+            assert stage.drafts
+            for ids, ref in zip(prompts, want, strict=True):
+                ch.prefill("s", ids)
+                got = stage.draft("s", 0, [*ids, pending])  # the prompt, then the pending
+                ch.free("s")
+                np.testing.assert_array_equal(got, ref, err_msg=f"{ranges} {len(ids)}")
 
 
 def test_the_head_matches_a_numpy_reference_over_two_positions(
