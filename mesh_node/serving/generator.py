@@ -292,6 +292,8 @@ class Generator:
                     )
                     decode = step.phase == "decode"
                     verify = step.phase == "verify"
+                    if local_drafter is not None:  # one stage: its head reads the tokens
+                        local_drafter.put(step.start, step.tokens)
 
                     def run() -> Any:
                         drop_rejected(stage, name, step.start)
@@ -356,8 +358,8 @@ class Generator:
                         start=step.start,
                         activations=output.activations,
                         flags=t.Flag.SAMPLE if step.sample else t.Flag.NONE,
-                        # the final stage's penalties read them
-                        tokens=step.tokens if last_n else None,
+                        # the final stage's penalties read them, and its NextN head
+                        tokens=step.tokens if last_n or mtp else None,
                     )
                     try:
                         await sender.send_activations(frame, decode=decode)

@@ -871,6 +871,8 @@ class StageHost:
         sample = bool(frame.flags & t.Flag.SAMPLE) and loaded.is_final
         end = frame.start + frame.count
         tokens.take(frame)
+        if drafter is not None:
+            drafter.observe(frame)
         if frame.phase is t.Phase.VERIFY:
             before = tokens.before(frame.start) if loaded.is_final else []
             await self._verify(loaded, name, sampling, frame, x, sender, out, before, drafter)
@@ -913,13 +915,28 @@ class StageHost:
 
 @dataclass
 class SessionDrafter:
-    """A final stage's NextN drafts for one session (``native-mtp``): the tokens it sampled,
-    from the first one's position, which the head pairs with the trunk's hidden states."""
+    """A final stage's NextN drafts for one session (``native-mtp``): the session's tokens by
+    position, as its frames carried them (the prompt's, when stage 0 sends their ids) and as
+    it sampled them, which the head pairs with the trunk's hidden states."""
 
     stage: Stage
     name: str
     proposer: NextnProposer | None = None
     failed: bool = False  # the head refused once: no more drafts (plain decoding)
+
+    def observe(self, frame: t.Frame) -> None:
+        """The token ids a frame carried (its rows' tokens)."""
+        if frame.carries_ids:
+            self.put(frame.start, frame.tokens())
+
+    def put(self, start: int, tokens: Sequence[int]) -> None:
+        """The tokens at positions ``start..`` (a rewind replaces those after)."""
+        self._record().put(start, tokens)
+
+    def _record(self) -> NextnProposer:
+        if self.proposer is None:
+            self.proposer = NextnProposer(self.stage, self.name)
+        return self.proposer
 
     @classmethod
     def of(cls, loaded: LoadedStage, name: str) -> SessionDrafter | None:
@@ -933,11 +950,10 @@ class SessionDrafter:
     def draft(self, start: int, tokens: list[int]) -> int | None:
         if self.failed:
             return None
-        if self.proposer is None:
-            self.proposer = NextnProposer(self.stage, self.name, start)
-        self.proposer.extend(tokens)
+        record = self._record()
+        record.put(start, tokens)
         try:
-            return self.proposer.propose(1)[0]
+            return record.propose(1)[0]
         except SkippyError as exc:  # e.g. the context is full: the request decodes on
             log.info("session %s: no more NextN drafts: %s", self.name, exc)
             self.failed = True

@@ -119,7 +119,9 @@ class NextnProposer:
     so far from position ``start`` (the prompt's, and those generated: the head pairs each
     with the trunk's hidden state before it)."""
 
-    def __init__(self, stage: Any, session: str, start: int, tokens: Sequence[int] = ()) -> None:
+    def __init__(
+        self, stage: Any, session: str, start: int = 0, tokens: Sequence[int] = ()
+    ) -> None:
         self.stage = stage
         self.session = session
         self.start = start  # the position of tokens[0]
@@ -127,6 +129,15 @@ class NextnProposer:
 
     def extend(self, tokens: Sequence[int]) -> None:
         self.tokens.extend(int(t) for t in tokens)
+
+    def put(self, start: int, tokens: Sequence[int]) -> None:
+        """``tokens`` at positions ``start..``, replacing any from there on (a rewind into
+        the last verify window); a gap, or a start before the first, starts the record
+        there."""
+        if not self.tokens or not self.start <= start <= self.start + len(self.tokens):
+            self.start, self.tokens = start, []
+        del self.tokens[start - self.start :]
+        self.extend(tokens)
 
     def propose(self, k: int) -> list[int]:
         if k < 1 or not self.tokens:
