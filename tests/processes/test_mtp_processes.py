@@ -11,9 +11,10 @@ so ``auto`` resolves to it:
 - `mesh-node serve` over three stages: the official openai client gets exactly the plain
   split's greedy and seeded completions with ``--speculative mtp`` and with ``disabled``.
 
-The synthetic model is llama-shaped with the NextN block of a GLM conversion
-(``synth_gguf.nextn_like``); its vocabulary encodes "a" and "Ω" words
-(tests/processes/test_speculative_processes.py).
+The model is the canary's synthetic glm4moe (four trunk layers, the first dense, then sigmoid-
+routed experts with a shared expert, and one NextN layer; Q8_0) with a vocabulary that encodes
+"a" and "Ω" words (``synth_gguf.with_text_vocabulary``; tests/processes/
+test_speculative_processes.py); its weights are random, so drafts are rarely accepted.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from servetools import split_cluster, wait_ready
 from stagetools import chain
 
 from mesh_node.lab.report import render_report
+from skippy.runtime.canary import synth
 from skippy.runtime.tokenizer import LlamaTokenizer
 
 pytestmark = pytest.mark.llama
@@ -44,14 +46,16 @@ pytestmark = pytest.mark.llama
 MESH = [sys.executable, "-m", "mesh_node"]
 PROMPT = "a Ω a a Ω"
 N = 24
-LAYERS = 5  # four trunk layers, then the NextN block
+GLM = synth.family("glm4moe")
+LAYERS = GLM.dims().n_layers + 1  # the trunk, then the NextN layer
 
 
 @pytest.fixture(scope="module")
 def mtp_pkg(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("mtp")
-    src = synth_gguf.nextn_like(root / "m.gguf", arch="llama", n_layers=LAYERS)
-    make_package(src, root / "pkg", model_id="acme/mtp-GGUF:Q8_0")
+    canary = synth.write_model(GLM, root / "canary.gguf", dtype="Q8_0")
+    src = synth_gguf.with_text_vocabulary(canary, root / "glm4moe.gguf")
+    make_package(src, root / "pkg", model_id="acme/glm-GGUF:Q8_0")
     manifest = json.loads((root / "pkg" / "model-package.json").read_text())
     sd = manifest["generation"]["speculative_decoding"]
     assert sd["default"] == "mtp" and sd["proposers"]["mtp"]["layer_indices"] == [LAYERS - 1]
