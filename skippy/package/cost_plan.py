@@ -118,13 +118,15 @@ def speed_weighted_counts(layer_count: int, speeds: Sequence[float]) -> list[int
 def evaluate(
     sizes: ModelSizes, order: Sequence[NodeCost], links: LinkCosts
 ) -> Candidate:
-    """One candidate: ``order``'s nodes as stages 0.. with speed-weighted ranges of the
-    trunk (the final stage also takes the NextN layers after it)."""
-    total, trunk = sizes.layer_count, sizes.layer_count - sizes.tail_layers
-    counts = speed_weighted_counts(trunk, [1 / n.decode_s_per_layer for n in order])
+    """One candidate: ``order``'s nodes as stages 0.. with speed-weighted ranges (the trunk's
+    layers shared out, the NextN tail with the last stage)."""
+    tail = sizes.tail_layers
+    speeds = [1 / n.decode_s_per_layer for n in order]
+    counts = speed_weighted_counts(sizes.layer_count - tail, speeds)
+    counts[-1] += tail
     ranges, start = [], 0
-    for i, c in enumerate(counts):
-        ranges.append(LayerRange(start, total if i == len(counts) - 1 else start + c, total))
+    for c in counts:
+        ranges.append(LayerRange(start, start + c, sizes.layer_count))
         start += c
     return predict(sizes, order, ranges, links)
 
@@ -249,7 +251,7 @@ def plan_by_cost(
             code="topology_no_nodes",
             path=first_node,
         )
-    top = min(len(nodes), sizes.layer_count - sizes.tail_layers)
+    top = min(len(nodes), sizes.layer_count - sizes.tail_layers)  # a trunk layer per stage
     counts = [stages] if stages is not None else list(range(1, top + 1))
     out: list[Candidate] = []
     for k in counts:

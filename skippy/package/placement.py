@@ -173,8 +173,8 @@ def place(
             continue
         best: tuple[int, Mode, int, int, int, int] | None = None
         for stop in range(start + 1, n + 1):
-            if n - sizes.tail_layers <= stop < n:  # NextN layers go with the last trunk layer
-                continue
+            if n - sizes.tail_layers <= stop < n:
+                continue  # a cut there parts the NextN tail from the trunk's last layer
             r = LayerRange(start, stop, n)
             dense, experts = stage_split(sizes, r, kv_bytes_per_layer)
             how = fit(node, dense, experts)

@@ -21,7 +21,12 @@ from typing import Literal, Protocol
 from gguf import MODEL_TENSOR
 
 from skippy.gguf import ggml
-from skippy.gguf.ggml import GGML_ROPE_TYPE_NEOX, GGML_ROPE_TYPE_NORMAL, tensor_struct
+from skippy.gguf.ggml import (
+    GGML_PREC_F32,
+    GGML_ROPE_TYPE_NEOX,
+    GGML_ROPE_TYPE_NORMAL,
+    tensor_struct,
+)
 from skippy.runtime.model import ExpertGating, ModelSpec, tensor_name
 
 # YaRN parameters that disable YaRN (ggml.h, ggml_rope_ext); llama.cpp passes these values
@@ -139,6 +144,16 @@ class GraphBuilder:
         y = self.mm(weight, x)
         return self.g.ggml_add(self.ctx, y, bias) if bias is not None else y
 
+    def f32_accumulate(self, y: int) -> int:
+        """``y``, a matmul's result (or the engine's reshape of one), with the matmul asked
+        to accumulate in F32 as llama.cpp asks for GLM's attention output and FFN down (a
+        device may otherwise sum in F16; the CPU backend always sums in F32)."""
+        if not self.g.ggml_prec_set_acc(y, GGML_PREC_F32):
+            src = tensor_struct(y).src[0]
+            if src:
+                self.g.ggml_prec_set_acc(src, GGML_PREC_F32)
+        return y
+
     # --- attention ----------------------------------------------------------------------------
     def qkv(
         self,
@@ -243,21 +258,33 @@ class GraphBuilder:
         return self.last_rows(il, x, x)[1]
 
     # --- feed-forward -------------------------------------------------------------------------
-    def ffn(self, x: int, gate: int | None, up: int, down: int, act: GatedActivation) -> int:
+    def ffn(
+        self,
+        x: int,
+        gate: int | None,
+        up: int,
+        down: int,
+        act: GatedActivation,
+        *,
+        f32_down: bool = False,
+    ) -> int:
         """A gated feed-forward: down(act(gate x) * up x) (llama.cpp's ``build_ffn`` with
         LLM_FFN_PAR and SILU or GELU); without ``gate``, ``up`` holds the gate's rows then
-        the up's, and ``act`` must be SiLU (LLM_FFN_SWIGLU over one fused projection)."""
+        the up's, and ``act`` must be SiLU (LLM_FFN_SWIGLU over one fused projection).
+        ``f32_down``: the down projection accumulates in F32 (``f32_accumulate``: GLM)."""
         g = self.g
         if gate is None:
             if act != "silu":
                 raise ValueError("a fused gate and up projection is SiLU-gated here")
-            return self.mm(down, g.ggml_swiglu(self.ctx, self.mm(up, x)))
-        a_gate, a_up = self.mm(gate, x), self.mm(up, x)
-        if act == "gelu":
-            a = g.ggml_geglu_split(self.ctx, a_gate, a_up)
+            a = g.ggml_swiglu(self.ctx, self.mm(up, x))
         else:
-            a = g.ggml_swiglu_split(self.ctx, a_gate, a_up)
-        return self.mm(down, a)
+            a_gate, a_up = self.mm(gate, x), self.mm(up, x)
+            if act == "gelu":
+                a = g.ggml_geglu_split(self.ctx, a_gate, a_up)
+            else:
+                a = g.ggml_swiglu_split(self.ctx, a_gate, a_up)
+        y = self.mm(down, a)
+        return self.f32_accumulate(y) if f32_down else y
 
     def moe_ffn(
         self,

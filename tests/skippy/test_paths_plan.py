@@ -183,6 +183,27 @@ def test_the_tail_is_read_from_the_native_mtp_layers_of_the_generation_object():
     assert tail_layers(93, None) == tail_layers(93, {}) == 0
 
 
+def test_cost_and_memory_placement_keep_the_nextn_tail_with_the_final_stage():
+    from skippy.package.cost_plan import LinkCosts, NodeCost, evaluate, plan_by_cost
+    from skippy.package.placement import NodeMemory, place
+
+    def cuts(tail: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        sizes = ModelSizes((10,) * 6, 1, 5, 5, tail_layers=tail)
+        # the last node is the slowest: speed-weighted counts give it one layer
+        speeds = (("a", 0.001), ("b", 0.001), ("c", 1.0))
+        nodes = [NodeCost(c * 64, 1 << 40, s) for c, s in speeds]
+        by_cost = [(r.start, r.stop) for r in evaluate(sizes, nodes, LinkCosts()).layers]
+        if tail:
+            assert all(c.layers[-1].start < 5 for c in plan_by_cost(sizes, nodes, LinkCosts()))
+        # the first node holds layers 0..5 (56 bytes) but not the whole model (71)
+        small = [NodeMemory("a", host_bytes=56), NodeMemory("b", host_bytes=30)]
+        by_memory = [(s.layers.start, s.layers.stop) for s in place(sizes, small).stages]
+        return by_cost, by_memory
+
+    assert cuts(0) == ([(0, 3), (3, 5), (5, 6)], [(0, 5), (5, 6)])  # what the tail prevents
+    assert cuts(1) == ([(0, 2), (2, 4), (4, 6)], [(0, 4), (4, 6)])
+
+
 def test_stage_bytes_counts_boundaries():
     sizes = ModelSizes((10, 20, 30), 1, 100, 1000, tied_embeddings=True)
     first, last = LayerRange(0, 1, 3), LayerRange(2, 3, 3)

@@ -165,12 +165,14 @@ def build_layer(b: GraphBuilder, w: LayerWeights, il: int, x: int) -> int:
     if k_norm is not None:
         k = b.norm(k, k_norm)
     q, k = b.rope(q, il), b.rope(k, il)
-    o = b.linear(w[T.ATTN_OUT], b.attention(il, q, k, v, spec.attn_scale))
+    # llama.cpp sums GLM's attention output and FFN down projections in F32
+    o = b.f32_accumulate(b.mm(w[T.ATTN_OUT], b.attention(il, q, k, v, spec.attn_scale)))
     o, x = b.last_rows(il, o, x)
     x = b.add(o, x)
     h = b.norm(x, w[T.ATTN_POST_NORM])
     if il < spec.n_layer_dense_lead:
-        return b.add(b.ffn(h, w[T.FFN_GATE], w[T.FFN_UP], w[T.FFN_DOWN], "silu"), x)
+        f = b.ffn(h, w[T.FFN_GATE], w[T.FFN_UP], w[T.FFN_DOWN], "silu", f32_down=True)
+        return b.add(f, x)
     routed = b.moe_ffn(
         h,
         w[T.FFN_GATE_INP],
@@ -183,7 +185,9 @@ def build_layer(b: GraphBuilder, w: LayerWeights, il: int, x: int) -> int:
         biases=ExpertBiases(selection=w.get(T.FFN_EXP_PROBS_B, "bias")),
         weight_scale=spec.expert_weights_scale,
     )
-    shared = b.ffn(h, w[T.FFN_GATE_SHEXP], w[T.FFN_UP_SHEXP], w[T.FFN_DOWN_SHEXP], "silu")
+    shared = b.ffn(
+        h, w[T.FFN_GATE_SHEXP], w[T.FFN_UP_SHEXP], w[T.FFN_DOWN_SHEXP], "silu", f32_down=True
+    )
     return b.add(b.add(routed, shared), x)
 
 

@@ -300,7 +300,9 @@ def test_inspect_s_support_table_answers_as_the_stage_runtime_does(synth_dir, tm
     files = [
         synth_dir.llama,
         synth_dir.gemma,
-        synth_dir.nextn,
+        # llama-like under GLM's sparse-attention architecture, with a NextN layer (the
+        # canary's glm4moe below is the family's real shape)
+        synth_gguf.nextn_like(tmp_path / "glm-dsa.gguf", arch="glm-dsa"),
         synth_gguf.qwen2_like(tmp_path / "qwen2.gguf"),
         synth_gguf.qwen3_like(tmp_path / "qwen3.gguf"),
         synth_gguf.uncovered_like(tmp_path / "exaone.gguf"),

@@ -140,6 +140,24 @@ def test_the_metadata_reads_as_llama_cpps_loader_does() -> None:
 
 
 @pytest.mark.parametrize(
+    ("rope", "scale"),
+    [
+        ({"rope.scaling.factor": 4.0}, 0.25),  # no type: linear, as llama.cpp's default
+        ({"rope.scale_linear": 2.0}, 0.5),  # the older spelling of the factor
+        ({"rope.scaling.type": "linear", "rope.scaling.factor": 8.0}, 0.125),
+        ({"rope.scaling.type": "none", "rope.scaling.factor": 4.0}, 1.0),  # none never scales
+        ({"rope.scaling.type": "linear"}, 1.0),  # no factor: unscaled
+        ({"rope.scaling.factor": 0.0}, 1.0),
+    ],
+)
+def test_the_rope_scale_is_llama_cpps(rope: dict[str, Any], scale: float) -> None:
+    plain = _kv(**{"rope.scaling.type": None, "rope.scaling.factor": None})
+    plain.pop("glm4moe.rope.scaling.original_context_length")
+    spec = spec_from_metadata({**plain, **{f"glm4moe.{k}": v for k, v in rope.items()}})
+    assert spec.rope_scale == scale and spec.yarn is None
+
+
+@pytest.mark.parametrize(
     ("changes", "code"),
     [
         ({"expert_gating_func": 4}, "unsupported_hyperparameter"),  # sqrt(softplus)
