@@ -239,3 +239,30 @@ def test_a_final_stage_without_a_head_is_refused_with_its_reason(
         generate_speculative(ch, IDS, max_tokens=4, plan=plan)
     assert err.value.code == "native_mtp_unavailable"
     assert "numpy" in err.value.message
+
+
+def test_run_executes_native_mtp_or_falls_back_with_its_reason(
+    pkg: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """`run` resolves the package's default (auto -> mtp): the ggml engine drafts with the head
+    and reports it; the numpy engine has no head, so it decodes plainly and says why, in the
+    log line and in the JSON."""
+    import json
+
+    from skippy.cli import main
+
+    out = {}
+    for engine in ("ggml", "numpy"):
+        rc = main(["run", str(pkg), "--prompt", "Ω a", "--max-tokens", "12", "--engine", engine,
+                   "--threads", "1", "--json"])  # fmt: skip
+        assert rc == 0
+        out[engine] = json.loads(capsys.readouterr().out)
+    ggml, numpy_ = out["ggml"]["speculative"], out["numpy"]["speculative"]
+    assert (ggml["mode"], ggml["strategy"]) == ("native-mtp", "mtp")
+    assert ggml["proposed_tokens"] == ggml["verify_passes"] > 0 and "fallback_reason" not in ggml
+    assert numpy_["mode"] == "native-mtp" and "proposed_tokens" not in numpy_
+    assert "numpy" in numpy_["fallback_reason"]
+    assert any(
+        "native_mtp_unavailable" in r.getMessage() and "fallback" in r.getMessage()
+        for r in caplog.records
+    )
