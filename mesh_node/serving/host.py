@@ -31,7 +31,7 @@ import math
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import trio
@@ -945,7 +945,12 @@ class SessionDrafter:
 
     @classmethod
     def of_stage(cls, stage: Stage, name: str) -> SessionDrafter | None:
-        return cls(stage, name) if getattr(stage, "drafts", False) else None
+        """A drafter for session ``name`` of ``stage`` (whose trunk then keeps the session's
+        hidden states for the head), or None when the stage runs no head."""
+        if not getattr(stage, "drafts", False):
+            return None
+        cast(Any, stage).expect_drafts(name)
+        return cls(stage, name)
 
     def draft(self, start: int, tokens: list[int]) -> int | None:
         if self.failed:

@@ -442,8 +442,12 @@ class GgmlStage(StageBase[_KvCache]):
         self.placement = placement
         self._layer_weights = {il: self._layer(il) for il in self.layers}
         self._nextn: tuple[int, NextnWeights] | None = self._nextn_head()
-        # the last _build's normed output for the head, and its rows (NextN)
+        # the last _build's normed output for the head, and its rows (NextN); whether the
+        # graph being built is a drafting session's (its hidden rows kept); the sessions to
+        # draft for (expect_drafts)
         self._built_hidden: tuple[int, int] | None = None
+        self._drafting = False
+        self._expecting: set[str] = set()
         # batched decode graphs by their sessions' caches (in batch order), newest last
         self._batch_graphs: dict[tuple[int, ...], _BatchGraph] = {}
         # per weight type, the batch widths multiplied as [k, B] (found at the first build)
@@ -650,7 +654,8 @@ class GgmlStage(StageBase[_KvCache]):
         # a drafting stage's head reads every row's hidden state, not only the rows whose
         # logits are wanted: the last layer runs a second time over every row (the kept rows'
         # path, and so the logits, unchanged; the K/V it writes are the same values)
-        wide = self._nextn is not None and b.keep is not None and b.keep < rows
+        drafting = self._nextn is not None and self._drafting
+        wide = drafting and b.keep is not None and b.keep < rows
         before_last = x
         for il in self._trunk:
             before_last = x
@@ -663,7 +668,7 @@ class GgmlStage(StageBase[_KvCache]):
             t.get(tensor_name(T.OUTPUT_NORM, None, "bias")),
         )
         hidden = b.output_norm(x, norm, norm_bias)
-        if self._nextn is not None:  # the head pairs it with the next token (llama.cpp's h_nextn)
+        if drafting:  # the head pairs it with the next token (llama.cpp's h_nextn)
             every, n = hidden, b.keep if b.keep is not None else rows
             if wide:
                 all_rows = replace(b, keep=None)
@@ -725,6 +730,7 @@ class GgmlStage(StageBase[_KvCache]):
             if temperature is not None:
                 t = g.ggml_new_tensor_3d(ctx, GgmlType.F32, 1, 1, rows)
                 temp = fed(t, temperature.factors(positions))
+            self._drafting = state.nextn.enabled
             result = self._build(ctx, gf, x, pos, rows, attend, out_rows, temp)
             built_hidden = self._take_hidden()
             final = self.layers.owns_output
@@ -766,6 +772,31 @@ class GgmlStage(StageBase[_KvCache]):
         state.nextn.keep_hidden(start + n - real, hidden)
 
     # --- the NextN draft head -------------------------------------------------------------------
+    def expect_drafts(self, session: str) -> None:
+        """``session`` will ask for drafts (``draft``): from its next pass on the trunk keeps
+        every position's hidden state for the head (call it before the prompt, so the head
+        covers it). A stage without a head ignores it; other sessions keep nothing."""
+        if self._nextn is None:
+            return
+        self._check_session_id(session)
+        self._expecting.add(session)
+        s = self._sessions.get(session)
+        if s is not None and not s.state.nextn.enabled:
+            s.state.nextn.enabled = True
+            if s.state.decode is not None:  # rebuilt with the hidden output
+                self._free_decode_graph(s.state.decode)
+                s.state.decode = None
+
+    def _session_for(self, session: str, start: int, n: int) -> Any:
+        s = super()._session_for(session, start, n)
+        if session in self._expecting:
+            s.state.nextn.enabled = True
+        return s
+
+    def free(self, session: str) -> None:
+        super().free(session)
+        self._expecting.discard(session)
+
     def draft(self, session: str, start: int, tokens: Sequence[int]) -> npt.NDArray[np.float32]:
         """The NextN head's logits for the position after the pending token (``tokens[-1]``,
         at ``start + len(tokens) - 1``, the next position of ``session``'s trunk).
@@ -792,6 +823,12 @@ class GgmlStage(StageBase[_KvCache]):
         arr = np.asarray(list(tokens), dtype=np.int64)
         ids = check_token_ids(arr, self.vocab or 0, self.layers)
         state = s.state
+        if not state.nextn.enabled:
+            raise stage_usage(
+                f"session {session!r} was not expecting drafts: call expect_drafts before its "
+                "first pass",
+                "bad_stage_input",
+            )
         first, todo = state.nextn.plan(start, [int(t) for t in ids])
         if pending >= self.config.n_ctx:
             raise context_full(session, pending + 1, self.config.n_ctx)
@@ -985,6 +1022,7 @@ class GgmlStage(StageBase[_KvCache]):
             temp = self._temperature_input(ctx, 1)
             slots, masks = self._session_inputs(ctx, n_kv)
             attend = _SlotAttention(kv, slots, masks, n_kv)
+            self._drafting = kv.nextn.enabled
             result = self._build(ctx, gf, x, pos, 1, attend, 1, temp)
             built = self._take_hidden()
             hidden = built[0] if built is not None else None

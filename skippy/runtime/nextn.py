@@ -78,9 +78,13 @@ class NextnSession:
     start: int | None = None  # the first position in the head's cache (None: empty)
     length: int = 0
     hidden: dict[int, npt.NDArray[np.float32]] = field(default_factory=dict)
+    # the session drafts (``GgmlStage.expect_drafts``): only then does the trunk keep its rows
+    enabled: bool = False
 
     def keep_hidden(self, first: int, rows: npt.NDArray[np.float32]) -> None:
-        """The trunk's hidden rows for positions ``first..``."""
+        """The trunk's hidden rows for positions ``first..`` (a drafting session's)."""
+        if not self.enabled:
+            return
         for i in range(rows.shape[0]):
             self.hidden[first + i] = rows[i].copy()
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -189,6 +189,8 @@ def generate_speculative(
     stop: StopReason = "length"
     proposed = accepted = passes = steps = widest = 0
     chain.free(session)
+    if mtp:  # before the prompt: the head's cache covers it
+        cast(Any, chain.stages[-1]).expect_drafts(session)
     t0 = time.perf_counter()
     try:
         first = chain.prefill(session, ids, sampler=sampler)

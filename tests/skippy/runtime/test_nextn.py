@@ -80,9 +80,9 @@ def whole(pkg: Path) -> Iterator[StageChain]:
 
 
 def _reference(pkg: Path, drafts: Sequence[int]) -> list[np.ndarray]:
-    """The head's logits in f32 numpy: the trunk over ``IDS + drafts[:-1]``, then the block at
-    positions len(IDS).. over (drafts[i], the trunk's hidden state before it), its cache
-    holding only those positions."""
+    """The head's logits in f32 numpy: the trunk over ``IDS + drafts[:-1]``; the block over
+    the prompt's tokens (each with the trunk's hidden state before it, zeros for the first),
+    then at positions len(IDS).. over (drafts[i], the hidden state before it)."""
     with NumpyStage(stage_loads(pkg, [f"0..{LAYERS}"])[0], StageConfig(n_ctx=64)) as ref:
         w, eps = ref._w, ref.spec.rms_eps
         seq = [*IDS, *drafts[:-1]]
@@ -94,17 +94,21 @@ def _reference(pkg: Path, drafts: Sequence[int]) -> list[np.ndarray]:
         hidden = rms_norm(x, w[tensor_name(T.OUTPUT_NORM)], eps)
         head_cache = ref._new_session()
         il = LAYERS - 1
-        out = []
-        for i, token in enumerate(drafts):
-            p = len(IDS) + i
-            embedded = w[tensor_name(T.TOKEN_EMBD)][[token]]
-            e = rms_norm(embedded, w[tensor_name(T.NEXTN_ENORM, il)], eps)
-            h = rms_norm(hidden[p - 1 : p], w[tensor_name(T.NEXTN_HNORM, il)], eps)
+        before = np.concatenate([np.zeros((1, hidden.shape[1]), np.float32), hidden])
+
+        def head(first: int, tokens: Sequence[int]) -> np.ndarray:
+            p = np.arange(first, first + len(tokens))
+            e = rms_norm(
+                w[tensor_name(T.TOKEN_EMBD)][list(tokens)], w[tensor_name(T.NEXTN_ENORM, il)], eps
+            )
+            h = rms_norm(before[p], w[tensor_name(T.NEXTN_HNORM, il)], eps)
             z = np.concatenate([e, h], axis=1) @ w[tensor_name(T.NEXTN_EH_PROJ, il)].T
-            y = ref._block(il, z.astype(np.float32), np.array([p]), head_cache, i)
-            y = rms_norm(y, w[tensor_name(T.NEXTN_SHARED_HEAD_NORM, il)], eps)
-            out.append((y @ w[tensor_name(T.OUTPUT)].T)[0])
-        return out
+            y = ref._block(il, z.astype(np.float32), p, head_cache, first)
+            y = rms_norm(y[-1:], w[tensor_name(T.NEXTN_SHARED_HEAD_NORM, il)], eps)
+            return (y @ w[tensor_name(T.OUTPUT)].T)[0]
+
+        head(0, IDS)  # the prompt's positions, in the head's cache
+        return [head(len(IDS) + i, [token]) for i, token in enumerate(drafts)]
 
 
 GLM = synth.family("glm4moe")
@@ -123,6 +127,7 @@ def test_the_glm4moe_head_equals_llama_cpps_mtp_head(tmp_path: Path, dtype: str)
             stage: Any = ch.stages[-1]
             assert stage.drafts
             for ids, ref in zip(prompts, want, strict=True):
+                stage.expect_drafts("s")
                 ch.prefill("s", ids)
                 got = stage.draft("s", 0, [*ids, pending])  # the prompt, then the pending
                 ch.free("s")
@@ -135,8 +140,9 @@ def test_the_head_matches_a_numpy_reference_over_two_positions(
     stage: Any = whole.stages[-1]
     assert stage.drafts and stage.spec.n_layer_nextn == 1
     drafts = [7, 11]
+    stage.expect_drafts("s")  # before the prompt: the head's cache covers it
     whole.prefill("s", IDS)
-    first = stage.draft("s", len(IDS), drafts[:1])  # the pending token after the prompt
+    first = stage.draft("s", 0, [*IDS, drafts[0]])  # the prompt, then the pending token
     whole.decode("s", len(IDS), drafts[0])  # the trunk commits it
     second = stage.draft("s", len(IDS), drafts)  # the head's cache catches up on it
     want = _reference(pkg, drafts)
@@ -148,6 +154,12 @@ def test_the_head_matches_a_numpy_reference_over_two_positions(
 
 def test_the_head_refuses_a_pending_token_the_trunk_is_not_at(whole: StageChain) -> None:
     stage: Any = whole.stages[-1]
+    whole.prefill("s", IDS)
+    with pytest.raises(UsageError) as err:
+        stage.draft("s", len(IDS), [7])  # no expect_drafts: the trunk kept no hidden rows
+    assert err.value.code == "bad_stage_input" and "expect_drafts" in err.value.message
+    whole.free("s")
+    stage.expect_drafts("s")
     whole.prefill("s", IDS)
     with pytest.raises(UsageError) as err:
         stage.draft("s", len(IDS) + 1, [7])  # the trunk holds len(IDS) positions
