@@ -654,7 +654,8 @@ class GgmlStage(StageBase[_KvCache]):
         # a drafting stage's head reads every row's hidden state, not only the rows whose
         # logits are wanted: the last layer runs a second time over every row (the kept rows'
         # path, and so the logits, unchanged; the K/V it writes are the same values)
-        drafting = self._nextn is not None and self._drafting
+        self._built_hidden = None
+        drafting, self._drafting = self._nextn is not None and self._drafting, False
         wide = drafting and b.keep is not None and b.keep < rows
         before_last = x
         for il in self._trunk:
@@ -1055,8 +1056,8 @@ class GgmlStage(StageBase[_KvCache]):
         inputs: list[npt.NDArray[Any]],
         greedy: list[bool],
     ) -> list[tuple[npt.NDArray[np.float32] | None, int | None]]:
-        if len(states) < 2 or self._nextn is not None:
-            # a drafting stage keeps each session's hidden row: one decode graph each
+        if len(states) < 2 or any(s.nextn.enabled for s in states):
+            # a drafting session keeps its hidden rows: one decode graph each
             return super()._decode_many(states, positions, inputs, greedy)
         n_kvs = [self._built_kv(p) for p in positions]
         # a device's graphs are built for their members' KV lengths (see _built_kv)
