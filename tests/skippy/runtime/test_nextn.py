@@ -182,6 +182,36 @@ def test_the_trunk_never_runs_the_nextn_block(pkg: Path) -> None:
     assert np.abs(whole - ref).max() < TOLERANCE * max(1.0, float(np.abs(ref).max()))
 
 
+def test_plain_sessions_batch_and_a_drafting_one_decodes_alone(pkg: Path) -> None:
+    """Two plain sessions' steps on a final stage with a head run as one batch graph, each
+    equal to its decode alone; with a drafting session among them the steps run one graph
+    each (the head's hidden rows), with the same outputs."""
+    from skippy.runtime.stage import DecodeStep
+
+    ids = np.asarray(IDS, dtype=np.int64)
+    with chain("ggml", pkg, [f"0..{LAYERS}"]) as ch:
+        stage: Any = ch.stages[-1]
+        alone = []
+        for name, token in (("a", 7), ("b", 9)):
+            stage.prefill(name, 0, ids)
+            alone.append(stage.decode(name, len(IDS), np.asarray([token])).logits)
+            stage.truncate(name, len(IDS))
+        steps = [DecodeStep(n, len(IDS), np.asarray([t])) for n, t in (("a", 7), ("b", 9))]
+        together = stage.decode_batch(steps)
+        assert len(stage._batch_graphs) == 1
+        for got, want in zip(together, alone, strict=True):
+            np.testing.assert_array_equal(got.logits, want)
+        stage.free("a")
+        stage.expect_drafts("a")
+        stage.prefill("a", 0, ids)
+        stage.truncate("b", len(IDS))
+        mixed = stage.decode_batch(steps)
+        assert len(stage._batch_graphs) == 0  # the old pair's graph went with session a
+        for got, want in zip(mixed, alone, strict=True):
+            np.testing.assert_array_equal(got.logits, want)
+        assert int(np.argmax(stage.draft("a", 0, [*IDS, 7, 3]))) >= 0  # its rows were kept
+
+
 def test_a_stage_of_only_the_nextn_block_is_refused(pkg: Path) -> None:
     with pytest.raises(UsageError) as err, chain("ggml", pkg, ["0..4", "4..5"]):
         pass
