@@ -3,6 +3,10 @@
 
 The shell of ``skippy.runtime.calibration`` (which measures; this module caches and advertises).
 
+A node whose stages run on a device is calibrated there, and on the CPU too (the part of a
+stage that stays in RAM runs at the CPU's speed): ``mesh_node.device_adverts`` puts each
+figure beside its device in the hello.
+
 ``mesh-node run`` calls ``load_or_calibrate`` before the node starts linking, so its first
 hello carries the figure. The cache (``calibration.json``) holds one record per
 ``CalibrationKey`` (engine, runtime version, threads, model class): a restart with the same
@@ -21,8 +25,9 @@ import tempfile
 from pathlib import Path
 from typing import Final
 
+from mesh_node.device_adverts import advertise, experts_on_cpu, stage_device
 from mesh_node.settings import NodeSettings
-from protocol.messages import ComputeCost
+from protocol.messages import ComputeCost, Devices
 from skippy.atomic import atomic_write_bytes
 from skippy.errors import SkippyError
 from skippy.runtime.calibration import MODEL_CLASS, Calibration, run_calibration
@@ -68,19 +73,27 @@ def write_cache(path: Path, records: list[Calibration]) -> None:
     atomic_write_bytes(path, json.dumps(doc, indent=1).encode("utf-8"), durable=False)
 
 
-def cached(records: list[Calibration], engine: str, threads: int) -> Calibration | None:
-    """The record measured for this engine and thread count with today's calibration model.
-    (The engine's exact version is recorded too; a pinned llama-cpp-python means one.)"""
+def cached(
+    records: list[Calibration], engine: str, threads: int, device: str = "CPU"
+) -> Calibration | None:
+    """The record measured for this engine, thread count and device with today's calibration
+    model. (The engine's exact version is recorded too; a pinned llama-cpp-python means
+    one.)"""
     for r in reversed(records):
         k = r.key
-        if (k.engine, k.threads, k.model_class) == (engine, threads, MODEL_CLASS):
+        if (k.engine, k.threads, k.model_class, k.device) == (
+            engine,
+            threads,
+            MODEL_CLASS,
+            device,
+        ):
             return r
     return None
 
 
-def load_or_calibrate(settings: NodeSettings) -> Calibration | None:
-    """The cached calibration for this node's key, else a fresh one (stored); ``None`` when
-    calibration is off or cannot run here."""
+def load_or_calibrate(settings: NodeSettings, device: str = "CPU") -> Calibration | None:
+    """The cached calibration for this node's key on ``device`` (a ggml device name), else a
+    fresh one (stored); ``None`` when calibration is off or cannot run here."""
     if not settings.calibrate:
         return None
     if settings.serving.engine == "llama":  # whole models on this node: nothing to plan
@@ -89,13 +102,13 @@ def load_or_calibrate(settings: NodeSettings) -> Calibration | None:
     engine, threads = settings.serving.engine, calibration_threads(settings)
     path = settings.data_dir / CACHE_NAME
     records = read_cache(path)
-    hit = cached(records, engine, threads)
+    hit = cached(records, engine, threads, device)
     if hit is not None:
         log.info("calibration (cached): %s", describe(hit))
         return hit
     scratch = Path(tempfile.mkdtemp(prefix=".calibration-", dir=_scratch_parent(settings)))
     try:
-        fresh = run_calibration(scratch, engine=engine, threads=threads)
+        fresh = run_calibration(scratch, engine=engine, threads=threads, device=device)
     except (SkippyError, OSError, ValueError) as exc:
         log.warning("calibration failed, advertising none: %s", exc)
         return None
@@ -118,10 +131,40 @@ def _scratch_parent(settings: NodeSettings) -> Path:
 
 def describe(c: Calibration) -> str:
     return (
-        f"{c.key.engine} {c.key.runtime_version}, {c.key.threads} thread(s): decode "
+        f"{c.key.engine} {c.key.runtime_version} on {c.key.device}, {c.key.threads} "
+        f"thread(s): decode "
         f"{c.decode_s_per_layer * 1000:.3f} ms, prefill {c.prefill_s_per_layer * 1000:.3f} ms "
         f"per layer per token ({c.layer_bytes} bytes per layer)"
     )
+
+
+def measure_node(settings: NodeSettings) -> tuple[ComputeCost | None, Devices | None]:
+    """What this node's hello advertises about its speed and devices: the calibration on the
+    device its stages run on (``compute``), and its devices with their memory, each with the
+    figure measured on it (the stage device's and the CPU's). A ggml that cannot load leaves
+    the devices out (logged), as a failed calibration leaves ``compute`` out."""
+    from skippy.gguf import ggml
+    from skippy.runtime.devices import CPU, list_devices
+
+    try:
+        infos = list_devices(ggml.load())
+    except (ggml.GgmlUnavailable, ggml.GgmlVersionMismatch, OSError) as exc:
+        log.warning("advertising no devices: %s", exc)
+        infos = []
+    runtime = settings.runtime
+    stage = stage_device(runtime.device, infos)
+    # Only the ggml engine runs a stage on a device; the others' figure is the CPU's.
+    measured_on = stage if settings.serving.engine == "ggml" else CPU
+    main = load_or_calibrate(settings, measured_on)
+    cpu = main if measured_on == CPU else load_or_calibrate(settings, CPU)
+    speeds = {measured_on: compute_cost(main), CPU: compute_cost(cpu)}
+    devices = advertise(
+        infos,
+        stage,
+        experts_in_ram=experts_on_cpu(runtime.cpu_moe, runtime.placement),
+        speeds=speeds,
+    )
+    return compute_cost(main), devices
 
 
 def compute_cost(c: Calibration | None) -> ComputeCost | None:

@@ -403,8 +403,10 @@ def _dry_run_result(plan: dict[str, Any]) -> CommandResult:
     """``topology --dry-run``: the ranked candidates, nothing sent."""
     lines = [f"dry run: {plan['candidates_total']} candidate(s), nothing sent"]
     for c in plan["candidates"][:10]:
+        modes = c.get("stage_modes") or [""] * len(c["nodes"])  # with devices: where it sits
         stages = ", ".join(
-            f"{n[:12]} {a}..{b}" for n, (a, b) in zip(c["nodes"], c["layers"], strict=True)
+            f"{n[:12]} {a}..{b}" + (f" ({m})" if m else "")
+            for n, (a, b), m in zip(c["nodes"], c["layers"], modes, strict=True)
         )
         fit = "" if c["fits"] else f"  (does not fit: {c['problem']})"
         lines.append(

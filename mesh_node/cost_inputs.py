@@ -30,7 +30,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
-from protocol.messages import ComputeCost
+from mesh_node.device_adverts import cpu_speed
+from protocol.messages import ComputeCost, Devices
 from skippy.package.cost_plan import (
     Candidate,
     LinkCosts,
@@ -91,10 +92,15 @@ def gather(
     peers: Sequence[PeerInfo],
     capable: Sequence[NodeCapacity],
     sizes: ModelSizes,
+    own_devices: Devices | None = None,
 ) -> CostInputs:
-    """Pure: the planner's inputs from what this node knows (its peers' hellos and RTTs)."""
+    """Pure: the planner's inputs from what this node knows (its peers' hellos and RTTs).
+    A node's ``compute`` is its stage device's speed; with devices, its CPU's figure
+    (``mesh_node.device_adverts.cpu_speed``) prices what a stage leaves in RAM."""
     compute = {p.node_id: p.compute for p in peers}
     compute[own_id] = own_compute
+    cpu = {p.node_id: cpu_speed(p.devices) for p in peers}
+    cpu[own_id] = cpu_speed(own_devices)
     nodes, uncalibrated = [], []
     for c in capable:
         cost = compute.get(c.node_id)
@@ -102,7 +108,9 @@ def gather(
             uncalibrated.append(c.node_id)
         s = UNCALIBRATED_S_PER_LAYER if cost is None else per_layer_s(cost, sizes)
         head = 0.0 if cost is None else head_s(cost, sizes)
-        nodes.append(NodeCost(c.node_id, c.memory_budget_bytes, s, head))
+        on_cpu = cpu.get(c.node_id)
+        cpu_s = None if cost is None or on_cpu is None else per_layer_s(on_cpu, sizes)
+        nodes.append(NodeCost(c.node_id, c.memory_budget_bytes, s, head, c.memory, cpu_s))
     own = {
         (own_id, p.node_id): rtt / 2
         for p in peers
@@ -199,9 +207,10 @@ def dry_run(
     *,
     include_self: bool,
     stages: int | None,
+    own_devices: Devices | None = None,
 ) -> dict[str, Any]:
     """The ranked candidates for ``sizes`` over the capable nodes connected now."""
-    inputs = gather(own_id, own_compute, peers, capable, sizes)
+    inputs = gather(own_id, own_compute, peers, capable, sizes, own_devices)
     ranked = plan_by_cost(
         sizes,
         inputs.nodes,

@@ -364,7 +364,44 @@ def node_families(doc: Mapping[str, Any]) -> list[Metric]:
             rtt.add_metric([p["node_id"]], p["rtt_ms"] / 1000)
     for key, count in sorted(counts.items()):
         peers.add_metric(list(key), count)
-    return [info, uptime, budget, peers, received, sent, rtt, link]
+    return [info, uptime, budget, peers, received, sent, rtt, link, *device_families(doc)]
+
+
+def device_families(doc: Mapping[str, Any]) -> list[Metric]:
+    """This node's devices as it advertises them (the status document's ``devices``): free
+    and total memory per device (the CPU's: the machine's RAM)."""
+    labels = ["device", "type"]
+    free = GaugeMetricFamily(
+        f"{PREFIX}_device_free_bytes", "Free memory of a device, as ggml reports it", labels=labels
+    )
+    total = GaugeMetricFamily(
+        f"{PREFIX}_device_total_bytes",
+        "Total memory of a device, as ggml reports it",
+        labels=labels,
+    )
+    devices = doc.get("devices") or {}
+    for d in devices.get("list", []):
+        free.add_metric([d["name"], d["type"]], d["free_bytes"])
+        total.add_metric([d["name"], d["type"]], d["total_bytes"])
+    return [free, total]
+
+
+def stage_families(stage: Mapping[str, Any] | None) -> list[Metric]:
+    """This node's loaded stage (the ``stage`` status section): where it runs and what it
+    holds in its device's memory (0 on the CPU, or with no stage)."""
+    memory = GaugeMetricFamily(
+        f"{PREFIX}_stage_device_memory_bytes",
+        "Bytes the loaded stage holds in its device's memory (weights and KV caches)",
+        value=0 if stage is None else stage.get("device_memory_bytes", 0),
+    )
+    placement = GaugeMetricFamily(
+        f"{PREFIX}_stage_placement",
+        "1 for the loaded stage's device and placement (device, experts on CPU, cpu, mixed)",
+        labels=["device", "placement"],
+    )
+    if stage is not None:
+        placement.add_metric([stage.get("device", "CPU"), stage.get("placement", "cpu")], 1)
+    return [memory, placement]
 
 
 def topology_families(topo: Mapping[str, Any] | None) -> list[Metric]:

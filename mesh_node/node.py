@@ -84,7 +84,14 @@ from protocol.link_cipher import (
     offered_subprotocols,
     select_subprotocol,
 )
-from protocol.messages import ComputeCost, Hello, PeerRecord, Peers, decode_link_message
+from protocol.messages import (
+    ComputeCost,
+    Devices,
+    Hello,
+    PeerRecord,
+    Peers,
+    decode_link_message,
+)
 from skippy.errors import UsageError
 
 log = logging.getLogger("mesh_node.node")
@@ -151,6 +158,7 @@ class _Member:
     host_id: str | None = None  # its machine's fingerprint, from its hello
     boot: str | None = None  # its process's random id, from its hello: new at every restart
     compute: ComputeCost | None = None  # its calibrated speed, from its hello
+    devices: Devices | None = None  # its ggml devices and their memory, from its hello
     down_reported: bool = False  # a PeerDown was emitted since its last PeerUp
     hello_link: Link | None = None  # the link its latest hello came on
     last_seen: float = 0.0  # trio clock
@@ -260,6 +268,9 @@ class MeshNode:
         # Advertised when set: the stage runtime's calibration, measured by the
         # shell that starts the node (mesh_node.calibration), never here.
         self.compute: ComputeCost | None = None
+        # Advertised when set: this node's devices (mesh_node.device_adverts), read by the
+        # same shell.
+        self.devices: Devices | None = None
         self._members: dict[str, _Member] = {}
         self._handlers: dict[tuple[str, int, int], SubprotocolHandler] = {}
         self._admissions: dict[tuple[str, int, int], StreamAdmission] = {}
@@ -521,6 +532,7 @@ class MeshNode:
             "admission": dict(self.admission),
         }
         doc["compute"] = None if self.compute is None else self.compute.to_wire()
+        doc["devices"] = None if self.devices is None else self.devices.to_wire()
         for service in self._services:
             doc.update(service.status_sections())
         return doc
@@ -810,6 +822,7 @@ class MeshNode:
                     boot=self.boot_id,
                     compute=self.compute,
                     relays=tuple(str(a) for a in self.settings.relays),
+                    devices=self.devices,
                 )
                 link.mux.send_link_message(hello.encode())
                 link.wake_writer()
@@ -945,6 +958,7 @@ class MeshNode:
             member.memory_budget_bytes = message.memory_budget_bytes
             member.host_id = message.host
             member.compute = message.compute
+            member.devices = message.devices
             member.relays = relay_addresses(message.relays)
             first_on_link = member.hello_link is not link
             member.hello, member.hello_link = True, link
@@ -1008,6 +1022,7 @@ class MeshNode:
             memory_budget_bytes=m.memory_budget_bytes,
             host_id=m.host_id,
             compute=m.compute,
+            devices=m.devices,
             connected=m.link is not None,
             last_seen_s=max(0.0, now - seen) if math.isfinite(seen) else 0.0,
             rtt_s=m.link.rtt_s if m.link is not None else None,

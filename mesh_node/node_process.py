@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from mesh_node import lifeline
-from mesh_node.calibration import compute_cost, load_or_calibrate
+from mesh_node.calibration import measure_node
 from mesh_node.composition import ComposedNode, compose
 from mesh_node.compute import run_compute
 from mesh_node.control import serve_control
@@ -66,6 +66,7 @@ def control_handler(parts: ComposedNode) -> Any:
                     sizes,
                     include_self=include,
                     stages=stages,
+                    own_devices=node.devices,
                 )
                 return {"ok": True, "plan": plan}
             active = await topology.propose(
@@ -171,9 +172,9 @@ async def _run_node(
     )
     node, serving = parts.node, parts.serving
     # Measured (or read from data_dir's cache) before the first link, so every
-    # hello carries it; on the compute thread (every later stage call's thread too:
-    # skippy.runtime.compute_thread), since it runs the stage runtime for a moment.
-    node.compute = compute_cost(await run_compute(lambda: load_or_calibrate(settings)))
+    # hello carries it, with the devices; on the compute thread (every later stage call's
+    # thread too: skippy.runtime.compute_thread), since it runs the stage runtime a moment.
+    node.compute, node.devices = await run_compute(lambda: measure_node(settings))
     # SIGHUP (the terminal went away) shuts down as cleanly as SIGTERM: no reload exists.
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as signals:
         async with trio.open_nursery() as nursery:

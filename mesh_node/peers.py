@@ -9,7 +9,7 @@ from typing import Any
 
 from mesh_node.link import MeshStream
 from protocol.certificates import OwnerStatus
-from protocol.messages import ComputeCost
+from protocol.messages import ComputeCost, Devices
 from skippy.progress import human_bytes
 from skippy.text import escape
 
@@ -66,6 +66,7 @@ class PeerInfo:
     bytes_sent: int = 0
     host_id: str | None = None  # its machine's fingerprint (Hello), if it sent one
     compute: ComputeCost | None = None  # its calibrated speed (Hello), if it sent one
+    devices: Devices | None = None  # its devices and their memory (Hello), if it sent them
     link_cipher: str | None = None  # the connected link's Noise cipher
     relay: str | None = None  # the relay's node id when the link is a relayed circuit
 
@@ -92,6 +93,7 @@ class PeerInfo:
             "bytes_received": self.bytes_received,
             "bytes_sent": self.bytes_sent,
             "compute": None if self.compute is None else self.compute.to_wire(),
+            "devices": None if self.devices is None else self.devices.to_wire(),
             "link_cipher": self.link_cipher,
             "link": "direct" if self.relay is None else "relayed",
             "relay": self.relay,
@@ -175,6 +177,7 @@ def render_status(doc: Mapping[str, Any]) -> str:
         f"features {features or '-'}",
         f"memory   {human_bytes(doc['memory_budget'])} budget; artifact transfer "
         f"{doc['artifact_transfer']}",
+        *device_lines(doc.get("devices")),
         f"peers    {len(doc['peers'])}",
     ]
     for p in doc["peers"]:
@@ -196,10 +199,15 @@ def render_status(doc: Mapping[str, Any]) -> str:
         lines.append(
             f"topology {peer_text(topo['topology_id'])} ({topo['role']}, {topo['state']})"
         )
+        placed = {
+            st["stage_index"]: st.get("placement") for st in topo.get("stage_status", [])
+        }
         for s in topo["stages"]:
+            where = placed.get(s["stage_index"])
             lines.append(
                 f"  stage {s['stage_index']}: layers {s['layer_start']}..{s['layer_end']} on "
                 f"{peer_text(s['node_id'][:16])}"
+                + ("" if not where else f" ({peer_text(where['device'])}: {where['mode']})")
             )
     else:
         lines.append("topology none")
@@ -218,6 +226,14 @@ def render_status(doc: Mapping[str, Any]) -> str:
             f"bytes    fetched peer {got['peer']} hub {got['hub']} cached {got['cache']}; "
             f"served {c['served_bytes']}; {len(transfers['active'])} transfers active"
         )
+    loaded = doc.get("stage")
+    if loaded:
+        lines.append(
+            f"runs     on {peer_text(loaded.get('device', 'CPU'))} "
+            f"({loaded.get('placement', 'cpu')}), "
+            f"{human_bytes(loaded.get('device_memory_bytes', 0))} in device memory"
+            + (f"; fallback: {loaded['device_fallback']}" if loaded.get("device_fallback") else "")
+        )
     cache = doc.get("cache")
     if cache:
         lines.append(render_cache(cache))
@@ -225,6 +241,19 @@ def render_status(doc: Mapping[str, Any]) -> str:
     if serving:
         lines += render_serving(serving)
     return "\n".join(lines)
+
+
+def device_lines(devices: Mapping[str, Any] | None) -> list[str]:
+    """This node's devices (what its hello advertises): name, type, free/total memory."""
+    if not devices:
+        return []
+    parts = [
+        f"{peer_text(d['name'])} {d['type']} {human_bytes(d['free_bytes'])} free of "
+        f"{human_bytes(d['total_bytes'])}"
+        for d in devices["list"]
+    ]
+    moe = "; experts in RAM" if devices.get("experts_on_cpu") else ""
+    return [f"devices  {'; '.join(parts)}; stages on {peer_text(devices['stage'])}{moe}"]
 
 
 def render_cache(cache: Mapping[str, Any]) -> str:
@@ -294,11 +323,16 @@ def render_topology(topo: Mapping[str, Any]) -> str:
         f"{peer_text(topo['run_id'])}",
         f"package {peer_text(topo['package_ref'])} manifest {topo['manifest_sha256'][:16]}...",
     ]
+    placed = {
+        st["stage_index"]: st.get("placement") for st in topo.get("stage_status", [])
+    }
     for s in topo["stages"]:
         ack = topo["acks"].get(s["node_id"], "coordinator")
+        where = placed.get(s["stage_index"])
+        on = "" if not where else f", {peer_text(where['device'])}: {where['mode']}"
         lines.append(
             f"  stage {s['stage_index']}: layers {s['layer_start']}..{s['layer_end']} on "
-            f"{peer_text(s['node_id'][:12])} ({peer_text(ack)})"
+            f"{peer_text(s['node_id'][:12])} ({peer_text(ack)}{on})"
         )
     plan = topo.get("prediction")  # which planner, and what it predicted
     if plan:

@@ -40,6 +40,7 @@ from mesh_node.cost_inputs import (
     memory_plan_reason,
     predict_topology,
 )
+from mesh_node.device_adverts import capacity, planned_placement
 from mesh_node.errors import MeshError, TopologyRefused
 from mesh_node.identity import LocalIdentity
 from mesh_node.link import LinkTimeouts, MeshStream
@@ -60,6 +61,7 @@ from protocol.certificates import verify_domain
 from protocol.errors import ProtocolError
 from protocol.messages import (
     ComputeCost,
+    Devices,
     StageReady,
     TopologyAck,
     TopologyOffer,
@@ -75,7 +77,8 @@ from skippy.package.topology import (
     plan_like,
     plan_topology,
 )
-from skippy.stage.descriptor import RuntimeFacts, StageDescriptor, admission_problem
+from skippy.runtime.admission import RuntimeFacts
+from skippy.stage.descriptor import StageDescriptor, admission_problem
 
 log = logging.getLogger("mesh_node.topology")
 Role = Literal["coordinator", "worker"]
@@ -101,6 +104,9 @@ class ActiveTopology:
     # The coordinator's planner record (which planner, predicted ms/token, why);
     # ``None`` on a worker.
     prediction: dict[str, Any] | None = None
+    # Coordinator: where each stage node was planned to hold its stage, by node id (its
+    # device, mode and bytes there: ``mesh_node.device_adverts.planned_placement``).
+    placement: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def all_ready(self) -> bool:
@@ -139,6 +145,7 @@ class ActiveTopology:
                     "state": state,
                     "code": code,
                     "ready": ready,
+                    "placement": self.placement.get(nid),
                 }
             )
         return out
@@ -200,6 +207,7 @@ class NodeView(Protocol):
 
     node_id: str
     compute: ComputeCost | None  # this node's calibration, for cost planning
+    devices: Devices | None  # this node's devices, for placing stages by device memory
     identity: LocalIdentity
     settings: NodeSettings
     limits: pc.Limits
@@ -299,14 +307,15 @@ class TopologyService:
         another replica holds), and this node, if asked."""
         scope = self.node.settings.security.place_stages_on
         nodes = [
-            NodeCapacity(p.node_id, p.memory_budget_bytes)
+            capacity(p.node_id, p.memory_budget_bytes, p.devices)
             for p in placeable(self.node.peers(connected_only=True), scope)
             if p.has_features(pc.FEATURE_SKIPPY_STAGE, pc.STAGE_BUNDLE)
         ]
         taken = set(exclude) - {self.node.node_id}
         nodes = [n for n in nodes if n.node_id not in taken]
         if include_self:
-            nodes.append(NodeCapacity(self.node.node_id, self.node.settings.memory_budget_bytes))
+            own = self.node.settings.memory_budget_bytes
+            nodes.append(capacity(self.node.node_id, own, self.node.devices))
         return nodes
 
     # --- coordinator -----------------------------------------------------------------------------
@@ -412,7 +421,9 @@ class TopologyService:
     def cost_inputs(self, capable: list[NodeCapacity], sizes: ModelSizes) -> CostInputs:
         """What the cost planner knows now (``mesh_node.cost_inputs.gather``)."""
         peers = self.node.peers(connected_only=True)
-        return gather(self.node.node_id, self.node.compute, peers, capable, sizes)
+        return gather(
+            self.node.node_id, self.node.compute, peers, capable, sizes, self.node.devices
+        )
 
     def _repredict(
         self, topology: SplitTopology, sizes: ModelSizes, exclude: Set[str]
@@ -496,6 +507,7 @@ class TopologyService:
             sizes=sizes,
             own_id=self.node.node_id,
             prediction=prediction,
+            placement=planned_placement(topology, self.capable_nodes(True), sizes),
         )
         workers = [s.node_id for s in topology.stages if s.node_id != self.node.node_id]
         offer = TopologyOffer(topology.to_dict(), signature).encode()

@@ -158,6 +158,12 @@ DEFAULT_LIMITS: Final = Limits()
 # A Hello's optional host fingerprint: letters and digits, at most this long.
 MAX_HOST_CHARS = 64
 
+# A Hello's optional device list (ggml's devices: the CPU and any GPU): at most this many,
+# each named in at most this many printable ASCII characters, of one of these types.
+MAX_DEVICES: Final = 16
+MAX_DEVICE_NAME_CHARS: Final = 64
+DEVICE_TYPES: Final = ("CPU", "GPU", "IGPU", "ACCEL", "OTHER")
+
 # --- relays: circuits through a mesh node for peers that cannot be dialled -------------------
 # A circuit is a stream on each of the relay's two links, spliced byte for byte; the two ends
 # run an ordinary WebSocket and the same Noise handshake over it, so the relay carries

@@ -4,8 +4,9 @@ length-prefixed stream framing.
 
 Every decoder is strict (exact keys, exact types, bounded sizes) and raises only
 ``ProtocolError``. What is gossiped is exactly what these schemas allow, and nothing else: a
-node's listen address, its feature bits and its memory budget (hello) and other nodes' ids and
-listen addresses (peers). No inventory, paths, cache roots or tokens can be expressed.
+node's listen address, its feature bits, its memory budget, its calibrated speed and its
+devices' names, types and memory (hello) and other nodes' ids and listen addresses (peers).
+No inventory, paths, cache roots or tokens can be expressed.
 """
 
 from __future__ import annotations
@@ -102,6 +103,103 @@ class ComputeCost:
         return cls(value["decode_s_per_layer"], value["prefill_s_per_layer"], value["layer_bytes"])
 
 
+def _device_name(value: object, what: str) -> str:
+    if (
+        not isinstance(value, str)
+        or not 0 < len(value) <= c.MAX_DEVICE_NAME_CHARS
+        or not value.isascii()
+        or not value.isprintable()
+    ):
+        raise _fail(f"{what} must be 1-{c.MAX_DEVICE_NAME_CHARS} printable ASCII characters")
+    return value
+
+
+@dataclass(frozen=True)
+class DeviceReport:
+    """One of a node's ggml devices as its hello advertises it: name, type, free and total
+    memory (the CPU's are the machine's RAM), and the calibrated speed measured on it, if any.
+    A peer's report is input: every field is checked on construction."""
+
+    name: str
+    kind: str  # one of c.DEVICE_TYPES
+    free_bytes: int
+    total_bytes: int
+    compute: ComputeCost | None = None
+
+    def __post_init__(self) -> None:
+        _device_name(self.name, "a device name")
+        if self.kind not in c.DEVICE_TYPES:
+            raise _fail(f"a device type is one of {', '.join(c.DEVICE_TYPES)}")
+        _int(self.free_bytes, "a device's free_bytes")
+        _int(self.total_bytes, "a device's total_bytes")
+        if self.free_bytes > self.total_bytes:
+            raise _fail(f"device {self.name}: free_bytes exceeds total_bytes")
+
+    def to_wire(self) -> dict[str, object]:
+        doc: dict[str, object] = {
+            "name": self.name,
+            "type": self.kind,
+            "free_bytes": self.free_bytes,
+            "total_bytes": self.total_bytes,
+        }
+        if self.compute is not None:
+            doc["compute"] = self.compute.to_wire()
+        return doc
+
+    @classmethod
+    def from_wire(cls, value: object) -> DeviceReport:
+        keys = {"name", "type", "free_bytes", "total_bytes"}
+        if not isinstance(value, dict) or not keys <= set(value) <= keys | {"compute"}:
+            raise _fail(f"a device has the fields {sorted(keys)} (and optionally compute)")
+        compute = ComputeCost.from_wire(value["compute"]) if "compute" in value else None
+        return cls(
+            value["name"], value["type"], value["free_bytes"], value["total_bytes"], compute
+        )
+
+
+@dataclass(frozen=True)
+class Devices:
+    """A node's devices (the hello key ``devices``): the list, the one its stages run on
+    (``stage_device``: ``[runtime] device`` resolved at start-up), and whether it keeps a
+    mixture of experts' routed experts in RAM (``experts_on_cpu``: ``[runtime] cpu_moe``)."""
+
+    devices: tuple[DeviceReport, ...]
+    stage_device: str
+    experts_on_cpu: bool = False
+
+    def __post_init__(self) -> None:
+        if not 0 < len(self.devices) <= c.MAX_DEVICES:
+            raise _fail(f"devices lists 1-{c.MAX_DEVICES} devices")
+        names = [d.name for d in self.devices]
+        if len(set(names)) != len(names):
+            raise _fail("a device is listed twice")
+        if self.stage_device not in names:
+            raise _fail("devices.stage names none of the listed devices")
+        if not isinstance(self.experts_on_cpu, bool):
+            raise _fail("devices.experts_on_cpu must be true or false")
+
+    def get(self, name: str) -> DeviceReport | None:
+        return next((d for d in self.devices if d.name == name), None)
+
+    def to_wire(self) -> dict[str, object]:
+        return {
+            "list": [d.to_wire() for d in self.devices],
+            "stage": self.stage_device,
+            "experts_on_cpu": self.experts_on_cpu,
+        }
+
+    @classmethod
+    def from_wire(cls, value: object) -> Devices:
+        keys = {"list", "stage", "experts_on_cpu"}
+        if not isinstance(value, dict) or set(value) != keys:
+            raise _fail(f"devices has exactly the fields {sorted(keys)}")
+        raw = value["list"]
+        if not isinstance(raw, list) or not 0 < len(raw) <= c.MAX_DEVICES:
+            raise _fail(f"devices.list is a list of 1-{c.MAX_DEVICES} devices")
+        stage = _device_name(value["stage"], "devices.stage")
+        return cls(tuple(DeviceReport.from_wire(d) for d in raw), stage, value["experts_on_cpu"])
+
+
 @dataclass(frozen=True)
 class Hello:
     """A node's advertisement, sent once per link right after the handshake."""
@@ -121,6 +219,8 @@ class Hello:
     # Optional: relays (``ws://HOST:PORT#<relay id>``) the sender is reachable through, when
     # it cannot be dialled; an older node ignores the key.
     relays: tuple[str, ...] = ()
+    # Optional: the sender's ggml devices and their memory, for placing stages by device.
+    devices: Devices | None = None
 
     def encode(self) -> bytes:
         doc: dict[str, object] = {
@@ -138,6 +238,8 @@ class Hello:
             doc["compute"] = self.compute.to_wire()
         if self.relays:
             doc["relays"] = list(self.relays)
+        if self.devices is not None:
+            doc["devices"] = self.devices.to_wire()
         return _pack(doc)
 
 
@@ -198,6 +300,7 @@ def decode_link_message(payload: bytes, limits: c.Limits = c.DEFAULT_LIMITS) -> 
             boot=boot,
             compute=ComputeCost.from_wire(d["compute"]) if "compute" in d else None,
             relays=_relays(d.get("relays", []), limits),
+            devices=Devices.from_wire(d["devices"]) if "devices" in d else None,
         )
     if kind == "peers":
         d = _check_keys(data, {"t", "gen", "peers"}, "peers")
@@ -216,9 +319,7 @@ def decode_link_message(payload: bytes, limits: c.Limits = c.DEFAULT_LIMITS) -> 
 
 
 _HELLO_REQUIRED: Final = frozenset({"t", "gen", "listen", "features", "memory_budget_bytes"})
-_HELLO_KNOWN_OPTIONAL: Final = frozenset(
-    {"host", "boot", "compute", "relays"}
-)
+_HELLO_KNOWN_OPTIONAL: Final = frozenset({"host", "boot", "compute", "relays", "devices"})
 _HELLO_FORBIDDEN: Final = frozenset(
     {"inventory", "artifacts", "packages", "paths", "cache_root", "token", "tokens"}
 )

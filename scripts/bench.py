@@ -31,7 +31,7 @@ SECTIONS: dict[str, str] = {
     "quantize": "bench_quantize",
     "stage": "bench_stage",
     "moe": "bench_moe",  # a mid-sized synthetic MoE's stage vs llama.cpp, and its 3-stage chain
-    "families": "bench_families",  # the newer families' mid-sized synthetic decode vs llama.cpp
+    "families": "bench_families",  # the MoE giants' mid-sized synthetic stages vs llama.cpp
     "transfer-mesh": "bench_transfer_mesh",
     "link": "bench_link",  # mesh stream and verified transfer vs raw, each way
     "hop": "bench_hop",  # one 2.5 KiB decode frame's one-way latency vs raw

@@ -1,23 +1,23 @@
-"""The newer model families' decode speed against llama.cpp, called by scripts/bench.py
-(``--only families``).
+"""The MoE giants' stage rows, called by scripts/bench.py (``--only families``).
 
-Each family of ``FAMILIES`` as a mid-sized synthetic model (``skippy.runtime.canary.synth``
-at the MoE bench's size: width 1024, 16 heads of 64 over 4 KV heads, 8 layers of 32 experts
-of 512, top-4, Q4_K; the family's own extras as its canary model has them, e.g. glm4moe's
-leading dense layer, shared expert and NextN layer), cached under the bench's work folder
-with its package. In one child with ``OPENBLAS_NUM_THREADS=1``, alternating round by round
-so machine noise hits every engine alike: greedy decode of 32 tokens by the ggml engine as
-one whole-range stage, as shipped and with ``repack = true``, and by llama.cpp through its C
-API with weight repacking off (the same kernels on the same bytes) and with its default
-repacking (what users get). The target: decode >= 0.9x llama.cpp. The tokens are compared
-too: the rows say when they differ.
+For each family of ``FAMILIES`` the stage runtime claims (``skippy.runtime.families``), a
+mid-sized synthetic model written by ``skippy.runtime.canary.synth`` (8 layers, width 1024, 32
+experts of 512, top-4 where the family routes to experts, Q4_K; cached under the bench's work
+folder with its package): greedy decode (32 tokens) and a 512-token prefill of the ggml engine
+as one whole-range stage against llama.cpp through its C API on the same GGUF, with its default
+weight repacking (what users get) and with repacking off (the same kernels on the same bytes),
+and the ggml stage with repacking too (``StageConfig(repack=True)``, off by default), 2 threads,
+alternating round by round in one child process so machine noise hits every engine
+alike. The target: decode >= 0.9x llama.cpp's default. The load average and the other
+processes' CPU are reported beside the figures (the machine may be shared).
+
+The llama.cpp driver and the stage loader are bench_moe's (one of each).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -25,11 +25,28 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from benchlib import ROOT, BenchContext, Row, spread  # type: ignore[import-not-found]
+from bench_moe import (  # type: ignore[import-not-found]
+    DECODE_TOKENS,
+    N_CTX,
+    PREFILL,
+    QUIET_CORES,
+    THREADS,
+    _Llama,
+    _rate,
+    _ratio,
+    _stage_loads,
+    _verdict,
+)
+from benchlib import (  # type: ignore[import-not-found]
+    ROOT,
+    BenchContext,
+    Row,
+    cpu_ticks,
+    others_cores,
+    spread,
+)
 
-FAMILIES = ("glm4moe",)  # one name per family added after the MoE bench's qwen3moe
-THREADS = 2
-DECODE_TOKENS = 32
+FAMILIES = ("gpt-oss", "deepseek2", "glm4moe", "llama4")  # the canary's names
 LAYERS = 8
 N_EXPERT, N_EXPERT_USED = 32, 4
 DIMS = {
@@ -39,10 +56,28 @@ DIMS = {
     "head_dim": 64,
     "ff": 2048,
     "ff_exp": 512,
-    "ff_shexp": 1024,  # glm4moe: two shared experts' width
+    "ff_shexp": 1024,
 }
-ENGINES = ("ggml", "ggml_repack", "llama_norepack", "llama_repack")
-TARGET = 0.9
+ENGINES = ("ggml", "ggml_repack", "llama_repack", "llama_norepack")
+DECODE_TARGET = 0.9
+
+
+def _claimed() -> list[str]:
+    """The families of ``FAMILIES`` that have a synthetic model and that the runtime runs."""
+    from skippy.runtime.canary import synth
+    from skippy.runtime.support import STAGE_FAMILIES
+
+    return [
+        name
+        for name in FAMILIES
+        if name in synth.FAMILY_NAMES and synth.family(name).arch_name in STAGE_FAMILIES
+    ]
+
+
+def _is_moe(name: str) -> bool:
+    from skippy.runtime.canary import synth
+
+    return synth.family(name).moe is not None
 
 
 def _model(ctx: BenchContext, name: str) -> tuple[Path, Path]:
@@ -50,10 +85,14 @@ def _model(ctx: BenchContext, name: str) -> tuple[Path, Path]:
     from skippy.produce.write_package import WriteOptions, local_provenance, write_package
     from skippy.runtime.canary import synth
 
-    spec = replace(synth.family(name), n_layers=LAYERS, moe=synth.MoE(N_EXPERT, N_EXPERT_USED))
+    spec = synth.family(name)
+    spec = replace(spec, n_layers=LAYERS)
+    if spec.moe is not None:
+        spec = replace(spec, moe=synth.MoE(N_EXPERT, N_EXPERT_USED))
     root = ctx.work / "families"
-    model = root / f"{name}-{LAYERS}L-{DIMS['embd']}w-{N_EXPERT}x{N_EXPERT_USED}-Q4_K.gguf"
+    model = root / f"{name}-{LAYERS}L-{DIMS['embd']}w-Q4_K.gguf"
     if not model.exists():
+        root.mkdir(parents=True, exist_ok=True)
         synth.write_model(spec, model, dtype="Q4_K", dims=synth.Dims(**DIMS))
     pkg = root / f"{model.stem}-pkg"
     if not (pkg / "model-package.json").is_file():
@@ -82,123 +121,160 @@ def _child(*args: str) -> dict[str, Any]:
     return result
 
 
-def _rate(times: list[float]) -> str:
-    return spread([DECODE_TOKENS / s for s in times], fmt="{:.1f}") + " tok/s"
+def _whole(pkg: Path) -> str:
+    """The package's whole range: its NextN/MTP layers too, where the family has them
+    (glm4moe's follows its 8 trunk layers and goes with the final stage)."""
+    from skippy.package.manifest import parse_manifest, read_manifest_bytes
 
-
-def _ratio(ours: list[float], theirs: list[float]) -> tuple[str, float]:
-    """Per-round speed ratios (ours faster -> > 1): 'median (min..max)', and the median."""
-    r = [b / a for a, b in zip(ours, theirs, strict=True)]
-    return spread(r, fmt="{:.2f}"), statistics.median(r)
+    return f"0..{parse_manifest(read_manifest_bytes(pkg)).layer_count}"
 
 
 def rows(ctx: BenchContext) -> list[Row]:
     out: list[Row] = []
-    for name in FAMILIES:
+    for name in _claimed():
         model, pkg = _model(ctx, name)
+        whole = _whole(pkg)
         res = _child(str(pkg), str(model), str(ctx.runs))
-        m = f"{name} synth {LAYERS}L w{DIMS['embd']} {N_EXPERT}x top-{N_EXPERT_USED} Q4_K"
+        moe = f" {N_EXPERT}x top-{N_EXPERT_USED}" if _is_moe(name) else ""
+        m = f"{name} synth {LAYERS}L w{DIMS['embd']}{moe} Q4_K"
         load = spread(res["loadavg"], fmt="{:.2f}")
-        t: dict[str, list[float]] = res["times"]
-        same = "" if res["same_tokens"] else "; TOKENS DIFFER from llama.cpp's"
-        for engine, label in (("llama_norepack", "repacking off"), ("llama_repack", "default")):
-            out.append((m, f"decode: llama.cpp, {THREADS} threads, {label}", _rate(t[engine]), ""))
-        for ours, label in (("ggml", "as shipped"), ("ggml_repack", "repack = true")):
-            r_on, med = _ratio(t[ours], t["llama_repack"])
-            r_off = _ratio(t[ours], t["llama_norepack"])[0]
-            verdict = f"target >= {TARGET}; {'met' if med >= TARGET else 'NOT met'}"
+        for key, n, label in (
+            ("decode", DECODE_TOKENS, "decode"),
+            (f"prefill{PREFILL}", PREFILL, f"prefill {PREFILL}"),
+        ):
+            g, gr, on, off = (res[e][key] for e in ENGINES)
+            r_on, med_on = _ratio(g, on)
+            verdict = f" ({_verdict(med_on, DECODE_TARGET)})" if key == "decode" else ""
+            out.append(
+                (m, f"{label}: llama.cpp, {THREADS} threads, default repacking", _rate(on, n), "")
+            )
             out.append(
                 (
                     m,
-                    f"decode: ggml stage, {label}",
-                    _rate(t[ours]),
-                    f"{r_on} x llama.cpp default ({verdict}); {r_off} x llama.cpp repacking "
-                    f"off; load avg {load}{same}",
+                    f"{label}: ggml stage {whole}",
+                    _rate(g, n),
+                    f"{r_on} x llama.cpp default{verdict}; {_ratio(g, off)[0]} x llama.cpp "
+                    f"repacking off; load avg {load}",
                 )
             )
+            r_rep, med_rep = _ratio(gr, on)
+            verdict = f" ({_verdict(med_rep, DECODE_TARGET)})" if key == "decode" else ""
+            out.append(
+                (
+                    m,
+                    f"{label}: ggml stage {whole}, repack = true",
+                    _rate(gr, n),
+                    f"{r_rep} x llama.cpp default{verdict}; {_ratio(gr, g)[0]} x the stage "
+                    "unrepacked",
+                )
+            )
+            others = res["others"][key]
+            quiet = [i for i, c in enumerate(others) if c < QUIET_CORES]
+            if quiet:
+                pick = [[res[e][key][i] for i in quiet] for e in ENGINES]
+                out.append(
+                    (
+                        m,
+                        f"{label}: rounds with others < {QUIET_CORES} cores busy",
+                        f"{len(quiet)} of {len(others)} rounds",
+                        f"in them: ggml {_ratio(pick[0], pick[2])[0]}, repack = true "
+                        f"{_ratio(pick[1], pick[2])[0]} x llama.cpp default",
+                    )
+                )
     return out
 
 
 # --- the child -----------------------------------------------------------------------------------
-def child(pkg: str, gguf: str, runs: str) -> dict[str, Any]:
+def child_speed(pkg: str, gguf: str, runs: str) -> dict[str, Any]:
     from skippy.gguf.ggml import configure_openmp
 
     configure_openmp()  # as the runtime runs (libgomp reads it once, as llama_cpp loads it)
     import numpy as np
-    from bench_moe import _Llama, _stage_loads  # type: ignore[import-not-found]
 
-    from skippy.package.manifest import parse_manifest, read_manifest_bytes
     from skippy.runtime.canary.synth import long_prompt
     from skippy.runtime.chain import StageChain
     from skippy.runtime.ggml_engine import GgmlStage
     from skippy.runtime.sampling import Sampler
     from skippy.runtime.stage import StageConfig
 
-    n = parse_manifest(read_manifest_bytes(Path(pkg))).layer_count
-    whole = f"0..{n}"  # NextN layers included
-    cfg = StageConfig(n_ctx=1024, n_threads=THREADS, n_batch=512)
+    cfg = StageConfig(n_ctx=N_CTX, n_threads=THREADS, n_batch=PREFILL)
+    whole = _whole(Path(pkg))
+    load = _stage_loads(pkg, (whole,))[0]
     chains = {
-        "ggml": StageChain([GgmlStage(_stage_loads(pkg, (whole,))[0], cfg)], None),
+        "ggml": StageChain([GgmlStage(load, cfg)], None),
         "ggml_repack": StageChain(
             [GgmlStage(_stage_loads(pkg, (whole,))[0], replace(cfg, repack=True))], None
         ),
     }
     llamas = {
-        "llama_norepack": _Llama(gguf, repack=False),
         "llama_repack": _Llama(gguf, repack=True),
+        "llama_norepack": _Llama(gguf, repack=False),
     }
-    start = long_prompt(6)
+    prompt = long_prompt(PREFILL)
+    start = prompt[:6]
 
-    def ggml_decode(ch: StageChain) -> tuple[float, list[int]]:
-        ch.free("b")
-        tok = int(np.argmax(ch.prefill("b", start).logits[-1]))  # type: ignore[index]
-        toks, t = [], time.perf_counter()
-        for i in range(DECODE_TOKENS):
-            tok = ch.decode("b", len(start) + i, tok, sampler=Sampler()).token  # type: ignore[assignment]
-            toks.append(tok)
-        seconds = time.perf_counter() - t
-        ch.free("b")
-        return seconds, toks
-
-    def llama_decode(llm: Any) -> tuple[float, list[int]]:
+    def measure(name: str, key: str) -> float:
+        chain = chains.get(name)
+        if chain is not None:
+            chain.free("b")
+            if key != "decode":
+                t = time.perf_counter()
+                chain.prefill("b", prompt)
+                seconds = time.perf_counter() - t
+                chain.free("b")
+                return seconds
+            tok = int(np.argmax(chain.prefill("b", start).logits[-1]))  # type: ignore[index]
+            t = time.perf_counter()
+            for i in range(DECODE_TOKENS):
+                tok = chain.decode("b", len(start) + i, tok, sampler=Sampler()).token  # type: ignore[assignment]
+            seconds = time.perf_counter() - t
+            chain.free("b")
+            return seconds
+        llm = llamas[name]
         llm.reset()
-        tok = llm.eval(start, 0)
-        toks, t = [], time.perf_counter()
-        for i in range(DECODE_TOKENS):
-            tok = llm.eval([tok], len(start) + i)
-            toks.append(tok)
-        seconds = time.perf_counter() - t
+        if key != "decode":
+            t = time.perf_counter()
+            llm.eval(prompt, 0)
+            seconds = time.perf_counter() - t
+        else:
+            tok = llm.eval(start, 0)
+            t = time.perf_counter()
+            for i in range(DECODE_TOKENS):
+                tok = llm.eval([tok], len(start) + i)
+            seconds = time.perf_counter() - t
         llm.reset()
-        return seconds, toks
+        return seconds
 
-    def measure(name: str) -> tuple[float, list[int]]:
-        ch = chains.get(name)
-        return ggml_decode(ch) if ch is not None else llama_decode(llamas[name])
-
-    tokens = {name: measure(name)[1] for name in ENGINES}  # warm-up: first touches, repacking
-    times: dict[str, list[float]] = {name: [] for name in ENGINES}
+    keys = ("decode", f"prefill{PREFILL}")
+    result: dict[str, Any] = {e: {} for e in ENGINES}
     loadavg: list[float] = []
+    others: dict[str, list[float]] = {}
+    for name in ENGINES:  # one unrecorded warm-up each: first-touch pages, repacking
+        for key in keys:
+            measure(name, key)
     for r in range(int(runs)):
         loadavg.append(os.getloadavg()[0])
-        for name in ENGINES[r % len(ENGINES) :] + ENGINES[: r % len(ENGINES)]:
-            times[name].append(measure(name)[0])
-    for ch in chains.values():
-        ch.close()
+        order = ENGINES[r % len(ENGINES) :] + ENGINES[: r % len(ENGINES)]
+        for key in keys:
+            before = cpu_ticks()
+            for name in order:
+                result[name].setdefault(key, []).append(measure(name, key))
+            others.setdefault(key, []).append(others_cores(before, cpu_ticks()))
+    loadavg.append(os.getloadavg()[0])
+    for chain in chains.values():
+        chain.close()
     for llm in llamas.values():
         llm.close()
-    # the same kernels on the same bytes: each ggml stage's tokens are its llama.cpp's
-    same = (
-        tokens["ggml"] == tokens["llama_norepack"]
-        and tokens["ggml_repack"] == tokens["llama_repack"]
-    )
-    return {"times": times, "loadavg": loadavg, "same_tokens": same}
+    result["loadavg"] = loadavg
+    result["others"] = others
+    return result
 
 
 def main(argv: list[str]) -> int:
     if len(argv) != 4 or argv[0] != "child":
         print("usage: bench_families.py child PKG GGUF RUNS (via scripts/bench)")
         return 2
-    print(json.dumps(child(*argv[1:])))
+    print(json.dumps(child_speed(*argv[1:])))
     return 0
 
 

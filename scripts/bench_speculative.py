@@ -290,8 +290,8 @@ def _measure(model: str, pkg: Path, runs: int) -> dict[str, Any]:
 
     from skippy.generation import SpeculativePlan
     from skippy.generation.schema import NgramSource, WindowPolicy
-    from skippy.runtime.speculation import generate_speculative
     from skippy.runtime.stage import StageConfig
+    from skippy.runtime.token_loop import generate_speculative
     from skippy.runtime.tokenizer import LlamaTokenizer
 
     plan = SpeculativePlan(

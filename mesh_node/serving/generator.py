@@ -26,9 +26,9 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Final, Literal, Protocol
+from typing import Any, Final, Protocol
 
 import numpy as np
 import trio
@@ -49,15 +49,14 @@ from mesh_node.settings import ServingSettings
 from protocol import constants as pc
 from skippy.errors import SkippyError, UsageError
 from skippy.generation import SpeculativePlan
-from skippy.generation.proposers import Proposer, VerifyWindow, make_proposer
-from skippy.runtime.speculation import EXECUTABLE_MODES
-from skippy.runtime.stage import NATIVE_MTP_MODE
+from skippy.runtime.boundary import StopReason
+from skippy.runtime.speculation import EXECUTABLE_MODES, NATIVE_MTP, Speculation, answers
+from skippy.runtime.token_loop import TokenLoop, check_generation_request, end_of_generation
 from skippy.runtime.tokenizer import LlamaTokenizer
-from skippy.serving.replay import Step, schedule, tokens_before
+from skippy.serving.replay import Phase, Step, schedule, tokens_before
 from skippy.stage import stage_frames as t
 
 log = logging.getLogger("mesh_node.serving.generator")
-StopReason = Literal["length", "eos", "stop", "context"]
 MAX_FAILOVERS: Final = 3  # per request
 Emit = Callable[[int], Awaitable[bool]]  # a new token -> True to stop (a stop string matched)
 # What the final stage returns per pass: the sampled tokens, and its NextN draft after them
@@ -191,18 +190,27 @@ class Generator:
         source = routes if routes is not None else self.routes
         route = source.check_ready()
         n_ctx = route.stage0.facts.n_ctx
-        if not prompt:
-            raise BadGenerationRequest("the prompt has no tokens", code="empty_prompt")
-        if len(prompt) >= n_ctx:
-            raise BadGenerationRequest(
-                f"the prompt has {len(prompt)} tokens; the context holds {n_ctx}",
-                code="prompt_too_long",
-            )
-        result = GenerationResult(len(prompt), [], "length", 0.0, 0.0, 0.0)
+        try:  # the one loop's request checks, as this request's client error
+            check_generation_request(prompt, params.max_tokens, n_ctx)
+        except UsageError as exc:
+            raise BadGenerationRequest(exc.message, code=exc.code) from None
+        # one loop per request, across its attempts: its tokens are what a replay recomputes
+        loop = TokenLoop(
+            prompt,
+            max_tokens=params.max_tokens,
+            n_ctx=n_ctx,
+            is_eog=end_of_generation(self.routes.tokenizer),
+        )
+        # the result's tokens are the loop's list: what it commits, the result holds
+        result = GenerationResult(len(prompt), loop.tokens, "length", 0.0, 0.0, 0.0)
         t0 = time.perf_counter()
         while True:
             try:
-                await self._run(route, prompt, params, emit, result, t0)
+                await self._run(route, loop, emit, params.sampling, result, t0)
+                result.stop_reason = loop.stop_reason or "length"
+                result.proposed_tokens = loop.proposed
+                result.accepted_tokens = loop.accepted
+                result.verify_passes = loop.verify_passes
                 return result
             except _RouteBroken as broken:
                 if result.failovers >= MAX_FAILOVERS:
@@ -223,9 +231,9 @@ class Generator:
     async def _run(
         self,
         route: Route,
-        prompt: list[int],
-        params: GenerationParams,
+        loop: TokenLoop,
         emit: Emit,
+        sampling: t.Sampling,
         result: GenerationResult,
         t0: float,
     ) -> None:
@@ -234,28 +242,24 @@ class Generator:
         session_id = secrets.randbits(63)
         request_id = secrets.randbits(63)
         name = t.session_name(session_id)
-        n_ctx = loaded.facts.n_ctx
-        tok = self.routes.tokenizer
+        prompt = list(loop.prompt)
+        loop.n_ctx = loaded.facts.n_ctx  # this route's context
         send_tokens, recv_tokens = trio.open_memory_channel[Returned | BaseException](4)
+        # each attempt drafts afresh, from the committed tokens
         plan = self.speculative if self._route_verifies(route) else None
-        # native-mtp: the final stage drafts with its NextN head and returns the draft with
-        # each pass's tokens; the N-gram proposers draft here
-        mtp = plan is not None and plan.mode == NATIVE_MTP_MODE
-        proposer = (
-            make_proposer(plan.ngram, [*prompt, *result.tokens]) if plan and plan.ngram else None
-        )
-        local_drafter = (
-            SessionDrafter.of_stage(stage, name) if mtp and route.single else None
-        )
-        window = VerifyWindow(plan.window) if plan and plan.window else None
+        # native-mtp: the final stage's NextN head drafts and returns its draft after each
+        # pass's tokens (on a one-stage route this stage is the final one)
+        mtp = plan is not None and plan.mode == NATIVE_MTP
+        head = ReturnedDraft() if mtp else None
+        local_drafter = SessionDrafter.of_stage(stage, name) if mtp and route.single else None
+        loop.speculation = Speculation.for_plan(plan, [*prompt, *loop.tokens], head)
         frame_cap = self.host.limits.tokens_per_frame(loaded.facts.width)
-        sampling = params.sampling
         self._check_controls(route, sampling)
         # the tokens the penalties read before a position (every attempt: the same)
         last_n = sampling.repeat_last_n if sampling.penalized else 0
 
         def before(position: int) -> list[int]:
-            return tokens_before(prompt, result.tokens, position, last_n)
+            return tokens_before(prompt, loop.tokens, position, last_n)
 
         self._sessions[session_id] = _Session(
             session_id, request_id, route.node_ids[-1], send_tokens
@@ -276,7 +280,7 @@ class Generator:
                                 request_id,
                                 session_id,
                                 width=loaded.facts.width,
-                                sampling=params.sampling,
+                                sampling=sampling,
                                 topology_id=route.topology_id,
                                 drafts=mtp,
                             )
@@ -358,7 +362,7 @@ class Generator:
                         start=step.start,
                         activations=output.activations,
                         flags=t.Flag.SAMPLE if step.sample else t.Flag.NONE,
-                        # the final stage's penalties read them, and its NextN head
+                        # the final stage's penalties read them
                         tokens=step.tokens if last_n or mtp else None,
                     )
                     try:
@@ -368,17 +372,14 @@ class Generator:
 
                 tp = time.perf_counter()
                 # The first attempt and every replay make the same calls (exact replay).
-                steps = schedule(prompt, result.tokens, self.chunk(route))
-                for step in steps:
+                for step in schedule(prompt, loop.tokens, self.chunk(route)):
                     await forward(step)
-                position = steps[-1].end  # where the pending (newest) token goes
                 first = True
                 td = tp
-                draft: list[int] = []  # the drafts of the window in flight ([]: a decode)
-                drafted = 0
+                draft: list[int] = []  # the drafts of the pass in flight ([]: a decode)
                 while True:
                     batch, head_draft = await self._next_tokens(recv_tokens)
-                    if not first and not accepts(draft, batch):
+                    if not first and not answers(draft, batch):
                         raise _RouteBroken(
                             t.TransportError(
                                 f"the final stage returned {len(batch)} tokens for a window of "
@@ -388,40 +389,23 @@ class Generator:
                         )
                     now = time.perf_counter()
                     if first:
-                        if not result.tokens:
+                        if not loop.tokens:
                             result.ttft_s = now - t0
                         result.prefill_s += now - tp
                         td, first = now, False
-                    else:  # the pending token and the accepted drafts are in the KV now
-                        position += len(batch)
-                    if drafted:
-                        result.proposed_tokens += drafted
-                        result.accepted_tokens += len(batch) - 1
-                        result.verify_passes += 1
-                        if window is not None:
-                            window.update(drafted, len(batch) - 1)
-                    if await self._commit(batch, result, params, emit, tok, proposer):
-                        break
-                    if position >= n_ctx:
-                        result.stop_reason = "context"
-                        break
-                    token = result.tokens[-1]
-                    # never draft past the token budget, the context or one frame
-                    k = min(
-                        window.size if window is not None else 0,
-                        params.max_tokens - len(result.tokens) - 1,
-                        n_ctx - position - 1,
-                        frame_cap - 1,
-                    )
-                    if mtp:  # the final stage's draft after this batch (one at most)
-                        draft = [head_draft] if head_draft is not None and k > 0 else []
                     else:
-                        draft = proposer.propose(k) if proposer is not None and k > 0 else []
-                    drafted = len(draft)
-                    if draft:
-                        await forward(Step("verify", position, (token, *draft), True))
-                    else:
-                        await forward(Step("decode", position, (token,), True))
+                        loop.passed(len(draft), len(batch))
+                    if await _commit(loop, batch, emit):
+                        break
+                    if head is not None:  # the final stage's draft after these tokens
+                        head.draft = head_draft
+                    next_draft = loop.next_pass(frame_cap)
+                    if next_draft is None:
+                        break
+                    draft = next_draft
+                    token, position = loop.tokens[-1], loop.position
+                    phase: Phase = "verify" if draft else "decode"
+                    await forward(Step(phase, position, (token, *draft), True))
                 result.decode_s += time.perf_counter() - td
                 if sender is not None:
                     with trio.move_on_after(self.node.timeouts.idle_s):
@@ -468,38 +452,13 @@ class Generator:
         if self.speculative is None:
             return False
         bit = frozenset({pc.BIT_VERIFY_WINDOW})
-        if self.speculative.mode == NATIVE_MTP_MODE:
+        if self.speculative.mode == NATIVE_MTP:
             bit = frozenset({pc.BIT_VERIFY_WINDOW, pc.BIT_NEXTN_DRAFTS})
         for node_id in route.node_ids[1:]:
             info = self.node.peer(node_id)
             if info is None or not info.has_features(pc.FEATURE_SKIPPY_STAGE, bit):
                 return False
         return True
-
-    @staticmethod
-    async def _commit(
-        batch: list[int],
-        result: GenerationResult,
-        params: GenerationParams,
-        emit: Emit,
-        tok: LlamaTokenizer | None,
-        proposer: Proposer | None,
-    ) -> bool:
-        """Commit a pass's tokens in order; True when the request stops."""
-        for token in batch:
-            if tok is not None and 0 <= token < tok.n_vocab and tok.is_eog(token):
-                result.stop_reason = "eos"
-                return True
-            result.tokens.append(token)
-            if proposer is not None:
-                proposer.extend((token,))
-            if await emit(token):
-                result.stop_reason = "stop"
-                return True
-            if len(result.tokens) >= params.max_tokens:
-                result.stop_reason = "length"
-                return True
-        return False
 
     async def _next_tokens(
         self, tokens: trio.MemoryReceiveChannel[Returned | BaseException]
@@ -547,10 +506,18 @@ class Generator:
                 inbound.stream.reset(with_error.code, with_error.message[:200])
 
 
-def accepts(draft: list[int], batch: list[int]) -> bool:
-    """Whether ``batch`` can answer a pass that carried ``draft``: an agreeing prefix of the
-    drafts plus one token of the target's (a plain decode: exactly one token)."""
-    return 1 <= len(batch) <= len(draft) + 1 and batch[:-1] == draft[: len(batch) - 1]
+async def _commit(loop: TokenLoop, batch: list[int], emit: Emit) -> bool:
+    """Commit a pass's tokens in order, each emitted (a stop string ends it: stop ``stop``);
+    True when the request stops (``TokenLoop.commit``, with an awaited check)."""
+    for token in batch:
+        if not loop.take(token):
+            return True
+        if await emit(token):
+            loop.stop("stop")
+            return True
+        if loop.full():
+            return True
+    return False
 
 
 async def _watch_acks(sender: ChainSender) -> None:
@@ -588,3 +555,18 @@ def route_level(cause: BaseException) -> bool:
     if isinstance(cause, SkippyError):
         return cause.code in ROUTE_CODES
     return False
+
+
+class ReturnedDraft:
+    """native-mtp's drafter at stage 0: the draft the final stage's NextN head returned after
+    the last pass's tokens (``Proposer``'s two calls; the head itself sees the tokens)."""
+
+    def __init__(self) -> None:
+        self.draft: int | None = None
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        """The final stage records the committed tokens itself."""
+
+    def propose(self, limit: int) -> list[int]:
+        draft, self.draft = self.draft, None
+        return [draft] if draft is not None and limit > 0 else []

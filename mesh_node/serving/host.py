@@ -40,6 +40,7 @@ from prometheus_client.registry import Collector
 from mesh_node.compute import run_compute
 from mesh_node.errors import StreamReset, skippy_error_in
 from mesh_node.link import MeshStream
+from mesh_node.metrics import SectionCollector, stage_families
 from mesh_node.node import MeshNode
 from mesh_node.node_service import FeatureBits, StreamKind
 from mesh_node.peers import InboundStream
@@ -48,14 +49,15 @@ from mesh_node.settings import ServingSettings
 from protocol import constants as pc
 from skippy.errors import SkippyError
 from skippy.package.topology import SplitTopology, StageAssignment
+from skippy.runtime.admission import RuntimeFacts
 from skippy.runtime.boundary import StageLoad
 from skippy.runtime.compute_thread import compute_thread
 from skippy.runtime.contention import machine_cores, stage_threads
+from skippy.runtime.nextn import NextnProposer
 from skippy.runtime.sampling import Sampler
-from skippy.runtime.speculation import NextnProposer, accept_draft
+from skippy.runtime.speculation import accept_draft
 from skippy.runtime.stage import DecodeStep, Stage, StageConfig, StageOutput, context_full
 from skippy.stage import stage_frames as t
-from skippy.stage.descriptor import RuntimeFacts
 
 log = logging.getLogger("mesh_node.serving")
 T = TypeVar("T")
@@ -94,19 +96,6 @@ def sampler_at(sampling: t.Sampling, position: int, before: Sequence[int] = ()) 
     ``repeat_last_n``), the same on every attempt."""
     params = replace(sampling, seed=(sampling.seed * 1_000_003 + position) % (1 << 63))
     return Sampler(params, history=before)
-
-
-def runtime_facts(stage: Stage) -> RuntimeFacts:
-    d = stage.descriptor
-    return RuntimeFacts(
-        model_id=d.model_id,
-        width=d.width,
-        activation_dtype=d.activation_dtype,
-        runtime_version=d.runtime_version,
-        engine=d.engine,
-        n_ctx=d.n_ctx,
-        vocab=d.vocab or 0,
-    )
 
 
 @dataclass
@@ -232,7 +221,7 @@ class StageHost:
         return {"stage": self.status()}
 
     def collectors(self) -> Sequence[Collector]:
-        return []
+        return [SectionCollector(self.status, stage_families)]
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()  # its work runs in the streams peers open
@@ -311,7 +300,7 @@ class StageHost:
             stage = await run_compute(open_)
             self.stage_threads = config.n_threads
             self.loaded = LoadedStage(
-                topology, assignment, load, stage, runtime_facts(stage), artifact_bytes
+                topology, assignment, load, stage, stage.descriptor.facts, artifact_bytes
             )
         log.info(
             "stage %d (layers %s) loaded for topology %s",
@@ -580,6 +569,14 @@ class StageHost:
         if loaded is None:
             return None
         kv = getattr(loaded.stage, "kv_bytes_per_session", None)
+        where = getattr(loaded.stage, "device_status", None)
+        # where the ggml engine computes and what it holds there (docs/devices.md); why not
+        # the configured device; other engines run on the CPU
+        device = (
+            where()
+            if callable(where)
+            else {"device": "CPU", "device_fallback": None, "placement": "cpu"}
+        )
         return {
             "topology_id": loaded.topology.topology_id,
             "stage_index": loaded.assignment.stage_index,
@@ -589,9 +586,7 @@ class StageHost:
             "kv_bytes_per_session": kv() if callable(kv) else None,
             "engine": loaded.facts.engine,
             "runtime_version": loaded.facts.runtime_version,
-            # where the ggml engine computes (docs/devices.md); why not the configured device
-            "device": getattr(loaded.stage, "device", "CPU"),
-            "device_fallback": getattr(loaded.stage, "device_fallback", None),
+            **device,
             "sessions": self.sessions,
             "rss_before_load_kib": self.rss_before_load,
             "peak_rss_kib": _vm_kib("VmHWM"),
@@ -919,24 +914,8 @@ class SessionDrafter:
     position, as its frames carried them (the prompt's, when stage 0 sends their ids) and as
     it sampled them, which the head pairs with the trunk's hidden states."""
 
-    stage: Stage
-    name: str
-    proposer: NextnProposer | None = None
+    proposer: NextnProposer
     failed: bool = False  # the head refused once: no more drafts (plain decoding)
-
-    def observe(self, frame: t.Frame) -> None:
-        """The token ids a frame carried (its rows' tokens)."""
-        if frame.carries_ids:
-            self.put(frame.start, frame.tokens())
-
-    def put(self, start: int, tokens: Sequence[int]) -> None:
-        """The tokens at positions ``start..`` (a rewind replaces those after)."""
-        self._record().put(start, tokens)
-
-    def _record(self) -> NextnProposer:
-        if self.proposer is None:
-            self.proposer = NextnProposer(self.stage, self.name)
-        return self.proposer
 
     @classmethod
     def of(cls, loaded: LoadedStage, name: str) -> SessionDrafter | None:
@@ -949,16 +928,31 @@ class SessionDrafter:
         hidden states for the head), or None when the stage runs no head."""
         if not getattr(stage, "drafts", False):
             return None
-        cast(Any, stage).expect_drafts(name)
-        return cls(stage, name)
+        return cls(NextnProposer(stage, name))
+
+    @property
+    def stage(self) -> Stage:
+        return cast(Stage, self.proposer.stage)
+
+    @property
+    def name(self) -> str:
+        return self.proposer.session
+
+    def observe(self, frame: t.Frame) -> None:
+        """The token ids a frame carried (its rows' tokens)."""
+        if frame.carries_ids:
+            self.put(frame.start, frame.tokens())
+
+    def put(self, start: int, tokens: Sequence[int]) -> None:
+        """The tokens at positions ``start..`` (a rewind replaces those after)."""
+        self.proposer.put(start, tokens)
 
     def draft(self, start: int, tokens: list[int]) -> int | None:
         if self.failed:
             return None
-        record = self._record()
-        record.put(start, tokens)
+        self.proposer.put(start, tokens)
         try:
-            return record.propose(1)[0]
+            return self.proposer.propose(1)[0]
         except SkippyError as exc:  # e.g. the context is full: the request decodes on
             log.info("session %s: no more NextN drafts: %s", self.name, exc)
             self.failed = True

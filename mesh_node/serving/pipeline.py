@@ -31,7 +31,6 @@ from mesh_node.serving.generator import (
     Generator,
     Route,
     ServingFault,
-    StopReason,
 )
 from mesh_node.serving.host import StageHost, hop_summary
 from mesh_node.serving.replicas import ReplicaSet
@@ -54,7 +53,6 @@ __all__ = [
     "ServingStats",
     "SplitNotReady",
     "SplitServer",
-    "StopReason",
 ]
 RECENT: Final = 256  # requests whose figures the status keeps
 

@@ -61,9 +61,9 @@ from skippy.errors import EXIT_INVALID, EXIT_USAGE, SkippyError
 from skippy.package.grow import grow_check, grows, growth_summary
 from skippy.package.heal import missing_nodes
 from skippy.package.topology import NodeCapacity
+from skippy.runtime.admission import runtime_problem
 from skippy.runtime.tokenizer import LlamaTokenizer
 from skippy.serving.failures import classify_failure
-from skippy.stage.descriptor import runtime_problem
 
 log = logging.getLogger("mesh_node.serving.routes")
 MAX_RETRY_S: Final = 30.0  # the longest wait between two failed tries to place the split

@@ -442,15 +442,12 @@ class _Runner:
         (the llama engine and other plan modes log their fallback when loaded)."""
         if self._llama is not None:
             return self._llama.generate(tokens, max_tokens=max_tokens)
-        from skippy.runtime.speculation import (
-            EXECUTABLE_MODES,
-            generate_speculative,
-            native_mtp_unavailable,
-        )
-        from skippy.runtime.stage import NATIVE_MTP_MODE
+        from skippy.runtime.nextn import native_mtp_unavailable
+        from skippy.runtime.speculation import NATIVE_MTP
+        from skippy.runtime.token_loop import generate
 
         chain = self._loaded_chain()
-        if plan is not None and plan.mode == NATIVE_MTP_MODE:
+        if plan is not None and plan.mode == NATIVE_MTP:
             self.speculative_fallback = native_mtp_unavailable(chain.stages[-1])
             if self.speculative_fallback is not None:  # plain decoding: the same tokens
                 log.warning(
@@ -466,13 +463,15 @@ class _Runner:
                         sort_keys=True,
                     ),
                 )
-                return chain.generate(tokens, max_tokens=max_tokens, sampling=sampling)
-        if plan is not None and plan.mode in EXECUTABLE_MODES:
-            gen, self.speculative_stats = generate_speculative(
-                chain, tokens, max_tokens=max_tokens, plan=plan, sampling=sampling, exact=exact
-            )
-            return gen
-        return chain.generate(tokens, max_tokens=max_tokens, sampling=sampling)
+        gen, self.speculative_stats = generate(
+            chain,
+            tokens,
+            max_tokens=max_tokens,
+            plan=plan,
+            sampling=sampling,
+            exact=exact,
+        )
+        return gen
 
     def describe(self) -> list[dict[str, Any]]:
         if self._llama is not None:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from skippy.errors import TopologyError
+from skippy.package.placement import NodeMemory, stage_fit
 from skippy.package.plan import ModelSizes
 from skippy.package.ranges import LayerRange
 from skippy.package.topology import SplitTopology, StageAssignment
@@ -45,12 +46,50 @@ class NodeCost:
     # Seconds per token for the output head (logits) when this node holds the last stage:
     # on gemma3-270m the 262144-row head costs more than all 18 layers (docs/runtime-facts.md).
     head_s: float = 0.0
+    # With devices: what its device and RAM give (a stage must fit them, not just the
+    # budget), and the CPU's own speed, for the part of a stage that does not sit on the
+    # device (``decode_s_per_layer`` is then the device's). None: the budget and one speed.
+    memory: NodeMemory | None = None
+    cpu_decode_s_per_layer: float | None = None
 
     def __post_init__(self) -> None:
         if not self.decode_s_per_layer > 0:
             raise TopologyError("decode_s_per_layer must be positive", path=self.node_id)
         if not self.head_s >= 0:
             raise TopologyError("head_s must not be negative", path=self.node_id)
+        if self.cpu_decode_s_per_layer is not None and not self.cpu_decode_s_per_layer > 0:
+            raise TopologyError("cpu_decode_s_per_layer must be positive", path=self.node_id)
+
+    @property
+    def offer(self) -> NodeMemory:
+        return self.memory or NodeMemory(self.node_id, self.memory_budget_bytes)
+
+    def stage_s(self, sizes: ModelSizes, r: LayerRange, *, last: bool) -> float:
+        """Seconds per token for layers ``r`` here (and the head when ``last``), at the
+        speed of where the stage sits: the device's, the CPU's for a stage in RAM, and for
+        a stage whose routed experts stay in RAM, the experts a token reads at the CPU's
+        and the rest at the device's."""
+        dev = self.decode_s_per_layer
+        cpu = self.cpu_decode_s_per_layer
+        how = stage_fit(self.offer, sizes, r) if self.memory is not None else None
+        mode = how[0] if how is not None else "device"
+        weight = sizes.layer_weight(r)
+        if cpu is None or mode == "device":
+            return weight * dev + (self.head_s if last else 0.0)
+        if mode == "cpu":
+            return weight * cpu + (self.head_s * cpu / dev if last else 0.0)
+        active = sum(sizes.active_bytes[r.start : r.stop])
+        routed = sum(
+            a - (b - e)
+            for a, b, e in zip(
+                sizes.active_bytes[r.start : r.stop],
+                sizes.layer_bytes[r.start : r.stop],
+                sizes.expert_bytes[r.start : r.stop],
+                strict=True,
+            )
+        )
+        share = max(0, routed) / active if active > 0 else 0.0
+        return weight * ((1 - share) * dev + share * cpu) + (self.head_s if last else 0.0)
 
 
 @dataclass(frozen=True)
@@ -74,6 +113,9 @@ class Candidate:
     problem: str | None = None  # why it does not fit (None: it fits)
     stage_bytes: tuple[int, ...] = ()  # what each stage holds (its memory)
     stage_active_bytes: tuple[int, ...] = ()  # what each stage reads per token (its time)
+    # Where each stage sits on its node (``skippy.package.placement`` modes: device, experts
+    # on CPU, cpu); empty when no node of the candidate advertised a device.
+    stage_modes: tuple[str, ...] = ()
 
     @property
     def predicted_s(self) -> float:
@@ -94,6 +136,7 @@ class Candidate:
             "problem": self.problem,
             "stage_bytes": list(self.stage_bytes),
             "stage_active_bytes": list(self.stage_active_bytes),
+            "stage_modes": list(self.stage_modes),
         }
 
 
@@ -139,24 +182,31 @@ def predict(
 ) -> Candidate:
     """The prediction for a given assignment (``order[i]`` runs ``ranges[i]``): what a
     planned candidate gets, and what a healed or restored topology is re-predicted with."""
+    last = len(order) - 1
     compute = sum(
-        sizes.layer_weight(r) * n.decode_s_per_layer for r, n in zip(ranges, order, strict=True)
+        n.stage_s(sizes, r, last=i == last)
+        for i, (r, n) in enumerate(zip(ranges, order, strict=True))
     )
-    compute += order[-1].head_s if order else 0.0
     ids = [n.node_id for n in order]
     hops = 0.0
     if len(ids) > 1:
         hops = sum(links.between(a, b) for a, b in itertools.pairwise(ids))
         hops += links.between(ids[-1], ids[0])  # the last stage's logits or token go home
     problem = None
+    modes: list[str] = []
     for n, r in zip(order, ranges, strict=True):
         need = sizes.stage_bytes(r)
-        if need > n.memory_budget_bytes:
+        offer = n.offer
+        how = stage_fit(offer, sizes, r)
+        modes.append("-" if how is None else how[0])
+        if how is None and problem is None:  # the first stage that does not fit says why
+            where = f"budget {n.memory_budget_bytes}"
+            if n.memory is not None:
+                where += f", {offer.describe()}"
             problem = (
-                f"node {n.node_id[:12]} lacks {need - n.memory_budget_bytes} bytes for layers "
-                f"{r} ({need} bytes, budget {n.memory_budget_bytes})"
+                f"node {n.node_id[:12]} lacks {max(1, need - offer.offered)} bytes for layers "
+                f"{r} ({need} bytes, {where})"
             )
-            break
     return Candidate(
         tuple(ids),
         tuple(ranges),
@@ -165,6 +215,7 @@ def predict(
         problem,
         tuple(sizes.stage_bytes(r) for r in ranges),
         tuple(sizes.stage_active_bytes(r) for r in ranges),
+        tuple(modes) if any(n.memory is not None for n in order) else (),
     )
 
 

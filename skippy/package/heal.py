@@ -2,10 +2,11 @@
 
 ``heal_topology`` keeps every stage whose node is linked now (a node that came back with the
 same id keeps its own stage: its verified parts are still in its cache), and moves each stage
-whose node is not linked to a capable spare (``replace_node``: the largest budget that holds
-the stage, among linked nodes holding no stage). The result always has a new topology id, so
-every stage node (a returning one too, which lost its topology with its process) is offered it
-again. ``TopologyError(no_capable_peer)`` names the first stage nobody can take.
+whose node is not linked to a capable spare (``replace_node``: the node offering the most
+that holds the stage in its device memory and RAM, among linked nodes holding no stage). The
+result always has a new topology id, so every stage node (a returning one too, which lost its
+topology with its process) is offered it again. ``TopologyError(no_capable_peer)`` names the
+first stage nobody can take.
 """
 
 from __future__ import annotations

@@ -13,6 +13,10 @@ the last) fits a node in the first of these ways that holds it:
    only its ``expert_used_count`` experts from RAM;
 3. ``cpu``: all of it in RAM (the node's device unused for this stage).
 
+That is the order when nothing says where experts go (a plan on paper). A mesh node runs one
+rule (``NodeMemory.experts_in_ram``, from its ``[runtime] cpu_moe``): with it, a stage with
+experts is always ``experts on CPU`` (or ``cpu``); without it, never.
+
 ``place`` fills nodes with a device first (a GPU computes attention far faster than a CPU,
 whatever holds the experts), then CPU-only ones, each group the node that can hold the most
 first: as many layers as fit, then the next node, so the model crosses as few hops as those
@@ -46,6 +50,10 @@ class NodeMemory:
     device_bytes: int = 0  # free memory of its device; 0 without one
     device: str = CPU  # the ggml device name ("CUDA0", "Metal", "Vulkan0"), CPU without one
     unified: bool = False  # device and host share one pool: only ``device_bytes`` counts
+    # Where a stage's routed experts go when the rest sits on the device: None (a paper
+    # plan) on the device when the stage fits there, else in RAM; a mesh node says what its
+    # runtime does: True, always in RAM (``[runtime] cpu_moe``); False, never apart.
+    experts_in_ram: bool | None = None
 
     def __post_init__(self) -> None:
         if self.host_bytes < 0 or self.device_bytes < 0:
@@ -133,11 +141,23 @@ def fit(node: NodeMemory, dense: int, experts: int) -> tuple[Mode, int, int] | N
     if node.unified:
         return ("device", total, 0) if total <= node.device_bytes else None
     if node.device_bytes:
-        if total <= node.device_bytes:
+        if total <= node.device_bytes and not (experts and node.experts_in_ram):
             return "device", total, 0
-        if experts and dense <= node.device_bytes and experts <= node.host_bytes:
+        if (
+            experts
+            and node.experts_in_ram is not False
+            and dense <= node.device_bytes
+            and experts <= node.host_bytes
+        ):
             return "experts on CPU", dense, experts
     return ("cpu", 0, total) if total <= node.host_bytes else None
+
+
+def stage_fit(
+    node: NodeMemory, sizes: ModelSizes, r: LayerRange, kv_bytes_per_layer: int = 0
+) -> tuple[Mode, int, int] | None:
+    """``fit`` for the stage of layers ``r``: how it sits on ``node``, or None."""
+    return fit(node, *stage_split(sizes, r, kv_bytes_per_layer))
 
 
 def _why(node: NodeMemory, mode: Mode, dense: int, experts: int) -> str:
@@ -281,5 +301,6 @@ __all__ = [
     "fit",
     "nodes_from_toml",
     "place",
+    "stage_fit",
     "stage_split",
 ]

@@ -20,6 +20,7 @@ from typing import Any
 
 from skippy.constants import MAX_LAYER_COUNT
 from skippy.errors import TopologyError
+from skippy.package.placement import NodeMemory, stage_fit
 from skippy.package.plan import ModelSizes, plan_stages
 from skippy.package.ranges import LayerRange
 
@@ -243,10 +244,32 @@ def _stage_from_dict(data: object, layer_count: int) -> StageAssignment:
 # --- planning (pure) ---------------------------------------------------------------------------
 @dataclass(frozen=True)
 class NodeCapacity:
-    """A node that may hold a stage, and the bytes it announced it can hold."""
+    """A node that may hold a stage, and the bytes it announced it can hold: its budget, and
+    with devices, what its device and RAM give (``memory``; ``skippy.package.placement``).
+    Without ``memory`` a stage fits when its bytes are within the budget."""
 
     node_id: str
     memory_budget_bytes: int
+    memory: NodeMemory | None = None
+
+    @property
+    def offer(self) -> NodeMemory:
+        return self.memory or NodeMemory(self.node_id, self.memory_budget_bytes)
+
+    @property
+    def offered(self) -> int:
+        """The most bytes one stage can take here (the planners' order: largest first)."""
+        return self.offer.offered
+
+    def holds(self, sizes: ModelSizes, r: LayerRange) -> bool:
+        """Whether the stage of layers ``r`` fits: in device memory, with its routed experts
+        in RAM, or in RAM (``skippy.package.placement.fit``)."""
+        return stage_fit(self.offer, sizes, r) is not None
+
+    def describe(self) -> str:
+        return f"budget {self.memory_budget_bytes}" + (
+            f", {self.memory.describe()}" if self.memory is not None else ""
+        )
 
 
 def plan_topology(
@@ -264,18 +287,22 @@ def plan_topology(
     With ``first_node`` (a serving coordinator: it hosts stage 0 and the API),
     stage 0 is placed on that node and the other stages on the others.
 
-    Ranges are byte-balanced (``skippy.package.plan``); the largest stage goes to the node with
-    the largest budget (sorted matching is optimal for "every stage fits its node"). With
-    ``stages=None`` one stage per node (at most one per layer); nodes are dropped smallest
-    budget first while the plan does not fit. A plan that cannot fit at all raises
-    ``TopologyError(code="topology_does_not_fit")`` naming which node lacks how many bytes.
+    Ranges are byte-balanced (``skippy.package.plan``); the largest stage goes to the node
+    offering the most (``NodeCapacity.offered``: its budget, or its device memory plus RAM),
+    and a stage fits its node by ``NodeCapacity.holds``. Sorted matching is optimal for
+    "every stage fits its node" while each node's offer is one number (budgets alone); with
+    devices a stage's fit also depends on how much of it is routed experts, and the order is a
+    good one, not a proven best. With ``stages=None`` one stage per node (at most one per
+    layer); nodes are dropped smallest offer first while the plan does not fit. A plan that
+    cannot fit at all raises ``TopologyError(code="topology_does_not_fit")`` naming which node
+    lacks how many bytes.
     """
     if not nodes:
         raise TopologyError("no capable node to place stages on", code="topology_no_nodes")
     ids = [n.node_id for n in nodes]
     if len(set(ids)) != len(ids):
         raise TopologyError("a node is listed twice", code="topology_coverage")
-    ranked = sorted(nodes, key=lambda n: (-n.memory_budget_bytes, n.node_id))
+    ranked = sorted(nodes, key=lambda n: (-n.offered, n.node_id))
     pinned = next((n for n in nodes if n.node_id == first_node), None)
     if first_node is not None:
         if pinned is None:
@@ -308,9 +335,7 @@ def plan_topology(
         else:
             by_size = sorted(plans, key=lambda p: (-p.bytes, p.index))
             owner = {p.index: chosen[i] for i, p in enumerate(by_size)}
-        short = [
-            (p, owner[p.index]) for p in plans if p.bytes > owner[p.index].memory_budget_bytes
-        ]
+        short = [(p, owner[p.index]) for p in plans if not owner[p.index].holds(sizes, p.layers)]
         if not short:
             return SplitTopology(
                 topology_id=topology_id,
@@ -324,15 +349,14 @@ def plan_topology(
                 ),
             )
         if first_failure is None:
-            p, node = max(short, key=lambda pn: pn[0].bytes - pn[1].memory_budget_bytes)
-            lack = p.bytes - node.memory_budget_bytes
+            p, node = max(short, key=lambda pn: pn[0].bytes - pn[1].offered)
+            lack = max(1, p.bytes - node.offered)
             first_failure = TopologyError(
                 f"the plan does not fit: node {node.node_id[:12]} lacks {lack} bytes for stage "
-                f"{p.index} (layers {p.layers}, needs {p.bytes} bytes, budget "
-                f"{node.memory_budget_bytes})",
+                f"{p.index} (layers {p.layers}, needs {p.bytes} bytes, {node.describe()})",
                 code="topology_does_not_fit",
                 expected=p.bytes,
-                actual=node.memory_budget_bytes,
+                actual=node.offered,
                 path=node.node_id,
             )
     assert first_failure is not None  # every count failed (typing only)
@@ -383,12 +407,14 @@ def plan_like(
     fetch can use, and stage 0 is the coordinator's loaded one. When the stage counts differ
     or a node cannot hold its copied range, only stage 0 is pinned (``pin_first_stage``)."""
     if len(like.stages) == len(topology.stages):
-        budget = {n.node_id: n.memory_budget_bytes for n in nodes}
+        by_id = {n.node_id: n for n in nodes}
         copied = tuple(
             StageAssignment(s.node_id, s.stage_id, s.stage_index, r.layers)
             for s, r in zip(topology.stages, like.stages, strict=True)
         )
-        if all(sizes.stage_bytes(s.layers) <= budget.get(s.node_id, 0) for s in copied):
+        if all(
+            s.node_id in by_id and by_id[s.node_id].holds(sizes, s.layers) for s in copied
+        ):
             return SplitTopology(
                 topology_id=topology.topology_id,
                 run_id=topology.run_id,
@@ -410,20 +436,21 @@ def replace_node(
 ) -> SplitTopology:
     """The same split with ``lost``'s stage moved to a capable candidate:
     every other stage stays where it is (its node keeps its loaded layers), the run id stays;
-    the candidate is the one with the largest budget among those not in the topology whose
-    budget holds the stage. ``TopologyError(code="no_capable_peer")`` when none can."""
+    the candidate is the one offering the most among those not in the topology that hold
+    the stage (``NodeCapacity.holds``: its device memory and RAM, or its budget).
+    ``TopologyError(code="no_capable_peer")`` when none can."""
     stage = topology.stage_of(lost)
     if stage is None:
         raise TopologyError(f"node {lost[:12]} holds no stage", code="not_in_topology", path=lost)
     need = sizes.stage_bytes(stage.layers)
     held = {s.node_id for s in topology.stages}
     fit = sorted(
-        (c for c in candidates if c.node_id not in held and c.memory_budget_bytes >= need),
-        key=lambda c: (-c.memory_budget_bytes, c.node_id),
+        (c for c in candidates if c.node_id not in held and c.holds(sizes, stage.layers)),
+        key=lambda c: (-c.offered, c.node_id),
     )
     if not fit:
-        spare = [c.memory_budget_bytes for c in candidates if c.node_id not in held]
-        largest = f", the largest budget {max(spare)}" if spare else ""
+        spare = [c.offered for c in candidates if c.node_id not in held]
+        largest = f", the largest offering {max(spare)}" if spare else ""
         raise TopologyError(
             f"no capable peer can take stage {stage.stage_index} (layers {stage.layers}, "
             f"{need} bytes): {len(spare)} spare node(s) connected{largest}",

@@ -30,7 +30,9 @@ from skippy.package.ranges import LayerRange
 from skippy.package.select import StageSelection
 from skippy.paths import resolve_under
 
-StopReason = Literal["length", "eos", "context"]
+# Why a generation stopped, for every loop that makes one (``skippy.runtime.token_loop``):
+# the token budget, an end-of-generation token, the context, or (serving) a stop string.
+StopReason = Literal["length", "eos", "stop", "context"]
 
 
 # --- errors every runtime may raise ---------------------------------------------------------------

@@ -49,6 +49,7 @@ class CalibrationKey:
     runtime_version: str
     threads: int
     model_class: str = MODEL_CLASS
+    device: str = "CPU"  # the ggml device the stage ran on (``skippy.runtime.devices``)
 
 
 @dataclass(frozen=True)
@@ -93,9 +94,11 @@ class Calibration:
             "runtime_version",
             "threads",
             "model_class",
+            "device",
         }:
             raise UsageError("not a calibration key", code="invalid_calibration")
-        if not all(isinstance(k[f], str) for f in ("engine", "runtime_version", "model_class")):
+        names = ("engine", "runtime_version", "model_class", "device")
+        if not all(isinstance(k[f], str) for f in names):
             raise UsageError("a calibration key's names are strings", code="invalid_calibration")
         if isinstance(k["threads"], bool) or not isinstance(k["threads"], int):
             raise UsageError("a calibration key's threads is an int", code="invalid_calibration")
@@ -226,9 +229,12 @@ def layer_bytes() -> int:
     return weights // 32 * 34 + 2 * _WIDTH * 4
 
 
-def run_calibration(workdir: Path, *, engine: str, threads: int) -> Calibration:
+def run_calibration(
+    workdir: Path, *, engine: str, threads: int, device: str = "CPU"
+) -> Calibration:
     """Write the calibration model and package under ``workdir`` (a scratch folder the caller
-    owns and removes), run its middle stage on ``engine`` with ``threads`` and measure."""
+    owns and removes), run its middle stage on ``engine`` with ``threads`` on ``device`` (a
+    ggml device name, ``skippy.runtime.devices``; the ggml engine's) and measure."""
     from skippy.config import read_environment
     from skippy.constants import ENV_VERIFY_PACKAGE_SHA
     from skippy.consume.resolve import resolve_stage
@@ -254,14 +260,18 @@ def run_calibration(workdir: Path, *, engine: str, threads: int) -> Calibration:
         text_only=True,
     )
     load = StageLoad.from_selection(resolved.stage.selection, resolved.files())
-    config = StageConfig(n_ctx=PREFILL_TOKENS + DECODE_TOKENS + 8, n_threads=threads)
+    config = StageConfig(
+        n_ctx=PREFILL_TOKENS + DECODE_TOKENS + 8, n_threads=threads, device=device
+    )
     stage = open_stage(engine, load, config, stage_index=1, stage_count=3)
     try:
         decode, prefill = measure(stage, width=_WIDTH, layers=MEASURED_LAYERS)
         version = str(getattr(stage, "runtime_version", "unknown"))
+        ran_on = str(getattr(stage, "device", "CPU"))  # a whole-model engine: the CPU's
     finally:
         stage.close()
-    return Calibration(CalibrationKey(engine, version, threads), decode, prefill, layer_bytes())
+    key = CalibrationKey(engine, version, threads, device=ran_on)
+    return Calibration(key, decode, prefill, layer_bytes())
 
 
 __all__ = [

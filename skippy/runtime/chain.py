@@ -1,13 +1,14 @@
 """N stages chained in one process (stage 0 -> ... -> last): a split seen working without a
 mesh. The same calls a mesh pipeline makes over links (``skippy.runtime.stage``), made
 in-process: token ids into stage 0, f32 activations between stages, logits and the sampled
-token out of the last one; prefill for the prompt, then one decode per token.
+token out of the last one; prefill for the prompt, then one decode per token (or one verify
+window per step when speculating), as the one generation loop (``skippy.runtime.token_loop``)
+drives it.
 """
 
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
@@ -16,29 +17,13 @@ import numpy as np
 import numpy.typing as npt
 
 from skippy.errors import UsageError
-from skippy.runtime.boundary import Generation, StageLoad, StopReason
+from skippy.runtime.boundary import Generation, StageLoad
 from skippy.runtime.sampling import Sampler, SamplingParams
 from skippy.runtime.stage import Stage, StageConfig, StageOutput
+from skippy.runtime.token_loop import DEFAULT_SESSION, generate
 from skippy.runtime.tokenizer import LlamaTokenizer
 
-DEFAULT_SESSION = "run"
 ENGINES = ("ggml", "numpy", "llama")
-
-
-def check_generation_request(tokens: Sequence[int], max_tokens: int, n_ctx: int) -> list[int]:
-    """The prompt as ints, refused when empty or too long for the context."""
-    ids = [int(t) for t in tokens]
-    if not ids:
-        raise UsageError("the prompt has no tokens", code="empty_prompt")
-    if max_tokens < 1:
-        raise UsageError("max_tokens must be at least 1", code="invalid_max_tokens")
-    if len(ids) >= n_ctx:
-        raise UsageError(
-            f"the prompt has {len(ids)} tokens; the context holds {n_ctx}",
-            code="prompt_too_long",
-            remediation="shorten the prompt or raise the context with --n-ctx",
-        )
-    return ids
 
 
 def open_stage(
@@ -202,45 +187,9 @@ class StageChain:
         sampling: SamplingParams | None = None,
         session: str = DEFAULT_SESSION,
     ) -> Generation:
-        """A completion from a fresh session (greedy unless ``sampling`` says otherwise)."""
-        ids = check_generation_request(tokens, max_tokens, self.n_ctx)
-        sampler = Sampler(sampling, history=ids)
-        tok = self.tokenizer
-        out: list[int] = []
-        stop: StopReason = "length"
-        self.free(session)
-        t0 = time.perf_counter()
-        try:
-            result = self.prefill(session, ids, sampler=sampler)
-            t_first = time.perf_counter()
-            position = len(ids)
-            while True:
-                token = result.token
-                if token is None:
-                    raise UsageError("the last stage sampled no token", code="stage_mismatch")
-                if tok is not None and 0 <= token < tok.n_vocab and tok.is_eog(token):
-                    stop = "eos"
-                    break
-                out.append(token)
-                sampler.accept(token)
-                if len(out) >= max_tokens:
-                    break
-                if position >= self.n_ctx:
-                    stop = "context"
-                    break
-                result = self.decode(session, position, token, sampler=sampler)
-                position += 1
-        finally:
-            self.free(session)
-        t_end = time.perf_counter()
-        return Generation(
-            prompt_tokens=tuple(ids),
-            tokens=tuple(out),
-            text=self.detokenize(out) if tok is not None else "",
-            stop_reason=stop,
-            prefill_s=t_first - t0,
-            decode_s=t_end - t_first,
-        )
+        """A completion from a fresh session (greedy unless ``sampling`` says otherwise): the
+        one generation loop (``skippy.runtime.token_loop``), plain decoding."""
+        return generate(self, tokens, max_tokens=max_tokens, sampling=sampling, session=session)[0]
 
     def close(self) -> None:
         for s in self.stages:

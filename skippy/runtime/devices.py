@@ -17,6 +17,7 @@ pure decision over that list:
 from __future__ import annotations
 
 import ctypes
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
@@ -211,6 +212,21 @@ def place_tensors(
     return out
 
 
+def placement_mode(placement: Mapping[str, str], device: str) -> str:
+    """A loaded stage's placement in the planner's words (``skippy.package.placement``):
+    ``device`` (every weight on its device but the input embedding), ``experts on CPU`` (the
+    routed experts in RAM, the rest there), ``cpu``, or ``mixed`` (rules put other weights
+    elsewhere)."""
+    if device == CPU:
+        return "cpu"
+    off = [n for n, d in placement.items() if d != device and n != INPUT_TENSOR]
+    if not off:
+        return "device"
+    if all(placement[n] == CPU and re.search(CPU_MOE_PATTERN, n) for n in off):
+        return "experts on CPU"
+    return "mixed"
+
+
 def check_configured(
     devices: Sequence[DeviceInfo], device: str, rules: Sequence[PlacementRule]
 ) -> None:
@@ -250,4 +266,5 @@ __all__ = [
     "list_devices",
     "parse_rule",
     "place_tensors",
+    "placement_mode",
 ]

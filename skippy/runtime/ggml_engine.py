@@ -46,6 +46,7 @@ from skippy.runtime.devices import (
     choose_device,
     list_devices,
     place_tensors,
+    placement_mode,
 )
 from skippy.runtime.families import family_of, layer_tensors
 from skippy.runtime.families.base import T
@@ -54,8 +55,6 @@ from skippy.runtime.graph_shapes import kv_length, prefill_rows
 from skippy.runtime.model import ModelSpec, attention_mask, tensor_name
 from skippy.runtime.nextn import NextnSession, NextnWeights, build_nextn, head_weights
 from skippy.runtime.stage import (
-    NATIVE_MTP_MODE,
-    SPECULATIVE_MODES,
     STAGE_API_VERSION,
     StageBase,
     check_token_ids,
@@ -401,7 +400,6 @@ class GgmlStage(StageBase[_KvCache]):
 
     engine = "ggml"
     runtime_version = RUNTIME_VERSION
-    speculative_modes = SPECULATIVE_MODES | {NATIVE_MTP_MODE}
     # Run a CPU stage through ggml's scheduler as a device stage runs (False: the CPU
     # backend directly, zero-copy and thread-governed; the tests compare the two).
     scheduled = False
@@ -795,8 +793,11 @@ class GgmlStage(StageBase[_KvCache]):
         return s
 
     def free(self, session: str) -> None:
+        """A freed session's expectation of drafts ends with it (one not yet alive keeps
+        it: a loop frees its session before the prompt)."""
+        if session in self._sessions:
+            self._expecting.discard(session)
         super().free(session)
-        self._expecting.discard(session)
 
     def draft(self, session: str, start: int, tokens: Sequence[int]) -> npt.NDArray[np.float32]:
         """The NextN head's logits for the position after the pending token (``tokens[-1]``,
@@ -1202,5 +1203,23 @@ class GgmlStage(StageBase[_KvCache]):
         return windows
 
     # --- introspection -----------------------------------------------------------------------
+    def device_status(self) -> dict[str, Any]:
+        """Where the stage runs, for the node's status: its device, its weights' placement
+        (``placement_mode``), and what it holds in the device's memory now: the weights
+        uploaded there and the open sessions' KV caches (0 on the CPU)."""
+        backend = self._backend
+        weights = backend.device_weight_bytes if isinstance(backend, DeviceBackend) else 0
+        kv = 0
+        if self.device != CPU:
+            kv = sum(s.state.nbytes for s in list(self._sessions.values()))
+        return {
+            "device": self.device,
+            "device_fallback": self.device_fallback,
+            "placement": placement_mode(getattr(self, "placement", {}), self.device),
+            "device_memory_bytes": weights + kv,
+            "device_weight_bytes": weights,
+            "device_kv_bytes": kv,
+        }
+
     def kv_bytes_per_session(self) -> int:
         return 2 * 2 * len(self._cached()) * self.spec.kv_dim * self._kv_cells

@@ -60,10 +60,10 @@ from skippy.runtime.boundary import (
     StageLoad,
     StageNotLoaded,
     StageUnsupported,
-    StopReason,
     log_speculation_fallback,
 )
 from skippy.runtime.prompt_guard import Vocabulary, guarded_bytes
+from skippy.runtime.token_loop import TokenLoop, check_generation_request
 
 log = logging.getLogger(__name__)
 _llama_log = logging.getLogger("skippy.llama_cpp")
@@ -281,17 +281,8 @@ class LlamaStageRuntime:
         raw: bytes = llm.detokenize(ids)
         return raw.decode("utf-8", "replace")
 
-    def _check_prompt(self, tokens: Sequence[int]) -> list[int]:
-        ids = [int(t) for t in tokens]
-        if not ids:
-            raise UsageError("the prompt has no tokens", code="empty_prompt")
-        if len(ids) >= self.config.n_ctx:
-            raise UsageError(
-                f"the prompt has {len(ids)} tokens; the context holds {self.config.n_ctx}",
-                code="prompt_too_long",
-                remediation="shorten the prompt or raise the context with --n-ctx",
-            )
-        return ids
+    def _check_prompt(self, tokens: Sequence[int], max_tokens: int = 1) -> list[int]:
+        return check_generation_request(tokens, max_tokens, self.config.n_ctx)
 
     def logits_for_prompt(self, tokens: Sequence[int]) -> npt.NDArray[np.float32]:
         llm = self._loaded()
@@ -304,34 +295,30 @@ class LlamaStageRuntime:
 
     def generate(self, tokens: Sequence[int], *, max_tokens: int) -> Generation:
         llm = self._loaded()
-        ids = self._check_prompt(tokens)
-        if max_tokens < 1:
-            raise UsageError("max_tokens must be at least 1", code="invalid_max_tokens")
+        ids = self._check_prompt(tokens, max_tokens)
         vocab = self._lib.llama_model_get_vocab(llm.model)
-        out: list[int] = []
-        stop: StopReason = "length"
+        # llama.cpp samples; the one generation loop decides what is committed and when to stop
+        loop = TokenLoop(
+            ids,
+            max_tokens=max_tokens,
+            n_ctx=self.config.n_ctx,
+            is_eog=lambda token: bool(self._lib.llama_vocab_is_eog(vocab, token)),
+        )
         llm.reset()  # a fresh state: no prefix reuse, so the result depends on the prompt only
         t0 = time.perf_counter()
         t_first: float | None = None
         for tok in llm.generate(ids, temp=0.0, repeat_penalty=1.0, reset=True):
             if t_first is None:
                 t_first = time.perf_counter()
-            if self._lib.llama_vocab_is_eog(vocab, tok):
-                stop = "eos"
-                break
-            out.append(int(tok))
-            if len(out) >= max_tokens:
-                break
-            if len(ids) + len(out) >= self.config.n_ctx:
-                stop = "context"
+            if loop.commit([int(tok)]) or loop.next_pass() is None:
                 break
         t_end = time.perf_counter()
         t_first = t_end if t_first is None else t_first
         return Generation(
             prompt_tokens=tuple(ids),
-            tokens=tuple(out),
-            text=self.detokenize(out),
-            stop_reason=stop,
+            tokens=tuple(loop.tokens),
+            text=self.detokenize(loop.tokens),
+            stop_reason=loop.stop_reason or "length",
             prefill_s=t_first - t0,
             decode_s=t_end - t_first,
         )

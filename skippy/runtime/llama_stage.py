@@ -25,12 +25,11 @@ import numpy as np
 import numpy.typing as npt
 
 from skippy.errors import ArtifactMissing, SkippyError
+from skippy.runtime.admission import ACTIVATION_DTYPE, AdmissionDescriptor
 from skippy.runtime.boundary import StageLoad, StageNotLoaded
 from skippy.runtime.llama_cpp import import_llama, load_failed, model_file, require_full_range
 from skippy.runtime.sampling import Sampler
 from skippy.runtime.stage import (
-    ACTIVATION_DTYPE,
-    AdmissionDescriptor,
     DecodeStep,
     StageBase,
     StageConfig,

@@ -20,9 +20,9 @@ This module is pure graph composition over ``GraphBuilder`` plus the per-session
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
@@ -141,3 +141,45 @@ def head_weights(tensors: dict[str, int], il: int, output_head: int | None) -> N
         head_norm=own(T.NEXTN_SHARED_HEAD_NORM, tensors.get(tensor_name(T.OUTPUT_NORM))),
         head=own(T.NEXTN_SHARED_HEAD_HEAD, output_head),
     )
+
+
+def native_mtp_unavailable(stage: Any) -> str | None:
+    """Why ``stage`` (a chain's final stage) cannot draft for ``native-mtp``, or None when it
+    runs a NextN head."""
+    if getattr(stage, "drafts", False):
+        return None
+    reason = getattr(stage, "nextn_unavailable", None)
+    return reason or f"the {stage.descriptor.engine} engine runs no NextN draft head"
+
+
+class NextnProposer:
+    """``native-mtp``'s drafter (``skippy.generation.proposers.Proposer``'s two calls): the
+    final stage's NextN head drafts one token, greedily (the head's argmax, as llama.cpp's MTP
+    drafter takes its top token), after the session's tokens so far from position ``start``
+    (the prompt's, then those committed: the head pairs each with the trunk's hidden state
+    before it). Made before the session's prompt (``expect_drafts``), so the head covers it."""
+
+    def __init__(self, stage: Any, session: str, start: int = 0) -> None:
+        self.stage = stage
+        self.session = session
+        self.start = start  # the position of tokens[0]
+        self.tokens: list[int] = []
+        stage.expect_drafts(session)
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        self.tokens.extend(int(t) for t in tokens)
+
+    def put(self, start: int, tokens: Sequence[int]) -> None:
+        """``tokens`` at positions ``start..``, replacing any from there on (a rewind into
+        the last verify window); a gap, or a start before the first, starts the record
+        there."""
+        if not self.tokens or not self.start <= start <= self.start + len(self.tokens):
+            self.start, self.tokens = start, []
+        del self.tokens[start - self.start :]
+        self.extend(tokens)
+
+    def propose(self, limit: int) -> list[int]:
+        if limit < 1 or not self.tokens:
+            return []
+        logits = self.stage.draft(self.session, self.start, self.tokens)
+        return [int(np.argmax(logits))]

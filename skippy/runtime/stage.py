@@ -5,8 +5,9 @@ takes, for one session, a start position and either token ids (stage 0) or f32 a
 ``[tokens x width]`` (every other stage), and returns activations (non-final stages) or logits
 and, with a sampler, the chosen token (the final stage). Sessions hold the KV cache of the
 stage's own layers, bounded by ``StageConfig.n_ctx``; they can be truncated (a later issue
-replays committed tokens after a failover) and freed. ``AdmissionDescriptor`` says what a
-stage is, so a peer can check two stages fit together before sending anything.
+replays committed tokens after a failover) and freed. ``AdmissionDescriptor``
+(``skippy.runtime.admission``) says what a stage is, so a peer can check two stages fit
+together before sending anything.
 
 ``StageBase`` holds everything engine-independent (input checks, session bookkeeping,
 chunked prefill, sampling); the ggml engine (``skippy.runtime.ggml_engine``) and the numpy
@@ -30,22 +31,18 @@ import numpy.typing as npt
 from skippy.config import PlacementRule
 from skippy.errors import UsageError
 from skippy.package.ranges import LayerRange
+from skippy.runtime.admission import ACTIVATION_DTYPE, AdmissionDescriptor
 from skippy.runtime.boundary import StageLoad, StageNotLoaded, log_speculation_fallback
 from skippy.runtime.sampling import Sampler
+from skippy.runtime.speculation import EXECUTABLE_MODES
 from skippy.runtime.weights import StageWeights
 
 log = logging.getLogger(__name__)
 
 STAGE_API_VERSION: Final = 1
-ACTIVATION_DTYPE: Final = "f32"
 Engine = Literal["ggml", "numpy"]
 MAX_SESSION_ID_CHARS: Final = 128
 _SESSION_ID_RE = re.compile(r"\A[\x21-\x7e]{1,128}\Z")  # printable ASCII, no spaces
-# Speculation plan modes a chain of these stages executes (``skippy.runtime.speculation``);
-# others get the logged fallback to plain decoding. native-mtp runs where the final stage
-# holds a NextN head (the ggml engine: ``speculative_modes``).
-SPECULATIVE_MODES: Final = frozenset({"ngram-cache", "ngram-suffix"})
-NATIVE_MTP_MODE: Final = "native-mtp"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -101,74 +98,6 @@ class StageConfig:
                     f"{name} must be an integer in 1..{hi}, got {value!r}",
                     code="invalid_runtime_config",
                 )
-
-
-@dataclass(frozen=True, kw_only=True)
-class AdmissionDescriptor:
-    """What a stage is, for a peer deciding whether to connect to it (and for `run` output)."""
-
-    package_ref: str
-    model_id: str
-    manifest_sha256: str | None
-    stage_index: int
-    stage_count: int
-    layers: LayerRange
-    width: int
-    vocab: int | None  # logits width (final stage) / accepted token ids (stage 0)
-    activation_dtype: str
-    engine: str
-    runtime_version: str
-    n_ctx: int
-
-    @property
-    def input_kind(self) -> Literal["tokens", "activations"]:
-        return "tokens" if self.layers.owns_input else "activations"
-
-    @property
-    def output_kind(self) -> Literal["logits", "activations"]:
-        return "logits" if self.layers.owns_output else "activations"
-
-    def check_follows(self, upstream: AdmissionDescriptor) -> None:
-        """Refuse to chain ``upstream -> self`` unless they are adjacent stages of the same
-        package manifest with the same activation contract and runtime."""
-        problems = []
-        if (upstream.model_id, upstream.manifest_sha256) != (self.model_id, self.manifest_sha256):
-            problems.append("they come from different package manifests")
-        if upstream.layers.stop != self.layers.start:
-            problems.append(f"layers {upstream.layers} are not followed by {self.layers}")
-        if (upstream.width, upstream.activation_dtype) != (self.width, self.activation_dtype):
-            problems.append(
-                f"activations {upstream.width}x{upstream.activation_dtype} vs "
-                f"{self.width}x{self.activation_dtype}"
-            )
-        if upstream.runtime_version != self.runtime_version:
-            problems.append(f"runtimes {upstream.runtime_version} vs {self.runtime_version}")
-        if problems:
-            raise UsageError(
-                f"stage {self.stage_index} cannot follow stage {upstream.stage_index}: "
-                + "; ".join(problems),
-                code="stage_mismatch",
-            )
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "package_ref": self.package_ref,
-            "model_id": self.model_id,
-            "manifest_sha256": self.manifest_sha256,
-            "stage_index": self.stage_index,
-            "stage_count": self.stage_count,
-            "layer_start": self.layers.start,
-            "layer_end": self.layers.stop,
-            "layer_count": self.layers.layer_count,
-            "input": self.input_kind,
-            "output": self.output_kind,
-            "width": self.width,
-            "vocab": self.vocab,
-            "activation_dtype": self.activation_dtype,
-            "engine": self.engine,
-            "runtime_version": self.runtime_version,
-            "n_ctx": self.n_ctx,
-        }
 
 
 @dataclass(frozen=True)
@@ -283,7 +212,6 @@ class StageBase(ABC, Generic[S]):
 
     engine: Engine
     runtime_version: str
-    speculative_modes: frozenset[str] = SPECULATIVE_MODES
 
     def __init__(
         self,
@@ -312,7 +240,7 @@ class StageBase(ABC, Generic[S]):
         self.spec = spec
         self.layers = stage.layers
         log_speculation_fallback(
-            stage, log, f"the {self.engine} stage runtime", executable=self.speculative_modes
+            stage, log, f"the {self.engine} stage runtime", executable=EXECUTABLE_MODES
         )
         self.vocab = self.weights.vocab
         self._sessions: dict[str, _Session[S]] = {}

@@ -7,22 +7,30 @@ artifacts and bytes it verified for it. The coordinator checks it against the to
 signed (``admission_problem``) before it counts the stage as ready.
 
 Extends this value into the admission descriptor once a runtime has loaded the
-stage: ``runtime`` (``RuntimeFacts``: model id, activation width and dtype, runtime version,
-engine, context, vocabulary) is present exactly when the node serves the stage, and a
-coordinator that serves checks it against its own (``admission_problem(..., expect=)``).
+stage: ``runtime`` (``skippy.runtime.admission.RuntimeFacts``, the loaded stage's
+``AdmissionDescriptor.facts``: model id, activation width and dtype, runtime version, engine,
+context, vocabulary) is present exactly when the node serves the stage, and a coordinator that
+serves checks it against its own with the admission vocabulary's one rule
+(``admission_problem(..., expect=)``, ``runtime_problem``).
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from skippy.errors import TopologyError, UsageError
+from skippy.errors import UsageError
 from skippy.package.manifest import ArtifactRef
 from skippy.package.ranges import LayerRange
 from skippy.package.topology import MAX_PACKAGE_REF_CHARS, SplitTopology, StageAssignment
+from skippy.runtime.admission import (
+    SHA256_RE,
+    RuntimeFacts,
+    descriptor_int,
+    invalid_descriptor,
+    runtime_problem,
+)
 
 KEYS: Final = frozenset(
     {
@@ -37,69 +45,6 @@ KEYS: Final = frozenset(
     }
 )
 OPTIONAL_KEYS: Final = frozenset({"runtime"})
-RUNTIME_KEYS: Final = frozenset(
-    {"model_id", "width", "activation_dtype", "runtime_version", "engine", "n_ctx", "vocab"}
-)
-MAX_TEXT_CHARS: Final = 256
-_SHA256_RE: Final = re.compile(r"\A[0-9a-f]{64}\Z")
-_MAX_INT: Final = 1 << 62
-
-
-def _bad(message: str, actual: object = None) -> TopologyError:
-    return TopologyError(message, code="invalid_stage_descriptor", actual=actual)
-
-
-def _int(data: Mapping[str, Any], key: str) -> int:
-    value = data[key]
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _MAX_INT:
-        raise _bad(f"{key} must be a non-negative integer", value)
-    return value
-
-
-def _text(data: Mapping[str, Any], key: str) -> str:
-    value = data[key]
-    if not isinstance(value, str) or not 0 < len(value) <= MAX_TEXT_CHARS:
-        raise _bad(f"runtime.{key} must be a string of 1..{MAX_TEXT_CHARS} characters", value)
-    return value
-
-
-@dataclass(frozen=True)
-class RuntimeFacts:
-    """What a loaded stage runtime accepts and produces (``skippy.runtime.stage``'s
-    ``AdmissionDescriptor``, reduced to what a peer must agree on)."""
-
-    model_id: str
-    width: int  # activation width crossing the links
-    activation_dtype: str  # "f32"
-    runtime_version: str  # e.g. "skippy-stage/1 ggml/0.25.3": the engines agree closely only
-    engine: str
-    n_ctx: int  # positions per session this stage holds
-    vocab: int  # token ids (stage 0) / logits (final stage)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "model_id": self.model_id,
-            "width": self.width,
-            "activation_dtype": self.activation_dtype,
-            "runtime_version": self.runtime_version,
-            "engine": self.engine,
-            "n_ctx": self.n_ctx,
-            "vocab": self.vocab,
-        }
-
-    @classmethod
-    def from_dict(cls, data: object) -> RuntimeFacts:
-        if not isinstance(data, Mapping) or set(data) != RUNTIME_KEYS:
-            raise _bad(f"runtime has exactly the fields {sorted(RUNTIME_KEYS)}")
-        return cls(
-            model_id=_text(data, "model_id"),
-            width=_int(data, "width"),
-            activation_dtype=_text(data, "activation_dtype"),
-            runtime_version=_text(data, "runtime_version"),
-            engine=_text(data, "engine"),
-            n_ctx=_int(data, "n_ctx"),
-            vocab=_int(data, "vocab"),
-        )
 
 
 @dataclass(frozen=True)
@@ -118,9 +63,9 @@ class StageDescriptor:
         if not isinstance(self.package_ref, str) or not (
             0 < len(self.package_ref) <= MAX_PACKAGE_REF_CHARS
         ):
-            raise _bad("package_ref must be a non-empty string", self.package_ref)
-        if not isinstance(self.manifest_sha256, str) or not _SHA256_RE.match(self.manifest_sha256):
-            raise _bad("manifest_sha256 must be 64 lowercase hex characters")
+            raise invalid_descriptor("package_ref must be a non-empty string", self.package_ref)
+        if not isinstance(self.manifest_sha256, str) or not SHA256_RE.match(self.manifest_sha256):
+            raise invalid_descriptor("manifest_sha256 must be 64 lowercase hex characters")
 
     @classmethod
     def for_stage(
@@ -154,20 +99,24 @@ class StageDescriptor:
         types."""
         if not isinstance(data, Mapping) or not KEYS <= set(data) <= KEYS | OPTIONAL_KEYS:
             got = sorted(map(str, data))[:16] if isinstance(data, Mapping) else type(data).__name__
-            raise _bad(f"a stage descriptor has exactly the fields {sorted(KEYS)}", got)
+            raise invalid_descriptor(
+                f"a stage descriptor has exactly the fields {sorted(KEYS)}", got
+            )
         try:
             layers = LayerRange(
-                _int(data, "layer_start"), _int(data, "layer_end"), _int(data, "layer_count")
+                descriptor_int(data, "layer_start"),
+                descriptor_int(data, "layer_end"),
+                descriptor_int(data, "layer_count"),
             )
         except UsageError as exc:
-            raise _bad(exc.message) from None
+            raise invalid_descriptor(exc.message) from None
         return cls(
             package_ref=data["package_ref"],
             manifest_sha256=data["manifest_sha256"],
-            stage_index=_int(data, "stage_index"),
+            stage_index=descriptor_int(data, "stage_index"),
             layers=layers,
-            artifact_count=_int(data, "artifact_count"),
-            artifact_bytes=_int(data, "artifact_bytes"),
+            artifact_count=descriptor_int(data, "artifact_count"),
+            artifact_bytes=descriptor_int(data, "artifact_bytes"),
             runtime=RuntimeFacts.from_dict(data["runtime"]) if "runtime" in data else None,
         )
 
@@ -201,27 +150,4 @@ def admission_problem(
         )
     if expect is not None:
         return runtime_problem(descriptor.runtime, expect)
-    return None
-
-
-def runtime_problem(got: RuntimeFacts | None, expect: RuntimeFacts) -> tuple[str, str] | None:
-    """Why a stage's runtime cannot join a route served with ``expect`` (
-    same model, activation width and dtype, runtime version; at least the same context)."""
-    if got is None:
-        return "stage_not_loaded", "the stage is fetched but not loaded in a runtime"
-    if got.model_id != expect.model_id:
-        return "model_mismatch", f"model {got.model_id}, the route serves {expect.model_id}"
-    if (got.width, got.activation_dtype) != (expect.width, expect.activation_dtype):
-        return "activation_mismatch", (
-            f"activations {got.width}x{got.activation_dtype}, the route carries "
-            f"{expect.width}x{expect.activation_dtype}"
-        )
-    if got.runtime_version != expect.runtime_version:
-        return "runtime_mismatch", (
-            f"runtime {got.runtime_version}, the route runs {expect.runtime_version}"
-        )
-    if got.n_ctx < expect.n_ctx:
-        return "context_too_small", (
-            f"the stage holds {got.n_ctx} positions per session, the route needs {expect.n_ctx}"
-        )
     return None

@@ -66,6 +66,7 @@ async def test_two_nodes_of_one_owner_authenticate_and_trust_each_other(tmp_path
             "stage",
             "security",
             "compute",  # this node's calibration (None: not calibrated)
+            "devices",  # this node's devices as its hello advertises them (None: none read)
         }
         n.cancel_scope.cancel()
 

@@ -1,5 +1,6 @@
-"""Nodes gossip only listen addresses, feature bits and memory budgets. Every
-advertisement and gossip message that three real nodes exchange is captured and inspected."""
+"""Nodes gossip only listen addresses, feature bits, memory budgets and their devices' names,
+types and memory. Every advertisement and gossip message that three real nodes exchange is
+captured and inspected."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from meshtools import identity, settings, wait_for, with_peers
 from meshxfer import import_into, propose, start_member, wait_connected
 
 from mesh_node.composition import add_services
+from mesh_node.device_adverts import advertise
 from mesh_node.hostid import host_fingerprint
 from mesh_node.link import Link
 from mesh_node.node import MeshNode
@@ -18,6 +20,8 @@ from protocol import constants as pc
 from protocol.frames import unpack_bounded
 from protocol.messages import Hello, Peers, decode_link_message
 from skippy.config import read_environment
+from skippy.gguf import ggml
+from skippy.runtime.devices import list_devices
 
 SECRET_TOKEN = "hf_secrettoken0123456789"
 
@@ -37,6 +41,9 @@ async def test_every_advertisement_and_gossip_message_carries_only_allowed_field
 ):
     monkeypatch.setenv("HF_TOKEN", SECRET_TOKEN)
     owner = Ed25519PrivateKey.generate()
+    infos = list_devices(ggml.load())  # this machine's real devices
+    devices = advertise(infos, "CPU", experts_in_ram=False, speeds={})
+    assert devices is not None
     async with trio.open_nursery() as n:
         nodes: list[RecordingNode] = []
         for i in range(3):
@@ -45,6 +52,7 @@ async def test_every_advertisement_and_gossip_message_carries_only_allowed_field
                 s = with_peers(s, nodes[0])
             node = RecordingNode(s, identity(owner))
             add_services(node, read_environment())  # as `mesh-node run` wires it
+            node.devices = devices  # as `mesh-node run` reads them (mesh_node.calibration)
             node.captured = []
             await n.start(node.run)
             nodes.append(node)
@@ -64,8 +72,14 @@ async def test_every_advertisement_and_gossip_message_carries_only_allowed_field
         assert isinstance(raw, dict)
         if raw["t"] == "hello":
             assert set(raw) == {
-                "t", "gen", "listen", "features", "memory_budget_bytes", "host", "boot"
+                "t", "gen", "listen", "features", "memory_budget_bytes", "host", "boot", "devices"
             }
+            # each device's name, type and memory, never its description (the CPU's model)
+            assert raw["devices"] == devices.to_wire()
+            for d in raw["devices"]["list"]:
+                assert set(d) == {"name", "type", "free_bytes", "total_bytes"}
+            for info in infos:
+                assert info.description == info.name or info.description.encode() not in payload
             # the process's random id (a restart is told from a reconnect): nothing of the machine
             assert isinstance(raw["boot"], str) and len(raw["boot"]) == 16
             assert machine_id is None or raw["boot"].encode() not in machine_id

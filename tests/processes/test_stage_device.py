@@ -170,15 +170,30 @@ def test_a_lab_split_with_a_stage_on_the_device_answers_the_openai_client(root: 
              str(lab_dir / "n2" / "node.toml")],
             capture_output=True, text=True, timeout=60,
         )  # fmt: skip
-        stage = json.loads(status.stdout)["stage"]
+        device_doc = json.loads(status.stdout)
+        stage = device_doc["stage"]
         assert (stage["device"], stage["device_fallback"]) == ("Vulkan0", None), stage
+        # its experts in RAM, the rest (weights and the open sessions' caches) on the device
+        assert stage["placement"] == "experts on CPU", stage
+        assert stage["device_memory_bytes"] >= stage["device_weight_bytes"] > 0, stage
         for other in ("n0", "n1"):  # the other stages on the CPU
             status = subprocess.run(
                 [sys.executable, "-m", "mesh_node", "status", "--json", "--config",
                  str(lab_dir / other / "node.toml")],
                 capture_output=True, text=True, timeout=60,
             )  # fmt: skip
-            assert json.loads(status.stdout)["stage"]["device"] == "CPU"
+            doc = json.loads(status.stdout)
+            assert doc["stage"]["device"] == "CPU"
+            if other == "n0":  # the coordinator heard the device node's devices and planned by them
+                peer = next(p for p in doc["peers"] if p["node_id"] == device_doc["node_id"])
+                assert peer["devices"]["stage"] == "Vulkan0", peer
+                assert peer["devices"]["experts_on_cpu"] is True, peer
+                planned = {
+                    st["stage_index"]: st["placement"] for st in doc["topology"]["stage_status"]
+                }
+                # planned as it loaded: its experts in RAM, the rest on the device
+                where = planned[stage["stage_index"]]
+                assert (where["device"], where["mode"]) == ("Vulkan0", "experts on CPU"), planned
         client = openai.OpenAI(base_url=report["api"], api_key="unused", max_retries=0, timeout=300)
         done = client.completions.create(
             model="canary/qwen3moe-GGUF:Q8_0", prompt=prompt, max_tokens=16, temperature=0

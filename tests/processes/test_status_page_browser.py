@@ -272,7 +272,14 @@ class StandInNode:
             },
             sizes=sizes,
             own_id=ids[0],
-        )
+            # as the coordinator planned them by the nodes' advertised devices
+            placement={
+                ids[0]: {"mode": "device", "device": "CUDA0", "device_bytes": 9 << 20,
+                         "host_bytes": 0},
+                ids[1]: {"mode": "experts on CPU", "device": "ROCm0", "device_bytes": 3 << 20,
+                         "host_bytes": 6 << 20},
+            },
+        )  # fmt: skip
         self.peers = [
             PeerInfo(
                 AuthenticatedPeer(i, "9" * 64, "verified", True, "same owner as this node"),
@@ -317,6 +324,20 @@ class StandInNode:
             uptime_s=3725,
         )
         doc["topology"] = self.topology.to_dict()  # the sections services add
+        doc["devices"] = {
+            "list": [
+                {"name": "CUDA0", "type": "GPU", "free_bytes": 20 << 30, "total_bytes": 24 << 30},
+                {"name": "CPU", "type": "CPU", "free_bytes": 60 << 30, "total_bytes": 64 << 30},
+            ],
+            "stage": "CUDA0",
+            "experts_on_cpu": False,
+        }
+        doc["stage"] = {  # this node's loaded stage (the stage host's section, in part)
+            "topology_id": self.topology.topology.topology_id,
+            "device": "CUDA0",
+            "placement": "device",
+            "device_memory_bytes": 11 << 20,
+        }
         doc["transfers"] = self.transfers.status()
         doc["serving"] = self.metrics.serving_status()
         return doc
@@ -363,6 +384,18 @@ async def test_in_progress_failed_and_serving_states_render(tmp_path, browser):
             }
             assert ready == {node.ids[0]: "true", node.ids[1]: "true", node.ids[2]: "false"}
             assert "failed (hub_unreachable)" in browser.find_element("id", "topology").text
+            assert "CUDA0 GPU 20.0 GiB free" in browser.find_element("id", "node-devices").text
+            placed = {  # by the node each row's stage is on
+                r.find_element("css selector", "td[title]").get_attribute("title"): r.find_element(
+                    "css selector", ".placement"
+                ).text
+                for r in browser.find_elements("css selector", "#topology-rows tr")
+            }
+            own, other = placed[node.ids[0]], placed[node.ids[1]]
+            assert "CUDA0: device" in own and "running on CUDA0 (device)" in own, placed
+            assert "11.0 MiB in device memory" in own, placed
+            assert other.startswith("ROCm0: experts on CPU") and "6.00 MiB in RAM" in other
+            assert placed[node.ids[2]] == "-"
             serving = browser.find_element("id", "serving")
             assert serving.is_displayed()
             assert "160 ms" in serving.text  # the median of the two requests' TTFT

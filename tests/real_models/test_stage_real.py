@@ -314,7 +314,7 @@ def test_gemma_speculative_exact_verify_equals_plain_decoding(gemma_pkg: Path) -
     near-tie and exact verify did not)."""
     from skippy.generation import SpeculativePlan
     from skippy.generation.schema import NgramSource, WindowPolicy
-    from skippy.runtime.speculation import generate_speculative
+    from skippy.runtime.token_loop import generate_speculative
 
     plan = SpeculativePlan(
         mode="ngram-cache",

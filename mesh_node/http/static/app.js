@@ -91,9 +91,38 @@
     $("node-owner").title = doc.owner_id || "";
     $("node-features").textContent = featureText(doc.features);
     $("node-memory").textContent = fmtBytes(doc.memory_budget);
+    $("node-devices").textContent = deviceText(doc.devices);
     $("node-uptime").textContent = fmtDuration(doc.uptime_s);
     $("node-listen").textContent = doc.listen || "-";
     $("node-transfer").textContent = doc.artifact_transfer;
+  }
+
+  // The node's devices as its hello advertises them (docs/devices.md).
+  function deviceText(devices) {
+    if (!devices) return "-";
+    const parts = devices.list.map(
+      (d) => `${d.name} ${d.type} ${fmtBytes(d.free_bytes)} free of ${fmtBytes(d.total_bytes)}`,
+    );
+    const moe = devices.experts_on_cpu ? " · experts in RAM" : "";
+    return `${parts.join("; ")} · stages on ${devices.stage}${moe}`;
+  }
+
+  // Where a stage sits: as planned (device, mode, bytes on the device and in RAM), and for
+  // this node's loaded stage, what it holds in device memory now.
+  function placementText(planned, loaded) {
+    const parts = [];
+    if (planned) {
+      parts.push(`${planned.device}: ${planned.mode}`);
+      if (planned.device_bytes) parts.push(`${fmtBytes(planned.device_bytes)} on device`);
+      if (planned.host_bytes) parts.push(`${fmtBytes(planned.host_bytes)} in RAM`);
+    }
+    if (loaded) {
+      parts.push(
+        `running on ${loaded.device} (${loaded.placement}), ` +
+          `${fmtBytes(loaded.device_memory_bytes || 0)} in device memory`,
+      );
+    }
+    return parts.length ? parts.join(" · ") : "-";
   }
 
   function featureText(features) {
@@ -213,6 +242,8 @@
       seg.style.setProperty("--h", String(hue(s.node_id)));
       segments.push(seg);
       const self = s.node_id === doc.node_id ? " (this node)" : "";
+      const loaded =
+        self && doc.stage && doc.stage.topology_id === topo.topology_id ? doc.stage : null;
       rows.push(
         h(
           "tr",
@@ -221,6 +252,7 @@
           h("td", {}, `${s.layer_start}..${s.layer_end}`),
           h("td", { title: s.node_id }, swatch(s.node_id), short(s.node_id) + self),
           h("td", {}, fmtBytes(st.bytes)),
+          h("td", { class: "placement wrap" }, placementText(st.placement, loaded)),
           h(
             "td",
             { class: ready ? "ok" : failed ? "bad" : "warn" },

@@ -163,6 +163,14 @@ async def test_split_equals_whole_at_every_boundary_and_position(
 ) -> None:
     pkg = packages[arch]
     async with split(tmp_path, pkg) as sp:
+        for host in sp.hosts:  # where each stage runs, in its node's status: the CPU here
+            where = host.status()
+            assert where is not None and where["device_fallback"] is None
+            assert (where["device"], where["placement"], where["device_memory_bytes"]) == (
+                "CPU",
+                "cpu",
+                0,
+            )
         recs = _record(sp)
         got = await generate(sp.server, IDS, 12)
         # prefills ran on the one compute thread, and these single-threaded stages' small
@@ -713,7 +721,7 @@ async def test_native_mtp_across_the_split_drafts_as_the_chain_does(
     accepted)."""
     from skippy.generation import parse_generation, resolve_speculative_plan
     from skippy.package.manifest import parse_manifest
-    from skippy.runtime.speculation import generate_speculative
+    from skippy.runtime.token_loop import generate_speculative
 
     pkg, prompt, n = packages["glm4moe"], [1, 499, 248, 187, 302, 460, 468, 115], 48
     m = parse_manifest((pkg / "model-package.json").read_bytes())

@@ -10,6 +10,7 @@ sizes, tensor by tensor as its GGUF would hold them (fragment headers left out):
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -252,3 +253,19 @@ def test_plan_nodes_refusals(
     nodes.write_text(text)
     got, out = _plan(capsys, moe_gguf, nodes)
     assert (got, out["error"]["code"]) == (rc, code)
+
+
+def test_a_nodes_experts_rule_decides_where_its_experts_go() -> None:
+    """A paper plan keeps experts on the device while the stage fits there; a mesh node with
+    cpu_moe always keeps them in RAM, one without it never splits a stage."""
+    paper = NodeMemory("g", host_bytes=100, device_bytes=50, device="CUDA0")
+    moe = replace(paper, experts_in_ram=True)
+    whole = replace(paper, experts_in_ram=False)
+    assert fit(paper, 10, 30) == ("device", 40, 0)
+    assert fit(moe, 10, 30) == ("experts on CPU", 10, 30)
+    assert fit(whole, 10, 30) == ("device", 40, 0)
+    assert fit(paper, 20, 60) == ("experts on CPU", 20, 60)  # too large for the device
+    assert fit(whole, 20, 60) == ("cpu", 0, 80)
+    assert fit(moe, 60, 30) == ("cpu", 0, 90)  # its dense part does not fit the device
+    assert fit(moe, 40, 0) == ("device", 40, 0)  # a dense stage: nothing to keep in RAM
+    assert fit(whole, 60, 60) is None

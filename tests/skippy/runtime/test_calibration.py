@@ -87,7 +87,9 @@ def test_another_thread_count_is_measured_again_and_both_are_kept(
 ) -> None:
     calls: list[int] = []
 
-    def fake_run(workdir: Path, *, engine: str, threads: int) -> Calibration:
+    def fake_run(
+        workdir: Path, *, engine: str, threads: int, device: str = "CPU"
+    ) -> Calibration:
         calls.append(threads)  # a stand-in for the real run (measured in the test above)
         return Calibration(CalibrationKey(engine, "v", threads), 0.001 * threads, 0.0005, 10)
 
@@ -106,7 +108,9 @@ def test_a_damaged_cache_is_measured_again_and_calibration_off_measures_nothing(
 ) -> None:
     calls: list[int] = []
 
-    def fake_run(workdir: Path, *, engine: str, threads: int) -> Calibration:
+    def fake_run(
+        workdir: Path, *, engine: str, threads: int, device: str = "CPU"
+    ) -> Calibration:
         calls.append(threads)
         return Calibration(CalibrationKey(engine, "v", threads), 0.001, 0.0005, 10)
 

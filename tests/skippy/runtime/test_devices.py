@@ -223,13 +223,25 @@ def _run(pkg: Path, cls: type[GgmlStage]) -> dict[str, object]:
         window = stages[0].decode_steps("a", 203, np.array([1, 2, 3]))
         verify = stages[1].decode_steps("a", 203, window.activations).logits
         devices = [(s.device, type(s._backend).__name__) for s in stages]
-    return {"logits": logits, "tokens": tokens, "rows": rows, "verify": verify, "on": devices}
+        where = [s.device_status() for s in stages]  # sessions open: their caches counted
+    return {
+        "logits": logits,
+        "tokens": tokens,
+        "rows": rows,
+        "verify": verify,
+        "on": devices,
+        "where": where,
+    }
 
 
 def test_the_scheduler_on_the_cpu_equals_the_cpu_backend_bit_for_bit(moe_pkg: Path) -> None:
     plain, scheduled = _run(moe_pkg, GgmlStage), _run(moe_pkg, ScheduledStage)
     assert plain["on"] == [("CPU", "CpuBackend")] * 2
     assert scheduled["on"] == [("CPU", "DeviceBackend")] * 2
+    for run in (plain, scheduled):  # on the CPU: nothing in a device's memory
+        for where in run["where"]:  # type: ignore[attr-defined]
+            assert where["device"] == "CPU" and where["placement"] == "cpu", where
+            assert where["device_memory_bytes"] == 0 and where["device_fallback"] is None
     assert np.array_equal(plain["logits"], scheduled["logits"])
     assert plain["tokens"] == scheduled["tokens"]
     for a, b in zip(plain["rows"], scheduled["rows"], strict=True):  # type: ignore[call-overload]

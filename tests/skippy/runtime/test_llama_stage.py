@@ -127,3 +127,23 @@ def test_bad_input_is_refused_with_codes(pkg: Path) -> None:
         assert err.value.code == "partial_range_unsupported"
     finally:
         stage.close()
+
+
+def test_llama_cpp_s_own_loop_stops_at_the_context_where_the_chain_does(pkg: Path) -> None:
+    """`run --engine llama` samples in llama.cpp's loop, the chain in the stage runtime's; both
+    commit through the one generation loop, so both stop at the same token when the context is
+    full (the pending token at the last position still gives one)."""
+    from skippy.runtime.chain import StageChain
+    from skippy.runtime.tokenizer import LlamaTokenizer
+
+    (load,) = stage_loads(pkg, ["0..4"])
+    n_ctx = len(IDS) + 6
+    with LlamaStageRuntime(LlamaRuntimeConfig(n_ctx=n_ctx, n_threads=1)) as ref:
+        ref.load(load)
+        got = ref.generate(IDS, max_tokens=50)
+    config = StageConfig(n_ctx=n_ctx, n_threads=1, n_batch=8)
+    with StageChain([LlamaStage(load, config)], LlamaTokenizer(load.part_paths[0])) as ch:
+        want = ch.generate(IDS, max_tokens=50)
+    assert got.tokens == want.tokens and got.stop_reason == want.stop_reason
+    if want.stop_reason == "context":
+        assert len(got.tokens) == n_ctx - len(IDS) + 1

@@ -43,8 +43,8 @@ from skippy.runtime.families.base import T
 from skippy.runtime.model import tensor_name
 from skippy.runtime.numpy_engine import NumpyStage, rms_norm
 from skippy.runtime.sampling import SamplingParams
-from skippy.runtime.speculation import generate_speculative
 from skippy.runtime.stage import StageConfig
+from skippy.runtime.token_loop import generate_speculative
 
 pytestmark = pytest.mark.llama
 

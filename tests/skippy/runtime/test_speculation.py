@@ -32,8 +32,9 @@ from skippy.generation.proposers import (
 from skippy.generation.schema import NgramSource, WindowPolicy
 from skippy.runtime.chain import StageChain
 from skippy.runtime.sampling import SamplingParams
-from skippy.runtime.speculation import accept_draft, generate_speculative
+from skippy.runtime.speculation import accept_draft, answers
 from skippy.runtime.stage import StageConfig
+from skippy.runtime.token_loop import generate_speculative
 
 
 def cache(lo: int = 1, hi: int = 3, mpt: int = 8) -> NgramSource:
@@ -218,6 +219,14 @@ def test_fixed_window_never_moves_and_adaptive_backs_off() -> None:
     assert w.size == 2  # nothing accepted: straight down to min_window
     w.update(0, 0)
     assert w.size == 2  # no draft: nothing learned
+
+
+def test_a_verify_answer_must_continue_the_drafts() -> None:
+    """What a final stage returns for a window is checked before it is committed: what
+    accept_draft can return and nothing else."""
+    assert answers([], [7]) and not answers([], [7, 8]) and not answers([], [])
+    assert answers([1, 2, 3], [1, 2, 3, 4]) and answers([1, 2, 3], [1, 9]) and answers([1, 2], [5])
+    assert not answers([1, 2, 3], [1, 2, 3, 4, 5]) and not answers([1, 2, 3], [2, 2])
 
 
 def test_accept_draft_commits_the_agreeing_prefix_and_one_target_token() -> None:
