@@ -13,7 +13,9 @@ A drafter is anything with the ``skippy.generation.proposers.Proposer`` interfac
 ``propose(limit)`` returns up to ``limit`` continuation tokens (``[]``: no draft, the step is a
 plain decode). The target verifies every draft, so a drafter is never authoritative: a bad
 one costs speed, never tokens. ``Speculation.for_plan`` picks the drafter a resolved plan
-names.
+names: an N-gram proposer, or for ``native-mtp`` the caller's drafter over the final stage's
+NextN head (``skippy.runtime.nextn.NextnProposer`` in one process; over the mesh, the draft
+the final stage returns with each pass's tokens).
 
 Exactness: each emitted token is the target's own choice at its position, drawn in the same
 order and with the same sampler as plain decoding (one draw per emitted token), so greedy and
