@@ -46,7 +46,7 @@ from benchlib import (  # type: ignore[import-not-found]
     spread,
 )
 
-FAMILIES = ("gpt-oss", "deepseek2", "glm4moe", "llama4")  # the canary's names
+FAMILIES = ("gpt-oss", "deepseek2-lite", "deepseek2", "glm4moe", "llama4")  # the canary's names
 LAYERS = 8
 N_EXPERT, N_EXPERT_USED = 32, 4
 DIMS = {

@@ -313,6 +313,22 @@ class Ggml:
     def ggml_reshape_2d(self, ctx: int, a: int, ne0: int, ne1: int) -> int: ...
     @_c(_ptr, _ptr, _ptr, _i64, _i64, _i64)
     def ggml_reshape_3d(self, ctx: int, a: int, ne0: int, ne1: int, ne2: int) -> int: ...
+    @_c(_ptr, _ptr, _ptr, _i64, _i64, _i64, _i64)
+    def ggml_reshape_4d(self, ctx: int, a: int, ne0: int, ne1: int, ne2: int, ne3: int) -> int: ...
+    @_c(_ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, c_size_t, c_size_t, c_size_t, c_size_t)
+    def ggml_view_4d(
+        self,
+        ctx: int,
+        a: int,
+        ne0: int,
+        ne1: int,
+        ne2: int,
+        ne3: int,
+        nb1: int,
+        nb2: int,
+        nb3: int,
+        offset: int,
+    ) -> int: ...
     @_c(_ptr, _ptr, _ptr, c_int, c_int, c_int, c_int)
     def ggml_permute(self, ctx: int, a: int, ax0: int, ax1: int, ax2: int, ax3: int) -> int: ...
     @_c(_ptr, _ptr, _ptr)
@@ -388,6 +404,8 @@ class Ggml:
     def ggml_sum_rows(self, ctx: int, a: int) -> int: ...
     @_c(_ptr, _ptr, _ptr, _f32, _f32)
     def ggml_clamp(self, ctx: int, a: int, min: float, max: float) -> int: ...
+    @_c(_ptr, _ptr, _ptr, _f32)
+    def ggml_fill(self, ctx: int, a: int, c: float) -> int: ...  # a's shape, every value c
     @_c(_ptr, _ptr, _ptr, _ptr)
     def ggml_div(self, ctx: int, a: int, b: int) -> int: ...
     @_c(_ptr, _ptr, _ptr, _ptr, _ptr)

@@ -31,6 +31,9 @@ _ok = ggml.non_null
 # tied output head reads the same tensor, so llama.cpp leaves it unrepacked too.
 _GATHERED = frozenset({"token_embd.weight"})
 _PROBE_ROWS = 512  # llama.cpp's weight_buft_supported asks with a 512-token batch
+# the stacked experts (ffn_gate_exps, ffn_up_exps, ffn_down_exps, ffn_gate_up_exps: gguf-py's
+# names), multiplied through mul_mat_id; other rank-3 weights are multiplied per head
+_EXPERTS = "_exps."
 
 
 def new_weight_tensor(g: ggml.Ggml, ctx: int, r: WeightRef) -> int:
@@ -149,11 +152,16 @@ class CpuBackend:
         return new_weight_tensor(self.g, ctx, r)
 
     def _probe_op(self, ctx: int, w: int, r: WeightRef) -> int:
-        """The op the engine runs on weight ``w``: a matmul (rank 2) or the experts'
-        ``mul_mat_id`` (rank 3), over F32 activations, as llama.cpp asks the device."""
+        """The op the engine runs on weight ``w``: a matmul (rank 2, or a rank-3 stack of
+        per-head matrices such as MLA's ``attn_k_b``, which the repacking types refuse, as
+        llama.cpp finds) or the experts' ``mul_mat_id``, over F32 activations, as llama.cpp
+        asks the device."""
         g, f32 = self.g, ggml.GgmlType.F32
         if len(r.shape) == 2:
             b = g.ggml_new_tensor_2d(ctx, f32, r.shape[0], _PROBE_ROWS)
+            return _ok(g.ggml_mul_mat(ctx, w, _ok(b, "ggml_new_tensor")), "ggml_mul_mat")
+        if _EXPERTS not in r.name:
+            b = g.ggml_new_tensor_3d(ctx, f32, r.shape[0], _PROBE_ROWS, r.shape[2])
             return _ok(g.ggml_mul_mat(ctx, w, _ok(b, "ggml_new_tensor")), "ggml_mul_mat")
         b = g.ggml_new_tensor_3d(ctx, f32, r.shape[0], 1, _PROBE_ROWS)
         ids = g.ggml_new_tensor_2d(ctx, ggml.GgmlType.I32, 1, _PROBE_ROWS)

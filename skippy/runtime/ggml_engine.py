@@ -88,8 +88,10 @@ def _ok_head(head: tuple[int, NextnWeights] | None) -> tuple[int, NextnWeights]:
 class _KvCache:
     """One session's K and V for each of the stage's layers, in one backend buffer.
     K of a layer: [kv_dim, cells] F16 (one row per position); V: [cells, kv_dim] F16
-    (transposed, so attention multiplies it without a copy). ``cells`` is the context padded
-    as llama.cpp pads it (``kv_length(n_ctx)``)."""
+    (transposed, so attention multiplies it without a copy). Under MLA (``ModelSpec.mla``)
+    there is no V: K holds each position's latent and rope key, and V is a view of K, as
+    llama.cpp's cache stores it. ``cells`` is the context padded as llama.cpp pads it
+    (``kv_length(n_ctx)``)."""
 
     ctx: int
     buffer: int
@@ -108,7 +110,7 @@ class _KvSlots:
     tensors whose KV length is set before each run (``_SessionInputs.resize``)."""
 
     k_rows: int  # I64 [1]: the position
-    v_rows: int  # I64 [kv_dim]: d * cells + position (V is stored transposed)
+    v_rows: int | None  # I64 [kv_dim]: d * cells + position (V stored transposed; None: MLA)
     resizable: list[tuple[GgmlTensorStruct, int, bool]] = field(default_factory=list)
 
     def add(self, tensor: int, dim: int, contiguous: bool) -> None:
@@ -156,7 +158,10 @@ class _SessionInputs:
         self.k_buf[0] = position
         np.add(self.v_base, position, out=self.v_buf)
         g.ggml_backend_tensor_set(self.slots.k_rows, self.k_buf.ctypes.data, 0, 8)
-        g.ggml_backend_tensor_set(self.slots.v_rows, self.v_buf.ctypes.data, 0, self.v_buf.nbytes)
+        if self.slots.v_rows is not None:
+            g.ggml_backend_tensor_set(
+                self.slots.v_rows, self.v_buf.ctypes.data, 0, self.v_buf.nbytes
+            )
         for window, mask in self.masks.items():
             m = self.mask_buf[:n_kv]
             m[: position + 1] = 0.0
@@ -244,21 +249,31 @@ def _attend(
     rows: int,
     slots: _KvSlots | None,
     sinks: int | None = None,
+    v_mla: int | None = None,
 ) -> int:
     """softmax(K^T Q * scale + mask) V (the scores soft-capped first where the model says)
     over the first ``n_kv`` cells of ``kv``'s layer
     ``il`` for Q ``[hd, n_head, rows]``: ``[q_dim, rows]``. With ``slots`` the attention
     tensors are registered to be resized to the position's KV length before each run;
-    ``sinks`` join the softmax where the layer has them (``Attention``)."""
+    ``sinks`` join the softmax where the layer has them; under MLA V is a view of K made
+    contiguous (transposed), and ``v_mla`` expands each head's output (``Attention``)."""
     g, ctx, spec = b.g, b.ctx, b.spec
     hd, cells = spec.head_dim, kv.cells
     f16_row = g.ggml_row_size(GgmlType.F16, spec.kv_dim)
     keys = g.ggml_view_3d(
         ctx, kv.k[il], hd, n_kv, spec.n_head_kv, f16_row, 2 * hd, 0
     )  # [hd, n_kv, n_head_kv]
-    values = g.ggml_view_3d(
-        ctx, kv.v[il], n_kv, hd, spec.n_head_kv, 2 * cells, 2 * cells * hd, 0
-    )  # [n_kv, hd, n_head_kv]
+    latent: list[tuple[int, int, bool]] = []  # MLA's V tensors to resize: (tensor, dim, cont)
+    if spec.mla is None:
+        values = g.ggml_view_3d(
+            ctx, kv.v[il], n_kv, hd, spec.n_head_kv, 2 * cells, 2 * cells * hd, 0
+        )  # [n_kv, hd, n_head_kv]
+    else:  # llama.cpp's build_attn_mha with a V that is not transposed: cont(transpose(v))
+        rank = spec.mla.kv_lora_rank
+        v_view = g.ggml_view_3d(ctx, kv.k[il], rank, n_kv, 1, f16_row, f16_row * cells, 0)
+        v_t = g.ggml_transpose(ctx, v_view)  # [n_kv, rank, 1]
+        values = g.ggml_cont(ctx, v_t)
+        latent = [(v_view, 1, False), (v_t, 0, False), (values, 0, True)]
     qp = g.ggml_permute(ctx, q, 0, 2, 1, 3)  # [hd, rows, n_head]
     scores = g.ggml_mul_mat(ctx, keys, qp)  # [n_kv, rows, n_head]
     # F32 accumulation, as llama.cpp asks: a device may otherwise sum the scores in F16
@@ -278,9 +293,13 @@ def _attend(
         for t in capped:
             slots.add(t, 0, True)
         slots.add(kq, 0, True)
-    kqv = g.ggml_mul_mat(ctx, values, kq)  # [hd, rows, n_head]
+        for t, dim, contiguous in latent:
+            slots.add(t, dim, contiguous)
+    kqv = g.ggml_mul_mat(ctx, values, kq)  # [hd, rows, n_head] (MLA: [rank, rows, n_head])
+    if v_mla is not None:
+        kqv = g.ggml_mul_mat(ctx, v_mla, kqv)  # [v_head_dim, rows, n_head]
     o = g.ggml_permute(ctx, kqv, 0, 2, 1, 3)  # [hd, n_head, rows]
-    return g.ggml_cont_2d(ctx, o, spec.q_dim, rows)
+    return g.ggml_cont_2d(ctx, o, spec.attn_out_dim, rows)
 
 
 @dataclass
@@ -305,6 +324,7 @@ class _ChunkAttention:
         v: int,
         kq_scale: float,
         sinks: int | None = None,
+        v_mla: int | None = None,
     ) -> int:
         g, ctx, spec, kv = b.g, b.ctx, b.spec, self.kv
         n, pad, kv_dim = self.n, self.pad, spec.kv_dim
@@ -314,19 +334,23 @@ class _ChunkAttention:
         k_src = g.ggml_view_1d(ctx, k, n * kv_dim, 4 * kv_dim * pad)
         k_dst = g.ggml_view_1d(ctx, kv.k[il], n * kv_dim, f16_row * self.start)
         g.ggml_build_forward_expand(b.gf, g.ggml_cpy(ctx, k_src, k_dst))
-        v_src = g.ggml_view_2d(ctx, v, kv_dim, n, 4 * kv_dim, 4 * kv_dim * pad)
-        v_t = g.ggml_transpose(ctx, v_src)  # [n, kv_dim]
-        v_dst = g.ggml_view_2d(ctx, kv.v[il], n, kv_dim, 2 * kv.cells, 2 * self.start)
-        g.ggml_build_forward_expand(b.gf, g.ggml_cpy(ctx, v_t, v_dst))
+        if spec.has_v_cache:
+            v_src = g.ggml_view_2d(ctx, v, kv_dim, n, 4 * kv_dim, 4 * kv_dim * pad)
+            v_t = g.ggml_transpose(ctx, v_src)  # [n, kv_dim]
+            v_dst = g.ggml_view_2d(ctx, kv.v[il], n, kv_dim, 2 * kv.cells, 2 * self.start)
+            g.ggml_build_forward_expand(b.gf, g.ggml_cpy(ctx, v_t, v_dst))
         mask = self.masks[_window(spec, il)]
-        return _attend(b, kv, il, q, mask, kq_scale, self.n_kv, pad + n, None, sinks)
+        return _attend(b, kv, il, q, mask, kq_scale, self.n_kv, pad + n, None, sinks, v_mla)
 
 
 def _write_rows(b: GraphBuilder, kv: _KvCache, il: int, k: int, v: int, slots: _KvSlots) -> None:
     """One position's K ``[kv_dim, 1]`` and V ``[1, kv_dim]`` written into the cache at the
-    rows the slots' inputs name (the same f32 -> f16 conversion as a chunk's copy)."""
+    rows the slots' inputs name (the same f32 -> f16 conversion as a chunk's copy; no V under
+    MLA)."""
     g, ctx = b.g, b.ctx
     g.ggml_build_forward_expand(b.gf, g.ggml_set_rows(ctx, kv.k[il], k, slots.k_rows))
+    if slots.v_rows is None:
+        return
     v_all = g.ggml_reshape_2d(ctx, kv.v[il], 1, kv.cells * b.spec.kv_dim)
     g.ggml_build_forward_expand(b.gf, g.ggml_set_rows(ctx, v_all, v, slots.v_rows))
 
@@ -350,19 +374,21 @@ class _SlotAttention:
         v: int,
         kq_scale: float,
         sinks: int | None = None,
+        v_mla: int | None = None,
     ) -> int:
         g, ctx, kv_dim, slots = b.g, b.ctx, b.spec.kv_dim, self.slots
         k_row = g.ggml_reshape_2d(ctx, k, kv_dim, 1)
-        _write_rows(b, self.kv, il, k_row, g.ggml_reshape_2d(ctx, v, 1, kv_dim), slots)
+        v_row = g.ggml_reshape_2d(ctx, v, 1, kv_dim) if b.spec.has_v_cache else v
+        _write_rows(b, self.kv, il, k_row, v_row, slots)
         mask = self.masks[_window(b.spec, il)]
-        return _attend(b, self.kv, il, q, mask, kq_scale, self.n_kv, 1, slots, sinks)
+        return _attend(b, self.kv, il, q, mask, kq_scale, self.n_kv, 1, slots, sinks, v_mla)
 
 
 @dataclass
 class _BatchAttention:
     """Several sessions' decode steps, one per column of ``[.., 1, B]``: each column's K/V
     written into its own session's cache and attended over it, as ``_SlotAttention`` does
-    for one session; the columns' outputs joined back into ``[q_dim, 1, B]``."""
+    for one session; the columns' outputs joined back into ``[attn_out_dim, 1, B]``."""
 
     members: list[_BatchMember]
 
@@ -375,17 +401,18 @@ class _BatchAttention:
         v: int,
         kq_scale: float,
         sinks: int | None = None,
+        v_mla: int | None = None,
     ) -> int:
         g, ctx, spec = b.g, b.ctx, b.spec
         kv_dim, q_dim, hd = spec.kv_dim, spec.q_dim, spec.head_dim
         o: int | None = None
         for i, m in enumerate(self.members):
             k_row = g.ggml_view_2d(ctx, k, kv_dim, 1, 4 * kv_dim, 4 * kv_dim * i)
-            v_col = g.ggml_view_2d(ctx, v, 1, kv_dim, 4, 4 * kv_dim * i)
+            v_col = g.ggml_view_2d(ctx, v, 1, kv_dim, 4, 4 * kv_dim * i) if spec.has_v_cache else v
             _write_rows(b, m.kv, il, k_row, v_col, m.slots)
             q_i = g.ggml_view_3d(ctx, q, hd, spec.n_head, 1, 4 * hd, 4 * q_dim, 4 * q_dim * i)
             mask = m.masks[_window(spec, il)]
-            o_i = _attend(b, m.kv, il, q_i, mask, kq_scale, m.n_kv, 1, m.slots, sinks)
+            o_i = _attend(b, m.kv, il, q_i, mask, kq_scale, m.n_kv, 1, m.slots, sinks, v_mla)
             o = o_i if o is None else g.ggml_concat(ctx, o, o_i, 2)  # [q_dim, 1, i + 1]
         return _ok(o, "attention")
 
@@ -550,7 +577,7 @@ class GgmlStage(StageBase[_KvCache]):
             }
             v = {
                 il: _ok(g.ggml_new_tensor_2d(ctx, GgmlType.F16, cells, spec.kv_dim), "v")
-                for il in self._cached()
+                for il in (self._cached() if spec.has_v_cache else ())
             }
             buffer = _ok(
                 g.ggml_backend_alloc_ctx_tensors_from_buft(ctx, self._buffer_type()),
@@ -976,7 +1003,9 @@ class GgmlStage(StageBase[_KvCache]):
         g, spec = self.g, self.spec
         slots = _KvSlots(
             k_rows=self._input(g.ggml_new_tensor_1d(ctx, GgmlType.I64, 1)),
-            v_rows=self._input(g.ggml_new_tensor_1d(ctx, GgmlType.I64, spec.kv_dim)),
+            v_rows=self._input(g.ggml_new_tensor_1d(ctx, GgmlType.I64, spec.kv_dim))
+            if spec.has_v_cache
+            else None,
         )
         masks = {}
         for window in self._windows():
@@ -1222,4 +1251,5 @@ class GgmlStage(StageBase[_KvCache]):
         }
 
     def kv_bytes_per_session(self) -> int:
-        return 2 * 2 * len(self._cached()) * self.spec.kv_dim * self._kv_cells
+        caches = 2 if self.spec.has_v_cache else 1  # MLA: K only
+        return caches * 2 * len(self._cached()) * self.spec.kv_dim * self._kv_cells

@@ -93,7 +93,10 @@ class Attention(Protocol):
     """Attention of one layer over the session's KV cache: writes this graph's K and V into
     the cache, then returns softmax(K^T Q * scale + mask) V as ``[q_dim, rows]`` (or
     ``[q_dim, 1, B]``), before the output projection. ``sinks`` (F32 ``[n_head]``): one
-    extra logit per head in each softmax's denominator that attends to nothing (gpt-oss)."""
+    extra logit per head in each softmax's denominator that attends to nothing (gpt-oss).
+    ``v_mla`` (``[kv_lora_rank, v_head_dim, n_head]``, MLA): the cache holds K only, V is
+    its first ``kv_lora_rank`` values (``v`` is not written), and each head's output is
+    expanded from the latent by this matrix (``ModelSpec.attn_out_dim`` wide)."""
 
     def __call__(
         self,
@@ -104,6 +107,7 @@ class Attention(Protocol):
         v: int,
         kq_scale: float,
         sinks: int | None = None,
+        v_mla: int | None = None,
     ) -> int: ...
 
 
@@ -199,7 +203,8 @@ class GraphBuilder:
 
     def rope(self, x: int, il: int) -> int:
         """RoPE at the graph's positions, with the layer's base and scale (sliding layers have
-        their own) and the model's frequency factors, in the model's pair style."""
+        their own) and the model's frequency factors, in the model's pair style, over the
+        first ``ModelSpec.rope_dims`` of each head."""
         spec, yarn = self.spec, self.spec.yarn
         mode = GGML_ROPE_TYPE_NORMAL if spec.rope_style == "normal" else GGML_ROPE_TYPE_NEOX
         return self.g.ggml_rope_ext(
@@ -226,11 +231,22 @@ class GraphBuilder:
         return self.g.ggml_mul(self.ctx, q, self.attn_temp)
 
     def attention(
-        self, il: int, q: int, k: int, v: int, kq_scale: float, *, sinks: int | None = None
+        self,
+        il: int,
+        q: int,
+        k: int,
+        v: int,
+        kq_scale: float,
+        *,
+        sinks: int | None = None,
+        v_mla: int | None = None,
     ) -> int:
         """Attention over the session's cache (the layer's mask: causal, or its sliding
-        window), ``[q_dim, rows]``; with the layer's attention ``sinks`` where it has them
-        (``ggml_soft_max_add_sinks``, as llama.cpp's ``build_attn_mha``)."""
+        window), ``[attn_out_dim, rows]``; with the layer's attention ``sinks`` where it has
+        them (``ggml_soft_max_add_sinks``, as llama.cpp's ``build_attn_mha``) and MLA's
+        ``v_mla`` (``Attention``)."""
+        if v_mla is not None:
+            return self.attend(self, il, q, k, v, kq_scale, sinks, v_mla)
         if sinks is None:  # an engine's attention written before sinks is called as it was
             return self.attend(self, il, q, k, v, kq_scale)
         return self.attend(self, il, q, k, v, kq_scale, sinks)
@@ -300,6 +316,7 @@ class GraphBuilder:
         biases: ExpertBiases | None = None,
         act: ExpertActivation = "silu",
         weight_scale: float = 1.0,
+        groups: tuple[int, int] = (0, 0),
     ) -> int:
         """A mixture of experts with softmax gating (llama.cpp's ``build_moe_ffn`` as qwen3moe
         calls it: LLM_FFN_SILU, LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX). Each token's router
@@ -314,7 +331,11 @@ class GraphBuilder:
         LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX_WEIGHT). ``gating="sigmoid"`` with
         ``biases.selection`` and ``weight_scale`` (``expert_weights_scale``: the weights
         times it after any normalisation, unless it is 0 or 1, as llama.cpp skips it) give
-        deepseek-v3's and glm4moe's routing (LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID)."""
+        deepseek-v3's and glm4moe's routing (LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID).
+        ``groups`` (n_groups, n_used; deepseek-v3's group-limited routing, when n_groups > 1):
+        the experts split into equal groups, each scored by the sum of its two best
+        selection probabilities; a token picks its experts only from its ``n_used``
+        best-scoring groups (the others masked to -inf before the top-k)."""
         g, ctx = self.g, self.ctx
         ne = tensor_struct(x).ne
         n_embd, n_tokens, batched = int(ne[0]), int(ne[1]) * int(ne[2]), int(ne[2]) > 1
@@ -334,6 +355,8 @@ class GraphBuilder:
             probs = logits
         # the selection bias chooses the experts; their weights come from the unbiased probs
         choose = probs if bias.selection is None else g.ggml_add(ctx, probs, bias.selection)
+        if groups[0] > 1 and n_tokens > 0:  # no rows (a final stage wanting no logits)
+            choose = self._group_mask(choose, n_expert, n_tokens, *groups)
         selected = g.ggml_argsort_top_k(ctx, choose, n_expert_used)  # [n_used, n_tokens] I32
         probs = g.ggml_reshape_3d(ctx, probs, 1, n_expert, n_tokens)
         weights = g.ggml_get_rows(ctx, probs, selected)  # [1, n_used, n_tokens]
@@ -382,6 +405,75 @@ class GraphBuilder:
         if batched:
             out = g.ggml_reshape_3d(ctx, out, n_embd, 1, n_tokens)
         return out
+
+    def _group_mask(
+        self, choose: int, n_expert: int, n_tokens: int, n_groups: int, n_used: int
+    ) -> int:
+        """``choose`` ``[n_expert, n_tokens]`` with the experts outside each token's ``n_used``
+        best groups set to -inf (llama.cpp's build_moe_ffn with n_expert_groups)."""
+        g, ctx = self.g, self.ctx
+        per_group = n_expert // n_groups
+        grouped = g.ggml_reshape_3d(ctx, choose, per_group, n_groups, n_tokens)
+        best2 = g.ggml_argsort_top_k(ctx, grouped, 2)  # [2, n_groups, n_tokens]
+        as_rows = g.ggml_reshape_4d(ctx, grouped, 1, per_group, n_groups, n_tokens)
+        scores = g.ggml_get_rows(ctx, as_rows, best2)  # [1, 2, n_groups, n_tokens]
+        scores = g.ggml_sum_rows(ctx, g.ggml_reshape_3d(ctx, scores, 2, n_groups, n_tokens))
+        scores = g.ggml_reshape_2d(ctx, scores, n_groups, n_tokens)  # [n_groups, n_tokens]
+        kept = g.ggml_argsort_top_k(ctx, scores, n_used)  # [n_used, n_tokens]
+        picked = g.ggml_get_rows(ctx, grouped, kept)  # [per_group, n_used, n_tokens]
+        masked = g.ggml_set_rows(ctx, g.ggml_fill(ctx, grouped, float("-inf")), picked, kept)
+        return g.ggml_reshape_2d(ctx, masked, n_expert, n_tokens)
+
+    def mla_attention(
+        self,
+        il: int,
+        h: int,
+        q_proj: tuple[int, int, int] | int,
+        kv_a: int,
+        kv_a_norm: int,
+        k_b: int,
+        v_b: int,
+    ) -> int:
+        """Multi-head latent attention (``ModelSpec.mla``) over the normed input ``h`` in
+        llama.cpp's absorbed form (deepseek2's builder with ``attn_k_b``/``attn_v_b``), before
+        the output projection: ``[n_head * v_head_dim, rows]``. ``q_proj``: ``attn_q``, or
+        (``attn_q_a``, its norm, ``attn_q_b``). Q's non-rotated part is absorbed into the
+        latent per head (``k_b``), its rotated part and the shared rope key take RoPE over
+        ``rope_dim``; K = latent + rope key (one KV head), V = the latent, the output
+        expanded per head by ``v_b``; Q times its position's temperature where the model
+        has one. In a batch of sessions (``[.., 1, B]``) the absorption
+        multiplies one column per session, as each session's own decode does."""
+        g, ctx, spec = self.g, self.ctx, self.spec
+        m = spec.mla
+        if m is None:
+            raise ValueError("mla_attention needs a model with latent attention")
+        n_head, rows, f = spec.n_head, self.rows, 4  # F32 activations
+        per_seq, seqs = (1, rows) if tensor_struct(h).ne[2] > 1 else (rows, 1)
+        if isinstance(q_proj, tuple):
+            q_a, q_a_norm, q_b = q_proj
+            q = self.linear(q_b, self.norm(self.linear(q_a, h), q_a_norm))
+        else:
+            q = self.linear(q_proj, h)
+        kd, rank, rope, nope = m.k_head_dim, m.kv_lora_rank, m.rope_dim, m.nope_dim
+        q = g.ggml_reshape_4d(ctx, q, kd, n_head, per_seq, seqs)
+        kv_pe = self.linear(kv_a, h)  # [rank + rope, rows] ([.., 1, B])
+        row = f * (rank + rope)
+        kv_cmpr = g.ggml_view_2d(ctx, kv_pe, rank, rows, row, 0)
+        k_pe = g.ggml_view_3d(ctx, kv_pe, rope, 1, rows, row, row, f * rank)
+        k_pe = self.rope(k_pe, il)  # [rope, 1, rows]
+        kv_cmpr = self.norm(kv_cmpr, kv_a_norm)
+        qs = (f * kd, f * kd * n_head, f * kd * n_head * per_seq)
+        q_nope = g.ggml_view_4d(ctx, q, nope, n_head, per_seq, seqs, *qs, 0)
+        q_pe = g.ggml_view_3d(ctx, q, rope, n_head, rows, qs[0], qs[1], f * nope)
+        q_pe = g.ggml_reshape_4d(ctx, self.rope(q_pe, il), rope, n_head, per_seq, seqs)
+        q_nope = g.ggml_permute(ctx, q_nope, 0, 2, 1, 3)  # [nope, T, n_head, S]
+        absorbed = g.ggml_mul_mat(ctx, k_b, q_nope)  # [rank, T, n_head, S]
+        absorbed = g.ggml_permute(ctx, absorbed, 0, 2, 1, 3)  # [rank, n_head, T, S]
+        q_cur = g.ggml_concat(ctx, absorbed, q_pe, 0)  # the rope part last, as llama.cpp
+        q_cur = self.temperature(g.ggml_reshape_3d(ctx, q_cur, rank + rope, n_head, rows))
+        kv_cmpr = g.ggml_reshape_3d(ctx, kv_cmpr, rank, 1, rows)
+        k_cur = g.ggml_concat(ctx, kv_cmpr, k_pe, 0)  # [rank + rope, 1, rows]
+        return self.attention(il, q_cur, k_cur, kv_cmpr, spec.attn_scale, v_mla=v_b)
 
     def shared_expert(self, x: int, gate_inp: int, gate: int, up: int, down: int) -> int:
         """A shared expert every token runs, scaled by its own sigmoid gate: ffn(x) *

@@ -104,6 +104,26 @@ class AttnTemperature:
         return np.array([math.log(float(v) + 1.0) * scale + 1.0 for v in q], dtype=f32)
 
 
+@dataclass(frozen=True)
+class Mla:
+    """Multi-head latent attention (deepseek2, llama.cpp's absorbed MLA): K and V are one
+    compressed latent per token (``kv_lora_rank`` values, RMS-normed) plus a rotated key
+    part shared by every head (``rope_dim``); each head's query is absorbed into the latent
+    through ``attn_k_b`` and its output expanded from it through ``attn_v_b``. The cache holds
+    only latent + rope key, one "head" of ``ModelSpec.head_dim = kv_lora_rank + rope_dim``;
+    V is a view of its first ``kv_lora_rank`` values."""
+
+    q_lora_rank: int  # 0: Q projected directly from the input (V2-Lite), else low-rank (V3)
+    kv_lora_rank: int
+    rope_dim: int  # the rotated part of each head's key and query (qk_rope_head_dim)
+    k_head_dim: int  # a head's key width before absorption: nope + rope (key_length_mla)
+    v_head_dim: int  # a head's value width after expansion (value_length_mla)
+
+    @property
+    def nope_dim(self) -> int:
+        return self.k_head_dim - self.rope_dim
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelSpec:
     """Everything the forward pass needs to know about a model, read from its metadata."""
@@ -158,11 +178,19 @@ class ModelSpec:
     # (``block_count``, the package's layers) but never run by the trunk's graph; they live
     # with the final stage, for native MTP drafting
     n_layer_nextn: int = 0
+    # group-limited routing (deepseek-v3): the experts in ``expert_groups`` equal groups, each
+    # token choosing only among the ``expert_groups_used`` groups whose two best experts score
+    # highest (0: no groups)
+    expert_groups: int = 0
+    expert_groups_used: int = 0
     # a shared expert every token runs beside the routed ones (qwen2moe; 0: none): its width
     n_ff_shexp: int = 0
     # RoPE frequency scale of the sliding layers (llama.cpp's rope_freq_scale_train_swa:
     # 1.0 unless the family scales them too, as gpt-oss's YaRN does)
     rope_scale_swa: float = 1.0
+    # multi-head latent attention (deepseek2): the cache holds K only, V is a view of it
+    mla: Mla | None = None
+
     @property
     def n_trunk(self) -> int:
         """The layers the trunk runs: all but the NextN layers after them."""
@@ -179,6 +207,17 @@ class ModelSpec:
     @property
     def q_dim(self) -> int:
         return self.n_head * self.head_dim
+
+    @property
+    def attn_out_dim(self) -> int:
+        """The attention's output width per row, before the output projection (MLA expands
+        each head's latent output to its own value width)."""
+        return self.q_dim if self.mla is None else self.n_head * self.mla.v_head_dim
+
+    @property
+    def has_v_cache(self) -> bool:
+        """The KV cache stores V apart from K (not under MLA, whose V is part of K)."""
+        return self.mla is None
 
     @property
     def kv_dim(self) -> int:

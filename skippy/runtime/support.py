@@ -33,6 +33,7 @@ STAGE_FAMILIES: Final = (  # == the registry's
     "mistral3",
     "gpt-oss",
     "glm4moe",
+    "deepseek2",
 )
 # The families whose files may hold experts (llama: Mixtral; a file with experts of any
 # other family is refused).
@@ -45,6 +46,7 @@ STAGE_MOE_FAMILIES: Final[tuple[str, ...]] = (
     "phimoe",
     "gpt-oss",
     "glm4moe",
+    "deepseek2",
 )
 UNSUPPORTED: Final = "unsupported_architecture"  # the runtime's own code for both refusals
 

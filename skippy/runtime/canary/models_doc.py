@@ -36,10 +36,11 @@ EXAMPLES: Final[dict[str, str]] = {
     "phimoe": "Phi-3.5-MoE",
     "gpt-oss": "gpt-oss-20b, gpt-oss-120b",
     "glm4moe": "GLM-4.5, GLM-4.5-Air, GLM-4.6, GLM-4.7",
+    "deepseek2-lite": "DeepSeek-V2-Lite, GigaChat3-10B-A1.8B",
+    "deepseek2": "DeepSeek-V2, V2.5, V3, R1, Kimi K2",
 }
 # llama.cpp families with no synthetic model and no builder here yet.
 NOT_BUILT: Final[dict[str, str]] = {
-    "deepseek2": "DeepSeek-V2/V3, Kimi K2",
     "llama4": "Llama 4 Scout, Maverick",
 }
 

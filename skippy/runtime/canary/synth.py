@@ -106,6 +106,13 @@ class Dims:
     n_ctx_train: int = 4096
     n_expert: int = 0
     n_expert_used: int = 0
+    # deepseek2's latent attention: Q's low rank, the KV latent, each head's rotated part,
+    # non-rotated key part and value (ne0 of attn_k_b is the non-rotated part: 256 for Q4_K)
+    q_lora: int = 256
+    kv_lora: int = 256
+    rope_mla: int = 64
+    nope_mla: int = 256
+    v_mla: int = 64
 
     def __post_init__(self) -> None:
         for name in ("n_layers", "embd", "n_head", "n_head_kv", "head_dim", "ff", "vocab"):
@@ -146,6 +153,22 @@ class Dims:
     @property
     def half_head(self) -> int:  # glm4moe's RoPE rotates half of the head
         return self.head_dim // 2
+
+    @property
+    def kv_a_mla(self) -> int:  # the latent and the shared rope key: attn_kv_a_mqa's rows
+        return self.kv_lora + self.rope_mla
+
+    @property
+    def k_mla(self) -> int:  # a head's key before absorption: non-rotated then rotated part
+        return self.nope_mla + self.rope_mla
+
+    @property
+    def q_mla(self) -> int:  # every head's query
+        return self.n_head * self.k_mla
+
+    @property
+    def o_mla(self) -> int:  # every head's value: attn_output's input
+        return self.n_head * self.v_mla
 
     @property
     def expert(self) -> int:
@@ -313,6 +336,56 @@ GLM4MOE_ATTN = (
     *QKV_BIAS,
     *HEAD_QK_NORM,
     _norm(T.ATTN_POST_NORM),  # the FFN's input norm
+)
+
+# deepseek2's attention (absorbed MLA, as current converters write it) and the FFN's norm,
+# with Q low-rank (V3) or direct (V2-Lite); the metadata the loader needs for it
+def _mla_block(q_lora: bool) -> tuple[TensorSpec, ...]:
+    q = (
+        (
+            _norm(T.ATTN_Q_A_NORM, "q_lora"),
+            _t(T.ATTN_Q_A, "embd", "q_lora"),
+            _t(T.ATTN_Q_B, "q_lora", "q_mla"),
+        )
+        if q_lora
+        else (_t(T.ATTN_Q, "embd", "q_mla"),)
+    )
+    return (
+        _norm(T.ATTN_NORM),
+        *q,
+        _norm(T.ATTN_KV_A_NORM, "kv_lora"),
+        _t(T.ATTN_KV_A_MQA, "embd", "kv_a_mla"),
+        _t(T.ATTN_K_B, "nope_mla", "kv_lora", "n_head"),
+        _t(T.ATTN_V_B, "kv_lora", "v_mla", "n_head"),
+        _t(T.ATTN_OUT, "o_mla", "embd"),
+        _norm(T.FFN_NORM),
+    )
+
+
+def _mla_kv(q_lora: bool, log_mul: float) -> dict[str, SpecValue]:
+    return {
+        # 0: Q direct (the loader requires the key unless the layer count says lite)
+        K.Attention.Q_LORA_RANK: Dim("q_lora") if q_lora else 0,
+        K.Attention.KV_LORA_RANK: Dim("kv_lora"),
+        K.Attention.KEY_LENGTH: Dim("kv_a_mla"),  # one KV head: latent + rope key
+        K.Attention.VALUE_LENGTH: Dim("kv_lora"),
+        K.Attention.KEY_LENGTH_MLA: Dim("k_mla"),
+        K.Attention.VALUE_LENGTH_MLA: Dim("v_mla"),
+        K.Rope.DIMENSION_COUNT: Dim("rope_mla"),
+        K.LLM.EXPERT_FEED_FORWARD_LENGTH: Dim("ff_exp"),
+        # YaRN factor 4 over an original context of 128, which the long prompt runs past,
+        # with DeepSeek's mscale (the converter writes 0.1 x mscale_all_dim)
+        K.Rope.SCALING_TYPE: "yarn",
+        K.Rope.SCALING_FACTOR: 4.0,
+        K.Rope.SCALING_ORIG_CTX_LEN: 128,
+        K.Rope.SCALING_YARN_LOG_MUL: log_mul,
+    }
+
+
+_SHARED_EXPERT = (
+    _t(T.FFN_GATE_SHEXP, "embd", "ff_shexp"),
+    _t(T.FFN_UP_SHEXP, "embd", "ff_shexp"),
+    _t(T.FFN_DOWN_SHEXP, "ff_shexp", "embd"),
 )
 
 FAMILIES: tuple[FamilySpec, ...] = (
@@ -590,6 +663,60 @@ FAMILIES: tuple[FamilySpec, ...] = (
             "selection-only bias, normalised weights times 2.5 and a shared expert; q/k/v "
             "biases, per-head q/k norms, NEOX RoPE over half the head with YaRN; one NextN "
             "layer after the trunk, held by the final stage and never run by it"
+        ),
+    ),
+    FamilySpec(
+        "deepseek2-lite",
+        A.DEEPSEEK2,
+        UNTIED,
+        (*_mla_block(False), *EXPERTS, *_SHARED_EXPERT),
+        kv={
+            **_mla_kv(False, 0.0707),  # V2-Lite's mscale_all_dim 0.707
+            K.LLM.EXPERT_SHARED_COUNT: 2,  # ff_shexp = 2 x ff_exp
+        },
+        moe=MoE(8, 2),
+        n_head_kv=1,
+        dense_lead=1,
+        dense_layer=(*_mla_block(False), *FFN),
+        exercises=(
+            "DeepSeek-V2-Lite's shape: latent attention (absorbed MLA, one cached latent + "
+            "rope key per token) with Q projected directly, normal RoPE over part of the key "
+            "with YaRN and DeepSeek's mscale; a leading dense layer, then 8 experts top-2 by "
+            "softmax (weights not normalised) beside two shared experts"
+        ),
+    ),
+    FamilySpec(
+        "deepseek2",
+        A.DEEPSEEK2,
+        UNTIED,
+        (*_mla_block(True), *EXPERTS, _bias(T.FFN_EXP_PROBS_B, "expert"), *_SHARED_EXPERT),
+        kv={
+            **_mla_kv(True, 0.1),  # V3's mscale_all_dim 1.0
+            K.LLM.EXPERT_SHARED_COUNT: 2,
+            K.LLM.EXPERT_GATING_FUNC: 2,  # sigmoid
+            K.LLM.EXPERT_WEIGHTS_NORM: True,
+            K.LLM.EXPERT_WEIGHTS_SCALE: 2.5,
+            # 4 groups of 4 experts, each token keeps its best group and picks 2 there; llama.cpp
+            # asserts fewer groups used than groups (and kept after the canary's doubling)
+            K.LLM.EXPERT_GROUP_COUNT: 4,
+            K.LLM.EXPERT_GROUP_USED_COUNT: 1,
+        },
+        moe=MoE(16, 2),
+        n_head_kv=1,
+        dense_lead=1,
+        dense_layer=(*_mla_block(True), *FFN),
+        nextn=(
+            _t(T.NEXTN_EH_PROJ, "embd2", "embd"),
+            _norm(T.NEXTN_ENORM),
+            _norm(T.NEXTN_HNORM),
+            _norm(T.NEXTN_SHARED_HEAD_NORM),
+        ),
+        exercises=(
+            "DeepSeek-V3's shape: latent attention with low-rank Q (q_lora), YaRN with "
+            "DeepSeek's mscale; a leading dense layer, then 16 experts top-2 by sigmoid "
+            "scores with a selection-only bias, chosen within the best of 4 expert groups, "
+            "weights normalised times 2.5, beside shared experts; one NextN layer after the "
+            "trunk, held by the final stage and never run by it"
         ),
     ),
 )

@@ -15,6 +15,7 @@ from skippy.constants import KEY_ARCHITECTURE
 from skippy.package.ranges import LayerRange
 from skippy.runtime.boundary import StageUnsupported
 from skippy.runtime.families import (
+    deepseek2,
     gemma2,
     gemma3,
     glm4moe,
@@ -57,6 +58,7 @@ FAMILIES: Final[Mapping[str, Family]] = {
         mistral3.FAMILY,
         gptoss.FAMILY,
         glm4moe.FAMILY,
+        deepseek2.FAMILY,
     )
 }
 # ``inspect`` answers from skippy.runtime.support's table without importing the runtime: the

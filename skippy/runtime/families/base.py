@@ -194,13 +194,20 @@ def read_float(kv: Mapping[str, Any], key: str, default: float | None = None) ->
 
 
 def read_yarn(
-    kv: Mapping[str, Any], arch: str, n_ctx_train: int, *, tuning_keys: bool = True
+    kv: Mapping[str, Any],
+    arch: str,
+    n_ctx_train: int,
+    *,
+    tuning_keys: bool = True,
+    mscale_all_dims: float | None = None,
 ) -> tuple[float, Yarn]:
     """YaRN scaling from the file: ``freq_scale`` and ggml's parameters, ``attn_factor``
     computed in f32 as llama.cpp's context does (its mscale, then the cancelling factor).
     Without ``tuning_keys`` the file's ``yarn_beta_fast``, ``yarn_beta_slow`` and
     ``yarn_log_multiplier`` are ignored for llama.cpp's defaults, as the loaders of families
-    that do not read them (gpt-oss) do."""
+    that do not read them (gpt-oss) do. ``mscale_all_dims``: the log multiplier a family's
+    loader read itself (deepseek2's), which llama.cpp's context also takes as YaRN's mscale
+    for deepseek2: the two cancel wherever it is not 0."""
     a, f32 = f"{arch}.", np.float32
 
     def tuned(key: str, default: float) -> float:
@@ -225,8 +232,12 @@ def read_yarn(
             return f32(1.0)
         return f32(f32(0.1) * f32(m) * np.log(factor) + f32(1.0))
 
-    log_mul = tuned("rope.scaling.yarn_log_multiplier", 0.0)
-    attn = mscale(1.0) / mscale(log_mul) if log_mul != 0.0 else mscale(1.0)
+    if mscale_all_dims is not None:
+        log_mul = mscale_all_dims
+        attn = mscale(log_mul) / mscale(log_mul) if log_mul != 0.0 else mscale(1.0)
+    else:
+        log_mul = tuned("rope.scaling.yarn_log_multiplier", 0.0)
+        attn = mscale(1.0) / mscale(log_mul) if log_mul != 0.0 else mscale(1.0)
     attn = f32(attn * (f32(1.0) / (f32(1.0) + f32(0.1) * np.log(factor))))
     attn = f32(attn * f32(read_float(kv, a + "rope.scaling.attn_factor", 1.0)))
     yarn = Yarn(
@@ -294,14 +305,18 @@ def read_decoder(
     yarn: bool = False,
     yarn_tuning_keys: bool = True,
     partial_rope: bool = False,
+    yarn_mscale_all_dims: float | None = None,
+    latent_attention: bool = False,
 ) -> dict[str, Any]:
     """The hyperparameters of a decoder-only transformer every family here shares, as
     ``ModelSpec`` keyword arguments (a family adds or overrides its own). Without
     ``dense_ffn`` (a MoE family) the dense FFN width may be absent (0). A family whose
     attention soft-caps its scores (``attn_softcap``) gets the file's cap, and one that
     implements YaRN (``yarn``) its parameters (else both are refused; ``yarn_tuning_keys``:
-    ``read_yarn``'s). A family whose RoPE may rotate only the first ``rope.dimension_count``
-    dims of the head (``partial_rope``) gets them as ``n_rot``."""
+    ``read_yarn``'s, as ``yarn_mscale_all_dims``). A family whose RoPE may rotate only the
+    first ``rope.dimension_count`` dims of the head (``partial_rope``) gets them as ``n_rot``;
+    one with latent attention (``latent_attention``, deepseek2's MLA) checks its own head
+    dimensions (its RoPE dims are ``n_rot`` too)."""
     a = f"{arch}."
     n_layer = read_int(kv, a + "block_count", 1, MAX_LAYERS)
     width = read_int(kv, a + "embedding_length", 1, MAX_WIDTH)
@@ -315,7 +330,8 @@ def read_decoder(
     rope_dims = read_int(kv, a + "rope.dimension_count", 2, MAX_HEAD_DIM, default=head_dim)
     extra: dict[str, Any] = {}
     rope_ok = rope_dims == head_dim or (partial_rope and rope_dims < head_dim)
-    if v_dim != head_dim or not rope_ok or head_dim % 2 or rope_dims % 2:
+    bad_dims = v_dim != head_dim or not rope_ok or head_dim % 2 or rope_dims % 2
+    if bad_dims and not latent_attention:
         whole = "rotated whole" if not partial_rope else "rotated over an even part"
         raise StageUnsupported(
             f"head dims k={head_dim} v={v_dim} rope={rope_dims}: the stage runtime needs one "
@@ -335,7 +351,11 @@ def read_decoder(
     rope_scale = _rope_scale(kv, arch, yarn=yarn)
     if yarn and kv.get(a + "rope.scaling.type") == "yarn":
         rope_scale, extra["yarn"] = read_yarn(
-            kv, arch, context_length, tuning_keys=yarn_tuning_keys
+            kv,
+            arch,
+            context_length,
+            tuning_keys=yarn_tuning_keys,
+            mscale_all_dims=yarn_mscale_all_dims,
         )
     softcap = kv.get(a + "final_logit_softcapping")
     softcap_value = read_float(kv, a + "final_logit_softcapping") if softcap else None

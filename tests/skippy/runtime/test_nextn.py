@@ -1,9 +1,10 @@
 """The NextN (MTP) draft head (skippy/runtime/nextn.py) and native-mtp speculation on the ggml
 stage runtime.
 
-- On the canary's synthetic glm4moe (four trunk layers and one NextN layer), the first draft's
-  logits after a prompt are llama.cpp's own MTP head's bit for bit (its MTP context fed the
-  target's h_nextn rows: ``LlamaOracle.mtp_logits``), every dtype, whole and split.
+- On the canary's synthetic glm4moe and deepseek2 (four trunk layers and one NextN layer; the
+  head is the family's own layer, MLA for deepseek2), the first draft's logits after a prompt
+  are llama.cpp's own MTP head's bit for bit (its MTP context fed the target's h_nextn rows:
+  ``LlamaOracle.mtp_logits``), every dtype, whole and split.
 - The head's logits equal an f32 numpy reference of llama.cpp's ``graph_mtp`` (enorm of the
   token's embedding and hnorm of the trunk's output-normed hidden state before it,
   concatenated, ``eh_proj``, the family's layer over the block's weights with the head's own
@@ -111,13 +112,14 @@ def _reference(pkg: Path, drafts: Sequence[int]) -> list[np.ndarray]:
         return [head(len(IDS) + i, [token]) for i, token in enumerate(drafts)]
 
 
-GLM = synth.family("glm4moe")
+HEADS = [(f, d) for f in ("glm4moe", "deepseek2") for d in synth.family(f).dtypes]
 
 
-@pytest.mark.parametrize("dtype", GLM.dtypes)
-def test_the_glm4moe_head_equals_llama_cpps_mtp_head(tmp_path: Path, dtype: str) -> None:
-    src, glm = package_model(GLM, dtype, tmp_path)
-    trunk = GLM.dims().n_layers
+@pytest.mark.parametrize(("family", "dtype"), HEADS, ids=[f"{f}-{d}" for f, d in HEADS])
+def test_the_nextn_head_equals_llama_cpps_mtp_head(tmp_path: Path, family: str, dtype: str) -> None:
+    spec = synth.family(family)
+    src, glm = package_model(spec, dtype, tmp_path)
+    trunk = spec.dims().n_layers
     prompts = ([1, 5, 9, 17, 33, 65, 3, 100], [4, 8, 15, 16, 23, 42, 7, 9, 11, 2, 99, 101, 6])
     pending = 7  # any token: the head does not ask whether it was the target's
     with LlamaOracle(src, load_mtp=True) as oracle:

@@ -269,8 +269,10 @@ FEATURE_KEYS = [
     (spec.name, key)
     for spec in synth.FAMILIES
     for key, value in spec.kv.items()
-    # expert sizes shape the tensors: no load without (the shared experts' count too)
-    if not isinstance(value, synth.Dim) and key != gguf.Keys.LLM.EXPERT_SHARED_COUNT
+    # expert sizes shape the tensors: no load without (the shared experts' count too, and
+    # deepseek2's q_lora_rank, 0: attn_q instead of attn_q_a and attn_q_b)
+    if not isinstance(value, synth.Dim)
+    and key not in (gguf.Keys.LLM.EXPERT_SHARED_COUNT, gguf.Keys.Attention.Q_LORA_RANK)
 ]
 
 
