@@ -90,6 +90,7 @@ BIT_ARTIFACT_TRANSFER: Final = "artifact-transfer"
 # WebSocket subprotocol the dialer offers and the listener selects (protocol/link_cipher.py).
 WS_SUBPROTOCOL_AESGCM: Final = "skippy-mesh-aesgcm"
 BIT_VERIFY_WINDOW: Final = "verify-window"  # transport phase verify (speculation)
+BIT_NEXTN_DRAFTS: Final = "nextn-drafts"  # BEGIN/TOKENS flag DRAFTS (native-mtp speculation)
 # The transport's sampling controls: a BEGIN with flag CONTROLS (min_p, typical_p, penalties,
 # logit bias) and activations frames with flag IDS (the token ids the penalties read).
 BIT_SAMPLING_CONTROLS: Final = "sampling-controls"

@@ -26,7 +26,7 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
@@ -39,6 +39,7 @@ from mesh_node.node import MeshNode
 from mesh_node.peers import InboundStream
 from mesh_node.serving.host import (
     LoadedStage,
+    SessionDrafter,
     StageHost,
     drop_rejected,
     sampler_at,
@@ -49,7 +50,7 @@ from protocol import constants as pc
 from skippy.errors import SkippyError, UsageError
 from skippy.generation import SpeculativePlan
 from skippy.runtime.boundary import StopReason
-from skippy.runtime.speculation import EXECUTABLE_MODES, Speculation, answers
+from skippy.runtime.speculation import EXECUTABLE_MODES, NATIVE_MTP, Speculation, answers
 from skippy.runtime.token_loop import TokenLoop, check_generation_request, end_of_generation
 from skippy.runtime.tokenizer import LlamaTokenizer
 from skippy.serving.replay import Phase, Step, schedule, tokens_before
@@ -58,6 +59,9 @@ from skippy.stage import stage_frames as t
 log = logging.getLogger("mesh_node.serving.generator")
 MAX_FAILOVERS: Final = 3  # per request
 Emit = Callable[[int], Awaitable[bool]]  # a new token -> True to stop (a stop string matched)
+# What the final stage returns per pass: the sampled tokens, and its NextN draft after them
+# (native-mtp) or None
+Returned = tuple[list[int], int | None]
 
 
 class ServingFault(MeshError):
@@ -131,7 +135,7 @@ class _Session:
     session_id: int
     request_id: int
     final_node: str  # the final stage of this session's route: the only one that may return
-    tokens: trio.MemorySendChannel[list[int] | BaseException]  # one item per TOKENS frame
+    tokens: trio.MemorySendChannel[Returned | BaseException]  # one item per TOKENS frame
 
 
 class _RouteBroken(Exception):
@@ -240,10 +244,15 @@ class Generator:
         name = t.session_name(session_id)
         prompt = list(loop.prompt)
         loop.n_ctx = loaded.facts.n_ctx  # this route's context
-        send_tokens, recv_tokens = trio.open_memory_channel[list[int] | BaseException](4)
+        send_tokens, recv_tokens = trio.open_memory_channel[Returned | BaseException](4)
         # each attempt drafts afresh, from the committed tokens
         plan = self.speculative if self._route_verifies(route) else None
-        loop.speculation = Speculation.for_plan(plan, [*prompt, *loop.tokens])
+        # native-mtp: the final stage's NextN head drafts and returns its draft after each
+        # pass's tokens (on a one-stage route this stage is the final one)
+        mtp = plan is not None and plan.mode == NATIVE_MTP
+        head = ReturnedDraft() if mtp else None
+        local_drafter = SessionDrafter.of_stage(stage, name) if mtp and route.single else None
+        loop.speculation = Speculation.for_plan(plan, [*prompt, *loop.tokens], head)
         frame_cap = self.host.limits.tokens_per_frame(loaded.facts.width)
         self._check_controls(route, sampling)
         # the tokens the penalties read before a position (every attempt: the same)
@@ -273,6 +282,7 @@ class Generator:
                                 width=loaded.facts.width,
                                 sampling=sampling,
                                 topology_id=route.topology_id,
+                                drafts=mtp,
                             )
                         )
                     except (MeshError, trio.TooSlowError) as exc:
@@ -286,6 +296,8 @@ class Generator:
                     )
                     decode = step.phase == "decode"
                     verify = step.phase == "verify"
+                    if local_drafter is not None:  # one stage: its head reads the tokens
+                        local_drafter.put(step.start, step.tokens)
 
                     def run() -> Any:
                         drop_rejected(stage, name, step.start)
@@ -317,7 +329,13 @@ class Generator:
                         rows, committed = output
                         if sender is None:  # one stage: accepted here
                             if committed is not None:
-                                await send_tokens.send(committed)
+                                draft = await self.host.draft(
+                                    local_drafter,
+                                    step.start + 1,
+                                    committed,
+                                    truncate=step.start + len(committed),
+                                )
+                                await send_tokens.send((committed, draft))
                             return
                         frame = t.encode_verify(
                             request_id,
@@ -333,7 +351,9 @@ class Generator:
                         return
                     if sender is None:  # one stage: sampled here
                         if step.sample and output.token is not None:
-                            await send_tokens.send([int(output.token)])
+                            sampled = [int(output.token)]
+                            draft = await self.host.draft(local_drafter, step.end, sampled)
+                            await send_tokens.send((sampled, draft))
                         return
                     frame = t.encode_activations(
                         request_id,
@@ -343,7 +363,7 @@ class Generator:
                         activations=output.activations,
                         flags=t.Flag.SAMPLE if step.sample else t.Flag.NONE,
                         # the final stage's penalties read them
-                        tokens=step.tokens if last_n else None,
+                        tokens=step.tokens if last_n or mtp else None,
                     )
                     try:
                         await sender.send_activations(frame, decode=decode)
@@ -358,7 +378,7 @@ class Generator:
                 td = tp
                 draft: list[int] = []  # the drafts of the pass in flight ([]: a decode)
                 while True:
-                    batch = await self._next_tokens(recv_tokens)
+                    batch, head_draft = await self._next_tokens(recv_tokens)
                     if not first and not answers(draft, batch):
                         raise _RouteBroken(
                             t.TransportError(
@@ -377,6 +397,8 @@ class Generator:
                         loop.passed(len(draft), len(batch))
                     if await _commit(loop, batch, emit):
                         break
+                    if head is not None:  # the final stage's draft after these tokens
+                        head.draft = head_draft
                     next_draft = loop.next_pass(frame_cap)
                     if next_draft is None:
                         break
@@ -425,10 +447,13 @@ class Generator:
                 )
 
     def _route_verifies(self, route: Route) -> bool:
-        """Every other node of the route takes verify windows (feature bit)."""
+        """Every other node of the route takes verify windows (feature bit), and for
+        native-mtp passes the request for NextN drafts on to the final stage."""
         if self.speculative is None:
             return False
         bit = frozenset({pc.BIT_VERIFY_WINDOW})
+        if self.speculative.mode == NATIVE_MTP:
+            bit = frozenset({pc.BIT_VERIFY_WINDOW, pc.BIT_NEXTN_DRAFTS})
         for node_id in route.node_ids[1:]:
             info = self.node.peer(node_id)
             if info is None or not info.has_features(pc.FEATURE_SKIPPY_STAGE, bit):
@@ -436,8 +461,8 @@ class Generator:
         return True
 
     async def _next_tokens(
-        self, tokens: trio.MemoryReceiveChannel[list[int] | BaseException]
-    ) -> list[int]:
+        self, tokens: trio.MemoryReceiveChannel[Returned | BaseException]
+    ) -> Returned:
         try:
             with trio.fail_after(self.settings.token_timeout_s):
                 item = await tokens.receive()
@@ -464,7 +489,7 @@ class Generator:
                     raise t.TransportError(
                         f"a {frame.kind.name} frame on a return stream", code="unknown_session"
                     )
-                session.tokens.send_nowait(frame.tokens())
+                session.tokens.send_nowait(frame.sampled())
         except (MeshError, t.TransportError, trio.WouldBlock) as exc:
             with_error = (
                 exc
@@ -530,3 +555,18 @@ def route_level(cause: BaseException) -> bool:
     if isinstance(cause, SkippyError):
         return cause.code in ROUTE_CODES
     return False
+
+
+class ReturnedDraft:
+    """native-mtp's drafter at stage 0: the draft the final stage's NextN head returned after
+    the last pass's tokens (``Proposer``'s two calls; the head itself sees the tokens)."""
+
+    def __init__(self) -> None:
+        self.draft: int | None = None
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        """The final stage records the committed tokens itself."""
+
+    def propose(self, limit: int) -> list[int]:
+        draft, self.draft = self.draft, None
+        return [draft] if draft is not None and limit > 0 else []

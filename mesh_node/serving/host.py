@@ -31,7 +31,7 @@ import math
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import trio
@@ -53,6 +53,7 @@ from skippy.runtime.admission import RuntimeFacts
 from skippy.runtime.boundary import StageLoad
 from skippy.runtime.compute_thread import compute_thread
 from skippy.runtime.contention import machine_cores, stage_threads
+from skippy.runtime.nextn import NextnProposer
 from skippy.runtime.sampling import Sampler
 from skippy.runtime.speculation import accept_draft
 from skippy.runtime.stage import DecodeStep, Stage, StageConfig, StageOutput, context_full
@@ -206,9 +207,14 @@ class StageHost:
         return [StreamKind(pc.KIND_TRANSPORT, self._handle)]
 
     def features(self, now_s: float) -> FeatureBits:
-        """Every node hosts a stage when a topology names it: the stage bundle, verify windows
- and every sampling control of a session."""
-        bits = {*pc.STAGE_BUNDLE, pc.BIT_VERIFY_WINDOW, pc.BIT_SAMPLING_CONTROLS}
+        """Every node hosts a stage when a topology names it: the stage bundle, verify windows,
+        NextN drafts and every sampling control of a session."""
+        bits = {
+            *pc.STAGE_BUNDLE,
+            pc.BIT_VERIFY_WINDOW,
+            pc.BIT_SAMPLING_CONTROLS,
+            pc.BIT_NEXTN_DRAFTS,
+        }
         return {pc.FEATURE_SKIPPY_STAGE: frozenset(bits)}
 
     def status_sections(self) -> Mapping[str, Any]:
@@ -696,11 +702,13 @@ class StageHost:
                         width=loaded.facts.width,
                         sampling=sampling,
                         topology_id=topology_id,
+                        drafts=begin.wants_drafts,
                     )
                 )
             work_send, work_recv = trio.open_memory_channel[_Work](self.limits.max_inflight_frames)
             acks = _Acks(inbound.stream)
             tokens = t.SessionTokens.of(sampling) if loaded.is_final else t.SessionTokens()
+            drafter = SessionDrafter.of(loaded, name) if begin.wants_drafts else None
             async with trio.open_nursery() as nursery:
                 if sender is not None:
                     nursery.start_soon(sender.read_acks)
@@ -710,7 +718,7 @@ class StageHost:
                     self._compute_loop,
                     loaded,
                     name,
-                    (sampling, tokens),
+                    (sampling, tokens, drafter),
                     work_recv,
                     sender,
                     out,
@@ -767,9 +775,11 @@ class StageHost:
         sender: ChainSender | None,
         out: MeshStream,
         before: list[int],
+        drafter: SessionDrafter | None = None,
     ) -> None:
         """One verify window: pass its rows on, or (final stage) return the committed tokens
-        (``before``: the tokens before the window that the penalties read)."""
+        (``before``: the tokens before the window that the penalties read), with the next
+        NextN draft where the session asked for them."""
         window = frame.tokens()
         rows, tokens = await self.verify(
             loaded.stage, name, sampling, frame.start, x, window, before
@@ -784,17 +794,44 @@ class StageHost:
             )
             await sender.send_activations(data, decode=True)
         elif tokens is not None:
+            # the rejected drafts' positions go before the head reads the trunk's last one
+            committed = frame.start + len(tokens)
+            draft = await self.draft(drafter, frame.start + 1, tokens, truncate=committed)
             await out.send_all(
                 t.encode_tokens(
-                    frame.request_id, frame.session_id, start=frame.start + 1, tokens=tokens
+                    frame.request_id,
+                    frame.session_id,
+                    start=frame.start + 1,
+                    tokens=tokens,
+                    draft=draft,
                 )
             )
+
+    async def draft(
+        self,
+        drafter: SessionDrafter | None,
+        start: int,
+        tokens: list[int],
+        *,
+        truncate: int | None = None,
+    ) -> int | None:
+        """The NextN head's draft after ``tokens`` (committed at ``start``..), on the compute
+        thread, or None (no drafter, or the head refused: plain decoding goes on)."""
+        if drafter is None:
+            return None
+
+        def run() -> int | None:
+            if truncate is not None:
+                drop_rejected(drafter.stage, drafter.name, truncate)
+            return drafter.draft(start, tokens)
+
+        return await self.compute(run)
 
     async def _compute_loop(
         self,
         loaded: LoadedStage,
         name: str,
-        session: tuple[t.Sampling, t.SessionTokens],
+        session: tuple[t.Sampling, t.SessionTokens, SessionDrafter | None],
         frames: trio.MemoryReceiveChannel[_Work],
         sender: ChainSender | None,
         out: MeshStream,
@@ -815,23 +852,25 @@ class StageHost:
         self,
         loaded: LoadedStage,
         name: str,
-        session: tuple[t.Sampling, t.SessionTokens],
+        session: tuple[t.Sampling, t.SessionTokens, SessionDrafter | None],
         frame: t.Frame,
         sender: ChainSender | None,
         out: MeshStream,
     ) -> None:
         """One frame through this stage: computed, and its output sent on (with its token
-        ids when it carries them). ``session``: its sampling, and (final stage) the token ids
-        its frames carried, which the penalties read."""
-        sampling, tokens = session
+        ids when it carries them). ``session``: its sampling, (final stage) the token ids
+        its frames carried, which the penalties read, and its NextN drafter if it asked."""
+        sampling, tokens, drafter = session
         stage = loaded.stage
         x = frame.activations()  # a read-only view of the received bytes: no copy
         sample = bool(frame.flags & t.Flag.SAMPLE) and loaded.is_final
         end = frame.start + frame.count
         tokens.take(frame)
+        if drafter is not None:
+            drafter.observe(frame)
         if frame.phase is t.Phase.VERIFY:
             before = tokens.before(frame.start) if loaded.is_final else []
-            await self._verify(loaded, name, sampling, frame, x, sender, out, before)
+            await self._verify(loaded, name, sampling, frame, x, sender, out, before, drafter)
             return
         sampler = sampler_at(sampling, end, tokens.before(end)) if sample else None
 
@@ -857,11 +896,67 @@ class StageHost:
                 decode=frame.phase is t.Phase.DECODE,
             )
         elif sample:
+            draft = await self.draft(drafter, end, [result.token])
             await out.send_all(
                 t.encode_tokens(
-                    frame.request_id, frame.session_id, start=end, tokens=[result.token]
+                    frame.request_id,
+                    frame.session_id,
+                    start=end,
+                    tokens=[result.token],
+                    draft=draft,
                 )
             )
+
+
+@dataclass
+class SessionDrafter:
+    """A final stage's NextN drafts for one session (``native-mtp``): the session's tokens by
+    position, as its frames carried them (the prompt's, when stage 0 sends their ids) and as
+    it sampled them, which the head pairs with the trunk's hidden states."""
+
+    proposer: NextnProposer
+    failed: bool = False  # the head refused once: no more drafts (plain decoding)
+
+    @classmethod
+    def of(cls, loaded: LoadedStage, name: str) -> SessionDrafter | None:
+        """The final stage's drafter, where its runtime runs a NextN head."""
+        return cls.of_stage(loaded.stage, name) if loaded.is_final else None
+
+    @classmethod
+    def of_stage(cls, stage: Stage, name: str) -> SessionDrafter | None:
+        """A drafter for session ``name`` of ``stage`` (whose trunk then keeps the session's
+        hidden states for the head), or None when the stage runs no head."""
+        if not getattr(stage, "drafts", False):
+            return None
+        return cls(NextnProposer(stage, name))
+
+    @property
+    def stage(self) -> Stage:
+        return cast(Stage, self.proposer.stage)
+
+    @property
+    def name(self) -> str:
+        return self.proposer.session
+
+    def observe(self, frame: t.Frame) -> None:
+        """The token ids a frame carried (its rows' tokens)."""
+        if frame.carries_ids:
+            self.put(frame.start, frame.tokens())
+
+    def put(self, start: int, tokens: Sequence[int]) -> None:
+        """The tokens at positions ``start..`` (a rewind replaces those after)."""
+        self.proposer.put(start, tokens)
+
+    def draft(self, start: int, tokens: list[int]) -> int | None:
+        if self.failed:
+            return None
+        self.proposer.put(start, tokens)
+        try:
+            return self.proposer.propose(1)[0]
+        except SkippyError as exc:  # e.g. the context is full: the request decodes on
+            log.info("session %s: no more NextN drafts: %s", self.name, exc)
+            self.failed = True
+            return None
 
 
 def drop_rejected(stage: Stage, name: str, start: int) -> None:

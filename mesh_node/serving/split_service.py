@@ -85,8 +85,8 @@ def log_serving_speculation(plan: SpeculativePlan) -> None:
         "requested": plan.requested,
         "mode": plan.mode,
         "selected": "disabled",
-        "fallback_reason": "mesh-node serve executes only ngram-cache / ngram-suffix; plain "
-        "decoding gives the same tokens",
+        "fallback_reason": "mesh-node serve executes ngram-cache, ngram-suffix and native-mtp "
+        "only; plain decoding gives the same tokens",
     }
     log.warning("speculative decoding fallback %s", json.dumps(record, sort_keys=True))
 

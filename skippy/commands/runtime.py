@@ -21,6 +21,8 @@ then load the selected parts in place, tokenize behind the prompt guard, and gen
 from __future__ import annotations
 
 import argparse
+import json
+import logging
 from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,6 +32,8 @@ from skippy.config import load_node_config, read_environment
 from skippy.constants import ENV_VERIFY_PACKAGE_SHA
 from skippy.errors import UsageError
 from skippy.package.ranges import LayerRange, parse_layer_range
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # the hub client, numpy, ggml and llama.cpp load only when `run` runs
     from skippy.config import NodeConfig
@@ -302,6 +306,7 @@ def cmd_run(args: argparse.Namespace) -> CommandResult:
             exact=args.speculative_verify == "exact",
         )
         spec_stats = runner.speculative_stats
+        spec_fallback = runner.speculative_fallback
         stages = runner.describe()
         load_s = runner.load_s
     parts = sum(len(load.part_paths) for load in loads)
@@ -321,7 +326,9 @@ def cmd_run(args: argparse.Namespace) -> CommandResult:
         "load_s": load_s,
         "prompt": args.prompt,
         # the resolved plan, plus what speculation did when this runtime executed it
-        "speculative": plan.to_dict() | (spec_stats.to_dict() if spec_stats else {}),
+        "speculative": plan.to_dict()
+        | (spec_stats.to_dict() if spec_stats else {})
+        | ({"fallback_reason": spec_fallback} if spec_fallback else {}),
         **gen.to_dict(),
     }
     rate = gen.decode_tokens_per_s or gen.tokens_per_s
@@ -361,6 +368,8 @@ class _Runner:
         self.adaptive_threads = False  # llama.cpp's threads are fixed
         self.load_s: float | None = None
         self.speculative_stats: SpeculativeStats | None = None  # after a speculative generate
+        # why a native-mtp plan decoded plainly (the final stage runs no NextN head)
+        self.speculative_fallback: str | None = None
         self._llama: LlamaStageRuntime | None = None
         self._chain: StageChain | None = None
         if engine == "llama":
@@ -433,10 +442,29 @@ class _Runner:
         (the llama engine and other plan modes log their fallback when loaded)."""
         if self._llama is not None:
             return self._llama.generate(tokens, max_tokens=max_tokens)
+        from skippy.runtime.nextn import native_mtp_unavailable
+        from skippy.runtime.speculation import NATIVE_MTP
         from skippy.runtime.token_loop import generate
 
+        chain = self._loaded_chain()
+        if plan is not None and plan.mode == NATIVE_MTP:
+            self.speculative_fallback = native_mtp_unavailable(chain.stages[-1])
+            if self.speculative_fallback is not None:  # plain decoding: the same tokens
+                log.warning(
+                    "speculative decoding fallback %s",
+                    json.dumps(
+                        {
+                            "requested": plan.requested,
+                            "mode": plan.mode,
+                            "selected": "disabled",
+                            "code": "native_mtp_unavailable",
+                            "fallback_reason": self.speculative_fallback,
+                        },
+                        sort_keys=True,
+                    ),
+                )
         gen, self.speculative_stats = generate(
-            self._loaded_chain(),
+            chain,
             tokens,
             max_tokens=max_tokens,
             plan=plan,

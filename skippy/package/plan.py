@@ -86,9 +86,15 @@ class ModelSizes:
         mean = sum(active) / max(1, len(active))
         return sum(active[r.start : r.stop]) / mean if mean > 0 else float(len(r))
 
+    @property
+    def final_embeddings(self) -> bool:
+        """The final stage holds the token embeddings: its head is tied to them, or its NextN
+        draft head embeds tokens with them (``skippy.package.select.head_embeddings``)."""
+        return self.tied_embeddings or self.tail_layers > 0
+
     def stage_bytes(self, r: LayerRange) -> int:
         total = self.metadata_bytes + sum(self.layer_bytes[r.start : r.stop])
-        if r.owns_input or (r.owns_output and self.tied_embeddings):
+        if r.owns_input or (r.owns_output and self.final_embeddings):
             total += self.embeddings_bytes
         if r.owns_output:
             total += self.output_bytes
@@ -178,7 +184,7 @@ def byte_balanced_ranges(sizes: ModelSizes, stages: int) -> list[LayerRange]:
 
     def stage_cost(i: int, j: int) -> int:  # == sizes.stage_bytes(LayerRange(i, j, n))
         total = sizes.metadata_bytes + prefix[j] - prefix[i]
-        if i == 0 or (j == n and sizes.tied_embeddings):
+        if i == 0 or (j == n and sizes.final_embeddings):
             total += sizes.embeddings_bytes
         return total + (sizes.output_bytes if j == n else 0)
 
@@ -208,7 +214,7 @@ def plan_stages(sizes: ModelSizes, stages: int, balance: Balance = "layers") -> 
     )
     return [
         StagePlan(
-            i, r, sizes.stage_bytes(r), sizes.tied_embeddings, sizes.stage_active_bytes(r)
+            i, r, sizes.stage_bytes(r), sizes.final_embeddings, sizes.stage_active_bytes(r)
         )
         for i, r in enumerate(ranges)
     ]

@@ -2,7 +2,9 @@
 
 Pure: a manifest and a ``LayerRange`` in, the selection out. Load order is the package's
 split order (metadata, embeddings, layers ascending, output). With ``tied_embeddings`` the
-final stage also gets the embeddings artifact (it projects logits through them).
+final stage also gets the embeddings artifact (it projects logits through them), and so does
+the final stage of a package whose generation defaults name native-MTP (NextN) layers: its
+draft head embeds the next token (``head_embeddings``).
 Projectors are selected independently: an explicit path wins; otherwise stage 0 (or a single
 stage) gets the first declared ``mmproj``; downstream stages get none.
 """
@@ -24,6 +26,7 @@ from skippy.constants import (
 from skippy.errors import ManifestError, UsageError
 from skippy.package.manifest import ArtifactRef, PackageManifest
 from skippy.package.ownership import owner_of
+from skippy.package.plan import tail_layers
 from skippy.package.ranges import LayerRange
 from skippy.package.v2_view import ManifestV2
 
@@ -96,7 +99,7 @@ def select_stage(
                 )
             by_index[ref.layer_index] = ref
     parts = [ArtifactRef(ROLE_METADATA, m.shared.metadata)]
-    if layers.owns_input or (layers.owns_output and m.tied_embeddings):
+    if layers.owns_input or (layers.owns_output and head_embeddings(m)):
         parts.append(ArtifactRef(ROLE_EMBEDDINGS, m.shared.embeddings))
     for i in layers:
         if i not in by_index:
@@ -106,6 +109,13 @@ def select_stage(
         parts.append(ArtifactRef(ROLE_OUTPUT, m.shared.output))
     projector = None if text_only else _select_projector(m, layers, projector_path)
     return StageSelection(m, layers, tuple(parts), projector)
+
+
+def head_embeddings(m: PackageManifest) -> bool:
+    """Whether the final stage holds the token embeddings: a tied model's projects logits
+    through them, and a NextN draft head (``generation`` names native-MTP layers) embeds the
+    token it drafts after with them."""
+    return m.tied_embeddings or tail_layers(m.layer_count, m.generation) > 0
 
 
 def _needs(name: str, layer: int | None, layers: LayerRange, tied: bool) -> bool:
@@ -128,7 +138,7 @@ def stage_tensor_names(m: PackageManifest, layers: LayerRange) -> set[str] | Non
     a v2 manifest whose carrier is not resolved."""
     if not isinstance(m, ManifestV2) or m.catalog is None:
         return None
-    tied = m.tied_embeddings
+    tied = head_embeddings(m)
     return {t.name for t in m.catalog if _needs(t.name, t.layer, layers, tied)}
 
 
@@ -151,7 +161,7 @@ def _select_v2(m: ManifestV2, layers: LayerRange) -> list[ArtifactRef]:
             if r.role == ROLE_COMMON or (r.role == ROLE_LAYER and r.layer_index in layers)
         }
     else:
-        tied = m.tied_embeddings
+        tied = head_embeddings(m)
         keep = {t.path for t in cat if _needs(t.name, t.layer, layers, tied)}
     have_layers = {r.layer_index for r in refs if r.role == ROLE_LAYER}
     for i in layers:

@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any, Final
 
 import numpy as np
@@ -53,7 +53,14 @@ from skippy.runtime.families.base import T
 from skippy.runtime.graph import Attention, GraphBuilder, LayerWeights
 from skippy.runtime.graph_shapes import kv_length, prefill_rows
 from skippy.runtime.model import ModelSpec, SwaType, attention_mask, first_visible, tensor_name
-from skippy.runtime.stage import STAGE_API_VERSION, StageBase
+from skippy.runtime.nextn import NextnSession, NextnWeights, build_nextn, head_weights
+from skippy.runtime.stage import (
+    STAGE_API_VERSION,
+    StageBase,
+    check_token_ids,
+    context_full,
+    stage_usage,
+)
 from skippy.runtime.weights import StageWeights
 
 log = logging.getLogger(__name__)
@@ -69,6 +76,12 @@ BATCH_GRAPHS_KEPT: Final = 4
 
 
 _ok = ggml.non_null
+
+
+def _ok_head(head: tuple[int, NextnWeights] | None) -> tuple[int, NextnWeights]:
+    if head is None:
+        raise StageNotLoaded("the stage has no NextN draft head")
+    return head
 
 
 @dataclass
@@ -87,6 +100,7 @@ class _KvCache:
     nbytes: int
     cells: int
     decode: _DecodeGraph | None = None  # built at the session's first decode
+    nextn: NextnSession = field(default_factory=NextnSession)  # the draft head's state
 
 
 @dataclass
@@ -178,6 +192,7 @@ class _DecodeGraph(_SessionInputs):
     result_view: npt.NDArray[np.float32]
     pos_buf: npt.NDArray[np.int32]
     temp: int | None = None  # F32 [1, 1, 1]: the position's attention temperature, if any
+    hidden: int | None = None  # F32 [width, 1]: the trunk's normed output (a NextN stage)
 
 
 def _resize_slots(slots: _KvSlots, n_kv: int) -> None:
@@ -454,12 +469,21 @@ class GgmlStage(StageBase[_KvCache]):
             self._tensors = dev.place_weights(w, placement, tied_head=head)
         self.placement = placement
         self._layer_weights = {il: self._layer(il) for il in self.layers}
+        self._nextn: tuple[int, NextnWeights] | None = self._nextn_head()
+        # the last _build's normed output for the head, and its rows (NextN); whether the
+        # graph being built is a drafting session's (its hidden rows kept); the sessions to
+        # draft for (expect_drafts)
+        self._built_hidden: tuple[int, int] | None = None
+        self._drafting = False
+        self._expecting: set[str] = set()
         # batched decode graphs by their sessions' caches (in batch order), newest last
         self._batch_graphs: dict[tuple[int, ...], _BatchGraph] = {}
         # per weight type, the batch widths multiplied as [k, B] (found at the first build)
         self._gemm_exact: dict[int, frozenset[int]] | None = None
         self._layouts = [0, 0]
-        n_graph = self._tensors_per_layer() * len(self._trunk) + _TENSORS_FIXED
+        # a drafting stage's prefill graphs run their last layer twice (_build)
+        n_built = len(self._trunk) + (1 if self._nextn is not None else 0)
+        n_graph = self._tensors_per_layer() * n_built + _TENSORS_FIXED
         self._graph_size = max(ggml.GGML_DEFAULT_GRAPH_SIZE, n_graph)
         self._graph_mem = g.ggml_tensor_overhead() * 2 * self._graph_size + (
             g.ggml_graph_overhead_custom(self._graph_size, False)
@@ -492,6 +516,41 @@ class GgmlStage(StageBase[_KvCache]):
         )
         return choice, placement
 
+    def _nextn_head(self) -> tuple[int, NextnWeights] | None:
+        """The draft head this stage runs: its first NextN block and weights, or None (no
+        block here, or the block lacks what the head reads: ``nextn_unavailable`` says
+        why)."""
+        self.nextn_unavailable: str | None = None
+        blocks = [il for il in self.layers if il >= self.spec.n_trunk]
+        if not blocks:
+            self.nextn_unavailable = "the stage holds no NextN layer"
+            return None
+        try:
+            return blocks[0], head_weights(self._tensors, blocks[0], self._head_weight())
+        except KeyError as missing:
+            self.nextn_unavailable = (
+                f"the NextN layer {blocks[0]} lacks {missing.args[0]} and the stage holds no "
+                "model tensor to use instead"
+            )
+            return None
+
+    def _cached(self) -> list[int]:
+        """The layers a session caches K/V for: the trunk's, and the first NextN layer's on
+        a final stage that holds one (the draft head's own cache)."""
+        head = [il for il in self.layers if il >= self.spec.n_trunk][:1]
+        return [*self._trunk, *head]
+
+    def _take_hidden(self) -> tuple[int, int] | None:
+        """The normed output tensor the last ``_build`` kept for the head, and its rows
+        (once)."""
+        hidden, self._built_hidden = self._built_hidden, None
+        return hidden
+
+    @property
+    def drafts(self) -> bool:
+        """This stage runs the NextN draft head (``draft``)."""
+        return self._nextn is not None
+
     def _tensors_per_layer(self) -> int:
         # a MoE layer sums its experts' outputs through a view and an add per expert used
         return _TENSORS_PER_LAYER + 4 * self.spec.n_expert_used
@@ -509,7 +568,7 @@ class GgmlStage(StageBase[_KvCache]):
     def _new_session(self) -> _KvCache:
         g, spec, cells = self.g, self.spec, self._kv_cells
         params = GgmlInitParams(
-            mem_size=g.ggml_tensor_overhead() * (2 * len(self._trunk) + 1),
+            mem_size=g.ggml_tensor_overhead() * (2 * len(self._cached()) + 1),
             mem_buffer=None,
             no_alloc=True,
         )
@@ -517,11 +576,11 @@ class GgmlStage(StageBase[_KvCache]):
         try:
             k = {
                 il: _ok(g.ggml_new_tensor_2d(ctx, GgmlType.F16, spec.kv_dim, cells), "k")
-                for il in self._trunk
+                for il in self._cached()
             }
             v = {
                 il: _ok(g.ggml_new_tensor_2d(ctx, GgmlType.F16, cells, spec.kv_dim), "v")
-                for il in (self._trunk if spec.has_v_cache else ())
+                for il in (self._cached() if spec.has_v_cache else ())
             }
             buffer = _ok(
                 g.ggml_backend_alloc_ctx_tensors_from_buft(ctx, self._buffer_type()),
@@ -619,16 +678,39 @@ class GgmlStage(StageBase[_KvCache]):
             freq_factors=self._tensors.get(tensor_name(T.ROPE_FREQS)),
             attn_temp=attn_temp,
         )
+        last = self._trunk.stop - 1
+        # a drafting stage's head reads every row's hidden state, not only the rows whose
+        # logits are wanted: the last layer runs a second time over every row (the kept rows'
+        # path, and so the logits, unchanged; the K/V it writes are the same values)
+        self._built_hidden = None
+        drafting, self._drafting = self._nextn is not None and self._drafting, False
+        wide = drafting and b.keep is not None and b.keep < rows
+        before_last = x
         for il in self._trunk:
+            before_last = x
             x = self._family.build_layer(b, self._layer_weights[il], il, x)
         if not self.layers.owns_output:
             return x
         t = self._tensors
-        return b.head(
-            x,
+        norm, norm_bias = (
             t[tensor_name(T.OUTPUT_NORM)],
+            t.get(tensor_name(T.OUTPUT_NORM, None, "bias")),
+        )
+        hidden = b.output_norm(x, norm, norm_bias)
+        if drafting:  # the head pairs it with the next token (llama.cpp's h_nextn)
+            every, n = hidden, b.keep if b.keep is not None else rows
+            if wide:
+                all_rows = replace(b, keep=None)
+                x_all = self._family.build_layer(
+                    all_rows, self._layer_weights[last], last, before_last
+                )
+                every, n = all_rows.output_norm(x_all, norm, norm_bias), rows
+            self.g.ggml_set_output(every)
+            self.g.ggml_build_forward_expand(gf, every)
+            self._built_hidden = (every, n)
+        return b.logits(
+            hidden,
             _ok(self._head_weight(), "output head"),
-            norm_bias=t.get(tensor_name(T.OUTPUT_NORM, None, "bias")),
             bias=t.get(tensor_name(T.OUTPUT, None, "bias")),
         )
 
@@ -677,7 +759,9 @@ class GgmlStage(StageBase[_KvCache]):
             if temperature is not None:
                 t = g.ggml_new_tensor_3d(ctx, GgmlType.F32, 1, 1, rows)
                 temp = fed(t, temperature.factors(positions))
+            self._drafting = state.nextn.enabled
             result = self._build(ctx, gf, x, pos, rows, attend, out_rows, temp)
+            built_hidden = self._take_hidden()
             final = self.layers.owns_output
             # a final stage that wants no logits only writes its K/V: the layers' cache
             # writes are in the graph, the rest is never expanded into it
@@ -691,6 +775,8 @@ class GgmlStage(StageBase[_KvCache]):
                 if g.ggml_get_data(t) is not None:  # an input no node reads has no buffer
                     g.ggml_backend_tensor_set(t, data.ctypes.data, 0, data.nbytes)
             runner.compute(gf)
+            if final and built_hidden is not None:
+                self._keep_hidden(state, built_hidden, start, n, rows)
             if not wanted:
                 return np.empty((0, self.vocab or 0), dtype=np.float32)
             cols = (self.vocab or 0) if final else spec.width
@@ -701,6 +787,166 @@ class GgmlStage(StageBase[_KvCache]):
             return out
         finally:
             g.ggml_free(ctx)
+
+    def _keep_hidden(
+        self, state: _KvCache, built: tuple[int, int], start: int, n: int, rows: int
+    ) -> None:
+        """A chunk's hidden rows for the head: the last ``h_rows`` of its ``rows`` (the
+        first ``rows - n`` are padding), at positions up to ``start + n - 1``."""
+        tensor, h_rows = built
+        real = min(h_rows, n)
+        hidden = np.empty((real, self.spec.width), dtype=np.float32)
+        offset = 4 * self.spec.width * (h_rows - real)
+        self.g.ggml_backend_tensor_get(tensor, hidden.ctypes.data, offset, hidden.nbytes)
+        state.nextn.keep_hidden(start + n - real, hidden)
+
+    # --- the NextN draft head -------------------------------------------------------------------
+    def expect_drafts(self, session: str) -> None:
+        """``session`` will ask for drafts (``draft``): from its next pass on the trunk keeps
+        every position's hidden state for the head (call it before the prompt, so the head
+        covers it). A stage without a head ignores it; other sessions keep nothing."""
+        if self._nextn is None:
+            return
+        self._check_session_id(session)
+        self._expecting.add(session)
+        s = self._sessions.get(session)
+        if s is not None and not s.state.nextn.enabled:
+            s.state.nextn.enabled = True
+            if s.state.decode is not None:  # rebuilt with the hidden output
+                self._free_decode_graph(s.state.decode)
+                s.state.decode = None
+
+    def _session_for(self, session: str, start: int, n: int) -> Any:
+        s = super()._session_for(session, start, n)
+        if session in self._expecting:
+            s.state.nextn.enabled = True
+        return s
+
+    def free(self, session: str) -> None:
+        """A freed session's expectation of drafts ends with it (one not yet alive keeps
+        it: a loop frees its session before the prompt)."""
+        if session in self._sessions:
+            self._expecting.discard(session)
+        super().free(session)
+
+    def draft(self, session: str, start: int, tokens: Sequence[int]) -> npt.NDArray[np.float32]:
+        """The NextN head's logits for the position after the pending token (``tokens[-1]``,
+        at ``start + len(tokens) - 1``, the next position of ``session``'s trunk).
+        ``tokens`` are committed tokens at positions ``start..``: the head's cache catches
+        up on those it has not seen (each paired with the trunk's hidden state of the
+        position before), so a caller may pass every token since any start it likes. Only a
+        stage that ``drafts`` has a head (else ``UsageError`` ``native_mtp_unavailable``)."""
+        if self._nextn is None:
+            raise stage_usage(
+                f"this stage runs no NextN draft head: {self.nextn_unavailable}",
+                "native_mtp_unavailable",
+            )
+        self._loaded()
+        self._check_session_id(session)
+        s = self._sessions.get(session)
+        pending = start + len(tokens) - 1
+        if s is None or not tokens or s.length != pending:
+            raise stage_usage(
+                f"a draft pairs the pending token with the trunk's last position: session "
+                f"{session!r} holds {s.length if s is not None else 0} positions, the pending "
+                f"token is at {pending}",
+                "bad_stage_input",
+            )
+        arr = np.asarray(list(tokens), dtype=np.int64)
+        ids = check_token_ids(arr, self.vocab or 0, self.layers)
+        state = s.state
+        if not state.nextn.enabled:
+            raise stage_usage(
+                f"session {session!r} was not expecting drafts: call expect_drafts before its "
+                "first pass",
+                "bad_stage_input",
+            )
+        first, todo = state.nextn.plan(start, [int(t) for t in ids])
+        if pending >= self.config.n_ctx:
+            raise context_full(session, pending + 1, self.config.n_ctx)
+        if not state.nextn.paired(pending):
+            raise stage_usage(
+                f"no trunk hidden state for position {pending - 1} of session {session!r}",
+                "bad_stage_input",
+            )
+        zeros = np.zeros(self.spec.width, dtype=np.float32)
+        hidden = np.stack(
+            [state.nextn.hidden.get(p - 1, zeros) for p in range(first, pending + 1)]
+        )
+        ids32 = np.asarray(todo, dtype=np.int32)
+        # as llama.cpp's drafter: the committed positions the cache lacks in one pass, then
+        # the pending token alone
+        if pending > first:
+            k = pending - first
+            self._draft_graph(state, first, ids32[:k], hidden[:k])
+            state.nextn.committed(first, k)
+        logits = self._draft_graph(state, pending, ids32[-1:], hidden[-1:])
+        state.nextn.committed(pending, 1)
+        return logits
+
+    def _draft_graph(
+        self,
+        state: _KvCache,
+        first: int,
+        ids: npt.NDArray[np.int32],
+        hidden: npt.NDArray[np.float32],
+    ) -> npt.NDArray[np.float32]:
+        """One pass of the head over positions ``first..first+rows-1`` (``build_nextn``),
+        writing its own layer's K/V there; the last row's logits."""
+        g, spec = self.g, self.spec
+        il, weights = _ok_head(self._nextn)
+        rows = int(ids.shape[0])
+        ctx, gf = self._new_graph(self._graph_mem, self._graph_size)
+        try:
+            feeds: list[tuple[int, npt.NDArray[Any]]] = []
+
+            def fed(t: int | None, data: npt.NDArray[Any]) -> int:
+                t = self._input(t)
+                feeds.append((t, np.ascontiguousarray(data)))
+                return t
+
+            tokens = fed(g.ggml_new_tensor_1d(ctx, GgmlType.I32, rows), ids)
+            h = fed(g.ggml_new_tensor_2d(ctx, GgmlType.F32, spec.width, rows), hidden)
+            positions = np.arange(first, first + rows, dtype=np.int32)
+            pos = fed(g.ggml_new_tensor_1d(ctx, GgmlType.I32, rows), positions)
+            n_kv = kv_length(first + rows)
+            window = _window(spec, il)
+            mask = attention_mask(first, rows, window, n_kv=n_kv)
+            mask[:, : state.nextn.start or 0] = -np.inf  # cells before the head's cache began
+            masks = {window: fed(g.ggml_new_tensor_2d(ctx, GgmlType.F32, n_kv, rows), mask)}
+            b = GraphBuilder(
+                g=g,
+                ctx=ctx,
+                gf=gf,
+                spec=spec,
+                pos=pos,
+                rows=rows,
+                mm=lambda weight, a: self._mm(ctx, weight, a),
+                attend=_ChunkAttention(state, masks, first, rows, 0, n_kv),
+                last_layer=il,
+                freq_factors=self._tensors.get(tensor_name(T.ROPE_FREQS)),
+            )
+            layer = self._layer_weights[il]
+            result, _ = build_nextn(b, weights, layer, self._family.build_layer, tokens, h)
+            g.ggml_set_output(result)
+            g.ggml_build_forward_expand(gf, result)
+            runner = self._prefill_runner()
+            runner.alloc(gf)
+            for t, data in feeds:
+                if g.ggml_get_data(t) is not None:
+                    g.ggml_backend_tensor_set(t, data.ctypes.data, 0, data.nbytes)
+            runner.compute(gf)
+            out = np.empty(self.vocab or 0, dtype=np.float32)
+            g.ggml_backend_tensor_get(result, out.ctypes.data, 0, out.nbytes)
+            return out
+        finally:
+            g.ggml_free(ctx)
+
+    def truncate(self, session: str, length: int) -> None:
+        super().truncate(session, length)
+        s = self._sessions.get(session)
+        if s is not None:
+            s.state.nextn.truncate(length)
 
     # --- one position: the reused decode graph and the head on ggml ------------------------------
     def _decode_one(
@@ -722,6 +968,10 @@ class GgmlStage(StageBase[_KvCache]):
         self._set_temperature(dg.temp, dg.pos_buf)
         dg.runner.compute(dg.graph, step=True)
         self._fetch(dg.result, dg.result_view)
+        if dg.hidden is not None:
+            hidden = np.empty((1, self.spec.width), dtype=np.float32)
+            g.ggml_backend_tensor_get(dg.hidden, hidden.ctypes.data, 0, hidden.nbytes)
+            state.nextn.keep_hidden(position, hidden)
         if greedy and self.layers.owns_output:
             # The argmax over the logits where ggml left them: no copy, and numpy's first
             # maximum is the sampler's own rule (ggml_argmax takes the last one on ties).
@@ -807,7 +1057,10 @@ class GgmlStage(StageBase[_KvCache]):
             temp = self._temperature_input(ctx, 1)
             slots, masks = self._session_inputs(ctx, n_kv)
             attend = _SlotAttention(kv, slots, masks, n_kv)
+            self._drafting = kv.nextn.enabled
             result = self._build(ctx, gf, x, pos, 1, attend, 1, temp)
+            built = self._take_hidden()
+            hidden = built[0] if built is not None else None
             runner, view = self._finish_graph(ctx, gf, result, 1, self._graph_size)
         except BaseException:
             g.ggml_free(ctx)
@@ -825,6 +1078,7 @@ class GgmlStage(StageBase[_KvCache]):
             pos_buf=np.zeros(1, dtype=np.int32),
             temp=temp,
             n_kv=n_kv,
+            hidden=hidden,
             **_SessionInputs.buffers(spec.kv_dim, self._kv_cells, spec.swa_type),
         )
 
@@ -836,13 +1090,12 @@ class GgmlStage(StageBase[_KvCache]):
         inputs: list[npt.NDArray[Any]],
         greedy: list[bool],
     ) -> list[tuple[npt.NDArray[np.float32] | None, int | None]]:
-        if len(states) < 2:
+        if len(states) < 2 or any(s.nextn.enabled for s in states):
+            # a drafting session keeps its hidden rows: one decode graph each
             return super()._decode_many(states, positions, inputs, greedy)
         n_kvs = [self._built_kv(p) for p in positions]
         # a device's graphs are built for their members' KV lengths (see _built_kv)
-        key = tuple(id(s) for s in states) + (
-            () if self._live().resizes_graphs else tuple(n_kvs)
-        )
+        key = tuple(id(s) for s in states) + (() if self._live().resizes_graphs else tuple(n_kvs))
         bg = self._batch_graphs.pop(key, None)
         if bg is None:
             while len(self._batch_graphs) >= BATCH_GRAPHS_KEPT:
@@ -1004,4 +1257,4 @@ class GgmlStage(StageBase[_KvCache]):
 
     def kv_bytes_per_session(self) -> int:
         caches = 2 if self.spec.has_v_cache else 1  # MLA: K only
-        return caches * 2 * len(self._trunk) * self.spec.kv_dim * self._kv_cells
+        return caches * 2 * len(self._cached()) * self.spec.kv_dim * self._kv_cells

@@ -513,7 +513,16 @@ class GraphBuilder:
         """The output norm and head: logits ``[vocab, rows]``, with the biases the model has,
         times its logit scale (granite) and soft-capped (tanh(z / cap) * cap) where the model
         says."""
-        logits = self.linear(weight, self.norm(x, norm, norm_bias), bias)
+        return self.logits(self.output_norm(x, norm, norm_bias), weight, bias=bias)
+
+    def output_norm(self, x: int, norm: int, bias: int | None = None) -> int:
+        """The output norm: the hidden state the head projects (llama.cpp's ``h_nextn``,
+        which a NextN draft head reads)."""
+        return self.norm(x, norm, bias)
+
+    def logits(self, hidden: int, weight: int, *, bias: int | None = None) -> int:
+        """The head over the output-normed ``hidden`` (``head``'s second half)."""
+        logits = self.linear(weight, hidden, bias)
         if self.spec.logit_scale is not None:
             logits = self.scale(logits, self.spec.logit_scale)
         cap = self.spec.final_logit_softcap

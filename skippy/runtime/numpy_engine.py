@@ -217,7 +217,8 @@ class NumpyStage(StageBase[_NpKv]):
         n = x.shape[0]
         positions = np.arange(start, start + n, dtype=np.int64)
         for il in self.layers:
-            x = self._block(il, x, positions, state, start)
+            if il < spec.n_trunk:  # NextN blocks are a draft head's (ggml engine)
+                x = self._block(il, x, positions, state, start)
         if not self.layers.owns_output:
             return x
         if out_rows == 0:

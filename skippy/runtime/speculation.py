@@ -13,7 +13,9 @@ A drafter is anything with the ``skippy.generation.proposers.Proposer`` interfac
 ``propose(limit)`` returns up to ``limit`` continuation tokens (``[]``: no draft, the step is a
 plain decode). The target verifies every draft, so a drafter is never authoritative: a bad
 one costs speed, never tokens. ``Speculation.for_plan`` picks the drafter a resolved plan
-names.
+names: an N-gram proposer, or for ``native-mtp`` the caller's drafter over the final stage's
+NextN head (``skippy.runtime.nextn.NextnProposer`` in one process; over the mesh, the draft
+the final stage returns with each pass's tokens).
 
 Exactness: each emitted token is the target's own choice at its position, drawn in the same
 order and with the same sampler as plain decoding (one draw per emitted token), so greedy and
@@ -36,9 +38,11 @@ import numpy.typing as npt
 from skippy.generation import SpeculativePlan
 from skippy.generation.proposers import Proposer, VerifyWindow, make_proposer
 
-# Plan modes the stage runtime executes; the others (native-mtp needs NextN tensors, none
-# here) keep the logged fallback to plain decoding (spec "Generation Defaults").
-EXECUTABLE_MODES: Final = frozenset({"ngram-cache", "ngram-suffix"})
+# Plan modes the stage runtime executes (native-mtp with a drafter from the final stage's
+# NextN head: ``skippy.runtime.nextn``); the others keep the logged fallback to plain decoding
+# (spec "Generation Defaults").
+NATIVE_MTP: Final = "native-mtp"
+EXECUTABLE_MODES: Final = frozenset({"ngram-cache", "ngram-suffix", NATIVE_MTP})
 VERIFY_EXACT: Final = "exact"
 VERIFY_BATCHED: Final = "batched"
 VERIFY_MODES: Final = (VERIFY_EXACT, VERIFY_BATCHED)
@@ -52,12 +56,24 @@ class Speculation:
     window: VerifyWindow
 
     @classmethod
-    def for_plan(cls, plan: SpeculativePlan | None, history: Iterable[int]) -> Speculation | None:
+    def for_plan(
+        cls,
+        plan: SpeculativePlan | None,
+        history: Iterable[int],
+        head: Proposer | None = None,
+    ) -> Speculation | None:
         """The drafting ``plan`` names, its drafter fed ``history`` (the committed tokens);
-        None when the stage runtime does not execute the plan."""
-        if plan is None or plan.mode not in EXECUTABLE_MODES:
+        None when the stage runtime does not execute the plan. A ``native-mtp`` plan drafts
+        with ``head``, the caller's drafter over the final stage's NextN head (None: no head
+        there, so no drafting)."""
+        if plan is None or plan.mode not in EXECUTABLE_MODES or plan.window is None:
             return None
-        if plan.ngram is None or plan.window is None:
+        if plan.mode == NATIVE_MTP:
+            if head is None:
+                return None
+            head.extend(list(history))
+            return cls(head, VerifyWindow(plan.window))
+        if plan.ngram is None:
             return None
         return cls(make_proposer(plan.ngram, history), VerifyWindow(plan.window))
 

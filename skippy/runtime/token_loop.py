@@ -25,9 +25,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 from skippy.errors import UsageError
 from skippy.generation import SpeculativePlan
 from skippy.runtime.boundary import Generation, StopReason
+from skippy.runtime.nextn import NextnProposer, native_mtp_unavailable
 from skippy.runtime.sampling import Sampler, SamplingParams
 from skippy.runtime.speculation import (
     EXECUTABLE_MODES,
+    NATIVE_MTP,
     VERIFY_BATCHED,
     VERIFY_EXACT,
     Speculation,
@@ -225,7 +227,7 @@ def generate(
     plain decoding's bit for bit; without it a window is one multi-row graph per stage
     (``skippy.runtime.speculation``: cheaper, and the same tokens unless a near-tie flips)."""
     ids = check_generation_request(tokens, max_tokens, target.n_ctx)
-    speculation = Speculation.for_plan(plan, ids)
+    speculation = Speculation.for_plan(plan, ids, _nextn_drafter(target, plan, session))
     gen, loop = _run(target, ids, max_tokens, sampling, speculation, exact, session)
     if plan is None or speculation is None:
         return gen, None
@@ -244,16 +246,43 @@ def generate_speculative(
 ) -> tuple[Generation, SpeculativeStats]:
     """``generate`` with ``plan``'s drafter and verify window; a plan the stage runtime does
     not execute is refused."""
-    if Speculation.for_plan(plan, ()) is None:
+    final = _final_stage(target)
+    missing = None
+    if plan.mode == NATIVE_MTP:
+        missing = "no stages" if final is None else native_mtp_unavailable(final)
+    if missing is not None:
+        raise UsageError(
+            f"native-mtp cannot run here: {missing}",
+            code="native_mtp_unavailable",
+            remediation="decode with speculation disabled (the same tokens), or use a package "
+            "whose final stage holds its NextN layer",
+        )
+    if plan.mode not in EXECUTABLE_MODES or plan.window is None:
         raise UsageError(
             f"speculative mode {plan.mode!r} is not executable by the stage runtime "
             f"(it runs {', '.join(sorted(EXECUTABLE_MODES))})",
             code="speculation_unsupported",
         )
     ids = check_generation_request(tokens, max_tokens, target.n_ctx)
-    speculation = Speculation.for_plan(plan, ids)
+    speculation = Speculation.for_plan(plan, ids, _nextn_drafter(target, plan, session))
     gen, loop = _run(target, ids, max_tokens, sampling, speculation, exact, session)
     return gen, loop.stats(plan, verify=VERIFY_EXACT if exact else VERIFY_BATCHED)
+
+
+def _final_stage(target: Target) -> Any:
+    stages = getattr(target, "stages", ())
+    return stages[-1] if stages else None
+
+
+def _nextn_drafter(
+    target: Target, plan: SpeculativePlan | None, session: str
+) -> NextnProposer | None:
+    """A native-mtp plan's drafter: the target's final stage's NextN head (None where it
+    has none: the plan then decodes plainly)."""
+    final = _final_stage(target)
+    if plan is None or plan.mode != NATIVE_MTP or final is None:
+        return None
+    return NextnProposer(final, session) if native_mtp_unavailable(final) is None else None
 
 
 def _run(

@@ -18,7 +18,8 @@ header alone::
                  (only to a peer advertising ``sampling-controls``) then CONTROLS_FIXED:
                  min_p f64 | typical_p f64 | repeat_penalty f64 | presence_penalty f64 |
                  frequency_penalty f64 | repeat_last_n u32 | reserved u32, and count
-                 logit-bias entries: token u32 | bias f64
+                 logit-bias entries: token u32 | bias f64; flag DRAFTS (only through peers
+                 advertising ``nextn-drafts``): the final stage drafts with its NextN head
     ACTIVATIONS  count tokens at positions start..start+count, payload raw LE f32
                  [count x width]; phase prefill (any count) or decode (count 1); flag SAMPLE:
                  the final stage samples a token after this frame's last row; flag IDS: the
@@ -34,7 +35,9 @@ header alone::
                  frame of the session may start anywhere in start+1..start+count (the
                  receiver truncates its KV there: the rejected drafts)
     TOKENS       count sampled token ids, payload count x u32; width 0 (final -> stage 0);
-                 after a verify window, the accepted drafts and the target's next token
+                 after a verify window, the accepted drafts and the target's next token;
+                 flag DRAFTS (a session that asked for them): the last id is the final
+                 stage's NextN draft for the position after the others, not a sampled token
     FREE         stop/cancel: free the session's KV cache here and pass it on; no payload
     RETURN       the first frame of a return stream (final -> stage 0); no payload
 
@@ -106,9 +109,12 @@ class Flag(IntFlag):
     SAMPLE = 1  # the final stage samples a token after this frame's last row
     IDS = 2  # ACTIVATIONS: the rows' token ids follow them (feature bit sampling-controls)
     CONTROLS = 4  # BEGIN: the sampling controls and logit bias follow (sampling-controls)
+    # BEGIN: the final stage drafts with its NextN head (nextn-drafts); TOKENS: the last id
+    # is that draft
+    DRAFTS = 8
 
 
-KNOWN_FLAGS: Final = int(Flag.SAMPLE | Flag.IDS | Flag.CONTROLS)
+KNOWN_FLAGS: Final = int(Flag.SAMPLE | Flag.IDS | Flag.CONTROLS | Flag.DRAFTS)
 # What the final stage samples with: the request's values and seed (``sampler_at`` derives
 # each position's generator seed from it).
 Sampling = SamplingParams
@@ -165,6 +171,19 @@ class Frame:
             raise TransportError("not a tokens frame", code="transport_wrong_kind")
         return [int(t) for t in np.frombuffer(self.payload, dtype="<u4")]
 
+    def sampled(self) -> tuple[list[int], int | None]:
+        """A TOKENS frame's sampled token ids, and the NextN draft after them (flag DRAFTS)
+        or None."""
+        ids = self.tokens()
+        if self.flags & Flag.DRAFTS:
+            return ids[:-1], ids[-1]
+        return ids, None
+
+    @property
+    def wants_drafts(self) -> bool:
+        """A BEGIN frame asking the final stage for NextN drafts."""
+        return self.kind is Kind.BEGIN and bool(self.flags & Flag.DRAFTS)
+
     @property
     def carries_ids(self) -> bool:
         """An activations frame whose rows' token ids follow them."""
@@ -204,11 +223,18 @@ def _header(
 
 
 def encode_begin(
-    request_id: int, session_id: int, *, width: int, sampling: Sampling, topology_id: str
+    request_id: int,
+    session_id: int,
+    *,
+    width: int,
+    sampling: Sampling,
+    topology_id: str,
+    drafts: bool = False,
 ) -> bytes:
     """A session's first frame. Sampling controls beyond temperature, top-k, top-p and the
     seed (``Sampling.controls``) add the CONTROLS block; without them the frame is the one
-    every version reads."""
+    every version reads. ``drafts`` asks the final stage for NextN drafts (flag DRAFTS)."""
+    extra = Flag.DRAFTS if drafts else Flag.NONE
     raw_id = topology_id.encode("ascii")
     if not _TOPOLOGY_ID_RE.match(raw_id):
         raise TransportError(f"topology id {topology_id!r} is not valid", code="transport_range")
@@ -216,7 +242,7 @@ def encode_begin(
         sampling.temperature, sampling.top_p, sampling.top_k, 0, sampling.seed
     ) + raw_id.ljust(TOPOLOGY_ID_BYTES, b"\0")
     if not sampling.controls:
-        return _header(Kind.BEGIN, request_id, session_id, width=width) + body
+        return _header(Kind.BEGIN, request_id, session_id, flags=extra, width=width) + body
     controls = _CONTROLS_FIXED.pack(
         sampling.min_p,
         sampling.typical_p,
@@ -230,7 +256,7 @@ def encode_begin(
         Kind.BEGIN,
         request_id,
         session_id,
-        flags=Flag.CONTROLS,
+        flags=Flag.CONTROLS | extra,
         count=len(sampling.logit_bias),
         width=width,
     )
@@ -309,12 +335,25 @@ def encode_ack(request_id: int, session_id: int, *, start: int, count: int) -> b
     return _header(Kind.ACK, request_id, session_id, start=start, count=count)
 
 
-def encode_tokens(request_id: int, session_id: int, *, start: int, tokens: Sequence[int]) -> bytes:
-    ids = np.asarray(list(tokens), dtype=np.int64)
-    if ids.size == 0 or (ids < 0).any() or (ids > MAX_U32).any():
+def encode_tokens(
+    request_id: int,
+    session_id: int,
+    *,
+    start: int,
+    tokens: Sequence[int],
+    draft: int | None = None,
+) -> bytes:
+    """Sampled ``tokens`` from ``start`` on, and the NextN ``draft`` after them (flag
+    DRAFTS) where the session asked for drafts and the head made one."""
+    listed = list(tokens)
+    if not listed:
         raise TransportError("token ids must be 1+ values in u32", code="transport_range")
+    ids = np.asarray(listed + ([draft] if draft is not None else []), dtype=np.int64)
+    if (ids < 0).any() or (ids > MAX_U32).any():
+        raise TransportError("token ids must be 1+ values in u32", code="transport_range")
+    flags = Flag.DRAFTS if draft is not None else Flag.NONE
     return _header(
-        Kind.TOKENS, request_id, session_id, start=start, count=int(ids.size)
+        Kind.TOKENS, request_id, session_id, flags=flags, start=start, count=int(ids.size)
     ) + ids.astype("<u4").tobytes()
 
 
@@ -412,6 +451,8 @@ class FrameDecoder:
             raise _refuse("transport_bad_flags", f"flag IDS on a {kind.name} frame")
         if flags & Flag.CONTROLS and kind is not Kind.BEGIN:
             raise _refuse("transport_bad_flags", f"flag CONTROLS on a {kind.name} frame")
+        if flags & Flag.DRAFTS and kind not in (Kind.BEGIN, Kind.TOKENS):
+            raise _refuse("transport_bad_flags", f"flag DRAFTS on a {kind.name} frame")
         if kind is Kind.ACTIVATIONS:
             if width != self.width or self.width == 0:
                 raise _refuse(
@@ -441,7 +482,8 @@ class FrameDecoder:
                 )
             return size
         if kind is Kind.TOKENS:
-            if width != 0 or not 1 <= count <= lim.max_frame_tokens:
+            least = 2 if flags & Flag.DRAFTS else 1  # a draft follows at least one token
+            if width != 0 or not least <= count <= lim.max_frame_tokens:
                 raise _refuse("transport_bad_count", f"{count} token ids of width {width}")
             return count * TOKEN_BYTES
         if kind is Kind.BEGIN:

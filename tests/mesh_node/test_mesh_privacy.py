@@ -103,6 +103,7 @@ async def test_every_advertisement_and_gossip_message_carries_only_allowed_field
                         pc.BIT_CHUNK_RUNS,
                         pc.BIT_PARTIAL_SERVE,
                         pc.BIT_VERIFY_WINDOW,
+                        pc.BIT_NEXTN_DRAFTS,
                         pc.BIT_SAMPLING_CONTROLS,
                         pc.BIT_CHUNK_CHAIN,
                     ]
@@ -152,7 +153,12 @@ async def test_advertisements_carry_only_the_feature_bit_while_artifacts_move(
             if isinstance(message, Hello):
                 bits = set(message.features[pc.FEATURE_SKIPPY_STAGE])
                 assert set(message.features) == {pc.FEATURE_SKIPPY_STAGE}
-                always = {pc.BIT_VERIFY_WINDOW, pc.BIT_SAMPLING_CONTROLS, pc.BIT_CHUNK_CHAIN}
+                always = {
+                    pc.BIT_VERIFY_WINDOW,
+                    pc.BIT_NEXTN_DRAFTS,
+                    pc.BIT_SAMPLING_CONTROLS,
+                    pc.BIT_CHUNK_CHAIN,
+                }
                 assert bits == set(pc.STAGE_BUNDLE) | always | (
                     {
                         pc.BIT_ARTIFACT_TRANSFER,

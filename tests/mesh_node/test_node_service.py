@@ -154,7 +154,14 @@ def test_merge_features_unites_and_sorts_whatever_the_order(declared, merged):
 # chunk chain always; artifact-transfer when the node serves artifacts, and the swarm bits
 # with it unless swarm_transfer is off. Since relays, every node also reads relayed addresses
 # (mesh-relay/1 "relayed", a new feature older peers ignore); "relay" only when it relays.
-ALWAYS = {*pc.STAGE_BUNDLE, pc.BIT_VERIFY_WINDOW, pc.BIT_SAMPLING_CONTROLS, pc.BIT_CHUNK_CHAIN}
+# Since native-mtp, every stage host also passes NextN drafts on ("nextn-drafts").
+ALWAYS = {
+    *pc.STAGE_BUNDLE,
+    pc.BIT_VERIFY_WINDOW,
+    pc.BIT_NEXTN_DRAFTS,
+    pc.BIT_SAMPLING_CONTROLS,
+    pc.BIT_CHUNK_CHAIN,
+}
 SWARM = {pc.BIT_SWARM_TRANSFER, pc.BIT_SIBLING_SERVE, pc.BIT_CHUNK_RUNS, pc.BIT_PARTIAL_SERVE}
 
 

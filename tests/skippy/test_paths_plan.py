@@ -195,8 +195,9 @@ def test_cost_and_memory_placement_keep_the_nextn_tail_with_the_final_stage():
         by_cost = [(r.start, r.stop) for r in evaluate(sizes, nodes, LinkCosts()).layers]
         if tail:
             assert all(c.layers[-1].start < 5 for c in plan_by_cost(sizes, nodes, LinkCosts()))
-        # the first node holds layers 0..5 (56 bytes) but not the whole model (71)
-        small = [NodeMemory("a", host_bytes=56), NodeMemory("b", host_bytes=30)]
+        # the first node holds layers 0..5 (56 bytes) but not the whole model (71); with the
+        # tail the final stage also holds the embeddings (its NextN head's): 4..6 is 31 bytes
+        small = [NodeMemory("a", host_bytes=56), NodeMemory("b", host_bytes=31)]
         by_memory = [(s.layers.start, s.layers.stop) for s in place(sizes, small).stages]
         return by_cost, by_memory
 
@@ -210,6 +211,11 @@ def test_stage_bytes_counts_boundaries():
     assert sizes.stage_bytes(first) == 1 + 10 + 100
     assert sizes.stage_bytes(last) == 1 + 30 + 100 + 1000  # tied: embeddings on the last stage
     assert sizes.stage_bytes(LayerRange(1, 2, 3)) == 1 + 20
+    # a NextN tail: the final stage's draft head embeds tokens, so it holds the embeddings too
+    nextn = ModelSizes((10, 20, 30), 1, 100, 1000, tail_layers=1)
+    assert nextn.stage_bytes(LayerRange(1, 3, 3)) == 1 + 20 + 30 + 100 + 1000
+    untied = ModelSizes((10, 20, 30), 1, 100, 1000)
+    assert untied.stage_bytes(LayerRange(1, 3, 3)) == 1 + 20 + 30 + 1000
 
 
 def test_plan_refuses_an_absurd_block_count(tmp_path):

@@ -65,6 +65,7 @@ __all__ = [
     "qwen2_like",
     "qwen3_like",
     "split_set",
+    "with_text_vocabulary",
 ]
 
 KINDS = (
@@ -533,6 +534,38 @@ def nextn_like(
     kvs = _llama_kvs(arch, "synth nextn-like", d, nextn_layers=1)
     tensors = _llama_tensors(d, nextn_layers=1)
     return _write_model(Path(path), arch, kvs, tensors, seed, alignment)
+
+
+def with_text_vocabulary(src: str | Path, dst: str | Path) -> Path:
+    """``src`` (a canary model, say: its ``▁w<i>`` vocabulary encodes no text) written to
+    ``dst`` with this module's vocabulary of the same size instead, so that prompts of text
+    ("a Ω a") reach it; every other key and every tensor unchanged (raw bytes)."""
+    from skippy.gguf.reader import open_gguf
+
+    with open_gguf(Path(src)) as g:
+        arch = str(g.value("general.architecture"))
+        vocab = len(g.value("tokenizer.ggml.tokens"))
+        kvs: list[_KV] = [
+            (k, g.value(k), V(f.value_type), V(f.item_type) if f.item_type is not None else None)
+            for k, f in g.fields.items()
+            if not k.startswith("tokenizer.")
+            and k not in ("general.architecture", "general.alignment")
+        ]
+        tensors = [
+            (t.name, t.shape, Q(t.ggml_type), g.read_range(t.data_start, t.nbytes)) for t in g
+        ]
+    specials = ["<unk>", "<s>", "</s>"]
+    kvs += _tokenizer_kvs(
+        vocab, specials, {"bos_token_id": 1, "eos_token_id": 2, "unknown_token_id": 0}
+    )
+    writer = _new_writer(Path(dst), arch, kvs, None)
+    for name, shape, qtype, raw in tensors:
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        byte_shape = (*reversed(shape[1:]), shape[0] // block * size)
+        data = np.frombuffer(raw, dtype=np.uint8).reshape(byte_shape)
+        writer.add_tensor(name, data, raw_shape=byte_shape, raw_dtype=qtype)
+    _finish(writer)
+    return Path(dst)
 
 
 # --- a family the stage runtime does not cover (the one-node llama.cpp serving path) -------------

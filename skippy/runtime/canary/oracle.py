@@ -11,6 +11,12 @@ and the physical batch both); ``prefill=k`` instead decodes the first ``k`` toke
 batches of ``n_batch``), keeps only their last row, then decodes the rest in calls of
 ``steps``' sizes in turn (``(1,)``: one token per call, as a generation does; more: as
 speculative verify windows do).
+
+``mtp_logits`` runs llama.cpp's own NextN/MTP draft head (a model loaded with ``load_mtp``) as
+its MTP drafter does: an ``LLAMA_CONTEXT_TYPE_MTP`` context fed the target context's
+``h_nextn`` rows through the staging API ``llama_set_embeddings_nextn`` /
+``llama_get_embeddings_nextn_ith`` (C++ symbols of libllama, which llama-cpp-python does not
+bind).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from skippy.runtime.boundary import RuntimeLoadError
 from skippy.runtime.llama_cpp import import_llama
 
 META_BUF_BYTES = 4096
+MTP_CONTEXT = 1  # LLAMA_CONTEXT_TYPE_MTP (llama.h)
 TOPK_TENSOR = "ffn_moe_topk-"  # build_moe_ffn's selected experts, named per layer
 
 
@@ -69,11 +76,12 @@ class LlamaOracle:
         repack: bool = False,
         n_gpu_layers: int | None = None,
         cpu_patterns: Sequence[str] = (),
+        load_mtp: bool = False,
     ) -> None:
         """``n_gpu_layers``: layers on the device (None: llama.cpp's default, all of them
         where it has a device; 0: the CPU alone); ``cpu_patterns``: weights whose names
         these regular expressions match stay in CPU memory (``--override-tensor
-        PATTERN=CPU``)."""
+        PATTERN=CPU``); ``load_mtp``: load the NextN/MTP layers too (``mtp_logits``)."""
         if n_threads < 1:
             raise UsageError("n_threads must be at least 1", code="invalid_runtime_config")
         self.path = Path(path)
@@ -82,6 +90,7 @@ class LlamaOracle:
         lib = self._lib
         mparams = lib.llama_model_default_params()
         mparams.use_extra_bufts = repack
+        mparams.load_mtp = load_mtp
         if n_gpu_layers is not None:
             mparams.n_gpu_layers = n_gpu_layers
         self._overrides = _cpu_overrides(cpu_patterns)  # kept alive while the model loads
@@ -240,13 +249,64 @@ class LlamaOracle:
                     row = self._decode(ctx, batch, seq, len(seq) - 1, len(seq), all_rows=True)[0]
         return out
 
+    def mtp_logits(self, token_ids: Sequence[int], pending: int) -> npt.NDArray[np.float32]:
+        """llama.cpp's MTP head logits for the position after ``pending``, the token after
+        the prompt ``token_ids`` (n of them), as its drafter computes them: the target
+        decodes the prompt in one batch (every row's ``h_nextn``); the MTP context decodes
+        the prompt's tokens in one batch, token i paired with the target's row i - 1 (zeros
+        for the first), then ``pending`` at position n paired with row n - 1."""
+        ids = [int(t) for t in token_ids]
+        n, lib = len(ids), self._lib
+        if not ids or not all(0 <= t < self.n_vocab for t in [*ids, pending]):
+            raise UsageError("need 1+ token ids in the vocabulary", code="invalid_oracle_prompt")
+        nextn = _NextnApi(lib)
+        n_embd = int(lib.llama_model_n_embd(self._loaded()))
+        with (
+            self._context(n + 1, n, None, None) as (target, batch),
+            self._context(n + 1, n, None, None, mtp=True) as (head, head_batch),
+        ):
+            nextn.set(target, True, False)  # every row's h_nextn
+            self._decode(target, batch, ids, 0, n, all_rows=True)
+            rows = np.stack([nextn.row(target, i, n_embd) for i in range(n)])
+            shifted = np.concatenate([np.zeros((1, n_embd), np.float32), rows[:-1]])
+            self._decode_paired(head, head_batch, ids, shifted, 0)
+            return self._decode_paired(head, head_batch, [*ids, pending], rows[-1:], n)[-1]
+
+    def _decode_paired(
+        self,
+        ctx: Any,
+        batch: Any,
+        ids: Sequence[int],
+        hidden: npt.NDArray[np.float32],
+        lo: int,
+    ) -> list[npt.NDArray[np.float32]]:
+        """Positions ``lo..lo+len(hidden)`` of ``ids``, each token with its ``hidden`` row
+        (an MTP batch carries both), every row's logits."""
+        rows = np.ascontiguousarray(hidden, dtype=np.float32)
+        embd = (ctypes.c_float * rows.size)()
+        ctypes.memmove(embd, rows.ctypes.data, rows.nbytes)
+        batch.embd = ctypes.cast(embd, ctypes.POINTER(ctypes.c_float))
+        try:
+            return self._decode(ctx, batch, ids, lo, lo + rows.shape[0], all_rows=True)
+        finally:  # llama_batch_free must not free our array
+            batch.embd = ctypes.POINTER(ctypes.c_float)()
+
     @contextlib.contextmanager
     def _context(
-        self, n_tokens: int, n_batch: int, n_ctx: int | None, eval_callback: Any
+        self,
+        n_tokens: int,
+        n_batch: int,
+        n_ctx: int | None,
+        eval_callback: Any,
+        *,
+        mtp: bool = False,
     ) -> Iterator[tuple[Any, Any]]:
-        """A fresh llama.cpp context and a batch of ``n_batch`` slots, freed afterwards."""
+        """A fresh llama.cpp context (an MTP one with ``mtp``) and a batch of ``n_batch``
+        slots, freed afterwards."""
         lib, model = self._lib, self._loaded()
         cparams = lib.llama_context_default_params()
+        if mtp:
+            cparams.ctx_type = MTP_CONTEXT
         cparams.n_ctx = n_ctx or max(512, n_tokens)
         cparams.n_batch = cparams.n_ubatch = n_batch
         cparams.n_threads = cparams.n_threads_batch = self.n_threads
@@ -289,6 +349,29 @@ class LlamaOracle:
             ).copy()
             for j in wanted
         ]
+
+
+class _NextnApi:
+    """llama.cpp's staging API for NextN hidden states (``src/llama-ext.h``): C++ functions
+    of libllama, called by their mangled names (llama-cpp-python binds none of them)."""
+
+    def __init__(self, lib: Any) -> None:
+        so = lib.llama_cpp._lib  # llama-cpp-python's CDLL of libllama
+        self._set = so["_Z26llama_set_embeddings_nextnP13llama_contextbb"]
+        self._set.argtypes = [ctypes.c_void_p, ctypes.c_bool, ctypes.c_bool]
+        self._set.restype = None
+        self._ith = so["_Z30llama_get_embeddings_nextn_ithP13llama_contexti"]
+        self._ith.argtypes = [ctypes.c_void_p, ctypes.c_int32]
+        self._ith.restype = ctypes.POINTER(ctypes.c_float)
+
+    def set(self, ctx: Any, value: bool, masked: bool) -> None:
+        self._set(ctx, value, masked)
+
+    def row(self, ctx: Any, i: int, n_embd: int) -> npt.NDArray[np.float32]:
+        ptr = self._ith(ctx, i)
+        if not ptr:
+            raise OracleFailed(f"llama.cpp has no NextN hidden state for row {i}")
+        return np.ctypeslib.as_array(ptr, shape=(n_embd,)).copy()
 
 
 def llama_logits(

@@ -35,7 +35,7 @@ from skippy.runtime.families import (
     qwen3moe,
     smollm3,
 )
-from skippy.runtime.families.base import Family, T, tensor
+from skippy.runtime.families.base import Family, T, nextn_head_tensors, tensor
 from skippy.runtime.model import LLAMA_HINT, ModelSpec, TensorSpec
 from skippy.runtime.support import STAGE_FAMILIES, STAGE_MOE_FAMILIES
 
@@ -130,9 +130,12 @@ def layer_tensors(spec: ModelSpec, il: int, vocab: int | None = None) -> list[Te
     """Every tensor layer ``il`` may hold: a trunk layer's, or a NextN layer's (with the
     vocabulary-sized ones where ``vocab`` is known)."""
     family = family_of(spec.arch)
-    if il >= spec.n_trunk and family.nextn_tensors is not None:
+    if il < spec.n_trunk:
+        return family.layer_tensors(spec, il)
+    if family.nextn_tensors is not None:
         return family.nextn_tensors(spec, il, vocab)
-    return family.layer_tensors(spec, il)
+    # a NextN block of a family with no plan of its own: its layer plus the head's tensors
+    return [*family.layer_tensors(spec, il), *nextn_head_tensors(spec, il, vocab)]
 
 
 def stage_tensors(
@@ -145,6 +148,9 @@ def stage_tensors(
     out = family.model_tensors(spec)
     if vocab is not None and (layers.owns_input or (layers.owns_output and tied)):
         out.append(tensor(T.TOKEN_EMBD, None, (spec.width, vocab), "matrix"))
+    elif vocab is not None and layers.stop > spec.n_trunk:
+        # the NextN head embeds the next token (its block's own embed_tokens, else these)
+        out.append(tensor(T.TOKEN_EMBD, None, (spec.width, vocab), "matrix", required=False))
     for il in layers:
         out += layer_tensors(spec, il, vocab)
     if layers.owns_output:

@@ -100,6 +100,25 @@ def expert_tensors(spec: ModelSpec, il: int) -> list[TensorSpec]:
     ]
 
 
+def nextn_head_tensors(spec: ModelSpec, il: int, vocab: int | None) -> list[TensorSpec]:
+    """The NextN tensors of block ``il`` besides its layer's: the three llama.cpp requires
+    (``eh_proj``, ``enorm``, ``hnorm``), and the optional head norm and (sized by ``vocab``,
+    where known) own embeddings and head (else the model's are used)."""
+    w = spec.width
+    out = [
+        tensor(T.NEXTN_EH_PROJ, il, (2 * w, w), "matrix"),
+        tensor(T.NEXTN_ENORM, il, (w,), "vector"),
+        tensor(T.NEXTN_HNORM, il, (w,), "vector"),
+        tensor(T.NEXTN_SHARED_HEAD_NORM, il, (w,), "vector", required=False),
+    ]
+    if vocab is not None:
+        out += [
+            tensor(T.NEXTN_EMBED_TOKENS, il, (w, vocab), "matrix", required=False),
+            tensor(T.NEXTN_SHARED_HEAD_HEAD, il, (w, vocab), "matrix", required=False),
+        ]
+    return out
+
+
 LayerTensors = Callable[[ModelSpec, int], list[TensorSpec]]
 # (spec, il, vocab) -> a NextN/MTP layer's tensors (vocab-sized ones where vocab is known)
 NextnTensors = Callable[[ModelSpec, int, int | None], list[TensorSpec]]
@@ -380,8 +399,17 @@ def read_decoder(
         "embed_scale": None,
         "activation": "silu",
         "final_logit_softcap": softcap_value,
+        # llama.cpp reads the key for every architecture: its trunk is n_layer - n_layer_nextn
+        "n_layer_nextn": read_nextn(kv, arch, n_layer),
         **extra,
     }
+
+
+def read_nextn(kv: Mapping[str, Any], arch: str, n_layer: int) -> int:
+    """How many of the ``n_layer`` layers are NextN (multi-token prediction) blocks, the
+    last ones (``{arch}.nextn_predict_layers``, llama.cpp's ``n_layer_nextn``; 0 without the
+    key). The draft head runs the first (``skippy.runtime.nextn``)."""
+    return read_int(kv, f"{arch}.nextn_predict_layers", 0, n_layer - 1, default=0)
 
 
 def read_experts(

@@ -115,7 +115,7 @@ def read(kv: Mapping[str, Any]) -> ModelSpec:
     )
     # NextN (MTP) layers after the trunk: counted in n_layer (the package's), never run by
     # the trunk's graph (ModelSpec.n_layer_nextn); llama.cpp's checks below count the trunk
-    nextn = read_int(kv, a + "nextn_predict_layers", 0, d["n_layer"] - 1, default=0)
+    nextn = d.pop("n_layer_nextn")  # read_decoder reads nextn_predict_layers for every family
     n_layer = d["n_layer"] - nextn
     if a + "attention.key_length_mla" not in kv or a + "attention.value_length_mla" not in kv:
         raise _unsupported(

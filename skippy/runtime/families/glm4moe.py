@@ -27,6 +27,7 @@ from skippy.runtime.families.base import (
     attention_tensors,
     bad,
     expert_tensors,
+    nextn_head_tensors,
     qkv_bias_tensors,
     read_decoder,
     read_experts,
@@ -80,7 +81,7 @@ def read(kv: Mapping[str, Any]) -> ModelSpec:
         )
     d = read_decoder(kv, ARCH, dense_ffn=False, yarn=True, partial_rope=True)
     n_all = d["n_layer"]
-    nextn = read_int(kv, a + "nextn_predict_layers", 0, n_all - 1, default=0)
+    nextn = d["n_layer_nextn"]
     dense = read_int(kv, a + "leading_dense_block_count", 0, n_all - nextn, default=0)
     if dense and not d["n_ff"]:
         raise bad(f"{a}feed_forward_length is needed by the leading dense layers", ARCH)
@@ -146,20 +147,7 @@ def nextn_tensors(spec: ModelSpec, il: int, vocab: int | None = None) -> list[Te
     the projection of [normed embedding, normed hidden state] back to the width and its two
     norms; optionally its own head norm, and (sized by ``vocab``, where known) its own
     embeddings and head (llama.cpp falls back on the model's)."""
-    w = spec.width
-    out = [
-        *_block_tensors(spec, il),
-        tensor(T.NEXTN_EH_PROJ, il, (2 * w, w), "matrix"),
-        tensor(T.NEXTN_ENORM, il, (w,), "vector"),
-        tensor(T.NEXTN_HNORM, il, (w,), "vector"),
-        tensor(T.NEXTN_SHARED_HEAD_NORM, il, (w,), "vector", required=False),
-    ]
-    if vocab is not None:
-        out += [
-            tensor(T.NEXTN_EMBED_TOKENS, il, (w, vocab), "matrix", required=False),
-            tensor(T.NEXTN_SHARED_HEAD_HEAD, il, (w, vocab), "matrix", required=False),
-        ]
-    return out
+    return [*_block_tensors(spec, il), *nextn_head_tensors(spec, il, vocab)]
 
 
 def layer_tensors(spec: ModelSpec, il: int) -> list[TensorSpec]:

@@ -42,6 +42,7 @@ from mesh_node.settings import ServingSettings
 from protocol import constants as pc
 from skippy.config import read_environment
 from skippy.errors import SkippyError
+from skippy.runtime.canary import synth
 from skippy.runtime.compute_thread import compute_thread
 from skippy.runtime.stage import StageConfig
 from skippy.runtime.tokenizer import LlamaTokenizer
@@ -63,6 +64,10 @@ def packages(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         src = make(root / f"{arch}.gguf", n_layers=6)
         make_package(src, root / arch, model_id=f"acme/{arch}-GGUF:Q8_0")
         out[arch] = root / arch
+    # the canary's glm4moe: four trunk layers and a NextN layer (its writer declares mtp)
+    glm = synth.write_model(synth.family("glm4moe"), root / "glm4moe.gguf", dtype="Q8_0")
+    make_package(glm, root / "glm4moe", model_id="acme/glm-GGUF:Q8_0")
+    out["glm4moe"] = root / "glm4moe"
     return out
 
 
@@ -703,6 +708,46 @@ async def test_concurrent_speculating_requests_batch_their_windows_and_keep_thei
             if sum(h.batched_window_steps for h in sp.hosts) > 0:
                 break
         assert sum(h.batched_window_steps for h in sp.hosts) > 0
+
+
+@pytest.mark.parametrize("stages", [1, 3])
+async def test_native_mtp_across_the_split_drafts_as_the_chain_does(
+    packages: dict[str, Path], tmp_path: Path, stages: int
+) -> None:
+    """native-mtp: the final stage's NextN head drafts after each pass (the prompt's tokens
+    reach it with every frame's ids), stage 0 verifies each draft in a window; the tokens
+    are plain decoding's, and the drafts and their fate are exactly those of the in-process
+    chain (on this prompt, whose 48 tokens hold no end-of-generation token, one of them is
+    accepted)."""
+    from skippy.generation import parse_generation, resolve_speculative_plan
+    from skippy.package.manifest import parse_manifest
+    from skippy.runtime.token_loop import generate_speculative
+
+    pkg, prompt, n = packages["glm4moe"], [1, 499, 248, 187, 302, 460, 468, 115], 48
+    m = parse_manifest((pkg / "model-package.json").read_bytes())
+    plan = resolve_speculative_plan(package=parse_generation(m.generation, layer_count=5))
+    assert plan.mode == "native-mtp"
+    with chain("ggml", pkg, ["0..5"]) as ch:
+        want, stats = generate_speculative(ch, prompt, max_tokens=n, plan=plan)
+    assert stats.accepted_tokens > 0
+    async with split(tmp_path, pkg, stages=stages) as sp:
+        route = sp.server.route
+        assert route is not None and len(route.node_ids) == stages
+        plain = await generate(sp.server, prompt, n)
+        sp.server.generator.speculative = plan
+
+        async def emit_none(token: int) -> bool:
+            return False
+
+        result = await sp.server.generate(prompt, GenerationParams(max_tokens=n), emit_none)
+        assert result.tokens == plain == list(want.tokens)
+        assert (result.proposed_tokens, result.accepted_tokens, result.verify_passes) == (
+            stats.proposed_tokens,
+            stats.accepted_tokens,
+            stats.verify_passes,
+        )
+        (final,) = [h.loaded for h in sp.hosts if h.loaded is not None and h.loaded.is_final]
+        assert final.load.layers.stop == 5 and final.load.layers.start < 4 and final.stage.drafts
 
 
 def test_serve_resolves_the_packages_declared_strategy(synth_dir, tmp_path: Path) -> None:

@@ -29,7 +29,7 @@ from skippy.generation.proposers import (
     VerifyWindow,
     make_proposer,
 )
-from skippy.generation.schema import NativeMtpSource, NgramSource, WindowPolicy
+from skippy.generation.schema import NgramSource, WindowPolicy
 from skippy.runtime.chain import StageChain
 from skippy.runtime.sampling import SamplingParams
 from skippy.runtime.speculation import accept_draft, answers
@@ -364,15 +364,15 @@ def test_the_context_bounds_the_draft(synth_dir, tmp_path: Path) -> None:
 
 
 def test_a_plan_the_runtime_cannot_execute_is_refused() -> None:
-    mtp = SpeculativePlan(
-        mode="native-mtp",
-        requested="mtp",
+    draft_model = SpeculativePlan(
+        mode="draft-model",
+        requested="draft",
         requested_source="cli",
-        native_mtp=NativeMtpSource(layer_indices=(3,)),
+        draft_model="acme/draft",
         window=WindowPolicy(),
     )
     with pytest.raises(UsageError) as err:
-        generate_speculative(None, [1], max_tokens=1, plan=mtp)  # type: ignore[arg-type]
+        generate_speculative(None, [1], max_tokens=1, plan=draft_model)  # type: ignore[arg-type]
     assert err.value.code == "speculation_unsupported"
 
 

@@ -222,6 +222,41 @@ def test_tokens_round_trip() -> None:
         t.encode_tokens(3, 4, start=0, tokens=[-1])
 
 
+def test_a_nextn_draft_rides_after_the_sampled_tokens() -> None:
+    """native-mtp: a BEGIN with flag DRAFTS asks the final stage for its NextN draft, which
+    a TOKENS frame carries after the sampled tokens (flag DRAFTS); without one, the frame is
+    the one every version reads."""
+    begin = t.encode_begin(1, 2, width=WIDTH, sampling=SAMPLING, topology_id="x", drafts=True)
+    (b,) = t.FrameDecoder(width=WIDTH).feed(begin)
+    assert b.wants_drafts and b.begin()[1] == "x"
+    plain = t.encode_begin(1, 2, width=WIDTH, sampling=SAMPLING, topology_id="x")
+    assert not t.FrameDecoder(width=WIDTH).feed(plain)[0].wants_drafts
+    rich = t.encode_begin(1, 2, width=WIDTH, sampling=CONTROLS, topology_id="x", drafts=True)
+    (c,) = t.FrameDecoder(width=WIDTH).feed(rich)
+    assert c.wants_drafts and c.begin()[0] == CONTROLS
+    data = t.encode_tokens(3, 4, start=17, tokens=[5, 6], draft=262143)
+    (f,) = t.FrameDecoder(width=0).feed(data)
+    assert f.sampled() == ([5, 6], 262143) and f.flags & t.Flag.DRAFTS and f.count == 3
+    assert t.encode_tokens(3, 4, start=17, tokens=[5, 6], draft=None) == t.encode_tokens(
+        3, 4, start=17, tokens=[5, 6]
+    )
+    (one_token,) = t.FrameDecoder(width=0).feed(t.encode_tokens(3, 4, start=1, tokens=[9]))
+    assert one_token.sampled() == ([9], None)
+    head = list(t.HEADER.unpack_from(data))
+    head[7] = 1  # a draft with no sampled token before it
+    with pytest.raises(t.TransportError) as err:
+        t.FrameDecoder(width=0).feed(t.HEADER.pack(*head) + data[t.HEADER_BYTES :][:4])
+    assert err.value.code == "transport_bad_count"
+    one = np.zeros((1, WIDTH), np.float32)
+    act = bytearray(t.encode_activations(1, 2, phase=t.Phase.DECODE, start=0, activations=one))
+    act[3] |= int(t.Flag.DRAFTS)  # flag DRAFTS on an activations frame
+    with pytest.raises(t.TransportError) as err:
+        t.FrameDecoder(width=WIDTH).feed(bytes(act))
+    assert err.value.code == "transport_bad_flags"
+    with pytest.raises(t.TransportError):
+        t.encode_tokens(3, 4, start=0, tokens=[], draft=5)  # a draft needs a sampled token
+
+
 # --- verify windows ------------------------------------------------------------------
 def test_a_verify_window_round_trips_its_rows_and_token_ids() -> None:
     rows = np.arange(3 * WIDTH, dtype=np.float32).reshape(3, WIDTH)
