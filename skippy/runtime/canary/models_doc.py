@@ -40,6 +40,26 @@ EXAMPLES: Final[dict[str, str]] = {
     "deepseek2": "DeepSeek-V2, V2.5, V3, R1, Kimi K2",
     "llama4": "Llama 4 Scout, Llama 4 Maverick",
 }
+BOUNDARY: Final = (
+    "Every family above needs nothing but the residual stream (one activation row per token, "
+    "the activation frame's one payload) to cross a stage boundary: what else a layer reads "
+    "(masks, positions, sliding or chunked windows, the attention temperature) each stage "
+    "computes from the positions, and each stage keeps its own layers' KV cache. A split may "
+    "cut between any two trunk layers, except where a family says otherwise below."
+)
+BOUNDARY_NOTES: Final[dict[str, str]] = {
+    "glm4moe": (
+        "its NextN/MTP layer stays with the final stage (the planners never cut it off the "
+        "trunk; a stage that does is refused, `nextn_stage_cut`), whose native-MTP draft head "
+        "reads only the hidden states and tokens already there"
+    ),
+    "deepseek2": (
+        "each stage caches only its layers' compressed latent and rope key; the NextN layer "
+        "stays with the final stage, as glm4moe's"
+    ),
+    "llama4": "the chunk masks and the attention temperature come from the positions",
+    "gpt-oss": "the sliding-window masks and the attention sinks are per layer, inside a stage",
+}
 # llama.cpp families with no synthetic model and no builder here yet.
 NOT_BUILT: Final[dict[str, str]] = {
     "minimax-m2": "MiniMax-M2",
@@ -97,6 +117,8 @@ def render(records: Sequence[Record]) -> str:
         lines.append(
             f"| {name} | `{rs[0].arch}` | {EXAMPLES.get(name, '')} | {moe} | {_verified(rs)} |"
         )
+    lines += ["", "## What crosses a stage boundary", "", BOUNDARY, ""]
+    lines += [f"- {name}: {BOUNDARY_NOTES[name]}" for name in by_family if name in BOUNDARY_NOTES]
     reasons = sorted({(r.check, r.reason) for r in records if r.bound != 0})
     if reasons:
         lines += ["", "## Bounds and their reasons", ""]
