@@ -18,7 +18,9 @@ from mesh_node.budgeted_tcp import BudgetedStream
 from mesh_node.websocket import WebSocketSettings, connect
 from protocol.ws_frames import frame
 
-BIG = 32 << 20  # more than one non-blocking send() on loopback takes (socket buffers)
+# more than the socket buffers on loopback take: the receiver autotunes its buffer up to
+# net.ipv4.tcp_rmem's max (32 MiB here) and the sender's holds up to 4 MiB
+BIG = 48 << 20
 
 
 SETTINGS = WebSocketSettings(max_message_bytes=2 * BIG, handshake_s=10, disconnect_s=2)

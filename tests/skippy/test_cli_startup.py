@@ -29,8 +29,10 @@ HEAVY = (
     "httpx2",
     "llama_cpp",
     "tqdm",
-    "skippy.generation",
+    # the package itself is light (its names load on first use); these are not
     "skippy.generation.schema",
+    "skippy.generation.resolver",
+    "skippy.generation.speculative",
     "skippy.consume.hub",
     "skippy.produce.write_package",
     "importlib.metadata",  # ~40 ms (email, zipfile, csv...): --version reads a constant
