@@ -11,7 +11,7 @@ alternating round by round in one child process so machine noise hits every engi
 alike. The target: decode >= 0.9x llama.cpp's default. The load average and the other
 processes' CPU are reported beside the figures (the machine may be shared).
 
-The llama.cpp driver and the stage loader are bench_moe's (one of each).
+The llama.cpp driver, the stage loader and the alternating rounds are bench_moe's (one of each).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -36,13 +35,12 @@ from bench_moe import (  # type: ignore[import-not-found]
     _ratio,
     _stage_loads,
     _verdict,
+    alternate,
 )
 from benchlib import (  # type: ignore[import-not-found]
     ROOT,
     BenchContext,
     Row,
-    cpu_ticks,
-    others_cores,
     spread,
 )
 
@@ -189,19 +187,14 @@ def child_speed(pkg: str, gguf: str, runs: str) -> dict[str, Any]:
     from skippy.gguf.ggml import configure_openmp
 
     configure_openmp()  # as the runtime runs (libgomp reads it once, as llama_cpp loads it)
-    import numpy as np
-
-    from skippy.runtime.canary.synth import long_prompt
     from skippy.runtime.chain import StageChain
     from skippy.runtime.ggml_engine import GgmlStage
-    from skippy.runtime.sampling import Sampler
     from skippy.runtime.stage import StageConfig
 
-    cfg = StageConfig(n_ctx=N_CTX, n_threads=THREADS, n_batch=PREFILL)
     whole = _whole(Path(pkg))
-    load = _stage_loads(pkg, (whole,))[0]
+    cfg = StageConfig(n_ctx=N_CTX, n_threads=THREADS, n_batch=PREFILL)
     chains = {
-        "ggml": StageChain([GgmlStage(load, cfg)], None),
+        "ggml": StageChain([GgmlStage(_stage_loads(pkg, (whole,))[0], cfg)], None),
         "ggml_repack": StageChain(
             [GgmlStage(_stage_loads(pkg, (whole,))[0], replace(cfg, repack=True))], None
         ),
@@ -210,64 +203,13 @@ def child_speed(pkg: str, gguf: str, runs: str) -> dict[str, Any]:
         "llama_repack": _Llama(gguf, repack=True),
         "llama_norepack": _Llama(gguf, repack=False),
     }
-    prompt = long_prompt(PREFILL)
-    start = prompt[:6]
-
-    def measure(name: str, key: str) -> float:
-        chain = chains.get(name)
-        if chain is not None:
-            chain.free("b")
-            if key != "decode":
-                t = time.perf_counter()
-                chain.prefill("b", prompt)
-                seconds = time.perf_counter() - t
-                chain.free("b")
-                return seconds
-            tok = int(np.argmax(chain.prefill("b", start).logits[-1]))  # type: ignore[index]
-            t = time.perf_counter()
-            for i in range(DECODE_TOKENS):
-                tok = chain.decode("b", len(start) + i, tok, sampler=Sampler()).token  # type: ignore[assignment]
-            seconds = time.perf_counter() - t
-            chain.free("b")
-            return seconds
-        llm = llamas[name]
-        llm.reset()
-        if key != "decode":
-            t = time.perf_counter()
-            llm.eval(prompt, 0)
-            seconds = time.perf_counter() - t
-        else:
-            tok = llm.eval(start, 0)
-            t = time.perf_counter()
-            for i in range(DECODE_TOKENS):
-                tok = llm.eval([tok], len(start) + i)
-            seconds = time.perf_counter() - t
-        llm.reset()
-        return seconds
-
-    keys = ("decode", f"prefill{PREFILL}")
-    result: dict[str, Any] = {e: {} for e in ENGINES}
-    loadavg: list[float] = []
-    others: dict[str, list[float]] = {}
-    for name in ENGINES:  # one unrecorded warm-up each: first-touch pages, repacking
-        for key in keys:
-            measure(name, key)
-    for r in range(int(runs)):
-        loadavg.append(os.getloadavg()[0])
-        order = ENGINES[r % len(ENGINES) :] + ENGINES[: r % len(ENGINES)]
-        for key in keys:
-            before = cpu_ticks()
-            for name in order:
-                result[name].setdefault(key, []).append(measure(name, key))
-            others.setdefault(key, []).append(others_cores(before, cpu_ticks()))
-    loadavg.append(os.getloadavg()[0])
-    for chain in chains.values():
-        chain.close()
-    for llm in llamas.values():
-        llm.close()
-    result["loadavg"] = loadavg
-    result["others"] = others
-    return result
+    try:
+        return alternate(ENGINES, chains, llamas, int(runs))
+    finally:
+        for chain in chains.values():
+            chain.close()
+        for llm in llamas.values():
+            llm.close()
 
 
 def main(argv: list[str]) -> int:

@@ -249,16 +249,86 @@ class _Llama:
         self.lib.llama_model_free(self.model)
 
 
+def alternate(
+    engines: tuple[str, ...],
+    chains: dict[str, Any],
+    llamas: dict[str, _Llama],
+    runs: int,
+) -> dict[str, Any]:
+    """Greedy decode (``DECODE_TOKENS`` after a 6-token start) and a ``PREFILL``-token
+    prefill of each engine (a ``StageChain`` in ``chains`` or a llama.cpp in ``llamas``), one
+    unrecorded warm-up each, then ``runs`` rounds: per engine and kind the seconds, per round
+    the load average and the other processes' busy cores. Also bench_families'."""
+    import numpy as np
+
+    from skippy.runtime.canary.synth import long_prompt
+    from skippy.runtime.sampling import Sampler
+
+    prompt = long_prompt(PREFILL)
+    start = prompt[:6]
+
+    def ggml(ch: Any, key: str) -> float:
+        ch.free("b")
+        if key != "decode":
+            t = time.perf_counter()
+            ch.prefill("b", prompt)
+            seconds = time.perf_counter() - t
+        else:
+            tok = int(np.argmax(ch.prefill("b", start).logits[-1]))
+            t = time.perf_counter()
+            for i in range(DECODE_TOKENS):
+                tok = ch.decode("b", len(start) + i, tok, sampler=Sampler()).token
+            seconds = time.perf_counter() - t
+        ch.free("b")
+        return seconds
+
+    def llama(llm: _Llama, key: str) -> float:
+        llm.reset()
+        if key != "decode":
+            t = time.perf_counter()
+            llm.eval(prompt, 0)
+            seconds = time.perf_counter() - t
+        else:
+            tok = llm.eval(start, 0)
+            t = time.perf_counter()
+            for i in range(DECODE_TOKENS):
+                tok = llm.eval([tok], len(start) + i)
+            seconds = time.perf_counter() - t
+        llm.reset()
+        return seconds
+
+    def measure(name: str, key: str) -> float:
+        return ggml(chains[name], key) if name in chains else llama(llamas[name], key)
+
+    keys = ("decode", f"prefill{PREFILL}")
+    result: dict[str, Any] = {e: {} for e in engines}
+    loadavg: list[float] = []
+    others: dict[str, list[float]] = {}
+    for name in engines:  # one unrecorded warm-up each: first-touch pages, repacking
+        for key in keys:
+            measure(name, key)
+    for r in range(runs):
+        loadavg.append(os.getloadavg()[0])
+        # The engines' runs of one kind follow each other (load swings within seconds on a
+        # shared machine), and the order turns each round so no engine always goes first.
+        order = engines[r % len(engines) :] + engines[: r % len(engines)]
+        for key in keys:
+            before = cpu_ticks()
+            for name in order:
+                result[name].setdefault(key, []).append(measure(name, key))
+            others.setdefault(key, []).append(others_cores(before, cpu_ticks()))
+    loadavg.append(os.getloadavg()[0])
+    result["loadavg"] = loadavg
+    result["others"] = others
+    return result
+
+
 def child_speed(pkg: str, gguf: str, runs: str) -> dict[str, Any]:
     from skippy.gguf.ggml import configure_openmp
 
     configure_openmp()  # as the runtime runs (libgomp reads it once, as llama_cpp loads it)
-    import numpy as np
-
-    from skippy.runtime.canary.synth import long_prompt
     from skippy.runtime.chain import StageChain
     from skippy.runtime.ggml_engine import GgmlStage
-    from skippy.runtime.sampling import Sampler
     from skippy.runtime.stage import StageConfig
 
     cfg = StageConfig(n_ctx=N_CTX, n_threads=THREADS, n_batch=PREFILL)
@@ -272,74 +342,13 @@ def child_speed(pkg: str, gguf: str, runs: str) -> dict[str, Any]:
         "llama_norepack": _Llama(gguf, repack=False),
         "llama_repack": _Llama(gguf, repack=True),
     }
-    prompt = long_prompt(PREFILL)
-    start = prompt[:6]
-    result: dict[str, Any] = {e: {} for e in ENGINES}
-    loadavg: list[float] = []
-    others: dict[str, list[float]] = {}
-
-    def ggml_decode(ch: StageChain) -> float:
-        ch.free("b")
-        tok = int(np.argmax(ch.prefill("b", start).logits[-1]))  # type: ignore[index]
-        t = time.perf_counter()
-        for i in range(DECODE_TOKENS):
-            tok = ch.decode("b", len(start) + i, tok, sampler=Sampler()).token  # type: ignore[assignment]
-        seconds = time.perf_counter() - t
-        ch.free("b")
-        return seconds
-
-    def ggml_prefill(ch: StageChain) -> float:
-        t = time.perf_counter()
-        ch.prefill("b", prompt)
-        seconds = time.perf_counter() - t
-        ch.free("b")
-        return seconds
-
-    def llama_decode(llm: _Llama) -> float:
-        llm.reset()
-        tok = llm.eval(start, 0)
-        t = time.perf_counter()
-        for i in range(DECODE_TOKENS):
-            tok = llm.eval([tok], len(start) + i)
-        seconds = time.perf_counter() - t
-        llm.reset()
-        return seconds
-
-    def llama_prefill(llm: _Llama) -> float:
-        t = time.perf_counter()
-        llm.eval(prompt, 0)
-        seconds = time.perf_counter() - t
-        llm.reset()
-        return seconds
-
-    def measure(name: str, key: str) -> float:
-        ch = chains.get(name)
-        if key == "decode":
-            return ggml_decode(ch) if ch is not None else llama_decode(llamas[name])
-        return ggml_prefill(ch) if ch is not None else llama_prefill(llamas[name])
-
-    keys = ("decode", f"prefill{PREFILL}")
-    for name in ENGINES:  # one unrecorded warm-up each: first-touch pages, repacking
-        for key in keys:
-            measure(name, key)
-    for r in range(int(runs)):
-        loadavg.append(os.getloadavg()[0])
-        # The engines' runs of one kind follow each other (load swings within seconds on a
-        # shared machine), and the order turns each round so no engine always goes first.
-        order = ENGINES[r % len(ENGINES) :] + ENGINES[: r % len(ENGINES)]
-        for key in keys:
-            before = cpu_ticks()
-            for name in order:
-                result[name].setdefault(key, []).append(measure(name, key))
-            others.setdefault(key, []).append(others_cores(before, cpu_ticks()))
-    loadavg.append(os.getloadavg()[0])
-    for ch in chains.values():
-        ch.close()
-    for llm in llamas.values():
-        llm.close()
-    result["loadavg"] = loadavg
-    result["others"] = others
-    return result
+    try:
+        return alternate(ENGINES, chains, llamas, int(runs))
+    finally:
+        for ch in chains.values():
+            ch.close()
+        for llm in llamas.values():
+            llm.close()
 
 
 def main(argv: list[str]) -> int:

@@ -31,10 +31,9 @@ import pytest
 pytest.importorskip("llama_cpp", reason="llama-cpp-python (and its libggml) is not installed")
 pytest.importorskip("openai", reason="the openai client is a dev dependency")
 
-import openai
 import synth_gguf
 from pkgtools import make_package
-from servetools import split_cluster, wait_ready
+from servetools import served_completions
 from stagetools import chain
 
 from mesh_node.lab.report import render_report
@@ -101,25 +100,10 @@ def test_a_three_node_lab_runs_native_mtp_with_the_plain_output(
 
 
 def _completions(root: Path, pkg: Path, strategy: str) -> dict[str, Any]:
-    root.mkdir()
     args = ("--speculative", strategy)
-    with split_cluster(root, pkg, workers=2, stages=3, serve_args=args) as cluster:
-        wait_ready(cluster.api)
-        client = openai.OpenAI(base_url=cluster.api, api_key="unused", max_retries=0, timeout=60)
-        greedy = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=N, temperature=0)
-        seeded = client.completions.create(
-            model="tiny",
-            prompt=PROMPT,
-            max_tokens=N,
-            temperature=0.9,
-            seed=7,
-            extra_body={"top_k": 20},
-        )
-        return {
-            "greedy": greedy.choices[0].text,
-            "seeded": seeded.choices[0].text,
-            "serving": cluster.status()["serving"],
-        }
+    return served_completions(
+        root, pkg, prompt=PROMPT, max_tokens=N, workers=2, stages=3, serve_args=args
+    )
 
 
 def test_a_served_three_stage_split_gives_the_plain_completions_with_mtp(

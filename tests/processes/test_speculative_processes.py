@@ -29,10 +29,9 @@ import pytest
 pytest.importorskip("llama_cpp", reason="llama-cpp-python (and its libggml) is not installed")
 pytest.importorskip("openai", reason="the openai client is a dev dependency")
 
-import openai
 import synth_gguf
 from pkgtools import make_package
-from servetools import node_toml, split_cluster, wait_ready
+from servetools import node_toml, served_completions
 from stagetools import chain
 
 from mesh_node.lab.report import render_report
@@ -57,26 +56,9 @@ def tiny_pkg(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _completions(root: Path, pkg: Path, serve_args: tuple[str, ...]) -> dict[str, Any]:
-    """A greedy and a seeded completion from a 2-stage split served with ``serve_args``, and
-    the coordinator's serving status after them."""
-    root.mkdir()
-    with split_cluster(root, pkg, workers=1, stages=2, serve_args=serve_args) as cluster:
-        wait_ready(cluster.api)
-        client = openai.OpenAI(base_url=cluster.api, api_key="unused", max_retries=0, timeout=60)
-        greedy = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=N, temperature=0)
-        seeded = client.completions.create(
-            model="tiny",
-            prompt=PROMPT,
-            max_tokens=N,
-            temperature=0.9,
-            seed=7,
-            extra_body={"top_k": 20},
-        )
-        return {
-            "greedy": greedy.choices[0].text,
-            "seeded": seeded.choices[0].text,
-            "serving": cluster.status()["serving"],
-        }
+    return served_completions(
+        root, pkg, prompt=PROMPT, max_tokens=N, workers=1, stages=2, serve_args=serve_args
+    )
 
 
 def test_serve_time_ngram_speculation_gives_the_plain_splits_completions(

@@ -190,8 +190,18 @@ def split_cluster(
     try:
         coord = cluster.start(
             "coord",
-            ["serve", "--package", str(package), "--stages", str(stages), "--http",
-             "127.0.0.1:0", "--model-name", "tiny", *serve_args],
+            [
+                "serve",
+                "--package",
+                str(package),
+                "--stages",
+                str(stages),
+                "--http",
+                "127.0.0.1:0",
+                "--model-name",
+                "tiny",
+                *serve_args,
+            ],
             node_toml(root, "coord", **kw),
         )
         cluster.coordinator_address = coord.address = coord.wait_line("listening ")
@@ -235,3 +245,38 @@ def wait_ready(api: str, timeout_s: float = 90.0) -> dict[str, Any]:
         last = doc
         time.sleep(0.2)
     raise AssertionError(f"the split did not become ready: {last}")
+
+
+def served_completions(
+    root: Path,
+    pkg: Path,
+    *,
+    prompt: str,
+    max_tokens: int,
+    workers: int,
+    stages: int,
+    serve_args: tuple[str, ...] = (),
+) -> dict[str, Any]:
+    """A greedy and a seeded completion (the official ``openai`` client) from a split of
+    ``pkg`` served with ``serve_args``, and the coordinator's serving status after them."""
+    import openai
+
+    root.mkdir()
+    with split_cluster(root, pkg, workers=workers, stages=stages, serve_args=serve_args) as cluster:
+        wait_ready(cluster.api)
+        client = openai.OpenAI(base_url=cluster.api, api_key="unused", max_retries=0, timeout=60)
+        done = client.completions.create
+        greedy = done(model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0)
+        seeded = done(
+            model="tiny",
+            prompt=prompt,
+            max_tokens=max_tokens,
+            temperature=0.9,
+            seed=7,
+            extra_body={"top_k": 20},
+        )
+        return {
+            "greedy": greedy.choices[0].text,
+            "seeded": seeded.choices[0].text,
+            "serving": cluster.status()["serving"],
+        }

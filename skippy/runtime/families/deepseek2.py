@@ -33,6 +33,7 @@ from skippy.runtime.families.base import (
     Family,
     T,
     bad,
+    nextn_head_tensors,
     read_decoder,
     read_float,
     read_int,
@@ -240,20 +241,7 @@ def nextn_tensors(spec: ModelSpec, il: int, vocab: int | None = None) -> list[Te
     like the trunk's, the projection of [normed embedding, normed hidden state] back to the
     width and its two norms; optionally its own head norm, embeddings and head (sized by
     ``vocab`` where known; llama.cpp falls back on the model's)."""
-    w = spec.width
-    out = [
-        *_block_tensors(spec, il),
-        tensor(T.NEXTN_EH_PROJ, il, (2 * w, w), "matrix"),
-        tensor(T.NEXTN_ENORM, il, (w,), "vector"),
-        tensor(T.NEXTN_HNORM, il, (w,), "vector"),
-        tensor(T.NEXTN_SHARED_HEAD_NORM, il, (w,), "vector", required=False),
-    ]
-    if vocab is not None:
-        out += [
-            tensor(T.NEXTN_EMBED_TOKENS, il, (w, vocab), "matrix", required=False),
-            tensor(T.NEXTN_SHARED_HEAD_HEAD, il, (w, vocab), "matrix", required=False),
-        ]
-    return out
+    return [*_block_tensors(spec, il), *nextn_head_tensors(spec, il, vocab)]
 
 
 def layer_tensors(spec: ModelSpec, il: int) -> list[TensorSpec]:
