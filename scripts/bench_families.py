@@ -17,8 +17,6 @@ The llama.cpp driver, the stage loader and the alternating rounds are bench_moe'
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -41,6 +39,7 @@ from benchlib import (  # type: ignore[import-not-found]
     ROOT,
     BenchContext,
     Row,
+    run_child,
     spread,
 )
 
@@ -105,18 +104,7 @@ def _model(ctx: BenchContext, name: str) -> tuple[Path, Path]:
 
 
 def _child(*args: str) -> dict[str, Any]:
-    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, str(Path(__file__)), "child", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-    )
-    if proc.returncode != 0:
-        raise SystemExit(f"bench_families child {args} failed:\n{proc.stderr[-3000:]}")
-    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
-    return result
+    return run_child(__file__, *args)
 
 
 def _whole(pkg: Path) -> str:

@@ -20,7 +20,6 @@ import ctypes
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import replace
@@ -33,6 +32,7 @@ from benchlib import (  # type: ignore[import-not-found]
     Row,
     cpu_ticks,
     others_cores,
+    run_child,
     spread,
 )
 
@@ -77,18 +77,7 @@ def _model(ctx: BenchContext) -> tuple[Path, Path]:
 
 
 def _child(*args: str) -> dict[str, Any]:
-    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, str(Path(__file__)), "child", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-    )
-    if proc.returncode != 0:
-        raise SystemExit(f"bench_moe child {args} failed:\n{proc.stderr[-3000:]}")
-    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
-    return result
+    return run_child(__file__, *args)
 
 
 def _rate(times: list[float], n: int) -> str:

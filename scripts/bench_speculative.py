@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -39,6 +38,7 @@ from benchlib import (  # type: ignore[import-not-found]
     BenchContext,
     Row,
     gemma_package,
+    run_child,
     spread,
 )
 
@@ -117,18 +117,7 @@ def smollm_package(ctx: BenchContext) -> Path:
 
 
 def _child(*args: str) -> dict[str, Any]:
-    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, str(Path(__file__)), "child", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-    )
-    if proc.returncode != 0:
-        raise SystemExit(f"bench_speculative child failed:\n{proc.stderr[-3000:]}")
-    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
-    return result
+    return run_child(__file__, *args)
 
 
 def _spec_package(ctx: BenchContext, model: str) -> Path:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -35,6 +34,7 @@ from benchlib import (  # type: ignore[import-not-found]
     Row,
     cpu_ticks,
     others_cores,
+    run_child,
     spread,
 )
 
@@ -63,18 +63,7 @@ def _package(ctx: BenchContext) -> Path:
 
 
 def _child(*args: str) -> dict[str, Any]:
-    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, str(Path(__file__)), "child", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-    )
-    if proc.returncode != 0:
-        raise SystemExit(f"bench_stage child {args} failed:\n{proc.stderr[-3000:]}")
-    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
-    return result
+    return run_child(__file__, *args)
 
 
 def _rate(times: list[float], n: int) -> str:

@@ -5,6 +5,7 @@ noisy); a figure is the median of N runs with the spread (min..max) beside it.""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import platform
 import statistics
@@ -15,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 ROOT = Path(__file__).resolve().parent.parent
 for _p in (ROOT, ROOT / "scripts", ROOT / "tests" / "support"):
@@ -191,3 +192,22 @@ def _gguf_header(f: BinaryIO, tensor: str, nbytes: int) -> None:
     i8 = 24  # GGML_TYPE_I8: one byte per element
     info = TensorInfo(tensor, (nbytes,), i8, 0, 0, nbytes)
     f.write(build_header([], [info], 32)[0])
+
+
+def run_child(script: str, *args: str) -> dict[str, Any]:
+    """Run ``script child ARGS`` (a bench module's own measuring child) with
+    ``OPENBLAS_NUM_THREADS=1`` (numpy's BLAS threads and ggml's OpenMP threads fight in one
+    process) and return the JSON object its last output line holds."""
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, script, "child", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
+    if proc.returncode != 0:
+        name = Path(script).stem
+        raise SystemExit(f"{name} child {args} failed:\n{proc.stderr[-3000:]}")
+    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result
