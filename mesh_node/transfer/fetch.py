@@ -610,6 +610,12 @@ class StageFetcher:
         """Why no holder delivered, and whether asking the coordinator again may work: it
         was cut off or stalled (the sink keeps what came), not refused or caught lying."""
         coordinator = swarm.coordinator_id
+        info = self.node.peer(coordinator)
+        if not swarm.dropped and (info is None or not info.connected):
+            # No holder was even asked: the coordinator's link was down when the fetch
+            # began (a partition); its redial is waited for like a cut mid-transfer.
+            log.info("%s: the link to %s is down", item.path, short_id(coordinator))
+            return _PeersFailed(LinkClosed.code, retry=True)
         why = swarm.errors.get(coordinator)
         reason = rec.dropped.get(coordinator) or next(iter(rec.dropped.values()), exc.code)
         log.warning("%s: %s (%s)", item.path, exc, reason)

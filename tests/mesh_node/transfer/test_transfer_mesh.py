@@ -518,3 +518,53 @@ def test_serving_reads_are_a_slice_of_the_upload_rate_when_one_is_set():
     assert RateLimit(8_000_000).chunk_bytes(CHUNK_BYTES) == 1_000_000
     assert RateLimit(1000).chunk_bytes(CHUNK_BYTES) == MIN_PACED_CHUNK_BYTES
     assert RateLimit(10**12).chunk_bytes(CHUNK_BYTES) == CHUNK_BYTES
+
+
+
+class GatedDial(MeshNode):
+    """A real node whose dials wait for ``gate`` while it is set (a redial held back)."""
+
+    gate: trio.Event | None = None
+
+    async def _dial(self, address):  # type: ignore[no-untyped-def]
+        if GatedDial.gate is not None:
+            await GatedDial.gate.wait()
+        return await super()._dial(address)
+
+
+async def test_a_fetch_begun_while_the_link_is_down_waits_for_the_redial(tmp_path, hub_package):
+    """The coordinator's link is down when the stage's fetch begins (its redial held back
+    0.5 s): no holder can be asked, which is a cut link (wait for the redial, ask again),
+    not a reason for the hub, which this worker cannot reach (offline)."""
+    async with trio.open_nursery() as n:
+        coord, worker, pkg = await _pair(
+            n, tmp_path, hub_package, run_service=False, worker_hub=False,
+            node_class=GatedDial,
+        )
+        active = await propose(coord, pkg)
+        held = worker.topology.active
+        link = worker.node._members[coord.node.node_id].link
+        assert link is not None
+        GatedDial.gate = gate = trio.Event()
+        try:
+            link.close("test", "dropped by the test")
+            await wait_for(
+                lambda: not worker.node.peer(coord.node.node_id).connected  # type: ignore[union-attr]
+                and not coord.node.peer(worker.node.node_id).connected,  # type: ignore[union-attr]
+                timeout_s=10,
+            )
+            n.start_soon(_open_after, gate, 0.5)
+            with trio.fail_after(30):
+                await worker.service.fetcher.fetch_stage(held)
+        finally:
+            GatedDial.gate = None
+        required = required_of(worker, pkg, active.topology)
+        got = records(worker)
+        for path in [*required, MANIFEST_NAME]:
+            assert got[path]["source"] == "peer" and got[path]["fallback"] is None, got[path]
+        n.cancel_scope.cancel()
+
+
+async def _open_after(gate: trio.Event, delay_s: float) -> None:
+    await trio.sleep(delay_s)
+    gate.set()
