@@ -457,6 +457,17 @@ def _lab_nat(text: str | None) -> dict[str, str] | None:
     return dict(zip(("home1", "home2"), kinds, strict=False))
 
 
+def _lab_home_rate(args: argparse.Namespace) -> int | None:
+    """``--home-rate RATE``: each NAT lab home's line, both ways (None: unshaped)."""
+    if args.home_rate is None:
+        return None
+    if args.nat is None:
+        raise UsageError("--home-rate shapes the NAT lab's homes: it needs --nat", code="usage")
+    from mesh_node.lab import netem
+
+    return int(netem.parse_rate(args.home_rate, "--home-rate"))
+
+
 def cmd_lab(args: argparse.Namespace) -> CommandResult:
     from mesh_node.lab.report import render_report
     from mesh_node.lab.run import LabOptions, run_lab
@@ -484,6 +495,7 @@ def cmd_lab(args: argparse.Namespace) -> CommandResult:
         replicas=args.replicas,
         speculative_strategy=args.speculative_strategy,
         nat=_lab_nat(args.nat),
+        nat_home_bytes_per_s=_lab_home_rate(args),
     )
     if options.nat is not None and (args.http is not None or args.serve):
         raise UsageError(
@@ -795,6 +807,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the 3 nodes in the NAT lab (root): n0 public, coordinating and relaying; "
         "n1 and n2 in two homes behind NATs of these kinds (masquerade, stealth, full-cone; "
         "default masquerade); the network namespaces are removed on exit",
+    )
+    p.add_argument(
+        "--home-rate",
+        metavar="RATE",
+        help="with --nat: each home's line, its uplink and its downlink (e.g. 100Mbit; the "
+        "kernel's token bucket on the home's router; default unshaped)",
     )
     links = p.add_argument_group(
         "emulated links (every node dials every other through a relay of the lab)"

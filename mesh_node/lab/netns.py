@@ -26,6 +26,10 @@ Each home's router is one of the ``NAT_KINDS`` (``NatLab(nat={"home1": "full-con
 - ``full-cone``: whatever arrives at the router's public address is forwarded to the home host
   (endpoint-independent mapping and filtering, as a DMZ host or a port forward): a home node is
   reachable at its router's address and its own port.
+
+``NatLab(home_bytes_per_s=...)`` shapes each home's line (its router's two interfaces) to a
+rate both ways, as a home's uplink and downlink: what a relayed and a direct link between
+two homes then share is the line, not this machine's CPU.
 ``run(host, argv)`` starts a process inside a host's namespace (``ip netns exec``), and
 ``close()`` stops every process it started (by PID) and deletes every namespace it made, so
 nothing outlives the lab; traffic never leaves those namespaces.
@@ -62,7 +66,7 @@ def missing() -> list[str]:
     out = []
     if os.geteuid() != 0:
         out.append("root (network namespaces and nftables need CAP_NET_ADMIN)")
-    for tool, package in (("ip", "iproute2"), ("nft", "nftables")):
+    for tool, package in (("ip", "iproute2"), ("tc", "iproute2"), ("nft", "nftables")):
         if shutil.which(tool) is None:
             out.append(f"the `{tool}` command (Debian package {package})")
     return out
@@ -75,10 +79,15 @@ class Host:
     address: str  # the address its peers see it listen on
 
 
-def plan(prefix: str, nat: Mapping[str, str] | None = None) -> list[list[str]]:
+def plan(
+    prefix: str, nat: Mapping[str, str] | None = None, home_bytes_per_s: int | None = None
+) -> list[list[str]]:
     """Every command that builds the lab with namespaces named ``<prefix>-<host>``, each
-    home's router of the kind ``nat`` names (``NAT_KINDS``; default masquerade) (pure)."""
+    home's router of the kind ``nat`` names (``NAT_KINDS``; default masquerade), and with
+    ``home_bytes_per_s`` each home's line shaped to that rate both ways (pure)."""
     nat = dict(nat or {})
+    if home_bytes_per_s is not None and home_bytes_per_s <= 0:
+        raise ValueError(f"NAT lab: a home line's rate must be positive, not {home_bytes_per_s}")
     for home, kind in nat.items():
         if home not in HOMES or kind not in NAT_KINDS:
             raise ValueError(
@@ -126,6 +135,8 @@ def plan(prefix: str, nat: Mapping[str, str] | None = None) -> list[list[str]]:
             ],
             ["ip", "netns", "exec", r, "nft", 'add rule ip nat post oifname "wan0" masquerade'],
         ]  # fmt: skip
+        if home_bytes_per_s is not None:  # the home's line: its uplink and its downlink
+            cmds += [shaped(r, dev, home_bytes_per_s) for dev in ("wan0", "lan0")]
         kind = nat.get(home, "masquerade")
         if kind == "stealth":  # new connections to the router itself: dropped, not reset
             cmds += [
@@ -164,12 +175,24 @@ def plan(prefix: str, nat: Mapping[str, str] | None = None) -> list[list[str]]:
     return cmds
 
 
+def shaped(netns: str, dev: str, bytes_per_s: int) -> list[str]:
+    """What leaves ``dev`` in ``netns`` paced to ``bytes_per_s`` (a token bucket: the kernel's
+    ``tbf``; its bucket holds 10 ms of the rate, at least 64 KiB, and a packet waits at most
+    100 ms before it is dropped, as a line's buffer would)."""
+    burst = max(64 * 1024, bytes_per_s // 100)
+    return [
+        "ip", "netns", "exec", netns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
+        "rate", f"{bytes_per_s * 8}bit", "burst", str(burst), "latency", "100ms",
+    ]  # fmt: skip
+
+
 @dataclass
 class NatLab:
     """A built lab (see the module doc); use as a context manager."""
 
     prefix: str = field(default_factory=lambda: f"nl{os.getpid()}")
     nat: Mapping[str, str] = field(default_factory=dict)  # home -> one of NAT_KINDS
+    home_bytes_per_s: int | None = None  # each home's line, both ways (None: unshaped)
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     made: list[str] = field(default_factory=list)
 
@@ -191,7 +214,7 @@ class NatLab:
         if lacking:
             raise RuntimeError("cannot build a NAT lab here: needs " + "; ".join(lacking))
         try:
-            for cmd in plan(self.prefix, self.nat):
+            for cmd in plan(self.prefix, self.nat, self.home_bytes_per_s):
                 if cmd[:3] == ["ip", "netns", "add"]:
                     self.made.append(cmd[3])
                 _run(cmd)

@@ -469,6 +469,9 @@ def render_nat(nat: Mapping[str, Any]) -> list[str]:
     """The NAT lab's section: where each node runs, what it learnt of its public address,
     and how each pair is linked."""
     kinds = ", ".join(f"{h} {k}" for h, k in nat["kinds"].items())
+    rate = nat.get("home_rate_bytes_per_s")
+    if rate:  # the homes' lines shaped (--home-rate)
+        kinds += f"; each home's line {rate * 8 / 1e6:g} Mbit/s both ways"
     lines = [f"NAT lab ({kinds})"]
     rows: list[tuple[str, ...]] = [("node", "namespace", "listen", "observed", "upgrades")]
     for n in nat["nodes"]:

@@ -103,6 +103,7 @@ class LabOptions:
     # Where the NAT lab's nodes run, n0 first: hosts of mesh_node.lab.netns (the first node on
     # a public host relays for the others; a coordinator in a home is reached through it).
     nat_places: tuple[str, ...] = ("coord", "home1", "home2")
+    nat_home_bytes_per_s: int | None = None  # each home's line, both ways (None: unshaped)
 
     @property
     def serve_stages(self) -> int:
@@ -158,6 +159,12 @@ class LabOptions:
             raise UsageError(f"--transfer must be one of {', '.join(MODES)}", code="usage")
         if self.nat is not None:
             self._check_nat(self.nat)
+        if self.nat_home_bytes_per_s is not None and (
+            self.nat is None or self.nat_home_bytes_per_s <= 0
+        ):
+            raise UsageError(
+                "a home line's rate needs the NAT lab (--nat) and must be positive", code="usage"
+            )
 
     def _check_nat(self, nat: Mapping[str, str]) -> None:
         from mesh_node.lab import netns
@@ -499,7 +506,11 @@ async def open_lab(options: LabOptions) -> AsyncIterator[Lab]:
                 await route_through(netem, cluster)
             nat = None
             if options.nat is not None:
-                nat = NatLab(f"ml{os.getpid() % 100000}", dict(options.nat))
+                nat = NatLab(
+                    f"ml{os.getpid() % 100000}",
+                    dict(options.nat),
+                    home_bytes_per_s=options.nat_home_bytes_per_s,
+                )
                 stack.callback(nat.close)  # also when the build fails half way
                 await trio.to_thread.run_sync(nat.build)
                 place_in_nat(nat, cluster, options.nat_places)
@@ -659,6 +670,7 @@ def nat_links(lab: Lab, statuses: list[dict[str, Any] | None]) -> dict[str, Any]
                     }
                 )
     return {"kinds": {h: lab.nat.nat.get(h, "masquerade") for h in ("home1", "home2")},
+            "home_rate_bytes_per_s": lab.nat.home_bytes_per_s,
             "nodes": nodes, "links": links}  # fmt: skip
 
 

@@ -21,6 +21,7 @@ from test_lab_processes import MESH, lab_cli, worker_rows
 from mesh_node.lab.netns import ROUTER_PUBLIC
 
 PROMPT = "a a a"  # words of the synthetic vocabulary
+RATE = ("--home-rate", "100Mbit")
 
 
 @pytest.fixture(scope="module")
@@ -45,12 +46,15 @@ def test_the_nat_lab_serves_alike_through_the_relay_and_direct_and_reports_the_l
     pytest.importorskip("llama_cpp", reason="the stage runtime's libggml comes with llama-cpp")
     before = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     texts = []
-    for kinds, workers in (("", ("relayed", "n0", None)), ("full-cone", ("direct", None, "n0"))):
+    cases = (("", ("relayed", "n0", None), ()), ("full-cone", ("direct", None, "n0"), RATE))
+    for kinds, workers, shaped in cases:
         code, report = lab_cli(
             "--nodes", "3", "--package", str(tiny_nat_package), "--nat", kinds,
-            "--prompt", PROMPT, "--max-tokens", "8",
+            "--prompt", PROMPT, "--max-tokens", "8", *shaped,
         )  # fmt: skip
         assert code == 0, report
+        # the second lab's homes are on 100 Mbit/s lines (shaping: tests/mesh_node/lab)
+        assert report["nat"]["home_rate_bytes_per_s"] == (12_500_000 if shaped else None)
         assert all(r["state"] == "ready" for r in worker_rows(report))
         nat = report["nat"]
         assert nat["kinds"] == {"home1": kinds or "masquerade", "home2": "masquerade"}
@@ -76,6 +80,8 @@ def test_the_nat_lab_serves_alike_through_the_relay_and_direct_and_reports_the_l
         (("--nodes", "4", "--nat"), "3 nodes"),
         (("--nodes", "3", "--nat", "symmetric"), "kinds"),
         (("--nodes", "3", "--nat", "stealth", "--serve"), "--serve"),
+        (("--nodes", "3", "--home-rate", "100Mbit"), "needs --nat"),
+        (("--nodes", "3", "--nat", "--home-rate", "fast"), "--home-rate"),
     ],
 )
 def test_nat_lab_usage_errors_are_refused_with_exit_2(

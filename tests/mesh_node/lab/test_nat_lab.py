@@ -101,6 +101,53 @@ def test_the_nat_kinds_add_their_rules_to_their_router_only() -> None:
         plan("nlx", {"home3": "stealth"})
 
 
+def test_a_home_line_is_shaped_on_its_routers_two_interfaces_only() -> None:
+    cmds = [c for c in plan("nlx", home_bytes_per_s=12_500_000) if "tbf" in c]
+    assert sorted((c[3], c[8]) for c in cmds) == [
+        ("nlx-router1", "lan0"), ("nlx-router1", "wan0"),
+        ("nlx-router2", "lan0"), ("nlx-router2", "wan0"),
+    ]  # fmt: skip
+    assert all(c[c.index("rate") + 1] == "100000000bit" for c in cmds)
+    assert not any("tc" in c for c in plan("nlx"))
+    with pytest.raises(ValueError, match="positive"):
+        plan("nlx", home_bytes_per_s=0)
+
+
+UPLOAD = (
+    "import socket, sys, time\n"
+    "c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=30)\n"
+    "t = time.monotonic(); c.sendall(bytes(int(sys.argv[3]))); c.shutdown(socket.SHUT_WR)\n"
+    "c.recv(1); print(time.monotonic() - t)\n"
+)
+SINK = (
+    "import socket, sys\n"
+    "s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+    "s.bind(('0.0.0.0', int(sys.argv[1]))); s.listen(); s.settimeout(30)\n"
+    "print('ready', flush=True)\n"
+    "c, a = s.accept()\n"
+    "while c.recv(1 << 16): pass\n"
+    "c.sendall(b'k'); c.close()\n"
+)
+
+
+@needs_lab
+def test_a_shaped_home_line_carries_no_more_than_its_rate() -> None:
+    """2 MB up a 1 MB/s line take at least ~1.9 s (the bucket's 64 KiB go at once); the
+    queue is the kernel's token bucket on the router, and the other home is left alone."""
+    with NatLab(f"ns{os.getpid()}", home_bytes_per_s=1_000_000) as lab:
+        router = f"{lab.prefix}-router1"
+        shown = subprocess.run(
+            ["ip", "netns", "exec", router, "tc", "qdisc", "show", "dev", "wan0"],
+            capture_output=True, text=True, check=True, timeout=10,
+        ).stdout  # fmt: skip
+        assert "tbf" in shown and "8Mbit" in shown, shown
+        sink = lab.run("relay", [sys.executable, "-c", SINK, "7020"], stdout=subprocess.PIPE)
+        assert sink.stdout is not None and sink.stdout.readline().strip() == b"ready"
+        relay = lab.hosts["relay"].address
+        took = float(lab.exec("home1", [sys.executable, "-c", UPLOAD, relay, "7020", "2000000"]))
+        assert took >= 1.9, took
+
+
 @needs_lab
 def test_a_full_cone_home_is_reachable_at_its_routers_address_and_a_stealth_one_is_not() -> None:
     with NatLab(f"nk{os.getpid()}", {"home1": "full-cone", "home2": "stealth"}) as lab:
@@ -123,3 +170,21 @@ def test_a_full_cone_home_is_reachable_at_its_routers_address_and_a_stealth_one_
         assert lab.call_in("coord", ask) == lab.hosts["coord"].address
         with pytest.raises(OSError):  # and back outside afterwards
             ask()
+
+
+def test_the_report_names_the_homes_line_rate_when_shaped() -> None:
+    from mesh_node.lab.report import render_nat
+
+    nat: dict[str, object] = {
+        "kinds": {"home1": "full-cone", "home2": "masquerade"},
+        "home_rate_bytes_per_s": 12_500_000,
+        "nodes": [],
+        "links": [],
+    }
+    head = render_nat(nat)[0]
+    assert head == (
+        "NAT lab (home1 full-cone, home2 masquerade; each home's line 100 Mbit/s both ways)"
+    )
+    assert render_nat({**nat, "home_rate_bytes_per_s": None})[0] == (
+        "NAT lab (home1 full-cone, home2 masquerade)"
+    )
