@@ -191,11 +191,12 @@ def place_tensors(
     rules: Sequence[PlacementRule] = (),
     *,
     cpu_moe: bool = False,
-    owns_input: bool = True,
+    looks_up: bool = True,
 ) -> dict[str, str]:
     """Each weight's device: the first matching rule's (``cpu_moe`` adds llama.cpp's experts
     rule after them), else ``device``; the input embedding on the CPU where the stage looks
-    tokens up. On the CPU alone, everything is on the CPU."""
+    tokens up (``looks_up``: it takes tokens, or it runs a NextN draft head, which embeds its
+    drafts), as llama.cpp's input layer. On the CPU alone, everything is on the CPU."""
     all_rules = list(rules) + ([PlacementRule(CPU_MOE_PATTERN, CPU)] if cpu_moe else [])
     out: dict[str, str] = {}
     for name in names:
@@ -205,7 +206,7 @@ def place_tensors(
         rule = next((r for r in all_rules if r.matches(name)), None)
         if rule is not None:
             out[name] = rule.device
-        elif name == INPUT_TENSOR and owns_input:
+        elif name == INPUT_TENSOR and looks_up:
             out[name] = CPU
         else:
             out[name] = device

@@ -499,8 +499,10 @@ class GgmlStage(StageBase[_KvCache]):
             return DeviceChoice(CPU, cfg.device), dict.fromkeys(names, CPU)
         devices = list_devices(self.g)
         check_rule_devices(cfg.placement, {d.name: d for d in devices})
+        # A final stage holding a NextN layer embeds its drafts: it looks tokens up too.
+        looks_up = self.layers.owns_input or any(il >= self.spec.n_trunk for il in self.layers)
         probe = place_tensors(
-            names, "device", cfg.placement, cpu_moe=cfg.cpu_moe, owns_input=self.layers.owns_input
+            names, "device", cfg.placement, cpu_moe=cfg.cpu_moe, looks_up=looks_up
         )
         on_device = sum(w.ref(n).nbytes for n, d in probe.items() if d != CPU)
         if self.layers.owns_output and w.tied and probe.get(tensor_name(T.TOKEN_EMBD)) == CPU:
@@ -512,7 +514,7 @@ class GgmlStage(StageBase[_KvCache]):
             choice.device,
             cfg.placement,
             cpu_moe=cfg.cpu_moe,
-            owns_input=self.layers.owns_input,
+            looks_up=looks_up,
         )
         return choice, placement
 

@@ -53,9 +53,10 @@ def parity(root: Path, family: str, dtype: str, cpu_moe: bool) -> dict[str, Any]
     position's logits of a chunked prefill, then greedy decode steps through the reused
     decode graph; a batch of two sessions against each alone."""
     dev = device_name()
-    model, pkg = check.package_model(synth.family(family), dtype, root)
-    n = synth.Dims().n_layers
-    ids = synth.long_prompt(PROMPT, vocab=synth.Dims().vocab)
+    spec = synth.family(family)
+    model, pkg = check.package_model(spec, dtype, root)
+    n = spec.layer_count()  # NextN layers included: they stay with the final stage
+    ids = synth.long_prompt(PROMPT, vocab=spec.dims().vocab)
     cfg = StageConfig(n_ctx=256, n_batch=CHUNK, n_threads=1, device=dev, cpu_moe=cpu_moe)
     patterns = [CPU_MOE_PATTERN] if cpu_moe else []
     with LlamaOracle(model, n_gpu_layers=-1, cpu_patterns=patterns) as o:
@@ -109,6 +110,10 @@ def parity(root: Path, family: str, dtype: str, cpu_moe: bool) -> dict[str, Any]
         out["batch_max_diff"] = max(
             float(np.max(np.abs(a - b))) for a, b in zip(alone, batched, strict=True)
         )
+        out["batch_same_argmax"] = all(
+            int(np.argmax(a)) == int(np.argmax(b)) for a, b in zip(alone, batched, strict=True)
+        )
+        out["logit_scale"] = float(max(np.max(np.abs(a)) for a in alone))
     return out
 
 

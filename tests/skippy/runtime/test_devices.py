@@ -97,8 +97,9 @@ def test_placement_rules_cpu_moe_and_the_input_layer() -> None:
     assert place_tensors(NAMES, "CUDA0", [parse_rule("exps=CPU")]) == moe
     first = place_tensors(NAMES, "CUDA0", [parse_rule(r"attn_q=CUDA1"), parse_rule("blk=CPU")])
     assert first["blk.0.attn_q.weight"] == "CUDA1" and first["blk.0.ffn_up_shexp.weight"] == "CPU"
-    # a stage that takes activations looks nothing up: its tied head's matrix is on the device
-    assert place_tensors(NAMES, "CUDA0", owns_input=False)["token_embd.weight"] == "CUDA0"
+    # a stage that takes activations and drafts nothing looks nothing up: its tied head's
+    # matrix is on the device (one that runs a NextN head embeds its drafts: the default)
+    assert place_tensors(NAMES, "CUDA0", looks_up=False)["token_embd.weight"] == "CUDA0"
     assert set(place_tensors(NAMES, "CPU", cpu_moe=True).values()) == {"CPU"}
     assert CPU_MOE_PATTERN == r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"  # llama.cpp's
 
