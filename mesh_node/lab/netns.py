@@ -30,6 +30,7 @@ Each home's router is one of the ``NAT_KINDS`` (``NatLab(nat={"home1": "full-con
 ``NatLab(home_bytes_per_s=...)`` shapes each home's line (its router's two interfaces) to a
 rate both ways, as a home's uplink and downlink: what a relayed and a direct link between
 two homes then share is the line, not this machine's CPU.
+
 ``run(host, argv)`` starts a process inside a host's namespace (``ip netns exec``), and
 ``close()`` stops every process it started (by PID) and deletes every namespace it made, so
 nothing outlives the lab; traffic never leaves those namespaces.
