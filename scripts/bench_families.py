@@ -78,29 +78,18 @@ def _is_moe(name: str) -> bool:
 
 
 def _model(ctx: BenchContext, name: str) -> tuple[Path, Path]:
-    """The family's synthetic GGUF and its package (written once, reused when present)."""
-    from skippy.produce.write_package import WriteOptions, local_provenance, write_package
+    """The family's synthetic GGUF and its package (written once, reused when present: the
+    canary's ``package_model``, in a folder named by the bench's shape)."""
     from skippy.runtime.canary import synth
+    from skippy.runtime.canary.check import package_model
 
     spec = synth.family(name)
     spec = replace(spec, n_layers=LAYERS)
     if spec.moe is not None:
         spec = replace(spec, moe=synth.MoE(N_EXPERT, N_EXPERT_USED))
-    root = ctx.work / "families"
-    model = root / f"{name}-{LAYERS}L-{DIMS['embd']}w-Q4_K.gguf"
-    if not model.exists():
-        root.mkdir(parents=True, exist_ok=True)
-        synth.write_model(spec, model, dtype="Q4_K", dims=synth.Dims(**DIMS))
-    pkg = root / f"{model.stem}-pkg"
-    if not (pkg / "model-package.json").is_file():
-        prov = local_provenance(
-            model_id=f"bench/{name}-synth-GGUF:Q4_K",
-            source_repo=None,
-            source_revision="bench",
-            source_file=model.name,
-        )
-        write_package(model, WriteOptions(out_dir=pkg, provenance=prov, overwrite=True))
-    return model, pkg
+    root = ctx.work / "families" / f"{LAYERS}L-{DIMS['embd']}w-{N_EXPERT}x{N_EXPERT_USED}"
+    root.mkdir(parents=True, exist_ok=True)
+    return package_model(spec, "Q4_K", root, dims=synth.Dims(**DIMS))
 
 
 def _child(*args: str) -> dict[str, Any]:
@@ -191,13 +180,7 @@ def child_speed(pkg: str, gguf: str, runs: str) -> dict[str, Any]:
         "llama_repack": _Llama(gguf, repack=True),
         "llama_norepack": _Llama(gguf, repack=False),
     }
-    try:
-        return alternate(ENGINES, chains, llamas, int(runs))
-    finally:
-        for chain in chains.values():
-            chain.close()
-        for llm in llamas.values():
-            llm.close()
+    return alternate(ENGINES, chains, llamas, int(runs))  # it closes them
 
 
 def main(argv: list[str]) -> int:

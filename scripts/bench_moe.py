@@ -247,7 +247,23 @@ def alternate(
     """Greedy decode (``DECODE_TOKENS`` after a 6-token start) and a ``PREFILL``-token
     prefill of each engine (a ``StageChain`` in ``chains`` or a llama.cpp in ``llamas``), one
     unrecorded warm-up each, then ``runs`` rounds: per engine and kind the seconds, per round
-    the load average and the other processes' busy cores. Also bench_families'."""
+    the load average and the other processes' busy cores; every engine is closed afterwards,
+    however it ends. Also bench_families'."""
+    try:
+        return _alternate(engines, chains, llamas, runs)
+    finally:
+        for ch in chains.values():
+            ch.close()
+        for llm in llamas.values():
+            llm.close()
+
+
+def _alternate(
+    engines: tuple[str, ...],
+    chains: dict[str, Any],
+    llamas: dict[str, _Llama],
+    runs: int,
+) -> dict[str, Any]:
     import numpy as np
 
     from skippy.runtime.canary.synth import long_prompt
@@ -331,13 +347,7 @@ def child_speed(pkg: str, gguf: str, runs: str) -> dict[str, Any]:
         "llama_norepack": _Llama(gguf, repack=False),
         "llama_repack": _Llama(gguf, repack=True),
     }
-    try:
-        return alternate(ENGINES, chains, llamas, int(runs))
-    finally:
-        for ch in chains.values():
-            ch.close()
-        for llm in llamas.values():
-            llm.close()
+    return alternate(ENGINES, chains, llamas, int(runs))
 
 
 def main(argv: list[str]) -> int:

@@ -250,11 +250,7 @@ class GraphBuilder:
         window), ``[attn_out_dim, rows]``; with the layer's attention ``sinks`` where it has
         them (``ggml_soft_max_add_sinks``, as llama.cpp's ``build_attn_mha``) and MLA's
         ``v_mla`` (``Attention``)."""
-        if v_mla is not None:
-            return self.attend(self, il, q, k, v, kq_scale, sinks, v_mla)
-        if sinks is None:  # an engine's attention written before sinks is called as it was
-            return self.attend(self, il, q, k, v, kq_scale)
-        return self.attend(self, il, q, k, v, kq_scale, sinks)
+        return self.attend(self, il, q, k, v, kq_scale, sinks, v_mla)
 
     def last_rows(self, il: int, o: int, x: int) -> tuple[int, int]:
         """On the final layer, only the rows whose logits are wanted, taken after the

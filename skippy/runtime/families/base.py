@@ -21,7 +21,7 @@ from gguf import MODEL_TENSOR
 
 from skippy.errors import ModelError
 from skippy.runtime.boundary import StageUnsupported
-from skippy.runtime.graph import GraphBuilder, LayerWeights
+from skippy.runtime.graph import ExpertBiases, GraphBuilder, LayerWeights
 from skippy.runtime.model import (
     MAX_CONTEXT,
     MAX_EXPERTS,
@@ -117,6 +117,26 @@ def nextn_head_tensors(spec: ModelSpec, il: int, vocab: int | None) -> list[Tens
             tensor(T.NEXTN_SHARED_HEAD_HEAD, il, (w, vocab), "matrix", required=False),
         ]
     return out
+
+
+def routed_experts(b: GraphBuilder, w: LayerWeights, h: int) -> int:
+    """The routed experts over ``h`` as the spec's routing says (deepseek2's and glm4moe's:
+    the gating function, the selection bias ``exp_probs_b`` where the layer has one, the
+    weights' normalisation and scale, the expert groups), before any shared expert."""
+    spec = b.spec
+    return b.moe_ffn(
+        h,
+        w[T.FFN_GATE_INP],
+        w[T.FFN_UP_EXP],
+        w[T.FFN_GATE_EXP],
+        w[T.FFN_DOWN_EXP],
+        n_expert_used=spec.n_expert_used,
+        norm_weights=spec.expert_weights_norm,
+        gating=spec.expert_gating,
+        biases=ExpertBiases(selection=w.get(T.FFN_EXP_PROBS_B, "bias")),
+        weight_scale=spec.expert_weights_scale,
+        groups=(spec.expert_groups, spec.expert_groups_used),
+    )
 
 
 LayerTensors = Callable[[ModelSpec, int], list[TensorSpec]]

@@ -37,9 +37,10 @@ from skippy.runtime.families.base import (
     read_decoder,
     read_float,
     read_int,
+    routed_experts,
     tensor,
 )
-from skippy.runtime.graph import ExpertBiases, GraphBuilder, LayerWeights
+from skippy.runtime.graph import GraphBuilder, LayerWeights
 from skippy.runtime.model import (
     MAX_CONTEXT,
     MAX_EXPERTS,
@@ -314,19 +315,7 @@ def build_layer(b: GraphBuilder, w: LayerWeights, il: int, x: int) -> int:
     h = b.norm(x, w[T.FFN_NORM])
     if il in spec.dense_layers:
         return b.add(b.ffn(h, w[T.FFN_GATE], w[T.FFN_UP], w[T.FFN_DOWN], "silu"), x)
-    f = b.moe_ffn(
-        h,
-        w[T.FFN_GATE_INP],
-        w[T.FFN_UP_EXP],
-        w[T.FFN_GATE_EXP],
-        w[T.FFN_DOWN_EXP],
-        n_expert_used=spec.n_expert_used,
-        norm_weights=spec.expert_weights_norm,
-        gating=spec.expert_gating,
-        biases=ExpertBiases(selection=w.get(T.FFN_EXP_PROBS_B, "bias")),
-        weight_scale=spec.expert_weights_scale,
-        groups=(spec.expert_groups, spec.expert_groups_used),
-    )
+    f = routed_experts(b, w, h)
     if spec.n_ff_shexp:
         f = b.add(f, b.ffn(h, w[T.FFN_GATE_SHEXP], w[T.FFN_UP_SHEXP], w[T.FFN_DOWN_SHEXP], "silu"))
     return b.add(f, x)

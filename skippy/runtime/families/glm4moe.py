@@ -33,9 +33,10 @@ from skippy.runtime.families.base import (
     read_experts,
     read_float,
     read_int,
+    routed_experts,
     tensor,
 )
-from skippy.runtime.graph import ExpertBiases, GraphBuilder, LayerWeights
+from skippy.runtime.graph import GraphBuilder, LayerWeights
 from skippy.runtime.model import (
     MAX_EXPERTS,
     MAX_FF,
@@ -173,18 +174,7 @@ def build_layer(b: GraphBuilder, w: LayerWeights, il: int, x: int) -> int:
     if il in spec.dense_layers:
         f = b.ffn(h, w[T.FFN_GATE], w[T.FFN_UP], w[T.FFN_DOWN], "silu", f32_down=True)
         return b.add(f, x)
-    routed = b.moe_ffn(
-        h,
-        w[T.FFN_GATE_INP],
-        w[T.FFN_UP_EXP],
-        w[T.FFN_GATE_EXP],
-        w[T.FFN_DOWN_EXP],
-        n_expert_used=spec.n_expert_used,
-        norm_weights=spec.expert_weights_norm,
-        gating=spec.expert_gating,
-        biases=ExpertBiases(selection=w.get(T.FFN_EXP_PROBS_B, "bias")),
-        weight_scale=spec.expert_weights_scale,
-    )
+    routed = routed_experts(b, w, h)  # no expert groups: (0, 0), as llama.cpp reads them
     shared = b.ffn(
         h, w[T.FFN_GATE_SHEXP], w[T.FFN_UP_SHEXP], w[T.FFN_DOWN_SHEXP], "silu", f32_down=True
     )
